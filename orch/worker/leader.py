@@ -1,0 +1,105 @@
+"""Leader-side pieces shared by the three roles: the scheduler step and its token events.
+
+A leader step is schedule -> execute (all ranks) -> sample -> update, with a typed
+:class:`SchedulerOutput` between the stages. Roles add what happens around it (KV sends on
+prefill, KV completion on decode) through :class:`RankBase` hooks.
+"""
+
+from __future__ import annotations
+
+from orch.engine.block_pool import BlockPool
+from orch.engine.sampling import sample
+from orch.engine.scheduler import (RolePolicy, Request, Scheduler, SchedulerOutput,
+                                   finish_reason)
+from orch.messages import InstanceStatusInfo, TokenEvent
+from orch.worker.rank import RankBase
+
+
+class LeaderRank(RankBase):
+    """A rank whose rank 0 owns a scheduler and block pool; ``setup_leader`` builds them."""
+
+    policy: RolePolicy
+    source: str
+
+    def setup_leader(self) -> None:
+        cfg = self.cfg
+        self.pool = BlockPool(cfg.num_kv_blocks, cfg.block_size)
+        self.scheduler = Scheduler(self.pool, self.policy, chunk_size=cfg.chunk_size,
+                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs)
+        eos = self.runner.model_config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, (list, tuple)) else
+                                       ([] if eos is None else [eos]))
+        self._ranks_info: tuple = ()
+
+    def start(self) -> None:
+        self._ranks_info = self.ranks_info()
+        super().start()
+
+    def too_big(self, blocks_needed: int) -> str | None:
+        """Why a request needing ``blocks_needed`` blocks can never run here, or None."""
+        if blocks_needed <= self.pool.num_blocks:
+            return None
+        return (f"request needs {blocks_needed} KV blocks of {self.cfg.block_size} tokens; "
+                f"{self.cfg.name} has {self.pool.num_blocks} in all: shorten the prompt or "
+                "max_tokens, or raise num_kv_blocks")
+
+    def sample_step(self, out: SchedulerOutput, logits) -> dict[str, int]:
+        """Sample the next token of every chunk that completes its request's known tokens."""
+        rows = [i for i, c in enumerate(out.chunks) if c.completes]
+        if not rows:
+            return {}
+        reqs = [out.chunks[i].request for i in rows]
+        tokens = sample(logits[rows], [r.spec.sampling for r in reqs],
+                        [len(r.output_token_ids) for r in reqs])
+        return {r.request_id: t for r, t in zip(reqs, tokens)}
+
+    def finish_sampled(self, sampled: dict[str, int], *, free: bool = True) -> list[Request]:
+        """Emit one event per sampled token; remove finished requests. Returns those removed."""
+        done: list[Request] = []
+        for rid, token in sampled.items():
+            req = self.scheduler.find(rid)
+            if req is None:  # aborted while the step ran
+                continue
+            reason = finish_reason(req, self.eos_token_ids)
+            handoff = self.policy.stop_after_first_token
+            self.emit(TokenEvent(rid, (token,), reason, source=self.source,
+                                 instance=self.cfg.name))
+            if reason is not None or handoff:
+                done.append(self.scheduler.remove(rid, free=free))
+        return done
+
+    def leader_step(self, extra_for=None) -> tuple[SchedulerOutput, dict[str, int]] | None:
+        """schedule -> execute on all ranks -> sample -> update; None when idle."""
+        out = self.scheduler.schedule()
+        if not out:
+            return None
+        extra = extra_for(out) if extra_for else None
+        logits, _ = self.run_step(out.steps, extra)
+        sampled = self.sample_step(out, logits)
+        self.scheduler.update(out, sampled)
+        return out, sampled
+
+    def fail_requests(self, requests: list[Request], error: str) -> None:
+        for req in requests:
+            self.scheduler.remove(req.request_id)
+            self.emit(TokenEvent(req.request_id, (), "error", error, source=self.source,
+                                 instance=self.cfg.name))
+
+    def fail_all(self, error: str) -> None:
+        with self._lock:
+            self.fail_requests([*self.scheduler.running, *self.scheduler.waiting], error)
+
+    def num_active(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def status(self) -> InstanceStatusInfo:
+        return InstanceStatusInfo(
+            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp, ranks=self._ranks_info,
+            queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
+            free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
+            outstanding_tokens=self.scheduler.num_outstanding_tokens, **self.transfer_stats())
+
+    def transfer_stats(self) -> dict:
+        """Hook: kv_bytes_sent / kv_failures for status."""
+        return {}

@@ -1,0 +1,50 @@
+"""Block pool: check-then-commit, exactly-once free, slot arithmetic."""
+
+import pytest
+import torch
+
+from orch.engine.block_pool import BlockPool, DoubleFreeError, NoFreeBlocksError, slot_mapping
+
+
+def test_allocate_free_roundtrip_returns_every_block():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    a = pool.allocate(3)
+    b = pool.allocate(5)
+    assert pool.num_free_blocks == 0 and not pool.can_allocate(1)
+    assert sorted(a.block_ids + b.block_ids) == list(range(8))
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free_blocks == 8 and pool.num_live_sets == 0
+
+
+def test_failed_allocation_takes_nothing():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    pool.allocate(3)
+    with pytest.raises(NoFreeBlocksError, match="asked for 2 KV blocks, 1 free of 4"):
+        pool.allocate(2)
+    assert pool.num_free_blocks == 1
+
+
+def test_double_free_and_foreign_set_are_rejected():
+    pool, other = BlockPool(4, 4), BlockPool(4, 4)
+    s = pool.allocate(2)
+    pool.free(s)
+    with pytest.raises(DoubleFreeError):
+        pool.free(s)
+    with pytest.raises(DoubleFreeError):
+        other.free(pool.allocate(1))
+    assert pool.num_free_blocks == 3 and other.num_free_blocks == 4
+
+
+def test_blocks_needed_rounds_up():
+    pool = BlockPool(10, 16)
+    assert [pool.blocks_needed(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+def test_slot_mapping_follows_block_table():
+    slots = slot_mapping((7, 2, 5), 3, 9, block_size=4)
+    # position 3 -> block 0 offset 3; 4..7 -> block 1; 8 -> block 2
+    assert slots.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0]
+    assert slots.dtype == torch.int64
+    with pytest.raises(ValueError, match="does not fit"):
+        slot_mapping((1,), 0, 5, block_size=4)
