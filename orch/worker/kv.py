@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 from orch.messages import InstanceConfig
+
+
+def model_identity(checkpoint_dir: str) -> str:
+    """``model_type`` plus a hash of the checkpoint's config.json (key order ignored): equal on
+    every node that loads the same model, whatever its path."""
+    config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{config.get('model_type', 'unknown')}-{digest}"
 
 
 def make_layout(runner, cfg: InstanceConfig):
     """The rank's :class:`orch.kv_transfer.KVLayout` (what the handshake fingerprints)."""
-    from orch.kv_transfer import KVLayout
+    from orch.kv_transfer.layout import KVLayout
 
-    return KVLayout.from_spec(runner.kv_spec, model_id=runner.model_id, tp=cfg.tp)
+    return KVLayout.from_spec(runner.kv_spec, model_identity(cfg.checkpoint_dir), cfg.tp)
 
 
 def make_transfer_config(cfg: InstanceConfig):
     """The rank's :class:`orch.kv_transfer.TransferConfig` (bounded waits, seconds)."""
-    from orch.kv_transfer import TransferConfig
+    from orch.kv_transfer.config import TransferConfig
 
     return TransferConfig(connect_timeout_s=cfg.connect_timeout_s,
                           header_timeout_s=cfg.header_timeout_s,

@@ -1,0 +1,140 @@
+"""Runs `orch up` as a user would (a subprocess), on a copy of a config with test ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orch.proto import orch_pb2, orch_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+SHAREGPT = REPO.parent / "shared" / "data" / "sharegpt_v3_filtered_500.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
+    """First ``n`` human turns of the ShareGPT file, cut to ``max_chars`` characters."""
+    data = json.loads(SHAREGPT.read_text())
+    out = []
+    for item in data:
+        turns = [t["value"] for t in item["conversations"] if t["from"] == "human"]
+        if turns and turns[0].strip():
+            out.append(turns[0][:max_chars])
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"{SHAREGPT} has fewer than {n} usable prompts")
+
+
+class OrchProcess:
+    """`orch up CONFIG` in a subprocess with router/metrics ports replaced by free ones.
+
+    Args:
+        config: path of the config to copy.
+        tmp: folder for the copy and the log.
+        overrides: dotted key -> value applied to the copy (e.g. {"cluster.address": ...}).
+    """
+
+    def __init__(self, config: Path, tmp: Path, overrides: dict | None = None) -> None:
+        data = yaml.safe_load(Path(config).read_text())
+        self.port = free_port()
+        data.setdefault("router", {})["port"] = self.port
+        for key, value in (overrides or {}).items():
+            node = data
+            *path, last = key.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+        self.config = tmp / Path(config).name
+        self.config.write_text(yaml.safe_dump(data))
+        self.log = tmp / f"{Path(config).stem}.log"
+        self.address = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "OrchProcess":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orch.orchestrator.cli", "up", str(self.config)],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            start_new_session=True)
+        self.wait_ready(timeout_s=240)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"orch up exited with {self.proc.returncode}:\n"
+                                       f"{self.log.read_text()[-4000:]}")
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"orch up not SERVING within {timeout_s} s:\n"
+                           f"{self.log.read_text()[-4000:]}")
+
+    def stop(self, timeout_s: float = 90) -> int:
+        """SIGINT (graceful drain) and wait; kills the group if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- client helpers ----------------------------------------------------------------
+    def generate(self, text: str | None = None, token_ids=None, timeout_s: float = 180,
+                 **sampling) -> tuple[list[int], list, grpc.RpcError | None]:
+        """One streamed request; returns (token ids, responses, the RpcError or None)."""
+        req = orch_pb2.GenerateRequest(sampling=orch_pb2.SamplingParams(**sampling))
+        if text is not None:
+            req.text = text
+        else:
+            req.token_ids.ids.extend(token_ids)
+        with grpc.insecure_channel(self.address) as channel:
+            stub = orch_pb2_grpc.OrchStub(channel)
+            responses = []
+            try:
+                for resp in stub.Generate(req, timeout=timeout_s):
+                    responses.append(resp)
+            except grpc.RpcError as err:
+                return [t for r in responses for t in r.token_ids], responses, err
+        return [t for r in responses for t in r.token_ids], responses, None
+
+    def generate_many(self, prompts: list[str], **sampling) -> list[list[int]]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: self.generate(p, **sampling), prompts))
+        errors = [(err.code(), err.details()) for _, _, err in results if err is not None]
+        assert not errors, f"requests failed: {errors}\n{self.log.read_text()[-3000:]}"
+        return [tokens for tokens, _, _ in results]
+
+    def status(self) -> orch_pb2.GetStatusResponse:
+        with grpc.insecure_channel(self.address) as channel:
+            return orch_pb2_grpc.OrchStub(channel).GetStatus(orch_pb2.GetStatusRequest(),
+                                                             timeout=30)
