@@ -80,9 +80,14 @@ class _InstanceCollector(Collector):
 
 class RouterMetrics:
     """The router's metrics on a private registry. Methods are thread-safe (prometheus_client
-    metrics lock internally) and cheap enough to call once per request."""
+    metrics lock internally) and cheap enough to call once per request.
 
-    def __init__(self) -> None:
+    Args:
+        host, port: when ``port`` is given, serve at once (same as calling :meth:`start_http`);
+            the bound port is then in :attr:`port`. Call :meth:`stop` at shutdown.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("orch_ttft_seconds", "time to first token, seconds",
@@ -110,6 +115,9 @@ class RouterMetrics:
         r.register(self._instances)
         self._httpd = None
         self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        if port is not None:
+            self.start_http(host, port)
 
     def request_finished(self, outcome: str, ttft_s: float | None, tpot_s: float | None,
                          e2e_s: float, prompt_tokens: int, completion_tokens: int) -> None:
@@ -156,7 +164,8 @@ class RouterMetrics:
         if self._httpd is not None:
             raise RuntimeError("metrics endpoint already running; call stop() first")
         self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return self._httpd.server_port
+        self.port = self._httpd.server_port
+        return self.port
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the HTTP endpoint and join its thread (bounded by ``timeout_s``); idempotent."""
@@ -165,4 +174,4 @@ class RouterMetrics:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join(timeout_s)
-        self._httpd, self._thread = None, None
+        self._httpd, self._thread, self.port = None, None, None

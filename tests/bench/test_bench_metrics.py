@@ -104,3 +104,14 @@ def test_snapshot_replaces_instances_and_registries_are_private():
     assert got_a[("orch_rejected_total", (("code", "UNAVAILABLE"),))] == 1
     assert not any(name == "orch_rejected_total" for name, _ in got_b)
     assert not any(name == "orch_instance_queue_depth" for name, _ in got_b)
+
+
+def test_constructor_with_port_serves_at_once():
+    m = RouterMetrics("127.0.0.1", 0)
+    try:
+        assert m.port and _scrape(m.port) is not None
+        m.request_rejected("UNAVAILABLE")
+        assert _scrape(m.port)[("orch_rejected_total", (("code", "UNAVAILABLE"),))] == 1
+    finally:
+        m.stop()
+    assert m.port is None

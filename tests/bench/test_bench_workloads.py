@@ -176,6 +176,10 @@ def test_synthetic_poisson_fixed_and_determinism():
     assert not np.array_equal(other.requests[0].prompt_token_ids, a.requests[0].prompt_token_ids)
     ids = np.concatenate([r.prompt_token_ids for r in a.requests])
     assert ids.min() >= TOKEN_LOW and ids.max() < TOKEN_HIGH
+    narrow = load_workload(WorkloadConfig(kind="synthetic", num_requests=2, input_len=500,
+                                          token_range=(5, 9)))
+    ids = narrow.requests[0].prompt_token_ids
+    assert ids.min() >= 5 and ids.max() < 9 and len(set(ids.tolist())) == 4
     fixed = load_workload(WorkloadConfig(kind="synthetic", num_requests=4, request_rate=4.0,
                                          arrival="fixed", time_scale=2.0))
     assert [r.arrival_s for r in fixed.requests] == pytest.approx([0, 0.5, 1.0, 1.5])

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="synthetic and ShareGPT output tokens")
     g.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer.json counting ShareGPT prompt tokens (default DeepSeek-V3)")
+    g.add_argument("--token-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="prompt token ids of traces/synthetic come from [LOW, HIGH) "
+                   "(default 1000 100000; keep HIGH <= the model's vocab size)")
     g = parser.add_argument_group("length caps")
     g.add_argument("--scale-lengths", type=float, default=1.0,
                    help="factor on trace lengths (e.g. 0.01 for a tiny model)")
@@ -88,7 +91,8 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         request_rate=args.request_rate, arrival=args.arrival, input_len=args.input_len,
         output_len=args.output_len, scale_lengths=args.scale_lengths,
         max_input_len=args.max_input_len, max_output_len=args.max_output_len,
-        over_length=args.over_length, tokenizer=args.tokenizer)
+        over_length=args.over_length, tokenizer=args.tokenizer,
+        **({"token_range": tuple(args.token_range)} if args.token_range else {}))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 and token counting / truncation of text prompts.
 
 Traces carry lengths, not text, so a replay invents prompts of the recorded length. Token ids
-are drawn uniformly from ``[TOKEN_LOW, TOKEN_HIGH)``: above every special token of the
-DeepSeek-V3 vocabulary (129,280 ids; specials sit below 1000 and above 128,000) and inside
-any tiny test vocabulary of >= 100,000 ids. The draw is a pure function of (seed, key), so two
+are drawn uniformly from ``[TOKEN_LOW, TOKEN_HIGH)`` by default: above every special token of
+the DeepSeek-V3 vocabulary (129,280 ids; specials sit below 1000 and from 128,000) and inside
+the built-in tiny model's vocabulary (the same size); ``--token-range`` changes it for a model
+with a smaller vocabulary. The draw is a pure function of (seed, key), so two
 runs with one seed send the same prompts.
 
 Mooncake prefix sharing: block ``h`` of a trace is always the same ``block_tokens`` ids, so two
@@ -31,26 +32,35 @@ class TokenPromptFactory:
         seed: base seed of every draw.
         block_tokens: tokens per prefix block (512 for Mooncake, scaled with
             ``--scale-lengths``), >= 1.
+        low, high: ids are drawn from ``[low, high)``.
+
+    Raises:
+        ValueError: ``block_tokens < 1`` or an empty id range.
     """
 
-    def __init__(self, seed: int, block_tokens: int) -> None:
+    def __init__(self, seed: int, block_tokens: int, low: int = TOKEN_LOW,
+                 high: int = TOKEN_HIGH) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        if not 0 <= low < high:
+            raise ValueError(f"token id range [{low}, {high}) is empty or negative: pass "
+                             "--token-range LOW HIGH with 0 <= LOW < HIGH <= vocab size")
         self.seed = seed
         self.block_tokens = block_tokens
+        self.low, self.high = low, high
         self._blocks: dict[int, np.ndarray] = {}
 
     def random_tokens(self, key: int, n: int) -> np.ndarray:
         """``n`` ids (int32, shape [n]) unique to ``key`` (a request index)."""
         rng = np.random.default_rng([self.seed, _REQUEST_STREAM, key])
-        return rng.integers(TOKEN_LOW, TOKEN_HIGH, size=n, dtype=np.int32)
+        return rng.integers(self.low, self.high, size=n, dtype=np.int32)
 
     def block(self, hash_id: int) -> np.ndarray:
         """The ids of prefix block ``hash_id``: int32, shape [block_tokens], same every call."""
         blk = self._blocks.get(hash_id)
         if blk is None:
             rng = np.random.default_rng([self.seed, _BLOCK_STREAM, hash_id])
-            blk = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=self.block_tokens, dtype=np.int32)
+            blk = rng.integers(self.low, self.high, size=self.block_tokens, dtype=np.int32)
             self._blocks[hash_id] = blk
         return blk
 

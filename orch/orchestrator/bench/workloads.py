@@ -27,7 +27,8 @@ from typing import Literal
 import numpy as np
 
 from orch.orchestrator.bench import traces
-from orch.orchestrator.bench.prompts import TextMeasurer, TokenPromptFactory
+from orch.orchestrator.bench.prompts import (TOKEN_HIGH, TOKEN_LOW, TextMeasurer,
+                                             TokenPromptFactory)
 
 WorkloadKind = Literal["mooncake", "azure", "sharegpt", "synthetic"]
 DEFAULT_TRACES = {
@@ -58,6 +59,7 @@ class WorkloadConfig:
         max_input_len, max_output_len: caps in tokens (None = no cap).
         over_length: "cap" cuts a request to the caps, "skip" drops it.
         tokenizer: tokenizer.json counting ShareGPT prompt tokens (None = DeepSeek-V3's).
+        token_range: (low, high): prompt token ids are drawn from [low, high).
 
     Raises:
         ValueError: on an out-of-range value; the message names the option.
@@ -78,6 +80,7 @@ class WorkloadConfig:
     max_output_len: int | None = None
     over_length: Literal["cap", "skip"] = "cap"
     tokenizer: Path | None = None
+    token_range: tuple[int, int] = (TOKEN_LOW, TOKEN_HIGH)
 
     def __post_init__(self) -> None:
         checks = [
@@ -92,6 +95,7 @@ class WorkloadConfig:
             ((self.max_input_len or 1) >= 1 and (self.max_output_len or 1) >= 1,
              "--max-input-len/--max-output-len (>= 1)"),
             (self.over_length in ("cap", "skip"), "--over-length (cap|skip)"),
+            (0 <= self.token_range[0] < self.token_range[1], "--token-range (0 <= LOW < HIGH)"),
             (self.kind == "synthetic" or self.trace is not None, "--trace (a file)"),
             (self.kind != "synthetic" or self.num_requests is not None,
              "--num-requests (synthetic needs a count)"),
@@ -238,7 +242,7 @@ def load_workload(cfg: WorkloadConfig) -> Workload:
 def _make_requests(cfg: WorkloadConfig, kept: list, times: np.ndarray,
                    measurer: TextMeasurer | None) -> list[BenchRequest]:
     block = max(1, round(traces.MOONCAKE_BLOCK_TOKENS * cfg.scale_lengths))
-    factory = TokenPromptFactory(cfg.seed, block)
+    factory = TokenPromptFactory(cfg.seed, block, *cfg.token_range)
     out: list[BenchRequest] = []
     for i, (entry, (n_in, n_out, capped)) in enumerate(kept):
         warm = i < cfg.warmup
