@@ -44,8 +44,9 @@ def test_runner_counts_errors_and_ttft():
     sent = fake.requests[0]
     assert sent.sampling.max_tokens == 5 and sent.sampling.ignore_eos
     assert sent.sampling.temperature == 0.0 and len(sent.token_ids.ids) == 16
-    assert TTFT_S * 1e3 <= report.ttft.p50_ms < TTFT_S * 1e3 + 150
-    assert ITL_S * 1e3 <= report.itl.p50_ms < ITL_S * 1e3 + 50
+    # NOTE: upper bounds leave room for a loaded 2-core CI machine.
+    assert TTFT_S * 1e3 <= report.ttft.p50_ms < TTFT_S * 1e3 + 400
+    assert ITL_S * 1e3 <= report.itl.p50_ms < ITL_S * 1e3 + 100
     assert report.itl.n == 9 * 4
     assert report.output_tokens_per_s == pytest.approx(45 / result.duration_s)
     assert report.goodput == pytest.approx(9 / result.duration_s)
