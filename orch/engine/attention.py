@@ -22,7 +22,7 @@ from torch import nn
 
 from orch.engine.forward_context import AttentionMetadata
 from orch.engine.kernels import KernelSet
-from orch.engine.mla_ops import attend_with_lse, merge_attention
+from orch.engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 from orch.engine.model_config import ModelConfig
 from orch.engine.norm import RMSNorm
 from orch.engine.rotary import apply_rotary_interleaved, softmax_scale
@@ -108,13 +108,13 @@ class MLAttention(nn.Module):
         for seq in meta.prefills:
             rows = slice(seq.start, seq.end)
             k, v = self._expand_kv(c_kv[rows], k_pe[rows])
+            if seq.context_len == 0:
+                out[rows] = attend_causal(q[rows], k, v, self.scale)
+                continue
             o, lse = attend_with_lse(q[rows], k, v, self.scale, causal=True)
-            if seq.context_len > 0:
-                k_pre, v_pre = self._expand_kv(flat_k[seq.prefix_slots],
-                                               flat_v[seq.prefix_slots])
-                o_pre, lse_pre = attend_with_lse(q[rows], k_pre, v_pre, self.scale, causal=False)
-                o = merge_attention(o, lse, o_pre, lse_pre)
-            out[rows] = o
+            k_pre, v_pre = self._expand_kv(flat_k[seq.prefix_slots], flat_v[seq.prefix_slots])
+            o_pre, lse_pre = attend_with_lse(q[rows], k_pre, v_pre, self.scale, causal=False)
+            out[rows] = merge_attention(o, lse, o_pre, lse_pre)
 
     def _decode(self, out, q_nope, q_pe, meta, k_cache, v_cache) -> None:
         """Fill ``out`` rows of the decode sequences with the ``mla_decode`` kernel."""

@@ -8,11 +8,27 @@ V v_head_dim, L kv_lora_rank, D = P + R. Formulas: REFERENCE.md "MLA, naive vs a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Causal attention of a chunk over itself (no cached prefix), via torch SDPA.
+
+    Args:
+        q: ``[T, H, D]``; k: ``[T, H, D]``; v: ``[T, H, V]``. Query i sees keys ``0..i``.
+
+    Returns:
+        ``[T, H, V]``.
+    """
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                         v.transpose(0, 1), is_causal=True, scale=scale)
+    return out.transpose(0, 1)
 
 
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention returning output and log-sum-exp.
+    """Softmax attention returning output and log-sum-exp (for :func:`merge_attention`).
 
     Args:
         q: ``[T, H, D]``; k: ``[S, H, D]``; v: ``[S, H, V]``.
@@ -21,14 +37,17 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Returns:
         ``(o [T, H, V], lse [H, T])``, lse of the scaled scores (fp32).
     """
-    scores = torch.einsum("thd,shd->hts", q, k).float() * scale  # [H, T, S]
+    scores = torch.einsum("thd,shd->hts", q * scale, k).float()  # [H, T, S]
     if causal:
         t, s = q.shape[0], k.shape[0]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).triu_(s - t + 1)
         scores.masked_fill_(mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H, T]
-    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
-    return torch.einsum("hts,shv->thv", probs, v), lse
+    row_max = scores.amax(dim=-1, keepdim=True)  # [H, T, 1]
+    probs = scores.sub_(row_max).exp_()  # unnormalized, in place
+    denom = probs.sum(dim=-1)  # [H, T]
+    out = torch.einsum("hts,shv->thv", probs.to(v.dtype), v)
+    out = out / denom.transpose(0, 1)[..., None].to(v.dtype)
+    return out, row_max.squeeze(-1) + denom.log()
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,

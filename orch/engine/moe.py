@@ -92,19 +92,18 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``: Σ_k w_k expert_k(x) + shared(x) (partial)."""
         weights, ids = self.gate(x)  # [T, k]
-        k = ids.shape[1]
+        t, k = ids.shape
         flat = ids.view(-1)
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x)
+        routed = x.new_empty(t * k, x.shape[1])  # [T*k, hidden], one row per assignment
         start = 0
         for expert, n in zip(self.experts, counts):
             if n:
                 pick = order[start:start + n]
-                rows = pick // k
-                y = expert(x[rows]) * weights.view(-1)[pick, None].to(x.dtype)
-                out.index_add_(0, rows, y)
+                routed[pick] = expert(x[pick // k]) * weights.view(-1)[pick, None].to(x.dtype)
             start += n
+        out = routed.view(t, k, -1).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
