@@ -58,6 +58,9 @@ class AttentionMetadata:
         positions: ``[T]`` int64 token positions.
         slot_mapping: ``[T]`` int64 cache slot of every computed token.
         query_lens, context_lens: per sequence, tokens (length B).
+        query_start: per sequence, its first row in the flattened batch (length B).
+        block_tables: per sequence, its block table (physical block ids).
+        block_size: tokens per block.
         prefills: the prefill sequences.
         decode: the decode sequences, or None when there are none.
         logits_index: ``[B]`` int64 row of each sequence's last token.
@@ -67,6 +70,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
+    query_start: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    block_size: int
     prefills: tuple[PrefillSeq, ...]
     decode: DecodeBatch | None
     logits_index: torch.Tensor
@@ -110,7 +116,10 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.int64, device=device),
                              padded.to(device), valid.to(device))
     ends = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1
+    starts = ends + 1 - torch.tensor(query_lens, dtype=torch.int64)
     return AttentionMetadata(
         positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),
         query_lens=tuple(query_lens), context_lens=tuple(context_lens),
+        query_start=tuple(int(x) for x in starts), block_tables=tuple(map(tuple, block_tables)),
+        block_size=block_size,
         prefills=tuple(prefills), decode=decode, logits_index=ends.to(device))

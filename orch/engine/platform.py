@@ -28,11 +28,13 @@ class Platform:
     device_type: str
     dist_backend: str
 
-    def device(self, index: int = 0) -> torch.device:
-        """The torch device of local accelerator ``index`` (index ignored on CPU)."""
+    def device(self, rank: int = 0) -> torch.device:
+        """The device of TP rank ``rank``: visible accelerator ``rank % visible`` (so a Ray
+        actor that sees exactly one device uses it), or the CPU."""
         if self.device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.device_type, index)
+        visible = getattr(torch, self.device_type).device_count()
+        return torch.device(self.device_type, rank % max(visible, 1))
 
 
 def _npu_available() -> bool:

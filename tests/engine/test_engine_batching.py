@@ -116,3 +116,29 @@ def test_kv_written_at_slots_and_only_there(runner):
     w = runner.model.model.layers[1].self_attn.kv_a_layernorm.weight
     rms = (flat[80] / w).pow(2).mean().sqrt().item()
     assert rms == pytest.approx(1.0, rel=1e-4)
+
+
+def test_metadata_layout_of_a_mixed_step():
+    from orch.engine.forward_context import build_attention_metadata
+
+    meta = build_attention_metadata([3, 1, 2], [0, 20, 4], [(4,), (1, 2), (7,)], 16)
+    assert meta.positions.tolist() == [0, 1, 2, 20, 4, 5]
+    assert meta.slot_mapping.tolist() == [64, 65, 66, 36, 116, 117]
+    assert meta.query_start == (0, 3, 4) and meta.logits_index.tolist() == [2, 3, 5]
+    assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(0, 3, 0), (4, 6, 4)]
+    assert meta.prefills[1].prefix_slots.tolist() == [112, 113, 114, 115]
+    assert meta.decode.token_index.tolist() == [3]
+    assert meta.decode.slots[0].tolist() == list(range(16, 32)) + list(range(32, 37))
+    assert meta.decode.valid.all()
+    with pytest.raises(ValueError, match="does not fit"):
+        build_attention_metadata([5], [30], [(0, 1)], 16)
+
+
+def test_bfloat16_runs_close_to_float32(tiny_ckpt):
+    step = [SeqStep("a", tuple(range(100, 140)), 0, (0, 1, 2))]
+    ref = ModelRunner(tiny_ckpt, num_kv_blocks=4, block_size=BLOCK).execute(step)[0]
+    low = ModelRunner(tiny_ckpt, num_kv_blocks=4, block_size=BLOCK, dtype=torch.bfloat16)
+    assert low.kv_cache.k_caches[0].dtype == torch.bfloat16
+    got = low.execute(step)[0]
+    assert got.dtype == torch.float32
+    assert torch.corrcoef(torch.stack((got, ref)))[0, 1] > 0.999
