@@ -42,7 +42,8 @@ class MLAttention(nn.Module):
                              f"divisible by tp = {tp_size}")
         self.kernels = kernels
         self.num_local_heads = h = config.num_attention_heads // tp_size
-        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
         self.scale = softmax_scale(config)
@@ -56,8 +57,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim,
                                             bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim),
-                                   bias=False)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank,
+                                   h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -94,14 +95,17 @@ class MLAttention(nn.Module):
         return self.o_proj(out.view(t, h * self.v_head_dim))
 
     def _expand_kv(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """MHA keys ``[S, H, P+R]`` and values ``[S, H, V]`` from latent ``[S, L]``, k_pe ``[S, R]``."""
+        """MHA keys ``[S, H, P+R]``, values ``[S, H, V]`` from c_kv ``[S, L]``, k_pe ``[S, R]``."""
         s, h, p = c_kv.shape[0], self.num_local_heads, self.qk_nope_head_dim
         kv = self.kv_b_proj(c_kv).view(s, h, p + self.v_head_dim)
         k = torch.cat((kv[..., :p], k_pe[:, None, :].expand(s, h, self.qk_rope_head_dim)), -1)
         return k, kv[..., p:]
 
-    def _prefill(self, out, q_nope, q_pe, c_kv, k_pe, meta, k_cache, v_cache) -> None:
-        """Fill ``out`` rows of the prefill sequences (chunk causal + cached prefix, LSE merge)."""
+    def _prefill(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                 c_kv: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Fill ``out [T, H, V]`` rows of the prefill sequences (chunk causal + cached prefix,
+        LSE merge). q_nope ``[T, H, P]``, q_pe ``[T, H, R]``, c_kv ``[T, L]``, k_pe ``[T, R]``."""
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, P+R]
         flat_k = k_cache.view(-1, self.kv_lora_rank)
         flat_v = v_cache.view(-1, self.qk_rope_head_dim)
@@ -112,17 +116,17 @@ class MLAttention(nn.Module):
                 out[rows] = attend_causal(q[rows], k, v, self.scale)
                 continue
             o, lse = attend_with_lse(q[rows], k, v, self.scale, causal=True)
+            # NOTE: the prefix is read from the latent cache, never a padded full-sequence tensor.
             k_pre, v_pre = self._expand_kv(flat_k[seq.prefix_slots], flat_v[seq.prefix_slots])
             o_pre, lse_pre = attend_with_lse(q[rows], k_pre, v_pre, self.scale, causal=False)
             out[rows] = merge_attention(o, lse, o_pre, lse_pre)
 
-    def _decode(self, out, q_nope, q_pe, meta, k_cache, v_cache) -> None:
-        """Fill ``out`` rows of the decode sequences with the ``mla_decode`` kernel."""
+    def _decode(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Fill ``out [T, H, V]`` rows of the decode sequences with the ``mla_decode`` kernel."""
         dec = meta.decode
         h, p = self.num_local_heads, self.qk_nope_head_dim
         w_kvb = self.kv_b_proj.weight.view(h, p + self.v_head_dim, self.kv_lora_rank)
-        c = k_cache.view(-1, self.kv_lora_rank)[dec.slots]  # [Bd, S, L]
-        pe = v_cache.view(-1, self.qk_rope_head_dim)[dec.slots]  # [Bd, S, R]
         out[dec.token_index] = self.kernels.mla_decode(
-            q_nope[dec.token_index], q_pe[dec.token_index], c, pe, dec.valid,
+            q_nope[dec.token_index], q_pe[dec.token_index], k_cache, v_cache, dec,
             w_kvb[:, :p], w_kvb[:, p:], self.scale)

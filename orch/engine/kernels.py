@@ -9,8 +9,10 @@ Kernels:
     reshape_and_cache(k, v, k_cache, v_cache, slot_mapping): write K ``[T, Lk]`` and V
         ``[T, Lv]`` into the paged caches ``[num_blocks, block_size, L*]`` at flat slots
         ``[T]`` (one fused write; vLLM's ``reshape_and_cache`` contract).
-    mla_decode: :func:`orch.engine.mla_ops.decode_absorbed` ("absorbed", default) or
-        :func:`orch.engine.mla_ops.decode_naive` ("naive", the reference).
+    mla_decode(q_nope, q_pe, k_cache, v_cache, decode_batch, w_uk, w_uv, scale): decode
+        attention of B single-token sequences over the paged caches (see
+        :func:`orch.engine.mla_ops.decode_absorbed`); variants "absorbed" (default) and
+        "naive" (MHA form, the reference).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ have (e.g. the MTP layer ``model.layers.{num_hidden_layers}.*``) are skipped.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,8 +42,16 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
-def _checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of every ``*.safetensors`` file, expert-fused ones split."""
+Reader = Callable[[int | None, TPGroup], torch.Tensor]
+
+
+def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """(name, full shape, reader) of every checkpoint tensor, fused expert tensors split.
+
+    ``reader(dim, tp)`` returns this rank's shard along ``dim`` (whole tensor for None); for
+    per-tensor entries it reads only that shard from disk. Must be called before the next
+    entry is requested (the file stays open only while iterating).
+    """
     files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
@@ -56,20 +64,42 @@ def _checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tenso
                         "supported yet; convert to bf16 first (DeepSeek's fp8_cast_bf16.py)")
                 fused = _FUSED.match(name)
                 if fused is None:
-                    yield name, f.get_tensor(name)
+                    sl = f.get_slice(name)
+                    yield name, tuple(sl.get_shape()), _slice_reader(sl)
                 else:
                     yield from _split_fused(fused.group(1), fused.group(2), f.get_tensor(name))
 
 
-def _split_fused(prefix: str, kind: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Per-expert tensors from ``gate_up_proj [E, 2I, H]`` or ``down_proj [E, H, I]``."""
+def _slice_reader(sl) -> Reader:
+    def read(dim: int | None, tp: TPGroup) -> torch.Tensor:
+        shape = sl.get_shape()
+        index = [slice(None)] * len(shape)
+        if dim is not None and tp.size > 1:
+            n = shape[dim] // tp.size
+            index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+        return sl[tuple(index)]
+
+    return read
+
+
+def _tensor_reader(t: torch.Tensor) -> Reader:
+    def read(dim: int | None, tp: TPGroup) -> torch.Tensor:
+        return t if dim is None or tp.size == 1 else t.chunk(tp.size, dim=dim)[tp.rank]
+
+    return read
+
+
+def _split_fused(prefix: str, kind: str,
+                 t: torch.Tensor) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """Per-expert entries from ``gate_up_proj [E, 2I, H]`` or ``down_proj [E, H, I]``."""
     for j in range(t.shape[0]):
         if kind == "down_proj":
-            yield f"{prefix}.{j}.down_proj.weight", t[j]
+            parts = {"down_proj": t[j]}
         else:
             gate, up = t[j].chunk(2, dim=0)
-            yield f"{prefix}.{j}.gate_proj.weight", gate
-            yield f"{prefix}.{j}.up_proj.weight", up
+            parts = {"gate_proj": gate, "up_proj": up}
+        for proj, part in parts.items():
+            yield f"{prefix}.{j}.{proj}.weight", tuple(part.shape), _tensor_reader(part)
 
 
 def _full_shape(name: str, local: torch.Size, tp: TPGroup) -> tuple[int, ...]:
@@ -93,20 +123,16 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
     if tied:
         params.pop("lm_head.weight")
     loaded: set[str] = set()
-    for name, tensor in _checkpoint_tensors(Path(checkpoint_dir)):
+    for name, shape, read in _checkpoint_entries(Path(checkpoint_dir)):
         param = params.get(name)
         if param is None:
-            continue  # not part of this model (MTP layer, rotary inv_freq, ...)
+            continue  # not part of this model (MTP layer, ...): never read
         expected = _full_shape(name, param.shape, tp)
-        if tuple(tensor.shape) != expected:
-            raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}; "
-                                  f"the config implies {expected}: config.json and weights "
-                                  "disagree")
-        dim = shard_dim(name)
-        if dim is not None and tp.size > 1:
-            tensor = tensor.chunk(tp.size, dim=dim)[tp.rank]
+        if shape != expected:
+            raise CheckpointError(f"checkpoint tensor {name} has shape {shape}; the config "
+                                  f"implies {expected}: config.json and weights disagree")
         with torch.no_grad():
-            param.copy_(tensor)
+            param.copy_(read(shard_dim(name), tp))
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:

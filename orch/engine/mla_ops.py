@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from orch.engine.forward_context import DecodeBatch
+
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scale: float) -> torch.Tensor:
@@ -62,38 +64,49 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
 
 
-def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
-                    k_pe: torch.Tensor, valid: torch.Tensor, w_uk: torch.Tensor,
+def gather_decode_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached c_kv ``[B, S, L]`` and k_pe ``[B, S, R]`` of the decode sequences (padded)."""
+    c_kv = k_cache.view(-1, k_cache.shape[-1])[batch.slots]
+    k_pe = v_cache.view(-1, v_cache.shape[-1])[batch.slots]
+    return c_kv, k_pe
+
+
+def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
                     w_uv: torch.Tensor, scale: float) -> torch.Tensor:
-    """Absorbed MLA decode for B sequences, one query token each.
+    """Absorbed MLA decode for B sequences, one query token each (the ``mla_decode`` contract).
 
     Args:
         q_nope: ``[B, H, P]``; q_pe: ``[B, H, R]`` (roped, interleaved like the cache).
-        c_kv: latent cache gathered ``[B, S, L]``; k_pe: rope cache gathered ``[B, S, R]``.
-        valid: ``[B, S]`` bool, False on padding past a sequence's length.
+        k_cache: ``[num_blocks, block_size, L]``; v_cache: ``[num_blocks, block_size, R]``;
+            they already hold this step's tokens.
+        batch: slots ``[B, S]`` of positions ``0..context_len`` and their ``valid`` mask.
         w_uk: ``[H, P, L]``; w_uv: ``[H, V, L]`` (kv_b_proj viewed per head).
 
     Returns:
         ``[B, H, V]`` attention output per head (before o_proj).
     """
+    c_kv, k_pe = gather_decode_cache(k_cache, v_cache, batch)  # [B, S, L], [B, S, R]
     q_lat = torch.einsum("bhp,hpl->bhl", q_nope, w_uk)  # [B, H, L]
     scores = (torch.einsum("bhl,bsl->bhs", q_lat, c_kv)
               + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)).float() * scale
-    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    scores.masked_fill_(~batch.valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(c_kv.dtype)  # [B, H, S]
     o_lat = torch.einsum("bhs,bsl->bhl", probs, c_kv)
     return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
 
 
-def decode_naive(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
-                 k_pe: torch.Tensor, valid: torch.Tensor, w_uk: torch.Tensor,
+def decode_naive(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
                  w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     """MHA-form decode (decompress every cached token per head); same contract as
     :func:`decode_absorbed`. Slow, kept as the reference for the absorbed path."""
+    c_kv, k_pe = gather_decode_cache(k_cache, v_cache, batch)
     k_nope = torch.einsum("bsl,hpl->bshp", c_kv, w_uk)  # [B, S, H, P]
     v = torch.einsum("bsl,hvl->bshv", c_kv, w_uv)  # [B, S, H, V]
     scores = (torch.einsum("bhp,bshp->bhs", q_nope, k_nope)
               + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)).float() * scale
-    scores.masked_fill_(~valid[:, None, :], float("-inf"))
+    scores.masked_fill_(~batch.valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.einsum("bhs,bshv->bhv", probs, v)

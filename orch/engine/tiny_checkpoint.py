@@ -80,7 +80,7 @@ def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tenso
 
 
 def _fuse_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-    """transformers 5.x names: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``."""
+    """5.x names: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``."""
     out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
     for i in range(config.num_hidden_layers):
         if not config.is_moe_layer(i):

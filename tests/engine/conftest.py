@@ -15,7 +15,7 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    """Default tiny checkpoint: q_lora_rank 48, YaRN, 3 layers (1 dense + 2 MoE), per-expert names."""
+    """Default tiny checkpoint: q_lora_rank 48, YaRN, 1 dense + 2 MoE layers, per-expert names."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
 
 

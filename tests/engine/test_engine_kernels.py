@@ -46,7 +46,8 @@ def test_reshape_and_cache_writes_exactly_the_slots():
     k = torch.arange(9, dtype=torch.float32).view(3, 3) + 1
     v = torch.tensor([[10.0], [20.0], [30.0]])
     reshape_and_cache_torch(k, v, k_cache, v_cache, torch.tensor([5, 0, 6]))
-    assert k_cache.view(8, 3)[5].tolist() == [1, 2, 3] and k_cache.view(8, 3)[0].tolist() == [4, 5, 6]
+    flat = k_cache.view(8, 3)
+    assert flat[5].tolist() == [1, 2, 3] and flat[0].tolist() == [4, 5, 6]
     assert v_cache.view(8).tolist() == [20, 0, 0, 0, 0, 10, 30, 0]
 
 

@@ -26,6 +26,13 @@ def ref_logits(tiny_ckpt):
     return _logits(tiny_ckpt)
 
 
+@pytest.fixture(scope="module")
+def fused_ckpt(tmp_path_factory):
+    """Same weights as ``tiny_ckpt``, written 5.x style: fused experts + rope_parameters."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("v5"), seed=0, fused_experts=True,
+                                 rope_style="5.x")
+
+
 def _copy_with(src, dst, edit_state=None, edit_config=None):
     shutil.copytree(src, dst)
     if edit_state:
@@ -39,8 +46,8 @@ def _copy_with(src, dst, edit_state=None, edit_config=None):
     return dst
 
 
-def test_fused_experts_and_rope_parameters_flavour_gives_same_logits(tmp_path, ref_logits):
-    v5 = write_tiny_checkpoint(tmp_path / "v5", seed=0, fused_experts=True, rope_style="5.x")
+def test_fused_experts_and_rope_parameters_flavour_gives_same_logits(fused_ckpt, ref_logits):
+    v5 = fused_ckpt
     names = load_file(v5 / "model.safetensors").keys()
     assert "model.layers.1.mlp.experts.gate_up_proj" in names
     assert "rope_parameters" in json.loads((v5 / "config.json").read_text())
@@ -103,3 +110,31 @@ def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path):
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert not torch.equal(other[bias], load_file(again / "model.safetensors")[bias])
     assert other[bias].abs().min() > 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tp_shards_read_from_both_flavours_agree(tiny_ckpt, fused_ckpt, rank):
+    """Loading as rank r of 2 (no process group needed) slices rows/columns the same way
+    from per-expert and fused checkpoints, and takes the r-th half of the full tensor."""
+    from orch.engine.kernels import KERNELS
+    from orch.engine.loader import load_weights
+    from orch.engine.model import build_model
+    from orch.engine.model_config import load_model_config
+    from orch.engine.parallel import TPGroup
+
+    tp, cfg = TPGroup(rank=rank, size=2), load_model_config(tiny_ckpt)
+    models = []
+    for ckpt in (tiny_ckpt, fused_ckpt):
+        model = build_model(cfg, tp, KERNELS.resolve("cpu"), torch.float32, torch.device("cpu"))
+        load_weights(model, ckpt, tp)
+        models.append(dict(model.named_parameters()))
+    assert models[0].keys() == models[1].keys()
+    for name in models[0]:
+        torch.testing.assert_close(models[0][name], models[1][name], rtol=0, atol=0)
+    full = load_file(tiny_ckpt / "model.safetensors")
+    rows = "model.layers.2.mlp.experts.3.up_proj.weight"  # [32, 64] -> 16 rows per rank
+    cols = "model.layers.0.self_attn.o_proj.weight"  # [64, 128] -> 64 columns per rank
+    assert torch.equal(models[0][rows], full[rows][16 * rank:16 * (rank + 1)])
+    assert torch.equal(models[0][cols], full[cols][:, 64 * rank:64 * (rank + 1)])
+    assert torch.equal(models[0]["model.layers.0.self_attn.q_a_proj.weight"],
+                       full["model.layers.0.self_attn.q_a_proj.weight"])

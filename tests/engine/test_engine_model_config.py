@@ -29,7 +29,8 @@ V3 = {  # the fields of DeepSeek-V3's released config.json that matter here
 def test_v3_config_fields_and_softmax_scale():
     cfg = ModelConfig.from_dict(V3)
     assert cfg.qk_head_dim == 192 and cfg.q_lora_rank == 1536 and cfg.eos_token_ids == (1,)
-    assert cfg.rope_scaling.factor == 40 and cfg.rope_scaling.original_max_position_embeddings == 4096
+    assert cfg.rope_scaling.factor == 40
+    assert cfg.rope_scaling.original_max_position_embeddings == 4096
     assert [cfg.is_moe_layer(i) for i in range(5)] == [False, False, False, True, True]
     # REFERENCE.md: 192^-0.5 * 1.873854 = 0.135234
     assert softmax_scale(cfg) == pytest.approx(0.135234, abs=1e-6)
