@@ -33,7 +33,12 @@ class MLAttention(nn.Module):
 
     Args:
         config: model config. tp_size: TP ranks (heads must divide). kernels: resolved kernels.
+
+    Attributes:
+        prefix_tile: cached-prefix tokens decompressed and attended at a time (chunked prefill).
     """
+
+    prefix_tile: int = 4096
 
     def __init__(self, config: ModelConfig, tp_size: int, kernels: KernelSet) -> None:
         super().__init__()
@@ -116,10 +121,13 @@ class MLAttention(nn.Module):
                 out[rows] = attend_causal(q[rows], k, v, self.scale)
                 continue
             o, lse = attend_with_lse(q[rows], k, v, self.scale, causal=True)
-            # NOTE: the prefix is read from the latent cache, never a padded full-sequence tensor.
-            k_pre, v_pre = self._expand_kv(flat_k[seq.prefix_slots], flat_v[seq.prefix_slots])
-            o_pre, lse_pre = attend_with_lse(q[rows], k_pre, v_pre, self.scale, causal=False)
-            out[rows] = merge_attention(o, lse, o_pre, lse_pre)
+            # NOTE: the prefix is read from the latent cache, never a padded full-sequence
+            # tensor, in tiles of prefix_tile tokens so memory stays O(chunk * tile).
+            for tile in seq.prefix_slots.split(self.prefix_tile):
+                k_pre, v_pre = self._expand_kv(flat_k[tile], flat_v[tile])
+                o_pre, lse_pre = attend_with_lse(q[rows], k_pre, v_pre, self.scale, causal=False)
+                o, lse = merge_attention(o, lse, o_pre, lse_pre)
+            out[rows] = o
 
     def _decode(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

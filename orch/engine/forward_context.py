@@ -7,6 +7,10 @@ computes positions ``context_lens[b] .. context_lens[b] + query_lens[b] - 1``.
 
 A sequence is a DECODE sequence when ``query_lens[b] == 1 and context_lens[b] > 0``; every
 other sequence (a prompt or a prefill chunk) is a PREFILL sequence.
+
+Scope: the runner builds one :class:`AttentionMetadata` per ``execute`` call and passes it
+down the forward explicitly (model -> layer -> attention); nothing is stored globally, so two
+runners (or threads) never see each other's step.
 """
 
 from __future__ import annotations
@@ -105,16 +109,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         else:
             prefills.append(PrefillSeq(start, start + qlen, ctx, seq_slots[:ctx].to(device)))
         start += qlen
-    decode = None
-    if dec_rows:
-        s_max = max(s.shape[0] for s in dec_slots)
-        padded = torch.zeros(len(dec_rows), s_max, dtype=torch.int64)
-        valid = torch.zeros(len(dec_rows), s_max, dtype=torch.bool)
-        for i, s in enumerate(dec_slots):
-            padded[i, : s.shape[0]] = s
-            valid[i, : s.shape[0]] = True
-        decode = DecodeBatch(torch.tensor(dec_rows, dtype=torch.int64, device=device),
-                             padded.to(device), valid.to(device))
+    decode = _decode_batch(dec_rows, dec_slots, device) if dec_rows else None
     ends = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1
     starts = ends + 1 - torch.tensor(query_lens, dtype=torch.int64)
     return AttentionMetadata(
@@ -123,3 +118,16 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         query_start=tuple(int(x) for x in starts), block_tables=tuple(map(tuple, block_tables)),
         block_size=block_size,
         prefills=tuple(prefills), decode=decode, logits_index=ends.to(device))
+
+
+def _decode_batch(rows: list[int], seq_slots: list[torch.Tensor],
+                  device: torch.device | str) -> DecodeBatch:
+    """Pad the decode sequences' slot lists to ``[Bd, S_max]`` with a validity mask."""
+    s_max = max(s.shape[0] for s in seq_slots)
+    padded = torch.zeros(len(rows), s_max, dtype=torch.int64)
+    valid = torch.zeros(len(rows), s_max, dtype=torch.bool)
+    for i, s in enumerate(seq_slots):
+        padded[i, : s.shape[0]] = s
+        valid[i, : s.shape[0]] = True
+    return DecodeBatch(torch.tensor(rows, dtype=torch.int64, device=device),
+                       padded.to(device), valid.to(device))

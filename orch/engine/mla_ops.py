@@ -53,15 +53,18 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-                    lse2: torch.Tensor) -> torch.Tensor:
+                    lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of two attentions over disjoint key sets (o ``[T, H, V]``, lse ``[H, T]``).
 
     ``o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2)``, computed stably.
+
+    Returns:
+        ``(o [T, H, V], lse [H, T])`` of the attention over the union of the key sets.
     """
     lse = torch.logaddexp(lse1, lse2)
     w1 = torch.exp(lse1 - lse).transpose(0, 1)[..., None]  # [T, H, 1]
     w2 = torch.exp(lse2 - lse).transpose(0, 1)[..., None]
-    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
 
 
 def gather_decode_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -89,10 +89,18 @@ class ModelRunner:
             ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order.
 
         Raises:
-            ValueError: an empty step list or step, or a block table too short.
+            ValueError: an empty step list or step, a block table too short, or a request
+                longer than max_position_embeddings.
         """
         if not steps:
             raise ValueError("execute() needs at least one SeqStep")
+        limit = self.model_config.max_position_embeddings
+        for s in steps:
+            if s.num_computed_tokens + len(s.token_ids) > limit:
+                raise ValueError(
+                    f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)}"
+                    f" tokens; the model's max_position_embeddings is {limit}: shorten the "
+                    "prompt or max_tokens")
         meta = build_attention_metadata(
             [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
             [s.block_ids for s in steps], self.kv_spec.block_size, self.device)

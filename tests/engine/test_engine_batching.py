@@ -23,12 +23,16 @@ def runner(tiny_ckpt):
     return ModelRunner(tiny_ckpt, num_kv_blocks=64, block_size=BLOCK)
 
 
-def test_chunked_prefill_equals_one_shot(runner):
+@pytest.mark.parametrize("prefix_tile", [4096, 24])
+def test_chunked_prefill_equals_one_shot(runner, prefix_tile, monkeypatch):
+    from orch.engine.attention import MLAttention
+
+    monkeypatch.setattr(MLAttention, "prefix_tile", prefix_tile)
     prompt = _prompt(130, seed=3)
     table = blocks_for(0, 130, BLOCK)
     _, one_shot = generate_greedy(runner, prompt, 1, table)
     ref_k = runner.kv_cache.k_caches[2].clone()
-    for chunk in (1, 16, 64):
+    for chunk in ((1, 16, 64) if prefix_tile > 130 else (16, 64)):
         runner.kv_cache.k_caches[2].zero_()
         _, chunked = generate_greedy(runner, prompt, 1, table, chunk=chunk)
         diff = (chunked[0] - one_shot[0]).abs().max().item()
@@ -142,3 +146,9 @@ def test_bfloat16_runs_close_to_float32(tiny_ckpt):
     got = low.execute(step)[0]
     assert got.dtype == torch.float32
     assert torch.corrcoef(torch.stack((got, ref)))[0, 1] > 0.999
+
+
+def test_request_past_max_position_embeddings_is_refused(runner):
+    limit = runner.model_config.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings is 4096"):
+        runner.execute([SeqStep("long", (1, 2), limit - 1, tuple(range(64)))])
