@@ -102,8 +102,11 @@ def test_unsupported_architecture_is_named(tiny_ckpt, tmp_path):
         _logits(ckpt)
 
 
-def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path):
-    again = write_tiny_checkpoint(tmp_path / "again", seed=0)
+def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path, capsys):
+    from orch.engine.tiny_checkpoint import init_tiny_main
+
+    again = init_tiny_main(tmp_path / "again", seed=0)
+    assert str(again) in capsys.readouterr().out
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (again / name).read_bytes() == (tiny_ckpt / name).read_bytes(), name
     other = load_file(write_tiny_checkpoint(tmp_path / "s1", seed=1) / "model.safetensors")
@@ -138,3 +141,13 @@ def test_tp_shards_read_from_both_flavours_agree(tiny_ckpt, fused_ckpt, rank):
     assert torch.equal(models[0][cols], full[cols][:, 64 * rank:64 * (rank + 1)])
     assert torch.equal(models[0]["model.layers.0.self_attn.q_a_proj.weight"],
                        full["model.layers.0.self_attn.q_a_proj.weight"])
+
+
+def test_tiny_checkpoint_tokenizer_feeds_the_model(tiny_ckpt):
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tiny_ckpt / "tokenizer.json")).encode("Hello, DeepSeek!").ids
+    assert 0 < len(ids) < 10 and max(ids) < 129280
+    logits = ModelRunner(tiny_ckpt, num_kv_blocks=1, block_size=16).execute(
+        [SeqStep("t", tuple(ids), 0, (0,))])
+    assert logits.shape == (1, 129280) and torch.isfinite(logits).all()
