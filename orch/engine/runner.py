@@ -89,21 +89,29 @@ class ModelRunner:
             ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order.
 
         Raises:
-            ValueError: an empty step list or step, a block table too short, or a request
-                longer than max_position_embeddings.
+            ValueError: an empty step list or step, a block table too short or naming
+                blocks outside the cache, or a request longer than max_position_embeddings.
         """
         if not steps:
             raise ValueError("execute() needs at least one SeqStep")
-        limit = self.model_config.max_position_embeddings
         for s in steps:
-            if s.num_computed_tokens + len(s.token_ids) > limit:
-                raise ValueError(
-                    f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)}"
-                    f" tokens; the model's max_position_embeddings is {limit}: shorten the "
-                    "prompt or max_tokens")
+            self._check_step(s)
         meta = build_attention_metadata(
             [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
             [s.block_ids for s in steps], self.kv_spec.block_size, self.device)
         input_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
                                  device=self.device)
         return self.model(input_ids, meta, self.kv_cache)
+
+    def _check_step(self, s: SeqStep) -> None:
+        limit = self.model_config.max_position_embeddings
+        if s.num_computed_tokens + len(s.token_ids) > limit:
+            raise ValueError(
+                f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)} "
+                f"tokens; the model's max_position_embeddings is {limit}: shorten the prompt "
+                "or max_tokens")
+        bad = [b for b in s.block_ids if not 0 <= b < self.kv_spec.num_blocks]
+        if bad:
+            raise ValueError(f"request {s.request_id} has block ids {bad[:4]} outside this "
+                             f"KV cache's {self.kv_spec.num_blocks} blocks: the block table "
+                             "must come from this instance's BlockPool")

@@ -28,8 +28,13 @@ from orch.engine.parallel import TPGroup
 def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_layers: int = 3,
                      first_k_dense_replace: int = 1, hidden_size: int = 64, num_heads: int = 4,
                      kv_lora_rank: int = 32, n_routed_experts: int = 8,
-                     vocab_size: int = 129280, rope_style: str = "4.x") -> dict:
-    """The config.json contents (DeepSeek-V3 field names), ``rope_style`` "4.x" or "5.x"."""
+                     vocab_size: int = 129280, rope_style: str = "4.x",
+                     deepseek_v2: bool = False) -> dict:
+    """The config.json contents, ``rope_style`` "4.x" or "5.x".
+
+    ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
+    no correction bias, no top-k renormalization, 2 shared experts, V2's YaRN mscale 0.707.
+    """
     rope = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
     cfg = {
@@ -48,6 +53,12 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
         "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False,
         "num_nextn_predict_layers": 0, "torch_dtype": "float32",
     }
+    if deepseek_v2:
+        cfg.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                    "scoring_func": "softmax", "topk_method": "group_limited_greedy",
+                    "norm_topk_prob": False, "routed_scaling_factor": 2.0,
+                    "n_shared_experts": 2})
+        rope.update({"mscale": 0.707, "mscale_all_dim": 0.707})
     if rope_style == "5.x":
         rope_params = {"rope_type": "yarn", "rope_theta": 10000.0} if yarn \
             else {"rope_type": "default", "rope_theta": 10000.0}
@@ -102,7 +113,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         fused_experts: write transformers-5.x fused expert tensors instead of per-expert ones.
         config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
             first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
-            vocab_size, rope_style).
+            vocab_size, rope_style, deepseek_v2).
 
     Returns:
         the checkpoint directory.

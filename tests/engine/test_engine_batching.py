@@ -152,3 +152,8 @@ def test_request_past_max_position_embeddings_is_refused(runner):
     limit = runner.model_config.max_position_embeddings
     with pytest.raises(ValueError, match="max_position_embeddings is 4096"):
         runner.execute([SeqStep("long", (1, 2), limit - 1, tuple(range(64)))])
+
+
+def test_block_ids_outside_the_cache_are_refused(runner):
+    with pytest.raises(ValueError, match="block ids \\[64\\] outside this KV cache's 64 blocks"):
+        runner.execute([SeqStep("x", (1, 2, 3), 0, (64,))])

@@ -62,3 +62,29 @@ def test_yarn_is_exercised(tiny_ckpt):
     plain = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
     assert not torch.allclose(RotaryEmbedding(cfg).inv_freq, plain)
     assert softmax_scale(cfg) != pytest.approx(48 ** -0.5)
+
+
+def test_deepseek_v2_matches_hf(tmp_path):
+    """V2 flavour: softmax router, group_limited_greedy, no bias, plain q_proj, mscale 0.707."""
+    from transformers import DeepseekV2ForCausalLM
+
+    from orch.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    ckpt = write_tiny_checkpoint(tmp_path / "v2", seed=5, q_lora_rank=None, deepseek_v2=True)
+    hf, info = DeepseekV2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
+                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    runner = ModelRunner(ckpt, num_kv_blocks=32, block_size=BLOCK)
+    assert runner.model_config.scoring_func == "softmax"
+    for n in (17, 300):
+        prompt = _prompt(n, seed=n + 1)
+        ours = runner.execute([SeqStep("p", tuple(prompt), 0, blocks_for(0, n, BLOCK))])[0]
+        with torch.no_grad():
+            ref = hf.eval()(torch.tensor([prompt])).logits[0, -1].float()
+        assert (ours - ref).abs().max().item() <= 1e-4, f"prompt {n}"
+    prompt = _prompt(17, seed=9)
+    ours, _ = generate_greedy(runner, prompt, 16, blocks_for(20, 17 + 16, BLOCK))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False, pad_token_id=0)[0, 17:].tolist()
+    assert ours == ref
