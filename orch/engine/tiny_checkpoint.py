@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from orch.engine.model_config import ModelConfig
-from orch.engine.model import build_model
 from orch.engine.kernels import KERNELS
+from orch.engine.model import build_model
+from orch.engine.model_config import ModelConfig
 from orch.engine.parallel import TPGroup
 
 
