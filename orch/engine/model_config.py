@@ -1,0 +1,200 @@
+"""Model configuration of a DeepSeek-V2/V3 checkpoint, parsed from its HF ``config.json``.
+
+Accepts both transformers 4.x configs (``rope_scaling`` dict + top-level ``rope_theta``) and
+5.x configs (``rope_parameters`` with ``rope_type`` and ``rope_theta``). Field meanings follow
+DeepSeek's released ``config.json`` (see /work/shared/REFERENCE.md "Config").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_SCORING = ("sigmoid", "softmax")
+SUPPORTED_TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's config.json names something this runtime cannot run."""
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling (Peng et al. 2023, "YaRN"), DeepSeek flavour.
+
+    Attributes:
+        factor: context extension factor s (40 for V3).
+        original_max_position_embeddings: pretraining context, tokens (4096 for V3).
+        beta_fast, beta_slow: rotations bounding the interpolation ramp (32, 1).
+        mscale, mscale_all_dim: attention temperature coefficients (1.0, 1.0 for V3).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a DeepSeek-V2/V3 model (what the runtime needs, nothing more).
+
+    ``q_lora_rank`` None means a plain ``q_proj`` (V2-Lite). ``rope_scaling`` None means plain
+    rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).
+    """
+
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int | None
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring_func: str
+    topk_method: str
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: YarnScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width of the MHA form: nope + rope (192 for V3)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True when decoder layer ``layer_idx`` has a routed-expert MLP (vLLM/SGLang rule)."""
+        return bool(self.n_routed_experts) and layer_idx >= self.first_k_dense_replace \
+            and layer_idx % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from the parsed ``config.json``.
+
+        Raises:
+            UnsupportedModelError: architecture, scoring_func, topk_method or rope type not
+                supported; the message names the field and the allowed values.
+            KeyError: a required field is missing (its name is the key).
+        """
+        arch = _check_choice(raw, "architectures", (raw.get("architectures") or [None])[0],
+                             SUPPORTED_ARCHITECTURES)
+        is_v3 = arch == "DeepseekV3ForCausalLM"
+        scoring = _check_choice(raw, "scoring_func",
+                                raw.get("scoring_func", "sigmoid" if is_v3 else "softmax"),
+                                SUPPORTED_SCORING)
+        topk_method = _check_choice(raw, "topk_method",
+                                    raw.get("topk_method", "noaux_tc" if is_v3 else "greedy"),
+                                    SUPPORTED_TOPK_METHODS)
+        rope_theta, rope_scaling = _parse_rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        return cls(
+            architecture=arch,
+            hidden_size=int(raw["hidden_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw["v_head_dim"]),
+            n_routed_experts=raw.get("n_routed_experts"),
+            n_shared_experts=int(raw.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+            n_group=int(raw.get("n_group") or 1),
+            topk_group=int(raw.get("topk_group") or 1),
+            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            scoring_func=scoring,
+            topk_method=topk_method,
+            first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
+            intermediate_size=int(raw["intermediate_size"]),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+            vocab_size=int(raw["vocab_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def load_model_config(checkpoint_dir: str | Path) -> ModelConfig:
+    """Read ``checkpoint_dir/config.json`` into a :class:`ModelConfig`.
+
+    Raises:
+        FileNotFoundError: no config.json in the directory.
+        UnsupportedModelError: see :meth:`ModelConfig.from_dict`.
+    """
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: point the runtime at a HF checkpoint "
+                                "directory (config.json + *.safetensors)")
+    return ModelConfig.from_dict(json.loads(path.read_text()))
+
+
+def _check_choice(raw: dict[str, Any], field: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise UnsupportedModelError(
+            f"config.json field {field!r} is {value!r}; supported values: {list(allowed)}"
+            + (f" (model_type {raw.get('model_type')!r})" if field == "architectures" else ""))
+    return value
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """(rope_theta, YaRN scaling or None) from a 4.x or 5.x config."""
+    params = raw.get("rope_parameters")
+    if params is not None:  # transformers 5.x
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = params
+    else:  # transformers 4.x
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = raw.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    field = "rope_parameters.rope_type" if params is not None else "rope_scaling.type"
+    _check_choice(raw, field, rope_type, SUPPORTED_ROPE_TYPES)
+    if rope_type == "default":
+        return theta, None
+    factor = scaling.get("factor")
+    original = int(scaling.get("original_max_position_embeddings")
+                   or raw["max_position_embeddings"])
+    if factor is None:  # HF rule: the ratio of the extended to the original context
+        factor = raw["max_position_embeddings"] / original
+    return theta, YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        mscale=_float_or(scaling.get("mscale"), 1.0),
+        mscale_all_dim=_float_or(scaling.get("mscale_all_dim"), 0.0),
+    )
+
+
+def _float_or(value: Any, default: float) -> float:
+    return default if value is None else float(value)

@@ -1,0 +1,71 @@
+"""The one place that decides device type and torch.distributed backend.
+
+Detection order: Ascend NPU (``torch_npu`` importable and a device present), CUDA, CPU. The
+``ORCH_DEVICE`` environment variable ("npu", "cuda" or "cpu") overrides detection; it is read
+here and nowhere else. ``torch_npu`` is imported lazily, only when NPU is asked for or probed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+DIST_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Device type and matching collective backend.
+
+    Attributes:
+        device_type: "npu", "cuda" or "cpu" (the kernel registry is keyed by it).
+        dist_backend: "hccl", "nccl" or "gloo".
+    """
+
+    device_type: str
+    dist_backend: str
+
+    def device(self, rank: int = 0) -> torch.device:
+        """The device of TP rank ``rank``: visible accelerator ``rank % visible`` (so a Ray
+        actor that sees exactly one device uses it), or the CPU."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        visible = getattr(torch, self.device_type).device_count()
+        return torch.device(self.device_type, rank % max(visible, 1))
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None)) and torch.npu.is_available()
+
+
+def detect_platform(device_type: str | None = None) -> Platform:
+    """Platform for ``device_type``, or for ``$ORCH_DEVICE``, or detected.
+
+    Raises:
+        ValueError: unknown device type (message lists the allowed ones).
+        RuntimeError: "npu" asked for but torch_npu cannot be imported.
+    """
+    device_type = device_type or os.environ.get("ORCH_DEVICE") or None
+    if device_type is None:
+        if _npu_available():
+            device_type = "npu"
+        elif torch.cuda.is_available():
+            device_type = "cuda"
+        else:
+            device_type = "cpu"
+    if device_type not in DIST_BACKENDS:
+        raise ValueError(f"device type {device_type!r} is not one of {sorted(DIST_BACKENDS)}; "
+                         "set ORCH_DEVICE to one of them or leave it unset to auto-detect")
+    if device_type == "npu":
+        try:
+            importlib.import_module("torch_npu")  # registers the "npu" device with torch
+        except ImportError as exc:
+            raise RuntimeError("device 'npu' needs torch_npu: pip install orch[npu]") from exc
+    return Platform(device_type=device_type, dist_backend=DIST_BACKENDS[device_type])
