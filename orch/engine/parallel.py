@@ -57,10 +57,12 @@ class TPGroup:
 
 
 def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
-                  backend: str = "gloo", timeout_s: float = 60.0) -> TPGroup:
+                  backend: str = "gloo", timeout_s: float = 60.0,
+                  store: dist.Store | None = None) -> TPGroup:
     """Join (or, on rank 0, open) the TP group of ``size`` ranks at ``host:port``.
 
-    Size 1 returns a trivial group and touches nothing.
+    Size 1 returns a trivial group and touches nothing. ``store``: the leader's already open
+    TCPStore (rank 0 only), used instead of opening one at ``port``.
 
     Raises:
         ValueError: bad rank/size or port 0 with size > 1 (every rank must know the port).
@@ -71,14 +73,15 @@ def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
         raise ValueError(f"rank {rank} is outside a TP group of size {size}")
     if size == 1:
         return TPGroup()
-    if port <= 0:
+    if port <= 0 and store is None:
         raise ValueError("a TP group of size > 1 needs the leader's TCPStore port (got 0): "
                          "pick a free port on the leader and pass it to every rank")
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists in this process; "
                            "one process hosts one TP rank")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=size, is_master=(rank == 0),
-                          timeout=timeout, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size=size, is_master=(rank == 0),
+                              timeout=timeout, wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank=rank, size=size, group=dist.group.WORLD)

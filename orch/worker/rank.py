@@ -80,9 +80,12 @@ class RankBase(ABC):
         try:
             tp = init_tp_group(self.rank, self.cfg.tp, host, port, self.cfg.dist_backend,
                                self.cfg.connect_timeout_s, store=self._store)
+            # NOTE: Ray gives each rank actor one accelerator and hides the others
+            # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
+            device = "cpu" if self.cfg.device == "cpu" else f"{self.cfg.device}:0"
             self.runner = ModelRunner(self.cfg.checkpoint_dir, num_kv_blocks=self.cfg.num_kv_blocks,
                                       block_size=self.cfg.block_size,
-                                      dtype=_DTYPES[self.cfg.dtype], tp=tp)
+                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
