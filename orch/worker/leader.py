@@ -27,9 +27,7 @@ class LeaderRank(RankBase):
         self.scheduler = Scheduler(self.pool, self.policy, chunk_size=cfg.chunk_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs)
-        eos = self.runner.model_config.eos_token_id
-        self.eos_token_ids = frozenset(eos if isinstance(eos, (list, tuple)) else
-                                       ([] if eos is None else [eos]))
+        self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._ranks_info: tuple = ()
 
     def start(self) -> None:

@@ -56,7 +56,8 @@ class RankBase(ABC):
         """(Ray node id, device) of this rank."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), self.cfg.device
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return node, self.cfg.device
 
     def open_tp_store(self) -> tuple[str, int]:
         """Leader only: open the TCPStore the instance's ranks rendezvous on; (host, port)."""
@@ -116,7 +117,7 @@ class RankBase(ABC):
         logits = self.runner.execute(steps) if steps else None
         mine = self.after_step(steps, extra)
         try:
-            others = ray.get(refs, timeout=self.cfg.step_timeout_s)
+            others = ray.get(refs, timeout=self.cfg.step_timeout_s) if refs else []
         except ray.exceptions.GetTimeoutError as exc:
             raise TimeoutError(f"{self.cfg.name}: a rank did not finish a step within "
                                f"{self.cfg.step_timeout_s} s") from exc
@@ -128,6 +129,8 @@ class RankBase(ABC):
 
         refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
         mine = getattr(self, method)(*args)
+        if not refs:
+            return [mine]
         return [mine, *ray.get(refs, timeout=timeout_s or self.cfg.step_timeout_s)]
 
     # ---- leader loop --------------------------------------------------------------------
