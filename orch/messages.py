@@ -139,3 +139,45 @@ class InstanceStatusInfo:
     outstanding_tokens: int = 0
     kv_bytes_sent: int = 0
     kv_failures: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """What one instance's rank actors are built with (derived from the `orch up` config).
+
+    Attributes:
+        name: "prefill-0", "decode-1", "colocated-0", ...
+        role: "prefill", "decode" or "colocated".
+        tp: ranks in the instance (tensor-parallel size).
+        checkpoint_dir: HuggingFace-style checkpoint folder (config.json, *.safetensors,
+            tokenizer.json), already present when the actors start.
+        dtype: "float32", "bfloat16" or "float16".
+        max_model_len: prompt + output tokens one request may reach.
+        block_size: tokens per KV block (same on both sides of a transfer).
+        num_kv_blocks: KV blocks this instance allocates per rank.
+        chunk_size: most prompt tokens of one request per prefill step.
+        max_num_batched_tokens: most tokens in one prefill step over all requests.
+        max_num_seqs: most requests in one decode batch.
+        device: "cpu", "cuda" or "npu".
+        dist_backend: "gloo", "nccl" or "hccl" (TP groups and KV pairs).
+        connect_timeout_s, header_timeout_s, payload_timeout_s, completion_timeout_s: bounded
+            waits of the KV data plane (seconds).
+    """
+
+    name: str
+    role: str
+    tp: int
+    checkpoint_dir: str
+    dtype: str
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    chunk_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    device: str
+    dist_backend: str
+    connect_timeout_s: float
+    header_timeout_s: float
+    payload_timeout_s: float
+    completion_timeout_s: float
