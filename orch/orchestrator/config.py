@@ -116,6 +116,7 @@ class ClusterSection(_Section):
     address: str = ""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     cpus_per_rank: float = Field(1.0, gt=0)
+    startup_timeout_s: float = Field(600.0, gt=0)
 
 
 class OrchConfig(_Section):
