@@ -206,5 +206,8 @@ def _get_ranks(inst: InstanceRanks, refs: list[Any], step: str, timeout: float) 
                                f"cluster.startup_timeout_s={timeout:g} s; see that rank's log "
                                "(ray logs), or raise the timeout") from None
         except ray.exceptions.RayError as exc:
-            raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} failed: {exc}") from None
+            cause = getattr(exc, "cause", None) or exc  # the worker's own exception
+            raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} failed: "
+                               f"{type(cause).__name__}: {cause} (traceback in that rank's "
+                               "log: `ray logs`)") from None
     return out
