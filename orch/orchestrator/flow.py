@@ -22,7 +22,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from orch.messages import Rejection, RequestSpec
+from orch.messages import Rejection, RequestSpec, Reservation
 from orch.orchestrator.admission import AdmissionQueue
 from orch.orchestrator.leader import LeaderClient, LeaderError
 from orch.orchestrator.policies import Policy
@@ -122,7 +122,6 @@ class DisaggregatedFlow(Flow):
 
     async def place(self, spec: RequestSpec, deadline: float) -> Route:
         decode, reservation = await self._reserve(spec, deadline)
-        self.policy.acquire(decode, spec.max_total_tokens)
         prefill = self.prefill_policy.order()[0]
         self.prefill_policy.acquire(prefill, spec.num_prompt_tokens)
         self._reservations[spec.request_id] = reservation
@@ -135,7 +134,7 @@ class DisaggregatedFlow(Flow):
                 rejection: Rejection | None = None
                 for name in self.policy.order():
                     answer = await self._reserve_on(name, spec)
-                    if not isinstance(answer, Rejection):
+                    if isinstance(answer, Reservation):
                         return name, answer
                     if not answer.retryable:
                         raise RequestError("INVALID_ARGUMENT", f"{name}: {answer.reason}")
@@ -143,12 +142,20 @@ class DisaggregatedFlow(Flow):
                 await ticket.wait(deadline, rejection.reason if rejection else "")
 
     async def _reserve_on(self, name: str, spec: RequestSpec) -> object:
+        """One reserve call; the policy load stays charged only on success."""
+        # NOTE: charge the load before awaiting, so concurrent placements already see it.
+        self.policy.acquire(name, spec.max_total_tokens)
+        answer = None
         try:
-            return await _call_or_fail(self.main[name], "reserve", spec)
+            answer = await _call_or_fail(self.main[name], "reserve", spec)
         except (RequestError, asyncio.CancelledError):
             # NOTE: a reserve that timed out or was cancelled may still have reserved.
             await _abort_quietly(self.main[name], spec.request_id)
             raise
+        finally:
+            if not isinstance(answer, Reservation):
+                self.policy.release(name, spec.max_total_tokens)
+        return answer
 
     async def launch(self, spec: RequestSpec, route: Route) -> None:
         reservation = self._reservations.pop(spec.request_id)

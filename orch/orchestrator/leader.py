@@ -76,17 +76,25 @@ class EventPump:
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._sources: dict[str, set[str]] = {}  # request id -> instances it waits on
         self._tasks: list[asyncio.Task] = []
+        self._stopping = False
 
     def start(self) -> None:
         """Start one polling task per leader (call from the event loop)."""
         self._tasks = [asyncio.create_task(self._run(leader), name=f"poll-{leader.name}")
                        for leader in self._leaders]
 
-    async def stop(self) -> None:
-        """Cancel the polling tasks and wait for them."""
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the polling tasks (bounded wait)."""
+        self._stopping = True
+        # NOTE: on Python < 3.12 asyncio.wait_for can swallow a cancel that races with a
+        # completing poll; the _stopping flag ends the loop in that case, and the bounded
+        # wait below keeps stop() from hanging on it anyway.
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if pending:
+                log.warning("poll tasks still running after stop: %s", pending)
         self._tasks = []
 
     def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
@@ -115,7 +123,7 @@ class EventPump:
 
     async def _run(self, leader: LeaderClient) -> None:
         bound = self._poll_timeout_s + leader.call_timeout_s
-        while True:
+        while not self._stopping:
             try:
                 events = await leader.call("poll", self._poll_timeout_s, timeout_s=bound)
             except LeaderError as exc:

@@ -114,7 +114,7 @@ class Router:
         self._routes[spec.request_id] = None
         self._idle.clear()
         try:
-            route = await self.flow.place(spec, progress.start + self.request_timeout_s)
+            route = await self._place(spec, progress)
             self._routes[spec.request_id] = route
             self.pump.watch(spec.request_id, route.instances)
             await self.flow.launch(spec, route)
@@ -125,6 +125,15 @@ class Router:
             raise
         finally:
             self._end(spec.request_id, progress)
+
+    async def _place(self, spec: RequestSpec, progress: StreamProgress) -> Route:
+        """flow.place; a failure here is a rejection (nothing was computed)."""
+        try:
+            return await self.flow.place(spec, progress.start + self.request_timeout_s)
+        except RequestError as exc:
+            progress.recorded = True
+            self.metrics.request_rejected(exc.code)
+            raise
 
     async def _stream(self, spec: RequestSpec, route: Route, queue: asyncio.Queue,
                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
@@ -188,11 +197,11 @@ class Router:
         """Every exit path: abort what is still running, return load, forget the request."""
         route = self._routes.pop(request_id, None)
         self.pump.unregister(request_id)
+        if not progress.done:
+            self._record(progress, outcome="cancelled")  # no-op when already recorded
         if route is not None:
             if not progress.done:
                 self._spawn(self.flow.abort(route))
-                if not progress.recorded:
-                    self._record(progress, outcome="cancelled")
             self.flow.release(route)
         if not self._routes:
             self._idle.set()
