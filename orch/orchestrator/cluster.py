@@ -65,15 +65,18 @@ class Cluster:
         return {inst.cfg.name: inst.leader for inst in self.instances}
 
     def teardown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Leader ``shutdown()`` (bounded), kill every rank, remove PGs, stop Ray if ours."""
+        """Leaders ``drain`` then ``shutdown`` (each bounded by ``timeout_s``), kill every rank,
+        remove the placement groups, stop Ray if we started it."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         leaders = [inst.leader for inst in self.instances if inst.ranks]
-        try:
-            ray.get([leader.shutdown.remote() for leader in leaders], timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
-            log.warning("leader shutdown did not complete: %s", exc)
+        for step, args in (("drain", (timeout_s,)), ("shutdown", ())):
+            try:
+                ray.get([getattr(leader, step).remote(*args) for leader in leaders],
+                        timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
+                log.warning("leader %s did not complete: %s", step, exc)
         for inst in self.instances:
             for actor in inst.ranks:
                 ray.kill(actor)

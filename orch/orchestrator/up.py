@@ -33,15 +33,21 @@ def make_metrics(cfg: OrchConfig):
     return RouterMetrics(cfg.router.host, cfg.router.metrics_port)
 
 
-def run_up(cfg: OrchConfig) -> int:
-    """Bring everything up and serve until a stop signal; returns the exit code."""
+def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
+    """Bring everything up and serve until SIGINT/SIGTERM; returns the exit code.
+
+    Args:
+        cfg: the deployment.
+        rank_classes: role -> rank class (default: the real worker classes; tests inject
+            fakes).
+    """
     checkpoint = ensure_checkpoint(cfg.model)
     model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
     tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None
     if tokenizer is None:
         log.warning("%s has no tokenizer.json: only token-id prompts will work", checkpoint)
     started = connect_ray(cfg)
-    cluster = bring_up(cfg, started_ray=started)
+    cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=started)
     try:
         asyncio.run(_serve(cfg, cluster, model, tokenizer))
     finally:
