@@ -18,6 +18,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     Raises:
         RequestError: INVALID_ARGUMENT with SamplingParams' own message (allowed range).
     """
+    if msg.max_tokens == 0:
+        raise RequestError("INVALID_ARGUMENT", "sampling.max_tokens is required: set how many "
+                                               "tokens to generate (>= 1)")
     try:
         return SamplingParams(
             max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,

@@ -90,10 +90,6 @@ class ColocatedFlow(Flow):
     async def launch(self, spec: RequestSpec, route: Route) -> None:
         await _call_or_fail(self.main[route.main], "generate", spec)
 
-    async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
-        if finished:  # NOTE: the router stopped it (EOS / max_tokens); harmless if done
-            await _abort_quietly(self.main[route.main], route.request_id)
-
     async def abort(self, route: Route) -> None:
         await _abort_quietly(self.main[route.main], route.request_id)
 

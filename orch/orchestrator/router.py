@@ -154,8 +154,10 @@ class Router:
                 if admit:
                     await admit
                 progress.done = True
-                if event.finish_reason is None and not first:
-                    self._spawn(self.flow.abort(route))  # NOTE: router-side stop: free KV
+                if event.finish_reason is None:
+                    # NOTE: the router stopped it (EOS / max_tokens the leader did not report):
+                    # stop it on the workers too so its KV is freed.
+                    self._spawn(self.flow.abort(route))
                 self._record(progress, outcome=finish)
                 yield OutputChunk(spec.request_id, tokens, text, finish,
                                   progress.stats(route, time.monotonic()))

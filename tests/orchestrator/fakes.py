@@ -139,10 +139,14 @@ class FakePrefill(_Leader):
 class FakeColocated(_Leader):
     def __init__(self, name="colocated-0") -> None:
         super().__init__(name, "colocated")
+        self.report_finish = True  # False: never sets finish_reason, streams past max_tokens
 
     def generate(self, spec) -> None:
         self.calls.append(("generate", spec.request_id))
         toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens,
                                spec.sampling.ignore_eos)
+        if not self.report_finish:
+            toks = toks + [5, 6]
         for i, tok in enumerate(toks):
-            self.emit(spec.request_id, (tok,), "length" if i == len(toks) - 1 else None)
+            last = i == len(toks) - 1 and self.report_finish
+            self.emit(spec.request_id, (tok,), "length" if last else None)

@@ -100,7 +100,8 @@ def test_bad_input_is_invalid_argument(harness, kwargs, message):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("max_tokens", 0, "max_tokens must be >= 1"),
+    ("max_tokens", 0, "sampling.max_tokens is required"),
+    ("max_tokens", -3, "max_tokens must be >= 1, got -3"),
     ("temperature", -1.0, "temperature must be >= 0"),
     ("top_k", -2, "top_k must be >= 0"),
     ("top_p", 1.5, "top_p must be in (0, 1]"),
@@ -353,3 +354,17 @@ def test_graceful_stop_drains_in_flight_and_refuses_new():
     finally:
         h.loop.call_soon_threadsafe(h.loop.stop)
         h.thread.join(5)
+
+
+def test_router_side_stop_aborts_the_worker_request():
+    h = Harness(mode="colocated")
+    try:
+        h.call_in_loop(lambda: setattr(h.fakes["colocated-0"], "report_finish", False))
+        with OrchClient(h.address) as client:
+            chunks = list(client.generate(token_ids=[3, 4], max_tokens=3))
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens((3, 4), 3)
+        assert chunks[-1].finish_reason == "length"
+        rid = chunks[0].request_id
+        assert _wait_for(lambda: ("abort", rid) in _calls(h, "colocated-0"))
+    finally:
+        h.close()
