@@ -142,10 +142,9 @@ class Router:
             event = await self._next_event(queue, route)
             tokens = progress.add(event, time.monotonic())
             finish = progress.finish_reason(event)
-            first = progress.first_event_now
             admit = None
-            if first and tokens:
-                admit = asyncio.create_task(
+            if progress.first_event_now:  # NOTE: runs while the first token goes out
+                admit = self._spawn(
                     self.flow.on_first_token(route, tokens[0], finished=finish is not None))
             text = detok.add(tokens) if detok else ""
             if finish and detok:
@@ -217,10 +216,12 @@ class Router:
                                       now - progress.start, progress.spec.num_prompt_tokens,
                                       progress.completion_tokens)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
+        """A tracked background task (awaited by :meth:`stop`); its failure is logged."""
         task = asyncio.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_forget(self._background))
+        return task
 
     async def abort(self, request_id: str) -> bool:
         """Abort an in-flight request; its stream ends with finish_reason "abort"."""
@@ -248,3 +249,11 @@ class Router:
         while True:
             await self.status()
             await asyncio.sleep(period_s)
+
+
+def _forget(tasks: set[asyncio.Task]):
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task failed: %s", task.exception())
+    return done

@@ -29,6 +29,7 @@ class StreamProgress:
         self.first_event_now = False  # the last add() brought the first token(s)
         self.done = False  # the request reached a finish (nothing left to abort)
         self.recorded = False  # metrics already told
+        self._last: tuple[int, ...] = ()  # tokens of the last add()
 
     def add(self, event: TokenEvent, now: float) -> tuple[int, ...]:
         """Count the event's tokens (never past max_tokens); returns the tokens to emit."""
