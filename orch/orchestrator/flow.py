@@ -40,6 +40,7 @@ class Route:
     prefill: str | None = None
     prefill_load: int = 0  # prompt tokens charged to the prefill instance until first token
     main_load: int = 0  # prompt + max_tokens charged to the main instance until the end
+    reservation: Reservation | None = None  # decode blocks (disaggregated), for launch
 
     @property
     def instances(self) -> set[str]:
@@ -110,7 +111,6 @@ class DisaggregatedFlow(Flow):
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
-        self._reservations: dict[str, object] = {}
 
     @property
     def leaders(self) -> list[LeaderClient]:
@@ -120,11 +120,11 @@ class DisaggregatedFlow(Flow):
         decode, reservation = await self._reserve(spec, deadline)
         prefill = self.prefill_policy.order()[0]
         self.prefill_policy.acquire(prefill, spec.num_prompt_tokens)
-        self._reservations[spec.request_id] = reservation
         return Route(spec.request_id, main=decode, prefill=prefill,
-                     prefill_load=spec.num_prompt_tokens, main_load=spec.max_total_tokens)
+                     prefill_load=spec.num_prompt_tokens, main_load=spec.max_total_tokens,
+                     reservation=reservation)
 
-    async def _reserve(self, spec: RequestSpec, deadline: float) -> tuple[str, object]:
+    async def _reserve(self, spec: RequestSpec, deadline: float) -> tuple[str, Reservation]:
         async with self.admission.ticket(spec.request_id) as ticket:
             while True:
                 rejection: Rejection | None = None
@@ -137,7 +137,7 @@ class DisaggregatedFlow(Flow):
                     rejection = answer
                 await ticket.wait(deadline, rejection.reason if rejection else "")
 
-    async def _reserve_on(self, name: str, spec: RequestSpec) -> object:
+    async def _reserve_on(self, name: str, spec: RequestSpec) -> Reservation | Rejection:
         """One reserve call; the policy load stays charged only on success."""
         # NOTE: charge the load before awaiting, so concurrent placements already see it.
         self.policy.acquire(name, spec.max_total_tokens)
@@ -154,8 +154,7 @@ class DisaggregatedFlow(Flow):
         return answer
 
     async def launch(self, spec: RequestSpec, route: Route) -> None:
-        reservation = self._reservations.pop(spec.request_id)
-        await _call_or_fail(self.prefill[route.prefill], "prefill", spec, reservation)
+        await _call_or_fail(self.prefill[route.prefill], "prefill", spec, route.reservation)
 
     async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
         self._release_prefill(route)
@@ -167,7 +166,6 @@ class DisaggregatedFlow(Flow):
         await _call_or_fail(decode, "admit", route.request_id, token_id)
 
     async def abort(self, route: Route) -> None:
-        self._reservations.pop(route.request_id, None)
         if route.prefill:
             await _abort_quietly(self.prefill[route.prefill], route.request_id)
         await _abort_quietly(self.main[route.main], route.request_id)
