@@ -80,7 +80,12 @@ def layer_count_for_plan(model: ModelSection) -> tuple[int | None, str]:
         if layers is not None:
             return int(layers), f"num_hidden_layers from {config}"
     if model.is_tiny:
-        return None, (f"tiny checkpoint not created yet at {path}; run `orch model init-tiny "
-                      f"{path}` (or `orch up`) to make it, then dry-run again for its plan")
+        try:
+            from orch.engine.tiny_checkpoint import tiny_config_dict  # lazy: engine optional
+        except ImportError:
+            return None, (f"tiny checkpoint not created yet at {path} and the engine is not "
+                          "installed; run `orch model init-tiny` then dry-run again")
+        layers = int(tiny_config_dict()["num_hidden_layers"])
+        return layers, f"the built-in tiny config (not created yet at {path})"
     return DEEPSEEK_V3_LAYERS, (f"{config} not found: assuming DeepSeek-V3 "
                                 f"({DEEPSEEK_V3_LAYERS} layers)")

@@ -94,7 +94,7 @@ def _cmd_init_tiny(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"orch model init-tiny: the engine is not installed ({exc})", file=sys.stderr)
         return 1
-    print(init_tiny_main(ns.dir, ns.seed))
+    init_tiny_main(ns.dir, ns.seed)  # prints where it wrote
     return 0
 
 

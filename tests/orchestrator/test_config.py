@@ -124,3 +124,33 @@ def test_frozen():
     cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"}})
     with pytest.raises(Exception):
         cfg.prefill.tp = 4  # type: ignore[misc]
+
+
+class _Pair:
+    def __init__(self, p, d, layers):
+        self.prefill_rank, self.decode_rank, self.layers = p, d, tuple(layers)
+
+
+def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+
+    def build_transfer_plan(prefill_tp, decode_tp, num_layers, kind="mla"):
+        calls.append((prefill_tp, decode_tp, num_layers, kind))
+        return types.SimpleNamespace(pairs=[_Pair(0, 0, range(61)), _Pair(0, 1, [0, 1, 2, 7])])
+
+    fake = types.ModuleType("orch.kv_transfer.plan")
+    fake.build_transfer_plan = build_transfer_plan
+    monkeypatch.setitem(sys.modules, "orch.kv_transfer.plan", fake)
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /nonexistent/DeepSeek-V3}\ncluster: {device: cpu}\n"
+                    "prefill: {dp: 2}\ndecode: {tp: 2}\n")
+    assert main(["up", "--dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert calls == [(1, 2, 61, "mla")]
+    assert ("transfer plan P1 -> D2 (MLA), used by 2 instance pair(s): prefill-0->decode-0, "
+            "prefill-1->decode-0") in out
+    assert "  prefill rank 0 -> decode rank 0: 61 layer(s) 0-60\n" in out
+    assert "  prefill rank 0 -> decode rank 1: 4 layer(s) 0-2,7\n" in out
