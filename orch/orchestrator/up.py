@@ -56,7 +56,8 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
 
 
 async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer) -> None:
-    router = build_router(cfg, cluster.leaders(), model, tokenizer, make_metrics(cfg))
+    metrics = make_metrics(cfg)
+    router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics)
     server = OrchServer(router, cfg.router.host, cfg.router.port)
     port = await server.start()
     reporter = asyncio.create_task(router.report_instances(period_s=1.0))
@@ -64,10 +65,13 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    metrics_at = f"; metrics on :{cfg.router.metrics_port}/metrics" if metrics else ""
     print(f"orch serving {model.name} on {cfg.router.host}:{port} "
-          f"({len(cluster.instances)} instance(s)); Ctrl-C to stop", flush=True)
+          f"({len(cluster.instances)} instance(s)){metrics_at}; Ctrl-C to stop", flush=True)
     await stop.wait()
     print("orch: stopping (draining in-flight requests)", flush=True)
     reporter.cancel()
     await asyncio.gather(reporter, return_exceptions=True)
     await server.stop(grace_s=DRAIN_S)
+    if metrics is not None and hasattr(metrics, "stop"):
+        metrics.stop()
