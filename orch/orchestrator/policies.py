@@ -1,0 +1,76 @@
+"""Instance-choice policies, chosen by name through a registry (`router.policy`).
+
+A policy picks one instance of a role for a request and is told when the request's load on
+that instance ends. Load is counted in tokens: a prefill instance carries the prompt tokens of
+the requests it has not finished prefilling; a decode (or colocated) instance carries
+``prompt + max_tokens`` of each request it holds (the KV slots it may need).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+
+class Policy(ABC):
+    """Chooses among the instances of one role. Called only from the router's event loop.
+
+    Args:
+        instances: instance names, e.g. ["decode-0", "decode-1"].
+    """
+
+    def __init__(self, instances: list[str]) -> None:
+        if not instances:
+            raise ValueError("a policy needs at least one instance")
+        self.instances = list(instances)
+        self.outstanding = {name: 0 for name in instances}  # tokens in flight per instance
+
+    @abstractmethod
+    def order(self) -> list[str]:
+        """All instances, best first (the router tries them in this order)."""
+
+    def acquire(self, name: str, tokens: int) -> None:
+        """A request with ``tokens`` of load was placed on ``name``."""
+        self.outstanding[name] += tokens
+
+    def release(self, name: str, tokens: int) -> None:
+        """That load left ``name`` (finished, aborted or failed); called exactly once."""
+        self.outstanding[name] -= tokens
+
+
+class RoundRobin(Policy):
+    """Each call starts one instance further along; ignores load."""
+
+    def __init__(self, instances: list[str]) -> None:
+        super().__init__(instances)
+        self._next = 0
+
+    def order(self) -> list[str]:
+        start = self._next
+        self._next = (self._next + 1) % len(self.instances)
+        return self.instances[start:] + self.instances[:start]
+
+
+class LeastOutstandingTokens(Policy):
+    """Fewest tokens in flight first; ties go to the lower index."""
+
+    def order(self) -> list[str]:
+        return sorted(self.instances, key=lambda n: (self.outstanding[n],
+                                                     self.instances.index(n)))
+
+
+POLICIES: dict[str, Callable[[list[str]], Policy]] = {
+    "round_robin": RoundRobin,
+    "least_outstanding_tokens": LeastOutstandingTokens,
+}
+
+
+def make_policy(name: str, instances: list[str]) -> Policy:
+    """Build the policy registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: use one of {sorted(POLICIES)}")
+    return POLICIES[name](instances)

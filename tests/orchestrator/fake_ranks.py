@@ -1,0 +1,98 @@
+"""Fake rank actor classes with the real contract (orchestrator/cluster.py), for Ray tests.
+
+They compute nothing: the leader scripts tokens like tests/orchestrator/fakes.py and records
+every bring-up call so tests can check the sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from orch.messages import InstanceStatusInfo, KVPeer, Reservation, TokenEvent
+from tests.orchestrator.fakes import expected_tokens
+
+
+class _FakeRank:
+    def __init__(self, cfg, rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.log: list[tuple] = [("init", cfg.name, rank)]
+        self._events: list[TokenEvent] = []
+        self._cond = threading.Condition()
+        self._specs = {}
+
+    def node_info(self) -> tuple[str, str]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), self.cfg.device
+
+    def open_tp_store(self) -> tuple[str, int]:
+        assert self.rank == 0, "only the leader opens the TP store"
+        self.log.append(("open_tp_store",))
+        return "127.0.0.1", 29500 + len(self.cfg.name)
+
+    def init_rank(self, host: str, port: int, peers: list) -> None:
+        if self.cfg.name == "decode-0" and self.rank == 1 and self.cfg.max_num_seqs == 13:
+            raise RuntimeError("simulated device init failure")
+        self.log.append(("init_rank", host, port, len(peers)))
+
+    def start(self) -> None:
+        self.log.append(("start",))
+
+    def get_log(self) -> list[tuple]:
+        return self.log
+
+    def _emit(self, event: TokenEvent) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def poll(self, timeout_s: float) -> list[TokenEvent]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._events, timeout=timeout_s)
+            out, self._events = self._events, []
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        self.log.append(("abort", request_id))
+        return self._specs.pop(request_id, None) is not None
+
+    def status(self) -> InstanceStatusInfo:
+        return InstanceStatusInfo(name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp,
+                                  ranks=((0, "n", self.cfg.device),),
+                                  total_blocks=self.cfg.num_kv_blocks,
+                                  free_blocks=self.cfg.num_kv_blocks - len(self._specs))
+
+    def drain(self, timeout_s: float) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.log.append(("shutdown",))
+
+
+class PrefillRank(_FakeRank):
+    def prefill(self, spec, reservation) -> None:
+        first = expected_tokens(spec.prompt_token_ids, 1)[0]
+        self._emit(TokenEvent(spec.request_id, (first,), None, None, "prefill", self.cfg.name))
+
+
+class DecodeRank(_FakeRank):
+    def reserve(self, spec):
+        self._specs[spec.request_id] = spec
+        return Reservation(spec.request_id, self.cfg.name, (0,), self.cfg.block_size,
+                           tuple(KVPeer(self.cfg.name, r, "127.0.0.1", 1)
+                                 for r in range(self.cfg.tp)))
+
+    def admit(self, request_id: str, first_token_id: int) -> None:
+        spec = self._specs.pop(request_id)
+        rest = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens)[1:]
+        self._emit(TokenEvent(request_id, tuple(rest), "length", None, "decode", self.cfg.name))
+
+
+class ColocatedRank(_FakeRank):
+    def generate(self, spec) -> None:
+        toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens)
+        self._emit(TokenEvent(spec.request_id, tuple(toks), "length", None, "colocated",
+                              self.cfg.name))
+
+
+CLASSES = {"prefill": PrefillRank, "decode": DecodeRank, "colocated": ColocatedRank}

@@ -1,0 +1,152 @@
+"""In-process fake leaders for router tests: scripted tokens, recorded calls, failure modes.
+
+Each fake behaves like the real leader contract (orch.messages docstring) and records every
+call in ``calls`` so tests can check what reached it. ``Remote(obj)`` makes ``obj`` look like
+a Ray actor handle: ``handle.method.remote(*args)`` returns an awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+from orch.messages import InstanceStatusInfo, KVPeer, Rejection, Reservation, TokenEvent
+
+VOCAB = 129_280
+EOS = 1
+
+
+def expected_tokens(prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool = True):
+    """The script every fake follows: token i = (sum(prompt) + 7 i) % VOCAB, EOS stops."""
+    out = []
+    for i in range(max_tokens):
+        tok = (sum(prompt) + 7 * i) % VOCAB
+        out.append(tok)
+        if tok == EOS and not ignore_eos:
+            break
+    return out
+
+
+class Remote:
+    """Ray-handle look-alike around an in-process object."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self.obj, name)
+
+        class _Method:
+            @staticmethod
+            def remote(*args):
+                async def run():
+                    result = fn(*args)
+                    return await result if inspect.isawaitable(result) else result
+                return run()
+        return _Method
+
+
+class _Leader:
+    def __init__(self, name: str, role: str) -> None:
+        self.name, self.role = name, role
+        self.calls: list[tuple] = []
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.poll_error: str | None = None  # poll raises this
+        self.silent = False  # never emits anything
+
+    async def poll(self, timeout_s: float) -> list[TokenEvent]:
+        if self.poll_error:
+            raise RuntimeError(self.poll_error)
+        try:
+            first = await asyncio.wait_for(self.events.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return []
+        out = [first]
+        while not self.events.empty():
+            out.append(self.events.get_nowait())
+        return out
+
+    def emit(self, request_id, tokens, finish=None, source=None, error=None):
+        if not self.silent:
+            self.events.put_nowait(TokenEvent(request_id, tuple(tokens), finish, error,
+                                              source or self.role, self.name))
+
+    def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        return True
+
+    def status(self) -> InstanceStatusInfo:
+        return InstanceStatusInfo(name=self.name, role=self.role, tp=1,
+                                  ranks=((0, "node-a", "cpu"),), queue_depth=0, running=0,
+                                  free_blocks=10, total_blocks=10)
+
+
+class FakeDecode(_Leader):
+    """Reserves ``blocks`` one-block-per-request slots; emits tokens 2.. after admit."""
+
+    def __init__(self, name="decode-0", capacity=8, never_fits=False) -> None:
+        super().__init__(name, "decode")
+        self.capacity, self.never_fits = capacity, never_fits
+        self.reserved: dict[str, object] = {}
+        self.error_after_admit: str | None = None
+
+    def reserve(self, spec):
+        self.calls.append(("reserve", spec.request_id))
+        if self.never_fits:
+            return Rejection(spec.request_id, "needs 999 blocks, instance has 8: shorten it",
+                             retryable=False)
+        if len(self.reserved) >= self.capacity:
+            return Rejection(spec.request_id, "no free blocks", retryable=True)
+        self.reserved[spec.request_id] = spec
+        return Reservation(spec.request_id, self.name, (0,), 16,
+                           (KVPeer(self.name, 0, "127.0.0.1", 1),))
+
+    def admit(self, request_id: str, first_token_id: int) -> None:
+        self.calls.append(("admit", request_id, first_token_id))
+        spec = self.reserved[request_id]
+        if self.error_after_admit:
+            self.emit(request_id, (), "error", error=self.error_after_admit)
+            return
+        toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens,
+                               spec.sampling.ignore_eos)
+        assert toks[0] == first_token_id
+        rest = toks[1:]
+        for i in range(0, len(rest), 2):  # two tokens per event
+            last = i + 2 >= len(rest)
+            finish = ("stop" if rest[-1] == EOS and not spec.sampling.ignore_eos
+                      else "length") if last else None
+            self.emit(request_id, rest[i:i + 2], finish)
+        del self.reserved[request_id]
+
+    def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        return self.reserved.pop(request_id, None) is not None
+
+
+class FakePrefill(_Leader):
+    """Emits the first scripted token right after ``prefill``."""
+
+    def __init__(self, name="prefill-0") -> None:
+        super().__init__(name, "prefill")
+
+    def prefill(self, spec, reservation) -> None:
+        self.calls.append(("prefill", spec.request_id, reservation.decode_instance))
+        first = expected_tokens(spec.prompt_token_ids, 1)[0]
+        done = "length" if spec.sampling.max_tokens == 1 else None
+        self.emit(spec.request_id, (first,), done, source="prefill")
+
+
+class FakeColocated(_Leader):
+    def __init__(self, name="colocated-0") -> None:
+        super().__init__(name, "colocated")
+        self.report_finish = True  # False: never sets finish_reason, streams past max_tokens
+
+    def generate(self, spec) -> None:
+        self.calls.append(("generate", spec.request_id))
+        toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens,
+                               spec.sampling.ignore_eos)
+        if not self.report_finish:
+            toks = toks + [5, 6]
+        for i, tok in enumerate(toks):
+            last = i == len(toks) - 1 and self.report_finish
+            self.emit(spec.request_id, (tok,), "length" if last else None)

