@@ -159,7 +159,8 @@ class InstanceConfig:
         max_num_seqs: most requests in the running batch.
         device: "cpu", "cuda" or "npu".
         dist_backend: "gloo", "nccl" or "hccl" (TP groups and KV pair groups).
-        bind_host: address the rank's stores listen on (127.0.0.1 on one machine).
+        bind_host: address the rank's stores listen on (127.0.0.1 on one machine; empty: the
+            node's IP as Ray reports it, for multi-node clusters).
         *_timeout_s: KV transfer bounds (seconds), see kv_transfer.TransferConfig.
         step_timeout_s: bound on one SPMD step across the instance's ranks (seconds).
     """

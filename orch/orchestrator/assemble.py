@@ -33,7 +33,7 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any]) -> Flow:
         leaders["prefill"], leaders["decode"],
         make_policy(policy, [l.name for l in leaders["prefill"]]),
         make_policy(policy, [l.name for l in leaders["decode"]]),
-        AdmissionQueue(cfg.router.max_pending))
+        AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp)
 
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,

@@ -187,7 +187,8 @@ class OrchConfig(_Section):
             max_num_seqs=self.decode.max_num_seqs, device=self.device(),
             dist_backend=self.dist_backend(), connect_timeout_s=kv.connect_timeout_s,
             header_timeout_s=kv.header_timeout_s, payload_timeout_s=kv.payload_timeout_s,
-            completion_timeout_s=kv.completion_timeout_s)
+            completion_timeout_s=kv.completion_timeout_s,
+            bind_host="127.0.0.1" if not self.cluster.address else "")
 
 
 def _check_backend(backend: str, device: str) -> None:

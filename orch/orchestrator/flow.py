@@ -102,12 +102,14 @@ class DisaggregatedFlow(Flow):
         prefill, decode: leaders of each role.
         prefill_policy, decode_policy: instance choice per role.
         admission: bounded queue of requests waiting for decode KV blocks.
+        prefill_tp: TP size of every prefill instance (decode ranks plan their receives by it).
     """
 
     def __init__(self, prefill: list[LeaderClient], decode: list[LeaderClient],
                  prefill_policy: Policy, decode_policy: Policy,
-                 admission: AdmissionQueue) -> None:
+                 admission: AdmissionQueue, prefill_tp: int = 1) -> None:
         super().__init__(decode, decode_policy)
+        self.prefill_tp = prefill_tp
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
@@ -143,7 +145,7 @@ class DisaggregatedFlow(Flow):
         self.policy.acquire(name, spec.max_total_tokens)
         answer = None
         try:
-            answer = await _call_or_fail(self.main[name], "reserve", spec)
+            answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp)
         except (RequestError, asyncio.CancelledError):
             # NOTE: a reserve that timed out or was cancelled may still have reserved.
             await _abort_quietly(self.main[name], spec.request_id)

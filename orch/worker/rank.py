@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -49,6 +50,13 @@ class RankBase(ABC):
         self._wake = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
+        if not cfg.bind_host:  # multi-node: listen on this node's address
+            import ray
+
+            self.cfg = cfg = replace(cfg, bind_host=ray.util.get_node_ip_address())
+        if cfg.bind_host == "127.0.0.1":
+            # NOTE: keep Gloo's sockets on loopback too (it otherwise resolves the hostname).
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(max(1, int(os.environ.get("ORCH_TORCH_THREADS", "1"))))
 
     # ---- bring-up -----------------------------------------------------------------------

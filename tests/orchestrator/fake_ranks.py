@@ -76,7 +76,7 @@ class PrefillRank(_FakeRank):
 
 
 class DecodeRank(_FakeRank):
-    def reserve(self, spec):
+    def reserve(self, spec, prefill_tp=1):
         self._specs[spec.request_id] = spec
         return Reservation(spec.request_id, self.cfg.name, (0,), self.cfg.block_size,
                            tuple(KVPeer(self.cfg.name, r, "127.0.0.1", 1)

@@ -90,7 +90,7 @@ class FakeDecode(_Leader):
         self.reserved: dict[str, object] = {}
         self.error_after_admit: str | None = None
 
-    def reserve(self, spec):
+    def reserve(self, spec, prefill_tp=1):
         self.calls.append(("reserve", spec.request_id))
         if self.never_fits:
             return Rejection(spec.request_id, "needs 999 blocks, instance has 8: shorten it",
