@@ -22,7 +22,7 @@ from typing import Any
 
 from orch.messages import InstanceConfig
 from orch.orchestrator.config import OrchConfig
-from orch.orchestrator.placement import STRATEGY, rank_bundle
+from orch.orchestrator.placement import STRATEGY, rank_bundle, role_resources
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
     import ray
     from ray.util.placement_group import placement_group
 
-    bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank)
+    bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank, role_resources(cfg, inst.role))
     pg = placement_group([dict(bundle) for _ in range(inst.tp)], strategy=STRATEGY,
                          name=f"orch-{inst.name}")
     try:

@@ -68,6 +68,9 @@ class PrefillSection(_Section):
     chunk_size: int = Field(512, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
+    # (e.g. {"prefill_node": 0.01} with `ray start --resources '{"prefill_node": 1}'`).
+    ray_resources: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _chunk_fits_batch(self) -> "PrefillSection":
@@ -86,6 +89,8 @@ class DecodeSection(_Section):
     tp: int = Field(1, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    # Extra Ray resources every decode rank's bundle asks for (see PrefillSection).
+    ray_resources: dict[str, float] = Field(default_factory=dict)
 
 
 class KVTransferSection(_Section):

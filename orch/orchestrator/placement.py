@@ -15,12 +15,19 @@ STRATEGY = "STRICT_PACK"
 _ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
 
 
-def rank_bundle(device: str, cpus_per_rank: float) -> dict[str, float]:
-    """Resources of one rank (one bundle of its instance's placement group)."""
-    bundle: dict[str, float] = {"CPU": cpus_per_rank}
+def rank_bundle(device: str, cpus_per_rank: float,
+                extra: dict[str, float] | None = None) -> dict[str, float]:
+    """Resources of one rank (one bundle of its instance's placement group); ``extra``: the
+    role's ``ray_resources`` (custom node labels)."""
+    bundle: dict[str, float] = {"CPU": cpus_per_rank, **(extra or {})}
     if device in _ACCELERATOR:
         bundle[_ACCELERATOR[device]] = 1
     return bundle
+
+
+def role_resources(cfg: OrchConfig, role: str) -> dict[str, float]:
+    """The configured extra Ray resources of ``role`` (colocated uses the decode section)."""
+    return dict((cfg.prefill if role == "prefill" else cfg.decode).ray_resources)
 
 
 def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list[str]:
@@ -30,7 +37,8 @@ def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list
              f"{cfg.cluster.address or 'embedded local (started by orch up)'}"]
     totals: dict[str, float] = {}
     for inst in instances:
-        bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank)
+        bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank,
+                             role_resources(cfg, inst.role))
         lines.append(f"{inst.name}: tp={inst.tp}, placement group {STRATEGY} with {inst.tp} "
                      f"bundle(s) of {bundle}, kv blocks {inst.num_kv_blocks} x "
                      f"{inst.block_size} tokens")
