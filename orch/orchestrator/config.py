@@ -122,6 +122,9 @@ class ClusterSection(_Section):
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     cpus_per_rank: float = Field(1.0, gt=0)
     startup_timeout_s: float = Field(600.0, gt=0)
+    # Address the ranks' rendezvous stores (TP and KV pairs) listen on. "" = 127.0.0.1 with
+    # the embedded Ray, else each node's IP as Ray reports it.
+    bind_host: str = ""
 
 
 class OrchConfig(_Section):
@@ -193,7 +196,7 @@ class OrchConfig(_Section):
             dist_backend=self.dist_backend(), connect_timeout_s=kv.connect_timeout_s,
             header_timeout_s=kv.header_timeout_s, payload_timeout_s=kv.payload_timeout_s,
             completion_timeout_s=kv.completion_timeout_s,
-            bind_host="127.0.0.1" if not self.cluster.address else "")
+            bind_host=self.cluster.bind_host or ("" if self.cluster.address else "127.0.0.1"))
 
 
 def _check_backend(backend: str, device: str) -> None:

@@ -138,3 +138,17 @@ class OrchProcess:
         with grpc.insecure_channel(self.address) as channel:
             return orch_pb2_grpc.OrchStub(channel).GetStatus(orch_pb2.GetStatusRequest(),
                                                              timeout=30)
+
+
+def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:
+    """Every instance: all blocks free, nothing queued or running; router: nothing in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = orch.status()
+        busy = [i for i in status.instances
+                if i.free_blocks != i.total_blocks or i.queue_depth or i.running]
+        if not busy and status.in_flight == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout_s} s: {status}")
+        time.sleep(0.5)

@@ -11,38 +11,8 @@ import grpc
 import pytest
 
 from orch.proto import orch_pb2, orch_pb2_grpc
-from tests.e2e.harness import REPO, OrchProcess, sharegpt_prompts
-
-NUM_REQUESTS = 16
-MAX_TOKENS = 12
-
-
-def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:
-    """Every instance: all blocks free, nothing queued or running; router: nothing in flight."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = orch.status()
-        busy = [i for i in status.instances
-                if i.free_blocks != i.total_blocks or i.queue_depth or i.running]
-        if not busy and status.in_flight == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout_s} s: {status}")
-        time.sleep(0.5)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return sharegpt_prompts(NUM_REQUESTS)
-
-
-@pytest.fixture(scope="module")
-def colocated_outputs(tmp_path_factory, prompts):
-    with OrchProcess(REPO / "configs" / "colocated.yaml",
-                     tmp_path_factory.mktemp("colocated")) as orch:
-        outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
-        wait_idle(orch)
-    return outputs
+from tests.e2e.conftest import MAX_TOKENS
+from tests.e2e.harness import REPO, OrchProcess, wait_idle
 
 
 @pytest.fixture(scope="module")
