@@ -17,6 +17,7 @@ to time out on an idle pair: a timed-out gloo wait closes the pair).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
@@ -59,10 +60,11 @@ class PairGroup:
     peer_layout: dict
     bells: int = 0
 
-    def ring(self, header_len: int) -> None:
+    def ring(self, header_len: int, what: str) -> None:
         """Prefill side: announce the next transfer (its header length in bytes)."""
         self.bells += 1
-        self.store.set(f"{self.prefix}/bell/{self.bells}", str(header_len))
+        with self._errors(what):
+            self.store.set(f"{self.prefix}/bell/{self.bells}", str(header_len))
 
     def wait_bell(self, stop: threading.Event, poll_s: float) -> int | None:
         """Decode side: header length of the next transfer; None once ``stop`` is set."""
@@ -80,21 +82,27 @@ class PairGroup:
 
     def send(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
         """Send ``tensors`` in order to the peer; all posted before waiting (bounded)."""
-        works = [self.group.send([t], 1 - self.rank, 0) for t in tensors]
-        for work in works:
-            self._wait(work, timeout_s, what)
+        with self._errors(what):
+            works = [self.group.send([t], 1 - self.rank, 0) for t in tensors]
+            for work in works:
+                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 
     def recv(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
         """Receive into ``tensor`` (shape/dtype must match what the peer sends; bounded)."""
-        self._wait(self.group.recv([tensor], 1 - self.rank, 0), timeout_s, what)
-
-    def _wait(self, work: dist.Work, timeout_s: float, what: str) -> None:
-        try:
+        with self._errors(what):
+            work = self.group.recv([tensor], 1 - self.rank, 0)
             self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+
+    @contextlib.contextmanager
+    def _errors(self, what: str):
+        """Turn backend/store errors into TransferError naming the pair and the record."""
+        try:
+            yield
         except TransferTimeout:
             raise
-        except RuntimeError as exc:
-            raise TransferError(f"{self.name}: {what} failed: {_first_line(exc)}") from exc
+        except Exception as exc:  # gloo/store errors are RuntimeError subclasses
+            raise TransferError(f"{self.name}: {what} failed: {_first_line(exc)} (the peer "
+                                "died or closed the pair; it is remade on next use)") from exc
 
 
 def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: dict,

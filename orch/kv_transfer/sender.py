@@ -129,37 +129,42 @@ class SenderChannel:
     def _handle(self, task: SendTask) -> None:
         header = task.header
         rid = header.request_id
-        error = self._failed(rid) or self._mismatch_for(task)
-        if error is not None and header.kind != wire.ABORT:
-            if rid in self._aborted:
+        failed = self._failed(rid)
+        if failed is not None:
+            # NOTE: the request already failed (here or on another pair): tell the peer once,
+            # only if its pair is up; never reconnect to a peer for a lost cause.
+            if self._pair is None or self._pair_peer != task.peer or rid in self._aborted:
                 return
-            header = wire.Header(kind=wire.ABORT, request_id=rid, prefill_rank=self._rank,
-                                 fingerprint=header.fingerprint, error=error)
-        if header.kind == wire.ABORT and rid in self._aborted:
-            return
-        self._ensure(task.peer)
+            header = self._abort_header(header, failed)
+        else:
+            self._ensure(task.peer)
+            if self._mismatch is not None:
+                self._fail(rid, self._mismatch)
+                if rid in self._aborted:
+                    return
+                header = self._abort_header(header, self._mismatch)
         self._active.add(rid)
         if header.kind == wire.DATA:
             self._send_data(header, task.src_slots)
-        else:
-            raw = wire.encode_header(header)
-            self._pair.ring(len(raw))
-            self._pair.send([self._bytes_tensor(raw)], self._config.header_timeout_s,
-                            f"{header.kind} record of request {rid}")
-            self._active.discard(rid)
-            if header.kind == wire.ABORT:
-                self._aborted.add(rid)
+            return
+        raw = wire.encode_header(header)
+        what = f"{header.kind} record of request {rid}"
+        self._pair.ring(len(raw), what)
+        self._pair.send([self._bytes_tensor(raw)], self._config.header_timeout_s, what)
+        self._active.discard(rid)
+        if header.kind == wire.ABORT:
+            self._aborted.add(rid)
+
+    def _abort_header(self, header: wire.Header, error: str) -> wire.Header:
+        if header.kind == wire.ABORT:
+            return header
+        return wire.Header(kind=wire.ABORT, request_id=header.request_id,
+                           prefill_rank=self._rank, fingerprint=header.fingerprint, error=error)
 
     def _bytes_tensor(self, raw: bytes) -> torch.Tensor:
         """Header bytes as a uint8 tensor on the cache's device (NCCL/HCCL send device memory)."""
         device = getattr(self._cache, "k_caches")[0].device
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-
-    def _mismatch_for(self, task: SendTask) -> str | None:
-        self._ensure(task.peer)
-        if self._mismatch is not None:
-            self._fail(task.header.request_id, self._mismatch)
-        return self._mismatch
 
     def _send_data(self, header: wire.Header, src_slots: torch.Tensor) -> None:
         heads = _local_heads(self._layout, self._rank, header.head_range())
@@ -168,9 +173,10 @@ class SenderChannel:
                 for spec in self._layout.buffers]  # K then V, each [Ly, T, *D]
         t1 = time.perf_counter()
         raw = wire.encode_header(header)
-        self._pair.ring(len(raw))
-        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
-                f"tokens [{header.token_start}, {header.token_end})")
+        what = (f"data record of request {header.request_id} layers "
+                f"{header.layers[0]}..{header.layers[-1]} tokens "
+                f"[{header.token_start}, {header.token_end})")
+        self._pair.ring(len(raw), what)
         self._pair.send([self._bytes_tensor(raw), *bufs], self._config.payload_timeout_s, what)
         nbytes = sum(b.numel() * b.element_size() for b in bufs)
         self._stats.add(gather_s=t1 - t0, wire_s=time.perf_counter() - t1, nbytes=nbytes)
