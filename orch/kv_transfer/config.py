@@ -1,0 +1,34 @@
+"""Configuration of the KV transfer layer (one frozen dataclass, validated when built)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Bounded waits of the KV transfer layer, in seconds.
+
+    Attributes:
+        connect_timeout_s: rendezvous with the decode rank's TCPStore and building the 2-rank
+            process group of a pair (both sides).
+        header_timeout_s: after a doorbell rang, receiving the msgpack header.
+        payload_timeout_s: sending or receiving one K or V payload (one transfer).
+        completion_timeout_s: decode side, from ``expect()`` until every planned layer and
+            every ``done`` record arrived; prefill side, the default bound of ``wait_idle``.
+        poll_interval_s: longest sleep between doorbell checks of an idle receiver and between
+            stop-flag checks of idle threads (latency of the first transfer after idle).
+    """
+
+    connect_timeout_s: float = 30.0
+    header_timeout_s: float = 30.0
+    payload_timeout_s: float = 60.0
+    completion_timeout_s: float = 120.0
+    poll_interval_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "header_timeout_s", "payload_timeout_s",
+                     "completion_timeout_s", "poll_interval_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"TransferConfig.{name} must be > 0 seconds, got {value}")

@@ -1,0 +1,126 @@
+"""Decode side: one receiver thread per pair generation.
+
+Loop: wait for the doorbell (polling the store; stops at once when asked), receive the
+header (``header_timeout_s``), then for a data record the K and V payloads
+(``payload_timeout_s``) into staging buffers, and scatter them into the destination slots if
+the :class:`~orch.kv_transfer.tracker.RequestTracker` still allows writing the request.
+Payloads of unknown, failed or released requests are read and dropped, so the channel stays
+in step.
+
+Any pair error (dead peer, timeout, bad header) ends the thread and fails the requests the
+generation carried records for; the prefill side remakes the pair with a new generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from orch.kv_transfer import pair as pairs
+from orch.kv_transfer import payload, wire
+from orch.kv_transfer.backend import PairBackend
+from orch.kv_transfer.config import TransferConfig
+from orch.kv_transfer.errors import TransferError
+from orch.kv_transfer.layout import KVLayout
+from orch.kv_transfer.tracker import RequestTracker
+
+log = logging.getLogger(__name__)
+
+
+class ReceiverChannel:
+    """Receiver of one generation of pair (prefill ``announce.instance/rank`` -> this rank)."""
+
+    def __init__(self, host: str, port: int, announce: wire.Announce, me: str, rank: int,
+                 cache: object, layout: KVLayout, backend: PairBackend,
+                 config: TransferConfig, tracker: RequestTracker,
+                 stats: payload.PayloadStats) -> None:
+        self.link = (f"prefill {announce.instance}/{announce.rank}", announce.generation)
+        self._host, self._port, self._announce, self._me = host, port, announce, me
+        self._rank, self._cache, self._layout = rank, cache, layout
+        self._backend, self._config = backend, config
+        self._tracker, self._stats = tracker, stats
+        self._device = cache.k_caches[0].device
+        self._num_slots = cache.k_caches[0].shape[0] * cache.k_caches[0].shape[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, daemon=True,
+            name=f"kv-recv-{announce.instance}/{announce.rank}-g{announce.generation}->{me}")
+        self._thread.start()
+
+    @property
+    def generation(self) -> int:
+        return self._announce.generation
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Ask the thread to stop (it finishes the record in flight, bounded)."""
+        self._stop.set()
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            group = pairs.accept(self._host, self._port, self._announce, self._me,
+                                 self._backend, self._config)
+            while not self._stop.is_set():
+                length = group.wait_bell(self._stop, self._config.poll_interval_s)
+                if length is None:
+                    break
+                self._receive(group, length)
+        except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
+            log.warning("KV pair lost: %s", exc)
+            self._tracker.on_link_lost(self.link, f"{self.link[0]} -> decode {self._me}: "
+                                       f"pair lost: {exc}")
+
+    def _receive(self, group: pairs.PairGroup, length: int) -> None:
+        raw = torch.empty(length, dtype=torch.uint8, device=self._device)
+        group.recv(raw, self._config.header_timeout_s, "header")
+        header = wire.decode_header(raw.cpu().numpy().tobytes())
+        if header.kind == wire.DONE:
+            self._tracker.on_done(self.link, header)
+        elif header.kind == wire.ABORT:
+            self._tracker.on_abort(self.link, header)
+        else:
+            self._receive_data(group, header)
+
+    def _receive_data(self, group: pairs.PairGroup, header: wire.Header) -> None:
+        if header.fingerprint != self._layout.fingerprint():
+            raise TransferError(f"{group.name}: data record with layout fingerprint "
+                                f"{header.fingerprint}, this rank has "
+                                f"{self._layout.fingerprint()}: configs differ")
+        t0 = time.perf_counter()
+        heads = header.head_range()
+        bufs = [torch.empty((len(header.layers), header.n_tokens,
+                             *self._layout.token_dims(spec, heads)),
+                            dtype=self._layout.torch_dtype, device=self._device)
+                for spec in self._layout.buffers]
+        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
+                f"tokens [{header.token_start}, {header.token_end})")
+        for buf in bufs:
+            group.recv(buf, self._config.payload_timeout_s, what)
+        t1 = time.perf_counter()
+        req = self._tracker.admit(self.link, header, self._num_slots)
+        if req is None:
+            return
+        local = self._local_heads(heads)
+        slots = header.dst_slots.to(self._device)
+
+        def scatter() -> None:
+            for spec, buf in zip(self._layout.buffers, bufs):
+                payload.scatter(self._cache, spec.name, header.layers, local, slots, buf)
+        self._tracker.write(req, header, scatter)
+        nbytes = sum(b.numel() * b.element_size() for b in bufs)
+        self._stats.add(scatter_s=time.perf_counter() - t1, wire_s=t1 - t0, nbytes=nbytes)
+
+    def _local_heads(self, heads: range | None) -> slice | None:
+        if heads is None:
+            return None
+        mine = self._layout.heads_of(self._rank)
+        return slice(heads.start - mine.start, heads.stop - mine.start)

@@ -1,0 +1,188 @@
+"""Multi-process harness for KV transfer tests: spawned prefill and decode rank processes.
+
+Every process rebuilds the same reference data from a seed (prefill cache contents and both
+block tables), so a decode rank can check, slot by slot, that what arrived equals what the
+prefill cache held. Each process reports ``(role, rank, error_or_None, info)`` on a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.multiprocessing as mp
+
+from orch.engine.block_pool import slot_mapping
+from orch.engine.kv_cache import KVCache, KVCacheSpec
+from orch.kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
+                              build_transfer_plan)
+
+RID = "req-1"
+CTX = mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One transfer: shapes, tps, chunking, what each side does."""
+
+    prefill_tp: int
+    decode_tp: int
+    num_layers: int = 3
+    num_tokens: int = 37
+    chunks: tuple[tuple[int, int], ...] = ((0, 16), (16, 32), (32, 37))
+    prefill_block: int = 4
+    decode_block: int = 8
+    prefill_blocks: int = 24
+    decode_blocks: int = 12
+    kv_lora_rank: int = 16
+    rope_dim: int = 8
+    prefill_dtype: str = "float32"
+    decode_dtype: str = "float32"
+    timeouts: dict = field(default_factory=dict)
+    kill_prefill_after_chunks: int | None = None  # prefill rank 0 exits after these chunks
+
+
+def prefill_spec(s: Scenario) -> KVCacheSpec:
+    return KVCacheSpec(s.num_layers, s.prefill_blocks, s.prefill_block, s.kv_lora_rank,
+                       s.rope_dim, getattr(torch, s.prefill_dtype))
+
+
+def decode_spec(s: Scenario) -> KVCacheSpec:
+    return KVCacheSpec(s.num_layers, s.decode_blocks, s.decode_block, s.kv_lora_rank,
+                       s.rope_dim, getattr(torch, s.decode_dtype))
+
+
+def block_table(num_blocks: int, needed: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randperm(num_blocks, generator=gen)[:needed].tolist())
+
+
+def reference_prefill_cache(s: Scenario) -> KVCache:
+    """Prefill cache with random contents (identical on every prefill rank: MLA)."""
+    cache = KVCache(prefill_spec(s))
+    gen = torch.Generator().manual_seed(1234)
+    for t in cache.k_caches + cache.v_caches:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return cache
+
+
+def slots(s: Scenario, side: str, start: int, end: int) -> torch.Tensor:
+    if side == "prefill":
+        table = block_table(s.prefill_blocks, -(-s.num_tokens // s.prefill_block), 7)
+        return slot_mapping(table, start, end, s.prefill_block)
+    table = block_table(s.decode_blocks, -(-s.num_tokens // s.decode_block), 11)
+    return slot_mapping(table, start, end, s.decode_block)
+
+
+def check_received(s: Scenario, cache: KVCache) -> None:
+    """Every request slot equals the prefill slot; every other slot is still zero."""
+    ref = reference_prefill_cache(s)
+    src, dst = slots(s, "prefill", 0, s.num_tokens), slots(s, "decode", 0, s.num_tokens)
+    for layer in range(s.num_layers):
+        for name in ("k", "v"):
+            got = getattr(cache, f"flat_{name}")(layer)
+            want = getattr(ref, f"flat_{name}")(layer)[src]
+            assert torch.equal(got[dst], want), f"layer {layer} {name} differs"
+            others = torch.ones(got.shape[0], dtype=torch.bool)
+            others[dst] = False
+            assert not got[others].any(), f"layer {layer} {name}: stray writes"
+
+
+def kv_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def run_ranks(targets: list[tuple], timeout_s: float = 60.0) -> dict:
+    """Start ``(fn, args)`` processes; return ``{(role, rank): (error, info)}``; kill leftovers."""
+    results = CTX.Queue()
+    procs = [CTX.Process(target=_entry, args=(fn, args, results), daemon=True)
+             for fn, args in targets]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < len(procs) and time.monotonic() < deadline:
+            try:
+                role, rank, err, info = results.get(timeout=0.5)
+                out[(role, rank)] = (err, info)
+            except queue.Empty:
+                pass
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+def _entry(fn, args, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    role, rank = args[0], args[1]
+    try:
+        info = fn(*args)
+        results.put((role, rank, None, info))
+    except BaseException:  # noqa: BLE001 - report to the parent
+        results.put((role, rank, traceback.format_exc(), None))
+
+
+def decode_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> dict:
+    """Expect RID, publish the address, check partial then full arrival, slot by slot."""
+    spec = decode_spec(s)
+    cache = KVCache(spec)
+    layout = KVLayout.from_spec(spec, "tiny-mla", s.decode_tp)
+    conn = DecodeKVConnector(cache, layout, "d0", rank, TransferConfig(**s.timeouts))
+    conn.expect(RID, s.num_tokens, s.prefill_tp)
+    for q in addr_qs:
+        q.put((rank, conn.address))
+    pairs = len(build_transfer_plan(s.prefill_tp, s.decode_tp, s.num_layers).recvs_to(rank))
+    wait_for(lambda: conn.stats.snapshot()["transfers"] >= pairs * (len(s.chunks) - 1), 30,
+             "first chunks scattered")
+    assert not conn.is_complete(RID), "complete before the last chunk was sent"
+    barrier.wait(30)
+    wait_for(lambda: conn.is_complete(RID) or conn.failure(RID), 30, "completion")
+    assert conn.failure(RID) is None, conn.failure(RID)
+    check_received(s, cache)
+    conn.release(RID)
+    conn.close()
+    assert kv_threads() == [], kv_threads()
+    return conn.stats.snapshot()
+
+
+def prefill_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> dict:
+    """Send RID in chunks (the last one after the barrier), then done; wait idle."""
+    spec = prefill_spec(s)
+    layout = KVLayout.from_spec(spec, "tiny-mla", s.prefill_tp)
+    conn = PrefillKVConnector(reference_prefill_cache(s), layout, "p0", rank, s.prefill_tp,
+                              TransferConfig(**s.timeouts))
+    peers = receive_peers(addr_qs[rank], s.decode_tp)
+    for i, (a, b) in enumerate(s.chunks):
+        if i == len(s.chunks) - 1:
+            barrier.wait(30)
+        conn.send_chunk(RID, peers, a, b, slots(s, "prefill", a, b), slots(s, "decode", a, b))
+    conn.finish(RID, peers, s.num_tokens)
+    conn.wait_idle(RID, 30)
+    assert conn.failure(RID) is None, conn.failure(RID)
+    conn.close()
+    assert kv_threads() == [], kv_threads()
+    return conn.stats.snapshot()
+
+
+def receive_peers(addr_q, decode_tp: int) -> list[tuple]:
+    got = dict(addr_q.get(timeout=30) for _ in range(decode_tp))
+    return [("d0", d, *got[d]) for d in range(decode_tp)]

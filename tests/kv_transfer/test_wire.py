@@ -1,0 +1,66 @@
+"""Wire schema: round trips and rejection of malformed headers."""
+
+import msgpack
+import pytest
+import torch
+
+from orch.kv_transfer import wire
+from orch.kv_transfer.errors import WireError
+
+
+def test_data_header_round_trip():
+    slots = torch.tensor([5, 6, 7, 40, 2**40], dtype=torch.int64)
+    h = wire.Header(kind=wire.DATA, request_id="r-1", prefill_rank=3, fingerprint="ab" * 8,
+                    layers=(0, 2, 9), heads=(2, 4), token_start=10, token_end=15,
+                    dst_slots=slots)
+    back = wire.decode_header(wire.encode_header(h))
+    assert back == h
+    assert torch.equal(back.dst_slots, slots) and back.head_range() == range(2, 4)
+
+
+def test_done_and_abort_round_trip():
+    done = wire.Header(kind=wire.DONE, request_id="r", prefill_rank=0, fingerprint="f",
+                       num_tokens=77)
+    assert wire.decode_header(wire.encode_header(done)) == done
+    abort = wire.Header(kind=wire.ABORT, request_id="r", prefill_rank=1, fingerprint="f",
+                        error="client cancelled")
+    back = wire.decode_header(wire.encode_header(abort))
+    assert back.error == "client cancelled" and back.dst_slots is None
+
+
+def _raw(**over):
+    h = wire.Header(kind=wire.DATA, request_id="r", prefill_rank=0, fingerprint="f",
+                    layers=(1,), token_start=0, token_end=2,
+                    dst_slots=torch.tensor([1, 2]))
+    m = msgpack.unpackb(wire.encode_header(h))
+    m.update(over)
+    return msgpack.packb(m, use_bin_type=True)
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"v": 2}, "schema version"),
+    ({"kind": "bogus"}, "unknown record kind"),
+    ({"slots": b"\x00" * 7}, "multiple of 8"),
+    ({"slots": b"\x00" * 8}, "1 slots for 2 tokens"),
+    ({"layers": []}, "must be non-empty"),
+    ({"t1": 0}, "must be non-empty"),
+])
+def test_malformed_headers_are_rejected(over, match):
+    with pytest.raises(WireError, match=match):
+        wire.decode_header(_raw(**over))
+
+
+def test_garbage_and_missing_fields():
+    with pytest.raises(WireError, match="malformed"):
+        wire.decode_header(b"\xc1\xff")
+    m = msgpack.unpackb(_raw())
+    del m["rid"]
+    with pytest.raises(WireError, match="malformed"):
+        wire.decode_header(msgpack.packb(m))
+
+
+def test_handshake_messages():
+    a = wire.Announce(instance="p0", rank=2, generation=5, layout={"model": "m"})
+    assert wire.unpack(wire.pack(a), wire.Announce) == a
+    with pytest.raises(WireError):
+        wire.unpack(b"\x80", wire.Ack)
