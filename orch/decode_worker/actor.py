@@ -47,6 +47,7 @@ class DecodeRank(LeaderRank):
             self.pending: dict[str, tuple[Request, float]] = {}  # reserved, KV not yet complete
             self.admitted: dict[str, float] = {}  # request id -> monotonic admit time
             self.peers_kv: tuple[KVPeer, ...] = ()
+            self.kv_failures = 0  # requests failed for missing or broken KV
 
     # ---- every rank ---------------------------------------------------------------------
     def kv_peer(self) -> KVPeer:
@@ -161,6 +162,7 @@ class DecodeRank(LeaderRank):
                     f"KV for the prompt did not reach every rank of {self.cfg.name} within "
                     f"{self.cfg.completion_timeout_s} s of the first token")
                 if self._drop_pending(rid) is not None:
+                    self.kv_failures += 1
                     self.emit(TokenEvent(rid, (), "error", why, self.source, self.cfg.name))
                 changed = True
             elif None not in per_rank and rid in self.admitted:
@@ -184,6 +186,9 @@ class DecodeRank(LeaderRank):
 
     def num_active(self) -> int:
         return super().num_active() + len(self.pending)
+
+    def transfer_stats(self) -> dict:
+        return {"kv_failures": self.kv_failures}
 
     def fail_all(self, error: str) -> None:
         super().fail_all(error)

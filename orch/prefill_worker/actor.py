@@ -69,7 +69,7 @@ class PrefillRank(LeaderRank):
     # ---- every rank ---------------------------------------------------------------------
     def after_step(self, steps: list, extra: list[ChunkTransfer] | None):
         for t in extra or ():
-            peers = list(t.peers)
+            peers = _peer_tuples(t.peers)
             self.connector.send_chunk(t.request_id, peers, t.start, t.end, t.src_slots,
                                       t.dst_slots)
             if t.last:
@@ -90,7 +90,11 @@ class PrefillRank(LeaderRank):
         return out
 
     def abort_kv(self, request_id: str, peers: tuple[KVPeer, ...]) -> None:
-        self.connector.abort(request_id, list(peers))
+        self.connector.abort(request_id, _peer_tuples(peers))
+
+    def kv_bytes_sent(self) -> int:
+        """K + V payload bytes this rank has sent."""
+        return self.connector.stats.snapshot()["bytes"]
 
     def close_role(self) -> None:
         self.connector.close()
@@ -170,5 +174,9 @@ class PrefillRank(LeaderRank):
                                      self.cfg.name))
 
     def transfer_stats(self) -> dict:
-        stats = getattr(self.connector, "stats", None)
-        return dict(stats()) if callable(stats) else {}
+        return {"kv_bytes_sent": sum(self.call_all("kv_bytes_sent"))}
+
+
+def _peer_tuples(peers: tuple[KVPeer, ...]) -> list[tuple[str, int, str, int]]:
+    """Decode ranks as the connector takes them: ``(instance, rank, host, port)``."""
+    return [(p.instance, p.rank, p.host, p.port) for p in peers]

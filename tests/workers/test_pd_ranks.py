@@ -1,0 +1,131 @@
+"""Prefill and decode rank actors in one process (TP=1 each, no Ray), driven as the router
+drives them: reserve -> prefill -> first token -> admit -> decode. Outputs equal a solo greedy
+run; every block on both sides is freed exactly once; abort paths leave nothing behind."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from orch.decode_worker.actor import DecodeRank
+from orch.engine.runner import ModelRunner
+from orch.engine.sampling import SamplingParams
+from orch.engine.tiny_checkpoint import write_tiny_checkpoint
+from orch.messages import InstanceConfig, Rejection, Reservation, RequestSpec
+from orch.prefill_worker.actor import PrefillRank
+from tests.engine.engine_drive import generate_greedy
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+def start(cls, ckpt, role, **kw):
+    cfg = InstanceConfig(name=f"{role}-0", role=role, tp=1, checkpoint_dir=str(ckpt),
+                         block_size=kw.pop("block_size", 4), num_kv_blocks=kw.pop("blocks", 64),
+                         chunk_size=8, max_num_batched_tokens=16, max_num_seqs=4,
+                         connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
+                         completion_timeout_s=kw.pop("completion_timeout_s", 20))
+    rank = cls(cfg, 0)
+    host, port = rank.open_tp_store()
+    rank.init_rank(host, port, [rank])
+    rank.start()
+    return rank
+
+
+@pytest.fixture
+def pd(ckpt):
+    prefill = start(PrefillRank, ckpt, "prefill")
+    decode = start(DecodeRank, ckpt, "decode", block_size=8)
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def wait_events(rank, rid, until, timeout_s=30.0):
+    """Events of ``rid`` until ``until(event)``; bounded."""
+    got, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for ev in rank.poll(0.1):
+            if ev.request_id == rid:
+                got.append(ev)
+                if until(ev):
+                    return got
+    raise AssertionError(f"{rid}: no final event within {timeout_s} s; got {got}")
+
+
+def run_pd(prefill, decode, spec):
+    res = decode.reserve(spec, 1)
+    assert isinstance(res, Reservation), res
+    prefill.prefill(spec, res)
+    (first,) = wait_events(prefill, spec.request_id, lambda e: True)
+    assert first.source == "prefill" and first.error is None, first
+    tokens = list(first.token_ids)
+    if first.finish_reason is not None:
+        decode.abort(spec.request_id)
+        return tokens, first.finish_reason
+    decode.admit(spec.request_id, tokens[0])
+    events = wait_events(decode, spec.request_id, lambda e: e.finish_reason is not None)
+    assert events[-1].error is None, events[-1]
+    return tokens + [t for e in events for t in e.token_ids], events[-1].finish_reason
+
+
+def wait_all_free(*ranks, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(r.pool.num_free_blocks == r.pool.num_blocks and r.num_active() == 0
+               for r in ranks):
+            return
+        time.sleep(0.05)
+    raise AssertionError([(r.cfg.name, r.status()) for r in ranks])
+
+
+def test_pd_matches_solo_greedy_and_frees_everything(pd, ckpt):
+    prefill, decode = pd
+    solo = ModelRunner(ckpt, num_kv_blocks=16, block_size=16)
+    for i, (n, m) in enumerate([(3, 5), (21, 6), (1, 4)]):
+        prompt = tuple(range(2000 + i, 2000 + i + n))
+        expected, _ = generate_greedy(solo, list(prompt), m, tuple(range(4)))
+        spec = RequestSpec(f"r{i}", prompt, SamplingParams(max_tokens=m, ignore_eos=True))
+        assert run_pd(prefill, decode, spec) == (expected, "length")
+    wait_all_free(prefill, decode)
+    assert prefill.status().kv_bytes_sent > 0
+    assert prefill.pool.num_live_sets == 0 and decode.pool.num_live_sets == 0
+
+
+def test_one_token_request_and_too_big_reservation(pd):
+    prefill, decode = pd
+    spec = RequestSpec("one", (5, 6, 7), SamplingParams(max_tokens=1))
+    tokens, reason = run_pd(prefill, decode, spec)
+    assert len(tokens) == 1 and reason == "length"
+    big = decode.reserve(RequestSpec("big", tuple(range(600)), SamplingParams(max_tokens=8)), 1)
+    assert isinstance(big, Rejection) and not big.retryable and "num_kv_blocks" in big.reason
+    wait_all_free(prefill, decode)
+
+
+def test_abort_mid_flight_frees_both_sides(pd):
+    prefill, decode = pd
+    spec = RequestSpec("ab", tuple(range(3000, 3030)),
+                       SamplingParams(max_tokens=40, ignore_eos=True))
+    res = decode.reserve(spec, 1)
+    prefill.prefill(spec, res)
+    assert prefill.abort("ab") in (True, False)  # may already have finished its prefill
+    assert decode.abort("ab")
+    wait_all_free(prefill, decode)
+
+
+def test_never_admitted_kv_fails_after_completion_timeout(ckpt):
+    decode = start(DecodeRank, ckpt, "decode", completion_timeout_s=0.5)
+    try:
+        spec = RequestSpec("lost", (1, 2, 3), SamplingParams(max_tokens=4))
+        assert isinstance(decode.reserve(spec, 1), Reservation)
+        decode.admit("lost", 9)  # prefill never sends: KV must not be waited on forever
+        (ev,) = wait_events(decode, "lost", lambda e: e.finish_reason is not None, 10)
+        assert ev.finish_reason == "error" and "0.5 s" in ev.error and "missing" in ev.error
+        wait_all_free(decode)
+    finally:
+        decode.shutdown()
