@@ -10,6 +10,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# NOTE: every Ray the tests start (here, in `orch up` subprocesses, in cluster_utils nodes)
+# treats 127.0.0.1 as the node address instead of resolving the machine's IP, so test
+# servers stay on loopback and a cluster started on 127.0.0.1 is joined on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 @pytest.fixture(scope="session")
 def ray_session():

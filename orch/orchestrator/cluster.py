@@ -94,6 +94,7 @@ def connect_ray(cfg: OrchConfig) -> bool:
     if ray.is_initialized():
         return False
     if cfg.cluster.address:
+        _check_reachable(cfg.cluster.address, timeout_s=10.0)
         ray.init(address=cfg.cluster.address)
         return False
     resources = {}
@@ -104,6 +105,26 @@ def connect_ray(cfg: OrchConfig) -> bool:
         resources["NPU"] = torch.npu.device_count()
     ray.init(num_cpus=os.cpu_count(), resources=resources or None, include_dashboard=False)
     return True
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections.
+
+    Raises:
+        BringUpError: nothing listens there within ``timeout_s`` seconds.
+    """
+    import socket
+
+    if address == "auto" or "://" in address or ":" not in address:
+        return  # ray resolves these itself
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise BringUpError(
+            f"cannot reach the Ray cluster at cluster.address {address!r} within {timeout_s:g} s "
+            f"({exc}): start it with `ray start --head` on that node, or fix the address "
+            "(empty = embedded local Ray)") from None
 
 
 def load_rank_classes() -> dict[str, type]:
