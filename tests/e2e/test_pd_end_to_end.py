@@ -49,7 +49,7 @@ def test_one_token_request_frees_the_decode_reservation(pd_server):
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(text="", max_tokens=4), "empty"),
-    (dict(token_ids=[1, 2, 10**7], max_tokens=4), "vocab"),
+    (dict(token_ids=[1, 2, 10**7], max_tokens=4), "out of range [0, 129280)"),
     (dict(text="hello", max_tokens=100000), "max_model_len"),
     (dict(text="hello", max_tokens=4, temperature=-1.0), "temperature"),
     (dict(text="hello", max_tokens=0), "max_tokens"),
