@@ -54,6 +54,9 @@ class OrchProcess:
         data = yaml.safe_load(Path(config).read_text())
         self.port = free_port()
         data.setdefault("router", {})["port"] = self.port
+        self.metrics_port = free_port() if data["router"].get("metrics_port") else None
+        if self.metrics_port:
+            data["router"]["metrics_port"] = self.metrics_port
         for key, value in (overrides or {}).items():
             node = data
             *path, last = key.split(".")
@@ -133,6 +136,22 @@ class OrchProcess:
         errors = [(err.code(), err.details()) for _, _, err in results if err is not None]
         assert not errors, f"requests failed: {errors}\n{self.log.read_text()[-3000:]}"
         return [tokens for tokens, _, _ in results]
+
+    def metrics(self) -> dict[str, float]:
+        """Scrape /metrics: sample name with labels -> value."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=10) as resp:
+            text = resp.read().decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
 
     def status(self) -> orch_pb2.GetStatusResponse:
         with grpc.insecure_channel(self.address) as channel:
