@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine_drive import blocks_for, generate_greedy
+from tests.engine.engine_drive import blocks_for, generate_greedy
 from orch.engine.kernels import KERNELS
 from orch.engine.runner import ModelRunner, SeqStep
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM
 
-from engine_drive import blocks_for, generate_greedy
+from tests.engine.engine_drive import blocks_for, generate_greedy
 from orch.engine.runner import ModelRunner, SeqStep
 
 BLOCK = 16

@@ -11,7 +11,7 @@ from orch.engine.kernels import KERNELS, KernelRegistry, reshape_and_cache_torch
 from orch.engine.model_config import ModelConfig
 from orch.engine.moe import MoEGate
 from orch.engine.platform import detect_platform
-from test_engine_model_config import V3
+from tests.engine.test_engine_model_config import V3
 
 
 def test_cpu_platform_and_env_override(monkeypatch):
