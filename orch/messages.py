@@ -139,6 +139,9 @@ class InstanceStatusInfo:
     outstanding_tokens: int = 0
     kv_bytes_sent: int = 0
     kv_failures: int = 0
+    # Per-pair KV transfer records closed since the previous status call:
+    # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
+    transfers: tuple[tuple[str, int, float, bool], ...] = ()
 
 
 @dataclass(frozen=True)

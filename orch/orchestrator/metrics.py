@@ -136,8 +136,12 @@ class RouterMetrics:
         self.rejected.labels(code=code).inc()
 
     def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
-        """Replace the per-instance snapshot (call after each status poll)."""
+        """Replace the per-instance snapshot (call after each status poll) and observe the
+        per-pair KV transfer records the statuses carry (each status carries its records once)."""
         self._instances.snapshot = tuple(statuses)
+        for status in statuses:
+            for pair, nbytes, seconds, ok in status.transfers:
+                self.observe_transfer(pair, nbytes, seconds, ok)
 
     def observe_transfer(self, pair: str, nbytes: int, seconds: float, ok: bool) -> None:
         """Record one KV transfer on ``pair`` (e.g. ``"prefill-0:0->decode-0:1"``): bytes and

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from orch.engine.block_pool import BlockSet, slot_mapping
 from orch.engine.scheduler import PREFILL, Request, SchedulerOutput
 from orch.messages import KVPeer, Reservation, RequestSpec, TokenEvent
+from orch.prefill_worker.transfer_log import TransferLog
 from orch.worker.kv import make_layout, make_transfer_config
 from orch.worker.leader import LeaderRank
 
@@ -61,6 +62,7 @@ class PrefillRank(LeaderRank):
         self.connector = PrefillKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
             self.cfg.tp, make_transfer_config(self.cfg))
+        self.transfer_log = TransferLog()
         if self.rank == 0:
             self.setup_leader()
             self.reservations: dict[str, Reservation] = {}
@@ -68,10 +70,16 @@ class PrefillRank(LeaderRank):
 
     # ---- every rank ---------------------------------------------------------------------
     def after_step(self, steps: list, extra: list[ChunkTransfer] | None):
+        per_token_layer = self.runner.kv_spec.bytes_per_token_per_layer
         for t in extra or ():
             peers = _peer_tuples(t.peers)
             self.connector.send_chunk(t.request_id, peers, t.start, t.end, t.src_slots,
                                       t.dst_slots)
+            for pp in self.connector.plan(len(peers)).sends_from(self.rank):
+                pair = f"{self.cfg.name}:{self.rank}->{t.peers[pp.decode_rank].instance}:" \
+                       f"{pp.decode_rank}"
+                self.transfer_log.add(t.request_id, pair,
+                                      len(pp.layers) * (t.end - t.start) * per_token_layer)
             if t.last:
                 self.connector.finish(t.request_id, peers, t.end)
         return None
@@ -85,9 +93,14 @@ class PrefillRank(LeaderRank):
             try:
                 self.connector.wait_idle(rid, timeout_s)
                 out[rid] = True
+                self.transfer_log.close(rid, ok=self.connector.failure(rid) is None)
             except TransferTimeout:
                 out[rid] = False
         return out
+
+    def take_transfer_log(self) -> tuple:
+        """This rank's closed per-pair transfer records since the last call."""
+        return self.transfer_log.take()
 
     def abort_kv(self, request_id: str, peers: tuple[KVPeer, ...]) -> None:
         self.connector.abort(request_id, _peer_tuples(peers))
@@ -174,7 +187,9 @@ class PrefillRank(LeaderRank):
                                      self.cfg.name))
 
     def transfer_stats(self) -> dict:
-        return {"kv_bytes_sent": sum(self.call_all("kv_bytes_sent"))}
+        records = [r for rank in self.call_all("take_transfer_log") for r in rank]
+        return {"kv_bytes_sent": sum(self.call_all("kv_bytes_sent")),
+                "transfers": tuple((r.pair, r.nbytes, r.seconds, r.ok) for r in records)}
 
 
 def _peer_tuples(peers: tuple[KVPeer, ...]) -> list[tuple[str, int, str, int]]:

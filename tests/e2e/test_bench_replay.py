@@ -52,3 +52,13 @@ def test_azure_replay_counts_match_trace_and_metrics(tmp_path):
     assert metrics["orch_prompt_tokens_total"] == total_in
     assert metrics["orch_ttft_seconds_count"] == N
     assert report["goodput"] > 0
+    # KV bytes per pair: P1 -> D2 sends every layer of every prompt token to both decode ranks.
+    from orch.engine.model_config import load_model_config
+    from orch.orchestrator.config import load_config
+
+    model = load_model_config(load_config(REPO / "configs" / "1p1d.yaml").model.checkpoint_dir())
+    per_token = model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 4
+    for rank in (0, 1):
+        pair = f"orch_kv_transfer_bytes_total{{pair=prefill-0:0->decode-0:{rank}}}"
+        assert metrics[pair] == total_in * per_token
+        assert metrics[f"orch_kv_transfer_seconds_count{{pair=prefill-0:0->decode-0:{rank}}}"] == N

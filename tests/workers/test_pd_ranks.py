@@ -93,7 +93,15 @@ def test_pd_matches_solo_greedy_and_frees_everything(pd, ckpt):
         spec = RequestSpec(f"r{i}", prompt, SamplingParams(max_tokens=m, ignore_eos=True))
         assert run_pd(prefill, decode, spec) == (expected, "length")
     wait_all_free(prefill, decode)
-    assert prefill.status().kv_bytes_sent > 0
+    status = prefill.status()
+    spec_ = prefill.runner.kv_spec
+    prompt_tokens = 3 + 21 + 1
+    expected = prompt_tokens * spec_.num_layers * spec_.bytes_per_token_per_layer
+    assert status.kv_bytes_sent == expected
+    assert [(p, n, ok) for p, n, _, ok in status.transfers] == [
+        ("prefill-0:0->decode-0:0", n * spec_.num_layers * spec_.bytes_per_token_per_layer, True)
+        for n in (3, 21, 1)]
+    assert prefill.status().transfers == ()  # each record is reported once
     assert prefill.pool.num_live_sets == 0 and decode.pool.num_live_sets == 0
 
 
