@@ -82,8 +82,16 @@ class PairGroup:
 
     def send(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
         """Send ``tensors`` in order to the peer; all posted before waiting (bounded)."""
+        self.wait_sent(self.post(tensors, what), timeout_s, what)
+
+    def post(self, tensors: list[torch.Tensor], what: str) -> list[dist.Work]:
+        """Post sends of ``tensors`` in order; the caller keeps them alive until waited."""
         with self._errors(what):
-            works = [self.group.send([t], 1 - self.rank, 0) for t in tensors]
+            return [self.group.send([t], 1 - self.rank, 0) for t in tensors]
+
+    def wait_sent(self, works: list[dist.Work], timeout_s: float, what: str) -> None:
+        """Wait (bounded, each) for sends returned by :meth:`post`."""
+        with self._errors(what):
             for work in works:
                 self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 
