@@ -76,6 +76,7 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
                              TransferConfig())
     addr_q.put(conn.address)
     group, _store = raw_group(1, port_q)
+    scatter_s = {}
     for tokens in args.tokens:
         chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
         # NOTE: raw receive buffers are allocated and touched once, outside the clock: the
@@ -90,16 +91,18 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
             signal(group, 1)
             rid = f"r{tokens}-{rep}"
             conn.expect(rid, tokens, 1)
+            before = conn.stats.snapshot()["scatter_s"]
             signal(group, 1)
             while not conn.is_complete(rid):
                 if conn.failure(rid):
                     raise RuntimeError(conn.failure(rid))
                 time.sleep(0.0005)
             signal(group, 1)
+            scatter_s[(tokens, rep)] = conn.stats.snapshot()["scatter_s"] - before
             conn.release(rid)
         del bufs
     dst = table_slots(cache.spec.num_blocks, args.tokens[-1], 2)
-    out_q.put(("decode", conn.stats.snapshot(), cache.flat_k(LAYERS - 1)[dst[:64]].clone()))
+    out_q.put(("decode", scatter_s, cache.flat_k(LAYERS - 1)[dst[:64]].clone()))
     conn.close()
 
 
@@ -172,25 +175,22 @@ def main() -> None:
     report(args, got["prefill"][0], got["decode"][0])
 
 
-def report(args, results, decode_stats) -> None:
+def report(args, results, scatter_s) -> None:
+    """One line per size: best raw and best kvx of the repetitions, and the kvx run's
+    gather (prefill) and scatter (decode) seconds."""
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
-          f"chunk {args.chunk} tokens, P1 -> D1, gloo loopback")
+          f"chunk {args.chunk} tokens, P1 -> D1, gloo loopback, best of {args.reps}")
     print(f"{'tokens':>7} {'MiB':>8} {'raw GB/s':>9} {'kvx GB/s':>9} {'ratio':>6} "
-          f"{'gather s':>9}")
-    best: dict[int, tuple] = {}
-    for tokens, _rep, raw_s, kvx_s, gather_s in results:
-        if tokens not in best or kvx_s < best[tokens][1]:
-            best[tokens] = (min(raw_s, best.get(tokens, (raw_s,))[0]), kvx_s, gather_s)
-        else:
-            best[tokens] = (min(raw_s, best[tokens][0]),) + best[tokens][1:]
-    for tokens, (raw_s, kvx_s, gather_s) in best.items():
+          f"{'gather s':>9} {'scatter s':>10}")
+    for tokens in args.tokens:
+        runs = [r for r in results if r[0] == tokens]
+        raw_s = min(r[2] for r in runs)
+        _, rep, _, kvx_s, gather_s = min(runs, key=lambda r: r[3])
         nbytes = tokens * LAYERS * (KV_LORA + ROPE) * elem
         print(f"{tokens:>7} {nbytes / 2**20:>8.1f} {nbytes / raw_s / 1e9:>9.2f} "
-              f"{nbytes / kvx_s / 1e9:>9.2f} {raw_s / kvx_s:>6.2f} {gather_s:>9.3f}")
-    print(f"decode totals over all runs: scatter {decode_stats['scatter_s']:.3f} s, "
-          f"wire {decode_stats['wire_s']:.3f} s, {decode_stats['bytes'] / 2**30:.2f} GiB, "
-          f"{decode_stats['transfers']} transfers")
+              f"{nbytes / kvx_s / 1e9:>9.2f} {raw_s / kvx_s:>6.2f} {gather_s:>9.3f} "
+              f"{scatter_s[(tokens, rep)]:>10.3f}")
 
 
 if __name__ == "__main__":

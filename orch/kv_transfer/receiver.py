@@ -47,8 +47,9 @@ class ReceiverChannel:
         self._tracker, self._stats = tracker, stats
         self._device = cache.k_caches[0].device
         self._num_slots = cache.k_caches[0].shape[0] * cache.k_caches[0].shape[1]
-        self._pool = payload.BufferPool(keep=_SCATTER_DEPTH + 2)
+        self._pool = payload.BufferPool(keep=2 * (_SCATTER_DEPTH + 1))  # K+V per record
         self._stop = threading.Event()
+        self._group: pairs.PairGroup | None = None
         # NOTE: scatters run on their own thread so the next record's bytes arrive meanwhile;
         # at most _SCATTER_DEPTH received payloads wait (bounds memory).
         self._scatters: queue.Queue = queue.Queue(maxsize=_SCATTER_DEPTH)
@@ -69,9 +70,16 @@ class ReceiverChannel:
     def alive(self) -> bool:
         return self._thread.is_alive() or self._scatter_thread.is_alive()
 
-    def stop(self) -> None:
-        """Ask the thread to stop (it finishes the record in flight, bounded)."""
+    def stop(self, store) -> None:
+        """Ask the thread to stop (it finishes the record in flight, bounded); ``store`` is
+        a client other than the receiver's, used to wake its doorbell wait."""
         self._stop.set()
+        group = self._group
+        if group is not None:
+            try:
+                group.wake(store)
+            except Exception:  # noqa: BLE001 - the store is gone: the wait ends with it
+                log.debug("could not wake %s", group.name)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
@@ -81,8 +89,9 @@ class ReceiverChannel:
         try:
             group = pairs.accept(self._host, self._port, self._announce, self._me,
                                  self._backend, self._config)
+            self._group = group
             while not self._stop.is_set():
-                length = group.wait_bell(self._stop, self._config.poll_interval_s)
+                length = group.wait_bell(self._stop)
                 if length is None:
                     break
                 self._receive(group, length)

@@ -90,7 +90,7 @@ class SenderChannel:
         self._backend, self._config, self._stats = backend, config, stats
         self._failed, self._fail, self._finished = failed, fail, finished
         self._device = cache.k_caches[0].device
-        self._pool = payload.BufferPool(keep=2)
+        self._pool = payload.BufferPool(keep=4)  # K+V of the record in flight + the next
         self._queue: deque[SendTask] = deque()
         self._cond = threading.Condition()
         self._stop = threading.Event()
