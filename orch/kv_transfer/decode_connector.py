@@ -81,13 +81,13 @@ class DecodeKVConnector:
 
     def close(self) -> None:
         """Stop accepting and stop every receiver thread (bounded)."""
+        self._rendezvous.close()  # NOTE: first, so its store client is ours alone below
         with self._lock:
             channels = list(self._receivers.values()) + self._retired
             self._receivers.clear()
             self._retired.clear()
         for channel in channels:
             channel.stop(self._rendezvous.store)
-        self._rendezvous.close()
         bound = self._config.header_timeout_s + self._config.payload_timeout_s
         for channel in channels:
             channel.join(bound)

@@ -221,7 +221,7 @@ class Rendezvous:
                     log.exception("decode %s: rejected a pair announcement", self._me)
 
     def close(self) -> None:
-        """Stop accepting; the store server goes away with this object."""
+        """Stop accepting (the store server stays up until this object is dropped)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
 

@@ -124,3 +124,37 @@ def test_gqa_heads_are_regrouped_p2_to_d4():
     finally:
         for c in pres + decs:
             c.close()
+
+
+def test_one_dead_pair_does_not_affect_another():
+    """Two prefill instances feed one decode rank; one goes away mid-request: its request
+    fails by the completion deadline, the other pair's request completes."""
+    cfg = TransferConfig(connect_timeout_s=10, header_timeout_s=5, payload_timeout_s=5,
+                         completion_timeout_s=3)
+    p_cache = KVCache(SPEC_P)
+    for t in p_cache.k_caches + p_cache.v_caches:
+        t.copy_(torch.randn(t.shape))
+    d_cache = KVCache(SPEC_D)
+    dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, cfg)
+    pa, pb = (PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), name, 0, 1, cfg)
+              for name in ("pa", "pb"))
+    peers = [("d0", 0, *dec.address)]
+    src = slot_mapping((3, 9), 0, 8, 4)
+    dst_a, dst_b = slot_mapping((1,), 0, 8, 8), slot_mapping((4,), 0, 8, 8)
+    try:
+        dec.expect("A", 8, prefill_tp=1)
+        dec.expect("B", 8, prefill_tp=1)
+        pa.send_chunk("A", peers, 0, 4, src[:4], dst_a[:4])
+        pb.send_chunk("B", peers, 0, 4, src[:4], dst_b[:4])
+        _wait(lambda: dec.stats.snapshot()["transfers"] == 2)
+        pa.close()  # prefill instance pa is gone
+        pb.send_chunk("B", peers, 4, 8, src[4:], dst_b[4:])
+        pb.finish("B", peers, 8)
+        _wait(lambda: dec.is_complete("B"))
+        assert torch.equal(d_cache.flat_k(1)[dst_b], p_cache.flat_k(1)[src])
+        _wait(lambda: dec.failure("A") is not None, timeout_s=10)
+        assert "completion_timeout_s" in dec.failure("A")
+        assert dec.failure("B") is None
+    finally:
+        pb.close()
+        dec.close()
