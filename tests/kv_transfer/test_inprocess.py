@@ -158,3 +158,41 @@ def test_one_dead_pair_does_not_affect_another():
     finally:
         pb.close()
         dec.close()
+
+
+def test_non_divisible_p3_to_d2_mla():
+    """Layer sharding with uneven runs (P3->D2, 5 layers): every decode rank gets every layer
+    of every token, from the prefill ranks the plan names."""
+    spec_p = KVCacheSpec(num_layers=5, num_blocks=8, block_size=4, kv_lora_rank=8,
+                         qk_rope_head_dim=4)
+    spec_d = KVCacheSpec(num_layers=5, num_blocks=4, block_size=8, kv_lora_rank=8,
+                         qk_rope_head_dim=4)
+    ref = KVCache(spec_p)
+    for t in ref.k_caches + ref.v_caches:
+        t.copy_(torch.randn(t.shape))
+    d_caches = [KVCache(spec_d) for _ in range(2)]
+    decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 2), "d0", d, CFG)
+            for d in range(2)]
+    pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 3), "p0", p, 3, CFG)
+            for p in range(3)]  # NOTE: MLA ranks hold identical caches; share one here
+    peers = [("d0", d, *decs[d].address) for d in range(2)]
+    src, dst = slot_mapping((6, 1, 4), 0, 11, 4), slot_mapping((3, 0), 0, 11, 8)
+    try:
+        for dec in decs:
+            dec.expect("r", 11, prefill_tp=3)
+        for pre in pres:
+            pre.send_chunk("r", peers, 0, 7, src[:7], dst[:7])
+            pre.send_chunk("r", peers, 7, 11, src[7:], dst[7:])
+            pre.finish("r", peers, 11)
+        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
+        for d in range(2):
+            assert decs[d].failure("r") is None, decs[d].failure("r")
+            for layer in range(5):
+                assert torch.equal(d_caches[d].flat_k(layer)[dst], ref.flat_k(layer)[src])
+                assert torch.equal(d_caches[d].flat_v(layer)[dst], ref.flat_v(layer)[src])
+        sent = [p.stats.snapshot()["bytes"] for p in pres]
+        per_layer = 11 * (8 + 4) * 4
+        assert sorted(sent) == [3 * per_layer, 3 * per_layer, 4 * per_layer]  # 10 = 4+3+3
+    finally:
+        for c in pres + decs:
+            c.close()
