@@ -97,7 +97,11 @@ class PrefillKVConnector:
             self._enqueue(SendTask(header, peer, src))
 
     def finish(self, request_id: str, peers: list, num_tokens: int) -> None:
-        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank."""
+        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank.
+
+        Ignored after ``abort`` (until ``wait_idle`` returned for the request)."""
+        if request_id in self._aborted:
+            return
         for _, peer in self._planned(peers):
             self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens),
                                    peer))

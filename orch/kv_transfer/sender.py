@@ -31,6 +31,7 @@ from orch.kv_transfer.errors import LayoutMismatchError
 from orch.kv_transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
+_MAX_ABORTED = 4096  # remembered aborted request ids per pair
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class SenderChannel:
         self._pair_peer: Peer | None = None
         self._mismatch: str | None = None
         self._active: set[str] = set()   # requests with records on the current generation
-        self._aborted: set[str] = set()  # requests whose abort record went out on this pair
+        # requests whose abort record went out on this pair (insertion-ordered, bounded)
+        self._aborted: dict[str, None] = {}
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer_name}",
                                         daemon=True)
         self._thread.start()
@@ -207,7 +209,9 @@ class SenderChannel:
         self._pair.send([self._bytes_tensor(raw)], self._config.header_timeout_s, what)
         self._active.discard(rid)
         if header.kind == wire.ABORT:
-            self._aborted.add(rid)
+            self._aborted[rid] = None
+            if len(self._aborted) > _MAX_ABORTED:
+                del self._aborted[next(iter(self._aborted))]
         return None
 
     def _abort_header(self, header: wire.Header, error: str) -> wire.Header:
