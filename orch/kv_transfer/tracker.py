@@ -139,15 +139,25 @@ class RequestTracker:
             self.fail(rid, error)
 
     def is_complete(self, request_id: str) -> bool:
+        """Never blocks: while a scatter into the request runs, it is not complete yet."""
         req = self._require(request_id)
-        with req.lock:
+        if not req.lock.acquire(blocking=False):
+            return False
+        try:
             return req.complete()
+        finally:
+            req.lock.release()
 
     def failure(self, request_id: str) -> str | None:
+        """Never blocks on a running scatter (the deadline is then applied next call)."""
         req = self._require(request_id)
-        with req.lock:
+        if not req.lock.acquire(blocking=False):
+            return req.error
+        try:
             self._active(req)  # applies the completion deadline
             return req.error
+        finally:
+            req.lock.release()
 
     def release(self, request_id: str) -> None:
         with self._lock:
