@@ -257,6 +257,12 @@ class SenderChannel:
     def _ensure(self, peer: Peer) -> None:
         if self._pair is not None and self._pair_peer == peer:
             return
+        if self._pair is not None:  # the decode rank moved (restarted): its requests are lost
+            old = self._pair_peer
+            for rid in self._active:
+                self._fail(rid, f"{self._pair.name}: decode {peer.instance}/{peer.rank} moved "
+                                f"from {old.host}:{old.port} to {peer.host}:{peer.port} "
+                                "(restarted); records sent before were lost")
         self._drop_pair()
         self._pair = pairs.connect(peer.host, peer.port, self._instance, self._rank,
                                    f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
@@ -274,8 +280,8 @@ class SenderChannel:
         self._aborted.clear()
 
     def _teardown(self, task: SendTask, exc: Exception) -> None:
-        name = self._pair.name if self._pair is not None else "pair"
-        error = str(exc) if name in str(exc) else f"{name}: {exc}"
+        name = self._pair.name if self._pair is not None else "KV pair"
+        error = str(exc) if "-> decode" in str(exc) else f"{name}: {exc}"
         log.warning("KV pair torn down: %s", error)
         for rid in self._active | {task.header.request_id}:
             self._fail(rid, error)

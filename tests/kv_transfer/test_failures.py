@@ -5,7 +5,7 @@ import queue
 import time
 
 from .cluster import CTX, RID, Scenario, run_ranks
-from .cluster import _entry as entry
+from .cluster import entry
 from . import failure_ranks as fr
 
 FAST = {"connect_timeout_s": 5.0, "header_timeout_s": 3.0, "payload_timeout_s": 3.0,
