@@ -138,6 +138,13 @@ class ReceiverChannel:
             raise TransferError(f"{group.name}: data record with layout fingerprint "
                                 f"{header.fingerprint}, this rank has "
                                 f"{self._layout.fingerprint()}: configs differ")
+        if (len(header.layers) > self._layout.num_layers or header.n_tokens > self._num_slots
+                or max(header.layers) >= self._layout.num_layers
+                or len(header.head_range() or ()) > (self._layout.num_kv_heads or 0)):
+            raise TransferError(f"{group.name}: data record of {header.request_id} with "
+                                f"{len(header.layers)} layers x {header.n_tokens} tokens does "
+                                f"not fit this cache ({self._layout.num_layers} layers, "
+                                f"{self._num_slots} slots)")
         t0 = time.perf_counter()
         heads = header.head_range()
         raws, bufs = [], []
