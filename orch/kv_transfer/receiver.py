@@ -1,9 +1,10 @@
 """Decode side: one receiver thread per pair generation.
 
-Loop: wait for the doorbell (polling the store; stops at once when asked), receive the
-header (``header_timeout_s``), then for a data record the K and V payloads
-(``payload_timeout_s``) into staging buffers, and scatter them into the destination slots if
-the :class:`~orch.kv_transfer.tracker.RequestTracker` still allows writing the request.
+Loop: wait for the doorbell (blocking in the store; a ``stop`` bell ends the wait at once),
+receive the header (``header_timeout_s``), then for a data record the K and V payloads
+(``payload_timeout_s``) into pooled staging buffers, and hand them to this channel's scatter
+thread, which writes them into the destination slots if the
+:class:`~orch.kv_transfer.tracker.RequestTracker` still allows writing the request.
 Payloads of unknown, failed or released requests are read and dropped, so the channel stays
 in step.
 
