@@ -101,3 +101,29 @@ def test_abort_done_mismatch_and_link_loss():
     assert tr.failure("d") is None, "requests the pair never carried are not failed"
     with pytest.raises(ValueError, match="already expected"):
         tr.expect("d", 4, prefill_tp=1)
+
+
+def test_release_waits_for_a_running_scatter():
+    import threading
+    tr = _tracker()
+    tr.expect("r", 4, prefill_tp=1)
+    header = _data("r", 0, (0, 1, 2), 0, 4)
+    req = tr.admit(LINK, header, 32)
+    started, finish, log = threading.Event(), threading.Event(), []
+
+    def slow_scatter():
+        started.set()
+        finish.wait(5)
+        log.append("scatter done")
+    writer = threading.Thread(target=tr.write, args=(req, header, slow_scatter))
+    writer.start()
+    assert started.wait(5)
+    assert tr.is_complete("r") is False  # polling does not block on the running copy
+    releaser = threading.Thread(target=lambda: (tr.release("r"), log.append("released")))
+    releaser.start()
+    releaser.join(0.2)
+    assert releaser.is_alive(), "release returned while a scatter was still writing"
+    finish.set()
+    writer.join(5)
+    releaser.join(5)
+    assert log == ["scatter done", "released"]
