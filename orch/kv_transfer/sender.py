@@ -206,7 +206,9 @@ class SenderChannel:
         raw = wire.encode_header(header)
         what = f"{header.kind} record of request {rid}"
         self._pair.ring(len(raw), what)
-        self._pair.send([self._bytes_tensor(raw)], self._config.header_timeout_s, what)
+        # NOTE: a send completes once the peer posted the receive, i.e. after it finished the
+        # previous record (payload + scatter hand-off): bound it like a payload.
+        self._pair.send([self._bytes_tensor(raw)], self._config.payload_timeout_s, what)
         self._active.discard(rid)
         if header.kind == wire.ABORT:
             self._aborted[rid] = None

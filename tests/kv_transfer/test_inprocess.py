@@ -13,8 +13,9 @@ from orch.kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, T
                               build_transfer_plan)
 from orch.kv_transfer.layout import rank_heads
 
-CFG = TransferConfig(connect_timeout_s=10, header_timeout_s=5, payload_timeout_s=5,
-                     completion_timeout_s=20)
+# NOTE: happy-path tests: generous bounds (2 shared cores, up to 48 threads in one process)
+CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
+                     completion_timeout_s=60)
 SPEC_P = KVCacheSpec(num_layers=2, num_blocks=16, block_size=4, kv_lora_rank=8,
                      qk_rope_head_dim=4)
 SPEC_D = KVCacheSpec(num_layers=2, num_blocks=8, block_size=8, kv_lora_rank=8,
@@ -193,6 +194,41 @@ def test_non_divisible_p3_to_d2_mla():
         sent = [p.stats.snapshot()["bytes"] for p in pres]
         per_layer = 11 * (8 + 4) * 4
         assert sorted(sent) == [3 * per_layer, 3 * per_layer, 4 * per_layer]  # 10 = 4+3+3
+    finally:
+        for c in pres + decs:
+            c.close()
+
+
+def test_headline_shape_p16_to_d4():
+    """DESIGN.md's production shape, tiny caches: 16 prefill ranks, 4 decode ranks, 8 layers;
+    each prefill rank sends its quarter of the layers to one decode rank."""
+    spec_p = KVCacheSpec(num_layers=8, num_blocks=4, block_size=4, kv_lora_rank=4,
+                         qk_rope_head_dim=2)
+    spec_d = KVCacheSpec(num_layers=8, num_blocks=2, block_size=8, kv_lora_rank=4,
+                         qk_rope_head_dim=2)
+    ref = KVCache(spec_p)
+    for t in ref.k_caches + ref.v_caches:
+        t.copy_(torch.randn(t.shape))
+    d_caches = [KVCache(spec_d) for _ in range(4)]
+    decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 4), "d0", d, CFG)
+            for d in range(4)]
+    pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 16), "p0", p, 16, CFG)
+            for p in range(16)]
+    peers = [("d0", d, *decs[d].address) for d in range(4)]
+    src, dst = slot_mapping((2, 0, 3), 0, 9, 4), slot_mapping((1, 0), 0, 9, 8)
+    try:
+        for dec in decs:
+            dec.expect("r", 9, prefill_tp=16)
+        for pre in pres:
+            pre.send_chunk("r", peers, 0, 9, src, dst)
+            pre.finish("r", peers, 9)
+        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
+        for d in range(4):
+            assert decs[d].failure("r") is None, decs[d].failure("r")
+            for layer in range(8):
+                assert torch.equal(d_caches[d].flat_k(layer)[dst], ref.flat_k(layer)[src])
+                assert torch.equal(d_caches[d].flat_v(layer)[dst], ref.flat_v(layer)[src])
+        assert all(p.stats.snapshot()["transfers"] == 1 for p in pres)  # one pair each
     finally:
         for c in pres + decs:
             c.close()
