@@ -54,6 +54,8 @@ def test_abort_and_unknown_requests_never_write():
         pre.send_chunk("a", peers, 0, 8, src[:8], dst[:8])
         _wait(lambda: dec.stats.snapshot()["transfers"] == 1)
         pre.abort("a", peers, reason="client cancelled")
+        pre.send_chunk("a", peers, 8, 12, src[8:], dst[8:])  # raced with abort: ignored
+        pre.finish("a", peers, 12)  # ignored too
         pre.wait_idle("a", 10)
         _wait(lambda: dec.failure("a") is not None)
         assert "client cancelled" in dec.failure("a") and not dec.is_complete("a")
