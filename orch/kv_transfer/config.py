@@ -12,12 +12,14 @@ class TransferConfig:
     Attributes:
         connect_timeout_s: rendezvous with the decode rank's TCPStore and building the 2-rank
             process group of a pair (both sides).
-        header_timeout_s: after a doorbell rang, receiving the msgpack header.
-        payload_timeout_s: sending or receiving one K or V payload (one transfer).
+        header_timeout_s: decode side, after a doorbell rang, receiving the msgpack header.
+        payload_timeout_s: receiving one K or V payload; sending one record (a send also
+            waits for the peer to finish the record before it).
         completion_timeout_s: decode side, from ``expect()`` until every planned layer and
             every ``done`` record arrived; prefill side, the default bound of ``wait_idle``.
-        poll_interval_s: longest sleep between doorbell checks of an idle receiver and between
-            stop-flag checks of idle threads (latency of the first transfer after idle).
+        poll_interval_s: how often the decode rank's acceptor looks for new pair
+            announcements (pair set-up latency); idle sender threads check their stop flag
+            every ten intervals. Receivers do not poll (they block on the doorbell).
     """
 
     connect_timeout_s: float = 30.0

@@ -10,6 +10,7 @@ The prefill tp needed for the plan comes with ``expect`` (the router knows both 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from orch.kv_transfer import wire
@@ -21,6 +22,8 @@ from orch.kv_transfer.pair import Rendezvous
 from orch.kv_transfer.payload import PayloadStats
 from orch.kv_transfer.receiver import ReceiverChannel
 from orch.kv_transfer.tracker import RequestTracker
+
+log = logging.getLogger(__name__)
 
 
 class DecodeKVConnector:
@@ -78,13 +81,13 @@ class DecodeKVConnector:
 
     def close(self) -> None:
         """Stop accepting and stop every receiver thread (bounded)."""
-        self._rendezvous.close()
+        self._rendezvous.close()  # NOTE: first, so its store client is ours alone below
         with self._lock:
             channels = list(self._receivers.values()) + self._retired
             self._receivers.clear()
             self._retired.clear()
         for channel in channels:
-            channel.stop()
+            channel.stop(self._rendezvous.store)
         bound = self._config.header_timeout_s + self._config.payload_timeout_s
         for channel in channels:
             channel.join(bound)
@@ -93,8 +96,10 @@ class DecodeKVConnector:
         """Acceptor thread: a prefill rank opens a new pair generation."""
         try:
             KVLayout.from_dict(announce.layout).check_compatible(self._layout)
-        except (LayoutMismatchError, ValueError, KeyError, TypeError):
-            pass  # NOTE: the prefill side turns its records into aborts carrying the error
+        except (LayoutMismatchError, ValueError, KeyError, TypeError) as exc:
+            # NOTE: the prefill side turns its records into aborts carrying the error
+            log.warning("decode %s: prefill %s/%s has an incompatible KV layout: %s",
+                        self._me, announce.instance, announce.rank, exc)
         key = (announce.instance, announce.rank)
         channel = ReceiverChannel(self._host, self._rendezvous.port, announce, self._me,
                                   self._rank, self._cache, self._layout, self._backend,
@@ -104,7 +109,7 @@ class DecodeKVConnector:
             self._receivers[key] = channel
             self._retired = [c for c in self._retired if c.alive]
             if old is not None:
-                old.stop()
+                old.stop(self._rendezvous.store)
                 self._retired.append(old)
         if old is not None:
             self._tracker.on_link_lost(

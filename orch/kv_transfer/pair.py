@@ -10,9 +10,10 @@ Rendezvous: the decode rank hosts a ``TCPStore`` server (:class:`Rendezvous`, po
 3. waits for the decode side's :class:`~orch.kv_transfer.wire.Ack` at ``<prefix>/ack``;
 4. both build the group (prefill = rank 0, decode = rank 1) from ``PrefixStore(prefix/pg)``.
 
-Every transfer is announced by a doorbell key ``<prefix>/bell/<n>`` holding the header length
-(the receiver polls the store, so an idle receiver can stop at once and a gloo wait never has
-to time out on an idle pair: a timed-out gloo wait closes the pair).
+Every transfer is announced by a doorbell key ``<prefix>/bell/<n>`` holding the header length.
+The receiver blocks in ``store.wait`` on it, so an idle receiver costs nothing and is woken
+at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time out
+on an idle pair (a timed-out gloo wait closes the pair).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from orch.kv_transfer.errors import TransferError, TransferTimeout
 
 log = logging.getLogger(__name__)
 PREFILL, DECODE = 0, 1  # ranks inside a pair group
+STOP = b"stop"  # doorbell value that ends a receiver's wait
+_IDLE_WAIT_S = 3600.0  # one store wait of an idle receiver (it just waits again)
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -66,24 +69,42 @@ class PairGroup:
         with self._errors(what):
             self.store.set(f"{self.prefix}/bell/{self.bells}", str(header_len))
 
-    def wait_bell(self, stop: threading.Event, poll_s: float) -> int | None:
-        """Decode side: header length of the next transfer; None once ``stop`` is set."""
+    def wait_bell(self, stop: threading.Event) -> int | None:
+        """Decode side: header length of the next transfer; None once ``stop`` is set.
+
+        Blocks in the store (no polling, no latency) until the bell rings; :meth:`wake`
+        (from another store client) rings it with ``stop`` to end the wait at once.
+        """
         key = f"{self.prefix}/bell/{self.bells + 1}"
-        sleep = 0.0005
         while not stop.is_set():
-            if self.store.check([key]):
-                length = int(self.store.get(key))
-                self.store.delete_key(key)
-                self.bells += 1
-                return length
-            time.sleep(sleep)
-            sleep = min(2 * sleep, poll_s)
+            try:
+                self.store.wait([key], _td(_IDLE_WAIT_S))
+            except dist.DistStoreError:  # idle for _IDLE_WAIT_S: wait again
+                continue
+            value = self.store.get(key)
+            self.store.delete_key(key)
+            if value == STOP or stop.is_set():
+                return None
+            self.bells += 1
+            return int(value)
         return None
+
+    def wake(self, store: dist.Store) -> None:
+        """Ring this pair's next bell with ``stop`` through ``store`` (another client)."""
+        store.set(f"{self.prefix}/bell/{self.bells + 1}", STOP)
 
     def send(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
         """Send ``tensors`` in order to the peer; all posted before waiting (bounded)."""
+        self.wait_sent(self.post(tensors, what), timeout_s, what)
+
+    def post(self, tensors: list[torch.Tensor], what: str) -> list[dist.Work]:
+        """Post sends of ``tensors`` in order; the caller keeps them alive until waited."""
         with self._errors(what):
-            works = [self.group.send([t], 1 - self.rank, 0) for t in tensors]
+            return [self.group.send([t], 1 - self.rank, 0) for t in tensors]
+
+    def wait_sent(self, works: list[dist.Work], timeout_s: float, what: str) -> None:
+        """Wait (bounded, each) for sends returned by :meth:`post`."""
+        with self._errors(what):
             for work in works:
                 self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 
@@ -173,6 +194,7 @@ class Rendezvous:
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=_td(config.connect_timeout_s))
         self.port = self._store.port
+        self.store = self._store  # NOTE: also used to wake receivers (their own clients block)
         self._instance, self._rank = instance, rank
         me = f"{instance}/{rank}"
         self._me = me
@@ -199,7 +221,7 @@ class Rendezvous:
                     log.exception("decode %s: rejected a pair announcement", self._me)
 
     def close(self) -> None:
-        """Stop accepting; the store server goes away with this object."""
+        """Stop accepting (the store server stays up until this object is dropped)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
 

@@ -10,6 +10,8 @@ The cache object is duck-typed: ``{name}_caches[layer]`` is ``[num_blocks, block
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -26,16 +28,53 @@ def payload_shape(cache: object, name: str, n_layers: int, n_tokens: int,
     return (n_layers, n_tokens, *rest)
 
 
+class BufferPool:
+    """Reusable payload memory, so a transfer does not page-fault fresh memory every time
+    (a new 300 MB tensor costs more to first-touch than to fill).
+
+    ``take`` hands out a byte buffer (the caller views it with :func:`as_tensor`) and the
+    caller gives it back with ``give`` once the backend is done with it. At most ``keep``
+    idle buffers are retained.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        import threading
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` on ``device``."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes and buf.device == device:
+                    return self._free.pop(i)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.numel())
+            del self._free[:-self._keep]
+
+
+def as_tensor(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """View the first bytes of uint8 ``buf`` as a contiguous ``shape`` tensor of ``dtype``."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return buf[:nbytes].view(dtype).view(shape)
+
+
 def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
-           src_slots: torch.Tensor) -> torch.Tensor:
-    """Copy ``src_slots`` of ``layers`` into a new contiguous ``[Ly, T, *D]`` tensor.
+           src_slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy ``src_slots`` of ``layers`` into a contiguous ``[Ly, T, *D]`` tensor (``out``).
 
     ``src_slots``: int64 ``[T]`` on the cache's device. One ``index_select`` per layer, written
     straight into the payload (no intermediate copy).
     """
     first = _flat(cache, name, layers[0], heads)
-    out = torch.empty((len(layers), src_slots.numel(), *first.shape[1:]),
-                      dtype=first.dtype, device=first.device)
+    shape = (len(layers), src_slots.numel(), *first.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
     for i, layer in enumerate(layers):
         torch.index_select(_flat(cache, name, layer, heads), 0, src_slots, out=out[i])
     return out

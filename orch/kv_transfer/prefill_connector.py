@@ -77,15 +77,17 @@ class PrefillKVConnector:
                 must stay allocated until ``wait_idle`` returns.
             dst_slots: int64 ``[T]`` slots of the same tokens in the decode cache.
 
+        Ignored after ``abort`` (until ``wait_idle`` returned for the request).
+
         Raises:
-            ValueError: slot counts differ from the token range, or the request was aborted.
+            ValueError: slot counts differ from the token range.
         """
         n = token_end - token_start
         if not 0 <= token_start < token_end or src_slots.numel() != n or dst_slots.numel() != n:
             raise ValueError(f"send_chunk({request_id!r}): tokens [{token_start}, {token_end}) "
                              f"with {src_slots.numel()} src and {dst_slots.numel()} dst slots")
         if request_id in self._aborted:
-            raise ValueError(f"send_chunk({request_id!r}) after abort()")
+            return  # NOTE: a chunk that raced with abort(): nothing more goes out
         src = src_slots.to(device=self._device, dtype=torch.int64)
         dst = dst_slots.to(device="cpu", dtype=torch.int64)
         for pp, peer in self._planned(peers):
@@ -97,7 +99,11 @@ class PrefillKVConnector:
             self._enqueue(SendTask(header, peer, src))
 
     def finish(self, request_id: str, peers: list, num_tokens: int) -> None:
-        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank."""
+        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank.
+
+        Ignored after ``abort`` (until ``wait_idle`` returned for the request)."""
+        if request_id in self._aborted:
+            return
         for _, peer in self._planned(peers):
             self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens),
                                    peer))

@@ -1,9 +1,10 @@
 """Decode side: one receiver thread per pair generation.
 
-Loop: wait for the doorbell (polling the store; stops at once when asked), receive the
-header (``header_timeout_s``), then for a data record the K and V payloads
-(``payload_timeout_s``) into staging buffers, and scatter them into the destination slots if
-the :class:`~orch.kv_transfer.tracker.RequestTracker` still allows writing the request.
+Loop: wait for the doorbell (blocking in the store; a ``stop`` bell ends the wait at once),
+receive the header (``header_timeout_s``), then for a data record the K and V payloads
+(``payload_timeout_s``) into pooled staging buffers, and hand them to this channel's scatter
+thread, which writes them into the destination slots if the
+:class:`~orch.kv_transfer.tracker.RequestTracker` still allows writing the request.
 Payloads of unknown, failed or released requests are read and dropped, so the channel stays
 in step.
 
@@ -14,6 +15,8 @@ generation carried records for; the prefill side remakes the pair with a new gen
 from __future__ import annotations
 
 import logging
+import math
+import queue
 import threading
 import time
 
@@ -28,6 +31,7 @@ from orch.kv_transfer.layout import KVLayout
 from orch.kv_transfer.tracker import RequestTracker
 
 log = logging.getLogger(__name__)
+_SCATTER_DEPTH = 2
 
 
 class ReceiverChannel:
@@ -44,7 +48,16 @@ class ReceiverChannel:
         self._tracker, self._stats = tracker, stats
         self._device = cache.k_caches[0].device
         self._num_slots = cache.k_caches[0].shape[0] * cache.k_caches[0].shape[1]
+        self._pool = payload.BufferPool(keep=2 * (_SCATTER_DEPTH + 1))  # K+V per record
         self._stop = threading.Event()
+        self._group: pairs.PairGroup | None = None
+        # NOTE: scatters run on their own thread so the next record's bytes arrive meanwhile;
+        # at most _SCATTER_DEPTH received payloads wait (bounds memory).
+        self._scatters: queue.Queue = queue.Queue(maxsize=_SCATTER_DEPTH)
+        self._scatter_thread = threading.Thread(
+            target=self._scatter_loop, daemon=True,
+            name=f"kv-scatter-{announce.instance}/{announce.rank}-g{announce.generation}->{me}")
+        self._scatter_thread.start()
         self._thread = threading.Thread(
             target=self._run, daemon=True,
             name=f"kv-recv-{announce.instance}/{announce.rank}-g{announce.generation}->{me}")
@@ -56,21 +69,30 @@ class ReceiverChannel:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() or self._scatter_thread.is_alive()
 
-    def stop(self) -> None:
-        """Ask the thread to stop (it finishes the record in flight, bounded)."""
+    def stop(self, store) -> None:
+        """Ask the thread to stop (it finishes the record in flight, bounded); ``store`` is
+        a client other than the receiver's, used to wake its doorbell wait."""
         self._stop.set()
+        group = self._group
+        if group is not None:
+            try:
+                group.wake(store)
+            except Exception:  # noqa: BLE001 - the store is gone: the wait ends with it
+                log.debug("could not wake %s", group.name)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
+        self._scatter_thread.join(timeout_s)
 
     def _run(self) -> None:
         try:
             group = pairs.accept(self._host, self._port, self._announce, self._me,
                                  self._backend, self._config)
+            self._group = group
             while not self._stop.is_set():
-                length = group.wait_bell(self._stop, self._config.poll_interval_s)
+                length = group.wait_bell(self._stop)
                 if length is None:
                     break
                 self._receive(group, length)
@@ -78,6 +100,28 @@ class ReceiverChannel:
             log.warning("KV pair lost: %s", exc)
             self._tracker.on_link_lost(self.link, f"{self.link[0]} -> decode {self._me}: "
                                        f"pair lost: {exc}")
+        finally:
+            self._scatters.put(None)  # the scatter thread drains what was received, then ends
+
+    def _scatter_loop(self) -> None:
+        while (item := self._scatters.get()) is not None:
+            req, header, bufs, raws = item
+            local = self._local_heads(header.head_range())
+            slots = header.dst_slots.to(self._device)
+            t0 = time.perf_counter()
+
+            def scatter() -> None:
+                for spec, buf in zip(self._layout.buffers, bufs):
+                    payload.scatter(self._cache, spec.name, header.layers, local, slots, buf)
+            try:
+                self._tracker.write(req, header, scatter)
+            except Exception as exc:  # noqa: BLE001 - fail the request, keep draining
+                self._tracker.fail(header.request_id, f"{self.link[0]} -> decode {self._me}: "
+                                   f"scatter of request {header.request_id} failed: {exc}")
+                continue
+            self._give(raws)
+            self._stats.add(scatter_s=time.perf_counter() - t0,
+                            nbytes=sum(b.numel() * b.element_size() for b in bufs))
 
     def _receive(self, group: pairs.PairGroup, length: int) -> None:
         raw = torch.empty(length, dtype=torch.uint8, device=self._device)
@@ -95,29 +139,35 @@ class ReceiverChannel:
             raise TransferError(f"{group.name}: data record with layout fingerprint "
                                 f"{header.fingerprint}, this rank has "
                                 f"{self._layout.fingerprint()}: configs differ")
+        if (len(header.layers) > self._layout.num_layers or header.n_tokens > self._num_slots
+                or max(header.layers) >= self._layout.num_layers
+                or len(header.head_range() or ()) > (self._layout.num_kv_heads or 0)):
+            raise TransferError(f"{group.name}: data record of {header.request_id} with "
+                                f"{len(header.layers)} layers x {header.n_tokens} tokens does "
+                                f"not fit this cache ({self._layout.num_layers} layers, "
+                                f"{self._num_slots} slots)")
         t0 = time.perf_counter()
         heads = header.head_range()
-        bufs = [torch.empty((len(header.layers), header.n_tokens,
-                             *self._layout.token_dims(spec, heads)),
-                            dtype=self._layout.torch_dtype, device=self._device)
-                for spec in self._layout.buffers]
+        raws, bufs = [], []
+        for spec in self._layout.buffers:  # K then V, each [Ly, T, *D]
+            shape = (len(header.layers), header.n_tokens, *self._layout.token_dims(spec, heads))
+            raws.append(self._pool.take(math.prod(shape) * self._layout.element_size,
+                                        self._device))
+            bufs.append(payload.as_tensor(raws[-1], shape, self._layout.torch_dtype))
         what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
                 f"tokens [{header.token_start}, {header.token_end})")
         for buf in bufs:
             group.recv(buf, self._config.payload_timeout_s, what)
-        t1 = time.perf_counter()
+        self._stats.add(wire_s=time.perf_counter() - t0)
         req = self._tracker.admit(self.link, header, self._num_slots)
         if req is None:
-            return
-        local = self._local_heads(heads)
-        slots = header.dst_slots.to(self._device)
+            self._give(raws)  # unknown / failed / released request: bytes dropped
+        else:
+            self._scatters.put((req, header, bufs, raws))  # blocks while _SCATTER_DEPTH wait
 
-        def scatter() -> None:
-            for spec, buf in zip(self._layout.buffers, bufs):
-                payload.scatter(self._cache, spec.name, header.layers, local, slots, buf)
-        self._tracker.write(req, header, scatter)
-        nbytes = sum(b.numel() * b.element_size() for b in bufs)
-        self._stats.add(scatter_s=time.perf_counter() - t1, wire_s=t1 - t0, nbytes=nbytes)
+    def _give(self, raws: list[torch.Tensor]) -> None:
+        for raw in raws:
+            self._pool.give(raw)
 
     def _local_heads(self, heads: range | None) -> slice | None:
         if heads is None:

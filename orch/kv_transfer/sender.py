@@ -14,6 +14,7 @@ something on that generation and had not finished; their queued records become o
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -30,6 +31,7 @@ from orch.kv_transfer.errors import LayoutMismatchError
 from orch.kv_transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
+_MAX_ABORTED = 4096  # remembered aborted request ids per pair
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,26 @@ class SendTask:
     src_slots: torch.Tensor | None = None
 
 
+@dataclass
+class _Gathered:
+    """Payloads ``[Ly, T, *D]`` (K, V) viewing pooled byte buffers ``raws``."""
+
+    bufs: list[torch.Tensor]
+    raws: list[torch.Tensor]
+
+
+@dataclass
+class _Flight:
+    """A data record posted to the backend, not yet known to have left."""
+
+    task: SendTask
+    works: list
+    what: str
+    posted: float
+    nbytes: int
+    payload: _Gathered  # NOTE: keeps the payloads alive until the sends complete
+
+
 class SenderChannel:
     """Sender thread of one (this prefill rank, decode ``instance/rank``) pair.
 
@@ -68,6 +90,8 @@ class SenderChannel:
         self._instance, self._rank = instance, rank
         self._backend, self._config, self._stats = backend, config, stats
         self._failed, self._fail, self._finished = failed, fail, finished
+        self._device = cache.k_caches[0].device
+        self._pool = payload.BufferPool(keep=4)  # K+V of the record in flight + the next
         self._queue: deque[SendTask] = deque()
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -75,7 +99,8 @@ class SenderChannel:
         self._pair_peer: Peer | None = None
         self._mismatch: str | None = None
         self._active: set[str] = set()   # requests with records on the current generation
-        self._aborted: set[str] = set()  # requests whose abort record went out on this pair
+        # requests whose abort record went out on this pair (insertion-ordered, bounded)
+        self._aborted: dict[str, None] = {}
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer_name}",
                                         daemon=True)
         self._thread.start()
@@ -104,19 +129,34 @@ class SenderChannel:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _next(self) -> SendTask | None:
+    def _next(self, block: bool) -> SendTask | None:
+        """Next queued task; None when stopping, or (``block=False``) when the queue is empty."""
         with self._cond:
-            while not self._queue and not self._stop.is_set():
+            while block and not self._queue and not self._stop.is_set():
                 self._cond.wait(self._config.poll_interval_s * 10)
             return self._queue.popleft() if self._queue and not self._stop.is_set() else None
 
     def _run(self) -> None:
-        while (task := self._next()) is not None:
+        # NOTE: one data record may be in flight while the next one is gathered, so gather
+        # (memory copy on this thread) overlaps the wire (the backend's own threads).
+        flight: _Flight | None = None
+        while True:
+            task = self._next(block=flight is None)
+            if task is None and flight is None:
+                break
+            ahead = self._gather(task) if task is not None and flight is not None else None
+            if flight is not None:
+                self._land(flight)
+                flight = None
+            if task is None:
+                continue
             try:
-                self._handle(task)
+                flight = self._handle(task, ahead)
             except Exception as exc:  # noqa: BLE001 - every pair error fails its requests
                 self._teardown(task, exc)
-            finally:
+                ahead = None  # NOTE: the backend may still hold it; let it be freed
+            if flight is None:
+                self._give(ahead)
                 self._finished(task)
         for task in self.cancel_all():
             self._finished(task)
@@ -126,7 +166,24 @@ class SenderChannel:
             gone, self._queue = list(self._queue), deque()
         return gone
 
-    def _handle(self, task: SendTask) -> None:
+    def _land(self, flight: _Flight) -> None:
+        """Wait (bounded) for an in-flight data record; a failure tears the pair down."""
+        try:
+            self._pair.wait_sent(flight.works, self._config.payload_timeout_s, flight.what)
+            self._stats.add(wire_s=time.perf_counter() - flight.posted, nbytes=flight.nbytes)
+        except Exception as exc:  # noqa: BLE001
+            self._teardown(flight.task, exc)
+        else:
+            self._give(flight.payload)
+        finally:
+            self._finished(flight.task)
+
+    def _give(self, gathered: _Gathered | None) -> None:
+        for raw in gathered.raws if gathered is not None else ():
+            self._pool.give(raw)
+
+    def _handle(self, task: SendTask, ahead: _Gathered | None) -> _Flight | None:
+        """Send ``task``'s record: data records are posted and returned in flight."""
         header = task.header
         rid = header.request_id
         failed = self._failed(rid)
@@ -134,26 +191,30 @@ class SenderChannel:
             # NOTE: the request already failed (here or on another pair): tell the peer once,
             # only if its pair is up; never reconnect to a peer for a lost cause.
             if self._pair is None or self._pair_peer != task.peer or rid in self._aborted:
-                return
+                return None
             header = self._abort_header(header, failed)
         else:
             self._ensure(task.peer)
             if self._mismatch is not None:
                 self._fail(rid, self._mismatch)
                 if rid in self._aborted:
-                    return
+                    return None
                 header = self._abort_header(header, self._mismatch)
         self._active.add(rid)
         if header.kind == wire.DATA:
-            self._send_data(header, task.src_slots)
-            return
+            return self._post_data(task, ahead if ahead is not None else self._gather(task))
         raw = wire.encode_header(header)
         what = f"{header.kind} record of request {rid}"
         self._pair.ring(len(raw), what)
-        self._pair.send([self._bytes_tensor(raw)], self._config.header_timeout_s, what)
+        # NOTE: a send completes once the peer posted the receive, i.e. after it finished the
+        # previous record (payload + scatter hand-off): bound it like a payload.
+        self._pair.send([self._bytes_tensor(raw)], self._config.payload_timeout_s, what)
         self._active.discard(rid)
         if header.kind == wire.ABORT:
-            self._aborted.add(rid)
+            self._aborted[rid] = None
+            if len(self._aborted) > _MAX_ABORTED:
+                del self._aborted[next(iter(self._aborted))]
+        return None
 
     def _abort_header(self, header: wire.Header, error: str) -> wire.Header:
         if header.kind == wire.ABORT:
@@ -163,27 +224,47 @@ class SenderChannel:
 
     def _bytes_tensor(self, raw: bytes) -> torch.Tensor:
         """Header bytes as a uint8 tensor on the cache's device (NCCL/HCCL send device memory)."""
-        device = getattr(self._cache, "k_caches")[0].device
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device)
 
-    def _send_data(self, header: wire.Header, src_slots: torch.Tensor) -> None:
+    def _gather(self, task: SendTask) -> _Gathered | None:
+        """K and V payloads ``[Ly, T, *D]`` of a data task (None for other records)."""
+        header = task.header
+        if header.kind != wire.DATA:
+            return None
         heads = _local_heads(self._layout, self._rank, header.head_range())
         t0 = time.perf_counter()
-        bufs = [payload.gather(self._cache, spec.name, header.layers, heads, src_slots)
-                for spec in self._layout.buffers]  # K then V, each [Ly, T, *D]
-        t1 = time.perf_counter()
+        got = _Gathered([], [])
+        for spec in self._layout.buffers:  # K then V
+            shape = payload.payload_shape(self._cache, spec.name, len(header.layers),
+                                          header.n_tokens, heads)
+            raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
+            out = payload.as_tensor(raw, shape, self._layout.torch_dtype)
+            got.raws.append(raw)
+            got.bufs.append(payload.gather(self._cache, spec.name, header.layers, heads,
+                                           task.src_slots, out=out))
+        self._stats.add(gather_s=time.perf_counter() - t0)
+        return got
+
+    def _post_data(self, task: SendTask, got: _Gathered) -> _Flight:
+        header = task.header
         raw = wire.encode_header(header)
         what = (f"data record of request {header.request_id} layers "
                 f"{header.layers[0]}..{header.layers[-1]} tokens "
                 f"[{header.token_start}, {header.token_end})")
         self._pair.ring(len(raw), what)
-        self._pair.send([self._bytes_tensor(raw), *bufs], self._config.payload_timeout_s, what)
-        nbytes = sum(b.numel() * b.element_size() for b in bufs)
-        self._stats.add(gather_s=t1 - t0, wire_s=time.perf_counter() - t1, nbytes=nbytes)
+        works = self._pair.post([self._bytes_tensor(raw), *got.bufs], what)
+        nbytes = sum(b.numel() * b.element_size() for b in got.bufs)
+        return _Flight(task, works, what, time.perf_counter(), nbytes, got)
 
     def _ensure(self, peer: Peer) -> None:
         if self._pair is not None and self._pair_peer == peer:
             return
+        if self._pair is not None:  # the decode rank moved (restarted): its requests are lost
+            old = self._pair_peer
+            for rid in self._active:
+                self._fail(rid, f"{self._pair.name}: decode {peer.instance}/{peer.rank} moved "
+                                f"from {old.host}:{old.port} to {peer.host}:{peer.port} "
+                                "(restarted); records sent before were lost")
         self._drop_pair()
         self._pair = pairs.connect(peer.host, peer.port, self._instance, self._rank,
                                    f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
@@ -201,8 +282,8 @@ class SenderChannel:
         self._aborted.clear()
 
     def _teardown(self, task: SendTask, exc: Exception) -> None:
-        name = self._pair.name if self._pair is not None else "pair"
-        error = str(exc) if name in str(exc) else f"{name}: {exc}"
+        name = self._pair.name if self._pair is not None else "KV pair"
+        error = str(exc) if "-> decode" in str(exc) else f"{name}: {exc}"
         log.warning("KV pair torn down: %s", error)
         for rid in self._active | {task.header.request_id}:
             self._fail(rid, error)

@@ -4,11 +4,11 @@ Per request: for every prefill rank the plan pairs with this decode rank, a bool
 ``[len(pair.layers), num_tokens]`` of (layer, token) cells received, and whether that rank's
 ``done`` record arrived. Complete = every mask full and every ``done`` in.
 
-Write guarantee: payload bytes are written into a request's slots only under the request's
-lock and only while it is active (expected, not failed, not timed out, not released). So once
-:meth:`RequestTracker.release` returns, no byte is ever written into its slots again, and the
-blocks may be freed, whatever the prefill side still has in flight (those bytes are read off
-the wire and dropped).
+Write guarantee: payload bytes are written into a request's slots only by a scatter that
+started while the request was active (expected, not failed, not timed out, not released),
+and :meth:`RequestTracker.release` waits for running scatters. So once it returns, no byte
+is ever written into the request's slots again and the blocks may be freed, whatever the
+prefill side still has in flight (those bytes are read off the wire and dropped).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class _Request:
     links: set[tuple] = field(default_factory=set)  # (peer key, generation) that sent records
     error: str | None = None
     released: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    writers: int = 0                                 # scatters running now
+    lock: threading.Condition = field(default_factory=threading.Condition)
 
     def complete(self) -> bool:
         return (self.error is None and self.done_from == set(self.pairs)
@@ -94,15 +95,29 @@ class RequestTracker:
         return req
 
     def write(self, req: _Request, header: wire.Header, scatter) -> bool:
-        """Run ``scatter()`` and mark the cells, only if ``req`` is still active."""
+        """Run ``scatter()`` and mark the cells, only if ``req`` is still active.
+
+        NOTE: the lock is not held during the copy, so pairs feeding the same request
+        (P16 -> D4: four per decode rank) scatter in parallel; ``release`` waits for
+        ``writers`` to drain instead.
+        """
         with req.lock:
             if not self._active(req):
                 return False
+            req.writers += 1
+        done = False
+        try:
             scatter()
-            pp = req.pairs[header.prefill_rank]
-            rows = [pp.layers.index(layer) for layer in header.layers]
-            req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
-            return True
+            done = True
+        finally:
+            with req.lock:
+                req.writers -= 1
+                if done:
+                    pp = req.pairs[header.prefill_rank]
+                    rows = [pp.layers.index(layer) for layer in header.layers]
+                    req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
+                req.lock.notify_all()
+        return True
 
     def on_done(self, link: tuple, header: wire.Header) -> None:
         req = self._get(header.request_id)
@@ -150,11 +165,14 @@ class RequestTracker:
             return req.error
 
     def release(self, request_id: str) -> None:
+        """Forget the request; returns once no scatter into its slots runs (none will start)."""
         with self._lock:
             req = self._requests.pop(request_id, None)
         if req is not None:
-            with req.lock:  # waits for a scatter in progress
+            with req.lock:
                 req.released = True
+                while req.writers:  # NOTE: bounded by one scatter (a memory copy)
+                    req.lock.wait()
 
     def pending(self) -> int:
         with self._lock:

@@ -7,7 +7,6 @@ prefill cache held. Each process reports ``(role, rank, error_or_None, info)`` o
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -44,7 +43,6 @@ class Scenario:
     prefill_dtype: str = "float32"
     decode_dtype: str = "float32"
     timeouts: dict = field(default_factory=dict)
-    kill_prefill_after_chunks: int | None = None  # prefill rank 0 exits after these chunks
 
 
 def prefill_spec(s: Scenario) -> KVCacheSpec:
@@ -108,7 +106,7 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
 def run_ranks(targets: list[tuple], timeout_s: float = 60.0) -> dict:
     """Start ``(fn, args)`` processes; return ``{(role, rank): (error, info)}``; kill leftovers."""
     results = CTX.Queue()
-    procs = [CTX.Process(target=_entry, args=(fn, args, results), daemon=True)
+    procs = [CTX.Process(target=entry, args=(fn, args, results), daemon=True)
              for fn, args in targets]
     for p in procs:
         p.start()
@@ -130,9 +128,8 @@ def run_ranks(targets: list[tuple], timeout_s: float = 60.0) -> dict:
     return out
 
 
-def _entry(fn, args, results) -> None:
+def entry(fn, args, results) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     role, rank = args[0], args[1]
     try:
         info = fn(*args)

@@ -60,7 +60,8 @@ def prefill_mismatch(role, rank, s: Scenario, addr_qs) -> str:
     return error
 
 
-def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, killed) -> dict:
+def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, killed,
+                                 restarted, expected) -> dict:
     """Prefill is killed after chunk 0: RID fails by the completion timeout; a restarted
     prefill (new pair generation) then delivers RID2 completely."""
     cache, conn = _decode(s)
@@ -74,12 +75,14 @@ def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, kille
     failed_after = time.monotonic() - t0
     error = conn.failure(RID)
     conn.release(RID)
-    conn.expect(RID2, s.num_tokens, s.prefill_tp)
     killed.set()  # parent starts the restarted prefill now
+    assert restarted.wait(60), "restarted prefill never came up"
+    conn.expect(RID2, s.num_tokens, s.prefill_tp)  # NOTE: its deadline starts now
+    expected.set()
     wait_for(lambda: conn.is_complete(RID2) or conn.failure(RID2), 30, "RID2")
     assert conn.failure(RID2) is None, conn.failure(RID2)
     check_received(s, cache)
-    # the replaced generation's receiver stops within a poll interval (bounded wait here)
+    # the replaced generation's receiver is woken by its stop bell and ends (bounded wait)
     wait_for(lambda: not [n for n in kv_threads() if "-g1->" in n], 5, "old receiver gone")
     threads = kv_threads()
     conn.release(RID2)
@@ -96,8 +99,10 @@ def prefill_then_hang(role, rank, s: Scenario, addr_q) -> None:
     time.sleep(120)  # killed by the parent
 
 
-def prefill_restarted(role, rank, s: Scenario, peers) -> None:
+def prefill_restarted(role, rank, s: Scenario, peers, restarted, expected) -> None:
     conn = _prefill(s, rank)
+    restarted.set()
+    assert expected.wait(30)
     _send_all(conn, s, RID2, peers)
     conn.finish(RID2, peers, s.num_tokens)
     conn.wait_idle(RID2, 20)

@@ -5,11 +5,12 @@ import queue
 import time
 
 from .cluster import CTX, RID, Scenario, run_ranks
-from .cluster import _entry as entry
+from .cluster import entry
 from . import failure_ranks as fr
 
-FAST = {"connect_timeout_s": 5.0, "header_timeout_s": 3.0, "payload_timeout_s": 3.0,
-        "completion_timeout_s": 4.0}
+# NOTE: the bounds under test are short; the others leave room for a loaded 2-core box.
+FAST = {"connect_timeout_s": 10.0, "header_timeout_s": 10.0, "payload_timeout_s": 10.0,
+        "completion_timeout_s": 6.0}
 
 
 def test_layout_mismatch_is_a_clear_error_on_both_sides():
@@ -55,16 +56,18 @@ class _Procs:
 def test_killed_prefill_fails_request_then_pair_is_remade():
     s = Scenario(prefill_tp=1, decode_tp=1, timeouts=FAST)
     addr_q, mine = CTX.Queue(), CTX.Queue()
-    chunk0, killed = CTX.Event(), CTX.Event()
+    chunk0, killed, restarted, expected = (CTX.Event() for _ in range(4))
     procs = _Procs()
     try:
-        procs.start("decode", fr.decode_survives_prefill_kill, s, [addr_q, mine], chunk0, killed)
+        procs.start("decode", fr.decode_survives_prefill_kill, s, [addr_q, mine], chunk0, killed,
+                    restarted, expected)
         procs.start("prefill", fr.prefill_then_hang, s, addr_q)
         assert chunk0.wait(60), "chunk 0 never arrived"
         procs.procs["prefill"].terminate()
         _, (host, port) = mine.get(timeout=5)
         assert killed.wait(30), "decode never reported the failure"
-        procs.start("prefill2", fr.prefill_restarted, s, [("d0", 0, host, port)])
+        procs.start("prefill2", fr.prefill_restarted, s, [("d0", 0, host, port)], restarted,
+                    expected)
         out = procs.collect(["decode", "prefill2"], 60)
     finally:
         procs.close()
@@ -97,6 +100,6 @@ def test_killed_decode_fails_request_then_pair_is_remade():
     assert err is None, err
     assert "-> decode d0/0" in info["error"] and f"request {RID}" in info["error"], info
     assert "the peer died or closed the pair" in info["error"], info
-    assert info["failed_after"] < FAST["connect_timeout_s"] + FAST["payload_timeout_s"], info
+    assert info["failed_after"] < FAST["payload_timeout_s"], info
     assert [t for t in info["threads_before_close"] if t.startswith("kv-send")] == \
         ["kv-send-p0/0->d0/0"], info

@@ -2,7 +2,6 @@
 
 import pytest
 
-from . import cluster
 from .cluster import CTX, Scenario, decode_rank, prefill_rank, run_ranks
 
 

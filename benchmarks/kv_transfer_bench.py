@@ -1,0 +1,197 @@
+"""KV transfer throughput: the transfer layer vs a raw gloo send/recv of the same bytes.
+
+DeepSeek-V3-shaped request: 61 layers, K 512 + V 64 elements per token per layer, bf16
+(1,152 B per token per layer, REFERENCE.md "KV bytes"). One prefill rank -> one decode rank,
+two processes on this machine (gloo over loopback), random block tables on both sides.
+
+For each size the request goes in prefill chunks of ``--chunk`` tokens:
+- raw: the K and V bytes of each chunk, already contiguous, sent with plain gloo send/recv
+  on a separate 2-rank group (no header, gather or scatter);
+- kvx: ``PrefillKVConnector.send_chunk`` per chunk + ``finish``; the clock stops when the
+  decode rank's ``is_complete`` turned true (reported back over the raw group).
+Both clocks run on the prefill process from a "ready" message to the decode's ack.
+
+Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 1024 4096 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from orch.engine.block_pool import slot_mapping
+from orch.engine.kv_cache import KVCache, KVCacheSpec
+from orch.kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from orch.kv_transfer.backend import backend_for
+
+LAYERS, KV_LORA, ROPE, BLOCK = 61, 512, 64, 128
+MODEL = "deepseek-v3-shape"
+
+
+def spec(max_tokens: int, dtype: torch.dtype) -> KVCacheSpec:
+    blocks = 2 * (-(-max_tokens // BLOCK))  # twice the request: block tables are scattered
+    return KVCacheSpec(LAYERS, blocks, BLOCK, KV_LORA, ROPE, dtype)
+
+
+def table_slots(num_blocks: int, tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(num_blocks, generator=gen)[:-(-tokens // BLOCK)].tolist()
+    return slot_mapping(table, 0, tokens, BLOCK)
+
+
+def raw_group(rank: int, port_q, timeout_s: float = 60.0) -> dist.ProcessGroup:
+    if rank == 1:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        port_q.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", port_q.get(timeout=timeout_s), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    group = backend_for("cpu").make_group(dist.PrefixStore("raw", store), rank, timeout_s,
+                                          "127.0.0.1")
+    return group, store
+
+
+WAIT = datetime.timedelta(seconds=120)  # every wait of the benchmark is bounded
+
+
+def signal(group, rank: int) -> None:
+    group.send([torch.ones(1, dtype=torch.uint8)], 1 - rank, 1).wait(WAIT)
+
+
+def wait_signal(group, rank: int) -> None:
+    group.recv([torch.zeros(1, dtype=torch.uint8)], 1 - rank, 1).wait(WAIT)
+
+
+def decode_main(args, port_q, addr_q, out_q) -> None:
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    cache = KVCache(spec(max(args.tokens), dtype))
+    conn = DecodeKVConnector(cache, KVLayout.from_spec(cache.spec, MODEL, 1), "d0", 0,
+                             TransferConfig())
+    addr_q.put(conn.address)
+    group, _store = raw_group(1, port_q)
+    scatter_s = {}
+    for tokens in args.tokens:
+        chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
+        # NOTE: raw receive buffers are allocated and touched once, outside the clock: the
+        # baseline is the wire alone.
+        bufs = [(torch.zeros(LAYERS, b - a, KV_LORA, dtype=dtype),
+                 torch.zeros(LAYERS, b - a, ROPE, dtype=dtype)) for a, b in chunks]
+        for rep in range(args.reps):
+            signal(group, 1)
+            for k, v in bufs:  # raw
+                for t in (k, v):
+                    group.recv([t], 0, 0).wait(WAIT)
+            signal(group, 1)
+            rid = f"r{tokens}-{rep}"
+            conn.expect(rid, tokens, 1)
+            before = conn.stats.snapshot()["scatter_s"]
+            signal(group, 1)
+            while not conn.is_complete(rid):
+                if conn.failure(rid):
+                    raise RuntimeError(conn.failure(rid))
+                time.sleep(0.0005)
+            signal(group, 1)
+            scatter_s[(tokens, rep)] = conn.stats.snapshot()["scatter_s"] - before
+            conn.release(rid)
+        del bufs
+    dst = table_slots(cache.spec.num_blocks, args.tokens[-1], 2)
+    out_q.put(("decode", scatter_s, cache.flat_k(LAYERS - 1)[dst[:64]].clone()))
+    conn.close()
+
+
+def prefill_main(args, port_q, addr_q, out_q) -> None:
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    cache = KVCache(spec(max(args.tokens), dtype))
+    for t in cache.k_caches + cache.v_caches:
+        t.uniform_()
+    conn = PrefillKVConnector(cache, KVLayout.from_spec(cache.spec, MODEL, 1), "p0", 0, 1,
+                              TransferConfig())
+    host, port = addr_q.get(timeout=60)
+    peers = [("d0", 0, host, port)]
+    group, _store = raw_group(0, port_q)
+    results = []
+    for tokens in args.tokens:
+        src = table_slots(cache.spec.num_blocks, tokens, 1)
+        dst = table_slots(cache.spec.num_blocks, tokens, 2)
+        chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
+        for rep in range(args.reps):
+            bufs = [(torch.stack([cache.flat_k(i)[src[a:b]] for i in range(LAYERS)]),
+                     torch.stack([cache.flat_v(i)[src[a:b]] for i in range(LAYERS)]))
+                    for a, b in chunks]
+            wait_signal(group, 0)
+            t0 = time.perf_counter()
+            works = [group.send([t], 1, 0) for k, v in bufs for t in (k, v)]
+            for w in works:
+                w.wait(WAIT)
+            wait_signal(group, 0)
+            raw_s = time.perf_counter() - t0
+            del bufs, works
+            before = conn.stats.snapshot()
+            wait_signal(group, 0)
+            t0 = time.perf_counter()
+            rid = f"r{tokens}-{rep}"
+            for a, b in chunks:
+                conn.send_chunk(rid, peers, a, b, src[a:b], dst[a:b])
+            conn.finish(rid, peers, tokens)
+            wait_signal(group, 0)
+            kvx_s = time.perf_counter() - t0
+            conn.wait_idle(rid, 60)
+            after = conn.stats.snapshot()
+            results.append((tokens, rep, raw_s, kvx_s, after["gather_s"] - before["gather_s"]))
+    last = table_slots(cache.spec.num_blocks, args.tokens[-1], 1)
+    out_q.put(("prefill", results, cache.flat_k(LAYERS - 1)[last[:64]].clone()))
+    conn.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    port_q, addr_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=f, args=(args, port_q, addr_q, out_q))
+             for f in (decode_main, prefill_main)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((role, rest) for role, *rest in (out_q.get(timeout=300) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert torch.equal(got["decode"][1], got["prefill"][1]), "bytes differ after transfer"
+    report(args, got["prefill"][0], got["decode"][0])
+
+
+def report(args, results, scatter_s) -> None:
+    """One line per size: best raw and best kvx of the repetitions, and the kvx run's
+    gather (prefill) and scatter (decode) seconds."""
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
+          f"chunk {args.chunk} tokens, P1 -> D1, gloo loopback, best of {args.reps}")
+    print(f"{'tokens':>7} {'MiB':>8} {'raw GB/s':>9} {'kvx GB/s':>9} {'ratio':>6} "
+          f"{'gather s':>9} {'scatter s':>10}")
+    for tokens in args.tokens:
+        runs = [r for r in results if r[0] == tokens]
+        raw_s = min(r[2] for r in runs)
+        _, rep, _, kvx_s, gather_s = min(runs, key=lambda r: r[3])
+        nbytes = tokens * LAYERS * (KV_LORA + ROPE) * elem
+        print(f"{tokens:>7} {nbytes / 2**20:>8.1f} {nbytes / raw_s / 1e9:>9.2f} "
+              f"{nbytes / kvx_s / 1e9:>9.2f} {raw_s / kvx_s:>6.2f} {gather_s:>9.3f} "
+              f"{scatter_s[(tokens, rep)]:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
