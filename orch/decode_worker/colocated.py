@@ -5,7 +5,7 @@ It is the baseline disaggregated output is compared against, token for token.
 
 from __future__ import annotations
 
-from orch.engine.scheduler import COLOCATED, Request
+from orch.engine.scheduler import COLOCATED
 from orch.messages import RequestSpec, TokenEvent
 from orch.worker.leader import LeaderRank
 
@@ -24,13 +24,7 @@ class ColocatedRank(LeaderRank):
     def generate(self, spec: RequestSpec) -> None:
         """Queue a request; its tokens arrive through ``poll``. Too big -> an error event."""
         with self._lock:
-            reason = self.too_big(self.scheduler.blocks_for(spec))
-            if reason is not None:
-                self.emit(TokenEvent(spec.request_id, (), "error", reason, self.source,
-                                     self.cfg.name))
-                return
-            self.scheduler.add(Request(spec))
-        self._wake.set()
+            self.enqueue(spec)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; True when it was here."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orch.engine.block_pool import BlockSet, slot_mapping
-from orch.engine.scheduler import PREFILL, Request, SchedulerOutput
+from orch.engine.scheduler import PREFILL, SchedulerOutput
 from orch.messages import KVPeer, Reservation, RequestSpec, TokenEvent
 from orch.prefill_worker.transfer_log import TransferLog
 from orch.worker.kv import make_layout, make_transfer_config
@@ -116,14 +116,8 @@ class PrefillRank(LeaderRank):
     def prefill(self, spec: RequestSpec, reservation: Reservation) -> None:
         """Queue a prompt for chunked prefill into ``reservation``."""
         with self._lock:
-            reason = self.too_big(self.scheduler.blocks_for(spec))
-            if reason is not None:
-                self.emit(TokenEvent(spec.request_id, (), "error", reason, self.source,
-                                     self.cfg.name))
-                return
-            self.reservations[spec.request_id] = reservation
-            self.scheduler.add(Request(spec))
-        self._wake.set()
+            if self.enqueue(spec):
+                self.reservations[spec.request_id] = reservation
 
     def _transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
         bs = self.cfg.block_size

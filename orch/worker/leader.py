@@ -11,7 +11,7 @@ from orch.engine.block_pool import BlockPool
 from orch.engine.sampling import sample
 from orch.engine.scheduler import (RolePolicy, Request, Scheduler, SchedulerOutput,
                                    finish_reason)
-from orch.messages import InstanceStatusInfo, TokenEvent
+from orch.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from orch.worker.rank import RankBase
 
 
@@ -41,6 +41,18 @@ class LeaderRank(RankBase):
         return (f"request needs {blocks_needed} KV blocks of {self.cfg.block_size} tokens; "
                 f"{self.cfg.name} has {self.pool.num_blocks} in all: shorten the prompt or "
                 "max_tokens, or raise num_kv_blocks")
+
+    def enqueue(self, spec: RequestSpec) -> bool:
+        """Queue a new request (caller holds the lock); one that can never fit gets an error
+        event instead. True when queued."""
+        reason = self.too_big(self.scheduler.blocks_for(spec))
+        if reason is not None:
+            self.emit(TokenEvent(spec.request_id, (), "error", reason, self.source,
+                                 self.cfg.name))
+            return False
+        self.scheduler.add(Request(spec))
+        self._wake.set()
+        return True
 
     def sample_step(self, out: SchedulerOutput, logits) -> dict[str, int]:
         """Sample the next token of every chunk that completes its request's known tokens."""
