@@ -41,7 +41,8 @@ class DecodeRank(LeaderRank):
 
         self.connector = DecodeKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            make_transfer_config(self.cfg), host=self.cfg.bind_host)
+            make_transfer_config(self.cfg, completion_factor=ORPHAN_FACTOR),
+            host=self.cfg.bind_host)
         if self.rank == 0:
             self.setup_leader()
             self.pending: dict[str, tuple[Request, float]] = {}  # reserved, KV not yet complete

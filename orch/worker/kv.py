@@ -24,11 +24,17 @@ def make_layout(runner, cfg: InstanceConfig):
     return KVLayout.from_spec(runner.kv_spec, model_identity(cfg.checkpoint_dir), cfg.tp)
 
 
-def make_transfer_config(cfg: InstanceConfig):
-    """The rank's :class:`orch.kv_transfer.TransferConfig` (bounded waits, seconds)."""
+def make_transfer_config(cfg: InstanceConfig, completion_factor: float = 1.0):
+    """The rank's :class:`orch.kv_transfer.TransferConfig` (bounded waits, seconds).
+
+    ``completion_factor`` stretches ``completion_timeout_s``: the decode receiver's clock
+    starts at the reservation, which may wait in the prefill queue for a long time, so decode
+    gives its receivers the orphan bound and enforces ``completion_timeout_s`` itself from the
+    first token on.
+    """
     from orch.kv_transfer.config import TransferConfig
 
     return TransferConfig(connect_timeout_s=cfg.connect_timeout_s,
                           header_timeout_s=cfg.header_timeout_s,
                           payload_timeout_s=cfg.payload_timeout_s,
-                          completion_timeout_s=cfg.completion_timeout_s)
+                          completion_timeout_s=cfg.completion_timeout_s * completion_factor)

@@ -133,7 +133,26 @@ def test_never_admitted_kv_fails_after_completion_timeout(ckpt):
         assert isinstance(decode.reserve(spec, 1), Reservation)
         decode.admit("lost", 9)  # prefill never sends: KV must not be waited on forever
         (ev,) = wait_events(decode, "lost", lambda e: e.finish_reason is not None, 10)
-        assert ev.finish_reason == "error" and "0.5 s" in ev.error and "missing" in ev.error
+        assert ev.finish_reason == "error" and "within 0.5 s of the first token" in ev.error
         wait_all_free(decode)
     finally:
+        decode.shutdown()
+
+
+def test_reservation_may_wait_in_the_prefill_queue_longer_than_completion_timeout(ckpt):
+    """The completion bound runs from the first token, not from the reservation."""
+    prefill = start(PrefillRank, ckpt, "prefill", completion_timeout_s=0.5)
+    decode = start(DecodeRank, ckpt, "decode", completion_timeout_s=0.5)
+    try:
+        spec = RequestSpec("queued", tuple(range(7)), SamplingParams(max_tokens=3))
+        res = decode.reserve(spec, 1)
+        time.sleep(1.0)  # stands for a prefill queue ahead of it
+        prefill.prefill(spec, res)
+        (first,) = wait_events(prefill, "queued", lambda e: True)
+        decode.admit("queued", first.token_ids[0])
+        events = wait_events(decode, "queued", lambda e: e.finish_reason is not None)
+        assert events[-1].finish_reason == "length", events[-1]
+        wait_all_free(prefill, decode)
+    finally:
+        prefill.shutdown()
         decode.shutdown()
