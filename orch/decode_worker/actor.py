@@ -84,6 +84,9 @@ class DecodeRank(LeaderRank):
             reason = self.too_big(need)
             if reason is not None:
                 return Rejection(spec.request_id, reason, retryable=False)
+            if self.buried(spec.request_id):
+                return Rejection(spec.request_id, f"request {spec.request_id!r} was aborted "
+                                 "before its reservation", retryable=False)
             if spec.request_id in self.pending or self.scheduler.find(spec.request_id):
                 return Rejection(spec.request_id, f"request id {spec.request_id!r} is already "
                                  f"on {self.cfg.name}: use a fresh id", retryable=False)
@@ -126,6 +129,10 @@ class DecodeRank(LeaderRank):
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; blocks freed once receivers dropped it."""
+        with self._lock:
+            if request_id not in self.pending and self.scheduler.find(request_id) is None:
+                self.bury(request_id)  # a reserve still on its way is refused
+                return False
         if self._drop_pending(request_id) is not None:
             found = True
         else:

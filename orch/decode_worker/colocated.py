@@ -30,6 +30,8 @@ class ColocatedRank(LeaderRank):
         """Drop a request and free its blocks; True when it was here."""
         with self._lock:
             req = self.scheduler.remove(request_id)
+            if req is None:
+                self.bury(request_id)
         if req is not None:
             self.emit(TokenEvent(request_id, (), "abort", source=self.source,
                                  instance=self.cfg.name))

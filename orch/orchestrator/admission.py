@@ -28,6 +28,28 @@ class AdmissionQueue:
         self.max_pending, self.retry_s = max_pending, retry_s
         self.waiting = 0
         self._changed = asyncio.Event()
+        self._placing: set[str] = set()  # requests holding a ticket (queued or not)
+        self._ended: dict[str, RequestError] = {}  # request id -> why it must stop waiting
+        self._closed: RequestError | None = None
+
+    def cancel(self, request_id: str, error: RequestError) -> bool:
+        """End the wait of ``request_id`` with ``error``; False when it holds no ticket."""
+        if request_id not in self._placing:
+            return False
+        self._ended[request_id] = error
+        self.notify()
+        return True
+
+    def close(self, error: RequestError) -> None:
+        """End every wait, now and later, with ``error`` (router shutting down)."""
+        self._closed = error
+        self.notify()
+
+    def check(self, request_id: str) -> None:
+        """Raise the error that ended this request's wait, if any."""
+        error = self._closed or self._ended.get(request_id)
+        if error is not None:
+            raise error
 
     def notify(self) -> None:
         """Capacity may have freed: wake every waiter to retry."""
@@ -38,9 +60,12 @@ class AdmissionQueue:
     async def ticket(self, request_id: str) -> AsyncIterator["Ticket"]:
         """A ticket for one request's reservation attempts; leaves the queue on exit."""
         ticket = Ticket(self, request_id)
+        self._placing.add(request_id)
         try:
             yield ticket
         finally:
+            self._placing.discard(request_id)
+            self._ended.pop(request_id, None)
             if ticket.queued:
                 self.waiting -= 1
 
@@ -66,8 +91,10 @@ class Ticket:
         """Wait until capacity may have freed, at most until ``deadline`` (time.monotonic()).
 
         Raises:
-            RequestError: RESOURCE_EXHAUSTED when the queue is full or the deadline passed.
+            RequestError: RESOURCE_EXHAUSTED when the queue is full or the deadline passed;
+                the cancel/close error when the wait was ended.
         """
+        self._queue.check(self.request_id)
         if not self.queued:
             self._queue._enter(self.request_id, reason)
             self.queued = True
@@ -83,3 +110,4 @@ class Ticket:
             await asyncio.wait_for(changed.wait(), min(left, self._queue.retry_s))
         except asyncio.TimeoutError:
             pass
+        self._queue.check(self.request_id)

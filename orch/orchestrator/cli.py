@@ -26,11 +26,12 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         print(dry_run_report(cfg))
         return 0
     from orch.orchestrator.cluster import BringUpError
+    from orch.orchestrator.server import PortInUseError
     from orch.orchestrator.up import run_up
 
     try:
         return run_up(cfg)
-    except (BringUpError, FileNotFoundError, ImportError) as exc:
+    except (BringUpError, FileNotFoundError, ImportError, PortInUseError) as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 1
 
@@ -65,8 +66,15 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     sampling = dict(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                     top_k=ns.top_k, seed=ns.seed, ignore_eos=ns.ignore_eos)
-    prompt = dict(token_ids=[int(t) for t in ns.prompt.replace(",", " ").split()]) \
-        if ns.token_ids else dict(prompt=ns.prompt)
+    if ns.token_ids:
+        try:
+            prompt = dict(token_ids=[int(t) for t in ns.prompt.replace(",", " ").split()])
+        except ValueError:
+            print(f"orch generate: --token-ids needs integers separated by commas or spaces "
+                  f"(e.g. '1,2,3'), got {ns.prompt!r}", file=sys.stderr)
+            return 2
+    else:
+        prompt = dict(prompt=ns.prompt)
     ids: list[int] = []
     try:
         with OrchClient(ns.address) as client:

@@ -26,7 +26,8 @@ DEVICE_FOR_BACKEND = {backend: device for device, backend in BACKEND_FOR_DEVICE.
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NOTE: strict: `tp: true` or `tp: "2"` are errors, not 1 and 2; no inf/nan durations.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 def _cross_field(message: str) -> PydanticCustomError:

@@ -33,6 +33,14 @@ class Tokenizer:
                 "token ids instead of text")
         self._tok = HFTokenizer.from_file(str(file))
 
+    @property
+    def max_token_bytes(self) -> int:
+        """Upper bound on the UTF-8 bytes one token covers (so a text of B bytes has at least
+        ``B / max_token_bytes`` tokens)."""
+        if not hasattr(self, "_max_token_bytes"):
+            self._max_token_bytes = max(len(t.encode()) for t in self._tok.get_vocab(True))
+        return self._max_token_bytes
+
     def encode(self, text: str) -> list[int]:
         """Text -> token ids (no special tokens added)."""
         return self._tok.encode(text, add_special_tokens=False).ids

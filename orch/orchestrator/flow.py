@@ -79,6 +79,13 @@ class Flow(ABC):
         self.policy.release(route.main, route.main_load)
         route.main_load = 0
 
+    def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
+        """End a request still being placed with ``error``; False when none is waiting."""
+        return False
+
+    def close_waiting(self, error: RequestError) -> None:
+        """End every placement, now and later, with ``error`` (shutdown)."""
+
 
 class ColocatedFlow(Flow):
     """Prefill and decode in the same instance: ``generate(spec)`` then events from poll()."""
@@ -176,6 +183,12 @@ class DisaggregatedFlow(Flow):
         self._release_prefill(route)
         super().release(route)
         self.admission.notify()
+
+    def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
+        return self.admission.cancel(request_id, error)
+
+    def close_waiting(self, error: RequestError) -> None:
+        self.admission.close(error)
 
     def _release_prefill(self, route: Route) -> None:
         if route.prefill and route.prefill_load:

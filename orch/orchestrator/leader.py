@@ -18,6 +18,19 @@ from orch.messages import TokenEvent
 log = logging.getLogger(__name__)
 
 
+def _brief(exc: BaseException) -> str:
+    """One line for a failed actor call: the worker's own error, or that the actor died."""
+    name = type(exc).__name__
+    if "ActorDied" in name or "ActorUnavailable" in name:
+        return (f"{name}: a rank process of this instance is gone; orch does not restart "
+                "ranks yet: restart `orch up`")
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the worker's
+    if isinstance(cause, BaseException) and cause is not exc:
+        return _brief(cause)
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{name}: {first[:300]}"
+
+
 class LeaderError(RuntimeError):
     """A leader call failed or did not answer in time; the message names instance and method."""
 
@@ -56,8 +69,7 @@ class LeaderClient:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Ray wraps worker exceptions; keep the cause in the text
-            raise LeaderError(f"{self.name}.{method} failed: {type(exc).__name__}: "
-                              f"{exc}") from exc
+            raise LeaderError(f"{self.name}.{method} failed: {_brief(exc)}") from exc
 
 
 class EventPump:

@@ -25,6 +25,8 @@ from orch.orchestrator.stream import StreamProgress
 from orch.orchestrator.validate import validate_request
 
 log = logging.getLogger(__name__)
+# Seconds the aborted leftovers of a drain get to end before the router stops anyway.
+SHUTDOWN_ABORT_S = 10.0
 
 
 class RouterMetrics(Protocol):
@@ -87,11 +89,24 @@ class Router:
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new requests, wait (bounded) for in-flight ones, then stop polling."""
         self._accepting = False
+        # NOTE: requests still waiting for KV blocks have nothing computed: end them now.
+        self.flow.close_waiting(RequestError(
+            "UNAVAILABLE", "the router is shutting down before this request got KV blocks: "
+                           "retry on another router or after it restarts"))
         try:
             await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
         except asyncio.TimeoutError:
-            log.warning("%d request(s) still running after %.1f s drain", self.in_flight,
-                        drain_timeout_s)
+            log.warning("%d request(s) still running after %.1f s drain: ending them",
+                        self.in_flight, drain_timeout_s)
+            for request_id in list(self._routes):
+                self.pump.deliver(TokenEvent(
+                    request_id, finish_reason="error", source="router",
+                    error=f"the router shut down before the request finished (drain limit "
+                          f"{drain_timeout_s:g} s): retry it"))
+            try:
+                await asyncio.wait_for(self._idle.wait(), SHUTDOWN_ABORT_S)
+            except asyncio.TimeoutError:
+                log.warning("%d request(s) did not end after the drain", self.in_flight)
         await self.pump.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=drain_timeout_s)
@@ -105,7 +120,7 @@ class Router:
                 INTERNAL), or shutting down (UNAVAILABLE).
         """
         try:
-            spec = self._accept(inp)
+            spec = await self._accept(inp)
         except RequestError as exc:
             self.metrics.request_rejected(exc.code)
             raise
@@ -181,18 +196,23 @@ class Router:
                                      f"{event.error}")
         return event
 
-    def _accept(self, inp: GenerateInput) -> RequestSpec:
+    async def _accept(self, inp: GenerateInput) -> RequestSpec:
         if not self._accepting:
             raise RequestError("UNAVAILABLE", "the router is shutting down: retry on another "
                                               "router or after it restarts")
         request_id = inp.request_id or uuid.uuid4().hex
+        self._check_new(request_id)
+        # NOTE: tokenizing a long prompt takes seconds; off the event loop, other streams go on.
+        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
+        self._check_new(request_id)  # another request may have taken the id meanwhile
+        return RequestSpec(request_id=request_id, prompt_token_ids=ids,
+                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
+
+    def _check_new(self, request_id: str) -> None:
         if request_id in self._routes:
             raise RequestError("INVALID_ARGUMENT",
                                f"request id {request_id!r} is already in flight: use a unique "
                                "request_id or leave it empty for a generated one")
-        ids = validate_request(inp, self.model, self.tokenizer)
-        return RequestSpec(request_id=request_id, prompt_token_ids=ids,
-                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
 
     def _end(self, request_id: str, progress: StreamProgress) -> None:
         """Every exit path: abort what is still running, return load, forget the request."""
@@ -227,7 +247,9 @@ class Router:
         """Abort an in-flight request; its stream ends with finish_reason "abort"."""
         route = self._routes.get(request_id)
         if route is None:  # unknown, or still waiting for a reservation
-            return False
+            return request_id in self._routes and self.flow.cancel_waiting(
+                request_id, RequestError("CANCELLED", f"request {request_id} was aborted while "
+                                                      "it waited for decode KV blocks"))
         await self.flow.abort(route)
         return self.pump.deliver(TokenEvent(request_id, finish_reason="abort",
                                             source="router", instance=route.main))

@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "orch.v1.Orch"
 
 
+class PortInUseError(RuntimeError):
+    """A port orch must listen on is taken; the message names the config key."""
+
+
 class OrchServicer(pb_grpc.OrchServicer):
     """Maps the Orch RPCs onto a :class:`Router`."""
 
@@ -63,7 +67,9 @@ class OrchServer:
     def __init__(self, router: Router, host: str, port: int) -> None:
         self.router = router
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
+        # NOTE: gRPC enables SO_REUSEPORT by default, which lets a second `orch up` bind the
+        # same port and silently share clients with this one.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_OrchServicer_to_server(OrchServicer(router), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
@@ -73,13 +79,13 @@ class OrchServer:
         """Bind, start the router and the server, report SERVING; returns the bound port.
 
         Raises:
-            RuntimeError: the address could not be bound (message says what to do).
+            PortInUseError: the address could not be bound (message says what to do).
         """
         try:
             self.port = self.server.add_insecure_port(self.address)
         except RuntimeError as exc:
-            raise RuntimeError(f"cannot listen on {self.address} ({exc}): pick a free "
-                               "router.port or stop what uses it") from None
+            raise PortInUseError(f"cannot listen on {self.address} ({exc}): pick a free "
+                                 "router.port or stop what uses it") from None
         self.router.start()
         await self.server.start()
         for service in ("", SERVICE_NAME):

@@ -15,7 +15,7 @@ from orch.orchestrator.checkpoint import ensure_checkpoint, read_model_info
 from orch.orchestrator.cluster import Cluster, bring_up, connect_ray
 from orch.orchestrator.config import OrchConfig
 from orch.orchestrator.detokenizer import Tokenizer
-from orch.orchestrator.server import OrchServer
+from orch.orchestrator.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0
@@ -33,6 +33,26 @@ def make_metrics(cfg: OrchConfig):
     return RouterMetrics(cfg.router.host, cfg.router.metrics_port)
 
 
+def _check_ports_free(cfg: OrchConfig) -> None:
+    """Fail before the (slow) bring-up when the router or metrics port is taken.
+
+    Raises:
+        PortInUseError: names the key and what to do.
+    """
+    import socket
+
+    for key, port in (("router.port", cfg.router.port),
+                      ("router.metrics_port", cfg.router.metrics_port)):
+        if not port:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((cfg.router.host, port))
+            except OSError as exc:
+                raise PortInUseError(f"{key} {port} on {cfg.router.host} is not free ({exc}): "
+                                   f"stop what uses it or pick another {key}") from None
+
+
 def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     """Bring everything up and serve until SIGINT/SIGTERM; returns the exit code.
 
@@ -41,6 +61,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
         rank_classes: role -> rank class (default: the real worker classes; tests inject
             fakes).
     """
+    _check_ports_free(cfg)
     checkpoint = ensure_checkpoint(cfg.model)
     model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
     tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None

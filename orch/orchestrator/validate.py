@@ -26,6 +26,12 @@ def validate_request(inp: GenerateInput, model: ModelInfo,
     elif inp.text:
         if tokenizer is None:
             raise _invalid("this model has no tokenizer.json: send token_ids instead of text")
+        nbytes = len(inp.text.encode())
+        if nbytes > model.max_model_len * tokenizer.max_token_bytes:
+            # NOTE: refused before tokenizing: it has more than max_model_len tokens for sure.
+            raise _invalid(f"prompt is {nbytes} bytes, more than max_model_len "
+                           f"{model.max_model_len} tokens can hold: shorten the prompt or "
+                           "raise model.max_model_len")
         ids = tuple(tokenizer.encode(inp.text))
     else:
         ids = ()

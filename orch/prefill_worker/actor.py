@@ -157,6 +157,7 @@ class PrefillRank(LeaderRank):
             req = self.scheduler.remove(request_id, free=False)
             blocks = req.blocks if req is not None else self.draining.pop(request_id, None)
             if res is None and blocks is None:
+                self.bury(request_id)
                 return False
             peers = res.peers if res is not None else ()
             self.call_all("abort_kv", request_id, peers)

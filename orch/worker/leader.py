@@ -7,12 +7,22 @@ prefill, KV completion on decode) through :class:`RankBase` hooks.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+
 from orch.engine.block_pool import BlockPool
 from orch.engine.sampling import sample
 from orch.engine.scheduler import (RolePolicy, Request, Scheduler, SchedulerOutput,
                                    finish_reason)
 from orch.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from orch.worker.rank import RankBase
+
+MAX_TOMBSTONES = 10_000
+# NOTE: long against the race it guards (calls of one request a few ms apart), short enough
+# that a client reusing a finished request's id is not refused for long.
+TOMBSTONE_TTL_S = 30.0
+# Seconds a status snapshot waits for each rank.
+STATUS_TIMEOUT_S = 10.0
 
 
 class LeaderRank(RankBase):
@@ -28,11 +38,20 @@ class LeaderRank(RankBase):
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs)
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
-        self._ranks_info: tuple = ()
+        # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
+        # be on its way (actor calls run on several threads), and must not start afterwards.
+        self._tombstones: OrderedDict[str, float] = OrderedDict()
 
-    def start(self) -> None:
-        self._ranks_info = self.ranks_info()
-        super().start()
+    def bury(self, request_id: str) -> None:
+        """Remember an abort that found nothing, for ``TOMBSTONE_TTL_S`` (bounded count)."""
+        self._tombstones[request_id] = time.monotonic()
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def buried(self, request_id: str) -> bool:
+        """An abort of ``request_id`` arrived shortly before the request itself."""
+        at = self._tombstones.get(request_id)
+        return at is not None and time.monotonic() - at < TOMBSTONE_TTL_S
 
     def too_big(self, blocks_needed: int) -> str | None:
         """Why a request needing ``blocks_needed`` blocks can never run here, or None."""
@@ -45,6 +64,10 @@ class LeaderRank(RankBase):
     def enqueue(self, spec: RequestSpec) -> bool:
         """Queue a new request (caller holds the lock); one that can never fit gets an error
         event instead. True when queued."""
+        if self.buried(spec.request_id):
+            self.emit(TokenEvent(spec.request_id, (), "abort", source=self.source,
+                                 instance=self.cfg.name))
+            return False
         reason = self.too_big(self.scheduler.blocks_for(spec))
         if reason is not None:
             self.emit(TokenEvent(spec.request_id, (), "error", reason, self.source,
@@ -104,8 +127,10 @@ class LeaderRank(RankBase):
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def status(self) -> InstanceStatusInfo:
+        # NOTE: asks every rank (bounded), so a dead rank shows as an unreachable instance.
+        ranks = self.ranks_info(timeout_s=STATUS_TIMEOUT_S)
         return InstanceStatusInfo(
-            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp, ranks=self._ranks_info,
+            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
             outstanding_tokens=self.scheduler.num_outstanding_tokens, **self.transfer_stats())

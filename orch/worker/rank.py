@@ -212,6 +212,7 @@ class RankBase(ABC):
     def close_role(self) -> None:
         """Hook: release role resources."""
 
-    def ranks_info(self) -> tuple[tuple[int, str, str], ...]:
-        """(rank, node id, device) of every rank, for status."""
-        return tuple((i, *info) for i, info in enumerate(self.call_all("node_info")))
+    def ranks_info(self, timeout_s: float | None = None) -> tuple[tuple[int, str, str], ...]:
+        """(rank, node id, device) of every rank, for status (raises when a rank is gone)."""
+        return tuple((i, *info) for i, info in
+                     enumerate(self.call_all("node_info", timeout_s=timeout_s)))

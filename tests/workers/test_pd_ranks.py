@@ -156,3 +156,21 @@ def test_reservation_may_wait_in_the_prefill_queue_longer_than_completion_timeou
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_abort_that_arrives_before_the_request_wins(pd):
+    """Actor calls of one request run on several threads: an abort may overtake its reserve
+    or its prefill. The late call must not start anything (no leaked blocks)."""
+    prefill, decode = pd
+    spec = RequestSpec("early", (4, 5, 6), SamplingParams(max_tokens=3))
+    assert decode.abort("early") is False
+    late = decode.reserve(spec, 1)
+    assert isinstance(late, Rejection) and not late.retryable and "aborted" in late.reason
+    other = RequestSpec("early2", (4, 5, 6), SamplingParams(max_tokens=3))
+    res = decode.reserve(other, 1)
+    assert prefill.abort("early2") is False
+    prefill.prefill(other, res)
+    (ev,) = wait_events(prefill, "early2", lambda e: True)
+    assert ev.finish_reason == "abort" and not ev.token_ids
+    assert decode.abort("early2")
+    wait_all_free(prefill, decode)
