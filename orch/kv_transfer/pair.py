@@ -114,6 +114,14 @@ class PairGroup:
             work = self.group.recv([tensor], 1 - self.rank, 0)
             self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 
+    def recv_all(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
+        """Receive into ``tensors`` in order: all receives are posted before the first wait
+        (no round trip between messages); each wait is bounded by ``timeout_s``."""
+        with self._errors(what):
+            works = [self.group.recv([t], 1 - self.rank, 0) for t in tensors]
+            for work in works:
+                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+
     @contextlib.contextmanager
     def _errors(self, what: str):
         """Turn backend/store errors into TransferError naming the pair and the record."""

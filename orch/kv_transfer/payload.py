@@ -80,6 +80,33 @@ def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | Non
     return out
 
 
+def contiguous_start(slots: torch.Tensor) -> int | None:
+    """First slot if int64 ``slots`` ``[T]`` are consecutive ascending (``s, s+1, ...``),
+    else None. One pass over the slots (T int64 compares)."""
+    n = slots.numel()
+    if n == 0:
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != n - 1:
+        return None
+    if n > 1 and not bool((slots[1:] - slots[:-1]).eq(1).all()):
+        return None
+    return first
+
+
+def layer_views(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
+                start: int, n_tokens: int) -> list[torch.Tensor] | None:
+    """Per layer, the cache rows ``[start, start + n_tokens)`` as ``[T, *D]`` views (no copy),
+    or None when one of them is not contiguous (a GQA head subset of the row): then the
+    caller gathers / scatters through a staging buffer instead.
+
+    Sending a view sends the cache bytes in place; receiving into it writes the cache in
+    place (the caller must hold the request's write permission for the whole receive).
+    """
+    views = [_flat(cache, name, layer, heads)[start:start + n_tokens] for layer in layers]
+    return views if all(v.is_contiguous() for v in views) else None
+
+
 def scatter(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
             dst_slots: torch.Tensor, payload: torch.Tensor) -> None:
     """Write ``payload`` ``[Ly, T, *D]`` into ``dst_slots`` (int64 ``[T]``) of ``layers``.

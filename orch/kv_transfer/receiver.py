@@ -146,7 +146,21 @@ class ReceiverChannel:
                                 f"{len(header.layers)} layers x {header.n_tokens} tokens does "
                                 f"not fit this cache ({self._layout.num_layers} layers, "
                                 f"{self._num_slots} slots)")
+        req = self._tracker.admit(self.link, header, self._num_slots)
+        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
+                f"tokens [{header.token_start}, {header.token_end})")
         t0 = time.perf_counter()
+        views = self._direct_views(header) if req is not None else None
+        if views is not None and self._tracker.begin_write(req):
+            done = False
+            try:  # NOTE: release() waits for this receive: the bytes land in the slots
+                group.recv_all(views, self._config.payload_timeout_s, what)
+                done = True
+            finally:
+                self._tracker.end_write(req, header, done)
+            self._stats.add(wire_s=time.perf_counter() - t0,
+                            nbytes=sum(v.numel() * v.element_size() for v in views))
+            return
         heads = header.head_range()
         raws, bufs = [], []
         for spec in self._layout.buffers:  # K then V, each [Ly, T, *D]
@@ -154,16 +168,30 @@ class ReceiverChannel:
             raws.append(self._pool.take(math.prod(shape) * self._layout.element_size,
                                         self._device))
             bufs.append(payload.as_tensor(raws[-1], shape, self._layout.torch_dtype))
-        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
-                f"tokens [{header.token_start}, {header.token_end})")
-        for buf in bufs:
-            group.recv(buf, self._config.payload_timeout_s, what)
+        group.recv_all([layer for buf in bufs for layer in buf.unbind(0)],
+                       self._config.payload_timeout_s, what)
         self._stats.add(wire_s=time.perf_counter() - t0)
-        req = self._tracker.admit(self.link, header, self._num_slots)
         if req is None:
             self._give(raws)  # unknown / failed / released request: bytes dropped
         else:
             self._scatters.put((req, header, bufs, raws))  # blocks while _SCATTER_DEPTH wait
+
+    def _direct_views(self, header: wire.Header) -> list[torch.Tensor] | None:
+        """K then V per-layer cache views of the record's destination slots, when they are
+        one contiguous run (receive in place, no scatter); else None (staging + scatter)."""
+        slots = header.dst_slots.to(self._device)
+        start = payload.contiguous_start(slots)
+        if start is None:
+            return None
+        local = self._local_heads(header.head_range())
+        views = []
+        for spec in self._layout.buffers:
+            got = payload.layer_views(self._cache, spec.name, header.layers, local, start,
+                                      header.n_tokens)
+            if got is None:
+                return None
+            views.extend(got)
+        return views
 
     def _give(self, raws: list[torch.Tensor]) -> None:
         for raw in raws:

@@ -55,7 +55,8 @@ class SendTask:
 
 @dataclass
 class _Gathered:
-    """Payloads ``[Ly, T, *D]`` (K, V) viewing pooled byte buffers ``raws``."""
+    """The record's payload messages, K layers then V layers, each ``[T, *D]``: views of the
+    cache (contiguous source slots) or of pooled byte buffers ``raws`` (gathered)."""
 
     bufs: list[torch.Tensor]
     raws: list[torch.Tensor]
@@ -227,22 +228,33 @@ class SenderChannel:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device)
 
     def _gather(self, task: SendTask) -> _Gathered | None:
-        """K and V payloads ``[Ly, T, *D]`` of a data task (None for other records)."""
+        """Per-layer K then V messages ``[T, *D]`` of a data task (None for other records).
+
+        Contiguous source slots: views of the cache, sent in place (zero copy). Otherwise
+        one gather per buffer into a pooled ``[Ly, T, *D]`` payload, sent layer by layer.
+        """
         header = task.header
         if header.kind != wire.DATA:
             return None
         heads = _local_heads(self._layout, self._rank, header.head_range())
+        start = payload.contiguous_start(task.src_slots)
         t0 = time.perf_counter()
         got = _Gathered([], [])
         for spec in self._layout.buffers:  # K then V
+            views = None if start is None else payload.layer_views(
+                self._cache, spec.name, header.layers, heads, start, header.n_tokens)
+            if views is not None:
+                got.bufs.extend(views)
+                continue
             shape = payload.payload_shape(self._cache, spec.name, len(header.layers),
                                           header.n_tokens, heads)
             raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
             out = payload.as_tensor(raw, shape, self._layout.torch_dtype)
             got.raws.append(raw)
-            got.bufs.append(payload.gather(self._cache, spec.name, header.layers, heads,
-                                           task.src_slots, out=out))
-        self._stats.add(gather_s=time.perf_counter() - t0)
+            got.bufs.extend(payload.gather(self._cache, spec.name, header.layers, heads,
+                                           task.src_slots, out=out).unbind(0))
+        if got.raws:
+            self._stats.add(gather_s=time.perf_counter() - t0)
         return got
 
     def _post_data(self, task: SendTask, got: _Gathered) -> _Flight:
