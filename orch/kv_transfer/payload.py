@@ -15,7 +15,7 @@ import math
 import torch
 
 
-def _flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Tensor:
+def flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Tensor:
     """``[num_slots, *dims]`` view of one layer's buffer, restricted to local ``heads``."""
     flat = getattr(cache, f"{name}_caches")[layer].flatten(0, 1)
     return flat if heads is None else flat[:, heads]
@@ -24,7 +24,7 @@ def _flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Te
 def payload_shape(cache: object, name: str, n_layers: int, n_tokens: int,
                   heads: slice | None) -> tuple[int, ...]:
     """Shape ``[Ly, T, *D]`` of a payload of ``name`` for this cache."""
-    rest = _flat(cache, name, 0, heads).shape[1:]
+    rest = flat(cache, name, 0, heads).shape[1:]
     return (n_layers, n_tokens, *rest)
 
 
@@ -71,40 +71,13 @@ def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | Non
     ``src_slots``: int64 ``[T]`` on the cache's device. One ``index_select`` per layer, written
     straight into the payload (no intermediate copy).
     """
-    first = _flat(cache, name, layers[0], heads)
+    first = flat(cache, name, layers[0], heads)
     shape = (len(layers), src_slots.numel(), *first.shape[1:])
     if out is None:
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
     for i, layer in enumerate(layers):
-        torch.index_select(_flat(cache, name, layer, heads), 0, src_slots, out=out[i])
+        torch.index_select(flat(cache, name, layer, heads), 0, src_slots, out=out[i])
     return out
-
-
-def contiguous_start(slots: torch.Tensor) -> int | None:
-    """First slot if int64 ``slots`` ``[T]`` are consecutive ascending (``s, s+1, ...``),
-    else None. One pass over the slots (T int64 compares)."""
-    n = slots.numel()
-    if n == 0:
-        return None
-    first = int(slots[0])
-    if int(slots[-1]) - first != n - 1:
-        return None
-    if n > 1 and not bool((slots[1:] - slots[:-1]).eq(1).all()):
-        return None
-    return first
-
-
-def layer_views(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
-                start: int, n_tokens: int) -> list[torch.Tensor] | None:
-    """Per layer, the cache rows ``[start, start + n_tokens)`` as ``[T, *D]`` views (no copy),
-    or None when one of them is not contiguous (a GQA head subset of the row): then the
-    caller gathers / scatters through a staging buffer instead.
-
-    Sending a view sends the cache bytes in place; receiving into it writes the cache in
-    place (the caller must hold the request's write permission for the whole receive).
-    """
-    views = [_flat(cache, name, layer, heads)[start:start + n_tokens] for layer in layers]
-    return views if all(v.is_contiguous() for v in views) else None
 
 
 def scatter(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
@@ -115,7 +88,7 @@ def scatter(cache: object, name: str, layers: tuple[int, ...], heads: slice | No
     distinct (they are token positions of one request).
     """
     for i, layer in enumerate(layers):
-        _flat(cache, name, layer, heads).index_copy_(0, dst_slots, payload[i])
+        flat(cache, name, layer, heads).index_copy_(0, dst_slots, payload[i])
 
 
 class PayloadStats:

@@ -1,8 +1,10 @@
 """Prefill side: one sender thread per decode peer, an ordered queue of records.
 
 Records leave in the order they were queued (the channel's order is the protocol's order:
-data before ``done``). A data record gathers its K and V payloads on this thread, so the
-caller's compute continues; the source slots must stay allocated until
+data before ``done``). A data record's K and V messages are cache views where the source
+slots are consecutive runs (sent in place), else gathered on this thread (the next record
+is gathered while the previous one is on the wire), so the caller's compute continues; the
+source slots must stay allocated, and their bytes unchanged, until
 ``PrefillKVConnector.wait_idle`` returned for the request.
 
 Failure: any error on the pair (connect, timeout, dead peer) tears the group down (it is
@@ -14,7 +16,6 @@ something on that generation and had not finished; their queued records become o
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 
 from orch.kv_transfer import pair as pairs
-from orch.kv_transfer import payload, wire
+from orch.kv_transfer import cuts, payload, wire
 from orch.kv_transfer.backend import PairBackend
 from orch.kv_transfer.config import TransferConfig
 from orch.kv_transfer.errors import LayoutMismatchError
@@ -228,34 +229,19 @@ class SenderChannel:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device)
 
     def _gather(self, task: SendTask) -> _Gathered | None:
-        """Per-layer K then V messages ``[T, *D]`` of a data task (None for other records).
-
-        Contiguous source slots: views of the cache, sent in place (zero copy). Otherwise
-        one gather per buffer into a pooled ``[Ly, T, *D]`` payload, sent layer by layer.
-        """
+        """The wire messages of a data task (None for other records); see
+        :func:`cuts.source_messages` (views of the cache where the slots allow, else one
+        gather per buffer into pooled memory)."""
         header = task.header
         if header.kind != wire.DATA:
             return None
         heads = _local_heads(self._layout, self._rank, header.head_range())
-        start = payload.contiguous_start(task.src_slots)
         t0 = time.perf_counter()
-        got = _Gathered([], [])
-        for spec in self._layout.buffers:  # K then V
-            views = None if start is None else payload.layer_views(
-                self._cache, spec.name, header.layers, heads, start, header.n_tokens)
-            if views is not None:
-                got.bufs.extend(views)
-                continue
-            shape = payload.payload_shape(self._cache, spec.name, len(header.layers),
-                                          header.n_tokens, heads)
-            raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
-            out = payload.as_tensor(raw, shape, self._layout.torch_dtype)
-            got.raws.append(raw)
-            got.bufs.extend(payload.gather(self._cache, spec.name, header.layers, heads,
-                                           task.src_slots, out=out).unbind(0))
-        if got.raws:
+        bufs, raws = cuts.source_messages(self._cache, self._layout, header, heads,
+                                          task.src_slots, self._pool, self._device)
+        if raws:
             self._stats.add(gather_s=time.perf_counter() - t0)
-        return got
+        return _Gathered(bufs, raws)
 
     def _post_data(self, task: SendTask, got: _Gathered) -> _Flight:
         header = task.header
