@@ -1,7 +1,7 @@
 """Decode side: one receiver thread per pair generation.
 
 Loop: wait for the doorbell (blocking in the store; a ``stop`` bell ends the wait at once),
-receive the header (``header_timeout_s``), then for a data record its K and V messages
+whose value is the record's header, then for a data record receive its K and V messages
 (:mod:`~orch.kv_transfer.cuts`; each receive bounded by ``payload_timeout_s``). A buffer
 whose cuts are consecutive destination runs is received straight into the cache rows (no
 scatter), holding the request's write permission
@@ -95,10 +95,10 @@ class ReceiverChannel:
                                  self._backend, self._config)
             self._group = group
             while not self._stop.is_set():
-                length = group.wait_bell(self._stop)
-                if length is None:
+                raw = group.wait_bell(self._stop)
+                if raw is None:
                     break
-                self._receive(group, length)
+                self._receive(group, raw)
         except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
             log.warning("KV pair lost: %s", exc)
             self._tracker.on_link_lost(self.link, f"{self.link[0]} -> decode {self._me}: "
@@ -125,10 +125,8 @@ class ReceiverChannel:
             self._give(raws)
             self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=nbytes)
 
-    def _receive(self, group: pairs.PairGroup, length: int) -> None:
-        raw = torch.empty(length, dtype=torch.uint8, device=self._device)
-        group.recv(raw, self._config.header_timeout_s, "header")
-        header = wire.decode_header(raw.cpu().numpy().tobytes())
+    def _receive(self, group: pairs.PairGroup, raw: bytes) -> None:
+        header = wire.decode_header(raw)
         if header.kind == wire.DONE:
             self._tracker.on_done(self.link, header)
         elif header.kind == wire.ABORT:
