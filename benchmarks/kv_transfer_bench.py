@@ -2,14 +2,22 @@
 
 DeepSeek-V3-shaped request: 61 layers, K 512 + V 64 elements per token per layer, bf16
 (1,152 B per token per layer, REFERENCE.md "KV bytes"). One prefill rank -> one decode rank,
-two processes on this machine (gloo over loopback), random block tables on both sides.
+two processes on this machine (gloo over loopback). Two block-table cases (``--cases``):
+``contiguous`` (consecutive block ids on both sides, at different offsets: a fresh
+allocation from an unfragmented pool) and ``random`` (random block tables on both sides: a
+fragmented pool).
 
-For each size the request goes in prefill chunks of ``--chunk`` tokens:
+For each case and size the request goes in prefill chunks of ``--chunk`` tokens:
 - raw: the K and V bytes of each chunk, already contiguous, sent with plain gloo send/recv
-  on a separate 2-rank group (no header, gather or scatter);
+  on a separate 2-rank group as two messages per chunk (the fewest possible; no header,
+  gather or scatter), into receive buffers allocated and touched outside the clock;
 - kvx: ``PrefillKVConnector.send_chunk`` per chunk + ``finish``; the clock stops when the
   decode rank's ``is_complete`` turned true (reported back over the raw group).
-Both clocks run on the prefill process from a "ready" message to the decode's ack.
+Both clocks run on the prefill process from a "ready" message to the decode's ack; the same
+two processes do both. The pair's set-up is excluded (a warm-up request goes first). Every
+case ends with a byte check of the last request (prefill source rows == decode rows).
+Reported: best of ``--reps`` per line, ratio = raw s / kvx s, and the kvx run's gather
+(prefill) / scatter (decode) seconds (0 when every message was sent / received in place).
 
 Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 1024 4096 16384]
 """

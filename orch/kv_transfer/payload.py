@@ -17,8 +17,8 @@ import torch
 
 def flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Tensor:
     """``[num_slots, *dims]`` view of one layer's buffer, restricted to local ``heads``."""
-    flat = getattr(cache, f"{name}_caches")[layer].flatten(0, 1)
-    return flat if heads is None else flat[:, heads]
+    rows = getattr(cache, f"{name}_caches")[layer].flatten(0, 1)
+    return rows if heads is None else rows[:, heads]
 
 
 def payload_shape(cache: object, name: str, n_layers: int, n_tokens: int,
