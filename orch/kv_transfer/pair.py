@@ -92,18 +92,6 @@ class PairGroup:
             return value
         return None
 
-    def try_bell(self) -> bytes | None:
-        """Decode side: like :meth:`wait_bell` without waiting: the next record's header,
-        ``STOP``, or None when its bell has not rung yet."""
-        key = f"{self.prefix}/bell/{self.bells + 1}"
-        if not self.store.check([key]):
-            return None
-        value = self.store.get(key)
-        self.store.delete_key(key)
-        if value != STOP:
-            self.bells += 1
-        return value
-
     def wake(self, store: dist.Store) -> None:
         """Ring this pair's next bell with ``stop`` through ``store`` (another client)."""
         store.set(f"{self.prefix}/bell/{self.bells + 1}", STOP)
@@ -129,15 +117,11 @@ class PairGroup:
             work = self.group.recv([tensor], 1 - self.rank, 0)
             self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 
-    def post_recvs(self, tensors: list[torch.Tensor], what: str) -> list[dist.Work]:
-        """Post receives into ``tensors`` in order (no round trip between messages); the
-        caller keeps them alive and calls :meth:`wait_recvs`."""
+    def recv_all(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
+        """Receive into ``tensors`` in order: all receives are posted before the first wait
+        (no round trip between messages); each wait is bounded by ``timeout_s``."""
         with self._errors(what):
-            return [self.group.recv([t], 1 - self.rank, 0) for t in tensors]
-
-    def wait_recvs(self, works: list[dist.Work], timeout_s: float, what: str) -> None:
-        """Wait (bounded, each) for receives returned by :meth:`post_recvs`."""
-        with self._errors(what):
+            works = [self.group.recv([t], 1 - self.rank, 0) for t in tensors]
             for work in works:
                 self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 

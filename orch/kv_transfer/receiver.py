@@ -17,7 +17,6 @@ generation carried records for; the prefill side remakes the pair with a new gen
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import queue
@@ -91,34 +90,17 @@ class ReceiverChannel:
         self._scatter_thread.join(timeout_s)
 
     def _run(self) -> None:
-        posted: list = []  # finishers of data records whose receives are posted (<= 2)
         try:
             group = pairs.accept(self._host, self._port, self._announce, self._me,
                                  self._backend, self._config)
             self._group = group
             while not self._stop.is_set():
-                # NOTE: while a record's bytes arrive, the next record's receives are posted
-                # if its doorbell already rang (the sender posts ahead): no idle wire.
-                raw = group.try_bell() if posted else group.wait_bell(self._stop)
-                if posted and raw is None:  # nothing announced yet: finish the current one
-                    posted.pop(0)()
-                    continue
-                if raw is None or raw == pairs.STOP:
+                raw = group.wait_bell(self._stop)
+                if raw is None:
                     break
-                finisher = self._receive(group, raw)
-                if finisher is not None:
-                    posted.append(finisher)
-                while len(posted) > 1 or (posted and finisher is None):
-                    posted.pop(0)()
-            while posted:  # stopping: finish the records in flight (bounded)
-                posted.pop(0)()
+                self._receive(group, raw)
         except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
             log.warning("KV pair lost: %s", exc)
-            for finish in posted:
-                # NOTE: wait for (or fail with the pair) the receives already posted: an
-                # in-place receive keeps its write permission until gloo is done with it
-                with contextlib.suppress(Exception):
-                    finish()
             self._tracker.on_link_lost(self.link, f"{self.link[0]} -> decode {self._me}: "
                                        f"pair lost: {exc}")
         finally:
@@ -143,19 +125,16 @@ class ReceiverChannel:
             self._give(raws)
             self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=nbytes)
 
-    def _receive(self, group: pairs.PairGroup, raw: bytes):
-        """Handle one record's header; for data, post its receives and return the finisher
-        (``finish()``, see :meth:`_receive_data`), else None."""
+    def _receive(self, group: pairs.PairGroup, raw: bytes) -> None:
         header = wire.decode_header(raw)
         if header.kind == wire.DONE:
             self._tracker.on_done(self.link, header)
         elif header.kind == wire.ABORT:
             self._tracker.on_abort(self.link, header)
         else:
-            return self._receive_data(group, header)
-        return None
+            self._receive_data(group, header)
 
-    def _receive_data(self, group: pairs.PairGroup, header: wire.Header):
+    def _receive_data(self, group: pairs.PairGroup, header: wire.Header) -> None:
         if header.fingerprint != self._layout.fingerprint():
             raise TransferError(f"{group.name}: data record with layout fingerprint "
                                 f"{header.fingerprint}, this rank has "
@@ -189,30 +168,19 @@ class ReceiverChannel:
             staged.append((spec.name, buf))
             targets.extend(buf[i, a:a + n] for i in range(len(header.layers))
                            for a, n in plans[spec.name].ranges)
-        try:
-            works = group.post_recvs(targets, what)
-        except BaseException:
+        done = False
+        try:  # NOTE: release() waits for in-place receives: their bytes land in the slots
+            group.recv_all(targets, self._config.payload_timeout_s, what)
+            done = True
+        finally:
             if direct:
-                self._tracker.end_write(req, header, False)
-            raise
-
-        def finish() -> None:
-            """Wait (bounded) for the receives, then drop the write permission and hand the
-            staged buffers to the scatter thread. Raises the pair's error."""
-            done = False
-            try:  # NOTE: release() waits for in-place receives: their bytes land in the slots
-                group.wait_recvs(works, self._config.payload_timeout_s, what)
-                done = True
-            finally:
-                if direct:
-                    self._tracker.end_write(req, header, done and not staged)
-            nbytes = sum(t.numel() * t.element_size() for t in targets)
-            self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if staged else nbytes)
-            if req is None or not staged:
-                self._give(raws)  # all in place, or unknown / failed / released: dropped
-            else:
-                self._scatters.put((req, header, staged, raws, nbytes))  # waits if 2 wait
-        return finish
+                self._tracker.end_write(req, header, done and not staged)
+        nbytes = sum(t.numel() * t.element_size() for t in targets)
+        self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if staged else nbytes)
+        if req is None or not staged:
+            self._give(raws)  # all in place, or unknown / failed / released: bytes dropped
+        else:
+            self._scatters.put((req, header, staged, raws, nbytes))  # waits if _SCATTER_DEPTH
 
     def _token_bytes(self, spec, header: wire.Header) -> int:
         return math.prod(self._layout.token_dims(spec, header.head_range())) * \
