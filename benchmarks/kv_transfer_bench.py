@@ -2,14 +2,22 @@
 
 DeepSeek-V3-shaped request: 61 layers, K 512 + V 64 elements per token per layer, bf16
 (1,152 B per token per layer, REFERENCE.md "KV bytes"). One prefill rank -> one decode rank,
-two processes on this machine (gloo over loopback), random block tables on both sides.
+two processes on this machine (gloo over loopback). Two block-table cases (``--cases``):
+``contiguous`` (consecutive block ids on both sides, at different offsets: a fresh
+allocation from an unfragmented pool) and ``random`` (random block tables on both sides: a
+fragmented pool).
 
-For each size the request goes in prefill chunks of ``--chunk`` tokens:
+For each case and size the request goes in prefill chunks of ``--chunk`` tokens:
 - raw: the K and V bytes of each chunk, already contiguous, sent with plain gloo send/recv
-  on a separate 2-rank group (no header, gather or scatter);
+  on a separate 2-rank group as two messages per chunk (the fewest possible; no header,
+  gather or scatter), into receive buffers allocated and touched outside the clock;
 - kvx: ``PrefillKVConnector.send_chunk`` per chunk + ``finish``; the clock stops when the
   decode rank's ``is_complete`` turned true (reported back over the raw group).
-Both clocks run on the prefill process from a "ready" message to the decode's ack.
+Both clocks run on the prefill process from a "ready" message to the decode's ack; the same
+two processes do both. The pair's set-up is excluded (a warm-up request goes first). Every
+case ends with a byte check of the last request (prefill source rows == decode rows).
+Reported: best of ``--reps`` per line, ratio = raw s / kvx s, and the kvx run's gather
+(prefill) / scatter (decode) seconds (0 when every message was sent / received in place).
 
 Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 1024 4096 16384]
 """
@@ -38,9 +46,17 @@ def spec(max_tokens: int, dtype: torch.dtype) -> KVCacheSpec:
     return KVCacheSpec(LAYERS, blocks, BLOCK, KV_LORA, ROPE, dtype)
 
 
-def table_slots(num_blocks: int, tokens: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randperm(num_blocks, generator=gen)[:-(-tokens // BLOCK)].tolist()
+def table_slots(num_blocks: int, tokens: int, seed: int, case: str) -> torch.Tensor:
+    """Slots of a ``tokens`` request: ``contiguous`` = consecutive block ids (a fresh
+    allocation from an unfragmented pool; prefill and decode at different offsets),
+    ``random`` = a random block table (fragmented pool)."""
+    need = -(-tokens // BLOCK)
+    if case == "contiguous":
+        first = seed * (num_blocks - need) // 3
+        table = list(range(first, first + need))
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        table = torch.randperm(num_blocks, generator=gen)[:need].tolist()
     return slot_mapping(table, 0, tokens, BLOCK)
 
 
@@ -68,6 +84,24 @@ def wait_signal(group, rank: int) -> None:
     group.recv([torch.zeros(1, dtype=torch.uint8)], 1 - rank, 1).wait(WAIT)
 
 
+def warm_up(conn, peers: list | None, rank: int) -> None:
+    """One small request through the connector before any clock runs: the pair's
+    rendezvous and group set-up are not part of a transfer's time."""
+    if peers is None:  # decode
+        conn.expect("warm-up", BLOCK, 1)
+        deadline = time.monotonic() + 60
+        while not conn.is_complete("warm-up"):
+            if conn.failure("warm-up") or time.monotonic() > deadline:
+                raise RuntimeError(f"warm-up failed: {conn.failure('warm-up')}")
+            time.sleep(0.001)
+        conn.release("warm-up")
+        return
+    slots = torch.arange(BLOCK)
+    conn.send_chunk("warm-up", peers, 0, BLOCK, slots, slots)
+    conn.finish("warm-up", peers, BLOCK)
+    conn.wait_idle("warm-up", 60)
+
+
 def decode_main(args, port_q, addr_q, out_q) -> None:
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
@@ -76,8 +110,10 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
                              TransferConfig())
     addr_q.put(conn.address)
     group, _store = raw_group(1, port_q)
+    check = {}
     scatter_s = {}
-    for tokens in args.tokens:
+    warm_up(conn, None, 1)
+    for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
         chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
         # NOTE: raw receive buffers are allocated and touched once, outside the clock: the
         # baseline is the wire alone.
@@ -89,7 +125,7 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
                 for t in (k, v):
                     group.recv([t], 0, 0).wait(WAIT)
             signal(group, 1)
-            rid = f"r{tokens}-{rep}"
+            rid = f"r{case}{tokens}-{rep}"
             conn.expect(rid, tokens, 1)
             before = conn.stats.snapshot()["scatter_s"]
             signal(group, 1)
@@ -98,11 +134,13 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
                     raise RuntimeError(conn.failure(rid))
                 time.sleep(0.0005)
             signal(group, 1)
-            scatter_s[(tokens, rep)] = conn.stats.snapshot()["scatter_s"] - before
+            scatter_s[(case, tokens, rep)] = conn.stats.snapshot()["scatter_s"] - before
             conn.release(rid)
         del bufs
-    dst = table_slots(cache.spec.num_blocks, args.tokens[-1], 2)
-    out_q.put(("decode", scatter_s, cache.flat_k(LAYERS - 1)[dst[:64]].clone()))
+        dst = table_slots(cache.spec.num_blocks, tokens, 2, case)
+        check[case] = torch.cat([cache.flat_k(LAYERS - 1)[dst[-64:]],
+                                 cache.flat_v(0)[dst[:64]]], 1).clone()
+    out_q.put(("decode", scatter_s, check))
     conn.close()
 
 
@@ -117,10 +155,11 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
     host, port = addr_q.get(timeout=60)
     peers = [("d0", 0, host, port)]
     group, _store = raw_group(0, port_q)
-    results = []
-    for tokens in args.tokens:
-        src = table_slots(cache.spec.num_blocks, tokens, 1)
-        dst = table_slots(cache.spec.num_blocks, tokens, 2)
+    results, check = [], {}
+    warm_up(conn, peers, 0)
+    for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
+        src = table_slots(cache.spec.num_blocks, tokens, 1, case)
+        dst = table_slots(cache.spec.num_blocks, tokens, 2, case)
         chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
         for rep in range(args.reps):
             bufs = [(torch.stack([cache.flat_k(i)[src[a:b]] for i in range(LAYERS)]),
@@ -137,7 +176,7 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
             before = conn.stats.snapshot()
             wait_signal(group, 0)
             t0 = time.perf_counter()
-            rid = f"r{tokens}-{rep}"
+            rid = f"r{case}{tokens}-{rep}"
             for a, b in chunks:
                 conn.send_chunk(rid, peers, a, b, src[a:b], dst[a:b])
             conn.finish(rid, peers, tokens)
@@ -145,9 +184,11 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
             kvx_s = time.perf_counter() - t0
             conn.wait_idle(rid, 60)
             after = conn.stats.snapshot()
-            results.append((tokens, rep, raw_s, kvx_s, after["gather_s"] - before["gather_s"]))
-    last = table_slots(cache.spec.num_blocks, args.tokens[-1], 1)
-    out_q.put(("prefill", results, cache.flat_k(LAYERS - 1)[last[:64]].clone()))
+            results.append((case, tokens, rep, raw_s, kvx_s,
+                            after["gather_s"] - before["gather_s"]))
+        check[case] = torch.cat([cache.flat_k(LAYERS - 1)[src[-64:]],
+                                 cache.flat_v(0)[src[:64]]], 1).clone()
+    out_q.put(("prefill", results, check))
     conn.close()
 
 
@@ -157,6 +198,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--cases", nargs="+", default=["contiguous", "random"],
+                        choices=["contiguous", "random"], help="block-table cases")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     port_q, addr_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -171,26 +214,28 @@ def main() -> None:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    assert torch.equal(got["decode"][1], got["prefill"][1]), "bytes differ after transfer"
+    for case in args.cases:
+        assert torch.equal(got["decode"][1][case], got["prefill"][1][case]), \
+            f"bytes differ after transfer ({case} block tables)"
     report(args, got["prefill"][0], got["decode"][0])
 
 
 def report(args, results, scatter_s) -> None:
-    """One line per size: best raw and best kvx of the repetitions, and the kvx run's
-    gather (prefill) and scatter (decode) seconds."""
+    """One line per (case, size): best raw and best kvx of the repetitions, and the kvx
+    run's gather (prefill) and scatter (decode) seconds."""
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
           f"chunk {args.chunk} tokens, P1 -> D1, gloo loopback, best of {args.reps}")
-    print(f"{'tokens':>7} {'MiB':>8} {'raw GB/s':>9} {'kvx GB/s':>9} {'ratio':>6} "
-          f"{'gather s':>9} {'scatter s':>10}")
-    for tokens in args.tokens:
-        runs = [r for r in results if r[0] == tokens]
-        raw_s = min(r[2] for r in runs)
-        _, rep, _, kvx_s, gather_s = min(runs, key=lambda r: r[3])
+    print(f"{'case':>10} {'tokens':>7} {'MiB':>8} {'raw GB/s':>9} {'kvx GB/s':>9} "
+          f"{'ratio':>6} {'gather s':>9} {'scatter s':>10}")
+    for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
+        runs = [r for r in results if r[:2] == (case, tokens)]
+        raw_s = min(r[3] for r in runs)
+        _, _, rep, _, kvx_s, gather_s = min(runs, key=lambda r: r[4])
         nbytes = tokens * LAYERS * (KV_LORA + ROPE) * elem
-        print(f"{tokens:>7} {nbytes / 2**20:>8.1f} {nbytes / raw_s / 1e9:>9.2f} "
+        print(f"{case:>10} {tokens:>7} {nbytes / 2**20:>8.1f} {nbytes / raw_s / 1e9:>9.2f} "
               f"{nbytes / kvx_s / 1e9:>9.2f} {raw_s / kvx_s:>6.2f} {gather_s:>9.3f} "
-              f"{scatter_s[(tokens, rep)]:>10.3f}")
+              f"{scatter_s[(case, tokens, rep)]:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ class TransferConfig:
     Attributes:
         connect_timeout_s: rendezvous with the decode rank's TCPStore and building the 2-rank
             process group of a pair (both sides).
-        header_timeout_s: decode side, after a doorbell rang, receiving the msgpack header.
+        header_timeout_s: decode side, part of the bound on stopping a receiver at close
+            (with ``payload_timeout_s``). Since wire schema 2 the header travels in the
+            doorbell itself, so no separate header wait exists.
         payload_timeout_s: receiving one K or V payload; sending one record (a send also
             waits for the peer to finish the record before it).
         completion_timeout_s: decode side, from ``expect()`` until every planned layer and

@@ -10,8 +10,8 @@ Rendezvous: the decode rank hosts a ``TCPStore`` server (:class:`Rendezvous`, po
 3. waits for the decode side's :class:`~orch.kv_transfer.wire.Ack` at ``<prefix>/ack``;
 4. both build the group (prefill = rank 0, decode = rank 1) from ``PrefixStore(prefix/pg)``.
 
-Every transfer is announced by a doorbell key ``<prefix>/bell/<n>`` holding the header length.
-The receiver blocks in ``store.wait`` on it, so an idle receiver costs nothing and is woken
+Every record is announced by a doorbell key ``<prefix>/bell/<n>`` holding its msgpack header.
+The receiver blocks in ``store.get`` on it, so an idle receiver costs nothing and is woken
 at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time out
 on an idle pair (a timed-out gloo wait closes the pair).
 """
@@ -63,30 +63,33 @@ class PairGroup:
     peer_layout: dict
     bells: int = 0
 
-    def ring(self, header_len: int, what: str) -> None:
-        """Prefill side: announce the next transfer (its header length in bytes)."""
+    def ring(self, header: bytes, what: str) -> None:
+        """Prefill side: announce the next record; the doorbell value is its msgpack header
+        (so the header costs no message on the group, and no round trip)."""
         self.bells += 1
         with self._errors(what):
-            self.store.set(f"{self.prefix}/bell/{self.bells}", str(header_len))
+            self.store.set(f"{self.prefix}/bell/{self.bells}", header)
 
-    def wait_bell(self, stop: threading.Event) -> int | None:
-        """Decode side: header length of the next transfer; None once ``stop`` is set.
+    def wait_bell(self, stop: threading.Event) -> bytes | None:
+        """Decode side: header bytes of the next record; None once ``stop`` is set.
 
-        Blocks in the store (no polling, no latency) until the bell rings; :meth:`wake`
+        Blocks in the store's ``get`` (no polling, no latency; the receiver's store client
+        has an ``_IDLE_WAIT_S`` timeout, after which it just waits again); :meth:`wake`
         (from another store client) rings it with ``stop`` to end the wait at once.
         """
         key = f"{self.prefix}/bell/{self.bells + 1}"
         while not stop.is_set():
             try:
-                self.store.wait([key], _td(_IDLE_WAIT_S))
-            except dist.DistStoreError:  # idle for _IDLE_WAIT_S: wait again
-                continue
-            value = self.store.get(key)
+                value = self.store.get(key)
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+                continue  # idle for _IDLE_WAIT_S: wait again
             self.store.delete_key(key)
             if value == STOP or stop.is_set():
                 return None
             self.bells += 1
-            return int(value)
+            return value
         return None
 
     def wake(self, store: dist.Store) -> None:
@@ -113,6 +116,14 @@ class PairGroup:
         with self._errors(what):
             work = self.group.recv([tensor], 1 - self.rank, 0)
             self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+
+    def recv_all(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
+        """Receive into ``tensors`` in order: all receives are posted before the first wait
+        (no round trip between messages); each wait is bounded by ``timeout_s``."""
+        with self._errors(what):
+            works = [self.group.recv([t], 1 - self.rank, 0) for t in tensors]
+            for work in works:
+                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
 
     @contextlib.contextmanager
     def _errors(self, what: str):
@@ -172,6 +183,7 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
                               wait_for_workers=False)
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), DECODE,
                                    config.connect_timeout_s, host)
+        store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
                               f"({_first_line(exc)})") from exc

@@ -15,16 +15,16 @@ import math
 import torch
 
 
-def _flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Tensor:
+def flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Tensor:
     """``[num_slots, *dims]`` view of one layer's buffer, restricted to local ``heads``."""
-    flat = getattr(cache, f"{name}_caches")[layer].flatten(0, 1)
-    return flat if heads is None else flat[:, heads]
+    rows = getattr(cache, f"{name}_caches")[layer].flatten(0, 1)
+    return rows if heads is None else rows[:, heads]
 
 
 def payload_shape(cache: object, name: str, n_layers: int, n_tokens: int,
                   heads: slice | None) -> tuple[int, ...]:
     """Shape ``[Ly, T, *D]`` of a payload of ``name`` for this cache."""
-    rest = _flat(cache, name, 0, heads).shape[1:]
+    rest = flat(cache, name, 0, heads).shape[1:]
     return (n_layers, n_tokens, *rest)
 
 
@@ -71,12 +71,12 @@ def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | Non
     ``src_slots``: int64 ``[T]`` on the cache's device. One ``index_select`` per layer, written
     straight into the payload (no intermediate copy).
     """
-    first = _flat(cache, name, layers[0], heads)
+    first = flat(cache, name, layers[0], heads)
     shape = (len(layers), src_slots.numel(), *first.shape[1:])
     if out is None:
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
     for i, layer in enumerate(layers):
-        torch.index_select(_flat(cache, name, layer, heads), 0, src_slots, out=out[i])
+        torch.index_select(flat(cache, name, layer, heads), 0, src_slots, out=out[i])
     return out
 
 
@@ -88,7 +88,7 @@ def scatter(cache: object, name: str, layers: tuple[int, ...], heads: slice | No
     distinct (they are token positions of one request).
     """
     for i, layer in enumerate(layers):
-        _flat(cache, name, layer, heads).index_copy_(0, dst_slots, payload[i])
+        flat(cache, name, layer, heads).index_copy_(0, dst_slots, payload[i])
 
 
 class PayloadStats:

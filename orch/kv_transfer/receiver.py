@@ -1,12 +1,15 @@
 """Decode side: one receiver thread per pair generation.
 
 Loop: wait for the doorbell (blocking in the store; a ``stop`` bell ends the wait at once),
-receive the header (``header_timeout_s``), then for a data record the K and V payloads
-(``payload_timeout_s``) into pooled staging buffers, and hand them to this channel's scatter
-thread, which writes them into the destination slots if the
-:class:`~orch.kv_transfer.tracker.RequestTracker` still allows writing the request.
-Payloads of unknown, failed or released requests are read and dropped, so the channel stays
-in step.
+whose value is the record's header, then for a data record receive its K and V messages
+(:mod:`~orch.kv_transfer.cuts`; each receive bounded by ``payload_timeout_s``). A buffer
+whose cuts are consecutive destination runs is received straight into the cache rows (no
+scatter), holding the request's write permission
+(:meth:`~orch.kv_transfer.tracker.RequestTracker.begin_write`) for the whole receive, so
+``release`` waits for it. Other buffers go into pooled staging buffers, handed to this
+channel's scatter thread, which writes them into the destination slots if the tracker still
+allows writing the request. Payloads of unknown, failed or released requests are read into
+staging and dropped, so the channel stays in step.
 
 Any pair error (dead peer, timeout, bad header) ends the thread and fails the requests the
 generation carried records for; the prefill side remakes the pair with a new generation.
@@ -23,7 +26,7 @@ import time
 import torch
 
 from orch.kv_transfer import pair as pairs
-from orch.kv_transfer import payload, wire
+from orch.kv_transfer import cuts, payload, wire
 from orch.kv_transfer.backend import PairBackend
 from orch.kv_transfer.config import TransferConfig
 from orch.kv_transfer.errors import TransferError
@@ -92,10 +95,10 @@ class ReceiverChannel:
                                  self._backend, self._config)
             self._group = group
             while not self._stop.is_set():
-                length = group.wait_bell(self._stop)
-                if length is None:
+                raw = group.wait_bell(self._stop)
+                if raw is None:
                     break
-                self._receive(group, length)
+                self._receive(group, raw)
         except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
             log.warning("KV pair lost: %s", exc)
             self._tracker.on_link_lost(self.link, f"{self.link[0]} -> decode {self._me}: "
@@ -105,14 +108,14 @@ class ReceiverChannel:
 
     def _scatter_loop(self) -> None:
         while (item := self._scatters.get()) is not None:
-            req, header, bufs, raws = item
+            req, header, staged, raws, nbytes = item
             local = self._local_heads(header.head_range())
             slots = header.dst_slots.to(self._device)
             t0 = time.perf_counter()
 
             def scatter() -> None:
-                for spec, buf in zip(self._layout.buffers, bufs):
-                    payload.scatter(self._cache, spec.name, header.layers, local, slots, buf)
+                for name, buf in staged:
+                    payload.scatter(self._cache, name, header.layers, local, slots, buf)
             try:
                 self._tracker.write(req, header, scatter)
             except Exception as exc:  # noqa: BLE001 - fail the request, keep draining
@@ -120,13 +123,10 @@ class ReceiverChannel:
                                    f"scatter of request {header.request_id} failed: {exc}")
                 continue
             self._give(raws)
-            self._stats.add(scatter_s=time.perf_counter() - t0,
-                            nbytes=sum(b.numel() * b.element_size() for b in bufs))
+            self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=nbytes)
 
-    def _receive(self, group: pairs.PairGroup, length: int) -> None:
-        raw = torch.empty(length, dtype=torch.uint8, device=self._device)
-        group.recv(raw, self._config.header_timeout_s, "header")
-        header = wire.decode_header(raw.cpu().numpy().tobytes())
+    def _receive(self, group: pairs.PairGroup, raw: bytes) -> None:
+        header = wire.decode_header(raw)
         if header.kind == wire.DONE:
             self._tracker.on_done(self.link, header)
         elif header.kind == wire.ABORT:
@@ -146,24 +146,66 @@ class ReceiverChannel:
                                 f"{len(header.layers)} layers x {header.n_tokens} tokens does "
                                 f"not fit this cache ({self._layout.num_layers} layers, "
                                 f"{self._num_slots} slots)")
-        t0 = time.perf_counter()
-        heads = header.head_range()
-        raws, bufs = [], []
-        for spec in self._layout.buffers:  # K then V, each [Ly, T, *D]
-            shape = (len(header.layers), header.n_tokens, *self._layout.token_dims(spec, heads))
-            raws.append(self._pool.take(math.prod(shape) * self._layout.element_size,
-                                        self._device))
-            bufs.append(payload.as_tensor(raws[-1], shape, self._layout.torch_dtype))
+        req = self._tracker.admit(self.link, header, self._num_slots)
         what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
                 f"tokens [{header.token_start}, {header.token_end})")
-        for buf in bufs:
-            group.recv(buf, self._config.payload_timeout_s, what)
-        self._stats.add(wire_s=time.perf_counter() - t0)
-        req = self._tracker.admit(self.link, header, self._num_slots)
-        if req is None:
-            self._give(raws)  # unknown / failed / released request: bytes dropped
+        t0 = time.perf_counter()
+        plans = {spec.name: cuts.cut(header.dst_slots, self._token_bytes(spec, header))
+                 for spec in self._layout.buffers}
+        direct = {} if req is None else self._direct_views(header, plans)
+        if direct and not self._tracker.begin_write(req):
+            direct = {}  # NOTE: released/failed meanwhile: read into staging and drop
+        targets, staged, raws = [], [], []
+        for spec in self._layout.buffers:  # K then V: per layer, per cut
+            if spec.name in direct:
+                targets.extend(direct[spec.name])
+                continue
+            shape = (len(header.layers), header.n_tokens,
+                     *self._layout.token_dims(spec, header.head_range()))
+            raws.append(self._pool.take(math.prod(shape) * self._layout.element_size,
+                                        self._device))
+            buf = payload.as_tensor(raws[-1], shape, self._layout.torch_dtype)
+            staged.append((spec.name, buf))
+            targets.extend(buf[i, a:a + n] for i in range(len(header.layers))
+                           for a, n in plans[spec.name].ranges)
+        done = False
+        try:  # NOTE: release() waits for in-place receives: their bytes land in the slots
+            group.recv_all(targets, self._config.payload_timeout_s, what)
+            done = True
+        finally:
+            if direct:
+                self._tracker.end_write(req, header, done and not staged)
+        nbytes = sum(t.numel() * t.element_size() for t in targets)
+        self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if staged else nbytes)
+        if req is None or not staged:
+            self._give(raws)  # all in place, or unknown / failed / released: bytes dropped
         else:
-            self._scatters.put((req, header, bufs, raws))  # blocks while _SCATTER_DEPTH wait
+            self._scatters.put((req, header, staged, raws, nbytes))  # waits if _SCATTER_DEPTH
+
+    def _token_bytes(self, spec, header: wire.Header) -> int:
+        return math.prod(self._layout.token_dims(spec, header.head_range())) * \
+            self._layout.element_size
+
+    def _direct_views(self, header: wire.Header,
+                      plans: dict[str, cuts.Cuts]) -> dict[str, list[torch.Tensor]]:
+        """Buffer name -> cache views (per layer, per cut) for the buffers whose cuts are all
+        consecutive destination runs (received in place, no scatter)."""
+        local = self._local_heads(header.head_range())
+        got = {}
+        for spec in self._layout.buffers:
+            plan = plans[spec.name]
+            if not plan.in_place:
+                continue
+            views = []
+            for layer in header.layers:
+                found = cuts.views(payload.flat(self._cache, spec.name, layer, local),
+                                   list(plan.dst_starts), plan)
+                if found is None:
+                    break
+                views.extend(found)
+            else:
+                got[spec.name] = views
+        return got
 
     def _give(self, raws: list[torch.Tensor]) -> None:
         for raw in raws:

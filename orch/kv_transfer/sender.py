@@ -1,8 +1,10 @@
 """Prefill side: one sender thread per decode peer, an ordered queue of records.
 
 Records leave in the order they were queued (the channel's order is the protocol's order:
-data before ``done``). A data record gathers its K and V payloads on this thread, so the
-caller's compute continues; the source slots must stay allocated until
+data before ``done``). A data record's K and V messages are cache views where the source
+slots are consecutive runs (sent in place), else gathered on this thread (the next record
+is gathered while the previous one is on the wire), so the caller's compute continues; the
+source slots must stay allocated, and their bytes unchanged, until
 ``PrefillKVConnector.wait_idle`` returned for the request.
 
 Failure: any error on the pair (connect, timeout, dead peer) tears the group down (it is
@@ -14,7 +16,6 @@ something on that generation and had not finished; their queued records become o
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from typing import Callable
 import torch
 
 from orch.kv_transfer import pair as pairs
-from orch.kv_transfer import payload, wire
+from orch.kv_transfer import cuts, payload, wire
 from orch.kv_transfer.backend import PairBackend
 from orch.kv_transfer.config import TransferConfig
 from orch.kv_transfer.errors import LayoutMismatchError
@@ -32,6 +33,7 @@ from orch.kv_transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
 _MAX_ABORTED = 4096  # remembered aborted request ids per pair
+_DEPTH = 2  # data records posted to the backend and not yet landed, per pair
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class SendTask:
 
 @dataclass
 class _Gathered:
-    """Payloads ``[Ly, T, *D]`` (K, V) viewing pooled byte buffers ``raws``."""
+    """The record's payload messages, K layers then V layers, each ``[T, *D]``: views of the
+    cache (contiguous source slots) or of pooled byte buffers ``raws`` (gathered)."""
 
     bufs: list[torch.Tensor]
     raws: list[torch.Tensor]
@@ -66,6 +69,7 @@ class _Flight:
     """A data record posted to the backend, not yet known to have left."""
 
     task: SendTask
+    pair: pairs.PairGroup
     works: list
     what: str
     posted: float
@@ -137,19 +141,22 @@ class SenderChannel:
             return self._queue.popleft() if self._queue and not self._stop.is_set() else None
 
     def _run(self) -> None:
-        # NOTE: one data record may be in flight while the next one is gathered, so gather
-        # (memory copy on this thread) overlaps the wire (the backend's own threads).
-        flight: _Flight | None = None
+        # NOTE: up to _DEPTH data records are on the wire while the next one is gathered:
+        # the gather (memory copy on this thread) overlaps the wire (the backend's threads),
+        # and the receiver finds the next record's doorbell and sends already posted when it
+        # finishes one (no idle wire between records).
+        flights: deque[_Flight] = deque()
         while True:
-            task = self._next(block=flight is None)
-            if task is None and flight is None:
+            task = self._next(block=not flights)
+            if task is None and not flights:
                 break
-            ahead = self._gather(task) if task is not None and flight is not None else None
-            if flight is not None:
-                self._land(flight)
-                flight = None
             if task is None:
+                self._land(flights.popleft())
                 continue
+            ahead = self._gather(task) if flights else None
+            while len(flights) >= _DEPTH:
+                self._land(flights.popleft())
+            flight = None
             try:
                 flight = self._handle(task, ahead)
             except Exception as exc:  # noqa: BLE001 - every pair error fails its requests
@@ -158,6 +165,8 @@ class SenderChannel:
             if flight is None:
                 self._give(ahead)
                 self._finished(task)
+            else:
+                flights.append(flight)
         for task in self.cancel_all():
             self._finished(task)
 
@@ -168,6 +177,11 @@ class SenderChannel:
 
     def _land(self, flight: _Flight) -> None:
         """Wait (bounded) for an in-flight data record; a failure tears the pair down."""
+        if flight.pair is not self._pair:
+            # NOTE: its pair generation was torn down (its request failed then); the backend
+            # may still hold the payload: not given back to the pool.
+            self._finished(flight.task)
+            return
         try:
             self._pair.wait_sent(flight.works, self._config.payload_timeout_s, flight.what)
             self._stats.add(wire_s=time.perf_counter() - flight.posted, nbytes=flight.nbytes)
@@ -203,12 +217,8 @@ class SenderChannel:
         self._active.add(rid)
         if header.kind == wire.DATA:
             return self._post_data(task, ahead if ahead is not None else self._gather(task))
-        raw = wire.encode_header(header)
         what = f"{header.kind} record of request {rid}"
-        self._pair.ring(len(raw), what)
-        # NOTE: a send completes once the peer posted the receive, i.e. after it finished the
-        # previous record (payload + scatter hand-off): bound it like a payload.
-        self._pair.send([self._bytes_tensor(raw)], self._config.payload_timeout_s, what)
+        self._pair.ring(wire.encode_header(header), what)  # done/abort: the bell is all
         self._active.discard(rid)
         if header.kind == wire.ABORT:
             self._aborted[rid] = None
@@ -222,28 +232,20 @@ class SenderChannel:
         return wire.Header(kind=wire.ABORT, request_id=header.request_id,
                            prefill_rank=self._rank, fingerprint=header.fingerprint, error=error)
 
-    def _bytes_tensor(self, raw: bytes) -> torch.Tensor:
-        """Header bytes as a uint8 tensor on the cache's device (NCCL/HCCL send device memory)."""
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device)
-
     def _gather(self, task: SendTask) -> _Gathered | None:
-        """K and V payloads ``[Ly, T, *D]`` of a data task (None for other records)."""
+        """The wire messages of a data task (None for other records); see
+        :func:`cuts.source_messages` (views of the cache where the slots allow, else one
+        gather per buffer into pooled memory)."""
         header = task.header
         if header.kind != wire.DATA:
             return None
         heads = _local_heads(self._layout, self._rank, header.head_range())
         t0 = time.perf_counter()
-        got = _Gathered([], [])
-        for spec in self._layout.buffers:  # K then V
-            shape = payload.payload_shape(self._cache, spec.name, len(header.layers),
-                                          header.n_tokens, heads)
-            raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
-            out = payload.as_tensor(raw, shape, self._layout.torch_dtype)
-            got.raws.append(raw)
-            got.bufs.append(payload.gather(self._cache, spec.name, header.layers, heads,
-                                           task.src_slots, out=out))
-        self._stats.add(gather_s=time.perf_counter() - t0)
-        return got
+        bufs, raws = cuts.source_messages(self._cache, self._layout, header, heads,
+                                          task.src_slots, self._pool, self._device)
+        if raws:
+            self._stats.add(gather_s=time.perf_counter() - t0)
+        return _Gathered(bufs, raws)
 
     def _post_data(self, task: SendTask, got: _Gathered) -> _Flight:
         header = task.header
@@ -251,10 +253,10 @@ class SenderChannel:
         what = (f"data record of request {header.request_id} layers "
                 f"{header.layers[0]}..{header.layers[-1]} tokens "
                 f"[{header.token_start}, {header.token_end})")
-        self._pair.ring(len(raw), what)
-        works = self._pair.post([self._bytes_tensor(raw), *got.bufs], what)
+        self._pair.ring(raw, what)
+        works = self._pair.post(got.bufs, what)
         nbytes = sum(b.numel() * b.element_size() for b in got.bufs)
-        return _Flight(task, works, what, time.perf_counter(), nbytes, got)
+        return _Flight(task, self._pair, works, what, time.perf_counter(), nbytes, got)
 
     def _ensure(self, peer: Peer) -> None:
         if self._pair is not None and self._pair_peer == peer:

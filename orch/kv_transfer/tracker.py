@@ -5,8 +5,9 @@ Per request: for every prefill rank the plan pairs with this decode rank, a bool
 ``done`` record arrived. Complete = every mask full and every ``done`` in.
 
 Write guarantee: payload bytes are written into a request's slots only by a scatter that
-started while the request was active (expected, not failed, not timed out, not released),
-and :meth:`RequestTracker.release` waits for running scatters. So once it returns, no byte
+or an in-place receive
+that started while the request was active (expected, not failed, not timed out, not
+released), and :meth:`RequestTracker.release` waits for running writers. So once it returns, no byte
 is ever written into the request's slots again and the blocks may be freed, whatever the
 prefill side still has in flight (those bytes are read off the wire and dropped).
 """
@@ -101,23 +102,39 @@ class RequestTracker:
         (P16 -> D4: four per decode rank) scatter in parallel; ``release`` waits for
         ``writers`` to drain instead.
         """
-        with req.lock:
-            if not self._active(req):
-                return False
-            req.writers += 1
+        if not self.begin_write(req):
+            return False
         done = False
         try:
             scatter()
             done = True
         finally:
-            with req.lock:
-                req.writers -= 1
-                if done:
-                    pp = req.pairs[header.prefill_rank]
-                    rows = [pp.layers.index(layer) for layer in header.layers]
-                    req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
-                req.lock.notify_all()
+            self.end_write(req, header, done)
         return True
+
+    def begin_write(self, req: _Request) -> bool:
+        """Take write permission on ``req``'s slots if it is still active (then the caller
+        must call :meth:`end_write`, whatever happens). While held, ``release`` waits.
+
+        Used around a scatter (a memory copy) and around a receive straight into the cache
+        (bounded by ``payload_timeout_s`` per message): the bytes land in the slots only
+        while the request is expected, not failed, not past its deadline, not released.
+        """
+        with req.lock:
+            if not self._active(req):
+                return False
+            req.writers += 1
+            return True
+
+    def end_write(self, req: _Request, header: wire.Header, done: bool) -> None:
+        """Drop the permission of :meth:`begin_write`; ``done``: mark the record's cells."""
+        with req.lock:
+            req.writers -= 1
+            if done:
+                pp = req.pairs[header.prefill_rank]
+                rows = [pp.layers.index(layer) for layer in header.layers]
+                req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
+            req.lock.notify_all()
 
     def on_done(self, link: tuple, header: wire.Header) -> None:
         req = self._get(header.request_id)
@@ -171,7 +188,7 @@ class RequestTracker:
         if req is not None:
             with req.lock:
                 req.released = True
-                while req.writers:  # NOTE: bounded by one scatter (a memory copy)
+                while req.writers:  # NOTE: one scatter, or one in-place receive (payload_timeout_s)
                     req.lock.wait()
 
     def pending(self) -> int:

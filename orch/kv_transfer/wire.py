@@ -5,10 +5,12 @@ Per pair, the prefill rank announces itself through the decode rank's TCPStore
 
     doorbell (store key "<pair prefix>/bell/<n>" = header length in bytes, decimal)
     header   uint8 tensor [header length]           msgpack of Header
-    K        payload [len(layers), n_tokens, *dims]   only for kind == "data"
-    V        payload [len(layers), n_tokens, *dims]   only for kind == "data"
+    K        one message [n_tokens, *dims] per layer, in ``layers`` order   (kind == "data")
+    V        one message [n_tokens, *dims] per layer, in ``layers`` order   (kind == "data")
 
-``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA. Schema version 1.
+``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA. Per-layer messages
+let either side use the cache rows in place when its slots are one contiguous run (no
+gather / scatter copy). Schema version 2 (version 1 sent K and V as one message each).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from orch.kv_transfer.errors import WireError
 
-VERSION = 1
+VERSION = 2
 DATA, DONE, ABORT = "data", "done", "abort"
 RECORD_KINDS = (DATA, DONE, ABORT)
 
