@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from orch.engine.runner import ModelRunner, SeqStep
-from orch.engine.tiny_checkpoint import write_tiny_checkpoint
+from engine.runner import ModelRunner, SeqStep
+from orchestrator.tiny_model import write_tiny_checkpoint
 
 BLOCK = 16
 PROMPT_DECODE = 64

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from orch.engine.block_pool import slot_mapping
-from orch.engine.kv_cache import KVCache, KVCacheSpec
-from orch.kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
-from orch.kv_transfer.backend import backend_for
+from engine.block_pool import slot_mapping
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from kv_transfer.backend import backend_for
 
 LAYERS, KV_LORA, ROPE, BLOCK = 61, 512, 64, 128
 MODEL = "deepseek-v3-shape"

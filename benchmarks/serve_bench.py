@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from orch.orchestrator.client import OrchClient
+from orchestrator.client import OrchClient
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,14 +42,14 @@ def run_config(config: Path, bench_args: list[str], out: Path, startup_s: float)
         cfg_path = Path(tmp) / config.name
         cfg_path.write_text(yaml.safe_dump(data))
         log = (out / f"{config.stem}.up.log").open("w")
-        up = subprocess.Popen([sys.executable, "-m", "orch.orchestrator.cli", "up",
+        up = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up",
                                str(cfg_path)], stdout=log, stderr=subprocess.STDOUT,
                               cwd=REPO, start_new_session=True)
         try:
             with OrchClient(f"127.0.0.1:{port}") as client:
                 client.wait_ready(startup_s)
             report = out / f"{config.stem}.json"
-            subprocess.run([sys.executable, "-m", "orch.orchestrator.cli", "bench",
+            subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench",
                             "--address", f"127.0.0.1:{port}", "--label", config.stem,
                             "--output", str(report), "--no-progress", *bench_args],
                            check=True, cwd=REPO)
@@ -76,7 +76,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     a = run_config(REPO / ns.baseline, bench_args, out, ns.startup_s)
     b = run_config(REPO / ns.candidate, bench_args, out, ns.startup_s)
-    return subprocess.run([sys.executable, "-m", "orch.orchestrator.cli", "bench",
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "bench",
                            "--compare", str(a), str(b)], cwd=REPO).returncode
 
 

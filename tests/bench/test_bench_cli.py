@@ -1,4 +1,4 @@
-"""`python -m orch.orchestrator.bench` end to end against the fake server: JSON, plots, compare."""
+"""`python -m orchestrator.bench` end to end against the fake server: JSON, plots, compare."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from bench_fake_orch import FakeOrch, FakeServer
-from orch.orchestrator.bench.cli import main
-from orch.orchestrator.bench.workloads import default_trace
+from orchestrator.bench.cli import main
+from orchestrator.bench.workloads import default_trace
 
 
 def test_cli_run_writes_report_plots_and_compares(tmp_path, capsys):

@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orch.messages import InstanceStatusInfo
-from orch.orchestrator.metrics import RouterMetrics
+from prefill_worker.messages import InstanceStatusInfo
+from orchestrator.metrics import RouterMetrics
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:

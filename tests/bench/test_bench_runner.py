@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from bench_fake_orch import FakeOrch, FakeServer
-from orch.orchestrator.bench.report import summarize
-from orch.orchestrator.bench.runner import RunnerConfig, run_benchmark
-from orch.orchestrator.bench.workloads import WorkloadConfig, load_workload
+from orchestrator.bench.report import summarize
+from orchestrator.bench.runner import RunnerConfig, run_benchmark
+from orchestrator.bench.workloads import WorkloadConfig, load_workload
 
 TTFT_S, ITL_S = 0.15, 0.01
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orch.orchestrator.bench import traces
-from orch.orchestrator.bench.prompts import TOKEN_HIGH, TOKEN_LOW, TextMeasurer
-from orch.orchestrator.bench.workloads import WorkloadConfig, default_trace, load_workload
+from orchestrator.bench import traces
+from orchestrator.bench.prompts import TOKEN_HIGH, TOKEN_LOW, TextMeasurer
+from orchestrator.bench.workloads import WorkloadConfig, default_trace, load_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orch.proto import orch_pb2, orch_pb2_grpc
+from orchestrator.rpc import orch_pb2, orch_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 SHAREGPT = REPO.parent / "shared" / "data" / "sharegpt_v3_filtered_500.json"
@@ -72,7 +72,7 @@ class OrchProcess:
     def __enter__(self) -> "OrchProcess":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orch.orchestrator.cli", "up", str(self.config)],
+            [sys.executable, "-m", "orchestrator.cli", "up", str(self.config)],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
             start_new_session=True)
         self.wait_ready(timeout_s=240)

@@ -31,7 +31,7 @@ def test_azure_replay_counts_match_trace_and_metrics(tmp_path):
     report_path = tmp_path / "report.json"
     with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path) as orch:
         subprocess.run(
-            [sys.executable, "-m", "orch.orchestrator.cli", "bench", "--address", orch.address,
+            [sys.executable, "-m", "orchestrator.cli", "bench", "--address", orch.address,
              "--workload", "azure", "--trace", str(AZURE), "--num-requests", str(N),
              "--scale-lengths", str(SCALE), "--max-input-len", str(MAX_IN),
              "--max-output-len", str(MAX_OUT), "--time-scale", "0.25", "--no-progress",
@@ -53,8 +53,8 @@ def test_azure_replay_counts_match_trace_and_metrics(tmp_path):
     assert metrics["orch_ttft_seconds_count"] == N
     assert report["goodput"] > 0
     # KV bytes per pair: P1 -> D2 sends every layer of every prompt token to both decode ranks.
-    from orch.engine.model_config import load_model_config
-    from orch.orchestrator.config import load_config
+    from engine.model_config import load_model_config
+    from orchestrator.config import load_config
 
     model = load_model_config(load_config(REPO / "configs" / "1p1d.yaml").model.checkpoint_dir())
     per_token = model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 4

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from orch.proto import orch_pb2, orch_pb2_grpc
+from orchestrator.rpc import orch_pb2, orch_pb2_grpc
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 

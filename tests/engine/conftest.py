@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orch.engine.tiny_checkpoint import write_tiny_checkpoint
+from orchestrator.tiny_model import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from orch.engine.runner import ModelRunner, SeqStep
+from engine.runner import ModelRunner, SeqStep
 
 
 def blocks_for(first_block: int, num_tokens: int, block_size: int) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from orch.engine.block_pool import BlockPool, DoubleFreeError, NoFreeBlocksError, slot_mapping
+from engine.block_pool import BlockPool, DoubleFreeError, NoFreeBlocksError, slot_mapping
 
 
 def test_allocate_free_roundtrip_returns_every_block():

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.engine.engine_drive import blocks_for, generate_greedy
-from orch.engine.kernels import KERNELS
-from orch.engine.runner import ModelRunner, SeqStep
+from engine.kernels import KERNELS
+from engine.runner import ModelRunner, SeqStep
 
 BLOCK = 16
 
@@ -25,7 +25,7 @@ def runner(tiny_ckpt):
 
 @pytest.mark.parametrize("prefix_tile", [4096, 24])
 def test_chunked_prefill_equals_one_shot(runner, prefix_tile, monkeypatch):
-    from orch.engine.attention import MLAttention
+    from engine.attention import MLAttention
 
     monkeypatch.setattr(MLAttention, "prefix_tile", prefix_tile)
     prompt = _prompt(130, seed=3)
@@ -123,7 +123,7 @@ def test_kv_written_at_slots_and_only_there(runner):
 
 
 def test_metadata_layout_of_a_mixed_step():
-    from orch.engine.forward_context import build_attention_metadata
+    from engine.forward_context import build_attention_metadata
 
     meta = build_attention_metadata([3, 1, 2], [0, 20, 4], [(4,), (1, 2), (7,)], 16)
     assert meta.positions.tolist() == [0, 1, 2, 20, 4, 5]

@@ -7,7 +7,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM
 
 from tests.engine.engine_drive import blocks_for, generate_greedy
-from orch.engine.runner import ModelRunner, SeqStep
+from engine.runner import ModelRunner, SeqStep
 
 BLOCK = 16
 
@@ -54,8 +54,8 @@ def test_greedy_32_tokens_match_hf_generate(ckpt_name, request):
 
 def test_yarn_is_exercised(tiny_ckpt):
     """The tiny YaRN config really differs from plain rope at our prompt lengths."""
-    from orch.engine.model_config import load_model_config
-    from orch.engine.rotary import RotaryEmbedding, softmax_scale
+    from engine.model_config import load_model_config
+    from engine.rotary import RotaryEmbedding, softmax_scale
 
     cfg = load_model_config(tiny_ckpt)
     assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 32.0
@@ -68,7 +68,7 @@ def test_deepseek_v2_matches_hf(tmp_path):
     """V2 flavour: softmax router, group_limited_greedy, no bias, plain q_proj, mscale 0.707."""
     from transformers import DeepseekV2ForCausalLM
 
-    from orch.engine.tiny_checkpoint import write_tiny_checkpoint
+    from orchestrator.tiny_model import write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "v2", seed=5, q_lora_rank=None, deepseek_v2=True)
     hf, info = DeepseekV2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32,

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from orch.engine.kernels import KERNELS, KernelRegistry, reshape_and_cache_torch
-from orch.engine.model_config import ModelConfig
-from orch.engine.moe import MoEGate
-from orch.engine.platform import detect_platform
+from engine.kernels import KERNELS, KernelRegistry, reshape_and_cache_torch
+from engine.model_config import ModelConfig
+from engine.moe import MoEGate
+from engine.platform import detect_platform
 from tests.engine.test_engine_model_config import V3
 
 

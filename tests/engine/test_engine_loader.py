@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from orch.engine.loader import CheckpointError
-from orch.engine.model_config import UnsupportedModelError
-from orch.engine.runner import ModelRunner, SeqStep
-from orch.engine.tiny_checkpoint import write_tiny_checkpoint
+from engine.loader import CheckpointError
+from engine.model_config import UnsupportedModelError
+from engine.runner import ModelRunner, SeqStep
+from orchestrator.tiny_model import write_tiny_checkpoint
 
 STEP = [SeqStep("a", tuple(range(200, 233)), 0, (0, 1, 2))]
 
@@ -103,7 +103,7 @@ def test_unsupported_architecture_is_named(tiny_ckpt, tmp_path):
 
 
 def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path, capsys):
-    from orch.engine.tiny_checkpoint import init_tiny_main
+    from orchestrator.tiny_model import init_tiny_main
 
     again = init_tiny_main(tmp_path / "again", seed=0)
     assert str(again) in capsys.readouterr().out
@@ -119,11 +119,11 @@ def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path, capsys):
 def test_tp_shards_read_from_both_flavours_agree(tiny_ckpt, fused_ckpt, rank):
     """Loading as rank r of 2 (no process group needed) slices rows/columns the same way
     from per-expert and fused checkpoints, and takes the r-th half of the full tensor."""
-    from orch.engine.kernels import KERNELS
-    from orch.engine.loader import load_weights
-    from orch.engine.model import build_model
-    from orch.engine.model_config import load_model_config
-    from orch.engine.parallel import TPGroup
+    from engine.kernels import KERNELS
+    from engine.loader import load_weights
+    from engine.model import build_model
+    from engine.model_config import load_model_config
+    from engine.parallel import TPGroup
 
     tp, cfg = TPGroup(rank=rank, size=2), load_model_config(tiny_ckpt)
     models = []

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from orch.engine.model_config import ModelConfig, UnsupportedModelError
-from orch.engine.rotary import RotaryEmbedding, apply_rotary_interleaved, softmax_scale
+from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.rotary import RotaryEmbedding, apply_rotary_interleaved, softmax_scale
 
 V3 = {  # the fields of DeepSeek-V3's released config.json that matter here
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from orch.engine.runner import ModelRunner, SeqStep
+from engine.runner import ModelRunner, SeqStep
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1040))
@@ -25,7 +25,7 @@ def _scenario(runner: ModelRunner) -> torch.Tensor:
 
 
 def _rank_main(rank: int, port: int, ckpts: list[str], out_dir: str) -> None:
-    from orch.engine.parallel import init_tp_group
+    from engine.parallel import init_tp_group
 
     torch.set_num_threads(1)
     tp = init_tp_group(rank, 2, "127.0.0.1", port, "gloo", timeout_s=60)
@@ -68,7 +68,7 @@ def test_tp2_equals_tp1(tiny_ckpt, tiny_ckpt_no_qlora, tmp_path):
 
 
 def test_tp_group_of_one_is_trivial():
-    from orch.engine.parallel import init_tp_group
+    from engine.parallel import init_tp_group
 
     tp = init_tp_group(0, 1)
     x = torch.ones(3)

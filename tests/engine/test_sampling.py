@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from orch.engine.sampling import SamplingParams, fill_seed, sample
+from engine.sampling import SamplingParams, fill_seed, sample
 
 
 def test_greedy_is_argmax():

@@ -1,10 +1,10 @@
 """Scheduler: chunked prefill budgets, decode-first ordering, role policies, no block leaks."""
 
-from orch.engine.block_pool import BlockPool
-from orch.engine.sampling import SamplingParams
-from orch.engine.scheduler import (COLOCATED, DECODE, PREFILL, Request, Scheduler,
+from engine.block_pool import BlockPool
+from engine.sampling import SamplingParams
+from engine.scheduler import (COLOCATED, DECODE, PREFILL, Request, Scheduler,
                                    finish_reason)
-from orch.messages import RequestSpec
+from prefill_worker.messages import RequestSpec
 
 
 def spec(rid, n_prompt, max_tokens=4, ignore_eos=False):

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
-from orch.engine.block_pool import slot_mapping
-from orch.engine.kv_cache import KVCache, KVCacheSpec
-from orch.kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
+from engine.block_pool import slot_mapping
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
                               build_transfer_plan)
 
 RID = "req-1"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from orch.engine.kv_cache import KVCache
-from orch.kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from engine.kv_cache import KVCache
+from kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
 
 from .cluster import (RID, Scenario, check_received, decode_spec, kv_threads, prefill_spec,
                       receive_peers, reference_prefill_cache, slots, wait_for)

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from orch.engine.block_pool import slot_mapping
-from orch.engine.kv_cache import KVCache, KVCacheSpec
-from orch.kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
-from orch.kv_transfer import cuts
+from engine.block_pool import slot_mapping
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from kv_transfer import cuts
 
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
                      completion_timeout_s=60)

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import torch
 
-from orch.engine.block_pool import slot_mapping
-from orch.engine.kv_cache import KVCache, KVCacheSpec
-from orch.kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
+from engine.block_pool import slot_mapping
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
                               build_transfer_plan)
-from orch.kv_transfer.layout import rank_heads
+from kv_transfer.layout import rank_heads
 
 # NOTE: happy-path tests: generous bounds (2 shared cores, up to 48 threads in one process)
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from orch.engine.kv_cache import KVCacheSpec
-from orch.kv_transfer.errors import LayoutMismatchError
-from orch.kv_transfer.layout import KVLayout
+from engine.kv_cache import KVCacheSpec
+from kv_transfer.errors import LayoutMismatchError
+from kv_transfer.layout import KVLayout
 
 
 def _spec(**kw):

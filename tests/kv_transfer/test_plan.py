@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from orch.kv_transfer.layout import rank_heads
-from orch.kv_transfer.plan import build_transfer_plan
+from kv_transfer.layout import rank_heads
+from kv_transfer.plan import build_transfer_plan
 
 
 @pytest.mark.parametrize("p_tp", range(1, 9))

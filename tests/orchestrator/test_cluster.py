@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from orch.orchestrator.assemble import build_router
-from orch.orchestrator.cluster import BringUpError, bring_up
-from orch.orchestrator.config import OrchConfig
-from orch.orchestrator.request import GenerateInput
-from orch.engine.sampling import SamplingParams
+from orchestrator.assemble import build_router
+from orchestrator.cluster import BringUpError, bring_up
+from orchestrator.config import OrchConfig
+from orchestrator.request import GenerateInput
+from engine.sampling import SamplingParams
 from tests.orchestrator.fake_ranks import CLASSES
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import MODEL

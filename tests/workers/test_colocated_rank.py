@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from orch.decode_worker.colocated import ColocatedRank
-from orch.engine.runner import ModelRunner
-from orch.engine.sampling import SamplingParams
-from orch.engine.tiny_checkpoint import write_tiny_checkpoint
-from orch.messages import InstanceConfig, RequestSpec
+from prefill_worker.colocated import ColocatedRank
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from orchestrator.tiny_model import write_tiny_checkpoint
+from prefill_worker.messages import InstanceConfig, RequestSpec
 from tests.engine.engine_drive import generate_greedy
 
 

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from orch.decode_worker.actor import DecodeRank
-from orch.engine.runner import ModelRunner
-from orch.engine.sampling import SamplingParams
-from orch.engine.tiny_checkpoint import write_tiny_checkpoint
-from orch.messages import InstanceConfig, Rejection, Reservation, RequestSpec
-from orch.prefill_worker.actor import PrefillRank
+from decode_worker.actor import DecodeRank
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from orchestrator.tiny_model import write_tiny_checkpoint
+from prefill_worker.messages import InstanceConfig, Rejection, Reservation, RequestSpec
+from prefill_worker.actor import PrefillRank
 from tests.engine.engine_drive import generate_greedy
 
 

@@ -1,0 +1,133 @@
+"""Per-step attention metadata: the one object that carries a step's layout to every layer.
+
+A step is a token-flattened batch of T tokens from B sequences, sequence b owning tokens
+``query_start[b] : query_start[b] + query_lens[b]`` of the batch. Sequence b already has
+``context_lens[b]`` tokens in the KV cache (positions ``0..context_lens[b]-1``); the step
+computes positions ``context_lens[b] .. context_lens[b] + query_lens[b] - 1``.
+
+A sequence is a DECODE sequence when ``query_lens[b] == 1 and context_lens[b] > 0``; every
+other sequence (a prompt or a prefill chunk) is a PREFILL sequence.
+
+Scope: the runner builds one :class:`AttentionMetadata` per ``execute`` call and passes it
+down the forward explicitly (model -> layer -> attention); nothing is stored globally, so two
+runners (or threads) never see each other's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import slot_mapping
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One prefill sequence of the step.
+
+    Attributes:
+        start, end: its tokens in the flattened batch ``[start, end)``.
+        context_len: tokens already cached before this step.
+        prefix_slots: cache slots of positions ``0..context_len-1`` ``[context_len]`` int64.
+    """
+
+    start: int
+    end: int
+    context_len: int
+    prefix_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decode sequences of the step, batched.
+
+    Attributes:
+        token_index: their token rows in the flattened batch ``[Bd]`` int64.
+        slots: cache slots of positions ``0..context_len`` (incl. this step's token),
+            padded ``[Bd, S_max]`` int64 (padding points at slot 0).
+        valid: ``[Bd, S_max]`` bool, False on padding.
+    """
+
+    token_index: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs about one step.
+
+    Attributes:
+        positions: ``[T]`` int64 token positions.
+        slot_mapping: ``[T]`` int64 cache slot of every computed token.
+        query_lens, context_lens: per sequence, tokens (length B).
+        query_start: per sequence, its first row in the flattened batch (length B).
+        block_tables: per sequence, its block table (physical block ids).
+        block_size: tokens per block.
+        prefills: the prefill sequences.
+        decode: the decode sequences, or None when there are none.
+        logits_index: ``[B]`` int64 row of each sequence's last token.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    query_start: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
+    block_size: int
+    prefills: tuple[PrefillSeq, ...]
+    decode: DecodeBatch | None
+    logits_index: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_attention_metadata(query_lens: list[int], context_lens: list[int],
+                             block_tables: list[tuple[int, ...]], block_size: int,
+                             device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Metadata of a step from per-sequence query lengths, cached lengths and block tables.
+
+    Raises:
+        ValueError: a sequence has no query tokens, or its block table is too short for
+            ``context_len + query_len`` tokens (from :func:`slot_mapping`).
+    """
+    positions, slots, prefills, dec_rows, dec_slots = [], [], [], [], []
+    start = 0
+    for qlen, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+        if qlen < 1:
+            raise ValueError("every sequence in a step needs at least one token to compute")
+        seq_slots = slot_mapping(table, 0, ctx + qlen, block_size)  # [ctx + qlen]
+        positions.append(torch.arange(ctx, ctx + qlen, dtype=torch.int64))
+        slots.append(seq_slots[ctx:])
+        if qlen == 1 and ctx > 0:
+            dec_rows.append(start)
+            dec_slots.append(seq_slots)
+        else:
+            prefills.append(PrefillSeq(start, start + qlen, ctx, seq_slots[:ctx].to(device)))
+        start += qlen
+    decode = _decode_batch(dec_rows, dec_slots, device) if dec_rows else None
+    ends = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1
+    starts = ends + 1 - torch.tensor(query_lens, dtype=torch.int64)
+    return AttentionMetadata(
+        positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),
+        query_lens=tuple(query_lens), context_lens=tuple(context_lens),
+        query_start=tuple(int(x) for x in starts), block_tables=tuple(map(tuple, block_tables)),
+        block_size=block_size,
+        prefills=tuple(prefills), decode=decode, logits_index=ends.to(device))
+
+
+def _decode_batch(rows: list[int], seq_slots: list[torch.Tensor],
+                  device: torch.device | str) -> DecodeBatch:
+    """Pad the decode sequences' slot lists to ``[Bd, S_max]`` with a validity mask."""
+    s_max = max(s.shape[0] for s in seq_slots)
+    padded = torch.zeros(len(rows), s_max, dtype=torch.int64)
+    valid = torch.zeros(len(rows), s_max, dtype=torch.bool)
+    for i, s in enumerate(seq_slots):
+        padded[i, : s.shape[0]] = s
+        valid[i, : s.shape[0]] = True
+    return DecodeBatch(torch.tensor(rows, dtype=torch.int64, device=device),
+                       padded.to(device), valid.to(device))

@@ -1,0 +1,120 @@
+"""Kernel registry: kernel name -> implementation, per platform, imported lazily.
+
+Model code never branches on the device: the runner resolves a :class:`KernelSet` once
+(``KERNELS.resolve(platform.device_type, choices)``) and hands it to the model. Each entry is
+registered with a loader (a zero-argument function returning the callable) so that e.g.
+``torch_npu`` is imported only when the NPU implementation is resolved.
+
+Kernels:
+    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping): write K ``[T, Lk]`` and V
+        ``[T, Lv]`` into the paged caches ``[num_blocks, block_size, L*]`` at flat slots
+        ``[T]`` (one fused write; vLLM's ``reshape_and_cache`` contract).
+    mla_decode(q_nope, q_pe, k_cache, v_cache, decode_batch, w_uk, w_uv, scale): decode
+        attention of B single-token sequences over the paged caches (see
+        :func:`engine.mla_ops.decode_absorbed`); variants "absorbed" (default) and
+        "naive" (MHA form, the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+import torch
+
+Loader = Callable[[], Callable]
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """Resolved kernels for one platform; passed to the model (no globals looked up later)."""
+
+    reshape_and_cache: Callable
+    mla_decode: Callable
+
+
+class KernelRegistry:
+    """``(kernel name, variant) -> {device_type: loader}``, plus a default variant per name."""
+
+    def __init__(self) -> None:
+        self._impls: dict[tuple[str, str], dict[str, Loader]] = {}
+        self._defaults: dict[str, str] = {}
+
+    def register(self, name: str, variant: str, device_types: tuple[str, ...],
+                 loader: Loader, *, default: bool = False) -> None:
+        """Register ``loader`` as ``name``/``variant`` on each of ``device_types``."""
+        table = self._impls.setdefault((name, variant), {})
+        for device_type in device_types:
+            table[device_type] = loader
+        if default or name not in self._defaults:
+            self._defaults[name] = variant
+
+    def variants(self, name: str) -> list[str]:
+        """Registered variants of kernel ``name``."""
+        return sorted(v for (n, v) in self._impls if n == name)
+
+    def get(self, name: str, device_type: str, variant: str | None = None) -> Callable:
+        """The implementation of ``name`` (``variant`` or the default) on ``device_type``.
+
+        Raises:
+            KeyError: unknown kernel, variant or device type; the message lists what exists.
+        """
+        variant = variant or self._defaults.get(name)
+        table = self._impls.get((name, variant))
+        if table is None:
+            raise KeyError(f"kernel {name!r} has no variant {variant!r}; registered: "
+                           f"{self.variants(name)}")
+        if device_type not in table:
+            raise KeyError(f"kernel {name}/{variant} has no {device_type!r} implementation; "
+                           f"available on {sorted(table)}")
+        return table[device_type]()
+
+    def resolve(self, device_type: str, choices: Mapping[str, str] | None = None) -> KernelSet:
+        """Resolve every kernel of :class:`KernelSet`; ``choices`` maps name -> variant."""
+        choices = dict(choices or {})
+        unknown = set(choices) - {f.name for f in fields(KernelSet)}
+        if unknown:
+            raise KeyError(f"unknown kernels {sorted(unknown)}; known: "
+                           f"{[f.name for f in fields(KernelSet)]}")
+        return KernelSet(**{f.name: self.get(f.name, device_type, choices.get(f.name))
+                            for f in fields(KernelSet)})
+
+
+def reshape_and_cache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """CPU/CUDA: ``index_copy_`` into the caches viewed ``[num_blocks * block_size, L*]``."""
+    k_cache.view(-1, k_cache.shape[-1]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, v_cache.shape[-1]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _load_npu_reshape_and_cache() -> Callable:
+    """NPU: ``torch_npu._npu_reshape_and_cache`` (vLLM-Ascend's call); untested off-Ascend."""
+    import torch_npu  # noqa: PLC0415 (lazy: only on Ascend)
+
+    def reshape_and_cache_npu(k, v, k_cache, v_cache, slot_mapping):
+        # NOTE: the op takes per-head tensors [T, 1, L] / caches [blocks, bs, 1, L], int32 slots.
+        torch_npu._npu_reshape_and_cache(
+            key=k.unsqueeze(1), value=v.unsqueeze(1), key_cache=k_cache.unsqueeze(2),
+            value_cache=v_cache.unsqueeze(2), slot_indices=slot_mapping.to(torch.int32))
+
+    return reshape_and_cache_npu
+
+
+def _load_mla_op(name: str) -> Loader:
+    def load() -> Callable:
+        from engine import mla_ops  # noqa: PLC0415 (lazy like every loader)
+
+        return getattr(mla_ops, name)
+
+    return load
+
+
+KERNELS = KernelRegistry()
+"""The registry every runner resolves from (filled once, here, at import)."""
+
+KERNELS.register("reshape_and_cache", "native", ("cpu", "cuda"),
+                 lambda: reshape_and_cache_torch, default=True)
+KERNELS.register("reshape_and_cache", "native", ("npu",), _load_npu_reshape_and_cache)
+KERNELS.register("mla_decode", "absorbed", ("cpu", "cuda", "npu"),
+                 _load_mla_op("decode_absorbed"), default=True)
+KERNELS.register("mla_decode", "naive", ("cpu", "cuda", "npu"), _load_mla_op("decode_naive"))

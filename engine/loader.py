@@ -1,0 +1,143 @@
+"""Load a HF checkpoint's ``*.safetensors`` into a :class:`DeepseekForCausalLM`, TP-sharded.
+
+Accepted expert layouts:
+- per expert (transformers 4.x, DeepSeek's released checkpoints):
+  ``model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight``;
+- fused (transformers 5.x ``save_pretrained``): ``mlp.experts.gate_up_proj [E, 2I, H]`` and
+  ``mlp.experts.down_proj [E, H, I]``, split per expert here.
+
+Sharding (TP rank r of n takes slice r of the sharded dim): rows of ``q_proj``, ``q_b_proj``,
+``kv_b_proj`` (head-major, so by heads) and of every ``gate_proj``/``up_proj``; columns of
+``o_proj`` and every ``down_proj``. Everything else is replicated. Tensors the model does not
+have (e.g. the MTP layer ``model.layers.{num_hidden_layers}.*``) are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model import DeepseekForCausalLM
+from engine.parallel import TPGroup
+
+_ROW_SHARDED = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.weight$")
+_COL_SHARDED = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, has the wrong shape, or is in an unsupported format."""
+
+
+def shard_dim(name: str) -> int | None:
+    """The dim TP shards parameter ``name`` along (0 rows, 1 columns), or None (replicated)."""
+    if _ROW_SHARDED.search(name):
+        return 0
+    if _COL_SHARDED.search(name):
+        return 1
+    return None
+
+
+Reader = Callable[[int | None, TPGroup], torch.Tensor]
+
+
+def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """(name, full shape, reader) of every checkpoint tensor, fused expert tensors split.
+
+    ``reader(dim, tp)`` returns this rank's shard along ``dim`` (whole tensor for None); for
+    per-tensor entries it reads only that shard from disk. Must be called before the next
+    entry is requested (the file stays open only while iterating).
+    """
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("weight_scale_inv"):
+                    raise CheckpointError(
+                        f"{name} in {path.name}: FP8 block-quantized checkpoints are not "
+                        "supported yet; convert to bf16 first (DeepSeek's fp8_cast_bf16.py)")
+                fused = _FUSED.match(name)
+                if fused is None:
+                    sl = f.get_slice(name)
+                    yield name, tuple(sl.get_shape()), _slice_reader(sl)
+                else:
+                    yield from _split_fused(fused.group(1), fused.group(2), f.get_tensor(name))
+
+
+def _slice_reader(sl) -> Reader:
+    def read(dim: int | None, tp: TPGroup) -> torch.Tensor:
+        shape = sl.get_shape()
+        index = [slice(None)] * len(shape)
+        if dim is not None and tp.size > 1:
+            n = shape[dim] // tp.size
+            index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+        return sl[tuple(index)]
+
+    return read
+
+
+def _tensor_reader(t: torch.Tensor) -> Reader:
+    def read(dim: int | None, tp: TPGroup) -> torch.Tensor:
+        return t if dim is None or tp.size == 1 else t.chunk(tp.size, dim=dim)[tp.rank]
+
+    return read
+
+
+def _split_fused(prefix: str, kind: str,
+                 t: torch.Tensor) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """Per-expert entries from ``gate_up_proj [E, 2I, H]`` or ``down_proj [E, H, I]``."""
+    for j in range(t.shape[0]):
+        if kind == "down_proj":
+            parts = {"down_proj": t[j]}
+        else:
+            gate, up = t[j].chunk(2, dim=0)
+            parts = {"gate_proj": gate, "up_proj": up}
+        for proj, part in parts.items():
+            yield f"{prefix}.{j}.{proj}.weight", tuple(part.shape), _tensor_reader(part)
+
+
+def _full_shape(name: str, local: torch.Size, tp: TPGroup) -> tuple[int, ...]:
+    dim = shard_dim(name)
+    shape = list(local)
+    if dim is not None and tp.size > 1:
+        shape[dim] *= tp.size
+    return tuple(shape)
+
+
+def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPGroup) -> None:
+    """Copy the checkpoint into ``model`` (its parameters hold this rank's shards).
+
+    Raises:
+        CheckpointError: a model tensor is missing from the checkpoint, or a checkpoint tensor
+            has a shape other than the full (unsharded) shape the config implies; the message
+            names the tensor and the expected shape.
+    """
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    if tied:
+        params.pop("lm_head.weight")
+    loaded: set[str] = set()
+    for name, shape, read in _checkpoint_entries(Path(checkpoint_dir)):
+        param = params.get(name)
+        if param is None:
+            continue  # not part of this model (MTP layer, ...): never read
+        expected = _full_shape(name, param.shape, tp)
+        if shape != expected:
+            raise CheckpointError(f"checkpoint tensor {name} has shape {shape}; the config "
+                                  f"implies {expected}: config.json and weights disagree")
+        with torch.no_grad():
+            param.copy_(read(shard_dim(name), tp))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(f"{n} {_full_shape(n, params[n].shape, tp)}" for n in missing[:5])
+        raise CheckpointError(f"{len(missing)} tensors missing from {checkpoint_dir}: {shown}"
+                              + (" ..." if len(missing) > 5 else ""))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight

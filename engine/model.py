@@ -1,0 +1,109 @@
+"""DeepSeek-V2/V3 decoder for serving: embed -> layers (MLA + dense/MoE MLP) -> norm -> lm_head.
+
+Parameter names equal the HF checkpoint's (``model.layers.{i}.self_attn.kv_b_proj.weight``...),
+so the loader maps names one to one. TP layout: attention heads and MLP/expert intermediate
+dims are sharded (loader), and each decoder layer all-reduces twice (after attention's o_proj
+and after the MLP/MoE). ``embed_tokens`` and ``lm_head`` are REPLICATED on every TP rank
+(simple, costs vocab x hidden per rank; vocab-parallel embedding is a later optimization).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import MLAttention
+from engine.forward_context import AttentionMetadata
+from engine.kernels import KernelSet
+from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
+from engine.moe import MoE, MoEGate, dense_mlp
+from engine.norm import RMSNorm
+from engine.parallel import TPGroup
+from engine.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup,
+                 kernels: KernelSet) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config, tp.size, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoE(config, tp.size) if config.is_moe_layer(layer_idx) \
+            else dense_mlp(config, tp.size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's KV of the T tokens."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        h = x + self.tp.all_reduce(attn)
+        return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+
+
+class DeepseekModel(nn.Module):
+    """The ``model.*`` part of the checkpoint."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, kernels: KernelSet) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """Full model; :meth:`forward` runs one step and returns last-token logits.
+
+    Args:
+        config: model config. tp: this rank's TP group. kernels: resolved :class:`KernelSet`.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, kernels: KernelSet) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekModel(config, tp, kernels)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        """One step.
+
+        Args:
+            input_ids: ``[T]`` int64 flattened tokens of the step.
+            meta: the step's :class:`AttentionMetadata`.
+            kv_cache: this rank's caches (layer i uses ``k_caches[i]``, ``v_caches[i]``).
+
+        Returns:
+            ``[B, vocab]`` fp32 logits at each sequence's last token.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, R/2]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i])
+        x = self.model.norm(x[meta.logits_index])  # [B, hidden]
+        return self.lm_head(x).float()
+
+
+def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
+                device: torch.device) -> DeepseekForCausalLM:
+    """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill.
+
+    Built on the meta device and materialized once, so no time goes into random init. The
+    router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (selection is
+    sensitive to it; HF keeps it fp32 too).
+    """
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(config, tp, kernels)
+    model = model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:
+            module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+    model = model.to_empty(device=device)
+    model.rotary = RotaryEmbedding(config).to(device)  # its buffer was made on meta
+    return model.eval()

@@ -1,0 +1,120 @@
+"""DeepSeek MoE feed-forward: router gate, routed experts, shared experts; and the dense MLP.
+
+Maths: REFERENCE.md "Router (MoE gate)" (DeepSeek-V3 ``inference/model.py`` Gate, vLLM
+``grouped_topk``). TP: every expert's (and the shared experts', and the dense MLP's)
+intermediate dim is sharded: gate/up rows, down columns (done by the loader). ``forward``
+returns this rank's PARTIAL sum of routed + shared outputs; the caller all-reduces ONCE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with a (local) intermediate width."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (partial under TP)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Module):
+    """Router: scores, (group-limited) top-k selection, combine weights.
+
+    ``e_score_correction_bias`` exists for ``topk_method == "noaux_tc"`` (V3) and only steers
+    selection; the weights are the unbiased scores of the chosen experts.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        e = config.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size))
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(e))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]`` int64)."""
+        cfg = self.config
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias.float()
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            choice = self._mask_groups(choice)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Keep the best ``topk_group`` of ``n_group`` groups; others -> -inf (not 0)."""
+        cfg = self.config
+        t, e = choice.shape
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":  # V3: sum of the top-2 biased scores per group
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        else:  # V2 group_limited_greedy: best score per group
+            group_scores = grouped.max(dim=-1).values
+        keep = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+        drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        return grouped.masked_fill(drop[..., None], float("-inf")).view(t, e)
+
+
+class MoE(nn.Module):
+    """Routed experts (``experts.{j}``) plus shared experts; local intermediate dims."""
+
+    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+        super().__init__()
+        inter = _shard(config.moe_intermediate_size, tp_size, "moe_intermediate_size")
+        self.gate = MoEGate(config)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, inter)
+                                     for _ in range(config.n_routed_experts))
+        self.shared_experts = None
+        if config.n_shared_experts:
+            self.shared_experts = MLP(config.hidden_size, inter * config.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``: Σ_k w_k expert_k(x) + shared(x) (partial)."""
+        weights, ids = self.gate(x)  # [T, k]
+        t, k = ids.shape
+        flat = ids.view(-1)
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        routed = x.new_empty(t * k, x.shape[1])  # [T*k, hidden], one row per assignment
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                pick = order[start:start + n]
+                routed[pick] = expert(x[pick // k]) * weights.view(-1)[pick, None].to(x.dtype)
+            start += n
+        out = routed.view(t, k, -1).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def dense_mlp(config: ModelConfig, tp_size: int) -> MLP:
+    """The dense MLP of the first ``first_k_dense_replace`` layers (local intermediate)."""
+    return MLP(config.hidden_size, _shard(config.intermediate_size, tp_size, "intermediate_size"))
+
+
+def _shard(full: int, tp_size: int, what: str) -> int:
+    if full % tp_size:
+        raise ValueError(f"{what} = {full} is not divisible by tp = {tp_size}")
+    return full // tp_size

@@ -1,0 +1,117 @@
+"""ModelRunner: the entry point the prefill and decode workers call, one per rank.
+
+SPMD: every TP rank of an instance builds a runner over the same checkpoint and calls
+:meth:`ModelRunner.execute` with the same steps each iteration; all ranks return the same
+logits. The runner owns the model and this rank's KV cache; the caller (the worker's
+scheduler) owns the block tables and the block pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.forward_context import build_attention_metadata
+from engine.kernels import KERNELS, KernelSet
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import load_weights
+from engine.model import build_model
+from engine.model_config import load_model_config
+from engine.parallel import TPGroup
+from engine.platform import detect_platform
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One request's work in a step.
+
+    Attributes:
+        request_id: the request.
+        token_ids: tokens to compute this step (a prefill chunk, or 1 decode token).
+        num_computed_tokens: tokens of this request already in the KV cache (positions
+            ``0..n-1``); this step computes positions ``n .. n + len(token_ids) - 1``.
+        block_ids: the request's block table, covering ``n + len(token_ids)`` tokens.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_computed_tokens: int
+    block_ids: tuple[int, ...]
+
+
+class ModelRunner:
+    """Model + KV cache of one rank.
+
+    Args:
+        checkpoint_dir: HF checkpoint directory (config.json, *.safetensors).
+        num_kv_blocks: physical KV blocks per layer; block_size: tokens per block.
+        dtype: weights, activations and KV cache dtype.
+        tp: this rank's :class:`TPGroup` (None: TP=1).
+        device: torch device (None: the platform's device ``tp.rank``).
+        kernel_choices: kernel name -> variant (e.g. ``{"mla_decode": "naive"}``).
+        kernels: an already resolved :class:`KernelSet` (overrides ``kernel_choices``).
+
+    Attributes:
+        model_config, kv_spec, kv_cache, platform, device.
+
+    Raises:
+        UnsupportedModelError / CheckpointError: from the config parser / the loader.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
+                 device: torch.device | str | None = None,
+                 kernel_choices: Mapping[str, str] | None = None,
+                 kernels: KernelSet | None = None) -> None:
+        self.tp = tp or TPGroup()
+        self.platform = detect_platform()
+        self.device = torch.device(device) if device is not None \
+            else self.platform.device(self.tp.rank)
+        self.model_config = cfg = load_model_config(checkpoint_dir)
+        self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
+        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device)
+        load_weights(self.model, checkpoint_dir, self.tp)
+        self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
+                                   block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
+                                   qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+        self.kv_cache = KVCache(self.kv_spec, self.device)
+
+    @torch.inference_mode()
+    def execute(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Run one step over ``steps`` (any mix of prefill chunks and decode tokens).
+
+        Writes the KV of every computed token into the cache at its slot.
+
+        Returns:
+            ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order.
+
+        Raises:
+            ValueError: an empty step list or step, a block table too short or naming
+                blocks outside the cache, or a request longer than max_position_embeddings.
+        """
+        if not steps:
+            raise ValueError("execute() needs at least one SeqStep")
+        for s in steps:
+            self._check_step(s)
+        meta = build_attention_metadata(
+            [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
+            [s.block_ids for s in steps], self.kv_spec.block_size, self.device)
+        input_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
+                                 device=self.device)
+        return self.model(input_ids, meta, self.kv_cache)
+
+    def _check_step(self, s: SeqStep) -> None:
+        limit = self.model_config.max_position_embeddings
+        if s.num_computed_tokens + len(s.token_ids) > limit:
+            raise ValueError(
+                f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)} "
+                f"tokens; the model's max_position_embeddings is {limit}: shorten the prompt "
+                "or max_tokens")
+        bad = [b for b in s.block_ids if not 0 <= b < self.kv_spec.num_blocks]
+        if bad:
+            raise ValueError(f"request {s.request_id} has block ids {bad[:4]} outside this "
+                             f"KV cache's {self.kv_spec.num_blocks} blocks: the block table "
+                             "must come from this instance's BlockPool")

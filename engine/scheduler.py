@@ -1,0 +1,232 @@
+"""Continuous-batching scheduler with chunked prefill, shared by all three instance roles.
+
+Request state is counters (vLLM v1 style): a request knows its prompt, its output tokens and
+``num_computed_tokens`` (tokens whose KV is in this instance's cache). Each step schedules,
+per running request, the tokens it still lacks KV for, capped by ``chunk_size`` and the step's
+``max_num_batched_tokens`` budget. When a step brings a request up to all its known tokens, the
+step's logits give its next token. "Prefill done" and "decoding" are derived, never stored.
+
+The roles differ only in a :class:`RolePolicy`:
+
+- prefill: blocks for the prompt are taken when a request is admitted; the request leaves
+  the instance after its first token (handed to decode).
+- decode: the request arrives with its blocks (reserved before prefill) and its prompt KV
+  received (``num_computed_tokens == num_prompt_tokens``) and its first token.
+- colocated: blocks for prompt + max_tokens are taken at admission; runs to the end.
+
+Blocks are reserved for the whole life of a request at admission, so nothing is preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool, BlockSet
+from engine.runner import SeqStep
+from prefill_worker.messages import RequestSpec
+
+
+@dataclass(frozen=True)
+class RolePolicy:
+    """What differs between instance roles (legal combinations: see module docstring).
+
+    Attributes:
+        reserve_output_blocks: admission takes blocks for prompt + max_tokens (else prompt only).
+        stop_after_first_token: a request leaves after its first sampled token (prefill role).
+    """
+
+    reserve_output_blocks: bool
+    stop_after_first_token: bool
+
+
+PREFILL = RolePolicy(reserve_output_blocks=False, stop_after_first_token=True)
+DECODE = RolePolicy(reserve_output_blocks=True, stop_after_first_token=False)
+COLOCATED = RolePolicy(reserve_output_blocks=True, stop_after_first_token=False)
+
+
+@dataclass
+class Request:
+    """One request inside an instance.
+
+    Attributes:
+        spec: the accepted request.
+        output_token_ids: tokens generated so far (on decode, starts with prefill's token).
+        num_computed_tokens: tokens whose KV is in this instance's cache.
+        blocks: block table, or None while waiting for admission.
+    """
+
+    spec: RequestSpec
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    blocks: BlockSet | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.spec.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.spec.num_prompt_tokens + len(self.output_token_ids)
+
+    def token_range(self, start: int, end: int) -> tuple[int, ...]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        prompt = self.spec.prompt_token_ids
+        if end <= len(prompt):
+            return tuple(prompt[start:end])
+        return tuple((list(prompt) + self.output_token_ids)[start:end])
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, end)`` of one request computed this step."""
+
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        """This step brings the request up to all its known tokens: it samples."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: the chunks to compute, in batch order."""
+
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def steps(self) -> list[SeqStep]:
+        """The model runner's input for this step."""
+        return [SeqStep(c.request.request_id, c.request.token_range(c.start, c.end), c.start,
+                        c.request.blocks.block_ids) for c in self.chunks]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    """Chunked-prefill, continuous-batching scheduler of one instance (leader only).
+
+    Args:
+        pool: the instance's block pool (the scheduler allocates at admission, frees at end).
+        policy: role policy.
+        chunk_size: most tokens of one request per step.
+        max_num_batched_tokens: most tokens per step.
+        max_num_seqs: most requests running at once.
+    """
+
+    def __init__(self, pool: BlockPool, policy: RolePolicy, *, chunk_size: int,
+                 max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.chunk_size = chunk_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def blocks_for(self, spec: RequestSpec) -> int:
+        """Blocks a request takes at admission under this role."""
+        tokens = spec.max_total_tokens if self.policy.reserve_output_blocks else \
+            spec.num_prompt_tokens
+        return self.pool.blocks_needed(tokens)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; one that already holds blocks (decode) runs from the next step."""
+        if request.blocks is not None:
+            self.running.append(request)
+        else:
+            self.waiting.append(request)
+
+    def find(self, request_id: str) -> Request | None:
+        for req in (*self.running, *self.waiting):
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def remove(self, request_id: str, *, free: bool = True) -> Request | None:
+        """Take a request out (finish or abort).
+
+        With ``free`` its blocks go back to the pool now (exactly once); without, the caller
+        owns ``request.blocks`` and frees them later (prefill, while KV sends drain).
+        """
+        req = self.find(request_id)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        if free and req.blocks is not None:
+            self.pool.free(req.blocks)
+            req.blocks = None
+        return req
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            need = self.blocks_for(self.waiting[0].spec)
+            if not self.pool.can_allocate(need):
+                return  # FIFO: no overtaking, so a big request is not starved
+            req = self.waiting.popleft()
+            req.blocks = self.pool.allocate(need)
+            self.running.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (decodes are 1 token), FIFO, within budget."""
+        self._admit()
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        # NOTE: decodes (1 token) go first, then prefill chunks in admission order (stable sort).
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            todo = req.num_tokens - req.num_computed_tokens
+            n = min(todo, self.chunk_size, budget)
+            if n <= 0:
+                continue
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens,
+                                         req.num_computed_tokens + n))
+            budget -= n
+        return SchedulerOutput(tuple(chunks))
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance counters after a step; append each sampled token to its request.
+
+        Args:
+            output: the step that ran.
+            sampled: request id -> token id, for the chunks that ``completes``.
+        """
+        for chunk in output.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+            if chunk.request.request_id in sampled:
+                chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
+
+    @property
+    def num_outstanding_tokens(self) -> int:
+        """Tokens still to compute or generate across queued and running requests."""
+        return sum(r.spec.max_total_tokens - r.num_computed_tokens
+                   for r in (*self.running, *self.waiting))
+
+
+def finish_reason(req: Request, eos_token_ids: frozenset[int]) -> str | None:
+    """Why ``req`` stops after its latest token, or None to keep going.
+
+    "length" once ``max_tokens`` tokens exist; "stop" when the latest token is an EOS id and the
+    request does not ``ignore_eos``.
+    """
+    if not req.output_token_ids:
+        return None
+    if len(req.output_token_ids) >= req.spec.sampling.max_tokens:
+        return "length"
+    if not req.spec.sampling.ignore_eos and req.output_token_ids[-1] in eos_token_ids:
+        return "stop"
+    return None

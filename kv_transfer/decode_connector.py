@@ -1,0 +1,119 @@
+"""Decode rank side of the KV transfer: what the decode worker calls, per rank.
+
+Call order per request: ``expect`` on every decode rank BEFORE the prefill instance is told to
+start (records of unknown requests are read and dropped), then poll ``is_complete`` /
+``failure``; finally ``release`` (after completion, abort or failure). Once ``release``
+returns no byte is written into the request's slots any more, so its blocks may be freed.
+
+The prefill tp needed for the plan comes with ``expect`` (the router knows both instances).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kv_transfer import wire
+from kv_transfer.backend import backend_for
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import LayoutMismatchError
+from kv_transfer.layout import KVLayout
+from kv_transfer.pair import Rendezvous
+from kv_transfer.payload import PayloadStats
+from kv_transfer.receiver import ReceiverChannel
+from kv_transfer.tracker import RequestTracker
+
+log = logging.getLogger(__name__)
+
+
+class DecodeKVConnector:
+    """KV receiver of one decode rank: hosts the pair rendezvous, runs receiver threads.
+
+    Args:
+        kv_cache: the rank's ``KVCache`` (or any object with ``k_caches``/``v_caches``).
+        layout: this instance's :class:`KVLayout`.
+        instance, rank: this rank's identity.
+        config: bounded waits.
+        host: address to bind the rendezvous store on and to publish (127.0.0.1 locally).
+    """
+
+    def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int,
+                 config: TransferConfig, host: str = "127.0.0.1") -> None:
+        self._cache, self._layout, self._config = kv_cache, layout, config
+        self._instance, self._rank, self._host = instance, rank, host
+        self._me = f"{instance}/{rank}"
+        self._backend = backend_for(kv_cache.k_caches[0].device)
+        self._tracker = RequestTracker(layout, rank, config, self._me)
+        self._receivers: dict[tuple[str, int], ReceiverChannel] = {}
+        self._retired: list[ReceiverChannel] = []
+        self._lock = threading.Lock()
+        self.stats = PayloadStats()
+        self._rendezvous = Rendezvous(host, config, self._on_announce, instance, rank)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``(host, port)`` of the rendezvous store, to publish to prefill ranks."""
+        return self._host, self._rendezvous.port
+
+    def expect(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
+        """Receive every planned layer of tokens ``[0, num_tokens)`` of ``request_id``.
+
+        The completion deadline (``completion_timeout_s``) starts now.
+        Raises ValueError if the request is already expected.
+        """
+        self._tracker.expect(request_id, num_tokens, prefill_tp)
+
+    def is_complete(self, request_id: str) -> bool:
+        """Every planned layer of every token arrived and every planned ``done`` record.
+
+        Raises KeyError for a request not expected (or released)."""
+        return self._tracker.is_complete(request_id)
+
+    def failure(self, request_id: str) -> str | None:
+        """Error text if the transfer failed, was aborted or timed out; else None.
+
+        Raises KeyError for a request not expected (or released)."""
+        return self._tracker.failure(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request; afterwards nothing is written into its slots (idempotent)."""
+        self._tracker.release(request_id)
+
+    def close(self) -> None:
+        """Stop accepting and stop every receiver thread (bounded)."""
+        self._rendezvous.close()  # NOTE: first, so its store client is ours alone below
+        with self._lock:
+            channels = list(self._receivers.values()) + self._retired
+            self._receivers.clear()
+            self._retired.clear()
+        for channel in channels:
+            channel.stop(self._rendezvous.store)
+        bound = self._config.header_timeout_s + self._config.payload_timeout_s
+        for channel in channels:
+            channel.join(bound)
+
+    def _on_announce(self, announce: wire.Announce) -> dict:
+        """Acceptor thread: a prefill rank opens a new pair generation."""
+        try:
+            KVLayout.from_dict(announce.layout).check_compatible(self._layout)
+        except (LayoutMismatchError, ValueError, KeyError, TypeError) as exc:
+            # NOTE: the prefill side turns its records into aborts carrying the error
+            log.warning("decode %s: prefill %s/%s has an incompatible KV layout: %s",
+                        self._me, announce.instance, announce.rank, exc)
+        key = (announce.instance, announce.rank)
+        channel = ReceiverChannel(self._host, self._rendezvous.port, announce, self._me,
+                                  self._rank, self._cache, self._layout, self._backend,
+                                  self._config, self._tracker, self.stats)
+        with self._lock:
+            old = self._receivers.get(key)
+            self._receivers[key] = channel
+            self._retired = [c for c in self._retired if c.alive]
+            if old is not None:
+                old.stop(self._rendezvous.store)
+                self._retired.append(old)
+        if old is not None:
+            self._tracker.on_link_lost(
+                old.link, f"{old.link[0]} -> decode {self._me}: pair generation "
+                f"{old.generation} replaced by {announce.generation} (prefill restarted or "
+                "remade the pair); records in flight on it were lost")
+        return self._layout.to_dict()

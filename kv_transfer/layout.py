@@ -1,0 +1,193 @@
+"""KV layout of one instance: what the bytes of a cache slot mean, and its fingerprint.
+
+A layout names, per layer, the cache buffers (``k`` and ``v``), their per-token dims for the
+whole model, the dtype, block size, layer count, tp size, rope layout and model identity.
+
+What must match between a prefill and a decode instance (``check_compatible``), and why:
+
+- ``model``: the bytes are activations of one model's weights.
+- ``kind`` (mla/gqa), ``buffers`` (names and per-token dims), ``num_kv_heads``: the shape of a
+  token's bytes; a mismatch would scatter garbage.
+- ``dtype``: no conversion happens on the wire.
+- ``num_layers``: every layer is moved.
+- ``rope_layout``: interleaved vs de-interleaved k_pe (REFERENCE.md "Rope layout") give
+  different bytes for the same key.
+
+What may differ: ``tp`` (the transfer plan maps ranks and regroups GQA heads) and
+``block_size`` (every transfer carries one destination slot per token). So the
+``fingerprint`` hashes exactly the fields that must match; it is the same on every rank.
+
+MLA caches are identical on every TP rank (the latent has no head axis). GQA caches hold the
+heads of :func:`rank_heads` on each rank: ``[num_blocks, block_size, kv_heads/tp, head_dim]``
+(heads replicated when tp > kv_heads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from kv_transfer.errors import LayoutMismatchError
+
+KINDS = ("mla", "gqa")
+# Fields that must match for two instances to exchange KV bytes (see module docstring).
+COMPATIBLE_FIELDS = ("model", "kind", "buffers", "num_kv_heads", "dtype", "num_layers",
+                     "rope_layout")
+
+
+def rank_heads(tp: int, num_kv_heads: int, rank: int) -> range:
+    """Global KV heads held by ``rank`` of a GQA instance of size ``tp``.
+
+    tp <= heads: contiguous ``heads/tp`` heads; tp > heads: one head, replicated on
+    ``tp/heads`` consecutive ranks (vLLM's KV head replication).
+
+    Raises:
+        ValueError: neither ``heads % tp == 0`` nor ``tp % heads == 0``, or bad rank.
+    """
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is outside tp {tp}")
+    if tp <= num_kv_heads:
+        if num_kv_heads % tp:
+            raise ValueError(f"{num_kv_heads} KV heads cannot be split over tp {tp}: "
+                             "choose a tp that divides the head count")
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    if tp % num_kv_heads:
+        raise ValueError(f"tp {tp} is not a multiple of {num_kv_heads} KV heads: choose a tp "
+                         "that divides or is a multiple of the head count")
+    head = rank // (tp // num_kv_heads)
+    return range(head, head + 1)
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One cache buffer per layer.
+
+    Attributes:
+        name: ``k`` or ``v``; the cache object holds it as ``{name}_caches[layer]``.
+        dims: per-token dims for the whole model: MLA ``(kv_lora_rank,)`` / ``(rope_dim,)``,
+            GQA ``(num_kv_heads, head_dim)``.
+    """
+
+    name: str
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Layout of one instance's KV cache (see module docstring for what must match).
+
+    Attributes:
+        model: model identity (e.g. checkpoint name + revision).
+        kind: ``mla`` or ``gqa``.
+        buffers: the per-layer buffers, K first.
+        num_kv_heads: GQA KV heads of the whole model; None for MLA.
+        dtype: element dtype name, e.g. ``bfloat16``.
+        num_layers: layers with a cache.
+        block_size: tokens per block (may differ between instances).
+        tp: tensor-parallel size of the instance (may differ between instances).
+        rope_layout: ``interleaved`` or ``deinterleaved`` k_pe.
+    """
+
+    model: str
+    kind: str
+    buffers: tuple[BufferSpec, ...]
+    num_kv_heads: int | None
+    dtype: str
+    num_layers: int
+    block_size: int
+    tp: int
+    rope_layout: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"KVLayout.kind must be one of {KINDS}, got {self.kind!r}")
+        if (self.kind == "gqa") != (self.num_kv_heads is not None):
+            raise ValueError("KVLayout.num_kv_heads is required for gqa and must be None for mla")
+        if min(self.num_layers, self.block_size, self.tp) <= 0:
+            raise ValueError("KVLayout num_layers, block_size and tp must be positive")
+        if self.kind == "gqa":
+            rank_heads(self.tp, self.num_kv_heads, 0)  # validates the head split
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, model: str, tp: int) -> KVLayout:
+        """MLA layout of a :class:`KVCacheSpec` (K = latent, V = k_pe) for an instance of ``tp``."""
+        return cls(model=model, kind="mla",
+                   buffers=(BufferSpec("k", (spec.kv_lora_rank,)),
+                            BufferSpec("v", (spec.qk_rope_head_dim,))),
+                   num_kv_heads=None, dtype=_dtype_name(spec.dtype), num_layers=spec.num_layers,
+                   block_size=spec.block_size, tp=tp, rope_layout=spec.rope_layout)
+
+    @classmethod
+    def gqa(cls, model: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+            dtype: torch.dtype, tp: int, rope_layout: str = "neox") -> KVLayout:
+        """GQA layout: K and V ``[num_blocks, block_size, kv_heads/tp, head_dim]`` per rank."""
+        dims = (num_kv_heads, head_dim)
+        return cls(model=model, kind="gqa", buffers=(BufferSpec("k", dims), BufferSpec("v", dims)),
+                   num_kv_heads=num_kv_heads, dtype=_dtype_name(dtype), num_layers=num_layers,
+                   block_size=block_size, tp=tp, rope_layout=rope_layout)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def heads_of(self, rank: int) -> range | None:
+        """Global KV heads held by ``rank`` (None for MLA: no head axis)."""
+        return None if self.kind == "mla" else rank_heads(self.tp, self.num_kv_heads, rank)
+
+    def token_dims(self, buffer: BufferSpec, heads: range | None) -> tuple[int, ...]:
+        """Per-token dims of ``buffer`` restricted to ``heads`` (all dims for MLA)."""
+        return buffer.dims if heads is None else (len(heads),) + buffer.dims[1:]
+
+    def to_dict(self) -> dict:
+        """Plain dict (msgpack/json safe); inverse of :meth:`from_dict`."""
+        return {"model": self.model, "kind": self.kind,
+                "buffers": [[b.name, list(b.dims)] for b in self.buffers],
+                "num_kv_heads": self.num_kv_heads, "dtype": self.dtype,
+                "num_layers": self.num_layers, "block_size": self.block_size, "tp": self.tp,
+                "rope_layout": self.rope_layout}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KVLayout:
+        """Rebuild a layout sent by a peer. Raises ValueError/KeyError on a malformed dict."""
+        fields = dict(data)
+        fields["buffers"] = tuple(BufferSpec(str(n), tuple(int(x) for x in d))
+                                  for n, d in data["buffers"])
+        return cls(**fields)
+
+    def fingerprint(self) -> str:
+        """Stable 16-hex-digit hash of the fields that must match (``COMPATIBLE_FIELDS``)."""
+        full = self.to_dict()
+        canon = json.dumps({k: full[k] for k in COMPATIBLE_FIELDS}, sort_keys=True)
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def check_compatible(self, other: KVLayout, me: str = "prefill", them: str = "decode") -> None:
+        """Raise :class:`LayoutMismatchError` naming every differing field with both values.
+
+        Example message: ``"KV layouts differ: dtype: prefill float32 vs decode bfloat16"``.
+        """
+        mine, theirs = self.to_dict(), other.to_dict()
+        diffs = [f"{k}: {me} {_show(mine[k])} vs {them} {_show(theirs[k])}"
+                 for k in COMPATIBLE_FIELDS if mine[k] != theirs[k]]
+        if diffs:
+            raise LayoutMismatchError(
+                "KV layouts differ: " + "; ".join(diffs)
+                + ". Prefill and decode must serve the same model with the same KV cache "
+                "dtype, dims, layer count and rope layout: fix the instance configs.")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _show(value: object) -> str:
+    return str(value) if not isinstance(value, list) else json.dumps(value)

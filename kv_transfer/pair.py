@@ -1,0 +1,243 @@
+"""A 2-rank communicator per (prefill rank, decode rank) pair, without a global world.
+
+Rendezvous: the decode rank hosts a ``TCPStore`` server (:class:`Rendezvous`, port 0 ->
+``address``). A prefill rank, on first use, connects a store client and:
+
+1. takes a fresh generation ``g = add("gen/<instance>/<rank>", 1)``; the pair's keys live
+   under ``prefix = "pair/<instance>/<rank>/<g>"``, so a restarted peer never meets a stale
+   group;
+2. posts an :class:`~kv_transfer.wire.Announce` (its layout) at ``announce/<n>``;
+3. waits for the decode side's :class:`~kv_transfer.wire.Ack` at ``<prefix>/ack``;
+4. both build the group (prefill = rank 0, decode = rank 1) from ``PrefixStore(prefix/pg)``.
+
+Every record is announced by a doorbell key ``<prefix>/bell/<n>`` holding its msgpack header.
+The receiver blocks in ``store.get`` on it, so an idle receiver costs nothing and is woken
+at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time out
+on an idle pair (a timed-out gloo wait closes the pair).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer import wire
+from kv_transfer.backend import PairBackend
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import TransferError, TransferTimeout
+
+log = logging.getLogger(__name__)
+PREFILL, DECODE = 0, 1  # ranks inside a pair group
+STOP = b"stop"  # doorbell value that ends a receiver's wait
+_IDLE_WAIT_S = 3600.0  # one store wait of an idle receiver (it just waits again)
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+@dataclass
+class PairGroup:
+    """One generation of one pair: the 2-rank group plus the store used for doorbells.
+
+    Attributes:
+        name: ``"prefill <inst>/<rank> -> decode <inst>/<rank> gen <g>"`` for error messages.
+        peer_layout: the other side's layout dict (handshake).
+    """
+
+    name: str
+    group: dist.ProcessGroup
+    store: dist.Store
+    prefix: str
+    generation: int
+    rank: int
+    backend: PairBackend
+    peer_layout: dict
+    bells: int = 0
+
+    def ring(self, header: bytes, what: str) -> None:
+        """Prefill side: announce the next record; the doorbell value is its msgpack header
+        (so the header costs no message on the group, and no round trip)."""
+        self.bells += 1
+        with self._errors(what):
+            self.store.set(f"{self.prefix}/bell/{self.bells}", header)
+
+    def wait_bell(self, stop: threading.Event) -> bytes | None:
+        """Decode side: header bytes of the next record; None once ``stop`` is set.
+
+        Blocks in the store's ``get`` (no polling, no latency; the receiver's store client
+        has an ``_IDLE_WAIT_S`` timeout, after which it just waits again); :meth:`wake`
+        (from another store client) rings it with ``stop`` to end the wait at once.
+        """
+        key = f"{self.prefix}/bell/{self.bells + 1}"
+        while not stop.is_set():
+            try:
+                value = self.store.get(key)
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+                continue  # idle for _IDLE_WAIT_S: wait again
+            self.store.delete_key(key)
+            if value == STOP or stop.is_set():
+                return None
+            self.bells += 1
+            return value
+        return None
+
+    def wake(self, store: dist.Store) -> None:
+        """Ring this pair's next bell with ``stop`` through ``store`` (another client)."""
+        store.set(f"{self.prefix}/bell/{self.bells + 1}", STOP)
+
+    def send(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
+        """Send ``tensors`` in order to the peer; all posted before waiting (bounded)."""
+        self.wait_sent(self.post(tensors, what), timeout_s, what)
+
+    def post(self, tensors: list[torch.Tensor], what: str) -> list[dist.Work]:
+        """Post sends of ``tensors`` in order; the caller keeps them alive until waited."""
+        with self._errors(what):
+            return [self.group.send([t], 1 - self.rank, 0) for t in tensors]
+
+    def wait_sent(self, works: list[dist.Work], timeout_s: float, what: str) -> None:
+        """Wait (bounded, each) for sends returned by :meth:`post`."""
+        with self._errors(what):
+            for work in works:
+                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+
+    def recv(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
+        """Receive into ``tensor`` (shape/dtype must match what the peer sends; bounded)."""
+        with self._errors(what):
+            work = self.group.recv([tensor], 1 - self.rank, 0)
+            self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+
+    def recv_all(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
+        """Receive into ``tensors`` in order: all receives are posted before the first wait
+        (no round trip between messages); each wait is bounded by ``timeout_s``."""
+        with self._errors(what):
+            works = [self.group.recv([t], 1 - self.rank, 0) for t in tensors]
+            for work in works:
+                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+
+    @contextlib.contextmanager
+    def _errors(self, what: str):
+        """Turn backend/store errors into TransferError naming the pair and the record."""
+        try:
+            yield
+        except TransferTimeout:
+            raise
+        except Exception as exc:  # gloo/store errors are RuntimeError subclasses
+            raise TransferError(f"{self.name}: {what} failed: {_first_line(exc)} (the peer "
+                                "died or closed the pair; it is remade on next use)") from exc
+
+
+def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: dict,
+            backend: PairBackend, config: TransferConfig) -> PairGroup:
+    """Prefill side: open a new pair generation with the decode rank at ``host:port``.
+
+    Raises:
+        TransferTimeout / TransferError: the decode rank did not answer within
+            ``connect_timeout_s`` (message says which address and what to check).
+    """
+    where = f"prefill {instance}/{rank} -> decode {peer} at {host}:{port}"
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=_td(config.connect_timeout_s),
+                              wait_for_workers=False)
+        gen = store.add(f"gen/{instance}/{rank}", 1)
+        prefix = f"pair/{instance}/{rank}/{gen}"
+        n = store.add("announce/count", 1)
+        store.set(f"announce/{n}", wire.pack(wire.Announce(instance, rank, gen, layout)))
+        store.wait([f"{prefix}/ack"], _td(config.connect_timeout_s))
+        ack = wire.unpack(store.get(f"{prefix}/ack"), wire.Ack)
+        name = f"{where} gen {gen}"
+        group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), PREFILL,
+                                   config.connect_timeout_s, host)
+    except TransferError:
+        raise
+    except Exception as exc:  # store/gloo connection errors
+        raise TransferTimeout(
+            f"{where}: could not connect within {config.connect_timeout_s:g} s "
+            f"({_first_line(exc)}); check that the decode rank is alive and its published "
+            "address is current") from exc
+    return PairGroup(name, group, store, prefix, gen, PREFILL, backend, ack.layout)
+
+
+def accept(host: str, port: int, announce: wire.Announce, me: str, backend: PairBackend,
+           config: TransferConfig) -> PairGroup:
+    """Decode side: join the group the prefill rank of ``announce`` is building.
+
+    Called after the ack was posted (see :class:`Rendezvous`). Raises TransferTimeout when
+    the prefill rank does not join within ``connect_timeout_s``.
+    """
+    prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
+    name = (f"prefill {announce.instance}/{announce.rank} -> decode {me} "
+            f"gen {announce.generation}")
+    try:
+        store = dist.TCPStore(host, port, is_master=False, timeout=_td(config.connect_timeout_s),
+                              wait_for_workers=False)
+        group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), DECODE,
+                                   config.connect_timeout_s, host)
+        store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
+    except Exception as exc:
+        raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
+                              f"({_first_line(exc)})") from exc
+    return PairGroup(name, group, store, prefix, announce.generation, DECODE, backend,
+                     announce.layout)
+
+
+class Rendezvous:
+    """Decode side: the TCPStore server and the thread that accepts announced pairs.
+
+    ``on_announce(announce) -> ack_layout`` runs on the acceptor thread for each new pair
+    generation; it returns the decode layout dict to post as the ack (and typically starts a
+    receiver that calls :func:`accept`).
+    """
+
+    def __init__(self, host: str, config: TransferConfig,
+                 on_announce: Callable[[wire.Announce], dict], instance: str,
+                 rank: int) -> None:
+        self.host = host
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=_td(config.connect_timeout_s))
+        self.port = self._store.port
+        self.store = self._store  # NOTE: also used to wake receivers (their own clients block)
+        self._instance, self._rank = instance, rank
+        me = f"{instance}/{rank}"
+        self._me = me
+        self._on_announce = on_announce
+        self._poll_s = config.poll_interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-accept-{me}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n = 1
+        while not self._stop.wait(self._poll_s):
+            while self._store.check([f"announce/{n}"]):
+                raw = self._store.get(f"announce/{n}")
+                self._store.delete_key(f"announce/{n}")
+                n += 1
+                try:
+                    announce = wire.unpack(raw, wire.Announce)
+                    prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
+                    ack = self._on_announce(announce)
+                    self._store.set(f"{prefix}/ack",
+                                    wire.pack(wire.Ack(self._instance, self._rank, ack)))
+                except Exception:  # one bad peer must not stop the acceptor
+                    log.exception("decode %s: rejected a pair announcement", self._me)
+
+    def close(self) -> None:
+        """Stop accepting (the store server stays up until this object is dropped)."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

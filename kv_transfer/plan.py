@@ -1,0 +1,135 @@
+"""Transfer plan ("layer sharding"): which layers/heads flow on which (prefill, decode) pair.
+
+A pure function of (prefill tp, decode tp, num_layers, kind[, num_kv_heads]); DESIGN.md
+"Transfer plan". Method, for every KV head ``h`` (MLA: one pseudo-head held by every rank):
+
+1. ``holders`` = prefill ranks holding ``h``; ``needers`` = decode ranks holding ``h``
+   (:func:`kv_transfer.layout.rank_heads`; MLA: all ranks).
+2. With ``g = gcd(len(holders), len(needers))``, holders and needers are cut into ``g``
+   equal consecutive groups; group ``i`` of holders serves group ``i`` of needers.
+3. Within a group, the work items ``(decode rank, layer)`` in decode-rank-major order are cut
+   into as many contiguous runs as the group has holders, run lengths differing by at most
+   one; run ``j`` goes to the group's ``j``-th holder.
+
+Properties (tests/kv_transfer/test_plan.py checks them for 1..8 x 1..8 and 1..61 layers):
+every (decode rank, head, layer) is sent exactly once; each prefill rank's bytes are within
+one layer (of one head) of every other's; contiguous runs keep each prefill rank on as few
+decode ranks as possible, so links work in parallel. P16->D4: rank p sends layer quarter
+``p % 4`` to decode rank ``p // 4``; P1->D2: rank 0 sends all layers to both; P2->D1: each
+sends half. A pair (p, d) carries one layer tuple and one contiguous head range (GQA: with
+tp <= heads a head has one holder that sends every layer; with tp > heads a rank holds one
+head), so it is represented as one :class:`PairPlan`.
+
+Completion: a decode rank is complete when every planned layer arrived and a ``done`` record
+came from every prefill rank in ``recvs_to(d)``. Every decode rank has at least one such rank.
+A prefill rank with no pair (e.g. P8->D1 with 1 layer) neither sends nor is waited for; its
+``finish`` and ``wait_idle`` return at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kv_transfer.layout import KINDS, rank_heads
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What flows from ``prefill_rank`` to ``decode_rank``.
+
+    Attributes:
+        layers: layer ids, ascending.
+        heads: global KV heads (GQA), None for MLA (the whole latent).
+    """
+
+    prefill_rank: int
+    decode_rank: int
+    layers: tuple[int, ...]
+    heads: range | None
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """All pairs of one (prefill instance, decode instance) combination; see module docstring."""
+
+    prefill_tp: int
+    decode_tp: int
+    num_layers: int
+    kind: str
+    num_kv_heads: int | None
+    pairs: tuple[PairPlan, ...]
+
+    def sends_from(self, prefill_rank: int) -> tuple[PairPlan, ...]:
+        """Pairs prefill rank ``prefill_rank`` sends on (possibly empty)."""
+        return tuple(p for p in self.pairs if p.prefill_rank == prefill_rank)
+
+    def recvs_to(self, decode_rank: int) -> tuple[PairPlan, ...]:
+        """Pairs decode rank ``decode_rank`` receives on (never empty)."""
+        return tuple(p for p in self.pairs if p.decode_rank == decode_rank)
+
+    def peers_of(self, side: str, rank: int) -> tuple[int, ...]:
+        """Ranks of the other side paired with ``rank`` of ``side`` (``prefill``/``decode``)."""
+        if side == "prefill":
+            return tuple(p.decode_rank for p in self.sends_from(rank))
+        if side == "decode":
+            return tuple(p.prefill_rank for p in self.recvs_to(rank))
+        raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
+
+
+def build_transfer_plan(prefill_tp: int, decode_tp: int, num_layers: int, kind: str = "mla",
+                        num_kv_heads: int | None = None) -> TransferPlan:
+    """Plan the pairs of a prefill instance of ``prefill_tp`` and a decode one of ``decode_tp``.
+
+    Raises:
+        ValueError: non-positive sizes, unknown kind, missing ``num_kv_heads`` for gqa, or a
+            tp that cannot split the heads (see :func:`rank_heads`).
+    """
+    if min(prefill_tp, decode_tp, num_layers) <= 0:
+        raise ValueError(f"prefill_tp ({prefill_tp}), decode_tp ({decode_tp}) and num_layers "
+                         f"({num_layers}) must be positive")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if (kind == "gqa") != (num_kv_heads is not None):
+        raise ValueError("num_kv_heads is required for kind='gqa' and must be None for 'mla'")
+    heads = 1 if kind == "mla" else num_kv_heads
+    # (p, d) -> {head: [layers]}
+    work: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for head in range(heads):
+        holders = _holding(prefill_tp, kind, num_kv_heads, head)
+        needers = _holding(decode_tp, kind, num_kv_heads, head)
+        groups = math.gcd(len(holders), len(needers))
+        for senders, receivers in zip(_cut(holders, groups), _cut(needers, groups)):
+            items = [(d, layer) for d in receivers for layer in range(num_layers)]
+            for holder, run in zip(senders, _cut(items, len(senders))):
+                for d, layer in run:
+                    work.setdefault((holder, d), {}).setdefault(head, []).append(layer)
+    pairs = tuple(_pair(p, d, per_head, kind) for (p, d), per_head in sorted(work.items()))
+    return TransferPlan(prefill_tp, decode_tp, num_layers, kind, num_kv_heads, pairs)
+
+
+def _holding(tp: int, kind: str, num_kv_heads: int | None, head: int) -> list[int]:
+    """Ranks of an instance of ``tp`` that hold ``head`` (MLA: every rank)."""
+    if kind == "mla":
+        return list(range(tp))
+    return [r for r in range(tp) if head in rank_heads(tp, num_kv_heads, r)]
+
+
+def _cut(items: list, parts: int) -> list[list]:
+    """Cut ``items`` into ``parts`` contiguous runs whose lengths differ by at most one."""
+    base, extra = divmod(len(items), parts)
+    runs, start = [], 0
+    for j in range(parts):
+        end = start + base + (1 if j < extra else 0)
+        runs.append(items[start:end])
+        start = end
+    return runs
+
+
+def _pair(p: int, d: int, per_head: dict[int, list[int]], kind: str) -> PairPlan:
+    layer_sets = {tuple(layers) for layers in per_head.values()}
+    head_ids = sorted(per_head)
+    # NOTE: see module docstring: one layer tuple and a contiguous head range per pair.
+    assert len(layer_sets) == 1 and head_ids == list(range(head_ids[0], head_ids[-1] + 1))
+    heads = None if kind == "mla" else range(head_ids[0], head_ids[-1] + 1)
+    return PairPlan(p, d, layer_sets.pop(), heads)

@@ -1,0 +1,195 @@
+"""Prefill rank side of the KV transfer: what the prefill worker calls, per rank.
+
+Per request the worker calls, in order: ``send_chunk`` after each computed chunk (non-blocking:
+records are queued on per-peer sender threads), ``finish`` after the last chunk (``done``
+records), then ``wait_idle`` before freeing the request's source blocks; or ``abort`` at any
+time (queued records dropped, ``abort`` records sent) followed by ``wait_idle``.
+
+``peers`` is the decode instance's ranks in rank order, ``(instance, d_rank, host, port)``
+with ``(host, port)`` the address each ``DecodeKVConnector`` published. Which decode ranks this
+rank sends to, and which layers/heads, comes from :func:`build_transfer_plan`
+(``prefill tp = tp``, ``decode tp = len(peers)``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from kv_transfer import wire
+from kv_transfer.backend import backend_for
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import TransferError, TransferTimeout
+from kv_transfer.layout import KVLayout
+from kv_transfer.payload import PayloadStats
+from kv_transfer.plan import TransferPlan, build_transfer_plan
+from kv_transfer.sender import Peer, SenderChannel, SendTask
+
+_MAX_FAILURES = 10_000  # remembered failed request ids (oldest forgotten first)
+
+
+class PrefillKVConnector:
+    """KV sender of one prefill rank (see module docstring for the call order).
+
+    Args:
+        kv_cache: the rank's ``KVCache`` (or any object with ``k_caches``/``v_caches``).
+        layout: this instance's :class:`KVLayout` (``layout.tp == tp``).
+        instance, rank, tp: this rank's identity.
+        config: bounded waits.
+    """
+
+    def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int, tp: int,
+                 config: TransferConfig) -> None:
+        if layout.tp != tp:
+            raise ValueError(f"layout.tp ({layout.tp}) != tp ({tp}): build the layout for "
+                             "this instance")
+        self._cache, self._layout, self._config = kv_cache, layout, config
+        self._instance, self._rank, self._tp = instance, rank, tp
+        self._device = kv_cache.k_caches[0].device
+        self._backend = backend_for(self._device)
+        self._fingerprint = layout.fingerprint()
+        self._channels: dict[tuple[str, int], SenderChannel] = {}
+        self._plans: dict[int, TransferPlan] = {}
+        self._pending: dict[str, int] = {}
+        self._failures: OrderedDict[str, str] = OrderedDict()
+        self._aborted: set[str] = set()
+        self._cond = threading.Condition()
+        self.stats = PayloadStats()
+        self._closed = False
+
+    def plan(self, decode_tp: int) -> TransferPlan:
+        """The transfer plan between this instance and a decode instance of ``decode_tp``."""
+        if decode_tp not in self._plans:
+            lay = self._layout
+            self._plans[decode_tp] = build_transfer_plan(self._tp, decode_tp, lay.num_layers,
+                                                         lay.kind, lay.num_kv_heads)
+        return self._plans[decode_tp]
+
+    def send_chunk(self, request_id: str, peers: list, token_start: int, token_end: int,
+                   src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Queue this rank's planned layers of tokens ``[token_start, token_end)``.
+
+        Args:
+            src_slots: int64 ``[T]`` slots of those tokens in this rank's cache; the blocks
+                must stay allocated until ``wait_idle`` returns.
+            dst_slots: int64 ``[T]`` slots of the same tokens in the decode cache.
+
+        Ignored after ``abort`` (until ``wait_idle`` returned for the request).
+
+        Raises:
+            ValueError: slot counts differ from the token range.
+        """
+        n = token_end - token_start
+        if not 0 <= token_start < token_end or src_slots.numel() != n or dst_slots.numel() != n:
+            raise ValueError(f"send_chunk({request_id!r}): tokens [{token_start}, {token_end}) "
+                             f"with {src_slots.numel()} src and {dst_slots.numel()} dst slots")
+        if request_id in self._aborted:
+            return  # NOTE: a chunk that raced with abort(): nothing more goes out
+        src = src_slots.to(device=self._device, dtype=torch.int64)
+        dst = dst_slots.to(device="cpu", dtype=torch.int64)
+        for pp, peer in self._planned(peers):
+            heads = None if pp.heads is None else (pp.heads.start, pp.heads.stop)
+            header = wire.Header(kind=wire.DATA, request_id=request_id,
+                                 prefill_rank=self._rank, fingerprint=self._fingerprint,
+                                 layers=pp.layers, heads=heads, token_start=token_start,
+                                 token_end=token_end, dst_slots=dst)
+            self._enqueue(SendTask(header, peer, src))
+
+    def finish(self, request_id: str, peers: list, num_tokens: int) -> None:
+        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank.
+
+        Ignored after ``abort`` (until ``wait_idle`` returned for the request)."""
+        if request_id in self._aborted:
+            return
+        for _, peer in self._planned(peers):
+            self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens),
+                                   peer))
+
+    def abort(self, request_id: str, peers: list, reason: str = "aborted by prefill") -> None:
+        """Drop queued records of the request and queue ``abort`` records to planned ranks.
+
+        A record already in flight completes (bounded); follow with ``wait_idle``.
+        """
+        self._aborted.add(request_id)
+        for channel in list(self._channels.values()):
+            for task in channel.cancel(request_id):
+                self._finished(task)
+        for _, peer in self._planned(peers):
+            self._enqueue(SendTask(self._record(wire.ABORT, request_id, error=reason), peer))
+
+    def wait_idle(self, request_id: str, timeout_s: float | None = None) -> None:
+        """Return once no record of ``request_id`` is queued or in flight.
+
+        Raises:
+            TransferTimeout: still busy after ``timeout_s`` (default completion_timeout_s).
+        """
+        timeout_s = self._config.completion_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending.get(request_id, 0):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(
+                        f"prefill {self._instance}/{self._rank}: {self._pending[request_id]} KV "
+                        f"records of request {request_id!r} still queued or in flight after "
+                        f"{timeout_s:g} s; the decode side is slow or stuck")
+                self._cond.wait(left)
+        self._aborted.discard(request_id)
+
+    def failure(self, request_id: str) -> str | None:
+        """Why sending ``request_id`` failed, or None."""
+        with self._cond:
+            return self._failures.get(request_id)
+
+    def close(self) -> None:
+        """Stop all sender threads (each finishes its record in flight, bounded)."""
+        self._closed = True
+        bound = self._config.payload_timeout_s + self._config.connect_timeout_s
+        for channel in list(self._channels.values()):
+            channel.close(bound)
+        self._channels.clear()
+
+    def _planned(self, peers: list):
+        peers = [Peer(*p) for p in peers]
+        if [p.rank for p in peers] != list(range(len(peers))):
+            raise ValueError(f"peers must list decode ranks 0..{len(peers) - 1} in order, "
+                             f"got ranks {[p.rank for p in peers]}")
+        return [(pp, peers[pp.decode_rank]) for pp in self.plan(len(peers)).sends_from(self._rank)]
+
+    def _record(self, kind: str, request_id: str, **fields) -> wire.Header:
+        return wire.Header(kind=kind, request_id=request_id, prefill_rank=self._rank,
+                           fingerprint=self._fingerprint, **fields)
+
+    def _enqueue(self, task: SendTask) -> None:
+        if self._closed:
+            raise TransferError(f"prefill {self._instance}/{self._rank}: connector is closed")
+        with self._cond:
+            rid = task.header.request_id
+            self._pending[rid] = self._pending.get(rid, 0) + 1
+        self._channel(task.peer).put(task)
+
+    def _channel(self, peer: Peer) -> SenderChannel:
+        key = (peer.instance, peer.rank)
+        if key not in self._channels:
+            self._channels[key] = SenderChannel(
+                self._cache, self._layout, self._instance, self._rank, self._backend,
+                self._config, self.stats, self.failure, self._fail, self._finished,
+                f"{self._instance}/{self._rank}->{peer.instance}/{peer.rank}")
+        return self._channels[key]
+
+    def _fail(self, request_id: str, error: str) -> None:
+        with self._cond:
+            self._failures.setdefault(request_id, error)
+            while len(self._failures) > _MAX_FAILURES:
+                self._failures.popitem(last=False)
+
+    def _finished(self, task: SendTask) -> None:
+        with self._cond:
+            rid = task.header.request_id
+            self._pending[rid] -= 1
+            if not self._pending[rid]:
+                del self._pending[rid]
+                self._cond.notify_all()

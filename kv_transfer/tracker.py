@@ -1,0 +1,235 @@
+"""Decode side: what each expected request still needs, and whether its slots may be written.
+
+Per request: for every prefill rank the plan pairs with this decode rank, a bool mask
+``[len(pair.layers), num_tokens]`` of (layer, token) cells received, and whether that rank's
+``done`` record arrived. Complete = every mask full and every ``done`` in.
+
+Write guarantee: payload bytes are written into a request's slots only by a scatter that
+or an in-place receive
+that started while the request was active (expected, not failed, not timed out, not
+released), and :meth:`RequestTracker.release` waits for running writers. So once it returns, no byte
+is ever written into the request's slots again and the blocks may be freed, whatever the
+prefill side still has in flight (those bytes are read off the wire and dropped).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_transfer import wire
+from kv_transfer.config import TransferConfig
+from kv_transfer.layout import KVLayout
+from kv_transfer.plan import PairPlan, build_transfer_plan
+
+
+@dataclass
+class _Request:
+    num_tokens: int
+    prefill_tp: int
+    deadline: float
+    pairs: dict[int, PairPlan]                     # prefill rank -> what it sends us
+    masks: dict[int, torch.Tensor]                 # prefill rank -> bool [Ly, num_tokens]
+    done_from: set[int] = field(default_factory=set)
+    links: set[tuple] = field(default_factory=set)  # (peer key, generation) that sent records
+    error: str | None = None
+    released: bool = False
+    writers: int = 0                                 # scatters running now
+    lock: threading.Condition = field(default_factory=threading.Condition)
+
+    def complete(self) -> bool:
+        return (self.error is None and self.done_from == set(self.pairs)
+                and all(bool(m.all()) for m in self.masks.values()))
+
+    def missing(self) -> str:
+        parts = []
+        for p, pp in sorted(self.pairs.items()):
+            cells = int((~self.masks[p]).sum())
+            parts.append(f"prefill rank {p}: {cells} of {self.masks[p].numel()} (layer, token) "
+                         f"cells missing, done record {'in' if p in self.done_from else 'missing'}")
+        return "; ".join(parts)
+
+
+class RequestTracker:
+    """Completion and write permission of one decode rank's expected requests (thread-safe)."""
+
+    def __init__(self, layout: KVLayout, rank: int, config: TransferConfig, me: str) -> None:
+        self._layout, self._rank, self._config, self._me = layout, rank, config, me
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
+        """Start tracking; see ``DecodeKVConnector.expect``. Raises ValueError if known."""
+        if num_tokens <= 0 or prefill_tp <= 0:
+            raise ValueError(f"expect({request_id!r}): num_tokens ({num_tokens}) and prefill_tp "
+                             f"({prefill_tp}) must be positive")
+        lay = self._layout
+        plan = build_transfer_plan(prefill_tp, lay.tp, lay.num_layers, lay.kind,
+                                   lay.num_kv_heads)
+        pairs = {pp.prefill_rank: pp for pp in plan.recvs_to(self._rank)}
+        masks = {p: torch.zeros(len(pp.layers), num_tokens, dtype=torch.bool)
+                 for p, pp in pairs.items()}
+        req = _Request(num_tokens, prefill_tp, time.monotonic() + self._config.completion_timeout_s,
+                       pairs, masks)
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already expected on decode "
+                                 f"{self._me}: release() it first")
+            self._requests[request_id] = req
+
+    def admit(self, link: tuple, header: wire.Header, num_slots: int) -> _Request | None:
+        """Data record arrived on ``link``: the request to write into, or None (drop it)."""
+        req = self._get(header.request_id)
+        if req is None:
+            return None
+        with req.lock:
+            req.links.add(link)
+            if not self._active(req):
+                return None
+            problem = _check_data(req, header, num_slots)
+            if problem:
+                req.error = f"decode {self._me}: bad data record from {link[0]}: {problem}"
+                return None
+        return req
+
+    def write(self, req: _Request, header: wire.Header, scatter) -> bool:
+        """Run ``scatter()`` and mark the cells, only if ``req`` is still active.
+
+        NOTE: the lock is not held during the copy, so pairs feeding the same request
+        (P16 -> D4: four per decode rank) scatter in parallel; ``release`` waits for
+        ``writers`` to drain instead.
+        """
+        if not self.begin_write(req):
+            return False
+        done = False
+        try:
+            scatter()
+            done = True
+        finally:
+            self.end_write(req, header, done)
+        return True
+
+    def begin_write(self, req: _Request) -> bool:
+        """Take write permission on ``req``'s slots if it is still active (then the caller
+        must call :meth:`end_write`, whatever happens). While held, ``release`` waits.
+
+        Used around a scatter (a memory copy) and around a receive straight into the cache
+        (bounded by ``payload_timeout_s`` per message): the bytes land in the slots only
+        while the request is expected, not failed, not past its deadline, not released.
+        """
+        with req.lock:
+            if not self._active(req):
+                return False
+            req.writers += 1
+            return True
+
+    def end_write(self, req: _Request, header: wire.Header, done: bool) -> None:
+        """Drop the permission of :meth:`begin_write`; ``done``: mark the record's cells."""
+        with req.lock:
+            req.writers -= 1
+            if done:
+                pp = req.pairs[header.prefill_rank]
+                rows = [pp.layers.index(layer) for layer in header.layers]
+                req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
+            req.lock.notify_all()
+
+    def on_done(self, link: tuple, header: wire.Header) -> None:
+        req = self._get(header.request_id)
+        if req is None:
+            return
+        with req.lock:
+            req.links.add(link)
+            if header.prefill_rank not in req.pairs:
+                req.error = req.error or (f"decode {self._me}: done record from prefill rank "
+                                          f"{header.prefill_rank}, which the plan does not pair "
+                                          "with this rank")
+            elif header.num_tokens != req.num_tokens:
+                req.error = req.error or (
+                    f"decode {self._me}: prefill rank {header.prefill_rank} finished "
+                    f"{header.num_tokens} tokens, expected {req.num_tokens}")
+            else:
+                req.done_from.add(header.prefill_rank)
+
+    def on_abort(self, link: tuple, header: wire.Header) -> None:
+        self.fail(header.request_id, f"{link[0]} aborted the transfer: {header.error}")
+
+    def fail(self, request_id: str, error: str) -> None:
+        req = self._get(request_id)
+        if req is not None:
+            with req.lock:
+                if not req.complete():
+                    req.error = req.error or error
+
+    def on_link_lost(self, link: tuple, error: str) -> None:
+        """A pair generation died: fail the incomplete requests it had carried records for."""
+        with self._lock:
+            reqs = [(rid, r) for rid, r in self._requests.items() if link in r.links]
+        for rid, req in reqs:
+            self.fail(rid, error)
+
+    def is_complete(self, request_id: str) -> bool:
+        req = self._require(request_id)
+        with req.lock:
+            return req.complete()
+
+    def failure(self, request_id: str) -> str | None:
+        req = self._require(request_id)
+        with req.lock:
+            self._active(req)  # applies the completion deadline
+            return req.error
+
+    def release(self, request_id: str) -> None:
+        """Forget the request; returns once no scatter into its slots runs (none will start)."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+        if req is not None:
+            with req.lock:
+                req.released = True
+                while req.writers:  # NOTE: one scatter, or one in-place receive (payload_timeout_s)
+                    req.lock.wait()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def _active(self, req: _Request) -> bool:
+        """Caller holds ``req.lock``. Applies the deadline."""
+        if req.released or req.error is not None:
+            return False
+        if not req.complete() and time.monotonic() > req.deadline:
+            req.error = (f"decode {self._me}: KV transfer not complete after "
+                         f"{self._config.completion_timeout_s:g} s (completion_timeout_s): "
+                         f"{req.missing()}")
+            return False
+        return True
+
+    def _get(self, request_id: str) -> _Request | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def _require(self, request_id: str) -> _Request:
+        req = self._get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not expected on decode {self._me}: "
+                           "call expect() first (or it was released)")
+        return req
+
+
+def _check_data(req: _Request, h: wire.Header, num_slots: int) -> str | None:
+    pp = req.pairs.get(h.prefill_rank)
+    if pp is None:
+        return f"prefill rank {h.prefill_rank} is not planned to send to this rank"
+    if not set(h.layers) <= set(pp.layers):
+        return f"layers {h.layers} are not all planned on this pair (plan: {pp.layers})"
+    planned_heads = None if pp.heads is None else (pp.heads.start, pp.heads.stop)
+    if h.heads != planned_heads:
+        return f"heads {h.heads} differ from the plan's {planned_heads}"
+    if h.token_end > req.num_tokens:
+        return f"tokens [{h.token_start}, {h.token_end}) exceed the {req.num_tokens} expected"
+    slots = h.dst_slots
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
+        return f"destination slots outside [0, {num_slots})"
+    return None

@@ -1,0 +1,140 @@
+"""``orch bench``: replay a workload against a running router and report latency/throughput.
+
+The lead CLI (``orchestrator/cli.py``) mounts this on its ``bench`` subcommand with
+:func:`add_arguments` and :func:`run`; ``python -m orchestrator.bench`` does the same
+standalone. Exit codes: 0 at least one timed request completed (failures are in the report),
+1 nothing completed or the server was unreachable, 2 bad options or input files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from orchestrator.bench.workloads import DEFAULT_TRACES, WorkloadConfig, default_trace
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every ``orch bench`` option to ``parser`` (docs/bench.md describes them)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight (default: unbounded)")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="per request, seconds")
+    g.add_argument("--connect-timeout", type=float, default=10.0, help="seconds")
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=("mooncake", "azure", "sharegpt", "synthetic"),
+                   default="synthetic")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="trace file (default: ../shared/data/<public file> when present)")
+    g.add_argument("--num-requests", type=int, default=100,
+                   help="timed requests; 0 = the whole trace")
+    g.add_argument("--warmup", type=int, default=0, help="warm-up requests, not measured")
+    g.add_argument("--seed", type=int, default=0, help="prompt tokens and Poisson arrivals")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="factor on arrival times (0.1 = 10x faster)")
+    g.add_argument("--request-rate", type=_rate, default=None,
+                   help="requests/s replacing the trace's times ('inf' = all at once)")
+    g.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson",
+                   help="arrival process for --request-rate")
+    g.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
+    g.add_argument("--output-len", type=int, default=128,
+                   help="synthetic and ShareGPT output tokens")
+    g.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json counting ShareGPT prompt tokens (default DeepSeek-V3)")
+    g.add_argument("--token-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="prompt token ids of traces/synthetic come from [LOW, HIGH) "
+                   "(default 1000 100000; keep HIGH <= the model's vocab size)")
+    g = parser.add_argument_group("length caps")
+    g.add_argument("--scale-lengths", type=float, default=1.0,
+                   help="factor on trace lengths (e.g. 0.01 for a tiny model)")
+    g.add_argument("--max-input-len", type=int, default=None)
+    g.add_argument("--max-output-len", type=int, default=None)
+    g.add_argument("--over-length", choices=("cap", "skip"), default="cap")
+    g = parser.add_argument_group("report")
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--output", type=Path, default=None, help="write the report as JSON")
+    g.add_argument("--plot", type=Path, default=None, help="write TTFT/TPOT CDF PNGs here")
+    g.add_argument("--label", default="bench", help="run name (request ids, report, plots)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
+                   help="print two reports side by side with B/A ratios, then exit")
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    """The :class:`WorkloadConfig` of parsed options.
+
+    Raises:
+        ValueError: a bad option, or no trace given and the default file is missing.
+    """
+    trace = args.trace
+    if trace is None and args.workload in DEFAULT_TRACES:
+        trace = default_trace(args.workload, REPO_ROOT)
+        if trace is None:
+            raise ValueError(f"no default {args.workload} trace ({DEFAULT_TRACES[args.workload]}"
+                             " in ../shared/data): pass --trace PATH")
+    return WorkloadConfig(
+        kind=args.workload, trace=trace, num_requests=args.num_requests or None,
+        warmup=args.warmup, seed=args.seed, time_scale=args.time_scale,
+        request_rate=args.request_rate, arrival=args.arrival, input_len=args.input_len,
+        output_len=args.output_len, scale_lengths=args.scale_lengths,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+        over_length=args.over_length, tokenizer=args.tokenizer,
+        **({"token_range": tuple(args.token_range)} if args.token_range else {}))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``orch bench`` with parsed options; returns the exit code (see module docstring)."""
+    from orchestrator.bench.compare import print_comparison
+    from orchestrator.bench.report import print_report, summarize
+    from orchestrator.bench.runner import RunnerConfig, run_benchmark
+    from orchestrator.bench.workloads import load_workload
+
+    try:
+        if args.compare:
+            print_comparison(*args.compare)
+            return 0
+        runner_cfg = RunnerConfig(
+            address=args.address, max_concurrency=args.max_concurrency,
+            request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
+            label=args.label, progress=not args.no_progress)
+        workload = load_workload(workload_config(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"orch bench: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(run_benchmark(workload, runner_cfg))
+    except ConnectionError as e:
+        print(f"orch bench: {e}", file=sys.stderr)
+        return 1
+    report = summarize(result, label=args.label, workload=workload.description,
+                       num_capped=workload.num_capped, num_skipped=workload.num_skipped,
+                       slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    print_report(report)
+    if args.output is not None:
+        report.to_json(args.output)
+    if args.plot is not None:
+        from orchestrator.bench.plots import write_cdf_plots
+
+        write_cdf_plots(report, args.plot)
+    return 0 if report.counts["completed"] > 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry point: parse ``argv`` and :func:`run`."""
+    parser = argparse.ArgumentParser(prog="python -m orchestrator.bench",
+                                     description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

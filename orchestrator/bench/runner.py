@@ -1,0 +1,256 @@
+"""Replay a workload against a running router over gRPC (grpc.aio) and time every token.
+
+Each timed request is a task that sleeps until its arrival time, waits for a concurrency slot
+(``max_concurrency``), sends ``Generate`` (greedy, ``ignore_eos``, ``max_tokens =
+output_len``) and stamps every streamed message with ``time.perf_counter()``. Warm-up requests
+go first, one at a time, and are kept apart. Every wait is bounded: the channel must be ready
+within ``connect_timeout_s`` and each call has a gRPC deadline of ``request_timeout_s`` (plus
+an asyncio backstop), so the run ends by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from orchestrator.bench.workloads import BenchRequest, Workload
+from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+
+_BACKSTOP_SLACK_S = 5.0  # NOTE: asyncio bound beyond the gRPC deadline, in case it never fires.
+_OK_FINISH = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How to drive the server.
+
+    Attributes:
+        address: router ``host:port``.
+        max_concurrency: most requests in flight (None = unbounded).
+        request_timeout_s: gRPC deadline of one request, seconds.
+        connect_timeout_s: how long to wait for the channel to become ready, seconds.
+        label: prefix of request ids (``<label>-<run id>-<index>``).
+        progress: show a tqdm progress bar on stderr.
+    """
+
+    address: str = "127.0.0.1:50051"
+    max_concurrency: int | None = None
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    label: str = "bench"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("--request-timeout and --connect-timeout must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one request; times are seconds on the run's clock (0 = timed start).
+
+    Attributes:
+        index: the request's workload index.
+        warmup: a warm-up request (not in the statistics).
+        input_len: prompt tokens (the server's count when its final stats carried one).
+        output_len: tokens asked for.
+        scheduled_s: due time from the workload.
+        send_s: when ``Generate`` was called (after the concurrency slot was free).
+        chunk_times_s: arrival time of each message carrying tokens.
+        chunk_tokens: tokens in each of those messages.
+        end_s: when the stream ended (final message, error or timeout).
+        finish_reason: the final message's reason ("stop", "length", "abort"), or None.
+        error_code: gRPC status name on failure ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
+            ...), "NO_FINISH" when the stream ended without a finish reason, "ABORTED_BY_SERVER"
+            for finish_reason "abort"; None on success.
+        error: the failure's message, or None.
+    """
+
+    index: int
+    warmup: bool
+    input_len: int
+    output_len: int
+    scheduled_s: float
+    send_s: float
+    chunk_times_s: tuple[float, ...]
+    chunk_tokens: tuple[int, ...]
+    end_s: float
+    finish_reason: str | None
+    error_code: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Send -> first message with a token, seconds (None without tokens)."""
+        return self.chunk_times_s[0] - self.send_s if self.chunk_times_s else None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.send_s
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """All records of one run.
+
+    Attributes:
+        records: warm-up records first, then the timed ones in workload order.
+        duration_s: timed phase, first due time (0) to the last stream's end, seconds.
+        started_at: ``time.time()`` when the timed phase started.
+    """
+
+    records: tuple[RequestRecord, ...]
+    duration_s: float
+    started_at: float
+
+
+def make_request(req: BenchRequest, request_id: str) -> orch_pb2.GenerateRequest:
+    """The ``GenerateRequest`` of ``req``: its prompt, greedy, exactly ``output_len`` tokens."""
+    sampling = orch_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=0,
+                                       max_tokens=req.output_len, ignore_eos=True)
+    if req.prompt_text is not None:
+        return orch_pb2.GenerateRequest(text=req.prompt_text, sampling=sampling,
+                                        request_id=request_id)
+    ids = orch_pb2.TokenIds(ids=req.prompt_token_ids.tolist())
+    return orch_pb2.GenerateRequest(token_ids=ids, sampling=sampling, request_id=request_id)
+
+
+class _Stream:
+    """Mutable state of one call while it streams (frozen into a RequestRecord at the end)."""
+
+    def __init__(self, send_s: float, input_len: int) -> None:
+        self.send_s = send_s
+        self.input_len = input_len
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.code: str | None = None
+        self.error: str | None = None
+
+
+async def _consume(stub, req: BenchRequest, rid: str, st: _Stream, cfg: RunnerConfig,
+                   t0: float) -> None:
+    call = stub.Generate(make_request(req, rid), timeout=cfg.request_timeout_s)
+    try:
+        async for msg in call:
+            now = time.perf_counter() - t0
+            if msg.token_ids:
+                st.times.append(now)
+                st.tokens.append(len(msg.token_ids))
+            if msg.finish_reason:
+                st.finish = msg.finish_reason
+                if msg.HasField("stats") and msg.stats.prompt_tokens > 0:
+                    st.input_len = msg.stats.prompt_tokens
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+
+
+async def send_one(stub, req: BenchRequest, cfg: RunnerConfig, t0: float,
+                   run_id: str) -> RequestRecord:
+    """Send ``req`` now and record its stream; never raises for a failed request."""
+    st = _Stream(time.perf_counter() - t0, req.input_len)
+    rid = f"{cfg.label}-{run_id}-{req.index}"
+    try:
+        await asyncio.wait_for(_consume(stub, req, rid, st, cfg, t0),
+                               cfg.request_timeout_s + _BACKSTOP_SLACK_S)
+    except grpc.aio.AioRpcError as e:
+        st.code, st.error = e.code().name, e.details()
+    except asyncio.TimeoutError:
+        st.code, st.error = "DEADLINE_EXCEEDED", "client backstop timeout"
+    if st.code is None and st.finish is None:
+        st.code, st.error = "NO_FINISH", "stream ended without a finish_reason"
+    elif st.code is None and st.finish not in _OK_FINISH:
+        st.code, st.error = "ABORTED_BY_SERVER", f"finish_reason={st.finish!r}"
+    return RequestRecord(
+        index=req.index, warmup=req.warmup, input_len=st.input_len, output_len=req.output_len,
+        scheduled_s=req.arrival_s, send_s=st.send_s, chunk_times_s=tuple(st.times),
+        chunk_tokens=tuple(st.tokens), end_s=time.perf_counter() - t0, finish_reason=st.finish,
+        error_code=st.code, error=st.error)
+
+
+async def _timed(stub, req: BenchRequest, cfg: RunnerConfig, t0: float, run_id: str,
+                 sem: asyncio.Semaphore | None, bar) -> RequestRecord:
+    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+    if sem is None:
+        rec = await send_one(stub, req, cfg, t0, run_id)
+    else:
+        async with sem:
+            rec = await send_one(stub, req, cfg, t0, run_id)
+    bar.update(1)
+    return rec
+
+
+class _NoBar:
+    """Stands in for tqdm when there is no progress bar (tqdm starts a monitor thread even
+    when disabled)."""
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, n: int) -> None:
+        return None
+
+
+def _progress_bar(total: int, cfg: RunnerConfig):
+    if not cfg.progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="req", desc=cfg.label)
+
+
+async def connect(address: str, timeout_s: float) -> grpc.aio.Channel:
+    """An insecure channel to ``address`` that is ready, or ConnectionError after ``timeout_s``."""
+    channel = grpc.aio.insecure_channel(address, options=[
+        ("grpc.max_send_message_length", 256 << 20),
+        ("grpc.max_receive_message_length", 256 << 20)])
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+    except asyncio.TimeoutError:
+        await channel.close()
+        raise ConnectionError(
+            f"no orch server answered at {address} within {timeout_s:g}s: start one with "
+            "`orch up CONFIG` or pass --address HOST:PORT of a running router") from None
+    return channel
+
+
+async def run_benchmark(workload: Workload, cfg: RunnerConfig) -> RunResult:
+    """Send the warm-up requests one by one, then replay the timed ones on schedule.
+
+    Raises:
+        ConnectionError: the server is not reachable within ``cfg.connect_timeout_s``.
+    """
+    run_id = secrets.token_hex(3)
+    channel = await connect(cfg.address, cfg.connect_timeout_s)
+    try:
+        stub = orch_pb2_grpc.OrchStub(channel)
+        warm = [await send_one(stub, r, cfg, time.perf_counter(), run_id)
+                for r in workload.warmup]
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        with _progress_bar(len(workload.requests), cfg) as bar:
+            started_at, t0 = time.time(), time.perf_counter()
+            timed = await asyncio.gather(*(
+                _timed(stub, r, cfg, t0, run_id, sem, bar) for r in workload.requests))
+            duration = time.perf_counter() - t0
+    finally:
+        await channel.close()
+    return RunResult(records=tuple(warm) + tuple(timed), duration_s=duration,
+                     started_at=started_at)

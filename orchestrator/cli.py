@@ -1,0 +1,174 @@
+"""The `orch` command: up, status, generate, model init-tiny, bench.
+
+Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _cmd_up(ns: argparse.Namespace) -> int:
+    from orchestrator.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(ns.config)
+    except ConfigError as exc:
+        print(f"orch up: {exc}", file=sys.stderr)
+        return 2
+    if ns.dry_run:
+        from orchestrator.placement import dry_run_report
+
+        print(dry_run_report(cfg))
+        return 0
+    from orchestrator.cluster import BringUpError
+    from orchestrator.server import PortInUseError
+    from orchestrator.up import run_up
+
+    try:
+        return run_up(cfg)
+    except (BringUpError, FileNotFoundError, ImportError, PortInUseError) as exc:
+        print(f"orch up: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from orchestrator.client import OrchClient
+
+    try:
+        with OrchClient(ns.address) as client:
+            instances, in_flight, model = client.status(timeout_s=ns.timeout)
+    except grpc.RpcError as exc:
+        print(f"orch status: router at {ns.address} did not answer ({exc.code().name}: "
+              f"{exc.details()}); is `orch up` running there?", file=sys.stderr)
+        return 1
+    print(f"model {model}; {in_flight} request(s) in flight")
+    print(f"{'instance':<14}{'role':<11}{'tp':>3}{'queue':>7}{'running':>9}"
+          f"{'free/total blocks':>19}{'tokens':>9}")
+    for s in instances:
+        print(f"{s.name:<14}{s.role:<11}{s.tp:>3}{s.queue_depth:>7}{s.running:>9}"
+              f"{f'{s.free_blocks}/{s.total_blocks}':>19}{s.outstanding_tokens:>9}")
+        for rank, node, device in s.ranks:
+            print(f"    rank {rank}: node {node[:12]} device {device}")
+    return 0
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from orchestrator.client import OrchClient
+
+    sampling = dict(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                    top_k=ns.top_k, seed=ns.seed, ignore_eos=ns.ignore_eos)
+    if ns.token_ids:
+        try:
+            prompt = dict(token_ids=[int(t) for t in ns.prompt.replace(",", " ").split()])
+        except ValueError:
+            print(f"orch generate: --token-ids needs integers separated by commas or spaces "
+                  f"(e.g. '1,2,3'), got {ns.prompt!r}", file=sys.stderr)
+            return 2
+    else:
+        prompt = dict(prompt=ns.prompt)
+    ids: list[int] = []
+    try:
+        with OrchClient(ns.address) as client:
+            for chunk in client.generate(**prompt, timeout_s=ns.timeout, **sampling):
+                ids.extend(chunk.token_ids)
+                print(chunk.text, end="", flush=True)
+                last = chunk
+    except (grpc.RpcError, ValueError) as exc:
+        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else exc
+        print(f"\norch generate: {detail}", file=sys.stderr)
+        return 1
+    print()
+    if ns.token_ids:
+        print(f"token ids: {ids}")
+    s = last.stats
+    print(f"[{last.finish_reason}] prompt {s.prompt_tokens} tok, completion "
+          f"{s.completion_tokens} tok, ttft {s.ttft_s * 1e3:.1f} ms, tpot "
+          f"{s.tpot_s * 1e3:.1f} ms, e2e {s.e2e_s:.3f} s", file=sys.stderr)
+    return 0
+
+
+def _cmd_init_tiny(ns: argparse.Namespace) -> int:
+    try:
+        from orchestrator.tiny_model import init_tiny_main
+    except ImportError as exc:
+        print(f"orch model init-tiny: the engine is not installed ({exc})", file=sys.stderr)
+        return 1
+    init_tiny_main(ns.dir, ns.seed)  # prints where it wrote
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmark a running router")
+    try:
+        from orchestrator.bench.cli import add_arguments, run
+    except ImportError as exc:
+        missing = str(exc)
+        bench.add_argument("rest", nargs=argparse.REMAINDER)
+        bench.set_defaults(func=lambda ns: _missing_bench(missing))
+        return
+    add_arguments(bench)
+    bench.set_defaults(func=run)
+
+
+def _missing_bench(reason: str) -> int:
+    print(f"orch bench: the benchmark package is not installed ({reason}); install the full "
+          "orch package (orchestrator/bench)", file=sys.stderr)
+    return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orch", description="PD-disaggregated serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start instances + router from a config file")
+    up.add_argument("config", help="YAML config (see configs/ and docs/config.md)")
+    up.add_argument("--dry-run", action="store_true",
+                    help="validate and print placement + transfer plans; start nothing")
+    up.set_defaults(func=_cmd_up)
+    for name, func, text in (("status", _cmd_status, "instances and ranks of a router"),
+                             ("generate", _cmd_generate, "stream one completion")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--address", default=DEFAULT_ADDRESS, help="router host:port")
+        p.add_argument("--timeout", type=float, default=None if name == "generate" else 10.0,
+                       help="seconds before giving up")
+        p.set_defaults(func=func)
+        if name == "generate":
+            _add_generate_args(p)
+    model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
+        dest="model_command", required=True)
+    tiny = model.add_parser("init-tiny", help="write the built-in tiny checkpoint")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_init_tiny)
+    _add_bench(sub)
+    return parser
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text (or token ids with --token-ids)")
+    p.add_argument("--token-ids", action="store_true",
+                   help="the prompt is token ids ('1,2,3'); also print the output ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

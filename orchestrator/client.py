@@ -1,0 +1,139 @@
+"""Python client for the orch router (sync :class:`OrchClient`, async :class:`AsyncOrchClient`).
+
+Errors arrive as ``grpc.RpcError`` (sync) / ``grpc.aio.AioRpcError`` (async) with the router's
+status code and message (``.code()``, ``.details()``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.sampling import SamplingParams
+from prefill_worker.messages import InstanceStatusInfo
+from orchestrator import convert
+from orchestrator.request import GenerateInput, OutputChunk, RequestStats
+from orchestrator.rpc import orch_pb2 as pb
+from orchestrator.rpc import orch_pb2_grpc as pb_grpc
+
+
+def _request(prompt: str | None, token_ids: list[int] | None, request_id: str,
+             **sampling: object) -> pb.GenerateRequest:
+    """Build the proto request; ``sampling`` are SamplingParams fields (max_tokens, ...)."""
+    if (prompt is None) == (token_ids is None):
+        raise ValueError("pass exactly one of prompt (text) or token_ids")
+    inp = GenerateInput(text=prompt, token_ids=None if token_ids is None else tuple(token_ids),
+                        sampling=SamplingParams(**sampling), request_id=request_id)
+    return convert.generate_input_to_proto(inp)
+
+
+def _collect(chunks: list[OutputChunk]) -> tuple[str, list[int], RequestStats | None]:
+    text = "".join(c.text for c in chunks)
+    ids = [t for c in chunks for t in c.token_ids]
+    return text, ids, chunks[-1].stats if chunks else None
+
+
+class OrchClient:
+    """Blocking client.
+
+    Args:
+        address: "host:port" of the router.
+    """
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.OrchStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "OrchClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                 request_id: str = "", timeout_s: float | None = None,
+                 **sampling: object) -> Iterator[OutputChunk]:
+        """Stream one request's chunks (the last has finish_reason and stats)."""
+        call = self.stub.Generate(_request(prompt, token_ids, request_id, **sampling),
+                                  timeout=timeout_s)
+        for msg in call:
+            yield convert.chunk_from_proto(msg)
+
+    def generate_text(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                      **kwargs: object) -> tuple[str, list[int], RequestStats | None]:
+        """Run one request to the end: (text, token ids, final stats)."""
+        return _collect(list(self.generate(prompt, token_ids, **kwargs)))
+
+    def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceStatusInfo], int, str]:
+        """(instances, requests in flight, model name)."""
+        msg = self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+        return convert.status_from_proto(msg), msg.in_flight, msg.model
+
+    def abort(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        """Abort a request; True when the router knew it."""
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s).found
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the health service says SERVING.
+
+        Raises:
+            TimeoutError: not SERVING within ``timeout_s`` (message says where it looked).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                resp = self._health.Check(health_pb2.HealthCheckRequest(), timeout=max(left, 0.1))
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if left <= 0:
+                raise TimeoutError(f"router at {self.address} not SERVING after {timeout_s} s: "
+                                   "is `orch up` running there? check its log")
+            time.sleep(min(0.2, max(left, 0)))
+
+
+class AsyncOrchClient:
+    """asyncio client (grpc.aio); create and use it inside a running loop."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.OrchStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                       request_id: str = "", timeout_s: float | None = None,
+                       **sampling: object) -> AsyncIterator[OutputChunk]:
+        """Stream one request's chunks (cancelling the iteration cancels the request)."""
+        call = self.stub.Generate(_request(prompt, token_ids, request_id, **sampling),
+                                  timeout=timeout_s)
+        try:
+            async for msg in call:
+                yield convert.chunk_from_proto(msg)
+        finally:
+            call.cancel()
+
+    async def generate_text(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                            **kwargs: object) -> tuple[str, list[int], RequestStats | None]:
+        """Run one request to the end: (text, token ids, final stats)."""
+        return _collect([c async for c in self.generate(prompt, token_ids, **kwargs)])
+
+    async def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceStatusInfo], int, str]:
+        msg = await self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+        return convert.status_from_proto(msg), msg.in_flight, msg.model
+
+    async def abort(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s)
+        return resp.found

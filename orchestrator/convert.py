@@ -1,0 +1,118 @@
+"""The one place protobuf meets the dataclasses (prefill_worker.messages, orchestrator.request).
+
+Proto conventions kept here only: ``top_p`` 0 means 1.0 (off); ``temperature`` 0 is greedy;
+``top_k`` 0 is off; ``seed`` is optional.
+"""
+
+from __future__ import annotations
+
+from engine.sampling import SamplingParams
+from prefill_worker.messages import InstanceStatusInfo
+from orchestrator.request import GenerateInput, OutputChunk, RequestError, RequestStats
+from orchestrator.rpc import orch_pb2 as pb
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Proto sampling -> :class:`SamplingParams`.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT with SamplingParams' own message (allowed range).
+    """
+    if msg.max_tokens == 0:
+        raise RequestError("INVALID_ARGUMENT", "sampling.max_tokens is required: set how many "
+                                               "tokens to generate (>= 1)")
+    try:
+        return SamplingParams(
+            max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
+            top_p=msg.top_p if msg.top_p != 0 else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None, ignore_eos=msg.ignore_eos)
+    except ValueError as exc:
+        raise RequestError("INVALID_ARGUMENT", f"sampling: {exc}") from None
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """:class:`SamplingParams` -> proto (client side)."""
+    msg = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
+                            top_k=params.top_k, top_p=params.top_p,
+                            ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def generate_input_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
+    """Proto request -> :class:`GenerateInput` (no tokenization or model checks yet).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT when no prompt is set or sampling is out of range.
+    """
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise RequestError("INVALID_ARGUMENT",
+                           "the request has no prompt: set `text` or `token_ids`")
+    text = msg.text if which == "text" else None
+    ids = tuple(msg.token_ids.ids) if which == "token_ids" else None
+    return GenerateInput(text=text, token_ids=ids, sampling=sampling_from_proto(msg.sampling),
+                         request_id=msg.request_id)
+
+
+def generate_input_to_proto(inp: GenerateInput) -> pb.GenerateRequest:
+    """:class:`GenerateInput` -> proto (client side)."""
+    msg = pb.GenerateRequest(sampling=sampling_to_proto(inp.sampling),
+                             request_id=inp.request_id)
+    if inp.token_ids is not None:
+        msg.token_ids.ids.extend(inp.token_ids)
+    else:
+        msg.text = inp.text or ""
+    return msg
+
+
+def chunk_to_proto(chunk: OutputChunk) -> pb.GenerateResponse:
+    """:class:`OutputChunk` -> proto response message."""
+    msg = pb.GenerateResponse(request_id=chunk.request_id, token_ids=list(chunk.token_ids),
+                              text=chunk.text, finish_reason=chunk.finish_reason or "")
+    if chunk.stats is not None:
+        s = chunk.stats
+        msg.stats.CopyFrom(pb.GenerateStats(
+            prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
+            ttft_s=s.ttft_s, tpot_s=s.tpot_s, e2e_s=s.e2e_s,
+            prefill_instance=s.prefill_instance, decode_instance=s.decode_instance))
+    return msg
+
+
+def chunk_from_proto(msg: pb.GenerateResponse) -> OutputChunk:
+    """Proto response message -> :class:`OutputChunk` (client side)."""
+    stats = None
+    if msg.HasField("stats"):
+        s = msg.stats
+        stats = RequestStats(prompt_tokens=s.prompt_tokens,
+                             completion_tokens=s.completion_tokens, ttft_s=s.ttft_s,
+                             tpot_s=s.tpot_s, e2e_s=s.e2e_s,
+                             prefill_instance=s.prefill_instance,
+                             decode_instance=s.decode_instance)
+    return OutputChunk(request_id=msg.request_id, token_ids=tuple(msg.token_ids),
+                       text=msg.text, finish_reason=msg.finish_reason or None, stats=stats)
+
+
+def status_to_proto(statuses: list[InstanceStatusInfo], in_flight: int,
+                    model: str) -> pb.GetStatusResponse:
+    """Instance snapshots -> GetStatusResponse."""
+    out = pb.GetStatusResponse(in_flight=in_flight, model=model)
+    for s in statuses:
+        out.instances.append(pb.InstanceStatus(
+            name=s.name, role=s.role, tp=s.tp,
+            ranks=[pb.RankStatus(rank=r, node_id=n, device=d) for r, n, d in s.ranks],
+            queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
+            kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+    return out
+
+
+def status_from_proto(msg: pb.GetStatusResponse) -> list[InstanceStatusInfo]:
+    """GetStatusResponse -> instance snapshots (client side)."""
+    return [InstanceStatusInfo(
+        name=i.name, role=i.role, tp=i.tp,
+        ranks=tuple((r.rank, r.node_id, r.device) for r in i.ranks),
+        queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
+        total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
+        kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures) for i in msg.instances]

@@ -1,0 +1,181 @@
+"""Prometheus metrics of the router: request latencies, outcomes, instance load, KV transfers.
+
+Every :class:`RouterMetrics` owns its own ``CollectorRegistry``, so several routers (or tests)
+in one process never clash, and serves it on its own HTTP endpoint (``start_http``/``stop``).
+
+Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (seconds, bytes),
+``_total`` on counters. Exposed series:
+
+- ``orch_ttft_seconds``, ``orch_tpot_seconds``, ``orch_e2e_seconds``: histograms (router
+  clock: accepted -> first token; mean per output token after the first; accepted -> end).
+- ``orch_requests_total{outcome}``: finished requests by outcome ("stop", "length", "abort",
+  "error"); ``orch_rejected_total{code}``: requests refused before running, by gRPC code.
+- ``orch_prompt_tokens_total``, ``orch_generation_tokens_total``.
+- per instance, from the latest ``update_instances`` snapshot (instances absent from it
+  disappear): gauges ``orch_instance_queue_depth``, ``orch_instance_running``,
+  ``orch_instance_free_blocks``, ``orch_instance_total_blocks``,
+  ``orch_instance_outstanding_tokens``, ``orch_instance_info{instance,role,tp}`` (= 1), and
+  counters ``orch_instance_kv_sent_bytes_total``, ``orch_instance_kv_failures_total`` (the
+  instance's own cumulative totals; a restart that resets them reads as a counter reset).
+- per KV pair (``observe_transfer``): ``orch_kv_transfer_bytes_total{pair}``,
+  ``orch_kv_transfer_seconds{pair}`` (histogram of successful transfers),
+  ``orch_kv_transfer_failures_total{pair}``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from prefill_worker.messages import InstanceStatusInfo
+
+# NOTE: buckets span tiny CPU runs (ms) and production (TTFT ~24 s at 64K prompts, minutes
+# under overload; TPOT ~26 ms on A3, seconds on a CPU).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+_INSTANCE_GAUGES = (
+    ("queue_depth", "requests waiting in the instance's queue"),
+    ("running", "requests in the instance's running batch"),
+    ("free_blocks", "free KV cache blocks"),
+    ("total_blocks", "KV cache blocks in the pool"),
+    ("outstanding_tokens", "tokens the instance still has to process (prompt + output)"),
+)
+
+
+class _InstanceCollector(Collector):
+    """Exposes the latest instance snapshot; replaced whole, read by the HTTP thread."""
+
+    def __init__(self) -> None:
+        self.snapshot: tuple[InstanceStatusInfo, ...] = ()
+
+    def collect(self) -> Iterable:
+        snap = self.snapshot  # NOTE: one read; update_instances swaps the tuple atomically.
+        for field, doc in _INSTANCE_GAUGES:
+            fam = GaugeMetricFamily(f"orch_instance_{field}", doc, labels=["instance"])
+            for s in snap:
+                fam.add_metric([s.name], float(getattr(s, field)))
+            yield fam
+        info = GaugeMetricFamily("orch_instance_info", "instance role and TP size (always 1)",
+                                 labels=["instance", "role", "tp"])
+        sent = CounterMetricFamily("orch_instance_kv_sent_bytes",
+                                   "KV cache bytes the instance has sent", labels=["instance"])
+        fails = CounterMetricFamily("orch_instance_kv_failures",
+                                    "KV transfers of the instance that failed",
+                                    labels=["instance"])
+        for s in snap:
+            info.add_metric([s.name, s.role, str(s.tp)], 1.0)
+            sent.add_metric([s.name], float(s.kv_bytes_sent))
+            fails.add_metric([s.name], float(s.kv_failures))
+        yield from (info, sent, fails)
+
+
+class RouterMetrics:
+    """The router's metrics on a private registry. Methods are thread-safe (prometheus_client
+    metrics lock internally) and cheap enough to call once per request.
+
+    Args:
+        host, port: when ``port`` is given, serve at once (same as calling :meth:`start_http`);
+            the bound port is then in :attr:`port`. Call :meth:`stop` at shutdown.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("orch_ttft_seconds", "time to first token, seconds",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("orch_tpot_seconds", "mean time per output token after the "
+                              "first, seconds", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("orch_e2e_seconds", "request latency, accepted to finished, "
+                             "seconds", buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("orch_requests", "finished requests by outcome",
+                                ["outcome"], registry=r)
+        self.rejected = Counter("orch_rejected", "requests refused before running, by gRPC "
+                                "status code", ["code"], registry=r)
+        self.prompt_tokens = Counter("orch_prompt_tokens", "prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("orch_generation_tokens", "generated tokens of "
+                                         "finished requests", registry=r)
+        self.kv_bytes = Counter("orch_kv_transfer_bytes", "KV cache bytes moved per pair",
+                                ["pair"], registry=r)
+        self.kv_seconds = Histogram("orch_kv_transfer_seconds", "duration of successful KV "
+                                    "transfers per pair, seconds", ["pair"],
+                                    buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_failures = Counter("orch_kv_transfer_failures", "failed KV transfers per pair",
+                                   ["pair"], registry=r)
+        self._instances = _InstanceCollector()
+        r.register(self._instances)
+        self._httpd = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+        if port is not None:
+            self.start_http(host, port)
+
+    def request_finished(self, outcome: str, ttft_s: float | None, tpot_s: float | None,
+                         e2e_s: float, prompt_tokens: int, completion_tokens: int) -> None:
+        """Record one finished request (any outcome); None latencies are not observed."""
+        self.requests.labels(outcome=outcome).inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+
+    def request_rejected(self, code: str) -> None:
+        """Record a request refused before it ran; ``code`` is the gRPC status name."""
+        self.rejected.labels(code=code).inc()
+
+    def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
+        """Replace the per-instance snapshot (call after each status poll) and observe the
+        per-pair KV transfer records the statuses carry (each status carries its records once)."""
+        self._instances.snapshot = tuple(statuses)
+        for status in statuses:
+            for pair, nbytes, seconds, ok in status.transfers:
+                self.observe_transfer(pair, nbytes, seconds, ok)
+
+    def observe_transfer(self, pair: str, nbytes: int, seconds: float, ok: bool) -> None:
+        """Record one KV transfer on ``pair`` (e.g. ``"prefill-0:0->decode-0:1"``): bytes and
+        duration when ``ok``, a failure otherwise (its bytes are not counted as moved)."""
+        if ok:
+            self.kv_bytes.labels(pair=pair).inc(nbytes)
+            self.kv_seconds.labels(pair=pair).observe(seconds)
+        else:
+            self.kv_failures.labels(pair=pair).inc()
+
+    def render(self) -> bytes:
+        """The text exposition of every metric (what the HTTP endpoint serves)."""
+        return generate_latest(self.registry)
+
+    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port.
+
+        Raises:
+            RuntimeError: already serving; call :meth:`stop` first.
+            OSError: the port is taken (pass another, or 0 for a free one).
+        """
+        from prometheus_client import start_http_server
+
+        if self._httpd is not None:
+            raise RuntimeError("metrics endpoint already running; call stop() first")
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._httpd.server_port
+        return self.port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the HTTP endpoint and join its thread (bounded by ``timeout_s``); idempotent."""
+        if self._httpd is None:
+            return
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout_s)
+        self._httpd, self._thread, self.port = None, None, None

@@ -1,0 +1,107 @@
+"""Where instances and ranks go: placement-group bundles, and the `orch up --dry-run` report.
+
+One Ray placement group per instance, strategy STRICT_PACK (a TP group stays on one node),
+one bundle per rank: ``{"CPU": c}`` on cpu, ``{"GPU": 1, "CPU": c}`` on cuda,
+``{"NPU": 1, "CPU": c}`` on npu (NPU is a custom Ray resource the node must advertise).
+"""
+
+from __future__ import annotations
+
+from prefill_worker.messages import InstanceConfig
+from orchestrator.checkpoint import layer_count_for_plan
+from orchestrator.config import OrchConfig
+
+STRATEGY = "STRICT_PACK"
+_ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
+
+
+def rank_bundle(device: str, cpus_per_rank: float,
+                extra: dict[str, float] | None = None) -> dict[str, float]:
+    """Resources of one rank (one bundle of its instance's placement group); ``extra``: the
+    role's ``ray_resources`` (custom node labels)."""
+    bundle: dict[str, float] = {"CPU": cpus_per_rank, **(extra or {})}
+    if device in _ACCELERATOR:
+        bundle[_ACCELERATOR[device]] = 1
+    return bundle
+
+
+def role_resources(cfg: OrchConfig, role: str) -> dict[str, float]:
+    """The configured extra Ray resources of ``role`` (colocated uses the decode section)."""
+    return dict((cfg.prefill if role == "prefill" else cfg.decode).ray_resources)
+
+
+def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list[str]:
+    """Report lines: each instance, its ranks and their resources, and the totals."""
+    lines = [f"mode: {cfg.mode}; device: {instances[0].device}; dist backend: "
+             f"{instances[0].dist_backend}; ray: "
+             f"{cfg.cluster.address or 'embedded local (started by orch up)'}"]
+    totals: dict[str, float] = {}
+    for inst in instances:
+        bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank,
+                             role_resources(cfg, inst.role))
+        lines.append(f"{inst.name}: tp={inst.tp}, placement group {STRATEGY} with {inst.tp} "
+                     f"bundle(s) of {bundle}, kv blocks {inst.num_kv_blocks} x "
+                     f"{inst.block_size} tokens")
+        last = f", rank1..rank{inst.tp - 1}" if inst.tp > 1 else ""
+        lines.append(f"  ranks: rank0 (leader){last}; one Ray actor per rank, bundle index = rank")
+        for key, amount in bundle.items():
+            totals[key] = totals.get(key, 0) + amount * inst.tp
+    lines.append(f"total: {len(instances)} instance(s), "
+                 f"{sum(i.tp for i in instances)} rank(s), resources {totals}")
+    return lines
+
+
+def describe_transfer_plans(cfg: OrchConfig, instances: list[InstanceConfig]) -> list[str]:
+    """Report lines: the MLA transfer plan of every (prefill, decode) instance pair."""
+    if cfg.mode != "disaggregated":
+        return ["transfer plan: none (colocated mode moves no KV)"]
+    num_layers, source = layer_count_for_plan(cfg.model)
+    lines = [f"layers: {num_layers if num_layers is not None else 'unknown'} ({source})"]
+    if num_layers is None:
+        return lines
+    try:
+        from kv_transfer.plan import build_transfer_plan  # lazy: data-plane package
+    except ImportError as exc:
+        return lines + [f"transfer plan: unavailable ({exc}); install the kv_transfer package"]
+    prefill = [i for i in instances if i.role == "prefill"]
+    decode = [i for i in instances if i.role == "decode"]
+    plan = build_transfer_plan(cfg.prefill.tp, cfg.decode.tp, num_layers, kind="mla")
+    pairs = [f"{p.name}->{d.name}" for p in prefill for d in decode]
+    # NOTE: the plan is a pure function of (tp sizes, layers, kind): every instance pair of
+    # this config uses the same one, so it is printed once with the pairs it applies to.
+    lines.append(f"transfer plan P{cfg.prefill.tp} -> D{cfg.decode.tp} (MLA), used by "
+                 f"{len(pairs)} instance pair(s): {', '.join(pairs)}")
+    for pair in plan.pairs:
+        layers = list(pair.layers)
+        lines.append(f"  prefill rank {pair.prefill_rank} -> decode rank {pair.decode_rank}: "
+                     f"{len(layers)} layer(s) {_ranges(layers)}")
+    return lines
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    if not values:
+        return "-"
+    values = sorted(values)
+    parts, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(parts)
+
+
+def dry_run_report(cfg: OrchConfig) -> str:
+    """The full `orch up --dry-run` text (needs neither Ray nor the checkpoint)."""
+    instances = cfg.instances()
+    lines = [f"model: {cfg.model.path} -> {cfg.model.checkpoint_dir()} ({cfg.model.dtype}, "
+             f"max_model_len {cfg.model.max_model_len})"]
+    lines += describe_placement(cfg, instances)
+    lines += describe_transfer_plans(cfg, instances)
+    lines.append(f"router: {cfg.router.host}:{cfg.router.port}, policy {cfg.router.policy}, "
+                 f"max_pending {cfg.router.max_pending}, request_timeout_s "
+                 f"{cfg.router.request_timeout_s}")
+    return "\n".join(lines)

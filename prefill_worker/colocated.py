@@ -1,0 +1,46 @@
+"""Colocated rank: one instance runs both phases (chunked prefill and decode), no transfer.
+
+It is the baseline disaggregated output is compared against, token for token.
+"""
+
+from __future__ import annotations
+
+from engine.scheduler import COLOCATED
+from prefill_worker.messages import RequestSpec, TokenEvent
+from prefill_worker.leader import LeaderRank
+
+
+class ColocatedRank(LeaderRank):
+    """Rank actor of a colocated instance. Leader methods: ``generate``, ``abort``, ``poll``,
+    ``status``, ``drain``, ``shutdown``."""
+
+    policy = COLOCATED
+    source = "colocated"
+
+    def setup_role(self) -> None:
+        if self.rank == 0:
+            self.setup_leader()
+
+    def generate(self, spec: RequestSpec) -> None:
+        """Queue a request; its tokens arrive through ``poll``. Too big -> an error event."""
+        with self._lock:
+            self.enqueue(spec)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; True when it was here."""
+        with self._lock:
+            req = self.scheduler.remove(request_id)
+            if req is None:
+                self.bury(request_id)
+        if req is not None:
+            self.emit(TokenEvent(request_id, (), "abort", source=self.source,
+                                 instance=self.cfg.name))
+        return req is not None
+
+    def step(self) -> bool:
+        with self._lock:
+            ran = self.leader_step()
+            if ran is None:
+                return False
+            self.finish_sampled(ran[1])
+            return True

@@ -1,0 +1,189 @@
+"""Control-plane messages between the router and the worker leaders (Ray actor calls).
+
+One schema module for the control plane: the router converts protobuf to these dataclasses at
+its edge (orchestrator/convert.py) and the workers never see protobuf. The data plane (KV
+bytes between ranks) has its own msgpack schema in ``kv_transfer``.
+
+Leader actor methods that carry these (see prefill_worker/actor.py, decode_worker/actor.py):
+
+- decode leader: ``reserve(RequestSpec) -> Reservation | Rejection``;
+  ``admit(request_id, first_token_id)`` once prefill returned the first token;
+  ``poll(timeout_s) -> list[TokenEvent]``; ``abort(request_id) -> bool``; ``status()``.
+- prefill leader: ``prefill(RequestSpec, Reservation)``; ``poll(timeout_s)``;
+  ``abort(request_id) -> bool`` (returns only once no KV send into the reservation is in
+  flight, so the decode side may free its blocks); ``status()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated, tokenized request as accepted by the router.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: prompt tokens (>= 1).
+        sampling: sampling parameters; a sampled request always carries a seed here.
+        arrival_time: ``time.time()`` when the router accepted it (seconds).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus every token it may generate: the KV slots it may ever need."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+
+@dataclass(frozen=True)
+class KVPeer:
+    """Data-plane endpoint of one decode rank (where prefill ranks connect to send KV).
+
+    Attributes:
+        instance: decode instance name, e.g. "decode-0".
+        rank: TP rank inside that instance.
+        host, port: address of the rank's rendezvous store.
+    """
+
+    instance: str
+    rank: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """KV blocks a decode instance set aside for one request, before prefill computes.
+
+    Attributes:
+        request_id: the request.
+        decode_instance: name of the decode instance holding the blocks.
+        block_ids: the request's block table on the decode side (covers
+            ``RequestSpec.max_total_tokens`` tokens).
+        block_size: tokens per block on the decode side.
+        peers: one :class:`KVPeer` per decode rank, in rank order.
+    """
+
+    request_id: str
+    decode_instance: str
+    block_ids: tuple[int, ...]
+    block_size: int
+    peers: tuple[KVPeer, ...]
+
+    @property
+    def decode_tp(self) -> int:
+        return len(self.peers)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a decode instance could not reserve now.
+
+    Attributes:
+        request_id: the request.
+        reason: human-readable cause with what to do.
+        retryable: True when the instance is only full for now (back-pressure), False when the
+            request can never fit (it needs more blocks than the instance has).
+    """
+
+    request_id: str
+    reason: str
+    retryable: bool = True
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens (and/or the end) of one request, from a worker leader to the router.
+
+    Attributes:
+        request_id: the request.
+        token_ids: tokens generated since the previous event (may be empty on finish).
+        finish_reason: None while running; "stop", "length", "abort" or "error" at the end.
+        error: message when ``finish_reason == "error"``.
+        source: "prefill" (the first token), "decode" or "colocated".
+        instance: name of the instance that produced it.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    source: str = "decode"
+    instance: str = ""
+
+
+@dataclass(frozen=True)
+class InstanceStatusInfo:
+    """Snapshot of one instance for ``orch status`` and metrics."""
+
+    name: str
+    role: str
+    tp: int
+    ranks: tuple[tuple[int, str, str], ...] = field(default_factory=tuple)  # (rank, node, device)
+    queue_depth: int = 0
+    running: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    outstanding_tokens: int = 0
+    kv_bytes_sent: int = 0
+    kv_failures: int = 0
+    # Per-pair KV transfer records closed since the previous status call:
+    # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
+    transfers: tuple[tuple[str, int, float, bool], ...] = ()
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """What every rank actor of one instance is built from (made by the orchestrator's config).
+
+    Attributes:
+        name: instance name, e.g. "prefill-0", "decode-1", "colocated-0".
+        role: "prefill", "decode" or "colocated".
+        tp: tensor-parallel size (ranks in the instance).
+        checkpoint_dir: HF checkpoint directory (config.json, *.safetensors, tokenizer.json).
+        dtype: "float32", "bfloat16" or "float16".
+        max_model_len: prompt + output tokens a request may reach.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks per rank.
+        chunk_size: most prompt tokens of one request computed in one step (chunked prefill).
+        max_num_batched_tokens: most tokens computed in one step across requests.
+        max_num_seqs: most requests in the running batch.
+        device: "cpu", "cuda" or "npu".
+        dist_backend: "gloo", "nccl" or "hccl" (TP groups and KV pair groups).
+        bind_host: address the rank's stores listen on (127.0.0.1 on one machine; empty: the
+            node's IP as Ray reports it, for multi-node clusters).
+        *_timeout_s: KV transfer bounds (seconds), see kv_transfer.TransferConfig.
+        step_timeout_s: bound on one SPMD step across the instance's ranks (seconds).
+    """
+
+    name: str
+    role: str
+    tp: int
+    checkpoint_dir: str
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int = 512
+    chunk_size: int = 256
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 32
+    device: str = "cpu"
+    dist_backend: str = "gloo"
+    bind_host: str = "127.0.0.1"
+    connect_timeout_s: float = 30.0
+    header_timeout_s: float = 30.0
+    payload_timeout_s: float = 60.0
+    completion_timeout_s: float = 120.0
+    step_timeout_s: float = 300.0

@@ -1,0 +1,218 @@
+"""What every rank actor has in common: its TP group, its model shard, the SPMD step, and
+(on the leader) the step loop thread and the event queue the router long-polls.
+
+Lifecycle (driven by the orchestrator, see orchestrator/cluster.py):
+``__init__(cfg, rank)`` -> leader ``open_tp_store()`` -> every rank ``init_rank(host, port,
+peers)`` (collective: TP rendezvous, model load) -> leader ``start()`` -> ... ->
+``drain(timeout_s)`` -> ``shutdown()``.
+
+SPMD: only the leader schedules. Each step it calls ``execute_step`` on every other rank
+(Ray actor calls) and runs the same step itself; the TP all-reduces inside the model keep the
+ranks in lock step. A rank that does not answer within ``step_timeout_s`` fails the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+
+from prefill_worker.messages import InstanceConfig, InstanceStatusInfo, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RankBase(ABC):
+    """Base of PrefillRank, DecodeRank and ColocatedRank (plain classes; Ray wraps them).
+
+    Args:
+        cfg: the instance's config.
+        rank: this actor's TP rank (0 = leader).
+    """
+
+    def __init__(self, cfg: InstanceConfig, rank: int) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.runner = None
+        self.peers: list = []
+        self._store = None
+        self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._loop_thread: threading.Thread | None = None
+        self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
+        if not cfg.bind_host:  # multi-node: listen on this node's address
+            import ray
+
+            self.cfg = cfg = replace(cfg, bind_host=ray.util.get_node_ip_address())
+        if cfg.bind_host == "127.0.0.1":
+            # NOTE: keep Gloo's sockets on loopback too (it otherwise resolves the hostname).
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(max(1, int(os.environ.get("ORCH_TORCH_THREADS", "1"))))
+
+    # ---- bring-up -----------------------------------------------------------------------
+    def node_info(self) -> tuple[str, str]:
+        """(Ray node id, device) of this rank."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        return node, self.cfg.device
+
+    def open_tp_store(self) -> tuple[str, int]:
+        """Leader only: open the TCPStore the instance's ranks rendezvous on; (host, port)."""
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(self.cfg.bind_host, 0, self.cfg.tp, is_master=True,
+                               timeout=timedelta(seconds=self.cfg.connect_timeout_s),
+                               wait_for_workers=False)
+        return self.cfg.bind_host, self._store.port
+
+    def init_rank(self, host: str, port: int, peers: list) -> None:
+        """Join the TP group, load the model shard, build role state. Collective.
+
+        Raises:
+            RuntimeError: rendezvous or model load failed (message names instance and rank).
+        """
+        from engine.parallel import init_tp_group
+        from engine.runner import ModelRunner
+
+        self.peers = list(peers)
+        try:
+            tp = init_tp_group(self.rank, self.cfg.tp, host, port, self.cfg.dist_backend,
+                               self.cfg.connect_timeout_s, store=self._store)
+            # NOTE: Ray gives each rank actor one accelerator and hides the others
+            # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
+            device = "cpu" if self.cfg.device == "cpu" else f"{self.cfg.device}:0"
+            self.runner = ModelRunner(self.cfg.checkpoint_dir, num_kv_blocks=self.cfg.num_kv_blocks,
+                                      block_size=self.cfg.block_size,
+                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device)
+        except Exception as exc:
+            raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
+        self.setup_role()
+
+    def setup_role(self) -> None:
+        """Hook: build role state (scheduler, KV connector) once the runner exists."""
+
+    # ---- SPMD ---------------------------------------------------------------------------
+    def execute_step(self, steps: list, extra=None):
+        """Follower side of one step: run the model on ``steps``; role hook for ``extra``."""
+        if steps:
+            self.runner.execute(steps)
+        return self.after_step(steps, extra)
+
+    def after_step(self, steps: list, extra):
+        """Hook run on every rank after the model step (e.g. enqueue KV sends)."""
+        return None
+
+    def run_step(self, steps: list, extra=None) -> tuple[torch.Tensor | None, list]:
+        """Leader: run one step on all ranks; returns (leader logits [B, V], followers' results).
+
+        Raises:
+            TimeoutError: a follower did not finish within ``step_timeout_s``.
+        """
+        import ray
+
+        refs = [p.execute_step.remote(steps, extra) for p in self.peers[1:]]
+        logits = self.runner.execute(steps) if steps else None
+        mine = self.after_step(steps, extra)
+        try:
+            others = ray.get(refs, timeout=self.cfg.step_timeout_s) if refs else []
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"{self.cfg.name}: a rank did not finish a step within "
+                               f"{self.cfg.step_timeout_s} s") from exc
+        return logits, [mine, *others]
+
+    def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
+        """Call ``method(*args)`` on every rank (leader locally), bounded; results in rank order."""
+        import ray
+
+        refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
+        mine = getattr(self, method)(*args)
+        if not refs:
+            return [mine]
+        return [mine, *ray.get(refs, timeout=timeout_s or self.cfg.step_timeout_s)]
+
+    # ---- leader loop --------------------------------------------------------------------
+    def start(self) -> None:
+        """Leader: start the step loop thread."""
+        self._loop_thread = threading.Thread(target=self._loop, name=f"{self.cfg.name}-loop",
+                                             daemon=True)
+        self._loop_thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.step()
+            except Exception as exc:  # a broken step fails its requests, never the loop
+                log.exception("%s: step failed", self.cfg.name)
+                self.fail_all(f"{self.cfg.name}: step failed: {exc}")
+                busy = False
+            if not busy:
+                self._wake.wait(0.005)
+                self._wake.clear()
+
+    @abstractmethod
+    def step(self) -> bool:
+        """Leader: one scheduling iteration; True when it did work."""
+
+    @abstractmethod
+    def fail_all(self, error: str) -> None:
+        """Leader: end every request with an error event and free its blocks."""
+
+    def emit(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def poll(self, timeout_s: float) -> list[TokenEvent]:
+        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one."""
+        out: list[TokenEvent] = []
+        try:
+            out.append(self._events.get(timeout=max(0.0, timeout_s)))
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
+
+    @abstractmethod
+    def status(self) -> InstanceStatusInfo:
+        """Snapshot for ``orch status`` and metrics."""
+
+    @abstractmethod
+    def num_active(self) -> int:
+        """Requests queued or running on this instance."""
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait (bounded) until no request is active; True when drained."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.num_active() == 0:
+                return True
+            time.sleep(0.05)
+        return self.num_active() == 0
+
+    def shutdown(self) -> None:
+        """Stop the loop and release role resources (connectors) on this rank."""
+        self._stop.set()
+        self._wake.set()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=10)
+        self.close_role()
+
+    def close_role(self) -> None:
+        """Hook: release role resources."""
+
+    def ranks_info(self, timeout_s: float | None = None) -> tuple[tuple[int, str, str], ...]:
+        """(rank, node id, device) of every rank, for status (raises when a rank is gone)."""
+        return tuple((i, *info) for i, info in
+                     enumerate(self.call_all("node_info", timeout_s=timeout_s)))
