@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
 from kv_transfer.backend import backend_for
 
 LAYERS, KV_LORA, ROPE, BLOCK = 61, 512, 64, 128
@@ -84,7 +84,7 @@ def wait_signal(group, rank: int) -> None:
     group.recv([torch.zeros(1, dtype=torch.uint8)], 1 - rank, 1).wait(WAIT)
 
 
-def warm_up(conn, peers: list | None, rank: int) -> None:
+def warm_up(conn, peers: list[KVPeer] | None, rank: int) -> None:
     """One small request through the connector before any clock runs: the pair's
     rendezvous and group set-up are not part of a transfer's time."""
     if peers is None:  # decode
@@ -153,7 +153,7 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
     conn = PrefillKVConnector(cache, KVLayout.from_spec(cache.spec, MODEL, 1), "p0", 0, 1,
                               TransferConfig())
     host, port = addr_q.get(timeout=60)
-    peers = [("d0", 0, host, port)]
+    peers = [KVPeer("d0", 0, host, port)]
     group, _store = raw_group(0, port_q)
     results, check = [], {}
     warm_up(conn, peers, 0)

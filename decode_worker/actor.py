@@ -18,7 +18,8 @@ from __future__ import annotations
 import time
 
 from engine.scheduler import DECODE, Request
-from prefill_worker.messages import KVPeer, Rejection, Reservation, RequestSpec, TokenEvent
+from kv_transfer import KVPeer
+from prefill_worker.messages import Rejection, Reservation, RequestSpec, TokenEvent
 from prefill_worker.kv_setup import make_layout, make_transfer_config
 from prefill_worker.leader import LeaderRank
 

@@ -2,16 +2,34 @@
 
 Workers use :class:`PrefillKVConnector` and :class:`DecodeKVConnector`; see docs/kv_transfer.md.
 Never imports Ray, gRPC or the orchestrator.
+
+NOTE: importing the package imports no torch. :class:`KVPeer`, :class:`TransferConfig` and
+the errors are plain Python (control-plane messages and configs carry them, and the gRPC
+client must not pull torch); the other names load their module on first access.
 """
 
-from kv_transfer.config import TransferConfig
-from kv_transfer.decode_connector import DecodeKVConnector
-from kv_transfer.errors import (LayoutMismatchError, TransferError, TransferTimeout,
-                                     WireError)
-from kv_transfer.layout import KVLayout
-from kv_transfer.plan import PairPlan, TransferPlan, build_transfer_plan
-from kv_transfer.prefill_connector import PrefillKVConnector
+from __future__ import annotations
 
-__all__ = ["DecodeKVConnector", "KVLayout", "LayoutMismatchError", "PairPlan",
-           "PrefillKVConnector", "TransferConfig", "TransferError", "TransferPlan",
-           "TransferTimeout", "WireError", "build_transfer_plan"]
+from importlib import import_module
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import (LayoutMismatchError, TransferError, TransferTimeout,
+                                WireError)
+from kv_transfer.peer import KVPeer
+
+_LAZY = {"DecodeKVConnector": "kv_transfer.decode_connector",
+         "KVLayout": "kv_transfer.layout",
+         "PairPlan": "kv_transfer.plan",
+         "PrefillKVConnector": "kv_transfer.prefill_connector",
+         "TransferPlan": "kv_transfer.plan",
+         "build_transfer_plan": "kv_transfer.plan"}
+
+__all__ = ["KVPeer", "LayoutMismatchError", "TransferConfig", "TransferError",
+           "TransferTimeout", "WireError", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> object:
+    """The torch-using exports, imported when first asked for."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    return getattr(import_module(_LAZY[name]), name)

@@ -31,13 +31,14 @@ class PairBackend:
         name: ``gloo``, ``nccl`` or ``hccl``.
         make_group: ``(store, rank, timeout_s, host) -> ProcessGroup`` of size 2; blocks until
             both ranks joined or ``timeout_s`` passed (raises then).
-        wait: ``(work, timeout_s, what) -> None``; raises :class:`TransferTimeout` naming
-            ``what`` when the op did not complete in time, or the backend's error.
+        wait: ``(work, timeout_s) -> None``; raises :class:`TransferTimeout` when the op did
+            not complete within ``timeout_s``, else the backend's own error (peer gone...).
+            The caller adds the pair and the record to the message.
     """
 
     name: str
     make_group: Callable[[dist.Store, int, float, str], dist.ProcessGroup]
-    wait: Callable[[dist.Work, float, str], None]
+    wait: Callable[[dist.Work, float], None]
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -63,21 +64,24 @@ def _gloo() -> PairBackend:
                          else pg_cls.create_default_device()]
         return pg_cls(store, rank, 2, opts)
 
-    def wait(work: dist.Work, timeout_s: float, what: str) -> None:
+    def wait(work: dist.Work, timeout_s: float) -> None:
+        start = time.monotonic()
         try:
             work.wait(_td(timeout_s))
         except RuntimeError as exc:
-            if "Timed out" in str(exc):
-                raise TransferTimeout(f"{what}: no progress within {timeout_s:g} s") from exc
+            # NOTE: gloo raises a plain RuntimeError for a timeout and for a closed peer
+            # alike; a wait that failed once its whole bound had passed is the timeout.
+            if time.monotonic() - start >= timeout_s:
+                raise TransferTimeout(f"no progress within {timeout_s:g} s") from exc
             raise
     return PairBackend("gloo", make_group, wait)
 
 
-def _poll_wait(work: dist.Work, timeout_s: float, what: str) -> None:
+def _poll_wait(work: dist.Work, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not work.is_completed():
         if time.monotonic() > deadline:
-            raise TransferTimeout(f"{what}: no progress within {timeout_s:g} s")
+            raise TransferTimeout(f"no progress within {timeout_s:g} s")
         time.sleep(0.0005)
     work.wait()  # raises the backend's error, if any
 

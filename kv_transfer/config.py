@@ -12,11 +12,13 @@ class TransferConfig:
     Attributes:
         connect_timeout_s: rendezvous with the decode rank's TCPStore and building the 2-rank
             process group of a pair (both sides).
-        header_timeout_s: decode side, part of the bound on stopping a receiver at close
-            (with ``payload_timeout_s``). Since wire schema 2 the header travels in the
-            doorbell itself, so no separate header wait exists.
-        payload_timeout_s: receiving one K or V payload; sending one record (a send also
-            waits for the peer to finish the record before it).
+        header_timeout_s: decode side, only the bound on joining a receiver thread at
+            ``close()`` (``header_timeout_s + payload_timeout_s``); it bounds nothing else:
+            since wire schema 2 the header travels in the doorbell itself, and an idle
+            receiver waits for the doorbell without a bound.
+        payload_timeout_s: receiving one K or V message (a layer, or one run of slots of a
+            layer: :mod:`~kv_transfer.cuts`); sending one (a send also waits for the peer to
+            finish the record before it).
         completion_timeout_s: decode side, from ``expect()`` until every planned layer and
             every ``done`` record arrived; prefill side, the default bound of ``wait_idle``.
         poll_interval_s: how often the decode rank's acceptor looks for new pair

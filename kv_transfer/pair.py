@@ -10,10 +10,10 @@ Rendezvous: the decode rank hosts a ``TCPStore`` server (:class:`Rendezvous`, po
 3. waits for the decode side's :class:`~kv_transfer.wire.Ack` at ``<prefix>/ack``;
 4. both build the group (prefill = rank 0, decode = rank 1) from ``PrefixStore(prefix/pg)``.
 
-Every record is announced by a doorbell key ``<prefix>/bell/<n>`` holding its msgpack header.
-The receiver blocks in ``store.get`` on it, so an idle receiver costs nothing and is woken
-at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time out
-on an idle pair (a timed-out gloo wait closes the pair).
+Every record is announced by a doorbell key ``<prefix>/doorbell/<n>`` holding its msgpack
+header. The receiver blocks in ``store.get`` on it, so an idle receiver costs nothing and is
+woken at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time
+out on an idle pair (a timed-out gloo wait closes the pair).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from kv_transfer import wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import TransferError, TransferTimeout
+from kv_transfer.errors import TransferError, TransferTimeout, WireError
 
 log = logging.getLogger(__name__)
 PREFILL, DECODE = 0, 1  # ranks inside a pair group
@@ -48,9 +48,13 @@ def _td(seconds: float) -> datetime.timedelta:
 class PairGroup:
     """One generation of one pair: the 2-rank group plus the store used for doorbells.
 
+    Errors of every method are :class:`TransferError` (:class:`TransferTimeout` for a
+    bound that ran out) with ``pair`` = ``name``.
+
     Attributes:
         name: ``"prefill <inst>/<rank> -> decode <inst>/<rank> gen <g>"`` for error messages.
         peer_layout: the other side's layout dict (handshake).
+        doorbells: doorbells posted (prefill side) or taken (decode side) so far.
     """
 
     name: str
@@ -61,40 +65,41 @@ class PairGroup:
     rank: int
     backend: PairBackend
     peer_layout: dict
-    bells: int = 0
+    doorbells: int = 0
 
-    def ring(self, header: bytes, what: str) -> None:
+    def post_doorbell(self, header: bytes, what: str) -> None:
         """Prefill side: announce the next record; the doorbell value is its msgpack header
         (so the header costs no message on the group, and no round trip)."""
-        self.bells += 1
+        self.doorbells += 1
         with self._errors(what):
-            self.store.set(f"{self.prefix}/bell/{self.bells}", header)
+            self.store.set(self._doorbell_key(self.doorbells), header)
 
-    def wait_bell(self, stop: threading.Event) -> bytes | None:
+    def wait_doorbell(self, stop: threading.Event) -> bytes | None:
         """Decode side: header bytes of the next record; None once ``stop`` is set.
 
         Blocks in the store's ``get`` (no polling, no latency; the receiver's store client
         has an ``_IDLE_WAIT_S`` timeout, after which it just waits again); :meth:`wake`
-        (from another store client) rings it with ``stop`` to end the wait at once.
+        (from another store client) posts ``stop`` as the next doorbell to end the wait at once.
+
+        Raises:
+            torch.distributed.DistNetworkError: the store is gone (the decode rank closed).
         """
-        key = f"{self.prefix}/bell/{self.bells + 1}"
+        key = self._doorbell_key(self.doorbells + 1)
         while not stop.is_set():
             try:
                 value = self.store.get(key)
-            except dist.DistStoreError as exc:
-                if "timeout" not in str(exc).lower():
-                    raise
-                continue  # idle for _IDLE_WAIT_S: wait again
+            except dist.DistStoreError:  # NOTE: get() timed out: idle for _IDLE_WAIT_S
+                continue
             self.store.delete_key(key)
             if value == STOP or stop.is_set():
                 return None
-            self.bells += 1
+            self.doorbells += 1
             return value
         return None
 
     def wake(self, store: dist.Store) -> None:
-        """Ring this pair's next bell with ``stop`` through ``store`` (another client)."""
-        store.set(f"{self.prefix}/bell/{self.bells + 1}", STOP)
+        """Post ``stop`` as this pair's next doorbell through ``store`` (another client)."""
+        store.set(self._doorbell_key(self.doorbells + 1), STOP)
 
     def send(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
         """Send ``tensors`` in order to the peer; all posted before waiting (bounded)."""
@@ -109,13 +114,12 @@ class PairGroup:
         """Wait (bounded, each) for sends returned by :meth:`post`."""
         with self._errors(what):
             for work in works:
-                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+                self.backend.wait(work, timeout_s)
 
     def recv(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
         """Receive into ``tensor`` (shape/dtype must match what the peer sends; bounded)."""
         with self._errors(what):
-            work = self.group.recv([tensor], 1 - self.rank, 0)
-            self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+            self.backend.wait(self.group.recv([tensor], 1 - self.rank, 0), timeout_s)
 
     def recv_all(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
         """Receive into ``tensors`` in order: all receives are posted before the first wait
@@ -123,18 +127,22 @@ class PairGroup:
         with self._errors(what):
             works = [self.group.recv([t], 1 - self.rank, 0) for t in tensors]
             for work in works:
-                self.backend.wait(work, timeout_s, f"{self.name}: {what}")
+                self.backend.wait(work, timeout_s)
+
+    def _doorbell_key(self, n: int) -> str:
+        return f"{self.prefix}/doorbell/{n}"
 
     @contextlib.contextmanager
-    def _errors(self, what: str):
+    def _errors(self, what: str) -> Iterator[None]:
         """Turn backend/store errors into TransferError naming the pair and the record."""
         try:
             yield
-        except TransferTimeout:
-            raise
+        except TransferTimeout as exc:
+            raise TransferTimeout(f"{self.name}: {what}: {exc}", pair=self.name) from exc
         except Exception as exc:  # gloo/store errors are RuntimeError subclasses
             raise TransferError(f"{self.name}: {what} failed: {_first_line(exc)} (the peer "
-                                "died or closed the pair; it is remade on next use)") from exc
+                                "died or closed the pair; it is remade on next use)",
+                                pair=self.name) from exc
 
 
 def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: dict,
@@ -158,13 +166,13 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
         name = f"{where} gen {gen}"
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), PREFILL,
                                    config.connect_timeout_s, host)
-    except TransferError:
-        raise
+    except WireError as exc:
+        raise TransferError(f"{where}: {exc}", pair=where) from exc
     except Exception as exc:  # store/gloo connection errors
         raise TransferTimeout(
             f"{where}: could not connect within {config.connect_timeout_s:g} s "
             f"({_first_line(exc)}); check that the decode rank is alive and its published "
-            "address is current") from exc
+            "address is current", pair=where) from exc
     return PairGroup(name, group, store, prefix, gen, PREFILL, backend, ack.layout)
 
 
@@ -186,7 +194,7 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
         store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
-                              f"({_first_line(exc)})") from exc
+                              f"({_first_line(exc)})", pair=name) from exc
     return PairGroup(name, group, store, prefix, announce.generation, DECODE, backend,
                      announce.layout)
 

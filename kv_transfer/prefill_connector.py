@@ -5,9 +5,9 @@ records are queued on per-peer sender threads), ``finish`` after the last chunk 
 records), then ``wait_idle`` before freeing the request's source blocks; or ``abort`` at any
 time (queued records dropped, ``abort`` records sent) followed by ``wait_idle``.
 
-``peers`` is the decode instance's ranks in rank order, ``(instance, d_rank, host, port)``
-with ``(host, port)`` the address each ``DecodeKVConnector`` published. Which decode ranks this
-rank sends to, and which layers/heads, comes from :func:`build_transfer_plan`
+``peers`` is the decode instance's ranks in rank order, one :class:`~kv_transfer.KVPeer`
+each, with ``(host, port)`` the address each ``DecodeKVConnector`` published. Which decode
+ranks this rank sends to, and which layers/heads, comes from :func:`build_transfer_plan`
 (``prefill tp = tp``, ``decode tp = len(peers)``).
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -25,8 +26,9 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError, TransferTimeout
 from kv_transfer.layout import KVLayout
 from kv_transfer.payload import PayloadStats
-from kv_transfer.plan import TransferPlan, build_transfer_plan
-from kv_transfer.sender import Peer, SenderChannel, SendTask
+from kv_transfer.peer import KVPeer
+from kv_transfer.plan import PairPlan, TransferPlan, build_transfer_plan
+from kv_transfer.sender import SenderChannel, SendTask
 
 _MAX_FAILURES = 10_000  # remembered failed request ids (oldest forgotten first)
 
@@ -68,8 +70,8 @@ class PrefillKVConnector:
                                                          lay.kind, lay.num_kv_heads)
         return self._plans[decode_tp]
 
-    def send_chunk(self, request_id: str, peers: list, token_start: int, token_end: int,
-                   src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def send_chunk(self, request_id: str, peers: Sequence[KVPeer], token_start: int,
+                   token_end: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Queue this rank's planned layers of tokens ``[token_start, token_end)``.
 
         Args:
@@ -98,7 +100,7 @@ class PrefillKVConnector:
                                  token_end=token_end, dst_slots=dst)
             self._enqueue(SendTask(header, peer, src))
 
-    def finish(self, request_id: str, peers: list, num_tokens: int) -> None:
+    def finish(self, request_id: str, peers: Sequence[KVPeer], num_tokens: int) -> None:
         """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank.
 
         Ignored after ``abort`` (until ``wait_idle`` returned for the request)."""
@@ -108,7 +110,8 @@ class PrefillKVConnector:
             self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens),
                                    peer))
 
-    def abort(self, request_id: str, peers: list, reason: str = "aborted by prefill") -> None:
+    def abort(self, request_id: str, peers: Sequence[KVPeer],
+              reason: str = "aborted by prefill") -> None:
         """Drop queued records of the request and queue ``abort`` records to planned ranks.
 
         A record already in flight completes (bounded); follow with ``wait_idle``.
@@ -152,8 +155,12 @@ class PrefillKVConnector:
             channel.close(bound)
         self._channels.clear()
 
-    def _planned(self, peers: list):
-        peers = [Peer(*p) for p in peers]
+    def _planned(self, peers: Sequence[KVPeer]) -> list[tuple[PairPlan, KVPeer]]:
+        """This rank's planned pairs with the decode rank each goes to.
+
+        Raises:
+            ValueError: ``peers`` is not decode ranks 0..n-1 in order.
+        """
         if [p.rank for p in peers] != list(range(len(peers))):
             raise ValueError(f"peers must list decode ranks 0..{len(peers) - 1} in order, "
                              f"got ranks {[p.rank for p in peers]}")
@@ -171,7 +178,7 @@ class PrefillKVConnector:
             self._pending[rid] = self._pending.get(rid, 0) + 1
         self._channel(task.peer).put(task)
 
-    def _channel(self, peer: Peer) -> SenderChannel:
+    def _channel(self, peer: KVPeer) -> SenderChannel:
         key = (peer.instance, peer.rank)
         if key not in self._channels:
             self._channels[key] = SenderChannel(

@@ -1,6 +1,6 @@
 """Decode side: one receiver thread per pair generation.
 
-Loop: wait for the doorbell (blocking in the store; a ``stop`` bell ends the wait at once),
+Loop: wait for the doorbell (blocking in the store; a ``stop`` doorbell ends the wait at once),
 whose value is the record's header, then for a data record receive its K and V messages
 (:mod:`~kv_transfer.cuts`; each receive bounded by ``payload_timeout_s``). A buffer
 whose cuts are consecutive destination runs is received straight into the cache rows (no
@@ -95,7 +95,7 @@ class ReceiverChannel:
                                  self._backend, self._config)
             self._group = group
             while not self._stop.is_set():
-                raw = group.wait_bell(self._stop)
+                raw = group.wait_doorbell(self._stop)
                 if raw is None:
                     break
                 self._receive(group, raw)

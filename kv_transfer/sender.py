@@ -28,8 +28,9 @@ from kv_transfer import pair as pairs
 from kv_transfer import cuts, payload, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import LayoutMismatchError
+from kv_transfer.errors import LayoutMismatchError, TransferError
 from kv_transfer.layout import KVLayout
+from kv_transfer.peer import KVPeer
 
 log = logging.getLogger(__name__)
 _MAX_ABORTED = 4096  # remembered aborted request ids per pair
@@ -37,21 +38,11 @@ _DEPTH = 2  # data records posted to the backend and not yet landed, per pair
 
 
 @dataclass(frozen=True)
-class Peer:
-    """A decode rank as the prefill side addresses it."""
-
-    instance: str
-    rank: int
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
 class SendTask:
     """One record to send; ``src_slots`` int64 ``[T]`` for data records."""
 
     header: wire.Header
-    peer: Peer
+    peer: KVPeer
     src_slots: torch.Tensor | None = None
 
 
@@ -100,7 +91,7 @@ class SenderChannel:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._pair: pairs.PairGroup | None = None
-        self._pair_peer: Peer | None = None
+        self._pair_peer: KVPeer | None = None
         self._mismatch: str | None = None
         self._active: set[str] = set()   # requests with records on the current generation
         # requests whose abort record went out on this pair (insertion-ordered, bounded)
@@ -218,7 +209,7 @@ class SenderChannel:
         if header.kind == wire.DATA:
             return self._post_data(task, ahead if ahead is not None else self._gather(task))
         what = f"{header.kind} record of request {rid}"
-        self._pair.ring(wire.encode_header(header), what)  # done/abort: the bell is all
+        self._pair.post_doorbell(wire.encode_header(header), what)  # done/abort: doorbell only
         self._active.discard(rid)
         if header.kind == wire.ABORT:
             self._aborted[rid] = None
@@ -253,12 +244,12 @@ class SenderChannel:
         what = (f"data record of request {header.request_id} layers "
                 f"{header.layers[0]}..{header.layers[-1]} tokens "
                 f"[{header.token_start}, {header.token_end})")
-        self._pair.ring(raw, what)
+        self._pair.post_doorbell(raw, what)
         works = self._pair.post(got.bufs, what)
         nbytes = sum(b.numel() * b.element_size() for b in got.bufs)
         return _Flight(task, self._pair, works, what, time.perf_counter(), nbytes, got)
 
-    def _ensure(self, peer: Peer) -> None:
+    def _ensure(self, peer: KVPeer) -> None:
         if self._pair is not None and self._pair_peer == peer:
             return
         if self._pair is not None:  # the decode rank moved (restarted): its requests are lost
@@ -284,8 +275,10 @@ class SenderChannel:
         self._aborted.clear()
 
     def _teardown(self, task: SendTask, exc: Exception) -> None:
-        name = self._pair.name if self._pair is not None else "KV pair"
-        error = str(exc) if "-> decode" in str(exc) else f"{name}: {exc}"
+        if isinstance(exc, TransferError) and exc.pair is not None:
+            error = str(exc)  # the message names its pair already
+        else:
+            error = f"{self._pair.name if self._pair is not None else 'KV pair'}: {exc}"
         log.warning("KV pair torn down: %s", error)
         for rid in self._active | {task.header.request_id}:
             self._fail(rid, error)

@@ -4,12 +4,12 @@ Per request: for every prefill rank the plan pairs with this decode rank, a bool
 ``[len(pair.layers), num_tokens]`` of (layer, token) cells received, and whether that rank's
 ``done`` record arrived. Complete = every mask full and every ``done`` in.
 
-Write guarantee: payload bytes are written into a request's slots only by a scatter that
-or an in-place receive
-that started while the request was active (expected, not failed, not timed out, not
-released), and :meth:`RequestTracker.release` waits for running writers. So once it returns, no byte
-is ever written into the request's slots again and the blocks may be freed, whatever the
-prefill side still has in flight (those bytes are read off the wire and dropped).
+Write guarantee: payload bytes are written into a request's slots only by a scatter or an
+in-place receive that started while the request was active (expected, not failed, not past
+its deadline, not released), and :meth:`RequestTracker.release` waits for the running ones.
+So once it returns, no byte is ever written into the request's slots again and the blocks
+may be freed, whatever the prefill side still has in flight (those bytes are read off the
+wire and dropped).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class _Request:
     links: set[tuple] = field(default_factory=set)  # (peer key, generation) that sent records
     error: str | None = None
     released: bool = False
-    writers: int = 0                                 # scatters running now
+    writers: int = 0                                 # scatters and in-place receives now
     lock: threading.Condition = field(default_factory=threading.Condition)
 
     def complete(self) -> bool:
@@ -182,7 +182,8 @@ class RequestTracker:
             return req.error
 
     def release(self, request_id: str) -> None:
-        """Forget the request; returns once no scatter into its slots runs (none will start)."""
+        """Forget the request; returns once no scatter or in-place receive into its slots
+        runs (none will start)."""
         with self._lock:
             req = self._requests.pop(request_id, None)
         if req is not None:

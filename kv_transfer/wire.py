@@ -1,16 +1,16 @@
 """The one msgpack schema of the KV data plane.
 
 Per pair, the prefill rank announces itself through the decode rank's TCPStore
-(:class:`Announce`, answered by :class:`Ack`), then every transfer on the 2-rank group is::
+(:class:`Announce`, answered by :class:`Ack`), then every record is::
 
-    doorbell (store key "<pair prefix>/bell/<n>" = header length in bytes, decimal)
-    header   uint8 tensor [header length]           msgpack of Header
-    K        one message [n_tokens, *dims] per layer, in ``layers`` order   (kind == "data")
-    V        one message [n_tokens, *dims] per layer, in ``layers`` order   (kind == "data")
+    doorbell (store key "<pair prefix>/doorbell/<n>" = msgpack of Header)
+    K        one message [n, *dims] per (layer, cut), layer major   (kind == "data" only)
+    V        one message [n, *dims] per (layer, cut), layer major   (kind == "data" only)
 
-``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA. Per-layer messages
-let either side use the cache rows in place when its slots are one contiguous run (no
-gather / scatter copy). Schema version 2 (version 1 sent K and V as one message each).
+``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA; the cuts are token
+ranges both sides derive from ``dst_slots`` (:mod:`kv_transfer.cuts`), so either side can use
+cache rows in place where its slots are consecutive (no gather / scatter copy). Schema
+version 2 (version 1 sent K and V as one message each, the header as a group message).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockSet, slot_mapping
 from engine.scheduler import PREFILL, SchedulerOutput
-from prefill_worker.messages import KVPeer, Reservation, RequestSpec, TokenEvent
+from kv_transfer import KVPeer
+from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
 from prefill_worker.transfer_log import TransferLog
 from prefill_worker.kv_setup import make_layout, make_transfer_config
 from prefill_worker.leader import LeaderRank
@@ -72,16 +73,15 @@ class PrefillRank(LeaderRank):
     def after_step(self, steps: list, extra: list[ChunkTransfer] | None):
         per_token_layer = self.runner.kv_spec.bytes_per_token_per_layer
         for t in extra or ():
-            peers = _peer_tuples(t.peers)
-            self.connector.send_chunk(t.request_id, peers, t.start, t.end, t.src_slots,
+            self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
                                       t.dst_slots)
-            for pp in self.connector.plan(len(peers)).sends_from(self.rank):
+            for pp in self.connector.plan(len(t.peers)).sends_from(self.rank):
                 pair = f"{self.cfg.name}:{self.rank}->{t.peers[pp.decode_rank].instance}:" \
                        f"{pp.decode_rank}"
                 self.transfer_log.add(t.request_id, pair,
                                       len(pp.layers) * (t.end - t.start) * per_token_layer)
             if t.last:
-                self.connector.finish(t.request_id, peers, t.end)
+                self.connector.finish(t.request_id, t.peers, t.end)
         return None
 
     def send_state(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
@@ -103,7 +103,7 @@ class PrefillRank(LeaderRank):
         return self.transfer_log.take()
 
     def abort_kv(self, request_id: str, peers: tuple[KVPeer, ...]) -> None:
-        self.connector.abort(request_id, _peer_tuples(peers))
+        self.connector.abort(request_id, peers)
 
     def kv_bytes_sent(self) -> int:
         """K + V payload bytes this rank has sent."""
@@ -185,8 +185,3 @@ class PrefillRank(LeaderRank):
         records = [r for rank in self.call_all("take_transfer_log") for r in rank]
         return {"kv_bytes_sent": sum(self.call_all("kv_bytes_sent")),
                 "transfers": tuple((r.pair, r.nbytes, r.seconds, r.ok) for r in records)}
-
-
-def _peer_tuples(peers: tuple[KVPeer, ...]) -> list[tuple[str, int, str, int]]:
-    """Decode ranks as the connector takes them: ``(instance, rank, host, port)``."""
-    return [(p.instance, p.rank, p.host, p.port) for p in peers]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling import SamplingParams
+from kv_transfer import KVPeer
 
 
 @dataclass(frozen=True)
@@ -48,22 +49,6 @@ class RequestSpec:
 
 
 @dataclass(frozen=True)
-class KVPeer:
-    """Data-plane endpoint of one decode rank (where prefill ranks connect to send KV).
-
-    Attributes:
-        instance: decode instance name, e.g. "decode-0".
-        rank: TP rank inside that instance.
-        host, port: address of the rank's rendezvous store.
-    """
-
-    instance: str
-    rank: int
-    host: str
-    port: int
-
-
-@dataclass(frozen=True)
 class Reservation:
     """KV blocks a decode instance set aside for one request, before prefill computes.
 
@@ -73,7 +58,7 @@ class Reservation:
         block_ids: the request's block table on the decode side (covers
             ``RequestSpec.max_total_tokens`` tokens).
         block_size: tokens per block on the decode side.
-        peers: one :class:`KVPeer` per decode rank, in rank order.
+        peers: one :class:`~kv_transfer.KVPeer` per decode rank, in rank order.
     """
 
     request_id: str

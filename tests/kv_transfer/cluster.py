@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
-                              build_transfer_plan)
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector,
+                         TransferConfig, build_transfer_plan)
 
 RID = "req-1"
 CTX = mp.get_context("spawn")
@@ -180,6 +180,6 @@ def prefill_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> d
     return conn.stats.snapshot()
 
 
-def receive_peers(addr_q, decode_tp: int) -> list[tuple]:
+def receive_peers(addr_q, decode_tp: int) -> list[KVPeer]:
     got = dict(addr_q.get(timeout=30) for _ in range(decode_tp))
-    return [("d0", d, *got[d]) for d in range(decode_tp)]
+    return [KVPeer("d0", d, *got[d]) for d in range(decode_tp)]

@@ -82,7 +82,7 @@ def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, kille
     wait_for(lambda: conn.is_complete(RID2) or conn.failure(RID2), 30, "RID2")
     assert conn.failure(RID2) is None, conn.failure(RID2)
     check_received(s, cache)
-    # the replaced generation's receiver is woken by its stop bell and ends (bounded wait)
+    # the replaced generation's receiver is woken by its stop doorbell and ends (bounded wait)
     wait_for(lambda: not [n for n in kv_threads() if "-g1->" in n], 5, "old receiver gone")
     threads = kv_threads()
     conn.release(RID2)

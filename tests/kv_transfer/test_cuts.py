@@ -9,7 +9,7 @@ import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
 from kv_transfer import cuts
 
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
@@ -42,7 +42,7 @@ def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk):
         t.copy_(torch.randn(t.shape))
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(spec_d, "m", 1), "d0", 0, CFG)
     pre = PrefillKVConnector(p_cache, KVLayout.from_spec(spec_p, "m", 1), "p0", 0, 1, CFG)
-    peers = [("d0", 0, *dec.address)]
+    peers = [KVPeer("d0", 0, *dec.address)]
     src = slot_mapping(src_blocks, 0, tokens, spec_p.block_size)
     dst = slot_mapping(dst_blocks, 0, tokens, spec_d.block_size)
     try:

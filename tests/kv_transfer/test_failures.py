@@ -4,6 +4,8 @@ pair remade afterwards)."""
 import queue
 import time
 
+from kv_transfer import KVPeer
+
 from .cluster import CTX, RID, Scenario, run_ranks
 from .cluster import entry
 from . import failure_ranks as fr
@@ -66,7 +68,7 @@ def test_killed_prefill_fails_request_then_pair_is_remade():
         procs.procs["prefill"].terminate()
         _, (host, port) = mine.get(timeout=5)
         assert killed.wait(30), "decode never reported the failure"
-        procs.start("prefill2", fr.prefill_restarted, s, [("d0", 0, host, port)], restarted,
+        procs.start("prefill2", fr.prefill_restarted, s, [KVPeer("d0", 0, host, port)], restarted,
                     expected)
         out = procs.collect(["decode", "prefill2"], 60)
     finally:

@@ -9,8 +9,8 @@ import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import (DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig,
-                              build_transfer_plan)
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector,
+                         TransferConfig, build_transfer_plan)
 from kv_transfer.layout import rank_heads
 
 # NOTE: happy-path tests: generous bounds (2 shared cores, up to 48 threads in one process)
@@ -41,7 +41,7 @@ def test_abort_and_unknown_requests_never_write():
     d_cache = KVCache(SPEC_D)
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, CFG)
     pre = PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), "p0", 0, 1, CFG)
-    peers = [("d0", 0, *dec.address)]
+    peers = [KVPeer("d0", 0, *dec.address)]
     src = slot_mapping((3, 9, 1), 0, 12, 4)
     try:
         # unknown request: read and dropped (decode never expected it)
@@ -102,7 +102,7 @@ def test_gqa_heads_are_regrouped_p2_to_d4():
     lay = lambda tp: KVLayout.gqa("g", layers, 4, heads, 4, torch.float32, tp)  # noqa: E731
     decs = [DecodeKVConnector(d_caches[d], lay(d_tp), "d0", d, CFG) for d in range(d_tp)]
     pres = [PrefillKVConnector(p_caches[p], lay(p_tp), "p0", p, p_tp, CFG) for p in range(p_tp)]
-    peers = [("d0", d, *decs[d].address) for d in range(d_tp)]
+    peers = [KVPeer("d0", d, *decs[d].address) for d in range(d_tp)]
     src, dst = slot_mapping((7, 2, 11), 0, n, 4), slot_mapping((5, 0, 9), 0, n, 4)
     try:
         for dec in decs:
@@ -141,7 +141,7 @@ def test_one_dead_pair_does_not_affect_another():
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, cfg)
     pa, pb = (PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), name, 0, 1, cfg)
               for name in ("pa", "pb"))
-    peers = [("d0", 0, *dec.address)]
+    peers = [KVPeer("d0", 0, *dec.address)]
     src = slot_mapping((3, 9), 0, 8, 4)
     dst_a, dst_b = slot_mapping((1,), 0, 8, 8), slot_mapping((4,), 0, 8, 8)
     try:
@@ -178,7 +178,7 @@ def test_non_divisible_p3_to_d2_mla():
             for d in range(2)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 3), "p0", p, 3, CFG)
             for p in range(3)]  # NOTE: MLA ranks hold identical caches; share one here
-    peers = [("d0", d, *decs[d].address) for d in range(2)]
+    peers = [KVPeer("d0", d, *decs[d].address) for d in range(2)]
     src, dst = slot_mapping((6, 1, 4), 0, 11, 4), slot_mapping((3, 0), 0, 11, 8)
     try:
         for dec in decs:
@@ -216,7 +216,7 @@ def test_headline_shape_p16_to_d4():
             for d in range(4)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 16), "p0", p, 16, CFG)
             for p in range(16)]
-    peers = [("d0", d, *decs[d].address) for d in range(4)]
+    peers = [KVPeer("d0", d, *decs[d].address) for d in range(4)]
     src, dst = slot_mapping((2, 0, 3), 0, 9, 4), slot_mapping((1, 0), 0, 9, 8)
     try:
         for dec in decs:

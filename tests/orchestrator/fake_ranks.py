@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 
-from prefill_worker.messages import InstanceStatusInfo, KVPeer, Reservation, TokenEvent
+from kv_transfer import KVPeer
+from prefill_worker.messages import InstanceStatusInfo, Reservation, TokenEvent
 from tests.orchestrator.fakes import expected_tokens
 
 

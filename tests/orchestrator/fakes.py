@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 
-from prefill_worker.messages import InstanceStatusInfo, KVPeer, Rejection, Reservation, TokenEvent
+from kv_transfer import KVPeer
+from prefill_worker.messages import InstanceStatusInfo, Rejection, Reservation, TokenEvent
 
 VOCAB = 129_280
 EOS = 1
