@@ -101,10 +101,6 @@ class PairGroup:
         """Post ``stop`` as this pair's next doorbell through ``store`` (another client)."""
         store.set(self._doorbell_key(self.doorbells + 1), STOP)
 
-    def send(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
-        """Send ``tensors`` in order to the peer; all posted before waiting (bounded)."""
-        self.wait_sent(self.post(tensors, what), timeout_s, what)
-
     def post(self, tensors: list[torch.Tensor], what: str) -> list[dist.Work]:
         """Post sends of ``tensors`` in order; the caller keeps them alive until waited."""
         with self._errors(what):
@@ -115,11 +111,6 @@ class PairGroup:
         with self._errors(what):
             for work in works:
                 self.backend.wait(work, timeout_s)
-
-    def recv(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
-        """Receive into ``tensor`` (shape/dtype must match what the peer sends; bounded)."""
-        with self._errors(what):
-            self.backend.wait(self.group.recv([tensor], 1 - self.rank, 0), timeout_s)
 
     def recv_all(self, tensors: list[torch.Tensor], timeout_s: float, what: str) -> None:
         """Receive into ``tensors`` in order: all receives are posted before the first wait
@@ -210,7 +201,6 @@ class Rendezvous:
     def __init__(self, host: str, config: TransferConfig,
                  on_announce: Callable[[wire.Announce], dict], instance: str,
                  rank: int) -> None:
-        self.host = host
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=_td(config.connect_timeout_s))
         self.port = self._store.port

@@ -68,14 +68,6 @@ class TransferPlan:
         """Pairs decode rank ``decode_rank`` receives on (never empty)."""
         return tuple(p for p in self.pairs if p.decode_rank == decode_rank)
 
-    def peers_of(self, side: str, rank: int) -> tuple[int, ...]:
-        """Ranks of the other side paired with ``rank`` of ``side`` (``prefill``/``decode``)."""
-        if side == "prefill":
-            return tuple(p.decode_rank for p in self.sends_from(rank))
-        if side == "decode":
-            return tuple(p.prefill_rank for p in self.recvs_to(rank))
-        raise ValueError(f"side must be 'prefill' or 'decode', got {side!r}")
-
 
 def build_transfer_plan(prefill_tp: int, decode_tp: int, num_layers: int, kind: str = "mla",
                         num_kv_heads: int | None = None) -> TransferPlan:

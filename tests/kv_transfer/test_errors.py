@@ -66,7 +66,7 @@ def test_real_gloo_timeout_is_a_transfer_timeout_naming_the_pair():
     pair = PairGroup("prefill p/0 -> decode d/0 gen 1", decode_group, server, "pair/p/0/1",
                      generation=1, rank=1, backend=backend_for("cpu"), peer_layout={})
     with pytest.raises(TransferTimeout) as caught:
-        pair.recv(torch.zeros(4), 0.3, "data record of request r")
+        pair.recv_all([torch.zeros(4)], 0.3, "data record of request r")
     name = "prefill p/0 -> decode d/0 gen 1"
     assert caught.value.pair == name
     assert str(caught.value).startswith(f"{name}: data record of request r: no progress")

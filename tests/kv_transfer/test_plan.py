@@ -38,7 +38,8 @@ def test_mla_named_shapes():
         [(0, tuple(range(61))), (1, tuple(range(61)))]
     p2d1 = build_transfer_plan(2, 1, 61)
     assert [pp.layers for pp in p2d1.recvs_to(0)] == [tuple(range(31)), tuple(range(31, 61))]
-    assert p2d1.peers_of("decode", 0) == (0, 1) and p2d1.peers_of("prefill", 1) == (0,)
+    assert [pp.prefill_rank for pp in p2d1.recvs_to(0)] == [0, 1]
+    assert [pp.decode_rank for pp in p2d1.sends_from(1)] == [0]
     p3d2 = build_transfer_plan(3, 2, 61)
     assert [len(pp.layers) for pp in p3d2.pairs] == [41, 20, 21, 40]
 
