@@ -28,9 +28,54 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.payload import PayloadStats
 from kv_transfer.peer import KVPeer
 from kv_transfer.plan import PairPlan, TransferPlan, build_transfer_plan
-from kv_transfer.sender import SenderChannel, SendTask
+from kv_transfer.sender import SenderChannel, SendOwner, SendTask
 
 _MAX_FAILURES = 10_000  # remembered failed request ids (oldest forgotten first)
+
+
+class _SendProgress(SendOwner):
+    """Per-request state of one prefill rank's sends (thread-safe): how many records are
+    queued or in flight, and the first failure (of the newest ``_MAX_FAILURES`` requests)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, int] = {}
+        self._failures: OrderedDict[str, str] = OrderedDict()
+        self._cond = threading.Condition()
+
+    def queued(self, request_id: str) -> None:
+        """One more record of ``request_id`` is queued (its channel reports it finished)."""
+        with self._cond:
+            self._pending[request_id] = self._pending.get(request_id, 0) + 1
+
+    def wait_idle(self, request_id: str, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` until no record of ``request_id`` is queued or in flight;
+        returns how many still are (0: idle)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending.get(request_id, 0):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._pending.get(request_id, 0)
+
+    def failure(self, request_id: str) -> str | None:
+        with self._cond:
+            return self._failures.get(request_id)
+
+    def fail(self, request_id: str, error: str) -> None:
+        with self._cond:
+            self._failures.setdefault(request_id, error)
+            while len(self._failures) > _MAX_FAILURES:
+                self._failures.popitem(last=False)
+
+    def finished(self, task: SendTask) -> None:
+        with self._cond:
+            rid = task.header.request_id
+            self._pending[rid] -= 1
+            if not self._pending[rid]:
+                del self._pending[rid]
+                self._cond.notify_all()
 
 
 class PrefillKVConnector:
@@ -55,10 +100,8 @@ class PrefillKVConnector:
         self._fingerprint = layout.fingerprint()
         self._channels: dict[tuple[str, int], SenderChannel] = {}
         self._plans: dict[int, TransferPlan] = {}
-        self._pending: dict[str, int] = {}
-        self._failures: OrderedDict[str, str] = OrderedDict()
+        self._progress = _SendProgress()
         self._aborted: set[str] = set()
-        self._cond = threading.Condition()
         self.stats = PayloadStats()
         self._closed = False
 
@@ -119,7 +162,7 @@ class PrefillKVConnector:
         self._aborted.add(request_id)
         for channel in list(self._channels.values()):
             for task in channel.cancel(request_id):
-                self._finished(task)
+                self._progress.finished(task)
         for _, peer in self._planned(peers):
             self._enqueue(SendTask(self._record(wire.ABORT, request_id, error=reason), peer))
 
@@ -130,22 +173,17 @@ class PrefillKVConnector:
             TransferTimeout: still busy after ``timeout_s`` (default completion_timeout_s).
         """
         timeout_s = self._config.completion_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._pending.get(request_id, 0):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(
-                        f"prefill {self._instance}/{self._rank}: {self._pending[request_id]} KV "
-                        f"records of request {request_id!r} still queued or in flight after "
-                        f"{timeout_s:g} s; the decode side is slow or stuck")
-                self._cond.wait(left)
+        busy = self._progress.wait_idle(request_id, timeout_s)
+        if busy:
+            raise TransferTimeout(
+                f"prefill {self._instance}/{self._rank}: {busy} KV records of request "
+                f"{request_id!r} still queued or in flight after {timeout_s:g} s; the decode "
+                "side is slow or stuck")
         self._aborted.discard(request_id)
 
     def failure(self, request_id: str) -> str | None:
         """Why sending ``request_id`` failed, or None."""
-        with self._cond:
-            return self._failures.get(request_id)
+        return self._progress.failure(request_id)
 
     def close(self) -> None:
         """Stop all sender threads (each finishes its record in flight, bounded)."""
@@ -173,9 +211,7 @@ class PrefillKVConnector:
     def _enqueue(self, task: SendTask) -> None:
         if self._closed:
             raise TransferError(f"prefill {self._instance}/{self._rank}: connector is closed")
-        with self._cond:
-            rid = task.header.request_id
-            self._pending[rid] = self._pending.get(rid, 0) + 1
+        self._progress.queued(task.header.request_id)
         self._channel(task.peer).put(task)
 
     def _channel(self, peer: KVPeer) -> SenderChannel:
@@ -183,20 +219,6 @@ class PrefillKVConnector:
         if key not in self._channels:
             self._channels[key] = SenderChannel(
                 self._cache, self._layout, self._instance, self._rank, self._backend,
-                self._config, self.stats, self.failure, self._fail, self._finished,
+                self._config, self.stats, self._progress,
                 f"{self._instance}/{self._rank}->{peer.instance}/{peer.rank}")
         return self._channels[key]
-
-    def _fail(self, request_id: str, error: str) -> None:
-        with self._cond:
-            self._failures.setdefault(request_id, error)
-            while len(self._failures) > _MAX_FAILURES:
-                self._failures.popitem(last=False)
-
-    def _finished(self, task: SendTask) -> None:
-        with self._cond:
-            rid = task.header.request_id
-            self._pending[rid] -= 1
-            if not self._pending[rid]:
-                del self._pending[rid]
-                self._cond.notify_all()

@@ -8,19 +8,20 @@ source slots must stay allocated, and their bytes unchanged, until
 ``PrefillKVConnector.wait_idle`` returned for the request.
 
 Failure: any error on the pair (connect, timeout, dead peer) tears the group down (it is
-remade, with a new generation, for the next record) and fails every request that sent
-something on that generation and had not finished; their queued records become one
-``abort`` record each, sent on the fresh pair, so the decode rank learns promptly.
+remade, with a new generation, for the next record of a live request) and fails every
+request that sent something on that generation and had not finished; their queued records
+become one ``abort`` record per request, sent if a fresh pair to that decode rank is up (one
+is never made just for a failed request), so the decode rank learns promptly.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -34,7 +35,7 @@ from kv_transfer.peer import KVPeer
 
 log = logging.getLogger(__name__)
 _MAX_ABORTED = 4096  # remembered aborted request ids per pair
-_DEPTH = 2  # data records posted to the backend and not yet landed, per pair
+_DEPTH = 2  # data records posted to the backend and not yet known to have left, per pair
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,74 @@ class SendTask:
     src_slots: torch.Tensor | None = None
 
 
+class SendOwner(abc.ABC):
+    """What a sender channel asks of the connector that owns it: per-request state.
+
+    Called on the channel's thread (implementations are thread-safe), for the tasks the
+    owner :meth:`~SenderChannel.put`; the owner keeps the state, the channel only reports.
+    """
+
+    @abc.abstractmethod
+    def failure(self, request_id: str) -> str | None:
+        """The request's error if it already failed (on any pair), else None."""
+
+    @abc.abstractmethod
+    def fail(self, request_id: str, error: str) -> None:
+        """The request failed on this channel's pair (``error`` names the pair)."""
+
+    @abc.abstractmethod
+    def finished(self, task: SendTask) -> None:
+        """``task`` left the channel (sent, skipped or failed); once per task put."""
+
+
+def header_to_send(header: wire.Header, failure: str | None, mismatch: str | None,
+                   pair_to_peer: bool, abort_sent: bool) -> wire.Header | None:
+    """What goes on the wire for a queued record: its header, an ``abort`` header in its
+    place, or None (nothing; the record is skipped).
+
+    Args:
+        header: the queued record.
+        failure: the request's error if it already failed (here or on another pair).
+        mismatch: the layout mismatch error of the pair to the record's decode rank, if any.
+        pair_to_peer: a pair to the record's decode rank is up (the channel connects
+            before asking, unless the request already failed: never for a lost cause).
+        abort_sent: an ``abort`` of the request already went out on that pair generation.
+
+    A live request on a compatible pair sends its record. A failed request, or any request
+    on a pair whose layouts differ, sends one ``abort`` carrying the error per pair
+    generation (an ``abort`` record stays as queued, with its own reason), and only on a
+    pair that is up.
+    """
+    error = failure if failure is not None else mismatch
+    if error is None:
+        return header
+    if abort_sent or not pair_to_peer:
+        return None
+    if header.kind == wire.ABORT:
+        return header
+    return wire.Header(kind=wire.ABORT, request_id=header.request_id,
+                       prefill_rank=header.prefill_rank, fingerprint=header.fingerprint,
+                       error=error)
+
+
+def failure_text(exc: Exception, pair_name: str | None) -> str:
+    """What a request failed by ``exc`` on pair ``pair_name`` reports: the pair, once."""
+    if isinstance(exc, TransferError) and exc.pair is not None:
+        return str(exc)  # the message starts with its pair
+    return f"{pair_name or 'KV pair'}: {exc}"
+
+
 @dataclass
-class _Gathered:
+class _Payload:
     """The record's payload messages, K layers then V layers, each ``[T, *D]``: views of the
-    cache (contiguous source slots) or of pooled byte buffers ``raws`` (gathered)."""
+    cache (consecutive source slots) or of pooled byte buffers ``raws`` (gathered)."""
 
     bufs: list[torch.Tensor]
     raws: list[torch.Tensor]
 
 
 @dataclass
-class _Flight:
+class _InFlight:
     """A data record posted to the backend, not yet known to have left."""
 
     task: SendTask
@@ -65,26 +123,25 @@ class _Flight:
     what: str
     posted: float
     nbytes: int
-    payload: _Gathered  # NOTE: keeps the payloads alive until the sends complete
+    payload: _Payload  # NOTE: keeps the payloads alive until the sends complete
 
 
 class SenderChannel:
     """Sender thread of one (this prefill rank, decode ``instance/rank``) pair.
 
-    Callbacks into the owning connector (called on this thread):
-        ``failed(request_id) -> str | None``: the request's error, if it already failed.
-        ``fail(request_id, error)``: the request failed on this pair.
-        ``finished(task)``: the task left the queue (sent, skipped or failed).
+    The thread pumps the queue (:meth:`_run`): :func:`header_to_send` decides what each
+    record becomes; data records are posted and waited for up to ``_DEPTH`` at a time;
+    every pair error tears the pair generation down (:meth:`_teardown`). ``owner`` keeps the
+    requests' state (:class:`SendOwner`).
     """
 
     def __init__(self, cache: object, layout: KVLayout, instance: str, rank: int,
                  backend: PairBackend, config: TransferConfig, stats: payload.PayloadStats,
-                 failed: Callable[[str], str | None], fail: Callable[[str, str], None],
-                 finished: Callable[[SendTask], None], peer_name: str) -> None:
+                 owner: SendOwner, peer_name: str) -> None:
         self._cache, self._layout = cache, layout
         self._instance, self._rank = instance, rank
         self._backend, self._config, self._stats = backend, config, stats
-        self._failed, self._fail, self._finished = failed, fail, finished
+        self._owner = owner
         self._device = cache.k_caches[0].device
         self._pool = payload.BufferPool(keep=4)  # K+V of the record in flight + the next
         self._queue: deque[SendTask] = deque()
@@ -120,10 +177,6 @@ class SenderChannel:
         self._thread.join(timeout_s)
         self._pair = None
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _next(self, block: bool) -> SendTask | None:
         """Next queued task; None when stopping, or (``block=False``) when the queue is empty."""
         with self._cond:
@@ -136,78 +189,48 @@ class SenderChannel:
         # the gather (memory copy on this thread) overlaps the wire (the backend's threads),
         # and the receiver finds the next record's doorbell and sends already posted when it
         # finishes one (no idle wire between records).
-        flights: deque[_Flight] = deque()
-        while True:
-            task = self._next(block=not flights)
-            if task is None and not flights:
-                break
+        in_flight: deque[_InFlight] = deque()
+        while (task := self._next(block=not in_flight)) is not None or in_flight:
             if task is None:
-                self._land(flights.popleft())
+                self._wait_sent(in_flight.popleft())
                 continue
-            ahead = self._gather(task) if flights else None
-            while len(flights) >= _DEPTH:
-                self._land(flights.popleft())
-            flight = None
+            prepared = self._gather(task) if in_flight else None  # while the wire is busy
+            while len(in_flight) >= _DEPTH:
+                self._wait_sent(in_flight.popleft())
             try:
-                flight = self._handle(task, ahead)
+                sent = self._send(task, prepared)
             except Exception as exc:  # noqa: BLE001 - every pair error fails its requests
                 self._teardown(task, exc)
-                ahead = None  # NOTE: the backend may still hold it; let it be freed
-            if flight is None:
-                self._give(ahead)
-                self._finished(task)
+                self._owner.finished(task)  # NOTE: the backend may still hold ``prepared``
+                continue
+            if sent is None:
+                self._return_buffers(prepared)
+                self._owner.finished(task)
             else:
-                flights.append(flight)
-        for task in self.cancel_all():
-            self._finished(task)
-
-    def cancel_all(self) -> list[SendTask]:
+                in_flight.append(sent)
         with self._cond:
-            gone, self._queue = list(self._queue), deque()
-        return gone
+            left, self._queue = list(self._queue), deque()
+        for task in left:
+            self._owner.finished(task)
 
-    def _land(self, flight: _Flight) -> None:
-        """Wait (bounded) for an in-flight data record; a failure tears the pair down."""
-        if flight.pair is not self._pair:
-            # NOTE: its pair generation was torn down (its request failed then); the backend
-            # may still hold the payload: not given back to the pool.
-            self._finished(flight.task)
-            return
-        try:
-            self._pair.wait_sent(flight.works, self._config.payload_timeout_s, flight.what)
-            self._stats.add(wire_s=time.perf_counter() - flight.posted, nbytes=flight.nbytes)
-        except Exception as exc:  # noqa: BLE001
-            self._teardown(flight.task, exc)
-        else:
-            self._give(flight.payload)
-        finally:
-            self._finished(flight.task)
-
-    def _give(self, gathered: _Gathered | None) -> None:
-        for raw in gathered.raws if gathered is not None else ():
-            self._pool.give(raw)
-
-    def _handle(self, task: SendTask, ahead: _Gathered | None) -> _Flight | None:
-        """Send ``task``'s record: data records are posted and returned in flight."""
-        header = task.header
-        rid = header.request_id
-        failed = self._failed(rid)
-        if failed is not None:
-            # NOTE: the request already failed (here or on another pair): tell the peer once,
-            # only if its pair is up; never reconnect to a peer for a lost cause.
-            if self._pair is None or self._pair_peer != task.peer or rid in self._aborted:
-                return None
-            header = self._abort_header(header, failed)
-        else:
-            self._ensure(task.peer)
+    def _send(self, task: SendTask, prepared: _Payload | None) -> _InFlight | None:
+        """Put ``task``'s record (or the abort in its place) on the wire; a data record is
+        returned in flight. Raises the pair's errors."""
+        rid = task.header.request_id
+        failure = self._owner.failure(rid)
+        if failure is None:
+            self._connect(task.peer)
             if self._mismatch is not None:
-                self._fail(rid, self._mismatch)
-                if rid in self._aborted:
-                    return None
-                header = self._abort_header(header, self._mismatch)
+                self._owner.fail(rid, self._mismatch)
+        header = header_to_send(task.header, failure, self._mismatch,
+                                self._pair is not None and self._pair_peer == task.peer,
+                                rid in self._aborted)
+        if header is None:
+            return None
         self._active.add(rid)
         if header.kind == wire.DATA:
-            return self._post_data(task, ahead if ahead is not None else self._gather(task))
+            return self._post_data(task, prepared if prepared is not None else
+                                   self._gather(task))
         what = f"{header.kind} record of request {rid}"
         self._pair.post_doorbell(wire.encode_header(header), what)  # done/abort: doorbell only
         self._active.discard(rid)
@@ -217,13 +240,28 @@ class SenderChannel:
                 del self._aborted[next(iter(self._aborted))]
         return None
 
-    def _abort_header(self, header: wire.Header, error: str) -> wire.Header:
-        if header.kind == wire.ABORT:
-            return header
-        return wire.Header(kind=wire.ABORT, request_id=header.request_id,
-                           prefill_rank=self._rank, fingerprint=header.fingerprint, error=error)
+    def _wait_sent(self, sent: _InFlight) -> None:
+        """Wait (bounded) until an in-flight data record left; a failure tears the pair down."""
+        if sent.pair is not self._pair:
+            # NOTE: its pair generation was torn down (its request failed then); the backend
+            # may still hold the payload: not given back to the pool.
+            self._owner.finished(sent.task)
+            return
+        try:
+            self._pair.wait_sent(sent.works, self._config.payload_timeout_s, sent.what)
+            self._stats.add(wire_s=time.perf_counter() - sent.posted, nbytes=sent.nbytes)
+        except Exception as exc:  # noqa: BLE001
+            self._teardown(sent.task, exc)
+        else:
+            self._return_buffers(sent.payload)
+        finally:
+            self._owner.finished(sent.task)
 
-    def _gather(self, task: SendTask) -> _Gathered | None:
+    def _return_buffers(self, gathered: _Payload | None) -> None:
+        for raw in gathered.raws if gathered is not None else ():
+            self._pool.give(raw)
+
+    def _gather(self, task: SendTask) -> _Payload | None:
         """The wire messages of a data task (None for other records); see
         :func:`cuts.source_messages` (views of the cache where the slots allow, else one
         gather per buffer into pooled memory)."""
@@ -236,28 +274,28 @@ class SenderChannel:
                                           task.src_slots, self._pool, self._device)
         if raws:
             self._stats.add(gather_s=time.perf_counter() - t0)
-        return _Gathered(bufs, raws)
+        return _Payload(bufs, raws)
 
-    def _post_data(self, task: SendTask, got: _Gathered) -> _Flight:
+    def _post_data(self, task: SendTask, got: _Payload) -> _InFlight:
         header = task.header
-        raw = wire.encode_header(header)
         what = (f"data record of request {header.request_id} layers "
                 f"{header.layers[0]}..{header.layers[-1]} tokens "
                 f"[{header.token_start}, {header.token_end})")
-        self._pair.post_doorbell(raw, what)
+        self._pair.post_doorbell(wire.encode_header(header), what)
         works = self._pair.post(got.bufs, what)
         nbytes = sum(b.numel() * b.element_size() for b in got.bufs)
-        return _Flight(task, self._pair, works, what, time.perf_counter(), nbytes, got)
+        return _InFlight(task, self._pair, works, what, time.perf_counter(), nbytes, got)
 
-    def _ensure(self, peer: KVPeer) -> None:
+    def _connect(self, peer: KVPeer) -> None:
+        """Make the pair to ``peer`` current: kept if up, else a new generation."""
         if self._pair is not None and self._pair_peer == peer:
             return
         if self._pair is not None:  # the decode rank moved (restarted): its requests are lost
             old = self._pair_peer
             for rid in self._active:
-                self._fail(rid, f"{self._pair.name}: decode {peer.instance}/{peer.rank} moved "
-                                f"from {old.host}:{old.port} to {peer.host}:{peer.port} "
-                                "(restarted); records sent before were lost")
+                self._owner.fail(rid, f"{self._pair.name}: decode {peer.instance}/{peer.rank} "
+                                      f"moved from {old.host}:{old.port} to {peer.host}:"
+                                      f"{peer.port} (restarted); records sent before were lost")
         self._drop_pair()
         self._pair = pairs.connect(peer.host, peer.port, self._instance, self._rank,
                                    f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
@@ -275,13 +313,11 @@ class SenderChannel:
         self._aborted.clear()
 
     def _teardown(self, task: SendTask, exc: Exception) -> None:
-        if isinstance(exc, TransferError) and exc.pair is not None:
-            error = str(exc)  # the message names its pair already
-        else:
-            error = f"{self._pair.name if self._pair is not None else 'KV pair'}: {exc}"
+        """Fail every request with records on the current generation, and drop it."""
+        error = failure_text(exc, self._pair.name if self._pair is not None else None)
         log.warning("KV pair torn down: %s", error)
         for rid in self._active | {task.header.request_id}:
-            self._fail(rid, error)
+            self._owner.fail(rid, error)
         self._drop_pair()
 
 
@@ -289,7 +325,5 @@ def _local_heads(layout: KVLayout, rank: int, heads: range | None) -> slice | No
     """Global pair heads -> slice of this rank's local head axis (None for MLA)."""
     if heads is None:
         return None
-    mine = layout.heads_of(rank)
-    return slice(heads.start - mine.start, heads.stop - mine.start)
-
-
+    local = layout.heads_of(rank)
+    return slice(heads.start - local.start, heads.stop - local.start)

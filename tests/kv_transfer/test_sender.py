@@ -1,0 +1,54 @@
+"""The sender's pure decisions: what a queued record becomes, and how a failure reads."""
+
+import pytest
+import torch
+
+from kv_transfer import wire
+from kv_transfer.errors import TransferError, TransferTimeout
+from kv_transfer.sender import failure_text, header_to_send
+
+DATA = wire.Header(kind=wire.DATA, request_id="r", prefill_rank=1, fingerprint="f",
+                   layers=(0,), token_start=0, token_end=2, dst_slots=torch.tensor([3, 4]))
+DONE = wire.Header(kind=wire.DONE, request_id="r", prefill_rank=1, fingerprint="f",
+                   num_tokens=2)
+ABORT = wire.Header(kind=wire.ABORT, request_id="r", prefill_rank=1, fingerprint="f",
+                    error="client cancelled")
+
+
+@pytest.mark.parametrize("header", [DATA, DONE, ABORT])
+def test_live_request_on_a_compatible_pair_sends_its_record(header):
+    assert header_to_send(header, None, None, pair_to_peer=True, abort_sent=False) is header
+
+
+@pytest.mark.parametrize("header", [DATA, DONE])
+def test_failed_request_sends_one_abort_with_its_error_only_on_a_pair_that_is_up(header):
+    got = header_to_send(header, "pair lost", None, pair_to_peer=True, abort_sent=False)
+    assert (got.kind, got.request_id, got.prefill_rank, got.error) == (wire.ABORT, "r", 1,
+                                                                       "pair lost")
+    assert got.dst_slots is None and got.fingerprint == "f"
+    assert header_to_send(header, "pair lost", None, pair_to_peer=False,
+                          abort_sent=False) is None  # never connect for a lost cause
+    assert header_to_send(header, "pair lost", None, pair_to_peer=True,
+                          abort_sent=True) is None  # the peer knows already
+
+
+def test_layout_mismatch_turns_records_into_one_abort_carrying_the_mismatch():
+    got = header_to_send(DATA, None, "dtype differs", pair_to_peer=True, abort_sent=False)
+    assert (got.kind, got.error) == (wire.ABORT, "dtype differs")
+    assert header_to_send(DONE, None, "dtype differs", pair_to_peer=True,
+                          abort_sent=True) is None
+
+
+def test_a_queued_abort_keeps_its_own_reason():
+    assert header_to_send(ABORT, "pair lost", None, pair_to_peer=True,
+                          abort_sent=False) is ABORT
+
+
+def test_failure_text_names_the_pair_once_by_type_not_text():
+    name = "prefill p0/0 -> decode d0/0 gen 2"
+    named = TransferTimeout(f"{name}: data record: no progress within 1 s", pair=name)
+    assert failure_text(named, name) == str(named)
+    # an error raised off the pair is prefixed, even when its text looks like a pair name
+    assert failure_text(ValueError("slot 9 -> decode slot 3"), name) == \
+        f"{name}: slot 9 -> decode slot 3"
+    assert failure_text(TransferError("closed"), None) == "KV pair: closed"
