@@ -112,8 +112,8 @@ class DecodeKVConnector:
                 old.stop(self._rendezvous.store)
                 self._retired.append(old)
         if old is not None:
-            self._tracker.on_link_lost(
-                old.link, f"{old.link[0]} -> decode {self._me}: pair generation "
+            self._tracker.on_pair_lost(
+                old.source, f"{old.source.sender} -> decode {self._me}: pair generation "
                 f"{old.generation} replaced by {announce.generation} (prefill restarted or "
                 "remade the pair); records in flight on it were lost")
         return self._layout.to_dict()

@@ -22,6 +22,7 @@ import math
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -31,10 +32,39 @@ from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError
 from kv_transfer.layout import KVLayout
-from kv_transfer.tracker import RequestTracker
+from kv_transfer.tracker import PairGeneration, RequestTracker, TrackedRequest
 
 log = logging.getLogger(__name__)
 _SCATTER_DEPTH = 2
+
+
+@dataclass
+class _Targets:
+    """Where one data record's messages land.
+
+    Attributes:
+        messages: one tensor per wire message, in wire order: cache views (in place) or
+            slices of ``buffers``.
+        buffers: ``(buffer name, [Ly, T, *D] staging tensor)`` of the buffers not received
+            in place (to scatter).
+        raws: the pooled byte buffers under ``buffers``, given back after the scatter.
+    """
+
+    messages: list[torch.Tensor]
+    buffers: list[tuple[str, torch.Tensor]]
+    raws: list[torch.Tensor]
+
+
+@dataclass
+class _Staged:
+    """A received record waiting for the scatter thread (``buffers``/``raws`` as in
+    :class:`_Targets`; ``nbytes``: payload bytes, for the stats)."""
+
+    request: TrackedRequest
+    header: wire.Header
+    buffers: list[tuple[str, torch.Tensor]]
+    raws: list[torch.Tensor]
+    nbytes: int
 
 
 class ReceiverChannel:
@@ -44,7 +74,8 @@ class ReceiverChannel:
                  cache: object, layout: KVLayout, backend: PairBackend,
                  config: TransferConfig, tracker: RequestTracker,
                  stats: payload.PayloadStats) -> None:
-        self.link = (f"prefill {announce.instance}/{announce.rank}", announce.generation)
+        self.source = PairGeneration(f"prefill {announce.instance}/{announce.rank}",
+                                     announce.generation)
         self._host, self._port, self._announce, self._me = host, port, announce, me
         self._rank, self._cache, self._layout = rank, cache, layout
         self._backend, self._config = backend, config
@@ -56,7 +87,7 @@ class ReceiverChannel:
         self._group: pairs.PairGroup | None = None
         # NOTE: scatters run on their own thread so the next record's bytes arrive meanwhile;
         # at most _SCATTER_DEPTH received payloads wait (bounds memory).
-        self._scatters: queue.Queue = queue.Queue(maxsize=_SCATTER_DEPTH)
+        self._scatters: queue.Queue[_Staged | None] = queue.Queue(maxsize=_SCATTER_DEPTH)
         self._scatter_thread = threading.Thread(
             target=self._scatter_loop, daemon=True,
             name=f"kv-scatter-{announce.instance}/{announce.rank}-g{announce.generation}->{me}")
@@ -101,93 +132,110 @@ class ReceiverChannel:
                 self._receive(group, raw)
         except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
             log.warning("KV pair lost: %s", exc)
-            self._tracker.on_link_lost(self.link, f"{self.link[0]} -> decode {self._me}: "
-                                       f"pair lost: {exc}")
+            self._tracker.on_pair_lost(self.source, f"{self.source.sender} -> decode "
+                                       f"{self._me}: pair lost: {exc}")
         finally:
             self._scatters.put(None)  # the scatter thread drains what was received, then ends
 
     def _scatter_loop(self) -> None:
         while (item := self._scatters.get()) is not None:
-            req, header, staged, raws, nbytes = item
+            header = item.header
             local = self._local_heads(header.head_range())
             slots = header.dst_slots.to(self._device)
             t0 = time.perf_counter()
 
             def scatter() -> None:
-                for name, buf in staged:
+                for name, buf in item.buffers:
                     payload.scatter(self._cache, name, header.layers, local, slots, buf)
             try:
-                self._tracker.write(req, header, scatter)
+                self._tracker.write(item.request, header, scatter)
             except Exception as exc:  # noqa: BLE001 - fail the request, keep draining
-                self._tracker.fail(header.request_id, f"{self.link[0]} -> decode {self._me}: "
+                self._tracker.fail(header.request_id, f"{self.source.sender} -> decode {self._me}: "
                                    f"scatter of request {header.request_id} failed: {exc}")
                 continue
-            self._give(raws)
-            self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=nbytes)
+            self._give_back(item.raws)
+            self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=item.nbytes)
 
     def _receive(self, group: pairs.PairGroup, raw: bytes) -> None:
         header = wire.decode_header(raw)
         if header.kind == wire.DONE:
-            self._tracker.on_done(self.link, header)
+            self._tracker.on_done(self.source, header)
         elif header.kind == wire.ABORT:
-            self._tracker.on_abort(self.link, header)
+            self._tracker.on_abort(self.source, header)
         else:
             self._receive_data(group, header)
 
     def _receive_data(self, group: pairs.PairGroup, header: wire.Header) -> None:
+        """Receive one data record: in place where allowed, else staged for the scatter
+        thread; bytes of a request that may not be written are read and dropped."""
+        self._check_fits(group, header)
+        req = self._tracker.admit(self.source, header, self._num_slots)
+        plans = self._cuts(header)
+        in_place = {} if req is None else self._in_place_views(header, plans)
+        if in_place and not self._tracker.begin_write(req):
+            in_place = {}  # NOTE: released/failed meanwhile: read into staging and drop
+        targets = self._targets(header, plans, in_place)
+        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
+                f"tokens [{header.token_start}, {header.token_end})")
+        t0 = time.perf_counter()
+        done = False
+        try:  # NOTE: release() waits for in-place receives: their bytes land in the slots
+            group.recv_all(targets.messages, self._config.payload_timeout_s, what)
+            done = True
+        finally:
+            if in_place:
+                self._tracker.end_write(req, header, done and not targets.buffers)
+        nbytes = sum(t.numel() * t.element_size() for t in targets.messages)
+        self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if targets.buffers else nbytes)
+        if req is None or not targets.buffers:
+            self._give_back(targets.raws)  # all in place, or may not be written: dropped
+        else:  # NOTE: waits while _SCATTER_DEPTH records are queued
+            self._scatters.put(_Staged(req, header, targets.buffers, targets.raws, nbytes))
+
+    def _check_fits(self, group: pairs.PairGroup, header: wire.Header) -> None:
+        """Raises TransferError (the pair is lost) for a record this cache cannot hold."""
         if header.fingerprint != self._layout.fingerprint():
             raise TransferError(f"{group.name}: data record with layout fingerprint "
                                 f"{header.fingerprint}, this rank has "
-                                f"{self._layout.fingerprint()}: configs differ")
+                                f"{self._layout.fingerprint()}: configs differ", pair=group.name)
         if (len(header.layers) > self._layout.num_layers or header.n_tokens > self._num_slots
                 or max(header.layers) >= self._layout.num_layers
                 or len(header.head_range() or ()) > (self._layout.num_kv_heads or 0)):
             raise TransferError(f"{group.name}: data record of {header.request_id} with "
                                 f"{len(header.layers)} layers x {header.n_tokens} tokens does "
                                 f"not fit this cache ({self._layout.num_layers} layers, "
-                                f"{self._num_slots} slots)")
-        req = self._tracker.admit(self.link, header, self._num_slots)
-        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
-                f"tokens [{header.token_start}, {header.token_end})")
-        t0 = time.perf_counter()
-        plans = {spec.name: cuts.cut(header.dst_slots, self._token_bytes(spec, header))
-                 for spec in self._layout.buffers}
-        direct = {} if req is None else self._direct_views(header, plans)
-        if direct and not self._tracker.begin_write(req):
-            direct = {}  # NOTE: released/failed meanwhile: read into staging and drop
-        targets, staged, raws = [], [], []
-        for spec in self._layout.buffers:  # K then V: per layer, per cut
-            if spec.name in direct:
-                targets.extend(direct[spec.name])
+                                f"{self._num_slots} slots)", pair=group.name)
+
+    def _cuts(self, header: wire.Header) -> dict[str, cuts.Cuts]:
+        """Buffer name -> the record's message cuts (from its destination slots)."""
+        return {spec.name: cuts.cut(header.dst_slots, self._token_bytes(spec, header))
+                for spec in self._layout.buffers}
+
+    def _targets(self, header: wire.Header, plans: dict[str, cuts.Cuts],
+                 in_place: dict[str, list[torch.Tensor]]) -> _Targets:
+        """Where each message of the record lands, in wire order (K then V; per layer, per
+        cut): the ``in_place`` cache views, else slices of pooled staging buffers."""
+        targets = _Targets([], [], [])
+        for spec in self._layout.buffers:
+            if spec.name in in_place:
+                targets.messages.extend(in_place[spec.name])
                 continue
             shape = (len(header.layers), header.n_tokens,
                      *self._layout.token_dims(spec, header.head_range()))
-            raws.append(self._pool.take(math.prod(shape) * self._layout.element_size,
-                                        self._device))
-            buf = payload.as_tensor(raws[-1], shape, self._layout.torch_dtype)
-            staged.append((spec.name, buf))
-            targets.extend(buf[i, a:a + n] for i in range(len(header.layers))
-                           for a, n in plans[spec.name].ranges)
-        done = False
-        try:  # NOTE: release() waits for in-place receives: their bytes land in the slots
-            group.recv_all(targets, self._config.payload_timeout_s, what)
-            done = True
-        finally:
-            if direct:
-                self._tracker.end_write(req, header, done and not staged)
-        nbytes = sum(t.numel() * t.element_size() for t in targets)
-        self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if staged else nbytes)
-        if req is None or not staged:
-            self._give(raws)  # all in place, or unknown / failed / released: bytes dropped
-        else:
-            self._scatters.put((req, header, staged, raws, nbytes))  # waits if _SCATTER_DEPTH
+            raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
+            buf = payload.as_tensor(raw, shape, self._layout.torch_dtype)
+            targets.raws.append(raw)
+            targets.buffers.append((spec.name, buf))
+            targets.messages.extend(buf[i, a:a + n] for i in range(len(header.layers))
+                                    for a, n in plans[spec.name].ranges)
+        return targets
 
     def _token_bytes(self, spec, header: wire.Header) -> int:
         return math.prod(self._layout.token_dims(spec, header.head_range())) * \
             self._layout.element_size
 
-    def _direct_views(self, header: wire.Header,
-                      plans: dict[str, cuts.Cuts]) -> dict[str, list[torch.Tensor]]:
+    def _in_place_views(self, header: wire.Header,
+                        plans: dict[str, cuts.Cuts]) -> dict[str, list[torch.Tensor]]:
         """Buffer name -> cache views (per layer, per cut) for the buffers whose cuts are all
         consecutive destination runs (received in place, no scatter)."""
         local = self._local_heads(header.head_range())
@@ -207,7 +255,7 @@ class ReceiverChannel:
                 got[spec.name] = views
         return got
 
-    def _give(self, raws: list[torch.Tensor]) -> None:
+    def _give_back(self, raws: list[torch.Tensor]) -> None:
         for raw in raws:
             self._pool.give(raw)
 

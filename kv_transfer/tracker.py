@@ -26,15 +26,31 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.plan import PairPlan, build_transfer_plan
 
 
+@dataclass(frozen=True)
+class PairGeneration:
+    """One generation of one pair feeding this decode rank (records arrive on it).
+
+    Attributes:
+        sender: ``"prefill <instance>/<rank>"``, for messages.
+        generation: the pair's generation (a reconnect makes a new one).
+    """
+
+    sender: str
+    generation: int
+
+
 @dataclass
-class _Request:
+class TrackedRequest:
+    """One expected request's transfer state; the receiver holds it only between
+    :meth:`RequestTracker.admit` and the write it admits (fields are the tracker's)."""
+
     num_tokens: int
     prefill_tp: int
     deadline: float
     pairs: dict[int, PairPlan]                     # prefill rank -> what it sends us
     masks: dict[int, torch.Tensor]                 # prefill rank -> bool [Ly, num_tokens]
     done_from: set[int] = field(default_factory=set)
-    links: set[tuple] = field(default_factory=set)  # (peer key, generation) that sent records
+    sources: set[PairGeneration] = field(default_factory=set)  # sent records of it
     error: str | None = None
     released: bool = False
     writers: int = 0                                 # scatters and in-place receives now
@@ -58,7 +74,7 @@ class RequestTracker:
 
     def __init__(self, layout: KVLayout, rank: int, config: TransferConfig, me: str) -> None:
         self._layout, self._rank, self._config, self._me = layout, rank, config, me
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, TrackedRequest] = {}
         self._lock = threading.Lock()
 
     def expect(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
@@ -72,30 +88,31 @@ class RequestTracker:
         pairs = {pp.prefill_rank: pp for pp in plan.recvs_to(self._rank)}
         masks = {p: torch.zeros(len(pp.layers), num_tokens, dtype=torch.bool)
                  for p, pp in pairs.items()}
-        req = _Request(num_tokens, prefill_tp, time.monotonic() + self._config.completion_timeout_s,
-                       pairs, masks)
+        deadline = time.monotonic() + self._config.completion_timeout_s
+        req = TrackedRequest(num_tokens, prefill_tp, deadline, pairs, masks)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected on decode "
                                  f"{self._me}: release() it first")
             self._requests[request_id] = req
 
-    def admit(self, link: tuple, header: wire.Header, num_slots: int) -> _Request | None:
-        """Data record arrived on ``link``: the request to write into, or None (drop it)."""
+    def admit(self, source: PairGeneration, header: wire.Header,
+              num_slots: int) -> TrackedRequest | None:
+        """Data record arrived on ``source``: the request to write into, or None (drop it)."""
         req = self._get(header.request_id)
         if req is None:
             return None
         with req.lock:
-            req.links.add(link)
+            req.sources.add(source)
             if not self._active(req):
                 return None
             problem = _check_data(req, header, num_slots)
             if problem:
-                req.error = f"decode {self._me}: bad data record from {link[0]}: {problem}"
+                req.error = f"decode {self._me}: bad data record from {source.sender}: {problem}"
                 return None
         return req
 
-    def write(self, req: _Request, header: wire.Header, scatter) -> bool:
+    def write(self, req: TrackedRequest, header: wire.Header, scatter) -> bool:
         """Run ``scatter()`` and mark the cells, only if ``req`` is still active.
 
         NOTE: the lock is not held during the copy, so pairs feeding the same request
@@ -112,7 +129,7 @@ class RequestTracker:
             self.end_write(req, header, done)
         return True
 
-    def begin_write(self, req: _Request) -> bool:
+    def begin_write(self, req: TrackedRequest) -> bool:
         """Take write permission on ``req``'s slots if it is still active (then the caller
         must call :meth:`end_write`, whatever happens). While held, ``release`` waits.
 
@@ -126,7 +143,7 @@ class RequestTracker:
             req.writers += 1
             return True
 
-    def end_write(self, req: _Request, header: wire.Header, done: bool) -> None:
+    def end_write(self, req: TrackedRequest, header: wire.Header, done: bool) -> None:
         """Drop the permission of :meth:`begin_write`; ``done``: mark the record's cells."""
         with req.lock:
             req.writers -= 1
@@ -136,12 +153,12 @@ class RequestTracker:
                 req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
             req.lock.notify_all()
 
-    def on_done(self, link: tuple, header: wire.Header) -> None:
+    def on_done(self, source: PairGeneration, header: wire.Header) -> None:
         req = self._get(header.request_id)
         if req is None:
             return
         with req.lock:
-            req.links.add(link)
+            req.sources.add(source)
             if header.prefill_rank not in req.pairs:
                 req.error = req.error or (f"decode {self._me}: done record from prefill rank "
                                           f"{header.prefill_rank}, which the plan does not pair "
@@ -153,8 +170,8 @@ class RequestTracker:
             else:
                 req.done_from.add(header.prefill_rank)
 
-    def on_abort(self, link: tuple, header: wire.Header) -> None:
-        self.fail(header.request_id, f"{link[0]} aborted the transfer: {header.error}")
+    def on_abort(self, source: PairGeneration, header: wire.Header) -> None:
+        self.fail(header.request_id, f"{source.sender} aborted the transfer: {header.error}")
 
     def fail(self, request_id: str, error: str) -> None:
         req = self._get(request_id)
@@ -163,10 +180,10 @@ class RequestTracker:
                 if not req.complete():
                     req.error = req.error or error
 
-    def on_link_lost(self, link: tuple, error: str) -> None:
+    def on_pair_lost(self, source: PairGeneration, error: str) -> None:
         """A pair generation died: fail the incomplete requests it had carried records for."""
         with self._lock:
-            reqs = [(rid, r) for rid, r in self._requests.items() if link in r.links]
+            reqs = [(rid, r) for rid, r in self._requests.items() if source in r.sources]
         for rid, req in reqs:
             self.fail(rid, error)
 
@@ -196,7 +213,7 @@ class RequestTracker:
         with self._lock:
             return len(self._requests)
 
-    def _active(self, req: _Request) -> bool:
+    def _active(self, req: TrackedRequest) -> bool:
         """Caller holds ``req.lock``. Applies the deadline."""
         if req.released or req.error is not None:
             return False
@@ -207,11 +224,11 @@ class RequestTracker:
             return False
         return True
 
-    def _get(self, request_id: str) -> _Request | None:
+    def _get(self, request_id: str) -> TrackedRequest | None:
         with self._lock:
             return self._requests.get(request_id)
 
-    def _require(self, request_id: str) -> _Request:
+    def _require(self, request_id: str) -> TrackedRequest:
         req = self._get(request_id)
         if req is None:
             raise KeyError(f"request {request_id!r} is not expected on decode {self._me}: "
@@ -219,7 +236,7 @@ class RequestTracker:
         return req
 
 
-def _check_data(req: _Request, h: wire.Header, num_slots: int) -> str | None:
+def _check_data(req: TrackedRequest, h: wire.Header, num_slots: int) -> str | None:
     pp = req.pairs.get(h.prefill_rank)
     if pp is None:
         return f"prefill rank {h.prefill_rank} is not planned to send to this rank"

@@ -101,11 +101,11 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
 
 
 def test_release_waits_for_an_in_place_receive():
-    from tests.kv_transfer.test_tracker import LINK, _data, _tracker
+    from tests.kv_transfer.test_tracker import SOURCE, _data, _tracker
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
     header = _data("r", 0, (0, 1, 2), 0, 4)
-    req = tr.admit(LINK, header, 32)
+    req = tr.admit(SOURCE, header, 32)
     assert tr.begin_write(req)  # the receiver holds the permission during the receive
     log = []
     releaser = threading.Thread(target=lambda: (tr.release("r"), log.append("released")))

@@ -8,9 +8,9 @@ import torch
 from engine.kv_cache import KVCacheSpec
 from kv_transfer import KVLayout, TransferConfig
 from kv_transfer import wire
-from kv_transfer.tracker import RequestTracker
+from kv_transfer.tracker import PairGeneration, RequestTracker
 
-LINK = ("prefill p0/0", 1)
+SOURCE = PairGeneration("prefill p0/0", 1)
 
 
 def _tracker(tp=1, layers=3, **cfg):
@@ -30,7 +30,7 @@ def _done(rid, prank, n):
 
 
 def _deliver(tr, header):
-    req = tr.admit(LINK, header, num_slots=32)
+    req = tr.admit(SOURCE, header, num_slots=32)
     calls = []
     return req is not None and tr.write(req, header, lambda: calls.append(1)) and calls == [1]
 
@@ -40,11 +40,11 @@ def test_complete_only_after_every_layer_token_and_done_from_each_sender():
     tr.expect("r", 10, prefill_tp=2)  # P2 -> D1, 3 layers: rank 0 layers (0, 1), rank 1 (2,)
     assert _deliver(tr, _data("r", 0, (0, 1), 0, 6))
     assert _deliver(tr, _data("r", 1, (2,), 0, 10))
-    tr.on_done(LINK, _done("r", 1, 10))
+    tr.on_done(SOURCE, _done("r", 1, 10))
     assert not tr.is_complete("r")
     assert _deliver(tr, _data("r", 0, (0, 1), 6, 10))
     assert not tr.is_complete("r"), "done record of rank 0 still missing"
-    tr.on_done(LINK, _done("r", 0, 10))
+    tr.on_done(SOURCE, _done("r", 0, 10))
     assert tr.is_complete("r") and tr.failure("r") is None
 
 
@@ -63,12 +63,12 @@ def test_release_stops_writes_and_forgets():
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
     header = _data("r", 0, (0, 1, 2), 0, 4)
-    req = tr.admit(LINK, header, 32)
+    req = tr.admit(SOURCE, header, 32)
     tr.release("r")
     assert tr.write(req, header, lambda: pytest.fail("wrote after release")) is False
     with pytest.raises(KeyError, match="call expect"):
         tr.is_complete("r")
-    assert tr.admit(LINK, header, 32) is None  # unknown now: bytes are dropped
+    assert tr.admit(SOURCE, header, 32) is None  # unknown now: bytes are dropped
     tr.release("r")  # idempotent
     assert tr.pending() == 0
 
@@ -82,21 +82,21 @@ def test_release_stops_writes_and_forgets():
 def test_bad_data_records_fail_the_request(header, match):
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
-    assert tr.admit(LINK, header, 32) is None
+    assert tr.admit(SOURCE, header, 32) is None
     assert match in tr.failure("r")
 
 
-def test_abort_done_mismatch_and_link_loss():
+def test_abort_done_mismatch_and_pair_loss():
     tr = _tracker()
     for rid in ("a", "b", "c", "d"):
         tr.expect(rid, 4, prefill_tp=1)
-    tr.on_abort(LINK, wire.Header(kind=wire.ABORT, request_id="a", prefill_rank=0,
+    tr.on_abort(SOURCE, wire.Header(kind=wire.ABORT, request_id="a", prefill_rank=0,
                                   fingerprint="f", error="client cancelled"))
     assert "aborted the transfer: client cancelled" in tr.failure("a")
-    tr.on_done(LINK, _done("b", 0, 3))
+    tr.on_done(SOURCE, _done("b", 0, 3))
     assert "finished 3 tokens, expected 4" in tr.failure("b")
     assert _deliver(tr, _data("c", 0, (0,), 0, 2))
-    tr.on_link_lost(LINK, "pair lost: boom")
+    tr.on_pair_lost(SOURCE, "pair lost: boom")
     assert tr.failure("c") == "pair lost: boom"
     assert tr.failure("d") is None, "requests the pair never carried are not failed"
     with pytest.raises(ValueError, match="already expected"):
@@ -108,7 +108,7 @@ def test_release_waits_for_a_running_scatter():
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
     header = _data("r", 0, (0, 1, 2), 0, 4)
-    req = tr.admit(LINK, header, 32)
+    req = tr.admit(SOURCE, header, 32)
     started, finish, log = threading.Event(), threading.Event(), []
 
     def slow_scatter():
