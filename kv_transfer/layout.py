@@ -170,14 +170,15 @@ class KVLayout:
         canon = json.dumps({k: full[k] for k in COMPATIBLE_FIELDS}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
-    def check_compatible(self, other: KVLayout, me: str = "prefill", them: str = "decode") -> None:
-        """Raise :class:`LayoutMismatchError` naming every differing field with both values.
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise :class:`LayoutMismatchError` naming every differing field with both values;
+        ``self`` is the prefill side's layout, ``other`` the decode side's.
 
         Example message: ``"KV layouts differ: dtype: prefill float32 vs decode bfloat16"``.
         """
-        mine, theirs = self.to_dict(), other.to_dict()
-        diffs = [f"{k}: {me} {_show(mine[k])} vs {them} {_show(theirs[k])}"
-                 for k in COMPATIBLE_FIELDS if mine[k] != theirs[k]]
+        prefill, decode = self.to_dict(), other.to_dict()
+        diffs = [f"{k}: prefill {_show(prefill[k])} vs decode {_show(decode[k])}"
+                 for k in COMPATIBLE_FIELDS if prefill[k] != decode[k]]
         if diffs:
             raise LayoutMismatchError(
                 "KV layouts differ: " + "; ".join(diffs)

@@ -11,6 +11,7 @@ The cache object is duck-typed: ``{name}_caches[layer]`` is ``[num_blocks, block
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -38,7 +39,6 @@ class BufferPool:
     """
 
     def __init__(self, keep: int = 4) -> None:
-        import threading
         self._free: list[torch.Tensor] = []
         self._keep = keep
         self._lock = threading.Lock()
@@ -65,16 +65,13 @@ def as_tensor(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> 
 
 
 def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
-           src_slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy ``src_slots`` of ``layers`` into a contiguous ``[Ly, T, *D]`` tensor (``out``).
+           src_slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy ``src_slots`` of ``layers`` into ``out``, a contiguous ``[Ly, T, *D]`` tensor;
+    returns ``out``.
 
     ``src_slots``: int64 ``[T]`` on the cache's device. One ``index_select`` per layer, written
     straight into the payload (no intermediate copy).
     """
-    first = flat(cache, name, layers[0], heads)
-    shape = (len(layers), src_slots.numel(), *first.shape[1:])
-    if out is None:
-        out = torch.empty(shape, dtype=first.dtype, device=first.device)
     for i, layer in enumerate(layers):
         torch.index_select(flat(cache, name, layer, heads), 0, src_slots, out=out[i])
     return out
@@ -102,7 +99,6 @@ class PayloadStats:
     """
 
     def __init__(self) -> None:
-        import threading
         self._lock = threading.Lock()
         self.gather_s = self.scatter_s = self.wire_s = 0.0
         self.bytes = self.transfers = 0

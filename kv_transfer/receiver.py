@@ -153,7 +153,7 @@ class ReceiverChannel:
                 self._tracker.fail(header.request_id, f"{self.source.sender} -> decode {self._me}: "
                                    f"scatter of request {header.request_id} failed: {exc}")
                 continue
-            self._give_back(item.raws)
+            self._return_buffers(item.raws)
             self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=item.nbytes)
 
     def _receive(self, group: pairs.PairGroup, raw: bytes) -> None:
@@ -188,7 +188,7 @@ class ReceiverChannel:
         nbytes = sum(t.numel() * t.element_size() for t in targets.messages)
         self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if targets.buffers else nbytes)
         if req is None or not targets.buffers:
-            self._give_back(targets.raws)  # all in place, or may not be written: dropped
+            self._return_buffers(targets.raws)  # all in place, or may not be written: dropped
         else:  # NOTE: waits while _SCATTER_DEPTH records are queued
             self._scatters.put(_Staged(req, header, targets.buffers, targets.raws, nbytes))
 
@@ -255,7 +255,7 @@ class ReceiverChannel:
                 got[spec.name] = views
         return got
 
-    def _give_back(self, raws: list[torch.Tensor]) -> None:
+    def _return_buffers(self, raws: list[torch.Tensor]) -> None:
         for raw in raws:
             self._pool.give(raw)
 
