@@ -48,8 +48,9 @@ def _td(seconds: float) -> datetime.timedelta:
 class PairGroup:
     """One generation of one pair: the 2-rank group plus the store used for doorbells.
 
-    Errors of every method are :class:`TransferError` (:class:`TransferTimeout` for a
-    bound that ran out) with ``pair`` = ``name``.
+    Errors of the record methods (:meth:`post_doorbell`, :meth:`post`, :meth:`wait_sent`,
+    :meth:`recv_all`) are :class:`TransferError` (:class:`TransferTimeout` for a bound that
+    ran out) with ``pair`` = ``name``; the doorbell wait and :meth:`wake` raise the store's.
 
     Attributes:
         name: ``"prefill <inst>/<rank> -> decode <inst>/<rank> gen <g>"`` for error messages.
