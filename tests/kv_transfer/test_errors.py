@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.backend import backend_for
+from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError, TransferTimeout
-from kv_transfer.pair import PairGroup
+from kv_transfer.pair import PairGroup, connect
 
 
 class _FailingWork:
@@ -96,3 +97,21 @@ def test_package_root_imports_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_malformed_ack_fails_the_connect_naming_the_pair():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+
+    def bad_decode_rank() -> None:  # answers the first announce with bytes that are no Ack
+        server.wait(["announce/1"])
+        server.set("pair/p0/0/1/ack", b"\xc1")
+    answer = threading.Thread(target=bad_decode_rank)
+    answer.start()
+    with pytest.raises(TransferError) as caught:
+        connect("127.0.0.1", server.port, "p0", 0, "d0/0", {}, backend_for("cpu"),
+                TransferConfig(connect_timeout_s=10))
+    answer.join()
+    where = f"prefill p0/0 -> decode d0/0 at 127.0.0.1:{server.port}"
+    assert caught.value.pair == where and not isinstance(caught.value, TransferTimeout)
+    assert str(caught.value).startswith(f"{where}: malformed Ack")
