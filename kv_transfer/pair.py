@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 

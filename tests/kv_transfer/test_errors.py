@@ -79,7 +79,8 @@ def test_idle_doorbell_wait_survives_store_timeouts_and_ends_when_the_store_dies
     client = _client(server.port)
     client.set_timeout(datetime.timedelta(seconds=0.1))  # NOTE: several get() timeouts below
     pair = PairGroup("p -> d gen 1", None, client, "pair/p/0/1", 1, 1, backend_for("cpu"), {})
-    later = threading.Timer(0.6, lambda: server.set("pair/p/0/1/doorbell/1", b"header"))
+    later = threading.Timer(0.6, _client(server.port).set,
+                            args=("pair/p/0/1/doorbell/1", b"header"))
     later.start()
     assert pair.wait_doorbell(threading.Event()) == b"header"
     assert pair.doorbells == 1
