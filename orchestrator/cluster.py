@@ -192,8 +192,8 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
         raise BringUpError(
-            f"{inst.name}: placement group of {inst.parallel.tp} x {bundle} ({STRATEGY}: all on one "
-            f"node) not ready within {timeout:g} s: no node has those resources free (see "
+            f"{inst.name}: placement group of {inst.parallel.tp} x {bundle} ({STRATEGY}: all "
+            f"on one node) not ready within {timeout:g} s: no node has those resources free (see "
             "`ray status`); lower cluster.cpus_per_rank or the tp, or add nodes") from None
     return InstanceRanks(cfg=inst, pg=pg)
 
