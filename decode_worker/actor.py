@@ -19,7 +19,7 @@ import time
 
 from engine.scheduler import DECODE, Request
 from prefill_worker.messages import KVPeer, Rejection, Reservation, RequestSpec, TokenEvent
-from prefill_worker.kv_setup import make_layout, make_transfer_config
+from prefill_worker.kv_setup import make_layout, stretch_completion
 from prefill_worker.leader import LeaderRank
 
 from prefill_worker.colocated import ColocatedRank  # noqa: F401  (actor class export)
@@ -41,8 +41,8 @@ class DecodeRank(LeaderRank):
 
         self.connector = DecodeKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            make_transfer_config(self.cfg, completion_factor=ORPHAN_FACTOR),
-            host=self.cfg.bind_host)
+            stretch_completion(self.cfg.transfer, ORPHAN_FACTOR),
+            host=self.cfg.parallel.bind_host)
         if self.rank == 0:
             self.setup_leader()
             self.pending: dict[str, tuple[Request, float]] = {}  # reserved, KV not yet complete
@@ -102,7 +102,7 @@ class DecodeRank(LeaderRank):
             self._drop_pending(spec.request_id)
             raise
         return Reservation(spec.request_id, self.cfg.name, blocks.block_ids,
-                           self.cfg.block_size, self.peers_kv)
+                           self.cfg.scheduler.block_size, self.peers_kv)
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete."""
@@ -149,8 +149,8 @@ class DecodeRank(LeaderRank):
         _, since = self.pending[request_id]
         admitted_at = self.admitted.get(request_id)
         if admitted_at is not None:
-            return now - admitted_at > self.cfg.completion_timeout_s
-        return now - since > ORPHAN_FACTOR * self.cfg.completion_timeout_s
+            return now - admitted_at > self.cfg.transfer.completion_timeout_s
+        return now - since > ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s
 
     def _admit_complete(self) -> bool:
         """Move admitted requests whose KV is complete on every rank into the batch; fail
@@ -168,7 +168,7 @@ class DecodeRank(LeaderRank):
             if errors or (None in per_rank and self._overdue(rid, now)):
                 why = errors[0] if errors else (
                     f"KV for the prompt did not reach every rank of {self.cfg.name} within "
-                    f"{self.cfg.completion_timeout_s} s of the first token")
+                    f"{self.cfg.transfer.completion_timeout_s} s of the first token")
                 if self._drop_pending(rid) is not None:
                     self.kv_failures += 1
                     self.emit(TokenEvent(rid, (), "error", why, self.source, self.cfg.name))

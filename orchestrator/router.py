@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import AsyncIterator, Protocol
 
-from engine.sampling import fill_seed
+from engine.sampling_params import fill_seed
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer

@@ -23,7 +23,7 @@ from engine.block_pool import BlockSet, slot_mapping
 from engine.scheduler import PREFILL, SchedulerOutput
 from prefill_worker.messages import KVPeer, Reservation, RequestSpec, TokenEvent
 from prefill_worker.transfer_log import TransferLog
-from prefill_worker.kv_setup import make_layout, make_transfer_config
+from prefill_worker.kv_setup import make_layout
 from prefill_worker.leader import LeaderRank
 
 
@@ -61,7 +61,7 @@ class PrefillRank(LeaderRank):
 
         self.connector = PrefillKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            self.cfg.tp, make_transfer_config(self.cfg))
+            self.cfg.parallel.tp, self.cfg.transfer)
         self.transfer_log = TransferLog()
         if self.rank == 0:
             self.setup_leader()
@@ -120,7 +120,7 @@ class PrefillRank(LeaderRank):
                 self.reservations[spec.request_id] = reservation
 
     def _transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
-        bs = self.cfg.block_size
+        bs = self.cfg.scheduler.block_size
         plans = []
         for c in out.chunks:
             res = self.reservations[c.request.request_id]
@@ -161,12 +161,12 @@ class PrefillRank(LeaderRank):
                 return False
             peers = res.peers if res is not None else ()
             self.call_all("abort_kv", request_id, peers)
-            states = self.call_all("send_state", [request_id], self.cfg.payload_timeout_s)
+            states = self.call_all("send_state", [request_id], self.cfg.transfer.payload_timeout_s)
             if blocks is not None:
                 self.pool.free(blocks)
         if not all(s[request_id] for s in states):
             raise TimeoutError(f"{self.cfg.name}: sends of {request_id} still in flight after "
-                               f"{self.cfg.payload_timeout_s} s")
+                               f"{self.cfg.transfer.payload_timeout_s} s")
         return True
 
     def num_active(self) -> int:

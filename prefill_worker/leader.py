@@ -32,7 +32,7 @@ class LeaderRank(RankBase):
     source: str
 
     def setup_leader(self) -> None:
-        cfg = self.cfg
+        cfg = self.cfg.scheduler
         self.pool = BlockPool(cfg.num_kv_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.pool, self.policy, chunk_size=cfg.chunk_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -57,9 +57,10 @@ class LeaderRank(RankBase):
         """Why a request needing ``blocks_needed`` blocks can never run here, or None."""
         if blocks_needed <= self.pool.num_blocks:
             return None
-        return (f"request needs {blocks_needed} KV blocks of {self.cfg.block_size} tokens; "
-                f"{self.cfg.name} has {self.pool.num_blocks} in all: shorten the prompt or "
-                "max_tokens, or raise num_kv_blocks")
+        return (f"request needs {blocks_needed} KV blocks of "
+                f"{self.cfg.scheduler.block_size} tokens; {self.cfg.name} has "
+                f"{self.pool.num_blocks} in all: shorten the prompt or max_tokens, or raise "
+                "num_kv_blocks")
 
     def enqueue(self, spec: RequestSpec) -> bool:
         """Queue a new request (caller holds the lock); one that can never fit gets an error
@@ -130,7 +131,7 @@ class LeaderRank(RankBase):
         # NOTE: asks every rank (bounded), so a dead rank shows as an unreachable instance.
         ranks = self.ranks_info(timeout_s=STATUS_TIMEOUT_S)
         return InstanceStatusInfo(
-            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp, ranks=ranks,
+            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.parallel.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
             outstanding_tokens=self.scheduler.num_outstanding_tokens, **self.transfer_stats())

@@ -14,7 +14,6 @@ ranks in lock step. A rank that does not answer within ``step_timeout_s`` fails 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -24,7 +23,9 @@ from datetime import timedelta
 
 import torch
 
-from prefill_worker.messages import InstanceConfig, InstanceStatusInfo, TokenEvent
+from engine import envs
+from prefill_worker.config import InstanceConfig
+from prefill_worker.messages import InstanceStatusInfo, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,15 @@ class RankBase(ABC):
         self._wake = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
-        if not cfg.bind_host:  # multi-node: listen on this node's address
+        if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
 
-            self.cfg = cfg = replace(cfg, bind_host=ray.util.get_node_ip_address())
-        if cfg.bind_host == "127.0.0.1":
+            self.cfg = cfg = replace(cfg, parallel=replace(
+                cfg.parallel, bind_host=ray.util.get_node_ip_address()))
+        if cfg.parallel.bind_host == "127.0.0.1":
             # NOTE: keep Gloo's sockets on loopback too (it otherwise resolves the hostname).
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(max(1, int(os.environ.get("ORCH_TORCH_THREADS", "1"))))
+            envs.GLOO_SOCKET_IFNAME.set_default("lo")
+        torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
 
     # ---- bring-up -----------------------------------------------------------------------
     def node_info(self) -> tuple[str, str]:
@@ -65,16 +67,17 @@ class RankBase(ABC):
         import ray
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        return node, self.cfg.device
+        return node, self.cfg.parallel.device
 
     def open_tp_store(self) -> tuple[str, int]:
         """Leader only: open the TCPStore the instance's ranks rendezvous on; (host, port)."""
         from torch.distributed import TCPStore
 
-        self._store = TCPStore(self.cfg.bind_host, 0, self.cfg.tp, is_master=True,
-                               timeout=timedelta(seconds=self.cfg.connect_timeout_s),
+        self._store = TCPStore(self.cfg.parallel.bind_host, 0, self.cfg.parallel.tp,
+                               is_master=True,
+                               timeout=timedelta(seconds=self.cfg.transfer.connect_timeout_s),
                                wait_for_workers=False)
-        return self.cfg.bind_host, self._store.port
+        return self.cfg.parallel.bind_host, self._store.port
 
     def init_rank(self, host: str, port: int, peers: list) -> None:
         """Join the TP group, load the model shard, build role state. Collective.
@@ -87,13 +90,16 @@ class RankBase(ABC):
 
         self.peers = list(peers)
         try:
-            tp = init_tp_group(self.rank, self.cfg.tp, host, port, self.cfg.dist_backend,
-                               self.cfg.connect_timeout_s, store=self._store)
+            tp = init_tp_group(self.rank, self.cfg.parallel.tp, host, port,
+                               self.cfg.parallel.dist_backend,
+                               self.cfg.transfer.connect_timeout_s, store=self._store)
             # NOTE: Ray gives each rank actor one accelerator and hides the others
             # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
-            device = "cpu" if self.cfg.device == "cpu" else f"{self.cfg.device}:0"
-            self.runner = ModelRunner(self.cfg.checkpoint_dir, num_kv_blocks=self.cfg.num_kv_blocks,
-                                      block_size=self.cfg.block_size,
+            kind = self.cfg.parallel.device
+            device = "cpu" if kind == "cpu" else f"{kind}:0"
+            self.runner = ModelRunner(self.cfg.checkpoint_dir,
+                                      num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
+                                      block_size=self.cfg.scheduler.block_size,
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
@@ -125,10 +131,10 @@ class RankBase(ABC):
         logits = self.runner.execute(steps) if steps else None
         mine = self.after_step(steps, extra)
         try:
-            others = ray.get(refs, timeout=self.cfg.step_timeout_s) if refs else []
+            others = ray.get(refs, timeout=self.cfg.parallel.step_timeout_s) if refs else []
         except ray.exceptions.GetTimeoutError as exc:
             raise TimeoutError(f"{self.cfg.name}: a rank did not finish a step within "
-                               f"{self.cfg.step_timeout_s} s") from exc
+                               f"{self.cfg.parallel.step_timeout_s} s") from exc
         return logits, [mine, *others]
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
@@ -139,7 +145,7 @@ class RankBase(ABC):
         mine = getattr(self, method)(*args)
         if not refs:
             return [mine]
-        return [mine, *ray.get(refs, timeout=timeout_s or self.cfg.step_timeout_s)]
+        return [mine, *ray.get(refs, timeout=timeout_s or self.cfg.parallel.step_timeout_s)]
 
     # ---- leader loop --------------------------------------------------------------------
     def start(self) -> None:

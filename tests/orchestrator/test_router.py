@@ -278,7 +278,7 @@ def test_least_outstanding_tokens_spreads_over_decode_instances():
     from orchestrator.assemble import build_router
     from orchestrator.config import OrchConfig
     from orchestrator.request import GenerateInput
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
     from tests.orchestrator.fakes import FakeDecode, FakePrefill, Remote
     from tests.orchestrator.harness import MODEL
 

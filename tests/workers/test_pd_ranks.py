@@ -11,9 +11,11 @@ import torch
 
 from decode_worker.actor import DecodeRank
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.messages import InstanceConfig, Rejection, Reservation, RequestSpec
+from kv_transfer.config import TransferConfig
+from prefill_worker.config import InstanceConfig, SchedulerConfig
+from prefill_worker.messages import Rejection, Reservation, RequestSpec
 from prefill_worker.actor import PrefillRank
 from tests.engine.engine_drive import generate_greedy
 
@@ -25,11 +27,13 @@ def ckpt(tmp_path_factory):
 
 
 def start(cls, ckpt, role, **kw):
-    cfg = InstanceConfig(name=f"{role}-0", role=role, tp=1, checkpoint_dir=str(ckpt),
-                         block_size=kw.pop("block_size", 4), num_kv_blocks=kw.pop("blocks", 64),
-                         chunk_size=8, max_num_batched_tokens=16, max_num_seqs=4,
-                         connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
-                         completion_timeout_s=kw.pop("completion_timeout_s", 20))
+    scheduler = SchedulerConfig(block_size=kw.pop("block_size", 4),
+                                num_kv_blocks=kw.pop("blocks", 64), chunk_size=8,
+                                max_num_batched_tokens=16, max_num_seqs=4)
+    transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
+                              completion_timeout_s=kw.pop("completion_timeout_s", 20))
+    cfg = InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
+                         scheduler=scheduler, transfer=transfer)
     rank = cls(cfg, 0)
     host, port = rank.open_tp_store()
     rank.init_rank(host, port, [rank])
