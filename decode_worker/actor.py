@@ -22,8 +22,6 @@ from prefill_worker.messages import KVPeer, Rejection, Reservation, RequestSpec,
 from prefill_worker.kv_setup import make_layout, make_transfer_config
 from prefill_worker.leader import LeaderRank
 
-from prefill_worker.colocated import ColocatedRank  # noqa: F401  (actor class export)
-
 # NOTE: a reservation never admitted (router gone) is freed after this many completion timeouts.
 ORPHAN_FACTOR = 4
 
@@ -84,7 +82,7 @@ class DecodeRank(LeaderRank):
             reason = self.too_big(need)
             if reason is not None:
                 return Rejection(spec.request_id, reason, retryable=False)
-            if self.buried(spec.request_id):
+            if self.has_tombstone(spec.request_id):
                 return Rejection(spec.request_id, f"request {spec.request_id!r} was aborted "
                                  "before its reservation", retryable=False)
             if spec.request_id in self.pending or self.scheduler.find(spec.request_id):
@@ -131,7 +129,7 @@ class DecodeRank(LeaderRank):
         """End a request wherever it is; blocks freed once receivers dropped it."""
         with self._lock:
             if request_id not in self.pending and self.scheduler.find(request_id) is None:
-                self.bury(request_id)  # a reserve still on its way is refused
+                self.add_tombstone(request_id)  # a reserve still on its way is refused
                 return False
         if self._drop_pending(request_id) is not None:
             found = True
@@ -187,10 +185,10 @@ class DecodeRank(LeaderRank):
     def step(self) -> bool:
         moved = self._admit_complete()
         with self._lock:
-            ran = self.leader_step()
-            if ran is not None:
-                self.finish_sampled(ran[1])
-        return ran is not None or moved
+            result = self.leader_step()
+            if result is not None:
+                self.finish_sampled(result.sampled)
+        return result is not None or moved
 
     def num_active(self) -> int:
         return super().num_active() + len(self.pending)
