@@ -178,12 +178,13 @@ class DecodeRank(LeaderRank):
         if complete and entry.state is DecodeRequestState.WAITING_FOR_KV:
             self._join_batch(request_id)
         elif errors or now > entry.deadline:
-            self._fail_reserved(request_id, errors[0] if errors else self._overdue(entry))
+            self._fail_reserved(request_id, errors[0] if errors else self._deadline_error(entry),
+                                kv_failed=bool(errors) or not complete)
         else:
             return False
         return True
 
-    def _overdue(self, entry: ReservedRequest) -> str:
+    def _deadline_error(self, entry: ReservedRequest) -> str:
         """Why ``entry`` failed at its deadline."""
         timeout = self.cfg.completion_timeout_s
         if entry.state is DecodeRequestState.WAITING_FOR_KV:
@@ -202,9 +203,12 @@ class DecodeRank(LeaderRank):
                 entry.request.num_computed_tokens = entry.request.num_prompt_tokens
                 self.scheduler.add(entry.request)
 
-    def _fail_reserved(self, request_id: str, error: str) -> None:
+    def _fail_reserved(self, request_id: str, error: str, kv_failed: bool) -> None:
+        """End a reserved request with ``error`` and free its blocks; ``kv_failed``: its KV
+        broke or was missing (counted in ``kv_failures``)."""
         if self._drop_reserved(request_id) is not None:
-            self.kv_failures += 1
+            if kv_failed:
+                self.kv_failures += 1
             self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name))
 
     def step(self) -> bool:

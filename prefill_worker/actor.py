@@ -51,7 +51,7 @@ class ChunkTransfer:
 
 class PrefillRank(LeaderRank):
     """Rank actor of a prefill instance. Leader methods: ``prefill``, ``abort``, ``poll``,
-    ``status``, ``drain``, ``shutdown``; every rank: ``send_state``, ``abort_kv``."""
+    ``status``, ``drain``, ``shutdown``; every rank: ``sends_idle``, ``abort_kv``."""
 
     policy = PREFILL
     source = "prefill"
@@ -85,8 +85,9 @@ class PrefillRank(LeaderRank):
             if t.last:
                 self.connector.finish(t.request_id, peers, t.end)
 
-    def send_state(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
-        """request id -> True when no send of it is queued or in flight on this rank."""
+    def sends_idle(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
+        """request id -> True when no send of it is queued or in flight on this rank (waits
+        up to ``timeout_s`` for each); an idle request's transfer record is closed."""
         from kv_transfer import TransferTimeout
 
         out = {}
@@ -145,8 +146,8 @@ class PrefillRank(LeaderRank):
         """Free the blocks of requests whose sends finished on every rank."""
         if not self.draining:
             return False
-        states = self.call_all("send_state", list(self.draining))
-        done = [rid for rid in list(self.draining) if all(s[rid] for s in states)]
+        idle = self.call_all("sends_idle", list(self.draining))
+        done = [rid for rid in list(self.draining) if all(rank[rid] for rank in idle)]
         for rid in done:
             self.pool.free(self.draining.pop(rid))
             self.reservations.pop(rid, None)
@@ -163,10 +164,10 @@ class PrefillRank(LeaderRank):
                 return False
             peers = res.peers if res is not None else ()
             self.call_all("abort_kv", request_id, peers)
-            states = self.call_all("send_state", [request_id], self.cfg.payload_timeout_s)
+            idle = self.call_all("sends_idle", [request_id], self.cfg.payload_timeout_s)
             if blocks is not None:
                 self.pool.free(blocks)
-        if not all(s[request_id] for s in states):
+        if not all(rank[request_id] for rank in idle):
             raise TimeoutError(f"{self.cfg.name}: sends of {request_id} still in flight after "
                                f"{self.cfg.payload_timeout_s} s")
         return True

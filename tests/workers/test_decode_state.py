@@ -43,7 +43,8 @@ def test_reservation_never_admitted_is_freed_after_its_kv_arrived(ckpt):
         assert ev.finish_reason == "error", ev
         assert f"within {ORPHAN_FACTOR * timeout_s} s of the reservation" in ev.error
         wait_all_free(prefill, decode)
-        assert decode.pool.num_live_sets == 0 and decode.status().kv_failures == 1
+        assert decode.pool.num_live_sets == 0
+        assert decode.status().kv_failures == 0  # its KV transfer did not fail
     finally:
         prefill.shutdown()
         decode.shutdown()
