@@ -18,10 +18,10 @@ from engine.scheduler import Request
 class DecodeRequestState(enum.Enum):
     """Where a reserved request waits (vLLM v1 calls the second one WAITING_FOR_REMOTE_KVS)."""
 
+    # blocks reserved and receivers armed; prefill's first token not admitted yet
     WAITING_FOR_FIRST_TOKEN = "waiting_for_first_token"
-    """Blocks reserved and receivers armed; prefill's first token has not been admitted."""
+    # first token admitted; joins the batch once every rank has every layer of the prompt
     WAITING_FOR_KV = "waiting_for_kv"
-    """First token admitted; joins the batch once every rank has every layer of the prompt."""
 
 
 @dataclass
@@ -44,12 +44,9 @@ class ReservedRequest:
 class KVState(enum.Enum):
     """One rank's view of one request's prompt KV."""
 
-    ARRIVING = "arriving"
-    """Layers or completion records still missing."""
-    COMPLETE = "complete"
-    """Every planned layer of every prompt token and every completion record arrived."""
-    FAILED = "failed"
-    """The transfer failed, was aborted or timed out (see :attr:`KVStatus.error`)."""
+    ARRIVING = "arriving"  # layers or completion records still missing
+    COMPLETE = "complete"  # every planned layer of every prompt token and every "done" record
+    FAILED = "failed"  # failed, aborted, timed out or released: see KVStatus.error
 
 
 @dataclass(frozen=True)

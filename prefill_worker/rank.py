@@ -10,7 +10,7 @@ SPMD: only the leader schedules. Each step it calls ``execute_step`` on every ot
 (Ray actor calls) and runs the same step itself; the TP all-reduces inside the model keep the
 ranks in lock step. A rank that does not answer within ``step_timeout_s`` fails the step.
 
-Role hooks (PrefillRank, DecodeRank, ColocatedRank override these; nothing else does):
+Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank override them):
 
 - ``setup_role()``: every rank, at the end of ``init_rank`` once the model runner exists;
   builds the role's state (KV connector; on the leader the scheduler, via
