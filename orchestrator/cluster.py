@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 RANK_CLASSES = {
     "prefill": "prefill_worker.actor:PrefillRank",
     "decode": "decode_worker.actor:DecodeRank",
-    "colocated": "decode_worker.actor:ColocatedRank",
+    "colocated": "prefill_worker.colocated:ColocatedRank",
 }
 ACTOR_CONCURRENCY = 16  # NOTE: poll() blocks a thread while reserve/abort/status still answer
 SHUTDOWN_TIMEOUT_S = 30.0

@@ -9,6 +9,19 @@ peers)`` (collective: TP rendezvous, model load) -> leader ``start()`` -> ... ->
 SPMD: only the leader schedules. Each step it calls ``execute_step`` on every other rank
 (Ray actor calls) and runs the same step itself; the TP all-reduces inside the model keep the
 ranks in lock step. A rank that does not answer within ``step_timeout_s`` fails the step.
+
+Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank override them):
+
+- ``setup_role()``: every rank, at the end of ``init_rank`` once the model runner exists;
+  builds the role's state (KV connector; on the leader the scheduler, via
+  ``LeaderRank.setup_leader``).
+- ``after_step(step_inputs)``: every rank, right after its model step (prefill queues
+  KV sends here).
+- ``close_role()``: every rank, at the end of ``shutdown`` after the loop thread stopped;
+  releases what ``setup_role`` opened.
+- leader only: ``step()`` (the loop's iteration), ``fail_all(error)``, ``num_active()``,
+  ``status()``; ``LeaderRank`` implements the last three, ``transfer_stats()`` adds the role's
+  fields to ``status()``.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -106,46 +120,52 @@ class RankBase(ABC):
         self.setup_role()
 
     def setup_role(self) -> None:
-        """Hook: build role state (scheduler, KV connector) once the runner exists."""
+        """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
+        is not started): build the role's state (KV connector; scheduler on the leader)."""
 
     # ---- SPMD ---------------------------------------------------------------------------
-    def execute_step(self, steps: list, extra=None):
-        """Follower side of one step: run the model on ``steps``; role hook for ``extra``."""
+    def execute_step(self, steps: list, step_inputs: Any = None) -> None:
+        """Follower side of one step (a Ray call from the leader's :meth:`run_step`): run the
+        model on ``steps``, then :meth:`after_step` with the role's ``step_inputs``."""
         if steps:
             self.runner.execute(steps)
-        return self.after_step(steps, extra)
+        self.after_step(step_inputs)
 
-    def after_step(self, steps: list, extra):
-        """Hook run on every rank after the model step (e.g. enqueue KV sends)."""
-        return None
+    def after_step(self, step_inputs: Any) -> None:
+        """Role hook, every rank, right after this rank's model step (on the leader under its
+        lock, on a follower in the Ray call); ``step_inputs`` is what the leader's
+        ``step_inputs_for`` made for this step (None when it made nothing). It may queue work
+        on this rank's own role state (KV sends), never touch the scheduler."""
 
-    def run_step(self, steps: list, extra=None) -> tuple[torch.Tensor | None, list]:
-        """Leader: run one step on all ranks; returns (leader logits [B, V], followers' results).
+    def run_step(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None:
+        """Leader: run one step on all ranks; the leader's logits ``[B, V]`` (None when
+        ``steps`` is empty).
 
         Raises:
             TimeoutError: a follower did not finish within ``step_timeout_s``.
         """
         import ray
 
-        refs = [p.execute_step.remote(steps, extra) for p in self.peers[1:]]
+        refs = [p.execute_step.remote(steps, step_inputs) for p in self.peers[1:]]
         logits = self.runner.execute(steps) if steps else None
-        mine = self.after_step(steps, extra)
+        self.after_step(step_inputs)
         try:
-            others = ray.get(refs, timeout=self.cfg.parallel.step_timeout_s) if refs else []
+            if refs:
+                ray.get(refs, timeout=self.cfg.parallel.step_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             raise TimeoutError(f"{self.cfg.name}: a rank did not finish a step within "
                                f"{self.cfg.parallel.step_timeout_s} s") from exc
-        return logits, [mine, *others]
+        return logits
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
         """Call ``method(*args)`` on every rank (leader locally), bounded; results in rank order."""
         import ray
 
         refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
-        mine = getattr(self, method)(*args)
+        leader_result = getattr(self, method)(*args)
         if not refs:
-            return [mine]
-        return [mine, *ray.get(refs, timeout=timeout_s or self.cfg.parallel.step_timeout_s)]
+            return [leader_result]
+        return [leader_result, *ray.get(refs, timeout=timeout_s or self.cfg.parallel.step_timeout_s)]
 
     # ---- leader loop --------------------------------------------------------------------
     def start(self) -> None:
@@ -216,7 +236,8 @@ class RankBase(ABC):
         self.close_role()
 
     def close_role(self) -> None:
-        """Hook: release role resources."""
+        """Role hook, every rank, end of :meth:`shutdown` (the loop thread has stopped):
+        release what :meth:`setup_role` opened (connectors, their threads and sockets)."""
 
     def ranks_info(self, timeout_s: float | None = None) -> tuple[tuple[int, str, str], ...]:
         """(rank, node id, device) of every rank, for status (raises when a rank is gone)."""
