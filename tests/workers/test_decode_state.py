@@ -11,7 +11,7 @@ import torch
 
 from decode_worker.actor import ORPHAN_FACTOR, DecodeRank
 from decode_worker.request_state import DecodeRequestState, KVState
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.actor import PrefillRank
 from prefill_worker.messages import Reservation, RequestSpec
