@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
 
 from engine.model_config import ModelConfig
@@ -112,22 +112,22 @@ class ShardRule:
 
 _L = r"model\.layers\.\d+\."
 REPLICATED, COLUMN, ROW = Split.REPLICATED, Split.COLUMN, Split.ROW
-HEADS, INTER, MOE_INTER = "num_attention_heads", "intermediate_size", "moe_intermediate_size"
+_HEADS, _INTER, _MOE_INTER = "num_attention_heads", "intermediate_size", "moe_intermediate_size"
 
 RULES: tuple[ShardRule, ...] = (
     ShardRule(r"model\.embed_tokens\.weight", REPLICATED),
     ShardRule(_L + r"(input|post_attention)_layernorm\.weight", REPLICATED),
     ShardRule(_L + r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight", REPLICATED),
     ShardRule(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", REPLICATED),
-    ShardRule(_L + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight", COLUMN, HEADS),
-    ShardRule(_L + r"self_attn\.o_proj\.weight", ROW, HEADS),
-    ShardRule(_L + r"mlp\.(gate_proj|up_proj)\.weight", COLUMN, INTER),
-    ShardRule(_L + r"mlp\.down_proj\.weight", ROW, INTER),
+    ShardRule(_L + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight", COLUMN, _HEADS),
+    ShardRule(_L + r"self_attn\.o_proj\.weight", ROW, _HEADS),
+    ShardRule(_L + r"mlp\.(gate_proj|up_proj)\.weight", COLUMN, _INTER),
+    ShardRule(_L + r"mlp\.down_proj\.weight", ROW, _INTER),
     ShardRule(_L + r"mlp\.gate\.(weight|e_score_correction_bias)", REPLICATED),
-    ShardRule(_L + r"mlp\.experts\.\d+\.(gate_proj|up_proj)\.weight", COLUMN, MOE_INTER),
-    ShardRule(_L + r"mlp\.experts\.\d+\.down_proj\.weight", ROW, MOE_INTER),
-    ShardRule(_L + r"mlp\.shared_experts\.(gate_proj|up_proj)\.weight", COLUMN, MOE_INTER),
-    ShardRule(_L + r"mlp\.shared_experts\.down_proj\.weight", ROW, MOE_INTER),
+    ShardRule(_L + r"mlp\.experts\.\d+\.(gate_proj|up_proj)\.weight", COLUMN, _MOE_INTER),
+    ShardRule(_L + r"mlp\.experts\.\d+\.down_proj\.weight", ROW, _MOE_INTER),
+    ShardRule(_L + r"mlp\.shared_experts\.(gate_proj|up_proj)\.weight", COLUMN, _MOE_INTER),
+    ShardRule(_L + r"mlp\.shared_experts\.down_proj\.weight", ROW, _MOE_INTER),
     ShardRule(r"model\.norm\.weight", REPLICATED),
     ShardRule(r"lm_head\.weight", REPLICATED),
 )
@@ -149,26 +149,24 @@ def rule_for(name: str) -> ShardRule:
     return found[0]
 
 
+SPLIT_UNITS: tuple[str, ...] = tuple(dict.fromkeys(r.unit for r in RULES if r.unit))
+"""The config sizes :data:`RULES` splits, each named once (the fields of :class:`TPLayout`)."""
+
+
 @dataclass(frozen=True)
 class TPLayout:
-    """Local (one TP rank's) value of every config size the layout splits.
+    """One TP rank's share of every config size the layout splits (:data:`SPLIT_UNITS`).
 
     Attributes:
-        tp_size: ranks in the TP group.
         num_attention_heads: attention heads of this rank.
         intermediate_size: dense MLP intermediate channels of this rank.
         moe_intermediate_size: per-expert intermediate channels of this rank (shared experts:
             ``n_shared_experts`` times this).
     """
 
-    tp_size: int
     num_attention_heads: int
     intermediate_size: int
     moe_intermediate_size: int
-
-
-SPLIT_UNITS: tuple[str, ...] = tuple(f.name for f in fields(TPLayout) if f.name != "tp_size")
-"""The config fields :data:`RULES` splits (every rule's ``unit`` is one of them)."""
 
 
 def tp_layout(config: ModelConfig, tp_size: int) -> TPLayout:
@@ -184,9 +182,9 @@ def tp_layout(config: ModelConfig, tp_size: int) -> TPLayout:
         full = getattr(config, unit)
         if full % tp_size:
             raise ValueError(f"tp={tp_size} does not divide {unit}={full} of the checkpoint's "
-                             f"config.json: use a tp that divides it "
-                             f"(divides every split size: {_valid_tp_sizes(config)})")
-    return TPLayout(tp_size, **{unit: getattr(config, unit) // tp_size for unit in SPLIT_UNITS})
+                             "config.json: use a tp that divides it (tp sizes that divide "
+                             f"every split size: {_valid_tp_sizes(config)})")
+    return TPLayout(**{unit: getattr(config, unit) // tp_size for unit in SPLIT_UNITS})
 
 
 def _valid_tp_sizes(config: ModelConfig) -> list[int]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 
 import pytest
 import torch
 
 from engine.kernels import KERNELS
-from engine.layout import RULES, SPLIT_UNITS, Split, rule_for, tp_layout
+from engine.layout import RULES, SPLIT_UNITS, Split, TPLayout, rule_for, tp_layout
 from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.parallel import TPGroup
@@ -41,9 +42,9 @@ def test_every_parameter_matches_exactly_one_rule_and_every_rule_is_used():
     assert used == set(RULES), [r.pattern for r in RULES if r not in used]
 
 
-def test_rule_units_are_the_split_sizes_and_only_split_rules_have_one():
-    assert {r.unit for r in RULES if r.split is not Split.REPLICATED} == set(SPLIT_UNITS)
-    assert all(r.unit is None for r in RULES if r.split is Split.REPLICATED)
+def test_split_rules_and_only_they_name_a_unit_and_every_unit_has_a_local_size():
+    assert all((r.unit is None) == (r.split is Split.REPLICATED) for r in RULES)
+    assert set(SPLIT_UNITS) == {f.name for f in fields(TPLayout)}
 
 
 def test_a_parameter_without_a_rule_is_refused_by_name():
