@@ -38,8 +38,8 @@ def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, 
     """(name, full shape, reader) of every checkpoint tensor, fused expert tensors split.
 
     ``reader(index)`` returns ``tensor[index]``; for per-tensor entries it reads only that
-    part from disk. Must be called before the next
-    entry is requested (the file stays open only while iterating).
+    part from disk. Must be called before the next entry is requested (the file stays open
+    only while iterating).
     """
     files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:
