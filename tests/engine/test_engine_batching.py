@@ -128,7 +128,7 @@ def test_metadata_layout_of_a_mixed_step():
     meta = build_attention_metadata([3, 1, 2], [0, 20, 4], [(4,), (1, 2), (7,)], 16)
     assert meta.positions.tolist() == [0, 1, 2, 20, 4, 5]
     assert meta.slot_mapping.tolist() == [64, 65, 66, 36, 116, 117]
-    assert meta.query_start == (0, 3, 4) and meta.logits_index.tolist() == [2, 3, 5]
+    assert meta.logits_index.tolist() == [2, 3, 5]
     assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(0, 3, 0), (4, 6, 4)]
     assert meta.prefills[1].prefix_slots.tolist() == [112, 113, 114, 115]
     assert meta.decode.token_index.tolist() == [3]
