@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from kv_transfer.config import TransferConfig
 from orchestrator.cli import main
@@ -164,10 +165,15 @@ def test_cli_up_bad_config_exits_2(tmp_path, capsys):
     assert "prefill.tp: must be >= 1, got -1" in capsys.readouterr().err
 
 
-def test_frozen():
+@pytest.mark.parametrize("section,field,value", [("prefill", "tp", 4), (None, "mode", "colocated")])
+def test_frozen(section, field, value):
     cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"}})
-    with pytest.raises(Exception):
-        cfg.prefill.tp = 4  # type: ignore[misc]
+    target = getattr(cfg, section) if section else cfg
+    before = getattr(target, field)
+    with pytest.raises(ValidationError) as err:
+        setattr(target, field, value)
+    assert [e["type"] for e in err.value.errors()] == ["frozen_instance"]
+    assert getattr(target, field) == before != value
 
 
 class _Pair:
