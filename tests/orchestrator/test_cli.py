@@ -72,7 +72,7 @@ WITHOUT_ENGINE_AND_BENCH = textwrap.dedent("""
     from orchestrator.cli import build_parser, main
 
     build_parser()
-    assert tried == ["orchestrator.bench"], tried  # the parser tried only the bench, lazily
+    assert tried == ["orchestrator.bench"], tried  # no torch or ray to build the parser
     assert main(["bench", "--num-requests", "3"]) == 1
     assert main(["model", "init-tiny", sys.argv[1]]) == 1
     print("exit codes ok")
