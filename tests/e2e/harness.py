@@ -159,6 +159,35 @@ class OrchProcess:
                                                              timeout=30)
 
 
+def descendants(root_pid: int) -> dict[int, str]:
+    """Every process under ``root_pid`` (read from /proc): pid -> its title (argv[0]).
+
+    Ray names a rank actor's process ``ray::<Class>`` (``ray::<Class>.<method>`` while a call
+    runs), so ranks are found by title among the processes a test started.
+    """
+    parents: dict[int, int] = {}
+    titles: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after "(comm)"
+        titles[pid] = argv[0].decode(errors="replace")
+    found, frontier = {}, [root_pid]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = titles[pid]
+                frontier.append(pid)
+    return found
+
+
 def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:
     """Every instance: all blocks free, nothing queued or running; router: nothing in flight."""
     deadline = time.monotonic() + timeout_s
