@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -113,8 +114,12 @@ class OrchProcess:
 
     # ---- client helpers ----------------------------------------------------------------
     def generate(self, text: str | None = None, token_ids=None, timeout_s: float = 180,
+                 started: threading.Event | None = None,
                  **sampling) -> tuple[list[int], list, grpc.RpcError | None]:
-        """One streamed request; returns (token ids, responses, the RpcError or None)."""
+        """One streamed request; returns (token ids, responses, the RpcError or None).
+
+        ``started`` is set once the first response arrived (the request is in flight).
+        """
         req = orch_pb2.GenerateRequest(sampling=orch_pb2.SamplingParams(**sampling))
         if text is not None:
             req.text = text
@@ -126,6 +131,8 @@ class OrchProcess:
             try:
                 for resp in stub.Generate(req, timeout=timeout_s):
                     responses.append(resp)
+                    if started is not None:
+                        started.set()
             except grpc.RpcError as err:
                 return [t for r in responses for t in r.token_ids], responses, err
         return [t for r in responses for t in r.token_ids], responses, None
