@@ -153,14 +153,16 @@ def test_seeded_sampling_is_reproducible_through_every_client(pd_server):
 
     assert asyncio.run(twice_async()) == [want, want]
 
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "generate", ",".join(map(str, PROMPT_IDS)),
-         "--token-ids", "--address", pd_server.address, "--max-tokens", "8",
-         "--temperature", "1.5", "--top-p", "0.7", "--top-k", "5", "--seed", "1234",
-         "--ignore-eos"], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    assert f"token ids: {want}" in done.stdout.splitlines()
-    assert "[length]" in done.stderr and "completion 8 tok" in done.stderr
+    for max_tokens in (8, 3):
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "generate",
+             ",".join(map(str, PROMPT_IDS)), "--token-ids", "--address", pd_server.address,
+             "--max-tokens", str(max_tokens), "--temperature", "1.5", "--top-p", "0.7",
+             "--top-k", "5", "--seed", "1234", "--ignore-eos"],
+            capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        assert f"token ids: {want[:max_tokens]}" in done.stdout.splitlines()
+        assert f"[length] prompt 5 tok, completion {max_tokens} tok" in done.stderr
 
 
 def test_sigterm_drains_requests_in_flight(pd_server, prompts):
