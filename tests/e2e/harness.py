@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.rpc import orch_pb2, orch_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
-SHAREGPT = REPO.parent / "shared" / "data" / "sharegpt_v3_filtered_500.json"
+SHAREGPT = "sharegpt_v3_filtered_500.json"  # in ../shared/data (the `shared_data` fixture)
 
 
 def free_port() -> int:
@@ -29,9 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
-    """First ``n`` human turns of the ShareGPT file, cut to ``max_chars`` characters."""
-    data = json.loads(SHAREGPT.read_text())
+def sharegpt_prompts(path: Path, n: int, max_chars: int = 600) -> list[str]:
+    """First ``n`` human turns of the ShareGPT file at ``path``, cut to ``max_chars`` characters.
+
+    Raises:
+        RuntimeError: the file has fewer than ``n`` usable prompts.
+    """
+    data = json.loads(path.read_text())
     out = []
     for item in data:
         turns = [t["value"] for t in item["conversations"] if t["from"] == "human"]
@@ -39,7 +43,7 @@ def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
             out.append(turns[0][:max_chars])
         if len(out) == n:
             return out
-    raise RuntimeError(f"{SHAREGPT} has fewer than {n} usable prompts")
+    raise RuntimeError(f"{path} has fewer than {n} usable prompts")
 
 
 class OrchProcess:
