@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import time
 
+from decode_worker.request_state import DecodeRequestState, KVState, KVStatus, ReservedRequest
 from engine.scheduler import DECODE, Request
 from kv_transfer import KVPeer
-from prefill_worker.messages import Rejection, Reservation, RequestSpec, TokenEvent
-from prefill_worker.kv_setup import make_layout, make_transfer_config
+from prefill_worker.kv_setup import make_layout, stretch_completion
 from prefill_worker.leader import LeaderRank
-
-from prefill_worker.colocated import ColocatedRank  # noqa: F401  (actor class export)
+from prefill_worker.messages import Rejection, Reservation, RequestSpec, TokenEvent
 
 # NOTE: a reservation never admitted (router gone) is freed after this many completion timeouts.
 ORPHAN_FACTOR = 4
@@ -32,7 +31,7 @@ ORPHAN_FACTOR = 4
 class DecodeRank(LeaderRank):
     """Rank actor of a decode instance. Leader methods: ``reserve``, ``admit``, ``abort``,
     ``poll``, ``status``, ``drain``, ``shutdown``; every rank: ``kv_peer``, ``expect_kv``,
-    ``kv_state``, ``release_kv``."""
+    ``kv_status``, ``release_kv``."""
 
     policy = DECODE
     source = "decode"
@@ -42,12 +41,11 @@ class DecodeRank(LeaderRank):
 
         self.connector = DecodeKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            make_transfer_config(self.cfg, completion_factor=ORPHAN_FACTOR),
-            host=self.cfg.bind_host)
+            stretch_completion(self.cfg.transfer, ORPHAN_FACTOR),
+            host=self.cfg.parallel.bind_host)
         if self.rank == 0:
             self.setup_leader()
-            self.pending: dict[str, tuple[Request, float]] = {}  # reserved, KV not yet complete
-            self.admitted: dict[str, float] = {}  # request id -> monotonic admit time
+            self.reserved: dict[str, ReservedRequest] = {}  # holds blocks, not in the batch yet
             self.peers_kv: tuple[KVPeer, ...] = ()
             self.kv_failures = 0  # requests failed for missing or broken KV
 
@@ -59,12 +57,21 @@ class DecodeRank(LeaderRank):
     def expect_kv(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
         self.connector.expect(request_id, num_tokens, prefill_tp)
 
-    def kv_state(self, request_ids: list[str]) -> dict[str, str | None]:
-        """request id -> "complete", an error text, or None (still arriving)."""
-        out: dict[str, str | None] = {}
+    def kv_status(self, request_ids: list[str]) -> dict[str, KVStatus]:
+        """request id -> this rank's :class:`KVStatus` of its prompt KV. A request this rank
+        does not expect (released meanwhile) reads as FAILED."""
+        out: dict[str, KVStatus] = {}
         for rid in request_ids:
-            failure = self.connector.failure(rid)
-            out[rid] = failure or ("complete" if self.connector.is_complete(rid) else None)
+            try:
+                failure = self.connector.failure(rid)
+                complete = self.connector.is_complete(rid)
+            except KeyError:
+                failure = (f"{self.cfg.name} rank {self.rank}: KV of {rid!r} is not expected "
+                           "here (released after an abort or failure)")
+            if failure is not None:
+                out[rid] = KVStatus(KVState.FAILED, failure)
+            else:
+                out[rid] = KVStatus(KVState.COMPLETE if complete else KVState.ARRIVING)
         return out
 
     def release_kv(self, request_id: str) -> None:
@@ -85,10 +92,10 @@ class DecodeRank(LeaderRank):
             reason = self.too_big(need)
             if reason is not None:
                 return Rejection(spec.request_id, reason, retryable=False)
-            if self.buried(spec.request_id):
+            if self.has_tombstone(spec.request_id):
                 return Rejection(spec.request_id, f"request {spec.request_id!r} was aborted "
                                  "before its reservation", retryable=False)
-            if spec.request_id in self.pending or self.scheduler.find(spec.request_id):
+            if spec.request_id in self.reserved or self.scheduler.find(spec.request_id):
                 return Rejection(spec.request_id, f"request id {spec.request_id!r} is already "
                                  f"on {self.cfg.name}: use a fresh id", retryable=False)
             if not self.pool.can_allocate(need):
@@ -96,45 +103,48 @@ class DecodeRank(LeaderRank):
                                  f"({self.pool.num_free_blocks} of {self.pool.num_blocks} "
                                  f"blocks free, {need} needed)", retryable=True)
             blocks = self.pool.allocate(need)
-            self.pending[spec.request_id] = (Request(spec, blocks=blocks), time.monotonic())
+            self.reserved[spec.request_id] = ReservedRequest(
+                Request(spec, blocks=blocks), DecodeRequestState.WAITING_FOR_FIRST_TOKEN,
+                deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
             self.call_all("expect_kv", spec.request_id, spec.num_prompt_tokens, prefill_tp)
         except Exception:
-            self._drop_pending(spec.request_id)
+            self._drop_reserved(spec.request_id)
             raise
         return Reservation(spec.request_id, self.cfg.name, blocks.block_ids,
-                           self.cfg.block_size, self.peers_kv)
+                           self.cfg.scheduler.block_size, self.peers_kv)
 
     def admit(self, request_id: str, first_token_id: int) -> None:
-        """Prefill's first token arrived; the request runs once its KV is complete."""
+        """Prefill's first token arrived; the request runs once its KV is complete, or fails
+        ``completion_timeout_s`` from now."""
         with self._lock:
-            entry = self.pending.get(request_id)
+            entry = self.reserved.get(request_id)
             if entry is None:
                 return
-            entry[0].output_token_ids = [first_token_id]
-            self.admitted[request_id] = time.monotonic()
+            entry.request.output_token_ids = [first_token_id]
+            entry.state = DecodeRequestState.WAITING_FOR_KV
+            entry.deadline = time.monotonic() + self.cfg.transfer.completion_timeout_s
         self._wake.set()
 
-    def _drop_pending(self, request_id: str) -> Request | None:
+    def _drop_reserved(self, request_id: str) -> Request | None:
         """Forget a reserved request on every rank, then free its blocks (in that order)."""
         with self._lock:
-            entry = self.pending.pop(request_id, None)
-            self.admitted.pop(request_id, None)
+            entry = self.reserved.pop(request_id, None)
         if entry is None:
             return None
         try:
             self.call_all("release_kv", request_id)
         finally:
-            self.pool.free(entry[0].blocks)
-        return entry[0]
+            self.pool.free(entry.request.blocks)
+        return entry.request
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; blocks freed once receivers dropped it."""
         with self._lock:
-            if request_id not in self.pending and self.scheduler.find(request_id) is None:
-                self.bury(request_id)  # a reserve still on its way is refused
+            if request_id not in self.reserved and self.scheduler.find(request_id) is None:
+                self.add_tombstone(request_id)  # a reserve still on its way is refused
                 return False
-        if self._drop_pending(request_id) is not None:
+        if self._drop_reserved(request_id) is not None:
             found = True
         else:
             with self._lock:
@@ -144,63 +154,80 @@ class DecodeRank(LeaderRank):
                                  instance=self.cfg.name))
         return found
 
-    def _overdue(self, request_id: str, now: float) -> bool:
-        """Admitted and KV still missing after ``completion_timeout_s``, or never admitted
-        within ``ORPHAN_FACTOR`` times that (the router went away)."""
-        _, since = self.pending[request_id]
-        admitted_at = self.admitted.get(request_id)
-        if admitted_at is not None:
-            return now - admitted_at > self.cfg.completion_timeout_s
-        return now - since > ORPHAN_FACTOR * self.cfg.completion_timeout_s
-
-    def _admit_complete(self) -> bool:
-        """Move admitted requests whose KV is complete on every rank into the batch; fail
-        overdue ones. True when a request moved or failed."""
+    def _settle_reserved(self) -> bool:
+        """Ask every rank about the KV of each request waiting for KV or past its deadline,
+        and settle each; True when one joined the batch or failed."""
         now = time.monotonic()
         with self._lock:
-            rids = [r for r in self.pending if r in self.admitted or self._overdue(r, now)]
+            rids = [rid for rid, entry in self.reserved.items()
+                    if entry.state is DecodeRequestState.WAITING_FOR_KV or now > entry.deadline]
         if not rids:
             return False
-        states = self.call_all("kv_state", rids)
-        changed = False
-        for rid in rids:
-            per_rank = [s[rid] for s in states]
-            errors = [s for s in per_rank if s not in (None, "complete")]
-            if errors or (None in per_rank and self._overdue(rid, now)):
-                why = errors[0] if errors else (
-                    f"KV for the prompt did not reach every rank of {self.cfg.name} within "
-                    f"{self.cfg.completion_timeout_s} s of the first token")
-                if self._drop_pending(rid) is not None:
-                    self.kv_failures += 1
-                    self.emit(TokenEvent(rid, (), "error", why, self.source, self.cfg.name))
-                changed = True
-            elif None not in per_rank and rid in self.admitted:
-                self.call_all("release_kv", rid)
-                with self._lock:
-                    entry = self.pending.pop(rid, None)
-                    self.admitted.pop(rid, None)
-                    if entry is not None:  # else aborted meanwhile (and freed there)
-                        entry[0].num_computed_tokens = entry[0].num_prompt_tokens
-                        self.scheduler.add(entry[0])
-                changed = True
-        return changed
+        statuses = self.call_all("kv_status", rids)
+        settled = [self._settle(rid, [s[rid] for s in statuses], now) for rid in rids]
+        return any(settled)
+
+    def _settle(self, request_id: str, per_rank: list[KVStatus], now: float) -> bool:
+        """Move one reserved request into the batch (KV complete on every rank, first token
+        admitted), or fail it (a rank failed, or past its deadline); True unless it waits on."""
+        with self._lock:
+            entry = self.reserved.get(request_id)
+        if entry is None:  # aborted meanwhile (and freed there)
+            return True
+        errors = [s.error for s in per_rank if s.state is KVState.FAILED]
+        complete = all(s.state is KVState.COMPLETE for s in per_rank)
+        if complete and entry.state is DecodeRequestState.WAITING_FOR_KV:
+            self._join_batch(request_id)
+        elif errors or now > entry.deadline:
+            self._fail_reserved(request_id, errors[0] if errors else self._deadline_error(entry),
+                                kv_failed=bool(errors) or not complete)
+        else:
+            return False
+        return True
+
+    def _deadline_error(self, entry: ReservedRequest) -> str:
+        """Why ``entry`` failed at its deadline."""
+        timeout = self.cfg.transfer.completion_timeout_s
+        if entry.state is DecodeRequestState.WAITING_FOR_KV:
+            return (f"KV for the prompt did not reach every rank of {self.cfg.name} within "
+                    f"{timeout} s of the first token")
+        return (f"{self.cfg.name}: no first token was admitted within "
+                f"{ORPHAN_FACTOR * timeout} s of the reservation (router gone?); its blocks "
+                "are freed")
+
+    def _join_batch(self, request_id: str) -> None:
+        """Hand a request whose KV is complete to the scheduler (its KV counts as computed)."""
+        self.call_all("release_kv", request_id)
+        with self._lock:
+            entry = self.reserved.pop(request_id, None)
+            if entry is not None:  # else aborted meanwhile (and freed there)
+                entry.request.num_computed_tokens = entry.request.num_prompt_tokens
+                self.scheduler.add(entry.request)
+
+    def _fail_reserved(self, request_id: str, error: str, kv_failed: bool) -> None:
+        """End a reserved request with ``error`` and free its blocks; ``kv_failed``: its KV
+        broke or was missing (counted in ``kv_failures``)."""
+        if self._drop_reserved(request_id) is not None:
+            if kv_failed:
+                self.kv_failures += 1
+            self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name))
 
     def step(self) -> bool:
-        moved = self._admit_complete()
+        settled = self._settle_reserved()
         with self._lock:
-            ran = self.leader_step()
-            if ran is not None:
-                self.finish_sampled(ran[1])
-        return ran is not None or moved
+            result = self.leader_step()
+            if result is not None:
+                self.finish_sampled(result.sampled)
+        return result is not None or settled
 
     def num_active(self) -> int:
-        return super().num_active() + len(self.pending)
+        return super().num_active() + len(self.reserved)
 
     def transfer_stats(self) -> dict:
         return {"kv_failures": self.kv_failures}
 
     def fail_all(self, error: str) -> None:
         super().fail_all(error)
-        for rid in list(self.pending):
-            if self._drop_pending(rid) is not None:
+        for rid in list(self.reserved):
+            if self._drop_reserved(rid) is not None:
                 self.emit(TokenEvent(rid, (), "error", error, self.source, self.cfg.name))

@@ -11,8 +11,9 @@ Names follow DeepSeek/HF checkpoints (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_wi
 - Decode sequences: the ``mla_decode`` kernel (absorbed form by default) over the cache,
   which already holds the step's own token.
 
-TP: heads are sharded (``q_b_proj``/``q_proj``/``kv_b_proj`` rows, ``o_proj`` columns, by the
-loader); ``forward`` returns this rank's PARTIAL ``o_proj`` output: the caller all-reduces.
+TP: the module holds ``num_heads`` heads (this rank's, per :mod:`engine.layout`: head-major
+rows of ``q_b_proj``/``q_proj``/``kv_b_proj``, columns of ``o_proj``); ``forward`` returns
+this rank's PARTIAL ``o_proj`` output: the caller all-reduces.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from engine.rotary import apply_rotary_interleaved, softmax_scale
 
 
 class MLAttention(nn.Module):
-    """MLA of one decoder layer, ``num_local_heads = num_attention_heads / tp_size`` heads.
+    """MLA of one decoder layer over ``num_heads`` of the model's heads.
 
     Args:
-        config: model config. tp_size: TP ranks (heads must divide). kernels: resolved kernels.
+        config: model config. num_heads: this rank's heads (``TPLayout.num_attention_heads``).
+        kernels: resolved kernels.
 
     Attributes:
         prefix_tile: cached-prefix tokens decompressed and attended at a time (chunked prefill).
@@ -40,13 +42,10 @@ class MLAttention(nn.Module):
 
     prefix_tile: int = 4096
 
-    def __init__(self, config: ModelConfig, tp_size: int, kernels: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, num_heads: int, kernels: KernelSet) -> None:
         super().__init__()
-        if config.num_attention_heads % tp_size:
-            raise ValueError(f"num_attention_heads = {config.num_attention_heads} is not "
-                             f"divisible by tp = {tp_size}")
         self.kernels = kernels
-        self.num_local_heads = h = config.num_attention_heads // tp_size
+        self.num_local_heads = h = num_heads
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank

@@ -50,7 +50,11 @@ _POOL_IDS = itertools.count()
 class BlockPool:
     """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
 
-    Thread-safe: the decode worker's receiver threads and its scheduler share one pool.
+    Thread-safe. One pool per instance, on its leader rank, used from two kinds of threads:
+    the step loop (the scheduler allocates and frees) and the actor's RPC threads (Ray runs
+    several calls at once: decode ``reserve`` / ``abort``, prefill ``abort``, ``status``),
+    some of which free outside the rank's lock. The KV transfer threads never touch it:
+    they write into slots a reservation already holds.
 
     Args:
         num_blocks: physical blocks in the KV cache.

@@ -1,12 +1,12 @@
 """Per-step attention metadata: the one object that carries a step's layout to every layer.
 
-A step is a token-flattened batch of T tokens from B sequences, sequence b owning tokens
-``query_start[b] : query_start[b] + query_lens[b]`` of the batch. Sequence b already has
-``context_lens[b]`` tokens in the KV cache (positions ``0..context_lens[b]-1``); the step
-computes positions ``context_lens[b] .. context_lens[b] + query_lens[b] - 1``.
+A step is a token-flattened batch of T tokens from B sequences, sequence b owning the next
+``query_len`` rows of the batch. Sequence b already has ``context_len`` tokens in the KV
+cache (positions ``0..context_len-1``); the step computes positions
+``context_len .. context_len + query_len - 1``.
 
-A sequence is a DECODE sequence when ``query_lens[b] == 1 and context_lens[b] > 0``; every
-other sequence (a prompt or a prefill chunk) is a PREFILL sequence.
+A sequence is a DECODE sequence when ``query_len == 1 and context_len > 0``; every other
+sequence (a prompt or a prefill chunk) is a PREFILL sequence.
 
 Scope: the runner builds one :class:`AttentionMetadata` per ``execute`` call and passes it
 down the forward explicitly (model -> layer -> attention); nothing is stored globally, so two
@@ -61,10 +61,6 @@ class AttentionMetadata:
     Attributes:
         positions: ``[T]`` int64 token positions.
         slot_mapping: ``[T]`` int64 cache slot of every computed token.
-        query_lens, context_lens: per sequence, tokens (length B).
-        query_start: per sequence, its first row in the flattened batch (length B).
-        block_tables: per sequence, its block table (physical block ids).
-        block_size: tokens per block.
         prefills: the prefill sequences.
         decode: the decode sequences, or None when there are none.
         logits_index: ``[B]`` int64 row of each sequence's last token.
@@ -72,18 +68,9 @@ class AttentionMetadata:
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    query_lens: tuple[int, ...]
-    context_lens: tuple[int, ...]
-    query_start: tuple[int, ...]
-    block_tables: tuple[tuple[int, ...], ...]
-    block_size: int
     prefills: tuple[PrefillSeq, ...]
     decode: DecodeBatch | None
     logits_index: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.shape[0])
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
@@ -111,12 +98,8 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         start += qlen
     decode = _decode_batch(dec_rows, dec_slots, device) if dec_rows else None
     ends = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1
-    starts = ends + 1 - torch.tensor(query_lens, dtype=torch.int64)
     return AttentionMetadata(
         positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),
-        query_lens=tuple(query_lens), context_lens=tuple(context_lens),
-        query_start=tuple(int(x) for x in starts), block_tables=tuple(map(tuple, block_tables)),
-        block_size=block_size,
         prefills=tuple(prefills), decode=decode, logits_index=ends.to(device))
 
 

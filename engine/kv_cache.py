@@ -52,11 +52,6 @@ class KVCacheSpec:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return (self.kv_lora_rank + self.qk_rope_head_dim) * elem
 
-    @property
-    def bytes_per_block(self) -> int:
-        """K + V bytes of one block across all layers."""
-        return self.bytes_per_token_per_layer * self.block_size * self.num_layers
-
 
 class KVCache:
     """The K and V cache tensors of one rank.

@@ -6,10 +6,9 @@ Accepted expert layouts:
 - fused (transformers 5.x ``save_pretrained``): ``mlp.experts.gate_up_proj [E, 2I, H]`` and
   ``mlp.experts.down_proj [E, H, I]``, split per expert here.
 
-Sharding (TP rank r of n takes slice r of the sharded dim): rows of ``q_proj``, ``q_b_proj``,
-``kv_b_proj`` (head-major, so by heads) and of every ``gate_proj``/``up_proj``; columns of
-``o_proj`` and every ``down_proj``. Everything else is replicated. Tensors the model does not
-have (e.g. the MTP layer ``model.layers.{num_hidden_layers}.*``) are skipped.
+Which tensor is split how is :mod:`engine.layout`'s table (``rule_for``); this module only
+reads the slice a rule names, shard-only where the file format allows. Tensors the model does
+not have (e.g. the MTP layer ``model.layers.{num_hidden_layers}.*``) are skipped, never read.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.layout import rule_for
 from engine.model import DeepseekForCausalLM
 from engine.parallel import TPGroup
 
-_ROW_SHARDED = re.compile(r"\.(q_proj|q_b_proj|kv_b_proj|gate_proj|up_proj)\.weight$")
-_COL_SHARDED = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -33,24 +31,15 @@ class CheckpointError(ValueError):
     """A checkpoint tensor is missing, has the wrong shape, or is in an unsupported format."""
 
 
-def shard_dim(name: str) -> int | None:
-    """The dim TP shards parameter ``name`` along (0 rows, 1 columns), or None (replicated)."""
-    if _ROW_SHARDED.search(name):
-        return 0
-    if _COL_SHARDED.search(name):
-        return 1
-    return None
-
-
-Reader = Callable[[int | None, TPGroup], torch.Tensor]
+Reader = Callable[[tuple[slice, ...]], torch.Tensor]
 
 
 def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
     """(name, full shape, reader) of every checkpoint tensor, fused expert tensors split.
 
-    ``reader(dim, tp)`` returns this rank's shard along ``dim`` (whole tensor for None); for
-    per-tensor entries it reads only that shard from disk. Must be called before the next
-    entry is requested (the file stays open only while iterating).
+    ``reader(index)`` returns ``tensor[index]``; for per-tensor entries it reads only that
+    part from disk. Must be called before the next entry is requested (the file stays open
+    only while iterating).
     """
     files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:
@@ -65,28 +54,9 @@ def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, 
                 fused = _FUSED.match(name)
                 if fused is None:
                     sl = f.get_slice(name)
-                    yield name, tuple(sl.get_shape()), _slice_reader(sl)
+                    yield name, tuple(sl.get_shape()), sl.__getitem__
                 else:
                     yield from _split_fused(fused.group(1), fused.group(2), f.get_tensor(name))
-
-
-def _slice_reader(sl) -> Reader:
-    def read(dim: int | None, tp: TPGroup) -> torch.Tensor:
-        shape = sl.get_shape()
-        index = [slice(None)] * len(shape)
-        if dim is not None and tp.size > 1:
-            n = shape[dim] // tp.size
-            index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
-        return sl[tuple(index)]
-
-    return read
-
-
-def _tensor_reader(t: torch.Tensor) -> Reader:
-    def read(dim: int | None, tp: TPGroup) -> torch.Tensor:
-        return t if dim is None or tp.size == 1 else t.chunk(tp.size, dim=dim)[tp.rank]
-
-    return read
 
 
 def _split_fused(prefix: str, kind: str,
@@ -99,15 +69,7 @@ def _split_fused(prefix: str, kind: str,
             gate, up = t[j].chunk(2, dim=0)
             parts = {"gate_proj": gate, "up_proj": up}
         for proj, part in parts.items():
-            yield f"{prefix}.{j}.{proj}.weight", tuple(part.shape), _tensor_reader(part)
-
-
-def _full_shape(name: str, local: torch.Size, tp: TPGroup) -> tuple[int, ...]:
-    dim = shard_dim(name)
-    shape = list(local)
-    if dim is not None and tp.size > 1:
-        shape[dim] *= tp.size
-    return tuple(shape)
+            yield f"{prefix}.{j}.{proj}.weight", tuple(part.shape), part.__getitem__
 
 
 def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPGroup) -> None:
@@ -127,16 +89,18 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
         param = params.get(name)
         if param is None:
             continue  # not part of this model (MTP layer, ...): never read
-        expected = _full_shape(name, param.shape, tp)
+        rule = rule_for(name)
+        expected = rule.full_shape(tuple(param.shape), tp.size)
         if shape != expected:
             raise CheckpointError(f"checkpoint tensor {name} has shape {shape}; the config "
                                   f"implies {expected}: config.json and weights disagree")
         with torch.no_grad():
-            param.copy_(read(shard_dim(name), tp))
+            param.copy_(read(rule.local_slices(shape, tp)))
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        shown = ", ".join(f"{n} {_full_shape(n, params[n].shape, tp)}" for n in missing[:5])
+        shown = ", ".join(f"{n} {rule_for(n).full_shape(tuple(params[n].shape), tp.size)}"
+                          for n in missing[:5])
         raise CheckpointError(f"{len(missing)} tensors missing from {checkpoint_dir}: {shown}"
                               + (" ..." if len(missing) > 5 else ""))
     if tied:

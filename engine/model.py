@@ -1,10 +1,12 @@
 """DeepSeek-V2/V3 decoder for serving: embed -> layers (MLA + dense/MoE MLP) -> norm -> lm_head.
 
 Parameter names equal the HF checkpoint's (``model.layers.{i}.self_attn.kv_b_proj.weight``...),
-so the loader maps names one to one. TP layout: attention heads and MLP/expert intermediate
-dims are sharded (loader), and each decoder layer all-reduces twice (after attention's o_proj
-and after the MLP/MoE). ``embed_tokens`` and ``lm_head`` are REPLICATED on every TP rank
-(simple, costs vocab x hidden per rank; vocab-parallel embedding is a later optimization).
+so the loader maps names one to one. TP layout (:mod:`engine.layout`, applied from outside:
+:func:`build_model` builds the modules with :class:`TPLayout`'s local sizes, the loader fills
+them with the slices the layout's rules name): attention heads and MLP/expert intermediate
+dims are split, and each decoder layer all-reduces twice (after attention's o_proj and after
+the MLP/MoE). ``embed_tokens`` and ``lm_head`` are REPLICATED on every TP rank (simple, costs
+vocab x hidden per rank; vocab-parallel is a later optimization).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from engine.attention import MLAttention
 from engine.forward_context import AttentionMetadata
 from engine.kernels import KernelSet
 from engine.kv_cache import KVCache
+from engine.layout import TPLayout, tp_layout
 from engine.model_config import ModelConfig
-from engine.moe import MoE, MoEGate, dense_mlp
+from engine.moe import MLP, MoE, MoEGate
 from engine.norm import RMSNorm
 from engine.parallel import TPGroup
 from engine.rotary import RotaryEmbedding
@@ -26,15 +29,15 @@ from engine.rotary import RotaryEmbedding
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup,
+    def __init__(self, config: ModelConfig, layer_idx: int, layout: TPLayout, tp: TPGroup,
                  kernels: KernelSet) -> None:
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, tp.size, kernels)
+        self.self_attn = MLAttention(config, layout.num_attention_heads, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config, tp.size) if config.is_moe_layer(layer_idx) \
-            else dense_mlp(config, tp.size)
+        self.mlp = MoE(config, layout.moe_intermediate_size) if config.is_moe_layer(layer_idx) \
+            else MLP(config.hidden_size, layout.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_cache: torch.Tensor,
@@ -48,10 +51,11 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     """The ``model.*`` part of the checkpoint."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, kernels: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup,
+                 kernels: KernelSet) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layout, tp, kernels)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -60,13 +64,15 @@ class DeepseekForCausalLM(nn.Module):
     """Full model; :meth:`forward` runs one step and returns last-token logits.
 
     Args:
-        config: model config. tp: this rank's TP group. kernels: resolved :class:`KernelSet`.
+        config: model config. layout: this rank's local sizes. tp: this rank's TP group.
+        kernels: resolved :class:`KernelSet`.
     """
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, kernels: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup,
+                 kernels: KernelSet) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekModel(config, tp, kernels)
+        self.model = DeepseekModel(config, layout, tp, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
@@ -92,14 +98,19 @@ class DeepseekForCausalLM(nn.Module):
 
 def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
                 device: torch.device) -> DeepseekForCausalLM:
-    """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill.
+    """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill, with
+    rank ``tp.rank``'s share of every split weight (:func:`engine.layout.tp_layout`).
 
     Built on the meta device and materialized once, so no time goes into random init. The
     router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (selection is
     sensitive to it; HF keeps it fp32 too).
+
+    Raises:
+        ValueError: ``tp.size`` does not divide a size the layout splits (from ``tp_layout``).
     """
+    layout = tp_layout(config, tp.size)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config, tp, kernels)
+        model = DeepseekForCausalLM(config, layout, tp, kernels)
     model = model.to(dtype)
     for module in model.modules():
         if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:

@@ -49,7 +49,6 @@ class ModelConfig:
     rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).
     """
 
-    architecture: str
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -77,7 +76,6 @@ class ModelConfig:
     rope_scaling: YarnScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     @property
@@ -112,7 +110,6 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         return cls(
-            architecture=arch,
             hidden_size=int(raw["hidden_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=int(raw["num_attention_heads"]),
@@ -140,7 +137,6 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw["max_position_embeddings"]),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 

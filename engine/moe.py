@@ -1,9 +1,10 @@
 """DeepSeek MoE feed-forward: router gate, routed experts, shared experts; and the dense MLP.
 
 Maths: REFERENCE.md "Router (MoE gate)" (DeepSeek-V3 ``inference/model.py`` Gate, vLLM
-``grouped_topk``). TP: every expert's (and the shared experts', and the dense MLP's)
-intermediate dim is sharded: gate/up rows, down columns (done by the loader). ``forward``
-returns this rank's PARTIAL sum of routed + shared outputs; the caller all-reduces ONCE.
+``grouped_topk``). TP: modules are built with this rank's intermediate width (every expert's,
+the shared experts' and the dense MLP's are split: gate/up rows, down columns; see
+:mod:`engine.layout`). ``forward`` returns this rank's PARTIAL sum of routed + shared
+outputs; the caller all-reduces ONCE.
 """
 
 from __future__ import annotations
@@ -77,17 +78,23 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (``experts.{j}``) plus shared experts; local intermediate dims."""
+    """Routed experts (``experts.{j}``) plus shared experts.
 
-    def __init__(self, config: ModelConfig, tp_size: int) -> None:
+    Args:
+        config: model config. intermediate_size: this rank's per-expert intermediate width
+            (``TPLayout.moe_intermediate_size``); the shared experts are
+            ``n_shared_experts`` times as wide.
+    """
+
+    def __init__(self, config: ModelConfig, intermediate_size: int) -> None:
         super().__init__()
-        inter = _shard(config.moe_intermediate_size, tp_size, "moe_intermediate_size")
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, inter)
+        self.experts = nn.ModuleList(MLP(config.hidden_size, intermediate_size)
                                      for _ in range(config.n_routed_experts))
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = MLP(config.hidden_size, inter * config.n_shared_experts)
+            self.shared_experts = MLP(config.hidden_size,
+                                      intermediate_size * config.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``: Σ_k w_k expert_k(x) + shared(x) (partial)."""
@@ -107,14 +114,3 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-
-def dense_mlp(config: ModelConfig, tp_size: int) -> MLP:
-    """The dense MLP of the first ``first_k_dense_replace`` layers (local intermediate)."""
-    return MLP(config.hidden_size, _shard(config.intermediate_size, tp_size, "intermediate_size"))
-
-
-def _shard(full: int, tp_size: int, what: str) -> int:
-    if full % tp_size:
-        raise ValueError(f"{what} = {full} is not divisible by tp = {tp_size}")
-    return full // tp_size

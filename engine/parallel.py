@@ -7,7 +7,8 @@ with the platform's backend (hccl/nccl/gloo). NOTE: the TP group is the process'
 built separately and must not use the default group.
 
 Model code receives a :class:`TPGroup` (never a module global) and calls
-:meth:`TPGroup.all_reduce` after row-parallel layers; at size 1 that is a no-op.
+:meth:`TPGroup.all_reduce` after row-parallel layers; at size 1 that is a no-op. Which
+weight is split how, and the local sizes, are :mod:`engine.layout`'s.
 """
 
 from __future__ import annotations
@@ -38,17 +39,6 @@ class TPGroup:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
-
-    def shard(self, full: int, what: str) -> int:
-        """This rank's share of a dimension of size ``full``.
-
-        Raises:
-            ValueError: ``full`` is not divisible by the TP size (message names ``what``).
-        """
-        if full % self.size:
-            raise ValueError(f"{what} = {full} is not divisible by tp = {self.size}; "
-                             "choose a tp size that divides it")
-        return full // self.size
 
     def destroy(self) -> None:
         """Tear down the process group (idempotent)."""

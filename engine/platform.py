@@ -1,17 +1,20 @@
 """The one place that decides device type and torch.distributed backend.
 
 Detection order: Ascend NPU (``torch_npu`` importable and a device present), CUDA, CPU. The
-``ORCH_DEVICE`` environment variable ("npu", "cuda" or "cpu") overrides detection; it is read
-here and nowhere else. ``torch_npu`` is imported lazily, only when NPU is asked for or probed.
+``ORCH_DEVICE`` environment variable ("npu", "cuda" or "cpu", see engine/envs.py) overrides
+detection. ``torch_npu`` is imported lazily, only when NPU is asked for or probed. The
+orchestrator asks here too (for ``cluster.device: auto`` and the backend of a device), so the
+control plane and the ranks decide the same way.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 
 import torch
+
+from engine import envs
 
 DIST_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
@@ -52,7 +55,7 @@ def detect_platform(device_type: str | None = None) -> Platform:
         ValueError: unknown device type (message lists the allowed ones).
         RuntimeError: "npu" asked for but torch_npu cannot be imported.
     """
-    device_type = device_type or os.environ.get("ORCH_DEVICE") or None
+    device_type = device_type or envs.ORCH_DEVICE.get() or None
     if device_type is None:
         if _npu_available():
             device_type = "npu"

@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seed.
+"""The sampler: greedy, temperature, top-k, top-p, per-request seed.
 
 Maths: temperature scaling, then top-k, then top-p (nucleus, Holtzman et al. 2019,
 "The Curious Case of Neural Text Degeneration") over the remaining probabilities, then one
@@ -8,62 +8,18 @@ Determinism: the draw for output token ``n`` of a request uses a CPU ``torch.Gen
 seeded with ``(seed, n)``, so the same seed and prompt give the same tokens whatever else
 shares the batch, and whichever process samples that token (the prefill side samples token 0,
 the decode side the rest). Requests that arrive without a seed get one from
-:func:`fill_seed` where they are accepted, so a request is reproducible end to end.
+``engine.sampling_params.fill_seed`` where they are accepted, so a request is reproducible end
+to end. :class:`SamplingParams` itself lives in the torch-free engine/sampling_params.py.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request.
-
-    Attributes:
-        max_tokens: tokens to generate, >= 1.
-        temperature: 0 for greedy; > 0 scales logits by 1/temperature.
-        top_k: keep the k most likely tokens; 0 keeps all.
-        top_p: keep the smallest set with cumulative probability >= top_p; 1.0 keeps all.
-        seed: per-request seed, or None.
-        ignore_eos: keep going past the EOS token (fixed-length benchmark replay).
-
-    Raises:
-        ValueError: on any out-of-range value; the message says the allowed range.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def fill_seed(params: SamplingParams) -> SamplingParams:
-    """Return ``params`` with a random seed when it has none (greedy requests unchanged)."""
-    if params.greedy or params.seed is not None:
-        return params
-    return replace(params, seed=int(torch.randint(0, 2**62, (1,)).item()))
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
 
 
 def _generator(seed: int, step: int) -> torch.Generator:

@@ -107,14 +107,18 @@ def _cmd_init_tiny(ns: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmark a running router")
+    help_text = "benchmark a running router"
     try:
         from orchestrator.bench.cli import add_arguments, run
     except ImportError as exc:
         missing = str(exc)
-        bench.add_argument("rest", nargs=argparse.REMAINDER)
+        # NOTE: no option prefix, so every argument (`--num-requests 3` too) lands in `rest`
+        # and the command says what is missing instead of "unrecognized arguments".
+        bench = sub.add_parser("bench", help=help_text, prefix_chars="\0", add_help=False)
+        bench.add_argument("rest", nargs="*")
         bench.set_defaults(func=lambda ns: _missing_bench(missing))
         return
+    bench = sub.add_parser("bench", help=help_text)
     add_arguments(bench)
     bench.set_defaults(func=run)
 

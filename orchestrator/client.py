@@ -12,7 +12,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from prefill_worker.messages import InstanceStatusInfo
 from orchestrator import convert
 from orchestrator.request import GenerateInput, OutputChunk, RequestStats

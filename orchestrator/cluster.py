@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefill_worker.messages import InstanceConfig
+from prefill_worker.config import InstanceConfig
 from orchestrator.config import OrchConfig
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 RANK_CLASSES = {
     "prefill": "prefill_worker.actor:PrefillRank",
     "decode": "decode_worker.actor:DecodeRank",
-    "colocated": "decode_worker.actor:ColocatedRank",
+    "colocated": "prefill_worker.colocated:ColocatedRank",
 }
 ACTOR_CONCURRENCY = 16  # NOTE: poll() blocks a thread while reserve/abort/status still answer
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -183,16 +183,17 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
     import ray
     from ray.util.placement_group import placement_group
 
-    bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank, role_resources(cfg, inst.role))
-    pg = placement_group([dict(bundle) for _ in range(inst.tp)], strategy=STRATEGY,
+    bundle = rank_bundle(inst.parallel.device, cfg.cluster.cpus_per_rank,
+                         role_resources(cfg, inst.role))
+    pg = placement_group([dict(bundle) for _ in range(inst.parallel.tp)], strategy=STRATEGY,
                          name=f"orch-{inst.name}")
     try:
         ray.get(pg.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
         raise BringUpError(
-            f"{inst.name}: placement group of {inst.tp} x {bundle} ({STRATEGY}: all on one "
-            f"node) not ready within {timeout:g} s: no node has those resources free (see "
+            f"{inst.name}: placement group of {inst.parallel.tp} x {bundle} ({STRATEGY}: all "
+            f"on one node) not ready within {timeout:g} s: no node has those resources free (see "
             "`ray status`); lower cluster.cpus_per_rank or the tp, or add nodes") from None
     return InstanceRanks(cfg=inst, pg=pg)
 
@@ -201,9 +202,10 @@ def _create_ranks(inst: InstanceRanks, cls: type, cpus: float) -> None:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    accel = {"cuda": {"num_gpus": 1}, "npu": {"resources": {"NPU": 1}}}.get(inst.cfg.device, {})
+    accel = {"cuda": {"num_gpus": 1},
+             "npu": {"resources": {"NPU": 1}}}.get(inst.cfg.parallel.device, {})
     remote_cls = ray.remote(cls)
-    for rank in range(inst.cfg.tp):
+    for rank in range(inst.cfg.parallel.tp):
         strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
                                                     placement_group_bundle_index=rank)
         options = dict(num_cpus=cpus, scheduling_strategy=strategy,

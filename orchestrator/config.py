@@ -3,26 +3,27 @@
 The YAML file maps one to one onto :class:`OrchConfig` (reference: docs/config.md).
 :func:`load_config` turns every YAML or validation problem into one :class:`ConfigError` whose
 message names the key path (``prefill.tp``), what is allowed and what to do.
-:meth:`OrchConfig.instances` derives the per-instance :class:`prefill_worker.messages.InstanceConfig`
-that the rank actors receive.
+:meth:`OrchConfig.instances` derives the per-instance :class:`prefill_worker.config.InstanceConfig`
+that the rank actors receive: each role's scheduler sizes from that role's section, the one
+``kv_transfer.TransferConfig`` from the ``kv_transfer`` section, and the device and backend
+decided once by ``engine.platform``.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from prefill_worker.messages import InstanceConfig
+from engine import envs
+from engine.platform import DIST_BACKENDS, detect_platform
+from kv_transfer.config import TransferConfig
 from orchestrator.config_errors import ConfigError, validation_error_message, yaml_error_message
+from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
-# NOTE: the only environment variable the control plane reads; see docs/config.md.
-TINY_CACHE_ENV = "ORCH_CACHE_DIR"
-BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-DEVICE_FOR_BACKEND = {backend: device for device, backend in BACKEND_FOR_DEVICE.items()}
+DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
 
 
 class _Section(BaseModel):
@@ -57,7 +58,7 @@ class ModelSection(_Section):
             return Path(self.path).expanduser()
         if self.tiny_dir:
             return Path(self.tiny_dir).expanduser()
-        cache = os.environ.get(TINY_CACHE_ENV) or str(Path.home() / ".cache" / "orch")
+        cache = envs.ORCH_CACHE_DIR.get() or str(Path.home() / ".cache" / "orch")
         return Path(cache).expanduser() / f"tiny-{self.tiny_seed}"
 
 
@@ -69,6 +70,7 @@ class PrefillSection(_Section):
     chunk_size: int = Field(512, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
     # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
     # (e.g. {"prefill_node": 0.01} with `ray start --resources '{"prefill_node": 1}'`).
     ray_resources: dict[str, float] = Field(default_factory=dict)
@@ -95,14 +97,25 @@ class DecodeSection(_Section):
 
 
 class KVTransferSection(_Section):
-    """Data plane: dist backend, KV block size and the bounded waits of a transfer (seconds)."""
+    """Data plane: dist backend, KV block size and the bounded waits of a transfer (seconds).
+
+    The waits are :class:`kv_transfer.TransferConfig`'s (meaning and defaults declared there);
+    :meth:`transfer_config` builds it.
+    """
 
     backend: Literal["auto", "hccl", "nccl", "gloo"] = "auto"
     block_size: int = Field(16, gt=0)
-    connect_timeout_s: float = Field(30.0, gt=0)
-    header_timeout_s: float = Field(30.0, gt=0)
-    payload_timeout_s: float = Field(60.0, gt=0)
-    completion_timeout_s: float = Field(120.0, gt=0)
+    connect_timeout_s: float = Field(TransferConfig.connect_timeout_s, gt=0)
+    header_timeout_s: float = Field(TransferConfig.header_timeout_s, gt=0)
+    payload_timeout_s: float = Field(TransferConfig.payload_timeout_s, gt=0)
+    completion_timeout_s: float = Field(TransferConfig.completion_timeout_s, gt=0)
+
+    def transfer_config(self) -> TransferConfig:
+        """The :class:`kv_transfer.TransferConfig` every rank's KV connector is built with."""
+        return TransferConfig(connect_timeout_s=self.connect_timeout_s,
+                              header_timeout_s=self.header_timeout_s,
+                              payload_timeout_s=self.payload_timeout_s,
+                              completion_timeout_s=self.completion_timeout_s)
 
 
 class RouterSection(_Section):
@@ -161,66 +174,66 @@ class OrchConfig(_Section):
         return self
 
     def device(self) -> str:
-        """The rank device: ``cluster.device``, or derived from the backend, or detected."""
+        """The rank device: ``cluster.device``, or derived from the backend, or
+        ``engine.platform``'s decision (``$ORCH_DEVICE``, else detected)."""
         if self.cluster.device != "auto":
             return self.cluster.device
         if self.kv_transfer.backend != "auto":
             return DEVICE_FOR_BACKEND[self.kv_transfer.backend]
-        return detect_device()
+        return detect_platform().device_type
 
     def dist_backend(self) -> str:
         """torch.distributed backend for TP groups and KV pairs."""
         if self.kv_transfer.backend != "auto":
             return self.kv_transfer.backend
-        return BACKEND_FOR_DEVICE[self.device()]
+        return DIST_BACKENDS[self.device()]
 
     def instances(self) -> list[InstanceConfig]:
         """One :class:`InstanceConfig` per instance: prefill-0.., decode-0.. or colocated-0.."""
-        if self.mode == "colocated":
-            return [self._instance("colocated", i, self.decode.tp, self.decode.num_kv_blocks)
-                    for i in range(self.decode.dp)]
-        prefill = [self._instance("prefill", i, self.prefill.tp, self.prefill.num_kv_blocks)
-                   for i in range(self.prefill.dp)]
-        decode = [self._instance("decode", i, self.decode.tp, self.decode.num_kv_blocks)
-                  for i in range(self.decode.dp)]
-        return prefill + decode
+        roles = ["colocated"] if self.mode == "colocated" else ["prefill", "decode"]
+        parallel = {role: self._parallel(role) for role in roles}
+        scheduler = {role: self._scheduler(role) for role in roles}
+        transfer = self.kv_transfer.transfer_config()
+        return [InstanceConfig(name=f"{role}-{i}", role=role,
+                               checkpoint_dir=str(self.model.checkpoint_dir()),
+                               dtype=self.model.dtype, scheduler=scheduler[role],
+                               parallel=parallel[role], transfer=transfer)
+                for role in roles for i in range(self._section(role).dp)]
 
-    def _instance(self, role: str, index: int, tp: int, num_kv_blocks: int) -> InstanceConfig:
-        kv = self.kv_transfer
-        return InstanceConfig(
-            name=f"{role}-{index}", role=role, tp=tp,
-            checkpoint_dir=str(self.model.checkpoint_dir()), dtype=self.model.dtype,
-            max_model_len=self.model.max_model_len, block_size=kv.block_size,
-            num_kv_blocks=num_kv_blocks, chunk_size=self.prefill.chunk_size,
-            max_num_batched_tokens=self.prefill.max_num_batched_tokens,
-            max_num_seqs=self.decode.max_num_seqs, device=self.device(),
-            dist_backend=self.dist_backend(), connect_timeout_s=kv.connect_timeout_s,
-            header_timeout_s=kv.header_timeout_s, payload_timeout_s=kv.payload_timeout_s,
-            completion_timeout_s=kv.completion_timeout_s,
-            bind_host=self.cluster.bind_host or ("" if self.cluster.address else "127.0.0.1"))
+    def _section(self, role: str) -> PrefillSection | DecodeSection:
+        """The section that sizes ``role``'s instances (colocated ones: ``decode``)."""
+        return self.prefill if role == "prefill" else self.decode
+
+    def _scheduler(self, role: str) -> SchedulerConfig:
+        """Scheduler sizes of ``role``: prefill's from ``prefill``, decode's from ``decode``
+        (one token per request per step), colocated ones from both (chunking from
+        ``prefill``, batch and KV size from ``decode``)."""
+        block = self.kv_transfer.block_size
+        if role == "prefill":
+            p = self.prefill
+            return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
+                                   p.max_num_batched_tokens, p.max_num_seqs)
+        d = self.decode
+        if role == "decode":
+            return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1,
+                                   max_num_batched_tokens=d.max_num_seqs,
+                                   max_num_seqs=d.max_num_seqs)
+        return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
+                               self.prefill.max_num_batched_tokens, d.max_num_seqs)
+
+    def _parallel(self, role: str) -> ParallelConfig:
+        bind_host = self.cluster.bind_host or ("" if self.cluster.address else "127.0.0.1")
+        return ParallelConfig(tp=self._section(role).tp, device=self.device(),
+                              dist_backend=self.dist_backend(), bind_host=bind_host)
 
 
 def _check_backend(backend: str, device: str) -> None:
     if backend == "auto" or device == "auto":
         return
-    if BACKEND_FOR_DEVICE[device] != backend:
+    if DIST_BACKENDS[device] != backend:
         raise _cross_field(
             f"kv_transfer.backend '{backend}' does not work with cluster.device '{device}': "
-            f"use backend '{BACKEND_FOR_DEVICE[device]}' (or 'auto') for {device}")
-
-
-def detect_device() -> str:
-    """``npu`` when torch_npu imports and sees a device, else ``cuda`` when available, else cpu."""
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("torch_npu") is not None:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-
-        if torch.npu.is_available():
-            return "npu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+            f"use backend '{DIST_BACKENDS[device]}' (or 'auto') for {device}")
 
 
 def load_config(path: str | Path) -> OrchConfig:

@@ -6,7 +6,7 @@ Proto conventions kept here only: ``top_p`` 0 means 1.0 (off); ``temperature`` 0
 
 from __future__ import annotations
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from prefill_worker.messages import InstanceStatusInfo
 from orchestrator.request import GenerateInput, OutputChunk, RequestError, RequestStats
 from orchestrator.rpc import orch_pb2 as pb

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -151,10 +151,6 @@ class RouterMetrics:
             self.kv_seconds.labels(pair=pair).observe(seconds)
         else:
             self.kv_failures.labels(pair=pair).inc()
-
-    def render(self) -> bytes:
-        """The text exposition of every metric (what the HTTP endpoint serves)."""
-        return generate_latest(self.registry)
 
     def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port.

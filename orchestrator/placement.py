@@ -7,7 +7,7 @@ one bundle per rank: ``{"CPU": c}`` on cpu, ``{"GPU": 1, "CPU": c}`` on cuda,
 
 from __future__ import annotations
 
-from prefill_worker.messages import InstanceConfig
+from prefill_worker.config import InstanceConfig
 from orchestrator.checkpoint import layer_count_for_plan
 from orchestrator.config import OrchConfig
 
@@ -32,22 +32,23 @@ def role_resources(cfg: OrchConfig, role: str) -> dict[str, float]:
 
 def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list[str]:
     """Report lines: each instance, its ranks and their resources, and the totals."""
-    lines = [f"mode: {cfg.mode}; device: {instances[0].device}; dist backend: "
-             f"{instances[0].dist_backend}; ray: "
+    lines = [f"mode: {cfg.mode}; device: {instances[0].parallel.device}; dist backend: "
+             f"{instances[0].parallel.dist_backend}; ray: "
              f"{cfg.cluster.address or 'embedded local (started by orch up)'}"]
     totals: dict[str, float] = {}
     for inst in instances:
-        bundle = rank_bundle(inst.device, cfg.cluster.cpus_per_rank,
+        tp = inst.parallel.tp
+        bundle = rank_bundle(inst.parallel.device, cfg.cluster.cpus_per_rank,
                              role_resources(cfg, inst.role))
-        lines.append(f"{inst.name}: tp={inst.tp}, placement group {STRATEGY} with {inst.tp} "
-                     f"bundle(s) of {bundle}, kv blocks {inst.num_kv_blocks} x "
-                     f"{inst.block_size} tokens")
-        last = f", rank1..rank{inst.tp - 1}" if inst.tp > 1 else ""
+        lines.append(f"{inst.name}: tp={tp}, placement group {STRATEGY} with {tp} "
+                     f"bundle(s) of {bundle}, kv blocks {inst.scheduler.num_kv_blocks} x "
+                     f"{inst.scheduler.block_size} tokens")
+        last = f", rank1..rank{tp - 1}" if tp > 1 else ""
         lines.append(f"  ranks: rank0 (leader){last}; one Ray actor per rank, bundle index = rank")
         for key, amount in bundle.items():
-            totals[key] = totals.get(key, 0) + amount * inst.tp
+            totals[key] = totals.get(key, 0) + amount * tp
     lines.append(f"total: {len(instances)} instance(s), "
-                 f"{sum(i.tp for i in instances)} rank(s), resources {totals}")
+                 f"{sum(i.parallel.tp for i in instances)} rank(s), resources {totals}")
     return lines
 
 

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import AsyncIterator, Protocol
 
-from engine.sampling import fill_seed
+from engine.sampling_params import fill_seed
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
@@ -192,8 +192,8 @@ class Router:
                 "router.request_timeout_s") from None
         if event.finish_reason == "error":
             code = "UNAVAILABLE" if event.source == "router" else "INTERNAL"
-            raise RequestError(code, f"request {route.request_id} failed on {event.instance}: "
-                                     f"{event.error}")
+            where = f" on {event.instance}" if event.instance else ""
+            raise RequestError(code, f"request {route.request_id} failed{where}: {event.error}")
         return event
 
     async def _accept(self, inp: GenerateInput) -> RequestSpec:

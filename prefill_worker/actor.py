@@ -24,7 +24,7 @@ from engine.scheduler import PREFILL, SchedulerOutput
 from kv_transfer import KVPeer
 from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
 from prefill_worker.transfer_log import TransferLog
-from prefill_worker.kv_setup import make_layout, make_transfer_config
+from prefill_worker.kv_setup import make_layout
 from prefill_worker.leader import LeaderRank
 
 
@@ -52,7 +52,7 @@ class ChunkTransfer:
 
 class PrefillRank(LeaderRank):
     """Rank actor of a prefill instance. Leader methods: ``prefill``, ``abort``, ``poll``,
-    ``status``, ``drain``, ``shutdown``; every rank: ``send_state``, ``abort_kv``."""
+    ``status``, ``drain``, ``shutdown``; every rank: ``sends_idle``, ``abort_kv``."""
 
     policy = PREFILL
     source = "prefill"
@@ -62,7 +62,7 @@ class PrefillRank(LeaderRank):
 
         self.connector = PrefillKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            self.cfg.tp, make_transfer_config(self.cfg))
+            self.cfg.parallel.tp, self.cfg.transfer)
         self.transfer_log = TransferLog()
         if self.rank == 0:
             self.setup_leader()
@@ -70,22 +70,24 @@ class PrefillRank(LeaderRank):
             self.draining: dict[str, BlockSet] = {}  # first token out, sends still running
 
     # ---- every rank ---------------------------------------------------------------------
-    def after_step(self, steps: list, extra: list[ChunkTransfer] | None):
+    def after_step(self, step_inputs: list[ChunkTransfer] | None) -> None:
+        """Queue this rank's planned layers of each chunk to its decode peers; completion
+        records after a request's last chunk."""
         per_token_layer = self.runner.kv_spec.bytes_per_token_per_layer
-        for t in extra or ():
+        for t in step_inputs or ():
             self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
                                       t.dst_slots)
-            for pp in self.connector.plan(len(t.peers)).sends_from(self.rank):
-                pair = f"{self.cfg.name}:{self.rank}->{t.peers[pp.decode_rank].instance}:" \
-                       f"{pp.decode_rank}"
+            for send in self.connector.plan(len(t.peers)).sends_from(self.rank):
+                pair = f"{self.cfg.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
+                       f"{send.decode_rank}"
                 self.transfer_log.add(t.request_id, pair,
-                                      len(pp.layers) * (t.end - t.start) * per_token_layer)
+                                      len(send.layers) * (t.end - t.start) * per_token_layer)
             if t.last:
                 self.connector.finish(t.request_id, t.peers, t.end)
-        return None
 
-    def send_state(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
-        """request id -> True when no send of it is queued or in flight on this rank."""
+    def sends_idle(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
+        """request id -> True when no send of it is queued or in flight on this rank (waits
+        up to ``timeout_s`` for each); an idle request's transfer record is closed."""
         from kv_transfer import TransferTimeout
 
         out = {}
@@ -119,8 +121,9 @@ class PrefillRank(LeaderRank):
             if self.enqueue(spec):
                 self.reservations[spec.request_id] = reservation
 
-    def _transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
-        bs = self.cfg.block_size
+    def _chunk_transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
+        """The step inputs of a prefill step: where each scheduled chunk's KV goes."""
+        bs = self.cfg.scheduler.block_size
         plans = []
         for c in out.chunks:
             res = self.reservations[c.request.request_id]
@@ -132,19 +135,19 @@ class PrefillRank(LeaderRank):
 
     def step(self) -> bool:
         with self._lock:
-            ran = self.leader_step(self._transfers)
-            if ran is not None:
-                for req in self.finish_sampled(ran[1], free=False):
+            result = self.leader_step(self._chunk_transfers)
+            if result is not None:
+                for req in self.finish_sampled(result.sampled, free=False):
                     self.draining[req.request_id] = req.blocks
             drained = self._free_drained()
-        return ran is not None or drained
+        return result is not None or drained
 
     def _free_drained(self) -> bool:
         """Free the blocks of requests whose sends finished on every rank."""
         if not self.draining:
             return False
-        states = self.call_all("send_state", list(self.draining))
-        done = [rid for rid in list(self.draining) if all(s[rid] for s in states)]
+        idle = self.call_all("sends_idle", list(self.draining))
+        done = [rid for rid in list(self.draining) if all(rank[rid] for rank in idle)]
         for rid in done:
             self.pool.free(self.draining.pop(rid))
             self.reservations.pop(rid, None)
@@ -157,16 +160,16 @@ class PrefillRank(LeaderRank):
             req = self.scheduler.remove(request_id, free=False)
             blocks = req.blocks if req is not None else self.draining.pop(request_id, None)
             if res is None and blocks is None:
-                self.bury(request_id)
+                self.add_tombstone(request_id)
                 return False
             peers = res.peers if res is not None else ()
             self.call_all("abort_kv", request_id, peers)
-            states = self.call_all("send_state", [request_id], self.cfg.payload_timeout_s)
+            idle = self.call_all("sends_idle", [request_id], self.cfg.transfer.payload_timeout_s)
             if blocks is not None:
                 self.pool.free(blocks)
-        if not all(s[request_id] for s in states):
+        if not all(rank[request_id] for rank in idle):
             raise TimeoutError(f"{self.cfg.name}: sends of {request_id} still in flight after "
-                               f"{self.cfg.payload_timeout_s} s")
+                               f"{self.cfg.transfer.payload_timeout_s} s")
         return True
 
     def num_active(self) -> int:

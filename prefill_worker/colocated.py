@@ -31,7 +31,7 @@ class ColocatedRank(LeaderRank):
         with self._lock:
             req = self.scheduler.remove(request_id)
             if req is None:
-                self.bury(request_id)
+                self.add_tombstone(request_id)
         if req is not None:
             self.emit(TokenEvent(request_id, (), "abort", source=self.source,
                                  instance=self.cfg.name))
@@ -39,8 +39,8 @@ class ColocatedRank(LeaderRank):
 
     def step(self) -> bool:
         with self._lock:
-            ran = self.leader_step()
-            if ran is None:
+            result = self.leader_step()
+            if result is None:
                 return False
-            self.finish_sampled(ran[1])
+            self.finish_sampled(result.sampled)
             return True

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from prefill_worker.messages import InstanceConfig
+from kv_transfer.config import TransferConfig
+from prefill_worker.config import InstanceConfig
 
 
 def model_identity(checkpoint_dir: str) -> str:
@@ -21,20 +23,15 @@ def make_layout(runner, cfg: InstanceConfig):
     """The rank's :class:`kv_transfer.KVLayout` (what the handshake fingerprints)."""
     from kv_transfer.layout import KVLayout
 
-    return KVLayout.from_spec(runner.kv_spec, model_identity(cfg.checkpoint_dir), cfg.tp)
+    return KVLayout.from_spec(runner.kv_spec, model_identity(cfg.checkpoint_dir),
+                              cfg.parallel.tp)
 
 
-def make_transfer_config(cfg: InstanceConfig, completion_factor: float = 1.0):
-    """The rank's :class:`kv_transfer.TransferConfig` (bounded waits, seconds).
+def stretch_completion(transfer: TransferConfig, factor: float) -> TransferConfig:
+    """``transfer`` with ``completion_timeout_s`` multiplied by ``factor``.
 
-    ``completion_factor`` stretches ``completion_timeout_s``: the decode receiver's clock
-    starts at the reservation, which may wait in the prefill queue for a long time, so decode
-    gives its receivers the orphan bound and enforces ``completion_timeout_s`` itself from the
-    first token on.
+    The decode receiver's clock starts at the reservation, which may wait in the prefill queue
+    for a long time, so decode gives its receivers the orphan bound and enforces
+    ``completion_timeout_s`` itself from the first token on.
     """
-    from kv_transfer.config import TransferConfig
-
-    return TransferConfig(connect_timeout_s=cfg.connect_timeout_s,
-                          header_timeout_s=cfg.header_timeout_s,
-                          payload_timeout_s=cfg.payload_timeout_s,
-                          completion_timeout_s=cfg.completion_timeout_s * completion_factor)
+    return replace(transfer, completion_timeout_s=transfer.completion_timeout_s * factor)

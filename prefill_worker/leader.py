@@ -1,19 +1,22 @@
 """Leader-side pieces shared by the three roles: the scheduler step and its token events.
 
 A leader step is schedule -> execute (all ranks) -> sample -> update, with a typed
-:class:`SchedulerOutput` between the stages. Roles add what happens around it (KV sends on
-prefill, KV completion on decode) through :class:`RankBase` hooks.
+:class:`SchedulerOutput` between the stages and a :class:`StepResult` out of it. Roles add
+what happens around it (KV sends on prefill, KV completion on decode) through the role hooks
+listed in prefill_worker/rank.py.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from engine.block_pool import BlockPool
 from engine.sampling import sample
-from engine.scheduler import (RolePolicy, Request, Scheduler, SchedulerOutput,
-                                   finish_reason)
+from engine.scheduler import RolePolicy, Request, Scheduler, SchedulerOutput, finish_reason
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from prefill_worker.rank import RankBase
 
@@ -25,14 +28,33 @@ TOMBSTONE_TTL_S = 30.0
 STATUS_TIMEOUT_S = 10.0
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one leader step did.
+
+    Attributes:
+        output: what the scheduler scheduled (the step's chunks).
+        sampled: request id -> the token sampled for it this step (requests whose chunk
+            reached their last known token; may be empty).
+    """
+
+    output: SchedulerOutput
+    sampled: dict[str, int]
+
+
 class LeaderRank(RankBase):
-    """A rank whose rank 0 owns a scheduler and block pool; ``setup_leader`` builds them."""
+    """A rank whose rank 0 owns a scheduler and block pool; ``setup_leader`` builds them.
+
+    Subclasses set ``policy`` (the scheduler's role policy) and ``source`` (their
+    ``TokenEvent.source``), and call ``setup_leader`` from ``setup_role`` on rank 0.
+    """
 
     policy: RolePolicy
     source: str
 
     def setup_leader(self) -> None:
-        cfg = self.cfg
+        """Rank 0, from ``setup_role``: build the block pool, the scheduler and tombstones."""
+        cfg = self.cfg.scheduler
         self.pool = BlockPool(cfg.num_kv_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.pool, self.policy, chunk_size=cfg.chunk_size,
                                    max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -42,13 +64,13 @@ class LeaderRank(RankBase):
         # be on its way (actor calls run on several threads), and must not start afterwards.
         self._tombstones: OrderedDict[str, float] = OrderedDict()
 
-    def bury(self, request_id: str) -> None:
+    def add_tombstone(self, request_id: str) -> None:
         """Remember an abort that found nothing, for ``TOMBSTONE_TTL_S`` (bounded count)."""
         self._tombstones[request_id] = time.monotonic()
         while len(self._tombstones) > MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
 
-    def buried(self, request_id: str) -> bool:
+    def has_tombstone(self, request_id: str) -> bool:
         """An abort of ``request_id`` arrived shortly before the request itself."""
         at = self._tombstones.get(request_id)
         return at is not None and time.monotonic() - at < TOMBSTONE_TTL_S
@@ -57,14 +79,15 @@ class LeaderRank(RankBase):
         """Why a request needing ``blocks_needed`` blocks can never run here, or None."""
         if blocks_needed <= self.pool.num_blocks:
             return None
-        return (f"request needs {blocks_needed} KV blocks of {self.cfg.block_size} tokens; "
-                f"{self.cfg.name} has {self.pool.num_blocks} in all: shorten the prompt or "
-                "max_tokens, or raise num_kv_blocks")
+        return (f"request needs {blocks_needed} KV blocks of "
+                f"{self.cfg.scheduler.block_size} tokens; {self.cfg.name} has "
+                f"{self.pool.num_blocks} in all: shorten the prompt or max_tokens, or raise "
+                "num_kv_blocks")
 
     def enqueue(self, spec: RequestSpec) -> bool:
         """Queue a new request (caller holds the lock); one that can never fit gets an error
         event instead. True when queued."""
-        if self.buried(spec.request_id):
+        if self.has_tombstone(spec.request_id):
             self.emit(TokenEvent(spec.request_id, (), "abort", source=self.source,
                                  instance=self.cfg.name))
             return False
@@ -102,16 +125,19 @@ class LeaderRank(RankBase):
                 done.append(self.scheduler.remove(rid, free=free))
         return done
 
-    def leader_step(self, extra_for=None) -> tuple[SchedulerOutput, dict[str, int]] | None:
-        """schedule -> execute on all ranks -> sample -> update; None when idle."""
+    def leader_step(self, step_inputs_for: Callable[[SchedulerOutput], Any] | None = None
+                    ) -> StepResult | None:
+        """schedule -> execute on all ranks -> sample -> update; None when nothing was
+        scheduled. ``step_inputs_for(output)`` makes the role's per-step inputs that every
+        rank's ``after_step`` receives (prefill: the chunks' KV transfers)."""
         out = self.scheduler.schedule()
         if not out:
             return None
-        extra = extra_for(out) if extra_for else None
-        logits, _ = self.run_step(out.steps, extra)
+        step_inputs = step_inputs_for(out) if step_inputs_for else None
+        logits = self.run_step(out.steps, step_inputs)
         sampled = self.sample_step(out, logits)
         self.scheduler.update(out, sampled)
-        return out, sampled
+        return StepResult(out, sampled)
 
     def fail_requests(self, requests: list[Request], error: str) -> None:
         for req in requests:
@@ -130,11 +156,13 @@ class LeaderRank(RankBase):
         # NOTE: asks every rank (bounded), so a dead rank shows as an unreachable instance.
         ranks = self.ranks_info(timeout_s=STATUS_TIMEOUT_S)
         return InstanceStatusInfo(
-            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp, ranks=ranks,
+            name=self.cfg.name, role=self.cfg.role, tp=self.cfg.parallel.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
             outstanding_tokens=self.scheduler.num_outstanding_tokens, **self.transfer_stats())
 
     def transfer_stats(self) -> dict:
-        """Hook: kv_bytes_sent / kv_failures for status."""
+        """Role hook, leader, inside :meth:`status` (not under the lock): the role's
+        :class:`InstanceStatusInfo` fields by name (prefill: ``kv_bytes_sent``, ``transfers``;
+        decode: ``kv_failures``). May ask every rank (bounded)."""
         return {}

@@ -12,13 +12,16 @@ Leader actor methods that carry these (see prefill_worker/actor.py, decode_worke
 - prefill leader: ``prefill(RequestSpec, Reservation)``; ``poll(timeout_s)``;
   ``abort(request_id) -> bool`` (returns only once no KV send into the reservation is in
   flight, so the decode side may free its blocks); ``status()``.
+
+This module imports neither torch nor Ray: the gRPC client (orchestrator/client.py) uses it.
+What the rank actors are built from is in prefill_worker/config.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from kv_transfer import KVPeer
 
 
@@ -127,48 +130,3 @@ class InstanceStatusInfo:
     # Per-pair KV transfer records closed since the previous status call:
     # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
     transfers: tuple[tuple[str, int, float, bool], ...] = ()
-
-
-@dataclass(frozen=True)
-class InstanceConfig:
-    """What every rank actor of one instance is built from (made by the orchestrator's config).
-
-    Attributes:
-        name: instance name, e.g. "prefill-0", "decode-1", "colocated-0".
-        role: "prefill", "decode" or "colocated".
-        tp: tensor-parallel size (ranks in the instance).
-        checkpoint_dir: HF checkpoint directory (config.json, *.safetensors, tokenizer.json).
-        dtype: "float32", "bfloat16" or "float16".
-        max_model_len: prompt + output tokens a request may reach.
-        block_size: tokens per KV block.
-        num_kv_blocks: KV blocks per rank.
-        chunk_size: most prompt tokens of one request computed in one step (chunked prefill).
-        max_num_batched_tokens: most tokens computed in one step across requests.
-        max_num_seqs: most requests in the running batch.
-        device: "cpu", "cuda" or "npu".
-        dist_backend: "gloo", "nccl" or "hccl" (TP groups and KV pair groups).
-        bind_host: address the rank's stores listen on (127.0.0.1 on one machine; empty: the
-            node's IP as Ray reports it, for multi-node clusters).
-        *_timeout_s: KV transfer bounds (seconds), see kv_transfer.TransferConfig.
-        step_timeout_s: bound on one SPMD step across the instance's ranks (seconds).
-    """
-
-    name: str
-    role: str
-    tp: int
-    checkpoint_dir: str
-    dtype: str = "float32"
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_kv_blocks: int = 512
-    chunk_size: int = 256
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 32
-    device: str = "cpu"
-    dist_backend: str = "gloo"
-    bind_host: str = "127.0.0.1"
-    connect_timeout_s: float = 30.0
-    header_timeout_s: float = 30.0
-    payload_timeout_s: float = 60.0
-    completion_timeout_s: float = 120.0
-    step_timeout_s: float = 300.0

@@ -9,22 +9,37 @@ peers)`` (collective: TP rendezvous, model load) -> leader ``start()`` -> ... ->
 SPMD: only the leader schedules. Each step it calls ``execute_step`` on every other rank
 (Ray actor calls) and runs the same step itself; the TP all-reduces inside the model keep the
 ranks in lock step. A rank that does not answer within ``step_timeout_s`` fails the step.
+
+Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank override them):
+
+- ``setup_role()``: every rank, at the end of ``init_rank`` once the model runner exists;
+  builds the role's state (KV connector; on the leader the scheduler, via
+  ``LeaderRank.setup_leader``).
+- ``after_step(step_inputs)``: every rank, right after its model step (prefill queues
+  KV sends here).
+- ``close_role()``: every rank, at the end of ``shutdown`` after the loop thread stopped;
+  releases what ``setup_role`` opened.
+- leader only: ``step()`` (the loop's iteration), ``fail_all(error)``, ``num_active()``,
+  ``status()``; ``LeaderRank`` implements the last three, ``transfer_stats()`` adds the role's
+  fields to ``status()``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 
-from prefill_worker.messages import InstanceConfig, InstanceStatusInfo, TokenEvent
+from engine import envs
+from prefill_worker.config import InstanceConfig
+from prefill_worker.messages import InstanceStatusInfo, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +65,15 @@ class RankBase(ABC):
         self._wake = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
-        if not cfg.bind_host:  # multi-node: listen on this node's address
+        if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
 
-            self.cfg = cfg = replace(cfg, bind_host=ray.util.get_node_ip_address())
-        if cfg.bind_host == "127.0.0.1":
+            self.cfg = cfg = replace(cfg, parallel=replace(
+                cfg.parallel, bind_host=ray.util.get_node_ip_address()))
+        if cfg.parallel.bind_host == "127.0.0.1":
             # NOTE: keep Gloo's sockets on loopback too (it otherwise resolves the hostname).
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(max(1, int(os.environ.get("ORCH_TORCH_THREADS", "1"))))
+            envs.GLOO_SOCKET_IFNAME.set_default("lo")
+        torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
 
     # ---- bring-up -----------------------------------------------------------------------
     def node_info(self) -> tuple[str, str]:
@@ -65,16 +81,17 @@ class RankBase(ABC):
         import ray
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        return node, self.cfg.device
+        return node, self.cfg.parallel.device
 
     def open_tp_store(self) -> tuple[str, int]:
         """Leader only: open the TCPStore the instance's ranks rendezvous on; (host, port)."""
         from torch.distributed import TCPStore
 
-        self._store = TCPStore(self.cfg.bind_host, 0, self.cfg.tp, is_master=True,
-                               timeout=timedelta(seconds=self.cfg.connect_timeout_s),
+        self._store = TCPStore(self.cfg.parallel.bind_host, 0, self.cfg.parallel.tp,
+                               is_master=True,
+                               timeout=timedelta(seconds=self.cfg.transfer.connect_timeout_s),
                                wait_for_workers=False)
-        return self.cfg.bind_host, self._store.port
+        return self.cfg.parallel.bind_host, self._store.port
 
     def init_rank(self, host: str, port: int, peers: list) -> None:
         """Join the TP group, load the model shard, build role state. Collective.
@@ -87,59 +104,68 @@ class RankBase(ABC):
 
         self.peers = list(peers)
         try:
-            tp = init_tp_group(self.rank, self.cfg.tp, host, port, self.cfg.dist_backend,
-                               self.cfg.connect_timeout_s, store=self._store)
+            tp = init_tp_group(self.rank, self.cfg.parallel.tp, host, port,
+                               self.cfg.parallel.dist_backend,
+                               self.cfg.transfer.connect_timeout_s, store=self._store)
             # NOTE: Ray gives each rank actor one accelerator and hides the others
             # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
-            device = "cpu" if self.cfg.device == "cpu" else f"{self.cfg.device}:0"
-            self.runner = ModelRunner(self.cfg.checkpoint_dir, num_kv_blocks=self.cfg.num_kv_blocks,
-                                      block_size=self.cfg.block_size,
+            kind = self.cfg.parallel.device
+            device = "cpu" if kind == "cpu" else f"{kind}:0"
+            self.runner = ModelRunner(self.cfg.checkpoint_dir,
+                                      num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
+                                      block_size=self.cfg.scheduler.block_size,
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
 
     def setup_role(self) -> None:
-        """Hook: build role state (scheduler, KV connector) once the runner exists."""
+        """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
+        is not started): build the role's state (KV connector; scheduler on the leader)."""
 
     # ---- SPMD ---------------------------------------------------------------------------
-    def execute_step(self, steps: list, extra=None):
-        """Follower side of one step: run the model on ``steps``; role hook for ``extra``."""
+    def execute_step(self, steps: list, step_inputs: Any = None) -> None:
+        """Follower side of one step (a Ray call from the leader's :meth:`run_step`): run the
+        model on ``steps``, then :meth:`after_step` with the role's ``step_inputs``."""
         if steps:
             self.runner.execute(steps)
-        return self.after_step(steps, extra)
+        self.after_step(step_inputs)
 
-    def after_step(self, steps: list, extra):
-        """Hook run on every rank after the model step (e.g. enqueue KV sends)."""
-        return None
+    def after_step(self, step_inputs: Any) -> None:
+        """Role hook, every rank, right after this rank's model step (on the leader under its
+        lock, on a follower in the Ray call); ``step_inputs`` is what the leader's
+        ``step_inputs_for`` made for this step (None when it made nothing). It may queue work
+        on this rank's own role state (KV sends), never touch the scheduler."""
 
-    def run_step(self, steps: list, extra=None) -> tuple[torch.Tensor | None, list]:
-        """Leader: run one step on all ranks; returns (leader logits [B, V], followers' results).
+    def run_step(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None:
+        """Leader: run one step on all ranks; the leader's logits ``[B, V]`` (None when
+        ``steps`` is empty).
 
         Raises:
             TimeoutError: a follower did not finish within ``step_timeout_s``.
         """
         import ray
 
-        refs = [p.execute_step.remote(steps, extra) for p in self.peers[1:]]
+        refs = [p.execute_step.remote(steps, step_inputs) for p in self.peers[1:]]
         logits = self.runner.execute(steps) if steps else None
-        mine = self.after_step(steps, extra)
+        self.after_step(step_inputs)
         try:
-            others = ray.get(refs, timeout=self.cfg.step_timeout_s) if refs else []
+            if refs:
+                ray.get(refs, timeout=self.cfg.parallel.step_timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             raise TimeoutError(f"{self.cfg.name}: a rank did not finish a step within "
-                               f"{self.cfg.step_timeout_s} s") from exc
-        return logits, [mine, *others]
+                               f"{self.cfg.parallel.step_timeout_s} s") from exc
+        return logits
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
         """Call ``method(*args)`` on every rank (leader locally), bounded; results in rank order."""
         import ray
 
         refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
-        mine = getattr(self, method)(*args)
+        leader_result = getattr(self, method)(*args)
         if not refs:
-            return [mine]
-        return [mine, *ray.get(refs, timeout=timeout_s or self.cfg.step_timeout_s)]
+            return [leader_result]
+        return [leader_result, *ray.get(refs, timeout=timeout_s or self.cfg.parallel.step_timeout_s)]
 
     # ---- leader loop --------------------------------------------------------------------
     def start(self) -> None:
@@ -210,7 +236,8 @@ class RankBase(ABC):
         self.close_role()
 
     def close_role(self) -> None:
-        """Hook: release role resources."""
+        """Role hook, every rank, end of :meth:`shutdown` (the loop thread has stopped):
+        release what :meth:`setup_role` opened (connectors, their threads and sockets)."""
 
     def ranks_info(self, timeout_s: float | None = None) -> tuple[tuple[int, str, str], ...]:
         """(rank, node id, device) of every rank, for status (raises when a rank is gone)."""

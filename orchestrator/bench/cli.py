@@ -1,5 +1,9 @@
 """``orch bench``: replay a workload against a running router and report latency/throughput.
 
+``--up CONFIG [CONFIG ...]`` instead brings each config up in turn, replays against it and
+compares the reports (:mod:`orchestrator.bench.serve`): this package is the one home of serving
+benchmarks; ``benchmarks/`` holds the component microbenchmarks (engine, KV transfer).
+
 The lead CLI (``orchestrator/cli.py``) mounts this on its ``bench`` subcommand with
 :func:`add_arguments` and :func:`run`; ``python -m orchestrator.bench`` does the same
 standalone. Exit codes: 0 at least one timed request completed (failures are in the report),
@@ -71,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
                    help="print two reports side by side with B/A ratios, then exit")
+    g = parser.add_argument_group("bring-up (compare deployments)")
+    g.add_argument("--up", nargs="+", metavar="CONFIG", default=None,
+                   help="`orch up` each config in turn on free loopback ports, replay against "
+                   "it, stop it; then compare the first (A) with each later one (B)")
+    g.add_argument("--up-out", type=Path, default=Path("out/bench"),
+                   help="with --up: where reports (<config stem>.json) and `orch up` logs go")
+    g.add_argument("--up-startup-timeout", type=float, default=300.0,
+                   help="with --up: seconds each `orch up` gets to start serving")
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:
@@ -97,15 +109,30 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``orch bench`` with parsed options; returns the exit code (see module docstring)."""
-    from orchestrator.bench.compare import print_comparison
+    if args.compare:
+        from orchestrator.bench.compare import print_comparison
+
+        try:
+            print_comparison(*args.compare)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"orch bench: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if args.up:
+        from orchestrator.bench.serve import run_configs
+
+        return run_configs(args)
+    return replay(args)
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Replay the workload of ``args`` against ``args.address``; print (and write) the report.
+    Returns the exit code (see module docstring)."""
     from orchestrator.bench.report import print_report, summarize
     from orchestrator.bench.runner import RunnerConfig, run_benchmark
     from orchestrator.bench.workloads import load_workload
 
     try:
-        if args.compare:
-            print_comparison(*args.compare)
-            return 0
         runner_cfg = RunnerConfig(
             address=args.address, max_concurrency=args.max_concurrency,
             request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from bench_fake_orch import FakeOrch, FakeServer
 from orchestrator.bench.cli import main
-from orchestrator.bench.workloads import default_trace
+from orchestrator.bench.workloads import DEFAULT_TRACES
 
 
-def test_cli_run_writes_report_plots_and_compares(tmp_path, capsys):
+def test_cli_run_writes_report_plots_and_compares(tmp_path, capsys, shared_data):
+    trace = shared_data(DEFAULT_TRACES["mooncake"])  # the CLI's default for --workload mooncake
     fake = FakeOrch(ttft_s=0.05, itl_s=0.005, fail_every=5)
     with FakeServer(fake) as server:
         common = ["--address", server.address, "--workload", "mooncake", "--num-requests", "10",
@@ -25,7 +25,6 @@ def test_cli_run_writes_report_plots_and_compares(tmp_path, capsys):
     # warm-up index 0; timed 1..10; index 5 and 10 fail
     assert rep["counts"]["requested"] == 10 and rep["counts"]["failed"] == 2
     assert rep["counts"]["warmup"] == 1 and rep["errors"] == {"RESOURCE_EXHAUSTED": 2}
-    trace = default_trace("mooncake", Path(__file__).resolve().parents[2])
     raw = [json.loads(line) for line in trace.read_text().splitlines()[:11]]
     outs = [max(1, round(x["output_length"] * 0.01)) for x in raw]
     assert rep["counts"]["capped"] == sum(o > 4 for o in outs) > 0

@@ -11,24 +11,30 @@ import pytest
 
 from orchestrator.bench import traces
 from orchestrator.bench.prompts import TOKEN_HIGH, TOKEN_LOW, TextMeasurer
-from orchestrator.bench.workloads import WorkloadConfig, default_trace, load_workload
+from orchestrator.bench.workloads import (DEFAULT_TRACES, WorkloadConfig, default_trace,
+                                          load_workload)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _trace(kind: str) -> Path:
-    path = default_trace(kind, ROOT)
-    if path is None:
-        pytest.skip(f"public {kind} trace not found beside the repo (../shared/data)")
-    return path
+@pytest.fixture
+def trace_file(shared_data):
+    """``trace_file(KIND)``: the public trace file of ``KIND`` (fails when it is missing)."""
+    return lambda kind: shared_data(DEFAULT_TRACES[kind])
+
+
+def test_default_traces_are_the_shared_files(shared_data):
+    for kind, name in DEFAULT_TRACES.items():
+        assert default_trace(kind, ROOT) == shared_data(name), kind
+    assert default_trace("synthetic", ROOT) is None
 
 
 def _mooncake_raw(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_mooncake_trace_matches_file():
-    path = _trace("mooncake")
+def test_mooncake_trace_matches_file(trace_file):
+    path = trace_file("mooncake")
     raw = _mooncake_raw(path)
     entries = traces.read_mooncake(path)
     assert len(raw) == 12031 and len(entries) == 12031
@@ -49,14 +55,14 @@ def test_mooncake_trace_matches_file():
     assert all(len(r.prompt_token_ids) == r.input_len for r in wl.requests)
 
 
-def test_mooncake_synthetic_trace_count():
-    path = default_trace("mooncake", ROOT).parent / "mooncake_synthetic_trace.jsonl"
+def test_mooncake_synthetic_trace_count(shared_data):
+    path = shared_data("mooncake_synthetic_trace.jsonl")
     assert len(traces.read_mooncake(path)) == 3993
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.05])
-def test_mooncake_shared_hash_ids_share_prompt_prefix(scale):
-    path = _trace("mooncake")
+def test_mooncake_shared_hash_ids_share_prompt_prefix(scale, trace_file):
+    path = trace_file("mooncake")
     raw = _mooncake_raw(path)[:40]
     wl = load_workload(WorkloadConfig(kind="mooncake", trace=path, num_requests=40,
                                       scale_lengths=scale))
@@ -81,8 +87,8 @@ def test_mooncake_shared_hash_ids_share_prompt_prefix(scale):
     assert r0.input_len == max(1, round(raw[0]["input_length"] * scale))
 
 
-def test_mooncake_caps_and_skips_counted():
-    path = _trace("mooncake")
+def test_mooncake_caps_and_skips_counted(trace_file):
+    path = trace_file("mooncake")
     raw = _mooncake_raw(path)
     cap_in, cap_out, n = 4096, 256, 200
     over = [x["input_length"] > cap_in or x["output_length"] > cap_out for x in raw]
@@ -106,8 +112,8 @@ def test_mooncake_caps_and_skips_counted():
         (raw[fits[-1]]["timestamp"] - t_first) / 1000)
 
 
-def test_azure_timestamps_and_lengths():
-    path = _trace("azure")
+def test_azure_timestamps_and_lengths(trace_file):
+    path = trace_file("azure")
     with path.open() as f:
         rows = list(csv.DictReader(f))
     n = 2000
@@ -130,8 +136,8 @@ def test_azure_timestamps_and_lengths():
     assert [r.output_len for r in wl.requests] == [e.output_len for e in entries[1:n + 1]]
 
 
-def test_scale_lengths_and_time_scale():
-    path = _trace("azure")
+def test_scale_lengths_and_time_scale(trace_file):
+    path = trace_file("azure")
     rows = traces.read_azure(path)[:30]
     wl = load_workload(WorkloadConfig(kind="azure", trace=path, num_requests=30,
                                       scale_lengths=0.1, time_scale=0.5))
@@ -142,8 +148,8 @@ def test_scale_lengths_and_time_scale():
     assert wl.num_capped == 0
 
 
-def test_sharegpt_first_human_turn_and_caps():
-    path = _trace("sharegpt")
+def test_sharegpt_first_human_turn_and_caps(trace_file):
+    path = trace_file("sharegpt")
     data = json.loads(path.read_text())
     wl = load_workload(WorkloadConfig(kind="sharegpt", trace=path, num_requests=20,
                                       output_len=33, max_input_len=64))
@@ -185,9 +191,9 @@ def test_synthetic_poisson_fixed_and_determinism():
     assert [r.arrival_s for r in fixed.requests] == pytest.approx([0, 0.5, 1.0, 1.5])
 
 
-def test_bad_options_say_what_to_do():
+def test_bad_options_say_what_to_do(trace_file):
     with pytest.raises(ValueError, match="--num-requests"):
-        load_workload(WorkloadConfig(kind="mooncake", trace=_trace("mooncake"),
+        load_workload(WorkloadConfig(kind="mooncake", trace=trace_file("mooncake"),
                                      num_requests=20000))
     with pytest.raises(ValueError, match="--over-length"):
         WorkloadConfig(over_length="drop")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.harness import REPO, OrchProcess, sharegpt_prompts, wait_idle
+from tests.e2e.harness import REPO, SHAREGPT, OrchProcess, sharegpt_prompts, wait_idle
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
-def prompts():
-    return sharegpt_prompts(NUM_REQUESTS)
+def prompts(shared_data):
+    return sharegpt_prompts(shared_data(SHAREGPT), NUM_REQUESTS)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.rpc import orch_pb2, orch_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
-SHAREGPT = REPO.parent / "shared" / "data" / "sharegpt_v3_filtered_500.json"
+SHAREGPT = "sharegpt_v3_filtered_500.json"  # in ../shared/data (the `shared_data` fixture)
 
 
 def free_port() -> int:
@@ -28,9 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
-    """First ``n`` human turns of the ShareGPT file, cut to ``max_chars`` characters."""
-    data = json.loads(SHAREGPT.read_text())
+def sharegpt_prompts(path: Path, n: int, max_chars: int = 600) -> list[str]:
+    """First ``n`` human turns of the ShareGPT file at ``path``, cut to ``max_chars`` characters.
+
+    Raises:
+        RuntimeError: the file has fewer than ``n`` usable prompts.
+    """
+    data = json.loads(path.read_text())
     out = []
     for item in data:
         turns = [t["value"] for t in item["conversations"] if t["from"] == "human"]
@@ -38,7 +43,7 @@ def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
             out.append(turns[0][:max_chars])
         if len(out) == n:
             return out
-    raise RuntimeError(f"{SHAREGPT} has fewer than {n} usable prompts")
+    raise RuntimeError(f"{path} has fewer than {n} usable prompts")
 
 
 class OrchProcess:
@@ -113,8 +118,12 @@ class OrchProcess:
 
     # ---- client helpers ----------------------------------------------------------------
     def generate(self, text: str | None = None, token_ids=None, timeout_s: float = 180,
+                 started: threading.Event | None = None,
                  **sampling) -> tuple[list[int], list, grpc.RpcError | None]:
-        """One streamed request; returns (token ids, responses, the RpcError or None)."""
+        """One streamed request; returns (token ids, responses, the RpcError or None).
+
+        ``started`` is set once the first response arrived (the request is in flight).
+        """
         req = orch_pb2.GenerateRequest(sampling=orch_pb2.SamplingParams(**sampling))
         if text is not None:
             req.text = text
@@ -126,6 +135,8 @@ class OrchProcess:
             try:
                 for resp in stub.Generate(req, timeout=timeout_s):
                     responses.append(resp)
+                    if started is not None:
+                        started.set()
             except grpc.RpcError as err:
                 return [t for r in responses for t in r.token_ids], responses, err
         return [t for r in responses for t in r.token_ids], responses, None
@@ -157,6 +168,35 @@ class OrchProcess:
         with grpc.insecure_channel(self.address) as channel:
             return orch_pb2_grpc.OrchStub(channel).GetStatus(orch_pb2.GetStatusRequest(),
                                                              timeout=30)
+
+
+def descendants(root_pid: int) -> dict[int, str]:
+    """Every process under ``root_pid`` (read from /proc): pid -> its title (argv[0]).
+
+    Ray names a rank actor's process ``ray::<Class>`` (``ray::<Class>.<method>`` while a call
+    runs), so ranks are found by title among the processes a test started.
+    """
+    parents: dict[int, int] = {}
+    titles: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        pid = int(entry.name)
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after "(comm)"
+        titles[pid] = argv[0].decode(errors="replace")
+    found, frontier = {}, [root_pid]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = titles[pid]
+                frontier.append(pid)
+    return found
 
 
 def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:

@@ -8,17 +8,18 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 
-AZURE = REPO.parent / "shared" / "data" / "azure2023_AzureLLMInferenceTrace_conv.csv"
+AZURE = "azure2023_AzureLLMInferenceTrace_conv.csv"  # in ../shared/data
 N, SCALE, MAX_IN, MAX_OUT = 30, 0.1, 400, 48
 
 
-def trace_lengths() -> tuple[list[tuple[int, int]], int]:
+def trace_lengths(azure: Path) -> tuple[list[tuple[int, int]], int]:
     """(input, output) tokens of the first N rows, scaled (round, >= 1) and capped; and how
     many rows the caps cut."""
-    with AZURE.open() as f:
+    with azure.open() as f:
         rows = [r for _, r in zip(range(N), csv.DictReader(f))]
     scaled = [(max(1, round(int(r["ContextTokens"]) * SCALE)),
                max(1, round(int(r["GeneratedTokens"]) * SCALE))) for r in rows]
@@ -26,13 +27,14 @@ def trace_lengths() -> tuple[list[tuple[int, int]], int]:
     return [(min(i, MAX_IN), min(o, MAX_OUT)) for i, o in scaled], capped
 
 
-def test_azure_replay_counts_match_trace_and_metrics(tmp_path):
-    expected, num_capped = trace_lengths()
+def test_azure_replay_counts_match_trace_and_metrics(tmp_path, shared_data):
+    azure = shared_data(AZURE)
+    expected, num_capped = trace_lengths(azure)
     report_path = tmp_path / "report.json"
     with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path) as orch:
         subprocess.run(
             [sys.executable, "-m", "orchestrator.cli", "bench", "--address", orch.address,
-             "--workload", "azure", "--trace", str(AZURE), "--num-requests", str(N),
+             "--workload", "azure", "--trace", str(azure), "--num-requests", str(N),
              "--scale-lengths", str(SCALE), "--max-input-len", str(MAX_IN),
              "--max-output-len", str(MAX_OUT), "--time-scale", "0.25", "--no-progress",
              "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--output", str(report_path)],

@@ -23,21 +23,36 @@ def runner(tiny_ckpt):
     return ModelRunner(tiny_ckpt, num_kv_blocks=64, block_size=BLOCK)
 
 
-@pytest.mark.parametrize("prefix_tile", [4096, 24])
-def test_chunked_prefill_equals_one_shot(runner, prefix_tile, monkeypatch):
+def _cleared_caches(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every layer's K and V cache tensor, zeroed (the runner's own tensors, not copies)."""
+    caches = [*runner.kv_cache.k_caches, *runner.kv_cache.v_caches]
+    for c in caches:
+        c.zero_()
+    return caches
+
+
+# NOTE: tile 4096 holds any prefix in one tile (one LSE merge per chunk); tile 24 splits
+# prefixes over up to six tiles (merges of merges, where the merged lse is used again). Chunk 1
+# runs every token after the first as a decode step (no merge): the decode path against
+# prefill. Every other chunk size runs the merge; chunk 4 (the heads count) lets a
+# [T, H] / [H, T] mix-up broadcast silently.
+@pytest.mark.parametrize("prefix_tile,chunk", [(4096, 1), (4096, 2), (4096, 4), (4096, 16),
+                                               (4096, 50), (24, 2), (24, 7), (24, 16), (24, 64)])
+def test_chunked_prefill_equals_one_shot(runner, prefix_tile, chunk, monkeypatch):
     from engine.attention import MLAttention
 
     monkeypatch.setattr(MLAttention, "prefix_tile", prefix_tile)
     prompt = _prompt(130, seed=3)
     table = blocks_for(0, 130, BLOCK)
+    caches = _cleared_caches(runner)
     _, one_shot = generate_greedy(runner, prompt, 1, table)
-    ref_k = runner.kv_cache.k_caches[2].clone()
-    for chunk in ((1, 16, 64) if prefix_tile > 130 else (16, 64)):
-        runner.kv_cache.k_caches[2].zero_()
-        _, chunked = generate_greedy(runner, prompt, 1, table, chunk=chunk)
-        diff = (chunked[0] - one_shot[0]).abs().max().item()
-        assert diff <= 1e-5, f"chunk {chunk}: max |diff| {diff}"
-        torch.testing.assert_close(runner.kv_cache.k_caches[2], ref_k, rtol=0, atol=1e-5)
+    ref = [c.clone() for c in caches]
+    _cleared_caches(runner)  # every layer: the chunked run must write all it reads
+    _, chunked = generate_greedy(runner, prompt, 1, table, chunk=chunk)
+    diff = (chunked[0] - one_shot[0]).abs().max().item()
+    assert diff <= 1e-5, f"chunk {chunk}: max |diff| {diff}"
+    for got, want in zip(caches, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_absorbed_decode_equals_naive_decode(tiny_ckpt, runner):
@@ -128,7 +143,7 @@ def test_metadata_layout_of_a_mixed_step():
     meta = build_attention_metadata([3, 1, 2], [0, 20, 4], [(4,), (1, 2), (7,)], 16)
     assert meta.positions.tolist() == [0, 1, 2, 20, 4, 5]
     assert meta.slot_mapping.tolist() == [64, 65, 66, 36, 116, 117]
-    assert meta.query_start == (0, 3, 4) and meta.logits_index.tolist() == [2, 3, 5]
+    assert meta.logits_index.tolist() == [2, 3, 5]
     assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(0, 3, 0), (4, 6, 4)]
     assert meta.prefills[1].prefix_slots.tolist() == [112, 113, 114, 115]
     assert meta.decode.token_index.tolist() == [3]

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, fill_seed, sample
+from engine.sampling import sample
+from engine.sampling_params import SamplingParams, fill_seed
 
 
 def test_greedy_is_argmax():

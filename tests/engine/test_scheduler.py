@@ -1,7 +1,7 @@
 """Scheduler: chunked prefill budgets, decode-first ordering, role policies, no block leaks."""
 
 from engine.block_pool import BlockPool
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import (COLOCATED, DECODE, PREFILL, Request, Scheduler,
                                    finish_reason)
 from prefill_worker.messages import RequestSpec

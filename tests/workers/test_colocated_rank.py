@@ -10,9 +10,10 @@ import torch
 
 from prefill_worker.colocated import ColocatedRank
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.messages import InstanceConfig, RequestSpec
+from prefill_worker.config import InstanceConfig, SchedulerConfig
+from prefill_worker.messages import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 
 
@@ -22,10 +23,11 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
 
 
-def make_rank(ckpt, **overrides) -> ColocatedRank:
-    cfg = InstanceConfig(name="colocated-0", role="colocated", tp=1, checkpoint_dir=str(ckpt),
-                         block_size=4, num_kv_blocks=overrides.pop("num_kv_blocks", 64),
-                         chunk_size=8, max_num_batched_tokens=12, max_num_seqs=3, **overrides)
+def make_rank(ckpt, num_kv_blocks: int = 64) -> ColocatedRank:
+    scheduler = SchedulerConfig(block_size=4, num_kv_blocks=num_kv_blocks, chunk_size=8,
+                                max_num_batched_tokens=12, max_num_seqs=3)
+    cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
+                         scheduler=scheduler)
     rank = ColocatedRank(cfg, 0)
     host, port = rank.open_tp_store()
     rank.init_rank(host, port, [rank])

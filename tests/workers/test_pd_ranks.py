@@ -4,6 +4,7 @@ run; every block on both sides is freed exactly once; abort paths leave nothing 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,9 +12,11 @@ import torch
 
 from decode_worker.actor import DecodeRank
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.messages import InstanceConfig, Rejection, Reservation, RequestSpec
+from kv_transfer.config import TransferConfig
+from prefill_worker.config import InstanceConfig, SchedulerConfig
+from prefill_worker.messages import Rejection, Reservation, RequestSpec
 from prefill_worker.actor import PrefillRank
 from tests.engine.engine_drive import generate_greedy
 
@@ -25,11 +28,13 @@ def ckpt(tmp_path_factory):
 
 
 def start(cls, ckpt, role, **kw):
-    cfg = InstanceConfig(name=f"{role}-0", role=role, tp=1, checkpoint_dir=str(ckpt),
-                         block_size=kw.pop("block_size", 4), num_kv_blocks=kw.pop("blocks", 64),
-                         chunk_size=8, max_num_batched_tokens=16, max_num_seqs=4,
-                         connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
-                         completion_timeout_s=kw.pop("completion_timeout_s", 20))
+    scheduler = SchedulerConfig(block_size=kw.pop("block_size", 4),
+                                num_kv_blocks=kw.pop("blocks", 64), chunk_size=8,
+                                max_num_batched_tokens=16, max_num_seqs=4)
+    transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
+                              completion_timeout_s=kw.pop("completion_timeout_s", 20))
+    cfg = InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
+                         scheduler=scheduler, transfer=transfer)
     rank = cls(cfg, 0)
     host, port = rank.open_tp_store()
     rank.init_rank(host, port, [rank])
@@ -116,14 +121,33 @@ def test_one_token_request_and_too_big_reservation(pd):
 
 
 def test_abort_mid_flight_frees_both_sides(pd):
+    """Abort after the first of four prefill chunks ran (its KV sent or in flight to decode)."""
     prefill, decode = pd
+    first_chunk_ran, resume = threading.Event(), threading.Event()
+    step = prefill.step
+
+    def step_then_hold() -> bool:
+        busy = step()
+        if busy and not first_chunk_ran.is_set():
+            first_chunk_ran.set()
+            resume.wait(10)
+        return busy
+
+    prefill.step = step_then_hold  # the leader loop looks up self.step on every iteration
     spec = RequestSpec("ab", tuple(range(3000, 3030)),
                        SamplingParams(max_tokens=40, ignore_eos=True))
     res = decode.reserve(spec, 1)
     prefill.prefill(spec, res)
-    assert prefill.abort("ab") in (True, False)  # may already have finished its prefill
+    try:
+        assert first_chunk_ran.wait(10)
+        assert prefill.scheduler.find("ab").num_computed_tokens == 8  # chunk_size 8 of 30
+        assert prefill.abort("ab") is True
+    finally:
+        resume.set()
+    assert prefill.scheduler.find("ab") is None
     assert decode.abort("ab")
     wait_all_free(prefill, decode)
+    assert not any(e.token_ids for e in prefill.poll(0.2) if e.request_id == "ab")
 
 
 def test_never_admitted_kv_fails_after_completion_timeout(ckpt):

@@ -1,0 +1,78 @@
+"""Every environment variable orch reads or sets, declared once (name, type, default, meaning).
+
+Nothing else reads ``os.environ`` for these: call ``ORCH_TORCH_THREADS.get()`` and so on.
+This module sits at the bottom of the import graph (standard library only), so the client,
+the control plane and the ranks can all use it. docs/config.md ("Environment") lists the same
+variables; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable.
+
+    Attributes:
+        name: the variable's name.
+        parse: turns the raw (non-empty) text into a value; raises ValueError when it cannot.
+        default: the value when the variable is unset or empty.
+        doc: what it changes, for docs/config.md.
+    """
+
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+
+    def get(self) -> T:
+        """The current value (``default`` when unset or empty).
+
+        Raises:
+            ValueError: the text does not parse; the message names the variable and the fix.
+        """
+        raw = os.environ.get(self.name, "")
+        if not raw:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}; "
+                             f"fix it or unset it ({self.doc})") from None
+
+    def set_default(self, value: str) -> None:
+        """Set the variable for this process and its children unless it is already set."""
+        os.environ.setdefault(self.name, value)
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+ORCH_CACHE_DIR: EnvVar[str] = EnvVar(
+    "ORCH_CACHE_DIR", str, "",
+    "folder of the built-in tiny checkpoint when model.tiny_dir is empty; "
+    "unset: ~/.cache/orch")
+ORCH_DEVICE: EnvVar[str] = EnvVar(
+    "ORCH_DEVICE", str, "",
+    "device type 'npu', 'cuda' or 'cpu' used instead of detecting one, wherever "
+    "engine.platform decides (cluster.device auto with backend auto; a model runner built "
+    "without a device); unset: detect")
+ORCH_TORCH_THREADS: EnvVar[int] = EnvVar(
+    "ORCH_TORCH_THREADS", _positive_int, 1,
+    "torch intra-op threads of each rank process (torch.set_num_threads)")
+GLOO_SOCKET_IFNAME: EnvVar[str] = EnvVar(
+    "GLOO_SOCKET_IFNAME", str, "",
+    "network interface of Gloo's sockets (read by Gloo itself); a rank whose stores bind "
+    "127.0.0.1 sets it to 'lo' unless it is already set")
+
+ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME)

@@ -1,0 +1,59 @@
+"""Sampling parameters of one request: a plain frozen dataclass, no torch.
+
+The router, the gRPC client and the control-plane messages use it; the sampler
+(engine/sampling.py, which needs torch) reads it. Keep this module free of torch and Ray
+(tests/orchestrator/test_client_imports.py checks the client's import graph).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        max_tokens: tokens to generate, >= 1.
+        temperature: 0 for greedy; > 0 scales logits by 1/temperature.
+        top_k: keep the k most likely tokens; 0 keeps all.
+        top_p: keep the smallest set with cumulative probability >= top_p; 1.0 keeps all.
+        seed: per-request seed, or None.
+        ignore_eos: keep going past the EOS token (fixed-length benchmark replay).
+
+    Raises:
+        ValueError: on any out-of-range value; the message says the allowed range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def fill_seed(params: SamplingParams) -> SamplingParams:
+    """Return ``params`` with a random seed in [0, 2**62) when it has none (greedy requests
+    unchanged)."""
+    if params.greedy or params.seed is not None:
+        return params
+    return replace(params, seed=secrets.randbelow(2**62))

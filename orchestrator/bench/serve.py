@@ -1,0 +1,144 @@
+"""``orch bench --up CONFIG [CONFIG ...]``: bring each config up in turn, replay the same
+workload against it, stop it, and compare the reports.
+
+This is how two deployments (e.g. ``configs/colocated.yaml`` against ``configs/1p1d.yaml``) are
+compared in one session on one machine: each ``orch up`` runs as a subprocess on free loopback
+ports (the config's router host/port and metrics port are replaced), the replay is the usual
+``orch bench`` run against it, and SIGINT drains and stops it before the next config starts.
+Reports land in ``--up-out`` as ``<config stem>.json`` with the ``orch up`` log beside each;
+with two or more configs the comparison prints the first (A) against each later one (B), B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+# Seconds `orch up` gets to drain and stop after SIGINT before its process group is killed.
+STOP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ServedConfig:
+    """One config's replay.
+
+    Attributes:
+        config: the YAML file as given.
+        report: the JSON report written for it.
+        exit_code: the replay's exit code (0: at least one timed request completed).
+    """
+
+    config: Path
+    report: Path
+    exit_code: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config_on_free_ports(config: Path, directory: Path) -> tuple[Path, int]:
+    """A copy of ``config`` in ``directory`` whose router listens on a free loopback port (and
+    metrics too, when the config has a metrics port); returns (path, router port).
+
+    Raises:
+        FileNotFoundError: ``config`` does not exist.
+        ValueError: ``config`` is not a YAML mapping.
+    """
+    data = yaml.safe_load(config.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{config}: not a YAML mapping; pass an `orch up` config file")
+    port = _free_port()
+    router = {**(data.get("router") or {}), "host": "127.0.0.1", "port": port}
+    if router.get("metrics_port") is not None:
+        router["metrics_port"] = _free_port()
+    data["router"] = router
+    path = directory / config.name
+    path.write_text(yaml.safe_dump(data))
+    return path, port
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT (graceful drain), then SIGKILL of the process group after ``STOP_TIMEOUT_S``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def serve_and_replay(config: Path, args: argparse.Namespace, out: Path) -> ServedConfig:
+    """``orch up config`` on free ports, the replay of ``args`` against it, then stop it.
+
+    Raises:
+        TimeoutError: the router was not SERVING within ``args.up_startup_timeout`` seconds
+            (the ``orch up`` log path is in the message).
+        RuntimeError: ``orch up`` exited before serving.
+    """
+    from orchestrator.bench.cli import replay
+    from orchestrator.client import OrchClient
+
+    stem = config.stem
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_path, port = _config_on_free_ports(config, Path(tmp))
+        log_path = out / f"{stem}.up.log"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up",
+                                     str(cfg_path)], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            with OrchClient(f"127.0.0.1:{port}") as client:
+                try:
+                    client.wait_ready(args.up_startup_timeout)
+                except TimeoutError as exc:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"orch up {config} exited with {proc.returncode} "
+                                           f"before serving; see {log_path}") from exc
+                    raise TimeoutError(f"orch up {config} not serving within "
+                                       f"{args.up_startup_timeout:g} s; see {log_path}") from exc
+            report = out / f"{stem}.json"
+            run_args = argparse.Namespace(**{**vars(args), "address": f"127.0.0.1:{port}",
+                                             "label": stem, "output": report})
+            code = replay(run_args)
+            return ServedConfig(config, report, code)
+        finally:
+            _stop(proc)
+
+
+def run_configs(args: argparse.Namespace) -> int:
+    """Replay ``args`` against every config of ``args.up`` in turn, then compare.
+
+    Returns 0 when every replay completed at least one timed request, else 1; 2 for a config
+    that could not be read.
+    """
+    from orchestrator.bench.compare import print_comparison
+
+    out = Path(args.up_out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[ServedConfig] = []
+    for config in args.up:
+        try:
+            runs.append(serve_and_replay(Path(config), args, out))
+        except (FileNotFoundError, ValueError, yaml.YAMLError) as exc:
+            print(f"orch bench: {exc}", file=sys.stderr)
+            return 2
+        except (TimeoutError, RuntimeError) as exc:
+            print(f"orch bench: {exc}", file=sys.stderr)
+            return 1
+    for later in runs[1:]:
+        print_comparison(runs[0].report, later.report)
+    return 0 if all(r.exit_code == 0 for r in runs) else 1

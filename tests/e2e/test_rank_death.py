@@ -1,0 +1,102 @@
+"""`orch up configs/1p1d.yaml` joined to a Ray cluster the tests started (the session Ray).
+
+A decode rank process killed with SIGKILL while a request streams: the request ends with an
+explicit gRPC error (UNAVAILABLE or INTERNAL) within a bound and `orch status` shows the
+instance unreachable (README, Failures: orch does not restart ranks yet). Then SIGINT: orch
+exits 0 and none of its placement groups is left alive in the cluster it joined.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from tests.e2e.harness import REPO, OrchProcess, descendants
+
+REQUEST_TIMEOUT_S = 60.0
+ERROR_WITHIN_S = 30.0  # well under REQUEST_TIMEOUT_S: the failure is seen, not timed out
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def joined(ray_session, tmp_path_factory):
+    overrides = {"cluster.address": ray_session.get_runtime_context().gcs_address,
+                 "cluster.bind_host": "127.0.0.1",
+                 "router.request_timeout_s": REQUEST_TIMEOUT_S}
+    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("joined"),
+                     overrides) as orch:
+        yield orch
+
+
+def decode_rank_pids(timeout_s: float = 20.0) -> tuple[int, int]:
+    """(leader pid, follower pid) of the tp2 decode instance: ranks of the session Ray are
+    processes under this one; the leader is the rank the router long-polls (title
+    ``ray::DecodeRank.poll`` most of the time)."""
+    deadline, ranks = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        # NOTE: the fake ranks of tests/orchestrator share the class name; killed ones may
+        # take a moment to exit.
+        ranks = {pid: title for pid, title in descendants(os.getpid()).items()
+                 if title.startswith("ray::DecodeRank")}
+        polling = [pid for pid, title in ranks.items() if title == "ray::DecodeRank.poll"]
+        if len(ranks) == 2 and len(polling) == 1:
+            (follower,) = set(ranks) - set(polling)
+            return polling[0], follower
+        time.sleep(0.05)
+    raise AssertionError(f"want 2 decode ranks, one of them in poll(), within {timeout_s} s; "
+                         f"saw {ranks}")
+
+
+def live_orch_groups(ray) -> dict[str, str]:
+    """Placement group id -> name, for every orch group of the cluster not yet removed."""
+    return {pg_id: pg["name"] for pg_id, pg in ray.util.placement_group_table().items()
+            if pg["name"].startswith("orch-") and pg["state"] != "REMOVED"}
+
+
+def test_killed_decode_rank_fails_its_request_and_shows_unreachable(joined):
+    _, follower = decode_rank_pids()
+    with grpc.insecure_channel(joined.address) as channel:
+        call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
+            text="hi", sampling=orch_pb2.SamplingParams(max_tokens=MAX_TOKENS,
+                                                         ignore_eos=True)))
+        got = []
+        for resp in call:
+            got.extend(resp.token_ids)
+            if len(got) >= 3:
+                break
+        os.kill(follower, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for resp in call:
+                got.extend(resp.token_ids)
+        took = time.monotonic() - killed_at
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), \
+        err.value
+    assert "decode-0" in err.value.details()
+    assert took < ERROR_WITHIN_S and len(got) < MAX_TOKENS, (took, len(got))
+
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--address",
+                           joined.address, "--timeout", "30"],
+                          capture_output=True, text=True, timeout=90, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("decode-0 (unreachable: ") for line in lines), done.stdout
+    assert any(line.split()[:2] == ["prefill-0", "prefill"] for line in lines), done.stdout
+
+
+def test_sigint_exits_0_and_removes_the_placement_groups(joined, ray_session):
+    # NOTE: Ray itself removes a job's non-detached groups once its driver exits, so this
+    # checks what a user of the cluster sees (a hang, a non-zero exit or a detached group
+    # fails it); Cluster.teardown's own removal is checked in-process by
+    # tests/orchestrator/test_cluster.py.
+    groups = live_orch_groups(ray_session)
+    assert sorted(groups.values()) == ["orch-decode-0", "orch-prefill-0"]
+    assert joined.stop() == 0
+    assert set(groups).isdisjoint(live_orch_groups(ray_session))

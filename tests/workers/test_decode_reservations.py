@@ -1,0 +1,75 @@
+"""A decode reservation that is never admitted is freed: aborted between reserve and prefill,
+or left behind by a router that went away (prefill never delivers, nobody admits or aborts):
+freed after 4 x completion_timeout_s (docs/workers.md, Protocol). One decode rank in this
+process (TP=1, no Ray)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from decode_worker.actor import DecodeRank
+from engine.sampling import SamplingParams
+from orchestrator.tiny_model import write_tiny_checkpoint
+from prefill_worker.messages import InstanceConfig, Reservation, RequestSpec, TokenEvent
+
+COMPLETION_TIMEOUT_S = 0.5
+ORPHAN_TIMEOUT_S = 4 * COMPLETION_TIMEOUT_S  # docs/workers.md: 4 x completion_timeout_s
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    torch.set_num_threads(1)
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
+    cfg = InstanceConfig(name="decode-0", role="decode", tp=1, checkpoint_dir=str(ckpt),
+                         block_size=8, num_kv_blocks=32, chunk_size=8,
+                         max_num_batched_tokens=16, max_num_seqs=4, connect_timeout_s=10,
+                         header_timeout_s=10, payload_timeout_s=10,
+                         completion_timeout_s=COMPLETION_TIMEOUT_S)
+    rank = DecodeRank(cfg, 0)
+    host, port = rank.open_tp_store()
+    rank.init_rank(host, port, [rank])
+    rank.start()
+    yield rank
+    rank.shutdown()
+
+
+def reserve(decode: DecodeRank, request_id: str) -> Reservation:
+    spec = RequestSpec(request_id, tuple(range(40, 60)), SamplingParams(max_tokens=12))
+    res = decode.reserve(spec, 1)
+    assert isinstance(res, Reservation), res
+    assert decode.status().free_blocks == decode.status().total_blocks - len(res.block_ids)
+    return res
+
+
+def final_event(decode: DecodeRank, request_id: str, timeout_s: float) -> TokenEvent:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for ev in decode.poll(0.1):
+            if ev.request_id == request_id and ev.finish_reason is not None:
+                return ev
+    raise AssertionError(f"{request_id}: no final event within {timeout_s} s")
+
+
+def assert_all_free(decode: DecodeRank) -> None:
+    status = decode.status()
+    assert status.free_blocks == status.total_blocks, status
+    assert decode.num_active() == 0 and decode.pool.num_live_sets == 0
+
+
+def test_reservation_aborted_before_prefill_is_freed(decode):
+    reserve(decode, "cut")
+    assert decode.abort("cut") is True
+    assert final_event(decode, "cut", timeout_s=5).finish_reason == "abort"
+    assert_all_free(decode)
+
+
+def test_reservation_never_admitted_is_freed_after_the_orphan_timeout(decode):
+    start = time.monotonic()
+    reserve(decode, "orphan")  # then nothing: no prefill KV, no admit, no abort
+    ev = final_event(decode, "orphan", timeout_s=ORPHAN_TIMEOUT_S + 10)
+    assert ev.finish_reason == "error" and ev.source == "decode", ev
+    assert time.monotonic() - start >= ORPHAN_TIMEOUT_S
+    assert_all_free(decode)

@@ -1,0 +1,59 @@
+"""Decode rank's reserved-request states (TP=1, no Ray): a reservation whose first token never
+comes is freed at its deadline even when its KV arrived in full, and a rank asked about KV it
+no longer expects answers FAILED instead of raising."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from decode_worker.actor import ORPHAN_FACTOR, DecodeRank
+from decode_worker.request_state import DecodeRequestState, KVState
+from engine.sampling_params import SamplingParams
+from orchestrator.tiny_model import write_tiny_checkpoint
+from prefill_worker.actor import PrefillRank
+from prefill_worker.messages import Reservation, RequestSpec
+from tests.workers.test_pd_ranks import start, wait_all_free, wait_events
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+def test_reservation_never_admitted_is_freed_after_its_kv_arrived(ckpt):
+    timeout_s = 0.5
+    prefill = start(PrefillRank, ckpt, "prefill", completion_timeout_s=timeout_s)
+    decode = start(DecodeRank, ckpt, "decode", completion_timeout_s=timeout_s)
+    try:
+        spec = RequestSpec("orphan", tuple(range(9)), SamplingParams(max_tokens=3))
+        reservation = decode.reserve(spec, 1)
+        assert isinstance(reservation, Reservation), reservation
+        assert decode.reserved["orphan"].state is DecodeRequestState.WAITING_FOR_FIRST_TOKEN
+        prefill.prefill(spec, reservation)
+        wait_events(prefill, "orphan", lambda e: True)  # first token out; never admitted
+        deadline = time.monotonic() + 10
+        while decode.kv_status(["orphan"])["orphan"].state is not KVState.COMPLETE:
+            assert time.monotonic() < deadline, decode.kv_status(["orphan"])
+            time.sleep(0.02)
+        (ev,) = wait_events(decode, "orphan", lambda e: e.finish_reason is not None, 10)
+        assert ev.finish_reason == "error", ev
+        assert f"within {ORPHAN_FACTOR * timeout_s} s of the reservation" in ev.error
+        wait_all_free(prefill, decode)
+        assert decode.pool.num_live_sets == 0
+        assert decode.status().kv_failures == 0  # its KV transfer did not fail
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_kv_status_of_a_request_not_expected_is_failed(ckpt):
+    decode = start(DecodeRank, ckpt, "decode")
+    try:
+        status = decode.kv_status(["gone"])["gone"]
+        assert status.state is KVState.FAILED and "not expected" in status.error
+    finally:
+        decode.shutdown()
