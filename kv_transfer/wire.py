@@ -22,7 +22,9 @@ import torch
 
 from kv_transfer.errors import WireError
 
-VERSION = 2
+# NOTE: 3 since the doorbell store key became `<prefix>/doorbell/<n>`: a peer of another schema
+# is refused at the handshake instead of waiting for records on a key nobody writes.
+VERSION = 3
 DATA, DONE, ABORT = "data", "done", "abort"
 RECORD_KINDS = (DATA, DONE, ABORT)
 
