@@ -20,8 +20,10 @@ log = logging.getLogger(__name__)
 
 def _brief(exc: BaseException) -> str:
     """One line for a failed actor call: the worker's own error, or that the actor died."""
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+
     name = type(exc).__name__
-    if "ActorDied" in name or "ActorUnavailable" in name:
+    if isinstance(exc, RayActorError):
         return (f"{name}: a rank process of this instance is gone; orch does not restart "
                 "ranks yet: restart `orch up`")
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the worker's
