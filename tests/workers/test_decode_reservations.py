@@ -12,10 +12,9 @@ import torch
 
 from decode_worker.actor import DecodeRank
 from engine.sampling_params import SamplingParams
-from kv_transfer import TransferConfig
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.config import InstanceConfig, SchedulerConfig
 from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
+from tests.workers.test_pd_ranks import start
 
 COMPLETION_TIMEOUT_S = 0.5
 ORPHAN_TIMEOUT_S = 4 * COMPLETION_TIMEOUT_S  # docs/workers.md: 4 x completion_timeout_s
@@ -25,16 +24,8 @@ ORPHAN_TIMEOUT_S = 4 * COMPLETION_TIMEOUT_S  # docs/workers.md: 4 x completion_t
 def decode(tmp_path_factory):
     torch.set_num_threads(1)
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
-    scheduler = SchedulerConfig(block_size=8, num_kv_blocks=32, chunk_size=8,
-                                max_num_batched_tokens=16, max_num_seqs=4)
-    transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
-                              completion_timeout_s=COMPLETION_TIMEOUT_S)
-    cfg = InstanceConfig(name="decode-0", role="decode", checkpoint_dir=str(ckpt),
-                         scheduler=scheduler, transfer=transfer)
-    rank = DecodeRank(cfg, 0)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank = start(DecodeRank, ckpt, "decode", block_size=8, blocks=32,
+                 completion_timeout_s=COMPLETION_TIMEOUT_S)
     yield rank
     rank.shutdown()
 
