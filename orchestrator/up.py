@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 from orchestrator.assemble import build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
@@ -33,24 +34,27 @@ def make_metrics(cfg: OrchConfig):
     return RouterMetrics(cfg.router.host, cfg.router.metrics_port)
 
 
-def _check_ports_free(cfg: OrchConfig) -> None:
+def check_ports_free(cfg: OrchConfig) -> None:
     """Fail before the (slow) bring-up when the router or metrics port is taken.
+
+    Binds each port the way the real servers do (``SO_REUSEADDR``, as gRPC and the metrics
+    HTTP server set it): a TIME_WAIT left by a closed connection (a /metrics scrape of the
+    last run) does not block, a live listener does.
 
     Raises:
         PortInUseError: names the key and what to do.
     """
-    import socket
-
     for key, port in (("router.port", cfg.router.port),
                       ("router.metrics_port", cfg.router.metrics_port)):
         if not port:
             continue
         with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((cfg.router.host, port))
             except OSError as exc:
                 raise PortInUseError(f"{key} {port} on {cfg.router.host} is not free ({exc}): "
-                                   f"stop what uses it or pick another {key}") from None
+                                     f"stop what uses it or pick another {key}") from None
 
 
 def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
@@ -61,7 +65,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
         rank_classes: role -> rank class (default: the real worker classes; tests inject
             fakes).
     """
-    _check_ports_free(cfg)
+    check_ports_free(cfg)
     checkpoint = ensure_checkpoint(cfg.model)
     model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
     tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None

