@@ -67,25 +67,41 @@ def read_model_info(checkpoint_dir: Path, name: str, max_model_len: int) -> Mode
                      max_model_len=max_model_len)
 
 
+def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
+    """The served model's ``config.json`` contents, without needing the checkpoint to exist.
+
+    Returns:
+        (the parsed config.json, or the built-in tiny config when ``model.path`` is ``tiny``
+        and the checkpoint is not made yet, or None when neither is at hand; a sentence saying
+        where it came from or why it is unknown).
+    """
+    config = model.checkpoint_dir() / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text()), str(config)
+        except (OSError, ValueError) as exc:
+            return None, f"{config} is not readable JSON ({exc})"
+    if not model.is_tiny:
+        return None, f"{config} not found"
+    try:
+        from orchestrator.tiny_model import tiny_config_dict  # lazy: engine optional
+    except ImportError:
+        return None, (f"tiny checkpoint not created yet at {config.parent} and the engine is "
+                      "not installed; run `orch model init-tiny` then dry-run again")
+    return tiny_config_dict(), f"the built-in tiny config; not created yet at {config.parent}"
+
+
 def layer_count_for_plan(model: ModelSection) -> tuple[int | None, str]:
     """Layers to plan KV transfer for, without needing the checkpoint to exist.
 
     Returns:
         (num_layers or None when unknown, a sentence saying where the number came from).
     """
-    path = model.checkpoint_dir()
-    config = path / "config.json"
-    if config.is_file():
-        layers = json.loads(config.read_text()).get("num_hidden_layers")
-        if layers is not None:
-            return int(layers), f"num_hidden_layers from {config}"
-    if model.is_tiny:
-        try:
-            from orchestrator.tiny_model import tiny_config_dict  # lazy: engine optional
-        except ImportError:
-            return None, (f"tiny checkpoint not created yet at {path} and the engine is not "
-                          "installed; run `orch model init-tiny` then dry-run again")
-        layers = int(tiny_config_dict()["num_hidden_layers"])
-        return layers, f"the built-in tiny config (not created yet at {path})"
-    return DEEPSEEK_V3_LAYERS, (f"{config} not found: assuming DeepSeek-V3 "
-                                f"({DEEPSEEK_V3_LAYERS} layers)")
+    raw, source = model_config_dict(model)
+    if raw is None:
+        return (None, source) if model.is_tiny else \
+            (DEEPSEEK_V3_LAYERS, f"{source}: assuming DeepSeek-V3 ({DEEPSEEK_V3_LAYERS} layers)")
+    if raw.get("num_hidden_layers") is None:
+        return DEEPSEEK_V3_LAYERS, (f"{source} has no num_hidden_layers: assuming DeepSeek-V3 "
+                                    f"({DEEPSEEK_V3_LAYERS} layers)")
+    return int(raw["num_hidden_layers"]), f"num_hidden_layers from {source}"

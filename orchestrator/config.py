@@ -237,11 +237,13 @@ def _check_backend(backend: str, device: str) -> None:
 
 
 def load_config(path: str | Path) -> OrchConfig:
-    """Read and validate a YAML config file.
+    """Read and validate a YAML config file, and each role's tp against the model
+    (:func:`orchestrator.layout_check.check_tp_layout`, when the model's config is at hand).
 
     Raises:
-        ConfigError: the file is missing or unreadable, is not YAML, or does not validate; the
-            message names each offending key path, what is allowed and what to do.
+        ConfigError: the file is missing or unreadable, is not YAML, or does not validate, or
+            a tp does not fit the model; the message names each offending key path, what is
+            allowed and what to do.
     """
     import yaml
 
@@ -261,6 +263,13 @@ def load_config(path: str | Path) -> OrchConfig:
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mode, "
                           f"prefill, ...), got {type(data).__name__}; see docs/config.md")
     try:
-        return OrchConfig.model_validate(data)
+        cfg = OrchConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(validation_error_message(path, exc, OrchConfig)) from None
+    from orchestrator.layout_check import check_tp_layout  # lazy: it imports this module
+
+    try:
+        check_tp_layout(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config {path}:\n- {exc}") from None
+    return cfg

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prefill_worker.config import InstanceConfig
 from orchestrator.checkpoint import layer_count_for_plan
 from orchestrator.config import OrchConfig
+from orchestrator.layout_check import check_tp_layout
 
 STRATEGY = "STRICT_PACK"
 _ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
@@ -96,11 +97,16 @@ def _ranges(values: list[int]) -> str:
 
 
 def dry_run_report(cfg: OrchConfig) -> str:
-    """The full `orch up --dry-run` text (needs neither Ray nor the checkpoint)."""
+    """The full `orch up --dry-run` text (needs neither Ray nor the checkpoint).
+
+    Raises:
+        ConfigError: a tp does not fit the model (see :func:`check_tp_layout`).
+    """
     instances = cfg.instances()
     lines = [f"model: {cfg.model.path} -> {cfg.model.checkpoint_dir()} ({cfg.model.dtype}, "
              f"max_model_len {cfg.model.max_model_len})"]
     lines += describe_placement(cfg, instances)
+    lines.append(check_tp_layout(cfg))
     lines += describe_transfer_plans(cfg, instances)
     lines.append(f"router: {cfg.router.host}:{cfg.router.port}, policy {cfg.router.policy}, "
                  f"max_pending {cfg.router.max_pending}, request_timeout_s "

@@ -67,3 +67,20 @@ def test_dry_run_prints_the_real_transfer_plan(config, num_layers, tmp_path):
     plan = build_transfer_plan(cfg.prefill.tp, cfg.decode.tp, num_layers, kind="mla")
     assert printed == [(p.prefill_rank, p.decode_rank, len(p.layers), tuple(p.layers))
                        for p in plan.pairs]
+
+
+def test_dry_run_refuses_a_tp_that_does_not_divide_the_heads(tmp_path):
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs" / "1p1d.yaml").read_text())
+    data["prefill"]["tp"] = 3  # the tiny model has 4 heads
+    config = tmp_path / "tp3.yaml"
+    config.write_text(yaml.safe_dump(data))
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "up", "--dry-run", str(config)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+        env=dict(os.environ, ORCH_CACHE_DIR=str(tmp_path)))
+    assert done.returncode == 2, done.stdout
+    assert "- prefill.tp: tp=3 does not divide num_attention_heads=4" in done.stderr
+    assert "tp sizes that divide every split size: [1, 2, 4]" in done.stderr
+    assert done.stdout == ""

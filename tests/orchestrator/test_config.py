@@ -204,3 +204,67 @@ def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
             "prefill-1->decode-0") in out
     assert "  prefill rank 0 -> decode rank 0: 61 layer(s) 0-60\n" in out
     assert "  prefill rank 0 -> decode rank 1: 4 layer(s) 0-2,7\n" in out
+
+
+def _checkpoint(tmp_path, **sizes) -> Path:
+    """A checkpoint folder whose config.json is the tiny config with ``sizes`` changed."""
+    import json
+
+    from orchestrator.tiny_model import tiny_config_dict
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**tiny_config_dict(), **sizes}))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("sizes, layout, expected", [
+    ({}, "prefill: {tp: 3}", "prefill.tp: tp=3 does not divide num_attention_heads=4 of the "
+                             "checkpoint's config.json: use a tp that divides it (tp sizes "
+                             "that divide every split size: [1, 2, 4])"),
+    ({"num_attention_heads": 6}, "decode: {tp: 4}", "decode.tp: tp=4 does not divide "
+                                                    "num_attention_heads=6"),
+    ({"num_attention_heads": 8, "intermediate_size": 12}, "decode: {tp: 8}",
+     "decode.tp: tp=8 does not divide intermediate_size=12"),
+    ({"num_attention_heads": 8, "moe_intermediate_size": 36}, "prefill: {tp: 8}",
+     "prefill.tp: tp=8 does not divide moe_intermediate_size=36"),
+])
+def test_tp_that_does_not_fit_the_checkpoint_is_a_config_error(tmp_path, sizes, layout,
+                                                               expected):
+    ckpt = _checkpoint(tmp_path, **sizes)
+    msg = _error(tmp_path, f"model: {{path: {ckpt}}}\n{layout}\ncluster: {{device: cpu}}")
+    assert expected in msg and str(ckpt / "config.json") in msg
+
+
+def test_tp_is_checked_against_the_tiny_config_before_it_exists(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    assert "prefill.tp: tp=3 does not divide num_attention_heads=4" in _error(
+        tmp_path, "prefill: {tp: 3}\ncluster: {device: cpu}")
+    path = tmp_path / "bad.yaml"
+    assert main(["up", "--dry-run", str(path)]) == 2
+    assert "- prefill.tp: tp=3 does not divide num_attention_heads=4" in capsys.readouterr().err
+    path.write_text("prefill: {tp: 4}\ndecode: {tp: 2}\ncluster: {device: cpu}")
+    assert main(["up", "--dry-run", str(path)]) == 0
+    assert ("tp layout: prefill.tp=4, decode.tp=2 fit the model (the built-in tiny config; not "
+            f"created yet at {tmp_path / 'tiny-0'})") in capsys.readouterr().out
+    assert not (tmp_path / "tiny-0").exists()
+
+
+def test_colocated_checks_only_the_decode_tp(tmp_path):
+    ckpt = _checkpoint(tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {ckpt}}}\nmode: colocated\nprefill: {{tp: 3}}\n"
+                    "cluster: {device: cpu}")
+    assert load_config(path).prefill.tp == 3  # unused in colocated mode
+    path.write_text(f"model: {{path: {ckpt}}}\nmode: colocated\ndecode: {{tp: 3}}\n"
+                    "cluster: {device: cpu}")
+    with pytest.raises(ConfigError, match="decode.tp: tp=3 does not divide"):
+        load_config(path)
+
+
+def test_tp_is_not_checked_without_a_readable_model_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3, "vocab_size": 10}')
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {tmp_path}}}\nprefill: {{tp: 3}}\ncluster: {{device: cpu}}")
+    assert main(["up", "--dry-run", str(path)]) == 0
+    assert (f"tp layout: not checked ({tmp_path / 'config.json'} is not a DeepSeek-V2/V3 "
+            "config the engine reads: UnsupportedModelError") in capsys.readouterr().out
