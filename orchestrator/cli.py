@@ -15,8 +15,10 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 def _cmd_up(ns: argparse.Namespace) -> int:
     from orchestrator.config import ConfigError, load_config
 
+    flags = {"router.host": ns.host, "router.port": ns.port,
+             "router.metrics_port": ns.metrics_port}
     try:
-        cfg = load_config(ns.config)
+        cfg = load_config(ns.config, {k: v for k, v in flags.items() if v is not None})
     except ConfigError as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 2
@@ -76,15 +78,19 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     else:
         prompt = dict(prompt=ns.prompt)
     ids: list[int] = []
+    printed = False  # text on stdout not yet ended by a newline
     try:
         with OrchClient(ns.address) as client:
             for chunk in client.generate(**prompt, timeout_s=ns.timeout, **sampling):
                 ids.extend(chunk.token_ids)
                 print(chunk.text, end="", flush=True)
+                printed = printed or bool(chunk.text)
                 last = chunk
     except (grpc.RpcError, ValueError) as exc:
         detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else exc
-        print(f"\norch generate: {detail}", file=sys.stderr)
+        if printed:
+            print(flush=True)  # NOTE: the error never shares a line with streamed text
+        print(f"orch generate: {detail}", file=sys.stderr)
         return 1
     print()
     if ns.token_ids:
@@ -136,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("config", help="YAML config (see configs/ and docs/config.md)")
     up.add_argument("--dry-run", action="store_true",
                     help="validate and print placement + transfer plans; start nothing")
+    up.add_argument("--host", help="listen address of the router and metrics (router.host)")
+    up.add_argument("--port", type=int, help="gRPC port of the router (router.port)")
+    up.add_argument("--metrics-port", type=int,
+                    help="Prometheus /metrics port (router.metrics_port)")
     up.set_defaults(func=_cmd_up)
     for name, func, text in (("status", _cmd_status, "instances and ranks of a router"),
                              ("generate", _cmd_generate, "stream one completion")):

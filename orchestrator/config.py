@@ -236,9 +236,26 @@ def _check_backend(backend: str, device: str) -> None:
             f"use backend '{DIST_BACKENDS[device]}' (or 'auto') for {device}")
 
 
-def load_config(path: str | Path) -> OrchConfig:
+def _override(data: dict, key: str, value: object) -> None:
+    """Set dotted ``key`` of the YAML mapping ``data`` to ``value`` (sections made as needed;
+    a section that is not a mapping is left for validation to report)."""
+    *sections, last = key.split(".")
+    node = data
+    for name in sections:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            return
+    node[last] = value
+
+
+def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> OrchConfig:
     """Read and validate a YAML config file, and each role's tp against the model
     (:func:`orchestrator.layout_check.check_tp_layout`, when the model's config is at hand).
+
+    Args:
+        path: the YAML file.
+        overrides: dotted key path -> value (``{"router.port": 9000}``) replacing the file's
+            values before validation (the `orch up --port` flags).
 
     Raises:
         ConfigError: the file is missing or unreadable, is not YAML, or does not validate, or
@@ -262,6 +279,8 @@ def load_config(path: str | Path) -> OrchConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mode, "
                           f"prefill, ...), got {type(data).__name__}; see docs/config.md")
+    for key, value in (overrides or {}).items():
+        _override(data, key, value)
     try:
         cfg = OrchConfig.model_validate(data)
     except ValidationError as exc:

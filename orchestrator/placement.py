@@ -108,7 +108,9 @@ def dry_run_report(cfg: OrchConfig) -> str:
     lines += describe_placement(cfg, instances)
     lines.append(check_tp_layout(cfg))
     lines += describe_transfer_plans(cfg, instances)
+    metrics = cfg.router.metrics_port
     lines.append(f"router: {cfg.router.host}:{cfg.router.port}, policy {cfg.router.policy}, "
                  f"max_pending {cfg.router.max_pending}, request_timeout_s "
-                 f"{cfg.router.request_timeout_s}")
+                 f"{cfg.router.request_timeout_s}"
+                 + (f", metrics on {cfg.router.host}:{metrics}/metrics" if metrics else ""))
     return "\n".join(lines)

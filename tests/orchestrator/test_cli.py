@@ -96,3 +96,30 @@ def test_bench_and_init_tiny_when_installed(tmp_path, capsys):
     assert exited.value.code == 0 and "--workload" in capsys.readouterr().out
     assert main(["model", "init-tiny", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "config.json").is_file()
+
+
+def test_generate_error_after_a_token_is_on_its_own_line(harness, capsys):
+    harness.fakes["decode-0"].error_after_admit = "decode-0 rank 1 is gone"
+    try:
+        assert main(["generate", "5,6,7", "--token-ids", "--address", harness.address,
+                     "--max-tokens", "4"]) == 1
+    finally:
+        harness.fakes["decode-0"].error_after_admit = None
+    captured = capsys.readouterr()
+    first = TOKENIZER.decode(expected_tokens((5, 6, 7), 1))
+    assert captured.out == first + "\n"  # the token that streamed, its line ended
+    assert captured.err.startswith("orch generate: ")
+    assert "decode-0 rank 1 is gone" in captured.err and captured.err.count("\n") == 1
+
+
+def test_up_flags_override_the_router_section(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("router: {port: 50051}\ncluster: {device: cpu}\n")
+    assert main(["up", "--dry-run", str(config), "--port", "9123", "--host", "0.0.0.0",
+                 "--metrics-port", "9124"]) == 0
+    out = capsys.readouterr().out
+    assert "router: 0.0.0.0:9123, policy" in out and "metrics on 0.0.0.0:9124/metrics" in out
+    assert main(["up", "--dry-run", str(config), "--port", "70000"]) == 2
+    assert "router.port: must be <= 65535, got 70000" in capsys.readouterr().err
+    assert main(["up", "--dry-run", str(config), "--metrics-port", "50051"]) == 2
+    assert "router.metrics_port (50051) equals router.port" in capsys.readouterr().err
