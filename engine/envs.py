@@ -58,6 +58,15 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _log_level(raw: str) -> str:
+    value = raw.upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 ORCH_CACHE_DIR: EnvVar[str] = EnvVar(
     "ORCH_CACHE_DIR", str, "",
     "folder of the built-in tiny checkpoint when model.tiny_dir is empty; "
@@ -75,4 +84,14 @@ GLOO_SOCKET_IFNAME: EnvVar[str] = EnvVar(
     "network interface of Gloo's sockets (read by Gloo itself); a rank whose stores bind "
     "127.0.0.1 sets it to 'lo' unless it is already set")
 
-ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME)
+ORCH_LOG_LEVEL: EnvVar[str] = EnvVar(
+    "ORCH_LOG_LEVEL", _log_level, "INFO",
+    "log level of the `orch` commands: DEBUG adds the full detail (tracebacks) of each fault "
+    "that is otherwise logged as one line")
+RAY_COLOR_PREFIX: EnvVar[str] = EnvVar(
+    "RAY_COLOR_PREFIX", str, "",
+    "'0': Ray prints its (raylet) and worker line prefixes without ANSI colour codes (read by "
+    "Ray); `orch up` sets it to '0' when stdout is not a terminal unless it is already set")
+
+ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME,
+                           ORCH_LOG_LEVEL, RAY_COLOR_PREFIX)

@@ -36,6 +36,10 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     except (BringUpError, FileNotFoundError, ImportError, PortInUseError) as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("orch up: interrupted (Ctrl-C or SIGTERM); stopped what had started",
+              file=sys.stderr)
+        return 130
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
@@ -178,8 +182,21 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def setup_logging() -> None:
+    """orch's log on stderr at ``$ORCH_LOG_LEVEL`` (INFO): one line per event; faults log one
+    concise line each, with their detail (tracebacks) at DEBUG."""
+    from engine import envs  # standard library only
+
+    try:
+        level = envs.ORCH_LOG_LEVEL.get()
+    except ValueError as exc:
+        print(f"orch: {exc}; using INFO", file=sys.stderr)
+        level = "INFO"
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging()
     ns = build_parser().parse_args(argv)
     return ns.func(ns)
 

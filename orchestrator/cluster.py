@@ -10,6 +10,9 @@ instance/rank, tears everything down and raises :class:`BringUpError`):
 4. ``rank.init_rank(host, port, peers)`` on every rank (``peers``: all rank handles of the
    instance, rank order);
 5. ``leader.start()``.
+
+Progress goes to a :data:`orchestrator.progress.Report` (default: printed ``orch up: ...``
+lines): one line per stage and per instance, with its node and how long it took.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from prefill_worker.config import InstanceConfig
 from orchestrator.config import OrchConfig
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
+from orchestrator.progress import Report, Stopwatch, node_ips, nodes_text, plural, say
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class InstanceRanks:
     pg: Any
     ranks: list[Any] = field(default_factory=list)
     nodes: list[tuple[str, str]] = field(default_factory=list)  # (node id, device) per rank
+    started: bool = False  # the leader's start() returned: there is work to drain
 
     @property
     def leader(self) -> Any:
@@ -59,24 +64,34 @@ class Cluster:
 
     instances: list[InstanceRanks]
     started_ray: bool
+    report: Report = say
 
     def leaders(self) -> dict[str, Any]:
         """Instance name -> leader actor handle."""
         return {inst.cfg.name: inst.leader for inst in self.instances}
 
     def teardown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Leaders ``drain`` then ``shutdown`` (each bounded by ``timeout_s``), kill every rank,
-        remove the placement groups, stop Ray if we started it."""
+        """Started leaders ``drain`` then ``shutdown`` (each bounded by ``timeout_s``), kill
+        every rank, remove the placement groups, stop Ray if we started it.
+
+        NOTE: instances whose leader never started (an interrupted or failed start-up) are
+        killed without the calls: an actor still in its constructor would answer them only
+        when that ends, and they have nothing to drain.
+        """
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        leaders = [inst.leader for inst in self.instances if inst.ranks]
+        watch = Stopwatch()
+        if self.instances:
+            self.report(f"stopping {plural(len(self.instances), 'instance')}")
+        leaders = [inst.leader for inst in self.instances if inst.started]
         for step, args in (("drain", (timeout_s,)), ("shutdown", ())):
             try:
                 ray.get([getattr(leader, step).remote(*args) for leader in leaders],
                         timeout=timeout_s)
             except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
-                log.warning("leader %s did not complete: %s", step, exc)
+                log.warning("leader %s did not complete: %s", step, _first_line(exc))
+                log.debug("leader %s failure detail", step, exc_info=exc)
         for inst in self.instances:
             for actor in inst.ranks:
                 ray.kill(actor)
@@ -85,17 +100,28 @@ class Cluster:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+            self.report(f"stopped the ranks and the embedded Ray in {watch}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an error (Ray's wrapped worker errors span a whole traceback)."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def connect_ray(cfg: OrchConfig) -> bool:
-    """Join ``cluster.address`` or start an embedded local Ray; True when we started it."""
+    """Join ``cluster.address`` or start an embedded local Ray; True when we started it.
+
+    The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
+    gets one line per fault from the router, ``orch up`` says where the worker logs are.
+    """
     import ray
 
     if ray.is_initialized():
         return False
     if cfg.cluster.address:
         _check_reachable(cfg.cluster.address, timeout_s=10.0)
-        ray.init(address=cfg.cluster.address)
+        ray.init(address=cfg.cluster.address, log_to_driver=False)
         return False
     resources = {}
     if cfg.device() == "npu":
@@ -103,7 +129,8 @@ def connect_ray(cfg: OrchConfig) -> bool:
         import torch_npu  # noqa: F401
 
         resources["NPU"] = torch.npu.device_count()
-    ray.init(num_cpus=os.cpu_count(), resources=resources or None, include_dashboard=False)
+    ray.init(num_cpus=os.cpu_count(), resources=resources or None, include_dashboard=False,
+             log_to_driver=False)
     return True
 
 
@@ -141,42 +168,81 @@ def load_rank_classes() -> dict[str, type]:
 
 
 def bring_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None,
-             started_ray: bool = False) -> Cluster:
+             started_ray: bool = False, report: Report = say) -> Cluster:
     """Create and start every instance of ``cfg`` on the connected Ray cluster.
 
     Args:
         cfg: the deployment.
         rank_classes: role -> plain rank class (default: :func:`load_rank_classes`).
         started_ray: whether the caller started Ray (then teardown stops it).
+        report: where the progress lines go (stage, instance, node, seconds).
 
     Raises:
         BringUpError: a placement group, actor or init step failed or timed out.
     """
     classes = rank_classes or load_rank_classes()
-    cluster = Cluster(instances=[], started_ray=started_ray)
+    cluster = Cluster(instances=[], started_ray=started_ray, report=report)
     timeout = cfg.cluster.startup_timeout_s
+    watch = Stopwatch()
     try:
-        for inst_cfg in cfg.instances():
-            cluster.instances.append(_placement_group(inst_cfg, cfg, timeout))
-        for inst in cluster.instances:
-            _create_ranks(inst, classes[inst.cfg.role], cfg.cluster.cpus_per_rank)
-        for inst in cluster.instances:
-            inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
-                                    "node_info", timeout)
-        stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", timeout)
-                  for inst in cluster.instances]
-        inits = [[r.init_rank.remote(host, port, inst.ranks) for r in inst.ranks]
-                 for inst, (host, port) in zip(cluster.instances, stores)]
-        for inst, refs in zip(cluster.instances, inits):
-            _get_ranks(inst, refs, "init_rank", timeout)
-        for inst in cluster.instances:
-            _get_one(inst, inst.leader.start.remote(), "start", timeout)
+        _place(cluster, cfg, timeout)
+        ips = _spawn(cluster, classes, cfg.cluster.cpus_per_rank, timeout)
+        _init_and_start(cluster, timeout, watch, ips)
     except BaseException:
         cluster.teardown()
         raise
-    for inst in cluster.instances:
-        log.info("%s up: %s", inst.cfg.name, inst.nodes)
+    report(f"{plural(len(cluster.instances), 'instance')} ready in {watch}")
     return cluster
+
+
+def _place(cluster: Cluster, cfg: OrchConfig, timeout: float) -> None:
+    """One placement group per instance, each ready (resources held) before the next."""
+    instances = cfg.instances()
+    ranks = sum(inst.parallel.tp for inst in instances)
+    cluster.report(f"placing {plural(len(instances), 'instance')} "
+                   f"({plural(ranks, 'rank')}, one placement group per instance)")
+    for inst_cfg in instances:
+        cluster.instances.append(_placement_group(inst_cfg, cfg, timeout))
+
+
+def _spawn(cluster: Cluster, classes: dict[str, type], cpus: float,
+           timeout: float) -> dict[str, str]:
+    """Start every rank process; one line per instance once its ranks answer. Returns Ray
+    node id -> IP (:func:`node_ips`)."""
+    ranks = sum(inst.cfg.parallel.tp for inst in cluster.instances)
+    processes = plural(ranks, "rank process", "rank processes")
+    cluster.report(f"starting {processes} (each imports torch: up to a minute on a busy "
+                   "machine)")
+    watch = Stopwatch()
+    for inst in cluster.instances:
+        _create_ranks(inst, classes[inst.cfg.role], cpus)
+    ips = {}
+    for inst in cluster.instances:
+        inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
+                                "node_info", timeout)
+        ips = ips or node_ips()
+        processes = plural(len(inst.ranks), "rank process", "rank processes")
+        where = nodes_text([node for node, _ in inst.nodes], ips)
+        cluster.report(f"{inst.cfg.name}: {processes} up on {where} in {watch}")
+    return ips
+
+
+def _init_and_start(cluster: Cluster, timeout: float, watch: Stopwatch,
+                    ips: dict[str, str]) -> None:
+    """TP rendezvous and model load on every rank, then each leader's loop; one line per
+    instance once it serves (``watch``: since bring-up began; ``ips``: node id -> IP)."""
+    cluster.report("loading the model on every rank and joining the TP groups")
+    stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", timeout)
+              for inst in cluster.instances]
+    inits = [[r.init_rank.remote(host, port, inst.ranks) for r in inst.ranks]
+             for inst, (host, port) in zip(cluster.instances, stores)]
+    for inst, refs in zip(cluster.instances, inits):
+        _get_ranks(inst, refs, "init_rank", timeout)
+        _get_one(inst, inst.leader.start.remote(), "start", timeout)
+        inst.started = True
+        where = nodes_text([node for node, _ in inst.nodes], ips)
+        cluster.report(f"{inst.cfg.name}: {plural(len(inst.ranks), 'rank')} on {where} ready "
+                       f"in {watch}")
 
 
 def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> InstanceRanks:

