@@ -6,7 +6,6 @@ Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -182,20 +181,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def setup_logging() -> None:
-    """orch's log on stderr at ``$ORCH_LOG_LEVEL`` (INFO): one line per event; faults log one
-    concise line each, with their detail (tracebacks) at DEBUG."""
-    from engine import envs  # standard library only
-
-    try:
-        level = envs.ORCH_LOG_LEVEL.get()
-    except ValueError as exc:
-        print(f"orch: {exc}; using INFO", file=sys.stderr)
-        level = "INFO"
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def main(argv: list[str] | None = None) -> int:
+    from orchestrator.logs import setup_logging
+
     setup_logging()
     ns = build_parser().parse_args(argv)
     return ns.func(ns)

@@ -104,7 +104,10 @@ class Cluster:
 
 
 def _first_line(exc: BaseException) -> str:
-    """``Type: first line`` of an error (Ray's wrapped worker errors span a whole traceback)."""
+    """``Type: first line`` of an error, the worker's own one when Ray wrapped it (the
+    wrapper's text is a whole coloured traceback)."""
+    cause = getattr(exc, "cause", None)
+    exc = cause if isinstance(cause, BaseException) else exc
     text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     return f"{type(exc).__name__}: {text[:300]}"
 

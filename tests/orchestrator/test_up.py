@@ -71,7 +71,7 @@ def test_a_port_in_use_is_refused_with_the_key():
             check_ports_free(_ports_cfg(port, _free_port()))
 
 
-NODE = r"node 127\.0\.0\.1 \([0-9a-f]{6}\)"
+NODE = r"node [0-9.]+ \([0-9a-f]{6}\)"
 SECONDS = r"\d+\.\d s"
 
 

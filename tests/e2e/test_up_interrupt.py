@@ -1,0 +1,77 @@
+"""SIGINT while `orch up` (real ranks, the tiny model, embedded Ray) is still starting: at each
+stage (inside ray.init, while the rank processes start, while they load the model) it exits
+promptly with 130 and one line, prints no traceback, and leaves no process behind (ranks, Ray's
+own processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.harness import REPO, free_port
+
+STAGES = ["orch up: starting an embedded Ray",
+          "orch up: starting 3 rank processes",
+          "orch up: loading the model on every rank"]
+
+
+def _wait_for_line(log, proc: subprocess.Popen, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None, f"orch up exited with {proc.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout_s} s:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+def _descendants(root: int) -> set[int]:
+    from tests.e2e.harness import descendants
+
+    return set(descendants(root))
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if os.path.exists(f"/proc/{pid}")
+            and "zombie" not in _state(pid)}
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/status").read()
+    except OSError:
+        return "zombie"  # gone meanwhile
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sigint_during_start_up_exits_cleanly(stage, tmp_path):
+    log = tmp_path / "up.log"
+    env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
+    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "1p1d.yaml"),
+           "--port", str(free_port()), "--metrics-port", str(free_port())]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        _wait_for_line(log, proc, stage, timeout_s=240)
+        started = _descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        assert proc.wait(timeout=60) == 130, log.read_text()
+        took = time.monotonic() - sent
+        deadline = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    output = log.read_text()
+    assert _alive(started) == set(), f"left running: {_alive(started)}\n{output}"
+    assert "Traceback" not in output and "AttributeError" not in output, output
+    assert output.rstrip().endswith(
+        "orch up: interrupted (Ctrl-C or SIGTERM); stopped what had started"), output
+    assert took < 30, f"took {took:.1f} s to stop:\n{output}"
