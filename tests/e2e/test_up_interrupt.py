@@ -13,11 +13,12 @@ import time
 
 import pytest
 
-from tests.e2e.harness import REPO, free_port
+from tests.e2e.harness import REPO, descendants, free_port
 
-STAGES = ["orch up: starting an embedded Ray",
-          "orch up: starting 3 rank processes",
-          "orch up: loading the model on every rank"]
+# (the line that starts the stage, a process that exists once the stage is under way)
+STAGES = [("orch up: starting an embedded Ray", "gcs_server"),  # inside ray.init
+          ("orch up: starting 3 rank processes", "ray::"),
+          ("orch up: loading the model on every rank", "ray::")]
 
 
 def _wait_for_line(log, proc: subprocess.Popen, text: str, timeout_s: float) -> None:
@@ -28,10 +29,15 @@ def _wait_for_line(log, proc: subprocess.Popen, text: str, timeout_s: float) -> 
         time.sleep(0.05)
 
 
-def _descendants(root: int) -> set[int]:
-    from tests.e2e.harness import descendants
-
-    return set(descendants(root))
+def _descendants(root: int, title: str, timeout_s: float) -> set[int]:
+    """Every process under ``root`` once one of them has ``title`` in its name."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = descendants(root)
+        if any(title in name for name in found.values()):
+            return set(found)
+        assert time.monotonic() < deadline, f"no {title!r} process in {timeout_s} s: {found}"
+        time.sleep(0.05)
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -46,8 +52,8 @@ def _state(pid: int) -> str:
         return "zombie"  # gone meanwhile
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_sigint_during_start_up_exits_cleanly(stage, tmp_path):
+@pytest.mark.parametrize("stage, process", STAGES)
+def test_sigint_during_start_up_exits_cleanly(stage, process, tmp_path):
     log = tmp_path / "up.log"
     env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
     cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "1p1d.yaml"),
@@ -57,7 +63,7 @@ def test_sigint_during_start_up_exits_cleanly(stage, tmp_path):
                                 start_new_session=True)
     try:
         _wait_for_line(log, proc, stage, timeout_s=240)
-        started = _descendants(proc.pid)
+        started = _descendants(proc.pid, process, timeout_s=60)
         proc.send_signal(signal.SIGINT)
         sent = time.monotonic()
         assert proc.wait(timeout=60) == 130, log.read_text()
