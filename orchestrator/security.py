@@ -6,11 +6,11 @@ Read once by ``orch up`` before the slow bring-up, so a wrong path fails in seco
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import envs
 from orchestrator.config import AuthSection, RouterSection, TLSSection
 from orchestrator.config_errors import ConfigError
 
@@ -30,6 +30,11 @@ class EdgeSecurity:
 
     tls_key_pair: tuple[bytes, bytes] | None = None
     token: str | None = None
+
+    def describe(self) -> str:
+        """For the start-up line: "TLS, token", "TLS, no token", "plaintext, token", ..."""
+        return (f"{'TLS' if self.tls_key_pair else 'plaintext'}, "
+                f"{'token' if self.token else 'no token'}")
 
 
 def load_security(router: RouterSection) -> EdgeSecurity:
@@ -69,8 +74,7 @@ def _token(auth: AuthSection) -> str:
         token = _read(key, auth.token_file).decode(errors="replace").strip()
     else:
         key = "router.auth.token_env"
-        # NOTE: the variable's name is configuration, so it is read here, not in engine.envs.
-        token = os.environ.get(auth.token_env, "").strip()
+        token = envs.read_configured(auth.token_env).strip()
         if not token:
             raise ConfigError(f"{key}: environment variable {auth.token_env} is unset or "
                               "empty: export the token there before `orch up`")
