@@ -145,3 +145,18 @@ def test_security_config_errors_name_the_key(tmp_path, monkeypatch):
     for router, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_security(router)
+
+
+def test_orch_up_with_an_unreadable_token_file_fails_before_bring_up(tmp_path, capsys,
+                                                                     monkeypatch):
+    import orchestrator.up as up
+
+    def no_ray(cfg):
+        raise AssertionError("orch up started Ray although its security config is broken")
+    monkeypatch.setattr(up, "connect_ray", no_ray)
+    monkeypatch.setattr(up, "ensure_checkpoint", no_ray)
+    cfg = tmp_path / "up.yaml"
+    cfg.write_text(f"router: {{port: 0, auth: {{token_file: {tmp_path / 'missing'}}}}}\n"
+                   "cluster: {device: cpu}\n")
+    assert cli.main(["up", str(cfg)]) == 2
+    assert "router.auth.token_file: cannot read" in capsys.readouterr().err
