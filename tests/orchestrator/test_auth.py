@@ -160,3 +160,33 @@ def test_orch_up_with_an_unreadable_token_file_fails_before_bring_up(tmp_path, c
                    "cluster: {device: cpu}\n")
     assert cli.main(["up", str(cfg)]) == 2
     assert "router.auth.token_file: cannot read" in capsys.readouterr().err
+
+
+def test_metrics_stay_on_loopback_when_the_router_listens_everywhere():
+    from orchestrator.config import OrchConfig
+    from orchestrator.up import make_metrics
+
+    cfg = OrchConfig.model_validate({"router": {"host": "0.0.0.0", "metrics_port": 0},
+                                     "cluster": {"device": "cpu"}})
+    metrics = make_metrics(cfg)
+    try:
+        assert metrics._httpd.server_address[0] == "127.0.0.1"
+    finally:
+        metrics.stop()
+
+
+def test_async_client_with_tls_and_token(secured):
+    import asyncio
+
+    from orchestrator.client import AsyncOrchClient
+
+    h, ca, token, _ = secured
+
+    async def go():
+        client = AsyncOrchClient(h.address, tls_ca=ca, token=token)
+        try:
+            _, ids, _ = await client.generate_text(token_ids=[9], max_tokens=2, ignore_eos=True)
+            return ids, await client.abort("not-running")
+        finally:
+            await client.close()
+    assert asyncio.run(go()) == (expected_tokens((9,), 2), False)

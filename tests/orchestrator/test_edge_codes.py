@@ -109,3 +109,14 @@ def test_abort_checks_the_id_too(harness):
             with pytest.raises(grpc.RpcError) as info:
                 client.abort(bad)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("method", ["/orch.v1.Orch/Abort", "/orch.v1.Orch/GetStatus",
+                                    "/grpc.health.v1.Health/Check"])
+def test_every_method_refuses_garbage_with_invalid_argument(harness, caplog, method):
+    caplog.set_level(logging.DEBUG)
+    with grpc.insecure_channel(harness.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(method)(b"\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert len(_orch_records(caplog)) == 1
