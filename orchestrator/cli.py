@@ -8,6 +8,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+    from orchestrator.client import OrchClient
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -39,7 +45,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         return 1
 
 
-def _client(ns: argparse.Namespace):
+def _client(ns: argparse.Namespace) -> OrchClient:
     """The OrchClient of ``--address``, ``--tls-ca`` and ``--token-file`` (else $ORCH_TOKEN).
 
     Raises:
@@ -56,7 +62,7 @@ def _client(ns: argparse.Namespace):
     return OrchClient(ns.address, tls_ca=ns.tls_ca, token=token)
 
 
-def _rpc_failure(ns: argparse.Namespace, exc) -> str:
+def _rpc_failure(ns: argparse.Namespace, exc: grpc.RpcError) -> str:
     """One line for a failed call: code, details and, when the router was not reached, what
     to check."""
     line = f"{exc.code().name}: {exc.details()}"

@@ -21,6 +21,7 @@ from engine import envs
 from engine.platform import DIST_BACKENDS, detect_platform
 from kv_transfer.config import TransferConfig
 from orchestrator.config_errors import ConfigError, validation_error_message, yaml_error_message
+from orchestrator.limits import DEFAULT_MAX_MESSAGE_BYTES
 from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
 DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
@@ -150,7 +151,7 @@ class RouterSection(_Section):
     metrics_host: str = "127.0.0.1"
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # gRPC's receive limit, bytes; raised to what model.max_model_len needs when lower.
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=4 * 1024 * 1024)
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024)
     tls: Optional[TLSSection] = None
     auth: Optional[AuthSection] = None
 

@@ -20,6 +20,8 @@ _REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 MAX_ID_WIRE_BYTES = 10
 # Room for request_id, sampling and field tags on top of the prompt, bytes.
 ENVELOPE_BYTES = 64 * 1024
+# Default gRPC receive limit of the router (``router.max_message_bytes``), bytes.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def check_request_id(request_id: str, allow_empty: bool) -> None:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from orchestrator import convert
 from orchestrator.interceptors import RequestGuard, TokenAuth
-from orchestrator.limits import max_request_bytes
+from orchestrator.limits import DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes
 from orchestrator.request import RequestError
 from orchestrator.router import Router
 from orchestrator.rpc import orch_pb2 as pb
@@ -26,7 +26,6 @@ from orchestrator.security import EdgeSecurity
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "orch.v1.Orch"
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class PortInUseError(RuntimeError):
@@ -92,10 +91,12 @@ class OrchServer:
         if security.token is not None:
             interceptors.insert(0, TokenAuth(security.token))
         # NOTE: gRPC enables SO_REUSEPORT by default, which lets a second `orch up` bind the
-        # same port and silently share clients with this one.
+        # same port and silently share clients with this one. gRPC's receive limit stays
+        # above the edge's, so the edge (INVALID_ARGUMENT), not gRPC (RESOURCE_EXHAUSTED),
+        # refuses what the model cannot use.
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1024))])
+            ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
         pb_grpc.add_OrchServicer_to_server(OrchServicer(router), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
