@@ -113,9 +113,9 @@ class RequestGuard(grpc.aio.ServerInterceptor):
             wrapped = _guard_coroutine(behavior, method)
         else:
             return handler
-        # NOTE: grpc's RpcMethodHandler is a namedtuple.
-        return handler._replace(**{field: wrapped},
-                                request_deserializer=self._parser(handler.request_deserializer))
+        make = _HANDLER_MAKERS[(False, handler.response_streaming)]
+        return make(wrapped, request_deserializer=self._parser(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
 
     def _parser(self, deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
         """``deserialize`` that returns :class:`Unparsed` instead of raising."""
