@@ -210,11 +210,10 @@ async def send_all(address: str, payloads: list[bytes]) -> list[tuple]:
         return await asyncio.gather(*(one(p) for p in payloads))
 
 
-def _check(payloads: list[bytes], outcomes: list[tuple]) -> int:
+def _check(payloads: list[bytes], wants: list[Expected], outcomes: list[tuple]) -> int:
     """Asserts each outcome; returns how many payloads were invalid."""
     invalid = 0
-    for i, (payload, (code, got)) in enumerate(zip(payloads, outcomes)):
-        want = expect(payload)
+    for i, (payload, want, (code, got)) in enumerate(zip(payloads, wants, outcomes)):
         if want.tokens is None:
             invalid += 1
             assert code == "INVALID_ARGUMENT", (i, code, got, payload[:200])
@@ -229,13 +228,15 @@ def test_fuzz_requests_and_blobs(caplog):
     rng = random.Random(SEED)
     used_ids: set[str] = set()
     requests = [random_request(rng, i, used_ids) for i in range(N_REQUESTS)]
-    valid = [p for p in requests if expect(p).tokens is not None]
+    request_wants = [expect(p) for p in requests]
+    valid = [p for p, want in zip(requests, request_wants) if want.tokens is not None]
     blobs = [random_blob(rng, valid, i) for i in range(N_BLOBS)]
+    blob_wants = [expect(p) for p in blobs]
     h = Harness(max_pending=N_REQUESTS, decode_capacity=N_REQUESTS, request_timeout_s=60)
     try:
         start = time.monotonic()
-        invalid = _check(requests, asyncio.run(send_all(h.address, requests)))
-        invalid += _check(blobs, asyncio.run(send_all(h.address, blobs)))
+        invalid = _check(requests, request_wants, asyncio.run(send_all(h.address, requests)))
+        invalid += _check(blobs, blob_wants, asyncio.run(send_all(h.address, blobs)))
         took = time.monotonic() - start
         assert 1_000 < len(valid) < N_REQUESTS - 1_000, len(valid)  # both kinds well covered
         with OrchClient(h.address) as client:
