@@ -115,12 +115,13 @@ def _prompt(rng: random.Random, msg: pb.GenerateRequest) -> None:
     elif kind < 0.9:
         n = rng.choice((0, 1, MAX_LEN - 1, MAX_LEN, MAX_LEN + 1, rng.randint(1, 200)))
         msg.token_ids.ids.extend(rng.randrange(VOCAB) for _ in range(n))
-    elif kind < 0.999:
+    elif kind < 0.997:
         ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
         ids[rng.randrange(len(ids))] = rng.choice((-1, VOCAB, VOCAB - 1, *INT32))
         msg.token_ids.ids.extend(ids)
-    else:  # over the edge's limit, sometimes over gRPC's 4 MiB default too
-        msg.text = "a" * rng.choice((LIMIT + 1, 5 * 1024 * 1024))
+    else:  # past the text limit, the request limit, gRPC's 4 MiB default
+        text_limit = MAX_LEN * TOKENIZER.max_token_bytes
+        msg.text = "a" * rng.choice((text_limit, text_limit + 1, LIMIT + 1, 5 * 1024 * 1024))
 
 
 def _pick(rng: random.Random, usual: tuple, edges: tuple, p_edge: float = 0.15):
