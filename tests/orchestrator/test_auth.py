@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator import cli
 from orchestrator.client import OrchClient
