@@ -97,6 +97,7 @@ class DecodeRank(LeaderRank):
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
+        self.check_in_service()  # NOTE: before the lock, which a step may hold
         with self._lock:
             self.check_in_service()
             need = self.scheduler.blocks_for(spec)

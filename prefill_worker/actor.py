@@ -136,6 +136,7 @@ class PrefillRank(LeaderRank):
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
+        self.check_in_service()  # NOTE: before the lock, which a step may hold
         with self._lock:
             if self.enqueue(spec):
                 self.reservations[spec.request_id] = reservation

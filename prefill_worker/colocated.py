@@ -27,6 +27,7 @@ class ColocatedRank(LeaderRank):
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
+        self.check_in_service()  # NOTE: before the lock, which a step may hold
         with self._lock:
             self.enqueue(spec)
 
