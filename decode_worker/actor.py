@@ -26,7 +26,7 @@ from kv_transfer import KVPeer
 from prefill_worker.kv_setup import make_layout, stretch_completion
 from prefill_worker.leader import LeaderRank
 from prefill_worker.messages import Rejection, Reservation, RequestSpec, TokenEvent
-from prefill_worker.rank import RankFailure
+from prefill_worker.rank_failure import RankFailure
 
 log = logging.getLogger(__name__)
 

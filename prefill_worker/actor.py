@@ -36,7 +36,7 @@ from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
 from prefill_worker.transfer_log import TransferLog
 from prefill_worker.kv_setup import make_layout
 from prefill_worker.leader import LeaderRank
-from prefill_worker.rank import RankFailure
+from prefill_worker.rank_failure import RankFailure
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from engine.block_pool import BlockPool
 from engine.sampling import RowFailure, sample
 from engine.scheduler import RolePolicy, Request, Scheduler, SchedulerOutput, finish_reason
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
-from prefill_worker.rank import RankBase, RankFailure, RankHung
+from prefill_worker.rank import RankBase
+from prefill_worker.rank_failure import RankFailure, RankHung
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +149,12 @@ class LeaderRank(RankBase):
         Raises:
             RankFailure: a rank died or hung meanwhile.
         """
+        log.warning("%s: a step of %d request(s) failed (%s)%s", self.cfg.name,
+                    len(out.chunks), _first_line(error),
+                    "; running each alone" if len(out.chunks) > 1 else "")
         if len(out.chunks) == 1:
             return StepResult(out, {}, {out.chunks[0].request.request_id:
                                         self._step_error(error)})
-        log.warning("%s: a step of %d requests failed (%s); running each alone",
-                    self.cfg.name, len(out.chunks), _first_line(error))
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
         for chunk in out.chunks:

@@ -46,23 +46,11 @@ import torch
 from engine import envs
 from prefill_worker.config import InstanceConfig
 from prefill_worker.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
+from prefill_worker.rank_failure import RankFailure, await_followers
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RankFailure(RuntimeError):
-    """A follower rank is dead or hung: the instance cannot step any more. The message names
-    the rank and the cause."""
-
-
-class RankGone(RankFailure):
-    """A follower's actor died (``RayActorError``)."""
-
-
-class RankHung(RankFailure):
-    """A follower did not answer within the bound."""
 
 
 class RankBase(ABC):
@@ -175,9 +163,9 @@ class RankBase(ABC):
             self.after_step(step_inputs)
         except Exception:
             # NOTE: a dead follower breaks the leader's collectives too: its own error wins.
-            self._await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
+            await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
             raise
-        self._await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
+        await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
         return logits
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
@@ -193,34 +181,7 @@ class RankBase(ABC):
         refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
         leader_result = getattr(self, method)(*args)
         return [leader_result,
-                *self._await_followers(refs, deadline - time.monotonic(), bound, method)]
-
-    def _await_followers(self, refs: list, left_s: float, bound_s: float, what: str) -> list:
-        """Results of the followers' ``refs`` (ranks 1.., in order), waiting ``left_s`` at most
-        in all (``bound_s``: the bound the messages name).
-
-        Raises:
-            RankGone: a follower's actor died. RankHung: one did not answer in time.
-            ray.exceptions.RayTaskError: a follower's method raised (the rank is alive).
-        """
-        import ray
-
-        rank_of = {ref: rank for rank, ref in enumerate(refs, start=1)}
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + left_s
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1,
-                                      timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RankHung(f"rank {rank_of[pending[0]]} did not finish {what} within "
-                                  f"{bound_s:g} s (hung)")
-            try:
-                results[rank_of[ready[0]]] = ray.get(ready[0])
-            except ray.exceptions.RayActorError as exc:
-                raise RankGone(f"rank {rank_of[ready[0]]} is gone "
-                                  f"({type(exc).__name__})") from exc
-        return [results[rank] for rank in sorted(results)]
+                *await_followers(refs, deadline - time.monotonic(), bound, method)]
 
     # ---- leader loop --------------------------------------------------------------------
     def start(self) -> None:
