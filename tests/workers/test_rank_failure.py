@@ -126,3 +126,43 @@ def test_dead_follower_ends_every_request_and_refuses_new_work(ray_session, pref
         assert decode.pool.num_free_blocks == 256 and decode.pool.num_live_sets == 0
     finally:
         decode.shutdown()
+
+
+def test_dead_decode_follower_ends_reservations_and_refuses_reserve(ray_session, ckpt):
+    """Decode TP=2: once the leader learns a follower died (here from ``status``, as the
+    router's status poll does), every reservation ends with an error event, its blocks are
+    freed, and ``reserve``/``admit`` are refused with the clear error."""
+    ray = ray_session
+    cfg = InstanceConfig(
+        name="decode-0", role="decode", checkpoint_dir=str(ckpt),
+        scheduler=SchedulerConfig(block_size=8, num_kv_blocks=32, chunk_size=1,
+                                  max_num_batched_tokens=8, max_num_seqs=4),
+        parallel=ParallelConfig(tp=2, step_timeout_s=20))
+    actor = ray.remote(DecodeRank).options(num_cpus=0.1, max_concurrency=16)
+    ranks = [actor.remote(cfg, rank) for rank in range(2)]
+    leader = ranks[0]
+    try:
+        host, port = ray.get(leader.open_tp_store.remote(), timeout=60)
+        ray.get([r.init_rank.remote(host, port, ranks) for r in ranks], timeout=120)
+        ray.get(leader.start.remote(), timeout=30)
+        specs = [RequestSpec(f"d{i}", (5, 6, 7, 8), SamplingParams(max_tokens=4))
+                 for i in range(3)]
+        assert all(isinstance(ray.get(leader.reserve.remote(s, 1), timeout=30), Reservation)
+                   for s in specs)
+        ray.kill(ranks[1])
+        killed = time.monotonic()
+        assert status_in(ray, leader, 4.0).broken.startswith("rank 1 is gone")
+        ended = {}
+        while len(ended) < len(specs) and time.monotonic() - killed < 10:
+            ended.update((e.request_id, e) for e in ray.get(leader.poll.remote(0.5), timeout=10))
+        assert sorted(ended) == ["d0", "d1", "d2"], ended
+        assert all(e.finish_reason == "error" and "decode-0 is out of service: rank 1 is gone"
+                   in e.error for e in ended.values()), ended
+        status = status_in(ray, leader, 4.0)
+        assert (status.free_blocks, status.running) == (32, 0), status
+        for call in (leader.reserve.remote(specs[0], 1), leader.admit.remote("d0", 3)):
+            with pytest.raises(InstanceOutOfService, match="decode-0 is out of service"):
+                ray.get(call, timeout=10)
+    finally:
+        for r in ranks:
+            ray.kill(r)
