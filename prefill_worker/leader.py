@@ -233,7 +233,8 @@ class LeaderRank(RankBase):
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def status(self) -> InstanceStatusInfo:
-        """Snapshot within about ``STATUS_TIMEOUT_S`` (twice at most), whatever the ranks do.
+        """Snapshot within a few seconds whatever the ranks do (each rank call is bounded by
+        ``STATUS_TIMEOUT_S``; prefill makes three).
 
         Asks every rank (bounded): a dead one takes the instance out of service (``broken``);
         one that does not answer in time is reported by a TimeoutError (the step deadline or
