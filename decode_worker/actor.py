@@ -10,11 +10,14 @@ Protocol (DESIGN.md "One request"), decode side:
 4. Tokens stream out through ``poll``; at the end the blocks are freed exactly once.
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
-dropped, never written), then the blocks are freed.
+dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
+every request ends with an error event and only the leader's receiver is told (nothing
+reuses the blocks: ``reserve`` and ``admit`` are refused).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from decode_worker.request_state import DecodeRequestState, KVState, KVStatus, ReservedRequest
@@ -23,6 +26,9 @@ from kv_transfer import KVPeer
 from prefill_worker.kv_setup import make_layout, stretch_completion
 from prefill_worker.leader import LeaderRank
 from prefill_worker.messages import Rejection, Reservation, RequestSpec, TokenEvent
+from prefill_worker.rank_failure import RankFailure
+
+log = logging.getLogger(__name__)
 
 # NOTE: a reservation never admitted (router gone) is freed after this many completion timeouts.
 ORPHAN_FACTOR = 4
@@ -86,8 +92,14 @@ class DecodeRank(LeaderRank):
         super().start()
 
     def reserve(self, spec: RequestSpec, prefill_tp: int = 1) -> Reservation | Rejection:
-        """Take blocks for prompt + max_tokens and arm every rank's receiver."""
+        """Take blocks for prompt + max_tokens and arm every rank's receiver.
+
+        Raises:
+            InstanceOutOfService: a rank of this instance is dead or hung.
+        """
+        self.check_in_service()  # NOTE: before the lock, which a step may hold
         with self._lock:
+            self.check_in_service()
             need = self.scheduler.blocks_for(spec)
             reason = self.too_big(need)
             if reason is not None:
@@ -108,6 +120,10 @@ class DecodeRank(LeaderRank):
                 deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
             self.call_all("expect_kv", spec.request_id, spec.num_prompt_tokens, prefill_tp)
+        except RankFailure as exc:
+            self.mark_broken(str(exc))
+            self._drop_reserved(spec.request_id)
+            raise self.out_of_service() from exc
         except Exception:
             self._drop_reserved(spec.request_id)
             raise
@@ -116,7 +132,12 @@ class DecodeRank(LeaderRank):
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete, or fails
-        ``completion_timeout_s`` from now."""
+        ``completion_timeout_s`` from now.
+
+        Raises:
+            InstanceOutOfService: a rank of this instance is dead or hung.
+        """
+        self.check_in_service()
         with self._lock:
             entry = self.reserved.get(request_id)
             if entry is None:
@@ -127,16 +148,35 @@ class DecodeRank(LeaderRank):
         self._wake.set()
 
     def _drop_reserved(self, request_id: str) -> Request | None:
-        """Forget a reserved request on every rank, then free its blocks (in that order)."""
+        """Forget a reserved request on every rank, then free its blocks (in that order);
+        never raises."""
         with self._lock:
             entry = self.reserved.pop(request_id, None)
         if entry is None:
             return None
         try:
-            self.call_all("release_kv", request_id)
+            self._release_everywhere(request_id)
         finally:
-            self.pool.free(entry.request.blocks)
+            with self._lock:
+                self.pool.free(entry.request.blocks)
         return entry.request
+
+    def _release_everywhere(self, request_id: str) -> None:
+        """Every rank's receiver forgets the request (only this rank's once out of service:
+        nothing reuses the blocks); never raises."""
+        try:
+            if self.broken is None:
+                self.call_all("release_kv", request_id)
+                return
+        except RankFailure as exc:
+            self.mark_broken(str(exc))
+        except Exception:  # noqa: BLE001 - a live rank that raised: logged, blocks freed
+            log.exception("%s: releasing the KV of %s failed", self.cfg.name, request_id)
+            return
+        try:
+            self.release_kv(request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: releasing the KV of %s failed", self.cfg.name, request_id)
 
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is; blocks freed once receivers dropped it."""
@@ -218,16 +258,22 @@ class DecodeRank(LeaderRank):
             result = self.leader_step()
             if result is not None:
                 self.finish_sampled(result.sampled)
+                self.fail_requests(result.failed)
         return result is not None or settled
 
     def num_active(self) -> int:
         return super().num_active() + len(self.reserved)
 
-    def transfer_stats(self) -> dict:
+    def transfer_stats(self, timeout_s: float | None) -> dict:
         return {"kv_failures": self.kv_failures}
 
     def fail_all(self, error: str) -> None:
+        """End every request, reserved ones included, with ``error``; never raises."""
         super().fail_all(error)
-        for rid in list(self.reserved):
-            if self._drop_reserved(rid) is not None:
-                self.emit(TokenEvent(rid, (), "error", error, self.source, self.cfg.name))
+        with self._lock:
+            rids = list(self.reserved)
+        for rid in rids:
+            try:
+                self._fail_reserved(rid, error, kv_failed=False)
+            except Exception:  # noqa: BLE001 - the others still get their event
+                log.exception("%s: failing %s failed", self.cfg.name, rid)

@@ -10,16 +10,34 @@ shares the batch, and whichever process samples that token (the prefill side sam
 the decode side the rest). Requests that arrive without a seed get one from
 ``engine.sampling_params.fill_seed`` where they are accepted, so a request is reproducible end
 to end. :class:`SamplingParams` itself lives in the torch-free engine/sampling_params.py.
+
+Isolation: each row is sampled on its own and guarded. A row whose logits are not all finite,
+whose filtered probabilities are not finite or sum to 0, or whose draw raises comes back as a
+:class:`RowFailure` naming the reason (its request fails alone); the other rows get tokens as
+usual. Temperatures below ``SAMPLING_EPS`` never reach the division (they are greedy).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowFailure:
+    """Why one row could not be sampled; only that row's request fails.
+
+    Attributes:
+        reason: what was wrong with the row (non-finite logits, probabilities, or the error
+            the draw raised).
+    """
+
+    reason: str
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
@@ -38,15 +56,17 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # NOTE: drop a token when the mass strictly before it already reaches top_p; the
-        # most likely token is always kept.
+        # most likely token is always kept (also when top_p rounds to 0 in fp32).
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
-    """Pick one token per row.
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           steps: list[int]) -> list[int | RowFailure]:
+    """Pick one token per row; a bad row fails alone (see module docstring).
 
     Args:
         logits: ``[B, V]`` logits of the last position of each request.
@@ -54,17 +74,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int])
         steps: B output indices: how many tokens each request has generated so far.
 
     Returns:
-        B token ids.
+        B entries: a token id, or a :class:`RowFailure` for a row that cannot be sampled.
     """
     logits = logits.float()
-    out: list[int] = []
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    finite = torch.isfinite(logits).all(dim=-1).tolist()  # [B]
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [B]
+    out: list[int | RowFailure] = []
     for row, (p, step) in enumerate(zip(params, steps)):
-        if p.greedy:
+        if not finite[row]:
+            out.append(RowFailure("the model produced non-finite logits (inf/NaN) for this "
+                                  "request"))
+        elif p.greedy:
             out.append(int(greedy_ids[row]))
-            continue
-        gen = _generator(p.seed if p.seed is not None else 0, step)
-        scaled = _filter_top_k_top_p(logits[row].cpu() / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(scaled, dim=-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        else:
+            out.append(_sample_row(logits[row], p, step))
     return out
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int | RowFailure:
+    """One seeded draw from finite ``logits`` ``[V]``, or why it cannot be made."""
+    try:
+        gen = _generator(p.seed if p.seed is not None else 0, step)
+        scaled = _filter_top_k_top_p(logits.cpu() / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(scaled, dim=-1)  # [V]
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return RowFailure(f"sampling probabilities are not finite at temperature "
+                              f"{p.temperature:g}, top_k {p.top_k}, top_p {p.top_p:g}")
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+    except Exception as exc:  # noqa: BLE001 - one row's failure is that request's alone
+        return RowFailure(f"sampling raised {type(exc).__name__}: {exc}")

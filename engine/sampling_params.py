@@ -11,16 +11,25 @@ import math
 import secrets
 from dataclasses import dataclass, replace
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one
+# overflows fp32 to inf and the probabilities to NaN.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
     Attributes:
         max_tokens: tokens to generate, >= 1.
-        temperature: 0 for greedy; > 0 scales logits by 1/temperature.
-        top_k: keep the k most likely tokens; 0 keeps all.
-        top_p: keep the smallest set with cumulative probability >= top_p; 1.0 keeps all.
-        seed: per-request seed, or None.
+        temperature: finite, >= 0; below ``SAMPLING_EPS`` (1e-5, 0 included) the request is
+            greedy (argmax; top_k, top_p and seed are then unused), else logits are scaled by
+            1/temperature (any finite value: a huge one samples nearly uniformly).
+        top_k: keep the k most likely tokens; 0 keeps all (a k above the vocabulary keeps
+            all).
+        top_p: in (0, 1]: keep the smallest set with cumulative probability >= top_p (the
+            most likely token always stays); 1.0 keeps all.
+        seed: per-request seed in [0, 2**63), or None.
         ignore_eos: keep going past the EOS token (fixed-length benchmark replay).
 
     Raises:
@@ -48,7 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 def fill_seed(params: SamplingParams) -> SamplingParams:

@@ -112,5 +112,5 @@ def dry_run_report(cfg: OrchConfig) -> str:
     lines.append(f"router: {cfg.router.host}:{cfg.router.port}, policy {cfg.router.policy}, "
                  f"max_pending {cfg.router.max_pending}, request_timeout_s "
                  f"{cfg.router.request_timeout_s}"
-                 + (f", metrics on {cfg.router.host}:{metrics}/metrics" if metrics else ""))
+                 + (f", metrics on {cfg.router.metrics_host}:{metrics}/metrics" if metrics else ""))
     return "\n".join(lines)

@@ -15,13 +15,14 @@ import signal
 import socket
 import sys
 
+from engine import envs
 from orchestrator.assemble import build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
-from engine import envs
 from orchestrator.cluster import Cluster, bring_up, connect_ray
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
 from orchestrator.progress import Stopwatch, node_ips, plural, say
+from orchestrator.security import EdgeSecurity, load_security
 from orchestrator.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def make_metrics(cfg: OrchConfig):
     except ImportError as exc:
         log.warning("router.metrics_port is set but metrics are unavailable (%s)", exc)
         return None
-    return RouterMetrics(cfg.router.host, cfg.router.metrics_port)
+    return RouterMetrics(cfg.router.metrics_host, cfg.router.metrics_port)
 
 
 def check_ports_free(cfg: OrchConfig) -> None:
@@ -50,16 +51,17 @@ def check_ports_free(cfg: OrchConfig) -> None:
     Raises:
         PortInUseError: names the key and what to do.
     """
-    for key, port in (("router.port", cfg.router.port),
-                      ("router.metrics_port", cfg.router.metrics_port)):
+    for key, host, port in (("router.port", cfg.router.host, cfg.router.port),
+                            ("router.metrics_port", cfg.router.metrics_host,
+                             cfg.router.metrics_port)):
         if not port:
             continue
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((cfg.router.host, port))
+                sock.bind((host, port))
             except OSError as exc:
-                raise PortInUseError(f"{key} {port} on {cfg.router.host} is not free ({exc}): "
+                raise PortInUseError(f"{key} {port} on {host} is not free ({exc}): "
                                      f"stop what uses it or pick another {key}") from None
 
 
@@ -72,9 +74,11 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
             fakes).
 
     Raises:
+        ConfigError: ``router.tls`` / ``router.auth`` point at something unusable.
         KeyboardInterrupt: SIGINT or SIGTERM before serving began; what was started (ranks,
             placement groups, the embedded Ray) is stopped first.
     """
+    security = load_security(cfg.router)
     check_ports_free(cfg)
     checkpoint = ensure_checkpoint(cfg.model)
     model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
@@ -89,7 +93,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     try:
         # NOTE: inside the try: an interrupt in ray.init still shuts down what it started.
         cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=_start_ray(cfg))
-        asyncio.run(_serve(cfg, cluster, model, tokenizer))
+        asyncio.run(_serve(cfg, cluster, model, tokenizer, security))
     finally:
         if cluster is not None:
             cluster.teardown()
@@ -127,18 +131,21 @@ def _worker_logs_dir() -> str:
     return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
 
 
-async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer) -> None:
+async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
+                 security: EdgeSecurity) -> None:
     metrics = make_metrics(cfg)
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics)
-    server = OrchServer(router, cfg.router.host, cfg.router.port)
+    server = OrchServer(router, cfg.router.host, cfg.router.port, security,
+                        cfg.router.max_message_bytes)
     port = await server.start()
     reporter = asyncio.create_task(router.report_instances(period_s=1.0))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    metrics_at = f"; metrics on :{cfg.router.metrics_port}/metrics" if metrics else ""
-    print(f"orch serving {model.name} on {cfg.router.host}:{port} "
+    metrics_at = (f"; metrics on {cfg.router.metrics_host}:{cfg.router.metrics_port}/metrics"
+                  if metrics else "")
+    print(f"orch serving {model.name} on {cfg.router.host}:{port}, {security.describe()} "
           f"({len(cluster.instances)} instance(s)){metrics_at}; Ctrl-C to stop", flush=True)
     await stop.wait()
     print("orch: stopping (draining in-flight requests)", flush=True)

@@ -13,11 +13,21 @@ Protocol (DESIGN.md "One request"), prefill side:
 
 Abort: the request leaves the queue; every rank cancels its queued sends and says so to the
 decode side; ``abort`` returns only when no send into the reservation is still in flight.
+A request that fails (its chunk or its sampling, see prefill_worker/leader.py) ends the same
+way, from the loop: error event, sends aborted on every rank, blocks freed once idle.
+
+Out of service (a rank dead or hung): every request ends with an error event, the leader's own
+sends are aborted (the decode side learns at once) and the blocks are freed without asking
+the other ranks (nothing reuses them: new work is refused).
+
+Rank calls (``abort_kv``, ``sends_idle``) never run under the leader lock.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import logging
 
 from engine.block_pool import BlockSet, slot_mapping
 from engine.scheduler import PREFILL, SchedulerOutput
@@ -26,6 +36,9 @@ from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
 from prefill_worker.transfer_log import TransferLog
 from prefill_worker.kv_setup import make_layout
 from prefill_worker.leader import LeaderRank
+from prefill_worker.rank_failure import RankFailure
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class PrefillRank(LeaderRank):
             self.setup_leader()
             self.reservations: dict[str, Reservation] = {}
             self.draining: dict[str, BlockSet] = {}  # first token out, sends still running
+            # failed requests whose sends every rank still has to abort (outside the lock)
+            self.kv_aborts: list[tuple[str, tuple[KVPeer, ...]]] = []
 
     # ---- every rank ---------------------------------------------------------------------
     def after_step(self, step_inputs: list[ChunkTransfer] | None) -> None:
@@ -116,7 +131,12 @@ class PrefillRank(LeaderRank):
 
     # ---- leader -------------------------------------------------------------------------
     def prefill(self, spec: RequestSpec, reservation: Reservation) -> None:
-        """Queue a prompt for chunked prefill into ``reservation``."""
+        """Queue a prompt for chunked prefill into ``reservation``.
+
+        Raises:
+            InstanceOutOfService: a rank of this instance is dead or hung.
+        """
+        self.check_in_service()  # NOTE: before the lock, which a step may hold
         with self._lock:
             if self.enqueue(spec):
                 self.reservations[spec.request_id] = reservation
@@ -139,22 +159,88 @@ class PrefillRank(LeaderRank):
             if result is not None:
                 for req in self.finish_sampled(result.sampled, free=False):
                     self.draining[req.request_id] = req.blocks
-            drained = self._free_drained()
-        return result is not None or drained
+                self.fail_requests(result.failed)
+        aborted = self._send_kv_aborts()
+        drained = self._free_drained()
+        return result is not None or drained or aborted
+
+    def fail_request(self, request_id: str, error: str) -> None:
+        """Caller holds the lock: error event; its sends are aborted after the lock, its
+        blocks freed once every rank's sends of it are idle."""
+        self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name))
+        req = self.scheduler.remove(request_id, free=False)
+        res = self.reservations.pop(request_id, None)
+        if req is not None and req.blocks is not None:
+            self.draining[request_id] = req.blocks
+        if res is not None:
+            self.kv_aborts.append((request_id, res.peers))
+
+    def fail_all(self, error: str) -> None:
+        """End every queued or running request with an error; never raises."""
+        super().fail_all(error)
+        self._send_kv_aborts()
+        try:
+            self._free_drained()
+        except RankFailure as exc:
+            self.mark_broken(str(exc))
+        except Exception:  # noqa: BLE001 - retried on the next step
+            log.exception("%s: freeing drained requests failed", self.cfg.name)
+
+    def _send_kv_aborts(self) -> bool:
+        """Abort the sends of the requests failed since the last call, on every rank (outside
+        the lock); never raises. True when there were some."""
+        with self._lock:
+            todo, self.kv_aborts = self.kv_aborts, []
+        for rid, peers in todo:
+            self._abort_everywhere(rid, peers)
+        return bool(todo)
+
+    def _abort_everywhere(self, request_id: str, peers: tuple[KVPeer, ...]) -> None:
+        """Cancel the request's sends on every rank (only on this one once out of service);
+        never raises (a dead or hung rank takes the instance out of service)."""
+        try:
+            if self.broken is None:
+                self.call_all("abort_kv", request_id, peers)
+                return
+        except RankFailure as exc:
+            self.mark_broken(str(exc))
+        except Exception:  # noqa: BLE001 - its blocks still wait for idle sends
+            log.exception("%s: aborting the sends of %s failed", self.cfg.name, request_id)
+            return
+        try:
+            self.abort_kv(request_id, peers)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: aborting the sends of %s failed", self.cfg.name, request_id)
 
     def _free_drained(self) -> bool:
-        """Free the blocks of requests whose sends finished on every rank."""
-        if not self.draining:
+        """Free the blocks of requests whose sends finished on every rank (all of them once
+        out of service: nothing reuses the blocks). Asks the ranks outside the lock.
+
+        Raises:
+            RankFailure: a rank is dead or hung.
+        """
+        with self._lock:
+            rids = list(self.draining)
+        if not rids:
             return False
-        idle = self.call_all("sends_idle", list(self.draining))
-        done = [rid for rid in list(self.draining) if all(rank[rid] for rank in idle)]
-        for rid in done:
-            self.pool.free(self.draining.pop(rid))
-            self.reservations.pop(rid, None)
-        return bool(done)
+        if self.broken is None:
+            idle = self.call_all("sends_idle", rids)
+            rids = [rid for rid in rids if all(rank[rid] for rank in idle)]
+        with self._lock:
+            for rid in rids:
+                blocks = self.draining.pop(rid, None)  # NOTE: whoever pops it frees it
+                if blocks is not None:
+                    self.pool.free(blocks)
+                self.reservations.pop(rid, None)
+        return bool(rids)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request; returns once no KV send into its reservation is in flight."""
+        """Stop a request; returns once no KV send into its reservation is in flight.
+
+        Raises:
+            TimeoutError: sends still in flight after ``payload_timeout_s`` (its blocks are
+                freed once they are idle).
+        """
         with self._lock:
             res = self.reservations.pop(request_id, None)
             req = self.scheduler.remove(request_id, free=False)
@@ -162,29 +248,43 @@ class PrefillRank(LeaderRank):
             if res is None and blocks is None:
                 self.add_tombstone(request_id)
                 return False
-            peers = res.peers if res is not None else ()
-            self.call_all("abort_kv", request_id, peers)
-            idle = self.call_all("sends_idle", [request_id], self.cfg.transfer.payload_timeout_s)
-            if blocks is not None:
-                self.pool.free(blocks)
-        if not all(rank[request_id] for rank in idle):
+        idle = False
+        try:
+            self._abort_everywhere(request_id, res.peers if res is not None else ())
+            idle = self._sends_idle_everywhere(request_id)
+        finally:
+            with self._lock:
+                if blocks is not None and idle:
+                    self.pool.free(blocks)
+                elif blocks is not None:
+                    self.draining[request_id] = blocks
+        if not idle:
             raise TimeoutError(f"{self.cfg.name}: sends of {request_id} still in flight after "
                                f"{self.cfg.transfer.payload_timeout_s} s")
+        return True
+
+    def _sends_idle_everywhere(self, request_id: str) -> bool:
+        """Wait (``payload_timeout_s``) until no rank sends ``request_id``; True once out of
+        service (nothing reuses the blocks)."""
+        if self.broken is None:
+            try:
+                wait_s = self.cfg.transfer.payload_timeout_s
+                idle = self.call_all("sends_idle", [request_id], wait_s,
+                                     timeout_s=wait_s + self.cfg.parallel.step_timeout_s)
+                return all(rank[request_id] for rank in idle)
+            except RankFailure as exc:
+                self.mark_broken(str(exc))
         return True
 
     def num_active(self) -> int:
         return super().num_active() + len(self.draining)
 
-    def fail_all(self, error: str) -> None:
-        """End every queued or running request with an error; cancel its sends first."""
-        for req in [*self.scheduler.running, *self.scheduler.waiting]:
-            try:
-                self.abort(req.request_id)
-            finally:
-                self.emit(TokenEvent(req.request_id, (), "error", error, self.source,
-                                     self.cfg.name))
-
-    def transfer_stats(self) -> dict:
-        records = [r for rank in self.call_all("take_transfer_log") for r in rank]
-        return {"kv_bytes_sent": sum(self.call_all("kv_bytes_sent")),
+    def transfer_stats(self, timeout_s: float | None) -> dict:
+        if timeout_s is None:
+            logs, sent = [self.take_transfer_log()], [self.kv_bytes_sent()]
+        else:
+            logs = self.call_all("take_transfer_log", timeout_s=timeout_s)
+            sent = self.call_all("kv_bytes_sent", timeout_s=timeout_s)
+        records = [r for rank in logs for r in rank]
+        return {"kv_bytes_sent": sum(sent),
                 "transfers": tuple((r.pair, r.nbytes, r.seconds, r.ok) for r in records)}

@@ -22,7 +22,12 @@ class ColocatedRank(LeaderRank):
             self.setup_leader()
 
     def generate(self, spec: RequestSpec) -> None:
-        """Queue a request; its tokens arrive through ``poll``. Too big -> an error event."""
+        """Queue a request; its tokens arrive through ``poll``. Too big -> an error event.
+
+        Raises:
+            InstanceOutOfService: a rank of this instance is dead or hung.
+        """
+        self.check_in_service()  # NOTE: before the lock, which a step may hold
         with self._lock:
             self.enqueue(spec)
 
@@ -43,4 +48,5 @@ class ColocatedRank(LeaderRank):
             if result is None:
                 return False
             self.finish_sampled(result.sampled)
+            self.fail_requests(result.failed)
             return True

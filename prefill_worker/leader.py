@@ -4,10 +4,18 @@ A leader step is schedule -> execute (all ranks) -> sample -> update, with a typ
 :class:`SchedulerOutput` between the stages and a :class:`StepResult` out of it. Roles add
 what happens around it (KV sends on prefill, KV completion on decode) through the role hooks
 listed in prefill_worker/rank.py.
+
+Isolation: a request can only ever fail itself. A row the sampler cannot sample fails its
+request alone (``StepResult.failed``). A step that raises for any reason but a rank failure
+is run again one chunk at a time: a chunk that fails alone fails its request, the others go on
+with the tokens a clean step gives them (each chunk recomputes the same KV into the same
+slots; on prefill a recomputed chunk's KV may be sent twice, which the decode side counts once:
+it marks (layer, token) cells, see kv_transfer/tracker.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -15,17 +23,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.block_pool import BlockPool
-from engine.sampling import sample
+from engine.sampling import RowFailure, sample
 from engine.scheduler import RolePolicy, Request, Scheduler, SchedulerOutput, finish_reason
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from prefill_worker.rank import RankBase
+from prefill_worker.rank_failure import RankFailure, RankHung
+
+log = logging.getLogger(__name__)
 
 MAX_TOMBSTONES = 10_000
 # NOTE: long against the race it guards (calls of one request a few ms apart), short enough
 # that a client reusing a finished request's id is not refused for long.
 TOMBSTONE_TTL_S = 30.0
-# Seconds a status snapshot waits for each rank.
-STATUS_TIMEOUT_S = 10.0
+# Seconds a status snapshot waits for the other ranks (status answers within a few seconds
+# even when a rank hangs).
+STATUS_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -36,10 +48,13 @@ class StepResult:
         output: what the scheduler scheduled (the step's chunks).
         sampled: request id -> the token sampled for it this step (requests whose chunk
             reached their last known token; may be empty).
+        failed: request id -> why that request failed this step (its row could not be
+            sampled, or its chunk failed alone); the role ends each with an error event.
     """
 
     output: SchedulerOutput
     sampled: dict[str, int]
+    failed: dict[str, str]
 
 
 class LeaderRank(RankBase):
@@ -86,7 +101,12 @@ class LeaderRank(RankBase):
 
     def enqueue(self, spec: RequestSpec) -> bool:
         """Queue a new request (caller holds the lock); one that can never fit gets an error
-        event instead. True when queued."""
+        event instead. True when queued.
+
+        Raises:
+            InstanceOutOfService: the instance is broken.
+        """
+        self.check_in_service()
         if self.has_tombstone(spec.request_id):
             self.emit(TokenEvent(spec.request_id, (), "abort", source=self.source,
                                  instance=self.cfg.name))
@@ -100,15 +120,57 @@ class LeaderRank(RankBase):
         self._wake.set()
         return True
 
-    def sample_step(self, out: SchedulerOutput, logits) -> dict[str, int]:
-        """Sample the next token of every chunk that completes its request's known tokens."""
+    def _execute(self, out: SchedulerOutput,
+                 step_inputs_for: Callable[[SchedulerOutput], Any] | None) -> StepResult:
+        """execute ``out`` on all ranks -> sample -> update the counters."""
+        step_inputs = step_inputs_for(out) if step_inputs_for else None
+        logits = self.run_step(out.steps, step_inputs)
+        sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
         rows = [i for i, c in enumerate(out.chunks) if c.completes]
-        if not rows:
-            return {}
-        reqs = [out.chunks[i].request for i in rows]
-        tokens = sample(logits[rows], [r.spec.sampling for r in reqs],
-                        [len(r.output_token_ids) for r in reqs])
-        return {r.request_id: t for r, t in zip(reqs, tokens)}
+        if rows:
+            reqs = [out.chunks[i].request for i in rows]
+            tokens = sample(logits[rows], [r.spec.sampling for r in reqs],
+                            [len(r.output_token_ids) for r in reqs])
+            for req, token in zip(reqs, tokens):
+                if isinstance(token, RowFailure):
+                    failed[req.request_id] = f"{self.cfg.name}: {token.reason}"
+                else:
+                    sampled[req.request_id] = token
+        self.scheduler.update(out, sampled)
+        return StepResult(out, sampled, failed)
+
+    def _execute_each(self, out: SchedulerOutput,
+                      step_inputs_for: Callable[[SchedulerOutput], Any] | None,
+                      error: Exception) -> StepResult:
+        """After ``out`` raised ``error``: run each chunk alone; one that fails again fails
+        its request only.
+
+        Raises:
+            RankFailure: a rank died or hung meanwhile.
+        """
+        log.warning("%s: a step of %d request(s) failed (%s)%s", self.cfg.name,
+                    len(out.chunks), _first_line(error),
+                    "; running each alone" if len(out.chunks) > 1 else "")
+        if len(out.chunks) == 1:
+            return StepResult(out, {}, {out.chunks[0].request.request_id:
+                                        self._step_error(error)})
+        sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        for chunk in out.chunks:
+            try:
+                solo = self._execute(SchedulerOutput((chunk,)), step_inputs_for)
+            except RankFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this chunk fails alone: its request
+                failed[chunk.request.request_id] = self._step_error(exc)
+                continue
+            sampled.update(solo.sampled)
+            failed.update(solo.failed)
+        return StepResult(out, sampled, failed)
+
+    def _step_error(self, exc: Exception) -> str:
+        return f"{self.cfg.name}: the model step failed for this request: {_first_line(exc)}"
 
     def finish_sampled(self, sampled: dict[str, int], *, free: bool = True) -> list[Request]:
         """Emit one event per sampled token; remove finished requests. Returns those removed."""
@@ -129,40 +191,86 @@ class LeaderRank(RankBase):
                     ) -> StepResult | None:
         """schedule -> execute on all ranks -> sample -> update; None when nothing was
         scheduled. ``step_inputs_for(output)`` makes the role's per-step inputs that every
-        rank's ``after_step`` receives (prefill: the chunks' KV transfers)."""
+        rank's ``after_step`` receives (prefill: the chunks' KV transfers). A step that
+        raises is run again chunk by chunk (module docstring). Caller holds the lock.
+
+        Raises:
+            RankFailure: a rank died or hung (the caller's loop takes the instance out of
+                service).
+        """
         out = self.scheduler.schedule()
         if not out:
             return None
-        step_inputs = step_inputs_for(out) if step_inputs_for else None
-        logits = self.run_step(out.steps, step_inputs)
-        sampled = self.sample_step(out, logits)
-        self.scheduler.update(out, sampled)
-        return StepResult(out, sampled)
+        try:
+            return self._execute(out, step_inputs_for)
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            return self._execute_each(out, step_inputs_for, exc)
 
-    def fail_requests(self, requests: list[Request], error: str) -> None:
-        for req in requests:
-            self.scheduler.remove(req.request_id)
-            self.emit(TokenEvent(req.request_id, (), "error", error, source=self.source,
-                                 instance=self.cfg.name))
+    def fail_request(self, request_id: str, error: str) -> None:
+        """Role hook, leader, caller holds the lock: end one queued or running request with an
+        error event and free its blocks (exactly once). Never raises."""
+        self.emit(TokenEvent(request_id, (), "error", error, source=self.source,
+                             instance=self.cfg.name))
+        self.scheduler.remove(request_id)
+
+    def fail_requests(self, failed: dict[str, str]) -> None:
+        """End each request of ``failed`` (request id -> error); caller holds the lock."""
+        for rid, error in failed.items():
+            self.fail_request(rid, error)
 
     def fail_all(self, error: str) -> None:
+        """End every queued or running request with ``error``; never raises."""
         with self._lock:
-            self.fail_requests([*self.scheduler.running, *self.scheduler.waiting], error)
+            for req in [*self.scheduler.running, *self.scheduler.waiting]:
+                try:
+                    self.fail_request(req.request_id, error)
+                except Exception:  # noqa: BLE001 - the others still get their event
+                    log.exception("%s: failing %s failed", self.cfg.name, req.request_id)
 
     def num_active(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def status(self) -> InstanceStatusInfo:
-        # NOTE: asks every rank (bounded), so a dead rank shows as an unreachable instance.
-        ranks = self.ranks_info(timeout_s=STATUS_TIMEOUT_S)
+        """Snapshot within a few seconds whatever the ranks do (each rank call is bounded by
+        ``STATUS_TIMEOUT_S``; prefill makes three).
+
+        Asks every rank (bounded): a dead one takes the instance out of service (``broken``);
+        one that does not answer in time is reported by a TimeoutError (the step deadline or
+        the router's health checks judge whether it hangs).
+
+        Raises:
+            TimeoutError: a rank did not answer within ``STATUS_TIMEOUT_S``.
+        """
+        try:
+            ranks = self.ranks_info(timeout_s=STATUS_TIMEOUT_S)
+            stats = self.transfer_stats(STATUS_TIMEOUT_S)
+        except RankHung as exc:
+            raise TimeoutError(f"{self.cfg.name}: {exc}") from exc
+        except RankFailure as exc:
+            self.mark_broken(str(exc))
+            ranks, stats = (), self.transfer_stats(None)
         return InstanceStatusInfo(
             name=self.cfg.name, role=self.cfg.role, tp=self.cfg.parallel.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
-            outstanding_tokens=self.scheduler.num_outstanding_tokens, **self.transfer_stats())
+            outstanding_tokens=self.scheduler.num_outstanding_tokens, broken=self.broken,
+            **stats)
 
-    def transfer_stats(self) -> dict:
+    def transfer_stats(self, timeout_s: float | None) -> dict:
         """Role hook, leader, inside :meth:`status` (not under the lock): the role's
         :class:`InstanceStatusInfo` fields by name (prefill: ``kv_bytes_sent``, ``transfers``;
-        decode: ``kv_failures``). May ask every rank (bounded)."""
+        decode: ``kv_failures``). May ask every rank within ``timeout_s``; None: only the
+        leader's own numbers (a rank is gone).
+
+        Raises:
+            RankFailure: a rank is gone or did not answer.
+        """
         return {}
+
+
+def _first_line(exc: Exception) -> str:
+    """``Type: message`` of an error on one line (a RayTaskError carries a whole traceback)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

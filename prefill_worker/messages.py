@@ -13,6 +13,10 @@ Leader actor methods that carry these (see prefill_worker/actor.py, decode_worke
   ``abort(request_id) -> bool`` (returns only once no KV send into the reservation is in
   flight, so the decode side may free its blocks); ``status()``.
 
+A leader whose instance lost a rank (dead or hung) is out of service: ``reserve``, ``admit``,
+``prefill`` and ``generate`` raise :class:`InstanceOutOfService` (through Ray: a
+``RayTaskError`` that is also an instance of it), and ``status().broken`` says why.
+
 This module imports neither torch nor Ray: the gRPC client (orchestrator/client.py) uses it.
 What the rank actors are built from is in prefill_worker/config.py.
 """
@@ -23,6 +27,11 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVPeer
+
+
+class InstanceOutOfService(RuntimeError):
+    """A leader refuses new work: a rank of its instance is dead or hung. The message names
+    the instance and the rank; orch replaces the instance, so the caller tries another one."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +123,12 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class InstanceStatusInfo:
-    """Snapshot of one instance for ``orch status`` and metrics."""
+    """Snapshot of one instance for ``orch status`` and metrics.
+
+    ``broken`` is None while the instance serves; else why it is out of service (e.g. "rank 1
+    is gone (ActorDiedError)"): every request it had ended with an error and new work is
+    refused until orch replaces it.
+    """
 
     name: str
     role: str
@@ -130,3 +144,4 @@ class InstanceStatusInfo:
     # Per-pair KV transfer records closed since the previous status call:
     # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
     transfers: tuple[tuple[str, int, float, bool], ...] = ()
+    broken: str | None = None

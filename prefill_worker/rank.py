@@ -22,6 +22,12 @@ Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank over
 - leader only: ``step()`` (the loop's iteration), ``fail_all(error)``, ``num_active()``,
   ``status()``; ``LeaderRank`` implements the last three, ``transfer_stats()`` adds the role's
   fields to ``status()``.
+
+Failures: the loop thread never ends on an error. A follower that is dead (its actor died) or
+hung (no answer within ``step_timeout_s``) is a :class:`RankFailure`: the instance goes out of
+service at once (``broken`` holds why), the loop ends every request with an error event, and
+the leader refuses new work with ``InstanceOutOfService`` until orch replaces the instance.
+Any other error of a step fails only the requests it concerns (see ``LeaderRank.leader_step``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import torch
 
 from engine import envs
 from prefill_worker.config import InstanceConfig
-from prefill_worker.messages import InstanceStatusInfo, TokenEvent
+from prefill_worker.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
+from prefill_worker.rank_failure import RankFailure, await_followers
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,9 @@ class RankBase(ABC):
         self._loop_thread: threading.Thread | None = None
         self._role_ready = False  # setup_role returned: close_role has something to close
         self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
+        # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
+        # without the lock (the loop ends whatever a racing RPC still queued).
+        self.broken: str | None = None
         if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
 
@@ -144,30 +154,36 @@ class RankBase(ABC):
         ``steps`` is empty).
 
         Raises:
-            TimeoutError: a follower did not finish within ``step_timeout_s``.
+            RankFailure: a follower died or did not finish within ``step_timeout_s``.
+            Exception: what the leader's step or a follower's (a ``RayTaskError``) raised.
         """
-        import ray
-
+        timeout_s = self.cfg.parallel.step_timeout_s
+        deadline = time.monotonic() + timeout_s
         refs = [p.execute_step.remote(steps, step_inputs) for p in self.peers[1:]]
-        logits = self.runner.execute(steps) if steps else None
-        self.after_step(step_inputs)
         try:
-            if refs:
-                ray.get(refs, timeout=self.cfg.parallel.step_timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise TimeoutError(f"{self.cfg.name}: a rank did not finish a step within "
-                               f"{self.cfg.parallel.step_timeout_s} s") from exc
+            logits = self.runner.execute(steps) if steps else None
+            self.after_step(step_inputs)
+        except Exception:
+            # NOTE: a dead follower breaks the leader's collectives too: its own error wins.
+            await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
+            raise
+        await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
         return logits
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
-        """Call ``method(*args)`` on every rank (leader locally), bounded; results in rank order."""
-        import ray
+        """Call ``method(*args)`` on every rank (leader locally), bounded by ``timeout_s``
+        (default ``step_timeout_s``); results in rank order.
 
+        Raises:
+            RankFailure: a follower died or did not answer in time.
+            Exception: what the leader's call or a follower's (a ``RayTaskError``) raised.
+        """
+        bound = timeout_s or self.cfg.parallel.step_timeout_s
+        deadline = time.monotonic() + bound
         refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
         leader_result = getattr(self, method)(*args)
-        if not refs:
-            return [leader_result]
-        return [leader_result, *ray.get(refs, timeout=timeout_s or self.cfg.parallel.step_timeout_s)]
+        return [leader_result,
+                *await_followers(refs, deadline - time.monotonic(), bound, method)]
 
     # ---- leader loop --------------------------------------------------------------------
     def start(self) -> None:
@@ -178,15 +194,47 @@ class RankBase(ABC):
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                busy = self.step()
-            except Exception as exc:  # a broken step fails its requests, never the loop
-                log.exception("%s: step failed", self.cfg.name)
-                self.fail_all(f"{self.cfg.name}: step failed: {exc}")
-                busy = False
-            if not busy:
+            if not self._iterate():
                 self._wake.wait(0.005)
                 self._wake.clear()
+
+    def _iterate(self) -> bool:
+        """One loop iteration; never raises (an error ends requests, never the loop). True
+        when it did work."""
+        try:
+            if self.broken is not None:
+                if self.num_active():
+                    self.fail_all(str(self.out_of_service()))
+                return False
+            return self.step()
+        except RankFailure as exc:
+            self.mark_broken(str(exc))
+            return True
+        except Exception as exc:  # noqa: BLE001 - not a rank's failure: the step's requests
+            log.exception("%s: step failed", self.cfg.name)
+            try:
+                self.fail_all(f"{self.cfg.name}: step failed: {exc}")
+            except Exception:  # noqa: BLE001
+                log.exception("%s: failing the requests of a failed step failed", self.cfg.name)
+            return False
+
+    def mark_broken(self, reason: str) -> None:
+        """Take the instance out of service (the first reason stays); the loop then ends every
+        request with an error, and new work is refused. Never blocks."""
+        if self.broken is None:
+            self.broken = reason
+            log.error("%s is out of service: %s", self.cfg.name, reason)
+        self._wake.set()
+
+    def out_of_service(self) -> InstanceOutOfService:
+        """The error new work gets while ``broken``."""
+        return InstanceOutOfService(f"{self.cfg.name} is out of service: {self.broken}; orch "
+                                    "restarts it: send the request to another instance")
+
+    def check_in_service(self) -> None:
+        """Raises InstanceOutOfService while the instance is broken."""
+        if self.broken is not None:
+            raise self.out_of_service()
 
     @abstractmethod
     def step(self) -> bool:
@@ -246,6 +294,10 @@ class RankBase(ABC):
         release what :meth:`setup_role` opened (connectors, their threads and sockets)."""
 
     def ranks_info(self, timeout_s: float | None = None) -> tuple[tuple[int, str, str], ...]:
-        """(rank, node id, device) of every rank, for status (raises when a rank is gone)."""
+        """(rank, node id, device) of every rank, for status.
+
+        Raises:
+            RankFailure: a rank is gone or did not answer within ``timeout_s``.
+        """
         return tuple((i, *info) for i, info in
                      enumerate(self.call_all("node_info", timeout_s=timeout_s)))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.sampling import sample
-from engine.sampling_params import SamplingParams, fill_seed
+from engine.sampling import RowFailure, sample
+from engine.sampling_params import SAMPLING_EPS, SamplingParams, fill_seed
 
 
 def test_greedy_is_argmax():
@@ -55,3 +55,43 @@ def test_fill_seed_only_for_sampled_requests():
     assert fill_seed(SamplingParams()).seed is None
     assert fill_seed(SamplingParams(temperature=1.0, seed=3)).seed == 3
     assert fill_seed(SamplingParams(temperature=1.0)).seed is not None
+
+
+def test_temperature_below_eps_is_greedy():
+    """1e-38 once overflowed the scaled logits to inf and the probabilities to NaN."""
+    torch.manual_seed(2)
+    logits = torch.randn(3, 300) * 30
+    greedy = sample(logits, [SamplingParams()] * 3, [0] * 3)
+    tiny = [SamplingParams(temperature=t, seed=1) for t in (1e-38, 5e-324, SAMPLING_EPS / 2)]
+    assert all(p.greedy for p in tiny) and not SamplingParams(temperature=SAMPLING_EPS).greedy
+    assert sample(logits, tiny, [0] * 3) == greedy
+    assert fill_seed(SamplingParams(temperature=1e-38)).seed is None
+
+
+def test_every_valid_value_samples_a_token():
+    torch.manual_seed(3)
+    logits = torch.randn(5, 400) * 50
+    params = [SamplingParams(temperature=SAMPLING_EPS, seed=1),
+              SamplingParams(temperature=1e38, seed=2),
+              SamplingParams(temperature=3.0, top_p=5e-324, seed=3),
+              SamplingParams(temperature=0.5, top_k=2**31 - 1, seed=4),
+              SamplingParams(temperature=1.0, top_k=1, top_p=1e-9, seed=2**63 - 1)]
+    out = sample(logits, params, [0] * 5)
+    assert all(isinstance(t, int) and 0 <= t < 400 for t in out), out
+    assert out[2] == int(logits[2].argmax()) and out[4] == int(logits[4].argmax())
+
+
+def test_a_poisoned_row_fails_alone():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 50)
+    clean = sample(logits, [SamplingParams(), SamplingParams(temperature=1.0, seed=7)] * 2,
+                   [0] * 4)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3] = 3e34  # finite, but over fp32 once scaled by 1 / SAMPLING_EPS
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=7), SamplingParams(),
+              SamplingParams(temperature=SAMPLING_EPS, seed=7)]
+    out = sample(logits, params, [0] * 4)
+    assert out[0] == clean[0]
+    assert [type(t) for t in out[1:]] == [RowFailure] * 3
+    assert "non-finite logits" in out[1].reason and "not finite" in out[3].reason

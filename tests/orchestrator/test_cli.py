@@ -116,9 +116,9 @@ def test_up_flags_override_the_router_section(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text("router: {port: 50051}\ncluster: {device: cpu}\n")
     assert main(["up", "--dry-run", str(config), "--port", "9123", "--host", "0.0.0.0",
-                 "--metrics-port", "9124"]) == 0
+                 "--metrics-port", "9124", "--metrics-host", "10.1.2.3"]) == 0
     out = capsys.readouterr().out
-    assert "router: 0.0.0.0:9123, policy" in out and "metrics on 0.0.0.0:9124/metrics" in out
+    assert "router: 0.0.0.0:9123, policy" in out and "metrics on 10.1.2.3:9124/metrics" in out
     assert main(["up", "--dry-run", str(config), "--port", "70000"]) == 2
     assert "router.port: must be <= 65535, got 70000" in capsys.readouterr().err
     assert main(["up", "--dry-run", str(config), "--metrics-port", "50051"]) == 2
