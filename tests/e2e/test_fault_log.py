@@ -1,0 +1,61 @@
+"""After faults, `orch up`'s own output stays short and plain. The decode follower rank is
+killed (SIGKILL) while a request streams (the leader's step fails and logs a traceback in its
+own process), then the leader too, then requests are refused for a while (the router polls the
+dead instance every half second): no traceback, no ANSI colour code, a repeated warning shown
+once, and a few lines in all; the rank processes' output stays in Ray's logs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+from tests.e2e.harness import REPO, OrchProcess, descendants
+
+MAX_LINES = 40  # start-up (~15), serving, the fault (< 10), shutdown (~5)
+
+
+def _decode_ranks(root: int, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(leader pid, follower pid) of the tp2 decode instance: the leader is the rank the
+    router long-polls (title ``ray::DecodeRank.poll`` most of the time)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ranks = {pid: title for pid, title in descendants(root).items()
+                 if title.startswith("ray::DecodeRank")}
+        polling = [pid for pid, title in ranks.items() if title == "ray::DecodeRank.poll"]
+        if len(ranks) == 2 and len(polling) == 1:
+            return polling[0], next(pid for pid in ranks if pid != polling[0])
+        time.sleep(0.02)
+    raise AssertionError(f"no 2 decode ranks with one in poll() within {timeout_s} s")
+
+
+def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path) as orch:
+        started, result = threading.Event(), {}
+        stream = threading.Thread(target=lambda: result.update(out=orch.generate(
+            "a long story", max_tokens=300, ignore_eos=True, started=started)))
+        stream.start()
+        assert started.wait(120), orch.log.read_text()
+        leader, follower = _decode_ranks(orch.proc.pid)
+        os.kill(follower, signal.SIGKILL)
+        stream.join(120)
+        assert result["out"][2] is not None  # the stream ended with an error
+        os.kill(leader, signal.SIGKILL)
+        for _ in range(3):
+            assert orch.generate("again", max_tokens=4, timeout_s=60)[2] is not None
+        time.sleep(5)  # ten more polls of the dead instance
+    output = orch.log.read_text()
+    lines = output.splitlines()
+    assert "Traceback" not in output and "\x1b[" not in output, output
+    assert "Rank pid=" not in output, output  # no rank output forwarded: "(DecodeRank pid=1)"
+    assert len(lines) <= MAX_LINES, output
+    polls = [line for line in lines if "polling decode-0 failed" in line]
+    assert len(polls) == 1, output
+    (logs,) = re.findall(r"rank logs in (\S+) on each node", output)
+    rank_output = "".join(path.read_text(errors="replace")
+                          for path in Path(logs).glob("worker-*.err"))
+    assert "decode-0 is out of service: rank 1 is gone" in rank_output  # where it went
