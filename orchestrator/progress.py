@@ -34,11 +34,12 @@ class Stopwatch:
 
 
 def node_ips() -> dict[str, str]:
-    """Ray node id (hex) -> that node's IP, for every node Ray knows; {} when it cannot say."""
+    """Ray node id (hex) -> that node's IP, for every live node; {} when Ray cannot say."""
     import ray
 
     try:
-        return {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        return {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()
+                if node.get("Alive")}
     except Exception:  # noqa: BLE001 -- progress text only: fall back to the bare ids
         return {}
 

@@ -18,7 +18,8 @@ Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank over
 - ``after_step(step_inputs)``: every rank, right after its model step (prefill queues
   KV sends here).
 - ``close_role()``: every rank, at the end of ``shutdown`` after the loop thread stopped;
-  releases what ``setup_role`` opened.
+  releases what ``setup_role`` opened (not called when ``setup_role`` never returned: an
+  interrupted start-up).
 - leader only: ``step()`` (the loop's iteration), ``fail_all(error)``, ``num_active()``,
   ``status()``; ``LeaderRank`` implements the last three, ``transfer_stats()`` adds the role's
   fields to ``status()``.
