@@ -1,22 +1,27 @@
 """gRPC front end: the Orch servicer, the standard health service, graceful stop.
 
-Errors leave as gRPC status codes carrying :class:`RequestError` messages. Stop order: health
-NOT_SERVING (load balancers stop sending), router refuses new requests and drains in-flight
-ones (bounded), ``server.stop(grace)``.
+Errors leave as gRPC status codes carrying :class:`RequestError` messages. The health service
+says SERVING while every role has a healthy instance (the health monitor's view), NOT_SERVING
+while some role has none, and from the start of shutdown on. Stop order: health NOT_SERVING
+(load balancers stop sending), router refuses new requests and drains in-flight ones
+(bounded), the health monitor stops, ``server.stop(grace)``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from orchestrator import convert
+from orchestrator.health import InstanceHealth
 from orchestrator.request import RequestError
 from orchestrator.router import Router
 from orchestrator.rpc import orch_pb2 as pb
 from orchestrator.rpc import orch_pb2_grpc as pb_grpc
+from orchestrator.status import StatusBoard
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "orch.v1.Orch"
@@ -27,10 +32,10 @@ class PortInUseError(RuntimeError):
 
 
 class OrchServicer(pb_grpc.OrchServicer):
-    """Maps the Orch RPCs onto a :class:`Router`."""
+    """Maps the Orch RPCs onto a :class:`Router` and its :class:`StatusBoard`."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, router: Router, board: StatusBoard) -> None:
+        self.router, self.board = router, board
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -52,8 +57,8 @@ class OrchServicer(pb_grpc.OrchServicer):
 
     async def GetStatus(self, request: pb.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
-        statuses = await self.router.status()
-        return convert.status_to_proto(statuses, self.router.in_flight, self.router.model.name)
+        views = await self.board.views()  # NOTE: bounded, whatever the instances do
+        return convert.status_to_proto(views, self.router.in_flight, self.router.model.name)
 
 
 class OrchServer:
@@ -61,16 +66,20 @@ class OrchServer:
 
     Args:
         router: the router (started by :meth:`start`).
+        board: instance rows for GetStatus; its health monitor is started by :meth:`start`
+            and drives the gRPC health service.
         host, port: where to listen (port 0 = any free port; see ``self.port``).
     """
 
-    def __init__(self, router: Router, host: str, port: int) -> None:
-        self.router = router
+    def __init__(self, router: Router, board: StatusBoard, host: str, port: int) -> None:
+        self.router, self.monitor = router, board.monitor
         self.health = health.aio.HealthServicer()
+        self._serving: bool | None = None  # what the health service says now
+        self._health_updates: set[asyncio.Task] = set()
         # NOTE: gRPC enables SO_REUSEPORT by default, which lets a second `orch up` bind the
         # same port and silently share clients with this one.
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_OrchServicer_to_server(OrchServicer(router), self.server)
+        pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
         self.port = 0
@@ -87,14 +96,41 @@ class OrchServer:
             raise PortInUseError(f"cannot listen on {self.address} ({exc}): pick a free "
                                  "router.port or stop what uses it") from None
         self.router.start()
+        self.monitor.add_listener(self._on_health)
+        self.monitor.start()
         await self.server.start()
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = not self.monitor.roles_without_healthy()
+        await self._publish(self._serving)
         return self.port
 
     async def stop(self, grace_s: float) -> None:
-        """NOT_SERVING, drain the router (bounded by ``grace_s``), then stop the server."""
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """NOT_SERVING, drain the router (bounded by ``grace_s``), stop the health monitor,
+        then stop the server."""
+        self.monitor.remove_listener(self._on_health)
+        if self._health_updates:
+            await asyncio.wait(self._health_updates, timeout=grace_s)
+        self._serving = False
+        await self._publish(False)
         await self.router.stop(drain_timeout_s=grace_s)
+        await self.monitor.stop()
         await self.server.stop(grace_s)
+
+    def _on_health(self, changed: InstanceHealth) -> None:
+        """Monitor listener: NOT_SERVING while some role has no healthy instance."""
+        missing = self.monitor.roles_without_healthy()
+        if (not missing) == self._serving:
+            return
+        if missing:
+            log.warning("no healthy %s instance: gRPC health NOT_SERVING until one is back",
+                        " or ".join(missing))
+        self._serving = not missing
+        # NOTE: updates run in creation order, so the last one wins.
+        task = asyncio.create_task(self._publish(self._serving))
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _publish(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
