@@ -80,7 +80,8 @@ class HealthMonitor:
         self._listeners: list[Listener] = []
         self._tasks: list[asyncio.Task] = []
         self._recoveries: dict[str, asyncio.Task] = {}
-        self._stopping = asyncio.Event()
+        self._stopping = False
+        self._wake = {name: asyncio.Event() for name in roles}  # probe now, or stop
 
     # ---- queries (any time, on the loop) -----------------------------------------------
     def get(self, name: str) -> InstanceHealth:
@@ -112,13 +113,17 @@ class HealthMonitor:
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """One probing task per instance (call from the running loop)."""
-        self._stopping.clear()
+        self._stopping = False
+        for wake in self._wake.values():
+            wake.clear()
         self._tasks = [asyncio.create_task(self._watch(name), name=f"health-{name}")
                        for name in self._states]
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stop probing and cancel running recoveries (bounded wait)."""
-        self._stopping.set()
+        self._stopping = True
+        for wake in self._wake.values():
+            wake.set()
         tasks = self._tasks + list(self._recoveries.values())
         for task in tasks:
             task.cancel()
@@ -134,6 +139,10 @@ class HealthMonitor:
         an instance being restarted may still fail through its old handles)."""
         if self._states[name].state is Health.HEALTHY:
             self._turn_unhealthy(name, reason)
+
+    def probe_soon(self, name: str) -> None:
+        """Probe ``name`` now rather than at its next turn (a call to it just failed)."""
+        self._wake[name].set()
 
     async def probe(self, name: str) -> str | None:
         """Ping every rank of ``name`` once (bounded); None when all answered, else why not.
@@ -165,7 +174,7 @@ class HealthMonitor:
         return None
 
     async def _watch(self, name: str) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping:
             if self._states[name].state is Health.HEALTHY:
                 try:
                     failure = await self.probe(name)
@@ -175,9 +184,10 @@ class HealthMonitor:
                 if failure is not None:
                     self.report_failure(name, failure)
             try:
-                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+                await asyncio.wait_for(self._wake[name].wait(), self._interval_s)
             except asyncio.TimeoutError:
                 pass
+            self._wake[name].clear()
 
     def _turn_unhealthy(self, name: str, reason: str) -> None:
         shown = reason if self._recover else f"{reason}; automatic recovery is off: restart " \

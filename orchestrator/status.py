@@ -88,6 +88,7 @@ class StatusBoard:
         try:
             status = await leader.call("status", timeout_s=self.status_timeout_s)
         except LeaderError as exc:
+            self.monitor.probe_soon(leader.name)  # NOTE: a dead rank shows at the next look
             return InstanceView(**row, detail=f"no status: {exc}")
         broken = getattr(status, BROKEN_FIELD, "")
         if broken:

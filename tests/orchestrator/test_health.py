@@ -87,6 +87,19 @@ def test_dead_rank_is_unhealthy_at_once_and_stays_so_without_recovery():
     run(scenario())
 
 
+def test_probe_soon_does_not_wait_for_the_next_turn():
+    async def scenario():
+        s = Scenario()
+        s.monitor._interval_s = 30.0
+        s.monitor.start()
+        await s.until(lambda: s.ranks["decode-0"][1].pings == 1)
+        s.ranks["decode-0"][1].mode = "dead"
+        s.monitor.probe_soon("decode-0")  # e.g. its status call just failed
+        assert await s.until(lambda: not s.monitor.is_healthy("decode-0")) < 1.0
+        await asyncio.wait_for(s.monitor.stop(), 1.0)
+    run(scenario())
+
+
 def test_hung_rank_is_unhealthy_after_the_probe_timeout():
     async def scenario():
         s = Scenario(probe_timeout_s=0.3)
