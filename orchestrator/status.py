@@ -12,8 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from prefill_worker.messages import InstanceStatusInfo
+from orchestrator.health import HealthMonitor
+from orchestrator.leader import LeaderClient, LeaderError
 
 log = logging.getLogger(__name__)
 # NOTE: the InstanceStatusInfo field in which a leader says it is out of service ("" = fine);
@@ -44,11 +47,17 @@ class InstanceView:
         return self.health == "healthy"
 
 
+class InstanceMetrics(Protocol):
+    """The part of the router's metrics the board feeds (``RouterMetrics``, ``NoMetrics``)."""
+
+    def update_instances(self, statuses: list[InstanceStatusInfo]) -> None: ...
+
+
 class StatusBoard:
     """Bounded instance rows for ``GetStatus`` and the metrics reporter (router loop only).
 
     Args:
-        leaders: every instance leader (``orchestrator.leader.LeaderClient``).
+        leaders: every instance leader.
         tps: instance name -> tp.
         monitor: the :class:`orchestrator.health.HealthMonitor` of those instances.
         metrics: gets ``update_instances(statuses)`` with every set of answers (each answer's
@@ -56,8 +65,8 @@ class StatusBoard:
         status_timeout_s: bound of one leader's ``status()`` (seconds).
     """
 
-    def __init__(self, leaders: list, tps: dict[str, int], monitor, metrics,
-                 status_timeout_s: float) -> None:
+    def __init__(self, leaders: list[LeaderClient], tps: dict[str, int], monitor: HealthMonitor,
+                 metrics: InstanceMetrics, status_timeout_s: float) -> None:
         self.leaders, self.tps, self.monitor = leaders, tps, monitor
         self.metrics, self.status_timeout_s = metrics, status_timeout_s
 
@@ -77,9 +86,7 @@ class StatusBoard:
                 log.exception("instance status report failed")
             await asyncio.sleep(period_s)
 
-    async def _view(self, leader) -> InstanceView:
-        from orchestrator.leader import LeaderError
-
+    async def _view(self, leader: LeaderClient) -> InstanceView:
         health = self.monitor.get(leader.name)
         row = dict(name=leader.name, role=leader.role, tp=self.tps[leader.name],
                    health=health.state.value)
