@@ -2,9 +2,11 @@
 
 (a) kill -9 of one decode rank while both decode instances stream: `orch status` shows that
 instance unhealthy within a few seconds, new requests all go to the other one and succeed,
-the health gauge drops. (b) SIGSTOP of the other decode rank: unhealthy within
-probe_timeout_s + probe_interval_s, `orch status` still answers within 5 s (exit 3), gRPC
-health NOT_SERVING, new requests are refused at once with UNAVAILABLE; SIGCONT afterwards.
+the health gauge drops. (b) SIGSTOP of every live decode rank: unhealthy within probe_timeout_s +
+probe_interval_s, `orch status` still answers within 5 s (exit 3), gRPC health NOT_SERVING,
+new requests are refused at once with UNAVAILABLE; SIGCONT afterwards.
+
+NOTE: assumes no automatic restart brings the instances back during the test (recovery off).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tests.e2e.harness import REPO, OrchProcess, descendants
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 2.0
 MAX_TOKENS = 200
+STATUS_SLACK_S = 2.0  # an `orch status` round trip on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +68,13 @@ def unhealthy(orch: OrchProcess) -> list[str]:
     return [i.name for i in orch.status().instances if i.health != "healthy"]
 
 
-def wait_unhealthy(orch: OrchProcess, timeout_s: float) -> tuple[list[str], float]:
-    start = time.monotonic()
+def wait_unhealthy(orch: OrchProcess, timeout_s: float) -> list[str]:
+    """The unhealthy instances, once there is one (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
     while not (names := unhealthy(orch)):
-        assert time.monotonic() - start < timeout_s, orch.status()
+        assert time.monotonic() < deadline, orch.status()
         time.sleep(0.1)
-    return names, time.monotonic() - start
+    return names
 
 
 def grpc_health(orch: OrchProcess) -> int:
@@ -93,7 +97,7 @@ def test_a_killed_decode_rank_is_skipped(orch):
     pids = decode_pids()
     assert len(pids) == 2, pids
     os.kill(pids[0], signal.SIGKILL)
-    (dead,), took = wait_unhealthy(orch, timeout_s=PROBE_INTERVAL_S + 3.0)
+    (dead,) = wait_unhealthy(orch, timeout_s=PROBE_INTERVAL_S + 3.0)
     for t in threads:
         t.join(90)
     done, _ = orch_status(orch)
@@ -102,6 +106,9 @@ def test_a_killed_decode_rank_is_skipped(orch):
     assert row.split()[1:4] == ["decode", "1", "unhealthy"] and "is gone" in row, row
 
     alive = {"decode-0": "decode-1", "decode-1": "decode-0"}[dead]
+    gauge = orch.metrics()
+    assert gauge[f"orch_instance_healthy{{instance={dead},role=decode}}"] == 0
+    assert gauge[f"orch_instance_healthy{{instance={alive},role=decode}}"] == 1
     ends = sorted(err is None for _, _, err in results)
     assert ends == [False, True], results  # the killed instance's request failed, not both
     for n in range(4):
@@ -110,20 +117,17 @@ def test_a_killed_decode_rank_is_skipped(orch):
         assert err is None and len(tokens) == 4, err
         assert responses[-1].stats.decode_instance == alive
     assert grpc_health(orch) == health_pb2.HealthCheckResponse.SERVING
-    gauge = orch.metrics()
-    assert gauge[f"orch_instance_healthy{{instance={dead},role=decode}}"] == 0
-    assert gauge[f"orch_instance_healthy{{instance={alive},role=decode}}"] == 1
-    assert took < PROBE_INTERVAL_S + 3.0
 
 
-def test_a_stopped_decode_rank_is_unhealthy_and_status_still_answers(orch):
-    assert len(unhealthy(orch)) == 1, "runs after test_a_killed_decode_rank_is_skipped"
-    (pid,) = decode_pids()
-    os.kill(pid, signal.SIGSTOP)
+def test_stopped_decode_ranks_are_unhealthy_and_status_still_answers(orch):
+    pids = decode_pids()  # NOTE: one when the test above killed the other
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        while len(unhealthy(orch)) < 2:
-            assert time.monotonic() - start < PROBE_TIMEOUT_S + PROBE_INTERVAL_S + 1.5
+        while sum(name.startswith("decode-") for name in unhealthy(orch)) < 2:
+            took = time.monotonic() - start
+            assert took < PROBE_TIMEOUT_S + PROBE_INTERVAL_S + STATUS_SLACK_S, orch.status()
             time.sleep(0.1)
         done, took = orch_status(orch)
         assert took < 5.0 and done.returncode == 3, (took, done)
@@ -131,8 +135,9 @@ def test_a_stopped_decode_rank_is_unhealthy_and_status_still_answers(orch):
         assert grpc_health(orch) == health_pb2.HealthCheckResponse.NOT_SERVING
         start = time.monotonic()
         _, _, err = orch.generate(token_ids=[9], max_tokens=4, timeout_s=30)
+        took = time.monotonic() - start
         assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
-        assert "no healthy decode instance" in err.details()
-        assert time.monotonic() - start < 2.0
+        assert "no healthy decode instance" in err.details() and took < 3.0, (took, err)
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
