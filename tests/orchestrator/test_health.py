@@ -41,14 +41,17 @@ class FakeRank:
 class Scenario:
     """Two instances (prefill-0, decode-0 with 2 ranks); records hook calls and changes."""
 
-    def __init__(self, recover=None, probe_timeout_s: float = 5.0) -> None:
+    def __init__(self, recover=None, probe_timeout_s: float = 5.0,
+                 probe_interval_s: float = 0.02, on_unhealthy=None) -> None:
         self.ranks = {"prefill-0": [FakeRank()], "decode-0": [FakeRank(), FakeRank()]}
         self.failed: list[tuple[str, str]] = []
         self.changes: list[tuple[str, Health]] = []
         self.monitor = HealthMonitor({"prefill-0": "prefill", "decode-0": "decode"},
-                                     lambda name: self.ranks[name], probe_interval_s=0.02,
+                                     lambda name: self.ranks[name],
+                                     probe_interval_s=probe_interval_s,
                                      probe_timeout_s=probe_timeout_s,
-                                     on_unhealthy=lambda n, r: self.failed.append((n, r)),
+                                     on_unhealthy=on_unhealthy or (
+                                         lambda n, r: self.failed.append((n, r))),
                                      recover=recover, recover_timeout_s=5.0)
         self.monitor.add_listener(lambda h: self.changes.append((h.name, h.state)))
 
@@ -89,8 +92,7 @@ def test_dead_rank_is_unhealthy_at_once_and_stays_so_without_recovery():
 
 def test_probe_soon_does_not_wait_for_the_next_turn():
     async def scenario():
-        s = Scenario()
-        s.monitor._interval_s = 30.0
+        s = Scenario(probe_interval_s=30.0)
         s.monitor.start()
         await s.until(lambda: s.ranks["decode-0"][1].pings == 1)
         s.ranks["decode-0"][1].mode = "dead"
@@ -219,8 +221,7 @@ def test_stop_ends_every_task_even_with_a_hung_rank_and_a_running_recovery():
 
 def test_a_failing_hook_or_listener_does_not_stop_the_monitor():
     async def scenario():
-        s = Scenario()
-        s.monitor._on_unhealthy = lambda n, r: 1 / 0
+        s = Scenario(on_unhealthy=lambda n, r: 1 / 0)
         s.monitor.add_listener(lambda h: [][1])
         s.monitor.start()
         s.ranks["prefill-0"][0].mode = "dead"
