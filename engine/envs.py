@@ -51,6 +51,12 @@ class EnvVar(Generic[T]):
         os.environ.setdefault(self.name, value)
 
 
+def read_configured(name: str) -> str:
+    """The value of a variable whose name is itself configuration (``router.auth.token_env``),
+    "" when unset. Documented where that key is, not in :data:`ALL`."""
+    return os.environ.get(name, "")
+
+
 def _positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
@@ -74,5 +80,10 @@ GLOO_SOCKET_IFNAME: EnvVar[str] = EnvVar(
     "GLOO_SOCKET_IFNAME", str, "",
     "network interface of Gloo's sockets (read by Gloo itself); a rank whose stores bind "
     "127.0.0.1 sets it to 'lo' unless it is already set")
+ORCH_TOKEN: EnvVar[str] = EnvVar(
+    "ORCH_TOKEN", str, "",
+    "bearer token `orch generate` / `orch status` send when --token-file is not given "
+    "(a router with router.auth needs one)")
 
-ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME)
+ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME,
+                           ORCH_TOKEN)

@@ -9,6 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+    from orchestrator.client import OrchClient
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EXIT_UNHEALTHY = 3
@@ -33,22 +39,53 @@ def _cmd_up(ns: argparse.Namespace) -> int:
 
     try:
         return run_up(cfg)
+    except ConfigError as exc:
+        print(f"orch up: {exc}", file=sys.stderr)
+        return 2
     except (BringUpError, FileNotFoundError, ImportError, PortInUseError) as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 1
 
 
+def _client(ns: argparse.Namespace) -> OrchClient:
+    """The OrchClient of ``--address``, ``--tls-ca`` and ``--token-file`` (else $ORCH_TOKEN).
+
+    Raises:
+        OSError: ``--tls-ca`` or ``--token-file`` cannot be read.
+    """
+    from engine import envs
+    from orchestrator.client import OrchClient
+
+    if ns.token_file:
+        with open(ns.token_file) as f:
+            token = f.read().strip() or None
+    else:
+        token = envs.ORCH_TOKEN.get() or None
+    return OrchClient(ns.address, tls_ca=ns.tls_ca, token=token)
+
+
+def _rpc_failure(ns: argparse.Namespace, exc: grpc.RpcError) -> str:
+    """One line for a failed call: code, details and, when the router was not reached, what
+    to check."""
+    line = f"{exc.code().name}: {exc.details()}"
+    if exc.code().name == "UNAVAILABLE":
+        tls = ("a router with router.tls needs --tls-ca FILE" if ns.tls_ca is None else
+               f"is the router's certificate signed by {ns.tls_ca} and valid for this address?")
+        line += f"; is `orch up` running at {ns.address}? ({tls})"
+    return line
+
+
 def _cmd_status(ns: argparse.Namespace) -> int:
     import grpc
 
-    from orchestrator.client import OrchClient
-
     try:
-        with OrchClient(ns.address) as client:
+        with _client(ns) as client:
             instances, in_flight, model = client.status(timeout_s=ns.timeout)
+    except OSError as exc:
+        print(f"orch status: {exc}", file=sys.stderr)
+        return 2
     except grpc.RpcError as exc:
-        print(f"orch status: router at {ns.address} did not answer ({exc.code().name}: "
-              f"{exc.details()}); is `orch up` running there?", file=sys.stderr)
+        print(f"orch status: {_rpc_failure(ns, exc)}", file=sys.stderr)
         return 1
     print(f"model {model}; {in_flight} request(s) in flight")
     print(format_status(instances))
@@ -81,8 +118,6 @@ def format_status(instances: list) -> str:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     import grpc
 
-    from orchestrator.client import OrchClient
-
     sampling = dict(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                     top_k=ns.top_k, seed=ns.seed, ignore_eos=ns.ignore_eos)
     if ns.token_ids:
@@ -96,13 +131,16 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         prompt = dict(prompt=ns.prompt)
     ids: list[int] = []
     try:
-        with OrchClient(ns.address) as client:
+        with _client(ns) as client:
             for chunk in client.generate(**prompt, timeout_s=ns.timeout, **sampling):
                 ids.extend(chunk.token_ids)
                 print(chunk.text, end="", flush=True)
                 last = chunk
+    except OSError as exc:
+        print(f"orch generate: {exc}", file=sys.stderr)
+        return 2
     except (grpc.RpcError, ValueError) as exc:
-        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else exc
+        detail = _rpc_failure(ns, exc) if isinstance(exc, grpc.RpcError) else exc
         print(f"\norch generate: {detail}", file=sys.stderr)
         return 1
     print()
@@ -162,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--address", default=DEFAULT_ADDRESS, help="router host:port")
         p.add_argument("--timeout", type=float, default=None if name == "generate" else 10.0,
                        help="seconds before giving up")
+        p.add_argument("--tls-ca", metavar="FILE", default=None,
+                       help="PEM CA (or self-signed certificate) of a router with router.tls")
+        p.add_argument("--token-file", metavar="FILE", default=None,
+                       help="file holding the bearer token of a router with router.auth "
+                            "(default: $ORCH_TOKEN)")
         p.set_defaults(func=func)
         if name == "generate":
             _add_generate_args(p)

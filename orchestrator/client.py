@@ -1,12 +1,15 @@
 """Python client for the orch router (sync :class:`OrchClient`, async :class:`AsyncOrchClient`).
 
 Errors arrive as ``grpc.RpcError`` (sync) / ``grpc.aio.AioRpcError`` (async) with the router's
-status code and message (``.code()``, ``.details()``).
+status code and message (``.code()``, ``.details()``). A router with ``router.tls`` needs
+``tls_ca`` (the PEM file of the CA, or the self-signed certificate, that signed its
+certificate); one with ``router.auth`` needs ``token`` (sent as ``authorization: Bearer``).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -30,6 +33,21 @@ def _request(prompt: str | None, token_ids: list[int] | None, request_id: str,
     return convert.generate_input_to_proto(inp)
 
 
+def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the PEM file ``tls_ca``, or None for plaintext.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    if tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).expanduser().read_bytes())
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if token is None else (("authorization", f"Bearer {token}"),)
+
+
 def _collect(chunks: list[OutputChunk]) -> tuple[str, list[int], RequestStats | None]:
     text = "".join(c.text for c in chunks)
     ids = [t for c in chunks for t in c.token_ids]
@@ -41,11 +59,20 @@ class OrchClient:
 
     Args:
         address: "host:port" of the router.
+        tls_ca: PEM file to trust for a TLS router (None: plaintext).
+        token: bearer token for a router with ``router.auth`` (None: send none).
+
+    Raises:
+        OSError: ``tls_ca`` cannot be read.
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls_ca: str | None = None,
+                 token: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        creds = _credentials(tls_ca)
+        self.channel = (grpc.insecure_channel(address) if creds is None
+                        else grpc.secure_channel(address, creds))
+        self.metadata = _metadata(token)
         self.stub = pb_grpc.OrchStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -63,7 +90,7 @@ class OrchClient:
                  **sampling: object) -> Iterator[OutputChunk]:
         """Stream one request's chunks (the last has finish_reason and stats)."""
         call = self.stub.Generate(_request(prompt, token_ids, request_id, **sampling),
-                                  timeout=timeout_s)
+                                  timeout=timeout_s, metadata=self.metadata)
         for msg in call:
             yield convert.chunk_from_proto(msg)
 
@@ -74,12 +101,14 @@ class OrchClient:
 
     def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceView], int, str]:
         """(instance rows with health and load, requests in flight, model name)."""
-        msg = self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+        msg = self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s,
+                                  metadata=self.metadata)
         return convert.status_from_proto(msg), msg.in_flight, msg.model
 
     def abort(self, request_id: str, timeout_s: float = 10.0) -> bool:
         """Abort a request; True when the router knew it."""
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s).found
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s,
+                               metadata=self.metadata).found
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the health service says SERVING.
@@ -103,11 +132,16 @@ class OrchClient:
 
 
 class AsyncOrchClient:
-    """asyncio client (grpc.aio); create and use it inside a running loop."""
+    """asyncio client (grpc.aio); create and use it inside a running loop. Arguments as
+    :class:`OrchClient`'s."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls_ca: str | None = None,
+                 token: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        creds = _credentials(tls_ca)
+        self.channel = (grpc.aio.insecure_channel(address) if creds is None
+                        else grpc.aio.secure_channel(address, creds))
+        self.metadata = _metadata(token)
         self.stub = pb_grpc.OrchStub(self.channel)
 
     async def close(self) -> None:
@@ -118,7 +152,7 @@ class AsyncOrchClient:
                        **sampling: object) -> AsyncIterator[OutputChunk]:
         """Stream one request's chunks (cancelling the iteration cancels the request)."""
         call = self.stub.Generate(_request(prompt, token_ids, request_id, **sampling),
-                                  timeout=timeout_s)
+                                  timeout=timeout_s, metadata=self.metadata)
         try:
             async for msg in call:
                 yield convert.chunk_from_proto(msg)
@@ -131,9 +165,11 @@ class AsyncOrchClient:
         return _collect([c async for c in self.generate(prompt, token_ids, **kwargs)])
 
     async def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceView], int, str]:
-        msg = await self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+        msg = await self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s,
+                                        metadata=self.metadata)
         return convert.status_from_proto(msg), msg.in_flight, msg.model
 
     async def abort(self, request_id: str, timeout_s: float = 10.0) -> bool:
-        resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s)
+        resp = await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s,
+                                     metadata=self.metadata)
         return resp.found

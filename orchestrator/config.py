@@ -21,6 +21,7 @@ from engine import envs
 from engine.platform import DIST_BACKENDS, detect_platform
 from kv_transfer.config import TransferConfig
 from orchestrator.config_errors import ConfigError, validation_error_message, yaml_error_message
+from orchestrator.limits import DEFAULT_MAX_MESSAGE_BYTES
 from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
 DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
@@ -118,15 +119,41 @@ class KVTransferSection(_Section):
                               completion_timeout_s=self.completion_timeout_s)
 
 
+class TLSSection(_Section):
+    """Server TLS: PEM certificate (chain) and its private key (read by orchestrator.security)."""
+
+    cert_file: str = Field(min_length=1)
+    key_file: str = Field(min_length=1)
+
+
+class AuthSection(_Section):
+    """Bearer token every call but health must carry: from a file or a named env variable."""
+
+    token_file: str = ""
+    token_env: str = ""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "AuthSection":
+        if bool(self.token_file) == bool(self.token_env):
+            raise _cross_field("router.auth needs exactly one of token_file (a file holding "
+                               "the token) or token_env (the name of a variable holding it)")
+        return self
+
+
 class RouterSection(_Section):
-    """The gRPC front end."""
+    """The gRPC front end (and its metrics endpoint)."""
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
     policy: Literal["round_robin", "least_outstanding_tokens"] = "least_outstanding_tokens"
     max_pending: int = Field(64, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
+    metrics_host: str = "127.0.0.1"
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
+    # gRPC's receive limit, bytes; raised to what model.max_model_len needs when lower.
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024)
+    tls: Optional[TLSSection] = None
+    auth: Optional[AuthSection] = None
 
 
 class HealthSection(_Section):

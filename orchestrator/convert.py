@@ -1,13 +1,16 @@
 """The one place protobuf meets the dataclasses (prefill_worker.messages, orchestrator.request).
 
 Proto conventions kept here only: ``top_p`` 0 means 1.0 (off); ``temperature`` 0 is greedy;
-``top_k`` 0 is off; ``seed`` is optional.
+``top_k`` 0 is off; ``seed`` is optional. On the way in, every client-supplied field is
+checked: request_id (``orchestrator.limits``), sampling (``SamplingParams``); prompt lengths
+and token ids against the model in ``orchestrator.validate``.
 """
 
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from prefill_worker.messages import InstanceStatusInfo
+from orchestrator.limits import check_request_id
 from orchestrator.request import GenerateInput, OutputChunk, RequestError, RequestStats
 from orchestrator.rpc import orch_pb2 as pb
 from orchestrator.status import InstanceView
@@ -45,8 +48,10 @@ def generate_input_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
     """Proto request -> :class:`GenerateInput` (no tokenization or model checks yet).
 
     Raises:
-        RequestError: INVALID_ARGUMENT when no prompt is set or sampling is out of range.
+        RequestError: INVALID_ARGUMENT when no prompt is set, the request_id breaks
+            ``limits.REQUEST_ID_RULE`` or sampling is out of range.
     """
+    check_request_id(msg.request_id, allow_empty=True)
     which = msg.WhichOneof("prompt")
     if which is None:
         raise RequestError("INVALID_ARGUMENT",
@@ -55,6 +60,16 @@ def generate_input_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
     ids = tuple(msg.token_ids.ids) if which == "token_ids" else None
     return GenerateInput(text=text, token_ids=ids, sampling=sampling_from_proto(msg.sampling),
                          request_id=msg.request_id)
+
+
+def abort_id_from_proto(msg: pb.AbortRequest) -> str:
+    """The id an Abort names.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT when it is empty or breaks ``limits.REQUEST_ID_RULE``.
+    """
+    check_request_id(msg.request_id, allow_empty=False)
+    return msg.request_id
 
 
 def generate_input_to_proto(inp: GenerateInput) -> pb.GenerateRequest:

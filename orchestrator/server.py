@@ -1,10 +1,13 @@
 """gRPC front end: the Orch servicer, the standard health service, graceful stop.
 
-Errors leave as gRPC status codes carrying :class:`RequestError` messages. The health service
-says SERVING while every role has a healthy instance (the health monitor's view), NOT_SERVING
-while some role has none, and from the start of shutdown on. Stop order: health NOT_SERVING
-(load balancers stop sending), router refuses new requests and drains in-flight ones
-(bounded), the health monitor stops, ``server.stop(grace)``.
+Errors leave as gRPC status codes carrying :class:`RequestError` messages. The edge
+(``orchestrator.interceptors``): optional bearer-token auth, then requests that are too big
+or cannot be parsed answered INVALID_ARGUMENT before the servicer sees them; optional TLS
+(``orchestrator.security``). The health service says SERVING while every role has a healthy
+instance (the health monitor's view), NOT_SERVING while some role has none, and from the
+start of shutdown on. Stop order: health NOT_SERVING (load balancers stop sending), router
+refuses new requests and drains in-flight ones (bounded), the health monitor stops,
+``server.stop(grace)``.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from orchestrator import convert
 from orchestrator.health import InstanceHealth
+from orchestrator.interceptors import RequestGuard, TokenAuth
+from orchestrator.limits import DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes
 from orchestrator.request import RequestError
 from orchestrator.router import Router
 from orchestrator.rpc import orch_pb2 as pb
 from orchestrator.rpc import orch_pb2_grpc as pb_grpc
+from orchestrator.security import EdgeSecurity
 from orchestrator.status import StatusBoard
 
 log = logging.getLogger(__name__)
@@ -53,7 +59,11 @@ class OrchServicer(pb_grpc.OrchServicer):
 
     async def Abort(self, request: pb.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=await self.router.abort(request.request_id))
+        try:
+            request_id = convert.abort_id_from_proto(request)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        return pb.AbortResponse(found=await self.router.abort(request_id))
 
     async def GetStatus(self, request: pb.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
@@ -69,16 +79,33 @@ class OrchServer:
         board: instance rows for GetStatus; its health monitor is started by :meth:`start`
             and drives the gRPC health service.
         host, port: where to listen (port 0 = any free port; see ``self.port``).
+        security: TLS key pair and bearer token (default: plaintext, no token).
+        max_message_bytes: gRPC's receive limit (``router.max_message_bytes``), raised to the
+            edge limit when lower. A request between the two gets INVALID_ARGUMENT from the
+            edge; only one over it gets gRPC's own RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, router: Router, board: StatusBoard, host: str, port: int) -> None:
+    def __init__(self, router: Router, board: StatusBoard, host: str, port: int,
+                 security: EdgeSecurity = EdgeSecurity(),
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.router, self.monitor = router, board.monitor
+        self.security = security
         self.health = health.aio.HealthServicer()
         self._serving: bool | None = None  # what the health service says now
         self._health_updates: set[asyncio.Task] = set()
+        max_len = router.model.max_model_len
+        limit = max_request_bytes(max_len, router.tokenizer.max_token_bytes
+                                  if router.tokenizer is not None else None)
+        interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(limit, max_len)]
+        if security.token is not None:
+            interceptors.insert(0, TokenAuth(security.token))
         # NOTE: gRPC enables SO_REUSEPORT by default, which lets a second `orch up` bind the
-        # same port and silently share clients with this one.
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # same port and silently share clients with this one. gRPC's receive limit stays
+        # above the edge's, so the edge (INVALID_ARGUMENT), not gRPC (RESOURCE_EXHAUSTED),
+        # refuses what the model cannot use.
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
         pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
@@ -91,7 +118,11 @@ class OrchServer:
             PortInUseError: the address could not be bound (message says what to do).
         """
         try:
-            self.port = self.server.add_insecure_port(self.address)
+            if self.security.tls_key_pair is None:
+                self.port = self.server.add_insecure_port(self.address)
+            else:
+                creds = grpc.ssl_server_credentials([self.security.tls_key_pair])
+                self.port = self.server.add_secure_port(self.address, creds)
         except RuntimeError as exc:
             raise PortInUseError(f"cannot listen on {self.address} ({exc}): pick a free "
                                  "router.port or stop what uses it") from None

@@ -15,6 +15,7 @@ from orchestrator.checkpoint import ensure_checkpoint, read_model_info
 from orchestrator.cluster import Cluster, bring_up, connect_ray
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
+from orchestrator.security import EdgeSecurity, load_security
 from orchestrator.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def make_metrics(cfg: OrchConfig):
     except ImportError as exc:
         log.warning("router.metrics_port is set but metrics are unavailable (%s)", exc)
         return None
-    return RouterMetrics(cfg.router.host, cfg.router.metrics_port)
+    return RouterMetrics(cfg.router.metrics_host, cfg.router.metrics_port)
 
 
 def _check_ports_free(cfg: OrchConfig) -> None:
@@ -41,15 +42,16 @@ def _check_ports_free(cfg: OrchConfig) -> None:
     """
     import socket
 
-    for key, port in (("router.port", cfg.router.port),
-                      ("router.metrics_port", cfg.router.metrics_port)):
+    for key, host, port in (("router.port", cfg.router.host, cfg.router.port),
+                            ("router.metrics_port", cfg.router.metrics_host,
+                             cfg.router.metrics_port)):
         if not port:
             continue
         with socket.socket() as sock:
             try:
-                sock.bind((cfg.router.host, port))
+                sock.bind((host, port))
             except OSError as exc:
-                raise PortInUseError(f"{key} {port} on {cfg.router.host} is not free ({exc}): "
+                raise PortInUseError(f"{key} {port} on {host} is not free ({exc}): "
                                    f"stop what uses it or pick another {key}") from None
 
 
@@ -60,7 +62,11 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
         cfg: the deployment.
         rank_classes: role -> rank class (default: the real worker classes; tests inject
             fakes).
+
+    Raises:
+        ConfigError: ``router.tls`` / ``router.auth`` point at something unusable.
     """
+    security = load_security(cfg.router)
     _check_ports_free(cfg)
     checkpoint = ensure_checkpoint(cfg.model)
     model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
@@ -70,7 +76,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     started = connect_ray(cfg)
     cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=started)
     try:
-        asyncio.run(_serve(cfg, cluster, model, tokenizer))
+        asyncio.run(_serve(cfg, cluster, model, tokenizer, security))
     finally:
         cluster.teardown()
     return 0
@@ -84,7 +90,8 @@ def _ranks_of(cluster: Cluster):
     return ranks_of
 
 
-async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer) -> None:
+async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
+                 security: EdgeSecurity) -> None:
     metrics = make_metrics(cfg)
     monitor = build_monitor(cfg, _ranks_of(cluster))
     if metrics is not None:
@@ -92,15 +99,17 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer) -> None:
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
                           healthy=monitor.is_healthy)
     board = build_board(cfg, router, monitor)
-    server = OrchServer(router, board, cfg.router.host, cfg.router.port)
+    server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
+                        cfg.router.max_message_bytes)
     port = await server.start()
     reporter = asyncio.create_task(board.report(period_s=1.0))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    metrics_at = f"; metrics on :{cfg.router.metrics_port}/metrics" if metrics else ""
-    print(f"orch serving {model.name} on {cfg.router.host}:{port} "
+    metrics_at = (f"; metrics on {cfg.router.metrics_host}:{cfg.router.metrics_port}/metrics"
+                  if metrics else "")
+    print(f"orch serving {model.name} on {cfg.router.host}:{port}, {security.describe()} "
           f"({len(cluster.instances)} instance(s)){metrics_at}; Ctrl-C to stop", flush=True)
     await stop.wait()
     print("orch: stopping (draining in-flight requests)", flush=True)

@@ -12,6 +12,7 @@ from orchestrator.assemble import build_board, build_monitor, build_router
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
+from orchestrator.security import EdgeSecurity
 from orchestrator.server import OrchServer
 from tests.orchestrator.fakes import EOS, VOCAB, FakeColocated, FakeDecode, FakePrefill, Remote
 
@@ -39,7 +40,8 @@ class Harness:
     """Starts loop + fakes + router + server; ``address`` for clients; ``close()`` stops all."""
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
-                 decode_capacity=8, never_fits=False) -> None:
+                 decode_capacity=8, never_fits=False, security=EdgeSecurity()) -> None:
+        self.security = security
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -64,7 +66,7 @@ class Harness:
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
                                    poll_timeout_s=0.05, healthy=self.monitor.is_healthy)
         self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
-                                 "127.0.0.1", 0)
+                                 "127.0.0.1", 0, self.security)
         port = await self.server.start()
         self.address = f"127.0.0.1:{port}"
 
