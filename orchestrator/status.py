@@ -21,7 +21,6 @@ from orchestrator.leader import LeaderClient, LeaderError
 log = logging.getLogger(__name__)
 # NOTE: the InstanceStatusInfo field in which a leader says it is out of service ("" = fine);
 # read with getattr so that leaders without it count as fine.
-BROKEN_FIELD = "broken"
 
 
 @dataclass(frozen=True)
@@ -97,9 +96,8 @@ class StatusBoard:
         except LeaderError as exc:
             self.monitor.probe_soon(leader.name)  # NOTE: a dead rank shows at the next look
             return InstanceView(**row, detail=f"no status: {exc}")
-        broken = getattr(status, BROKEN_FIELD, "")
-        if broken:
-            self.monitor.report_failure(leader.name, f"its leader says: {broken}")
+        if status.broken:
+            self.monitor.report_failure(leader.name, f"its leader says: {status.broken}")
             health = self.monitor.get(leader.name)
             return InstanceView(**{**row, "health": health.state.value}, detail=health.reason,
                                 status=status)
