@@ -41,4 +41,5 @@ def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
                  poll_timeout_s: float = 0.5) -> Router:
     """A router over ``handles`` configured by ``cfg.router`` (call from the event loop)."""
     return Router(build_flow(cfg, handles), model, tokenizer, cfg.router.request_timeout_s,
-                  metrics=metrics, poll_timeout_s=poll_timeout_s)
+                  metrics=metrics, poll_timeout_s=poll_timeout_s,
+                  max_attempts=cfg.router.max_attempts)

@@ -126,6 +126,7 @@ class RouterSection(_Section):
     policy: Literal["round_robin", "least_outstanding_tokens"] = "least_outstanding_tokens"
     max_pending: int = Field(64, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
+    max_attempts: int = Field(3, ge=1)
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
 
 

@@ -3,8 +3,9 @@
 ``LeaderClient`` wraps one leader handle (a Ray actor handle, or an in-process fake whose
 methods also have ``.remote(...)`` returning an awaitable). ``EventPump`` runs one asyncio task
 per leader that long-polls ``poll(timeout_s)`` and fans the :class:`TokenEvent` list out to
-per-request queues; when a leader cannot be polled every request waiting on it gets an error
-event, so nothing waits forever.
+per-request queues, keeping only the events of instances the request watches; when a leader
+cannot be polled every request watching it gets a retryable error event, so nothing waits
+forever.
 """
 
 from __future__ import annotations
@@ -119,8 +120,21 @@ class EventPump:
         return queue
 
     def watch(self, request_id: str, instances: set[str]) -> None:
-        """The request now depends on ``instances``: their failure fails it."""
-        self._sources[request_id] |= instances
+        """The request now depends on exactly ``instances`` (replacing what it watched):
+        only their events reach its queue, and their failure fails it."""
+        if request_id in self._sources:
+            self._sources[request_id] = set(instances)
+
+    def fail_instance(self, instance: str, error: str) -> int:
+        """Deliver a retryable error event (source "router") to every request watching
+        ``instance``; returns how many were told."""
+        told = 0
+        for request_id, sources in list(self._sources.items()):
+            if instance in sources:
+                told += self.deliver(TokenEvent(
+                    request_id=request_id, finish_reason="error", error=error,
+                    source="router", instance=instance, retryable=True))
+        return told
 
     def unregister(self, request_id: str) -> None:
         """Stop routing events of ``request_id``; later events for it are dropped."""
@@ -142,15 +156,13 @@ class EventPump:
                 events = await leader.call("poll", self._poll_timeout_s, timeout_s=bound)
             except LeaderError as exc:
                 log.warning("polling %s failed: %s", leader.name, exc)
-                self._fail_waiting_on(leader.name, str(exc))
+                self.fail_instance(leader.name, str(exc))
                 await asyncio.sleep(self._retry_s)
                 continue
             for event in events:
-                if not self.deliver(event):
-                    log.debug("dropped event for finished request %s", event.request_id)
-
-    def _fail_waiting_on(self, instance: str, error: str) -> None:
-        for request_id, sources in list(self._sources.items()):
-            if instance in sources:
-                self.deliver(TokenEvent(request_id=request_id, finish_reason="error",
-                                        error=error, source="router", instance=instance))
+                # NOTE: an instance the request no longer watches (a failed attempt's, or
+                # prefill after the first token) cannot end it with a late event.
+                if leader.name not in self._sources.get(event.request_id, ()):
+                    log.debug("dropped event of %s from %s", event.request_id, leader.name)
+                    continue
+                self.deliver(event)

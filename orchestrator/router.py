@@ -1,17 +1,24 @@
 """The router: validate, tokenize, place through the flow, stream tokens back, account.
 
 One request, linearly (see DESIGN.md "One request"): accept (validate + tokenize + id + seed)
--> ``flow.place`` -> ``flow.launch`` -> events from the pump until a finish -> stats. Any
-exit before the finish (client cancel, timeout, leader failure) aborts the request on every
-instance it touched. gRPC lives in server.py; this module speaks dataclasses only.
+-> attempts: ``flow.place`` -> ``flow.launch`` -> events from the pump until a finish ->
+stats. Each attempt has its own router-unique id ("<request_id>@<n>"): the workers and the
+pump never see the client's id, so a reused id or a failed attempt's late events cannot reach
+another attempt. An instance failure before the first token places the request again
+(``max_attempts``); after it the request ends UNAVAILABLE. Any exit before the finish
+(client cancel, abort, timeout, failure) aborts the attempt on every instance it touched.
+gRPC lives in server.py; this module speaks dataclasses only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Protocol
 
 from engine.sampling_params import fill_seed
@@ -20,7 +27,7 @@ from orchestrator.checkpoint import ModelInfo
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.flow import Flow, Route
 from orchestrator.leader import EventPump, LeaderError
-from orchestrator.request import GenerateInput, OutputChunk, RequestError
+from orchestrator.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.stream import StreamProgress
 from orchestrator.validate import validate_request
 
@@ -54,6 +61,28 @@ class NoMetrics:
         pass
 
 
+@dataclass
+class InFlight:
+    """One client request inside the router, from acceptance to its last message.
+
+    Attributes:
+        request_id: the client's id (what OutputChunk and Abort carry).
+        attempt_id: the current attempt's id, router-unique ("<request_id>@<n>"): what the
+            workers, the pump and the tombstones see. "" before the first placement.
+        route: the current attempt's route (None before it is placed).
+        aborted: an Abort arrived; every later step checks it.
+        avoid: instances that failed this request (placed last on the next attempt).
+        failures: one line per failed attempt.
+    """
+
+    request_id: str
+    attempt_id: str = ""
+    route: Route | None = None
+    aborted: bool = False
+    avoid: set[str] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
 class Router:
     """Serves requests over a :class:`Flow`; all methods run on one asyncio loop.
 
@@ -63,16 +92,19 @@ class Router:
         tokenizer: for text prompts and streamed text (None: token ids only, no text).
         request_timeout_s: bound of every wait of one request (reservation queue, next event).
         metrics: a :class:`RouterMetrics` (default: none).
+        poll_timeout_s: how long one leader poll may block (seconds).
+        max_attempts: most placements of one request (`router.max_attempts`).
     """
 
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
-                 poll_timeout_s: float = 0.5) -> None:
+                 poll_timeout_s: float = 0.5, max_attempts: int = 3) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
         self.metrics = metrics or NoMetrics()
         self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s)
-        self._routes: dict[str, Route | None] = {}  # in-flight request id -> route
+        self._requests: dict[str, InFlight] = {}  # client request id -> its state
+        self._attempt_numbers = itertools.count(1)
         self._background: set[asyncio.Task] = set()
         self._accepting = True
         self._idle = asyncio.Event()
@@ -80,7 +112,16 @@ class Router:
 
     @property
     def in_flight(self) -> int:
-        return len(self._routes)
+        return len(self._requests)
+
+    @property
+    def healthy(self) -> Callable[[str], bool]:
+        """Instance name -> may placement choose it now (the flow's predicate)."""
+        return self.flow.healthy
+
+    @healthy.setter
+    def healthy(self, predicate: Callable[[str], bool]) -> None:
+        self.flow.healthy = predicate
 
     def start(self) -> None:
         """Start polling the leaders (call from the running loop)."""
@@ -98,9 +139,9 @@ class Router:
         except asyncio.TimeoutError:
             log.warning("%d request(s) still running after %.1f s drain: ending them",
                         self.in_flight, drain_timeout_s)
-            for request_id in list(self._routes):
+            for state in list(self._requests.values()):
                 self.pump.deliver(TokenEvent(
-                    request_id, finish_reason="error", source="router",
+                    state.attempt_id, finish_reason="error", source="router",
                     error=f"the router shut down before the request finished (drain limit "
                           f"{drain_timeout_s:g} s): retry it"))
             try:
@@ -111,120 +152,223 @@ class Router:
         if self._background:
             await asyncio.wait(self._background, timeout=drain_timeout_s)
 
+    def instance_failed(self, name: str, reason: str) -> None:
+        """``name`` is dead or hung (the health monitor says so; call on the router loop):
+        every request watching it reacts now, without waiting for a poll to fail. Before its
+        first token a request is placed again elsewhere; after it, it ends UNAVAILABLE."""
+        told = self.pump.fail_instance(name, f"{name} failed: {reason}")
+        log.warning("%s failed (%s): %d request(s) affected", name, reason, told)
+
     async def generate(self, inp: GenerateInput) -> AsyncIterator[OutputChunk]:
         """Run one request; yields chunks, the last with finish_reason and stats.
 
         Raises:
             RequestError: bad input (INVALID_ARGUMENT), no capacity (RESOURCE_EXHAUSTED),
-                a stuck request (DEADLINE_EXCEEDED), a failed instance (UNAVAILABLE /
-                INTERNAL), or shutting down (UNAVAILABLE).
+                a stuck request (DEADLINE_EXCEEDED), failed instances on every attempt or
+                after the first token (UNAVAILABLE), a worker's error for this request
+                (INTERNAL), or shutting down (UNAVAILABLE).
         """
         try:
-            spec = await self._accept(inp)
+            state = self._open(inp.request_id or uuid.uuid4().hex)
+            spec = await self._accept(inp, state)
         except RequestError as exc:
             self.metrics.request_rejected(exc.code)
             raise
         progress = StreamProgress(spec, self.model, time.monotonic())
-        queue = self.pump.register(spec.request_id)
-        self._routes[spec.request_id] = None
-        self._idle.clear()
         try:
-            route = await self._place(spec, progress)
-            self._routes[spec.request_id] = route
-            self.pump.watch(spec.request_id, route.instances)
-            await self.flow.launch(spec, route)
-            async for chunk in self._stream(spec, route, queue, progress):
+            async for chunk in self._serve(state, spec, progress):
                 yield chunk
         except RequestError as exc:
             self._record(progress, outcome=exc.code)
             raise
         finally:
-            self._end(spec.request_id, progress)
+            self._close(state, progress)
 
-    async def _place(self, spec: RequestSpec, progress: StreamProgress) -> Route:
-        """flow.place; a failure here is a rejection (nothing was computed)."""
+    async def _serve(self, state: InFlight, spec: RequestSpec,
+                     progress: StreamProgress) -> AsyncIterator[OutputChunk]:
+        """Attempts until one streams to its finish, the request is aborted, or the
+        attempts run out (UNAVAILABLE naming every failure)."""
+        while not state.aborted:
+            try:
+                async for chunk in self._attempt(state, spec, progress):
+                    yield chunk
+                if progress.done:
+                    return
+            except InstanceFailure as exc:
+                if progress.completion_tokens:
+                    raise RequestError("UNAVAILABLE", f"{exc.message}; {progress.completion_tokens}"
+                                       " token(s) were already streamed, so it is not run "
+                                       "again: retry the request") from None
+                self._note_failure(state, exc)
+        progress.done = True
+        self._record(progress, outcome="abort")
+        yield OutputChunk(state.request_id, finish_reason="abort",
+                          stats=progress.stats(state.route, time.monotonic()))
+
+    def _note_failure(self, state: InFlight, exc: InstanceFailure) -> None:
+        """Remember a failed attempt; raise UNAVAILABLE when it was the last allowed."""
+        state.failures.append(f"attempt {len(state.failures) + 1}: {exc.message}")
+        state.avoid.add(exc.instance)
+        if len(state.failures) >= self.max_attempts:
+            raise RequestError(
+                "UNAVAILABLE", f"request {state.request_id} failed on {len(state.failures)} "
+                f"attempt(s) (router.max_attempts={self.max_attempts}): "
+                f"{'; '.join(state.failures)}: retry later; `orch status` shows the instances")
+        log.warning("request %s: %s; placing it again", state.request_id, exc.message)
+
+    async def _attempt(self, state: InFlight, spec: RequestSpec,
+                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
+        """One placement under a fresh attempt id: place -> launch -> stream. Returns without
+        a chunk when aborted while placing.
+
+        Raises:
+            InstanceFailure: an instance it depends on failed (the caller may place again).
+        """
+        attempt = replace(spec, request_id=f"{state.request_id}@{next(self._attempt_numbers)}")
+        state.attempt_id, route = attempt.request_id, None
+        queue = self.pump.register(attempt.request_id)
         try:
-            return await self.flow.place(spec, progress.start + self.request_timeout_s)
+            route = await self._place(state, attempt, progress)
+            if route is None:
+                return
+            state.route = route
+            self.pump.watch(attempt.request_id, route.instances)
+            if not state.aborted:  # else its abort event is already queued
+                self._spawn(self._launch(attempt, route))
+            async for chunk in self._stream(state, route, queue, progress):
+                yield chunk
+        finally:
+            self.pump.unregister(attempt.request_id)
+            if route is not None and route.workers_done:
+                self.flow.release(route)
+            elif route is not None:
+                self._spawn(self._abort_route(route))
+
+    async def _launch(self, spec: RequestSpec, route: Route) -> None:
+        """flow.launch beside the stream: its failure reaches the stream as an event, and a
+        hung launch call does not hold up a failover."""
+        try:
+            await self.flow.launch(spec, route)
+        except InstanceFailure as exc:
+            self._deliver_failure(route, exc)
+
+    async def _first_token(self, route: Route, token_id: int, finished: bool) -> None:
+        """flow.on_first_token beside the stream (a failed admit reaches it as an event)."""
+        try:
+            await self.flow.on_first_token(route, token_id, finished)
+        except InstanceFailure as exc:
+            self._deliver_failure(route, exc)
+
+    def _deliver_failure(self, route: Route, exc: InstanceFailure) -> None:
+        self.pump.deliver(TokenEvent(route.request_id, finish_reason="error",
+                                     error=exc.message, source="router",
+                                     instance=exc.instance, retryable=True))
+
+    async def _abort_route(self, route: Route) -> None:
+        """Abort an attempt on its instances, then give its load back (so the admission
+        queue wakes once its blocks are free, not before)."""
+        try:
+            await self.flow.abort(route)
+        finally:
+            self.flow.release(route)
+
+    async def _place(self, state: InFlight, spec: RequestSpec,
+                     progress: StreamProgress) -> Route | None:
+        """flow.place; None when aborted meanwhile. A failure before any attempt failed is a
+        rejection (nothing was computed)."""
+        try:
+            return await self.flow.place(spec, progress.start + self.request_timeout_s,
+                                         state.avoid)
         except RequestError as exc:
-            progress.recorded = True
-            self.metrics.request_rejected(exc.code)
+            if state.aborted:
+                return None
+            if not state.failures:
+                progress.recorded = True
+                self.metrics.request_rejected(exc.code)
             raise
 
-    async def _stream(self, spec: RequestSpec, route: Route, queue: asyncio.Queue,
+    async def _stream(self, state: InFlight, route: Route, queue: asyncio.Queue,
                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         while True:
-            event = await self._next_event(queue, route)
+            event = await self._next_event(state, queue, route, progress)
             tokens = progress.add(event, time.monotonic())
             finish = progress.finish_reason(event)
-            admit = None
+            handover = None
             if progress.first_event_now:  # NOTE: runs while the first token goes out
-                admit = self._spawn(
-                    self.flow.on_first_token(route, tokens[0], finished=finish is not None))
+                # NOTE: from now on the request depends on its decode instance only.
+                self.pump.watch(route.request_id, {route.main})
+                handover = self._spawn(self._first_token(route, tokens[0], finish is not None))
             text = detok.add(tokens) if detok else ""
             if finish and detok:
                 text += detok.flush()
             if finish:
-                if admit:
-                    await admit
+                if handover:  # NOTE: frees the reservation before the load is given back
+                    await handover
+                # NOTE: a finish the router made (EOS / max_tokens the leader did not report,
+                # an abort) leaves the request running on the workers: the attempt aborts it.
+                route.workers_done = (event.source != "router"
+                                      and event.finish_reason in ("stop", "length"))
                 progress.done = True
-                if event.finish_reason is None:
-                    # NOTE: the router stopped it (EOS / max_tokens the leader did not report):
-                    # stop it on the workers too so its KV is freed.
-                    self._spawn(self.flow.abort(route))
                 self._record(progress, outcome=finish)
-                yield OutputChunk(spec.request_id, tokens, text, finish,
+                yield OutputChunk(state.request_id, tokens, text, finish,
                                   progress.stats(route, time.monotonic()))
                 return
-            yield OutputChunk(spec.request_id, tokens, text)
-            if admit:
-                await admit
+            yield OutputChunk(state.request_id, tokens, text)
 
-    async def _next_event(self, queue: asyncio.Queue, route: Route) -> TokenEvent:
-        try:
-            event = await asyncio.wait_for(queue.get(), self.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(
-                "DEADLINE_EXCEEDED",
-                f"request {route.request_id}: no tokens from {sorted(route.instances)} within "
-                f"router.request_timeout_s={self.request_timeout_s:g} s: the instance may be "
-                "overloaded or stuck; check `orch status` and the worker logs, or raise "
-                "router.request_timeout_s") from None
-        if event.finish_reason == "error":
-            code = "UNAVAILABLE" if event.source == "router" else "INTERNAL"
+    async def _next_event(self, state: InFlight, queue: asyncio.Queue, route: Route,
+                          progress: StreamProgress) -> TokenEvent:
+        """The request's next event; raises its error as a RequestError."""
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestError(
+                    "DEADLINE_EXCEEDED",
+                    f"request {state.request_id}: no tokens from {sorted(route.instances)} "
+                    f"within router.request_timeout_s={self.request_timeout_s:g} s: the "
+                    "instance may be overloaded or stuck; check `orch status` and the worker "
+                    "logs, or raise router.request_timeout_s") from None
+            if progress.completion_tokens and event.instance not in ("", route.main):
+                continue  # NOTE: prefill's failure, queued before the first token moved on
+            if event.finish_reason != "error":
+                return event
             where = f" on {event.instance}" if event.instance else ""
-            raise RequestError(code, f"request {route.request_id} failed{where}: {event.error}")
-        return event
+            message = f"request {state.request_id} failed{where}: {event.error}"
+            if event.retryable:
+                raise InstanceFailure(event.instance, message)
+            raise RequestError("UNAVAILABLE" if event.source == "router" else "INTERNAL",
+                               message)
 
-    async def _accept(self, inp: GenerateInput) -> RequestSpec:
+    def _open(self, request_id: str) -> InFlight:
+        """Know the request from now on (an Abort finds it even while it is tokenized)."""
         if not self._accepting:
             raise RequestError("UNAVAILABLE", "the router is shutting down: retry on another "
                                               "router or after it restarts")
-        request_id = inp.request_id or uuid.uuid4().hex
-        self._check_new(request_id)
-        # NOTE: tokenizing a long prompt takes seconds; off the event loop, other streams go on.
-        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
-        self._check_new(request_id)  # another request may have taken the id meanwhile
-        return RequestSpec(request_id=request_id, prompt_token_ids=ids,
-                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
-
-    def _check_new(self, request_id: str) -> None:
-        if request_id in self._routes:
+        if request_id in self._requests:
             raise RequestError("INVALID_ARGUMENT",
                                f"request id {request_id!r} is already in flight: use a unique "
                                "request_id or leave it empty for a generated one")
+        state = self._requests[request_id] = InFlight(request_id)
+        self._idle.clear()
+        return state
 
-    def _end(self, request_id: str, progress: StreamProgress) -> None:
-        """Every exit path: abort what is still running, return load, forget the request."""
-        route = self._routes.pop(request_id, None)
-        self.pump.unregister(request_id)
-        if not progress.done:
+    async def _accept(self, inp: GenerateInput, state: InFlight) -> RequestSpec:
+        """Validate + tokenize (off the loop: a long prompt takes seconds) + seed."""
+        try:
+            ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
+        except BaseException:
+            self._close(state, None)
+            raise
+        return RequestSpec(request_id=state.request_id, prompt_token_ids=ids,
+                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
+
+    def _close(self, state: InFlight, progress: StreamProgress | None) -> None:
+        """Every exit path: forget the request (its attempt already cleaned up after itself)."""
+        self._requests.pop(state.request_id, None)
+        if progress is not None and not progress.done:
             self._record(progress, outcome="cancelled")  # no-op when already recorded
-        if route is not None:
-            if not progress.done:
-                self._spawn(self.flow.abort(route))
-            self.flow.release(route)
-        if not self._routes:
+        if not self._requests:
             self._idle.set()
 
     def _record(self, progress: StreamProgress, outcome: str) -> None:
@@ -244,15 +388,20 @@ class Router:
         return task
 
     async def abort(self, request_id: str) -> bool:
-        """Abort an in-flight request; its stream ends with finish_reason "abort"."""
-        route = self._routes.get(request_id)
-        if route is None:  # unknown, or still waiting for a reservation
-            return request_id in self._routes and self.flow.cancel_waiting(
-                request_id, RequestError("CANCELLED", f"request {request_id} was aborted while "
-                                                      "it waited for decode KV blocks"))
-        await self.flow.abort(route)
-        return self.pump.deliver(TokenEvent(request_id, finish_reason="abort",
-                                            source="router", instance=route.main))
+        """Abort a request the router knows, at whatever step it is (tokenizing, waiting
+        for blocks, reserving, launching, streaming): each later step checks the mark, the
+        stream ends with finish_reason "abort" and the attempt is aborted on every instance
+        it touched. False for an unknown or ended id."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        state.aborted = True
+        if state.attempt_id:
+            self.flow.cancel_waiting(state.attempt_id, RequestError(
+                "CANCELLED", f"request {request_id} was aborted"))
+            self.pump.deliver(TokenEvent(state.attempt_id, finish_reason="abort",
+                                         source="router"))
+        return True
 
     async def status(self) -> list[InstanceStatusInfo]:
         """Every leader's ``status()`` (bounded); unreachable ones are named, not hidden."""

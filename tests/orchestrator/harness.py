@@ -39,14 +39,15 @@ class Harness:
     """Starts loop + fakes + router + server; ``address`` for clients; ``close()`` stops all."""
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
-                 decode_capacity=8, never_fits=False) -> None:
+                 decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.cfg = OrchConfig.model_validate({
             "mode": mode, "cluster": {"device": "cpu"},
             "model": {"max_model_len": 256},
-            "prefill": {"num_kv_blocks": 16}, "decode": {"num_kv_blocks": 16},
+            "prefill": {"num_kv_blocks": 16, "dp": prefill_dp},
+            "decode": {"num_kv_blocks": 16, "dp": decode_dp},
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
                        "policy": "round_robin"}})
         self.metrics = RecordingMetrics()
@@ -56,9 +57,11 @@ class Harness:
         if self.cfg.mode == "colocated":
             self.fakes = {"colocated-0": FakeColocated()}
         else:
-            self.fakes = {"prefill-0": FakePrefill(),
-                          "decode-0": FakeDecode(capacity=decode_capacity,
-                                                 never_fits=never_fits)}
+            self.fakes = {f"prefill-{i}": FakePrefill(f"prefill-{i}")
+                          for i in range(self.cfg.prefill.dp)}
+            self.fakes.update({f"decode-{i}": FakeDecode(f"decode-{i}", decode_capacity,
+                                                         never_fits)
+                               for i in range(self.cfg.decode.dp)})
         handles = {name: Remote(f) for name, f in self.fakes.items()}
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
                                    poll_timeout_s=0.05)
