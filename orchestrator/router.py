@@ -18,11 +18,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import AsyncIterator, Protocol
 
 from engine.sampling_params import fill_seed
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
+from orchestrator.attempt import Attempt, InFlight, event_error
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.flow import Flow, Route
@@ -59,28 +60,6 @@ class NoMetrics:
 
     def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
         pass
-
-
-@dataclass
-class InFlight:
-    """One client request inside the router, from acceptance to its last message.
-
-    Attributes:
-        request_id: the client's id (what OutputChunk and Abort carry).
-        attempt_id: the current attempt's id, router-unique ("<request_id>@<n>"): what the
-            workers, the pump and the tombstones see. "" before the first placement.
-        route: the current attempt's route (None before it is placed).
-        aborted: an Abort arrived; every later step checks it.
-        avoid: instances that failed this request (placed last on the next attempt).
-        failures: one line per failed attempt.
-    """
-
-    request_id: str
-    attempt_id: str = ""
-    route: Route | None = None
-    aborted: bool = False
-    avoid: set[str] = field(default_factory=set)
-    failures: list[str] = field(default_factory=list)
 
 
 class Router:
@@ -199,22 +178,12 @@ class Router:
                     raise RequestError("UNAVAILABLE", f"{exc.message}; {progress.completion_tokens}"
                                        " token(s) were already streamed, so it is not run "
                                        "again: retry the request") from None
-                self._note_failure(state, exc)
+                state.attempt_failed(exc, self.max_attempts)
+                log.warning("request %s: %s; placing it again", state.request_id, exc.message)
         progress.done = True
         self._record(progress, outcome="abort")
         yield OutputChunk(state.request_id, finish_reason="abort",
                           stats=progress.stats(state.route, time.monotonic()))
-
-    def _note_failure(self, state: InFlight, exc: InstanceFailure) -> None:
-        """Remember a failed attempt; raise UNAVAILABLE when it was the last allowed."""
-        state.failures.append(f"attempt {len(state.failures) + 1}: {exc.message}")
-        state.avoid.add(exc.instance)
-        if len(state.failures) >= self.max_attempts:
-            raise RequestError(
-                "UNAVAILABLE", f"request {state.request_id} failed on {len(state.failures)} "
-                f"attempt(s) (router.max_attempts={self.max_attempts}): "
-                f"{'; '.join(state.failures)}: retry later; `orch status` shows the instances")
-        log.warning("request %s: %s; placing it again", state.request_id, exc.message)
 
     async def _attempt(self, state: InFlight, spec: RequestSpec,
                        progress: StreamProgress) -> AsyncIterator[OutputChunk]:
@@ -224,53 +193,21 @@ class Router:
         Raises:
             InstanceFailure: an instance it depends on failed (the caller may place again).
         """
-        attempt = replace(spec, request_id=f"{state.request_id}@{next(self._attempt_numbers)}")
-        state.attempt_id, route = attempt.request_id, None
-        queue = self.pump.register(attempt.request_id)
+        attempt = Attempt(self.flow, self.pump, replace(
+            spec, request_id=f"{state.request_id}@{next(self._attempt_numbers)}"), self._spawn)
+        state.attempt_id = attempt.spec.request_id
         try:
-            route = await self._place(state, attempt, progress)
+            route = await self._place(state, attempt.spec, progress)
             if route is None:
                 return
             state.route = route
-            self.pump.watch(attempt.request_id, route.instances)
+            attempt.placed(route)
             if not state.aborted:  # else its abort event is already queued
-                self._spawn(self._launch(attempt, route))
-            async for chunk in self._stream(state, route, queue, progress):
+                attempt.launch()
+            async for chunk in self._stream(state, attempt, progress):
                 yield chunk
         finally:
-            self.pump.unregister(attempt.request_id)
-            if route is not None and route.workers_done:
-                self.flow.release(route)
-            elif route is not None:
-                self._spawn(self._abort_route(route))
-
-    async def _launch(self, spec: RequestSpec, route: Route) -> None:
-        """flow.launch beside the stream: its failure reaches the stream as an event, and a
-        hung launch call does not hold up a failover."""
-        try:
-            await self.flow.launch(spec, route)
-        except InstanceFailure as exc:
-            self._deliver_failure(route, exc)
-
-    async def _first_token(self, route: Route, token_id: int, finished: bool) -> None:
-        """flow.on_first_token beside the stream (a failed admit reaches it as an event)."""
-        try:
-            await self.flow.on_first_token(route, token_id, finished)
-        except InstanceFailure as exc:
-            self._deliver_failure(route, exc)
-
-    def _deliver_failure(self, route: Route, exc: InstanceFailure) -> None:
-        self.pump.deliver(TokenEvent(route.request_id, finish_reason="error",
-                                     error=exc.message, source="router",
-                                     instance=exc.instance, retryable=True))
-
-    async def _abort_route(self, route: Route) -> None:
-        """Abort an attempt on its instances, then give its load back (so the admission
-        queue wakes once its blocks are free, not before)."""
-        try:
-            await self.flow.abort(route)
-        finally:
-            self.flow.release(route)
+            attempt.end()
 
     async def _place(self, state: InFlight, spec: RequestSpec,
                      progress: StreamProgress) -> Route | None:
@@ -287,18 +224,17 @@ class Router:
                 self.metrics.request_rejected(exc.code)
             raise
 
-    async def _stream(self, state: InFlight, route: Route, queue: asyncio.Queue,
+    async def _stream(self, state: InFlight, attempt: Attempt,
                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        route = attempt.route
         while True:
-            event = await self._next_event(state, queue, route, progress)
+            event = await self._next_event(state, attempt, progress)
             tokens = progress.add(event, time.monotonic())
             finish = progress.finish_reason(event)
             handover = None
             if progress.first_event_now:  # NOTE: runs while the first token goes out
-                # NOTE: from now on the request depends on its decode instance only.
-                self.pump.watch(route.request_id, {route.main})
-                handover = self._spawn(self._first_token(route, tokens[0], finish is not None))
+                handover = attempt.first_token(tokens[0], finished=finish is not None)
             text = detok.add(tokens) if detok else ""
             if finish and detok:
                 text += detok.flush()
@@ -316,12 +252,13 @@ class Router:
                 return
             yield OutputChunk(state.request_id, tokens, text)
 
-    async def _next_event(self, state: InFlight, queue: asyncio.Queue, route: Route,
+    async def _next_event(self, state: InFlight, attempt: Attempt,
                           progress: StreamProgress) -> TokenEvent:
-        """The request's next event; raises its error as a RequestError."""
+        """The attempt's next event; raises an error event as its RequestError."""
+        route = attempt.route
         while True:
             try:
-                event = await asyncio.wait_for(queue.get(), self.request_timeout_s)
+                event = await asyncio.wait_for(attempt.queue.get(), self.request_timeout_s)
             except asyncio.TimeoutError:
                 raise RequestError(
                     "DEADLINE_EXCEEDED",
@@ -333,12 +270,7 @@ class Router:
                 continue  # NOTE: prefill's failure, queued before the first token moved on
             if event.finish_reason != "error":
                 return event
-            where = f" on {event.instance}" if event.instance else ""
-            message = f"request {state.request_id} failed{where}: {event.error}"
-            if event.retryable:
-                raise InstanceFailure(event.instance, message)
-            raise RequestError("UNAVAILABLE" if event.source == "router" else "INTERNAL",
-                               message)
+            raise event_error(state.request_id, event)
 
     def _open(self, request_id: str) -> InFlight:
         """Know the request from now on (an Abort finds it even while it is tokenized)."""
