@@ -168,3 +168,29 @@ def test_the_requests_own_error_is_not_retried(two_prefills):
     assert _calls(h, "prefill-1") == []
     assert [c[1] for c in _calls(h, "decode-0") if c[0] == "reserve"] == ["own@1"]
     assert _all_released(h)
+
+
+def test_prefill_gone_unhealthy_while_reserving_frees_the_reservation(two_prefills):
+    h = two_prefills
+    entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("reserve"))
+    with OrchClient(h.address) as client:
+        stream = client.generate(token_ids=list(PROMPT), request_id="u", max_tokens=3)
+        errors = []
+        t = threading.Thread(target=lambda: errors.append(_error_of(stream)), daemon=True)
+        t.start()
+        h.run(entered.wait())
+        h.call_in_loop(lambda: setattr(h.router, "healthy", lambda n: n.startswith("decode")))
+        h.call_in_loop(release.set)
+        t.join(5)
+    assert errors[0].code() == grpc.StatusCode.UNAVAILABLE
+    assert "no healthy prefill instance (of prefill-0, prefill-1)" in errors[0].details()
+    assert ("abort", "u@1") in _calls(h, "decode-0")
+    assert _all_released(h)
+
+
+def _error_of(stream):
+    try:
+        list(stream)
+    except grpc.RpcError as err:
+        return err
+    return None
