@@ -68,6 +68,10 @@ class Flow(ABC):
         """Every leader that emits events or answers status()."""
         return list(self.main.values())
 
+    def leader(self, name: str) -> LeaderClient:
+        """The leader of instance ``name`` (KeyError for an unknown name)."""
+        return {leader.name: leader for leader in self.leaders}[name]
+
     def choices(self, policy: Policy, avoid: Collection[str], role: str) -> list[str]:
         """``policy.order()`` without unhealthy instances; those in ``avoid`` (they failed this
         request already) last.
@@ -151,6 +155,7 @@ class DisaggregatedFlow(Flow):
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
+        self._aborts: set[asyncio.Task] = set()  # aborts of reserves that failed
 
     @property
     def leaders(self) -> list[LeaderClient]:
@@ -208,8 +213,11 @@ class DisaggregatedFlow(Flow):
         try:
             answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp)
         except (InstanceFailure, asyncio.CancelledError):
-            # NOTE: a reserve that timed out or was cancelled may still have reserved.
-            await _abort_quietly(self.main[name], spec.request_id)
+            # NOTE: a reserve that timed out, was abandoned or cancelled may still have
+            # reserved. Aborted in the background: a hung instance must not hold up the next.
+            task = asyncio.create_task(_abort_quietly(self.main[name], spec.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
             raise
         finally:
             if not isinstance(answer, Reservation):

@@ -55,24 +55,44 @@ class LeaderClient:
     def __init__(self, name: str, role: str, handle: Any, call_timeout_s: float) -> None:
         self.name, self.role, self.handle = name, role, handle
         self.call_timeout_s = call_timeout_s
+        self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
+
+    def abandon_calls(self, reason: str) -> None:
+        """The instance is known dead or hung: every call in flight fails now with a
+        LeaderError naming ``reason`` (later calls go out as usual)."""
+        if self._abandon is not None and not self._abandon.done():
+            self._abandon.set_result(reason)
+        self._abandon = None
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """``await handle.<method>.remote(*args)`` bounded by ``timeout_s``.
 
         Raises:
-            LeaderError: the call raised, the actor died, or no answer within the bound.
+            LeaderError: the call raised, the actor died, no answer within the bound, or the
+                call was abandoned (:meth:`abandon_calls`).
         """
         bound = self.call_timeout_s if timeout_s is None else timeout_s
+        if self._abandon is None:
+            self._abandon = asyncio.get_running_loop().create_future()
+        abandon = self._abandon
         try:
-            ref = getattr(self.handle, method).remote(*args)
-            return await asyncio.wait_for(_resolve(ref), bound)
-        except asyncio.TimeoutError:
-            raise LeaderError(f"{self.name}.{method} did not answer within {bound:.1f} s: the "
-                              "instance may be stuck or overloaded; check its logs") from None
+            answer = asyncio.ensure_future(_resolve(getattr(self.handle, method).remote(*args)))
+            try:
+                await asyncio.wait({answer, abandon}, timeout=bound,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not answer.done():
+                    answer.cancel()
+            if not answer.cancelled():
+                return answer.result()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Ray wraps worker exceptions; keep the cause in the text
             raise LeaderError(f"{self.name}.{method} failed: {_brief(exc)}") from exc
+        if abandon.done():
+            raise LeaderError(f"{self.name}.{method} was abandoned: {abandon.result()}")
+        raise LeaderError(f"{self.name}.{method} did not answer within {bound:.1f} s: the "
+                          "instance may be stuck or overloaded; check its logs")
 
 
 class EventPump:

@@ -133,8 +133,14 @@ class Router:
 
     def instance_failed(self, name: str, reason: str) -> None:
         """``name`` is dead or hung (the health monitor says so; call on the router loop):
-        every request watching it reacts now, without waiting for a poll to fail. Before its
-        first token a request is placed again elsewhere; after it, it ends UNAVAILABLE."""
+        every request watching it reacts now, without waiting for a poll to fail, and every
+        call in flight to it fails now (a reserve on it tries the next decode). Before its
+        first token a request is placed again elsewhere; after it, it ends UNAVAILABLE.
+
+        Raises:
+            KeyError: ``name`` is no instance of this router.
+        """
+        self.flow.leader(name).abandon_calls(f"{name} failed: {reason}")
         told = self.pump.fail_instance(name, f"{name} failed: {reason}")
         log.warning("%s failed (%s): %d request(s) affected", name, reason, told)
 

@@ -52,7 +52,7 @@ def test_failed_reserve_tries_the_next_decode(two_decodes):
     chunks = _generate(h, request_id="a", max_tokens=5)
     assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 5)
     assert chunks[-1].stats.decode_instance == "decode-1"
-    assert ("abort", "a@1") in _calls(h, "decode-0")  # a reserve that failed may have reserved
+    assert _wait_for(lambda: ("abort", "a@1") in _calls(h, "decode-0"))  # it may have reserved
     assert _all_released(h)
 
 
@@ -194,3 +194,23 @@ def _error_of(stream):
     except grpc.RpcError as err:
         return err
     return None
+
+
+def test_instance_failed_abandons_a_hung_reserve_for_the_next_decode(two_decodes):
+    """The reserve call on a hung decode fails at once, not at its 5 s bound."""
+    h = two_decodes
+    entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("reserve"))
+    with OrchClient(h.address) as client:
+        stream = client.generate(token_ids=list(PROMPT), request_id="z", max_tokens=3)
+        chunks = []
+        t = threading.Thread(target=lambda: chunks.extend(stream), daemon=True)
+        t.start()
+        h.run(entered.wait())
+        h.call_in_loop(lambda: h.router.instance_failed("decode-0", "SIGSTOPped"))
+        t.join(3)
+        assert not t.is_alive()
+    assert [tok for c in chunks for tok in c.token_ids] == expected_tokens(PROMPT, 3)
+    assert chunks[-1].stats.decode_instance == "decode-1"
+    h.call_in_loop(release.set)
+    assert _wait_for(lambda: ("abort", "z@1") in _calls(h, "decode-0"))
+    assert _all_released(h)
