@@ -48,7 +48,8 @@ def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
     """A router over ``handles`` configured by ``cfg.router`` (call from the event loop);
     ``healthy``: the health monitor's ``is_healthy`` (default: all instances healthy)."""
     return Router(build_flow(cfg, handles, healthy), model, tokenizer,
-                  cfg.router.request_timeout_s, metrics=metrics, poll_timeout_s=poll_timeout_s)
+                  cfg.router.request_timeout_s, metrics=metrics, poll_timeout_s=poll_timeout_s,
+                  max_attempts=cfg.router.max_attempts)
 
 
 def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],

@@ -149,6 +149,7 @@ class RouterSection(_Section):
     max_pending: int = Field(64, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
     metrics_host: str = "127.0.0.1"
+    max_attempts: int = Field(3, ge=1)
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # gRPC's receive limit, bytes; raised to what model.max_model_len needs when lower.
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024)
