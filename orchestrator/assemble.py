@@ -1,21 +1,27 @@
-"""Wire a Router from the config and the leader handles (Ray actors or fakes)."""
+"""Wire a Router, its health monitor and status board from the config and the leader handles
+(Ray actors or fakes)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from orchestrator.admission import AdmissionQueue
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
 from orchestrator.flow import ColocatedFlow, DisaggregatedFlow, Flow
+from orchestrator.health import HealthMonitor
 from orchestrator.leader import LeaderClient
 from orchestrator.policies import make_policy
 from orchestrator.router import Router, RouterMetrics
+from orchestrator.status import StatusBoard
+
+Healthy = Callable[[str], bool]
 
 
-def build_flow(cfg: OrchConfig, handles: dict[str, Any]) -> Flow:
-    """The flow of ``cfg.mode`` over leader ``handles`` (instance name -> leader handle).
+def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Flow:
+    """The flow of ``cfg.mode`` over leader ``handles`` (instance name -> leader handle);
+    its policies choose only among instances for which ``healthy(name)`` holds.
 
     Raises:
         KeyError: a configured instance has no handle.
@@ -25,20 +31,40 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any]) -> Flow:
     for inst in cfg.instances():
         leaders[inst.role].append(LeaderClient(inst.name, inst.role, handles[inst.name],
                                                call_timeout_s=timeout))
-    policy = cfg.router.policy
+    def policy(role: str):
+        return make_policy(cfg.router.policy, [l.name for l in leaders[role]], healthy)
+
     if cfg.mode == "colocated":
-        return ColocatedFlow(leaders["colocated"],
-                             make_policy(policy, [l.name for l in leaders["colocated"]]))
+        return ColocatedFlow(leaders["colocated"], policy("colocated"))
     return DisaggregatedFlow(
-        leaders["prefill"], leaders["decode"],
-        make_policy(policy, [l.name for l in leaders["prefill"]]),
-        make_policy(policy, [l.name for l in leaders["decode"]]),
+        leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
         AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp)
 
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
                  tokenizer: Tokenizer | None, metrics: RouterMetrics | None = None,
-                 poll_timeout_s: float = 0.5) -> Router:
-    """A router over ``handles`` configured by ``cfg.router`` (call from the event loop)."""
-    return Router(build_flow(cfg, handles), model, tokenizer, cfg.router.request_timeout_s,
-                  metrics=metrics, poll_timeout_s=poll_timeout_s)
+                 poll_timeout_s: float = 0.5,
+                 healthy: Healthy = lambda name: True) -> Router:
+    """A router over ``handles`` configured by ``cfg.router`` (call from the event loop);
+    ``healthy``: the health monitor's ``is_healthy`` (default: all instances healthy)."""
+    return Router(build_flow(cfg, handles, healthy), model, tokenizer,
+                  cfg.router.request_timeout_s, metrics=metrics, poll_timeout_s=poll_timeout_s,
+                  max_attempts=cfg.router.max_attempts)
+
+
+def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
+                  on_unhealthy: Callable[[str, str], None] | None = None,
+                  recover: Callable[[str], Awaitable[bool]] | None = None) -> HealthMonitor:
+    """A health monitor of every instance of ``cfg``, timed by ``cfg.health`` (see
+    :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy`` and ``recover``)."""
+    h = cfg.health
+    return HealthMonitor({inst.name: inst.role for inst in cfg.instances()}, ranks_of,
+                         h.probe_interval_s, h.probe_timeout_s, on_unhealthy=on_unhealthy,
+                         recover=recover, recover_timeout_s=h.recover_timeout_s)
+
+
+def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:
+    """The status rows of ``router``'s instances (its metrics get every status answer)."""
+    return StatusBoard(router.flow.leaders,
+                       {inst.name: inst.parallel.tp for inst in cfg.instances()}, monitor,
+                       router.metrics, cfg.health.status_timeout_s)

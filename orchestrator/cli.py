@@ -1,6 +1,7 @@
 """The `orch` command: up, status, generate, model init-tiny, bench.
 
-Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments.
+Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments, 3 (`orch status`) the
+router answered but some instance is not healthy.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from orchestrator.client import OrchClient
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+EXIT_UNHEALTHY = 3
 
 
 def _cmd_up(ns: argparse.Namespace) -> int:
@@ -91,14 +93,31 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         print(f"orch status: {_rpc_failure(ns, exc)}", file=sys.stderr)
         return 1
     print(f"model {model}; {in_flight} request(s) in flight")
-    print(f"{'instance':<14}{'role':<11}{'tp':>3}{'queue':>7}{'running':>9}"
-          f"{'free/total blocks':>19}{'tokens':>9}")
-    for s in instances:
-        print(f"{s.name:<14}{s.role:<11}{s.tp:>3}{s.queue_depth:>7}{s.running:>9}"
-              f"{f'{s.free_blocks}/{s.total_blocks}':>19}{s.outstanding_tokens:>9}")
-        for rank, node, device in s.ranks:
-            print(f"    rank {rank}: node {node[:12]} device {device}")
+    print(format_status(instances))
+    sick = [v.name for v in instances if not v.healthy]
+    if sick:
+        print(f"orch status: not healthy: {', '.join(sick)}", file=sys.stderr)
+        return EXIT_UNHEALTHY
     return 0
+
+
+def format_status(instances: list) -> str:
+    """The instance table of `orch status` (rows: ``orchestrator.status.InstanceView``).
+
+    Load columns read "-" when the instance was not asked or did not answer; ``detail`` says
+    why it is not healthy or why its load is missing.
+    """
+    lines = [f"{'instance':<14}{'role':<11}{'tp':>3}  {'health':<11}{'queue':>6}"
+             f"{'running':>9}{'free/total blocks':>19}{'tokens':>9}  detail"]
+    for v in instances:
+        s = v.status
+        load = ((s.queue_depth, s.running, f"{s.free_blocks}/{s.total_blocks}",
+                 s.outstanding_tokens) if s else ("-",) * 4)
+        lines.append(f"{v.name:<14}{v.role:<11}{v.tp:>3}  {v.health:<11}{load[0]:>6}"
+                     f"{load[1]:>9}{load[2]:>19}{load[3]:>9}  {v.detail}".rstrip())
+        for rank, node, device in (s.ranks if s else ()):
+            lines.append(f"    rank {rank}: node {node[:12]} device {device}")
+    return "\n".join(lines)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:

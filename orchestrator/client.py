@@ -16,11 +16,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
-from prefill_worker.messages import InstanceStatusInfo
 from orchestrator import convert
 from orchestrator.request import GenerateInput, OutputChunk, RequestStats
 from orchestrator.rpc import orch_pb2 as pb
 from orchestrator.rpc import orch_pb2_grpc as pb_grpc
+from orchestrator.status import InstanceView
 
 
 def _request(prompt: str | None, token_ids: list[int] | None, request_id: str,
@@ -99,8 +99,8 @@ class OrchClient:
         """Run one request to the end: (text, token ids, final stats)."""
         return _collect(list(self.generate(prompt, token_ids, **kwargs)))
 
-    def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceStatusInfo], int, str]:
-        """(instances, requests in flight, model name)."""
+    def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceView], int, str]:
+        """(instance rows with health and load, requests in flight, model name)."""
         msg = self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s,
                                   metadata=self.metadata)
         return convert.status_from_proto(msg), msg.in_flight, msg.model
@@ -164,7 +164,7 @@ class AsyncOrchClient:
         """Run one request to the end: (text, token ids, final stats)."""
         return _collect([c async for c in self.generate(prompt, token_ids, **kwargs)])
 
-    async def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceStatusInfo], int, str]:
+    async def status(self, timeout_s: float = 10.0) -> tuple[list[InstanceView], int, str]:
         msg = await self.stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s,
                                         metadata=self.metadata)
         return convert.status_from_proto(msg), msg.in_flight, msg.model

@@ -149,11 +149,27 @@ class RouterSection(_Section):
     max_pending: int = Field(64, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
     metrics_host: str = "127.0.0.1"
+    max_attempts: int = Field(3, ge=1)
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # gRPC's receive limit, bytes; raised to what model.max_model_len needs when lower.
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024)
     tls: Optional[TLSSection] = None
     auth: Optional[AuthSection] = None
+
+
+class HealthSection(_Section):
+    """How the router watches every rank (seconds); see docs/reliability.md.
+
+    Every ``probe_interval_s`` each rank of each instance is pinged, each ping bounded by
+    ``probe_timeout_s``: a dead rank marks its instance unhealthy at once, a silent one after
+    ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``;
+    ``recover_timeout_s`` bounds one automatic restart of an instance.
+    """
+
+    probe_interval_s: float = Field(1.0, gt=0)
+    probe_timeout_s: float = Field(5.0, gt=0)
+    status_timeout_s: float = Field(2.0, gt=0)
+    recover_timeout_s: float = Field(600.0, gt=0)
 
 
 class ClusterSection(_Section):
@@ -177,6 +193,7 @@ class OrchConfig(_Section):
     decode: DecodeSection = DecodeSection()
     kv_transfer: KVTransferSection = KVTransferSection()
     router: RouterSection = RouterSection()
+    health: HealthSection = HealthSection()
     cluster: ClusterSection = ClusterSection()
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from prefill_worker.messages import InstanceStatusInfo
 from orchestrator.limits import check_request_id
 from orchestrator.request import GenerateInput, OutputChunk, RequestError, RequestStats
 from orchestrator.rpc import orch_pb2 as pb
+from orchestrator.status import InstanceView
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -109,25 +110,35 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> OutputChunk:
                        text=msg.text, finish_reason=msg.finish_reason or None, stats=stats)
 
 
-def status_to_proto(statuses: list[InstanceStatusInfo], in_flight: int,
+def status_to_proto(views: list[InstanceView], in_flight: int,
                     model: str) -> pb.GetStatusResponse:
-    """Instance snapshots -> GetStatusResponse."""
+    """Instance rows -> GetStatusResponse."""
     out = pb.GetStatusResponse(in_flight=in_flight, model=model)
-    for s in statuses:
-        out.instances.append(pb.InstanceStatus(
-            name=s.name, role=s.role, tp=s.tp,
-            ranks=[pb.RankStatus(rank=r, node_id=n, device=d) for r, n, d in s.ranks],
-            queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
-            total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
-            kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+    for v in views:
+        msg = pb.InstanceStatus(name=v.name, role=v.role, tp=v.tp, health=v.health,
+                                detail=v.detail, has_load=v.status is not None)
+        s = v.status
+        if s is not None:
+            msg.ranks.extend(pb.RankStatus(rank=r, node_id=n, device=d) for r, n, d in s.ranks)
+            msg.MergeFrom(pb.InstanceStatus(
+                queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
+                total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
+                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+        out.instances.append(msg)
     return out
 
 
-def status_from_proto(msg: pb.GetStatusResponse) -> list[InstanceStatusInfo]:
-    """GetStatusResponse -> instance snapshots (client side)."""
-    return [InstanceStatusInfo(
+def status_from_proto(msg: pb.GetStatusResponse) -> list[InstanceView]:
+    """GetStatusResponse -> instance rows (client side)."""
+    return [InstanceView(name=i.name, role=i.role, tp=i.tp, health=i.health, detail=i.detail,
+                         status=_load_from_proto(i) if i.has_load else None)
+            for i in msg.instances]
+
+
+def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
+    return InstanceStatusInfo(
         name=i.name, role=i.role, tp=i.tp,
         ranks=tuple((r.rank, r.node_id, r.device) for r in i.ranks),
         queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
-        kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures) for i in msg.instances]
+        kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures)

@@ -13,6 +13,11 @@ colocated       choose an instance                  colocated.generate(spec)    
 
 Abort (client cancel, timeout, failure): prefill.abort (returns once no KV send is in flight
 into the reservation) THEN decode.abort, so decode never frees blocks that are being written.
+
+Failover: placement skips instances the policies report unhealthy, and tries instances that already
+failed this request (``avoid``) last; a decode whose reserve call fails (dead, timed out,
+raised) is skipped for the next one in the policy's order. A failed leader call raises
+:class:`InstanceFailure` naming the instance; the router decides whether to place again.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from prefill_worker.messages import Rejection, RequestSpec, Reservation
 from orchestrator.admission import AdmissionQueue
 from orchestrator.leader import LeaderClient, LeaderError
 from orchestrator.policies import Policy
-from orchestrator.request import RequestError
+from orchestrator.request import InstanceFailure, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ class Route:
     prefill_load: int = 0  # prompt tokens charged to the prefill instance until first token
     main_load: int = 0  # prompt + max_tokens charged to the main instance until the end
     reservation: Reservation | None = None  # decode blocks (disaggregated), for launch
+    workers_done: bool = False  # the workers ended it themselves: nothing left to abort
 
     @property
     def instances(self) -> set[str]:
@@ -59,13 +66,38 @@ class Flow(ABC):
         """Every leader that emits events or answers status()."""
         return list(self.main.values())
 
+    def leader(self, name: str) -> LeaderClient:
+        """The leader of instance ``name`` (KeyError for an unknown name)."""
+        return {leader.name: leader for leader in self.leaders}[name]
+
+    def choices(self, policy: Policy, avoid: Collection[str], role: str) -> list[str]:
+        """``policy.order()`` (healthy instances only, see :class:`Policy`); those in ``avoid``
+        (they failed this request already) last.
+
+        Raises:
+            RequestError: UNAVAILABLE when no instance of ``role`` is healthy.
+        """
+        healthy = policy.order()
+        if not healthy:
+            raise _none_healthy(policy, role)
+        return [n for n in healthy if n not in avoid] + [n for n in healthy if n in avoid]
+
     @abstractmethod
-    async def place(self, spec: RequestSpec, deadline: float) -> Route:
-        """Choose instances and hold what the request needs (raises RequestError)."""
+    async def place(self, spec: RequestSpec, deadline: float,
+                    avoid: Collection[str] = ()) -> Route:
+        """Choose healthy instances (``avoid`` last) and hold what the request needs.
+
+        Raises:
+            RequestError: no capacity, never fits, no healthy instance, or cancelled.
+        """
 
     @abstractmethod
     async def launch(self, spec: RequestSpec, route: Route) -> None:
-        """Start computing; events follow through the leaders' poll()."""
+        """Start computing; events follow through the leaders' poll().
+
+        Raises:
+            InstanceFailure: the instance could not be called.
+        """
 
     async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
         """Called once when the first output token reached the router."""
@@ -90,8 +122,9 @@ class Flow(ABC):
 class ColocatedFlow(Flow):
     """Prefill and decode in the same instance: ``generate(spec)`` then events from poll()."""
 
-    async def place(self, spec: RequestSpec, deadline: float) -> Route:
-        name = self.policy.order()[0]
+    async def place(self, spec: RequestSpec, deadline: float,
+                    avoid: Collection[str] = ()) -> Route:
+        name = self.choices(self.policy, avoid, "colocated")[0]
         self.policy.acquire(name, spec.max_total_tokens)
         return Route(spec.request_id, main=name, main_load=spec.max_total_tokens)
 
@@ -120,31 +153,55 @@ class DisaggregatedFlow(Flow):
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
+        self._aborts: set[asyncio.Task] = set()  # aborts of reserves that failed
 
     @property
     def leaders(self) -> list[LeaderClient]:
         return list(self.prefill.values()) + list(self.main.values())
 
-    async def place(self, spec: RequestSpec, deadline: float) -> Route:
-        decode, reservation = await self._reserve(spec, deadline)
-        prefill = self.prefill_policy.order()[0]
-        self.prefill_policy.acquire(prefill, spec.num_prompt_tokens)
-        return Route(spec.request_id, main=decode, prefill=prefill,
-                     prefill_load=spec.num_prompt_tokens, main_load=spec.max_total_tokens,
-                     reservation=reservation)
+    async def place(self, spec: RequestSpec, deadline: float,
+                    avoid: Collection[str] = ()) -> Route:
+        if not any(map(self.prefill_policy.healthy, self.prefill_policy.instances)):
+            raise _none_healthy(self.prefill_policy, "prefill")  # before reserving anything
+        decode, reservation = await self._reserve(spec, deadline, avoid)
+        route = Route(spec.request_id, main=decode, main_load=spec.max_total_tokens,
+                      reservation=reservation)
+        try:
+            route.prefill = self.choices(self.prefill_policy, avoid, "prefill")[0]
+        except RequestError:
+            await self.abort(route)
+            self.release(route)
+            raise
+        self.prefill_policy.acquire(route.prefill, spec.num_prompt_tokens)
+        route.prefill_load = spec.num_prompt_tokens
+        return route
 
-    async def _reserve(self, spec: RequestSpec, deadline: float) -> tuple[str, Reservation]:
+    async def _reserve(self, spec: RequestSpec, deadline: float,
+                       avoid: Collection[str]) -> tuple[str, Reservation]:
+        """Reserve on the first decode that can; wait in the admission queue while all are
+        full. A decode whose call fails is skipped (UNAVAILABLE when every one failed)."""
         async with self.admission.ticket(spec.request_id) as ticket:
             while True:
-                rejection: Rejection | None = None
-                for name in self.policy.order():
-                    answer = await self._reserve_on(name, spec)
+                full_reason, failures = "", []
+                for name in self.choices(self.policy, avoid, "decode"):
+                    self.admission.check(spec.request_id)  # aborted: stop trying
+                    try:
+                        answer = await self._reserve_on(name, spec)
+                    except InstanceFailure as exc:
+                        log.warning("reserve of %s: %s; trying the next decode instance",
+                                    spec.request_id, exc.message)
+                        failures.append(exc.message)
+                        continue
                     if isinstance(answer, Reservation):
                         return name, answer
                     if not answer.retryable:
                         raise RequestError("INVALID_ARGUMENT", f"{name}: {answer.reason}")
-                    rejection = answer
-                await ticket.wait(deadline, rejection.reason if rejection else "")
+                    full_reason = answer.reason
+                if not full_reason:
+                    raise RequestError("UNAVAILABLE", "no decode instance could reserve: "
+                                       f"{'; '.join(failures)}: retry later; `orch status` "
+                                       "shows the instances")
+                await ticket.wait(deadline, full_reason)
 
     async def _reserve_on(self, name: str, spec: RequestSpec) -> Reservation | Rejection:
         """One reserve call; the policy load stays charged only on success."""
@@ -153,9 +210,12 @@ class DisaggregatedFlow(Flow):
         answer = None
         try:
             answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp)
-        except (RequestError, asyncio.CancelledError):
-            # NOTE: a reserve that timed out or was cancelled may still have reserved.
-            await _abort_quietly(self.main[name], spec.request_id)
+        except (InstanceFailure, asyncio.CancelledError):
+            # NOTE: a reserve that timed out, was abandoned or cancelled may still have
+            # reserved. Aborted in the background: a hung instance must not hold up the next.
+            task = asyncio.create_task(_abort_quietly(self.main[name], spec.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
             raise
         finally:
             if not isinstance(answer, Reservation):
@@ -196,12 +256,18 @@ class DisaggregatedFlow(Flow):
             route.prefill_load = 0
 
 
+def _none_healthy(policy: Policy, role: str) -> RequestError:
+    return RequestError("UNAVAILABLE", f"no healthy {role} instance (of "
+                                       f"{', '.join(policy.instances)}): retry later; "
+                                       "`orch status` shows the instances")
+
+
 async def _call_or_fail(leader: LeaderClient, method: str, *args: object) -> object:
-    """A leader call whose failure fails the request with UNAVAILABLE."""
+    """A leader call whose failure is the instance's: raises :class:`InstanceFailure`."""
     try:
         return await leader.call(method, *args)
     except LeaderError as exc:
-        raise RequestError("UNAVAILABLE", str(exc)) from None
+        raise InstanceFailure(leader.name, str(exc)) from None
 
 
 async def _abort_quietly(leader: LeaderClient, request_id: str) -> None:

@@ -3,8 +3,9 @@
 ``LeaderClient`` wraps one leader handle (a Ray actor handle, or an in-process fake whose
 methods also have ``.remote(...)`` returning an awaitable). ``EventPump`` runs one asyncio task
 per leader that long-polls ``poll(timeout_s)`` and fans the :class:`TokenEvent` list out to
-per-request queues; when a leader cannot be polled every request waiting on it gets an error
-event, so nothing waits forever.
+per-request queues, keeping only the events of instances the request watches; when a leader
+cannot be polled every request watching it gets a retryable error event, so nothing waits
+forever.
 """
 
 from __future__ import annotations
@@ -54,24 +55,44 @@ class LeaderClient:
     def __init__(self, name: str, role: str, handle: Any, call_timeout_s: float) -> None:
         self.name, self.role, self.handle = name, role, handle
         self.call_timeout_s = call_timeout_s
+        self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
+
+    def abandon_calls(self, reason: str) -> None:
+        """The instance is known dead or hung: every call in flight fails now with a
+        LeaderError naming ``reason`` (later calls go out as usual)."""
+        if self._abandon is not None and not self._abandon.done():
+            self._abandon.set_result(reason)
+        self._abandon = None
 
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """``await handle.<method>.remote(*args)`` bounded by ``timeout_s``.
 
         Raises:
-            LeaderError: the call raised, the actor died, or no answer within the bound.
+            LeaderError: the call raised, the actor died, no answer within the bound, or the
+                call was abandoned (:meth:`abandon_calls`).
         """
         bound = self.call_timeout_s if timeout_s is None else timeout_s
+        if self._abandon is None:
+            self._abandon = asyncio.get_running_loop().create_future()
+        abandon = self._abandon
         try:
-            ref = getattr(self.handle, method).remote(*args)
-            return await asyncio.wait_for(_resolve(ref), bound)
-        except asyncio.TimeoutError:
-            raise LeaderError(f"{self.name}.{method} did not answer within {bound:.1f} s: the "
-                              "instance may be stuck or overloaded; check its logs") from None
+            answer = asyncio.ensure_future(_resolve(getattr(self.handle, method).remote(*args)))
+            try:
+                await asyncio.wait({answer, abandon}, timeout=bound,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not answer.done():
+                    answer.cancel()
+            if not answer.cancelled():
+                return answer.result()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Ray wraps worker exceptions; keep the cause in the text
             raise LeaderError(f"{self.name}.{method} failed: {_brief(exc)}") from exc
+        if abandon.done():
+            raise LeaderError(f"{self.name}.{method} was abandoned: {abandon.result()}")
+        raise LeaderError(f"{self.name}.{method} did not answer within {bound:.1f} s: the "
+                          "instance may be stuck or overloaded; check its logs")
 
 
 class EventPump:
@@ -119,8 +140,21 @@ class EventPump:
         return queue
 
     def watch(self, request_id: str, instances: set[str]) -> None:
-        """The request now depends on ``instances``: their failure fails it."""
-        self._sources[request_id] |= instances
+        """The request now depends on exactly ``instances`` (replacing what it watched):
+        only their events reach its queue, and their failure fails it."""
+        if request_id in self._sources:
+            self._sources[request_id] = set(instances)
+
+    def fail_instance(self, instance: str, error: str) -> int:
+        """Deliver a retryable error event (source "router") to every request watching
+        ``instance``; returns how many were told."""
+        told = 0
+        for request_id, sources in list(self._sources.items()):
+            if instance in sources:
+                told += self.deliver(TokenEvent(
+                    request_id=request_id, finish_reason="error", error=error,
+                    source="router", instance=instance, retryable=True))
+        return told
 
     def unregister(self, request_id: str) -> None:
         """Stop routing events of ``request_id``; later events for it are dropped."""
@@ -142,15 +176,13 @@ class EventPump:
                 events = await leader.call("poll", self._poll_timeout_s, timeout_s=bound)
             except LeaderError as exc:
                 log.warning("polling %s failed: %s", leader.name, exc)
-                self._fail_waiting_on(leader.name, str(exc))
+                self.fail_instance(leader.name, str(exc))
                 await asyncio.sleep(self._retry_s)
                 continue
             for event in events:
-                if not self.deliver(event):
-                    log.debug("dropped event for finished request %s", event.request_id)
-
-    def _fail_waiting_on(self, instance: str, error: str) -> None:
-        for request_id, sources in list(self._sources.items()):
-            if instance in sources:
-                self.deliver(TokenEvent(request_id=request_id, finish_reason="error",
-                                        error=error, source="router", instance=instance))
+                # NOTE: an instance the request no longer watches (a failed attempt's, or
+                # prefill after the first token) cannot end it with a late event.
+                if leader.name not in self._sources.get(event.request_id, ()):
+                    log.debug("dropped event of %s from %s", event.request_id, leader.name)
+                    continue
+                self.deliver(event)

@@ -17,6 +17,10 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
   ``orch_instance_outstanding_tokens``, ``orch_instance_info{instance,role,tp}`` (= 1), and
   counters ``orch_instance_kv_sent_bytes_total``, ``orch_instance_kv_failures_total`` (the
   instance's own cumulative totals; a restart that resets them reads as a counter reset).
+- per instance health (``track_health``): gauge ``orch_instance_healthy{instance,role}`` (1
+  healthy, 0 unhealthy or recovering) and counter
+  ``orch_health_transitions_total{instance,state}`` (changes into ``state``; ``recovering``
+  counts automatic restarts, ``unhealthy`` failures seen).
 - per KV pair (``observe_transfer``): ``orch_kv_transfer_bytes_total{pair}``,
   ``orch_kv_transfer_seconds{pair}`` (histogram of successful transfers),
   ``orch_kv_transfer_failures_total{pair}``.
@@ -27,11 +31,12 @@ from __future__ import annotations
 import threading
 from typing import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from prefill_worker.messages import InstanceStatusInfo
+from orchestrator.health import Health, HealthMonitor, InstanceHealth
 
 # NOTE: buckets span tiny CPU runs (ms) and production (TTFT ~24 s at 64K prompts, minutes
 # under overload; TPOT ~26 ms on A3, seconds on a CPU).
@@ -111,6 +116,12 @@ class RouterMetrics:
                                     buckets=TRANSFER_BUCKETS, registry=r)
         self.kv_failures = Counter("orch_kv_transfer_failures", "failed KV transfers per pair",
                                    ["pair"], registry=r)
+        self.healthy = Gauge("orch_instance_healthy", "1 while the instance is healthy (the "
+                             "router sends it requests), else 0", ["instance", "role"],
+                             registry=r)
+        self.health_transitions = Counter("orch_health_transitions", "instance health "
+                                          "changes, by the state entered", ["instance", "state"],
+                                          registry=r)
         self._instances = _InstanceCollector()
         r.register(self._instances)
         self._httpd = None
@@ -142,6 +153,22 @@ class RouterMetrics:
         for status in statuses:
             for pair, nbytes, seconds, ok in status.transfers:
                 self.observe_transfer(pair, nbytes, seconds, ok)
+
+    def track_health(self, monitor: HealthMonitor) -> None:
+        """Follow ``monitor``: the gauge from its
+        current snapshot now, the gauge and the transition counter at every change."""
+        for health in monitor.snapshot():
+            self._set_healthy(health)
+        monitor.add_listener(self.health_changed)
+
+    def health_changed(self, health: InstanceHealth) -> None:
+        """One instance changed state (a ``HealthMonitor`` listener)."""
+        self._set_healthy(health)
+        self.health_transitions.labels(instance=health.name, state=health.state.value).inc()
+
+    def _set_healthy(self, health: InstanceHealth) -> None:
+        self.healthy.labels(instance=health.name, role=health.role).set(
+            1.0 if health.state is Health.HEALTHY else 0.0)
 
     def observe_transfer(self, pair: str, nbytes: int, seconds: float, ok: bool) -> None:
         """Record one KV transfer on ``pair`` (e.g. ``"prefill-0:0->decode-0:1"``): bytes and

@@ -1,7 +1,8 @@
 """Instance-choice policies, chosen by name through a registry (`router.policy`).
 
-A policy picks one instance of a role for a request and is told when the request's load on
-that instance ends. Load is counted in tokens: a prefill instance carries the prompt tokens of
+A policy orders the HEALTHY instances of a role for a request (best first; an empty list when
+none is healthy: the flow then refuses the request with UNAVAILABLE) and is told when the
+request's load on an instance ends. Load is counted in tokens: a prefill instance carries the prompt tokens of
 the requests it has not finished prefilling; a decode (or colocated) instance carries
 ``prompt + max_tokens`` of each request it holds (the KV slots it may need).
 """
@@ -17,17 +18,26 @@ class Policy(ABC):
 
     Args:
         instances: instance names, e.g. ["decode-0", "decode-1"].
+        healthy: may new requests go to this instance? (``HealthMonitor.is_healthy``;
+            default: every instance is).
     """
 
-    def __init__(self, instances: list[str]) -> None:
+    def __init__(self, instances: list[str],
+                 healthy: Callable[[str], bool] = lambda name: True) -> None:
         if not instances:
             raise ValueError("a policy needs at least one instance")
         self.instances = list(instances)
+        self.healthy = healthy
         self.outstanding = {name: 0 for name in instances}  # tokens in flight per instance
 
-    @abstractmethod
     def order(self) -> list[str]:
-        """All instances, best first (the router tries them in this order)."""
+        """The healthy instances, best first (the router tries them in this order); empty
+        when none is healthy."""
+        return [name for name in self.preference() if self.healthy(name)]
+
+    @abstractmethod
+    def preference(self) -> list[str]:
+        """All instances, best first, health aside."""
 
     def acquire(self, name: str, tokens: int) -> None:
         """A request with ``tokens`` of load was placed on ``name``."""
@@ -41,11 +51,12 @@ class Policy(ABC):
 class RoundRobin(Policy):
     """Each call starts one instance further along; ignores load."""
 
-    def __init__(self, instances: list[str]) -> None:
-        super().__init__(instances)
+    def __init__(self, instances: list[str],
+                 healthy: Callable[[str], bool] = lambda name: True) -> None:
+        super().__init__(instances, healthy)
         self._next = 0
 
-    def order(self) -> list[str]:
+    def preference(self) -> list[str]:
         start = self._next
         self._next = (self._next + 1) % len(self.instances)
         return self.instances[start:] + self.instances[:start]
@@ -54,23 +65,24 @@ class RoundRobin(Policy):
 class LeastOutstandingTokens(Policy):
     """Fewest tokens in flight first; ties go to the lower index."""
 
-    def order(self) -> list[str]:
+    def preference(self) -> list[str]:
         return sorted(self.instances, key=lambda n: (self.outstanding[n],
                                                      self.instances.index(n)))
 
 
-POLICIES: dict[str, Callable[[list[str]], Policy]] = {
+POLICIES: dict[str, Callable[[list[str], Callable[[str], bool]], Policy]] = {
     "round_robin": RoundRobin,
     "least_outstanding_tokens": LeastOutstandingTokens,
 }
 
 
-def make_policy(name: str, instances: list[str]) -> Policy:
-    """Build the policy registered as ``name``.
+def make_policy(name: str, instances: list[str],
+                healthy: Callable[[str], bool] = lambda name: True) -> Policy:
+    """Build the policy registered as ``name`` over ``instances`` (``healthy``: see Policy).
 
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}: use one of {sorted(POLICIES)}")
-    return POLICIES[name](instances)
+    return POLICIES[name](instances, healthy)

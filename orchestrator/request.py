@@ -26,6 +26,20 @@ class RequestError(Exception):
         self.message = message
 
 
+class InstanceFailure(RequestError):
+    """An instance failed while a request depended on it (dead, unreachable, broken): not the
+    request's fault. UNAVAILABLE; before the request's first token the router places it again
+    elsewhere (``router.max_attempts``).
+
+    Attributes:
+        instance: the failed instance's name ("decode-0").
+    """
+
+    def __init__(self, instance: str, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
+        self.instance = instance
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     """A client request as received.

@@ -1,26 +1,33 @@
 """The router: validate, tokenize, place through the flow, stream tokens back, account.
 
 One request, linearly (see DESIGN.md "One request"): accept (validate + tokenize + id + seed)
--> ``flow.place`` -> ``flow.launch`` -> events from the pump until a finish -> stats. Any
-exit before the finish (client cancel, timeout, leader failure) aborts the request on every
-instance it touched. gRPC lives in server.py; this module speaks dataclasses only.
+-> attempts: ``flow.place`` -> ``flow.launch`` -> events from the pump until a finish ->
+stats. Each attempt has its own router-unique id ("<request_id>@<n>"): the workers and the
+pump never see the client's id, so a reused id or a failed attempt's late events cannot reach
+another attempt. An instance failure before the first token places the request again
+(``max_attempts``); after it the request ends UNAVAILABLE. Any exit before the finish
+(client cancel, abort, timeout, failure) aborts the attempt on every instance it touched.
+gRPC lives in server.py; this module speaks dataclasses only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import AsyncIterator, Protocol
 
 from engine.sampling_params import fill_seed
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
+from orchestrator.attempt import Attempt, InFlight, event_error
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.flow import Flow, Route
 from orchestrator.leader import EventPump, LeaderError
-from orchestrator.request import GenerateInput, OutputChunk, RequestError
+from orchestrator.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.stream import StreamProgress
 from orchestrator.validate import validate_request
 
@@ -63,16 +70,19 @@ class Router:
         tokenizer: for text prompts and streamed text (None: token ids only, no text).
         request_timeout_s: bound of every wait of one request (reservation queue, next event).
         metrics: a :class:`RouterMetrics` (default: none).
+        poll_timeout_s: how long one leader poll may block (seconds).
+        max_attempts: most placements of one request (`router.max_attempts`).
     """
 
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
-                 poll_timeout_s: float = 0.5) -> None:
+                 poll_timeout_s: float = 0.5, max_attempts: int = 3) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
         self.metrics = metrics or NoMetrics()
         self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s)
-        self._routes: dict[str, Route | None] = {}  # in-flight request id -> route
+        self._requests: dict[str, InFlight] = {}  # client request id -> its state
+        self._attempt_numbers = itertools.count(1)
         self._background: set[asyncio.Task] = set()
         self._accepting = True
         self._idle = asyncio.Event()
@@ -80,7 +90,7 @@ class Router:
 
     @property
     def in_flight(self) -> int:
-        return len(self._routes)
+        return len(self._requests)
 
     def start(self) -> None:
         """Start polling the leaders (call from the running loop)."""
@@ -98,9 +108,9 @@ class Router:
         except asyncio.TimeoutError:
             log.warning("%d request(s) still running after %.1f s drain: ending them",
                         self.in_flight, drain_timeout_s)
-            for request_id in list(self._routes):
+            for state in list(self._requests.values()):
                 self.pump.deliver(TokenEvent(
-                    request_id, finish_reason="error", source="router",
+                    state.attempt_id, finish_reason="error", source="router",
                     error=f"the router shut down before the request finished (drain limit "
                           f"{drain_timeout_s:g} s): retry it"))
             try:
@@ -111,120 +121,182 @@ class Router:
         if self._background:
             await asyncio.wait(self._background, timeout=drain_timeout_s)
 
+    def instance_failed(self, name: str, reason: str) -> None:
+        """``name`` is dead or hung (the health monitor says so; call on the router loop):
+        every request watching it reacts now, without waiting for a poll to fail, and every
+        call in flight to it fails now (a reserve on it tries the next decode). Before its
+        first token a request is placed again elsewhere; after it, it ends UNAVAILABLE.
+
+        Raises:
+            KeyError: ``name`` is no instance of this router.
+        """
+        self.flow.leader(name).abandon_calls(f"{name} failed: {reason}")
+        told = self.pump.fail_instance(name, f"{name} failed: {reason}")
+        log.warning("%s failed (%s): %d request(s) affected", name, reason, told)
+
     async def generate(self, inp: GenerateInput) -> AsyncIterator[OutputChunk]:
         """Run one request; yields chunks, the last with finish_reason and stats.
 
         Raises:
             RequestError: bad input (INVALID_ARGUMENT), no capacity (RESOURCE_EXHAUSTED),
-                a stuck request (DEADLINE_EXCEEDED), a failed instance (UNAVAILABLE /
-                INTERNAL), or shutting down (UNAVAILABLE).
+                a stuck request (DEADLINE_EXCEEDED), failed instances on every attempt or
+                after the first token (UNAVAILABLE), a worker's error for this request
+                (INTERNAL), or shutting down (UNAVAILABLE).
         """
         try:
-            spec = await self._accept(inp)
+            state = self._open(inp.request_id or uuid.uuid4().hex)
+            spec = await self._accept(inp, state)
         except RequestError as exc:
             self.metrics.request_rejected(exc.code)
             raise
         progress = StreamProgress(spec, self.model, time.monotonic())
-        queue = self.pump.register(spec.request_id)
-        self._routes[spec.request_id] = None
-        self._idle.clear()
         try:
-            route = await self._place(spec, progress)
-            self._routes[spec.request_id] = route
-            self.pump.watch(spec.request_id, route.instances)
-            await self.flow.launch(spec, route)
-            async for chunk in self._stream(spec, route, queue, progress):
+            async for chunk in self._serve(state, spec, progress):
                 yield chunk
         except RequestError as exc:
             self._record(progress, outcome=exc.code)
             raise
         finally:
-            self._end(spec.request_id, progress)
+            self._close(state, progress)
 
-    async def _place(self, spec: RequestSpec, progress: StreamProgress) -> Route:
-        """flow.place; a failure here is a rejection (nothing was computed)."""
+    async def _serve(self, state: InFlight, spec: RequestSpec,
+                     progress: StreamProgress) -> AsyncIterator[OutputChunk]:
+        """Attempts until one streams to its finish, the request is aborted, or the
+        attempts run out (UNAVAILABLE naming every failure)."""
+        while not state.aborted:
+            try:
+                async for chunk in self._attempt(state, spec, progress):
+                    yield chunk
+                if progress.done:
+                    return
+            except InstanceFailure as exc:
+                if progress.completion_tokens:
+                    raise RequestError("UNAVAILABLE", f"{exc.message}; {progress.completion_tokens}"
+                                       " token(s) were already streamed, so it is not run "
+                                       "again: retry the request") from None
+                state.attempt_failed(exc, self.max_attempts)
+                log.warning("request %s: %s; placing it again", state.request_id, exc.message)
+        progress.done = True
+        self._record(progress, outcome="abort")
+        yield OutputChunk(state.request_id, finish_reason="abort",
+                          stats=progress.stats(state.route, time.monotonic()))
+
+    async def _attempt(self, state: InFlight, spec: RequestSpec,
+                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
+        """One placement under a fresh attempt id: place -> launch -> stream. Returns without
+        a chunk when aborted while placing.
+
+        Raises:
+            InstanceFailure: an instance it depends on failed (the caller may place again).
+        """
+        attempt = Attempt(self.flow, self.pump, replace(
+            spec, request_id=f"{state.request_id}@{next(self._attempt_numbers)}"), self._spawn)
+        state.attempt_id = attempt.spec.request_id
         try:
-            return await self.flow.place(spec, progress.start + self.request_timeout_s)
+            route = await self._place(state, attempt.spec, progress)
+            if route is None:
+                return
+            state.route = route
+            attempt.placed(route)
+            if not state.aborted:  # else its abort event is already queued
+                attempt.launch()
+            async for chunk in self._stream(state, attempt, progress):
+                yield chunk
+        finally:
+            attempt.end()
+
+    async def _place(self, state: InFlight, spec: RequestSpec,
+                     progress: StreamProgress) -> Route | None:
+        """flow.place; None when aborted meanwhile. A failure before any attempt failed is a
+        rejection (nothing was computed)."""
+        try:
+            return await self.flow.place(spec, progress.start + self.request_timeout_s,
+                                         state.avoid)
         except RequestError as exc:
-            progress.recorded = True
-            self.metrics.request_rejected(exc.code)
+            if state.aborted:
+                return None
+            if not state.failures:
+                progress.recorded = True
+                self.metrics.request_rejected(exc.code)
             raise
 
-    async def _stream(self, spec: RequestSpec, route: Route, queue: asyncio.Queue,
+    async def _stream(self, state: InFlight, attempt: Attempt,
                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        route = attempt.route
         while True:
-            event = await self._next_event(queue, route)
+            event = await self._next_event(state, attempt, progress)
             tokens = progress.add(event, time.monotonic())
             finish = progress.finish_reason(event)
-            admit = None
+            handover = None
             if progress.first_event_now:  # NOTE: runs while the first token goes out
-                admit = self._spawn(
-                    self.flow.on_first_token(route, tokens[0], finished=finish is not None))
+                handover = attempt.first_token(tokens[0], finished=finish is not None)
             text = detok.add(tokens) if detok else ""
             if finish and detok:
                 text += detok.flush()
             if finish:
-                if admit:
-                    await admit
+                if handover:  # NOTE: frees the reservation before the load is given back
+                    await handover
+                # NOTE: a finish the router made (EOS / max_tokens the leader did not report,
+                # an abort) leaves the request running on the workers: the attempt aborts it.
+                route.workers_done = (event.source != "router"
+                                      and event.finish_reason in ("stop", "length"))
                 progress.done = True
-                if event.finish_reason is None:
-                    # NOTE: the router stopped it (EOS / max_tokens the leader did not report):
-                    # stop it on the workers too so its KV is freed.
-                    self._spawn(self.flow.abort(route))
                 self._record(progress, outcome=finish)
-                yield OutputChunk(spec.request_id, tokens, text, finish,
+                yield OutputChunk(state.request_id, tokens, text, finish,
                                   progress.stats(route, time.monotonic()))
                 return
-            yield OutputChunk(spec.request_id, tokens, text)
-            if admit:
-                await admit
+            yield OutputChunk(state.request_id, tokens, text)
 
-    async def _next_event(self, queue: asyncio.Queue, route: Route) -> TokenEvent:
-        try:
-            event = await asyncio.wait_for(queue.get(), self.request_timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestError(
-                "DEADLINE_EXCEEDED",
-                f"request {route.request_id}: no tokens from {sorted(route.instances)} within "
-                f"router.request_timeout_s={self.request_timeout_s:g} s: the instance may be "
-                "overloaded or stuck; check `orch status` and the worker logs, or raise "
-                "router.request_timeout_s") from None
-        if event.finish_reason == "error":
-            code = "UNAVAILABLE" if event.source == "router" else "INTERNAL"
-            where = f" on {event.instance}" if event.instance else ""
-            raise RequestError(code, f"request {route.request_id} failed{where}: {event.error}")
-        return event
+    async def _next_event(self, state: InFlight, attempt: Attempt,
+                          progress: StreamProgress) -> TokenEvent:
+        """The attempt's next event; raises an error event as its RequestError."""
+        route = attempt.route
+        while True:
+            try:
+                event = await asyncio.wait_for(attempt.queue.get(), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestError(
+                    "DEADLINE_EXCEEDED",
+                    f"request {state.request_id}: no tokens from {sorted(route.instances)} "
+                    f"within router.request_timeout_s={self.request_timeout_s:g} s: the "
+                    "instance may be overloaded or stuck; check `orch status` and the worker "
+                    "logs, or raise router.request_timeout_s") from None
+            if progress.completion_tokens and event.instance not in ("", route.main):
+                continue  # NOTE: prefill's failure, queued before the first token moved on
+            if event.finish_reason != "error":
+                return event
+            raise event_error(state.request_id, event)
 
-    async def _accept(self, inp: GenerateInput) -> RequestSpec:
+    def _open(self, request_id: str) -> InFlight:
+        """Know the request from now on (an Abort finds it even while it is tokenized)."""
         if not self._accepting:
             raise RequestError("UNAVAILABLE", "the router is shutting down: retry on another "
                                               "router or after it restarts")
-        request_id = inp.request_id or uuid.uuid4().hex
-        self._check_new(request_id)
-        # NOTE: tokenizing a long prompt takes seconds; off the event loop, other streams go on.
-        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
-        self._check_new(request_id)  # another request may have taken the id meanwhile
-        return RequestSpec(request_id=request_id, prompt_token_ids=ids,
-                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
-
-    def _check_new(self, request_id: str) -> None:
-        if request_id in self._routes:
+        if request_id in self._requests:
             raise RequestError("INVALID_ARGUMENT",
                                f"request id {request_id!r} is already in flight: use a unique "
                                "request_id or leave it empty for a generated one")
+        state = self._requests[request_id] = InFlight(request_id)
+        self._idle.clear()
+        return state
 
-    def _end(self, request_id: str, progress: StreamProgress) -> None:
-        """Every exit path: abort what is still running, return load, forget the request."""
-        route = self._routes.pop(request_id, None)
-        self.pump.unregister(request_id)
-        if not progress.done:
+    async def _accept(self, inp: GenerateInput, state: InFlight) -> RequestSpec:
+        """Validate + tokenize (off the loop: a long prompt takes seconds) + seed."""
+        try:
+            ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
+        except BaseException:
+            self._close(state, None)
+            raise
+        return RequestSpec(request_id=state.request_id, prompt_token_ids=ids,
+                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
+
+    def _close(self, state: InFlight, progress: StreamProgress | None) -> None:
+        """Every exit path: forget the request (its attempt already cleaned up after itself)."""
+        self._requests.pop(state.request_id, None)
+        if progress is not None and not progress.done:
             self._record(progress, outcome="cancelled")  # no-op when already recorded
-        if route is not None:
-            if not progress.done:
-                self._spawn(self.flow.abort(route))
-            self.flow.release(route)
-        if not self._routes:
+        if not self._requests:
             self._idle.set()
 
     def _record(self, progress: StreamProgress, outcome: str) -> None:
@@ -244,15 +316,20 @@ class Router:
         return task
 
     async def abort(self, request_id: str) -> bool:
-        """Abort an in-flight request; its stream ends with finish_reason "abort"."""
-        route = self._routes.get(request_id)
-        if route is None:  # unknown, or still waiting for a reservation
-            return request_id in self._routes and self.flow.cancel_waiting(
-                request_id, RequestError("CANCELLED", f"request {request_id} was aborted while "
-                                                      "it waited for decode KV blocks"))
-        await self.flow.abort(route)
-        return self.pump.deliver(TokenEvent(request_id, finish_reason="abort",
-                                            source="router", instance=route.main))
+        """Abort a request the router knows, at whatever step it is (tokenizing, waiting
+        for blocks, reserving, launching, streaming): each later step checks the mark, the
+        stream ends with finish_reason "abort" and the attempt is aborted on every instance
+        it touched. False for an unknown or ended id."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        state.aborted = True
+        if state.attempt_id:
+            self.flow.cancel_waiting(state.attempt_id, RequestError(
+                "CANCELLED", f"request {request_id} was aborted"))
+            self.pump.deliver(TokenEvent(state.attempt_id, finish_reason="abort",
+                                         source="router"))
+        return True
 
     async def status(self) -> list[InstanceStatusInfo]:
         """Every leader's ``status()`` (bounded); unreachable ones are named, not hidden."""

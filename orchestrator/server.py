@@ -3,19 +3,23 @@
 Errors leave as gRPC status codes carrying :class:`RequestError` messages. The edge
 (``orchestrator.interceptors``): optional bearer-token auth, then requests that are too big
 or cannot be parsed answered INVALID_ARGUMENT before the servicer sees them; optional TLS
-(``orchestrator.security``). Stop order: health
-NOT_SERVING (load balancers stop sending), router refuses new requests and drains in-flight
-ones (bounded), ``server.stop(grace)``.
+(``orchestrator.security``). The health service says SERVING while every role has a healthy
+instance (the health monitor's view), NOT_SERVING while some role has none, and from the
+start of shutdown on. Stop order: health NOT_SERVING (load balancers stop sending), router
+refuses new requests and drains in-flight ones (bounded), the health monitor stops,
+``server.stop(grace)``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from orchestrator import convert
+from orchestrator.health import InstanceHealth
 from orchestrator.interceptors import RequestGuard, TokenAuth
 from orchestrator.limits import DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes
 from orchestrator.request import RequestError
@@ -23,6 +27,7 @@ from orchestrator.router import Router
 from orchestrator.rpc import orch_pb2 as pb
 from orchestrator.rpc import orch_pb2_grpc as pb_grpc
 from orchestrator.security import EdgeSecurity
+from orchestrator.status import StatusBoard
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "orch.v1.Orch"
@@ -33,10 +38,10 @@ class PortInUseError(RuntimeError):
 
 
 class OrchServicer(pb_grpc.OrchServicer):
-    """Maps the Orch RPCs onto a :class:`Router`."""
+    """Maps the Orch RPCs onto a :class:`Router` and its :class:`StatusBoard`."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, router: Router, board: StatusBoard) -> None:
+        self.router, self.board = router, board
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -62,8 +67,8 @@ class OrchServicer(pb_grpc.OrchServicer):
 
     async def GetStatus(self, request: pb.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
-        statuses = await self.router.status()
-        return convert.status_to_proto(statuses, self.router.in_flight, self.router.model.name)
+        views = await self.board.views()  # NOTE: bounded, whatever the instances do
+        return convert.status_to_proto(views, self.router.in_flight, self.router.model.name)
 
 
 class OrchServer:
@@ -71,6 +76,8 @@ class OrchServer:
 
     Args:
         router: the router (started by :meth:`start`).
+        board: instance rows for GetStatus; its health monitor is started by :meth:`start`
+            and drives the gRPC health service.
         host, port: where to listen (port 0 = any free port; see ``self.port``).
         security: TLS key pair and bearer token (default: plaintext, no token).
         max_message_bytes: gRPC's receive limit (``router.max_message_bytes``), raised to the
@@ -78,12 +85,14 @@ class OrchServer:
             edge; only one over it gets gRPC's own RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, router: Router, host: str, port: int,
+    def __init__(self, router: Router, board: StatusBoard, host: str, port: int,
                  security: EdgeSecurity = EdgeSecurity(),
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self.router = router
+        self.router, self.monitor = router, board.monitor
         self.security = security
         self.health = health.aio.HealthServicer()
+        self._serving: bool | None = None  # what the health service says now
+        self._health_updates: set[asyncio.Task] = set()
         max_len = router.model.max_model_len
         limit = max_request_bytes(max_len, router.tokenizer.max_token_bytes
                                   if router.tokenizer is not None else None)
@@ -97,7 +106,7 @@ class OrchServer:
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
-        pb_grpc.add_OrchServicer_to_server(OrchServicer(router), self.server)
+        pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = f"{host}:{port}"
         self.port = 0
@@ -118,14 +127,41 @@ class OrchServer:
             raise PortInUseError(f"cannot listen on {self.address} ({exc}): pick a free "
                                  "router.port or stop what uses it") from None
         self.router.start()
+        self.monitor.add_listener(self._on_health)
+        self.monitor.start()
         await self.server.start()
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._serving = not self.monitor.roles_without_healthy()
+        await self._publish(self._serving)
         return self.port
 
     async def stop(self, grace_s: float) -> None:
-        """NOT_SERVING, drain the router (bounded by ``grace_s``), then stop the server."""
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """NOT_SERVING, drain the router (bounded by ``grace_s``), stop the health monitor,
+        then stop the server."""
+        self.monitor.remove_listener(self._on_health)
+        if self._health_updates:
+            await asyncio.wait(self._health_updates, timeout=grace_s)
+        self._serving = False
+        await self._publish(False)
         await self.router.stop(drain_timeout_s=grace_s)
+        await self.monitor.stop()
         await self.server.stop(grace_s)
+
+    def _on_health(self, changed: InstanceHealth) -> None:
+        """Monitor listener: NOT_SERVING while some role has no healthy instance."""
+        missing = self.monitor.roles_without_healthy()
+        if (not missing) == self._serving:
+            return
+        if missing:
+            log.warning("no healthy %s instance: gRPC health NOT_SERVING until one is back",
+                        " or ".join(missing))
+        self._serving = not missing
+        # NOTE: updates run in creation order, so the last one wins.
+        task = asyncio.create_task(self._publish(self._serving))
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _publish(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)

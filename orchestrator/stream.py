@@ -70,9 +70,11 @@ class StreamProgress:
         return (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
 
     def stats(self, route, now: float) -> RequestStats:
-        """Final statistics (``route`` gives the instance names)."""
+        """Final statistics (``route`` gives the instance names; None: never placed)."""
+        main = route.main if route is not None else ""
         return RequestStats(
             prompt_tokens=self.spec.num_prompt_tokens,
             completion_tokens=self.completion_tokens, ttft_s=self.ttft() or 0.0,
             tpot_s=self.tpot() or 0.0, e2e_s=now - self.start,
-            prefill_instance=route.prefill or route.main, decode_instance=route.main)
+            prefill_instance=(route.prefill if route is not None else "") or main,
+            decode_instance=main)

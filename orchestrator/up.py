@@ -16,7 +16,7 @@ import socket
 import sys
 
 from engine import envs
-from orchestrator.assemble import build_router
+from orchestrator.assemble import build_board, build_monitor, build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
 from orchestrator.cluster import Cluster, bring_up, connect_ray
 from orchestrator.config import OrchConfig
@@ -131,14 +131,27 @@ def _worker_logs_dir() -> str:
     return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
 
 
+def _ranks_of(cluster: Cluster):
+    """Instance name -> its current rank handles (looked up each time: restarts replace
+    entries of ``cluster.instances``)."""
+    def ranks_of(name: str) -> list:
+        return next(inst.ranks for inst in cluster.instances if inst.cfg.name == name)
+    return ranks_of
+
+
 async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
                  security: EdgeSecurity) -> None:
     metrics = make_metrics(cfg)
-    router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics)
-    server = OrchServer(router, cfg.router.host, cfg.router.port, security,
+    monitor = build_monitor(cfg, _ranks_of(cluster))
+    if metrics is not None:
+        metrics.track_health(monitor)
+    router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
+                          healthy=monitor.is_healthy)
+    board = build_board(cfg, router, monitor)
+    server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
                         cfg.router.max_message_bytes)
     port = await server.start()
-    reporter = asyncio.create_task(router.report_instances(period_s=1.0))
+    reporter = asyncio.create_task(board.report(period_s=1.0))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -70,7 +70,8 @@ class OrchServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Instances, ranks, queue depths, free blocks.
+        """Instances: health, ranks, queue depths, free blocks (bounded: answers within a few seconds
+        even when an instance hangs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

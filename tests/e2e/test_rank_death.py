@@ -2,7 +2,7 @@
 
 A decode rank process killed with SIGKILL while a request streams: the request ends with an
 explicit gRPC error (UNAVAILABLE or INTERNAL) within a bound and `orch status` shows the
-instance unreachable (README, Failures: orch does not restart ranks yet). Then SIGINT: orch
+instance unhealthy, naming the dead rank (exit code 3). Then SIGINT: orch
 exits 0 and none of its placement groups is left alive in the cluster it joined.
 """
 
@@ -23,6 +23,7 @@ from tests.e2e.harness import REPO, OrchProcess, descendants
 REQUEST_TIMEOUT_S = 60.0
 ERROR_WITHIN_S = 30.0  # well under REQUEST_TIMEOUT_S: the failure is seen, not timed out
 MAX_TOKENS = 400
+UNHEALTHY_WITHIN_S = 5.0  # health.probe_interval_s (1 s) + `orch status` start-up
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def live_orch_groups(ray) -> dict[str, str]:
             if pg["name"].startswith("orch-") and pg["state"] != "REMOVED"}
 
 
-def test_killed_decode_rank_fails_its_request_and_shows_unreachable(joined):
+def test_killed_decode_rank_fails_its_request_and_shows_unhealthy(joined):
     _, follower = decode_rank_pids()
     with grpc.insecure_channel(joined.address) as channel:
         call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
@@ -82,13 +83,19 @@ def test_killed_decode_rank_fails_its_request_and_shows_unreachable(joined):
     assert "decode-0" in err.value.details()
     assert took < ERROR_WITHIN_S and len(got) < MAX_TOKENS, (took, len(got))
 
-    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--address",
-                           joined.address, "--timeout", "30"],
-                          capture_output=True, text=True, timeout=90, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert any(line.startswith("decode-0 (unreachable: ") for line in lines), done.stdout
-    assert any(line.split()[:2] == ["prefill-0", "prefill"] for line in lines), done.stdout
+    deadline = time.monotonic() + UNHEALTHY_WITHIN_S
+    while True:
+        done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status",
+                               "--address", joined.address, "--timeout", "30"],
+                              capture_output=True, text=True, timeout=90, cwd=REPO)
+        if done.returncode != 0 or time.monotonic() > deadline:
+            break
+    assert done.returncode == 3, done  # some instance is not healthy
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
+            if line and not line.startswith(" ")}
+    assert rows["decode-0"][1:4] == ["decode", "2", "unhealthy"], done.stdout
+    assert "rank 1 is gone" in done.stdout, done.stdout
+    assert rows["prefill-0"][1:4] == ["prefill", "1", "healthy"], done.stdout
 
 
 def test_sigint_exits_0_and_removes_the_placement_groups(joined, ray_session):

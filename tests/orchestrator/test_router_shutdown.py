@@ -22,16 +22,18 @@ def test_abort_rpc_ends_a_request_waiting_for_kv_blocks():
         with OrchClient(h.address) as client:
             stream = client.generate(token_ids=[3], request_id="queued", max_tokens=2)
             result = {}
-            t = threading.Thread(target=lambda: result.update(err=_error_of(stream)),
+            t = threading.Thread(target=lambda: result.update(chunks=list(stream)),
                                  daemon=True)
             t.start()
             assert _wait_for(lambda: h.call_in_loop(lambda: h.router.flow.admission.waiting) == 1)
             assert client.abort("queued")
             t.join(5)
             assert not t.is_alive()
-        assert result["err"].code() == grpc.StatusCode.CANCELLED
-        assert "aborted while it waited for decode KV blocks" in result["err"].details()
+        (last,) = result["chunks"]
+        assert last.finish_reason == "abort" and last.token_ids == ()
+        assert last.stats.completion_tokens == 0 and last.stats.decode_instance == ""
         assert h.call_in_loop(lambda: h.router.flow.admission.waiting) == 0
+        assert h.metrics.finished == [("abort", 1, 0)]
     finally:
         h.close()
 
@@ -72,6 +74,7 @@ def test_stop_ends_queued_requests_at_once_and_stuck_ones_after_the_drain():
 def test_second_server_on_the_same_port_is_refused():
     import asyncio
 
+    from orchestrator.assemble import build_board
     from orchestrator.server import OrchServer, PortInUseError
 
     h = Harness()
@@ -79,7 +82,8 @@ def test_second_server_on_the_same_port_is_refused():
         port = int(h.address.rsplit(":", 1)[1])
 
         async def start_second():
-            await OrchServer(h.router, "127.0.0.1", port).start()
+            board = build_board(h.cfg, h.router, h.monitor)
+            await OrchServer(h.router, board, "127.0.0.1", port).start()
 
         with pytest.raises(PortInUseError, match="pick a free router.port"):
             asyncio.run_coroutine_threadsafe(start_second(), h.loop).result(10)

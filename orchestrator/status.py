@@ -1,0 +1,104 @@
+"""What `orch status` and the metrics show per instance: health plus load, always bounded.
+
+:class:`InstanceView` is one row (also the client-side value of ``GetStatus``; no torch or Ray
+here). :class:`StatusBoard` builds the rows on the router: the monitor's cached health, and for
+each healthy instance its leader's ``status()`` bounded by ``health.status_timeout_s`` (an
+unhealthy one is not asked: a hung rank would only make the answer late). A leader whose own
+status says it is broken is reported to the monitor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefill_worker.messages import InstanceStatusInfo
+from orchestrator.health import HealthMonitor
+from orchestrator.leader import LeaderClient, LeaderError
+
+log = logging.getLogger(__name__)
+# NOTE: the InstanceStatusInfo field in which a leader says it is out of service ("" = fine);
+# read with getattr so that leaders without it count as fine.
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One instance as `orch status` shows it.
+
+    Attributes:
+        name, role, tp: from the deployment (known even when the instance does not answer).
+        health: "healthy", "unhealthy" or "recovering" (``orchestrator.health.Health``).
+        detail: why it is not healthy, or why its status is missing ("" otherwise).
+        status: the leader's snapshot; None when it was not asked or did not answer.
+    """
+
+    name: str
+    role: str
+    tp: int
+    health: str
+    detail: str = ""
+    status: InstanceStatusInfo | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == "healthy"
+
+
+class InstanceMetrics(Protocol):
+    """The part of the router's metrics the board feeds (``RouterMetrics``, ``NoMetrics``)."""
+
+    def update_instances(self, statuses: list[InstanceStatusInfo]) -> None: ...
+
+
+class StatusBoard:
+    """Bounded instance rows for ``GetStatus`` and the metrics reporter (router loop only).
+
+    Args:
+        leaders: every instance leader.
+        tps: instance name -> tp.
+        monitor: the :class:`orchestrator.health.HealthMonitor` of those instances.
+        metrics: gets ``update_instances(statuses)`` with every set of answers (each answer's
+            transfer records arrive once, so every status call must pass through here).
+        status_timeout_s: bound of one leader's ``status()`` (seconds).
+    """
+
+    def __init__(self, leaders: list[LeaderClient], tps: dict[str, int], monitor: HealthMonitor,
+                 metrics: InstanceMetrics, status_timeout_s: float) -> None:
+        self.leaders, self.tps, self.monitor = leaders, tps, monitor
+        self.metrics, self.status_timeout_s = metrics, status_timeout_s
+
+    async def views(self) -> list[InstanceView]:
+        """One row per instance, in leader order; returns within ``status_timeout_s`` plus
+        scheduling time, whatever the instances do."""
+        views = list(await asyncio.gather(*(self._view(l) for l in self.leaders)))
+        self.metrics.update_instances([v.status for v in views if v.status is not None])
+        return views
+
+    async def report(self, period_s: float) -> None:
+        """Forever: refresh the metrics (and broken-leader reports) every ``period_s``."""
+        while True:
+            try:
+                await self.views()
+            except Exception:  # noqa: BLE001 -- the reporter must outlive any one failure
+                log.exception("instance status report failed")
+            await asyncio.sleep(period_s)
+
+    async def _view(self, leader: LeaderClient) -> InstanceView:
+        health = self.monitor.get(leader.name)
+        row = dict(name=leader.name, role=leader.role, tp=self.tps[leader.name],
+                   health=health.state.value)
+        if health.reason:
+            return InstanceView(**row, detail=health.reason)
+        try:
+            status = await leader.call("status", timeout_s=self.status_timeout_s)
+        except LeaderError as exc:
+            self.monitor.probe_soon(leader.name)  # NOTE: a dead rank shows at the next look
+            return InstanceView(**row, detail=f"no status: {exc}")
+        if status.broken:
+            self.monitor.report_failure(leader.name, f"its leader says: {status.broken}")
+            health = self.monitor.get(leader.name)
+            return InstanceView(**{**row, "health": health.state.value}, detail=health.reason,
+                                status=status)
+        return InstanceView(**row, status=status)

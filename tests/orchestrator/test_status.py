@@ -1,0 +1,134 @@
+"""Health as a client sees it: placement skips unhealthy instances, GetStatus is bounded and
+shows health, `orch status` rows and exit code, gRPC health per role, health metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator import cli
+from orchestrator.client import OrchClient
+from orchestrator.health import Health, HealthMonitor
+from orchestrator.metrics import RouterMetrics
+from prefill_worker.messages import InstanceStatusInfo
+from tests.orchestrator.harness import Harness
+
+
+@pytest.fixture
+def harness():
+    h = Harness()
+    yield h
+    h.close()
+
+
+def fail(h: Harness, name: str, reason: str) -> None:
+    h.call_in_loop(lambda: h.monitor.report_failure(name, reason))
+
+
+def serving(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="orch.v1.Orch"), timeout=5).status
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_no_healthy_instance_of_a_role_is_unavailable_and_not_serving(harness, role):
+    assert serving(harness.address) == health_pb2.HealthCheckResponse.SERVING
+    fail(harness, f"{role}-0", "rank 1 is gone (ActorDiedError)")
+    with OrchClient(harness.address) as client, pytest.raises(grpc.RpcError) as err:
+        list(client.generate(token_ids=[3], max_tokens=2, timeout_s=10))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"no healthy {role} instance ({role}-0 out of service)" in err.value.details()
+    # NOTE: nothing was reserved or launched anywhere (no decode blocks held for a request
+    # that has no prefill instance).
+    assert harness.call_in_loop(lambda: harness.fakes["decode-0"].calls) == []
+    assert harness.call_in_loop(lambda: harness.fakes["prefill-0"].calls) == []
+    wait_for(lambda: serving(harness.address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def test_status_shows_health_and_skips_asking_an_unhealthy_instance(harness, capsys):
+    asked = []
+    fake = harness.fakes["decode-0"]
+    real_status = fake.status
+    fake.status = lambda: asked.append(1) or real_status()
+    assert cli.main(["status", "--address", harness.address]) == 0
+    fail(harness, "decode-0", "rank 1 did not answer a ping")
+    asked.clear()
+    capsys.readouterr()
+
+    assert cli.main(["status", "--address", harness.address]) == cli.EXIT_UNHEALTHY
+    out, err = capsys.readouterr()
+    rows = {line.split()[0]: line for line in out.splitlines()[2:]
+            if not line.startswith(" ")}
+    assert rows["decode-0"].split()[:8] == ["decode-0", "decode", "1", "unhealthy",
+                                            "-", "-", "-", "-"]
+    assert rows["decode-0"].endswith("rank 1 did not answer a ping; automatic recovery is "
+                                     "off: restart `orch up`")
+    assert rows["prefill-0"].split()[:8] == ["prefill-0", "prefill", "1", "healthy",
+                                             "0", "0", "10/10", "0"]
+    assert "not healthy: decode-0" in err
+    assert asked == []
+
+
+def test_status_answers_within_its_bound_when_a_leader_hangs(harness):
+    async def hang():
+        await asyncio.Event().wait()
+
+    harness.fakes["decode-0"].status = hang
+    start = time.monotonic()
+    with OrchClient(harness.address) as client:
+        instances, _, _ = client.status(timeout_s=10)
+    took = time.monotonic() - start
+    assert took < harness.cfg.health.status_timeout_s + 1.0, took
+    decode = instances[1]
+    assert (decode.name, decode.tp, decode.health, decode.status) == ("decode-0", 1,
+                                                                      "healthy", None)
+    assert decode.detail.startswith("no status: decode-0.status did not answer within 2.0 s")
+    assert instances[0].status.free_blocks == 10
+
+
+@dataclass(frozen=True)
+class BrokenStatus(InstanceStatusInfo):
+    broken: str = ""
+
+
+def test_a_leader_that_says_it_is_broken_turns_unhealthy(harness):
+    harness.fakes["prefill-0"].status = lambda: BrokenStatus(
+        name="prefill-0", role="prefill", tp=1, broken="rank 1 is gone")
+    with OrchClient(harness.address) as client:
+        instances, _, _ = client.status()
+    assert instances[0].health == "unhealthy"
+    assert instances[0].detail.startswith("its leader says: rank 1 is gone")
+    assert not harness.call_in_loop(lambda: harness.monitor.is_healthy("prefill-0"))
+
+
+def test_health_metrics_follow_the_monitor():
+    async def scenario():
+        monitor = HealthMonitor({"prefill-0": "prefill", "decode-0": "decode"},
+                                lambda name: [], probe_interval_s=1, probe_timeout_s=1)
+        metrics = RouterMetrics()
+        metrics.track_health(monitor)
+        monitor.report_failure("decode-0", "gone")
+        return metrics, monitor.get("decode-0").state
+
+    metrics, state = asyncio.run(scenario())
+    assert state is Health.UNHEALTHY
+    value = metrics.registry.get_sample_value
+    assert value("orch_instance_healthy", {"instance": "prefill-0", "role": "prefill"}) == 1
+    assert value("orch_instance_healthy", {"instance": "decode-0", "role": "decode"}) == 0
+    assert value("orch_health_transitions_total",
+                 {"instance": "decode-0", "state": "unhealthy"}) == 1
+    assert value("orch_health_transitions_total",
+                 {"instance": "prefill-0", "state": "unhealthy"}) is None
