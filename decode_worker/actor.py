@@ -246,11 +246,13 @@ class DecodeRank(LeaderRank):
 
     def _fail_reserved(self, request_id: str, error: str, kv_failed: bool) -> None:
         """End a reserved request with ``error`` and free its blocks; ``kv_failed``: its KV
-        broke or was missing (counted in ``kv_failures``)."""
+        broke or was missing (counted in ``kv_failures``). Never the request's own fault, so
+        the event is retryable (the router places it again while no token was streamed)."""
         if self._drop_reserved(request_id) is not None:
             if kv_failed:
                 self.kv_failures += 1
-            self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name))
+            self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name,
+                                 retryable=True))
 
     def step(self) -> bool:
         settled = self._settle_reserved()

@@ -257,9 +257,9 @@ class DisaggregatedFlow(Flow):
 
 
 def _none_healthy(policy: Policy, role: str) -> RequestError:
-    return RequestError("UNAVAILABLE", f"no healthy {role} instance (of "
-                                       f"{', '.join(policy.instances)}): retry later; "
-                                       "`orch status` shows the instances")
+    return RequestError("UNAVAILABLE", f"no healthy {role} instance "
+                                       f"({', '.join(policy.instances)} out of service): "
+                                       "retry later; `orch status` shows why")
 
 
 async def _call_or_fail(leader: LeaderClient, method: str, *args: object) -> object:

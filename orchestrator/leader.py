@@ -82,8 +82,8 @@ class LeaderClient:
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not answer.done():
-                    answer.cancel()
-            if not answer.cancelled():
+                    answer.cancel()  # NOTE: takes effect later: done() stays False for now
+            if answer.done():
                 return answer.result()
         except asyncio.CancelledError:
             raise

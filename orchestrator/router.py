@@ -26,7 +26,7 @@ from orchestrator.attempt import Attempt, InFlight, event_error
 from orchestrator.checkpoint import ModelInfo
 from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.flow import Flow, Route
-from orchestrator.leader import EventPump, LeaderError
+from orchestrator.leader import EventPump
 from orchestrator.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.stream import StreamProgress
 from orchestrator.validate import validate_request
@@ -330,24 +330,6 @@ class Router:
             self.pump.deliver(TokenEvent(state.attempt_id, finish_reason="abort",
                                          source="router"))
         return True
-
-    async def status(self) -> list[InstanceStatusInfo]:
-        """Every leader's ``status()`` (bounded); unreachable ones are named, not hidden."""
-        async def one(leader) -> InstanceStatusInfo:
-            try:
-                return await leader.call("status")
-            except LeaderError as exc:
-                return InstanceStatusInfo(name=f"{leader.name} (unreachable: {exc})",
-                                          role=leader.role, tp=0)
-        statuses = list(await asyncio.gather(*(one(l) for l in self.flow.leaders)))
-        self.metrics.update_instances(statuses)
-        return statuses
-
-    async def report_instances(self, period_s: float = 1.0) -> None:
-        """Forever: push instance status to the metrics every ``period_s`` seconds."""
-        while True:
-            await self.status()
-            await asyncio.sleep(period_s)
 
 
 def _forget(tasks: set[asyncio.Task]):

@@ -164,10 +164,11 @@ class PrefillRank(LeaderRank):
         drained = self._free_drained()
         return result is not None or drained or aborted
 
-    def fail_request(self, request_id: str, error: str) -> None:
+    def fail_request(self, request_id: str, error: str, retryable: bool = False) -> None:
         """Caller holds the lock: error event; its sends are aborted after the lock, its
         blocks freed once every rank's sends of it are idle."""
-        self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name))
+        self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name,
+                             retryable=retryable))
         req = self.scheduler.remove(request_id, free=False)
         res = self.reservations.pop(request_id, None)
         if req is not None and req.blocks is not None:

@@ -208,11 +208,12 @@ class LeaderRank(RankBase):
         except Exception as exc:  # noqa: BLE001 - isolated below
             return self._execute_each(out, step_inputs_for, exc)
 
-    def fail_request(self, request_id: str, error: str) -> None:
+    def fail_request(self, request_id: str, error: str, retryable: bool = False) -> None:
         """Role hook, leader, caller holds the lock: end one queued or running request with an
-        error event and free its blocks (exactly once). Never raises."""
+        error event and free its blocks (exactly once). ``retryable``: the instance failed,
+        not the request (the router may place it again). Never raises."""
         self.emit(TokenEvent(request_id, (), "error", error, source=self.source,
-                             instance=self.cfg.name))
+                             instance=self.cfg.name, retryable=retryable))
         self.scheduler.remove(request_id)
 
     def fail_requests(self, failed: dict[str, str]) -> None:
@@ -221,11 +222,12 @@ class LeaderRank(RankBase):
             self.fail_request(rid, error)
 
     def fail_all(self, error: str) -> None:
-        """End every queued or running request with ``error``; never raises."""
+        """End every queued or running request with ``error``, an instance failure (retryable
+        elsewhere); never raises."""
         with self._lock:
             for req in [*self.scheduler.running, *self.scheduler.waiting]:
                 try:
-                    self.fail_request(req.request_id, error)
+                    self.fail_request(req.request_id, error, retryable=True)
                 except Exception:  # noqa: BLE001 - the others still get their event
                     log.exception("%s: failing %s failed", self.cfg.name, req.request_id)
 

@@ -87,6 +87,11 @@ class RankBase(ABC):
             envs.GLOO_SOCKET_IFNAME.set_default("lo")
         torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
 
+    def __repr__(self) -> str:
+        # NOTE: Ray shows this as the actor's name (log prefixes, `ray list actors`,
+        # ray.util.state's repr_name), so a rank is found as "decode-0:1".
+        return f"{self.cfg.name}:{self.rank}"
+
     # ---- bring-up -----------------------------------------------------------------------
     def node_info(self) -> tuple[str, str]:
         """(Ray node id, device) of this rank."""

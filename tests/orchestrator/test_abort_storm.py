@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from orchestrator.assemble import build_router
+from orchestrator.assemble import build_board, build_monitor, build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
 from orchestrator.client import AsyncOrchClient
 from orchestrator.cluster import bring_up
@@ -79,7 +79,7 @@ async def _all_free(router) -> list:
     """Leader statuses once every block is free and nothing runs (bounded)."""
     deadline = time.monotonic() + FREE_WITHIN_S
     while True:
-        statuses = await router.status()
+        statuses = await asyncio.gather(*(l.call("status") for l in router.flow.leaders))
         idle = all(s.free_blocks == s.total_blocks and s.running == 0 and s.queue_depth == 0
                    for s in statuses)
         if idle or time.monotonic() > deadline:
@@ -89,7 +89,8 @@ async def _all_free(router) -> list:
 
 async def _storm(cfg: OrchConfig, leaders: dict, model, tokenizer):
     router = build_router(cfg, leaders, model, tokenizer, poll_timeout_s=0.2)
-    server = OrchServer(router, "127.0.0.1", 0)
+    monitor = build_monitor(cfg, lambda name: [leaders[name]])
+    server = OrchServer(router, build_board(cfg, router, monitor), "127.0.0.1", 0)
     client = AsyncOrchClient(f"127.0.0.1:{await server.start()}")
     try:
         rng = random.Random(SEED)

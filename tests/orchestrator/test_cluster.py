@@ -50,7 +50,7 @@ def test_bring_up_sequence_serving_and_teardown(ray_session):
             router.start()
             inp = GenerateInput(None, prompt, SamplingParams(max_tokens=5))
             chunks = [c async for c in router.generate(inp)]
-            statuses = await router.status()
+            statuses = await asyncio.gather(*(l.call("status") for l in router.flow.leaders))
             await router.stop(drain_timeout_s=5)
             return chunks, statuses
 

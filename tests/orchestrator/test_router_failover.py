@@ -183,7 +183,7 @@ def test_prefill_gone_unhealthy_while_reserving_frees_the_reservation(two_prefil
         h.call_in_loop(release.set)
         t.join(5)
     assert errors[0].code() == grpc.StatusCode.UNAVAILABLE
-    assert "no healthy prefill instance (of prefill-0, prefill-1)" in errors[0].details()
+    assert "no healthy prefill instance (prefill-0, prefill-1 out of service)" in errors[0].details()
     assert ("abort", "u@1") in _calls(h, "decode-0")
     assert _all_released(h)
 
