@@ -15,7 +15,7 @@ from orchestrator.config import OrchConfig
 from orchestrator.config_errors import ConfigError
 
 
-def role_tp_keys(cfg: OrchConfig) -> list[tuple[str, int]]:
+def _role_tp_keys(cfg: OrchConfig) -> list[tuple[str, int]]:
     """(key path, tp) of every role that runs: ``prefill.tp`` and ``decode.tp``, or only
     ``decode.tp`` in colocated mode (colocated instances are sized by the decode section)."""
     keys = [("decode.tp", cfg.decode.tp)]
@@ -44,7 +44,7 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
         return (f"tp layout: not checked ({source} is not a DeepSeek-V2/V3 config the engine "
                 f"reads: {type(exc).__name__}: {exc})")
-    keys = role_tp_keys(cfg)
+    keys = _role_tp_keys(cfg)
     for key, tp in keys:
         try:
             tp_layout(model, tp)
