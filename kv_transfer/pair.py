@@ -11,9 +11,19 @@ Rendezvous: the decode rank hosts a ``TCPStore`` server (:class:`Rendezvous`, po
 4. both build the group (prefill = rank 0, decode = rank 1) from ``PrefixStore(prefix/pg)``.
 
 Every record is announced by a doorbell key ``<prefix>/doorbell/<n>`` holding its msgpack
-header. The receiver blocks in ``store.get`` on it, so an idle receiver costs nothing and is
-woken at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time
+header. The receiver blocks in ``store.get`` on it, so an idle receiver is woken at once by a
+record or by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time
 out on an idle pair (a timed-out gloo wait closes the pair).
+
+Liveness: the sender adds 1 to ``<prefix>/alive`` every ``heartbeat_s`` (:meth:`PairGroup.beat`);
+the receiver's doorbell wait wakes every ``heartbeat_s`` to look, and gives the pair up when
+the counter stood still for ``peer_timeout_s`` (prefill rank dead or hung). A gloo wait can
+not serve as a probe: a timed-out one closes the pair.
+
+Dead addresses: :func:`connect` first opens a plain TCP connection (bounded), so a decode
+rank whose process is gone is reported at once ("connection refused") instead of after the
+store client's retries for ``connect_timeout_s``. A hung one (SIGSTOP: the kernel still
+accepts TCP) would hold TCPStore's constructor forever: it is bounded by :func:`_open_store`.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -36,7 +48,7 @@ from kv_transfer.errors import TransferError, TransferTimeout, WireError
 log = logging.getLogger(__name__)
 PREFILL, DECODE = 0, 1  # ranks inside a pair group
 STOP = b"stop"  # doorbell value that ends a receiver's wait
-_IDLE_WAIT_S = 3600.0  # one store wait of an idle receiver (it just waits again)
+_PROBE_S = 5.0  # bound on the plain TCP connect that tells a dead address at once
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -74,21 +86,39 @@ class PairGroup:
         with self._errors(what):
             self.store.set(self._doorbell_key(self.doorbells), header)
 
-    def wait_doorbell(self, stop: threading.Event) -> bytes | None:
+    def beat(self) -> None:
+        """Prefill side: post one heartbeat (see the module docstring, Liveness)."""
+        with self._errors("heartbeat"):
+            self.store.add(self._alive_key(), 1)
+
+    def wait_doorbell(self, stop: threading.Event, peer_timeout_s: float) -> bytes | None:
         """Decode side: header bytes of the next record; None once ``stop`` is set.
 
-        Blocks in the store's ``get`` (no polling, no latency; the receiver's store client
-        has an ``_IDLE_WAIT_S`` timeout, after which it just waits again); :meth:`wake`
-        (from another store client) posts ``stop`` as the next doorbell to end the wait at once.
+        Blocks in the store's ``get`` (a record wakes it at once; the receiver's store client
+        times out every ``heartbeat_s``, then the heartbeat counter is read and the wait goes
+        on); :meth:`wake` (from another store client) posts ``stop`` as the next doorbell to
+        end the wait at once.
 
         Raises:
+            TransferError: no heartbeat for ``peer_timeout_s`` (the prefill rank died or
+                hangs).
             torch.distributed.DistNetworkError: the store is gone (the decode rank closed).
         """
         key = self._doorbell_key(self.doorbells + 1)
+        beats, heard = self._beats(), time.monotonic()
         while not stop.is_set():
             try:
                 value = self.store.get(key)
-            except dist.DistStoreError:  # NOTE: get() timed out: idle for _IDLE_WAIT_S
+            except dist.DistStoreError:  # NOTE: get() timed out after heartbeat_s
+                now = self._beats()
+                if now != beats:
+                    beats, heard = now, time.monotonic()
+                elif time.monotonic() - heard > peer_timeout_s:
+                    raise TransferError(
+                        f"{self.name}: no heartbeat from the prefill rank for "
+                        f"{peer_timeout_s:g} s (peer_timeout_s): it died or hangs; the "
+                        "requests it carried fail, the pair is remade on its next record",
+                        pair=self.name) from None
                 continue
             self.store.delete_key(key)
             if value == STOP or stop.is_set():
@@ -123,6 +153,12 @@ class PairGroup:
     def _doorbell_key(self, n: int) -> str:
         return f"{self.prefix}/doorbell/{n}"
 
+    def _alive_key(self) -> str:
+        return f"{self.prefix}/alive"
+
+    def _beats(self) -> int:
+        return int(self.store.add(self._alive_key(), 0))
+
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
         """Turn backend/store errors into TransferError naming the pair and the record."""
@@ -146,8 +182,14 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
     """
     where = f"prefill {instance}/{rank} -> decode {peer} at {host}:{port}"
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=_td(config.connect_timeout_s),
-                              wait_for_workers=False)
+        socket.create_connection((host, port), timeout=min(_PROBE_S,
+                                                           config.connect_timeout_s)).close()
+    except OSError as exc:
+        raise TransferError(f"{where}: cannot connect ({exc}): the decode rank is gone or its "
+                            "address is stale; its requests fail, and the pair is remade when "
+                            "the rank is back at a new address", pair=where) from None
+    try:
+        store = _open_store(host, port, config.connect_timeout_s)
         gen = store.add(f"gen/{instance}/{rank}", 1)
         prefix = f"pair/{instance}/{rank}/{gen}"
         n = store.add("announce/count", 1)
@@ -182,7 +224,8 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
                               wait_for_workers=False)
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), DECODE,
                                    config.connect_timeout_s, host)
-        store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
+        # NOTE: this client's get() waits for doorbells, waking every heartbeat_s
+        store.set_timeout(_td(config.heartbeat_s))
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
                               f"({_first_line(exc)})", pair=name) from exc
@@ -234,6 +277,35 @@ class Rendezvous:
         """Stop accepting (the store server stays up until this object is dropped)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+
+
+def _open_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store client of ``host:port`` whose ops wait up to ``timeout_s``; made within
+    ``timeout_s`` or TransferTimeout.
+
+    NOTE: TCPStore's constructor waits for the server's answer to its ping without a bound
+    (a SIGSTOPped process's kernel accepts the connection, nobody answers), so it runs on a
+    daemon thread ``kv-connect-<host>:<port>``; after a timeout that thread ends when the
+    peer answers or its socket closes (the hung rank is killed or resumes), and the store it
+    made is dropped.
+    """
+    made: list = []
+    done = threading.Event()
+
+    def open_store() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s),
+                                      wait_for_workers=False))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            made.append(exc)
+        done.set()
+    threading.Thread(target=open_store, name=f"kv-connect-{host}:{port}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TransferTimeout(f"no answer from the store at {host}:{port} within {timeout_s:g} s "
+                              "(the process accepts TCP but hangs)")
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 def _first_line(exc: BaseException) -> str:

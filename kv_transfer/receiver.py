@@ -126,7 +126,7 @@ class ReceiverChannel:
                                  self._backend, self._config)
             self._group = group
             while not self._stop.is_set():
-                raw = group.wait_doorbell(self._stop)
+                raw = group.wait_doorbell(self._stop, self._config.peer_timeout_s)
                 if raw is None:
                     break
                 self._receive(group, raw)
