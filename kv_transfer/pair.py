@@ -16,9 +16,12 @@ record or by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never ha
 out on an idle pair (a timed-out gloo wait closes the pair).
 
 Liveness: the sender adds 1 to ``<prefix>/alive`` every ``heartbeat_s`` (:meth:`PairGroup.beat`);
-the receiver's doorbell wait wakes every ``heartbeat_s`` to look, and gives the pair up when
-the counter stood still for ``peer_timeout_s`` (prefill rank dead or hung). A gloo wait can
-not serve as a probe: a timed-out one closes the pair.
+on the decode side the acceptor thread reads the counters every ``heartbeat_s`` (the
+``on_tick`` of :class:`Rendezvous`; :meth:`PairGroup.beats`), and the connector gives up a
+pair whose receiver waited for a doorbell while the counter stood still for
+``peer_timeout_s`` (prefill rank dead or hung). Neither a gloo wait (a timed-out one closes
+the pair) nor a store ``get`` with a short timeout (c10d logs a warning per timeout) can
+serve as the probe.
 
 Dead addresses: :func:`connect` first opens a plain TCP connection (bounded), so a decode
 rank whose process is gone is reported at once ("connection refused") instead of after the
@@ -48,6 +51,7 @@ from kv_transfer.errors import TransferError, TransferTimeout, WireError
 log = logging.getLogger(__name__)
 PREFILL, DECODE = 0, 1  # ranks inside a pair group
 STOP = b"stop"  # doorbell value that ends a receiver's wait
+_IDLE_WAIT_S = 3600.0  # one store wait of an idle receiver (it just waits again)
 _PROBE_S = 5.0  # bound on the plain TCP connect that tells a dead address at once
 
 
@@ -91,34 +95,25 @@ class PairGroup:
         with self._errors("heartbeat"):
             self.store.add(self._alive_key(), 1)
 
-    def wait_doorbell(self, stop: threading.Event, peer_timeout_s: float) -> bytes | None:
+    def beats(self, store: dist.Store) -> int:
+        """Decode side: heartbeats posted so far, read through ``store`` (another client)."""
+        return int(store.add(self._alive_key(), 0))
+
+    def wait_doorbell(self, stop: threading.Event) -> bytes | None:
         """Decode side: header bytes of the next record; None once ``stop`` is set.
 
-        Blocks in the store's ``get`` (a record wakes it at once; the receiver's store client
-        times out every ``heartbeat_s``, then the heartbeat counter is read and the wait goes
-        on); :meth:`wake` (from another store client) posts ``stop`` as the next doorbell to
-        end the wait at once.
+        Blocks in the store's ``get`` (no polling, no latency; the receiver's store client
+        has an ``_IDLE_WAIT_S`` timeout, after which it just waits again); :meth:`wake`
+        (from another store client) posts ``stop`` as the next doorbell to end the wait at once.
 
         Raises:
-            TransferError: no heartbeat for ``peer_timeout_s`` (the prefill rank died or
-                hangs).
             torch.distributed.DistNetworkError: the store is gone (the decode rank closed).
         """
         key = self._doorbell_key(self.doorbells + 1)
-        beats, heard = self._beats(), time.monotonic()
         while not stop.is_set():
             try:
                 value = self.store.get(key)
-            except dist.DistStoreError:  # NOTE: get() timed out after heartbeat_s
-                now = self._beats()
-                if now != beats:
-                    beats, heard = now, time.monotonic()
-                elif time.monotonic() - heard > peer_timeout_s:
-                    raise TransferError(
-                        f"{self.name}: no heartbeat from the prefill rank for "
-                        f"{peer_timeout_s:g} s (peer_timeout_s): it died or hangs; the "
-                        "requests it carried fail, the pair is remade on its next record",
-                        pair=self.name) from None
+            except dist.DistStoreError:  # NOTE: get() timed out: idle for _IDLE_WAIT_S
                 continue
             self.store.delete_key(key)
             if value == STOP or stop.is_set():
@@ -155,9 +150,6 @@ class PairGroup:
 
     def _alive_key(self) -> str:
         return f"{self.prefix}/alive"
-
-    def _beats(self) -> int:
-        return int(self.store.add(self._alive_key(), 0))
 
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
@@ -224,8 +216,7 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
                               wait_for_workers=False)
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), DECODE,
                                    config.connect_timeout_s, host)
-        # NOTE: this client's get() waits for doorbells, waking every heartbeat_s
-        store.set_timeout(_td(config.heartbeat_s))
+        store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
                               f"({_first_line(exc)})", pair=name) from exc
@@ -238,12 +229,13 @@ class Rendezvous:
 
     ``on_announce(announce) -> ack_layout`` runs on the acceptor thread for each new pair
     generation; it returns the decode layout dict to post as the ack (and typically starts a
-    receiver that calls :func:`accept`).
+    receiver that calls :func:`accept`). ``on_tick()`` runs on it every ``heartbeat_s`` (the
+    liveness check of the pairs); errors of both are logged, never end the thread.
     """
 
     def __init__(self, host: str, config: TransferConfig,
                  on_announce: Callable[[wire.Announce], dict], instance: str,
-                 rank: int) -> None:
+                 rank: int, on_tick: Callable[[], None] | None = None) -> None:
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=_td(config.connect_timeout_s))
         self.port = self._store.port
@@ -252,26 +244,38 @@ class Rendezvous:
         me = f"{instance}/{rank}"
         self._me = me
         self._on_announce = on_announce
-        self._poll_s = config.poll_interval_s
+        self._on_tick = on_tick
+        self._poll_s, self._tick_s = config.poll_interval_s, config.heartbeat_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-accept-{me}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        n = 1
+        n, next_tick = 1, time.monotonic() + self._tick_s
         while not self._stop.wait(self._poll_s):
-            while self._store.check([f"announce/{n}"]):
-                raw = self._store.get(f"announce/{n}")
-                self._store.delete_key(f"announce/{n}")
-                n += 1
+            n = self._accept_new(n)
+            if self._on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self._tick_s
                 try:
-                    announce = wire.unpack(raw, wire.Announce)
-                    prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
-                    ack = self._on_announce(announce)
-                    self._store.set(f"{prefix}/ack",
-                                    wire.pack(wire.Ack(self._instance, self._rank, ack)))
-                except Exception:  # one bad peer must not stop the acceptor
-                    log.exception("decode %s: rejected a pair announcement", self._me)
+                    self._on_tick()
+                except Exception:  # noqa: BLE001 - a failed check must not stop the acceptor
+                    log.exception("decode %s: pair liveness check failed", self._me)
+
+    def _accept_new(self, n: int) -> int:
+        """Answer announcements ``n``, ``n + 1``, ... that arrived; the next number to read."""
+        while self._store.check([f"announce/{n}"]):
+            raw = self._store.get(f"announce/{n}")
+            self._store.delete_key(f"announce/{n}")
+            n += 1
+            try:
+                announce = wire.unpack(raw, wire.Announce)
+                prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
+                ack = self._on_announce(announce)
+                self._store.set(f"{prefix}/ack",
+                                wire.pack(wire.Ack(self._instance, self._rank, ack)))
+            except Exception:  # one bad peer must not stop the acceptor
+                log.exception("decode %s: rejected a pair announcement", self._me)
+        return n
 
     def close(self) -> None:
         """Stop accepting (the store server stays up until this object is dropped)."""
