@@ -396,7 +396,7 @@ class SenderChannel:
         backoff = self._config.retry_backoff_s if last is None or last.peer != peer else \
             min(2 * last.backoff_s, self._config.connect_timeout_s)
         self._down = _Down(peer, str(exc), time.monotonic() + backoff, backoff)
-        log.warning("KV peer down, next try in %.1f s: %s", backoff, exc)
+        log.debug("KV peer down, next try in %.1f s: %s", backoff, exc)  # NOTE: teardown warns
 
     def _drop_pair(self) -> None:
         self._pair, self._pair_peer, self._mismatch = None, None, None
