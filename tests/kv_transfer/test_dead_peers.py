@@ -2,6 +2,7 @@
 requests at once (no connect per record, backoff), an abort never waits for a connect, and a
 restarted rank at a new address is paired again; no thread is left behind."""
 
+import gc
 import socket
 import threading
 import time
@@ -108,4 +109,32 @@ def test_abort_does_not_wait_for_a_connect_to_a_hung_decode():
     deadline = time.monotonic() + 10
     while _kv_threads() != before and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert _kv_threads() == before
+
+
+def test_idle_pair_to_a_dead_decode_is_torn_down_by_its_heartbeat():
+    """No record is pending, so only the heartbeat can notice: the request that had records
+    on the pair fails on the prefill side within a few heartbeats, not at its next record."""
+    cfg = TransferConfig(connect_timeout_s=6, header_timeout_s=10, payload_timeout_s=10,
+                         completion_timeout_s=30, heartbeat_s=0.2, peer_timeout_s=2.0)
+    before = _kv_threads()
+    cache = KVCache(SPEC)
+    pre = PrefillKVConnector(cache, KVLayout.from_spec(SPEC, "m", 1), "p0", 0, 1, cfg)
+    dec = DecodeKVConnector(KVCache(SPEC), KVLayout.from_spec(SPEC, "m", 1), "d0", 0, cfg)
+    peers = [KVPeer("d0", 0, *dec.address)]
+    try:
+        dec.expect("A", 8, prefill_tp=1)
+        pre.send_chunk("A", peers, 0, 4, SRC[:4], DST[:4])
+        pre.wait_idle("A", 10.0)
+        assert pre.failure("A") is None
+        dec.close()
+        del dec
+        gc.collect()  # NOTE: the decode rank's store server goes with its last reference
+        deadline = time.monotonic() + 5 * cfg.heartbeat_s + 2.0
+        while pre.failure("A") is None:
+            assert time.monotonic() < deadline, "the dead pair was not noticed"
+            time.sleep(0.02)
+        assert "heartbeat" in pre.failure("A"), pre.failure("A")
+    finally:
+        pre.close()
     assert _kv_threads() == before
