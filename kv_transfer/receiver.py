@@ -153,6 +153,7 @@ class ReceiverChannel:
             self._tracker.on_pair_lost(self.source, f"{self.source.sender} -> decode "
                                        f"{self._me}: pair lost: {exc}")
         finally:
+            self._idle_since = None  # NOTE: an ended receiver is silent for a reason already
             self._scatters.put(None)  # the scatter thread drains what was received, then ends
 
     def _scatter_loop(self) -> None:
