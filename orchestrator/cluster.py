@@ -119,9 +119,10 @@ class Cluster:
                             deadline)
         except BaseException as exc:
             _kill(new)
-            if isinstance(exc, BringUpError):
-                raise
-            raise BringUpError(f"{name}: restart failed: {type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
+                raise BringUpError(f"{name}: restart failed: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+            raise
         with self._lock:
             if self._closed:
                 _kill(new)
