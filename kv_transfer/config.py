@@ -24,6 +24,14 @@ class TransferConfig:
         poll_interval_s: how often the decode rank's acceptor looks for new pair
             announcements (pair set-up latency); idle sender threads check their stop flag
             every ten intervals. Receivers do not poll (they block on the doorbell).
+        heartbeat_s: a sender thread posts a heartbeat on its pair this often (also while
+            idle); a receiver waiting for a doorbell looks at the heartbeats this often.
+        peer_timeout_s: decode side: a pair whose prefill rank posted neither a doorbell nor
+            a heartbeat for this long is lost (the rank died or hangs): the requests it
+            carried fail at once instead of at their completion deadline.
+        retry_backoff_s: prefill side: after a failed connect, records to that decode
+            address fail at once for this long, doubling per failure up to
+            ``connect_timeout_s``; a new address (restarted rank) is tried at once.
     """
 
     connect_timeout_s: float = 30.0
@@ -31,10 +39,18 @@ class TransferConfig:
     payload_timeout_s: float = 60.0
     completion_timeout_s: float = 120.0
     poll_interval_s: float = 0.02
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 10.0
+    retry_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "header_timeout_s", "payload_timeout_s",
-                     "completion_timeout_s", "poll_interval_s"):
+                     "completion_timeout_s", "poll_interval_s", "heartbeat_s",
+                     "peer_timeout_s", "retry_backoff_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0 seconds, got {value}")
+        if self.peer_timeout_s <= 2 * self.heartbeat_s:
+            raise ValueError(f"TransferConfig.peer_timeout_s ({self.peer_timeout_s}) must be "
+                             f"> 2 x heartbeat_s ({self.heartbeat_s}): raise it, or lower "
+                             "heartbeat_s")

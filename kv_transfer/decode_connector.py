@@ -48,7 +48,8 @@ class DecodeKVConnector:
         self._retired: list[ReceiverChannel] = []
         self._lock = threading.Lock()
         self.stats = PayloadStats()
-        self._rendezvous = Rendezvous(host, config, self._on_announce, instance, rank)
+        self._rendezvous = Rendezvous(host, config, self._on_announce, instance, rank,
+                                      on_tick=self._check_peers)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -91,6 +92,28 @@ class DecodeKVConnector:
         bound = self._config.header_timeout_s + self._config.payload_timeout_s
         for channel in channels:
             channel.join(bound)
+
+    def _check_peers(self) -> None:
+        """Acceptor thread, every ``heartbeat_s``: give up each pair whose prefill rank sent
+        neither a doorbell nor a heartbeat for ``peer_timeout_s`` (dead or hung): its
+        requests fail now, its receiver ends; other pairs go on."""
+        bound = self._config.peer_timeout_s
+        with self._lock:
+            channels = list(self._receivers.items())
+        for key, channel in channels:
+            silent = channel.silence(self._rendezvous.store)
+            if silent <= bound:
+                continue
+            error = (f"{channel.source.sender} -> decode {self._me} gen {channel.generation}: "
+                     f"no heartbeat from the prefill rank for {silent:.1f} s (peer_timeout_s="
+                     f"{bound:g}): it died or hangs; the pair is remade on its next record")
+            log.warning("KV pair lost: %s", error)
+            with self._lock:
+                if self._receivers.get(key) is channel:
+                    del self._receivers[key]
+                    self._retired.append(channel)
+            channel.stop(self._rendezvous.store)
+            self._tracker.on_pair_lost(channel.source, error)
 
     def _on_announce(self, announce: wire.Announce) -> dict:
         """Acceptor thread: a prefill rank opens a new pair generation."""

@@ -11,9 +11,22 @@ Rendezvous: the decode rank hosts a ``TCPStore`` server (:class:`Rendezvous`, po
 4. both build the group (prefill = rank 0, decode = rank 1) from ``PrefixStore(prefix/pg)``.
 
 Every record is announced by a doorbell key ``<prefix>/doorbell/<n>`` holding its msgpack
-header. The receiver blocks in ``store.get`` on it, so an idle receiver costs nothing and is
-woken at once by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time
+header. The receiver blocks in ``store.get`` on it, so an idle receiver is woken at once by a
+record or by a ``stop`` value (:meth:`PairGroup.wake`), and a gloo wait never has to time
 out on an idle pair (a timed-out gloo wait closes the pair).
+
+Liveness: the sender adds 1 to ``<prefix>/alive`` every ``heartbeat_s`` (:meth:`PairGroup.beat`);
+on the decode side the acceptor thread reads the counters every ``heartbeat_s`` (the
+``on_tick`` of :class:`Rendezvous`; :meth:`PairGroup.beats`), and the connector gives up a
+pair whose receiver waited for a doorbell while the counter stood still for
+``peer_timeout_s`` (prefill rank dead or hung). Neither a gloo wait (a timed-out one closes
+the pair) nor a store ``get`` with a short timeout (c10d logs a warning per timeout) can
+serve as the probe.
+
+Dead addresses: :func:`connect` first opens a plain TCP connection (bounded), so a decode
+rank whose process is gone is reported at once ("connection refused") instead of after the
+store client's retries for ``connect_timeout_s``. A hung one (SIGSTOP: the kernel still
+accepts TCP) would hold TCPStore's constructor forever: it is bounded by :func:`_open_store`.
 """
 
 from __future__ import annotations
@@ -21,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -37,6 +52,7 @@ log = logging.getLogger(__name__)
 PREFILL, DECODE = 0, 1  # ranks inside a pair group
 STOP = b"stop"  # doorbell value that ends a receiver's wait
 _IDLE_WAIT_S = 3600.0  # one store wait of an idle receiver (it just waits again)
+_PROBE_S = 5.0  # bound on the plain TCP connect that tells a dead address at once
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -73,6 +89,15 @@ class PairGroup:
         self.doorbells += 1
         with self._errors(what):
             self.store.set(self._doorbell_key(self.doorbells), header)
+
+    def beat(self) -> None:
+        """Prefill side: post one heartbeat (see the module docstring, Liveness)."""
+        with self._errors("heartbeat"):
+            self.store.add(self._alive_key(), 1)
+
+    def beats(self, store: dist.Store) -> int:
+        """Decode side: heartbeats posted so far, read through ``store`` (another client)."""
+        return int(store.add(self._alive_key(), 0))
 
     def wait_doorbell(self, stop: threading.Event) -> bytes | None:
         """Decode side: header bytes of the next record; None once ``stop`` is set.
@@ -123,6 +148,9 @@ class PairGroup:
     def _doorbell_key(self, n: int) -> str:
         return f"{self.prefix}/doorbell/{n}"
 
+    def _alive_key(self) -> str:
+        return f"{self.prefix}/alive"
+
     @contextlib.contextmanager
     def _errors(self, what: str) -> Iterator[None]:
         """Turn backend/store errors into TransferError naming the pair and the record."""
@@ -146,8 +174,14 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
     """
     where = f"prefill {instance}/{rank} -> decode {peer} at {host}:{port}"
     try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=_td(config.connect_timeout_s),
-                              wait_for_workers=False)
+        socket.create_connection((host, port), timeout=min(_PROBE_S,
+                                                           config.connect_timeout_s)).close()
+    except OSError as exc:
+        raise TransferError(f"{where}: cannot connect ({exc}): the decode rank is gone or its "
+                            "address is stale; its requests fail, and the pair is remade when "
+                            "the rank is back at a new address", pair=where) from None
+    try:
+        store = _open_store(host, port, config.connect_timeout_s)
         gen = store.add(f"gen/{instance}/{rank}", 1)
         prefix = f"pair/{instance}/{rank}/{gen}"
         n = store.add("announce/count", 1)
@@ -195,12 +229,13 @@ class Rendezvous:
 
     ``on_announce(announce) -> ack_layout`` runs on the acceptor thread for each new pair
     generation; it returns the decode layout dict to post as the ack (and typically starts a
-    receiver that calls :func:`accept`).
+    receiver that calls :func:`accept`). ``on_tick()`` runs on it every ``heartbeat_s`` (the
+    liveness check of the pairs); errors of both are logged, never end the thread.
     """
 
     def __init__(self, host: str, config: TransferConfig,
                  on_announce: Callable[[wire.Announce], dict], instance: str,
-                 rank: int) -> None:
+                 rank: int, on_tick: Callable[[], None] | None = None) -> None:
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=_td(config.connect_timeout_s))
         self.port = self._store.port
@@ -209,31 +244,72 @@ class Rendezvous:
         me = f"{instance}/{rank}"
         self._me = me
         self._on_announce = on_announce
-        self._poll_s = config.poll_interval_s
+        self._on_tick = on_tick
+        self._poll_s, self._tick_s = config.poll_interval_s, config.heartbeat_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-accept-{me}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        n = 1
+        n, next_tick = 1, time.monotonic() + self._tick_s
         while not self._stop.wait(self._poll_s):
-            while self._store.check([f"announce/{n}"]):
-                raw = self._store.get(f"announce/{n}")
-                self._store.delete_key(f"announce/{n}")
-                n += 1
+            n = self._accept_new(n)
+            if self._on_tick is not None and time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self._tick_s
                 try:
-                    announce = wire.unpack(raw, wire.Announce)
-                    prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
-                    ack = self._on_announce(announce)
-                    self._store.set(f"{prefix}/ack",
-                                    wire.pack(wire.Ack(self._instance, self._rank, ack)))
-                except Exception:  # one bad peer must not stop the acceptor
-                    log.exception("decode %s: rejected a pair announcement", self._me)
+                    self._on_tick()
+                except Exception:  # noqa: BLE001 - a failed check must not stop the acceptor
+                    log.exception("decode %s: pair liveness check failed", self._me)
+
+    def _accept_new(self, n: int) -> int:
+        """Answer announcements ``n``, ``n + 1``, ... that arrived; the next number to read."""
+        while self._store.check([f"announce/{n}"]):
+            raw = self._store.get(f"announce/{n}")
+            self._store.delete_key(f"announce/{n}")
+            n += 1
+            try:
+                announce = wire.unpack(raw, wire.Announce)
+                prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
+                ack = self._on_announce(announce)
+                self._store.set(f"{prefix}/ack",
+                                wire.pack(wire.Ack(self._instance, self._rank, ack)))
+            except Exception:  # one bad peer must not stop the acceptor
+                log.exception("decode %s: rejected a pair announcement", self._me)
+        return n
 
     def close(self) -> None:
         """Stop accepting (the store server stays up until this object is dropped)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+
+
+def _open_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store client of ``host:port`` whose ops wait up to ``timeout_s``; made within
+    ``timeout_s`` or TransferTimeout.
+
+    NOTE: TCPStore's constructor waits for the server's answer to its ping without a bound
+    (a SIGSTOPped process's kernel accepts the connection, nobody answers), so it runs on a
+    daemon thread ``kv-connect-<host>:<port>``; after a timeout that thread ends when the
+    peer answers or its socket closes (the hung rank is killed or resumes), and the store it
+    made is dropped.
+    """
+    made: list = []
+    done = threading.Event()
+
+    def open_store() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s),
+                                      wait_for_workers=False))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            made.append(exc)
+        done.set()
+    threading.Thread(target=open_store, name=f"kv-connect-{host}:{port}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TransferTimeout(f"no answer from the store at {host}:{port} within {timeout_s:g} s "
+                              "(the process accepts TCP but hangs)")
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -34,18 +34,26 @@ _MAX_FAILURES = 10_000  # remembered failed request ids (oldest forgotten first)
 
 
 class _SendProgress(SendOwner):
-    """Per-request state of one prefill rank's sends (thread-safe): how many records are
-    queued or in flight, and the first failure (of the newest ``_MAX_FAILURES`` requests)."""
+    """Per-request state of one prefill rank's sends (thread-safe): how many data and
+    ``done`` records are queued or in flight, and the first failure (of the newest
+    ``_MAX_FAILURES`` requests).
+
+    NOTE: ``abort`` records are not counted: they touch no slot, and an abort must not wait
+    behind another request's connect to a dead decode rank.
+    """
 
     def __init__(self) -> None:
         self._pending: dict[str, int] = {}
         self._failures: OrderedDict[str, str] = OrderedDict()
         self._cond = threading.Condition()
 
-    def queued(self, request_id: str) -> None:
-        """One more record of ``request_id`` is queued (its channel reports it finished)."""
+    def queued(self, task: SendTask) -> None:
+        """``task`` is queued (its channel, or ``cancel``, reports it finished)."""
+        if task.header.kind == wire.ABORT:
+            return
         with self._cond:
-            self._pending[request_id] = self._pending.get(request_id, 0) + 1
+            rid = task.header.request_id
+            self._pending[rid] = self._pending.get(rid, 0) + 1
 
     def wait_idle(self, request_id: str, timeout_s: float) -> int:
         """Wait up to ``timeout_s`` until no record of ``request_id`` is queued or in flight;
@@ -70,6 +78,8 @@ class _SendProgress(SendOwner):
                 self._failures.popitem(last=False)
 
     def finished(self, task: SendTask) -> None:
+        if task.header.kind == wire.ABORT:
+            return
         with self._cond:
             rid = task.header.request_id
             self._pending[rid] -= 1
@@ -155,7 +165,8 @@ class PrefillKVConnector:
 
     def abort(self, request_id: str, peers: Sequence[KVPeer],
               reason: str = "aborted by prefill") -> None:
-        """Drop queued records of the request and queue ``abort`` records to planned ranks.
+        """Drop queued records of the request (also one waiting for a connect) and queue
+        ``abort`` records to planned ranks (sent only on a pair that is up).
 
         A record already in flight completes (bounded); follow with ``wait_idle``.
         """
@@ -167,7 +178,10 @@ class PrefillKVConnector:
             self._enqueue(SendTask(self._record(wire.ABORT, request_id, error=reason), peer))
 
     def wait_idle(self, request_id: str, timeout_s: float | None = None) -> None:
-        """Return once no record of ``request_id`` is queued or in flight.
+        """Return once no data or ``done`` record of ``request_id`` is queued or in flight
+        (its source slots may be reused; nothing more lands in its destination slots);
+        ``abort`` records may still be queued. A record to a decode rank that cannot be
+        reached fails the request at once (see :mod:`~kv_transfer.sender`, Dead peers).
 
         Raises:
             TransferTimeout: still busy after ``timeout_s`` (default completion_timeout_s).
@@ -211,7 +225,7 @@ class PrefillKVConnector:
     def _enqueue(self, task: SendTask) -> None:
         if self._closed:
             raise TransferError(f"prefill {self._instance}/{self._rank}: connector is closed")
-        self._progress.queued(task.header.request_id)
+        self._progress.queued(task)
         self._channel(task.peer).put(task)
 
     def _channel(self, peer: KVPeer) -> SenderChannel:

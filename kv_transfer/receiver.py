@@ -13,6 +13,8 @@ staging and dropped, so the channel stays in step.
 
 Any pair error (dead peer, timeout, bad header) ends the thread and fails the requests the
 generation carried records for; the prefill side remakes the pair with a new generation.
+A prefill rank that dies or hangs between records is told by its heartbeats stopping
+(:meth:`ReceiverChannel.silence`, checked by the connector every ``heartbeat_s``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class ReceiverChannel:
         self._pool = payload.BufferPool(keep=2 * (_SCATTER_DEPTH + 1))  # K+V per record
         self._stop = threading.Event()
         self._group: pairs.PairGroup | None = None
+        self._idle_since: float | None = None  # waiting for a doorbell since (monotonic s)
+        self._beats, self._heard = -1, time.monotonic()
         # NOTE: scatters run on their own thread so the next record's bytes arrive meanwhile;
         # at most _SCATTER_DEPTH received payloads wait (bounds memory).
         self._scatters: queue.Queue[_Staged | None] = queue.Queue(maxsize=_SCATTER_DEPTH)
@@ -116,6 +120,18 @@ class ReceiverChannel:
             except Exception:  # noqa: BLE001 - the store is gone: the wait ends with it
                 log.debug("could not wake %s", group.name)
 
+    def silence(self, store) -> float:
+        """Seconds this receiver has waited for a doorbell while the prefill rank posted no
+        heartbeat (0 while a record is received, or before the pair is up); ``store`` is a
+        client other than the receiver's. Called by one thread (the acceptor)."""
+        group, idle = self._group, self._idle_since
+        if group is None or idle is None:
+            return 0.0
+        beats, now = group.beats(store), time.monotonic()
+        if beats != self._beats:
+            self._beats, self._heard = beats, now
+        return now - max(idle, self._heard)
+
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
         self._scatter_thread.join(timeout_s)
@@ -126,7 +142,9 @@ class ReceiverChannel:
                                  self._backend, self._config)
             self._group = group
             while not self._stop.is_set():
+                self._idle_since = time.monotonic()
                 raw = group.wait_doorbell(self._stop)
+                self._idle_since = None
                 if raw is None:
                     break
                 self._receive(group, raw)
@@ -135,6 +153,7 @@ class ReceiverChannel:
             self._tracker.on_pair_lost(self.source, f"{self.source.sender} -> decode "
                                        f"{self._me}: pair lost: {exc}")
         finally:
+            self._idle_since = None  # NOTE: an ended receiver is silent for a reason already
             self._scatters.put(None)  # the scatter thread drains what was received, then ends
 
     def _scatter_loop(self) -> None:

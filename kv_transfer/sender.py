@@ -11,7 +11,15 @@ Failure: any error on the pair (connect, timeout, dead peer) tears the group dow
 remade, with a new generation, for the next record of a live request) and fails every
 request that sent something on that generation and had not finished; their queued records
 become one ``abort`` record per request, sent if a fresh pair to that decode rank is up (one
-is never made just for a failed request), so the decode rank learns promptly.
+is never made for a failed request, nor for an ``abort`` record), so the decode rank learns
+promptly.
+
+Dead peers: a failed connect marks the decode address down; records to it fail their
+request at once (no connect) until a backoff passed (``retry_backoff_s``, doubling per
+failure up to ``connect_timeout_s``); a new address of the same decode rank (it restarted)
+is tried at once. A record whose connect is under way is cancellable (:meth:`cancel`), so an
+abort never waits for a connect. While a pair is up the thread posts a heartbeat every
+``heartbeat_s`` (the decode side's liveness check); a failed heartbeat tears the pair down.
 """
 
 from __future__ import annotations
@@ -36,6 +44,21 @@ from kv_transfer.peer import KVPeer
 log = logging.getLogger(__name__)
 _MAX_ABORTED = 4096  # remembered aborted request ids per pair
 _DEPTH = 2  # data records posted to the backend and not yet known to have left, per pair
+
+
+class _Cancelled(Exception):
+    """The record's connect was under way when :meth:`SenderChannel.cancel` took it."""
+
+
+@dataclass(frozen=True)
+class _Down:
+    """The last failed connect of a channel: to ``peer``; records to it fail with ``error``
+    until ``retry_at`` (monotonic seconds); ``backoff_s`` is the wait that led there."""
+
+    peer: KVPeer
+    error: str
+    retry_at: float
+    backoff_s: float
 
 
 @dataclass(frozen=True)
@@ -64,7 +87,7 @@ class SendOwner(abc.ABC):
 
     @abc.abstractmethod
     def finished(self, task: SendTask) -> None:
-        """``task`` left the channel (sent, skipped or failed); once per task put."""
+        """``task`` left the channel (sent, skipped, failed or cancelled); once per task put."""
 
 
 def header_to_send(header: wire.Header, failure: str | None, mismatch: str | None,
@@ -77,7 +100,8 @@ def header_to_send(header: wire.Header, failure: str | None, mismatch: str | Non
         failure: the request's error if it already failed (here or on another pair).
         mismatch: the layout mismatch error of the pair to the record's decode rank, if any.
         pair_to_peer: a pair to the record's decode rank is up (the channel connects
-            before asking, unless the request already failed: never for a lost cause).
+            before asking, unless the request already failed or the record is an ``abort``:
+            never for a lost cause).
         abort_sent: an ``abort`` of the request already went out on that pair generation.
 
     A live request on a compatible pair sends its record. A failed request, or any request
@@ -86,7 +110,7 @@ def header_to_send(header: wire.Header, failure: str | None, mismatch: str | Non
     pair that is up.
     """
     error = failure if failure is not None else mismatch
-    if error is None:
+    if error is None and header.kind != wire.ABORT:
         return header
     if abort_sent or not pair_to_peer:
         return None
@@ -149,6 +173,9 @@ class SenderChannel:
         self._stop = threading.Event()
         self._pair: pairs.PairGroup | None = None
         self._pair_peer: KVPeer | None = None
+        self._down: _Down | None = None
+        self._connecting: SendTask | None = None  # guarded by _cond; cancel() may take it
+        self._next_beat = 0.0
         self._mismatch: str | None = None
         self._active: set[str] = set()   # requests with records on the current generation
         # requests whose abort record went out on this pair (insertion-ordered, bounded)
@@ -163,10 +190,16 @@ class SenderChannel:
             self._cond.notify()
 
     def cancel(self, request_id: str) -> list[SendTask]:
-        """Remove the queued (not yet in flight) records of ``request_id``; returns them."""
+        """Remove the records of ``request_id`` that are queued or waiting for a connect (not
+        yet on the wire); returns them (the caller reports them finished, the thread never
+        will)."""
         with self._cond:
             gone = [t for t in self._queue if t.header.request_id == request_id]
             self._queue = deque(t for t in self._queue if t.header.request_id != request_id)
+            if self._connecting is not None and \
+                    self._connecting.header.request_id == request_id:
+                gone.append(self._connecting)
+                self._connecting = None
         return gone
 
     def close(self, timeout_s: float) -> None:
@@ -178,11 +211,27 @@ class SenderChannel:
         self._pair = None
 
     def _next(self, block: bool) -> SendTask | None:
-        """Next queued task; None when stopping, or (``block=False``) when the queue is empty."""
-        with self._cond:
-            while block and not self._queue and not self._stop.is_set():
-                self._cond.wait(self._config.poll_interval_s * 10)
-            return self._queue.popleft() if self._queue and not self._stop.is_set() else None
+        """Next queued task; None when stopping, or (``block=False``) when the queue is empty.
+        Posts the pair's heartbeats meanwhile."""
+        wait_s = min(self._config.poll_interval_s * 10, self._config.heartbeat_s)
+        while True:
+            self._beat()
+            with self._cond:
+                if not block or self._queue or self._stop.is_set():
+                    return self._queue.popleft() if self._queue and not self._stop.is_set() \
+                        else None
+                self._cond.wait(wait_s)
+
+    def _beat(self) -> None:
+        """Post a heartbeat on the pair if one is due; a failed one tears the pair down."""
+        now = time.monotonic()
+        if self._pair is None or now < self._next_beat:
+            return
+        self._next_beat = now + self._config.heartbeat_s
+        try:
+            self._pair.beat()
+        except Exception as exc:  # noqa: BLE001 - the decode rank is gone: drop the pair
+            self._teardown(exc)
 
     def _run(self) -> None:
         # NOTE: up to _DEPTH data records are on the wire while the next one is gathered:
@@ -199,8 +248,11 @@ class SenderChannel:
                 self._wait_sent(in_flight.popleft())
             try:
                 sent = self._send(task, prepared)
+            except _Cancelled:  # NOTE: cancel() reported it finished; nothing was posted
+                self._return_buffers(prepared)
+                continue
             except Exception as exc:  # noqa: BLE001 - every pair error fails its requests
-                self._teardown(task, exc)
+                self._teardown(exc, task)
                 self._owner.finished(task)  # NOTE: the backend may still hold ``prepared``
                 continue
             if sent is None:
@@ -218,10 +270,11 @@ class SenderChannel:
         returned in flight. Raises the pair's errors."""
         rid = task.header.request_id
         failure = self._owner.failure(rid)
-        if failure is None:
-            self._connect(task.peer)
+        if failure is None and task.header.kind != wire.ABORT:
+            self._connect(task)
             if self._mismatch is not None:
                 self._owner.fail(rid, self._mismatch)
+            failure = self._owner.failure(rid)  # NOTE: set when the peer is down
         header = header_to_send(task.header, failure, self._mismatch,
                                 self._pair is not None and self._pair_peer == task.peer,
                                 rid in self._aborted)
@@ -251,7 +304,7 @@ class SenderChannel:
             self._pair.wait_sent(sent.works, self._config.payload_timeout_s, sent.what)
             self._stats.add(wire_s=time.perf_counter() - sent.posted, nbytes=sent.nbytes)
         except Exception as exc:  # noqa: BLE001
-            self._teardown(sent.task, exc)
+            self._teardown(exc, sent.task)
         else:
             self._return_buffers(sent.payload)
         finally:
@@ -286,9 +339,21 @@ class SenderChannel:
         nbytes = sum(b.numel() * b.element_size() for b in got.bufs)
         return _InFlight(task, self._pair, works, what, time.perf_counter(), nbytes, got)
 
-    def _connect(self, peer: KVPeer) -> None:
-        """Make the pair to ``peer`` current: kept if up, else a new generation."""
+    def _connect(self, task: SendTask) -> None:
+        """Make the pair to ``task.peer`` current: kept if up, else a new generation; while
+        that peer's address is down (backoff), fail ``task``'s request instead.
+
+        Raises:
+            TransferError: the connect failed (the address is marked down).
+            _Cancelled: :meth:`cancel` took ``task`` while it connected.
+        """
+        peer = task.peer
         if self._pair is not None and self._pair_peer == peer:
+            return
+        down = self._down
+        if down is not None and down.peer == peer and time.monotonic() < down.retry_at:
+            self._owner.fail(task.header.request_id, f"{down.error} (next try in "
+                             f"{down.retry_at - time.monotonic():.1f} s)")
             return
         if self._pair is not None:  # the decode rank moved (restarted): its requests are lost
             old = self._pair_peer
@@ -297,26 +362,54 @@ class SenderChannel:
                                       f"moved from {old.host}:{old.port} to {peer.host}:"
                                       f"{peer.port} (restarted); records sent before were lost")
         self._drop_pair()
-        self._pair = pairs.connect(peer.host, peer.port, self._instance, self._rank,
-                                   f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
-                                   self._backend, self._config)
-        self._pair_peer = peer
+        with self._cond:
+            self._connecting = task
+        try:
+            self._pair = pairs.connect(peer.host, peer.port, self._instance, self._rank,
+                                       f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
+                                       self._backend, self._config)
+        except TransferError as exc:
+            self._mark_down(peer, exc)
+            if not self._take_connecting(task):
+                raise _Cancelled() from exc
+            raise
+        self._pair_peer, self._down = peer, None
+        self._next_beat = time.monotonic() + self._config.heartbeat_s
         try:
             self._layout.check_compatible(KVLayout.from_dict(self._pair.peer_layout))
             self._mismatch = None
         except LayoutMismatchError as exc:
             self._mismatch = f"{self._pair.name}: {exc}"
+        if not self._take_connecting(task):
+            raise _Cancelled()
+
+    def _take_connecting(self, task: SendTask) -> bool:
+        """End ``task``'s connect; False when :meth:`cancel` took it meanwhile."""
+        with self._cond:
+            mine = self._connecting is task
+            self._connecting = None
+        return mine
+
+    def _mark_down(self, peer: KVPeer, exc: TransferError) -> None:
+        """``peer``'s address failed a connect: back off (doubling) before the next try."""
+        last = self._down
+        backoff = self._config.retry_backoff_s if last is None or last.peer != peer else \
+            min(2 * last.backoff_s, self._config.connect_timeout_s)
+        self._down = _Down(peer, str(exc), time.monotonic() + backoff, backoff)
+        log.debug("KV peer down, next try in %.1f s: %s", backoff, exc)  # NOTE: teardown warns
 
     def _drop_pair(self) -> None:
         self._pair, self._pair_peer, self._mismatch = None, None, None
         self._active.clear()
         self._aborted.clear()
 
-    def _teardown(self, task: SendTask, exc: Exception) -> None:
-        """Fail every request with records on the current generation, and drop it."""
+    def _teardown(self, exc: Exception, task: SendTask | None = None) -> None:
+        """Fail every request with records on the current generation (and ``task``'s), and
+        drop it."""
         error = failure_text(exc, self._pair.name if self._pair is not None else None)
         log.warning("KV pair torn down: %s", error)
-        for rid in self._active | {task.header.request_id}:
+        rids = self._active | ({task.header.request_id} if task is not None else set())
+        for rid in rids:
             self._owner.fail(rid, error)
         self._drop_pair()
 

@@ -13,6 +13,9 @@ instance/rank, tears everything down and raises :class:`BringUpError`):
 
 Progress goes to a :data:`orchestrator.progress.Report` (default: printed ``orch up: ...``
 lines): one line per stage and per instance, with its node and how long it took.
+
+:meth:`Cluster.restart_instance` repeats 1-5 for one instance whose ranks died or hang, after
+killing what is left of them (automatic recovery: ``orchestrator/recovery.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,15 +65,84 @@ class InstanceRanks:
 
 @dataclass
 class Cluster:
-    """Everything :func:`bring_up` made; :meth:`teardown` undoes it exactly once."""
+    """Everything :func:`bring_up` made; :meth:`teardown` undoes it exactly once.
+
+    ``cfg`` and ``rank_classes`` are what :meth:`restart_instance` rebuilds an instance from.
+    An instance whose restart failed stays listed with no ranks (``pg`` None) until a later
+    restart succeeds.
+    """
 
     instances: list[InstanceRanks]
     started_ray: bool
     report: Report = say
+    cfg: OrchConfig | None = None
+    rank_classes: dict[str, type] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _closed: bool = False
 
     def leaders(self) -> dict[str, Any]:
-        """Instance name -> leader actor handle."""
-        return {inst.cfg.name: inst.leader for inst in self.instances}
+        """Instance name -> leader actor handle (instances that have ranks)."""
+        with self._lock:
+            return {inst.cfg.name: inst.leader for inst in self.instances if inst.ranks}
+
+    def ranks_of(self, name: str) -> list[Any]:
+        """The rank actor handles of instance ``name`` now, rank order (empty while a failed
+        restart left it without ranks).
+
+        Raises:
+            KeyError: no instance of that name.
+        """
+        with self._lock:
+            return list(self._find(name).ranks)
+
+    def restart_instance(self, name: str, timeout_s: float) -> InstanceRanks:
+        """Replace instance ``name`` by new rank actors: kill what is left of its ranks
+        (``ray.kill`` also ends a SIGSTOPped process), remove its placement group, then
+        placement group, actors, TP store, ``init_rank``, leader ``start()`` as at bring-up,
+        all within ``timeout_s``. The new :class:`InstanceRanks` replaces the old one in
+        ``instances``. Blocking (call it from a thread).
+
+        A restarted decode instance publishes new KV addresses (its reservations carry
+        them); prefill ranks remake their pairs to it on first use, and a restarted prefill
+        instance makes new pair generations (the KV handshake checks the layout fingerprint).
+
+        Raises:
+            KeyError: no instance of that name.
+            BringUpError: a step failed or ``timeout_s`` ran out (what was made is removed;
+                the instance is left without ranks), or the cluster is being torn down.
+        """
+        with self._lock:
+            old = self._find(name)
+            if self._closed or self.cfg is None:
+                raise BringUpError(f"{name}: not restarted: the cluster is shut down or was not "
+                                   "made by bring_up")
+            self.instances[self.instances.index(old)] = InstanceRanks(old.cfg, None)
+        deadline = time.monotonic() + timeout_s
+        _kill(old)
+        new = _placement_group(old.cfg, self.cfg, max(deadline - time.monotonic(), 0.01))
+        try:
+            _start_instance(new, self.rank_classes[old.cfg.role], self.cfg.cluster.cpus_per_rank,
+                            deadline)
+        except BaseException as exc:
+            _kill(new)
+            if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
+                raise BringUpError(f"{name}: restart failed: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+            raise
+        with self._lock:
+            if self._closed:
+                _kill(new)
+                raise BringUpError(f"{name}: restarted while the cluster shut down; removed")
+            self.instances[self.instances.index(self._find(name))] = new
+        log.info("%s restarted: %s", name, new.nodes)
+        return new
+
+    def _find(self, name: str) -> InstanceRanks:
+        """Caller holds ``_lock``."""
+        for inst in self.instances:
+            if inst.cfg.name == name:
+                return inst
+        raise KeyError(f"no instance {name!r}; known: {[i.cfg.name for i in self.instances]}")
 
     def teardown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Started leaders ``drain`` then ``shutdown`` (each bounded by ``timeout_s``), kill
@@ -79,12 +153,13 @@ class Cluster:
         when that ends, and they have nothing to drain.
         """
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         watch = Stopwatch()
-        if self.instances:
-            self.report(f"stopping {plural(len(self.instances), 'instance')}")
-        leaders = [inst.leader for inst in self.instances if inst.started]
+        with self._lock:
+            instances, self.instances, self._closed = self.instances, [], True
+        if instances:
+            self.report(f"stopping {plural(len(instances), 'instance')}")
+        leaders = [inst.leader for inst in instances if inst.started]
         for step, args in (("drain", (timeout_s,)), ("shutdown", ())):
             try:
                 ray.get([getattr(leader, step).remote(*args) for leader in leaders],
@@ -92,11 +167,8 @@ class Cluster:
             except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
                 log.warning("leader %s did not complete: %s", step, _first_line(exc))
                 log.debug("leader %s failure detail", step, exc_info=exc)
-        for inst in self.instances:
-            for actor in inst.ranks:
-                ray.kill(actor)
-            remove_placement_group(inst.pg)
-        self.instances = []
+        for inst in instances:
+            _kill(inst)
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
@@ -184,7 +256,8 @@ def bring_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None,
         BringUpError: a placement group, actor or init step failed or timed out.
     """
     classes = rank_classes or load_rank_classes()
-    cluster = Cluster(instances=[], started_ray=started_ray, report=report)
+    cluster = Cluster(instances=[], started_ray=started_ray, report=report, cfg=cfg,
+                      rank_classes=classes)
     timeout = cfg.cluster.startup_timeout_s
     watch = Stopwatch()
     try:
@@ -246,6 +319,43 @@ def _init_and_start(cluster: Cluster, timeout: float, watch: Stopwatch,
         where = nodes_text([node for node, _ in inst.nodes], ips)
         cluster.report(f"{inst.cfg.name}: {plural(len(inst.ranks), 'rank')} on {where} ready "
                        f"in {watch}")
+
+
+def _start_instance(inst: InstanceRanks, cls: type, cpus: float, deadline: float) -> None:
+    """Steps 2-5 of the module docstring for one instance whose placement group is ready,
+    each bounded by what is left until ``deadline`` (monotonic seconds).
+
+    Raises:
+        BringUpError: a step failed or did not finish in time.
+    """
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.01)
+
+    _create_ranks(inst, cls, cpus)
+    inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
+                            left())
+    host, port = _get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", left())
+    _get_ranks(inst, [r.init_rank.remote(host, port, inst.ranks) for r in inst.ranks],
+               "init_rank", left())
+    _get_one(inst, inst.leader.start.remote(), "start", left())
+    inst.started = True
+
+
+def _kill(inst: InstanceRanks) -> None:
+    """Kill the instance's rank actors and remove its placement group (errors logged)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in inst.ranks:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 -- already gone
+            log.debug("%s: kill: %s", inst.cfg.name, exc)
+    if inst.pg is not None:
+        try:
+            remove_placement_group(inst.pg)
+        except Exception as exc:  # noqa: BLE001 -- already removed
+            log.debug("%s: remove placement group: %s", inst.cfg.name, exc)
 
 
 def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> InstanceRanks:

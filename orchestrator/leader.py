@@ -64,6 +64,12 @@ class LeaderClient:
             self._abandon.set_result(reason)
         self._abandon = None
 
+    def rebind(self, handle: Any) -> None:
+        """Send every later call (the EventPump's polls too) to ``handle``: the instance's
+        new leader after a restart (``orchestrator/recovery.py``). Calls already sent finish
+        or fail on the old one."""
+        self.handle = handle
+
     async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """``await handle.<method>.remote(*args)`` bounded by ``timeout_s``.
 

@@ -62,14 +62,15 @@ def prefill_mismatch(role, rank, s: Scenario, addr_qs) -> str:
 
 def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, killed,
                                  restarted, expected) -> dict:
-    """Prefill is killed after chunk 0: RID fails by the completion timeout; a restarted
-    prefill (new pair generation) then delivers RID2 completely."""
+    """Prefill is killed (or stopped) after chunk 0, while idle: RID fails once its
+    heartbeats stop (peer_timeout_s); a restarted prefill (new pair generation) then
+    delivers RID2 completely."""
     cache, conn = _decode(s)
-    t0 = time.monotonic()
     conn.expect(RID, s.num_tokens, s.prefill_tp)
     for q in addr_qs:
         q.put((rank, conn.address))
     wait_for(lambda: conn.stats.snapshot()["transfers"] >= 1, 30, "chunk 0")
+    t0 = time.monotonic()
     chunk0.set()
     wait_for(lambda: conn.failure(RID) is not None, 30, "failure of RID")
     failed_after = time.monotonic() - t0

@@ -52,3 +52,11 @@ def test_failure_text_names_the_pair_once_by_type_not_text():
     assert failure_text(ValueError("slot 9 -> decode slot 3"), name) == \
         f"{name}: slot 9 -> decode slot 3"
     assert failure_text(TransferError("closed"), None) == "KV pair: closed"
+
+
+def test_an_abort_record_never_makes_a_pair():
+    """An abort to a decode rank with no pair up is dropped: the rank got nothing of the
+    request on a live pair (a torn-down pair failed it there), and a connect to a dead peer
+    must not hold an abort."""
+    assert header_to_send(ABORT, None, None, pair_to_peer=False, abort_sent=False) is None
+    assert header_to_send(ABORT, None, None, pair_to_peer=True, abort_sent=True) is None

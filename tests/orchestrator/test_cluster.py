@@ -11,7 +11,7 @@ from orchestrator.cluster import BringUpError, bring_up
 from orchestrator.config import OrchConfig
 from orchestrator.request import GenerateInput
 from engine.sampling_params import SamplingParams
-from tests.orchestrator.fake_ranks import CLASSES
+from tests.orchestrator.fake_ranks import CLASSES, DecodeRank
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import MODEL
 
@@ -77,3 +77,36 @@ def test_unplaceable_instance_times_out_with_advice(ray_session):
     with pytest.raises(BringUpError, match="prefill-0: placement group .* not ready within 1 s"):
         bring_up(cfg, rank_classes=CLASSES)
     assert _live_pgs(ray_session) == []
+
+
+class InitFailsDecodeRank(DecodeRank):
+    def init_rank(self, host: str, port: int, peers: list) -> None:
+        raise RuntimeError("simulated init failure after a restart")
+
+
+def test_restart_instance_replaces_its_ranks_and_a_failed_restart_cleans_up(ray_session):
+    ray = ray_session
+    cluster = bring_up(_cfg(), rank_classes=CLASSES)
+    try:
+        old = cluster.ranks_of("decode-0")
+        new = cluster.restart_instance("decode-0", timeout_s=60)
+        assert cluster.ranks_of("decode-0") == new.ranks and not set(new.ranks) & set(old)
+        assert cluster.leaders()["decode-0"] == new.ranks[0]
+        logs = ray.get([r.get_log.remote() for r in new.ranks], timeout=30)
+        port = 29500 + len("decode-0")
+        assert logs[0] == [("init", "decode-0", 0), ("open_tp_store",),
+                           ("init_rank", "127.0.0.1", port, 2), ("start",)]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(old[1].get_log.remote(), timeout=30)
+        assert sorted(_live_pgs(ray)) == ["orch-decode-0", "orch-prefill-0"]
+        cluster.rank_classes = {**CLASSES, "decode": InitFailsDecodeRank}
+        with pytest.raises(BringUpError, match="decode-0 rank 0: init_rank failed.*simulated"):
+            cluster.restart_instance("decode-0", timeout_s=60)
+        assert cluster.ranks_of("decode-0") == [] and "decode-0" not in cluster.leaders()
+        assert _live_pgs(ray) == ["orch-prefill-0"]
+        with pytest.raises(KeyError, match="no instance 'decode-7'"):
+            cluster.restart_instance("decode-7", timeout_s=5)
+    finally:
+        cluster.teardown()
+    cluster.teardown()  # exactly once: a second call finds nothing to do
+    assert _live_pgs(ray) == []
