@@ -17,6 +17,7 @@ from orchestrator.router import Router, RouterMetrics
 from orchestrator.status import StatusBoard
 
 Healthy = Callable[[str], bool]
+RECOVER_GRACE_S = 30.0  # beyond health.recover_timeout_s before the monitor gives up
 
 
 def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Flow:
@@ -58,9 +59,11 @@ def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
     """A health monitor of every instance of ``cfg``, timed by ``cfg.health`` (see
     :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy`` and ``recover``)."""
     h = cfg.health
+    # NOTE: the Recoverer bounds a restart by recover_timeout_s itself and then gives up on
+    # it a few seconds later; the monitor's own bound only catches a recover that hangs.
     return HealthMonitor({inst.name: inst.role for inst in cfg.instances()}, ranks_of,
                          h.probe_interval_s, h.probe_timeout_s, on_unhealthy=on_unhealthy,
-                         recover=recover, recover_timeout_s=h.recover_timeout_s)
+                         recover=recover, recover_timeout_s=h.recover_timeout_s + RECOVER_GRACE_S)
 
 
 def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:

@@ -110,13 +110,26 @@ class KVTransferSection(_Section):
     header_timeout_s: float = Field(TransferConfig.header_timeout_s, gt=0)
     payload_timeout_s: float = Field(TransferConfig.payload_timeout_s, gt=0)
     completion_timeout_s: float = Field(TransferConfig.completion_timeout_s, gt=0)
+    heartbeat_s: float = Field(TransferConfig.heartbeat_s, gt=0)
+    peer_timeout_s: float = Field(TransferConfig.peer_timeout_s, gt=0)
+    retry_backoff_s: float = Field(TransferConfig.retry_backoff_s, gt=0)
+
+    @model_validator(mode="after")
+    def _heartbeats_fit(self) -> "KVTransferSection":
+        if self.peer_timeout_s <= 2 * self.heartbeat_s:
+            raise _cross_field(f"kv_transfer.peer_timeout_s ({self.peer_timeout_s}) must be > 2 x "
+                               f"kv_transfer.heartbeat_s ({self.heartbeat_s}): raise it, or "
+                               "lower heartbeat_s")
+        return self
 
     def transfer_config(self) -> TransferConfig:
         """The :class:`kv_transfer.TransferConfig` every rank's KV connector is built with."""
         return TransferConfig(connect_timeout_s=self.connect_timeout_s,
                               header_timeout_s=self.header_timeout_s,
                               payload_timeout_s=self.payload_timeout_s,
-                              completion_timeout_s=self.completion_timeout_s)
+                              completion_timeout_s=self.completion_timeout_s,
+                              heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
+                              retry_backoff_s=self.retry_backoff_s)
 
 
 class TLSSection(_Section):
@@ -162,14 +175,17 @@ class HealthSection(_Section):
 
     Every ``probe_interval_s`` each rank of each instance is pinged, each ping bounded by
     ``probe_timeout_s``: a dead rank marks its instance unhealthy at once, a silent one after
-    ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``;
-    ``recover_timeout_s`` bounds one automatic restart of an instance.
+    ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``.
+    An unhealthy instance is restarted (new rank actors) within ``recover_timeout_s``, at most
+    ``max_restarts`` times per ``restart_window_s`` (0 turns automatic restarts off).
     """
 
     probe_interval_s: float = Field(1.0, gt=0)
     probe_timeout_s: float = Field(5.0, gt=0)
     status_timeout_s: float = Field(2.0, gt=0)
-    recover_timeout_s: float = Field(600.0, gt=0)
+    recover_timeout_s: float = Field(300.0, gt=0)
+    max_restarts: int = Field(3, ge=0)
+    restart_window_s: float = Field(600.0, gt=0)
 
 
 class ClusterSection(_Section):

@@ -119,7 +119,8 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
                                 detail=v.detail, has_load=v.status is not None)
         s = v.status
         if s is not None:
-            msg.ranks.extend(pb.RankStatus(rank=r, node_id=n, device=d) for r, n, d in s.ranks)
+            msg.ranks.extend(pb.RankStatus(rank=r, node_id=n, device=d, pid=pid)
+                             for r, n, d, pid in s.ranks)
             msg.MergeFrom(pb.InstanceStatus(
                 queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
                 total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
@@ -138,7 +139,7 @@ def status_from_proto(msg: pb.GetStatusResponse) -> list[InstanceView]:
 def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
     return InstanceStatusInfo(
         name=i.name, role=i.role, tp=i.tp,
-        ranks=tuple((r.rank, r.node_id, r.device) for r in i.ranks),
+        ranks=tuple((r.rank, r.node_id, r.device, r.pid) for r in i.ranks),
         queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
         kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures)

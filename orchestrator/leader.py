@@ -25,8 +25,8 @@ def _brief(exc: BaseException) -> str:
 
     name = type(exc).__name__
     if isinstance(exc, RayActorError):
-        return (f"{name}: a rank process of this instance is gone; orch does not restart "
-                "ranks yet: restart `orch up`")
+        return (f"{name}: a rank process of this instance is gone (orch restarts the "
+                "instance; `orch status` shows it)")
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the worker's
     if isinstance(cause, BaseException) and cause is not exc:
         return _brief(cause)

@@ -22,6 +22,7 @@ from orchestrator.cluster import Cluster, bring_up, connect_ray
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
 from orchestrator.progress import Stopwatch, node_ips, plural, say
+from orchestrator.recovery import Recoverer
 from orchestrator.security import EdgeSecurity, load_security
 from orchestrator.server import OrchServer, PortInUseError
 
@@ -131,22 +132,23 @@ def _worker_logs_dir() -> str:
     return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
 
 
-def _ranks_of(cluster: Cluster):
-    """Instance name -> its current rank handles (looked up each time: restarts replace
-    entries of ``cluster.instances``)."""
-    def ranks_of(name: str) -> list:
-        return next(inst.ranks for inst in cluster.instances if inst.cfg.name == name)
-    return ranks_of
-
-
 async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
                  security: EdgeSecurity) -> None:
     metrics = make_metrics(cfg)
-    monitor = build_monitor(cfg, _ranks_of(cluster))
+    # NOTE: the monitor tells the router (built next) about failures and has the recoverer
+    # (built on the router's leader clients, which it rebinds) restart the instance.
+    monitor = build_monitor(cfg, cluster.ranks_of,
+                            on_unhealthy=lambda name, why: router.instance_failed(name, why),
+                            recover=(lambda name: recoverer.recover(name))
+                            if cfg.health.max_restarts else None)
     if metrics is not None:
         metrics.track_health(monitor)
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
                           healthy=monitor.is_healthy)
+    recoverer = Recoverer(cluster, {leader.name: leader for leader in router.flow.leaders},
+                          max_restarts=cfg.health.max_restarts,
+                          window_s=cfg.health.restart_window_s,
+                          timeout_s=cfg.health.recover_timeout_s)
     board = build_board(cfg, router, monitor)
     server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
                         cfg.router.max_message_bytes)

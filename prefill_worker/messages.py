@@ -138,7 +138,8 @@ class InstanceStatusInfo:
     name: str
     role: str
     tp: int
-    ranks: tuple[tuple[int, str, str], ...] = field(default_factory=tuple)  # (rank, node, device)
+    # (rank, Ray node id, device, process id) per rank
+    ranks: tuple[tuple[int, str, str, int], ...] = field(default_factory=tuple)
     queue_depth: int = 0
     running: int = 0
     free_blocks: int = 0

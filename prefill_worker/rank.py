@@ -34,6 +34,7 @@ Any other error of a step fails only the requests it concerns (see ``LeaderRank.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -299,11 +300,16 @@ class RankBase(ABC):
         """Role hook, every rank, end of :meth:`shutdown` (the loop thread has stopped):
         release what :meth:`setup_role` opened (connectors, their threads and sockets)."""
 
-    def ranks_info(self, timeout_s: float | None = None) -> tuple[tuple[int, str, str], ...]:
-        """(rank, node id, device) of every rank, for status.
+    def process_info(self) -> tuple[str, str, int]:
+        """(Ray node id, device, process id) of this rank."""
+        return (*self.node_info(), os.getpid())
+
+    def ranks_info(self, timeout_s: float | None = None
+                   ) -> tuple[tuple[int, str, str, int], ...]:
+        """(rank, node id, device, pid) of every rank, for status.
 
         Raises:
             RankFailure: a rank is gone or did not answer within ``timeout_s``.
         """
         return tuple((i, *info) for i, info in
-                     enumerate(self.call_all("node_info", timeout_s=timeout_s)))
+                     enumerate(self.call_all("process_info", timeout_s=timeout_s)))

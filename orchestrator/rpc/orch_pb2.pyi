@@ -89,14 +89,16 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node_id", "device")
+    __slots__ = ("rank", "node_id", "device", "pid")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node_id: str
     device: str
-    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
     __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load")

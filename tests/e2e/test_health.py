@@ -36,7 +36,8 @@ def orch(ray_session, tmp_path_factory):
                  "cluster.bind_host": "127.0.0.1", "decode.dp": 2, "decode.tp": 1,
                  "router.request_timeout_s": 60,
                  "health.probe_interval_s": PROBE_INTERVAL_S,
-                 "health.probe_timeout_s": PROBE_TIMEOUT_S}
+                 "health.probe_timeout_s": PROBE_TIMEOUT_S,
+                 "health.max_restarts": 0}  # NOTE: recovery off (see the docstring)
     with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("health"),
                      overrides) as orch:
         yield orch

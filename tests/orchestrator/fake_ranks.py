@@ -6,6 +6,7 @@ every bring-up call so tests can check the sequence.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from kv_transfer import KVPeer
@@ -61,7 +62,7 @@ class _FakeRank:
         blocks = self.cfg.scheduler.num_kv_blocks
         return InstanceStatusInfo(name=self.cfg.name, role=self.cfg.role,
                                   tp=self.cfg.parallel.tp,
-                                  ranks=((0, "n", self.cfg.parallel.device),),
+                                  ranks=((0, "n", self.cfg.parallel.device, os.getpid()),),
                                   total_blocks=blocks, free_blocks=blocks - len(self._specs))
 
     def drain(self, timeout_s: float) -> None:

@@ -111,7 +111,7 @@ class _Leader:
 
     def status(self) -> InstanceStatusInfo:
         return InstanceStatusInfo(name=self.name, role=self.role, tp=1,
-                                  ranks=((0, "node-a", "cpu"),), queue_depth=0, running=0,
+                                  ranks=((0, "node-a", "cpu", 4242),), queue_depth=0, running=0,
                                   free_blocks=10, total_blocks=10)
 
 

@@ -48,7 +48,7 @@ def test_status_table(harness, capsys):
     assert main(["status", "--address", harness.address]) == 0
     out = capsys.readouterr().out
     assert "model fake; 0 request(s) in flight" in out
-    assert "prefill-0" in out and "decode-0" in out and "rank 0: node node-a device cpu" in out
+    assert "prefill-0" in out and "decode-0" in out and "rank 0: node node-a device cpu pid 4242" in out
 
 
 # NOTE: a fresh interpreter where torch, ray and the bench package cannot be imported (a

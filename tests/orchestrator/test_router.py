@@ -280,8 +280,8 @@ def test_status_and_health(harness):
         client.wait_ready(5)
         instances, in_flight, model = client.status()
     assert [(i.name, i.role, i.health, i.status.ranks) for i in instances] == [
-        ("prefill-0", "prefill", "healthy", ((0, "node-a", "cpu"),)),
-        ("decode-0", "decode", "healthy", ((0, "node-a", "cpu"),))]
+        ("prefill-0", "prefill", "healthy", ((0, "node-a", "cpu", 4242),)),
+        ("decode-0", "decode", "healthy", ((0, "node-a", "cpu", 4242),))]
     assert in_flight == 0 and model == "fake"
     assert harness.metrics.instances[-1] == [i.status for i in instances]
 

@@ -80,7 +80,7 @@ def test_status_answers_quickly_while_a_follower_hangs(ray_session, prefill_tp2)
     pid = ray.get(follower.pid.remote(), timeout=30)
     os.kill(pid, signal.SIGSTOP)
     try:
-        with pytest.raises(TimeoutError, match="rank 1 did not finish node_info within 2 s"):
+        with pytest.raises(TimeoutError, match="rank 1 did not finish process_info within 2 s"):
             status_in(ray, leader, 4.0)
     finally:
         os.kill(pid, signal.SIGCONT)
