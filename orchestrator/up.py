@@ -1,7 +1,8 @@
 """`orch up`: checkpoint, Ray instances, router and gRPC server, until SIGINT/SIGTERM.
 
 Stop order: health NOT_SERVING, drain in-flight requests (bounded by ``DRAIN_S``), server
-stop, then the Ray actors and placement groups, then Ray itself if we started it.
+stop, then the Ray actors (leaders' drain and shutdown bounded by ``TEARDOWN_S`` each, then
+killed) and placement groups, then Ray itself if we started it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from orchestrator.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0
+# NOTE: after the router's drain, the leaders' drain and shutdown get this bound each, then
+# every rank is killed: a rank stuck in a failing transfer must not hold the exit.
+TEARDOWN_S = 5.0
 
 
 def make_metrics(cfg: OrchConfig):
@@ -72,7 +76,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     try:
         asyncio.run(_serve(cfg, cluster, model, tokenizer))
     finally:
-        cluster.teardown()
+        cluster.teardown(timeout_s=TEARDOWN_S)
     return 0
 
 
