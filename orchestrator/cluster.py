@@ -88,8 +88,18 @@ class Cluster:
 
 
 def connect_ray(cfg: OrchConfig) -> bool:
-    """Join ``cluster.address`` or start an embedded local Ray; True when we started it."""
+    """Join ``cluster.address`` or start an embedded private Ray; True when we started it.
+
+    The embedded Ray is always a new local cluster of this process (``address="local"``,
+    ``RAY_ADDRESS`` removed from the environment), never one already running on the host.
+
+    Raises:
+        BringUpError: the cluster is unreachable or refuses this process (one line: what to
+            do).
+    """
     import ray
+
+    from engine import envs
 
     if ray.is_initialized():
         return False
@@ -103,17 +113,24 @@ def connect_ray(cfg: OrchConfig) -> bool:
         import torch_npu  # noqa: F401
 
         resources["NPU"] = torch.npu.device_count()
-    ray.init(num_cpus=os.cpu_count(), resources=resources or None, include_dashboard=False)
+    envs.RAY_ADDRESS.unset()
+    ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
+             include_dashboard=False)
     return True
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections.
+    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections
+    or refuses this process's authentication token.
 
     Raises:
-        BringUpError: nothing listens there within ``timeout_s`` seconds.
+        BringUpError: nothing listens there within ``timeout_s`` seconds, or the cluster
+            requires a token this process does not present.
     """
     import socket
+
+    import ray
+    from ray._raylet import GcsClient  # NOTE: the one Ray client that fails in ms, typed
 
     if address == "auto" or "://" in address or ":" not in address:
         return  # ray resolves these itself
@@ -125,6 +142,17 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             f"cannot reach the Ray cluster at cluster.address {address!r} within {timeout_s:g} s "
             f"({exc}): start it with `ray start --head` on that node, or fix the address "
             "(empty = embedded local Ray)") from None
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError:
+        raise BringUpError(
+            f"the Ray cluster at {address} refused this process's token (InvalidAuthToken): "
+            "run `orch up` with RAY_AUTH_MODE=token and the cluster's token (the head's "
+            "~/.ray/auth_token, or RAY_AUTH_TOKEN), as in the README's multi-node recipe") from None
+    except ray.exceptions.RpcError as exc:
+        raise BringUpError(
+            f"{address} accepts connections but no Ray cluster answered there ({exc}): give "
+            "cluster.address as the head's IP and `ray start --head --port`") from None
 
 
 def load_rank_classes() -> dict[str, type]:

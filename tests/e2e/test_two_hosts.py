@@ -4,8 +4,8 @@ hostname resolving to a loopback address in both as on a stock host.
 
 `orch up` runs on the head (host a, prefill pinned there), decode tp 1 and tp 2 on host b:
 greedy outputs equal the colocated baseline's and the KV bytes cross the link (host a's veth
-sent at least the KV bytes the prefill side reports). SIGINT stops orch within a bound.
-Skipped, saying why, where namespaces cannot be made (not root, no iproute2).
+sent at least the KV bytes the prefill side reports). SIGINT stops orch within a bound. Without the recipe's token setting, `orch up` is refused and
+says what to do in one line. Skipped, saying why, where namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def cluster(tmp_path_factory):
 
 
 def _config(tmp: Path, head_ip: str, decode_tp: int) -> Path:
+    """configs/1p1d.yaml on the recipe's cluster, roles pinned."""
     data = yaml.safe_load((REPO / "configs" / "1p1d.yaml").read_text())
     data["cluster"]["address"] = f"{head_ip}:6379"
     data["prefill"]["ray_resources"] = {"prefill_node": 0.01}
@@ -99,41 +100,60 @@ def _client(hosts: TwoHosts, env: dict, args: list[str], timeout_s: float,
     return json.loads(hosts.run(hosts.a, argv, env, timeout_s, stdin))
 
 
-def _stop(orch: subprocess.Popen, log: Path) -> float:
-    """SIGINT orch; seconds until it exited (fails past STOP_WITHIN_S)."""
-    start = time.monotonic()
+def _start_orch(hosts: TwoHosts, recipe: Recipe, env: dict, config: Path,
+                log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:
+    """The recipe's `orch up` line on the head, with ``config``; waits until SERVING.
+    (process, role -> node ids of its ranks)."""
+    lines = [line.replace("my_cluster.yaml", str(config)) for line in recipe.orch]
+    orch = hosts.spawn(hosts.a, _script(recipe.common, hosts.a.address, "") + "\nexec "
+                       + "\n".join(lines), log, env)
+    try:
+        ready = _client(hosts, env, ["ready", ROUTER, str(READY_S)], READY_S + 30)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        _stop(orch, log, STOP_WITHIN_S)
+        raise AssertionError(f"{exc}\norch log:\n{log.read_text()[-4000:]}") from None
+    return orch, ready["nodes"]
+
+
+def _stop(orch: subprocess.Popen, log: Path, within_s: float) -> None:
+    """SIGINT orch; fails unless it exits 0 within ``within_s``."""
     orch.send_signal(signal.SIGINT)
     try:
-        code = orch.wait(timeout=STOP_WITHIN_S)
+        code = orch.wait(timeout=within_s)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"orch up still running {STOP_WITHIN_S:g} s after SIGINT:\n"
+        raise AssertionError(f"orch up still running {within_s:g} s after SIGINT:\n"
                              f"{log.read_text()[-3000:]}")  # NOTE: keeps the test's own error
     assert code == 0, f"orch up exited {code}:\n{log.read_text()[-3000:]}"
-    return time.monotonic() - start
 
 
 @pytest.mark.parametrize("decode_tp", [1, 2])
 def test_prefill_and_decode_on_two_hosts(cluster, decode_tp, tmp_path, prompts,
                                          colocated_outputs):
     hosts, recipe, env = cluster
-    config = _config(tmp_path, hosts.a.address, decode_tp)
-    lines = [line.replace("my_cluster.yaml", str(config)) for line in recipe.orch]
     log = tmp_path / "orch.log"
-    orch = hosts.spawn(hosts.a, _script(recipe.common, hosts.a.address, "") + "\nexec "
-                       + "\n".join(lines), log, env)
+    config = _config(tmp_path, hosts.a.address, decode_tp)
+    orch, nodes = _start_orch(hosts, recipe, env, config, log)
     try:
-        try:
-            nodes = _client(hosts, env, ["ready", ROUTER, str(READY_S)], READY_S + 30)["nodes"]
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            raise AssertionError(f"{exc}\norch log:\n{log.read_text()[-4000:]}") from None
         assert len(set(nodes["prefill"])) == 1 and len(set(nodes["decode"])) == 1, nodes
         assert set(nodes["prefill"]) != set(nodes["decode"]), nodes
-        rx0, tx0 = hosts.a.link_bytes()
+        _, tx0 = hosts.a.link_bytes()
         out = _client(hosts, env, ["generate", ROUTER, str(MAX_TOKENS)], 200,
                       json.dumps(prompts[:NUM_REQUESTS]))
-        rx1, tx1 = hosts.a.link_bytes()
+        _, tx1 = hosts.a.link_bytes()
         assert out["outputs"] == colocated_outputs[:NUM_REQUESTS], log.read_text()[-3000:]
         assert out["kv_bytes_sent"] > 0
         assert tx1 - tx0 >= out["kv_bytes_sent"], (tx1 - tx0, out["kv_bytes_sent"])
     finally:
-        _stop(orch, log)
+        _stop(orch, log, STOP_WITHIN_S)
+
+
+def test_orch_up_without_the_token_says_what_to_do(cluster, tmp_path):
+    hosts, _, env = cluster
+    config = _config(tmp_path, hosts.a.address, decode_tp=1)
+    argv = [sys.executable, "-m", "orchestrator.cli", "up", str(config)]
+    out = subprocess.run(hosts.a.argv(argv), capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    error = out.stderr.strip().splitlines()[-1]
+    assert "InvalidAuthToken" in error and "RAY_AUTH_MODE=token" in error, out.stderr

@@ -119,7 +119,7 @@ class TwoHosts:
         runs in the namespaces, then delete them."""
         for proc in self.procs:
             _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + 20.0
+        deadline = time.monotonic() + 10.0
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
