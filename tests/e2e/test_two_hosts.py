@@ -4,8 +4,9 @@ hostname resolving to a loopback address in both as on a stock host.
 
 `orch up` runs on the head (host a, prefill pinned there), decode tp 1 and tp 2 on host b:
 greedy outputs equal the colocated baseline's and the KV bytes cross the link (host a's veth
-sent at least the KV bytes the prefill side reports). SIGINT stops orch within a bound. Without the recipe's token setting, `orch up` is refused and
-says what to do in one line. Skipped, saying why, where namespaces cannot be made (not root, no iproute2).
+sent at least the KV bytes the prefill side reports). SIGINT stops orch within a bound.
+Without the recipe's token setting, `orch up` is refused and says what to do in one line.
+Skipped, saying why, where namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
