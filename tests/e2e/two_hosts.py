@@ -25,14 +25,18 @@ IP_TIMEOUT_S = 10.0
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be made here (None when they can)."""
     if os.geteuid() != 0:
-        return "simulating two hosts needs root (ip netns add / veth pairs); run as root"
+        return "not root: network namespaces and veth pairs need root; run the tests as root"
     if shutil.which("ip") is None:
-        return "simulating two hosts needs iproute2's `ip` command; install iproute2"
+        return "no `ip` command: install iproute2"
     return None
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=IP_TIMEOUT_S)
+    """Run ``ip ARGS``; raises RuntimeError with ip's own message when it fails."""
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+    if out.returncode:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {out.stderr.strip()} (this machine "
+                           "does not let root make network namespaces / veth pairs)")
 
 
 @dataclass
