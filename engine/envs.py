@@ -47,8 +47,14 @@ class EnvVar(Generic[T]):
                              f"fix it or unset it ({self.doc})") from None
 
     def set_default(self, value: str) -> None:
-        """Set the variable for this process and its children unless it is already set."""
-        os.environ.setdefault(self.name, value)
+        """Set the variable for this process and its children unless it is already set
+        (empty counts as unset)."""
+        if not os.environ.get(self.name):
+            os.environ[self.name] = value
+
+    def unset(self) -> None:
+        """Remove the variable from this process's environment (and its future children's)."""
+        os.environ.pop(self.name, None)
 
 
 def read_configured(name: str) -> str:
@@ -87,8 +93,9 @@ ORCH_TORCH_THREADS: EnvVar[int] = EnvVar(
     "torch intra-op threads of each rank process (torch.set_num_threads)")
 GLOO_SOCKET_IFNAME: EnvVar[str] = EnvVar(
     "GLOO_SOCKET_IFNAME", str, "",
-    "network interface of Gloo's sockets (read by Gloo itself); a rank whose stores bind "
-    "127.0.0.1 sets it to 'lo' unless it is already set")
+    "network interfaces (comma separated) of Gloo's sockets, TP and KV pair groups alike; "
+    "unset: the local address that reaches the group's rendezvous address (a gloo TP group "
+    "sets it to that interface, a rank whose stores bind 127.0.0.1 to 'lo')")
 ORCH_TOKEN: EnvVar[str] = EnvVar(
     "ORCH_TOKEN", str, "",
     "bearer token `orch generate` / `orch status` send when --token-file is not given "
@@ -102,6 +109,10 @@ RAY_COLOR_PREFIX: EnvVar[str] = EnvVar(
     "RAY_COLOR_PREFIX", str, "",
     "'0': Ray prints its (raylet) and worker line prefixes without ANSI colour codes (read by "
     "Ray); `orch up` sets it to '0' when stdout is not a terminal unless it is already set")
+RAY_ADDRESS: EnvVar[str] = EnvVar(
+    "RAY_ADDRESS", str, "",
+    "read by Ray itself: the cluster a bare ray.init() joins; orch joins only "
+    "cluster.address and removes this variable before starting its embedded private Ray")
 
 ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME,
-                           ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX)
+                           ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX, RAY_ADDRESS)

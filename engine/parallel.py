@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.network import set_gloo_interface_default
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -52,12 +54,15 @@ def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
     """Join (or, on rank 0, open) the TP group of ``size`` ranks at ``host:port``.
 
     Size 1 returns a trivial group and touches nothing. ``store``: the leader's already open
-    TCPStore (rank 0 only), used instead of opening one at ``port``.
+    TCPStore (rank 0 only), used instead of opening one at ``port``. With gloo, Gloo's
+    sockets use the interface that reaches ``host`` (``GLOO_SOCKET_IFNAME`` is set to it for
+    this process unless set already; see :mod:`engine.network`).
 
     Raises:
         ValueError: bad rank/size or port 0 with size > 1 (every rank must know the port).
         RuntimeError: the default process group already exists in this process.
         torch.distributed.DistStoreError: peers did not arrive within ``timeout_s`` seconds.
+        OSError: no local interface reaches ``host`` (message says to set GLOO_SOCKET_IFNAME).
     """
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a TP group of size {size}")
@@ -69,6 +74,8 @@ def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
     if dist.is_initialized():
         raise RuntimeError("a default process group already exists in this process; "
                            "one process hosts one TP rank")
+    if backend == "gloo":  # NOTE: torch builds this group's Gloo device from the variable
+        set_gloo_interface_default(host)
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, world_size=size, is_master=(rank == 0),

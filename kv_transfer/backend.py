@@ -12,7 +12,6 @@ streams; they are untested here.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engine.network import gloo_devices
 from kv_transfer.errors import TransferTimeout
 
 
@@ -29,8 +29,9 @@ class PairBackend:
 
     Attributes:
         name: ``gloo``, ``nccl`` or ``hccl``.
-        make_group: ``(store, rank, timeout_s, host) -> ProcessGroup`` of size 2; blocks until
-            both ranks joined or ``timeout_s`` passed (raises then).
+        make_group: ``(store, rank, timeout_s, host) -> ProcessGroup`` of size 2 (``host``:
+            the rendezvous store's address, the decode rank's); blocks until both ranks
+            joined or ``timeout_s`` passed (raises then).
         wait: ``(work, timeout_s) -> None``; raises :class:`TransferTimeout` when the op did
             not complete within ``timeout_s``, else the backend's own error (peer gone...).
             The caller adds the pair and the record to the message.
@@ -45,23 +46,15 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _gloo() -> PairBackend:
     def make_group(store: dist.Store, rank: int, timeout_s: float,
                    host: str) -> dist.ProcessGroup:
         pg_cls = dist.ProcessGroupGloo
         opts = pg_cls._Options()
         opts._timeout = _td(timeout_s)
-        # NOTE: on loopback both ranks live on this host; otherwise the default device
-        # (hostname / GLOO_SOCKET_IFNAME) is the address the peer can reach.
-        opts._devices = [pg_cls.create_device(hostname="127.0.0.1") if _is_loopback(host)
-                         else pg_cls.create_default_device()]
+        # NOTE: never Gloo's default device (the hostname, often a loopback address): the
+        # address this rank reaches the rendezvous host from, which the peer can reach too.
+        opts._devices = gloo_devices(host)
         return pg_cls(store, rank, 2, opts)
 
     def wait(work: dist.Work, timeout_s: float) -> None:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import envs
 from prefill_worker.config import InstanceConfig
 from orchestrator.config import OrchConfig
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
@@ -185,10 +186,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 def connect_ray(cfg: OrchConfig) -> bool:
-    """Join ``cluster.address`` or start an embedded local Ray; True when we started it.
+    """Join ``cluster.address`` or start an embedded private Ray; True when we started it.
 
+    The embedded Ray is always a new local cluster of this process (``address="local"``,
+    ``RAY_ADDRESS`` removed from the environment), never one already running on the host.
     The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
     gets one line per fault from the router, ``orch up`` says where the worker logs are.
+
+    Raises:
+        BringUpError: the cluster is unreachable or refuses this process (one line: what to
+            do).
     """
     import ray
 
@@ -204,18 +211,24 @@ def connect_ray(cfg: OrchConfig) -> bool:
         import torch_npu  # noqa: F401
 
         resources["NPU"] = torch.npu.device_count()
-    ray.init(num_cpus=os.cpu_count(), resources=resources or None, include_dashboard=False,
-             log_to_driver=False)
+    envs.RAY_ADDRESS.unset()
+    ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
+             include_dashboard=False, log_to_driver=False)
     return True
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections.
+    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections
+    or refuses this process's authentication token.
 
     Raises:
-        BringUpError: nothing listens there within ``timeout_s`` seconds.
+        BringUpError: nothing listens there within ``timeout_s`` seconds, or the cluster
+            requires a token this process does not present.
     """
     import socket
+
+    import ray
+    from ray._raylet import GcsClient  # NOTE: the one Ray client that fails in ms, typed
 
     if address == "auto" or "://" in address or ":" not in address:
         return  # ray resolves these itself
@@ -227,6 +240,17 @@ def _check_reachable(address: str, timeout_s: float) -> None:
             f"cannot reach the Ray cluster at cluster.address {address!r} within {timeout_s:g} s "
             f"({exc}): start it with `ray start --head` on that node, or fix the address "
             "(empty = embedded local Ray)") from None
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError:
+        raise BringUpError(
+            f"the Ray cluster at {address} refused this process's token (InvalidAuthToken): "
+            "run `orch up` with RAY_AUTH_MODE=token and the cluster's token (the head's "
+            "~/.ray/auth_token, or RAY_AUTH_TOKEN), as in the README's multi-node recipe") from None
+    except ray.exceptions.RpcError as exc:
+        raise BringUpError(
+            f"{address} accepts connections but no Ray cluster answered there ({exc}): give "
+            "cluster.address as the head's IP and `ray start --head --port`") from None
 
 
 def load_rank_classes() -> dict[str, type]:

@@ -3,8 +3,8 @@
 Start-up prints one line per stage and instance (:mod:`orchestrator.progress`); SIGINT or
 SIGTERM during it stops what was started and ends the command (exit 130 from the CLI).
 Stop order once serving: health NOT_SERVING, drain in-flight requests (bounded by
-``DRAIN_S``), server stop, then the Ray actors and placement groups, then Ray itself if we
-started it.
+``DRAIN_S``), server stop, then the Ray actors (leaders' drain and shutdown bounded by
+``TEARDOWN_S`` each, then killed) and placement groups, then Ray itself if we started it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from orchestrator.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0
+# NOTE: after the router's drain, the leaders' drain and shutdown get this bound each, then
+# every rank is killed: a rank stuck in a failing transfer must not hold the exit.
+TEARDOWN_S = 5.0
 
 
 def make_metrics(cfg: OrchConfig):
@@ -97,7 +100,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
         asyncio.run(_serve(cfg, cluster, model, tokenizer, security))
     finally:
         if cluster is not None:
-            cluster.teardown()
+            cluster.teardown(timeout_s=TEARDOWN_S)
         elif owns_ray:
             ray.shutdown()
     return 0

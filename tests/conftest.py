@@ -48,7 +48,9 @@ def ray_session():
     # classes are pickled by reference), so they get the repository root on PYTHONPATH.
     paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # NOTE: address="local": always a new cluster, never one already running on this machine
+    # (a `ray start` there, RAY_ADDRESS) that a bare ray.init() would join.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()

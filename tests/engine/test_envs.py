@@ -48,3 +48,12 @@ def test_set_default_keeps_a_value_already_set(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     envs.GLOO_SOCKET_IFNAME.set_default("lo")
     assert envs.GLOO_SOCKET_IFNAME.get() == "lo"
+
+
+def test_set_default_fills_an_empty_value_and_unset_removes(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    envs.GLOO_SOCKET_IFNAME.set_default("lo")
+    assert envs.GLOO_SOCKET_IFNAME.get() == "lo"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    envs.RAY_ADDRESS.unset()
+    assert envs.RAY_ADDRESS.get() == ""
