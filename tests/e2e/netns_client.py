@@ -22,7 +22,8 @@ def ready(address: str, timeout_s: float) -> dict:
         instances, _, _ = client.status()
     nodes: dict[str, list[str]] = {}
     for inst in instances:
-        nodes.setdefault(inst.role, []).extend(node for _, node, _ in inst.ranks)
+        ranks = inst.status.ranks if inst.status else ()
+        nodes.setdefault(inst.role, []).extend(node for _, node, _, _ in ranks)
     return {"nodes": nodes}
 
 
@@ -36,7 +37,8 @@ def generate(address: str, max_tokens: int, prompts: list[str]) -> dict:
         with ThreadPoolExecutor(len(prompts)) as pool:
             outputs = list(pool.map(one, prompts))
         instances, _, _ = client.status()
-    sent = sum(inst.kv_bytes_sent for inst in instances if inst.role == "prefill")
+    sent = sum(inst.status.kv_bytes_sent for inst in instances
+               if inst.role == "prefill" and inst.status)
     return {"outputs": outputs, "kv_bytes_sent": sent}
 
 

@@ -43,18 +43,32 @@ def _ports_cfg(port: int, metrics_port: int) -> OrchConfig:
                                                  "metrics_port": metrics_port}})
 
 
+def _port_in_time_wait() -> int:
+    """A loopback port whose only socket is a server-side connection in TIME_WAIT, as a
+    /metrics scrape leaves it when the server closes first (done by hand: whether a real
+    scrape's server or client closes first is a race)."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            conn, _ = server.accept()
+            conn.close()  # NOTE: the server's end closes first, so it goes to TIME_WAIT
+            assert client.recv(1) == b""
+    return port
+
+
 def test_restart_after_a_scrape_binds_the_same_ports():
-    metrics = RouterMetrics()
-    metrics_port = metrics.start_http("127.0.0.1", 0)
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
-        assert b"orch_requests_total" in r.read()
-    metrics.stop()
-    with socket.socket() as plain:  # the scrape left a TIME_WAIT on the metrics port
+    metrics_port = _port_in_time_wait()
+    with socket.socket() as plain:  # what the pre-check did before: refused
         with pytest.raises(OSError):
             plain.bind(("127.0.0.1", metrics_port))
     check_ports_free(_ports_cfg(_free_port(), metrics_port))
     again = RouterMetrics()
     assert again.start_http("127.0.0.1", metrics_port) == metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        assert b"orch_requests_total" in r.read()
     again.stop()
 
 
