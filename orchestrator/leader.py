@@ -177,14 +177,20 @@ class EventPump:
 
     async def _run(self, leader: LeaderClient) -> None:
         bound = self._poll_timeout_s + leader.call_timeout_s
+        failing = False  # NOTE: one warning per run of failed polls, the rest at debug
         while not self._stopping:
             try:
                 events = await leader.call("poll", self._poll_timeout_s, timeout_s=bound)
             except LeaderError as exc:
-                log.warning("polling %s failed: %s", leader.name, exc)
+                log.log(logging.DEBUG if failing else logging.WARNING,
+                        "polling %s failed: %s", leader.name, exc)
+                failing = True
                 self.fail_instance(leader.name, str(exc))
                 await asyncio.sleep(self._retry_s)
                 continue
+            if failing:
+                log.info("polling %s works again", leader.name)
+                failing = False
             for event in events:
                 # NOTE: an instance the request no longer watches (a failed attempt's, or
                 # prefill after the first token) cannot end it with a late event.

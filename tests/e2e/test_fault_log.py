@@ -34,7 +34,9 @@ def _decode_ranks(root: int, timeout_s: float = 30.0) -> tuple[int, int]:
 
 def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path) as orch:
+    # NOTE: no automatic restart, so the dead instance stays dead (and polled) to the end.
+    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path,
+                     {"health.max_restarts": 0}) as orch:
         started, result = threading.Event(), {}
         stream = threading.Thread(target=lambda: result.update(out=orch.generate(
             "a long story", max_tokens=300, ignore_eos=True, started=started)))
