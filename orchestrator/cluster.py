@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import envs
 from prefill_worker.config import InstanceConfig
 from orchestrator.config import OrchConfig
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
@@ -183,74 +181,6 @@ def _first_line(exc: BaseException) -> str:
     exc = cause if isinstance(cause, BaseException) else exc
     text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
     return f"{type(exc).__name__}: {text[:300]}"
-
-
-def connect_ray(cfg: OrchConfig) -> bool:
-    """Join ``cluster.address`` or start an embedded private Ray; True when we started it.
-
-    The embedded Ray is always a new local cluster of this process (``address="local"``,
-    ``RAY_ADDRESS`` removed from the environment), never one already running on the host.
-    The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
-    gets one line per fault from the router, ``orch up`` says where the worker logs are.
-
-    Raises:
-        BringUpError: the cluster is unreachable or refuses this process (one line: what to
-            do).
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if cfg.cluster.address:
-        _check_reachable(cfg.cluster.address, timeout_s=10.0)
-        ray.init(address=cfg.cluster.address, log_to_driver=False)
-        return False
-    resources = {}
-    if cfg.device() == "npu":
-        import torch
-        import torch_npu  # noqa: F401
-
-        resources["NPU"] = torch.npu.device_count()
-    envs.RAY_ADDRESS.unset()
-    ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
-             include_dashboard=False, log_to_driver=False)
-    return True
-
-
-def _check_reachable(address: str, timeout_s: float) -> None:
-    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections
-    or refuses this process's authentication token.
-
-    Raises:
-        BringUpError: nothing listens there within ``timeout_s`` seconds, or the cluster
-            requires a token this process does not present.
-    """
-    import socket
-
-    import ray
-    from ray._raylet import GcsClient  # NOTE: the one Ray client that fails in ms, typed
-
-    if address == "auto" or "://" in address or ":" not in address:
-        return  # ray resolves these itself
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except (OSError, ValueError) as exc:
-        raise BringUpError(
-            f"cannot reach the Ray cluster at cluster.address {address!r} within {timeout_s:g} s "
-            f"({exc}): start it with `ray start --head` on that node, or fix the address "
-            "(empty = embedded local Ray)") from None
-    try:
-        GcsClient(address=address)
-    except ray.exceptions.AuthenticationError:
-        raise BringUpError(
-            f"the Ray cluster at {address} refused this process's token (InvalidAuthToken): "
-            "run `orch up` with RAY_AUTH_MODE=token and the cluster's token (the head's "
-            "~/.ray/auth_token, or RAY_AUTH_TOKEN), as in the README's multi-node recipe") from None
-    except ray.exceptions.RpcError as exc:
-        raise BringUpError(
-            f"{address} accepts connections but no Ray cluster answered there ({exc}): give "
-            "cluster.address as the head's IP and `ray start --head --port`") from None
 
 
 def load_rank_classes() -> dict[str, type]:

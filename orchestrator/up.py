@@ -18,10 +18,11 @@ import sys
 from engine import envs
 from orchestrator.assemble import build_board, build_monitor, build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
-from orchestrator.cluster import Cluster, bring_up, connect_ray
+from orchestrator.cluster import Cluster, bring_up
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
 from orchestrator.progress import Stopwatch, node_ips, plural, say
+from orchestrator.ray_connect import connect_ray
 from orchestrator.recovery import Recoverer
 from orchestrator.security import EdgeSecurity, load_security
 from orchestrator.server import OrchServer, PortInUseError
