@@ -114,5 +114,13 @@ RAY_ADDRESS: EnvVar[str] = EnvVar(
     "read by Ray itself: the cluster a bare ray.init() joins; orch joins only "
     "cluster.address and removes this variable before starting its embedded private Ray")
 
+GRPC_VERBOSITY: EnvVar[str] = EnvVar(
+    "GRPC_VERBOSITY", str, "",
+    "read by gRPC's C core when it starts: the least severe of its own lines that it prints; "
+    "the `orch` commands set it to ERROR unless it is set already (else every failed TLS "
+    "handshake, e.g. a plaintext client, prints a line: anyone who reaches the port could "
+    "fill the log)")
+
 ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME,
-                           ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX, RAY_ADDRESS)
+                           ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX, RAY_ADDRESS,
+                           GRPC_VERBOSITY)

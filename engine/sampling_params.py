@@ -47,7 +47,8 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

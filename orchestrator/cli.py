@@ -73,7 +73,10 @@ def _rpc_failure(ns: argparse.Namespace, exc: grpc.RpcError) -> str:
     """One line for a failed call: code, details and, when the router was not reached, what
     to check."""
     line = f"{exc.code().name}: {exc.details()}"
-    if exc.code().name == "UNAVAILABLE":
+    # NOTE: an UNAVAILABLE the router itself sent (an instance failed) reached the router
+    unreached = any(word in (exc.details() or "").lower()
+                    for word in ("failed to connect", "connection", "handshake", "ssl", "dns"))
+    if exc.code().name == "UNAVAILABLE" and unreached:
         tls = ("a router with router.tls needs --tls-ca FILE" if ns.tls_ca is None else
                f"is the router's certificate signed by {ns.tls_ca} and valid for this address?")
         line += f"; is `orch up` running at {ns.address}? ({tls})"

@@ -133,7 +133,8 @@ class Cluster:
                 _kill(new)
                 raise BringUpError(f"{name}: restarted while the cluster shut down; removed")
             self.instances[self.instances.index(self._find(name))] = new
-        log.info("%s restarted: %s", name, new.nodes)
+        log.info("%s restarted on %s", name, nodes_text([node for node, _ in new.nodes],
+                                                        node_ips()))
         return new
 
     def _find(self, name: str) -> InstanceRanks:

@@ -188,8 +188,9 @@ class DisaggregatedFlow(Flow):
                     try:
                         answer = await self._reserve_on(name, spec)
                     except InstanceFailure as exc:
-                        log.warning("reserve of %s: %s; trying the next decode instance",
-                                    spec.request_id, exc.message)
+                        # NOTE: debug: the instance's failure is logged once, not per request
+                        log.debug("reserve of %s: %s; trying the next decode instance",
+                                  spec.request_id, exc.message)
                         failures.append(exc.message)
                         continue
                     if isinstance(answer, Reservation):
@@ -274,4 +275,4 @@ async def _abort_quietly(leader: LeaderClient, request_id: str) -> None:
     try:
         await leader.call("abort", request_id)
     except LeaderError as exc:
-        log.warning("abort of %s on %s failed: %s", request_id, leader.name, exc)
+        log.debug("abort of %s on %s failed: %s", request_id, leader.name, exc)

@@ -220,7 +220,7 @@ class HealthMonitor:
         self._recoveries.pop(name, None)
         if failure is None:
             self._set(name, Health.HEALTHY, "")
-            log.warning("%s is healthy again after a restart", name)
+            log.info("%s is healthy again after a restart", name)
             return
         self._set(name, Health.UNHEALTHY, f"{reason}; {failure}: restart `orch up`")
         log.warning("%s stays unhealthy: %s", name, failure)

@@ -32,6 +32,11 @@ class PlainFormatter(logging.Formatter):
         return ANSI_CODE.sub("", super().format(record))
 
 
+# NOTE: a health transition or a refused restart is an event, however alike its text (the
+# same instance killed twice); the restart rate already bounds how often these log.
+NEVER_FOLDED = frozenset({"orchestrator.health", "orchestrator.recovery"})
+
+
 class RepeatFilter(logging.Filter):
     """Drops a WARNING-or-worse line identical (logger and text) to one shown less than
     ``window_s`` seconds ago; the next one shown says how many were dropped.
@@ -49,7 +54,7 @@ class RepeatFilter(logging.Filter):
         self._lock = threading.Lock()  # NOTE: handlers call filters outside their own lock
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
+        if record.levelno < logging.WARNING or record.name in NEVER_FOLDED:
             return True
         key, now = (record.name, record.getMessage()), self.clock()
         with self._lock:
@@ -74,8 +79,10 @@ class RepeatFilter(logging.Filter):
 def setup_logging() -> None:
     """Configure the root logger once for an `orch` command (see the module docstring).
 
-    An invalid ``$ORCH_LOG_LEVEL`` is reported on stderr and INFO is used.
+    An invalid ``$ORCH_LOG_LEVEL`` is reported on stderr and INFO is used. gRPC's C core
+    prints only errors (``GRPC_VERBOSITY``; must be set before gRPC is first imported).
     """
+    envs.GRPC_VERBOSITY.set_default("ERROR")
     try:
         level = envs.ORCH_LOG_LEVEL.get()
     except ValueError as exc:

@@ -132,7 +132,8 @@ class Router:
         """
         self.flow.leader(name).abandon_calls(f"{name} failed: {reason}")
         told = self.pump.fail_instance(name, f"{name} failed: {reason}")
-        log.warning("%s failed (%s): %d request(s) affected", name, reason, told)
+        log.info("%s failed (%s): %d request(s) still waiting on it were told", name, reason,
+                 told)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[OutputChunk]:
         """Run one request; yields chunks, the last with finish_reason and stats.
@@ -175,7 +176,7 @@ class Router:
                                        " token(s) were already streamed, so it is not run "
                                        "again: retry the request") from None
                 state.attempt_failed(exc, self.max_attempts)
-                log.warning("request %s: %s; placing it again", state.request_id, exc.message)
+                log.debug("request %s: %s; placing it again", state.request_id, exc.message)
         progress.done = True
         self._record(progress, outcome="abort")
         yield OutputChunk(state.request_id, finish_reason="abort",

@@ -92,7 +92,10 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
         log.warning("%s has no tokenizer.json: only token-id prompts will work", checkpoint)
     import ray
 
-    signal.signal(signal.SIGTERM, _interrupt)  # NOTE: until _serve's handlers take over
+    # NOTE: until _serve's handlers take over. SIGINT too: a shell starts a background job
+    # with SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     owns_ray = not ray.is_initialized()
     cluster = None
     try:
@@ -108,7 +111,8 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM during start-up: stop like Ctrl-C (a default SIGTERM would leave Ray behind)."""
+    """SIGINT or SIGTERM during start-up: stop what started (a default SIGTERM would leave Ray
+    behind)."""
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -235,8 +235,8 @@ class RankBase(ABC):
 
     def out_of_service(self) -> InstanceOutOfService:
         """The error new work gets while ``broken``."""
-        return InstanceOutOfService(f"{self.cfg.name} is out of service: {self.broken}; orch "
-                                    "restarts it: send the request to another instance")
+        return InstanceOutOfService(f"{self.cfg.name} is out of service: {self.broken} (orch "
+                                    "restarts it)")
 
     def check_in_service(self) -> None:
         """Raises InstanceOutOfService while the instance is broken."""

@@ -15,10 +15,11 @@ import pytest
 
 from tests.e2e.harness import REPO, descendants, free_port
 
-# (the line that starts the stage, a process that exists once the stage is under way)
-STAGES = [("orch up: starting an embedded Ray", "gcs_server"),  # inside ray.init
-          ("orch up: starting 3 rank processes", "ray::"),
-          ("orch up: loading the model on every rank", "ray::")]
+# (the line that starts the stage, a process that exists once the stage is under way, whether
+# orch up starts with SIGINT ignored, as a shell starts a background job `orch up ... &`)
+STAGES = [("orch up: starting an embedded Ray", "gcs_server", False),  # inside ray.init
+          ("orch up: starting 3 rank processes", "ray::", False),
+          ("orch up: loading the model on every rank", "ray::", True)]
 
 
 def _wait_for_line(log, proc: subprocess.Popen, text: str, timeout_s: float) -> None:
@@ -52,15 +53,20 @@ def _state(pid: int) -> str:
         return "zombie"  # gone meanwhile
 
 
-@pytest.mark.parametrize("stage, process", STAGES)
-def test_sigint_during_start_up_exits_cleanly(stage, process, tmp_path):
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("stage, process, ignored", STAGES)
+def test_sigint_during_start_up_exits_cleanly(stage, process, ignored, tmp_path):
     log = tmp_path / "up.log"
     env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
     cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "1p1d.yaml"),
            "--port", str(free_port()), "--metrics-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=_ignore_sigint if ignored else None)
     try:
         _wait_for_line(log, proc, stage, timeout_s=240)
         started = _descendants(proc.pid, process, timeout_s=60)

@@ -63,3 +63,47 @@ def test_repeated_warning_is_shown_once_per_window():
     assert shown("gone") == ("polling decode-0: gone (and 119 identical line(s) in the 60 s "
                              "before)")
     assert shown("gone") is None
+
+
+def test_health_transitions_are_never_folded():
+    """The same instance killed twice a few seconds apart: both faults are in the log."""
+    import logging
+
+    from orchestrator.logs import RepeatFilter
+
+    repeat = RepeatFilter(window_s=60.0, clock=lambda: 0.0)
+    record = logging.LogRecord("orchestrator.health", logging.WARNING, __file__, 1,
+                               "%s is unhealthy: %s", ("prefill-0", "rank 0 is gone"), None)
+    assert repeat.filter(record) and repeat.filter(record)
+
+
+TLS_SCRIPT = """
+from orchestrator.logs import setup_logging
+
+setup_logging()  # NOTE: before gRPC is imported, as in `orch`
+import grpc
+from concurrent import futures
+
+server = grpc.server(futures.ThreadPoolExecutor(1))
+creds = grpc.ssl_server_credentials([(open({key!r}, "rb").read(), open({cert!r}, "rb").read())])
+port = server.add_secure_port("127.0.0.1:0", creds)
+server.start()
+channel = grpc.insecure_channel(f"127.0.0.1:{{port}}")  # a plaintext client: handshakes fail
+try:
+    grpc.channel_ready_future(channel).result(timeout=2)
+except grpc.FutureTimeoutError:
+    pass
+server.stop(0)
+"""
+
+
+def test_failed_tls_handshakes_do_not_write_to_the_log(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost"],
+                   check=True, capture_output=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    done = subprocess.run([sys.executable, "-c", TLS_SCRIPT.format(key=str(key), cert=str(cert))],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "Handshake failed" not in done.stderr, done.stderr

@@ -107,7 +107,7 @@ def test_bad_input_is_invalid_argument(harness, kwargs, message):
 @pytest.mark.parametrize("field, value, message", [
     ("max_tokens", 0, "sampling.max_tokens is required"),
     ("max_tokens", -3, "max_tokens must be >= 1, got -3"),
-    ("temperature", -1.0, "temperature must be >= 0"),
+    ("temperature", -1.0, "temperature must be a finite number >= 0"),
     ("top_k", -2, "top_k must be >= 0"),
     ("top_p", 1.5, "top_p must be in (0, 1]"),
 ])

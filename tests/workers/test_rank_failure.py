@@ -113,7 +113,7 @@ def test_dead_follower_ends_every_request_and_refuses_new_work(ray_session, pref
         status = status_in(ray, leader, 4.0)
         assert status.broken.startswith("rank 1 is gone") and ray.get(leader.loop_alive.remote())
         with pytest.raises(InstanceOutOfService, match="prefill-0 is out of service: rank 1 "
-                                                       "is gone.*another instance"):
+                                                       "is gone.*orch restarts it"):
             ray.get(leader.prefill.remote(specs[0], reservations[0]), timeout=10)
         deadline = time.monotonic() + 10
         while (status.free_blocks < status.total_blocks or status.running or status.queue_depth
