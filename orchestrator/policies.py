@@ -63,11 +63,19 @@ class RoundRobin(Policy):
 
 
 class LeastOutstandingTokens(Policy):
-    """Fewest tokens in flight first; ties go to the lower index."""
+    """Fewest tokens in flight first; ties rotate (each call starts them one instance further
+    along), so idle instances share short requests instead of the first one taking them all."""
+
+    def __init__(self, instances: list[str],
+                 healthy: Callable[[str], bool] = lambda name: True) -> None:
+        super().__init__(instances, healthy)
+        self._calls = 0
 
     def preference(self) -> list[str]:
-        return sorted(self.instances, key=lambda n: (self.outstanding[n],
-                                                     self.instances.index(n)))
+        n, start = len(self.instances), self._calls % len(self.instances)
+        self._calls += 1
+        return sorted(self.instances, key=lambda name: (
+            self.outstanding[name], (self.instances.index(name) - start) % n))
 
 
 POLICIES: dict[str, Callable[[list[str], Callable[[str], bool]], Policy]] = {

@@ -15,7 +15,8 @@ def test_round_robin_rotates():
 
 def test_least_outstanding_tokens_tracks_load():
     p = LeastOutstandingTokens(["d0", "d1"])
-    assert p.order() == ["d0", "d1"]  # tie -> lower index
+    assert p.order() == ["d0", "d1"]
+    assert p.order() == ["d1", "d0"]  # ties rotate: short requests spread over idle ones
     p.acquire("d0", 100)
     assert p.order() == ["d1", "d0"]
     p.acquire("d1", 150)
