@@ -5,7 +5,7 @@ import torch
 
 from kv_transfer import wire
 from kv_transfer.errors import TransferError, TransferTimeout
-from kv_transfer.sender import failure_text, header_to_send
+from kv_transfer.send_rules import failure_text, header_to_send
 
 DATA = wire.Header(kind=wire.DATA, request_id="r", prefill_rank=1, fingerprint="f",
                    layers=(0,), token_start=0, token_end=2, dst_slots=torch.tensor([3, 4]))
