@@ -115,11 +115,12 @@ class KVTransferSection(_Section):
     retry_backoff_s: float = Field(TransferConfig.retry_backoff_s, gt=0)
 
     @model_validator(mode="after")
-    def _heartbeats_fit(self) -> "KVTransferSection":
-        if self.peer_timeout_s <= 2 * self.heartbeat_s:
-            raise _cross_field(f"kv_transfer.peer_timeout_s ({self.peer_timeout_s}) must be > 2 x "
-                               f"kv_transfer.heartbeat_s ({self.heartbeat_s}): raise it, or "
-                               "lower heartbeat_s")
+    def _transfer_rules(self) -> "KVTransferSection":
+        # NOTE: the cross-field rules (peer_timeout_s vs heartbeat_s) are TransferConfig's own
+        try:
+            self.transfer_config()
+        except ValueError as exc:
+            raise _cross_field(f"kv_transfer: {exc}") from None
         return self
 
     def transfer_config(self) -> TransferConfig:

@@ -268,3 +268,11 @@ def test_tp_is_not_checked_without_a_readable_model_config(tmp_path, capsys):
     assert main(["up", "--dry-run", str(path)]) == 0
     assert (f"tp layout: not checked ({tmp_path / 'config.json'} is not a DeepSeek-V2/V3 "
             "config the engine reads: UnsupportedModelError") in capsys.readouterr().out
+
+
+def test_kv_transfer_heartbeats_must_fit_the_peer_timeout():
+    with pytest.raises(ValidationError, match=r"peer_timeout_s \(6.0\) must be > 2 x "
+                                              r"heartbeat_s \(5.0\)"):
+        OrchConfig.model_validate({"kv_transfer": {"heartbeat_s": 5.0, "peer_timeout_s": 6.0}})
+    cfg = OrchConfig.model_validate({"kv_transfer": {"heartbeat_s": 2.0, "peer_timeout_s": 9.0}})
+    assert cfg.kv_transfer.transfer_config().peer_timeout_s == 9.0
