@@ -11,6 +11,7 @@ decided once by ``engine.platform``.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -63,11 +64,22 @@ class ModelSection(_Section):
         return Path(cache).expanduser() / f"tiny-{self.tiny_seed}"
 
 
+def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
+    """Expert parallelism needs more than one rank in the role."""
+    if ep and dp * tp == 1:
+        raise _cross_field(
+            f"{section}.ep is on but {section}.dp x {section}.tp = 1: expert parallelism "
+            f"splits the routed experts over the role's dp x tp ranks and needs at least 2; "
+            f"raise {section}.dp or {section}.tp, or set {section}.ep false")
+
+
 class PrefillSection(_Section):
-    """Prefill instances: ``dp`` instances of ``tp`` ranks, chunked prefill sizes."""
+    """Prefill instances: ``dp`` instances of ``tp`` ranks, chunked prefill sizes; ``ep``:
+    the routed experts split over all dp x tp ranks (DESIGN.md "Words")."""
 
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    ep: bool = False
     chunk_size: int = Field(512, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
@@ -83,18 +95,26 @@ class PrefillSection(_Section):
                 f"prefill.chunk_size ({self.chunk_size}) must be <= "
                 f"prefill.max_num_batched_tokens ({self.max_num_batched_tokens}): lower "
                 "chunk_size or raise max_num_batched_tokens")
+        _check_ep("prefill", self.ep, self.dp, self.tp)
         return self
 
 
 class DecodeSection(_Section):
-    """Decode instances (and, in colocated mode, the colocated instances)."""
+    """Decode instances (and, in colocated mode, the colocated instances); ``ep`` as in
+    :class:`PrefillSection`."""
 
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    ep: bool = False
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
     # Extra Ray resources every decode rank's bundle asks for (see PrefillSection).
     ray_resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ep_needs_ranks(self) -> "DecodeSection":
+        _check_ep("decode", self.ep, self.dp, self.tp)
+        return self
 
 
 class KVTransferSection(_Section):
@@ -258,7 +278,7 @@ class OrchConfig(_Section):
         return [InstanceConfig(name=f"{role}-{i}", role=role,
                                checkpoint_dir=str(self.model.checkpoint_dir()),
                                dtype=self.model.dtype, scheduler=scheduler[role],
-                               parallel=parallel[role], transfer=transfer)
+                               parallel=replace(parallel[role], dp_rank=i), transfer=transfer)
                 for role in roles for i in range(self._section(role).dp)]
 
     def _section(self, role: str) -> PrefillSection | DecodeSection:
@@ -283,9 +303,12 @@ class OrchConfig(_Section):
                                self.prefill.max_num_batched_tokens, d.max_num_seqs)
 
     def _parallel(self, role: str) -> ParallelConfig:
+        """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""
         bind_host = self.cluster.bind_host or ("" if self.cluster.address else "127.0.0.1")
-        return ParallelConfig(tp=self._section(role).tp, device=self.device(),
-                              dist_backend=self.dist_backend(), bind_host=bind_host)
+        section = self._section(role)
+        return ParallelConfig(tp=section.tp, dp=section.dp, ep=section.ep,
+                              device=self.device(), dist_backend=self.dist_backend(),
+                              bind_host=bind_host)
 
 
 def _check_backend(backend: str, device: str) -> None:

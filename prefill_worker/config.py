@@ -56,6 +56,11 @@ class ParallelConfig:
 
     Attributes:
         tp: tensor-parallel size (ranks in the instance).
+        dp: instances of the role (DP ranks); dp_rank: this instance's index, ``0 <= dp_rank
+            < dp`` (instance ``{role}-{dp_rank}``).
+        ep: expert parallelism: the routed experts are split over all ``dp * tp`` ranks of the
+            role (EP rank ``dp_rank * tp + rank``) and the role's DP ranks step in lockstep
+            (prefill_worker/dp_sync.py). Off: instances are independent replicas.
         device: "cpu", "cuda" or "npu" (decided once by the orchestrator, engine.platform).
         dist_backend: "gloo", "nccl" or "hccl" (TP groups and KV pair groups).
         bind_host: address the rank's stores listen on (127.0.0.1 on one machine; empty: the
@@ -64,10 +69,29 @@ class ParallelConfig:
     """
 
     tp: int = 1
+    dp: int = 1
+    dp_rank: int = 0
+    ep: bool = False
     device: str = "cpu"
     dist_backend: str = "gloo"
     bind_host: str = "127.0.0.1"
     step_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dp_rank < self.dp:
+            raise ValueError(f"ParallelConfig.dp_rank ({self.dp_rank}) must be in [0, dp="
+                             f"{self.dp})")
+        if self.ep and self.dp * self.tp < 2:
+            raise ValueError("ParallelConfig.ep needs dp * tp >= 2 ranks in the role")
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks of the role's expert-parallel group (``dp * tp``; 1 when ep is off)."""
+        return self.dp * self.tp if self.ep else 1
+
+    def ep_rank(self, tp_rank: int) -> int:
+        """EP rank of TP rank ``tp_rank`` of this instance (0 when ep is off)."""
+        return self.dp_rank * self.tp + tp_rank if self.ep else 0
 
 
 @dataclass(frozen=True)
