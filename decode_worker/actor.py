@@ -256,6 +256,8 @@ class DecodeRank(LeaderRank):
 
     def step(self) -> bool:
         settled = self._settle_reserved()
+        if not self.agree_to_step():
+            return settled
         with self._lock:
             result = self.leader_step()
             if result is not None:

@@ -154,12 +154,14 @@ class PrefillRank(LeaderRank):
         return plans
 
     def step(self) -> bool:
-        with self._lock:
-            result = self.leader_step(self._chunk_transfers)
-            if result is not None:
-                for req in self.finish_sampled(result.sampled, free=False):
-                    self.draining[req.request_id] = req.blocks
-                self.fail_requests(result.failed)
+        result = None
+        if self.agree_to_step():
+            with self._lock:
+                result = self.leader_step(self._chunk_transfers)
+                if result is not None:
+                    for req in self.finish_sampled(result.sampled, free=False):
+                        self.draining[req.request_id] = req.blocks
+                    self.fail_requests(result.failed)
         aborted = self._send_kv_aborts()
         drained = self._free_drained()
         return result is not None or drained or aborted

@@ -43,6 +43,8 @@ class ColocatedRank(LeaderRank):
         return req is not None
 
     def step(self) -> bool:
+        if not self.agree_to_step():
+            return False
         with self._lock:
             result = self.leader_step()
             if result is None:

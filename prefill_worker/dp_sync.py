@@ -83,25 +83,27 @@ class DPSync:
 
 
 def open_dp_sync(host: str, port: int, rank: int, size: int, timeout_s: float,
-                 store: dist.Store | None = None) -> DPSync:
+                 connect_timeout_s: float, store: dist.Store | None = None) -> DPSync:
     """Join the leaders group of a role with ``size`` DP ranks, on the EP store at
-    ``host:port`` (``store``: that store itself, on the leader that opened it). Collective
-    over the ``size`` leaders; size 1 makes a group of one that never waits.
+    ``host:port`` (``store``: a client of it already open, e.g. the store itself on the
+    leader that opened it). Collective over the ``size`` leaders, who must all arrive within
+    ``connect_timeout_s``; each round is then bounded by ``timeout_s``. Size 1 makes a group
+    of one that never waits.
 
     Raises:
         ValueError: ``rank`` outside ``[0, size)``.
-        torch.distributed.DistStoreError / RuntimeError: the other leaders did not arrive
-            within ``timeout_s``.
+        torch.distributed.DistStoreError: the other leaders did not arrive in time.
     """
     if not 0 <= rank < size:
         raise ValueError(f"DP rank {rank} is outside a role of dp={size}")
     if size == 1:
         return DPSync(None, 0, 1, timeout_s)
-    timeout = timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=timedelta(seconds=connect_timeout_s))
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
+    # NOTE: the rendezvous bound, and Gloo's own bound on an op: never shorter than a round's
+    opts._timeout = timedelta(seconds=max(connect_timeout_s, timeout_s))
     opts._devices = gloo_devices(host)
     group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, size, opts)
     return DPSync(group, rank, size, timeout_s)

@@ -11,6 +11,11 @@ is run again one chunk at a time: a chunk that fails alone fails its request, th
 with the tokens a clean step gives them (each chunk recomputes the same KV into the same
 slots; on prefill a recomputed chunk's KV may be sent twice, which the decode side counts once:
 it marks (layer, token) cells, see kv_transfer/tracker.py).
+
+Lockstep (``ep`` with several DP ranks, prefill_worker/dp_sync.py): a role's ``step`` asks
+:meth:`LeaderRank.agree_to_step` before taking its lock; when the round runs, ``leader_step``
+runs a forward on every rank even with nothing scheduled (an empty one), and each chunk
+re-run of a failed step opens a round of its own, so the other DP ranks meet every forward.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from engine.block_pool import BlockPool
 from engine.sampling import RowFailure, sample
 from engine.scheduler import RolePolicy, Request, Scheduler, SchedulerOutput, finish_reason
+from prefill_worker.dp_sync import DPGroupBroken
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec, TokenEvent
 from prefill_worker.rank import RankBase
 from prefill_worker.rank_failure import RankFailure, RankHung
@@ -120,6 +126,21 @@ class LeaderRank(RankBase):
         self._wake.set()
         return True
 
+    def agree_to_step(self) -> bool:
+        """Leader loop, before the role's ``step`` takes the lock: whether this iteration may
+        run a forward. True without a DP sync (``leader_step`` runs one only when it
+        schedules something); with one, True when any DP rank of the role has queued or
+        running requests, and then ``leader_step`` runs a forward whatever it schedules.
+
+        Raises:
+            DPGroupBroken: another DP rank did not meet the round (a :class:`RankFailure`).
+        """
+        if self.dp_sync is None:
+            return True
+        # NOTE: read without the lock: a request queued right after this read runs in this
+        # round if some DP rank has work, else in the next (enqueue sets the wake event).
+        return self.dp_sync.any_work(bool(self.scheduler.running or self.scheduler.waiting))
+
     def _execute(self, out: SchedulerOutput,
                  step_inputs_for: Callable[[SchedulerOutput], Any] | None) -> StepResult:
         """execute ``out`` on all ranks -> sample -> update the counters."""
@@ -158,6 +179,9 @@ class LeaderRank(RankBase):
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
         for chunk in out.chunks:
+            if self.dp_sync is not None:
+                # NOTE: under the lock, like the forward itself: one round per re-run forward
+                self.dp_sync.any_work(True)
             try:
                 solo = self._execute(SchedulerOutput((chunk,)), step_inputs_for)
             except RankFailure:
@@ -189,24 +213,44 @@ class LeaderRank(RankBase):
 
     def leader_step(self, step_inputs_for: Callable[[SchedulerOutput], Any] | None = None
                     ) -> StepResult | None:
-        """schedule -> execute on all ranks -> sample -> update; None when nothing was
-        scheduled. ``step_inputs_for(output)`` makes the role's per-step inputs that every
-        rank's ``after_step`` receives (prefill: the chunks' KV transfers). A step that
-        raises is run again chunk by chunk (module docstring). Caller holds the lock.
+        """schedule -> execute on all ranks -> sample -> update; None when nothing ran.
+        ``step_inputs_for(output)`` makes the role's per-step inputs that every rank's
+        ``after_step`` receives (prefill: the chunks' KV transfers). A step that raises is run
+        again chunk by chunk (module docstring). Caller holds the lock and got True from
+        :meth:`agree_to_step`: in a lockstep round with nothing scheduled, an empty forward
+        runs on every rank (a result with no chunks).
 
         Raises:
-            RankFailure: a rank died or hung (the caller's loop takes the instance out of
-                service).
+            RankFailure: a rank died or hung, or another DP rank did not meet a round (the
+                caller's loop takes the instance out of service).
         """
         out = self.scheduler.schedule()
         if not out:
-            return None
+            if self.dp_sync is None:
+                return None
+            self._run_empty_step()
+            return StepResult(out, {}, {})
         try:
             return self._execute(out, step_inputs_for)
         except RankFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - isolated below
             return self._execute_each(out, step_inputs_for, exc)
+
+    def _run_empty_step(self) -> None:
+        """An empty forward on every rank (a lockstep round with nothing scheduled here).
+
+        Raises:
+            RankFailure: a rank died or hung; DPGroupBroken: the forward failed (with no
+                request in it, only the role's collectives can have failed).
+        """
+        try:
+            self.run_step([])
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no request to blame: the EP group broke
+            raise DPGroupBroken(f"{self.cfg.name}: an empty lockstep forward failed: "
+                                f"{_first_line(exc)}") from exc
 
     def fail_request(self, request_id: str, error: str, retryable: bool = False) -> None:
         """Role hook, leader, caller holds the lock: end one queued or running request with an

@@ -2,9 +2,15 @@
 (on the leader) the step loop thread and the event queue the router long-polls.
 
 Lifecycle (driven by the orchestrator, see orchestrator/cluster.py):
-``__init__(cfg, rank)`` -> leader ``open_tp_store()`` -> every rank ``init_rank(host, port,
-peers)`` (collective: TP rendezvous, model load) -> leader ``start()`` -> ... ->
-``drain(timeout_s)`` -> ``shutdown()``.
+``__init__(cfg, rank)`` -> leader ``open_tp_store()`` (and, with ``ep``, the role's first
+leader ``open_ep_store()``) -> every rank ``init_rank(host, port, peers, ep_store)``
+(collective: TP rendezvous, EP rendezvous over every rank of the role, model load) -> leader
+``start()`` -> ... -> ``drain(timeout_s)`` -> ``shutdown()``.
+
+Expert parallelism (``cfg.parallel.ep``): every forward is collective over all ranks of the
+role, so with several DP ranks the leaders agree on each forward first (``dp_sync``, see
+prefill_worker/dp_sync.py) and a rank with nothing to run runs an empty forward
+(:meth:`RankBase.forward`).
 
 SPMD: only the leader schedules. Each step it calls ``execute_step`` on every other rank
 (Ray actor calls) and runs the same step itself; the TP all-reduces inside the model keep the
@@ -47,6 +53,7 @@ import torch
 
 from engine import envs
 from prefill_worker.config import InstanceConfig
+from prefill_worker.dp_sync import DPSync, open_dp_sync
 from prefill_worker.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from prefill_worker.rank_failure import RankFailure, await_followers
 
@@ -69,6 +76,8 @@ class RankBase(ABC):
         self.runner = None
         self.peers: list = []
         self._store = None
+        self._ep_store = None  # the role's EP store, on the leader that opened it
+        self.dp_sync: DPSync | None = None  # leader of an EP role with dp > 1
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -111,8 +120,22 @@ class RankBase(ABC):
                                wait_for_workers=False)
         return self.cfg.parallel.bind_host, self._store.port
 
-    def init_rank(self, host: str, port: int, peers: list) -> None:
-        """Join the TP group, load the model shard, build role state. Collective.
+    def open_ep_store(self) -> tuple[str, int]:
+        """The role's first leader (EP rank 0), with ``ep`` only: open the TCPStore every rank
+        of the role rendezvous on for the EP group (and the leaders for the DP sync);
+        (host, port)."""
+        from torch.distributed import TCPStore
+
+        self._ep_store = TCPStore(self.cfg.parallel.bind_host, 0, self.cfg.parallel.ep_size,
+                                  is_master=True,
+                                  timeout=timedelta(seconds=self.cfg.transfer.connect_timeout_s),
+                                  wait_for_workers=False)
+        return self.cfg.parallel.bind_host, self._ep_store.port
+
+    def init_rank(self, host: str, port: int, peers: list,
+                  ep_store: tuple[str, int] | None = None) -> None:
+        """Join the TP group (and, with ``ep``, the role's EP group at ``ep_store`` and on the
+        leader the DP sync), load the model shard, build role state. Collective.
 
         Raises:
             RuntimeError: rendezvous or model load failed (message names instance and rank).
@@ -121,22 +144,54 @@ class RankBase(ABC):
         from engine.runner import ModelRunner
 
         self.peers = list(peers)
+        par = self.cfg.parallel
         try:
-            tp = init_tp_group(self.rank, self.cfg.parallel.tp, host, port,
-                               self.cfg.parallel.dist_backend,
+            tp = init_tp_group(self.rank, par.tp, host, port, par.dist_backend,
                                self.cfg.transfer.connect_timeout_s, store=self._store)
+            ep = self._join_ep_group(ep_store)
             # NOTE: Ray gives each rank actor one accelerator and hides the others
             # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
-            kind = self.cfg.parallel.device
-            device = "cpu" if kind == "cpu" else f"{kind}:0"
+            device = "cpu" if par.device == "cpu" else f"{par.device}:0"
             self.runner = ModelRunner(self.cfg.checkpoint_dir,
                                       num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
                                       block_size=self.cfg.scheduler.block_size,
-                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device)
+                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
+                                      ep=ep)
+            if ep is not None and self.rank == 0:
+                self.dp_sync = self._join_dp_sync(ep_store)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
         self._role_ready = True
+
+    def _join_ep_group(self, ep_store: tuple[str, int] | None):
+        """This rank's ``EPGroup`` (rank ``dp_rank * tp + rank`` of ``dp * tp``), None when
+        ``ep`` is off.
+
+        Raises:
+            ValueError: ``ep`` is on and no ``ep_store`` was given.
+        """
+        par = self.cfg.parallel
+        if not par.ep:
+            return None
+        if ep_store is None:
+            raise ValueError("ep is on but init_rank got no ep_store (host, port): the role's "
+                             "first leader's open_ep_store() gives it")
+        from engine.parallel import init_ep_group
+
+        host, port = ep_store
+        return init_ep_group(par.ep_rank(self.rank), par.ep_size, host, port,
+                             par.dist_backend, par.step_timeout_s, store=self._ep_store)
+
+    def _join_dp_sync(self, ep_store: tuple[str, int]) -> DPSync | None:
+        """Leader: this DP rank's end of the role's leaders group; None with one DP rank
+        (nobody to agree with: the instance's own ranks follow its leader)."""
+        par = self.cfg.parallel
+        if par.dp == 1:
+            return None
+        host, port = ep_store
+        return open_dp_sync(host, port, par.dp_rank, par.dp, par.step_timeout_s,
+                            self.cfg.transfer.connect_timeout_s, store=self._ep_store)
 
     def setup_role(self) -> None:
         """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
@@ -145,10 +200,33 @@ class RankBase(ABC):
     # ---- SPMD ---------------------------------------------------------------------------
     def execute_step(self, steps: list, step_inputs: Any = None) -> None:
         """Follower side of one step (a Ray call from the leader's :meth:`run_step`): run the
-        model on ``steps``, then :meth:`after_step` with the role's ``step_inputs``."""
-        if steps:
-            self.runner.execute(steps)
+        model on ``steps`` (:meth:`forward`), then :meth:`after_step` with the role's
+        ``step_inputs``."""
+        self.forward(steps)
         self.after_step(step_inputs)
+
+    def forward(self, steps: list) -> torch.Tensor | None:
+        """This rank's model forward of one step: ``[B, V]`` logits, None for no steps.
+
+        With ``ep`` an empty step is an empty forward (``execute_empty``), so this rank meets
+        the all-to-alls of the role's other DP ranks; and a step the runner refuses
+        (``ValueError``, raised before the model runs) is followed by an empty forward for
+        the same reason before the error goes on.
+
+        Raises:
+            ValueError: the runner refused the steps. Exception: what the forward raised.
+        """
+        ep = self.cfg.parallel.ep
+        if not steps:
+            if ep:
+                self.runner.execute_empty()
+            return None
+        try:
+            return self.runner.execute(steps)
+        except ValueError:
+            if ep:
+                self.runner.execute_empty()
+            raise
 
     def after_step(self, step_inputs: Any) -> None:
         """Role hook, every rank, right after this rank's model step (on the leader under its
@@ -158,7 +236,7 @@ class RankBase(ABC):
 
     def run_step(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None:
         """Leader: run one step on all ranks; the leader's logits ``[B, V]`` (None when
-        ``steps`` is empty).
+        ``steps`` is empty: with ``ep`` an empty forward on every rank, else nothing).
 
         Raises:
             RankFailure: a follower died or did not finish within ``step_timeout_s``.
@@ -168,7 +246,7 @@ class RankBase(ABC):
         deadline = time.monotonic() + timeout_s
         refs = [p.execute_step.remote(steps, step_inputs) for p in self.peers[1:]]
         try:
-            logits = self.runner.execute(steps) if steps else None
+            logits = self.forward(steps)
             self.after_step(step_inputs)
         except Exception:
             # NOTE: a dead follower breaks the leader's collectives too: its own error wins.
