@@ -1,0 +1,89 @@
+"""Expert parallelism over dp x tp gloo ranks and vocab-parallel embedding / lm_head: the same
+logits and greedy tokens as TP 1, each rank holding exactly its share of the routed experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import KERNELS
+from engine.layout import tp_layout
+from engine.loader import load_weights
+from engine.model import build_model
+from engine.model_config import ModelConfig, load_model_config
+from engine.parallel import EPGroup, TPGroup, init_ep_group
+from engine.runner import ModelRunner
+from orchestrator.tiny_model import tiny_config_dict, write_tiny_checkpoint
+from tests.engine.engine_drive import generate_greedy
+from tests.engine.ep_ranks import BLOCK, Plan, expert_bytes, free_port, run_ranks
+
+MAX_NEW = 32
+VOCAB = 1001  # odd: the last TP shard of embed_tokens / lm_head is padded
+PROMPTS = ((1000, 17, 256, 99, 5, 731, 42), (3, 14, 159, 265, 358), (900, 800, 7),
+           (11, 22, 33, 44, 55, 66, 77, 88, 99))
+
+
+@pytest.fixture(scope="module")
+def ep_ckpt(tmp_path_factory):
+    """8 routed experts (the default tiny config), 2 MoE layers, a small odd vocabulary."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ep"), seed=3, vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def reference(ep_ckpt):
+    """TP 1, EP off: per prompt, (greedy tokens, [MAX_NEW, vocab] logits); the expert bytes."""
+    runner = ModelRunner(ep_ckpt, num_kv_blocks=8, block_size=BLOCK)
+    runs = []
+    for prompt in PROMPTS:
+        blocks = tuple(range(-(-(len(prompt) + MAX_NEW) // BLOCK)))
+        tokens, logits = generate_greedy(runner, list(prompt), MAX_NEW, blocks)
+        runs.append((tokens, torch.stack(logits)))
+    return runs, expert_bytes(runner.model)
+
+
+@pytest.mark.parametrize("dp,tp,starts", [(2, 2, (0, 5)), (4, 1, (0, 2, 0, 9))],
+                         ids=["dp2xtp2", "dp4xtp1"])
+def test_ep4_equals_tp1(ep_ckpt, reference, tmp_path, dp, tp, starts):
+    runs, total_bytes = reference
+    plan = Plan(str(ep_ckpt), dp, tp, PROMPTS[:dp], starts, MAX_NEW, str(tmp_path),
+                tuple(free_port() for _ in range(1 + dp)))
+    results = run_ranks(plan)
+    for index, got in enumerate(results):
+        dp_rank = index // tp
+        want_tokens, want_logits = runs[dp_rank]
+        assert got["expert_bytes"] * 4 == total_bytes, f"rank {index}"
+        diff = (got["logits"] - want_logits).abs().max().item()
+        assert diff <= 1e-4, f"rank {index} (dp {dp_rank}): max |logit diff| {diff}"
+        assert got["tokens"] == want_tokens, f"rank {index} (dp {dp_rank})"
+
+
+def test_vocab_shards_cover_the_vocabulary_and_pad_with_zeros(ep_ckpt):
+    full = ModelRunner(ep_ckpt, num_kv_blocks=1, block_size=BLOCK).model
+    cfg = load_model_config(ep_ckpt)
+    shards = []
+    for rank in (0, 1):
+        tp = TPGroup(rank=rank, size=2)  # loading needs no collectives
+        model = build_model(cfg, tp, KERNELS.resolve("cpu"), torch.float32, torch.device("cpu"))
+        load_weights(model, ep_ckpt, tp)
+        assert model.lm_head.weight.shape[0] == (VOCAB + 1) // 2
+        shards.append((model.model.embed_tokens.weight, model.lm_head.weight))
+    for i, want in enumerate((full.model.embed_tokens.weight, full.lm_head.weight)):
+        joined = torch.cat([shard[i] for shard in shards])
+        assert torch.equal(joined[:VOCAB], want)
+        assert not joined[VOCAB:].any()  # the one padding row
+
+
+def test_uneven_experts_name_the_fix():
+    config = ModelConfig.from_dict(tiny_config_dict())  # 8 routed experts
+    with pytest.raises(ValueError, match=r"dp\*tp=3 does not divide n_routed_experts=8 .*one "
+                                         r"of \[1, 2, 4, 8\], or turn expert parallelism off"):
+        tp_layout(config, 1, ep_size=3, ep_rank=0)
+    assert tp_layout(config, 2, ep_size=4, ep_rank=3).experts == range(6, 8)
+
+
+def test_ep_group_of_one_is_trivial():
+    ep = init_ep_group(0, 1)
+    x = torch.ones(3, 2)
+    assert ep == EPGroup() and ep.all_to_all_rows(x, [3], [3]) is x
+    with pytest.raises(ValueError, match="TCPStore port"):
+        init_ep_group(0, 2, port=0)
