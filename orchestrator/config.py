@@ -79,11 +79,12 @@ class PrefillSection(_Section):
 
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
-    ep: bool = False
     chunk_size: int = Field(512, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
     max_num_seqs: int = Field(64, ge=1)
+    # Expert parallelism: the routed experts split over all dp x tp ranks of the role.
+    ep: bool = False
     # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
     # (e.g. {"prefill_node": 0.01} with `ray start --resources '{"prefill_node": 1}'`).
     ray_resources: dict[str, float] = Field(default_factory=dict)
@@ -105,9 +106,10 @@ class DecodeSection(_Section):
 
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
-    ep: bool = False
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    # Expert parallelism (see PrefillSection).
+    ep: bool = False
     # Extra Ray resources every decode rank's bundle asks for (see PrefillSection).
     ray_resources: dict[str, float] = Field(default_factory=dict)
 

@@ -1,5 +1,6 @@
-"""Does each role's ``tp`` fit the served model? Checked when the config is loaded and by
-``orch up --dry-run``, before anything starts.
+"""Does each role's layout (``tp``, and with ``ep`` the expert-parallel size ``dp * tp``) fit
+the served model? Checked when the config is loaded and by ``orch up --dry-run``, before
+anything starts.
 
 The check is the engine's own (:func:`engine.layout.tp_layout`, the one the ranks run when they
 load their shard), applied to the checkpoint's ``config.json``, or to the built-in tiny config
@@ -10,26 +11,43 @@ ranks still check at load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from orchestrator.checkpoint import model_config_dict
 from orchestrator.config import OrchConfig
 from orchestrator.config_errors import ConfigError
 
 
-def _role_tp_keys(cfg: OrchConfig) -> list[tuple[str, int]]:
-    """(key path, tp) of every role that runs: ``prefill.tp`` and ``decode.tp``, or only
-    ``decode.tp`` in colocated mode (colocated instances are sized by the decode section)."""
-    keys = [("decode.tp", cfg.decode.tp)]
-    return [("prefill.tp", cfg.prefill.tp)] + keys if cfg.mode == "disaggregated" else keys
+@dataclass(frozen=True)
+class RoleLayout:
+    """One role's layout as the config sets it: ``section`` is its key (``prefill``, or
+    ``decode`` which also sizes colocated instances)."""
+
+    section: str
+    tp: int
+    ep_size: int  # dp * tp with ep on, else 1
+
+    def describe(self) -> str:
+        ep = f" (ep over dp x tp = {self.ep_size})" if self.ep_size > 1 else ""
+        return f"{self.section}.tp={self.tp}{ep}"
+
+
+def _role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
+    """The layout of every role that runs: prefill and decode, or only decode in colocated
+    mode (colocated instances are sized by the decode section)."""
+    sections = [("prefill", cfg.prefill)] if cfg.mode == "disaggregated" else []
+    sections.append(("decode", cfg.decode))
+    return [RoleLayout(name, s.tp, s.dp * s.tp if s.ep else 1) for name, s in sections]
 
 
 def check_tp_layout(cfg: OrchConfig) -> str:
-    """Check every role's tp against the model; returns one report line saying what was
-    checked against what (or why nothing was).
+    """Check every role's tp (and expert-parallel size) against the model; returns one report
+    line saying what was checked against what (or why nothing was).
 
     Raises:
         ConfigError: a tp does not divide a size the layout splits (attention heads, dense or
-            expert intermediate size); the message names the key path and the tp sizes that
-            work.
+            expert intermediate size), or an expert-parallel size does not divide
+            ``n_routed_experts``; the message names the key path and the sizes that work.
     """
     raw, source = model_config_dict(cfg.model)
     if raw is None:
@@ -44,11 +62,13 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
         return (f"tp layout: not checked ({source} is not a DeepSeek-V2/V3 config the engine "
                 f"reads: {type(exc).__name__}: {exc})")
-    keys = _role_tp_keys(cfg)
-    for key, tp in keys:
-        try:
-            tp_layout(model, tp)
-        except ValueError as exc:
-            raise ConfigError(f"{key}: {exc} ({source})") from None
-    sizes = ", ".join(f"{key}={tp}" for key, tp in keys)
+    layouts = _role_layouts(cfg)
+    for role in layouts:
+        # NOTE: tp alone first, so an error names the key that has to change
+        for key, ep_size in ((f"{role.section}.tp", 1), (f"{role.section}.ep", role.ep_size)):
+            try:
+                tp_layout(model, role.tp, ep_size)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc} ({source})") from None
+    sizes = ", ".join(role.describe() for role in layouts)
     return f"tp layout: {sizes} fit the model ({source})"

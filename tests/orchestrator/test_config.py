@@ -261,6 +261,36 @@ def test_colocated_checks_only_the_decode_tp(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("layout, expected", [
+    ("decode: {dp: 1, tp: 1, ep: true}", "decode.ep is on but decode.dp x decode.tp = 1"),
+    ("prefill: {dp: 3, tp: 1, ep: true}",
+     "prefill.ep: the expert-parallel size dp*tp=3 does not divide n_routed_experts=8 of the "
+     "checkpoint's config.json: choose dp and tp whose product is one of [1, 2, 4, 8], or "
+     "turn expert parallelism off"),
+    ("decode: {dp: 2, tp: 3, ep: true}", "decode.tp: tp=3 does not divide"),
+])
+def test_expert_parallel_layout_errors_name_the_key_before_anything_starts(tmp_path, layout,
+                                                                           expected):
+    ckpt = _checkpoint(tmp_path)
+    assert expected in _error(tmp_path, f"model: {{path: {ckpt}}}\n{layout}\n"
+                                        "cluster: {device: cpu}")
+
+
+def test_expert_parallel_roles_give_each_instance_its_dp_rank(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path)
+    path = tmp_path / "ep.yaml"
+    path.write_text(f"model: {{path: {ckpt}}}\nprefill: {{tp: 2, ep: true}}\n"
+                    "decode: {dp: 2, ep: true}\ncluster: {device: cpu}")
+    cfg = load_config(path)
+    layouts = [(i.name, i.parallel.dp_rank, i.parallel.ep_size,
+                i.parallel.ep_rank(i.parallel.tp - 1))
+               for i in cfg.instances()]
+    assert layouts == [("prefill-0", 0, 2, 1), ("decode-0", 0, 2, 0), ("decode-1", 1, 2, 1)]
+    assert main(["up", "--dry-run", str(path)]) == 0
+    assert ("tp layout: prefill.tp=2 (ep over dp x tp = 2), decode.tp=1 (ep over dp x tp = 2) "
+            "fit the model") in capsys.readouterr().out
+
+
 def test_tp_is_not_checked_without_a_readable_model_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 3, "vocab_size": 10}')
     path = tmp_path / "c.yaml"
