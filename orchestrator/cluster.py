@@ -6,9 +6,12 @@ instance/rank, tears everything down and raises :class:`BringUpError`):
 1. one placement group per instance (STRICT_PACK, one bundle per rank), wait until ready;
 2. create the rank actors ``cls(cfg: InstanceConfig, rank)`` in their bundles, check
    ``node_info()`` on each (constructor errors surface here);
-3. ``host, port = leader.open_tp_store()``;
-4. ``rank.init_rank(host, port, peers)`` on every rank (``peers``: all rank handles of the
-   instance, rank order);
+3. ``host, port = leader.open_tp_store()``; for a role with ``ep``, its first instance's
+   leader also opens the role's EP store (``open_ep_store()``);
+4. ``rank.init_rank(host, port, peers, ep_store)`` on every rank (``peers``: all rank handles
+   of the instance, rank order; ``ep_store``: the role's EP store, None without ``ep``). With
+   ``ep`` this is collective over every rank of the role (the EP group, and the leaders' DP
+   sync), so every instance's ``init_rank`` is under way before any is awaited;
 5. ``leader.start()``.
 
 Progress goes to a :data:`orchestrator.progress.Report` (default: printed ``orch up: ...``
@@ -265,7 +268,9 @@ def _init_and_start(cluster: Cluster, timeout: float, watch: Stopwatch,
     cluster.report("loading the model on every rank and joining the TP groups")
     stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", timeout)
               for inst in cluster.instances]
-    inits = [[r.init_rank.remote(host, port, inst.ranks) for r in inst.ranks]
+    ep_stores = _open_ep_stores(cluster.instances, timeout)
+    inits = [[r.init_rank.remote(host, port, inst.ranks, ep_stores.get(inst.cfg.role))
+              for r in inst.ranks]
              for inst, (host, port) in zip(cluster.instances, stores)]
     for inst, refs in zip(cluster.instances, inits):
         _get_ranks(inst, refs, "init_rank", timeout)
@@ -274,6 +279,21 @@ def _init_and_start(cluster: Cluster, timeout: float, watch: Stopwatch,
         where = nodes_text([node for node, _ in inst.nodes], ips)
         cluster.report(f"{inst.cfg.name}: {plural(len(inst.ranks), 'rank')} on {where} ready "
                        f"in {watch}")
+
+
+def _open_ep_stores(instances: list[InstanceRanks], timeout: float) -> dict[str, tuple]:
+    """Role -> (host, port) of its EP store, opened by the leader of the role's first
+    instance (EP rank 0), for every role with ``ep``.
+
+    Raises:
+        BringUpError: that leader did not open it within ``timeout``.
+    """
+    stores: dict[str, tuple] = {}
+    for inst in instances:
+        if inst.cfg.parallel.ep and inst.cfg.parallel.dp_rank == 0:
+            stores[inst.cfg.role] = _get_one(inst, inst.leader.open_ep_store.remote(),
+                                             "open_ep_store", timeout)
+    return stores
 
 
 def _start_instance(inst: InstanceRanks, cls: type, cpus: float, deadline: float) -> None:
