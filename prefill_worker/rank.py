@@ -53,7 +53,8 @@ import torch
 
 from engine import envs
 from prefill_worker.config import InstanceConfig
-from prefill_worker.dp_sync import DPSync, open_dp_sync
+from prefill_worker.dp_sync import DPSync
+from prefill_worker.ep_setup import join_dp_sync, join_ep_group
 from prefill_worker.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from prefill_worker.rank_failure import RankFailure, await_followers
 
@@ -148,7 +149,7 @@ class RankBase(ABC):
         try:
             tp = init_tp_group(self.rank, par.tp, host, port, par.dist_backend,
                                self.cfg.transfer.connect_timeout_s, store=self._store)
-            ep = self._join_ep_group(ep_store)
+            ep = join_ep_group(par, self.rank, ep_store, store=self._ep_store)
             # NOTE: Ray gives each rank actor one accelerator and hides the others
             # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
             device = "cpu" if par.device == "cpu" else f"{par.device}:0"
@@ -158,40 +159,12 @@ class RankBase(ABC):
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
                                       ep=ep)
             if ep is not None and self.rank == 0:
-                self.dp_sync = self._join_dp_sync(ep_store)
+                self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
+                                            store=self._ep_store)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
         self._role_ready = True
-
-    def _join_ep_group(self, ep_store: tuple[str, int] | None):
-        """This rank's ``EPGroup`` (rank ``dp_rank * tp + rank`` of ``dp * tp``), None when
-        ``ep`` is off.
-
-        Raises:
-            ValueError: ``ep`` is on and no ``ep_store`` was given.
-        """
-        par = self.cfg.parallel
-        if not par.ep:
-            return None
-        if ep_store is None:
-            raise ValueError("ep is on but init_rank got no ep_store (host, port): the role's "
-                             "first leader's open_ep_store() gives it")
-        from engine.parallel import init_ep_group
-
-        host, port = ep_store
-        return init_ep_group(par.ep_rank(self.rank), par.ep_size, host, port,
-                             par.dist_backend, par.step_timeout_s, store=self._ep_store)
-
-    def _join_dp_sync(self, ep_store: tuple[str, int]) -> DPSync | None:
-        """Leader: this DP rank's end of the role's leaders group; None with one DP rank
-        (nobody to agree with: the instance's own ranks follow its leader)."""
-        par = self.cfg.parallel
-        if par.dp == 1:
-            return None
-        host, port = ep_store
-        return open_dp_sync(host, port, par.dp_rank, par.dp, par.step_timeout_s,
-                            self.cfg.transfer.connect_timeout_s, store=self._ep_store)
 
     def setup_role(self) -> None:
         """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
