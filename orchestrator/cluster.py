@@ -18,7 +18,9 @@ Progress goes to a :data:`orchestrator.progress.Report` (default: printed ``orch
 lines): one line per stage and per instance, with its node and how long it took.
 
 :meth:`Cluster.restart_instance` repeats 1-5 for one instance whose ranks died or hang, after
-killing what is left of them (automatic recovery: ``orchestrator/recovery.py``).
+killing what is left of them (automatic recovery: ``orchestrator/recovery.py``); for an
+expert-parallel role, for all its instances together (one EP group spans them:
+:meth:`Cluster.restart_group`).
 """
 
 from __future__ import annotations
@@ -97,12 +99,26 @@ class Cluster:
         with self._lock:
             return list(self._find(name).ranks)
 
-    def restart_instance(self, name: str, timeout_s: float) -> InstanceRanks:
-        """Replace instance ``name`` by new rank actors: kill what is left of its ranks
-        (``ray.kill`` also ends a SIGSTOPped process), remove its placement group, then
-        placement group, actors, TP store, ``init_rank``, leader ``start()`` as at bring-up,
-        all within ``timeout_s``. The new :class:`InstanceRanks` replaces the old one in
-        ``instances``. Blocking (call it from a thread).
+    def restart_group(self, name: str) -> list[str]:
+        """The instances restarted together with ``name``: every instance of its role when the
+        role is expert-parallel (one EP group spans them all), else ``name`` alone.
+
+        Raises:
+            KeyError: no instance of that name.
+        """
+        with self._lock:
+            cfg = self._find(name).cfg
+            if not cfg.parallel.ep:
+                return [name]
+            return [i.cfg.name for i in self.instances if i.cfg.role == cfg.role]
+
+    def restart_instance(self, name: str, timeout_s: float) -> list[InstanceRanks]:
+        """Replace instance ``name`` (and every instance of :meth:`restart_group`) by new rank
+        actors: kill what is left of their ranks (``ray.kill`` also ends a SIGSTOPped
+        process), remove their placement groups, then placement groups, actors, TP (and EP)
+        stores, ``init_rank``, leader ``start()`` as at bring-up, all within ``timeout_s``.
+        The new :class:`InstanceRanks` replace the old ones in ``instances``; returned in
+        :meth:`restart_group` order. Blocking (call it from a thread).
 
         A restarted decode instance publishes new KV addresses (its reservations carry
         them); prefill ranks remake their pairs to it on first use, and a restarted prefill
@@ -111,34 +127,54 @@ class Cluster:
         Raises:
             KeyError: no instance of that name.
             BringUpError: a step failed or ``timeout_s`` ran out (what was made is removed;
-                the instance is left without ranks), or the cluster is being torn down.
+                the instances are left without ranks), or the cluster is being torn down.
         """
+        names = self.restart_group(name)
         with self._lock:
-            old = self._find(name)
             if self._closed or self.cfg is None:
                 raise BringUpError(f"{name}: not restarted: the cluster is shut down or was not "
                                    "made by bring_up")
-            self.instances[self.instances.index(old)] = InstanceRanks(old.cfg, None)
+            olds = [self._find(n) for n in names]
+            for old in olds:
+                self.instances[self.instances.index(old)] = InstanceRanks(old.cfg, None)
         deadline = time.monotonic() + timeout_s
-        _kill(old)
-        new = _placement_group(old.cfg, self.cfg, max(deadline - time.monotonic(), 0.01))
+        for old in olds:
+            _kill(old)
+        news = []
         try:
-            _start_instance(new, self.rank_classes[old.cfg.role], self.cfg.cluster.cpus_per_rank,
-                            deadline)
+            for old in olds:
+                news.append(_placement_group(old.cfg, self.cfg,
+                                             max(deadline - time.monotonic(), 0.01)))
+            _start_instances(news, self.rank_classes[olds[0].cfg.role],
+                             self.cfg.cluster.cpus_per_rank, deadline)
         except BaseException as exc:
-            _kill(new)
+            for new in news:
+                _kill(new)
             if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
                 raise BringUpError(f"{name}: restart failed: {type(exc).__name__}: "
                                    f"{exc}") from exc
             raise
+        self._install(news)
+        return news
+
+    def _install(self, news: list[InstanceRanks]) -> None:
+        """Put restarted instances in place of their empty entries (or kill them when the
+        cluster shut down meanwhile).
+
+        Raises:
+            BringUpError: the cluster was torn down while they started.
+        """
         with self._lock:
             if self._closed:
-                _kill(new)
-                raise BringUpError(f"{name}: restarted while the cluster shut down; removed")
-            self.instances[self.instances.index(self._find(name))] = new
-        log.info("%s restarted on %s", name, nodes_text([node for node, _ in new.nodes],
-                                                        node_ips()))
-        return new
+                for new in news:
+                    _kill(new)
+                raise BringUpError(f"{', '.join(n.cfg.name for n in news)}: restarted while the "
+                                   "cluster shut down; removed")
+            for new in news:
+                self.instances[self.instances.index(self._find(new.cfg.name))] = new
+        for new in news:
+            log.info("%s restarted on %s", new.cfg.name,
+                     nodes_text([node for node, _ in new.nodes], node_ips()))
 
     def _find(self, name: str) -> InstanceRanks:
         """Caller holds ``_lock``."""
@@ -296,9 +332,10 @@ def _open_ep_stores(instances: list[InstanceRanks], timeout: float) -> dict[str,
     return stores
 
 
-def _start_instance(inst: InstanceRanks, cls: type, cpus: float, deadline: float) -> None:
-    """Steps 2-5 of the module docstring for one instance whose placement group is ready,
-    each bounded by what is left until ``deadline`` (monotonic seconds).
+def _start_instances(insts: list[InstanceRanks], cls: type, cpus: float,
+                     deadline: float) -> None:
+    """Steps 2-5 of the module docstring for instances (of one role) whose placement groups
+    are ready, each step bounded by what is left until ``deadline`` (monotonic seconds).
 
     Raises:
         BringUpError: a step failed or did not finish in time.
@@ -306,14 +343,21 @@ def _start_instance(inst: InstanceRanks, cls: type, cpus: float, deadline: float
     def left() -> float:
         return max(deadline - time.monotonic(), 0.01)
 
-    _create_ranks(inst, cls, cpus)
-    inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
-                            left())
-    host, port = _get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", left())
-    _get_ranks(inst, [r.init_rank.remote(host, port, inst.ranks) for r in inst.ranks],
-               "init_rank", left())
-    _get_one(inst, inst.leader.start.remote(), "start", left())
-    inst.started = True
+    for inst in insts:
+        _create_ranks(inst, cls, cpus)
+    for inst in insts:
+        inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
+                                left())
+    stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", left())
+              for inst in insts]
+    ep_stores = _open_ep_stores(insts, left())
+    inits = [[r.init_rank.remote(host, port, inst.ranks, ep_stores.get(inst.cfg.role))
+              for r in inst.ranks] for inst, (host, port) in zip(insts, stores)]
+    for inst, refs in zip(insts, inits):
+        _get_ranks(inst, refs, "init_rank", left())
+    for inst in insts:
+        _get_one(inst, inst.leader.start.remote(), "start", left())
+        inst.started = True
 
 
 def _kill(inst: InstanceRanks) -> None:

@@ -6,6 +6,11 @@ is left, new placement group, actors, TP group, start), run on a worker thread; 
 instance's :class:`~orchestrator.leader.LeaderClient` is rebound to the new leader, so the
 EventPump and the flow reach it through the same client.
 
+Expert-parallel roles: one EP group spans all instances of the role, so they restart together
+(:meth:`Cluster.restart_group`); a recovery of any of them runs one restart of the group,
+which the recoveries of the others (they break within ``step_timeout_s`` of the first, or
+lose their ranks to the restart) wait for, and every client of the group is rebound.
+
 Bounded restart rate: an instance restarted ``max_restarts`` times within ``window_s`` is not
 restarted again (it keeps failing for a reason a restart does not fix); one log line says so
 and what to do.
@@ -28,9 +33,12 @@ _GRACE_S = 5.0  # beyond timeout_s before a restart thread is given up on
 class Restartable(Protocol):
     """What the recoverer needs of the cluster (:class:`~orchestrator.cluster.Cluster`)."""
 
-    def restart_instance(self, name: str, timeout_s: float) -> Any:
-        """Blocking; returns the new instance (``.leader``: its leader handle); raises on
-        failure."""
+    def restart_group(self, name: str) -> list[str]:
+        """The instances restarted together with ``name`` (``name`` first or not)."""
+
+    def restart_instance(self, name: str, timeout_s: float) -> list[Any]:
+        """Blocking; restarts :meth:`restart_group` of ``name`` and returns the new instances
+        (``.cfg.name``, ``.leader``: its leader handle); raises on failure."""
 
 
 class Recoverer:
@@ -70,9 +78,11 @@ class Recoverer:
                 if refusal is not None:
                     log.warning(refusal)
                     return False
-                self._history.setdefault(name, deque()).append(time.monotonic())
-                task = asyncio.ensure_future(self._restart(name))
-                self._running[name] = task
+                group = self._cluster.restart_group(name)
+                task = asyncio.ensure_future(self._restart(name, group))
+                for member in group:
+                    self._history.setdefault(member, deque()).append(time.monotonic())
+                    self._running[member] = task
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             raise
@@ -100,14 +110,14 @@ class Recoverer:
                     "`orch up`")
         return None
 
-    async def _restart(self, name: str) -> bool:
-        """One restart on a worker thread, bounded; ``_running[name]`` is cleared only when
-        the thread ended (a late one must not overlap the next)."""
+    async def _restart(self, name: str, group: list[str]) -> bool:
+        """One restart of ``name``'s ``group`` on a worker thread, bounded; ``_running`` of the
+        group is cleared only when the thread ended (a late one must not overlap the next)."""
         started = time.monotonic()
         work = asyncio.ensure_future(
             asyncio.to_thread(self._cluster.restart_instance, name, self.timeout_s))
         try:
-            inst = await asyncio.wait_for(asyncio.shield(work), self.timeout_s + _GRACE_S)
+            insts = await asyncio.wait_for(asyncio.shield(work), self.timeout_s + _GRACE_S)
         except asyncio.TimeoutError:
             log.warning("%s: restart did not finish within %.0f s; it stays out of service "
                         "(see its ranks' logs: `ray logs`)", name, self.timeout_s)
@@ -116,12 +126,19 @@ class Recoverer:
             log.warning("%s: restart failed: %s", name, exc)
             return False
         else:
-            self._leaders[name].rebind(inst.leader)
-            log.info("%s: restarted in %.1f s (restart %d in the last %g s)", name,
+            for inst in insts:
+                self._leaders[inst.cfg.name].rebind(inst.leader)
+            together = f" with {', '.join(n for n in group if n != name)}" \
+                if len(group) > 1 else ""
+            log.info("%s: restarted%s in %.1f s (restart %d in the last %g s)", name, together,
                      time.monotonic() - started, self.restarts(name), self.window_s)
             return True
         finally:  # NOTE: no await below: atomic on the loop
             if work.done():
-                self._running.pop(name, None)
+                self._forget(group)
             else:
-                work.add_done_callback(lambda _: self._running.pop(name, None))
+                work.add_done_callback(lambda _: self._forget(group))
+
+    def _forget(self, group: list[str]) -> None:
+        for member in group:
+            self._running.pop(member, None)

@@ -32,10 +32,16 @@ class _FakeRank:
         self.log.append(("open_tp_store",))
         return "127.0.0.1", 29500 + len(self.cfg.name)
 
-    def init_rank(self, host: str, port: int, peers: list) -> None:
+    def open_ep_store(self) -> tuple[str, int]:
+        assert self.rank == 0 and self.cfg.parallel.dp_rank == 0, "EP rank 0 opens it"
+        self.log.append(("open_ep_store",))
+        return "127.0.0.1", 29600
+
+    def init_rank(self, host: str, port: int, peers: list,
+                  ep_store: tuple[str, int] | None = None) -> None:
         if self.cfg.name == "decode-0" and self.rank == 1 and self.cfg.scheduler.max_num_seqs == 13:
             raise RuntimeError("simulated device init failure")
-        self.log.append(("init_rank", host, port, len(peers)))
+        self.log.append(("init_rank", host, port, len(peers), *(ep_store or ())))
 
     def start(self) -> None:
         self.log.append(("start",))

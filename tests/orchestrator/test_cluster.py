@@ -80,7 +80,7 @@ def test_unplaceable_instance_times_out_with_advice(ray_session):
 
 
 class InitFailsDecodeRank(DecodeRank):
-    def init_rank(self, host: str, port: int, peers: list) -> None:
+    def init_rank(self, host: str, port: int, peers: list, ep_store=None) -> None:
         raise RuntimeError("simulated init failure after a restart")
 
 
@@ -89,7 +89,7 @@ def test_restart_instance_replaces_its_ranks_and_a_failed_restart_cleans_up(ray_
     cluster = bring_up(_cfg(), rank_classes=CLASSES)
     try:
         old = cluster.ranks_of("decode-0")
-        new = cluster.restart_instance("decode-0", timeout_s=60)
+        (new,) = cluster.restart_instance("decode-0", timeout_s=60)
         assert cluster.ranks_of("decode-0") == new.ranks and not set(new.ranks) & set(old)
         assert cluster.leaders()["decode-0"] == new.ranks[0]
         logs = ray.get([r.get_log.remote() for r in new.ranks], timeout=30)
@@ -110,3 +110,21 @@ def test_restart_instance_replaces_its_ranks_and_a_failed_restart_cleans_up(ray_
         cluster.teardown()
     cluster.teardown()  # exactly once: a second call finds nothing to do
     assert _live_pgs(ray) == []
+
+
+def test_an_expert_parallel_role_restarts_all_its_instances_on_one_new_ep_store(ray_session):
+    ray = ray_session
+    cluster = bring_up(_cfg(dp=2, tp=1, ep=True), rank_classes=CLASSES)
+    try:
+        assert cluster.restart_group("decode-1") == ["decode-0", "decode-1"]
+        assert cluster.restart_group("prefill-0") == ["prefill-0"]
+        news = cluster.restart_instance("decode-1", timeout_s=60)
+        assert [n.cfg.name for n in news] == ["decode-0", "decode-1"]
+        logs = ray.get([n.leader.get_log.remote() for n in news], timeout=30)
+        assert logs[0] == [("init", "decode-0", 0), ("open_tp_store",), ("open_ep_store",),
+                           ("init_rank", "127.0.0.1", 29508, 1, "127.0.0.1", 29600), ("start",)]
+        assert logs[1][-2:] == [("init_rank", "127.0.0.1", 29508, 1, "127.0.0.1", 29600),
+                                ("start",)]
+        assert sorted(_live_pgs(ray)) == ["orch-decode-0", "orch-decode-1", "orch-prefill-0"]
+    finally:
+        cluster.teardown()

@@ -14,21 +14,27 @@ from orchestrator.recovery import Recoverer
 
 
 class FakeCluster:
-    """``restart_instance`` returns a new leader handle ``"<name>#<n>"``; ``fail`` makes it
-    raise; ``gate`` (an Event) makes it block until set."""
+    """``restart_instance`` returns new leader handles ``"<name>#<n>"`` for the instance's
+    group (``groups``, default: itself alone); ``fail`` makes it raise; ``gate`` (an Event)
+    makes it block until set."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: dict[str, list[str]] | None = None) -> None:
         self.calls: list[str] = []
         self.fail = False
         self.gate: threading.Event | None = None
+        self.groups = groups or {}
 
-    def restart_instance(self, name: str, timeout_s: float) -> SimpleNamespace:
+    def restart_group(self, name: str) -> list[str]:
+        return self.groups.get(name, [name])
+
+    def restart_instance(self, name: str, timeout_s: float) -> list[SimpleNamespace]:
         self.calls.append(name)
         if self.gate is not None:
             assert self.gate.wait(10)
         if self.fail:
             raise BringUpError(f"{name} rank 0: init_rank failed: simulated")
-        return SimpleNamespace(leader=f"{name}#{len(self.calls)}")
+        return [SimpleNamespace(cfg=SimpleNamespace(name=n), leader=f"{n}#{len(self.calls)}")
+                for n in self.restart_group(name)]
 
 
 def _leaders() -> dict[str, LeaderClient]:
@@ -43,6 +49,28 @@ def test_recover_rebinds_the_client_to_the_new_leader():
     assert leaders["decode-0"].handle == "decode-0#1"
     assert leaders["decode-1"].handle == "decode-1#0"
     assert rec.restarts("decode-0") == 1
+
+
+def test_an_expert_parallel_group_restarts_once_for_all_its_instances():
+    """Both decode instances of an EP role fail; their two recoveries run ONE restart of the
+    group, and both clients are rebound."""
+    group = ["decode-0", "decode-1"]
+    cluster, leaders = FakeCluster({name: group for name in group}), _leaders()
+    cluster.gate = threading.Event()
+    rec = Recoverer(cluster, leaders, timeout_s=5.0)
+
+    async def run() -> list[bool]:
+        first = asyncio.ensure_future(rec.recover("decode-0"))
+        while not cluster.calls:
+            await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(rec.recover("decode-1"))
+        await asyncio.sleep(0.05)
+        cluster.gate.set()
+        return list(await asyncio.gather(first, second))
+    assert asyncio.run(run()) == [True, True]
+    assert cluster.calls == ["decode-0"]
+    assert [leaders[n].handle for n in group] == ["decode-0#1", "decode-1#1"]
+    assert rec.restarts("decode-1") == 1
 
 
 def test_restart_rate_is_bounded_per_instance_with_one_line_saying_why(caplog):
