@@ -61,7 +61,8 @@ def ep_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     send_splits, recv_splits = sizes[:ep.size], sizes[ep.size:2 * ep.size]
     per_expert = sizes[2 * ep.size:]
     received = ep.all_to_all_rows(xs[order // k], send_splits, recv_splits)
-    local_ids = torch.arange(n_local).repeat(ep.size).repeat_interleave(recv_counts)
+    local_ids = torch.arange(n_local, device=x.device).repeat(ep.size)
+    local_ids = local_ids.repeat_interleave(recv_counts)  # [rows received]: local expert
     computed = _run_experts(received, local_ids, per_expert, experts)
     returned = ep.all_to_all_rows(computed, recv_splits, send_splits)  # [T_r * k, hidden]
     rows = torch.empty_like(returned)

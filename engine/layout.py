@@ -102,9 +102,9 @@ class TPLayout:
     expert_intermediate_size: int
     vocab_size: int
     experts: range
-    tp_size: int = 1
-    ep_size: int = 1
-    full_vocab_size: int = 0
+    tp_size: int
+    ep_size: int
+    full_vocab_size: int
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class DeepseekForCausalLM(nn.Module):
 
 
 def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
-                device: torch.device, ep: EPGroup | None = None) -> DeepseekForCausalLM:
+                device: torch.device, *, ep: EPGroup | None = None) -> DeepseekForCausalLM:
     """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill, with
     rank ``tp.rank``'s share of every split weight and, under EP (``ep`` of size > 1), only
     EP rank ``ep.rank``'s routed experts (:func:`engine.layout.tp_layout`).

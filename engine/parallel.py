@@ -148,7 +148,7 @@ class EPGroup:
 
     def destroy(self) -> None:
         """Release the group (idempotent; a no-op at size 1)."""
-        if self.group is not None and hasattr(self.group, "shutdown"):
+        if self.group is not None:
             self.group.shutdown()
 
 

@@ -76,7 +76,8 @@ class ModelRunner:
             else self.platform.device(self.tp.rank)
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
-        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, self.ep)
+        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device,
+                                 ep=self.ep)
         load_weights(self.model, checkpoint_dir, self.tp)
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,

@@ -1,8 +1,10 @@
 """Multi-process helpers of the expert-parallel tests: run dp x tp gloo ranks in lockstep.
 
-Process ``i`` of a spawn is EP rank ``i``: DP rank ``i // tp``, TP rank ``i % tp``. Each DP
-rank greedily decodes its own request; a DP rank whose request has not started yet (or has
-finished) calls ``execute_empty`` so the others' EP collectives meet.
+One spawn of ``n`` processes runs several layouts of ``n`` ranks one after the other (the
+processes start once: on 2 cores that is most of the time). In each layout process ``i`` is
+EP rank ``i``: DP rank ``i // tp``, TP rank ``i % tp``. Each DP rank greedily decodes its own
+request; a DP rank whose request has not started yet (or has finished) calls
+``execute_empty`` so the others' EP collectives meet.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ BLOCK = 16
 
 @dataclass(frozen=True)
 class Plan:
-    """What every rank runs.
+    """What every rank runs in one layout.
 
     Attributes:
         ckpt: checkpoint directory. dp, tp: the layout (EP size dp * tp).
         prompts: one prompt per DP rank. starts: the step at which DP rank d's request
             starts (it is idle before and after). max_new: greedy tokens per request.
-        out_dir: where rank i writes ``rank{i}.pt``. ports: [EP store, TP store of DP 0..].
+        out_dir: where rank i writes ``{name}_rank{i}.pt``. ports: [EP store, TP store of
+            DP 0..].
     """
 
     ckpt: str
@@ -39,6 +42,10 @@ class Plan:
     ports: tuple[int, ...]
 
     @property
+    def name(self) -> str:
+        return f"dp{self.dp}xtp{self.tp}"
+
+    @property
     def num_steps(self) -> int:
         return max(self.starts) + self.max_new
 
@@ -49,13 +56,19 @@ def expert_bytes(model: torch.nn.Module) -> int:
                if ".mlp.experts." in n)
 
 
-def rank_main(index: int, plan: Plan) -> None:
-    """Body of spawned process ``index``: decode DP rank ``index // tp``'s request in lockstep;
-    save its tokens, per-step logits and routed-expert bytes."""
+def rank_main(index: int, plans: tuple[Plan, ...]) -> None:
+    """Body of spawned process ``index``: run every plan in turn."""
+    torch.set_num_threads(1)
+    for plan in plans:
+        _run_plan(index, plan)
+
+
+def _run_plan(index: int, plan: Plan) -> None:
+    """Decode DP rank ``index // tp``'s request in lockstep; save its tokens, per-step logits
+    and routed-expert bytes."""
     from engine.parallel import ep_rank_of, init_ep_group, init_tp_group
     from engine.runner import ModelRunner
 
-    torch.set_num_threads(1)
     dp_rank, tp_rank = divmod(index, plan.tp)
     tp = init_tp_group(tp_rank, plan.tp, "127.0.0.1", plan.ports[1 + dp_rank], timeout_s=60)
     ep = init_ep_group(ep_rank_of(dp_rank, tp_rank, plan.tp), plan.dp * plan.tp, "127.0.0.1",
@@ -65,7 +78,7 @@ def rank_main(index: int, plan: Plan) -> None:
         tokens, logits = _decode_in_lockstep(runner, plan, dp_rank)
         torch.save({"tokens": tokens, "logits": torch.stack(logits),
                     "expert_bytes": expert_bytes(runner.model)},
-                   f"{plan.out_dir}/rank{index}.pt")
+                   f"{plan.out_dir}/{plan.name}_rank{index}.pt")
     finally:
         ep.destroy()
         tp.destroy()
@@ -99,19 +112,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(plan: Plan, timeout_s: float = 120.0) -> list[dict]:
-    """Spawn the ``dp * tp`` ranks of ``plan``, wait (bounded), return each rank's results."""
-    n = plan.dp * plan.tp
-    ctx = mp.start_processes(rank_main, args=(plan,), nprocs=n, join=False,
+def run_ranks(plans: tuple[Plan, ...], timeout_s: float = 120.0) -> dict[str, list[dict]]:
+    """Spawn ``dp * tp`` processes (the same for every plan), run the plans in turn, wait
+    (bounded); plan name -> each rank's results."""
+    n = plans[0].dp * plans[0].tp
+    assert all(p.dp * p.tp == n for p in plans), "every plan needs the same number of ranks"
+    ctx = mp.start_processes(rank_main, args=(plans,), nprocs=n, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail(f"dp{plan.dp} x tp{plan.tp} ranks did not finish in {timeout_s} s")
+                pytest.fail(f"{n} ranks did not finish {[p.name for p in plans]} in "
+                            f"{timeout_s} s")
     finally:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return [torch.load(f"{plan.out_dir}/rank{i}.pt") for i in range(n)]
+    return {p.name: [torch.load(f"{p.out_dir}/{p.name}_rank{i}.pt") for i in range(n)]
+            for p in plans}

@@ -101,7 +101,7 @@ def test_local_slices_take_contiguous_part_rank_of_the_split_dim():
 
 def _layout(tp: int) -> TPLayout:
     """A layout of ``tp`` ranks (only tp_size matters to COLUMN / ROW / REPLICATED rules)."""
-    return TPLayout(4, 4, 4, 4, 4, range(0), tp_size=tp)
+    return TPLayout(4, 4, 4, 4, 4, range(0), tp_size=tp, ep_size=1, full_vocab_size=4)
 
 
 def test_local_sizes():
