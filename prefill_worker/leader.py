@@ -172,8 +172,10 @@ class LeaderRank(RankBase):
         """
         log.warning("%s: a step of %d request(s) failed (%s)%s", self.cfg.name,
                     len(out.chunks), _first_line(error),
-                    "; running each alone" if len(out.chunks) > 1 else "")
-        if len(out.chunks) == 1:
+                    "; running each alone" if len(out.chunks) > 1 or self.dp_sync else "")
+        # NOTE: with a DP sync even one chunk runs again: its round tells a broken EP group
+        # (DPGroupBroken: out of service, requests retryable) from a bad request
+        if len(out.chunks) == 1 and self.dp_sync is None:
             return StepResult(out, {}, {out.chunks[0].request.request_id:
                                         self._step_error(error)})
         sampled: dict[str, int] = {}

@@ -218,6 +218,23 @@ def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders
     assert busy.pool.num_free_blocks == busy.pool.num_blocks
 
 
+def test_a_dp_rank_lost_during_a_forward_breaks_the_group_not_the_request(leaders):
+    """The other DP rank fails its empty forward (as when its ranks die): the busy rank's
+    one-chunk step times out in the collective, and its re-run's round tells a broken group
+    from a bad request: both go out of service, the request ends as the instance's failure."""
+    busy, lost = leaders
+
+    def gone() -> None:
+        raise RuntimeError("injected: this DP rank's ranks are gone")
+
+    lost.runner.execute_empty = gone
+    busy.generate(_spec("a", prompt_len=3, max_tokens=4))
+    tokens, finish, error = _collect(busy, ["a"])["a"]
+    assert finish == "error" and "EP group is broken" in error, error
+    assert busy.broken is not None and lost.broken is not None
+    assert busy._loop_thread.is_alive() and lost._loop_thread.is_alive()
+
+
 def test_the_sync_round_is_bounded():
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=10))
