@@ -172,7 +172,8 @@ class LeaderRank(RankBase):
         """
         log.warning("%s: a step of %d request(s) failed (%s)%s", self.cfg.name,
                     len(out.chunks), _first_line(error),
-                    "; running each alone" if len(out.chunks) > 1 or self.dp_sync else "")
+                    "; running each alone"
+                    if len(out.chunks) > 1 or self.dp_sync is not None else "")
         # NOTE: with a DP sync even one chunk runs again: its round tells a broken EP group
         # (DPGroupBroken: out of service, requests retryable) from a bad request
         if len(out.chunks) == 1 and self.dp_sync is None:
