@@ -108,12 +108,11 @@ class MoE(nn.Module):
         PARTIAL sum (the caller all-reduces once over TP). Under EP the routed part is
         complete on this TP rank's token slice and zero elsewhere
         (:mod:`engine.expert_parallel`); ``T`` may be 0 (an empty EP step)."""
-        weights, ids = self.gate(x)  # [T, k]
         experts = list(self.experts.values())
         if self.ep.size > 1:
-            out = ep_routed(x, weights, ids, experts, self.ep, self.tp)
+            out = ep_routed(x, self.gate, experts, self.ep, self.tp)
         else:
-            out = _local_routed(x, weights, ids, experts)
+            out = _local_routed(x, *self.gate(x), experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

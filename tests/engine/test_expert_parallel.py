@@ -75,6 +75,33 @@ def test_vocab_shards_cover_the_vocabulary_and_pad_with_zeros(ep_ckpt):
         assert not joined[VOCAB:].any()  # the one padding row
 
 
+def test_an_ep_rank_reads_and_holds_only_its_experts(ep_ckpt, monkeypatch):
+    import engine.loader
+
+    entries, read = engine.loader._checkpoint_entries, set()
+
+    def recording_reader(name, reader):
+        def read_and_record(index):
+            read.add(name)
+            return reader(index)
+        return read_and_record
+
+    def recording(checkpoint_dir):
+        for name, shape, reader in entries(checkpoint_dir):
+            yield name, shape, recording_reader(name, reader)
+    monkeypatch.setattr(engine.loader, "_checkpoint_entries", recording)
+    full = ModelRunner(ep_ckpt, num_kv_blocks=1, block_size=BLOCK).model.state_dict()
+    ep = EPGroup(rank=1, size=4)  # loading needs no collectives
+    read.clear()
+    model = build_model(load_model_config(ep_ckpt), TPGroup(), KERNELS.resolve("cpu"),
+                        torch.float32, torch.device("cpu"), ep=ep)
+    load_weights(model, ep_ckpt, TPGroup())
+    experts = {n for n in read if ".mlp.experts." in n}
+    assert {n.split(".")[5] for n in experts} == {"2", "3"}  # experts 2, 3 of 8: rank 1 of 4
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, full[name]), name
+
+
 def test_uneven_experts_name_the_fix():
     config = ModelConfig.from_dict(tiny_config_dict())  # 8 routed experts
     with pytest.raises(ValueError, match=r"dp\*tp=3 does not divide n_routed_experts=8 .*one "
