@@ -6,11 +6,12 @@ and a DP rank that stops stepping breaks the others within the step bound.
 Two colocated leaders (tp 1, dp 2, ep) run in threads of this process, no Ray. Their model
 runner is a fake whose every forward (real or empty) is a collective over a real 2-rank Gloo
 "EP" group, as the MoE all-to-alls are: a forward one DP rank runs and the other does not
-would time out."""
+would time out. The last test brings up real ranks of the tiny model with ``init_rank``."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -253,3 +254,43 @@ def test_the_sync_round_is_bounded():
     with pytest.raises(DPGroupBroken, match="did not meet a step within 0.5 s"):
         syncs[0].any_work(True)  # rank 1 is alive but never asks
     assert time.monotonic() - started < 5
+
+
+def test_real_ep_ranks_brought_up_by_init_rank_step_in_lockstep(tmp_path):
+    """Two colocated DP ranks (dp2 x tp1, ep: 4 of the tiny model's 8 routed experts each),
+    brought up as orch does (``open_ep_store``, ``init_rank`` with the EP store): a request
+    on one while the other idles, then one on each, equal the tiny model on one rank."""
+    from engine.runner import ModelRunner
+    from orchestrator.tiny_model import write_tiny_checkpoint
+    from tests.engine.engine_drive import generate_greedy
+
+    ckpt = write_tiny_checkpoint(tmp_path / "tiny", seed=7)
+    prompts = {"a": list(range(1000, 1009)), "b": list(range(1100, 1105))}
+    solo = ModelRunner(ckpt, num_kv_blocks=8, block_size=16)
+    want = {rid: generate_greedy(solo, p, 4, (0,))[0] for rid, p in prompts.items()}
+    ranks = [ColocatedRank(replace(_cfg(i), checkpoint_dir=str(ckpt)), 0) for i in range(2)]
+    host, port = ranks[0].open_ep_store()
+    threads = [threading.Thread(target=r.init_rank, args=("127.0.0.1", 0, [r], (host, port)))
+               for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(r.runner is not None and r.dp_sync is not None for r in ranks)
+    held = [sorted(map(int, r.runner.model.model.layers[1].mlp.experts)) for r in ranks]
+    assert held == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for r in ranks:
+        r.start()
+    try:
+        ranks[0].generate(RequestSpec("a", tuple(prompts["a"]),
+                                      SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert _collect(ranks[0], ["a"])["a"] == (want["a"], "length", None)
+        for r, rid in zip(ranks, ("b", "a")):
+            r.generate(RequestSpec(rid, tuple(prompts[rid]),
+                                   SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert _collect(ranks[0], ["b"])["b"] == (want["b"], "length", None)
+        assert _collect(ranks[1], ["a"])["a"] == (want["a"], "length", None)
+        assert all(r.broken is None for r in ranks)
+    finally:
+        for r in ranks:
+            r.shutdown()
