@@ -93,14 +93,14 @@ def check_memory(cfg: OrchConfig) -> str:
     plan, source = build_memory_plan(cfg)
     if plan is None:
         return f"memory plan: not checked ({source})"
-    problems = _problems(cfg, plan)
+    problems = _problems(plan)
     if problems:
         raise MemoryPlanError("the layout does not fit the device memory:\n- "
                               + "\n- ".join(problems))
     return f"memory plan: fits {plan.memory.source} ({_gb(plan.memory.bytes)} GB)"
 
 
-def _problems(cfg: OrchConfig, plan: MemoryPlan) -> list[str]:
+def _problems(plan: MemoryPlan) -> list[str]:
     have = plan.memory.bytes
     if plan.memory.shared:
         need = plan.all_ranks_bytes
@@ -110,23 +110,23 @@ def _problems(cfg: OrchConfig, plan: MemoryPlan) -> list[str]:
                 f"{_gb(have)} GB: exceeds it by {_gb(need - have)} GB ({need / have:.2f}x); "
                 "lower num_kv_blocks, max_num_batched_tokens or dp, turn ep on, or set "
                 "cluster.device_memory_gb"]
-    return [_rank_problem(cfg, plan, role) for role in plan.roles
+    return [_rank_problem(plan, role) for role in plan.roles
             if role.total_bytes > have]
 
 
-def _rank_problem(cfg: OrchConfig, plan: MemoryPlan, role: RolePlan) -> str:
+def _rank_problem(plan: MemoryPlan, role: RolePlan) -> str:
     lay, need, have = role.layout, role.total_bytes, plan.memory.bytes
-    key = "decode" if lay.role == "colocated" else lay.role
     head = (f"{lay.role}: one rank needs {_gb(need)} GB (weights {_gb(role.bytes_of('weights'))}"
             f", KV {_gb(role.bytes_of('kv'))}, workspace {_gb(role.bytes_of('workspace'))}) "
             f"but the device has {_gb(have)} GB ({plan.memory.source}): exceeds it by "
             f"{_gb(need - have)} GB ({need / have:.2f}x)")
-    return f"{head}. To fit: {'; '.join(_fixes(plan, role, key))}"
+    return f"{head}. To fit: {'; '.join(_fixes(plan, role))}"
 
 
-def _fixes(plan: MemoryPlan, role: RolePlan, key: str) -> list[str]:
+def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     """What to change for ``role`` to fit, with the per-rank bytes each change gives."""
     lay, have, fixes = role.layout, plan.memory.bytes, []
+    key = lay.section
     experts = plan.model.n_routed_experts or 0
     if not lay.ep and experts and experts % (lay.dp * lay.tp) == 0:
         on = plan_role(plan.model, replace(lay, ep=True), plan.precision).total_bytes

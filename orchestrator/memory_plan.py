@@ -56,6 +56,11 @@ class RoleLayout:
     max_model_len: int
 
     @property
+    def section(self) -> str:
+        """The config section that sizes the role (colocated instances: ``decode``)."""
+        return "decode" if self.role == "colocated" else self.role
+
+    @property
     def ep_size(self) -> int:
         """Ranks the routed experts are split over (1: every DP rank holds all experts)."""
         return self.dp * self.tp if self.ep else 1
@@ -169,9 +174,11 @@ def _routed_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
             raise ValueError(
                 f"{lay.role}: n_routed_experts={experts} is not divisible by the "
                 f"{lay.ep_size} expert-parallel ranks (dp {lay.dp} x tp {lay.tp}): choose "
-                f"{lay.role}.dp x {lay.role}.tp dividing {experts}, or turn {lay.role}.ep off")
+                f"{lay.section}.dp x {lay.section}.tp dividing {experts}, or turn "
+                f"{lay.section}.ep off")
         mine = experts // lay.ep_size
-        return num_moe_layers(m) * mine * per_expert, f"{mine} of {experts} whole (EP {lay.ep_size})"
+        return (num_moe_layers(m) * mine * per_expert,
+                f"{mine} of {experts} whole (EP {lay.ep_size})")
     return num_moe_layers(m) * experts * per_expert // lay.tp, \
         f"all {experts}, intermediate /{lay.tp}"
 
