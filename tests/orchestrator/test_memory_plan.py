@@ -65,9 +65,18 @@ def test_deepseek_v3_has_671b_parameters():
     assert params == pytest.approx(671e9, rel=0.005)  # DeepSeek's figure, without the MTP layer
 
 
-@pytest.mark.parametrize("role, tp, blocks, seqs", [("prefill", 16, 768, 64),
-                                                     ("decode", 4, 1088, 32)])
-def test_a3_memory_table_matches_the_hand_computation(role, tp, blocks, seqs):
+def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
+    """GB of the workspace estimate under EP (docs/memory_plan.md), bf16."""
+    heads = 128 // tp
+    per_token = 4 * 7168 + 1536 + 512 + 64 + heads * 2 * (192 + 128) \
+        + 8 * (2 * 7168 + 3 * 2048)  # 8 experts per token, each whole
+    return 2 * (step_tokens * per_token + prefix_tokens * heads * (128 + 128)) / GB
+
+
+@pytest.mark.parametrize("role, tp, blocks, seqs, step_tokens, prefix", [
+    ("prefill", 16, 768, 64, 16384, 69632), ("decode", 4, 1088, 32, 32, 0)])
+def test_a3_memory_table_matches_the_hand_computation(role, tp, blocks, seqs, step_tokens,
+                                                      prefix):
     plan, _ = build_memory_plan(load_config(A3))
     (mine,) = [p for p in plan.roles if p.layout.role == role]
     hand = hand_plan(tp, experts_per_rank=256 // 32, blocks=blocks, seqs=seqs)
@@ -79,7 +88,11 @@ def test_a3_memory_table_matches_the_hand_computation(role, tp, blocks, seqs):
     assert rows["workspace: logits"] == pytest.approx(hand["logits"], rel=0.01)
     weights = sum(hand[k] for k in hand if k not in ("kv", "logits"))
     assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
-    assert mine.total_bytes < 64 * GB  # fits an A3 die with the workspace estimate
+    activations = hand_activations(tp, step_tokens, prefix)
+    assert rows["workspace: activations"] == pytest.approx(activations, rel=0.01)
+    total = weights + hand["kv"] + hand["logits"] + activations
+    assert mine.total_bytes / GB == pytest.approx(total, rel=0.01)
+    assert mine.total_bytes < 64 * GB
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
