@@ -6,7 +6,8 @@ rank holds (a pure function of the :class:`engine.model_config.ModelConfig` and 
 of each storage class. Nothing is instantiated; no weights are read.
 
 How later layouts plug in (rows and parameters, not branches):
-- DeepSeek-V3.2's indexer: a row for its weights, a third KV row (``index_head_dim``).
+- DeepSeek-V3.2's indexer (done): a row for its weights (replicated), a third KV row
+  (``index_head_dim``); both only for models with sparse attention.
 - FP8 / W8A8 checkpoints: :class:`Precision` gets the stored bytes of ``linear`` weights
   (1 byte + the scales' share); embedding, norms, gate and lm_head keep ``weight``.
 - Layer-sharded prefill weights: the attention row's replicated part divided by the shard
@@ -99,12 +100,14 @@ class Kind:
         group: "weights", "kv" or "workspace".
         storage: the :class:`Precision` field giving its bytes per element.
         count: (model, layout) -> (elements per rank, how they are split, in words).
+        sparse_only: a DeepSeek-V3.2 (DSA) row, left out of other models' plans.
     """
 
     name: str
     group: str
     storage: str
     count: Callable[[ModelConfig, RoleLayout], tuple[int, str]]
+    sparse_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,8 +200,15 @@ def _lm_head(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     return _vocab_rows(m, lay), f"vocab /{lay.tp}"
 
 
+def _indexer(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    per_layer = m.q_lora_rank * m.index_n_heads * m.index_head_dim \
+        + m.hidden_size * (m.index_head_dim + m.index_n_heads)  # wq_b, wk, weights_proj
+    return m.num_hidden_layers * per_layer, "whole (every TP rank)"
+
+
 def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    norms = 2 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank  # per layer
+    norms = 2 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank \
+        + 2 * m.index_head_dim  # per layer; the last: V3.2 indexer k_norm weight and bias
     experts = m.n_routed_experts or 0
     bias = experts if m.topk_method == "noaux_tc" else 0
     gate = experts * m.hidden_size + bias
@@ -218,6 +228,11 @@ def _kv_latent(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 def _kv_rope(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     return m.num_hidden_layers * _kv_tokens(lay) * m.qk_rope_head_dim, \
         f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.qk_rope_head_dim}"
+
+
+def _kv_index(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return m.num_hidden_layers * _kv_tokens(lay) * m.index_head_dim, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.index_head_dim}"
 
 
 def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -249,9 +264,11 @@ KINDS: tuple[Kind, ...] = (
     Kind("routed experts", "weights", "linear", _routed_experts),
     Kind("embedding", "weights", "weight", _embedding),
     Kind("lm_head", "weights", "weight", _lm_head),
+    Kind("indexer (V3.2)", "weights", "linear", _indexer, sparse_only=True),
     Kind("norms + router gate", "weights", "weight", _norms_and_gate),
     Kind("KV cache: c_kv latent", "kv", "kv", _kv_latent),
     Kind("KV cache: k_pe", "kv", "kv", _kv_rope),
+    Kind("KV cache: index_k", "kv", "kv", _kv_index, sparse_only=True),
     Kind("workspace: activations", "workspace", "activation", _activations),
     Kind("workspace: logits", "workspace", "fp32", _logits),
 )
@@ -266,6 +283,8 @@ def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> R
     """
     rows = []
     for kind in KINDS:
+        if kind.sparse_only and not model.uses_sparse_attention:
+            continue
         elements, split = kind.count(model, layout)
         rows.append(PlanRow(kind.name, kind.group, elements,
                             getattr(precision, kind.storage), split))

@@ -65,6 +65,21 @@ def test_deepseek_v3_has_671b_parameters():
     assert params == pytest.approx(671e9, rel=0.005)  # DeepSeek's figure, without the MTP layer
 
 
+def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
+    raw = {**json.loads(V3_JSON.read_text()), "architectures": ["DeepseekV32ForCausalLM"],
+           "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+    layout = RoleLayout("decode", dp=1, tp=4, ep=False, num_kv_blocks=10, block_size=128,
+                        step_tokens=1, max_num_seqs=1, max_model_len=1)
+    bf16 = Precision.of("bfloat16")
+    v32 = {r.kind: r for r in plan_role(ModelConfig.from_dict(raw), layout, bf16).rows}
+    v3_ = {r.kind: r for r in plan_role(v3(), layout, bf16).rows}
+    assert set(v32) - set(v3_) == {"indexer (V3.2)", "KV cache: index_k"}
+    assert v32["indexer (V3.2)"].elements == 61 * (1536 * 64 * 128 + 7168 * (128 + 64))
+    assert v32["KV cache: index_k"].elements == 61 * 1280 * 128
+    kv = sum(r.bytes for r in v32.values() if r.group == "kv")
+    assert kv == 1280 * (512 + 64 + 128) * 2 * 61  # 1,408 B per token per layer
+
+
 def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
     """GB of the workspace estimate under EP (docs/memory_plan.md), bf16."""
     heads = 128 // tp
