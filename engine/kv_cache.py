@@ -1,14 +1,21 @@
-"""Paged MLA KV cache: separate K and V tensors per layer.
+"""Paged MLA KV cache: separate K, V (and, for DeepSeek-V3.2, index_k) tensors per layer.
 
 For MLA (DeepSeek-V2/V3) the per-token cache is the normalized latent ``c_kv`` and the roped
-shared key ``k_pe``. orch keeps them as two tensors per layer, never one 576-wide tensor:
+shared key ``k_pe``. orch keeps them as separate tensors per layer, never one wide tensor:
 
 - K cache of layer i: ``[num_blocks, block_size, kv_lora_rank]`` (512 for V3)
 - V cache of layer i: ``[num_blocks, block_size, qk_rope_head_dim]`` (64 for V3)
+- index_k cache of layer i (V3.2 only, ``index_head_dim > 0``):
+  ``[num_blocks, block_size, index_head_dim]`` (128 for V3.2), the lightning indexer's keys
+  (:mod:`engine.indexer`).
 
-Both are identical on every TP rank of an instance (the latent has no head axis). The k_pe
-layout is interleaved-pair rope (DeepSeek / vLLM convention, see REFERENCE.md "Rope layout");
+All are identical on every TP rank of an instance (no head axis). The k_pe layout is
+interleaved-pair rope (DeepSeek / vLLM convention, see REFERENCE.md "Rope layout");
 :attr:`KVCacheSpec.rope_layout` names it so the transfer fingerprint can include it.
+
+NOTE: the indexer keys are stored in the cache dtype. The released V3.2 kernels (vLLM,
+vLLM-Ascend) keep them in FP8 (e4m3 plus a per-token scale) after a Hadamard rotation; we keep
+the cache dtype so the scores equal the transformers reference.
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ class KVCacheSpec:
         block_size: tokens per block.
         kv_lora_rank: K width (latent c_kv), elements per token.
         qk_rope_head_dim: V width (k_pe), elements per token.
-        dtype: element dtype of both caches.
+        dtype: element dtype of every cache buffer.
         rope_layout: "interleaved" (GPT-J pairs, DeepSeek/vLLM) for the k_pe cache.
+        index_head_dim: index_k width (V3.2 lightning indexer keys); 0 = no indexer cache (V3).
     """
 
     num_layers: int
@@ -39,42 +47,69 @@ class KVCacheSpec:
     qk_rope_head_dim: int
     dtype: torch.dtype = torch.float32
     rope_layout: str = "interleaved"
+    index_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "kv_lora_rank",
                      "qk_rope_head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.index_head_dim < 0:
+            raise ValueError(f"KVCacheSpec.index_head_dim must be >= 0 (0: no indexer cache), "
+                             f"got {self.index_head_dim}")
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        """Names of the per-layer buffers, in cache order: ``("k", "v"[, "index_k"])``."""
+        return ("k", "v", "index_k") if self.index_head_dim else ("k", "v")
+
+    @property
+    def buffer_widths(self) -> tuple[int, ...]:
+        """Elements per token of each buffer, in :attr:`buffer_names` order."""
+        widths = (self.kv_lora_rank, self.qk_rope_head_dim)
+        return widths + (self.index_head_dim,) if self.index_head_dim else widths
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """K + V bytes of one token in one layer (1,152 B for V3 in bf16)."""
+        """Bytes of one token in one layer over all buffers (1,152 B for V3 in bf16, 1,408 B
+        for V3.2)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return (self.kv_lora_rank + self.qk_rope_head_dim) * elem
+        return sum(self.buffer_widths) * elem
 
 
 class KVCache:
-    """The K and V cache tensors of one rank.
+    """The cache tensors of one rank.
 
     Attributes:
         spec: the :class:`KVCacheSpec` it was built from.
         k_caches: per layer ``[num_blocks, block_size, kv_lora_rank]``.
         v_caches: per layer ``[num_blocks, block_size, qk_rope_head_dim]``.
+        index_caches: per layer ``[num_blocks, block_size, index_head_dim]``; empty for V3.
 
-    Ownership: the model writes with ``reshape_and_cache`` (one write per layer per step);
-    the KV transfer layer reads (prefill) or writes (decode) whole token slots. Nobody
+    Ownership: the model writes with ``reshape_and_cache`` (one write per buffer per layer per
+    step); the KV transfer layer reads (prefill) or writes (decode) whole token slots. Nobody
     reallocates the tensors after construction, so views and data pointers stay valid.
     """
 
     def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.device = torch.device(device)
-        shape_k = (spec.num_blocks, spec.block_size, spec.kv_lora_rank)
-        shape_v = (spec.num_blocks, spec.block_size, spec.qk_rope_head_dim)
-        self.k_caches = [torch.zeros(shape_k, dtype=spec.dtype, device=self.device)
-                         for _ in range(spec.num_layers)]
-        self.v_caches = [torch.zeros(shape_v, dtype=spec.dtype, device=self.device)
-                         for _ in range(spec.num_layers)]
+        per_layer = [[torch.zeros(spec.num_blocks, spec.block_size, width, dtype=spec.dtype,
+                                  device=self.device) for _ in range(spec.num_layers)]
+                     for width in spec.buffer_widths]
+        self.k_caches, self.v_caches = per_layer[0], per_layer[1]
+        self.index_caches: list[torch.Tensor] = per_layer[2] if spec.index_head_dim else []
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s caches ``[num_blocks, block_size, width]`` in ``buffer_names``
+        order (K, V[, index_k])."""
+        index = (self.index_caches[layer],) if self.index_caches else ()
+        return (self.k_caches[layer], self.v_caches[layer]) + index
+
+    def flat_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s caches viewed as slots ``[num_blocks * block_size, width]``, in
+        ``buffer_names`` order (K, V[, index_k])."""
+        return tuple(buf.view(-1, buf.shape[-1]) for buf in self.layer_buffers(layer))
 
     def flat_k(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K cache viewed ``[num_blocks * block_size, kv_lora_rank]`` (slots)."""
