@@ -1,7 +1,8 @@
 """KV layout of one instance: what the bytes of a cache slot mean, and its fingerprint.
 
 A layout names, per layer, the cache buffers (``k`` and ``v``; DeepSeek-V3.2 adds ``index_k``,
-the lightning indexer's keys), their per-token dims for the whole model, the dtype, block size, layer count, tp size, rope layout and model identity.
+the lightning indexer's keys), their per-token dims for the whole model, the dtype, block
+size, layer count, tp size, rope layout and model identity.
 
 What must match between a prefill and a decode instance (``check_compatible``), and why:
 
