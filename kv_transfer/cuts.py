@@ -97,9 +97,9 @@ def source_messages(cache: object, layout, header: wire.Header, heads: slice | N
     """Prefill side: the wire messages of data record ``header`` and the pooled buffers they
     view (give them back once sent).
 
-    Per buffer (K, V[, index_k]), per layer, per cut a ``[n, *D]`` tensor. Where the source slots are
-    consecutive inside every cut the messages are views of the cache (sent in place, zero
-    copy); otherwise the buffer is gathered once into a pooled ``[Ly, T, *D]`` payload and
+    Per buffer (K, V[, index_k]), per layer, per cut a ``[n, *D]`` tensor. Where the source
+    slots are consecutive inside every cut the messages are views of the cache (sent in
+    place, zero copy); otherwise the buffer is gathered once into a pooled ``[Ly, T, *D]`` payload and
     its row ranges are sent. ``heads``: this rank's local head slice (GQA) or None.
     """
     messages, raws = [], []

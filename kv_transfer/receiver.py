@@ -2,9 +2,9 @@
 
 Loop: wait for the doorbell (blocking in the store; a ``stop`` doorbell ends the wait at once),
 whose value is the record's header, then for a data record receive its K, V (and, for
-DeepSeek-V3.2, index_k) messages (:mod:`~kv_transfer.cuts`; each receive bounded by ``payload_timeout_s``). A buffer
-whose cuts are consecutive destination runs is received straight into the cache rows (no
-scatter), holding the request's write permission
+DeepSeek-V3.2, index_k) messages (:mod:`~kv_transfer.cuts`; each receive bounded by
+``payload_timeout_s``). A buffer whose cuts are consecutive destination runs is received
+straight into the cache rows (no scatter), holding the request's write permission
 (:meth:`~kv_transfer.tracker.RequestTracker.begin_write`) for the whole receive, so
 ``release`` waits for it. Other buffers go into pooled staging buffers, handed to this
 channel's scatter thread, which writes them into the destination slots if the tracker still

@@ -38,8 +38,9 @@ class Header:
     """One transfer record.
 
     Attributes:
-        kind: ``data`` (the layout's payloads follow: K, V[, index_k]), ``done`` (this prefill rank sent every
-            planned layer of tokens ``[0, num_tokens)``) or ``abort`` (it will send no more).
+        kind: ``data`` (the layout's payloads follow: K, V[, index_k]), ``done`` (this
+            prefill rank sent every planned layer of tokens ``[0, num_tokens)``) or ``abort``
+            (it will send no more).
         request_id: the request.
         prefill_rank: sending rank in its instance.
         fingerprint: sender's :meth:`KVLayout.fingerprint`.
