@@ -99,8 +99,8 @@ def source_messages(cache: object, layout, header: wire.Header, heads: slice | N
 
     Per buffer (K, V[, index_k]), per layer, per cut a ``[n, *D]`` tensor. Where the source
     slots are consecutive inside every cut the messages are views of the cache (sent in
-    place, zero copy); otherwise the buffer is gathered once into a pooled ``[Ly, T, *D]`` payload and
-    its row ranges are sent. ``heads``: this rank's local head slice (GQA) or None.
+    place, zero copy); otherwise the buffer is gathered once into a pooled ``[Ly, T, *D]``
+    payload and its row ranges are sent. ``heads``: this rank's local head slice (GQA) or None.
     """
     messages, raws = [], []
     for buffer, spec in enumerate(layout.buffers):  # K, V[, index_k]
