@@ -89,7 +89,7 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
     except ImportError:
         return None, (f"tiny checkpoint not created yet at {config.parent} and the engine is "
                       "not installed; run `orch model init-tiny` then dry-run again")
-    return tiny_config_dict(arch=model.tiny_arch), \
+    return tiny_config_dict(deepseek_v32=model.tiny_arch == "deepseek_v32"), \
         f"the built-in tiny config; not created yet at {config.parent}"
 
 
