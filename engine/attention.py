@@ -3,13 +3,17 @@
 Names follow DeepSeek/HF checkpoints (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
 ``kv_b_proj``, ``o_proj``). Per step, for T flattened tokens:
 
-- ``c_kv = kv_a_layernorm(kv_a[:, :L])`` and ``k_pe = rope(kv_a[:, L:])`` are written into the
-  layer's K and V caches with ONE ``reshape_and_cache`` call (all T tokens).
+- ``c_kv = kv_a_layernorm(kv_a[:, :L])`` and ``k_pe = rope(kv_a[:, L:])`` (and, for
+  DeepSeek-V3.2, the lightning indexer's keys) are written into the layer's K and V (and
+  index_k) caches with ONE ``reshape_and_cache`` call (all T tokens, one write per buffer).
 - Prefill sequences: MHA form (``k_nope``, ``v`` from ``kv_b_proj``), causal attention over
   the chunk, plus non-causal attention over the cached prefix (decompressed from the latent
   cache), merged by log-sum-exp.
 - Decode sequences: the ``mla_decode`` kernel (absorbed form by default) over the cache,
   which already holds the step's own token.
+- DeepSeek-V3.2 (``config.uses_sparse_attention``): the layer's :class:`Indexer` picks each
+  query's top ``index_topk`` causal tokens and both forms attend to those only
+  (:mod:`engine.sparse_attention`).
 
 TP: the module holds ``num_heads`` heads (this rank's, per :mod:`engine.layout`: head-major
 rows of ``q_b_proj``/``q_proj``/``kv_b_proj``, columns of ``o_proj``); ``forward`` returns
@@ -22,11 +26,13 @@ import torch
 from torch import nn
 
 from engine.forward_context import AttentionMetadata
+from engine.indexer import Indexer, IndexerQuery
 from engine.kernels import KernelSet
 from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
 from engine.rotary import apply_rotary_interleaved, softmax_scale
+from engine.sparse_attention import select_decode_entries, sparse_prefill
 
 
 class MLAttention(nn.Module):
@@ -38,9 +44,12 @@ class MLAttention(nn.Module):
 
     Attributes:
         prefix_tile: cached-prefix tokens decompressed and attended at a time (chunked prefill).
+        query_tile: queries scored and attended at a time by sparse (V3.2) prefill.
+        indexer: the V3.2 lightning indexer, None for V2/V3.
     """
 
     prefix_tile: int = 4096
+    query_tile: int = 128
 
     def __init__(self, config: ModelConfig, num_heads: int, kernels: KernelSet) -> None:
         super().__init__()
@@ -64,15 +73,16 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank,
                                    h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=False)
+        self.indexer = Indexer(config) if config.uses_sparse_attention else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Attention of one step.
 
         Args:
             x: ``[T, hidden]`` normed hidden states. cos, sin: ``[T, R/2]`` at meta.positions.
-            k_cache: ``[num_blocks, block_size, L]``; v_cache: ``[num_blocks, block_size, R]``.
+            caches: this layer's K ``[num_blocks, block_size, L]``, V ``[.., R]`` and, with
+                an indexer, index_k ``[.., Di]`` (``KVCache.layer_buffers``).
 
         Returns:
             ``[T, hidden]`` partial (this rank's heads) o_proj output.
@@ -80,22 +90,30 @@ class MLAttention(nn.Module):
         # T tokens, H local heads, P nope, R rope, V v_head_dim, L kv_lora_rank
         t, h, p = x.shape[0], self.num_local_heads, self.qk_nope_head_dim
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            q_latent, q = None, self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+            q = self.q_b_proj(q_latent)
         q = q.view(t, h, p + self.qk_rope_head_dim)
         q_nope = q[..., :p]  # [T, H, P]
         q_pe = apply_rotary_interleaved(q[..., p:], cos, sin)  # [T, H, R]
         kv_a = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])  # [T, L]
         k_pe = apply_rotary_interleaved(kv_a[:, self.kv_lora_rank:], cos, sin)  # [T, R]
-        self.kernels.reshape_and_cache(c_kv, k_pe, k_cache, v_cache, meta.slot_mapping)
+        entries = (c_kv, k_pe)
+        iq = None
+        if self.indexer is not None:
+            entries += (self.indexer.keys(x, cos, sin),)  # [T, Di]
+            iq = self.indexer.queries(x, q_latent, cos, sin)
+        self.kernels.reshape_and_cache(entries, caches, meta.slot_mapping)
 
         out = x.new_empty(t, h, self.v_head_dim)  # [T, H, V]
-        if meta.prefills:
-            self._prefill(out, q_nope, q_pe, c_kv, k_pe, meta, k_cache, v_cache)
+        if meta.prefills and iq is not None:
+            self._prefill_sparse(out, torch.cat((q_nope, q_pe), dim=-1), iq, meta, caches)
+        elif meta.prefills:
+            self._prefill(out, q_nope, q_pe, c_kv, k_pe, meta, caches[0], caches[1])
         if meta.decode is not None:
-            self._decode(out, q_nope, q_pe, meta, k_cache, v_cache)
+            self._decode(out, q_nope, q_pe, iq, meta, caches)
         return self.o_proj(out.view(t, h * self.v_head_dim))
 
     def _expand_kv(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -128,12 +146,32 @@ class MLAttention(nn.Module):
                 o, lse = merge_attention(o, lse, o_pre, lse_pre)
             out[rows] = o
 
+    def _prefill_sparse(self, out: torch.Tensor, q: torch.Tensor, iq: IndexerQuery,
+                        meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> None:
+        """Fill ``out [T, H, V]`` rows of the prefill sequences with sparse attention over the
+        indexer's top-k of prefix + chunk. q ``[T, H, P+R]``; the caches hold the chunk."""
+        indexer = self.indexer
+        for seq in meta.prefills:
+            rows = slice(seq.start, seq.end)
+            seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[rows]))  # [S]
+            out[rows] = sparse_prefill(
+                q[rows], IndexerQuery(iq.q[rows], iq.weights[rows]), meta.positions[rows],
+                caches, seq_slots, indexer.topk, indexer.softmax_scale, self._expand_kv,
+                self.scale, self.query_tile)
+
     def _decode(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """Fill ``out [T, H, V]`` rows of the decode sequences with the ``mla_decode`` kernel."""
+                iq: IndexerQuery | None, meta: AttentionMetadata,
+                caches: tuple[torch.Tensor, ...]) -> None:
+        """Fill ``out [T, H, V]`` rows of the decode sequences with the ``mla_decode`` kernel,
+        over every cached token (V3) or the indexer's top-k entries (V3.2)."""
         dec = meta.decode
+        if iq is not None:
+            rows = dec.token_index
+            dec = select_decode_entries(dec, IndexerQuery(iq.q[rows], iq.weights[rows]),
+                                        caches[2], self.indexer.topk,
+                                        self.indexer.softmax_scale)
         h, p = self.num_local_heads, self.qk_nope_head_dim
         w_kvb = self.kv_b_proj.weight.view(h, p + self.v_head_dim, self.kv_lora_rank)
         out[dec.token_index] = self.kernels.mla_decode(
-            q_nope[dec.token_index], q_pe[dec.token_index], k_cache, v_cache, dec,
+            q_nope[dec.token_index], q_pe[dec.token_index], caches[0], caches[1], dec,
             w_kvb[:, :p], w_kvb[:, p:], self.scale)

@@ -6,9 +6,11 @@ registered with a loader (a zero-argument function returning the callable) so th
 ``torch_npu`` is imported only when the NPU implementation is resolved.
 
 Kernels:
-    reshape_and_cache(k, v, k_cache, v_cache, slot_mapping): write K ``[T, Lk]`` and V
-        ``[T, Lv]`` into the paged caches ``[num_blocks, block_size, L*]`` at flat slots
-        ``[T]`` (one fused write; vLLM's ``reshape_and_cache`` contract).
+    reshape_and_cache(entries, caches, slot_mapping): write each of a layer's per-token
+        entries (K ``[T, L]``, V ``[T, R]`` and, for V3.2, index_k ``[T, Di]``) into its paged
+        cache ``[num_blocks, block_size, width]`` at flat slots ``[T]``: ONE call per layer
+        per step, one write per buffer (vLLM's ``reshape_and_cache`` contract, plus the
+        indexer cache).
     mla_decode(q_nope, q_pe, k_cache, v_cache, decode_batch, w_uk, w_uv, scale): decode
         attention of B single-token sequences over the paged caches (see
         :func:`engine.mla_ops.decode_absorbed`); variants "absorbed" (default) and
@@ -80,22 +82,33 @@ class KernelRegistry:
                             for f in fields(KernelSet)})
 
 
-def reshape_and_cache_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """CPU/CUDA: ``index_copy_`` into the caches viewed ``[num_blocks * block_size, L*]``."""
-    k_cache.view(-1, k_cache.shape[-1]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, v_cache.shape[-1]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+def reshape_and_cache_torch(entries: tuple[torch.Tensor, ...], caches: tuple[torch.Tensor, ...],
+                            slot_mapping: torch.Tensor) -> None:
+    """CPU/CUDA: one ``index_copy_`` per buffer into the cache viewed ``[slots, width]``.
+
+    Args:
+        entries: per-token rows ``[T, width_i]`` in ``KVCacheSpec.buffer_names`` order.
+        caches: the layer's caches ``[num_blocks, block_size, width_i]``, same order.
+        slot_mapping: ``[T]`` int64 flat slots.
+    """
+    for entry, cache in zip(entries, caches, strict=True):
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(cache.dtype))
 
 
 def _load_npu_reshape_and_cache() -> Callable:
-    """NPU: ``torch_npu._npu_reshape_and_cache`` (vLLM-Ascend's call); untested off-Ascend."""
+    """NPU: ``torch_npu._npu_reshape_and_cache`` (vLLM-Ascend's call) for K and V, the
+    indexer keys (V3.2) with ``torch_npu.npu_scatter_nd_update_``; untested off-Ascend."""
     import torch_npu  # noqa: PLC0415 (lazy: only on Ascend)
 
-    def reshape_and_cache_npu(k, v, k_cache, v_cache, slot_mapping):
+    def reshape_and_cache_npu(entries, caches, slot_mapping):
         # NOTE: the op takes per-head tensors [T, 1, L] / caches [blocks, bs, 1, L], int32 slots.
+        (k, v, *index_k), (k_cache, v_cache, *index_cache) = entries, caches
         torch_npu._npu_reshape_and_cache(
             key=k.unsqueeze(1), value=v.unsqueeze(1), key_cache=k_cache.unsqueeze(2),
             value_cache=v_cache.unsqueeze(2), slot_indices=slot_mapping.to(torch.int32))
+        for entry, cache in zip(index_k, index_cache, strict=True):
+            torch_npu.npu_scatter_nd_update_(cache.view(-1, cache.shape[-1]),
+                                             slot_mapping.view(-1, 1), entry.to(cache.dtype))
 
     return reshape_and_cache_npu
 

@@ -17,6 +17,7 @@ parameter (``L.`` = ``model.layers.{i}.``)   split           TP size must divide
 every norm, ``q_a_proj``, ``kv_a_proj...``   replicated      -
 ``L.self_attn.{q_proj,q_b_proj,kv_b_proj}``  column (dim 0)  num_attention_heads
 ``L.self_attn.o_proj``                       row (dim 1)     num_attention_heads
+``L.self_attn.indexer.*`` (V3.2)             replicated      -
 ``L.mlp.{gate,up}_proj`` (dense layers)      column (dim 0)  intermediate_size
 ``L.mlp.down_proj`` (dense layers)           row (dim 1)     intermediate_size
 ``L.mlp.gate`` (router weight and bias)      replicated      -
@@ -121,6 +122,8 @@ RULES: tuple[ShardRule, ...] = (
     ShardRule(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", REPLICATED),
     ShardRule(_L + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight", COLUMN, _HEADS),
     ShardRule(_L + r"self_attn\.o_proj\.weight", ROW, _HEADS),
+    ShardRule(_L + r"self_attn\.indexer\.(wq_b|wk|weights_proj|k_norm)\.weight", REPLICATED),
+    ShardRule(_L + r"self_attn\.indexer\.k_norm\.bias", REPLICATED),
     ShardRule(_L + r"mlp\.(gate_proj|up_proj)\.weight", COLUMN, _INTER),
     ShardRule(_L + r"mlp\.down_proj\.weight", ROW, _INTER),
     ShardRule(_L + r"mlp\.gate\.(weight|e_score_correction_bias)", REPLICATED),

@@ -40,10 +40,10 @@ class DecoderLayer(nn.Module):
             else MLP(config.hidden_size, layout.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's KV of the T tokens."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+                meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's KV of the T tokens
+        (``caches``: ``KVCache.layer_buffers(i)``)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, caches)
         h = x + self.tp.all_reduce(attn)
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
@@ -83,7 +83,7 @@ class DeepseekForCausalLM(nn.Module):
         Args:
             input_ids: ``[T]`` int64 flattened tokens of the step.
             meta: the step's :class:`AttentionMetadata`.
-            kv_cache: this rank's caches (layer i uses ``k_caches[i]``, ``v_caches[i]``).
+            kv_cache: this rank's caches (layer i uses ``kv_cache.layer_buffers(i)``).
 
         Returns:
             ``[B, vocab]`` fp32 logits at each sequence's last token.
@@ -91,7 +91,7 @@ class DeepseekForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, R/2]
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i])
+            x = layer(x, cos, sin, meta, kv_cache.layer_buffers(i))
         x = self.model.norm(x[meta.logits_index])  # [B, hidden]
         return self.lm_head(x).float()
 

@@ -1,4 +1,4 @@
-"""Model configuration of a DeepSeek-V2/V3 checkpoint, parsed from its HF ``config.json``.
+"""Model configuration of a DeepSeek-V2/V3/V3.2 checkpoint, parsed from its HF ``config.json``.
 
 Accepts both transformers 4.x configs (``rope_scaling`` dict + top-level ``rope_theta``) and
 5.x configs (``rope_parameters`` with ``rope_type`` and ``rope_theta``). Field meanings follow
@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
+                           "DeepseekV32ForCausalLM")
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+GLM_DSA_REFUSAL = (
+    "GlmMoeDsaForCausalLM (GLM-5, model_type 'glm_moe_dsa') is not supported: its attention is "
+    "not DeepSeek-V3.2's DSA. Its lightning indexer ropes q and k in the INTERLEAVED form "
+    "(V3.2: non-interleaved half-split), and its 'shared' layers (config indexer_types / "
+    "index_topk_freq) run no indexer and reuse the previous full layer's top-k. Serve a "
+    "DeepseekV32ForCausalLM checkpoint, or add both to engine/indexer.py first")
 SUPPORTED_SCORING = ("sigmoid", "softmax")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -47,6 +55,8 @@ class ModelConfig:
 
     ``q_lora_rank`` None means a plain ``q_proj`` (V2-Lite). ``rope_scaling`` None means plain
     rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).
+    ``index_n_heads``, ``index_head_dim``, ``index_topk``: DeepSeek-V3.2's lightning indexer
+    (64, 128, 2048 in the release); all 0 for V2/V3 (no indexer).
     """
 
     hidden_size: int
@@ -77,6 +87,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+
+    @property
+    def uses_sparse_attention(self) -> bool:
+        """True for DeepSeek-V3.2 (DSA): every layer has a lightning indexer and index_k cache."""
+        return self.index_topk > 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -97,9 +115,11 @@ class ModelConfig:
                 supported; the message names the field and the allowed values.
             KeyError: a required field is missing (its name is the key).
         """
-        arch = _check_choice(raw, "architectures", (raw.get("architectures") or [None])[0],
-                             SUPPORTED_ARCHITECTURES)
-        is_v3 = arch == "DeepseekV3ForCausalLM"
+        arch = (raw.get("architectures") or [None])[0]
+        if arch == "GlmMoeDsaForCausalLM" or raw.get("model_type") == "glm_moe_dsa":
+            raise UnsupportedModelError(GLM_DSA_REFUSAL)
+        _check_choice(raw, "architectures", arch, SUPPORTED_ARCHITECTURES)
+        is_v3 = arch != "DeepseekV2ForCausalLM"
         scoring = _check_choice(raw, "scoring_func",
                                 raw.get("scoring_func", "sigmoid" if is_v3 else "softmax"),
                                 SUPPORTED_SCORING)
@@ -138,6 +158,7 @@ class ModelConfig:
             max_position_embeddings=int(raw["max_position_embeddings"]),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            **_parse_indexer(raw, arch),
         )
 
 
@@ -190,6 +211,28 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         mscale=_float_or(scaling.get("mscale"), 1.0),
         mscale_all_dim=_float_or(scaling.get("mscale_all_dim"), 0.0),
     )
+
+
+def _parse_indexer(raw: dict[str, Any], arch: str) -> dict[str, int]:
+    """The V3.2 indexer fields (all 0 for other architectures).
+
+    Raises:
+        UnsupportedModelError: V3.2 without ``q_lora_rank`` (the indexer reads the q latent),
+            or an indexer narrower than ``qk_rope_head_dim`` (its rope dims).
+    """
+    if arch not in DSA_ARCHITECTURES:
+        return {}
+    fields = {"index_n_heads": int(raw.get("index_n_heads", 64)),
+              "index_head_dim": int(raw.get("index_head_dim", 128)),
+              "index_topk": int(raw.get("index_topk", 2048))}
+    if not raw.get("q_lora_rank"):
+        raise UnsupportedModelError(f"{arch} needs q_lora_rank: the lightning indexer's wq_b "
+                                    "reads the q latent; set q_lora_rank in config.json")
+    if fields["index_head_dim"] < int(raw["qk_rope_head_dim"]) or min(fields.values()) <= 0:
+        raise UnsupportedModelError(
+            f"config.json indexer {fields} is invalid: all must be positive and index_head_dim "
+            f">= qk_rope_head_dim ({raw['qk_rope_head_dim']}), the indexer's rope dims")
+    return fields
 
 
 def _float_or(value: Any, default: float) -> float:

@@ -1,5 +1,8 @@
 """Rotary position embedding for MLA's rope dims: plain rope or DeepSeek YaRN, interleaved.
 
+DeepSeek-V3.2's lightning indexer uses the same cos/sin on its first ``qk_rope_head_dim`` dims
+but in the NON-interleaved (half-split, "rotate_half") form: :func:`apply_rotary_half`.
+
 Layout (see REFERENCE.md "Rope layout"): DeepSeek checkpoints store the rope dims of
 ``q_b_proj`` / ``kv_a_proj_with_mqa`` in interleaved pairs ``(x0, x1), (x2, x3), ...``; pair i
 is rotated by frequency i (GPT-J style). We apply that rotation in place of the pairs and keep
@@ -98,3 +101,16 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor,
     x_even, x_odd = x[..., 0::2], x[..., 1::2]
     out = torch.stack((x_even * cos - x_odd * sin, x_odd * cos + x_even * sin), dim=-1)
     return out.flatten(-2)
+
+
+def apply_rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the halves of ``x [T, ..., R]`` by ``cos/sin [T, R // 2]`` (non-interleaved rope).
+
+    Pair i is ``(x[i], x[i + R/2])``: ``out[i] = x[i] cos_i - x[i+R/2] sin_i``,
+    ``out[i+R/2] = x[i+R/2] cos_i + x[i] sin_i`` (HF ``apply_rotary_pos_emb``; the V3.2 indexer).
+    """
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -76,7 +76,8 @@ class ModelRunner:
         load_weights(self.model, checkpoint_dir, self.tp)
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
-                                   qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype)
+                                   qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
+                                   index_head_dim=cfg.index_head_dim)
         self.kv_cache = KVCache(self.kv_spec, self.device)
 
     @torch.inference_mode()

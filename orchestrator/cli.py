@@ -171,7 +171,11 @@ def _cmd_init_tiny(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"orch model init-tiny: the engine is not installed ({exc})", file=sys.stderr)
         return 1
-    init_tiny_main(ns.dir, ns.seed)  # prints where it wrote
+    try:
+        init_tiny_main(ns.dir, ns.seed, ns.arch)  # prints where it wrote
+    except ValueError as exc:  # unknown --arch
+        print(f"orch model init-tiny: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -230,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = model.add_parser("init-tiny", help="write the built-in tiny checkpoint")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", default="deepseek_v3",
+                      help="model_type: deepseek_v3 (default) or deepseek_v32 (sparse attention)")
     tiny.set_defaults(func=_cmd_init_tiny)
     _add_bench(sub)
     return parser

