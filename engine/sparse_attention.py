@@ -41,10 +41,20 @@ def attend_selected(q: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
     """
     keys, inverse = torch.unique(index, return_inverse=True)  # [U], [T, K]
     k, v = expand_kv(c_kv[keys], k_pe[keys])  # [U, H, D], [U, H, V]
-    scores = torch.einsum("thd,tkhd->thk", q, k[inverse]).float() * scale  # [T, H, K]
-    scores.masked_fill_(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.einsum("thk,tkhv->thv", probs, v[inverse])
+    # NOTE: gathered head-major with index_select (row copies; advanced indexing is ~10x
+    # slower on CPU), so both matmuls read them in place.
+    k = _gather_rows(k.transpose(0, 1).contiguous(), inverse)  # [H, T, K, D]
+    v = _gather_rows(v.transpose(0, 1).contiguous(), inverse)  # [H, T, K, V]
+    scores = torch.matmul(q.transpose(0, 1).unsqueeze(-2), k.transpose(-1, -2))  # [H, T, 1, K]
+    scores = scores.squeeze(-2).float() * scale
+    scores.masked_fill_(~valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [H, T, K]
+    return torch.matmul(probs.unsqueeze(-2), v).squeeze(-2).transpose(0, 1)  # [T, H, V]
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [H, U, W]`` rows at ``index [T, K]`` -> ``[H, T, K, W]``."""
+    return x.index_select(1, index.flatten()).view(x.shape[0], *index.shape, x.shape[-1])
 
 
 def sparse_prefill(q: torch.Tensor, iq: IndexerQuery, positions: torch.Tensor,

@@ -30,13 +30,15 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
                      kv_lora_rank: int = 32, n_routed_experts: int = 8,
                      vocab_size: int = 129280, rope_style: str = "4.x",
                      deepseek_v2: bool = False, deepseek_v32: bool = False,
-                     index_topk: int = 32) -> dict:
+                     index_topk: int = 32, index_n_heads: int = 16,
+                     index_head_dim: int = 32) -> dict:
     """The config.json contents, ``rope_style`` "4.x" or "5.x".
 
     ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
     no correction bias, no top-k renormalization, 2 shared experts, V2's YaRN mscale 0.707.
     ``deepseek_v32`` switches to DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): a lightning
-    indexer per layer with 16 heads of 32 dims keeping ``index_topk`` tokens per query.
+    indexer per layer (``index_n_heads`` heads of ``index_head_dim`` dims) keeping
+    ``index_topk`` tokens per query.
     """
     rope = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -64,7 +66,8 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
         rope.update({"mscale": 0.707, "mscale_all_dim": 0.707})
     if deepseek_v32:
         cfg.update({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
-                    "index_n_heads": 16, "index_head_dim": 32, "index_topk": index_topk})
+                    "index_n_heads": index_n_heads, "index_head_dim": index_head_dim,
+                    "index_topk": index_topk})
     if rope_style == "5.x":
         rope_params = {"rope_type": "yarn", "rope_theta": 10000.0} if yarn \
             else {"rope_type": "default", "rope_theta": 10000.0}
@@ -119,7 +122,8 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         fused_experts: write transformers-5.x fused expert tensors instead of per-expert ones.
         config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
             first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
-            vocab_size, rope_style, deepseek_v2, deepseek_v32, index_topk).
+            vocab_size, rope_style, deepseek_v2, deepseek_v32, index_topk, index_n_heads,
+            index_head_dim).
 
     Returns:
         the checkpoint directory.
