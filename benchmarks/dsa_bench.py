@@ -2,12 +2,15 @@
 
 Two tiny checkpoints with the same dims (8 heads, hidden 64, 3 layers); the V3.2 one adds a
 lightning indexer of 4 heads x 16 dims (indexer MACs per key about 0.2x MLA's, as in the real
-model: 64 x 128 vs 128 x (192 + 128)) keeping ``--topk`` tokens per query. For each context
-length L: prefill time of an L-token prompt (one ``execute``) and the time of one decode step
-(batch 1) after it, best of a few runs. Prints the table and the least-squares slopes (ms per
-1K tokens of context). Past index_topk the sparse decode step grows only with the indexer's
-scan of the index_k cache; the MLA part stays at topk entries. Not a test; run:
-``PYTHONPATH=. python benchmarks/dsa_bench.py`` (about 2 minutes, 1 thread).
+model: 64 x 128 vs 128 x (192 + 128)) keeping ``--topk`` tokens per query. V3.2 runs twice:
+with the ``sparse_prefill`` kernel's default MHA form and with its ``absorbed`` variant.
+
+For each context length L: the prefill time of one L-token prompt (one ``execute``), and the
+time of one decode step of ``--decode-batch`` sequences each at context L (the cache is not
+filled first: a step's cost does not depend on the cached values). Best of a few runs; then
+the least-squares slopes in ms per 1K tokens of context. Past index_topk the sparse decode
+step grows only with the indexer's scan of the index_k cache (MLA reads topk entries).
+Not a test; run: ``PYTHONPATH=. python benchmarks/dsa_bench.py`` (several minutes, 1 thread).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
 
 BLOCK = 64
-DIMS = {"num_heads": 8, "num_layers": 3, "seed": 0}
+DIMS = {"num_heads": 8, "num_layers": 3, "seed": 0, "max_position_embeddings": 32768}
 
 
 def _best(fn, repeats: int) -> float:
@@ -37,12 +40,14 @@ def _best(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def measure(runner: ModelRunner, n: int, repeats: int) -> tuple[float, float]:
-    """(prefill ms of an n-token prompt, decode-step ms at context n)."""
+def measure(runner: ModelRunner, n: int, batch: int, repeats: int) -> tuple[float, float]:
+    """(prefill ms of an n-token prompt, ms of a decode step of ``batch`` seqs at context n)."""
     ids = torch.randint(2, 129280, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    table = tuple(range(-(-(n + 1) // BLOCK)))
-    prefill = _best(lambda: runner.execute([SeqStep("p", tuple(ids), 0, table)]), repeats)
-    decode = _best(lambda: runner.execute([SeqStep("p", (7,), n, table)]), 2 * repeats)
+    per_seq = -(-(n + 1) // BLOCK)
+    tables = [tuple(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    prefill = _best(lambda: runner.execute([SeqStep("p", tuple(ids), 0, tables[0])]), repeats)
+    step = [SeqStep(str(b), (7,), n, tables[b]) for b in range(batch)]
+    decode = _best(lambda: runner.execute(step), 3 * repeats)
     return prefill, decode
 
 
@@ -57,28 +62,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--topk", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--decode-batch", type=int, default=8)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    blocks = -(-(max(args.contexts) + 1) // BLOCK)
-    results = {}
+    blocks = args.decode_batch * -(-(max(args.contexts) + 1) // BLOCK)
+    v32 = {"deepseek_v32": True, "index_topk": args.topk, "index_n_heads": 4,
+           "index_head_dim": 16}
+    cases = (("V3 dense", {}, None), ("V3.2 sparse, mha prefill", v32, "mha"),
+             ("V3.2 sparse, absorbed prefill", v32, "absorbed"))
+    results: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("V3 dense", {}),
-                            ("V3.2 sparse", {"deepseek_v32": True, "index_topk": args.topk,
-                                             "index_n_heads": 4, "index_head_dim": 16})):
+        for name, extra, variant in cases:
             ckpt = write_tiny_checkpoint(Path(tmp) / name.split()[0], **DIMS, **extra)
-            runner = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK)
-            results[name] = [measure(runner, n, args.repeats) for n in args.contexts]
-    print(f"threads {args.threads}, index_topk {args.topk}; ms (best of {args.repeats})")
-    print(f"{'context':>8} " + " ".join(f"{n + ' ' + k:>22}" for n in results
-                                        for k in ("prefill", "decode")))
-    for i, n in enumerate(args.contexts):
-        print(f"{n:>8} " + " ".join(f"{results[name][i][j]:>22.2f}" for name in results
-                                    for j in (0, 1)))
+            choices = {"sparse_prefill": variant} if variant else None
+            runner = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK,
+                                 kernel_choices=choices)
+            results[name] = []
+            for n in args.contexts:
+                results[name].append(measure(runner, n, args.decode_batch, args.repeats))
+                print(f"{name} {n}: prefill, decode ms {results[name][-1]}", flush=True)
+    print(f"threads {args.threads}, index_topk {args.topk}, decode batch {args.decode_batch}")
+    print(f"{'context':>8} {'case':>30} {'prefill ms':>11} {'decode ms':>10}")
     for name, rows in results.items():
-        print(f"{name}: prefill slope {slope(args.contexts, [r[0] for r in rows]):.1f} ms/1K "
-              f"tokens, decode slope {slope(args.contexts, [r[1] for r in rows]):.3f} ms/1K")
+        for n, (pre, dec) in zip(args.contexts, rows):
+            print(f"{n:>8} {name:>30} {pre:>11.1f} {dec:>10.2f}")
+    for name, rows in results.items():
+        print(f"{name}: prefill slope {slope(args.contexts, [r[0] for r in rows]):.0f} ms/1K "
+              f"tokens, decode slope {slope(args.contexts, [r[1] for r in rows]):.2f} ms/1K")
 
 
 if __name__ == "__main__":

@@ -25,14 +25,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata, DecodeBatch
 from engine.indexer import Indexer, IndexerQuery
 from engine.kernels import KernelSet
 from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
 from engine.rotary import apply_rotary_interleaved, softmax_scale
-from engine.sparse_attention import select_decode_entries, sparse_prefill
+from engine.sparse_attention import select_decode_entries, select_prefill_entries
 
 
 class MLAttention(nn.Module):
@@ -109,7 +109,7 @@ class MLAttention(nn.Module):
 
         out = x.new_empty(t, h, self.v_head_dim)  # [T, H, V]
         if meta.prefills and iq is not None:
-            self._prefill_sparse(out, torch.cat((q_nope, q_pe), dim=-1), iq, meta, caches)
+            self._prefill_sparse(out, q_nope, q_pe, iq, meta, caches)
         elif meta.prefills:
             self._prefill(out, q_nope, q_pe, c_kv, k_pe, meta, caches[0], caches[1])
         if meta.decode is not None:
@@ -146,18 +146,32 @@ class MLAttention(nn.Module):
                 o, lse = merge_attention(o, lse, o_pre, lse_pre)
             out[rows] = o
 
-    def _prefill_sparse(self, out: torch.Tensor, q: torch.Tensor, iq: IndexerQuery,
-                        meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> None:
-        """Fill ``out [T, H, V]`` rows of the prefill sequences with sparse attention over the
-        indexer's top-k of prefix + chunk. q ``[T, H, P+R]``; the caches hold the chunk."""
-        indexer = self.indexer
+    def _prefill_sparse(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                        iq: IndexerQuery, meta: AttentionMetadata,
+                        caches: tuple[torch.Tensor, ...]) -> None:
+        """Fill ``out [T, H, V]`` rows of the prefill sequences with the ``sparse_prefill``
+        kernel over each query's top-k of prefix + chunk (the caches hold the chunk), in
+        tiles of ``query_tile`` queries."""
+        indexer, w_uk, w_uv = self.indexer, *self._w_kvb()
+        flat_index = caches[2].view(-1, caches[2].shape[-1])
         for seq in meta.prefills:
-            rows = slice(seq.start, seq.end)
-            seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[rows]))  # [S]
-            out[rows] = sparse_prefill(
-                q[rows], IndexerQuery(iq.q[rows], iq.weights[rows]), meta.positions[rows],
-                caches, seq_slots, indexer.topk, indexer.softmax_scale, self._expand_kv,
-                self.scale, self.query_tile)
+            seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[seq.start:seq.end]))
+            index_k = flat_index[seq_slots]  # [S, Di]
+            for lo in range(seq.start, seq.end, self.query_tile):
+                rows = torch.arange(lo, min(lo + self.query_tile, seq.end), device=out.device)
+                slots, valid = select_prefill_entries(
+                    IndexerQuery(iq.q[rows], iq.weights[rows]), meta.positions[rows], index_k,
+                    seq_slots, indexer.topk, indexer.softmax_scale)
+                # NOTE: each query token is a row of its own with its own slot list.
+                out[rows] = self.kernels.sparse_prefill(
+                    q_nope[rows], q_pe[rows], caches[0], caches[1],
+                    DecodeBatch(rows, slots, valid), w_uk, w_uv, self.scale)
+
+    def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj`` viewed per head: ``(W_UK [H, P, L], W_UV [H, V, L])``."""
+        h, p = self.num_local_heads, self.qk_nope_head_dim
+        w_kvb = self.kv_b_proj.weight.view(h, p + self.v_head_dim, self.kv_lora_rank)
+        return w_kvb[:, :p], w_kvb[:, p:]
 
     def _decode(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                 iq: IndexerQuery | None, meta: AttentionMetadata,
@@ -170,8 +184,6 @@ class MLAttention(nn.Module):
             dec = select_decode_entries(dec, IndexerQuery(iq.q[rows], iq.weights[rows]),
                                         caches[2], self.indexer.topk,
                                         self.indexer.softmax_scale)
-        h, p = self.num_local_heads, self.qk_nope_head_dim
-        w_kvb = self.kv_b_proj.weight.view(h, p + self.v_head_dim, self.kv_lora_rank)
         out[dec.token_index] = self.kernels.mla_decode(
             q_nope[dec.token_index], q_pe[dec.token_index], caches[0], caches[1], dec,
-            w_kvb[:, :p], w_kvb[:, p:], self.scale)
+            *self._w_kvb(), self.scale)

@@ -15,6 +15,11 @@ Kernels:
         attention of B single-token sequences over the paged caches (see
         :func:`engine.mla_ops.decode_absorbed`); variants "absorbed" (default) and
         "naive" (MHA form, the reference).
+    sparse_prefill(q_nope, q_pe, k_cache, v_cache, selection, w_uk, w_uv, scale): DeepSeek-V3.2
+        prefill attention, each query over its own selected slots (``selection.slots [Q, K]``,
+        same contract as mla_decode); variants "mha" (default, MHA form:
+        :func:`engine.sparse_attention.sparse_prefill_mha`) and "absorbed"
+        (:func:`engine.mla_ops.decode_absorbed`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class KernelSet:
 
     reshape_and_cache: Callable
     mla_decode: Callable
+    sparse_prefill: Callable
 
 
 class KernelRegistry:
@@ -113,11 +119,11 @@ def _load_npu_reshape_and_cache() -> Callable:
     return reshape_and_cache_npu
 
 
-def _load_mla_op(name: str) -> Loader:
+def _load_op(module: str, name: str) -> Loader:
     def load() -> Callable:
-        from engine import mla_ops  # noqa: PLC0415 (lazy like every loader)
+        import importlib  # noqa: PLC0415 (lazy like every loader)
 
-        return getattr(mla_ops, name)
+        return getattr(importlib.import_module(module), name)
 
     return load
 
@@ -128,6 +134,11 @@ KERNELS = KernelRegistry()
 KERNELS.register("reshape_and_cache", "native", ("cpu", "cuda"),
                  lambda: reshape_and_cache_torch, default=True)
 KERNELS.register("reshape_and_cache", "native", ("npu",), _load_npu_reshape_and_cache)
-KERNELS.register("mla_decode", "absorbed", ("cpu", "cuda", "npu"),
-                 _load_mla_op("decode_absorbed"), default=True)
-KERNELS.register("mla_decode", "naive", ("cpu", "cuda", "npu"), _load_mla_op("decode_naive"))
+_ALL = ("cpu", "cuda", "npu")
+KERNELS.register("mla_decode", "absorbed", _ALL, _load_op("engine.mla_ops", "decode_absorbed"),
+                 default=True)
+KERNELS.register("mla_decode", "naive", _ALL, _load_op("engine.mla_ops", "decode_naive"))
+KERNELS.register("sparse_prefill", "mha", _ALL,
+                 _load_op("engine.sparse_attention", "sparse_prefill_mha"), default=True)
+KERNELS.register("sparse_prefill", "absorbed", _ALL,
+                 _load_op("engine.mla_ops", "decode_absorbed"))

@@ -69,10 +69,14 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 
 def gather_decode_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
                         batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached c_kv ``[B, S, L]`` and k_pe ``[B, S, R]`` of the decode sequences (padded)."""
-    c_kv = k_cache.view(-1, k_cache.shape[-1])[batch.slots]
-    k_pe = v_cache.view(-1, v_cache.shape[-1])[batch.slots]
-    return c_kv, k_pe
+    """Cached c_kv ``[B, S, L]`` and k_pe ``[B, S, R]`` of the decode sequences (padded).
+
+    NOTE: index_select (row copies), not advanced indexing: several times faster on CPU.
+    """
+    slots = batch.slots.flatten()
+    c_kv = k_cache.view(-1, k_cache.shape[-1]).index_select(0, slots)
+    k_pe = v_cache.view(-1, v_cache.shape[-1]).index_select(0, slots)
+    return c_kv.view(*batch.slots.shape, -1), k_pe.view(*batch.slots.shape, -1)
 
 
 def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,

@@ -1,88 +1,47 @@
 """DeepSeek-V3.2 sparse MLA (DSA): attention over the indexer's top-k tokens only.
 
 Legend: T query tokens, S causal keys of a sequence (cached prefix + chunk), K = min(index_topk,
-S) selected keys per query, U distinct selected keys of a query tile, H local heads,
-P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim, L kv_lora_rank, Di index_head_dim.
+S) selected entries per query, U distinct selected slots, H local heads, P qk_nope_head_dim,
+R qk_rope_head_dim, V v_head_dim, L kv_lora_rank, Di index_head_dim.
 
-- Prefill (MHA form): per query tile, the selected latents are decompressed through
-  ``kv_b_proj`` once per distinct key, then each query attends to its own K keys. The
-  selection spans the cached prefix and the chunk together (the prefix's indexer keys come
-  from the ``index_k`` cache), so chunked prefill selects and attends exactly like one shot:
-  no log-sum-exp merge is needed.
-- Decode (absorbed form): :func:`select_decode_entries` narrows a :class:`DecodeBatch` to
-  the selected slots; the ``mla_decode`` kernel then runs unchanged over those entries.
+Both phases first narrow every query to its selected cache slots, as a :class:`DecodeBatch`
+(``slots [Q, K]``, ``valid [Q, K]``: one row per query token; for prefill each token of a chunk
+is a row of its own), then attend over those latent entries:
+
+- Prefill: the ``sparse_prefill`` kernel, MHA form by default (:func:`sparse_prefill_mha`:
+  each distinct selected latent decompressed once through ``kv_b_proj``); variant
+  ``absorbed`` is :func:`engine.mla_ops.decode_absorbed` (fewer bytes gathered per query).
+  The selection spans the cached prefix and the chunk together (the prefix's indexer keys
+  come from the ``index_k`` cache), so chunked prefill selects and attends exactly like one
+  shot: prefix and chunk keys share one softmax, no log-sum-exp merge is needed.
+- Decode: the ``mla_decode`` kernel (absorbed) unchanged, over the selected entries.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from engine.forward_context import DecodeBatch
 from engine.indexer import IndexerQuery, causal_topk, index_scores
 
-ExpandKV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-
-def attend_selected(q: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                    index: torch.Tensor, valid: torch.Tensor, expand_kv: ExpandKV,
-                    scale: float) -> torch.Tensor:
-    """MHA-form attention of each query over its selected keys.
+def select_prefill_entries(iq: IndexerQuery, positions: torch.Tensor, index_k: torch.Tensor,
+                           seq_slots: torch.Tensor, topk: int,
+                           softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k cache slots of T queries of one sequence.
 
     Args:
-        q: ``[T, H, P+R]`` queries (rope part interleaved like the cache).
-        c_kv: ``[S, L]`` latents and k_pe: ``[S, R]`` roped keys of the sequence's positions.
-        index: ``[T, K]`` selected positions; valid: ``[T, K]`` False on filler entries.
-        expand_kv: ``(c_kv [U, L], k_pe [U, R]) -> (k [U, H, P+R], v [U, H, V])``.
+        iq: the queries' indexer side (``q [T, Hi, Di]``, ``weights [T, Hi]``).
+        positions: ``[T]`` int64 positions of the queries.
+        index_k: ``[S, Di]`` indexer keys of positions ``0..S-1``; seq_slots: their ``[S]`` slots.
 
     Returns:
-        ``[T, H, V]``.
+        ``(slots [T, K], valid [T, K])``; valid is False on filler entries of queries with
+        fewer than K causal positions.
     """
-    keys, inverse = torch.unique(index, return_inverse=True)  # [U], [T, K]
-    k, v = expand_kv(c_kv[keys], k_pe[keys])  # [U, H, D], [U, H, V]
-    # NOTE: gathered head-major with index_select (row copies; advanced indexing is ~10x
-    # slower on CPU), so both matmuls read them in place.
-    k = _gather_rows(k.transpose(0, 1).contiguous(), inverse)  # [H, T, K, D]
-    v = _gather_rows(v.transpose(0, 1).contiguous(), inverse)  # [H, T, K, V]
-    scores = torch.matmul(q.transpose(0, 1).unsqueeze(-2), k.transpose(-1, -2))  # [H, T, 1, K]
-    scores = scores.squeeze(-2).float() * scale
-    scores.masked_fill_(~valid, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [H, T, K]
-    return torch.matmul(probs.unsqueeze(-2), v).squeeze(-2).transpose(0, 1)  # [T, H, V]
-
-
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x [H, U, W]`` rows at ``index [T, K]`` -> ``[H, T, K, W]``."""
-    return x.index_select(1, index.flatten()).view(x.shape[0], *index.shape, x.shape[-1])
-
-
-def sparse_prefill(q: torch.Tensor, iq: IndexerQuery, positions: torch.Tensor,
-                   caches: tuple[torch.Tensor, ...], seq_slots: torch.Tensor, topk: int,
-                   softmax_scale: float, expand_kv: ExpandKV, scale: float,
-                   query_tile: int) -> torch.Tensor:
-    """Sparse attention of one prefill sequence's chunk (the caches already hold the chunk).
-
-    Args:
-        q: ``[T, H, P+R]`` MLA queries of the chunk; iq: its indexer queries.
-        positions: ``[T]`` int64 positions of the chunk's tokens.
-        caches: this layer's (K, V, index_k) caches ``[num_blocks, block_size, width]``.
-        seq_slots: ``[S]`` slots of positions ``0..S-1`` (prefix then chunk).
-        topk: index_topk; softmax_scale: the indexer's; scale: MLA's softmax scale.
-        query_tile: queries scored and attended at a time (memory ``tile * S`` for scores,
-            ``tile * K * H * D`` for the gathered keys).
-
-    Returns:
-        ``[T, H, V]``.
-    """
-    c_kv, k_pe, index_k = (c.view(-1, c.shape[-1])[seq_slots] for c in caches)  # [S, *]
-    outs = []
-    for lo in range(0, q.shape[0], query_tile):
-        t = slice(lo, lo + query_tile)
-        scores = index_scores(iq.q[t], iq.weights[t], index_k, softmax_scale)  # [t, S]
-        index, valid = causal_topk(scores, positions[t], topk)
-        outs.append(attend_selected(q[t], c_kv, k_pe, index, valid, expand_kv, scale))
-    return torch.cat(outs)
+    scores = index_scores(iq.q, iq.weights, index_k, softmax_scale)  # [T, S]
+    index, valid = causal_topk(scores, positions, topk)
+    return seq_slots[index], valid
 
 
 def select_decode_entries(batch: DecodeBatch, iq: IndexerQuery, index_cache: torch.Tensor,
@@ -104,3 +63,40 @@ def select_decode_entries(batch: DecodeBatch, iq: IndexerQuery, index_cache: tor
     index = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices  # [B, K]
     return DecodeBatch(batch.token_index, batch.slots.gather(1, index),
                        batch.valid.gather(1, index))
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [H, U, W]`` rows at ``index [Q, K]`` -> ``[H, Q, K, W]`` (index_select: row copies;
+    advanced indexing is several times slower on CPU)."""
+    return x.index_select(1, index.flatten()).view(x.shape[0], *index.shape, x.shape[-1])
+
+
+def sparse_prefill_mha(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """MHA-form attention of Q queries, each over its own selected entries (the
+    ``sparse_prefill`` contract, same as ``mla_decode``'s).
+
+    Args:
+        q_nope: ``[Q, H, P]``; q_pe: ``[Q, H, R]`` (roped, interleaved like the cache).
+        k_cache: ``[num_blocks, block_size, L]``; v_cache: ``[num_blocks, block_size, R]``.
+        batch: per query ``slots [Q, K]`` and ``valid [Q, K]`` (at least one valid each).
+        w_uk: ``[H, P, L]``; w_uv: ``[H, V, L]`` (kv_b_proj viewed per head).
+
+    Returns:
+        ``[Q, H, V]``.
+    """
+    slots, inverse = torch.unique(batch.slots, return_inverse=True)  # [U], [Q, K]
+    c_kv = k_cache.view(-1, k_cache.shape[-1])[slots]  # [U, L]
+    k_pe = v_cache.view(-1, v_cache.shape[-1])[slots]  # [U, R]
+    h = w_uk.shape[0]
+    k = torch.cat((torch.einsum("ul,hpl->hup", c_kv, w_uk),
+                   k_pe[None].expand(h, -1, -1)), dim=-1)  # [H, U, P+R]
+    v = torch.einsum("ul,hvl->huv", c_kv, w_uv)  # [H, U, V]
+    # NOTE: gathered head-major so both matmuls read them in place (no permuted copies).
+    k, v = _gather_rows(k, inverse), _gather_rows(v, inverse)  # [H, Q, K, P+R], [H, Q, K, V]
+    q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1).unsqueeze(-2)  # [H, Q, 1, P+R]
+    scores = torch.matmul(q, k.transpose(-1, -2)).squeeze(-2).float() * scale  # [H, Q, K]
+    scores.masked_fill_(~batch.valid, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs.unsqueeze(-2), v).squeeze(-2).transpose(0, 1)  # [Q, H, V]

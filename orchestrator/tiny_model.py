@@ -31,7 +31,7 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
                      vocab_size: int = 129280, rope_style: str = "4.x",
                      deepseek_v2: bool = False, deepseek_v32: bool = False,
                      index_topk: int = 32, index_n_heads: int = 16,
-                     index_head_dim: int = 32) -> dict:
+                     index_head_dim: int = 32, max_position_embeddings: int = 4096) -> dict:
     """The config.json contents, ``rope_style`` "4.x" or "5.x".
 
     ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
@@ -54,7 +54,7 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
         "first_k_dense_replace": first_k_dense_replace, "moe_layer_freq": 1,
         "intermediate_size": 2 * hidden_size, "moe_intermediate_size": 32,
         "vocab_size": vocab_size, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
         "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False,
         "num_nextn_predict_layers": 0, "torch_dtype": "float32",
     }
@@ -123,7 +123,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
             first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
             vocab_size, rope_style, deepseek_v2, deepseek_v32, index_topk, index_n_heads,
-            index_head_dim).
+            index_head_dim, max_position_embeddings).
 
     Returns:
         the checkpoint directory.

@@ -61,6 +61,15 @@ def test_prefill_logits_match_hf(runner, hf, n):
     assert diff <= 1e-4, f"prompt {n}: max |diff| {diff}"
 
 
+def test_absorbed_sparse_prefill_variant_matches_hf(dsa_ckpt, hf):
+    runner = ModelRunner(dsa_ckpt, num_kv_blocks=24, block_size=BLOCK,
+                         kernel_choices={"sparse_prefill": "absorbed"})
+    prompt = _prompt(300, seed=300)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    assert (_prefill(runner, prompt) - ref).abs().max().item() <= 1e-4
+
+
 def test_greedy_32_tokens_match_hf_generate(runner, hf):
     """Prompt 48 > index_topk: every decode step selects from more tokens than it keeps."""
     prompt = _prompt(48, seed=7)
