@@ -40,14 +40,15 @@ def _best(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def measure(runner: ModelRunner, n: int, batch: int, repeats: int) -> tuple[float, float]:
+def measure(runner: ModelRunner, n: int, batch: int, repeats: int,
+            decode_repeats: int) -> tuple[float, float]:
     """(prefill ms of an n-token prompt, ms of a decode step of ``batch`` seqs at context n)."""
     ids = torch.randint(2, 129280, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     per_seq = -(-(n + 1) // BLOCK)
     tables = [tuple(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     prefill = _best(lambda: runner.execute([SeqStep("p", tuple(ids), 0, tables[0])]), repeats)
     step = [SeqStep(str(b), (7,), n, tables[b]) for b in range(batch)]
-    decode = _best(lambda: runner.execute(step), 3 * repeats)
+    decode = _best(lambda: runner.execute(step), decode_repeats)
     return prefill, decode
 
 
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--decode-repeats", type=int, default=10)
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,7 +83,8 @@ def main() -> None:
                                  kernel_choices=choices)
             results[name] = []
             for n in args.contexts:
-                results[name].append(measure(runner, n, args.decode_batch, args.repeats))
+                results[name].append(measure(runner, n, args.decode_batch, args.repeats,
+                                             args.decode_repeats))
                 print(f"{name} {n}: prefill, decode ms {results[name][-1]}", flush=True)
     print(f"threads {args.threads}, index_topk {args.topk}, decode batch {args.decode_batch}")
     print(f"{'context':>8} {'case':>30} {'prefill ms':>11} {'decode ms':>10}")

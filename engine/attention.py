@@ -160,8 +160,8 @@ class MLAttention(nn.Module):
             for lo in range(seq.start, seq.end, self.query_tile):
                 rows = torch.arange(lo, min(lo + self.query_tile, seq.end), device=out.device)
                 slots, valid = select_prefill_entries(
-                    IndexerQuery(iq.q[rows], iq.weights[rows]), meta.positions[rows], index_k,
-                    seq_slots, indexer.topk, indexer.softmax_scale)
+                    iq.rows(rows), meta.positions[rows], index_k, seq_slots, indexer.topk,
+                    indexer.softmax_scale)
                 # NOTE: each query token is a row of its own with its own slot list.
                 out[rows] = self.kernels.sparse_prefill(
                     q_nope[rows], q_pe[rows], caches[0], caches[1],
@@ -180,10 +180,8 @@ class MLAttention(nn.Module):
         over every cached token (V3) or the indexer's top-k entries (V3.2)."""
         dec = meta.decode
         if iq is not None:
-            rows = dec.token_index
-            dec = select_decode_entries(dec, IndexerQuery(iq.q[rows], iq.weights[rows]),
-                                        caches[2], self.indexer.topk,
-                                        self.indexer.softmax_scale)
+            dec = select_decode_entries(dec, iq.rows(dec.token_index), caches[2],
+                                        self.indexer.topk, self.indexer.softmax_scale)
         out[dec.token_index] = self.kernels.mla_decode(
             q_nope[dec.token_index], q_pe[dec.token_index], caches[0], caches[1], dec,
             *self._w_kvb(), self.scale)

@@ -39,6 +39,10 @@ class IndexerQuery:
     q: torch.Tensor
     weights: torch.Tensor
 
+    def rows(self, index: torch.Tensor) -> IndexerQuery:
+        """The queries of token rows ``index`` (``[N]`` int64)."""
+        return IndexerQuery(self.q[index], self.weights[index])
+
 
 class Indexer(nn.Module):
     """The lightning indexer of one decoder layer.

@@ -51,7 +51,7 @@ class YarnScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a DeepSeek-V2/V3 model (what the runtime needs, nothing more).
+    """Architecture of a DeepSeek-V2/V3/V3.2 model (what the runtime needs, nothing more).
 
     ``q_lora_rank`` None means a plain ``q_proj`` (V2-Lite). ``rope_scaling`` None means plain
     rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).

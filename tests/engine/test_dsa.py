@@ -1,7 +1,9 @@
 """DeepSeek-V3.2 sparse attention (DSA) vs transformers' DeepseekV32ForCausalLM.
 
-The tiny V3.2 checkpoint keeps index_topk = 32 tokens per query, fewer than the 300-token
-prompt and the decode contexts, so the indexer's selection changes the result (checked).
+The tiny V3.2 checkpoint (conftest ``tiny_dsa_ckpt``, written by ``orch model init-tiny --arch
+deepseek_v32``; the ``hf`` fixture loads it with transformers) keeps index_topk = 32 tokens
+per query, fewer than the 300-token prompt and the decode contexts, so the indexer's selection
+changes the result (checked).
 """
 
 from __future__ import annotations
@@ -23,16 +25,8 @@ BLOCK, TOPK = 16, 32
 
 
 @pytest.fixture(scope="module")
-def dsa_ckpt(tmp_path_factory):
-    """Written by ``orch model init-tiny --arch deepseek_v32`` (the hf fixture loads it)."""
-    out = tmp_path_factory.mktemp("dsa") / "v32"
-    assert main(["model", "init-tiny", "--arch", "deepseek_v32", "--seed", "3", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def hf(dsa_ckpt):
-    model, info = DeepseekV32ForCausalLM.from_pretrained(dsa_ckpt, dtype=torch.float32,
+def hf(tiny_dsa_ckpt):
+    model, info = DeepseekV32ForCausalLM.from_pretrained(tiny_dsa_ckpt, dtype=torch.float32,
                                                          output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert model.config.index_topk == TOPK
@@ -40,8 +34,8 @@ def hf(dsa_ckpt):
 
 
 @pytest.fixture(scope="module")
-def runner(dsa_ckpt):
-    return ModelRunner(dsa_ckpt, num_kv_blocks=48, block_size=BLOCK)
+def runner(tiny_dsa_ckpt):
+    return ModelRunner(tiny_dsa_ckpt, num_kv_blocks=48, block_size=BLOCK)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -61,8 +55,8 @@ def test_prefill_logits_match_hf(runner, hf, n):
     assert diff <= 1e-4, f"prompt {n}: max |diff| {diff}"
 
 
-def test_absorbed_sparse_prefill_variant_matches_hf(dsa_ckpt, hf):
-    runner = ModelRunner(dsa_ckpt, num_kv_blocks=24, block_size=BLOCK,
+def test_absorbed_sparse_prefill_variant_matches_hf(tiny_dsa_ckpt, hf):
+    runner = ModelRunner(tiny_dsa_ckpt, num_kv_blocks=24, block_size=BLOCK,
                          kernel_choices={"sparse_prefill": "absorbed"})
     prompt = _prompt(300, seed=300)
     with torch.no_grad():
@@ -124,7 +118,7 @@ def test_batched_decode_of_short_and_long_equals_solo(runner):
     assert (both[1] - solo["l"][1]).abs().max().item() <= 1e-5
 
 
-def test_one_write_per_cache_buffer_per_layer_per_step(dsa_ckpt):
+def test_one_write_per_cache_buffer_per_layer_per_step(tiny_dsa_ckpt):
     """One reshape_and_cache call per layer per step, and every buffer (K, V, index_k) of every
     layer is modified exactly once (tensor version counters count ALL in-place writes)."""
     base = KERNELS.resolve("cpu")
@@ -134,7 +128,7 @@ def test_one_write_per_cache_buffer_per_layer_per_step(dsa_ckpt):
         calls.append(len(caches))
         return base.reshape_and_cache(entries, caches, slots)
 
-    runner = ModelRunner(dsa_ckpt, num_kv_blocks=16, block_size=BLOCK,
+    runner = ModelRunner(tiny_dsa_ckpt, num_kv_blocks=16, block_size=BLOCK,
                          kernels=dataclasses.replace(base, reshape_and_cache=counting))
     cache = runner.kv_cache
     layers = runner.model_config.num_hidden_layers

@@ -44,8 +44,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tp2_equals_tp1(tiny_ckpt, tiny_ckpt_no_qlora, tmp_path):
-    ckpts = [str(tiny_ckpt), str(tiny_ckpt_no_qlora)]
+def test_tp2_equals_tp1(tiny_ckpt, tiny_ckpt_no_qlora, tiny_dsa_ckpt, tmp_path):
+    """V3, plain q_proj, and V3.2 (40-token prompt > index_topk: the replicated indexer must
+    select the same tokens on both ranks)."""
+    ckpts = [str(tiny_ckpt), str(tiny_ckpt_no_qlora), str(tiny_dsa_ckpt)]
     ctx = mp.start_processes(_rank_main, args=(_free_port(), ckpts, str(tmp_path)), nprocs=2,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 120
