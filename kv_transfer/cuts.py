@@ -2,7 +2,8 @@
 rows in place (no gather / scatter copy) where the slots allow it.
 
 A buffer's payload (``[Ly, T, *D]``) goes as one message per (layer, cut), layer-major,
-K before V. The cuts are token ranges ``[a, a + n)`` computed from the destination slots
+buffer after buffer in layout order (K, V, then index_k for DeepSeek-V3.2); buffers are
+never concatenated. The cuts are token ranges ``[a, a + n)`` computed from the destination slots
 (carried in the header, so sender and receiver derive the same cuts):
 
 - destination slots one consecutive run: one cut (the whole record);
@@ -96,31 +97,31 @@ def source_messages(cache: object, layout, header: wire.Header, heads: slice | N
     """Prefill side: the wire messages of data record ``header`` and the pooled buffers they
     view (give them back once sent).
 
-    Per buffer (K, V), per layer, per cut a ``[n, *D]`` tensor. Where the source slots are
-    consecutive inside every cut the messages are views of the cache (sent in place, zero
-    copy); otherwise the buffer is gathered once into a pooled ``[Ly, T, *D]`` payload and
-    its row ranges are sent. ``heads``: this rank's local head slice (GQA) or None.
+    Per buffer (K, V[, index_k]), per layer, per cut a ``[n, *D]`` tensor. Where the source
+    slots are consecutive inside every cut the messages are views of the cache (sent in
+    place, zero copy); otherwise the buffer is gathered once into a pooled ``[Ly, T, *D]``
+    payload and its row ranges are sent. ``heads``: this rank's local head slice (GQA) or None.
     """
     messages, raws = [], []
-    for spec in layout.buffers:  # K then V
+    for buffer, spec in enumerate(layout.buffers):  # K, V[, index_k]
         token_bytes = math.prod(layout.token_dims(spec, header.head_range())) * \
             layout.element_size
         plan = cut(header.dst_slots, token_bytes)
-        in_place = _source_views(cache, spec.name, header.layers, heads, src_slots, plan)
+        in_place = _source_views(cache, buffer, header.layers, heads, src_slots, plan)
         if in_place is not None:
             messages.extend(in_place)
             continue
-        shape = payload.payload_shape(cache, spec.name, len(header.layers), header.n_tokens,
+        shape = payload.payload_shape(cache, buffer, len(header.layers), header.n_tokens,
                                       heads)
         raws.append(pool.take(math.prod(shape) * layout.element_size, device))
-        out = payload.gather(cache, spec.name, header.layers, heads, src_slots,
+        out = payload.gather(cache, buffer, header.layers, heads, src_slots,
                              out=payload.as_tensor(raws[-1], shape, layout.torch_dtype))
         messages.extend(out[i, a:a + n] for i in range(len(header.layers))
                         for a, n in plan.ranges)
     return messages, raws
 
 
-def _source_views(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
+def _source_views(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | None,
                   src_slots: torch.Tensor, plan: Cuts) -> list[torch.Tensor] | None:
     """Cache views to send for every (layer, cut), or None (a gather is needed)."""
     starts = src_starts(src_slots, plan)
@@ -128,7 +129,7 @@ def _source_views(cache: object, name: str, layers: tuple[int, ...], heads: slic
         return None
     got = []
     for layer in layers:
-        found = views(payload.flat(cache, name, layer, heads), starts, plan)
+        found = views(payload.flat(cache, buffer, layer, heads), starts, plan)
         if found is None:
             return None
         got.extend(found)

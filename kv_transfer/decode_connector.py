@@ -19,7 +19,7 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatchError
 from kv_transfer.layout import KVLayout
 from kv_transfer.pair import Rendezvous
-from kv_transfer.payload import PayloadStats
+from kv_transfer.payload import PayloadStats, cache_slots, check_cache
 from kv_transfer.receiver import ReceiverChannel
 from kv_transfer.tracker import RequestTracker
 
@@ -30,19 +30,24 @@ class DecodeKVConnector:
     """KV receiver of one decode rank: hosts the pair rendezvous, runs receiver threads.
 
     Args:
-        kv_cache: the rank's ``KVCache`` (or any object with ``k_caches``/``v_caches``).
+        kv_cache: the rank's ``KVCache`` (or any object whose ``flat_buffers(layer)`` gives
+            the buffers ``layout`` names, see :mod:`~kv_transfer.payload`).
         layout: this instance's :class:`KVLayout`.
         instance, rank: this rank's identity.
         config: bounded waits.
         host: address to bind the rendezvous store on and to publish (127.0.0.1 locally).
+
+    Raises:
+        ValueError: ``kv_cache`` does not hold the buffers ``layout`` names.
     """
 
     def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int,
                  config: TransferConfig, host: str = "127.0.0.1") -> None:
+        check_cache(kv_cache, layout, layout.heads_of(rank))
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._host = instance, rank, host
         self._me = f"{instance}/{rank}"
-        self._backend = backend_for(kv_cache.k_caches[0].device)
+        self._backend = backend_for(cache_slots(kv_cache)[1])
         self._tracker = RequestTracker(layout, rank, config, self._me)
         self._receivers: dict[tuple[str, int], ReceiverChannel] = {}
         self._retired: list[ReceiverChannel] = []

@@ -1,13 +1,15 @@
 """KV layout of one instance: what the bytes of a cache slot mean, and its fingerprint.
 
-A layout names, per layer, the cache buffers (``k`` and ``v``), their per-token dims for the
-whole model, the dtype, block size, layer count, tp size, rope layout and model identity.
+A layout names, per layer, the cache buffers (``k`` and ``v``; DeepSeek-V3.2 adds ``index_k``,
+the lightning indexer's keys), their per-token dims for the whole model, the dtype, block
+size, layer count, tp size, rope layout and model identity.
 
 What must match between a prefill and a decode instance (``check_compatible``), and why:
 
 - ``model``: the bytes are activations of one model's weights.
 - ``kind`` (mla/gqa), ``buffers`` (names and per-token dims), ``num_kv_heads``: the shape of a
-  token's bytes; a mismatch would scatter garbage.
+  token's bytes; a mismatch would scatter garbage (a V3 layout has two buffers, a V3.2 one
+  three: the records would not even have the same number of messages).
 - ``dtype``: no conversion happens on the wire.
 - ``num_layers``: every layer is moved.
 - ``rope_layout``: interleaved vs de-interleaved k_pe (REFERENCE.md "Rope layout") give
@@ -68,9 +70,9 @@ class BufferSpec:
     """One cache buffer per layer.
 
     Attributes:
-        name: ``k`` or ``v``; the cache object holds it as ``{name}_caches[layer]``.
-        dims: per-token dims for the whole model: MLA ``(kv_lora_rank,)`` / ``(rope_dim,)``,
-            GQA ``(num_kv_heads, head_dim)``.
+        name: ``k``, ``v`` or ``index_k`` (``KVCacheSpec.buffer_names``).
+        dims: per-token dims for the whole model: MLA ``(kv_lora_rank,)`` / ``(rope_dim,)`` /
+            ``(index_head_dim,)``, GQA ``(num_kv_heads, head_dim)``.
     """
 
     name: str
@@ -84,7 +86,8 @@ class KVLayout:
     Attributes:
         model: model identity (e.g. checkpoint name + revision).
         kind: ``mla`` or ``gqa``.
-        buffers: the per-layer buffers, K first.
+        buffers: the per-layer buffers in cache order (K, V[, index_k]); the wire sends one
+            payload per buffer in this order.
         num_kv_heads: GQA KV heads of the whole model; None for MLA.
         dtype: element dtype name, e.g. ``bfloat16``.
         num_layers: layers with a cache.
@@ -115,10 +118,11 @@ class KVLayout:
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model: str, tp: int) -> KVLayout:
-        """MLA layout of a :class:`KVCacheSpec` (K = latent, V = k_pe) for an instance of ``tp``."""
-        return cls(model=model, kind="mla",
-                   buffers=(BufferSpec("k", (spec.kv_lora_rank,)),
-                            BufferSpec("v", (spec.qk_rope_head_dim,))),
+        """MLA layout of a :class:`KVCacheSpec` (K = latent, V = k_pe, index_k = V3.2 indexer
+        keys when ``spec.index_head_dim``) for an instance of ``tp``."""
+        buffers = tuple(BufferSpec(name, (width,))
+                        for name, width in zip(spec.buffer_names, spec.buffer_widths))
+        return cls(model=model, kind="mla", buffers=buffers,
                    num_kv_heads=None, dtype=_dtype_name(spec.dtype), num_layers=spec.num_layers,
                    block_size=spec.block_size, tp=tp, rope_layout=spec.rope_layout)
 
@@ -181,9 +185,20 @@ class KVLayout:
                  for k in COMPATIBLE_FIELDS if prefill[k] != decode[k]]
         if diffs:
             raise LayoutMismatchError(
-                "KV layouts differ: " + "; ".join(diffs)
+                "KV layouts differ: " + "; ".join(diffs) + _buffer_hint(self, other)
                 + ". Prefill and decode must serve the same model with the same KV cache "
                 "dtype, dims, layer count and rope layout: fix the instance configs.")
+
+
+def _buffer_hint(prefill: KVLayout, decode: KVLayout) -> str:
+    """A sentence for the sparse-vs-dense case: one side caches indexer keys, the other not."""
+    names = [{b.name for b in lay.buffers} for lay in (prefill, decode)]
+    has = ["index_k" in n for n in names]
+    if has[0] == has[1]:
+        return ""
+    sparse, dense = ("prefill", "decode") if has[0] else ("decode", "prefill")
+    return (f" ({sparse} caches DeepSeek-V3.2 indexer keys (index_k, sparse attention), "
+            f"{dense} does not: both must serve the same model)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

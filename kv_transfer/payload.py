@@ -1,11 +1,12 @@
 """Gather a pair's layers of some token slots into one contiguous payload, and scatter back.
 
 Shape legend: Ly layers in the transfer, T tokens, D per-token dims of the buffer (MLA: one
-dim, e.g. 512 for K / 64 for V; GQA: heads-in-pair x head_dim).
+dim, e.g. 512 for K / 64 for V / 128 for index_k; GQA: heads-in-pair x head_dim).
 
-The cache object is duck-typed: ``{name}_caches[layer]`` is ``[num_blocks, block_size, *dims]``
-(``KVCache.k_caches`` / ``v_caches``); slot ``s`` is row ``s`` of that tensor viewed
-``[num_blocks * block_size, *dims]`` (``engine.block_pool.slot_mapping``).
+The cache object is duck-typed: ``flat_buffers(layer)`` returns the layer's buffers viewed as
+slots ``[num_blocks * block_size, *dims]``, in the order of ``KVLayout.buffers``
+(``KVCache.flat_buffers``: K, V[, index_k]); a buffer is named by its position ``buffer`` in
+that order. Slot ``s`` is row ``s`` (``engine.block_pool.slot_mapping``).
 """
 
 from __future__ import annotations
@@ -16,16 +17,41 @@ import threading
 import torch
 
 
-def flat(cache: object, name: str, layer: int, heads: slice | None) -> torch.Tensor:
-    """``[num_slots, *dims]`` view of one layer's buffer, restricted to local ``heads``."""
-    rows = getattr(cache, f"{name}_caches")[layer].flatten(0, 1)
+def flat(cache: object, buffer: int, layer: int, heads: slice | None) -> torch.Tensor:
+    """``[num_slots, *dims]`` view of one layer's buffer number ``buffer``, restricted to local
+    ``heads``."""
+    rows = cache.flat_buffers(layer)[buffer]
     return rows if heads is None else rows[:, heads]
 
 
-def payload_shape(cache: object, name: str, n_layers: int, n_tokens: int,
+def cache_slots(cache: object) -> tuple[int, torch.device]:
+    """Slots per layer and device of ``cache``."""
+    rows = cache.flat_buffers(0)[0]
+    return rows.shape[0], rows.device
+
+
+def check_cache(cache: object, layout, heads: range | None) -> None:
+    """Check that ``cache`` holds the buffers ``layout`` names, with this rank's dims.
+
+    Args:
+        layout: the rank's :class:`~kv_transfer.layout.KVLayout`.
+        heads: global KV heads this rank holds (GQA), None for MLA.
+
+    Raises:
+        ValueError: buffer count or per-token dims differ (message names both).
+    """
+    got = [tuple(t.shape[1:]) for t in cache.flat_buffers(0)]
+    want = [layout.token_dims(spec, heads) for spec in layout.buffers]
+    if got != want:
+        names = [spec.name for spec in layout.buffers]
+        raise ValueError(f"the KV cache holds per-token buffers {got} but the layout names "
+                         f"{names} with dims {want}: build the layout from this cache's spec")
+
+
+def payload_shape(cache: object, buffer: int, n_layers: int, n_tokens: int,
                   heads: slice | None) -> tuple[int, ...]:
-    """Shape ``[Ly, T, *D]`` of a payload of ``name`` for this cache."""
-    rest = flat(cache, name, 0, heads).shape[1:]
+    """Shape ``[Ly, T, *D]`` of a payload of buffer number ``buffer`` for this cache."""
+    rest = flat(cache, buffer, 0, heads).shape[1:]
     return (n_layers, n_tokens, *rest)
 
 
@@ -64,7 +90,7 @@ def as_tensor(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> 
     return buf[:nbytes].view(dtype).view(shape)
 
 
-def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
+def gather(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | None,
            src_slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy ``src_slots`` of ``layers`` into ``out``, a contiguous ``[Ly, T, *D]`` tensor;
     returns ``out``.
@@ -73,11 +99,11 @@ def gather(cache: object, name: str, layers: tuple[int, ...], heads: slice | Non
     straight into the payload (no intermediate copy).
     """
     for i, layer in enumerate(layers):
-        torch.index_select(flat(cache, name, layer, heads), 0, src_slots, out=out[i])
+        torch.index_select(flat(cache, buffer, layer, heads), 0, src_slots, out=out[i])
     return out
 
 
-def scatter(cache: object, name: str, layers: tuple[int, ...], heads: slice | None,
+def scatter(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | None,
             dst_slots: torch.Tensor, payload: torch.Tensor) -> None:
     """Write ``payload`` ``[Ly, T, *D]`` into ``dst_slots`` (int64 ``[T]``) of ``layers``.
 
@@ -85,7 +111,7 @@ def scatter(cache: object, name: str, layers: tuple[int, ...], heads: slice | No
     distinct (they are token positions of one request).
     """
     for i, layer in enumerate(layers):
-        flat(cache, name, layer, heads).index_copy_(0, dst_slots, payload[i])
+        flat(cache, buffer, layer, heads).index_copy_(0, dst_slots, payload[i])
 
 
 class PayloadStats:
@@ -94,7 +120,7 @@ class PayloadStats:
     Attributes:
         gather_s / scatter_s: seconds spent in :func:`gather` / :func:`scatter`.
         wire_s: seconds from the doorbell to the last payload completed (send or receive).
-        bytes: payload bytes moved (K + V).
+        bytes: payload bytes moved (every buffer: K + V[ + index_k]).
         transfers: data records moved.
     """
 

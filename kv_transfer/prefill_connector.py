@@ -25,7 +25,7 @@ from kv_transfer.backend import backend_for
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError, TransferTimeout
 from kv_transfer.layout import KVLayout
-from kv_transfer.payload import PayloadStats
+from kv_transfer.payload import PayloadStats, cache_slots, check_cache
 from kv_transfer.peer import KVPeer
 from kv_transfer.plan import PairPlan, TransferPlan, build_transfer_plan
 from kv_transfer.sender import SenderChannel, SendOwner, SendTask
@@ -92,10 +92,15 @@ class PrefillKVConnector:
     """KV sender of one prefill rank (see module docstring for the call order).
 
     Args:
-        kv_cache: the rank's ``KVCache`` (or any object with ``k_caches``/``v_caches``).
+        kv_cache: the rank's ``KVCache`` (or any object whose ``flat_buffers(layer)`` gives
+            the buffers ``layout`` names, see :mod:`~kv_transfer.payload`).
         layout: this instance's :class:`KVLayout` (``layout.tp == tp``).
         instance, rank, tp: this rank's identity.
         config: bounded waits.
+
+    Raises:
+        ValueError: ``layout.tp != tp``, or ``kv_cache`` does not hold the buffers ``layout``
+            names.
     """
 
     def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int, tp: int,
@@ -103,9 +108,10 @@ class PrefillKVConnector:
         if layout.tp != tp:
             raise ValueError(f"layout.tp ({layout.tp}) != tp ({tp}): build the layout for "
                              "this instance")
+        check_cache(kv_cache, layout, layout.heads_of(rank))
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._tp = instance, rank, tp
-        self._device = kv_cache.k_caches[0].device
+        self._device = cache_slots(kv_cache)[1]
         self._backend = backend_for(self._device)
         self._fingerprint = layout.fingerprint()
         self._channels: dict[tuple[str, int], SenderChannel] = {}

@@ -1,10 +1,10 @@
 """Decode side: one receiver thread per pair generation.
 
 Loop: wait for the doorbell (blocking in the store; a ``stop`` doorbell ends the wait at once),
-whose value is the record's header, then for a data record receive its K and V messages
-(:mod:`~kv_transfer.cuts`; each receive bounded by ``payload_timeout_s``). A buffer
-whose cuts are consecutive destination runs is received straight into the cache rows (no
-scatter), holding the request's write permission
+whose value is the record's header, then for a data record receive its K, V (and, for
+DeepSeek-V3.2, index_k) messages (:mod:`~kv_transfer.cuts`; each receive bounded by
+``payload_timeout_s``). A buffer whose cuts are consecutive destination runs is received
+straight into the cache rows (no scatter), holding the request's write permission
 (:meth:`~kv_transfer.tracker.RequestTracker.begin_write`) for the whole receive, so
 ``release`` waits for it. Other buffers go into pooled staging buffers, handed to this
 channel's scatter thread, which writes them into the destination slots if the tracker still
@@ -47,13 +47,13 @@ class _Targets:
     Attributes:
         messages: one tensor per wire message, in wire order: cache views (in place) or
             slices of ``buffers``.
-        buffers: ``(buffer name, [Ly, T, *D] staging tensor)`` of the buffers not received
-            in place (to scatter).
+        buffers: ``(buffer number in layout order, [Ly, T, *D] staging tensor)`` of the
+            buffers not received in place (to scatter).
         raws: the pooled byte buffers under ``buffers``, given back after the scatter.
     """
 
     messages: list[torch.Tensor]
-    buffers: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[int, torch.Tensor]]
     raws: list[torch.Tensor]
 
 
@@ -64,7 +64,7 @@ class _Staged:
 
     request: TrackedRequest
     header: wire.Header
-    buffers: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[int, torch.Tensor]]
     raws: list[torch.Tensor]
     nbytes: int
 
@@ -82,9 +82,9 @@ class ReceiverChannel:
         self._rank, self._cache, self._layout = rank, cache, layout
         self._backend, self._config = backend, config
         self._tracker, self._stats = tracker, stats
-        self._device = cache.k_caches[0].device
-        self._num_slots = cache.k_caches[0].shape[0] * cache.k_caches[0].shape[1]
-        self._pool = payload.BufferPool(keep=2 * (_SCATTER_DEPTH + 1))  # K+V per record
+        self._num_slots, self._device = payload.cache_slots(cache)
+        # NOTE: one staging buffer per cache buffer per record
+        self._pool = payload.BufferPool(keep=len(layout.buffers) * (_SCATTER_DEPTH + 1))
         self._stop = threading.Event()
         self._group: pairs.PairGroup | None = None
         self._idle_since: float | None = None  # waiting for a doorbell since (monotonic s)
@@ -164,8 +164,8 @@ class ReceiverChannel:
             t0 = time.perf_counter()
 
             def scatter() -> None:
-                for name, buf in item.buffers:
-                    payload.scatter(self._cache, name, header.layers, local, slots, buf)
+                for buffer, staged in item.buffers:
+                    payload.scatter(self._cache, buffer, header.layers, local, slots, staged)
             try:
                 self._tracker.write(item.request, header, scatter)
             except Exception as exc:  # noqa: BLE001 - fail the request, keep draining
@@ -225,28 +225,29 @@ class ReceiverChannel:
                                 f"not fit this cache ({self._layout.num_layers} layers, "
                                 f"{self._num_slots} slots)", pair=group.name)
 
-    def _cuts(self, header: wire.Header) -> dict[str, cuts.Cuts]:
-        """Buffer name -> the record's message cuts (from its destination slots)."""
-        return {spec.name: cuts.cut(header.dst_slots, self._token_bytes(spec, header))
-                for spec in self._layout.buffers}
+    def _cuts(self, header: wire.Header) -> list[cuts.Cuts]:
+        """Per buffer (layout order), the record's message cuts (from its destination slots)."""
+        return [cuts.cut(header.dst_slots, self._token_bytes(spec, header))
+                for spec in self._layout.buffers]
 
-    def _targets(self, header: wire.Header, plans: dict[str, cuts.Cuts],
-                 in_place: dict[str, list[torch.Tensor]]) -> _Targets:
-        """Where each message of the record lands, in wire order (K then V; per layer, per
-        cut): the ``in_place`` cache views, else slices of pooled staging buffers."""
+    def _targets(self, header: wire.Header, plans: list[cuts.Cuts],
+                 in_place: dict[int, list[torch.Tensor]]) -> _Targets:
+        """Where each message of the record lands, in wire order (buffer after buffer, K, V[,
+        index_k]; per layer, per cut): the ``in_place`` cache views, else slices of pooled
+        staging buffers."""
         targets = _Targets([], [], [])
-        for spec in self._layout.buffers:
-            if spec.name in in_place:
-                targets.messages.extend(in_place[spec.name])
+        for buffer, spec in enumerate(self._layout.buffers):
+            if buffer in in_place:
+                targets.messages.extend(in_place[buffer])
                 continue
             shape = (len(header.layers), header.n_tokens,
                      *self._layout.token_dims(spec, header.head_range()))
             raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
             buf = payload.as_tensor(raw, shape, self._layout.torch_dtype)
             targets.raws.append(raw)
-            targets.buffers.append((spec.name, buf))
+            targets.buffers.append((buffer, buf))
             targets.messages.extend(buf[i, a:a + n] for i in range(len(header.layers))
-                                    for a, n in plans[spec.name].ranges)
+                                    for a, n in plans[buffer].ranges)
         return targets
 
     def _token_bytes(self, spec, header: wire.Header) -> int:
@@ -254,24 +255,23 @@ class ReceiverChannel:
             self._layout.element_size
 
     def _in_place_views(self, header: wire.Header,
-                        plans: dict[str, cuts.Cuts]) -> dict[str, list[torch.Tensor]]:
-        """Buffer name -> cache views (per layer, per cut) for the buffers whose cuts are all
+                        plans: list[cuts.Cuts]) -> dict[int, list[torch.Tensor]]:
+        """Buffer number -> cache views (per layer, per cut) for the buffers whose cuts are all
         consecutive destination runs (received in place, no scatter)."""
         local = self._local_heads(header.head_range())
         got = {}
-        for spec in self._layout.buffers:
-            plan = plans[spec.name]
+        for buffer, plan in enumerate(plans):
             if not plan.in_place:
                 continue
             views = []
             for layer in header.layers:
-                found = cuts.views(payload.flat(self._cache, spec.name, layer, local),
+                found = cuts.views(payload.flat(self._cache, buffer, layer, local),
                                    list(plan.dst_starts), plan)
                 if found is None:
                     break
                 views.extend(found)
             else:
-                got[spec.name] = views
+                got[buffer] = views
         return got
 
     def _return_buffers(self, raws: list[torch.Tensor]) -> None:

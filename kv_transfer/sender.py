@@ -1,7 +1,7 @@
 """Prefill side: one sender thread per decode peer, an ordered queue of records.
 
 Records leave in the order they were queued (the channel's order is the protocol's order:
-data before ``done``). A data record's K and V messages are cache views where the source
+data before ``done``). A data record's messages (K, V[, index_k]) are cache views where the source
 slots are consecutive runs (sent in place), else gathered on this thread (the next record
 is gathered while the previous one is on the wire), so the caller's compute continues; the
 source slots must stay allocated, and their bytes unchanged, until
@@ -93,8 +93,9 @@ class SendOwner(abc.ABC):
 
 @dataclass
 class _Payload:
-    """The record's payload messages, K layers then V layers, each ``[T, *D]``: views of the
-    cache (consecutive source slots) or of pooled byte buffers ``raws`` (gathered)."""
+    """The record's payload messages, buffer after buffer (K, V[, index_k]), per layer, per
+    cut, each ``[n, *D]``: views of the cache (consecutive source slots) or of pooled byte
+    buffers ``raws`` (gathered)."""
 
     bufs: list[torch.Tensor]
     raws: list[torch.Tensor]
@@ -129,8 +130,9 @@ class SenderChannel:
         self._instance, self._rank = instance, rank
         self._backend, self._config, self._stats = backend, config, stats
         self._owner = owner
-        self._device = cache.k_caches[0].device
-        self._pool = payload.BufferPool(keep=4)  # K+V of the record in flight + the next
+        self._device = payload.cache_slots(cache)[1]
+        # NOTE: one gathered buffer per cache buffer, for the record in flight and the next
+        self._pool = payload.BufferPool(keep=2 * len(layout.buffers))
         self._queue: deque[SendTask] = deque()
         self._cond = threading.Condition()
         self._stop = threading.Event()

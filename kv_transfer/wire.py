@@ -6,10 +6,14 @@ Per pair, the prefill rank announces itself through the decode rank's TCPStore
     doorbell (store key "<pair prefix>/doorbell/<n>" = msgpack of Header)
     K        one message [n, *dims] per (layer, cut), layer major   (kind == "data" only)
     V        one message [n, *dims] per (layer, cut), layer major   (kind == "data" only)
+    index_k  one message [n, *dims] per (layer, cut), layer major   (DeepSeek-V3.2 layouts)
 
-``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA; the cuts are token
-ranges both sides derive from ``dst_slots`` (:mod:`kv_transfer.cuts`), so either side can use
-cache rows in place where its slots are consecutive (no gather / scatter copy). Schema
+The buffers are the layout's (:attr:`KVLayout.buffers`, in that order), never concatenated;
+a V3 layout has K and V, a V3.2 one adds index_k (the fingerprint tells them apart at the
+handshake). ``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA; the
+cuts are token ranges both sides derive from ``dst_slots`` (:mod:`kv_transfer.cuts`), so
+either side can use cache rows in place where its slots are consecutive (no gather /
+scatter copy). Schema
 version 2 (version 1 sent K and V as one message each, the header as a group message).
 """
 
@@ -34,8 +38,9 @@ class Header:
     """One transfer record.
 
     Attributes:
-        kind: ``data`` (K and V payloads follow), ``done`` (this prefill rank sent every
-            planned layer of tokens ``[0, num_tokens)``) or ``abort`` (it will send no more).
+        kind: ``data`` (the layout's payloads follow: K, V[, index_k]), ``done`` (this
+            prefill rank sent every planned layer of tokens ``[0, num_tokens)``) or ``abort``
+            (it will send no more).
         request_id: the request.
         prefill_rank: sending rank in its instance.
         fingerprint: sender's :meth:`KVLayout.fingerprint`.

@@ -1,7 +1,8 @@
 """The served checkpoint as the router sees it: where it is, vocab, EOS, layer count.
 
 The router never loads weights; it reads ``config.json`` (vocab, EOS, layers) and
-``tokenizer.json``. ``model.path: tiny`` makes the built-in tiny checkpoint on first use.
+``tokenizer.json``. ``model.path: tiny`` makes the built-in tiny checkpoint (of
+``model.tiny_arch``) on first use.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def ensure_checkpoint(model: ModelSection) -> Path:
             "checkpoint folder (config.json, *.safetensors, tokenizer.json) or use `tiny`")
     from orchestrator.tiny_model import init_tiny_main  # lazy: the engine is optional here
 
-    return Path(init_tiny_main(str(path), model.tiny_seed))
+    return Path(init_tiny_main(str(path), model.tiny_seed, arch=model.tiny_arch))
 
 
 def read_model_info(checkpoint_dir: Path, name: str, max_model_len: int) -> ModelInfo:
@@ -93,7 +94,8 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
     except ImportError:
         return None, (f"tiny checkpoint not created yet at {config.parent} and the engine is "
                       "not installed; run `orch model init-tiny` then dry-run again")
-    return tiny_config_dict(), f"the built-in tiny config; not created yet at {config.parent}"
+    return tiny_config_dict(deepseek_v32=model.tiny_arch == "deepseek_v32"), \
+        f"the built-in tiny config; not created yet at {config.parent}"
 
 
 def layer_count_for_plan(model: ModelSection) -> tuple[int | None, str]:

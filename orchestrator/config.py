@@ -41,6 +41,7 @@ class ModelSection(_Section):
     """Which checkpoint to serve and at what precision / context length."""
 
     path: str = Field("tiny", min_length=1)
+    tiny_arch: Literal["deepseek_v3", "deepseek_v32"] = "deepseek_v3"
     tiny_seed: int = Field(0, ge=0)
     tiny_dir: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -56,15 +57,19 @@ class ModelSection(_Section):
     def checkpoint_dir(self) -> Path:
         """The checkpoint folder; for ``tiny``, where the built-in tiny checkpoint lives.
 
-        ``tiny`` resolves to ``tiny_dir`` when set, else ``$ORCH_CACHE_DIR/tiny-<seed>``, else
-        ``~/.cache/orch/tiny-<seed>``. Nothing is created here (see ``checkpoint.py``).
+        ``tiny`` resolves to ``tiny_dir`` when set, else ``$ORCH_CACHE_DIR/<name>``, else
+        ``~/.cache/orch/<name>``, where ``<name>`` is ``tiny-<seed>`` for ``tiny_arch``
+        deepseek_v3 and ``tiny-<arch>-<seed>`` otherwise (NOTE: one folder per arch, so a V3.2
+        config never loads a V3 tiny checkpoint made before). Nothing is created here (see
+        ``checkpoint.py``).
         """
         if not self.is_tiny:
             return Path(self.path).expanduser()
         if self.tiny_dir:
             return Path(self.tiny_dir).expanduser()
         cache = envs.ORCH_CACHE_DIR.get() or str(Path.home() / ".cache" / "orch")
-        return Path(cache).expanduser() / f"tiny-{self.tiny_seed}"
+        arch = "" if self.tiny_arch == "deepseek_v3" else f"{self.tiny_arch}-"
+        return Path(cache).expanduser() / f"tiny-{arch}{self.tiny_seed}"
 
 
 def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:

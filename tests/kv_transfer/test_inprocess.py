@@ -77,6 +77,10 @@ def test_abort_and_unknown_requests_never_write():
 class _GQACache(SimpleNamespace):
     """Duck-typed GQA cache: per layer K/V ``[num_blocks, block_size, local heads, head_dim]``."""
 
+    def flat_buffers(self, layer):
+        """K and V of ``layer`` as slots ``[num_slots, local heads, head_dim]``."""
+        return self.k_caches[layer].flatten(0, 1), self.v_caches[layer].flatten(0, 1)
+
 
 def _gqa_caches(tp, heads, reference=None, blocks=16, bs=4, layers=3, hd=4):
     caches = []

@@ -249,6 +249,15 @@ def test_tp_is_checked_against_the_tiny_config_before_it_exists(tmp_path, monkey
     assert not (tmp_path / "tiny-0").exists()
 
 
+def test_each_tiny_arch_has_its_own_checkpoint_folder(tmp_path, monkeypatch):
+    """A V3.2 config never loads a V3 tiny checkpoint made earlier in the same cache."""
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    v3 = OrchConfig.model_validate({"model": {"tiny_seed": 2}}).model
+    v32 = OrchConfig.model_validate({"model": {"tiny_seed": 2, "tiny_arch": "deepseek_v32"}})
+    assert v3.checkpoint_dir() == tmp_path / "tiny-2"
+    assert v32.model.checkpoint_dir() == tmp_path / "tiny-deepseek_v32-2"
+
+
 def test_colocated_checks_only_the_decode_tp(tmp_path):
     ckpt = _checkpoint(tmp_path)
     path = tmp_path / "c.yaml"
