@@ -13,6 +13,10 @@ Kernels:
         attention of B single-token sequences over the paged caches (see
         :func:`engine.mla_ops.decode_absorbed`); variants "absorbed" (default) and
         "naive" (MHA form, the reference).
+    w8a8_linear(x, weight, weight_scale): int8 linear with per-token dynamic activation
+        quantization (:func:`engine.quant.w8a8.w8a8_linear`).
+    w8a8_mlp(x, gate_up_weight, gate_up_scale, down_weight, down_scale): the fused int8
+        SwiGLU MLP of an expert (:func:`engine.quant.w8a8.w8a8_mlp`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class KernelSet:
 
     reshape_and_cache: Callable
     mla_decode: Callable
+    w8a8_linear: Callable
+    w8a8_mlp: Callable
 
 
 class KernelRegistry:
@@ -109,6 +115,24 @@ def _load_mla_op(name: str) -> Loader:
     return load
 
 
+def _load_w8a8_op(name: str) -> Loader:
+    def load() -> Callable:
+        from engine.quant import w8a8  # noqa: PLC0415 (lazy like every loader)
+
+        return getattr(w8a8, name)
+
+    return load
+
+
+def _load_npu_w8a8_op(name: str) -> Loader:
+    def load() -> Callable:
+        from engine.quant import npu  # noqa: PLC0415 (imports torch_npu)
+
+        return getattr(npu, f"load_{name}")()
+
+    return load
+
+
 KERNELS = KernelRegistry()
 """The registry every runner resolves from (filled once, here, at import)."""
 
@@ -118,3 +142,6 @@ KERNELS.register("reshape_and_cache", "native", ("npu",), _load_npu_reshape_and_
 KERNELS.register("mla_decode", "absorbed", ("cpu", "cuda", "npu"),
                  _load_mla_op("decode_absorbed"), default=True)
 KERNELS.register("mla_decode", "naive", ("cpu", "cuda", "npu"), _load_mla_op("decode_naive"))
+for _op in ("w8a8_linear", "w8a8_mlp"):
+    KERNELS.register(_op, "native", ("cpu", "cuda"), _load_w8a8_op(_op), default=True)
+    KERNELS.register(_op, "native", ("npu",), _load_npu_w8a8_op(_op))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.quant.formats import QuantScheme, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 SUPPORTED_SCORING = ("sigmoid", "softmax")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
@@ -47,6 +49,7 @@ class ModelConfig:
 
     ``q_lora_rank`` None means a plain ``q_proj`` (V2-Lite). ``rope_scaling`` None means plain
     rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).
+    ``quantization`` None means float weights (else :mod:`engine.quant.formats`).
     """
 
     hidden_size: int
@@ -77,6 +80,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    quantization: QuantScheme | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -95,6 +99,8 @@ class ModelConfig:
         Raises:
             UnsupportedModelError: architecture, scoring_func, topk_method or rope type not
                 supported; the message names the field and the allowed values.
+            UnsupportedQuantizationError: a ``quantization_config`` other than DeepSeek FP8
+                block or compressed-tensors int8 W8A8 (the message names both).
             KeyError: a required field is missing (its name is the key).
         """
         arch = _check_choice(raw, "architectures", (raw.get("architectures") or [None])[0],
@@ -138,6 +144,7 @@ class ModelConfig:
             max_position_embeddings=int(raw["max_position_embeddings"]),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            quantization=parse_quantization_config(raw.get("quantization_config")),
         )
 
 

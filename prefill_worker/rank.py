@@ -132,7 +132,8 @@ class RankBase(ABC):
             self.runner = ModelRunner(self.cfg.checkpoint_dir,
                                       num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
                                       block_size=self.cfg.scheduler.block_size,
-                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device)
+                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
+                                      fp8_storage=self.cfg.fp8_storage)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
