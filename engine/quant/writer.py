@@ -29,20 +29,23 @@ SCHEMES = ("fp8-block", "w8a8")
 FP8_BLOCK_SIZE = (128, 128)
 _QUANTIZED = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight")
 _INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
-         "block_structure": None, "observer": "minmax", "actorder": None}
+         "block_structure": None, "actorder": None, "observer_kwargs": {}, "scale_dtype": None,
+         "zp_dtype": None}
 
 
 def quantization_config(scheme: str) -> dict:
-    """The ``quantization_config`` written into config.json for ``scheme``."""
+    """The ``quantization_config`` written into config.json for ``scheme`` (W8A8: the layout
+    llm-compressor 0.14 / compressed-tensors 0.19 write for its ``W8A8`` preset)."""
     if scheme == "fp8-block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(FP8_BLOCK_SIZE)}
     return {"quant_method": "compressed-tensors", "format": "int-quantized",
             "quantization_status": "compressed", "ignore": ["lm_head"],
-            "kv_cache_scheme": None, "global_compression_ratio": None,
+            "kv_cache_scheme": None, "global_compression_ratio": None, "sparsity_config": {},
             "config_groups": {"group_0": {
-                "targets": ["Linear"], "output_activations": None,
-                "weights": {**_INT8, "strategy": "channel", "dynamic": False},
+                "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+                "weights": {**_INT8, "strategy": "channel", "dynamic": False,
+                            "observer": "minmax"},
                 "input_activations": {**_INT8, "strategy": "token", "dynamic": True,
                                       "observer": None}}}}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.model_config import ModelConfig
@@ -47,3 +49,23 @@ def test_w8a8_with_per_tensor_weights_is_refused():
     raw["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
     with pytest.raises(UnsupportedQuantizationError, match=r"weights\.strategy.*'channel'"):
         parse_quantization_config(raw)
+
+
+# written by llm-compressor 0.14.0.1 (compressed-tensors 0.19.0), QuantizationModifier(
+# targets="Linear", scheme="W8A8", ignore=["lm_head"]) on the tiny model, data-free oneshot
+LLMCOMPRESSOR_W8A8 = json.loads("""{"config_groups": {"group_0": {"format": "int-quantized",
+"input_activations": {"actorder": null, "block_structure": null, "dynamic": true,
+"group_size": null, "num_bits": 8, "observer": null, "observer_kwargs": {},
+"scale_dtype": null, "strategy": "token", "symmetric": true, "type": "int", "zp_dtype": null},
+"output_activations": null, "targets": ["Linear"], "weights": {"actorder": null,
+"block_structure": null, "dynamic": false, "group_size": null, "num_bits": 8,
+"observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": null,
+"strategy": "channel", "symmetric": true, "type": "int", "zp_dtype": null}}},
+"format": "int-quantized", "global_compression_ratio": null, "ignore":
+["model.layers.1.mlp.gate", "model.layers.2.mlp.gate", "lm_head"], "kv_cache_scheme": null,
+"quant_method": "compressed-tensors", "quantization_status": "compressed",
+"sparsity_config": {}, "transform_config": {}, "version": "0.19.0"}""")
+
+
+def test_llmcompressor_w8a8_config_parses():
+    assert parse_quantization_config(LLMCOMPRESSOR_W8A8).method == W8A8_INT8

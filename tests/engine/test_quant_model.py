@@ -151,3 +151,16 @@ def test_int8_weights_under_an_fp8_config_are_refused(w8a8_ckpt, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="weight_scale .*config.json says fp8_block"):
         _runner(ckpt)
+
+
+def test_llmcompressor_written_config_loads_the_same_tensors(w8a8_ckpt, tmp_path):
+    """llm-compressor 0.14 writes the same tensor layout (per-expert int8 ``weight``, float32
+    ``weight_scale [out, 1]``, no zero points: checked by hand, docs/quantization.md) under
+    its own config; its ``ignore`` list (router gates, lm_head) changes nothing."""
+    from tests.engine.test_quant_formats import LLMCOMPRESSOR_W8A8
+
+    ckpt = shutil.copytree(w8a8_ckpt, tmp_path / "llmc")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = LLMCOMPRESSOR_W8A8
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert torch.equal(_last_logits(_runner(ckpt)), _last_logits(_runner(w8a8_ckpt)))
