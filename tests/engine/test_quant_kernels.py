@@ -70,3 +70,13 @@ def test_zero_tokens_quantize_to_zero_with_scale_one():
     q, scale = w8a8.quantize_per_token(torch.zeros(2, 8))
     assert torch.equal(q, torch.zeros(2, 8, dtype=torch.int8))
     assert torch.equal(scale, torch.ones(2, 1))
+
+
+def test_cpu_int8_gemm_is_exact_at_the_extremes():
+    """Every product at +-128 * 127 and K = 7168 (7 float32 chunks): equal to torch._int_mm."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randint(-127, 128, (5, 7168), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (24, 7168), dtype=torch.int8, generator=gen)
+    x[0], w[0], w[1] = 127, -128, 127  # the largest sums: -127*128*7168, 127*127*7168
+    w[2] = torch.randint(64, 128, (7168,), dtype=torch.int8, generator=gen)  # odd sum > 2^26
+    assert torch.equal(w8a8.int8_gemm(x, w), torch._int_mm(x, w.t()))
