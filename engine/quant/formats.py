@@ -21,6 +21,7 @@ Anything else raises :class:`UnsupportedQuantizationError` naming what is suppor
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,10 @@ W8A8_INT8 = "w8a8_int8"
 SUPPORTED_METHODS = ("fp8 (DeepSeek e4m3, weight_block_size [128, 128])",
                      "compressed-tensors (int8 W8A8: channel weights, dynamic token activations)")
 SCALE_SUFFIX = {FP8_BLOCK: "weight_scale_inv", W8A8_INT8: "weight_scale"}
+QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight")
+"""Weights a quantized DeepSeek checkpoint stores quantized (DeepSeek's FP8 release and
+``orch model quantize`` alike): every linear of the decoder layers, experts included; the
+embedding, norms, router gate and lm_head stay float."""
 
 
 class UnsupportedQuantizationError(ValueError):
@@ -49,7 +54,8 @@ class QuantScheme:
 
     @property
     def scale_suffix(self) -> str:
-        """A weight ``x.weight``'s scale is ``x.`` + this (``weight_scale_inv``/``weight_scale``)."""
+        """The scale of weight ``x.weight`` is ``x.`` + this (``weight_scale_inv`` or
+        ``weight_scale``)."""
         return SCALE_SUFFIX[self.method]
 
 

@@ -10,15 +10,9 @@ multiplies by :func:`bytes_per_param` instead (exact up to the scales).
 
 from __future__ import annotations
 
-import re
-
-from engine.quant.formats import FP8_BLOCK, QuantScheme
+from engine.quant.formats import FP8_BLOCK, QUANTIZED_WEIGHT, QuantScheme
 from engine.quant.fp8_block import block_grid
 from engine.quant.linear import NEVER_QUANTIZED
-
-QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight")
-"""Checkpoint weights a quantized DeepSeek checkpoint stores quantized (DeepSeek's FP8 and
-``orch model quantize`` alike): every linear of the decoder layers, experts included."""
 
 SCALE_BYTES = 4  # float32 scales
 

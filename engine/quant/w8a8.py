@@ -59,7 +59,11 @@ def int8_gemm(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x [T, K]`` (float) -> ``[T, N]`` in ``x``'s dtype; weight int8 ``[N, K]``, scale ``[N, 1]``."""
+    """``x [T, K]`` (float) -> ``[T, N]`` in ``x``'s dtype.
+
+    Args:
+        weight: int8 ``[N, K]``. weight_scale: float32 ``[N, 1]``.
+    """
     x_q, x_scale = quantize_per_token(x)
     acc = int8_gemm(x_q, weight)  # [T, N] int32
     return (acc.float() * x_scale * weight_scale.t()).to(x.dtype)

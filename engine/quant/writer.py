@@ -14,20 +14,19 @@ output is split over shards of at most ``shard_bytes`` with ``model.safetensors.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from engine.quant.formats import QUANTIZED_WEIGHT
 from engine.quant.fp8_block import quantize_block
 from engine.quant.load import CheckpointTensors
 from engine.quant.w8a8 import quantize_per_channel
 
 SCHEMES = ("fp8-block", "w8a8")
 FP8_BLOCK_SIZE = (128, 128)
-_QUANTIZED = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight")
 _INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None,
          "block_structure": None, "actorder": None, "observer_kwargs": {}, "scale_dtype": None,
          "zp_dtype": None}
@@ -52,7 +51,7 @@ def quantization_config(scheme: str) -> dict:
 
 def quantize_tensor(name: str, t: torch.Tensor, scheme: str) -> dict[str, torch.Tensor]:
     """``{name: t}`` or, for a decoder-layer linear weight, the weight and its scale."""
-    if not _QUANTIZED.fullmatch(name):
+    if not QUANTIZED_WEIGHT.fullmatch(name):
         return {name: t}
     if t.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; only [out, in] linear weights "

@@ -69,3 +69,14 @@ LLMCOMPRESSOR_W8A8 = json.loads("""{"config_groups": {"group_0": {"format": "int
 
 def test_llmcompressor_w8a8_config_parses():
     assert parse_quantization_config(LLMCOMPRESSOR_W8A8).method == W8A8_INT8
+
+
+def test_model_fp8_storage_reaches_every_instance_and_is_checked():
+    from orchestrator.config import OrchConfig
+
+    sections = {"model": {"fp8_storage": "fp8"}, "cluster": {"device": "cpu"}}
+    assert {i.fp8_storage for i in OrchConfig.model_validate(sections).instances()} == {"fp8"}
+    assert {i.fp8_storage for i in OrchConfig.model_validate(
+        {"cluster": {"device": "cpu"}}).instances()} == {"dequantize"}
+    with pytest.raises(ValueError, match="fp8_storage"):
+        OrchConfig.model_validate({"model": {"fp8_storage": "fp16"}})
