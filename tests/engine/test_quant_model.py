@@ -114,6 +114,32 @@ def test_tp_shards_of_quantized_weights_equal_slices_of_the_whole(ckpt_name, req
         assert torch.equal(p, expect), name
 
 
+def _int8_parts(model):
+    """{checkpoint weight name: (int8 weight, scale)} of every int8 module."""
+    parts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, W8A8MLP):
+            parts.update((f"{name}.{p}.weight", ws) for p, ws in module.checkpoint_parts().items())
+        elif isinstance(module, Int8Linear):
+            parts[f"{name}.weight"] = (module.weight, module.weight_scale)
+    return parts
+
+
+def test_tp_shards_of_int8_weights_and_scales_equal_slices_of_the_whole(w8a8_ckpt):
+    config, kernels = load_model_config(w8a8_ckpt), KERNELS.resolve("cpu")
+    models = []
+    for tp in (TPGroup(), TPGroup(rank=1, size=2)):
+        plan = quant_plan(w8a8_ckpt, config.quantization)
+        models.append(build_model(config, tp, kernels, torch.float32, torch.device("cpu"), plan))
+        load_weights(models[-1], w8a8_ckpt, tp)
+    whole, part = (_int8_parts(m) for m in models)
+    assert len(part) == 3 * 4 + 3 * (1 + 2 * 9)
+    for name, (w, s) in part.items():
+        index = rule_for(name).local_slices(tuple(whole[name][0].shape), TPGroup(1, 2))
+        assert torch.equal(w, whole[name][0][index]), name
+        assert torch.equal(s, whole[name][1][index[0]]), name  # per output channel
+
+
 def test_fp8_storage_refuses_tp_shards_off_block_boundaries(fp8_ckpt):
     config = load_model_config(fp8_ckpt)
     tp = TPGroup(rank=1, size=2)
