@@ -14,13 +14,15 @@ from engine.kernels import KERNELS
 from engine.layout import rule_for
 from engine.loader import CheckpointError, load_weights
 from engine.model import build_model
-from engine.model_config import load_model_config
+from engine.model_config import ModelConfig, load_model_config
 from engine.parallel import TPGroup
 from engine.quant.fp8_block import Fp8BlockLinear, dequantize_block
 from engine.quant.linear import Int8Linear, W8A8MLP
 from engine.quant.load import CheckpointTensors, quant_plan
+from engine.quant.writer import quantize_checkpoint
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.cli import main as orch_main
+from orchestrator.tiny_model import tiny_config_dict, tiny_state_dict
 
 BLOCK = 16
 PROMPTS = [torch.randint(2, 129280, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -148,6 +150,32 @@ def test_fp8_storage_refuses_tp_shards_off_block_boundaries(fp8_ckpt):
                         torch.device("cpu"), plan)
     with pytest.raises(CheckpointError, match="fp8_storage: dequantize"):
         load_weights(model, fp8_ckpt, tp)
+
+
+def test_fp8_storage_tp_shards_on_block_boundaries_equal_slices_of_the_whole(tmp_path):
+    """A config whose TP parts are 128-block multiples at tp 2 (16 heads, expert width 256):
+    rank 1 keeps FP8 weights + its scale blocks, equal to its slice of the dequantized whole."""
+    raw = tiny_config_dict(hidden_size=256, num_heads=16, vocab_size=512)
+    raw.update(intermediate_size=512, moe_intermediate_size=256)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(raw))
+    save_file(tiny_state_dict(ModelConfig.from_dict(raw), seed=3), str(src / "model.safetensors"))
+    ckpt = quantize_checkpoint(src, tmp_path / "fp8", "fp8-block")
+    config, kernels, tp = load_model_config(ckpt), KERNELS.resolve("cpu"), TPGroup(1, 2)
+    whole = build_model(config, TPGroup(), kernels, torch.float32, torch.device("cpu"))
+    load_weights(whole, ckpt, TPGroup())
+    part = build_model(config, tp, kernels, torch.float32, torch.device("cpu"),
+                       quant_plan(ckpt, config.quantization, "fp8"))
+    load_weights(part, ckpt, tp)
+    full = dict(whole.named_parameters())
+    kept = [(n, m) for n, m in part.named_modules() if isinstance(m, Fp8BlockLinear)]
+    assert len(kept) == 3 * 4 + 3 * (1 + 2 * 9)
+    for name, module in kept:
+        w = full[f"{name}.weight"]
+        expect = w[rule_for(f"{name}.weight").local_slices(tuple(w.shape), tp)]
+        got = dequantize_block(module.weight, module.weight_scale_inv, (128, 128))
+        assert torch.equal(got, expect), name
 
 
 def test_w8a8_model_uses_int8_modules_and_stays_close_to_fp32(w8a8_ckpt, tiny_ckpt):
