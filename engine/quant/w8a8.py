@@ -43,13 +43,12 @@ EXACT_FP32_K = 1024
 def int8_gemm(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """``x_q [T, K] int8 @ w_q [N, K]^T`` -> int32 ``[T, N]`` (exact).
 
-    CUDA: ``torch._int_mm``. CPU: float32 GEMMs over K chunks of :data:`EXACT_FP32_K`, each
-    exact (every partial sum is an integer below 2^24), summed in int32. NOTE: bit-equal to
-    ``torch._int_mm`` and 2-15x faster on CPUs without AVX512-VNNI, where PyTorch's int8
-    GEMM has no fast path (measured, docs/quantization.md).
+    Float32 GEMMs over K chunks of :data:`EXACT_FP32_K`, each exact (every partial sum is an
+    integer below 2^24; int8 inputs are exact in TF32 too), summed in int32. NOTE: bit-equal
+    to ``torch._int_mm`` and 2-15x faster on CPUs without AVX512-VNNI, where PyTorch's int8
+    GEMM has no fast path (docs/quantization.md); ``torch._int_mm`` is not used on CUDA
+    either (untested here, and it refuses T <= 16 rows in some versions).
     """
-    if x_q.device.type != "cpu":
-        return torch._int_mm(x_q, w_q.t())
     acc = None
     for k in range(0, x_q.shape[1], EXACT_FP32_K):
         part = torch.mm(x_q[:, k:k + EXACT_FP32_K].float(),
