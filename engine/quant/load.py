@@ -11,13 +11,14 @@ and skips the names returned here.
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.layout import rule_for
+from engine.layout import TPLayout, rule_for
 from engine.loader import CheckpointError
 from engine.parallel import TPGroup
 from engine.quant.formats import FP8_BLOCK, SCALE_SUFFIX, QuantScheme
@@ -25,6 +26,14 @@ from engine.quant.fp8_block import Fp8BlockLinear, dequantize_block
 from engine.quant.linear import Int8Linear, QuantPlan, W8A8MLP
 
 Span = tuple[int, int]  # [start, stop) along one dim
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """Which part of each checkpoint tensor this rank holds: its TP rank in ``layout``."""
+
+    tp_rank: int
+    layout: TPLayout
 
 
 class CheckpointTensors:
@@ -103,19 +112,20 @@ def load_quantized(model: nn.Module, checkpoint_dir: str | Path, tp: TPGroup) ->
         _refuse_foreign_scales(tensors, scheme)
         if scheme is None:
             return set()
+        part = RankPart(tp.rank, model.layout)
         loaded: set[str] = set()
         for name, module in model.named_modules():
             if isinstance(module, W8A8MLP):
-                for part, (w, s) in module.checkpoint_parts().items():
-                    _load_int8(tensors, f"{name}.{part}.weight", w, s, scheme, tp)
+                for proj, (w, s) in module.checkpoint_parts().items():
+                    _load_int8(tensors, f"{name}.{proj}.weight", w, s, scheme, part)
             elif isinstance(module, Int8Linear):
                 _load_int8(tensors, f"{name}.weight", module.weight, module.weight_scale,
-                           scheme, tp)
+                           scheme, part)
             elif isinstance(module, Fp8BlockLinear):
-                _load_fp8(tensors, f"{name}.weight", module, scheme, tp)
+                _load_fp8(tensors, f"{name}.weight", module, scheme, part)
             elif isinstance(module, nn.Linear) \
                     and tensors.has(scale_name(f"{name}.weight", scheme)):
-                _load_dequantized(tensors, f"{name}.weight", module.weight, scheme, tp)
+                _load_dequantized(tensors, f"{name}.weight", module.weight, scheme, part)
                 loaded.add(f"{name}.weight")
     return loaded
 
@@ -134,15 +144,15 @@ def _refuse_foreign_scales(tensors: CheckpointTensors, scheme: QuantScheme | Non
 
 
 def _local_spans(tensors: CheckpointTensors, weight_name: str, local_shape: tuple[int, ...],
-                 tp: TPGroup) -> list[Span]:
+                 part: RankPart) -> list[Span]:
     """This rank's ``[start, stop)`` per dim of the checkpoint weight (shape checked)."""
     rule = rule_for(weight_name)
     full = tensors.shape(weight_name)
-    expected = rule.full_shape(local_shape, tp.size)
+    expected = rule.full_shape(local_shape, part.layout)
     if full != expected:
         raise CheckpointError(f"checkpoint tensor {weight_name} has shape {full}; the config "
                               f"implies {expected}: config.json and weights disagree")
-    index = rule.local_slices(full, tp)
+    index = rule.local_slices(full, part.tp_rank, part.layout)
     return [(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, full)]
 
 
@@ -156,17 +166,17 @@ def _read_weight(tensors: CheckpointTensors, name: str, spans: list[Span],
 
 
 def _load_int8(tensors: CheckpointTensors, name: str, weight: torch.Tensor,
-               scale: torch.Tensor, scheme: QuantScheme, tp: TPGroup) -> None:
+               scale: torch.Tensor, scheme: QuantScheme, part: RankPart) -> None:
     """Int8 weight part + its rows of the per-channel scale ``[out, 1]``."""
-    spans = _local_spans(tensors, name, tuple(weight.shape), tp)
+    spans = _local_spans(tensors, name, tuple(weight.shape), part)
     weight.copy_(_read_weight(tensors, name, spans, torch.int8))
     scale.copy_(tensors.read(scale_name(name, scheme), [spans[0], (0, 1)]).float())
 
 
 def _load_fp8(tensors: CheckpointTensors, name: str, module: Fp8BlockLinear,
-              scheme: QuantScheme, tp: TPGroup) -> None:
+              scheme: QuantScheme, part: RankPart) -> None:
     """FP8 weight part + the scale blocks covering it (the part must be block aligned)."""
-    spans = _local_spans(tensors, name, tuple(module.weight.shape), tp)
+    spans = _local_spans(tensors, name, tuple(module.weight.shape), part)
     full = tensors.shape(name)
     for (start, stop), b, n in zip(spans, scheme.block_size, full):
         if start % b or (stop % b and stop != n):
@@ -180,9 +190,9 @@ def _load_fp8(tensors: CheckpointTensors, name: str, module: Fp8BlockLinear,
 
 
 def _load_dequantized(tensors: CheckpointTensors, name: str, weight: torch.Tensor,
-                      scheme: QuantScheme, tp: TPGroup) -> None:
+                      scheme: QuantScheme, part: RankPart) -> None:
     """Quantized checkpoint weight part -> float ``weight`` (dequantized in float32)."""
-    spans = _local_spans(tensors, name, tuple(weight.shape), tp)
+    spans = _local_spans(tensors, name, tuple(weight.shape), part)
     scale = scale_name(name, scheme)
     if scheme.method == FP8_BLOCK:
         q = _read_weight(tensors, name, spans, torch.float8_e4m3fn)

@@ -15,7 +15,7 @@ from engine.layout import rule_for
 from engine.loader import CheckpointError, load_weights
 from engine.model import build_model
 from engine.model_config import ModelConfig, load_model_config
-from engine.parallel import TPGroup
+from engine.parallel import EPGroup, TPGroup
 from engine.quant.fp8_block import Fp8BlockLinear, dequantize_block
 from engine.quant.linear import Int8Linear, W8A8MLP
 from engine.quant.load import CheckpointTensors, quant_plan
@@ -112,7 +112,8 @@ def test_tp_shards_of_quantized_weights_equal_slices_of_the_whole(ckpt_name, req
     load_weights(part, ckpt, tp)
     full = dict(whole.named_parameters())
     for name, p in part.named_parameters():
-        expect = full[name][rule_for(name).local_slices(tuple(full[name].shape), tp)]
+        index = rule_for(name).local_slices(tuple(full[name].shape), tp.rank, part.layout)
+        expect = full[name][index]
         assert torch.equal(p, expect), name
 
 
@@ -127,17 +128,21 @@ def _int8_parts(model):
     return parts
 
 
-def test_tp_shards_of_int8_weights_and_scales_equal_slices_of_the_whole(w8a8_ckpt):
+@pytest.mark.parametrize("ep, num_experts", [(EPGroup(), 8), (EPGroup(rank=3, size=4), 2)])
+def test_tp_and_ep_shards_of_int8_weights_and_scales_equal_slices_of_the_whole(w8a8_ckpt, ep,
+                                                                               num_experts):
+    """TP rank 1 of 2, without EP and as EP rank 3 of 4 (dp2 x tp2: experts 6, 7 whole)."""
     config, kernels = load_model_config(w8a8_ckpt), KERNELS.resolve("cpu")
+    plan = quant_plan(w8a8_ckpt, config.quantization)
     models = []
-    for tp in (TPGroup(), TPGroup(rank=1, size=2)):
-        plan = quant_plan(w8a8_ckpt, config.quantization)
-        models.append(build_model(config, tp, kernels, torch.float32, torch.device("cpu"), plan))
+    for tp, ep_group in ((TPGroup(), EPGroup()), (TPGroup(rank=1, size=2), ep)):
+        models.append(build_model(config, tp, kernels, torch.float32, torch.device("cpu"), plan,
+                                  ep=ep_group))
         load_weights(models[-1], w8a8_ckpt, tp)
     whole, part = (_int8_parts(m) for m in models)
-    assert len(part) == 3 * 4 + 3 * (1 + 2 * 9)
+    assert len(part) == 3 * 4 + 3 * (1 + 2 * (num_experts + 1))
     for name, (w, s) in part.items():
-        index = rule_for(name).local_slices(tuple(whole[name][0].shape), TPGroup(1, 2))
+        index = rule_for(name).local_slices(tuple(whole[name][0].shape), 1, models[1].layout)
         assert torch.equal(w, whole[name][0][index]), name
         assert torch.equal(s, whole[name][1][index[0]]), name  # per output channel
 
@@ -173,7 +178,7 @@ def test_fp8_storage_tp_shards_on_block_boundaries_equal_slices_of_the_whole(tmp
     assert len(kept) == 3 * 4 + 3 * (1 + 2 * 9)
     for name, module in kept:
         w = full[f"{name}.weight"]
-        expect = w[rule_for(f"{name}.weight").local_slices(tuple(w.shape), tp)]
+        expect = w[rule_for(f"{name}.weight").local_slices(tuple(w.shape), tp.rank, part.layout)]
         got = dequantize_block(module.weight, module.weight_scale_inv, (128, 128))
         assert torch.equal(got, expect), name
 
