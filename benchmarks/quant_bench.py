@@ -95,13 +95,14 @@ def rank_weights(tp: int, ep: int) -> Iterator[tuple[str, tuple[int, ...], int]]
 
 
 def weight_table() -> list[tuple[str, float, float, float]]:
-    """(role, bf16 GiB, FP8 GiB, W8A8 GiB) of weights per rank on the A3 layout."""
+    """(role, bf16 GB, FP8 GB, W8A8 GB) of weights per rank on the A3 layout (GB = 10^9 bytes,
+    the memory plan's unit)."""
     schemes = [(None, "dequantize"), (QuantScheme(FP8_BLOCK, (128, 128)), "fp8"),
                (QuantScheme(W8A8_INT8), "dequantize")]
     rows = []
     for role, tp in (("prefill dp2 x tp16, ep32", 16), ("decode dp8 x tp4, ep32", 4)):
         gib = [sum(stored_weight_bytes(n, s, q, 2, st) * k for n, s, k in rank_weights(tp, 32))
-               / 2**30 for q, st in schemes]
+               / 1e9 for q, st in schemes]
         rows.append((role, *gib))
     return rows
 
@@ -149,7 +150,7 @@ def main() -> None:
     print("expert MLP (7168 x 2048), 1 thread, best ms:\n  T     fp32     bf16   int8 fused")
     for t, f32, bf16, i8 in mlp_times(args.tokens, args.repeats):
         print(f"{t:4d} {f32:8.2f} {bf16:8.2f} {i8:8.2f}   int8/fp32 {i8 / f32:.2f}")
-    print("\nDeepSeek-V3 weights per rank, A3 layout (GiB):  bf16    FP8   W8A8")
+    print("\nDeepSeek-V3 weights per rank, A3 layout (GB):   bf16    FP8   W8A8")
     for role, bf16, fp8, i8 in weight_table():
         print(f"  {role:28s} {bf16:6.2f} {fp8:6.2f} {i8:6.2f}")
     print(f"\ntiny model vs fp32, 16 prompts, {args.steps} greedy steps teacher-forced:")
