@@ -11,15 +11,17 @@ from __future__ import annotations
 import pytest
 
 from engine.quant.writer import quantize_checkpoint
-from orchestrator.tiny_model import write_tiny_checkpoint
+from orchestrator.checkpoint import ensure_checkpoint
+from orchestrator.config import ModelSection
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 
 
 @pytest.fixture(scope="module")
 def w8a8_dir(tmp_path_factory):
-    tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
-    return quantize_checkpoint(tiny, tmp_path_factory.mktemp("w8a8"), "w8a8")
+    """The built-in tiny checkpoint (the one `model.path: tiny` serves) as W8A8."""
+    return quantize_checkpoint(ensure_checkpoint(ModelSection()), tmp_path_factory.mktemp("w8a8"),
+                               "w8a8")
 
 
 def _serve(config: str, ckpt, tmp, prompts, overrides=None) -> list[list[int]]:
