@@ -20,6 +20,10 @@ Kernels:
         same contract as mla_decode); variants "mha" (default, MHA form:
         :func:`engine.sparse_attention.sparse_prefill_mha`) and "absorbed"
         (:func:`engine.mla_ops.decode_absorbed`).
+    w8a8_linear(x, weight, weight_scale): int8 linear with per-token dynamic activation
+        quantization (:func:`engine.quant.w8a8.w8a8_linear`).
+    w8a8_mlp(x, gate_up_weight, gate_up_scale, down_weight, down_scale): the fused int8
+        SwiGLU MLP of an expert (:func:`engine.quant.w8a8.w8a8_mlp`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class KernelSet:
     reshape_and_cache: Callable
     mla_decode: Callable
     sparse_prefill: Callable
+    w8a8_linear: Callable
+    w8a8_mlp: Callable
 
 
 class KernelRegistry:
@@ -128,6 +134,15 @@ def _load_op(module: str, name: str) -> Loader:
     return load
 
 
+def _load_npu_w8a8_op(name: str) -> Loader:
+    def load() -> Callable:
+        from engine.quant import npu  # noqa: PLC0415 (imports torch_npu)
+
+        return getattr(npu, f"load_{name}")()
+
+    return load
+
+
 KERNELS = KernelRegistry()
 """The registry every runner resolves from (filled once, here, at import)."""
 
@@ -142,3 +157,7 @@ KERNELS.register("sparse_prefill", "mha", _ALL,
                  _load_op("engine.sparse_attention", "sparse_prefill_mha"), default=True)
 KERNELS.register("sparse_prefill", "absorbed", _ALL,
                  _load_op("engine.mla_ops", "decode_absorbed"))
+for _op in ("w8a8_linear", "w8a8_mlp"):
+    KERNELS.register(_op, "native", ("cpu", "cuda"), _load_op("engine.quant.w8a8", _op),
+                     default=True)
+    KERNELS.register(_op, "native", ("npu",), _load_npu_w8a8_op(_op))

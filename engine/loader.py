@@ -9,6 +9,8 @@ Accepted expert layouts:
 Which tensor is split how is :mod:`engine.layout`'s table (``rule_for``); this module only
 reads the slice a rule names, shard-only where the file format allows. Tensors the model does
 not have (e.g. the MTP layer ``model.layers.{num_hidden_layers}.*``) are skipped, never read.
+Quantized weights and their scales (FP8 block, int8 W8A8) are loaded first by
+:func:`engine.quant.load.load_quantized`; checkpoints may be split over several files.
 """
 
 from __future__ import annotations
@@ -47,10 +49,6 @@ def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, 
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if name.endswith("weight_scale_inv"):
-                    raise CheckpointError(
-                        f"{name} in {path.name}: FP8 block-quantized checkpoints are not "
-                        "supported yet; convert to bf16 first (DeepSeek's fp8_cast_bf16.py)")
                 fused = _FUSED.match(name)
                 if fused is None:
                     sl = f.get_slice(name)
@@ -82,15 +80,18 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
             has a shape other than the full (unsharded) shape the config implies; the message
             names the tensor and the expected shape.
     """
+    from engine.quant.load import load_quantized  # noqa: PLC0415 (it imports CheckpointError)
+
     params, layout = dict(model.named_parameters()), model.layout
     tied = model.config.tie_word_embeddings
     if tied:
         params.pop("lm_head.weight")
-    loaded: set[str] = set()
+    with torch.no_grad():  # quantized modules, and float weights stored quantized
+        loaded = load_quantized(model, checkpoint_dir, tp)
     for name, shape, read in _checkpoint_entries(Path(checkpoint_dir)):
         param = params.get(name)
-        if param is None:
-            continue  # not part of this model (MTP layer, ...): never read
+        if param is None or name in loaded:
+            continue  # not part of this model (MTP layer, scales, ...) or loaded: never read
         rule = rule_for(name)
         expected = rule.full_shape(tuple(param.shape), layout)
         if shape != expected:

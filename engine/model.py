@@ -25,6 +25,7 @@ from engine.model_config import ModelConfig
 from engine.moe import MLP, MoE, MoEGate
 from engine.norm import RMSNorm
 from engine.parallel import EPGroup, TPGroup
+from engine.quant.linear import QuantPlan, quantize_modules
 from engine.rotary import RotaryEmbedding
 
 
@@ -127,14 +128,17 @@ class DeepseekForCausalLM(nn.Module):
 
 
 def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
-                device: torch.device, *, ep: EPGroup | None = None) -> DeepseekForCausalLM:
+                device: torch.device, quant: QuantPlan | None = None, *,
+                ep: EPGroup | None = None) -> DeepseekForCausalLM:
     """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill, with
     rank ``tp.rank``'s share of every split weight and, under EP (``ep`` of size > 1), only
     EP rank ``ep.rank``'s routed experts (:func:`engine.layout.tp_layout`).
 
     Built on the meta device and materialized once, so no time goes into random init. The
     router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (selection is
-    sensitive to it; HF keeps it fp32 too).
+    sensitive to it; HF keeps it fp32 too). ``quant``: a quantized checkpoint's plan; its
+    quantized linear layers are swapped for quantized modules
+    (:func:`engine.quant.linear.quantize_modules`).
 
     Raises:
         ValueError: ``tp.size`` does not divide a size the layout splits, or ``ep.size`` does
@@ -148,6 +152,7 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     for module in model.modules():
         if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
+    quantize_modules(model, quant, kernels)
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config).to(device)  # its buffer was made on meta
     return model.eval()

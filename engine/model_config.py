@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.quant.formats import QuantScheme, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
                            "DeepseekV32ForCausalLM")
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
@@ -57,6 +59,7 @@ class ModelConfig:
     rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).
     ``index_n_heads``, ``index_head_dim``, ``index_topk``: DeepSeek-V3.2's lightning indexer
     (64, 128, 2048 in the release); all 0 for V2/V3 (no indexer).
+    ``quantization`` None means float weights (else :mod:`engine.quant.formats`).
     """
 
     hidden_size: int
@@ -95,6 +98,7 @@ class ModelConfig:
     def uses_sparse_attention(self) -> bool:
         """True for DeepSeek-V3.2 (DSA): every layer has a lightning indexer and index_k cache."""
         return self.index_topk > 0
+    quantization: QuantScheme | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -113,6 +117,8 @@ class ModelConfig:
         Raises:
             UnsupportedModelError: architecture, scoring_func, topk_method or rope type not
                 supported; the message names the field and the allowed values.
+            UnsupportedQuantizationError: a ``quantization_config`` other than DeepSeek FP8
+                block or compressed-tensors int8 W8A8 (the message names both).
             KeyError: a required field is missing (its name is the key).
         """
         arch = (raw.get("architectures") or [None])[0]
@@ -159,6 +165,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             **_parse_indexer(raw, arch),
+            quantization=parse_quantization_config(raw.get("quantization_config")),
         )
 
 

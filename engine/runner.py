@@ -21,6 +21,7 @@ from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import load_model_config
 from engine.parallel import EPGroup, TPGroup
+from engine.quant.load import quant_plan
 from engine.platform import detect_platform
 
 
@@ -56,6 +57,8 @@ class ModelRunner:
         device: torch device (None: the platform's device ``tp.rank``).
         kernel_choices: kernel name -> variant (e.g. ``{"mla_decode": "naive"}``).
         kernels: an already resolved :class:`KernelSet` (overrides ``kernel_choices``).
+        fp8_storage: FP8 checkpoints only: "dequantize" (to ``dtype`` at load) or "fp8"
+            (FP8 weights kept, dequantized per block at use); see docs/quantization.md.
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
@@ -68,7 +71,8 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
                  device: torch.device | str | None = None,
                  kernel_choices: Mapping[str, str] | None = None,
-                 kernels: KernelSet | None = None, ep: EPGroup | None = None) -> None:
+                 kernels: KernelSet | None = None, ep: EPGroup | None = None,
+                 fp8_storage: str = "dequantize") -> None:
         self.tp = tp or TPGroup()
         self.ep = ep or EPGroup()
         self.platform = detect_platform()
@@ -76,7 +80,8 @@ class ModelRunner:
             else self.platform.device(self.tp.rank)
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
-        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device,
+        quant = quant_plan(checkpoint_dir, cfg.quantization, fp8_storage)
+        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep)
         load_weights(self.model, checkpoint_dir, self.tp)
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,

@@ -192,6 +192,16 @@ def _cmd_init_tiny(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(ns: argparse.Namespace) -> int:
+    try:
+        from engine.quant.writer import quantize_main
+    except ImportError as exc:
+        print(f"orch model quantize: the engine is not installed ({exc})", file=sys.stderr)
+        return 1
+    quantize_main(ns.src, ns.dst, ns.scheme, ns.shard_mb)  # prints what it wrote
+    return 0
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     help_text = "benchmark a running router"
     try:
@@ -250,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="deepseek_v3",
                       help="model_type: deepseek_v3 (default) or deepseek_v32 (sparse attention)")
     tiny.set_defaults(func=_cmd_init_tiny)
+    quant = model.add_parser("quantize", help="write an FP8-block or int8 W8A8 checkpoint "
+                             "from a float one (docs/quantization.md)")
+    quant.add_argument("src")
+    quant.add_argument("dst")
+    quant.add_argument("--scheme", required=True, choices=("fp8-block", "w8a8"))
+    quant.add_argument("--shard-mb", type=int, default=5120, help="largest output file, MiB")
+    quant.set_defaults(func=_cmd_quantize)
     _add_bench(sub)
     return parser
 

@@ -45,6 +45,8 @@ class ModelSection(_Section):
     tiny_seed: int = Field(0, ge=0)
     tiny_dir: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # FP8 checkpoints: dequantize to dtype at load, or keep FP8 weights (docs/quantization.md).
+    fp8_storage: Literal["dequantize", "fp8"] = "dequantize"
     max_model_len: int = Field(2048, ge=2)
     # A config.json to plan memory and check tp with when model.path's is not on this machine
     # (a relative path is relative to the YAML file's folder); model.path's wins when present.
@@ -290,7 +292,8 @@ class OrchConfig(_Section):
         transfer = self.kv_transfer.transfer_config()
         return [InstanceConfig(name=f"{role}-{i}", role=role,
                                checkpoint_dir=str(self.model.checkpoint_dir()),
-                               dtype=self.model.dtype, scheduler=scheduler[role],
+                               dtype=self.model.dtype, fp8_storage=self.model.fp8_storage,
+                               scheduler=scheduler[role],
                                parallel=replace(parallel[role], dp_rank=i), transfer=transfer)
                 for role in roles for i in range(self._section(role).dp)]
 

@@ -104,6 +104,7 @@ class InstanceConfig:
         checkpoint_dir: HF checkpoint directory (config.json, *.safetensors, tokenizer.json).
         scheduler: scheduler, block pool and KV cache sizes of this role.
         dtype: "float32", "bfloat16" or "float16".
+        fp8_storage: FP8 checkpoints: "dequantize" at load or keep "fp8" (docs/quantization.md).
         parallel: TP size, device, backend, bind address.
         transfer: KV transfer bounds (seconds).
     """
@@ -113,5 +114,6 @@ class InstanceConfig:
     checkpoint_dir: str
     scheduler: SchedulerConfig
     dtype: str = "float32"
+    fp8_storage: str = "dequantize"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)

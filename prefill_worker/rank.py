@@ -157,7 +157,7 @@ class RankBase(ABC):
                                       num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
                                       block_size=self.cfg.scheduler.block_size,
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
-                                      ep=ep)
+                                      ep=ep, fp8_storage=self.cfg.fp8_storage)
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)

@@ -1,0 +1,119 @@
+"""Quantized checkpoint formats: ``quantization_config`` of config.json -> :class:`QuantScheme`.
+
+Two published formats are read (and written by :mod:`engine.quant.writer`):
+
+- DeepSeek FP8 (``quant_method: fp8``, as released for V3/R1): every quantized linear weight
+  ``W [out, in]`` is float8_e4m3fn with ``weight_scale_inv`` float32
+  ``[ceil(out/128), ceil(in/128)]``; the real weight is ``W * scale_inv`` of its 128 x 128
+  block (the last block of a dim may be partial). Activations stay in the compute dtype.
+- compressed-tensors int8 W8A8 (``quant_method: compressed-tensors``, ``format:
+  int-quantized``, as llm-compressor writes it): ``weight`` int8 ``[out, in]`` and
+  ``weight_scale [out, 1]`` (symmetric, per output channel); activations quantized per token
+  at run time (dynamic, symmetric, scale = max|x| / 127).
+
+Which weights are quantized is read from the checkpoint itself (a weight is quantized when its
+scale tensor exists: :func:`engine.quant.load.quant_plan`), not from lists in the config:
+DeepSeek's format lists none, and compressed-tensors' ``targets``/``ignore`` name module
+classes and names of the library that wrote it.
+
+Anything else raises :class:`UnsupportedQuantizationError` naming what is supported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+FP8_BLOCK = "fp8_block"
+W8A8_INT8 = "w8a8_int8"
+SUPPORTED_METHODS = ("fp8 (DeepSeek e4m3, weight_block_size [128, 128])",
+                     "compressed-tensors (int8 W8A8: channel weights, dynamic token activations)")
+SCALE_SUFFIX = {FP8_BLOCK: "weight_scale_inv", W8A8_INT8: "weight_scale"}
+QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\..*_proj(_with_mqa)?\.weight")
+"""Weights a quantized DeepSeek checkpoint stores quantized (DeepSeek's FP8 release and
+``orch model quantize`` alike): every linear of the decoder layers, experts included; the
+embedding, norms, router gate and lm_head stay float."""
+
+
+class UnsupportedQuantizationError(ValueError):
+    """config.json's ``quantization_config`` names a method or variant orch cannot run."""
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a checkpoint's linear weights are quantized.
+
+    Attributes:
+        method: :data:`FP8_BLOCK` or :data:`W8A8_INT8`.
+        block_size: (rows, cols) of one FP8 scale block; None for W8A8 (per channel).
+    """
+
+    method: str
+    block_size: tuple[int, int] | None = None
+
+    @property
+    def scale_suffix(self) -> str:
+        """The scale of weight ``x.weight`` is ``x.`` + this (``weight_scale_inv`` or
+        ``weight_scale``)."""
+        return SCALE_SUFFIX[self.method]
+
+
+def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
+    """The :class:`QuantScheme` of a ``quantization_config`` dict (None: not quantized).
+
+    Raises:
+        UnsupportedQuantizationError: a method, number format, block size or strategy other
+            than the two supported formats; the message names the field and what is supported.
+    """
+    if raw is None:
+        return None
+    method = raw.get("quant_method")
+    if method == "fp8":
+        return _parse_deepseek_fp8(raw)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(raw)
+    raise _unsupported("quant_method", method)
+
+
+def _unsupported(field: str, value: Any, detail: str = "") -> UnsupportedQuantizationError:
+    return UnsupportedQuantizationError(
+        f"config.json quantization_config.{field} is {value!r}{detail}; orch runs "
+        f"{' or '.join(SUPPORTED_METHODS)}: convert the checkpoint to one of these (e.g. "
+        "`orch model quantize SRC DST --scheme fp8-block|w8a8` from a bf16 checkpoint)")
+
+
+def _parse_deepseek_fp8(raw: dict[str, Any]) -> QuantScheme:
+    fmt = raw.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _unsupported("fmt", fmt)
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise _unsupported("activation_scheme", raw.get("activation_scheme"))
+    block = raw.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
+        raise _unsupported("weight_block_size", block, " (per-tensor FP8 is not supported)")
+    return QuantScheme(FP8_BLOCK, block_size=(int(block[0]), int(block[1])))
+
+
+_W8A8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+_W8A8_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                "dynamic": True}
+
+
+def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantScheme:
+    fmt = raw.get("format")
+    if fmt not in ("int-quantized", "naive-quantized"):
+        raise _unsupported("format", fmt, " (int8 W8A8 is written as 'int-quantized')")
+    groups = raw.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _unsupported("config_groups", sorted(groups), " (exactly one group expected)")
+    name, group = next(iter(groups.items()))
+    if "Linear" not in group.get("targets", []):
+        raise _unsupported(f"config_groups.{name}.targets", group.get("targets"))
+    for part, want in (("weights", _W8A8_WEIGHTS), ("input_activations", _W8A8_INPUTS)):
+        got = group.get(part) or {}
+        for key, value in want.items():
+            if got.get(key) != value:
+                raise _unsupported(f"config_groups.{name}.{part}.{key}", got.get(key),
+                                   f" (int8 W8A8 needs {value!r})")
+    return QuantScheme(W8A8_INT8)

@@ -1,0 +1,74 @@
+"""DeepSeek FP8 block quantization: float8_e4m3fn weights with one float32 scale per block.
+
+A weight ``W [out, in]`` is stored as ``Q [out, in]`` (e4m3) and ``scale_inv [ceil(out/bo),
+ceil(in/bi)]`` (``(bo, bi)`` = ``weight_block_size``, 128 x 128 in DeepSeek's checkpoints);
+``W[r, c] = Q[r, c] * scale_inv[r // bo, c // bi]``. The last block of a dim is partial when
+the dim is not a multiple of the block (ceil division, as DeepSeek's ``weight_dequant``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    """Shape of the scale grid of a ``[rows, cols]`` weight: ``(ceil(rows/bo), ceil(cols/bi))``."""
+    return -(-rows // block[0]), -(-cols // block[1])
+
+
+def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Float32 ``[r, c]`` weight from ``q [r, c]`` (any dtype) and its scale grid.
+
+    Args:
+        q: a part of the quantized weight starting at row/col ``offset`` of the full weight.
+        scale_inv: the FULL weight's scale grid ``[ceil(out/bo), ceil(in/bi)]`` (or the part
+            of it whose first block is ``offset // block``: then pass ``offset % block``).
+        block: (bo, bi).
+    """
+    rows = (torch.arange(q.shape[0], device=q.device) + offset[0]) // block[0]
+    cols = (torch.arange(q.shape[1], device=q.device) + offset[1]) // block[1]
+    return q.float() * scale_inv.float()[rows][:, cols]
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q float8_e4m3fn [out, in], scale_inv float32 grid)`` with ``scale = amax / 448``.
+
+    An all-zero block gets scale 1 (its values are 0 either way).
+    """
+    out, inp = w.shape
+    grid = block_grid(out, inp, block)
+    padded = w.float().new_zeros(grid[0] * block[0], grid[1] * block[1])
+    padded[:out, :inp] = w.float()
+    tiles = padded.view(grid[0], block[0], grid[1], block[1])
+    amax = tiles.abs().amax(dim=(1, 3))  # [G0, G1]
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (tiles / scale_inv[:, None, :, None]).view_as(padded)[:out, :inp]
+    return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous(), scale_inv
+
+
+class Fp8BlockLinear(nn.Module):
+    """Linear layer that keeps the FP8 weight and dequantizes it per block at use.
+
+    Buffers (checkpoint names): ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale_inv``
+    float32 ``[ceil(out/bo), ceil(in/bi)]``. Under TP the local weight must start on a block
+    boundary of the full weight (checked by the loader), so its grid is the local part of the
+    checkpoint's.
+    """
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int]) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.register_buffer("weight", torch.empty(out_features, in_features,
+                                                   dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(
+            block_grid(out_features, in_features, block), dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, in]`` -> ``[T, out]`` in ``x``'s dtype."""
+        w = dequantize_block(self.weight, self.weight_scale_inv, self.block)
+        return F.linear(x, w.to(x.dtype))
