@@ -136,3 +136,11 @@ def test_client_gone_mid_stream_frees_every_block(orch):
     assert all(c.choices[0].finish_reason is None for c in got)
     # NOTE: a request nobody stopped would hold decode for still_running_s more.
     wait_idle(orch, timeout_s=still_running_s / 2)
+
+
+def test_sigint_stops_both_servers(orch):
+    """Last: uvicorn leaves SIGINT to orch up, which drains and exits 0 with HTTP closed."""
+    assert orch.stop() == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(orch.base_url[:-3] + "/health", timeout=5)
+    assert "orch: stopping" in orch.log.read_text()
