@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
@@ -35,7 +34,6 @@ from orchestrator.limits import check_request_size, max_request_bytes
 from orchestrator.request import RequestError
 from orchestrator.router import Router
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
                "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
@@ -76,7 +74,8 @@ class OpenAIApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ], exception_handlers={RequestError: _request_error, HTTPException: _http_error})
+        ], exception_handlers={RequestError: _request_error, HTTPException: _http_error,
+                               Exception: _bug})
 
     async def health(self, request: Request) -> Response:
         ok = self.ready()
@@ -225,3 +224,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                                    "serves /v1/completions, /v1/chat/completions, /v1/models, "
                                    "/health)", "invalid_request_error", str(exc.status_code)),
                         status_code=exc.status_code)
+
+
+async def _bug(request: Request, exc: Exception) -> Response:
+    """A bug still answers in OpenAI's shape, with gRPC's INTERNAL message (uvicorn logs the
+    traceback)."""
+    return JSONResponse(error_body(f"router error: {type(exc).__name__}: {exc}; see router "
+                                   "log", "server_error", "INTERNAL"), status_code=500)

@@ -203,3 +203,14 @@ def test_client_gone_before_the_first_token_aborts_the_request(h):
     assert _wait_for(lambda: any(c[0] == "abort" for c in _calls(h, "decode-0")))
     h.call_in_loop(release.set)
     assert _nothing_left(h)
+
+
+def test_a_bug_is_500_in_openai_shape(h, monkeypatch):
+    def broken(inp):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(h.router, "generate", broken)
+    resp = httpx.post(h.url + "/completions", json={"model": MODEL.name, "prompt": "hi"},
+                      timeout=10)
+    assert resp.status_code == 500
+    assert resp.json()["error"]["message"] == ("router error: RuntimeError: boom; see router "
+                                               "log")
