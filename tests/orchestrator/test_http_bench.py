@@ -42,3 +42,21 @@ def test_openai_backend_counts_what_grpc_counts():
         assert failed.errors == {"INVALID_ARGUMENT": 2}
     finally:
         h.close()
+
+
+def test_cli_backend_openai(tmp_path, capsys):
+    from orchestrator.bench.cli import main
+    from orchestrator.bench.report import BenchReport
+
+    h = HttpHarness()
+    try:
+        out = tmp_path / "r.json"
+        assert main(["--backend", "openai", "--base-url", h.url, "--workload", "synthetic",
+                     "--num-requests", "2", "--input-len", "8", "--output-len", "3",
+                     "--token-range", "1000", "50000", "--no-progress",
+                     "--output", str(out)]) == 0
+        assert BenchReport.from_json(out).counts["completed"] == 2
+        assert main(["--backend", "openai", "--workload", "synthetic"]) == 2
+        assert "--base-url" in capsys.readouterr().err
+    finally:
+        h.close()
