@@ -5,8 +5,8 @@ Supported: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``
 ``seed``, ``stop`` (strings), ``stream`` with ``stream_options.include_usage``, ``n`` = 1, and
 two vLLM extensions the bench uses: ``top_k`` and ``ignore_eos``. A completion prompt is one
 string or one list of token ids. Unknown fields are ignored (as OpenAI-compatible servers do);
-known ones orch cannot honour (``n`` > 1, ``logprobs``, ``echo``, several prompts) are refused
-with a 400 saying so.
+known ones orch cannot honour (``n`` > 1, ``logprobs``, ``echo``, penalties, ``logit_bias``,
+several prompts) are refused with a 400 saying so.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         """The non-empty stop strings (at most MAX_STOP_STRINGS)."""
@@ -56,6 +59,10 @@ class GenerationRequest(BaseModel):
             raise RequestError("INVALID_ARGUMENT", f"n={self.n} is not supported: orch returns "
                                                    "one choice per request; send n=1 (or omit "
                                                    "it) and repeat the request for more")
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if getattr(self, name):
+                raise RequestError("INVALID_ARGUMENT", f"{name} is not supported by orch: "
+                                                       "omit it (or send 0)")
 
     @property
     def include_usage(self) -> bool:

@@ -132,6 +132,8 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
     ({"model": "fake", "prompt": "hi", "temperature": -1}, 400, "sampling: temperature"),
     ({"model": "fake", "prompt": "hi", "n": 2}, 400, "n=2 is not supported"),
     ({"model": "fake", "prompt": "hi", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"model": "fake", "prompt": "hi", "presence_penalty": 0.5}, 400,
+     "presence_penalty is not supported"),
     ({"model": "fake"}, 400, "prompt: Field required"),
     ({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
      400, "logprobs is not supported"),
