@@ -58,3 +58,12 @@ def test_http_port_must_differ_from_the_other_ports(tmp_path):
     path.write_text("router: {port: 9000, metrics_port: 9001, http_port: 9001}\n")
     with pytest.raises(ConfigError, match="router.http_port"):
         load_config(path)
+
+
+def test_up_http_port_flag(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text("router: {port: 50051}\ncluster: {device: cpu}\n")
+    assert main(["up", "--dry-run", str(config), "--http-port", "50051"]) == 2
+    assert "router.http_port (50051) equals router.port" in capsys.readouterr().err
