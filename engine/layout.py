@@ -1,27 +1,28 @@
-"""Tensor-parallel layout of the model's weights, in one place.
+"""Parallel layout of the model's weights (TP, vocab-parallel, expert-parallel), in one place.
 
 The model code is plain: modules take their local sizes as ints and never split anything
 themselves. This module decides, from one table, for every parameter of the checkpoint:
 
-- how it is split over the TP group (:data:`RULES`, full match on the parameter name);
+- how it is split over the TP group, or owned by one EP rank (:data:`RULES`, full match on
+  the parameter name);
 - which ``config.json`` size the TP size must divide for that split to keep whole units
-  (heads for attention, so a head is never cut in two); checked once, in
-  :func:`tp_layout`, whose error says what to change;
+  (heads for attention, so a head is never cut in two), and that the EP size divides
+  ``n_routed_experts``; checked once, in :func:`tp_layout`, whose error says what to change;
 - the local sizes the modules are built with (:class:`TPLayout`), and the slice of the full
   checkpoint tensor the loader reads (:meth:`ShardRule.local_slices`).
 
 ===========================================  ==============  =====================
 parameter (``L.`` = ``model.layers.{i}.``)   split           TP size must divide
 ===========================================  ==============  =====================
-``model.embed_tokens``, ``lm_head``          replicated      -
+``model.embed_tokens``, ``lm_head``          vocab (dim 0)   - (last shard padded)
 every norm, ``q_a_proj``, ``kv_a_proj...``   replicated      -
 ``L.self_attn.{q_proj,q_b_proj,kv_b_proj}``  column (dim 0)  num_attention_heads
 ``L.self_attn.o_proj``                       row (dim 1)     num_attention_heads
 ``L.mlp.{gate,up}_proj`` (dense layers)      column (dim 0)  intermediate_size
 ``L.mlp.down_proj`` (dense layers)           row (dim 1)     intermediate_size
 ``L.mlp.gate`` (router weight and bias)      replicated      -
-``L.mlp.experts.{j}.{gate,up}_proj``         column (dim 0)  moe_intermediate_size
-``L.mlp.experts.{j}.down_proj``              row (dim 1)     moe_intermediate_size
+``L.mlp.experts.{j}.{gate,up}_proj``         column / EP     moe_intermediate_size
+``L.mlp.experts.{j}.down_proj``              row / EP        moe_intermediate_size
 ``L.mlp.shared_experts.{gate,up}_proj``      column (dim 0)  moe_intermediate_size
 ``L.mlp.shared_experts.down_proj``           row (dim 1)     moe_intermediate_size
 ===========================================  ==============  =====================
@@ -33,20 +34,20 @@ Column-parallel: this rank's output features, no communication. Row-parallel: th
 input features, so the output is a PARTIAL sum; each decoder layer all-reduces twice (after
 ``o_proj`` and after the MLP/MoE, routed + shared summed first).
 
-How the next layouts plug in here (and only here, plus the forward's collectives):
+Vocab-parallel: TP rank ``r`` holds rows ``r*n .. r*n+n-1`` of ``embed_tokens`` and
+``lm_head`` with ``n = ceil(vocab_size / tp)``; the last shard's rows past ``vocab_size``
+are zero padding (vLLM pads the same way). The embedding maps ids outside its rows to zero
+and all-reduces; lm_head all-gathers the logits over TP and trims them to ``vocab_size``.
 
-- Vocab-parallel embedding / lm_head: their rules become a ``VOCAB`` split of dim 0 with
-  ``vocab_size`` as the unit; :class:`TPLayout` gains the local vocab size the two modules
-  are built with; the embedding masks ids outside its range and all-reduces, lm_head
-  all-gathers logits.
-- Expert parallelism (EP over all dp x tp ranks of a role, DESIGN.md "Words"): the two
-  ``mlp.experts.{j}`` rules become an ``EXPERT`` split with unit ``n_routed_experts`` over
-  the EP group instead of the TP group: expert ``j`` is stored whole on EP rank
-  ``j // (n_routed_experts / ep)`` and nowhere else (``local_slices`` answers "not here",
-  so the loader never reads it), :class:`TPLayout` gains the rank's expert range (the MoE
-  module builds only those experts), and the divisibility check covers ``ep`` the same way.
-  The shared experts keep their TP rules; the MoE forward gains the all-to-all dispatch and
-  combine.
+Expert parallelism (EP over all dp x tp ranks of a role, DESIGN.md "Words", ``ep > 1``):
+the routed-expert rules (``expert=True``) stop splitting over TP: expert ``j`` is stored
+whole (full ``moe_intermediate_size``) on EP rank ``j // (n_routed_experts / ep)`` and
+nowhere else; the model builds only the rank's experts (:attr:`TPLayout.experts`), so the
+loader never reads the others. The shared experts keep their TP rules; the MoE forward
+dispatches and combines by all-to-all (:mod:`engine.expert_parallel`).
+
+How the next layout plugs in here (and only here, plus the forward's collectives):
+
 - Layer sharding (prefill context parallel, DESIGN.md "Words"): a rule gains an owner
   policy "layer ``i`` on rank ``i % n`` of the CP group" for the chosen weights
   (``q_b_proj``, ``o_proj``, ...); the loader reads such a tensor only on its owner, and the
@@ -62,15 +63,48 @@ from dataclasses import dataclass
 from enum import Enum
 
 from engine.model_config import ModelConfig
-from engine.parallel import TPGroup
 
 
 class Split(Enum):
-    """How a weight ``[out, in]`` is split over the TP group; the value is the split dim."""
+    """How a weight ``[out, in]`` is split over the TP group."""
 
-    REPLICATED = None  # whole tensor on every rank
-    COLUMN = 0  # output features (dim 0) in tp contiguous parts
-    ROW = 1  # input features (dim 1) in tp contiguous parts
+    REPLICATED = "replicated"  # whole tensor on every rank
+    COLUMN = "column"  # output features (dim 0) in tp contiguous parts
+    ROW = "row"  # input features (dim 1) in tp contiguous parts
+    VOCAB = "vocab"  # dim 0 in tp parts of ceil(vocab_size / tp) rows, last one padded
+
+    @property
+    def dim(self) -> int | None:
+        """The split dim, or None (replicated)."""
+        return {"column": 0, "row": 1, "vocab": 0}.get(self.value)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """One rank's share of every config size the layout splits.
+
+    Attributes:
+        num_attention_heads: attention heads of this rank.
+        intermediate_size: dense MLP intermediate channels of this rank.
+        moe_intermediate_size: per-expert intermediate channels of this rank's shared
+            experts (they are ``n_shared_experts`` times this wide); TP-split.
+        expert_intermediate_size: intermediate channels of each routed expert on this rank:
+            TP-split without EP, the full ``moe_intermediate_size`` under EP.
+        vocab_size: rows of ``embed_tokens`` / ``lm_head`` on this rank (padded part).
+        experts: ids of the routed experts this rank holds (all without EP; empty for a
+            dense model).
+        tp_size: TP ranks. ep_size: EP ranks (1: EP off). full_vocab_size: config vocab.
+    """
+
+    num_attention_heads: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    expert_intermediate_size: int
+    vocab_size: int
+    experts: range
+    tp_size: int
+    ep_size: int
+    full_vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -80,42 +114,51 @@ class ShardRule:
     Attributes:
         pattern: regular expression, full match on the parameter (= checkpoint) name.
         split: how the tensor is split over the TP group.
-        unit: for split tensors, the :class:`ModelConfig` field the TP size must divide
-            (so the split keeps heads / intermediate channels whole); None when replicated.
+        unit: for COLUMN / ROW splits, the :class:`ModelConfig` field the TP size must divide
+            (so the split keeps heads / intermediate channels whole); else None.
+        expert: a routed-expert weight: whole on its one EP owner under EP (``split`` applies
+            only without EP).
     """
 
     pattern: str
     split: Split
     unit: str | None = None
+    expert: bool = False
 
-    @property
-    def dim(self) -> int | None:
-        """The dim split over the TP group, or None (replicated)."""
-        return self.split.value
+    def split_in(self, layout: TPLayout) -> Split:
+        """The split this rule uses under ``layout`` (REPLICATED over TP for an expert
+        weight under EP: the EP owner holds it whole)."""
+        return Split.REPLICATED if self.expert and layout.ep_size > 1 else self.split
 
-    def local_slices(self, full_shape: tuple[int, ...], tp: TPGroup) -> tuple[slice, ...]:
-        """Index of rank ``tp.rank``'s shard in the full tensor (contiguous part ``rank`` of
-        ``tp.size`` along :attr:`dim`; everything when replicated)."""
-        index = [slice(None)] * len(full_shape)
-        if self.dim is not None and tp.size > 1:
-            n = full_shape[self.dim] // tp.size
-            index[self.dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+    def local_slices(self, full_shape: tuple[int, ...], tp_rank: int,
+                     layout: TPLayout) -> tuple[slice, ...]:
+        """Index of TP rank ``tp_rank``'s shard in the full tensor (everything when
+        replicated). For VOCAB the last rank's slice may be shorter than its parameter
+        (the rest is padding)."""
+        split, index = self.split_in(layout), [slice(None)] * len(full_shape)
+        dim = split.dim
+        if dim is not None and layout.tp_size > 1:
+            n = layout.vocab_size if split is Split.VOCAB else full_shape[dim] // layout.tp_size
+            index[dim] = slice(min(tp_rank * n, full_shape[dim]),
+                               min((tp_rank + 1) * n, full_shape[dim]))
         return tuple(index)
 
-    def full_shape(self, local_shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    def full_shape(self, local_shape: tuple[int, ...], layout: TPLayout) -> tuple[int, ...]:
         """The checkpoint (unsplit) shape of a parameter whose local shape is ``local_shape``."""
-        shape = list(local_shape)
-        if self.dim is not None:
-            shape[self.dim] *= tp_size
+        split, shape = self.split_in(layout), list(local_shape)
+        if split is Split.VOCAB:
+            shape[0] = layout.full_vocab_size
+        elif split.dim is not None:
+            shape[split.dim] *= layout.tp_size
         return tuple(shape)
 
 
 _L = r"model\.layers\.\d+\."
-REPLICATED, COLUMN, ROW = Split.REPLICATED, Split.COLUMN, Split.ROW
+REPLICATED, COLUMN, ROW, VOCAB = Split.REPLICATED, Split.COLUMN, Split.ROW, Split.VOCAB
 _HEADS, _INTER, _MOE_INTER = "num_attention_heads", "intermediate_size", "moe_intermediate_size"
 
 RULES: tuple[ShardRule, ...] = (
-    ShardRule(r"model\.embed_tokens\.weight", REPLICATED),
+    ShardRule(r"model\.embed_tokens\.weight", VOCAB),
     ShardRule(_L + r"(input|post_attention)_layernorm\.weight", REPLICATED),
     ShardRule(_L + r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight", REPLICATED),
     ShardRule(_L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", REPLICATED),
@@ -124,12 +167,13 @@ RULES: tuple[ShardRule, ...] = (
     ShardRule(_L + r"mlp\.(gate_proj|up_proj)\.weight", COLUMN, _INTER),
     ShardRule(_L + r"mlp\.down_proj\.weight", ROW, _INTER),
     ShardRule(_L + r"mlp\.gate\.(weight|e_score_correction_bias)", REPLICATED),
-    ShardRule(_L + r"mlp\.experts\.\d+\.(gate_proj|up_proj)\.weight", COLUMN, _MOE_INTER),
-    ShardRule(_L + r"mlp\.experts\.\d+\.down_proj\.weight", ROW, _MOE_INTER),
+    ShardRule(_L + r"mlp\.experts\.\d+\.(gate_proj|up_proj)\.weight", COLUMN, _MOE_INTER,
+              expert=True),
+    ShardRule(_L + r"mlp\.experts\.\d+\.down_proj\.weight", ROW, _MOE_INTER, expert=True),
     ShardRule(_L + r"mlp\.shared_experts\.(gate_proj|up_proj)\.weight", COLUMN, _MOE_INTER),
     ShardRule(_L + r"mlp\.shared_experts\.down_proj\.weight", ROW, _MOE_INTER),
     ShardRule(r"model\.norm\.weight", REPLICATED),
-    ShardRule(r"lm_head\.weight", REPLICATED),
+    ShardRule(r"lm_head\.weight", VOCAB),
 )
 
 _COMPILED = tuple((re.compile(rule.pattern), rule) for rule in RULES)
@@ -150,31 +194,18 @@ def rule_for(name: str) -> ShardRule:
 
 
 SPLIT_UNITS: tuple[str, ...] = tuple(dict.fromkeys(r.unit for r in RULES if r.unit))
-"""The config sizes :data:`RULES` splits, each named once (the fields of :class:`TPLayout`)."""
+"""The config sizes the TP size must divide, each named once."""
 
 
-@dataclass(frozen=True)
-class TPLayout:
-    """One TP rank's share of every config size the layout splits (:data:`SPLIT_UNITS`).
-
-    Attributes:
-        num_attention_heads: attention heads of this rank.
-        intermediate_size: dense MLP intermediate channels of this rank.
-        moe_intermediate_size: per-expert intermediate channels of this rank (shared experts:
-            ``n_shared_experts`` times this).
-    """
-
-    num_attention_heads: int
-    intermediate_size: int
-    moe_intermediate_size: int
-
-
-def tp_layout(config: ModelConfig, tp_size: int) -> TPLayout:
-    """Local sizes of ``config`` under TP ``tp_size``; the one divisibility check.
+def tp_layout(config: ModelConfig, tp_size: int, ep_size: int = 1,
+              ep_rank: int = 0) -> TPLayout:
+    """Local sizes of ``config`` under TP ``tp_size`` and EP ``ep_size`` (EP rank
+    ``ep_rank``; 1 = EP off); the one divisibility check.
 
     Raises:
-        ValueError: ``tp_size`` is not positive, or does not divide a split size; the
-            message names the field and the TP sizes that would work.
+        ValueError: ``tp_size`` is not positive or does not divide a split size; ``ep_size``
+            does not divide ``n_routed_experts`` or ``ep_rank`` is outside the group; the
+            message names the field and the sizes that would work.
     """
     if tp_size < 1:
         raise ValueError(f"tp={tp_size}: the TP size must be at least 1")
@@ -183,11 +214,36 @@ def tp_layout(config: ModelConfig, tp_size: int) -> TPLayout:
         if full % tp_size:
             raise ValueError(f"tp={tp_size} does not divide {unit}={full} of the checkpoint's "
                              "config.json: use a tp that divides it (tp sizes that divide "
-                             f"every split size: {_valid_tp_sizes(config)})")
-    return TPLayout(**{unit: getattr(config, unit) // tp_size for unit in SPLIT_UNITS})
+                             f"every split size: {_divisors(_common_unit(config))})")
+    experts = _expert_range(config, ep_size, ep_rank)
+    moe = config.moe_intermediate_size
+    vocab = -(-config.vocab_size // tp_size)
+    return TPLayout(num_attention_heads=config.num_attention_heads // tp_size,
+                    intermediate_size=config.intermediate_size // tp_size,
+                    moe_intermediate_size=moe // tp_size,
+                    expert_intermediate_size=moe if ep_size > 1 else moe // tp_size,
+                    vocab_size=vocab, experts=experts, tp_size=tp_size, ep_size=ep_size,
+                    full_vocab_size=config.vocab_size)
 
 
-def _valid_tp_sizes(config: ModelConfig) -> list[int]:
-    """TP sizes that divide every (nonzero) split size of ``config``."""
-    common = math.gcd(*(getattr(config, unit) for unit in SPLIT_UNITS))
-    return [n for n in range(1, common + 1) if common % n == 0]
+def _expert_range(config: ModelConfig, ep_size: int, ep_rank: int) -> range:
+    """The routed expert ids of EP rank ``ep_rank`` (see module doc)."""
+    n = config.n_routed_experts or 0
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank {ep_rank} is outside an EP group of size {ep_size}")
+    if n % ep_size:
+        raise ValueError(
+            f"the expert-parallel size dp*tp={ep_size} does not divide n_routed_experts="
+            f"{n} of the checkpoint's config.json: choose dp and tp whose product is one of "
+            f"{_divisors(n)}, or turn expert parallelism off")
+    per_rank = n // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def _common_unit(config: ModelConfig) -> int:
+    return math.gcd(*(getattr(config, unit) for unit in SPLIT_UNITS))
+
+
+def _divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` (0 -> [])."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -73,14 +73,16 @@ def _split_fused(prefix: str, kind: str,
 
 
 def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPGroup) -> None:
-    """Copy the checkpoint into ``model`` (its parameters hold this rank's shards).
+    """Copy the checkpoint into ``model`` (its parameters hold this rank's shards, laid out by
+    ``model.layout``). Routed experts another EP rank owns are not in ``model``: never read.
+    Vocab padding rows (last TP rank) are zeroed.
 
     Raises:
         CheckpointError: a model tensor is missing from the checkpoint, or a checkpoint tensor
             has a shape other than the full (unsharded) shape the config implies; the message
             names the tensor and the expected shape.
     """
-    params = dict(model.named_parameters())
+    params, layout = dict(model.named_parameters()), model.layout
     tied = model.config.tie_word_embeddings
     if tied:
         params.pop("lm_head.weight")
@@ -90,18 +92,25 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
         if param is None:
             continue  # not part of this model (MTP layer, ...): never read
         rule = rule_for(name)
-        expected = rule.full_shape(tuple(param.shape), tp.size)
+        expected = rule.full_shape(tuple(param.shape), layout)
         if shape != expected:
             raise CheckpointError(f"checkpoint tensor {name} has shape {shape}; the config "
                                   f"implies {expected}: config.json and weights disagree")
-        with torch.no_grad():
-            param.copy_(read(rule.local_slices(shape, tp)))
+        _copy_padded(param, read(rule.local_slices(shape, tp.rank, layout)))
         loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        shown = ", ".join(f"{n} {rule_for(n).full_shape(tuple(params[n].shape), tp.size)}"
+        shown = ", ".join(f"{n} {rule_for(n).full_shape(tuple(params[n].shape), layout)}"
                           for n in missing[:5])
         raise CheckpointError(f"{len(missing)} tensors missing from {checkpoint_dir}: {shown}"
                               + (" ..." if len(missing) > 5 else ""))
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _copy_padded(param: torch.Tensor, piece: torch.Tensor) -> None:
+    """``param[:len(piece)] = piece``, the rest (vocab padding) zero."""
+    with torch.no_grad():
+        if piece.shape[0] < param.shape[0]:
+            param[piece.shape[0]:].zero_()
+        param[:piece.shape[0]].copy_(piece)

@@ -1,17 +1,19 @@
 """DeepSeek-V2/V3 decoder for serving: embed -> layers (MLA + dense/MoE MLP) -> norm -> lm_head.
 
 Parameter names equal the HF checkpoint's (``model.layers.{i}.self_attn.kv_b_proj.weight``...),
-so the loader maps names one to one. TP layout (:mod:`engine.layout`, applied from outside:
-:func:`build_model` builds the modules with :class:`TPLayout`'s local sizes, the loader fills
-them with the slices the layout's rules name): attention heads and MLP/expert intermediate
-dims are split, and each decoder layer all-reduces twice (after attention's o_proj and after
-the MLP/MoE). ``embed_tokens`` and ``lm_head`` are REPLICATED on every TP rank (simple, costs
-vocab x hidden per rank; vocab-parallel is a later optimization).
+so the loader maps names one to one. Parallel layout (:mod:`engine.layout`, applied from
+outside: :func:`build_model` builds the modules with :class:`TPLayout`'s local sizes, the
+loader fills them with the slices the layout's rules name): attention heads and MLP/expert
+intermediate dims are split, and each decoder layer all-reduces twice (after attention's
+o_proj and after the MLP/MoE). ``embed_tokens`` and ``lm_head`` are vocab-parallel over TP
+(the embedding all-reduces, lm_head all-gathers). Under EP the MoE layers hold only this
+rank's routed experts (:mod:`engine.expert_parallel`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import MLAttention
@@ -22,7 +24,7 @@ from engine.layout import TPLayout, tp_layout
 from engine.model_config import ModelConfig
 from engine.moe import MLP, MoE, MoEGate
 from engine.norm import RMSNorm
-from engine.parallel import TPGroup
+from engine.parallel import EPGroup, TPGroup
 from engine.rotary import RotaryEmbedding
 
 
@@ -30,13 +32,13 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, layout: TPLayout, tp: TPGroup,
-                 kernels: KernelSet) -> None:
+                 ep: EPGroup, kernels: KernelSet) -> None:
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MLAttention(config, layout.num_attention_heads, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoE(config, layout.moe_intermediate_size) if config.is_moe_layer(layer_idx) \
+        self.mlp = MoE(config, layout, tp, ep) if config.is_moe_layer(layer_idx) \
             else MLP(config.hidden_size, layout.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -48,14 +50,33 @@ class DecoderLayer(nn.Module):
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Embedding of rows ``tp.rank * n .. + n - 1`` of the vocabulary (``n`` = ``local_vocab``);
+    ids elsewhere embed to zero here and the TP all-reduce fills them in."""
+
+    def __init__(self, local_vocab: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(local_vocab, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` int64 -> ``[T, hidden]`` (complete on every TP rank)."""
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.tp.rank * self.weight.shape[0]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[:, None], 0.0))
+
+
 class DeepseekModel(nn.Module):
     """The ``model.*`` part of the checkpoint."""
 
-    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup,
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup,
                  kernels: KernelSet) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, layout, tp, kernels)
+        self.embed_tokens = VocabParallelEmbedding(layout.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layout, tp, ep, kernels)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -64,16 +85,16 @@ class DeepseekForCausalLM(nn.Module):
     """Full model; :meth:`forward` runs one step and returns last-token logits.
 
     Args:
-        config: model config. layout: this rank's local sizes. tp: this rank's TP group.
+        config: model config. layout: this rank's local sizes. tp, ep: this rank's groups.
         kernels: resolved :class:`KernelSet`.
     """
 
-    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup,
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup,
                  kernels: KernelSet) -> None:
         super().__init__()
-        self.config = config
-        self.model = DeepseekModel(config, layout, tp, kernels)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config, self.layout, self.tp = config, layout, tp
+        self.model = DeepseekModel(config, layout, tp, ep, kernels)
+        self.lm_head = nn.Linear(config.hidden_size, layout.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -93,24 +114,36 @@ class DeepseekForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, kv_cache.k_caches[i], kv_cache.v_caches[i])
         x = self.model.norm(x[meta.logits_index])  # [B, hidden]
-        return self.lm_head(x).float()
+        logits = self.tp.all_gather(self.lm_head(x).float())  # [B, tp * local vocab]
+        return logits[:, :self.config.vocab_size]
+
+    def forward_empty(self) -> None:
+        """A zero-token step's collectives: every MoE layer's EP exchange, in layer order
+        (attention and the TP all-reduces are skipped: the whole TP group is idle)."""
+        x = self.lm_head.weight.new_empty(0, self.config.hidden_size)
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp(x)
 
 
 def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
-                device: torch.device) -> DeepseekForCausalLM:
+                device: torch.device, *, ep: EPGroup | None = None) -> DeepseekForCausalLM:
     """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill, with
-    rank ``tp.rank``'s share of every split weight (:func:`engine.layout.tp_layout`).
+    rank ``tp.rank``'s share of every split weight and, under EP (``ep`` of size > 1), only
+    EP rank ``ep.rank``'s routed experts (:func:`engine.layout.tp_layout`).
 
     Built on the meta device and materialized once, so no time goes into random init. The
     router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (selection is
     sensitive to it; HF keeps it fp32 too).
 
     Raises:
-        ValueError: ``tp.size`` does not divide a size the layout splits (from ``tp_layout``).
+        ValueError: ``tp.size`` does not divide a size the layout splits, or ``ep.size`` does
+            not divide ``n_routed_experts`` (from ``tp_layout``).
     """
-    layout = tp_layout(config, tp.size)
+    ep = ep or EPGroup()
+    layout = tp_layout(config, tp.size, ep.size, ep.rank)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config, layout, tp, kernels)
+        model = DeepseekForCausalLM(config, layout, tp, ep, kernels)
     model = model.to(dtype)
     for module in model.modules():
         if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:

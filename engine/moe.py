@@ -3,8 +3,10 @@
 Maths: REFERENCE.md "Router (MoE gate)" (DeepSeek-V3 ``inference/model.py`` Gate, vLLM
 ``grouped_topk``). TP: modules are built with this rank's intermediate width (every expert's,
 the shared experts' and the dense MLP's are split: gate/up rows, down columns; see
-:mod:`engine.layout`). ``forward`` returns this rank's PARTIAL sum of routed + shared
-outputs; the caller all-reduces ONCE.
+:mod:`engine.layout`). EP: only this rank's routed experts exist, whole, and tokens reach
+them by all-to-all (:mod:`engine.expert_parallel`); the gate is replicated and unchanged.
+``forward`` returns this rank's PARTIAL sum of routed + shared outputs; the caller
+all-reduces ONCE over TP.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.expert_parallel import ep_routed
+from engine.layout import TPLayout
 from engine.model_config import ModelConfig
+from engine.parallel import EPGroup, TPGroup
 
 
 class MLP(nn.Module):
@@ -78,39 +83,53 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (``experts.{j}``) plus shared experts.
+    """Routed experts (``experts.{j}``, only this rank's under EP) plus shared experts.
 
     Args:
-        config: model config. intermediate_size: this rank's per-expert intermediate width
-            (``TPLayout.moe_intermediate_size``); the shared experts are
-            ``n_shared_experts`` times as wide.
+        config: model config. layout: this rank's sizes (routed expert width and ids,
+            shared experts' width: ``n_shared_experts * layout.moe_intermediate_size``).
+        tp, ep: this rank's groups (EP off at ``ep.size == 1``).
     """
 
-    def __init__(self, config: ModelConfig, intermediate_size: int) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup) -> None:
         super().__init__()
+        self.tp, self.ep = tp, ep
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleList(MLP(config.hidden_size, intermediate_size)
-                                     for _ in range(config.n_routed_experts))
+        self.experts = nn.ModuleDict({str(j): MLP(config.hidden_size,
+                                                  layout.expert_intermediate_size)
+                                      for j in layout.experts})
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size,
-                                      intermediate_size * config.n_shared_experts)
+                                      layout.moe_intermediate_size * config.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``: Σ_k w_k expert_k(x) + shared(x) (partial)."""
-        weights, ids = self.gate(x)  # [T, k]
-        t, k = ids.shape
-        flat = ids.view(-1)
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        routed = x.new_empty(t * k, x.shape[1])  # [T*k, hidden], one row per assignment
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                pick = order[start:start + n]
-                routed[pick] = expert(x[pick // k]) * weights.view(-1)[pick, None].to(x.dtype)
-            start += n
-        out = routed.view(t, k, -1).sum(dim=1)
+        """``[T, hidden]`` -> ``[T, hidden]``: Σ_k w_k expert_k(x) + shared(x), this TP rank's
+        PARTIAL sum (the caller all-reduces once over TP). Under EP the routed part is
+        complete on this TP rank's token slice and zero elsewhere
+        (:mod:`engine.expert_parallel`); ``T`` may be 0 (an empty EP step)."""
+        experts = list(self.experts.values())
+        if self.ep.size > 1:
+            out = ep_routed(x, self.gate, experts, self.ep, self.tp)
+        else:
+            out = _local_routed(x, *self.gate(x), experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def _local_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  experts: list[nn.Module]) -> torch.Tensor:
+    """Routed output without EP: every expert is here (TP-split: a partial sum)."""
+    t, k = ids.shape
+    flat = ids.view(-1)
+    order = flat.argsort(stable=True)  # assignments grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    routed = x.new_empty(t * k, x.shape[1])  # [T*k, hidden], one row per assignment
+    start = 0
+    for expert, n in zip(experts, counts):
+        if n:
+            pick = order[start:start + n]
+            routed[pick] = expert(x[pick // k]) * weights.view(-1)[pick, None].to(x.dtype)
+        start += n
+    return routed.view(t, k, -1).sum(dim=1)

@@ -1,14 +1,19 @@
-"""Tensor-parallel group of one model instance.
+"""Process groups of one rank: its TP group, and its role's expert-parallel (EP) group.
 
-Rendezvous: rank 0 (the leader) opens a ``TCPStore`` on ``host:port``; the other ranks
+TP rendezvous: rank 0 (the leader) opens a ``TCPStore`` on ``host:port``; the other ranks
 connect to it; ``torch.distributed.init_process_group`` then builds the group on that store
 with the platform's backend (hccl/nccl/gloo). NOTE: the TP group is the process's default
-(WORLD) group: a rank process belongs to exactly one instance. KV-transfer pair groups are
-built separately and must not use the default group.
+(WORLD) group: a rank process belongs to exactly one instance. KV-transfer pair groups and
+the EP group are built separately, directly from a ``PrefixStore``, and never use it.
 
-Model code receives a :class:`TPGroup` (never a module global) and calls
-:meth:`TPGroup.all_reduce` after row-parallel layers; at size 1 that is a no-op. Which
-weight is split how, and the local sizes, are :mod:`engine.layout`'s.
+EP (DESIGN.md "Words"): all dp x tp ranks of a role, ``ep_rank = dp_rank * tp + tp_rank``
+(:func:`ep_rank_of`); the MoE layers exchange token rows with two all-to-alls per layer
+(:mod:`engine.expert_parallel`). Every rank of the group must enter every collective, also
+with zero tokens (``ModelRunner.execute_empty``).
+
+Model code receives a :class:`TPGroup` / :class:`EPGroup` (never a module global); at size 1
+every collective is a no-op. Which weight is split how, and the local sizes, are
+:mod:`engine.layout`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.network import set_gloo_interface_default
+from engine.network import gloo_devices, set_gloo_interface_default
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,15 @@ class TPGroup:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., n]`` of each rank -> ``[..., size * n]``: the ranks' tensors concatenated
+        along the last dim in rank order (``x`` itself at size 1)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
 
     def destroy(self) -> None:
         """Tear down the process group (idempotent)."""
@@ -82,3 +96,118 @@ def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
                               timeout=timeout, wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+
+
+def ep_rank_of(dp_rank: int, tp_rank: int, tp_size: int) -> int:
+    """EP rank of TP rank ``tp_rank`` of DP rank ``dp_rank`` (EP size = dp * tp)."""
+    return dp_rank * tp_size + tp_rank
+
+
+@dataclass(frozen=True)
+class EPGroup:
+    """One rank's view of its role's expert-parallel group (all dp x tp ranks).
+
+    Built directly from a store (:func:`init_ep_group`), never the default group (which is the
+    TP group). Every collective is a single all-to-all that all ``size`` ranks must enter in the
+    same order; each wait is bounded by the group's timeout (``RuntimeError`` after it).
+
+    Attributes:
+        rank: this rank, ``ep_rank_of(dp_rank, tp_rank, tp)``. size: ``dp * tp``.
+        group: the torch.distributed ProcessGroup, None when ``size == 1``.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+
+    def all_to_all_counts(self, send: torch.Tensor) -> torch.Tensor:
+        """Exchange equal blocks of counts: ``send [size * n]`` int64, block ``r`` (elements
+        ``r*n .. r*n+n-1``) goes to rank ``r``; returns ``[size * n]`` whose block ``r`` came
+        from rank ``r`` (``send`` itself at size 1)."""
+        if self.size == 1:
+            return send
+        recv = torch.empty_like(send)
+        self._wait(self.group.alltoall_base(recv, send.contiguous(), [], [],
+                                            dist.AllToAllOptions()))
+        return recv
+
+    def all_to_all_rows(self, x: torch.Tensor, send_splits: list[int],
+                        recv_splits: list[int]) -> torch.Tensor:
+        """Rows ``x [sum(send_splits), ...]``: the ``send_splits[r]`` rows of part ``r`` go to
+        rank ``r``; returns ``[sum(recv_splits), ...]``, the rows from rank 0, 1, ... in
+        order (``x`` itself at size 1). Splits may be zero (an idle rank still calls this)."""
+        if self.size == 1:
+            return x
+        recv = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        self._wait(self.group.alltoall_base(recv, x.contiguous(), recv_splits, send_splits,
+                                            dist.AllToAllOptions()))
+        return recv
+
+    def _wait(self, work: dist.Work) -> None:
+        work.wait()  # NOTE: bounded by the group's timeout (set at construction)
+
+    def destroy(self) -> None:
+        """Release the group (idempotent; a no-op at size 1)."""
+        if self.group is not None:
+            self.group.shutdown()
+
+
+def init_ep_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
+                  backend: str = "gloo", timeout_s: float = 60.0,
+                  store: dist.Store | None = None) -> EPGroup:
+    """Join (or, on rank 0, open) the EP group of ``size`` ranks at ``host:port``.
+
+    The group is built directly on ``PrefixStore("ep", store)`` (not the default group).
+    ``store``: an already open store every rank can use (e.g. the role's rendezvous store),
+    used instead of a ``TCPStore`` at ``host:port`` (rank 0 is that store's master). Size 1
+    returns a trivial group and touches nothing. ``backend``: ``gloo``, ``nccl`` or ``hccl``.
+
+    Raises:
+        ValueError: bad rank/size, an unknown backend, or port 0 with size > 1 and no store.
+        torch.distributed.DistStoreError / RuntimeError: peers did not arrive within
+            ``timeout_s`` seconds.
+        OSError: no local interface reaches ``host`` (gloo; set GLOO_SOCKET_IFNAME).
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside an EP group of size {size}")
+    if size == 1:
+        return EPGroup()
+    if port <= 0 and store is None:
+        raise ValueError("an EP group of size > 1 needs the EP rank 0's TCPStore port (got 0): "
+                         "pick a free port on EP rank 0's host and pass it to every rank")
+    if backend not in _GROUP_MAKERS:
+        raise ValueError(f"no EP backend {backend!r}; known: {sorted(_GROUP_MAKERS)}")
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size=size, is_master=(rank == 0),
+                              timeout=timeout, wait_for_workers=False)
+    group = _GROUP_MAKERS[backend](dist.PrefixStore("ep", store), rank, size, timeout, host)
+    return EPGroup(rank=rank, size=size, group=group)
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
+                host: str) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = gloo_devices(host)  # NOTE: never Gloo's hostname guess (engine.network)
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def _nccl_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
+                host: str) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def _hccl_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
+                host: str) -> dist.ProcessGroup:
+    import torch_npu  # noqa: F401, PLC0415 (lazy: only on Ascend)
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # noqa: PLC0415
+
+    opts = ProcessGroupHCCL.Options()
+    opts._timeout = timeout
+    return ProcessGroupHCCL(store, rank, size, opts)
+
+
+_GROUP_MAKERS = {"gloo": _gloo_group, "nccl": _nccl_group, "hccl": _hccl_group}

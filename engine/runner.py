@@ -20,7 +20,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import load_model_config
-from engine.parallel import TPGroup
+from engine.parallel import EPGroup, TPGroup
 from engine.platform import detect_platform
 
 
@@ -50,6 +50,9 @@ class ModelRunner:
         num_kv_blocks: physical KV blocks per layer; block_size: tokens per block.
         dtype: weights, activations and KV cache dtype.
         tp: this rank's :class:`TPGroup` (None: TP=1).
+        ep: this rank's :class:`EPGroup` (None: expert parallelism off). With it, the rank
+            holds only its routed experts, and every rank of the group must call
+            :meth:`execute` or :meth:`execute_empty` each step, in lockstep.
         device: torch device (None: the platform's device ``tp.rank``).
         kernel_choices: kernel name -> variant (e.g. ``{"mla_decode": "naive"}``).
         kernels: an already resolved :class:`KernelSet` (overrides ``kernel_choices``).
@@ -65,14 +68,16 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
                  device: torch.device | str | None = None,
                  kernel_choices: Mapping[str, str] | None = None,
-                 kernels: KernelSet | None = None) -> None:
+                 kernels: KernelSet | None = None, ep: EPGroup | None = None) -> None:
         self.tp = tp or TPGroup()
+        self.ep = ep or EPGroup()
         self.platform = detect_platform()
         self.device = torch.device(device) if device is not None \
             else self.platform.device(self.tp.rank)
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
-        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device)
+        self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device,
+                                 ep=self.ep)
         load_weights(self.model, checkpoint_dir, self.tp)
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
@@ -102,6 +107,15 @@ class ModelRunner:
         input_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
                                  device=self.device)
         return self.model(input_ids, meta, self.kv_cache)
+
+    @torch.inference_mode()
+    def execute_empty(self) -> None:
+        """A zero-token step: only this rank's part of the EP collectives (every MoE layer's
+        dispatch and combine, with nothing to send), so that the other ranks' step can
+        complete. A DP rank with no work in a lockstep step calls this; no-op without EP.
+        Touches no KV cache."""
+        if self.ep.size > 1:
+            self.model.forward_empty()
 
     def _check_step(self, s: SeqStep) -> None:
         limit = self.model_config.max_position_embeddings

@@ -71,11 +71,16 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
     """The served model's ``config.json`` contents, without needing the checkpoint to exist.
 
     Returns:
-        (the parsed config.json, or the built-in tiny config when ``model.path`` is ``tiny``
-        and the checkpoint is not made yet, or None when neither is at hand; a sentence saying
-        where it came from or why it is unknown).
+        (the parsed config.json of the checkpoint, else of ``model.config_json``, else the
+        built-in tiny config when ``model.path`` is ``tiny`` and the checkpoint is not made
+        yet, or None when none is at hand; a sentence saying where it came from or why it is
+        unknown).
     """
     config = model.checkpoint_dir() / "config.json"
+    if not config.is_file() and model.config_json:
+        config = Path(model.config_json).expanduser()
+        if not config.is_file():
+            return None, f"model.config_json {config} not found"
     if config.is_file():
         try:
             return json.loads(config.read_text()), str(config)

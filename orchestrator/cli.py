@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import grpc
 
     from orchestrator.client import OrchClient
+    from orchestrator.config import OrchConfig
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EXIT_UNHEALTHY = 3
@@ -31,10 +32,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         print(f"orch up: {exc}", file=sys.stderr)
         return 2
     if ns.dry_run:
-        from orchestrator.placement import dry_run_report
-
-        print(dry_run_report(cfg))
-        return 0
+        return _dry_run(cfg)
     from orchestrator.cluster import BringUpError
     from orchestrator.server import PortInUseError
     from orchestrator.up import run_up
@@ -51,6 +49,21 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         print("orch up: interrupted (Ctrl-C or SIGTERM); stopped what had started",
               file=sys.stderr)
         return 130
+
+
+def _dry_run(cfg: OrchConfig) -> int:
+    """Print the `orch up --dry-run` report; 2 when the memory plan does not fit."""
+    from orchestrator.config import ConfigError
+    from orchestrator.memory_check import check_memory
+    from orchestrator.placement import dry_run_report
+
+    try:
+        print(dry_run_report(cfg), flush=True)
+        print(check_memory(cfg))
+    except ConfigError as exc:
+        print(f"orch up: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _client(ns: argparse.Namespace) -> OrchClient:

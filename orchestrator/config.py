@@ -44,6 +44,9 @@ class ModelSection(_Section):
     tiny_dir: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: int = Field(2048, ge=2)
+    # A config.json to plan memory and check tp with when model.path's is not on this machine
+    # (a relative path is relative to the YAML file's folder); model.path's wins when present.
+    config_json: str = ""
 
     @property
     def is_tiny(self) -> bool:
@@ -72,6 +75,8 @@ class PrefillSection(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
     max_num_seqs: int = Field(64, ge=1)
+    # Expert parallelism: the routed experts split over all dp x tp ranks of the role.
+    ep: bool = False
     # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
     # (e.g. {"prefill_node": 0.01} with `ray start --resources '{"prefill_node": 1}'`).
     ray_resources: dict[str, float] = Field(default_factory=dict)
@@ -93,6 +98,8 @@ class DecodeSection(_Section):
     tp: int = Field(1, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    # Expert parallelism (see PrefillSection).
+    ep: bool = False
     # Extra Ray resources every decode rank's bundle asks for (see PrefillSection).
     ray_resources: dict[str, float] = Field(default_factory=dict)
 
@@ -201,6 +208,9 @@ class ClusterSection(_Section):
     # Address the ranks' rendezvous stores (TP and KV pairs) listen on. "" = 127.0.0.1 with
     # the embedded Ray, else each node's IP as Ray reports it.
     bind_host: str = ""
+    # Memory of one device in GB (10^9 bytes) for the memory plan; None = the device type's
+    # figure (orchestrator/devices.py). On cpu: the memory all ranks share.
+    device_memory_gb: Optional[float] = Field(None, gt=0)
 
 
 class OrchConfig(_Section):
@@ -316,6 +326,14 @@ def _override(data: dict, key: str, value: object) -> None:
     node[last] = value
 
 
+def _resolve_config_json(data: dict, folder: Path) -> None:
+    """Make a relative ``model.config_json`` relative to the YAML file's ``folder``."""
+    model = data.get("model")
+    value = model.get("config_json") if isinstance(model, dict) else None
+    if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+        model["config_json"] = str(folder / value)
+
+
 def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> OrchConfig:
     """Read and validate a YAML config file, and each role's tp against the model
     (:func:`orchestrator.layout_check.check_tp_layout`, when the model's config is at hand).
@@ -349,6 +367,7 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
                           f"prefill, ...), got {type(data).__name__}; see docs/config.md")
     for key, value in (overrides or {}).items():
         _override(data, key, value)
+    _resolve_config_json(data, path.resolve().parent)
     try:
         cfg = OrchConfig.model_validate(data)
     except ValidationError as exc:

@@ -11,6 +11,7 @@ from prefill_worker.config import InstanceConfig
 from orchestrator.checkpoint import layer_count_for_plan
 from orchestrator.config import OrchConfig
 from orchestrator.layout_check import check_tp_layout
+from orchestrator.memory_check import describe_memory
 
 STRATEGY = "STRICT_PACK"
 _ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
@@ -97,16 +98,19 @@ def _ranges(values: list[int]) -> str:
 
 
 def dry_run_report(cfg: OrchConfig) -> str:
-    """The full `orch up --dry-run` text (needs neither Ray nor the checkpoint).
+    """The full `orch up --dry-run` text (needs neither Ray nor the checkpoint), the memory
+    plan's table included (its fit is :func:`orchestrator.memory_check.check_memory`'s).
 
     Raises:
-        ConfigError: a tp does not fit the model (see :func:`check_tp_layout`).
+        ConfigError: a tp does not fit the model (see :func:`check_tp_layout`), or ep is on
+            and dp x tp does not divide the routed experts.
     """
     instances = cfg.instances()
     lines = [f"model: {cfg.model.path} -> {cfg.model.checkpoint_dir()} ({cfg.model.dtype}, "
              f"max_model_len {cfg.model.max_model_len})"]
     lines += describe_placement(cfg, instances)
     lines.append(check_tp_layout(cfg))
+    lines += describe_memory(cfg)
     lines += describe_transfer_plans(cfg, instances)
     metrics = cfg.router.metrics_port
     lines.append(f"router: {cfg.router.host}:{cfg.router.port}, policy {cfg.router.policy}, "

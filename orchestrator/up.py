@@ -22,6 +22,7 @@ from orchestrator.checkpoint import ensure_checkpoint, read_model_info
 from orchestrator.cluster import Cluster, bring_up
 from orchestrator.config import OrchConfig
 from orchestrator.detokenizer import Tokenizer
+from orchestrator.memory_check import check_memory
 from orchestrator.progress import Stopwatch, node_ips, plural, say
 from orchestrator.ray_connect import connect_ray
 from orchestrator.recovery import Recoverer
@@ -81,10 +82,12 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
             fakes).
 
     Raises:
-        ConfigError: ``router.tls`` / ``router.auth`` point at something unusable.
+        ConfigError: ``router.tls`` / ``router.auth`` point at something unusable, or the
+            memory plan does not fit the devices (checked first, before anything starts).
         KeyboardInterrupt: SIGINT or SIGTERM before serving began; what was started (ranks,
             placement groups, the embedded Ray) is stopped first.
     """
+    say(check_memory(cfg))
     security = load_security(cfg.router)
     check_ports_free(cfg)
     checkpoint = ensure_checkpoint(cfg.model)

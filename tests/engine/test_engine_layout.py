@@ -42,9 +42,9 @@ def test_every_parameter_matches_exactly_one_rule_and_every_rule_is_used():
     assert used == set(RULES), [r.pattern for r in RULES if r not in used]
 
 
-def test_split_rules_and_only_they_name_a_unit_and_every_unit_has_a_local_size():
-    assert all((r.unit is None) == (r.split is Split.REPLICATED) for r in RULES)
-    assert set(SPLIT_UNITS) == {f.name for f in fields(TPLayout)}
+def test_row_and_column_rules_and_only_they_name_a_unit_and_every_unit_has_a_local_size():
+    assert all((r.unit is None) == (r.split in (Split.REPLICATED, Split.VOCAB)) for r in RULES)
+    assert set(SPLIT_UNITS) <= {f.name for f in fields(TPLayout)}
 
 
 def test_a_parameter_without_a_rule_is_refused_by_name():
@@ -57,15 +57,16 @@ def test_a_parameter_without_a_rule_is_refused_by_name():
 def test_tp2_shard_shapes(config):
     raw = CONFIGS[config]
     full = _params(raw, TPGroup())
+    layout = tp_layout(ModelConfig.from_dict(raw), 2)
     for rank in (0, 1):
         local = _params(raw, TPGroup(rank=rank, size=2))
         assert local.keys() == full.keys()
         for name, shape in full.items():
-            dim = rule_for(name).dim
+            dim = rule_for(name).split.dim
             want = shape if dim is None else tuple(
-                n // 2 if d == dim else n for d, n in enumerate(shape))
+                -(-n // 2) if d == dim else n for d, n in enumerate(shape))
             assert local[name] == want, name
-            assert rule_for(name).full_shape(local[name], 2) == shape, name
+            assert rule_for(name).full_shape(local[name], layout) == shape, name
 
 
 def test_tp2_shard_shapes_by_name():
@@ -84,17 +85,23 @@ def test_tp2_shard_shapes_by_name():
     assert local[mlp + "experts.7.down_proj.weight"] == (64, 16)
     assert local[mlp + "shared_experts.up_proj.weight"] == (16, 64)
     assert local[mlp + "gate.weight"] == (8, 64)
-    assert local["model.embed_tokens.weight"] == local["lm_head.weight"] == (129280, 64)
+    assert local["model.embed_tokens.weight"] == local["lm_head.weight"] == (129280 // 2, 64)
 
 
 def test_local_slices_take_contiguous_part_rank_of_the_split_dim():
     rows, cols = rule_for("model.layers.0.mlp.up_proj.weight"), rule_for(
         "model.layers.0.mlp.down_proj.weight")
     t = torch.arange(8 * 6).view(8, 6)
-    assert torch.equal(t[rows.local_slices((8, 6), TPGroup(rank=1, size=2))], t[4:])
-    assert torch.equal(t[cols.local_slices((8, 6), TPGroup(rank=2, size=3))], t[:, 4:])
-    everything = rule_for("model.norm.weight").local_slices((8,), TPGroup(rank=1, size=2))
+    tp2, tp3 = _layout(tp=2), _layout(tp=3)
+    assert torch.equal(t[rows.local_slices((8, 6), 1, tp2)], t[4:])
+    assert torch.equal(t[cols.local_slices((8, 6), 2, tp3)], t[:, 4:])
+    everything = rule_for("model.norm.weight").local_slices((8,), 1, tp2)
     assert torch.equal(torch.arange(8)[everything], torch.arange(8))
+
+
+def _layout(tp: int) -> TPLayout:
+    """A layout of ``tp`` ranks (only tp_size matters to COLUMN / ROW / REPLICATED rules)."""
+    return TPLayout(4, 4, 4, 4, 4, range(0), tp_size=tp, ep_size=1, full_vocab_size=4)
 
 
 def test_local_sizes():

@@ -17,7 +17,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 
 def test_all_shipped_configs_are_present():
     assert {p.name for p in CONFIGS} >= {"1p1d.yaml", "colocated.yaml", "a3_p2x16_d8x4.yaml",
-                                         "gpu_p1x8_d2x4.yaml"}
+                                         "gpu_p4x8_d8x4.yaml"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -1,0 +1,272 @@
+"""Per-rank memory plan: what one rank of a role holds, by kind, from config.json and the layout.
+
+The plan is a table: one :class:`Kind` per row (:data:`KINDS`), each giving the ELEMENTS one
+rank holds (a pure function of the :class:`engine.model_config.ModelConfig` and the
+:class:`RoleLayout`) and its storage class; :class:`Precision` gives the bytes per element
+of each storage class. Nothing is instantiated; no weights are read.
+
+How later layouts plug in (rows and parameters, not branches):
+- DeepSeek-V3.2's indexer: a row for its weights, a third KV row (``index_head_dim``).
+- FP8 / W8A8 checkpoints: :class:`Precision` gets the stored bytes of ``linear`` weights
+  (1 byte + the scales' share); embedding, norms, gate and lm_head keep ``weight``.
+- Layer-sharded prefill weights: the attention row's replicated part divided by the shard
+  group size.
+
+Split rules are the engine's (engine/layout.py, DESIGN.md "Parallel layout"): attention by
+heads over TP (``q_a_proj``, ``kv_a_proj_with_mqa`` whole); dense MLP and shared experts by
+intermediate channels over TP; routed experts either whole experts over the role's
+dp x tp ranks (``ep``) or all experts with the intermediate split over TP; embedding and
+lm_head vocab-parallel over TP (``ceil(vocab / tp)`` rows); norms and the router gate whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.model_config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """One role's parallel layout and scheduler sizes (what the plan depends on).
+
+    Attributes:
+        role: "prefill", "decode" or "colocated".
+        dp, tp: DP ranks of the role and TP ranks per DP rank.
+        ep: routed experts split over all ``dp * tp`` ranks (else TP-sharded per DP rank).
+        num_kv_blocks, block_size: the KV cache of one DP rank (every TP rank holds all of it).
+        step_tokens: most tokens one step runs (prefill: max_num_batched_tokens; decode:
+            max_num_seqs).
+        max_num_seqs: most sequences one step samples (logits rows).
+        max_model_len: longest sequence, tokens (the prefix chunked prefill decompresses).
+    """
+
+    role: str
+    dp: int
+    tp: int
+    ep: bool
+    num_kv_blocks: int
+    block_size: int
+    step_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+    @property
+    def section(self) -> str:
+        """The config section that sizes the role (colocated instances: ``decode``)."""
+        return "decode" if self.role == "colocated" else self.role
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the routed experts are split over (1: every DP rank holds all experts)."""
+        return self.dp * self.tp if self.ep else 1
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each storage class.
+
+    Attributes:
+        linear: projection and expert weights (the ones a quantized checkpoint stores small).
+        weight: embedding, lm_head, norms, router gate (kept at model precision).
+        kv: KV cache elements.
+        activation: workspace activations.
+    """
+
+    linear: float
+    weight: float
+    kv: float
+    activation: float
+    fp32: float = 4.0
+
+    @classmethod
+    def of(cls, dtype: str) -> "Precision":
+        """Everything at ``dtype`` ("bfloat16", "float16", "float32")."""
+        size = DTYPE_BYTES[dtype]
+        return cls(linear=size, weight=size, kv=size, activation=size)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One row of the plan.
+
+    Attributes:
+        name: what the row holds ("routed experts").
+        group: "weights", "kv" or "workspace".
+        storage: the :class:`Precision` field giving its bytes per element.
+        count: (model, layout) -> (elements per rank, how they are split, in words).
+    """
+
+    name: str
+    group: str
+    storage: str
+    count: Callable[[ModelConfig, RoleLayout], tuple[int, str]]
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """A kind's share of one rank: ``elements`` x ``bytes_per_element`` bytes."""
+
+    kind: str
+    group: str
+    elements: int
+    bytes_per_element: float
+    split: str
+
+    @property
+    def bytes(self) -> int:
+        return math.ceil(self.elements * self.bytes_per_element)
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """What ONE rank of a role holds (every rank of a role holds the same amount)."""
+
+    layout: RoleLayout
+    rows: tuple[PlanRow, ...]
+
+    def bytes_of(self, group: str) -> int:
+        """Bytes of the rows of ``group`` ("weights", "kv", "workspace")."""
+        return sum(row.bytes for row in self.rows if row.group == group)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(row.bytes for row in self.rows)
+
+
+def num_moe_layers(m: ModelConfig) -> int:
+    """Decoder layers with routed experts (the rest have a dense MLP)."""
+    return sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+
+
+def _attention(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    heads = m.num_attention_heads
+    q_in = m.q_lora_rank or m.hidden_size  # q_b_proj, or plain q_proj (V2-Lite)
+    by_heads = q_in * heads * m.qk_head_dim \
+        + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) \
+        + heads * m.v_head_dim * m.hidden_size  # q_b/q, kv_b, o_proj
+    whole = (m.hidden_size * m.q_lora_rank if m.q_lora_rank else 0) \
+        + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)  # q_a, kv_a_with_mqa
+    return (m.num_hidden_layers * (whole + by_heads // lay.tp),
+            f"q/kv_b/o by heads /{lay.tp}; q_a, kv_a whole")
+
+
+def _dense_mlp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    dense = m.num_hidden_layers - num_moe_layers(m)
+    return dense * 3 * m.hidden_size * m.intermediate_size // lay.tp, \
+        f"{dense} layers, intermediate /{lay.tp}"
+
+
+def _shared_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    width = m.n_shared_experts * m.moe_intermediate_size
+    return num_moe_layers(m) * 3 * m.hidden_size * width // lay.tp, f"intermediate /{lay.tp}"
+
+
+def _routed_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    experts = m.n_routed_experts or 0
+    per_expert = 3 * m.hidden_size * m.moe_intermediate_size
+    if lay.ep:
+        if experts % lay.ep_size:
+            raise ValueError(
+                f"{lay.role}: n_routed_experts={experts} is not divisible by the "
+                f"{lay.ep_size} expert-parallel ranks (dp {lay.dp} x tp {lay.tp}): choose "
+                f"{lay.section}.dp x {lay.section}.tp dividing {experts}, or turn "
+                f"{lay.section}.ep off")
+        mine = experts // lay.ep_size
+        return (num_moe_layers(m) * mine * per_expert,
+                f"{mine} of {experts} whole (EP {lay.ep_size})")
+    return num_moe_layers(m) * experts * per_expert // lay.tp, \
+        f"all {experts}, intermediate /{lay.tp}"
+
+
+def _vocab_rows(m: ModelConfig, lay: RoleLayout) -> int:
+    return -(-m.vocab_size // lay.tp) * m.hidden_size
+
+
+def _embedding(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return _vocab_rows(m, lay), f"vocab /{lay.tp}"
+
+
+def _lm_head(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    if m.tie_word_embeddings:
+        return 0, "tied to the embedding"
+    return _vocab_rows(m, lay), f"vocab /{lay.tp}"
+
+
+def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    norms = 2 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank  # per layer
+    experts = m.n_routed_experts or 0
+    bias = experts if m.topk_method == "noaux_tc" else 0
+    gate = experts * m.hidden_size + bias
+    return (m.num_hidden_layers * norms + m.hidden_size + num_moe_layers(m) * gate,
+            "whole")
+
+
+def _kv_tokens(lay: RoleLayout) -> int:
+    return lay.num_kv_blocks * lay.block_size
+
+
+def _kv_latent(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return m.num_hidden_layers * _kv_tokens(lay) * m.kv_lora_rank, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.kv_lora_rank}"
+
+
+def _kv_rope(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return m.num_hidden_layers * _kv_tokens(lay) * m.qk_rope_head_dim, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.qk_rope_head_dim}"
+
+
+def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    # NOTE: an estimate of the live tensors of one layer (they are reused layer to layer),
+    # assuming fused (flash / paged) attention kernels that never hold a score matrix:
+    # per step token: 4 hidden-wide tensors (residual, normed input, attention and MLP out),
+    # the q and kv latents, MHA-form q, k, v and output on local heads, and per routed
+    # expert choice its dispatched copy in and out plus gate, up and SwiGLU intermediates;
+    # chunked prefill also decompresses the cached prefix (max_model_len tokens) on local
+    # heads.
+    heads = m.num_attention_heads // lay.tp
+    inter = m.moe_intermediate_size if lay.ep else m.moe_intermediate_size // lay.tp
+    per_token = 4 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank \
+        + m.qk_rope_head_dim + heads * 2 * (m.qk_head_dim + m.v_head_dim) \
+        + m.num_experts_per_tok * (2 * m.hidden_size + 3 * inter)
+    prefix = 0 if lay.role == "decode" else \
+        lay.max_model_len * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return lay.step_tokens * per_token + prefix, f"{lay.step_tokens} step tokens (estimate)"
+
+
+def _logits(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return lay.max_num_seqs * m.vocab_size, f"{lay.max_num_seqs} seqs x full vocab, fp32"
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("attention", "weights", "linear", _attention),
+    Kind("dense MLP", "weights", "linear", _dense_mlp),
+    Kind("shared experts", "weights", "linear", _shared_experts),
+    Kind("routed experts", "weights", "linear", _routed_experts),
+    Kind("embedding", "weights", "weight", _embedding),
+    Kind("lm_head", "weights", "weight", _lm_head),
+    Kind("norms + router gate", "weights", "weight", _norms_and_gate),
+    Kind("KV cache: c_kv latent", "kv", "kv", _kv_latent),
+    Kind("KV cache: k_pe", "kv", "kv", _kv_rope),
+    Kind("workspace: activations", "workspace", "activation", _activations),
+    Kind("workspace: logits", "workspace", "fp32", _logits),
+)
+
+
+def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> RolePlan:
+    """The memory of one rank of ``layout``'s role, one row per :data:`KINDS` entry.
+
+    Raises:
+        ValueError: ``ep`` is on and the role's dp x tp does not divide n_routed_experts (the
+            message names the keys to change).
+    """
+    rows = []
+    for kind in KINDS:
+        elements, split = kind.count(model, layout)
+        rows.append(PlanRow(kind.name, kind.group, elements,
+                            getattr(precision, kind.storage), split))
+    return RolePlan(layout, tuple(rows))

@@ -1,0 +1,212 @@
+"""The per-rank memory plan (orchestrator/memory_plan.py) on DeepSeek-V3's real config.json,
+checked against a hand computation, and the fit check `orch up` runs before anything starts
+(orchestrator/memory_check.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.model_config import ModelConfig
+from orchestrator.config import load_config
+from orchestrator.config_errors import ConfigError
+from orchestrator.devices import GB, device_memory
+from orchestrator.memory_check import MemoryPlanError, build_memory_plan, check_memory
+from orchestrator.memory_plan import Precision, RoleLayout, plan_role
+from tests.e2e.harness import REPO
+
+A3 = REPO / "configs" / "a3_p2x16_d8x4.yaml"
+V3_JSON = REPO / "configs" / "models" / "deepseek-v3" / "config.json"
+
+# DeepSeek-V3, by hand (REFERENCE.md "Config"): elements of one layer's tensors.
+Q_A = 7168 * 1536                    # q_a_proj              11,010,048  whole
+KV_A = 7168 * (512 + 64)             # kv_a_proj_with_mqa     4,128,768  whole
+Q_B = 1536 * 128 * (128 + 64)        # q_b_proj              37,748,736  by heads
+KV_B = 512 * 128 * (128 + 128)       # kv_b_proj             16,777,216  by heads
+O = 128 * 128 * 7168                 # o_proj               117,440,512  by heads
+DENSE = 3 * 7168 * 18432             # one dense MLP        396,361,728  (3 layers)
+EXPERT = 3 * 7168 * 2048             # one expert            44,040,192  (58 MoE layers)
+VOCAB = 129280 * 7168                # embedding = lm_head  926,679,040
+NORMS = 2 * 7168 + 1536 + 512        # per layer: input/post norms, q_a and kv_a norms
+GATE = 256 * 7168 + 256              # per MoE layer: router weight + correction bias
+KV_TOKEN = (512 + 64) * 2 * 61       # bytes of one token's KV, bf16, 61 layers: 70,272
+
+
+def hand_plan(tp: int, experts_per_rank: int | None, blocks: int,
+              seqs: int) -> dict[str, float]:
+    """GB per rank, bf16 (experts_per_rank None: all 256 experts split by tp)."""
+    routed = 58 * (experts_per_rank * EXPERT if experts_per_rank else 256 * EXPERT / tp)
+    weights = {
+        "attention": 61 * (Q_A + KV_A + (Q_B + KV_B + O) / tp),
+        "dense MLP": 3 * DENSE / tp,
+        "shared experts": 58 * EXPERT / tp,
+        "routed experts": routed,
+        "embedding": VOCAB / tp,
+        "lm_head": VOCAB / tp,
+        "norms + router gate": 61 * NORMS + 7168 + 58 * GATE,
+    }
+    plan = {kind: 2 * n / GB for kind, n in weights.items()}
+    plan["kv"] = blocks * 128 * KV_TOKEN / GB
+    plan["logits"] = seqs * 129280 * 4 / GB
+    return plan
+
+
+def v3() -> ModelConfig:
+    return ModelConfig.from_dict(json.loads(V3_JSON.read_text()))
+
+
+def test_deepseek_v3_has_671b_parameters():
+    layout = RoleLayout("decode", dp=1, tp=1, ep=False, num_kv_blocks=1, block_size=1,
+                        step_tokens=1, max_num_seqs=1, max_model_len=1)
+    plan = plan_role(v3(), layout, Precision.of("bfloat16"))
+    params = sum(row.elements for row in plan.rows if row.group == "weights")
+    assert params == pytest.approx(671e9, rel=0.005)  # DeepSeek's figure, without the MTP layer
+
+
+def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
+    """GB of the workspace estimate under EP (docs/memory_plan.md), bf16."""
+    heads = 128 // tp
+    per_token = 4 * 7168 + 1536 + 512 + 64 + heads * 2 * (192 + 128) \
+        + 8 * (2 * 7168 + 3 * 2048)  # 8 experts per token, each whole
+    return 2 * (step_tokens * per_token + prefix_tokens * heads * (128 + 128)) / GB
+
+
+@pytest.mark.parametrize("role, tp, blocks, seqs, step_tokens, prefix", [
+    ("prefill", 16, 768, 64, 16384, 69632), ("decode", 4, 1088, 32, 32, 0)])
+def test_a3_memory_table_matches_the_hand_computation(role, tp, blocks, seqs, step_tokens,
+                                                      prefix):
+    plan, _ = build_memory_plan(load_config(A3))
+    (mine,) = [p for p in plan.roles if p.layout.role == role]
+    hand = hand_plan(tp, experts_per_rank=256 // 32, blocks=blocks, seqs=seqs)
+    rows = {row.kind: row.bytes / GB for row in mine.rows}
+    for kind in ("attention", "dense MLP", "shared experts", "routed experts", "embedding",
+                 "lm_head", "norms + router gate"):
+        assert rows[kind] == pytest.approx(hand[kind], rel=0.01), kind
+    assert mine.bytes_of("kv") / GB == pytest.approx(hand["kv"], rel=0.01)
+    assert rows["workspace: logits"] == pytest.approx(hand["logits"], rel=0.01)
+    weights = sum(hand[k] for k in hand if k not in ("kv", "logits"))
+    assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
+    activations = hand_activations(tp, step_tokens, prefix)
+    assert rows["workspace: activations"] == pytest.approx(activations, rel=0.01)
+    total = weights + hand["kv"] + hand["logits"] + activations
+    assert mine.total_bytes / GB == pytest.approx(total, rel=0.01)
+    assert mine.total_bytes < 64 * GB
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_is_planned_and_fits(config):
+    cfg = load_config(REPO / "configs" / config)
+    plan, source = build_memory_plan(cfg)
+    assert plan is not None, source
+    assert check_memory(cfg).startswith("memory plan: fits ")
+
+
+def test_a3_replica_only_layout_is_refused_saying_by_how_much():
+    cfg = load_config(A3, {"prefill.ep": False, "decode.ep": False})
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(cfg)
+    message = str(err.value)
+    plan, _ = build_memory_plan(cfg)
+    for role, tp, blocks in (("prefill", 16, 768), ("decode", 4, 1088)):
+        hand = hand_plan(tp, experts_per_rank=None, blocks=blocks, seqs=0)
+        (mine,) = [p for p in plan.roles if p.layout.role == role]
+        weights = sum(hand[k] for k in hand if k not in ("kv", "logits"))
+        assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
+        over = re.search(rf"- {role}: one rank needs ([\d.]+) GB .* exceeds it by ([\d.]+) GB",
+                         message)
+        assert over, message
+        assert float(over[2]) == pytest.approx(mine.total_bytes / GB - 64, abs=0.01)
+        assert f"set {role}.ep: true" in message
+    assert "decode: one rank needs 346.87 GB" in message  # 337 GB of weights alone
+
+
+def test_suggested_ep_figure_is_the_plan_with_ep_on():
+    off = load_config(A3, {"decode.ep": False})
+    with pytest.raises(MemoryPlanError, match=r"set decode.ep: true \(60.79 GB per rank, "
+                                              r"8 experts each\)"):
+        check_memory(off)
+    plan, _ = build_memory_plan(load_config(A3))
+    assert f"{plan.roles[1].total_bytes / GB:.2f}" == "60.79"
+
+
+def test_too_many_kv_blocks_suggests_how_many_fit():
+    cfg = load_config(A3, {"decode.num_kv_blocks": 4096})
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(cfg)
+    (most,) = re.findall(r"lower decode.num_kv_blocks from 4096 to <= (\d+)", str(err.value))
+    fits = load_config(A3, {"decode.num_kv_blocks": int(most)})
+    check_memory(fits)
+    with pytest.raises(MemoryPlanError):
+        check_memory(load_config(A3, {"decode.num_kv_blocks": int(most) + 1}))
+
+
+def test_cpu_config_fits_the_shared_ram():
+    cfg = load_config(REPO / "configs" / "1p1d.yaml")
+    assert check_memory(cfg).startswith("memory plan: fits cpu: this machine's RAM")
+    plan, _ = build_memory_plan(cfg)
+    assert plan.memory.shared
+    assert plan.all_ranks_bytes == sum(p.total_bytes * p.layout.dp * p.layout.tp
+                                       for p in plan.roles) < plan.memory.bytes
+
+
+def test_cpu_ranks_are_checked_together():
+    cfg = load_config(REPO / "configs" / "1p1d.yaml", {"cluster.device_memory_gb": 0.1})
+    plan, _ = build_memory_plan(cfg)
+    assert all(p.total_bytes < 0.1 * GB for p in plan.roles) and plan.all_ranks_bytes > 0.1 * GB
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(cfg)
+    assert (f"all ranks together need {plan.all_ranks_bytes / GB:.2f} GB but "
+            "cluster.device_memory_gb is 0.10 GB") in str(err.value)
+
+
+@pytest.mark.parametrize("config, role", [("1p1d.yaml", "decode"),
+                                          ("colocated.yaml", "colocated")])
+def test_uneven_experts_over_ep_ranks_is_an_error_naming_the_fix(config, role):
+    cfg = load_config(REPO / "configs" / config, {"decode.ep": True, "decode.dp": 3,
+                                                   "decode.tp": 1})
+    with pytest.raises(ConfigError, match=rf"{role}: n_routed_experts=8 is not divisible by "
+                                          r"the 3 expert-parallel ranks \(dp 3 x tp 1\): "
+                                          r"choose decode.dp x decode.tp dividing 8, or turn "
+                                          r"decode.ep off"):
+        check_memory(cfg)
+
+
+def test_device_memory_defaults_and_override():
+    assert device_memory("npu", None).bytes == 64 * GB
+    assert device_memory("cuda", None).bytes == 80 * GB
+    assert not device_memory("npu", None).shared
+    assert device_memory("npu", 96.0).bytes == 96 * GB
+    assert device_memory("cpu", None).shared
+
+
+def test_config_json_is_relative_to_the_yaml_file(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "v3.json").write_text(V3_JSON.read_text())
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /nonexistent/V3, config_json: models/v3.json, "
+                    "dtype: bfloat16}\ncluster: {device: npu}\nkv_transfer: {block_size: 128}\n"
+                    "prefill: {dp: 2, tp: 16, ep: true}\ndecode: {dp: 8, tp: 4, ep: true}\n")
+    monkeypatch.chdir(REPO)
+    plan, source = build_memory_plan(load_config(path))
+    assert source == str((tmp_path / "models" / "v3.json").resolve())
+    assert plan.model.num_hidden_layers == 61
+
+
+def test_orch_up_refuses_before_anything_starts(tmp_path, capsys, monkeypatch):
+    from orchestrator import up
+    from orchestrator.cli import main
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("orch up went on past the memory check")
+
+    monkeypatch.setattr(up, "load_security", must_not_start)
+    monkeypatch.setattr(up, "bring_up", must_not_start)
+    path = tmp_path / "c.yaml"
+    path.write_text(A3.read_text().replace("ep: true", "ep: false").replace(
+        "config_json: models/", f"config_json: {V3_JSON.parent.parent}/"))
+    assert main(["up", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orch up: the layout does not fit the device memory:\n- prefill: ")
+    assert "exceeds it by 282.87 GB" in err
