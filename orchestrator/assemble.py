@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from orchestrator.admission import AdmissionQueue
@@ -16,6 +18,7 @@ from orchestrator.policies import make_policy
 from orchestrator.router import Router, RouterMetrics
 from orchestrator.status import StatusBoard
 
+log = logging.getLogger(__name__)
 Healthy = Callable[[str], bool]
 RECOVER_GRACE_S = 30.0  # beyond health.recover_timeout_s before the monitor gives up
 
@@ -71,3 +74,22 @@ def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> Stat
     return StatusBoard(router.flow.leaders,
                        {inst.name: inst.parallel.tp for inst in cfg.instances()}, monitor,
                        router.metrics, cfg.health.status_timeout_s)
+
+
+def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: str | None,
+                      ready: Callable[[], bool], grace_s: float):
+    """The OpenAI HTTP API over ``router`` on ``router.host:router.http_port`` (TLS from
+    ``router.tls``); ``ready`` drives its /health. Chat uses the checkpoint's chat template;
+    without one, chat completions answer 400 and a warning says why."""
+    from orchestrator.http.app import OpenAIApp  # lazy: only when router.http_port is set
+    from orchestrator.http.chat_template import ChatTemplate, ChatTemplateError
+    from orchestrator.http.server import HttpServer
+
+    try:
+        template = ChatTemplate.from_checkpoint(checkpoint)
+    except ChatTemplateError as exc:
+        log.warning("/v1/chat/completions is off: %s", exc)
+        template = None
+    app = OpenAIApp(router, template, token, ready)
+    return HttpServer(app.asgi(), cfg.router.host, cfg.router.http_port, cfg.router.tls,
+                      grace_s=grace_s)

@@ -24,7 +24,8 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     from orchestrator.config import ConfigError, load_config
 
     flags = {"router.host": ns.host, "router.port": ns.port,
-             "router.metrics_host": ns.metrics_host, "router.metrics_port": ns.metrics_port}
+             "router.metrics_host": ns.metrics_host, "router.metrics_port": ns.metrics_port,
+             "router.http_port": ns.http_port}
     try:
         cfg = load_config(ns.config, {k: v for k, v in flags.items() if v is not None})
     except ConfigError as exc:
@@ -237,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-host", help="listen address of /metrics (router.metrics_host)")
     up.add_argument("--metrics-port", type=int,
                     help="Prometheus /metrics port (router.metrics_port)")
+    up.add_argument("--http-port", type=int,
+                    help="OpenAI-compatible HTTP API port (router.http_port)")
     up.set_defaults(func=_cmd_up)
     for name, func, text in (("status", _cmd_status, "instances and ranks of a router"),
                              ("generate", _cmd_generate, "stream one completion")):

@@ -187,7 +187,7 @@ class AuthSection(_Section):
 
 
 class RouterSection(_Section):
-    """The gRPC front end (and its metrics endpoint)."""
+    """The gRPC front end (and its metrics endpoint and OpenAI HTTP API)."""
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
@@ -197,6 +197,8 @@ class RouterSection(_Section):
     metrics_host: str = "127.0.0.1"
     max_attempts: int = Field(3, ge=1)
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
+    # OpenAI-compatible HTTP API on router.host (docs/router.md, HTTP API); None = off.
+    http_port: Optional[int] = Field(None, ge=0, le=65535)
     # gRPC's receive limit, bytes; raised to what model.max_model_len needs when lower.
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024)
     tls: Optional[TLSSection] = None
@@ -267,6 +269,11 @@ class OrchConfig(_Section):
             raise _cross_field(
                 f"router.metrics_port ({self.router.metrics_port}) equals router.port: pick "
                 "another port for metrics (or leave metrics_port unset)")
+        if self.router.http_port and self.router.http_port in (self.router.port,
+                                                                self.router.metrics_port):
+            raise _cross_field(
+                f"router.http_port ({self.router.http_port}) equals router.port or "
+                "router.metrics_port: pick another port for the HTTP API")
         return self
 
     def device(self) -> str:

@@ -22,14 +22,27 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     Raises:
         RequestError: INVALID_ARGUMENT with SamplingParams' own message (allowed range).
     """
-    if msg.max_tokens == 0:
+    return build_sampling(max_tokens=msg.max_tokens, temperature=msg.temperature,
+                          top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0,
+                          seed=msg.seed if msg.HasField("seed") else None,
+                          ignore_eos=msg.ignore_eos)
+
+
+def build_sampling(max_tokens: int, temperature: float, top_k: int, top_p: float,
+                   seed: int | None, ignore_eos: bool) -> SamplingParams:
+    """:class:`SamplingParams` from a client's values (gRPC's and the OpenAI HTTP API's), so
+    both edges refuse a bad value with the same message.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT: ``max_tokens`` 0 (unset), or SamplingParams' own
+            message (allowed range).
+    """
+    if max_tokens == 0:
         raise RequestError("INVALID_ARGUMENT", "sampling.max_tokens is required: set how many "
                                                "tokens to generate (>= 1)")
     try:
-        return SamplingParams(
-            max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
-            top_p=msg.top_p if msg.top_p != 0 else 1.0,
-            seed=msg.seed if msg.HasField("seed") else None, ignore_eos=msg.ignore_eos)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed, ignore_eos=ignore_eos)
     except ValueError as exc:
         raise RequestError("INVALID_ARGUMENT", f"sampling: {exc}") from None
 

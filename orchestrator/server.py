@@ -3,7 +3,9 @@
 Errors leave as gRPC status codes carrying :class:`RequestError` messages. The edge
 (``orchestrator.interceptors``): optional bearer-token auth, then requests that are too big
 or cannot be parsed answered INVALID_ARGUMENT before the servicer sees them; optional TLS
-(``orchestrator.security``). The health service says SERVING while every role has a healthy
+(``orchestrator.security``). gRPC server reflection (the standard
+``grpc.reflection.v1alpha`` service) lists the services and their descriptors, so grpcurl /
+grpcui need no .proto file (behind the token like every call but health). The health service says SERVING while every role has a healthy
 instance (the health monitor's view), NOT_SERVING while some role has none, and from the
 start of shutdown on. Stop order: health NOT_SERVING (load balancers stop sending), router
 refuses new requests and drains in-flight ones (bounded), the health monitor stops,
@@ -17,6 +19,7 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from orchestrator import convert
 from orchestrator.health import InstanceHealth
@@ -30,7 +33,7 @@ from orchestrator.security import EdgeSecurity
 from orchestrator.status import StatusBoard
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "orch.v1.Orch"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Orch"].full_name  # "orch.v1.Orch"
 
 
 class PortInUseError(RuntimeError):
@@ -108,8 +111,16 @@ class OrchServer:
             ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
         pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.address = f"{host}:{port}"
         self.port = 0
+
+    @property
+    def serving(self) -> bool:
+        """What the health service says now: True while serving and every role has a
+        healthy instance."""
+        return bool(self._serving)
 
     async def start(self) -> int:
         """Bind, start the router and the server, report SERVING; returns the bound port.

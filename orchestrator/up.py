@@ -1,9 +1,10 @@
-"""`orch up`: checkpoint, Ray instances, router and gRPC server, until SIGINT/SIGTERM.
+"""`orch up`: checkpoint, Ray instances, router, gRPC server and (``router.http_port``) the
+OpenAI HTTP API on the same router, until SIGINT/SIGTERM.
 
 Start-up prints one line per stage and instance (:mod:`orchestrator.progress`); SIGINT or
 SIGTERM during it stops what was started and ends the command (exit 130 from the CLI).
-Stop order once serving: health NOT_SERVING, drain in-flight requests (bounded by
-``DRAIN_S``), server stop, then the Ray actors (leaders' drain and shutdown bounded by
+Stop order once serving: health NOT_SERVING and the HTTP server stops accepting, drain
+in-flight requests (bounded by ``DRAIN_S``), servers stop, then the Ray actors (leaders' drain and shutdown bounded by
 ``TEARDOWN_S`` each, then killed) and placement groups, then Ray itself if we started it.
 """
 
@@ -16,7 +17,7 @@ import socket
 import sys
 
 from engine import envs
-from orchestrator.assemble import build_board, build_monitor, build_router
+from orchestrator.assemble import build_board, build_http_server, build_monitor, build_router
 from orchestrator.checkpoint import ensure_checkpoint, read_model_info
 from orchestrator.cluster import Cluster, bring_up
 from orchestrator.config import OrchConfig
@@ -48,7 +49,7 @@ def make_metrics(cfg: OrchConfig):
 
 
 def check_ports_free(cfg: OrchConfig) -> None:
-    """Fail before the (slow) bring-up when the router or metrics port is taken.
+    """Fail before the (slow) bring-up when the router, metrics or HTTP port is taken.
 
     Binds each port the way the real servers do (``SO_REUSEADDR``, as gRPC and the metrics
     HTTP server set it): a TIME_WAIT left by a closed connection (a /metrics scrape of the
@@ -59,7 +60,8 @@ def check_ports_free(cfg: OrchConfig) -> None:
     """
     for key, host, port in (("router.port", cfg.router.host, cfg.router.port),
                             ("router.metrics_port", cfg.router.metrics_host,
-                             cfg.router.metrics_port)):
+                             cfg.router.metrics_port),
+                            ("router.http_port", cfg.router.host, cfg.router.http_port)):
         if not port:
             continue
         with socket.socket() as sock:
@@ -104,7 +106,7 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     try:
         # NOTE: inside the try: an interrupt in ray.init still shuts down what it started.
         cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=_start_ray(cfg))
-        asyncio.run(_serve(cfg, cluster, model, tokenizer, security))
+        asyncio.run(_serve(cfg, cluster, model, tokenizer, security, checkpoint))
     finally:
         if cluster is not None:
             cluster.teardown(timeout_s=TEARDOWN_S)
@@ -144,7 +146,7 @@ def _worker_logs_dir() -> str:
 
 
 async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
-                 security: EdgeSecurity) -> None:
+                 security: EdgeSecurity, checkpoint) -> None:
     metrics = make_metrics(cfg)
     # NOTE: the monitor tells the router (built next) about failures and has the recoverer
     # (built on the router's leader clients, which it rebinds) restart the instance.
@@ -164,6 +166,15 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
                         cfg.router.max_message_bytes)
     port = await server.start()
+    http = None
+    if cfg.router.http_port is not None:
+        http = build_http_server(cfg, router, checkpoint, security.token,
+                                 ready=lambda: server.serving, grace_s=DRAIN_S)
+        try:
+            http_port = await http.start()
+        except BaseException:
+            await server.stop(grace_s=DRAIN_S)
+            raise
     reporter = asyncio.create_task(board.report(period_s=1.0))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -171,12 +182,16 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
         loop.add_signal_handler(sig, stop.set)
     metrics_at = (f"; metrics on {cfg.router.metrics_host}:{cfg.router.metrics_port}/metrics"
                   if metrics else "")
+    http_at = (f"; OpenAI API on http{'s' if cfg.router.tls else ''}://{cfg.router.host}:"
+               f"{http_port}/v1" if http else "")
     print(f"orch serving {model.name} on {cfg.router.host}:{port}, {security.describe()} "
-          f"({len(cluster.instances)} instance(s)){metrics_at}; Ctrl-C to stop", flush=True)
+          f"({len(cluster.instances)} instance(s)){metrics_at}{http_at}; Ctrl-C to stop",
+          flush=True)
     await stop.wait()
     print("orch: stopping (draining in-flight requests)", flush=True)
     reporter.cancel()
     await asyncio.gather(reporter, return_exceptions=True)
-    await server.stop(grace_s=DRAIN_S)
+    stops = [server.stop(grace_s=DRAIN_S)] + ([http.stop()] if http else [])
+    await asyncio.gather(*stops)
     if metrics is not None and hasattr(metrics, "stop"):
         metrics.stop()

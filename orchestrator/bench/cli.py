@@ -32,7 +32,16 @@ def _rate(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every ``orch bench`` option to ``parser`` (docs/bench.md describes them)."""
     g = parser.add_argument_group("server")
-    g.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    g.add_argument("--address", default="127.0.0.1:50051", help="router host:port (gRPC)")
+    g.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: orch's Generate at --address; openai: streamed /completions "
+                   "of any OpenAI-compatible server at --base-url")
+    g.add_argument("--base-url", default=None,
+                   help="with --backend openai: the API base, e.g. http://127.0.0.1:8000/v1")
+    g.add_argument("--model", default=None,
+                   help="with --backend openai: model name (default: the first of GET /models)")
+    g.add_argument("--api-key", default=None,
+                   help="with --backend openai: bearer token, when the server needs one")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="per request, seconds")
@@ -119,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
     if args.up:
+        if args.backend != "grpc":
+            print("orch bench: --up replays over gRPC only: drop --backend openai, or start "
+                  "the server yourself and pass --base-url", file=sys.stderr)
+            return 2
         from orchestrator.bench.serve import run_configs
 
         return run_configs(args)
@@ -136,7 +149,8 @@ def replay(args: argparse.Namespace) -> int:
         runner_cfg = RunnerConfig(
             address=args.address, max_concurrency=args.max_concurrency,
             request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
-            label=args.label, progress=not args.no_progress)
+            label=args.label, progress=not args.no_progress, backend=args.backend,
+            base_url=args.base_url, model=args.model, api_key=args.api_key)
         workload = load_workload(workload_config(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"orch bench: {e}", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""Replay a workload against a running router over gRPC (grpc.aio) and time every token.
+"""Replay a workload against a running router over gRPC (grpc.aio), or against any
+OpenAI-compatible server (``backend="openai"``, :mod:`orchestrator.bench.openai_backend`), and
+time every token.
 
 Each timed request is a task that sleeps until its arrival time, waits for a concurrency slot
 (``max_concurrency``), sends ``Generate`` (greedy, ``ignore_eos``, ``max_tokens =
@@ -13,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Literal
 
 import grpc
 
@@ -35,6 +39,10 @@ class RunnerConfig:
         connect_timeout_s: how long to wait for the channel to become ready, seconds.
         label: prefix of request ids (``<label>-<run id>-<index>``).
         progress: show a tqdm progress bar on stderr.
+        backend: "grpc" (orch's Generate at ``address``) or "openai" (streamed
+            ``/completions`` at ``base_url``, e.g. ``http://127.0.0.1:8000/v1``).
+        model: the openai backend's model name (None: the first ``GET /models`` lists).
+        api_key: the openai backend's bearer token (None: none sent).
     """
 
     address: str = "127.0.0.1:50051"
@@ -43,8 +51,15 @@ class RunnerConfig:
     connect_timeout_s: float = 10.0
     label: str = "bench"
     progress: bool = True
+    backend: Literal["grpc", "openai"] = "grpc"
+    base_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("--backend openai needs --base-url URL (e.g. "
+                             "http://127.0.0.1:8000/v1)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
         if self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
@@ -129,8 +144,16 @@ def make_request(req: BenchRequest, request_id: str) -> orch_pb2.GenerateRequest
     return orch_pb2.GenerateRequest(token_ids=ids, sampling=sampling, request_id=request_id)
 
 
-class _Stream:
-    """Mutable state of one call while it streams (frozen into a RequestRecord at the end)."""
+class StreamState:
+    """Mutable state of one call while it streams (frozen into a RequestRecord at the end).
+
+    Attributes:
+        send_s: when it was sent (run clock, seconds).
+        input_len: prompt tokens (the server's count once it gave one).
+        times, tokens: arrival time and token count of each message carrying tokens.
+        finish: the finish reason, once seen.
+        code, error: the failure (gRPC status name, message), or None.
+    """
 
     def __init__(self, send_s: float, input_len: int) -> None:
         self.send_s = send_s
@@ -141,8 +164,24 @@ class _Stream:
         self.code: str | None = None
         self.error: str | None = None
 
+    def record(self, req: BenchRequest, end_s: float) -> RequestRecord:
+        """The finished request (a stream without an ok finish is a failure)."""
+        if self.code is None and self.finish is None:
+            self.code, self.error = "NO_FINISH", "stream ended without a finish_reason"
+        elif self.code is None and self.finish not in _OK_FINISH:
+            self.code, self.error = "ABORTED_BY_SERVER", f"finish_reason={self.finish!r}"
+        return RequestRecord(
+            index=req.index, warmup=req.warmup, input_len=self.input_len,
+            output_len=req.output_len, scheduled_s=req.arrival_s, send_s=self.send_s,
+            chunk_times_s=tuple(self.times), chunk_tokens=tuple(self.tokens), end_s=end_s,
+            finish_reason=self.finish, error_code=self.code, error=self.error)
 
-async def _consume(stub, req: BenchRequest, rid: str, st: _Stream, cfg: RunnerConfig,
+
+# One request sent now and streamed to its end: (request, run clock origin t0, run id).
+Send = Callable[[BenchRequest, float, str], Awaitable[RequestRecord]]
+
+
+async def _consume(stub, req: BenchRequest, rid: str, st: StreamState, cfg: RunnerConfig,
                    t0: float) -> None:
     call = stub.Generate(make_request(req, rid), timeout=cfg.request_timeout_s)
     try:
@@ -163,7 +202,7 @@ async def _consume(stub, req: BenchRequest, rid: str, st: _Stream, cfg: RunnerCo
 async def send_one(stub, req: BenchRequest, cfg: RunnerConfig, t0: float,
                    run_id: str) -> RequestRecord:
     """Send ``req`` now and record its stream; never raises for a failed request."""
-    st = _Stream(time.perf_counter() - t0, req.input_len)
+    st = StreamState(time.perf_counter() - t0, req.input_len)
     rid = f"{cfg.label}-{run_id}-{req.index}"
     try:
         await asyncio.wait_for(_consume(stub, req, rid, st, cfg, t0),
@@ -172,25 +211,17 @@ async def send_one(stub, req: BenchRequest, cfg: RunnerConfig, t0: float,
         st.code, st.error = e.code().name, e.details()
     except asyncio.TimeoutError:
         st.code, st.error = "DEADLINE_EXCEEDED", "client backstop timeout"
-    if st.code is None and st.finish is None:
-        st.code, st.error = "NO_FINISH", "stream ended without a finish_reason"
-    elif st.code is None and st.finish not in _OK_FINISH:
-        st.code, st.error = "ABORTED_BY_SERVER", f"finish_reason={st.finish!r}"
-    return RequestRecord(
-        index=req.index, warmup=req.warmup, input_len=st.input_len, output_len=req.output_len,
-        scheduled_s=req.arrival_s, send_s=st.send_s, chunk_times_s=tuple(st.times),
-        chunk_tokens=tuple(st.tokens), end_s=time.perf_counter() - t0, finish_reason=st.finish,
-        error_code=st.code, error=st.error)
+    return st.record(req, time.perf_counter() - t0)
 
 
-async def _timed(stub, req: BenchRequest, cfg: RunnerConfig, t0: float, run_id: str,
+async def _timed(send: Send, req: BenchRequest, t0: float, run_id: str,
                  sem: asyncio.Semaphore | None, bar) -> RequestRecord:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
     if sem is None:
-        rec = await send_one(stub, req, cfg, t0, run_id)
+        rec = await send(req, t0, run_id)
     else:
         async with sem:
-            rec = await send_one(stub, req, cfg, t0, run_id)
+            rec = await send(req, t0, run_id)
     bar.update(1)
     return rec
 
@@ -239,18 +270,30 @@ async def run_benchmark(workload: Workload, cfg: RunnerConfig) -> RunResult:
         ConnectionError: the server is not reachable within ``cfg.connect_timeout_s``.
     """
     run_id = secrets.token_hex(3)
-    channel = await connect(cfg.address, cfg.connect_timeout_s)
-    try:
-        stub = orch_pb2_grpc.OrchStub(channel)
-        warm = [await send_one(stub, r, cfg, time.perf_counter(), run_id)
-                for r in workload.warmup]
+    async with _sender(cfg) as send:
+        warm = [await send(r, time.perf_counter(), run_id) for r in workload.warmup]
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         with _progress_bar(len(workload.requests), cfg) as bar:
             started_at, t0 = time.time(), time.perf_counter()
             timed = await asyncio.gather(*(
-                _timed(stub, r, cfg, t0, run_id, sem, bar) for r in workload.requests))
+                _timed(send, r, t0, run_id, sem, bar) for r in workload.requests))
             duration = time.perf_counter() - t0
-    finally:
-        await channel.close()
     return RunResult(records=tuple(warm) + tuple(timed), duration_s=duration,
                      started_at=started_at)
+
+
+@asynccontextmanager
+async def _sender(cfg: RunnerConfig) -> AsyncIterator[Send]:
+    """The backend's :data:`Send`, connected (ConnectionError when nothing answers)."""
+    if cfg.backend == "openai":
+        from orchestrator.bench.openai_backend import openai_sender
+
+        async with openai_sender(cfg) as send:
+            yield send
+        return
+    channel = await connect(cfg.address, cfg.connect_timeout_s)
+    try:
+        stub = orch_pb2_grpc.OrchStub(channel)
+        yield lambda req, t0, run_id: send_one(stub, req, cfg, t0, run_id)
+    finally:
+        await channel.close()

@@ -1,0 +1,38 @@
+"""Stop strings over streamed text, trimmed like OpenAI: the stop string and everything after
+it are never sent.
+
+Text that could still be the start of a stop string is held back (at most the longest stop
+string's length minus one characters) until the next piece shows it is not.
+"""
+
+from __future__ import annotations
+
+
+class StopText:
+    """Finds the first stop string in a stream of text pieces.
+
+    Args:
+        stops: the stop strings (non-empty).
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""  # text received but not yet returned
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add a piece; returns (text safe to send now, True when a stop string was found:
+        the text ends just before it and nothing more may be sent)."""
+        buf = self._pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return buf[:min(hits)], True
+        cut = max(len(buf) - self._hold, 0)
+        self._pending = buf[cut:]
+        return buf[:cut], False
+
+    def flush(self) -> str:
+        """The held-back text (the stream ended without a stop string)."""
+        out, self._pending = self._pending, ""
+        return out

