@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass, replace
 
 from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.quant.memory import bytes_per_param
 from orchestrator.checkpoint import model_config_dict
 from orchestrator.config import OrchConfig
 from orchestrator.config_errors import ConfigError
 from orchestrator.devices import GB, DeviceMemory, device_memory
-from orchestrator.memory_plan import Precision, RoleLayout, RolePlan, plan_role
+from orchestrator.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePlan, plan_role
 
 
 class MemoryPlanError(ConfigError):
@@ -62,8 +63,7 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     """(the plan, or None with the reason why it could not be made; the config.json used).
 
     Raises:
-        ConfigError: ``ep`` is on and dp x tp does not divide n_routed_experts; or the device
-            has no memory figure (names the key to set).
+        ConfigError: the device has no memory figure (names the key to set).
     """
     raw, source = model_config_dict(cfg.model)
     if raw is None:
@@ -73,7 +73,8 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
         return None, (f"{source} is not a DeepSeek-V2/V3 config the engine reads: "
                       f"{type(exc).__name__}: {exc}")
-    precision = Precision.of(cfg.model.dtype)
+    precision = Precision.of(cfg.model.dtype, bytes_per_param(
+        model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
     try:
         roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
         memory = device_memory(cfg.device(), cfg.cluster.device_memory_gb)
@@ -152,7 +153,7 @@ def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
 
     lay = role.layout
     try:
-        tp_layout(plan.model, lay.tp * 2)
+        tp_layout(plan.model, lay.tp * 2, lay.ep_size * 2 if lay.ep else 1)
         return plan_role(plan.model, replace(lay, tp=lay.tp * 2), plan.precision)
     except ValueError:
         return None
