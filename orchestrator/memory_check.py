@@ -174,8 +174,11 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
     if plan is None:
         return [f"memory plan: not computed ({source})"]
     mem = plan.memory
-    lines = [f"memory plan per rank ({cfg.model.dtype}; GB = 10^9 bytes; model {source}; "
-             f"device {_gb(mem.bytes)} GB: {mem.source})"]
+    quant = plan.model.quantization
+    stored = "" if quant is None else \
+        f", linear weights {quant.method} checkpoint stored at {plan.precision.linear:.4g} B/el"
+    lines = [f"memory plan per rank ({cfg.model.dtype}{stored}; GB = 10^9 bytes; model "
+             f"{source}; device {_gb(mem.bytes)} GB: {mem.source})"]
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
     if mem.shared:
