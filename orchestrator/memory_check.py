@@ -14,11 +14,13 @@ import math
 from dataclasses import dataclass, replace
 
 from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.quant.memory import bytes_per_param
 from orchestrator.checkpoint import model_config_dict
 from orchestrator.config import OrchConfig
 from orchestrator.config_errors import ConfigError
 from orchestrator.devices import GB, DeviceMemory, device_memory
-from orchestrator.memory_plan import Precision, RoleLayout, RolePlan, plan_role
+from orchestrator.memory_plan import (DTYPE_BYTES, Precision, RoleLayout, RolePlan,
+                                      plan_role)
 
 
 class MemoryPlanError(ConfigError):
@@ -73,13 +75,23 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
         return None, (f"{source} is not a DeepSeek-V2/V3 config the engine reads: "
                       f"{type(exc).__name__}: {exc}")
-    precision = Precision.of(cfg.model.dtype)
+    precision = stored_precision(cfg, model)
     try:
         roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
         memory = device_memory(cfg.device(), cfg.cluster.device_memory_gb)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return MemoryPlan(model, source, precision, roles, memory), source
+
+
+def stored_precision(cfg: OrchConfig, model: ModelConfig) -> Precision:
+    """Bytes per element as the ranks store them: ``model.dtype``, except the linear weights
+    of a quantized checkpoint (FP8 kept as FP8, W8A8: 1 byte plus the scales' share)."""
+    precision = Precision.of(cfg.model.dtype)
+    if model.quantization is None:
+        return precision
+    return replace(precision, linear=bytes_per_param(
+        model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
 
 
 def check_memory(cfg: OrchConfig) -> str:
@@ -195,13 +207,13 @@ def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
 
     lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}, {ep}; each of its {lay.dp * lay.tp} "
              "rank(s) holds:",
-             f"  {'kind':<24}{'elements':>17}{'B/el':>6}{unit:>10}  split"]
+             f"  {'kind':<24}{'elements':>17}{'B/el':>7}{unit:>10}  split"]
     for row in role.rows:
-        lines.append(f"  {row.kind:<24}{row.elements:>17,}{row.bytes_per_element:>6g}"
+        lines.append(f"  {row.kind:<24}{row.elements:>17,}{row.bytes_per_element:>7.4g}"
                      f"{size(row.bytes)}  {row.split}")
     for group in ("weights", "kv", "workspace"):
-        lines.append(f"  {group + ' (sum)':<47}{size(role.bytes_of(group))}")
-    total = f"  {'total':<47}{size(role.total_bytes)}"
+        lines.append(f"  {group + ' (sum)':<48}{size(role.bytes_of(group))}")
+    total = f"  {'total':<48}{size(role.total_bytes)}"
     if device_bytes is not None:
         total += f"  of {_gb(device_bytes)} GB: {_headroom(role.total_bytes, device_bytes)}"
     return lines + [total]
