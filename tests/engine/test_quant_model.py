@@ -203,6 +203,17 @@ def test_scales_without_quantization_config_are_refused(fp8_ckpt, tmp_path):
         _runner(ckpt)
 
 
+@pytest.mark.parametrize("fp8_storage", ["dequantize", "fp8"])
+def test_a_block_size_other_than_the_written_one_is_refused(fp8_ckpt, tmp_path, fp8_storage):
+    ckpt = shutil.copytree(fp8_ckpt, tmp_path / "blocks")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv has shape .* with "
+                                              r"weight_block_size \[64, 64\] needs"):
+        _runner(ckpt, fp8_storage=fp8_storage)
+
+
 def test_int8_weights_under_an_fp8_config_are_refused(w8a8_ckpt, tmp_path):
     ckpt = shutil.copytree(w8a8_ckpt, tmp_path / "mixed")
     config = json.loads((ckpt / "config.json").read_text())
