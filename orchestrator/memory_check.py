@@ -145,9 +145,13 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
         fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
                      f"{experts // (lay.dp * lay.tp)} experts each)")
     wider = _wider_tp(plan, role)
-    if wider is not None:
+    if wider is not None and wider.total_bytes <= have:
         fixes.append(f"raise {key}.tp to {wider.layout.tp} ({_gb(wider.total_bytes)} GB per "
                      "rank)")
+    most_tokens = _most_step_tokens(plan, role)
+    if lay.role != "decode" and most_tokens is not None and most_tokens < lay.step_tokens:
+        fixes.append(f"lower {key}.max_num_batched_tokens from {lay.step_tokens} to <= "
+                     f"{most_tokens}")
     per_block = role.bytes_of("kv") / lay.num_kv_blocks
     room = have - (role.total_bytes - role.bytes_of("kv"))
     least = -(-lay.max_model_len // lay.block_size)
@@ -156,6 +160,18 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
                      f"{math.floor(room / per_block)}")
     fixes.append("or set cluster.device_memory_gb if the device has more")
     return fixes
+
+
+def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
+    """The most step tokens with which ``role`` fits, everything else unchanged (None: it
+    does not fit even with one)."""
+    lay, have = role.layout, plan.memory.bytes
+    base = plan_role(plan.model, replace(lay, step_tokens=0), plan.precision).total_bytes
+    per_token = plan_role(plan.model, replace(lay, step_tokens=1), plan.precision).total_bytes \
+        - base
+    if per_token <= 0 or base + per_token > have:
+        return None
+    return (have - base) // per_token
 
 
 def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:

@@ -263,3 +263,15 @@ def test_w8a8_checkpoint_is_planned_at_one_byte_per_linear_weight(tmp_path):
     assert decode.bytes_of("weights") / GB == pytest.approx(26.34, rel=0.015)
     routed = next(r for r in decode.rows if r.kind == "routed experts")
     assert routed.bytes_per_element == pytest.approx(1 + 4 / 2048)
+
+
+def test_too_many_step_tokens_suggests_how_many_fit_and_no_tp_that_does_not():
+    cfg = load_config(A3, {"prefill.max_num_batched_tokens": 10**8})
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(cfg)
+    assert "raise prefill.tp" not in str(err.value)  # tp 32 needs 39467 GB: no fix
+    (most,) = re.findall(r"lower prefill.max_num_batched_tokens from 100000000 to <= (\d+)",
+                         str(err.value))
+    check_memory(load_config(A3, {"prefill.max_num_batched_tokens": int(most)}))
+    with pytest.raises(MemoryPlanError):
+        check_memory(load_config(A3, {"prefill.max_num_batched_tokens": int(most) + 1}))
