@@ -199,7 +199,11 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"orch model quantize: the engine is not installed ({exc})", file=sys.stderr)
         return 1
-    quantize_main(ns.src, ns.dst, ns.scheme, ns.shard_mb)  # prints what it wrote
+    try:
+        quantize_main(ns.src, ns.dst, ns.scheme, ns.shard_mb)  # prints what it wrote
+    except (OSError, ValueError) as exc:  # missing source, used destination, bad arguments
+        print(f"orch model quantize: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

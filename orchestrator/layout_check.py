@@ -47,7 +47,8 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     Raises:
         ConfigError: a tp does not divide a size the layout splits (attention heads, dense or
             expert intermediate size), or an expert-parallel size does not divide
-            ``n_routed_experts``; the message names the key path and the sizes that work.
+            ``n_routed_experts``; the message names the key path and the sizes that work. Or
+            the checkpoint's ``quantization_config`` is one orch cannot run.
     """
     raw, source = model_config_dict(cfg.model)
     if raw is None:
@@ -55,10 +56,14 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     try:
         from engine.layout import tp_layout  # lazy: torch
         from engine.model_config import ModelConfig, UnsupportedModelError
+        from engine.quant.formats import UnsupportedQuantizationError
     except ImportError as exc:
         return f"tp layout: not checked (the engine is not installed: {exc})"
     try:
         model = ModelConfig.from_dict(raw)
+    except UnsupportedQuantizationError as exc:
+        # NOTE: every rank would refuse it at load: refused here, before anything starts
+        raise ConfigError(f"model.path: {exc} ({source})") from None
     except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
         return (f"tp layout: not checked ({source} is not a DeepSeek-V2/V3 config the engine "
                 f"reads: {type(exc).__name__}: {exc})")

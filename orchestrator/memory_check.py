@@ -134,9 +134,13 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
         fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
                      f"{experts // (lay.dp * lay.tp)} experts each)")
     wider = _wider_tp(plan, role)
-    if wider is not None:
+    if wider is not None and wider.total_bytes <= have:
         fixes.append(f"raise {key}.tp to {wider.layout.tp} ({_gb(wider.total_bytes)} GB per "
                      "rank)")
+    most_tokens = _most_step_tokens(plan, role)
+    if lay.role != "decode" and most_tokens is not None and most_tokens < lay.step_tokens:
+        fixes.append(f"lower {key}.max_num_batched_tokens from {lay.step_tokens} to <= "
+                     f"{most_tokens}")
     per_block = role.bytes_of("kv") / lay.num_kv_blocks
     room = have - (role.total_bytes - role.bytes_of("kv"))
     least = -(-lay.max_model_len // lay.block_size)
@@ -145,6 +149,18 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
                      f"{math.floor(room / per_block)}")
     fixes.append("or set cluster.device_memory_gb if the device has more")
     return fixes
+
+
+def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
+    """The most step tokens with which ``role`` fits, everything else unchanged (None: it
+    does not fit even with one)."""
+    lay, have = role.layout, plan.memory.bytes
+    base = plan_role(plan.model, replace(lay, step_tokens=0), plan.precision).total_bytes
+    per_token = plan_role(plan.model, replace(lay, step_tokens=1), plan.precision).total_bytes \
+        - base
+    if per_token <= 0 or base + per_token > have:
+        return None
+    return (have - base) // per_token
 
 
 def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
@@ -199,13 +215,13 @@ def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
 
     lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}, {ep}; each of its {lay.dp * lay.tp} "
              "rank(s) holds:",
-             f"  {'kind':<24}{'elements':>17}{'B/el':>6}{unit:>10}  split"]
+             f"  {'kind':<24}{'elements':>17}{'B/el':>7}{unit:>10}  split"]
     for row in role.rows:
-        lines.append(f"  {row.kind:<24}{row.elements:>17,}{row.bytes_per_element:>6g}"
+        lines.append(f"  {row.kind:<24}{row.elements:>17,}{row.bytes_per_element:>7.4g}"
                      f"{size(row.bytes)}  {row.split}")
     for group in ("weights", "kv", "workspace"):
-        lines.append(f"  {group + ' (sum)':<47}{size(role.bytes_of(group))}")
-    total = f"  {'total':<47}{size(role.total_bytes)}"
+        lines.append(f"  {group + ' (sum)':<48}{size(role.bytes_of(group))}")
+    total = f"  {'total':<48}{size(role.total_bytes)}"
     if device_bytes is not None:
         total += f"  of {_gb(device_bytes)} GB: {_headroom(role.total_bytes, device_bytes)}"
     return lines + [total]

@@ -76,8 +76,8 @@ class DPSync:
             self.group.allreduce([flag], opts).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise DPGroupBroken(
-                f"DP rank {self.rank}: another DP rank of this expert-parallel role did not "
-                f"meet a step within {self.timeout_s:g} s (dead, hung or out of service): "
+                f"DP rank {self.rank}: another DP rank of this expert-parallel role failed or did "
+                f"not meet a step within {self.timeout_s:g} s (dead, hung or out of service): "
                 f"the role's EP group is broken ({_first_line(exc)})") from exc
         return bool(flag.item())
 

@@ -68,6 +68,8 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
     """
     if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise _unsupported("", raw, " (an object is expected)")
     method = raw.get("quant_method")
     if method == "fp8":
         return _parse_deepseek_fp8(raw)
@@ -77,8 +79,9 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> QuantScheme | None:
 
 
 def _unsupported(field: str, value: Any, detail: str = "") -> UnsupportedQuantizationError:
+    path = f"quantization_config.{field}" if field else "quantization_config"
     return UnsupportedQuantizationError(
-        f"config.json quantization_config.{field} is {value!r}{detail}; orch runs "
+        f"config.json {path} is {value!r}{detail}; orch runs "
         f"{' or '.join(SUPPORTED_METHODS)}: convert the checkpoint to one of these (e.g. "
         "`orch model quantize SRC DST --scheme fp8-block|w8a8` from a bf16 checkpoint)")
 
@@ -90,8 +93,10 @@ def _parse_deepseek_fp8(raw: dict[str, Any]) -> QuantScheme:
     if raw.get("activation_scheme", "dynamic") != "dynamic":
         raise _unsupported("activation_scheme", raw.get("activation_scheme"))
     block = raw.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(int(b) > 0 for b in block)):
-        raise _unsupported("weight_block_size", block, " (per-tensor FP8 is not supported)")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(type(b) is int and b > 0 for b in block)):
+        raise _unsupported("weight_block_size", block, " (two positive integers expected; "
+                                                         "per-tensor FP8 is not supported)")
     return QuantScheme(FP8_BLOCK, block_size=(int(block[0]), int(block[1])))
 
 
@@ -105,13 +110,18 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantScheme:
     if fmt not in ("int-quantized", "naive-quantized"):
         raise _unsupported("format", fmt, " (int8 W8A8 is written as 'int-quantized')")
     groups = raw.get("config_groups") or {}
-    if len(groups) != 1:
-        raise _unsupported("config_groups", sorted(groups), " (exactly one group expected)")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise _unsupported("config_groups", groups, " (exactly one group expected)")
     name, group = next(iter(groups.items()))
-    if "Linear" not in group.get("targets", []):
-        raise _unsupported(f"config_groups.{name}.targets", group.get("targets"))
+    if not isinstance(group, dict):
+        raise _unsupported(f"config_groups.{name}", group, " (an object is expected)")
+    targets = group.get("targets")
+    if not isinstance(targets, list) or "Linear" not in targets:
+        raise _unsupported(f"config_groups.{name}.targets", targets)
     for part, want in (("weights", _W8A8_WEIGHTS), ("input_activations", _W8A8_INPUTS)):
         got = group.get(part) or {}
+        if not isinstance(got, dict):
+            raise _unsupported(f"config_groups.{name}.{part}", got, " (an object is expected)")
         for key, value in want.items():
             if got.get(key) != value:
                 raise _unsupported(f"config_groups.{name}.{part}.{key}", got.get(key),

@@ -165,12 +165,37 @@ def _read_weight(tensors: CheckpointTensors, name: str, spans: list[Span],
     return q
 
 
+def _read_scale(tensors: CheckpointTensors, weight_name: str, scheme: QuantScheme,
+                spans: list[Span]) -> torch.Tensor:
+    """``spans`` of the scale of ``weight_name``, after checking its full shape against the
+    weight's: ``[ceil(out/b0), ceil(in/b1)]`` for FP8 blocks, ``[out, 1]`` for W8A8.
+
+    Raises:
+        CheckpointError: the shapes disagree (e.g. a ``weight_block_size`` other than the one
+            the checkpoint was written with).
+    """
+    name = scale_name(weight_name, scheme)
+    out, inp = tensors.shape(weight_name)
+    if scheme.method == FP8_BLOCK:
+        b0, b1 = scheme.block_size
+        want, why = (-(-out // b0), -(-inp // b1)), f"weight_block_size {[b0, b1]}"
+    else:
+        want, why = (out, 1), "one scale per output channel"
+    got = tensors.shape(name)
+    if got != want:
+        raise CheckpointError(
+            f"checkpoint tensor {name} has shape {got}; weight {weight_name} {(out, inp)} with "
+            f"{why} needs {want}: config.json's quantization_config does not match how the "
+            "checkpoint was written")
+    return tensors.read(name, spans)
+
+
 def _load_int8(tensors: CheckpointTensors, name: str, weight: torch.Tensor,
                scale: torch.Tensor, scheme: QuantScheme, part: RankPart) -> None:
     """Int8 weight part + its rows of the per-channel scale ``[out, 1]``."""
     spans = _local_spans(tensors, name, tuple(weight.shape), part)
     weight.copy_(_read_weight(tensors, name, spans, torch.int8))
-    scale.copy_(tensors.read(scale_name(name, scheme), [spans[0], (0, 1)]).float())
+    scale.copy_(_read_scale(tensors, name, scheme, [spans[0], (0, 1)]).float())
 
 
 def _load_fp8(tensors: CheckpointTensors, name: str, module: Fp8BlockLinear,
@@ -186,20 +211,20 @@ def _load_fp8(tensors: CheckpointTensors, name: str, module: Fp8BlockLinear,
                 "model.fp8_storage: dequantize, or a tp whose shards are block multiples")
     grid = [(start // b, -(-stop // b)) for (start, stop), b in zip(spans, scheme.block_size)]
     module.weight.copy_(_read_weight(tensors, name, spans, torch.float8_e4m3fn))
-    module.weight_scale_inv.copy_(tensors.read(scale_name(name, scheme), grid).float())
+    module.weight_scale_inv.copy_(_read_scale(tensors, name, scheme, grid).float())
 
 
 def _load_dequantized(tensors: CheckpointTensors, name: str, weight: torch.Tensor,
                       scheme: QuantScheme, part: RankPart) -> None:
     """Quantized checkpoint weight part -> float ``weight`` (dequantized in float32)."""
     spans = _local_spans(tensors, name, tuple(weight.shape), part)
-    scale = scale_name(name, scheme)
     if scheme.method == FP8_BLOCK:
         q = _read_weight(tensors, name, spans, torch.float8_e4m3fn)
         grid = [(start // b, -(-stop // b)) for (start, stop), b in zip(spans, scheme.block_size)]
         offset = (spans[0][0] % scheme.block_size[0], spans[1][0] % scheme.block_size[1])
-        w = dequantize_block(q, tensors.read(scale, grid), scheme.block_size, offset)
+        w = dequantize_block(q, _read_scale(tensors, name, scheme, grid), scheme.block_size,
+                             offset)
     else:
         q = _read_weight(tensors, name, spans, torch.int8)
-        w = q.float() * tensors.read(scale, [spans[0], (0, 1)]).float()
+        w = q.float() * _read_scale(tensors, name, scheme, [spans[0], (0, 1)]).float()
     weight.copy_(w)

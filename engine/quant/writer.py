@@ -68,12 +68,20 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str,
     """Write ``src`` quantized with ``scheme`` to ``dst`` (created); returns ``dst``.
 
     Raises:
-        ValueError: unknown scheme, a source that is quantized already, or fused experts.
+        ValueError: unknown scheme, ``shard_bytes`` < 1, a source that is quantized already,
+            or fused experts.
         FileNotFoundError: ``src`` has no config.json.
+        FileExistsError: ``dst`` is a file or a folder that is not empty (its old shards
+            would be read together with the new ones).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"--scheme {scheme!r}: use one of {list(SCHEMES)}")
+    if shard_bytes < 1:
+        raise ValueError(f"shard size {shard_bytes} bytes: use --shard-mb 1 or more")
     src, dst = Path(src), Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} exists and is not an empty folder: write to a new or "
+                              "empty folder (old shards there would load with the new ones)")
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method")

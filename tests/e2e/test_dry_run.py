@@ -120,7 +120,7 @@ def test_dry_run_prints_the_memory_plan(printed):
                 for role in plan.roles for row in role.rows]
     assert printed == expected
     totals = [line for line in lines if line.lstrip().startswith("total ")]
-    assert totals == [f"  {'total':<47}{role.total_bytes / GB:>10.2f}  of 64.00 GB: headroom "
+    assert totals == [f"  {'total':<48}{role.total_bytes / GB:>10.2f}  of 64.00 GB: headroom "
                       f"{(64 * GB - role.total_bytes) / GB:.2f} GB "
                       f"({100 * (64 * GB - role.total_bytes) / (64 * GB):.1f} %)"
                       for role in plan.roles]
@@ -138,7 +138,7 @@ def test_dry_run_refuses_a_layout_that_does_not_fit(tmp_path):
     config.write_text(yaml.safe_dump(data))
     done = run_dry_run(config, tmp_path)
     assert done.returncode == 2, done.stdout
-    assert "  total                                              346.87  of 64.00 GB: " \
+    assert "  total                                               346.87  of 64.00 GB: " \
         "EXCEEDS by 282.87 GB" in done.stdout.splitlines()
     assert done.stderr.startswith("orch up: the layout does not fit the device memory:\n"
                                   "- decode: one rank needs 346.87 GB (weights 337.06, KV 9.79, "

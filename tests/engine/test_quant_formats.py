@@ -36,12 +36,28 @@ def test_compressed_tensors_w8a8_parses():
     ({**DEEPSEEK_V3_FP8, "fmt": "e5m2"}, "fmt"),
     ({**DEEPSEEK_V3_FP8, "weight_block_size": None}, "weight_block_size"),
     ({**quantization_config("w8a8"), "format": "float-quantized"}, "format"),
+    # malformed JSON shapes: the same error naming the field, never an AttributeError
+    ({**DEEPSEEK_V3_FP8, "weight_block_size": ["a", 128]}, "weight_block_size"),
+    ({**DEEPSEEK_V3_FP8, "weight_block_size": [1.5, 128]}, "weight_block_size"),
+    ({**quantization_config("w8a8"), "config_groups": [1, 2]}, "config_groups"),
+    ({**quantization_config("w8a8"), "config_groups": {"g": "x"}}, "config_groups.g"),
+    ({**quantization_config("w8a8"), "config_groups": {"g": {"targets": "Linear"}}},
+     "config_groups.g.targets"),
+    ({**quantization_config("w8a8"), "config_groups": {"g": {"targets": ["Linear"],
+                                                             "weights": 8}}},
+     "config_groups.g.weights"),
 ])
 def test_other_methods_are_refused_naming_what_is_supported(raw, field):
     with pytest.raises(UnsupportedQuantizationError) as err:
         parse_quantization_config(raw)
     assert f"quantization_config.{field}" in str(err.value)
     assert "fp8" in str(err.value) and "compressed-tensors" in str(err.value)
+
+
+def test_a_quantization_config_that_is_no_object_is_refused():
+    with pytest.raises(UnsupportedQuantizationError, match=r"config.json quantization_config "
+                                                           r"is 'fp8' \(an object is expected\)"):
+        parse_quantization_config("fp8")
 
 
 def test_w8a8_with_per_tensor_weights_is_refused():

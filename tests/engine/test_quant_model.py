@@ -194,6 +194,22 @@ def test_w8a8_model_uses_int8_modules_and_stays_close_to_fp32(w8a8_ckpt, tiny_ck
     assert (quant.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
+def test_quantize_refuses_a_used_destination_and_bad_arguments(tiny_ckpt, fp8_ckpt, tmp_path,
+                                                             capsys):
+    """A folder that holds shards already is refused (its old shards would be read with the
+    new ones); like a quantized source and --shard-mb 0, in one line with exit 2."""
+    shards = sorted(p.name for p in fp8_ckpt.glob("*.safetensors"))
+    for src, dst, mb, said in (
+            (tiny_ckpt, fp8_ckpt, 20, "exists and is not an empty folder"),
+            (fp8_ckpt, tmp_path / "new", 20, "is quantized already (fp8)"),
+            (tiny_ckpt, tmp_path / "zero", 0, "use --shard-mb 1 or more")):
+        assert orch_main(["model", "quantize", str(src), str(dst), "--scheme", "w8a8",
+                          "--shard-mb", str(mb)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("orch model quantize: ") and said in err, err
+    assert sorted(p.name for p in fp8_ckpt.glob("*.safetensors")) == shards
+
+
 def test_scales_without_quantization_config_are_refused(fp8_ckpt, tmp_path):
     ckpt = shutil.copytree(fp8_ckpt, tmp_path / "noqc")
     config = json.loads((ckpt / "config.json").read_text())
@@ -201,6 +217,17 @@ def test_scales_without_quantization_config_are_refused(fp8_ckpt, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="weight_scale_inv.*no quantization_config"):
         _runner(ckpt)
+
+
+@pytest.mark.parametrize("fp8_storage", ["dequantize", "fp8"])
+def test_a_block_size_other_than_the_written_one_is_refused(fp8_ckpt, tmp_path, fp8_storage):
+    ckpt = shutil.copytree(fp8_ckpt, tmp_path / "blocks")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv has shape .* with "
+                                              r"weight_block_size \[64, 64\] needs"):
+        _runner(ckpt, fp8_storage=fp8_storage)
 
 
 def test_int8_weights_under_an_fp8_config_are_refused(w8a8_ckpt, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -315,3 +316,16 @@ def test_kv_transfer_heartbeats_must_fit_the_peer_timeout():
         OrchConfig.model_validate({"kv_transfer": {"heartbeat_s": 5.0, "peer_timeout_s": 6.0}})
     cfg = OrchConfig.model_validate({"kv_transfer": {"heartbeat_s": 2.0, "peer_timeout_s": 9.0}})
     assert cfg.kv_transfer.transfer_config().peer_timeout_s == 9.0
+
+
+def test_unsupported_quantization_is_refused_before_anything_starts(tmp_path, capsys):
+    from orchestrator.tiny_model import tiny_config_dict
+
+    raw = {**tiny_config_dict(), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {tmp_path}}}\ncluster: {{device: cpu}}")
+    assert main(["up", "--dry-run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.path: config.json quantization_config.quant_method is 'awq'" in err
+    assert "orch model quantize" in err

@@ -259,3 +259,15 @@ def test_a3_weights_of_a_quantized_checkpoint(tmp_path, scheme, storage, linear_
         hand = hand_plan(tp, 8, blocks, seqs, linear_bytes)
         weights = sum(hand[k] for k in hand if k not in ("kv", "logits"))
         assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
+
+
+def test_too_many_step_tokens_suggests_how_many_fit_and_no_tp_that_does_not():
+    cfg = load_config(A3, {"prefill.max_num_batched_tokens": 10**8})
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(cfg)
+    assert "raise prefill.tp" not in str(err.value)  # tp 32 needs 39467 GB: no fix
+    (most,) = re.findall(r"lower prefill.max_num_batched_tokens from 100000000 to <= (\d+)",
+                         str(err.value))
+    check_memory(load_config(A3, {"prefill.max_num_batched_tokens": int(most)}))
+    with pytest.raises(MemoryPlanError):
+        check_memory(load_config(A3, {"prefill.max_num_batched_tokens": int(most) + 1}))

@@ -67,3 +67,27 @@ def test_reservation_never_admitted_is_freed_after_the_orphan_timeout(decode):
     assert ev.finish_reason == "error" and ev.source == "decode", ev
     assert time.monotonic() - start >= ORPHAN_TIMEOUT_S
     assert_all_free(decode)
+
+
+def test_a_full_decode_refuses_a_reservation_until_blocks_are_freed(decode):
+    """Blocks for prompt + max_tokens are held from reserve to the end: with every block
+    reserved, a third request of the same size is refused (retryable: the router queues it),
+    and reserved once one of the first two ends."""
+    from prefill_worker.messages import Rejection
+
+    def spec(rid: str) -> RequestSpec:  # 20 + 108 tokens = 16 blocks of 8: half the pool
+        return RequestSpec(rid, tuple(range(40, 60)), SamplingParams(max_tokens=108))
+
+    first, second = decode.reserve(spec("full-a"), 1), decode.reserve(spec("full-b"), 1)
+    assert isinstance(first, Reservation) and isinstance(second, Reservation)
+    assert decode.status().free_blocks == 0
+    third = decode.reserve(spec("full-c"), 1)
+    assert isinstance(third, Rejection) and third.retryable, third
+    assert "0 of 32 blocks free, 16 needed" in third.reason
+    assert decode.abort("full-a") is True
+    third = decode.reserve(spec("full-c"), 1)
+    assert isinstance(third, Reservation), third
+    assert not set(third.block_ids) & set(second.block_ids)
+    for rid in ("full-b", "full-c"):
+        assert decode.abort(rid) is True
+    assert_all_free(decode)

@@ -251,7 +251,7 @@ def test_the_sync_round_is_bounded():
     for t in threads:
         t.join(timeout=30)
     started = time.monotonic()
-    with pytest.raises(DPGroupBroken, match="did not meet a step within 0.5 s"):
+    with pytest.raises(DPGroupBroken, match="failed or did not meet a step within 0.5 s"):
         syncs[0].any_work(True)  # rank 1 is alive but never asks
     assert time.monotonic() - started < 5
 
