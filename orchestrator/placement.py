@@ -112,9 +112,18 @@ def dry_run_report(cfg: OrchConfig) -> str:
     lines.append(check_tp_layout(cfg))
     lines += describe_memory(cfg)
     lines += describe_transfer_plans(cfg, instances)
-    metrics = cfg.router.metrics_port
-    lines.append(f"router: {cfg.router.host}:{cfg.router.port}, policy {cfg.router.policy}, "
-                 f"max_pending {cfg.router.max_pending}, request_timeout_s "
-                 f"{cfg.router.request_timeout_s}"
-                 + (f", metrics on {cfg.router.metrics_host}:{metrics}/metrics" if metrics else ""))
+    lines.append(_describe_router(cfg))
     return "\n".join(lines)
+
+
+def _describe_router(cfg: OrchConfig) -> str:
+    """One line: where the router listens, with what policy, limits and protection."""
+    r = cfg.router
+    auth = "no token" if r.auth is None else \
+        f"token from {r.auth.token_file or '$' + r.auth.token_env}"
+    tls = "TLS" if r.tls is not None else "no TLS"
+    return (f"router: {r.host}:{r.port} ({tls}, {auth}), policy {r.policy}, max_pending "
+            f"{r.max_pending}, request_timeout_s {r.request_timeout_s}"
+            + (f", OpenAI HTTP on {r.host}:{r.http_port}" if r.http_port else "")
+            + (f", metrics on {r.metrics_host}:{r.metrics_port}/metrics"
+               if r.metrics_port else ""))

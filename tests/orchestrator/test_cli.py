@@ -118,8 +118,19 @@ def test_up_flags_override_the_router_section(tmp_path, capsys):
     assert main(["up", "--dry-run", str(config), "--port", "9123", "--host", "0.0.0.0",
                  "--metrics-port", "9124", "--metrics-host", "10.1.2.3"]) == 0
     out = capsys.readouterr().out
-    assert "router: 0.0.0.0:9123, policy" in out and "metrics on 10.1.2.3:9124/metrics" in out
+    assert "router: 0.0.0.0:9123 (no TLS, no token), policy" in out
+    assert "metrics on 10.1.2.3:9124/metrics" in out
     assert main(["up", "--dry-run", str(config), "--port", "70000"]) == 2
     assert "router.port: must be <= 65535, got 70000" in capsys.readouterr().err
     assert main(["up", "--dry-run", str(config), "--metrics-port", "50051"]) == 2
     assert "router.metrics_port (50051) equals router.port" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["a3_p2x16_d8x4.yaml", "gpu_p4x8_d8x4.yaml"])
+def test_shipped_remote_configs_require_a_token(name, capsys):
+    """A config that listens on every interface asks for a token (README, Security)."""
+    config = Path(__file__).resolve().parents[2] / "configs" / name
+    assert main(["up", "--dry-run", str(config)]) == 0
+    (router,) = [line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("router: ")]
+    assert router.startswith("router: 0.0.0.0:50051 (no TLS, token from $ORCH_TOKEN)")
