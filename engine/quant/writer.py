@@ -116,6 +116,7 @@ def _write_shards(dst: Path, shards: list[dict[str, torch.Tensor]]) -> None:
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(dst / file), metadata={"format": "pt"})
+        (dst / file).chmod(0o644)  # NOTE: safetensors writes a private (0600) temp file
         weight_map.update(dict.fromkeys(shard, file))
     index = {"metadata": {"total_size": sum(_nbytes(s) for s in shards)},
              "weight_map": dict(sorted(weight_map.items()))}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,11 @@ def test_llmcompressor_written_config_loads_the_same_tensors(w8a8_ckpt, tmp_path
     config["quantization_config"] = LLMCOMPRESSOR_W8A8
     (ckpt / "config.json").write_text(json.dumps(config))
     assert torch.equal(_last_logits(_runner(ckpt)), _last_logits(_runner(w8a8_ckpt)))
+
+
+def test_written_checkpoints_are_readable_by_other_users(tiny_ckpt, fp8_ckpt):
+    """Ranks may run as another user or read a shared folder: shards are 0644 like config.json
+    (safetensors itself writes a private 0600 file)."""
+    for folder in (tiny_ckpt, fp8_ckpt):
+        shards = list(Path(folder).glob("*.safetensors"))
+        assert shards and all(p.stat().st_mode & 0o777 == 0o644 for p in shards), folder
