@@ -111,10 +111,11 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the template reads it: content as one string."""
+        """The message as the template reads it: content as one string, or None (kept: an
+        assistant turn with ``tool_calls`` has ``content: null``, which templates test for)."""
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            out["content"] = "".join(part.text for part in self.content)
+        out["content"] = "".join(part.text for part in self.content) \
+            if isinstance(self.content, list) else self.content
         return out
 
 
