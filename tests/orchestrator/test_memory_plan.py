@@ -13,7 +13,8 @@ from engine.model_config import ModelConfig
 from orchestrator.config import load_config
 from orchestrator.config_errors import ConfigError
 from orchestrator.devices import GB, device_memory
-from orchestrator.memory_check import MemoryPlanError, build_memory_plan, check_memory
+from orchestrator.memory_check import (MemoryPlanError, UnservableModelError,
+                                       build_memory_plan, check_memory)
 from orchestrator.memory_plan import Precision, RoleLayout, plan_role
 from tests.e2e.harness import REPO
 
@@ -224,3 +225,23 @@ def test_orch_up_refuses_before_anything_starts(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("orch up: the layout does not fit the device memory:\n- prefill: ")
     assert "exceeds it by 282.87 GB" in err
+
+
+@pytest.mark.parametrize("patch, words", [
+    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"},
+     "GlmMoeDsaForCausalLM (GLM-5, model_type 'glm_moe_dsa') is not supported"),
+    ({"index_topk": 0}, "indexer {'index_n_heads': 16, 'index_head_dim': 32, 'index_topk': 0} "
+                        "is invalid"),
+    ({"index_topk": None}, "has a field of the wrong type"),
+])
+def test_a_model_the_engine_refuses_stops_orch_up_before_anything_starts(tmp_path, patch,
+                                                                         words):
+    """run_up checks the memory plan first: a config.json every rank would refuse at load
+    is refused here, before Ray and the rank processes start."""
+    from orchestrator.tiny_model import tiny_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config_dict(deepseek_v32=True),
+                                                      **patch}))
+    cfg = load_config(REPO / "configs" / "v32_1p1d.yaml", {"model.path": str(tmp_path)})
+    with pytest.raises(UnservableModelError, match=re.escape(words)):
+        check_memory(cfg)
