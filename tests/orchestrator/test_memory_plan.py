@@ -68,7 +68,8 @@ def test_deepseek_v3_has_671b_parameters():
 
 def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
     raw = {**json.loads(V3_JSON.read_text()), "architectures": ["DeepseekV32ForCausalLM"],
-           "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+           "model_type": "deepseek_v32", "index_n_heads": 64, "index_head_dim": 128,
+           "index_topk": 2048}
     layout = RoleLayout("decode", dp=1, tp=4, ep=False, num_kv_blocks=10, block_size=128,
                         step_tokens=1, max_num_seqs=1, max_model_len=1)
     bf16 = Precision.of("bfloat16")
