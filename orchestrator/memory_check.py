@@ -15,11 +15,12 @@ import math
 from dataclasses import dataclass, replace
 
 from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.quant.memory import bytes_per_param
 from orchestrator.checkpoint import model_config_dict
 from orchestrator.config import OrchConfig
 from orchestrator.config_errors import ConfigError
 from orchestrator.devices import GB, DeviceMemory, device_memory
-from orchestrator.memory_plan import Precision, RoleLayout, RolePlan, plan_role
+from orchestrator.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePlan, plan_role
 
 
 class MemoryPlanError(ConfigError):
@@ -71,8 +72,7 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
         UnservableModelError: the engine refuses the config.json (an unsupported
             architecture such as GLM-5, an invalid V3.2 indexer, a missing field), so
             ``orch up`` stops before starting Ray and rank processes that would all fail.
-        ConfigError: ``ep`` is on and dp x tp does not divide n_routed_experts; or the device
-            has no memory figure (names the key to set).
+        ConfigError: the device has no memory figure (names the key to set).
     """
     raw, source = model_config_dict(cfg.model)
     if raw is None:
@@ -87,7 +87,8 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     except (TypeError, ValueError) as exc:
         raise UnservableModelError(f"{source} has a field of the wrong type ({exc}): fix it "
                                    "(DeepSeek's config.json is the reference)") from None
-    precision = Precision.of(cfg.model.dtype)
+    precision = Precision.of(cfg.model.dtype, bytes_per_param(
+        model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
     try:
         roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
         memory = device_memory(cfg.device(), cfg.cluster.device_memory_gb)
@@ -166,7 +167,7 @@ def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
 
     lay = role.layout
     try:
-        tp_layout(plan.model, lay.tp * 2)
+        tp_layout(plan.model, lay.tp * 2, lay.ep_size * 2 if lay.ep else 1)
         return plan_role(plan.model, replace(lay, tp=lay.tp * 2), plan.precision)
     except ValueError:
         return None
@@ -187,8 +188,11 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
     if plan is None:
         return [f"memory plan: not computed ({source})"]
     mem = plan.memory
-    lines = [f"memory plan per rank ({cfg.model.dtype}; GB = 10^9 bytes; model {source}; "
-             f"device {_gb(mem.bytes)} GB: {mem.source})"]
+    quant = plan.model.quantization
+    stored = "" if quant is None else \
+        f", linear weights {quant.method} checkpoint stored at {plan.precision.linear:.4g} B/el"
+    lines = [f"memory plan per rank ({cfg.model.dtype}{stored}; GB = 10^9 bytes; model "
+             f"{source}; device {_gb(mem.bytes)} GB: {mem.source})"]
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
     if mem.shared:

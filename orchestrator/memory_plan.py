@@ -8,8 +8,10 @@ of each storage class. Nothing is instantiated; no weights are read.
 How later layouts plug in (rows and parameters, not branches):
 - DeepSeek-V3.2's indexer (done): a row for its weights (replicated), a third KV row
   (``index_head_dim``); both only for models with sparse attention.
-- FP8 / W8A8 checkpoints: :class:`Precision` gets the stored bytes of ``linear`` weights
-  (1 byte + the scales' share); embedding, norms, gate and lm_head keep ``weight``.
+- FP8 / W8A8 checkpoints (done): :class:`Precision` gets the stored bytes of ``linear``
+  weights from :func:`engine.quant.memory.bytes_per_param` (1 byte + the scales' share, or
+  the compute dtype for FP8 with ``model.fp8_storage: dequantize``); embedding, norms, gate,
+  lm_head and ``kv_b_proj`` (dequantized at load) keep ``weight``.
 - Layer-sharded prefill weights: the attention row's replicated part divided by the shard
   group size.
 
@@ -85,10 +87,12 @@ class Precision:
     fp32: float = 4.0
 
     @classmethod
-    def of(cls, dtype: str) -> "Precision":
-        """Everything at ``dtype`` ("bfloat16", "float16", "float32")."""
+    def of(cls, dtype: str, linear: float | None = None) -> "Precision":
+        """Everything at ``dtype`` ("bfloat16", "float16", "float32"), except ``linear``
+        weights when given (bytes per element of a quantized checkpoint's linears)."""
         size = DTYPE_BYTES[dtype]
-        return cls(linear=size, weight=size, kv=size, activation=size)
+        return cls(linear=size if linear is None else linear, weight=size, kv=size,
+                   activation=size)
 
 
 @dataclass(frozen=True)
@@ -149,13 +153,18 @@ def num_moe_layers(m: ModelConfig) -> int:
 def _attention(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     heads = m.num_attention_heads
     q_in = m.q_lora_rank or m.hidden_size  # q_b_proj, or plain q_proj (V2-Lite)
-    by_heads = q_in * heads * m.qk_head_dim \
-        + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) \
-        + heads * m.v_head_dim * m.hidden_size  # q_b/q, kv_b, o_proj
+    by_heads = q_in * heads * m.qk_head_dim + heads * m.v_head_dim * m.hidden_size  # q_b/q, o
     whole = (m.hidden_size * m.q_lora_rank if m.q_lora_rank else 0) \
         + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)  # q_a, kv_a_with_mqa
     return (m.num_hidden_layers * (whole + by_heads // lay.tp),
-            f"q/kv_b/o by heads /{lay.tp}; q_a, kv_a whole")
+            f"q/o by heads /{lay.tp}; q_a, kv_a whole")
+
+
+def _attention_kv_b(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    # NOTE: its own row because the engine keeps kv_b_proj at model precision even in a
+    # quantized checkpoint (attention absorbs its weight into q and the output directly).
+    by_heads = m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return m.num_hidden_layers * by_heads // lay.tp, f"by heads /{lay.tp}"
 
 
 def _dense_mlp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -173,12 +182,8 @@ def _routed_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     experts = m.n_routed_experts or 0
     per_expert = 3 * m.hidden_size * m.moe_intermediate_size
     if lay.ep:
-        if experts % lay.ep_size:
-            raise ValueError(
-                f"{lay.role}: n_routed_experts={experts} is not divisible by the "
-                f"{lay.ep_size} expert-parallel ranks (dp {lay.dp} x tp {lay.tp}): choose "
-                f"{lay.section}.dp x {lay.section}.tp dividing {experts}, or turn "
-                f"{lay.section}.ep off")
+        # NOTE: dp x tp divides the experts: load_config ran the engine's one check
+        # (orchestrator/layout_check.py -> engine.layout.tp_layout) before any plan.
         mine = experts // lay.ep_size
         return (num_moe_layers(m) * mine * per_expert,
                 f"{mine} of {experts} whole (EP {lay.ep_size})")
@@ -259,6 +264,7 @@ def _logits(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 
 KINDS: tuple[Kind, ...] = (
     Kind("attention", "weights", "linear", _attention),
+    Kind("attention: kv_b_proj", "weights", "weight", _attention_kv_b),
     Kind("dense MLP", "weights", "linear", _dense_mlp),
     Kind("shared experts", "weights", "linear", _shared_experts),
     Kind("routed experts", "weights", "linear", _routed_experts),
@@ -277,9 +283,9 @@ KINDS: tuple[Kind, ...] = (
 def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> RolePlan:
     """The memory of one rank of ``layout``'s role, one row per :data:`KINDS` entry.
 
-    Raises:
-        ValueError: ``ep`` is on and the role's dp x tp does not divide n_routed_experts (the
-            message names the keys to change).
+    ``layout`` must be one the engine can build (:func:`engine.layout.tp_layout`; for an
+    ``OrchConfig`` that is checked by ``load_config``): with ``ep`` on, dp x tp divides
+    n_routed_experts.
     """
     rows = []
     for kind in KINDS:

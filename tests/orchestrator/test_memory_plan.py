@@ -35,12 +35,17 @@ GATE = 256 * 7168 + 256              # per MoE layer: router weight + correction
 KV_TOKEN = (512 + 64) * 2 * 61       # bytes of one token's KV, bf16, 61 layers: 70,272
 
 
-def hand_plan(tp: int, experts_per_rank: int | None, blocks: int,
-              seqs: int) -> dict[str, float]:
-    """GB per rank, bf16 (experts_per_rank None: all 256 experts split by tp)."""
+LINEAR_KINDS = ("attention", "dense MLP", "shared experts", "routed experts")
+
+
+def hand_plan(tp: int, experts_per_rank: int | None, blocks: int, seqs: int,
+              linear_bytes: float = 2) -> dict[str, float]:
+    """GB per rank, bf16 (experts_per_rank None: all 256 experts split by tp); the linear
+    weights (kv_b_proj excepted) at ``linear_bytes`` per element."""
     routed = 58 * (experts_per_rank * EXPERT if experts_per_rank else 256 * EXPERT / tp)
     weights = {
-        "attention": 61 * (Q_A + KV_A + (Q_B + KV_B + O) / tp),
+        "attention": 61 * (Q_A + KV_A + (Q_B + O) / tp),
+        "attention: kv_b_proj": 61 * KV_B / tp,
         "dense MLP": 3 * DENSE / tp,
         "shared experts": 58 * EXPERT / tp,
         "routed experts": routed,
@@ -48,7 +53,8 @@ def hand_plan(tp: int, experts_per_rank: int | None, blocks: int,
         "lm_head": VOCAB / tp,
         "norms + router gate": 61 * NORMS + 7168 + 58 * GATE,
     }
-    plan = {kind: 2 * n / GB for kind, n in weights.items()}
+    plan = {kind: (linear_bytes if kind in LINEAR_KINDS else 2) * n / GB
+            for kind, n in weights.items()}
     plan["kv"] = blocks * 128 * KV_TOKEN / GB
     plan["logits"] = seqs * 129280 * 4 / GB
     return plan
@@ -98,8 +104,8 @@ def test_a3_memory_table_matches_the_hand_computation(role, tp, blocks, seqs, st
     (mine,) = [p for p in plan.roles if p.layout.role == role]
     hand = hand_plan(tp, experts_per_rank=256 // 32, blocks=blocks, seqs=seqs)
     rows = {row.kind: row.bytes / GB for row in mine.rows}
-    for kind in ("attention", "dense MLP", "shared experts", "routed experts", "embedding",
-                 "lm_head", "norms + router gate"):
+    for kind in ("attention", "attention: kv_b_proj", "dense MLP", "shared experts",
+                 "routed experts", "embedding", "lm_head", "norms + router gate"):
         assert rows[kind] == pytest.approx(hand[kind], rel=0.01), kind
     assert mine.bytes_of("kv") / GB == pytest.approx(hand["kv"], rel=0.01)
     assert rows["workspace: logits"] == pytest.approx(hand["logits"], rel=0.01)
@@ -226,6 +232,35 @@ def test_orch_up_refuses_before_anything_starts(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("orch up: the layout does not fit the device memory:\n- prefill: ")
     assert "exceeds it by 282.87 GB" in err
+
+
+W8A8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized",
+               "config_groups": {"group_0": {
+                   "targets": ["Linear"], "format": "int-quantized",
+                   "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                               "strategy": "channel", "dynamic": False},
+                   "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                         "strategy": "token", "dynamic": True}}},
+               "ignore": ["lm_head"]}
+
+
+@pytest.mark.parametrize("scheme, storage, linear_bytes", [
+    ("fp8", "dequantize", 2), ("fp8", "fp8", 1), ("w8a8", "dequantize", 1)])
+def test_a3_weights_of_a_quantized_checkpoint(tmp_path, scheme, storage, linear_bytes):
+    """The released FP8 checkpoint (its own quantization_config) and a W8A8 one: linear
+    weights at 1 byte (+ the scales, < 0.1 %) unless FP8 is dequantized at load."""
+    raw = json.loads(V3_JSON.read_text())
+    if scheme == "w8a8":
+        raw["quantization_config"] = W8A8_CONFIG
+    assert raw["quantization_config"]["quant_method"] in ("fp8", "compressed-tensors")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_config(A3, {"model.config_json": str(tmp_path / "config.json"),
+                           "model.fp8_storage": storage})
+    plan, _ = build_memory_plan(cfg)
+    for mine, tp, blocks, seqs in zip(plan.roles, (16, 4), (768, 1088), (64, 32)):
+        hand = hand_plan(tp, 8, blocks, seqs, linear_bytes)
+        weights = sum(hand[k] for k in hand if k not in ("kv", "logits"))
+        assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
 
 
 @pytest.mark.parametrize("patch, words", [
