@@ -23,6 +23,11 @@ GLM_DSA_REFUSAL = (
     "(V3.2: non-interleaved half-split), and its 'shared' layers (config indexer_types / "
     "index_topk_freq) run no indexer and reuse the previous full layer's top-k. Serve a "
     "DeepseekV32ForCausalLM checkpoint, or add both to engine/indexer.py first")
+# NOTE: transformers builds the model from model_type, orch from architectures: a config where
+# they disagree (a V3.2 model_type under a V3 architecture) would silently run dense attention.
+ARCHITECTURE_OF_MODEL_TYPE = {"deepseek_v2": "DeepseekV2ForCausalLM",
+                              "deepseek_v3": "DeepseekV3ForCausalLM",
+                              "deepseek_v32": "DeepseekV32ForCausalLM"}
 SUPPORTED_SCORING = ("sigmoid", "softmax")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -125,6 +130,7 @@ class ModelConfig:
         if arch == "GlmMoeDsaForCausalLM" or raw.get("model_type") == "glm_moe_dsa":
             raise UnsupportedModelError(GLM_DSA_REFUSAL)
         _check_choice(raw, "architectures", arch, SUPPORTED_ARCHITECTURES)
+        _check_model_type(raw.get("model_type"), arch)
         is_v3 = arch != "DeepseekV2ForCausalLM"
         scoring = _check_choice(raw, "scoring_func",
                                 raw.get("scoring_func", "sigmoid" if is_v3 else "softmax"),
@@ -189,6 +195,17 @@ def _check_choice(raw: dict[str, Any], field: str, value: Any, allowed: tuple[st
             f"config.json field {field!r} is {value!r}; supported values: {list(allowed)}"
             + (f" (model_type {raw.get('model_type')!r})" if field == "architectures" else ""))
     return value
+
+
+def _check_model_type(model_type: Any, arch: str) -> None:
+    """Refuse a DeepSeek ``model_type`` naming another architecture than ``architectures``
+    (other model types, e.g. Kimi-K2's ``kimi_k2`` on DeepseekV3ForCausalLM, pass)."""
+    want = ARCHITECTURE_OF_MODEL_TYPE.get(model_type)
+    if want is not None and want != arch:
+        raise UnsupportedModelError(
+            f"config.json is inconsistent: architectures {arch!r} but model_type "
+            f"{model_type!r} (transformers builds {want} from it); set both to the same model "
+            f"(DeepSeek-V3.2: DeepseekV32ForCausalLM / deepseek_v32)")
 
 
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:

@@ -187,7 +187,7 @@ def _cmd_init_tiny(ns: argparse.Namespace) -> int:
         return 1
     try:
         init_tiny_main(ns.dir, ns.seed, ns.arch)  # prints where it wrote
-    except ValueError as exc:  # unknown --arch
+    except ValueError as exc:  # unknown --arch, DIR not new or empty
         print(f"orch model init-tiny: {exc}", file=sys.stderr)
         return 2
     return 0

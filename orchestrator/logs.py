@@ -23,6 +23,9 @@ ANSI_CODE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REPEAT_WINDOW_S = 60.0
 MAX_REMEMBERED = 1000  # distinct warnings remembered at once (bounded memory)
+# NOTE: libraries that log one INFO line per HTTP request (`orch bench --backend openai`
+# would print one per replayed request); shown at DEBUG only.
+PER_REQUEST_LOGGERS = ("httpx", "httpcore")
 
 
 class PlainFormatter(logging.Formatter):
@@ -80,7 +83,8 @@ def setup_logging() -> None:
     """Configure the root logger once for an `orch` command (see the module docstring).
 
     An invalid ``$ORCH_LOG_LEVEL`` is reported on stderr and INFO is used. gRPC's C core
-    prints only errors (``GRPC_VERBOSITY``; must be set before gRPC is first imported).
+    prints only errors (``GRPC_VERBOSITY``; must be set before gRPC is first imported); the
+    HTTP client's per-request lines (:data:`PER_REQUEST_LOGGERS`) show at DEBUG only.
     """
     envs.GRPC_VERBOSITY.set_default("ERROR")
     try:
@@ -93,4 +97,6 @@ def setup_logging() -> None:
                          else PlainFormatter(FORMAT))
     if level != "DEBUG":
         handler.addFilter(RepeatFilter())
+        for name in PER_REQUEST_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     logging.basicConfig(level=level, handlers=[handler])

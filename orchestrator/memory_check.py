@@ -5,7 +5,8 @@ Each role's rank is planned by :func:`orchestrator.memory_plan.plan_role` from t
 config.json (the checkpoint's, else ``model.config_json``, else the built-in tiny config) and
 checked against :func:`orchestrator.devices.device_memory`: each rank on its own device (npu,
 cuda), or every rank together on cpu (one machine's RAM). With no config.json at hand nothing
-is checked here and the report says why.
+is checked here and the report says why; a config.json the engine refuses is an error here,
+before anything starts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from orchestrator.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePla
 class MemoryPlanError(ConfigError):
     """The layout does not fit the device memory; the message says by how much and what to
     change."""
+
+
+class UnservableModelError(ConfigError):
+    """The model's config.json is one the engine refuses (every rank would fail loading it);
+    the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,9 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     """(the plan, or None with the reason why it could not be made; the config.json used).
 
     Raises:
+        UnservableModelError: the engine refuses the config.json (an unsupported
+            architecture such as GLM-5, an invalid V3.2 indexer, a missing field), so
+            ``orch up`` stops before starting Ray and rank processes that would all fail.
         ConfigError: the device has no memory figure (names the key to set).
     """
     raw, source = model_config_dict(cfg.model)
@@ -70,9 +79,14 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
         return None, source
     try:
         model = ModelConfig.from_dict(raw)
-    except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
-        return None, (f"{source} is not a DeepSeek-V2/V3 config the engine reads: "
-                      f"{type(exc).__name__}: {exc}")
+    except UnsupportedModelError as exc:
+        raise UnservableModelError(f"{source}: {exc}") from None
+    except KeyError as exc:
+        raise UnservableModelError(f"{source} has no field {exc}: it is not a DeepSeek-V2/V3/"
+                                   "V3.2 config.json the engine reads") from None
+    except (TypeError, ValueError) as exc:
+        raise UnservableModelError(f"{source} has a field of the wrong type ({exc}): fix it "
+                                   "(DeepSeek's config.json is the reference)") from None
     precision = Precision.of(cfg.model.dtype, bytes_per_param(
         model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
     try:

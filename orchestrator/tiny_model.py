@@ -156,10 +156,16 @@ def init_tiny_main(out_dir: str | Path, seed: int = 0, arch: str = "deepseek_v3"
     of ``arch`` (one of :data:`TINY_ARCHS`), say where.
 
     Raises:
-        ValueError: ``arch`` is not in :data:`TINY_ARCHS`.
+        ValueError: ``arch`` is not in :data:`TINY_ARCHS`, or ``out_dir`` is a file or a
+            folder that is not empty (a real checkpoint there would be overwritten in part).
     """
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {list(TINY_ARCHS)}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} is {'not empty' if out.is_dir() else 'a file'}: init-tiny "
+                         "writes config.json, model.safetensors and the tokenizer files into a "
+                         "new or empty folder; pick one (or remove this one first)")
     path = write_tiny_checkpoint(out_dir, seed=seed, deepseek_v32=arch == "deepseek_v32")
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
     print(f"wrote tiny {arch} checkpoint (seed {seed}, {size:.1f} MiB) to {path}")

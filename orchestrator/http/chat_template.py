@@ -105,12 +105,14 @@ class ChatTemplate:
 
         Raises:
             RequestError: INVALID_ARGUMENT when the template refuses the conversation (its
-                own ``raise_exception`` message, e.g. roles out of order).
+                own ``raise_exception`` message, e.g. roles out of order), or fails on a value
+                of the wrong type in it (a null user ``content``, tool call ``arguments`` that
+                are an object where the template joins strings).
         """
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
-        except jinja2.exceptions.TemplateError as exc:
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
             raise RequestError("INVALID_ARGUMENT", f"the model's chat template refused these "
                                                    f"messages: {exc}") from None

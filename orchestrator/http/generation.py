@@ -97,8 +97,8 @@ async def start_generation(router: Router, text: str | None, token_ids: tuple[in
     sampling = build_sampling(
         max_tokens=max_tokens,
         temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
-        top_k=req.top_k, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
-        seed=req.seed, ignore_eos=req.ignore_eos)
+        top_k=req.top_k or 0, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
+        seed=req.seed, ignore_eos=bool(req.ignore_eos))
     inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
                         sampling=sampling, request_id=uuid.uuid4().hex)
     return Generation(router, inp, prompt_tokens, req.stop_strings())

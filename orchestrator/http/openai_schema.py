@@ -6,7 +6,9 @@ Supported: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``
 two vLLM extensions the bench uses: ``top_k`` and ``ignore_eos``. A completion prompt is one
 string or one list of token ids. Unknown fields are ignored (as OpenAI-compatible servers do);
 known ones orch cannot honour (``n`` > 1, ``logprobs``, ``echo``, penalties, ``logit_bias``,
-several prompts) are refused with a 400 saying so.
+several prompts) are refused with a 400 saying so. Types are strict, as OpenAI's are (``"stream":
+"yes"`` or ``"max_tokens": true`` is a 400, an integer where a number goes is fine), and every
+optional field may be ``null`` (its default), as OpenAI's schema allows and many clients send.
 """
 
 from __future__ import annotations
@@ -22,25 +24,25 @@ MAX_STOP_STRINGS = 16
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool | None = None
 
 
 class GenerationRequest(BaseModel):
     """Fields both endpoints share. None means "the OpenAI default"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float | None = None  # OpenAI's default: 1
     top_p: float | None = None  # OpenAI's default: 1
-    top_k: int = 0
+    top_k: int | None = None  # 0: off
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
-    ignore_eos: bool = False
+    n: int | None = None  # 1
+    ignore_eos: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -55,7 +57,7 @@ class GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what orch cannot do (INVALID_ARGUMENT naming it)."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise RequestError("INVALID_ARGUMENT", f"n={self.n} is not supported: orch returns "
                                                    "one choice per request; send n=1 (or omit "
                                                    "it) and repeat the request for more")
@@ -66,7 +68,7 @@ class GenerationRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class CompletionRequest(GenerationRequest):
@@ -75,7 +77,7 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -98,7 +100,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
@@ -106,15 +108,16 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message; fields beyond role/content (name, tool_calls, ...) reach the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the template reads it: content as one string."""
+        """The message as the template reads it: content as one string, or None (kept: an
+        assistant turn with ``tool_calls`` has ``content: null``, which templates test for)."""
         out = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            out["content"] = "".join(part.text for part in self.content)
+        out["content"] = "".join(part.text for part in self.content) \
+            if isinstance(self.content, list) else self.content
         return out
 
 
@@ -123,7 +126,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
     def check_supported(self) -> None:

@@ -156,4 +156,15 @@ def test_config_v32_fields_and_refusals():
            "model_type": "glm_moe_dsa"}
     with pytest.raises(UnsupportedModelError, match="INTERLEAVED.*'shared' layers"):
         ModelConfig.from_dict(glm)
+    # NOTE: V3.2's model_type under V3's architecture would load as dense V3 (indexer
+    # weights skipped): refused, as is the converse
+    for arch, model_type in (("DeepseekV3ForCausalLM", "deepseek_v32"),
+                             ("DeepseekV32ForCausalLM", "deepseek_v3")):
+        mixed = {**tiny_config_dict(deepseek_v32=True), "architectures": [arch],
+                 "model_type": model_type}
+        with pytest.raises(UnsupportedModelError, match=f"architectures '{arch}' but "
+                                                        f"model_type '{model_type}'"):
+            ModelConfig.from_dict(mixed)
+    kimi = {**tiny_config_dict(), "model_type": "kimi_k2"}
+    assert not ModelConfig.from_dict(kimi).uses_sparse_attention
     assert main(["model", "init-tiny", "--arch", "llama", "/nonexistent"]) == 2

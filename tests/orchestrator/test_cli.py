@@ -96,6 +96,13 @@ def test_bench_and_init_tiny_when_installed(tmp_path, capsys):
     assert exited.value.code == 0 and "--workload" in capsys.readouterr().out
     assert main(["model", "init-tiny", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "config.json").is_file()
+    # NOTE: never over a folder with files (a real checkpoint would be overwritten in part)
+    before = (tmp_path / "t" / "config.json").stat().st_mtime_ns
+    assert main(["model", "init-tiny", "--arch", "deepseek_v32", str(tmp_path / "t")]) == 2
+    assert main(["model", "init-tiny", str(tmp_path / "t" / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 't'} is not empty: init-tiny writes" in err and "is a file" in err
+    assert (tmp_path / "t" / "config.json").stat().st_mtime_ns == before
 
 
 def test_generate_error_after_a_token_is_on_its_own_line(harness, capsys):

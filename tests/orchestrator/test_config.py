@@ -57,11 +57,14 @@ def test_dry_run_report_lines(tmp_path, capsys):
 
 
 def test_dry_run_reads_layers_from_checkpoint(tmp_path, capsys):
-    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3, "vocab_size": 10}')
+    from orchestrator.tiny_model import tiny_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config_dict(),
+                                                      "num_hidden_layers": 5}))
     path = tmp_path / "c.yaml"
     path.write_text(f"model: {{path: {tmp_path}}}\ncluster: {{device: cpu}}\n")
-    main(["up", "--dry-run", str(path)])
-    assert f"layers: 3 (num_hidden_layers from {tmp_path / 'config.json'})" in \
+    assert main(["up", "--dry-run", str(path)]) == 0
+    assert f"layers: 5 (num_hidden_layers from {tmp_path / 'config.json'})" in \
         capsys.readouterr().out
 
 
@@ -301,13 +304,13 @@ def test_expert_parallel_roles_give_each_instance_its_dp_rank(tmp_path, capsys):
             "fit the model") in capsys.readouterr().out
 
 
-def test_tp_is_not_checked_without_a_readable_model_config(tmp_path, capsys):
+def test_dry_run_refuses_a_model_config_the_engine_cannot_read(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 3, "vocab_size": 10}')
     path = tmp_path / "c.yaml"
     path.write_text(f"model: {{path: {tmp_path}}}\nprefill: {{tp: 3}}\ncluster: {{device: cpu}}")
-    assert main(["up", "--dry-run", str(path)]) == 0
-    assert (f"tp layout: not checked ({tmp_path / 'config.json'} is not a DeepSeek-V2/V3 "
-            "config the engine reads: UnsupportedModelError") in capsys.readouterr().out
+    assert main(["up", "--dry-run", str(path)]) == 2
+    assert (f"orch up: {tmp_path / 'config.json'}: config.json field 'architectures' is None; "
+            "supported values:") in capsys.readouterr().err
 
 
 def test_kv_transfer_heartbeats_must_fit_the_peer_timeout():

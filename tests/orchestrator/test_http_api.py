@@ -137,6 +137,10 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
     ({"model": "fake"}, 400, "prompt: Field required"),
     ({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "logprobs": True},
      400, "logprobs is not supported"),
+    ({"model": "fake", "prompt": "hi", "stream": "yes"}, 400, "stream: Input should be a valid"),
+    ({"model": "fake", "prompt": "hi", "max_tokens": True}, 400, "max_tokens: Input should be"),
+    ({"model": "fake", "prompt": "hi", "max_tokens": "3"}, 400, "max_tokens: Input should be"),
+    ({"model": "fake", "prompt": [True, 2]}, 400, "prompt.list[int].0: Input should be"),
 ])
 def test_bad_requests_get_openai_errors(h, body, status, words):
     path = "/chat/completions" if "messages" in body else "/completions"
@@ -145,6 +149,23 @@ def test_bad_requests_get_openai_errors(h, body, status, words):
     error = resp.json()["error"]
     assert words in error["message"]
     assert error["code"] == ("model_not_found" if status == 404 else "INVALID_ARGUMENT")
+
+
+def test_null_means_the_default_and_types_are_strict(h):
+    """OpenAI's schema lets every optional field be null (clients send them); an integer
+    where a number goes is fine; nothing else is coerced (a 400 above)."""
+    nulls = {"n": None, "stream": None, "stream_options": None, "top_k": None,
+             "ignore_eos": None, "stop": None, "seed": None, "temperature": 0, "top_p": 1}
+    resp = httpx.post(h.url + "/completions", json={"model": "fake", "prompt": "hi",
+                                                    "max_tokens": 2, "echo": None, **nulls},
+                      timeout=10)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2, resp.text
+    messages = [{"role": "user", "content": "hi"}]
+    resp = httpx.post(h.url + "/chat/completions", json={
+        "model": "fake", "messages": messages, "max_tokens": 2, "logprobs": None, **nulls},
+        timeout=10)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2, resp.text
+    assert _nothing_left(h)
 
 
 def test_bad_json_and_unknown_paths_get_openai_errors(h):

