@@ -32,8 +32,8 @@ Context-parallel prefill (``prefill_cp`` = c > 1): the instance is c TP groups o
 computes pieces ``r`` and ``2c-1-r`` of every chunk cut in 2c pieces (:func:`cp_pieces`, the
 engine's load-balanced causal order) and ships only those tokens: each TP group is planned as
 above (layers/heads over its ranks) for its own tokens. So every (decode rank, head, layer,
-token) is still sent exactly once, and each prefill rank's tokens per chunk are within one of
-every other's (bytes within one layer plus one token, all layers, of every other's). A pair
+token) is still sent exactly once, and each prefill rank's tokens per chunk are within two of
+every other's (bytes within one layer plus two tokens, all layers, of every other's). A pair
 then carries only part of its layers' tokens: the decode side counts (layer, token) cells over
 all its pairs (:mod:`~kv_transfer.tracker`). P(cp2) -> D1: ranks 0 and 1 each send every layer,
 rank 0 tokens ``[0, n/4) + [3n/4, n)`` of an n-token chunk, rank 1 the middle half.
@@ -99,14 +99,15 @@ class TransferPlan:
 
 def cp_pieces(num_tokens: int, cp: int, cp_rank: int) -> tuple[range, range]:
     """The tokens CP rank ``cp_rank`` of ``cp`` computes of a chunk of ``num_tokens``: the
-    chunk cut in ``2 * cp`` contiguous pieces (lengths differ by at most one, longer first),
+    chunk cut in ``2 * cp`` contiguous pieces, piece ``k`` = ``[k*T // 2cp, (k+1)*T // 2cp)``,
     pieces ``cp_rank`` and ``2 * cp - 1 - cp_rank`` (an early and a late one: causal
     attention work is balanced). Offsets relative to the chunk; a piece may be empty."""
     parts = 2 * cp
-    base, extra = divmod(num_tokens, parts)
-    bounds = [i * base + min(i, extra) for i in range(parts + 1)]
-    late = parts - 1 - cp_rank
-    return (range(bounds[cp_rank], bounds[cp_rank + 1]), range(bounds[late], bounds[late + 1]))
+
+    def piece(k: int) -> range:
+        return range(k * num_tokens // parts, (k + 1) * num_tokens // parts)
+
+    return piece(cp_rank), piece(parts - 1 - cp_rank)
 
 
 def build_transfer_plan(prefill_tp: int, decode_tp: int, num_layers: int, kind: str = "mla",

@@ -55,7 +55,11 @@ class ParallelConfig:
     """Where and how the instance's ranks run together.
 
     Attributes:
-        tp: tensor-parallel size (ranks in the instance).
+        tp: tensor-parallel size (ranks in the instance without ``cp``).
+        cp: context-parallel size (prefill only): one prompt's tokens split over ``cp`` ranks
+            with all heads each (tp is 1 then); the instance has ``ranks = tp * cp`` ranks.
+        layer_sharding: with ``cp > 1``, attention weights (q_b_proj, o_proj, ...) each layer
+            stores on one rank only and broadcasts ahead of use (``engine.parallel``).
         dp: instances of the role (DP ranks); dp_rank: this instance's index, ``0 <= dp_rank
             < dp`` (instance ``{role}-{dp_rank}``).
         ep: expert parallelism: the routed experts are split over all ``dp * tp`` ranks of the
@@ -69,6 +73,8 @@ class ParallelConfig:
     """
 
     tp: int = 1
+    cp: int = 1
+    layer_sharding: tuple[str, ...] = ()
     dp: int = 1
     dp_rank: int = 0
     ep: bool = False
@@ -83,6 +89,15 @@ class ParallelConfig:
                              f"{self.dp})")
         if self.ep and self.dp * self.tp < 2:
             raise ValueError("ParallelConfig.ep needs dp * tp >= 2 ranks in the role")
+        if self.cp > 1 and self.tp != 1:
+            raise ValueError(f"ParallelConfig.cp ({self.cp}) > 1 needs tp == 1, got {self.tp}")
+        if self.layer_sharding and self.cp == 1:
+            raise ValueError("ParallelConfig.layer_sharding needs cp > 1")
+
+    @property
+    def ranks(self) -> int:
+        """Ranks (actors) of one instance: ``tp * cp``."""
+        return self.tp * self.cp
 
     @property
     def ep_size(self) -> int:

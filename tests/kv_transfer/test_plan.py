@@ -115,7 +115,7 @@ def test_cp_plan_ships_every_layer_token_once_balanced(cp, d_tp):
             want = {(d, layer, t) for d in range(d_tp) for layer in range(layers)
                     for t in range(start, end)}
             assert set(got) == want and max(got.values()) == 1, (cp, d_tp, layers, start, end)
-            assert max(sent) - min(sent) <= 1, sent  # bytes within one token (all layers)
+            assert max(sent) - min(sent) <= 2, sent  # bytes within two tokens (all layers)
 
 
 @pytest.mark.parametrize("cp,p_tp,d_tp", [(2, 2, 1), (2, 2, 4), (2, 4, 2), (4, 2, 3)])

@@ -27,7 +27,8 @@ def test_shipped_config_validates_and_dry_runs(path, capsys, tmp_path, monkeypat
     assert main(["up", "--dry-run", str(path)]) == 0
     out = capsys.readouterr().out
     for inst in cfg.instances():
-        assert f"{inst.name}: tp={inst.parallel.tp}, placement group STRICT_PACK" in out
+        cp = f", cp={inst.parallel.cp}" if inst.parallel.cp > 1 else ""
+        assert f"{inst.name}: tp={inst.parallel.tp}{cp}, placement group STRICT_PACK" in out
     assert not (tmp_path / "tiny-0").exists()  # dry-run creates nothing
 
 
@@ -118,8 +119,8 @@ def _error(tmp_path, text: str) -> str:
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("prefill: {tpp: 2}", "prefill.tpp: unknown key; allowed keys here: dp, tp, chunk_size, "
-                          "max_num_batched_tokens, num_kv_blocks"),
+    ("prefill: {tpp: 2}", "prefill.tpp: unknown key; allowed keys here: dp, tp, cp, "
+                          "layer_sharding, chunk_size, max_num_batched_tokens, num_kv_blocks"),
     ("routr: {}", "routr: unknown key; allowed keys here: model, mode, prefill, decode"),
     ("prefill: {tp: two}", "prefill.tp: expected an integer, got 'two'"),
     ("kv_transfer: {connect_timeout_s: soon}", "kv_transfer.connect_timeout_s: expected a number"),
@@ -141,6 +142,13 @@ def _error(tmp_path, text: str) -> str:
      "decode.num_kv_blocks (4) x kv_transfer.block_size (16) = 64 tokens < model.max_model_len "
      "(2048): one request could never fit; raise decode.num_kv_blocks to >= 128"),
     ("router: {port: 9000, metrics_port: 9000}", "router.metrics_port (9000) equals router.port"),
+    ("prefill: {cp: 2, tp: 2}", "prefill.cp (2) > 1 needs prefill.tp == 1, got 2"),
+    ("prefill: {layer_sharding: [o_proj]}", "prefill.layer_sharding ['o_proj'] needs "
+                                            "prefill.cp > 1"),
+    ("prefill: {cp: 2, layer_sharding: [o_proj, gate_proj]}",
+     "prefill.layer_sharding names ['gate_proj'], which are not attention linears"),
+    ("decode: {cp: 2}", "decode.cp: unknown key"),
+    ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
     ("- a\n- b", "the top level must be a mapping"),
 ])
@@ -187,8 +195,8 @@ def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
 
     calls = []
 
-    def build_transfer_plan(prefill_tp, decode_tp, num_layers, kind="mla"):
-        calls.append((prefill_tp, decode_tp, num_layers, kind))
+    def build_transfer_plan(prefill_tp, decode_tp, num_layers, kind="mla", prefill_cp=1):
+        calls.append((prefill_tp, decode_tp, num_layers, kind, prefill_cp))
         return types.SimpleNamespace(pairs=[_Pair(0, 0, range(61)), _Pair(0, 1, [0, 1, 2, 7])])
 
     fake = types.ModuleType("kv_transfer.plan")
@@ -199,7 +207,7 @@ def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
                     "prefill: {dp: 2}\ndecode: {tp: 2}\n")
     assert main(["up", "--dry-run", str(path)]) == 0
     out = capsys.readouterr().out
-    assert calls == [(1, 2, 61, "mla")]
+    assert calls == [(1, 2, 61, "mla", 1)]
     assert ("transfer plan P1 -> D2 (MLA), used by 2 instance pair(s): prefill-0->decode-0, "
             "prefill-1->decode-0") in out
     assert "  prefill rank 0 -> decode rank 0: 61 layer(s) 0-60\n" in out
