@@ -40,7 +40,7 @@ class MemoryPlan:
     @property
     def all_ranks_bytes(self) -> int:
         """Bytes of every rank of every role together (what a shared cpu machine holds)."""
-        return sum(p.total_bytes * p.layout.dp * p.layout.tp for p in self.roles)
+        return sum(p.total_bytes * p.layout.ranks for p in self.roles)
 
 
 def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
@@ -53,6 +53,7 @@ def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
         s = inst.scheduler
         layouts[inst.role] = RoleLayout(
             role=inst.role, dp=section.dp, tp=inst.parallel.tp, ep=section.ep,
+            cp=inst.parallel.cp, layer_sharding=inst.parallel.layer_sharding,
             num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
             step_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
             max_model_len=cfg.model.max_model_len)
@@ -182,7 +183,7 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
     if mem.shared:
-        ranks = sum(p.layout.dp * p.layout.tp for p in plan.roles)
+        ranks = sum(p.layout.ranks for p in plan.roles)
         lines.append(f"all {ranks} rank(s) together: {_gb(plan.all_ranks_bytes)} GB of "
                      f"{_gb(mem.bytes)} GB: {_headroom(plan.all_ranks_bytes, mem.bytes)}")
     return lines
@@ -197,7 +198,8 @@ def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
     def size(n: int) -> str:
         return f"{n / scale:>10.2f}"
 
-    lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}, {ep}; each of its {lay.dp * lay.tp} "
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+    lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}{cp}, {ep}; each of its {lay.ranks} "
              "rank(s) holds:",
              f"  {'kind':<24}{'elements':>17}{'B/el':>6}{unit:>10}  split"]
     for row in role.rows:

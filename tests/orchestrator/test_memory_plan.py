@@ -86,6 +86,24 @@ def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
     assert kv == 1280 * (512 + 64 + 128) * 2 * 61  # 1,408 B per token per layer
 
 
+def test_cp_prefill_replicates_attention_and_layer_shards_the_named_weights():
+    def rows(**cp):
+        layout = RoleLayout("prefill", dp=1, tp=1, ep=True, num_kv_blocks=1, block_size=1,
+                            step_tokens=1, max_num_seqs=1, max_model_len=1, **cp)
+        return {r.kind: r for r in plan_role(v3(), layout, Precision.of("bfloat16")).rows}
+
+    replicated = rows(cp=4)
+    assert replicated["attention"].elements == 61 * (Q_A + KV_A + Q_B + O)  # not divided
+    assert "layer-sharding prefetch" not in replicated
+    sharded = rows(cp=4, layer_sharding=("q_b_proj", "o_proj", "kv_b_proj"))
+    assert sharded["attention"].elements == 61 * (Q_A + KV_A) + 16 * (Q_B + O)  # ceil(61/4)
+    assert sharded["attention: kv_b_proj"].elements == 16 * KV_B
+    assert sharded["layer-sharding prefetch"].elements == 2 * (Q_B + O + KV_B)
+    assert sharded["layer-sharding prefetch"].group == "workspace"
+    assert "q_b_proj, o_proj layer-sharded: 16 of 61 layers (cp 4)" in \
+        sharded["attention"].split
+
+
 def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
     """GB of the workspace estimate under EP (docs/memory_plan.md), bf16."""
     heads = 128 // tp
