@@ -29,8 +29,9 @@ A prefill rank with no pair (e.g. P8->D1 with 1 layer) neither sends nor is wait
 
 Context-parallel prefill (``prefill_cp`` = c > 1): the instance is c TP groups of
 ``prefill_tp`` ranks (prefill rank ``p = cp_rank * prefill_tp + tp_rank``); CP rank ``r``
-computes pieces ``r`` and ``2c-1-r`` of every chunk cut in 2c pieces (:func:`cp_pieces`, the
-engine's load-balanced causal order) and ships only those tokens: each TP group is planned as
+computes pieces ``r`` and ``2c-1-r`` of every chunk cut in 2c pieces
+(:func:`engine.context_parallel.cp_token_slices`, the load-balanced causal order) and ships
+only those tokens: each TP group is planned as
 above (layers/heads over its ranks) for its own tokens. So every (decode rank, head, layer,
 token) is still sent exactly once, and each prefill rank's tokens per chunk are within two of
 every other's (bytes within one layer plus two tokens, all layers, of every other's). A pair
@@ -44,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from engine.context_parallel import cp_token_slices
 from kv_transfer.layout import KINDS, rank_heads
 
 
@@ -89,25 +91,13 @@ class TransferPlan:
                      token_end: int) -> tuple[tuple[int, int], ...]:
         """Token ranges ``[a, b)`` of chunk ``[token_start, token_end)`` that prefill rank
         ``prefill_rank`` ships (on each of its pairs): the whole chunk without CP, else its
-        CP rank's pieces (:func:`cp_pieces`), ascending, empty ones left out."""
+        CP rank's pieces (:func:`cp_token_slices`: the tokens it computed), ascending, empty
+        ones left out."""
         if self.prefill_cp == 1:
             return ((token_start, token_end),)
-        pieces = cp_pieces(token_end - token_start, self.prefill_cp,
-                           prefill_rank // self.prefill_tp)
+        pieces = cp_token_slices(token_end - token_start, self.prefill_cp,
+                                 prefill_rank // self.prefill_tp)
         return tuple((token_start + p.start, token_start + p.stop) for p in pieces if p)
-
-
-def cp_pieces(num_tokens: int, cp: int, cp_rank: int) -> tuple[range, range]:
-    """The tokens CP rank ``cp_rank`` of ``cp`` computes of a chunk of ``num_tokens``: the
-    chunk cut in ``2 * cp`` contiguous pieces, piece ``k`` = ``[k*T // 2cp, (k+1)*T // 2cp)``,
-    pieces ``cp_rank`` and ``2 * cp - 1 - cp_rank`` (an early and a late one: causal
-    attention work is balanced). Offsets relative to the chunk; a piece may be empty."""
-    parts = 2 * cp
-
-    def piece(k: int) -> range:
-        return range(k * num_tokens // parts, (k + 1) * num_tokens // parts)
-
-    return piece(cp_rank), piece(parts - 1 - cp_rank)
 
 
 def build_transfer_plan(prefill_tp: int, decode_tp: int, num_layers: int, kind: str = "mla",

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from engine import envs
+from engine.layer_sharding import SHARDABLE
 from engine.platform import DIST_BACKENDS, detect_platform
 from kv_transfer.config import TransferConfig
 from orchestrator.config_errors import ConfigError, validation_error_message, yaml_error_message
@@ -26,8 +27,6 @@ from orchestrator.limits import DEFAULT_MAX_MESSAGE_BYTES
 from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
 DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
-# The attention linears prefill.layer_sharding may name (checkpoint names, per layer).
-LAYER_SHARDABLE = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 class _Section(BaseModel):
@@ -85,22 +84,26 @@ def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
             f"raise {section}.dp or {section}.tp, or set {section}.ep false")
 
 
-def _check_cp(cp: int, tp: int, layer_sharding: list[str]) -> None:
-    """Context parallelism replaces TP inside a prefill instance; layer sharding needs CP and
-    names only attention linears."""
+def _check_cp(cp: int, tp: int, ep: bool, layer_sharding: list[str]) -> None:
+    """Context parallelism replaces TP inside a prefill instance (and is not combined with
+    expert parallelism yet); layer sharding needs CP and names only attention linears."""
     if cp > 1 and tp != 1:
         raise _cross_field(
             f"prefill.cp ({cp}) > 1 needs prefill.tp == 1, got {tp}: a context-parallel "
             "instance's ranks each hold all heads; set prefill.tp to 1 (or prefill.cp to 1)")
+    if cp > 1 and ep:
+        raise _cross_field(
+            f"prefill.cp ({cp}) > 1 with prefill.ep is not supported yet: the engine runs CP "
+            "with experts TP-sharded; set prefill.ep false (or prefill.cp to 1)")
     if layer_sharding and cp == 1:
         raise _cross_field(
             f"prefill.layer_sharding {layer_sharding} needs prefill.cp > 1: layer sharding "
             "spreads the weights CP replicates; raise prefill.cp or remove layer_sharding")
-    unknown = [name for name in layer_sharding if name not in LAYER_SHARDABLE]
+    unknown = [name for name in layer_sharding if name not in SHARDABLE]
     if unknown:
         raise _cross_field(
             f"prefill.layer_sharding names {unknown}, which are not attention linears: "
-            f"choose from {list(LAYER_SHARDABLE)}")
+            f"choose from {list(SHARDABLE)}")
 
 
 class PrefillSection(_Section):
@@ -132,7 +135,7 @@ class PrefillSection(_Section):
                 f"prefill.max_num_batched_tokens ({self.max_num_batched_tokens}): lower "
                 "chunk_size or raise max_num_batched_tokens")
         _check_ep("prefill", self.ep, self.dp, self.tp)
-        _check_cp(self.cp, self.tp, self.layer_sharding)
+        _check_cp(self.cp, self.tp, self.ep, self.layer_sharding)
         return self
 
 

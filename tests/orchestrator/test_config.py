@@ -148,6 +148,7 @@ def _error(tmp_path, text: str) -> str:
     ("prefill: {cp: 2, layer_sharding: [o_proj, gate_proj]}",
      "prefill.layer_sharding names ['gate_proj'], which are not attention linears"),
     ("decode: {cp: 2}", "decode.cp: unknown key"),
+    ("prefill: {cp: 2, dp: 2, ep: true}", "prefill.cp (2) > 1 with prefill.ep is not supported"),
     ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
     ("- a\n- b", "the top level must be a mapping"),

@@ -88,7 +88,7 @@ def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
 
 def test_cp_prefill_replicates_attention_and_layer_shards_the_named_weights():
     def rows(**cp):
-        layout = RoleLayout("prefill", dp=1, tp=1, ep=True, num_kv_blocks=1, block_size=1,
+        layout = RoleLayout("prefill", dp=1, tp=1, ep=False, num_kv_blocks=1, block_size=1,
                             step_tokens=1, max_num_seqs=1, max_model_len=1, **cp)
         return {r.kind: r for r in plan_role(v3(), layout, Precision.of("bfloat16")).rows}
 
