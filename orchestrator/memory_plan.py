@@ -304,7 +304,9 @@ def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
         + m.num_experts_per_tok * (2 * m.hidden_size + 3 * inter)
     prefix = 0 if lay.role == "decode" else \
         lay.max_model_len * heads * (m.qk_nope_head_dim + m.v_head_dim)
-    return lay.step_tokens * per_token + prefix, f"{lay.step_tokens} step tokens (estimate)"
+    mine = -(-lay.step_tokens // lay.cp)  # NOTE: CP: each rank computes 1/cp of a step
+    cp = f" / cp {lay.cp}" if lay.cp > 1 else ""
+    return mine * per_token + prefix, f"{lay.step_tokens} step tokens{cp} (estimate)"
 
 
 def _logits(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
