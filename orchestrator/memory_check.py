@@ -134,7 +134,7 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
         on = plan_role(plan.model, replace(lay, ep=True), plan.precision).total_bytes
         fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
                      f"{experts // (lay.dp * lay.tp)} experts each)")
-    wider = _wider_tp(plan, role)
+    wider = _wider_tp(plan, role) if lay.cp == 1 else None  # NOTE: CP needs tp 1
     if wider is not None:
         fixes.append(f"raise {key}.tp to {wider.layout.tp} ({_gb(wider.total_bytes)} GB per "
                      "rank)")

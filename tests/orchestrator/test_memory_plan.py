@@ -277,3 +277,16 @@ def test_a3_weights_of_a_quantized_checkpoint(tmp_path, scheme, storage, linear_
         hand = hand_plan(tp, 8, blocks, seqs, linear_bytes)
         weights = sum(hand[k] for k in hand if k not in ("kv", "logits"))
         assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
+
+
+def test_cp_prefill_ranks_count_and_no_tp_advice():
+    cfg = load_config(REPO / "configs" / "cp_1p1d.yaml")
+    plan, _ = build_memory_plan(cfg)
+    prefill, decode = plan.roles
+    assert (prefill.layout.cp, prefill.layout.ranks, decode.layout.ranks) == (2, 2, 1)
+    assert plan.all_ranks_bytes == 2 * prefill.total_bytes + decode.total_bytes
+    a3_cp = load_config(A3, {"prefill.tp": 1, "prefill.cp": 16, "prefill.ep": False})
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(a3_cp)
+    assert "- prefill: one rank needs" in str(err.value)
+    assert "raise prefill.tp" not in str(err.value), "cp > 1 needs tp 1"
