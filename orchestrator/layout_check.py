@@ -70,5 +70,17 @@ def check_tp_layout(cfg: OrchConfig) -> str:
                 tp_layout(model, role.tp, ep_size)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc} ({source})") from None
+    _check_layer_sharding(cfg, model, source)
     sizes = ", ".join(role.describe() for role in layouts)
     return f"tp layout: {sizes} fit the model ({source})"
+
+
+def _check_layer_sharding(cfg: OrchConfig, model, source: str) -> None:
+    """``prefill.layer_sharding`` names only linears the model has (q_a/q_b_proj need a
+    ``q_lora_rank``, q_proj its absence)."""
+    has = {"q_a_proj": bool(model.q_lora_rank), "q_b_proj": bool(model.q_lora_rank),
+           "q_proj": not model.q_lora_rank}
+    missing = [n for n in cfg.prefill.layer_sharding if not has.get(n, True)]
+    if missing:
+        raise ConfigError(f"prefill.layer_sharding: the model has no {missing} "
+                          f"(q_lora_rank={model.q_lora_rank}); drop them ({source})")

@@ -324,3 +324,13 @@ def test_kv_transfer_heartbeats_must_fit_the_peer_timeout():
         OrchConfig.model_validate({"kv_transfer": {"heartbeat_s": 5.0, "peer_timeout_s": 6.0}})
     cfg = OrchConfig.model_validate({"kv_transfer": {"heartbeat_s": 2.0, "peer_timeout_s": 9.0}})
     assert cfg.kv_transfer.transfer_config().peer_timeout_s == 9.0
+
+
+def test_layer_sharding_of_a_linear_the_model_lacks_is_a_config_error(tmp_path):
+    ckpt = _checkpoint(tmp_path, q_lora_rank=None)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {ckpt}}}\ncluster: {{device: cpu}}\n"
+                    "prefill: {cp: 2, layer_sharding: [q_proj, q_b_proj]}\n")
+    with pytest.raises(ConfigError, match=r"prefill.layer_sharding: the model has no "
+                                          r"\['q_b_proj'\] \(q_lora_rank=None\)"):
+        load_config(path)
