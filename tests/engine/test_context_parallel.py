@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine.context_parallel import cp_token_slices
+from engine.layer_sharding import layer_sharding_bytes
+from engine.model_config import load_model_config
 from engine.parallel import CPGroup, EPGroup, TPGroup, init_cp_group
 from engine.runner import ModelRunner
 from orchestrator.tiny_model import write_tiny_checkpoint
@@ -95,6 +97,29 @@ def test_cp_refuses_tp_and_ep_with_the_fix(cp_ckpt):
         ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=cp, tp=TPGroup(0, 2))
     with pytest.raises(ValueError, match="turn expert parallelism off"):
         ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=cp, ep=EPGroup(0, 2))
+
+
+def test_layer_sharding_stores_layer_i_on_cp_rank_i_mod_4(cp_ckpt):
+    """Built with a CP group of 4 (no collectives at build): each rank stores exactly its
+    layer's sharded weights, equal to the checkpoint's, and the memory plan's figures."""
+    full = dict(ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK).model
+                .named_parameters())
+    total, config = sharded_bytes_of(full), load_model_config(cp_ckpt)
+    for rank in range(CP):
+        runner = ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK,
+                             cp=CPGroup(rank=rank, size=CP), layer_sharding=SHARDED)
+        params = dict(runner.model.named_parameters())
+        assert sharded_bytes_of(params) * CP == total
+        for name in SHARDED:
+            key = f"model.layers.{rank}.self_attn.{name}.weight"
+            assert torch.equal(params[key], full[key]), key
+        assert (sharded_bytes_of(params), runner.prefetcher.pool_bytes) == \
+            layer_sharding_bytes(config, SHARDED, CP, rank, 4)
+
+
+def sharded_bytes_of(params: dict[str, torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for n, p in params.items()
+               if n.split(".")[-2] in SHARDED)
 
 
 def test_layer_sharding_names_attention_linears_only(cp_ckpt):
