@@ -101,9 +101,10 @@ class PrefetchStats:
 class LayerPrefetcher:
     """Broadcasts layer ``i + 1``'s sharded weights while layer ``i`` computes.
 
-    Call :meth:`begin` at the start of a forward, then :meth:`before_layer` ``(i)`` before
-    layer ``i`` and :meth:`after_layer` ``(i)`` after it, for every layer in order (every CP rank the same: the broadcasts are
-    collectives). Waits are bounded by the weight group's timeout (``RuntimeError``).
+    Call :meth:`begin` at the start of a forward, then :meth:`before_layer` ``(i)`` before layer
+    ``i`` and :meth:`after_layer` ``(i)`` after it, for every layer in order (every CP rank the
+    same: the broadcasts are collectives). Waits are bounded by the weight group's timeout
+    (``RuntimeError``).
 
     Args:
         layers: the model's decoder layers (after :func:`drop_unowned`).

@@ -3,8 +3,9 @@
 SPMD: every TP (or CP) rank of an instance builds a runner over the same checkpoint and calls
 :meth:`ModelRunner.execute` with the same steps each iteration; all ranks return the same
 logits. Under context parallel (``cp``, prefill) each rank computes its share of every step's
-tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The runner owns the model and this rank's KV cache; the caller (the worker's
-scheduler) owns the block tables and the block pool.
+tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The
+runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
+block tables and the block pool.
 """
 
 from __future__ import annotations
