@@ -10,7 +10,7 @@ import torch
 from engine.context_parallel import cp_token_slices
 from engine.layer_sharding import layer_sharding_bytes
 from engine.model_config import load_model_config
-from engine.parallel import CPGroup, EPGroup, TPGroup, init_cp_group
+from engine.parallel import CPGroup, TPGroup, init_cp_group
 from engine.runner import ModelRunner
 from orchestrator.tiny_model import write_tiny_checkpoint
 from tests.engine.cp_ranks import BLOCK, CPPlan, caches_of, prefill, run_cp_ranks, \
@@ -48,19 +48,20 @@ def _max_diff(got: dict, want: dict) -> tuple[float, float]:
 
 
 def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tmp_path):
-    """1K-token prompt in one shot and in chunks (V3), with layer sharding, and a V3.2
-    prompt in 2 chunks (its indexer keys gathered too): every rank's logits and whole KV
-    cache equal one rank's."""
+    """1K-token prompt in one shot and in chunks (V3), with layer sharding, with expert
+    parallelism over the 4 CP ranks (chunked), and a V3.2 prompt in 2 chunks (its indexer
+    keys gathered too): every rank's logits and whole KV cache equal one rank's."""
     long, short = _prompt(1024, 0), _prompt(300, 1)
     plans = (CPPlan("one_shot", str(cp_ckpt), long, (1024,)),
              CPPlan("chunked", str(cp_ckpt), long, CHUNKS),
              CPPlan("sharded", str(cp_ckpt), long, (1024,), SHARDED),
+             CPPlan("ep", str(cp_ckpt), long, CHUNKS, ep=True),
              CPPlan("dsa", str(tiny_dsa_ckpt), short, (173, 127)))
-    results = run_cp_ranks(CP, free_port(), plans, str(tmp_path))
+    results = run_cp_ranks(CP, (free_port(), free_port()), plans, str(tmp_path))
     want = {"one_shot": _one_rank(cp_ckpt, long, (1024,)),
             "chunked": _one_rank(cp_ckpt, long, CHUNKS),
             "dsa": _one_rank(tiny_dsa_ckpt, short, (173, 127))}
-    want["sharded"] = want["one_shot"]
+    want["sharded"], want["ep"] = want["one_shot"], want["chunked"]
     for plan in plans:
         for rank, got in enumerate(results[plan.name]):
             logits, caches = _max_diff(got, want[plan.name])
@@ -92,12 +93,10 @@ def test_cp_token_slices_reject_bad_arguments():
         cp_token_slices(10, 2, 2)
 
 
-def test_cp_refuses_tp_and_ep_with_the_fix(cp_ckpt):
+def test_cp_refuses_tp_with_the_fix(cp_ckpt):
     cp = CPGroup(rank=0, size=2)  # refused before any collective
     with pytest.raises(ValueError, match="runs tp=1 .* set tp to 1"):
         ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=cp, tp=TPGroup(0, 2))
-    with pytest.raises(ValueError, match="turn expert parallelism off"):
-        ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=cp, ep=EPGroup(0, 2))
 
 
 def test_layer_sharding_stores_layer_i_on_cp_rank_i_mod_4(cp_ckpt):
