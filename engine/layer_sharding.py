@@ -17,12 +17,14 @@ blocked on broadcasts (what compute did not hide).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from engine.model_config import ModelConfig
 from engine.parallel import CPGroup
 
 SHARDABLE: tuple[str, ...] = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
@@ -49,6 +51,27 @@ def check_layer_sharding(names: tuple[str, ...], layers: nn.ModuleList) -> None:
             raise ValueError(f"layer_sharding: {name} is not a plain linear of this model "
                              f"({type(module).__name__}); drop it from layer_sharding (a "
                              "quantized or absent weight cannot be sharded)")
+
+
+def linear_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+    """``[out, in]`` of attention linear ``name`` (:data:`SHARDABLE`) with all heads."""
+    h, hidden, lat = config.num_attention_heads, config.hidden_size, config.kv_lora_rank
+    return {"q_proj": (h * config.qk_head_dim, hidden),
+            "q_a_proj": (config.q_lora_rank or 0, hidden),
+            "q_b_proj": (h * config.qk_head_dim, config.q_lora_rank or 0),
+            "kv_a_proj_with_mqa": (lat + config.qk_rope_head_dim, hidden),
+            "kv_b_proj": (h * (config.qk_nope_head_dim + config.v_head_dim), lat),
+            "o_proj": (hidden, h * config.v_head_dim)}[name]
+
+
+def layer_sharding_bytes(config: ModelConfig, names: tuple[str, ...], cp_size: int,
+                         cp_rank: int, bytes_per_param: int, pool_size: int = 2) -> tuple[int, int]:
+    """For the memory plan: ``(stored, pool)`` bytes of the ``names`` weights on CP rank
+    ``cp_rank``: those of the layers it owns, and the :class:`LayerPrefetcher`'s receive
+    buffers (``pool_size`` layers' worth; 0 at ``cp_size == 1``)."""
+    per_layer = sum(math.prod(linear_shape(config, n)) for n in names) * bytes_per_param
+    owned = sum(owner_of(i, cp_size) == cp_rank for i in range(config.num_hidden_layers))
+    return owned * per_layer, (pool_size * per_layer if cp_size > 1 and names else 0)
 
 
 def drop_unowned(layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup) -> frozenset[str]:
@@ -78,9 +101,10 @@ class PrefetchStats:
 class LayerPrefetcher:
     """Broadcasts layer ``i + 1``'s sharded weights while layer ``i`` computes.
 
-    Call :meth:`begin` at the start of a forward, then :meth:`before_layer` ``(i)`` before
-    layer ``i`` and :meth:`after_layer` ``(i)`` after it, for every layer in order (every CP rank the same: the broadcasts are
-    collectives). Waits are bounded by the weight group's timeout (``RuntimeError``).
+    Call :meth:`begin` at the start of a forward, then :meth:`before_layer` ``(i)`` before layer
+    ``i`` and :meth:`after_layer` ``(i)`` after it, for every layer in order (every CP rank the
+    same: the broadcasts are collectives). Waits are bounded by the weight group's timeout
+    (``RuntimeError``).
 
     Args:
         layers: the model's decoder layers (after :func:`drop_unowned`).
@@ -97,6 +121,11 @@ class LayerPrefetcher:
                       for _ in range(pool_size)]
         self._pending: dict[int, list] = {}
         self.stats = PrefetchStats()
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the reusable receive buffers (what the memory plan adds per rank)."""
+        return sum(b.numel() * b.element_size() for slot in self._pool for b in slot)
 
     def begin(self) -> None:
         """Issue layer 0's broadcast (a forward's first call)."""

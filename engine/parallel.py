@@ -18,9 +18,9 @@ group, with tp = 1 under cp > 1 (:func:`init_cp_group`, same rendezvous as the T
 second group over the same ranks for the layer-sharded weight broadcasts, so that they overlap
 the token all-gathers instead of queueing behind them.
 
-Model code receives a :class:`TPGroup` / :class:`CPGroup` / :class:`EPGroup` (never a module global); at size 1
-every collective is a no-op. Which weight is split how, and the local sizes, are
-:mod:`engine.layout`'s.
+Model code receives a :class:`TPGroup` / :class:`CPGroup` / :class:`EPGroup` (never a module
+global); at size 1 every collective is a no-op. Which weight is split how, and the local sizes,
+are :mod:`engine.layout`'s.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 SPMD: every TP (or CP) rank of an instance builds a runner over the same checkpoint and calls
 :meth:`ModelRunner.execute` with the same steps each iteration; all ranks return the same
 logits. Under context parallel (``cp``, prefill) each rank computes its share of every step's
-tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The runner owns the model and this rank's KV cache; the caller (the worker's
-scheduler) owns the block tables and the block pool.
+tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The
+runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
+block tables and the block pool.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class ModelRunner:
         fp8_storage: FP8 checkpoints only: "dequantize" (to ``dtype`` at load) or "fp8"
             (FP8 weights kept, dequantized per block at use); see docs/quantization.md.
         cp: this rank's :class:`CPGroup` (None: context parallel off). Prefill only, with
-            tp = 1 and EP off; every rank of the group calls :meth:`execute` with the same
-            steps (any chunk sizes, 1-token ones included).
+            tp = 1; every rank of the group calls :meth:`execute` with the same steps (any
+            chunk sizes, 1-token ones included). With ``ep`` (EP rank ``dp_rank * cp +
+            cp_rank``) each CP rank dispatches its own tokens' MoE rows.
         layer_sharding: attention linears (``engine.layer_sharding.SHARDABLE``) whose layer
             ``i`` weight only CP rank ``i % cp`` stores; broadcast one layer ahead of use.
 
@@ -75,7 +77,7 @@ class ModelRunner:
 
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
-        ValueError: cp > 1 with tp > 1 or EP on; bad ``layer_sharding`` names.
+        ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
@@ -86,7 +88,7 @@ class ModelRunner:
                  fp8_storage: str = "dequantize", cp: CPGroup | None = None,
                  layer_sharding: tuple[str, ...] = ()) -> None:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
-        _check_cp(self.tp, self.ep, self.cp)
+        _check_cp(self.tp, self.cp)
         self.platform = detect_platform()
         self.device = torch.device(device) if device is not None \
             else self.platform.device(max(self.tp.rank, self.cp.rank))
@@ -163,11 +165,8 @@ class ModelRunner:
                              "must come from this instance's BlockPool")
 
 
-def _check_cp(tp: TPGroup, ep: EPGroup, cp: CPGroup) -> None:
+def _check_cp(tp: TPGroup, cp: CPGroup) -> None:
     """Raise ValueError, naming the fix, for a layout context parallel does not support."""
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
-    if cp.size > 1 and ep.size > 1:
-        raise ValueError(f"cp={cp.size} with expert parallelism (ep={ep.size}) is not "
-                         "supported yet: turn expert parallelism off for the CP prefill role")

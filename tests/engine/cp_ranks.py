@@ -18,13 +18,15 @@ BLOCK = 16
 @dataclass(frozen=True)
 class CPPlan:
     """What every rank runs: ``prompt`` prefilled in ``chunks`` (token counts) with
-    ``layer_sharding``; results go to ``{out_dir}/{name}_rank{i}.pt``."""
+    ``layer_sharding``, with expert parallelism over the CP ranks when ``ep``; results go to
+    ``{out_dir}/{name}_rank{i}.pt``."""
 
     name: str
     ckpt: str
     prompt: tuple[int, ...]
     chunks: tuple[int, ...]
     layer_sharding: tuple[str, ...] = ()
+    ep: bool = False
 
 
 def blocks_for(num_tokens: int) -> tuple[int, ...]:
@@ -54,29 +56,34 @@ def caches_of(runner) -> list[torch.Tensor]:
             for b in runner.kv_cache.layer_buffers(i)]
 
 
-def rank_main(index: int, size: int, port: int, plans: tuple[CPPlan, ...], out_dir: str) -> None:
-    """Body of spawned process ``index``: join the CP group, run every plan in turn."""
-    from engine.parallel import init_cp_group
+def rank_main(index: int, size: int, ports: tuple[int, int], plans: tuple[CPPlan, ...],
+              out_dir: str) -> None:
+    """Body of spawned process ``index``: join the CP group (``ports[0]``) and the EP group
+    over the same ranks (``ports[1]``), run every plan in turn."""
+    from engine.parallel import EPGroup, init_cp_group, init_ep_group
     from engine.runner import ModelRunner
 
     torch.set_num_threads(1)
-    cp = init_cp_group(index, size, "127.0.0.1", port, timeout_s=60)
+    cp = init_cp_group(index, size, "127.0.0.1", ports[0], timeout_s=60)
+    ep = init_ep_group(index, size, "127.0.0.1", ports[1], timeout_s=60)
     try:
         for plan in plans:
             runner = ModelRunner(plan.ckpt, num_kv_blocks=len(blocks_for(len(plan.prompt))),
-                                 block_size=BLOCK, cp=cp, layer_sharding=plan.layer_sharding)
+                                 block_size=BLOCK, cp=cp, layer_sharding=plan.layer_sharding,
+                                 ep=ep if plan.ep else EPGroup())
             logits = prefill(runner, plan.prompt, plan.chunks)
             torch.save({"logits": logits, "caches": caches_of(runner),
                         "sharded_bytes": sharded_bytes(runner.model, ("q_b_proj", "o_proj"))},
                        f"{out_dir}/{plan.name}_rank{index}.pt")
     finally:
+        ep.destroy()
         cp.destroy()
 
 
-def run_cp_ranks(size: int, port: int, plans: tuple[CPPlan, ...], out_dir: str,
+def run_cp_ranks(size: int, ports: tuple[int, int], plans: tuple[CPPlan, ...], out_dir: str,
                  timeout_s: float = 120.0) -> dict[str, list[dict]]:
     """Spawn ``size`` CP ranks, run ``plans``, wait (bounded); plan name -> rank results."""
-    ctx = mp.start_processes(rank_main, args=(size, port, plans, out_dir), nprocs=size,
+    ctx = mp.start_processes(rank_main, args=(size, ports, plans, out_dir), nprocs=size,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
