@@ -76,7 +76,7 @@ class ModelSection(_Section):
 
 
 def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
-    """Expert parallelism needs more than one rank in the role."""
+    """Expert parallelism needs more than one rank in the role (``tp``: ranks per instance)."""
     if ep and dp * tp == 1:
         raise _cross_field(
             f"{section}.ep is on but {section}.dp x {section}.tp = 1: expert parallelism "
@@ -84,17 +84,13 @@ def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
             f"raise {section}.dp or {section}.tp, or set {section}.ep false")
 
 
-def _check_cp(cp: int, tp: int, ep: bool, layer_sharding: list[str]) -> None:
-    """Context parallelism replaces TP inside a prefill instance (and is not combined with
-    expert parallelism yet); layer sharding needs CP and names only attention linears."""
+def _check_cp(cp: int, tp: int, layer_sharding: list[str]) -> None:
+    """Context parallelism replaces TP inside a prefill instance; layer sharding needs CP and
+    names only attention linears."""
     if cp > 1 and tp != 1:
         raise _cross_field(
             f"prefill.cp ({cp}) > 1 needs prefill.tp == 1, got {tp}: a context-parallel "
             "instance's ranks each hold all heads; set prefill.tp to 1 (or prefill.cp to 1)")
-    if cp > 1 and ep:
-        raise _cross_field(
-            f"prefill.cp ({cp}) > 1 with prefill.ep is not supported yet: the engine runs CP "
-            "with experts TP-sharded; set prefill.ep false (or prefill.cp to 1)")
     if layer_sharding and cp == 1:
         raise _cross_field(
             f"prefill.layer_sharding {layer_sharding} needs prefill.cp > 1: layer sharding "
@@ -134,8 +130,8 @@ class PrefillSection(_Section):
                 f"prefill.chunk_size ({self.chunk_size}) must be <= "
                 f"prefill.max_num_batched_tokens ({self.max_num_batched_tokens}): lower "
                 "chunk_size or raise max_num_batched_tokens")
-        _check_ep("prefill", self.ep, self.dp, self.tp)
-        _check_cp(self.cp, self.tp, self.ep, self.layer_sharding)
+        _check_ep("prefill", self.ep, self.dp, self.tp * self.cp)
+        _check_cp(self.cp, self.tp, self.layer_sharding)
         return self
 
 

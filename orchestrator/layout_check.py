@@ -25,7 +25,7 @@ class RoleLayout:
 
     section: str
     tp: int
-    ep_size: int  # dp * tp with ep on, else 1
+    ep_size: int  # dp * tp (* cp) with ep on, else 1
 
     def describe(self) -> str:
         ep = f" (ep over dp x tp = {self.ep_size})" if self.ep_size > 1 else ""
@@ -37,7 +37,11 @@ def _role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
     mode (colocated instances are sized by the decode section)."""
     sections = [("prefill", cfg.prefill)] if cfg.mode == "disaggregated" else []
     sections.append(("decode", cfg.decode))
-    return [RoleLayout(name, s.tp, s.dp * s.tp if s.ep else 1) for name, s in sections]
+    def ranks(name: str) -> int:  # per instance; NOTE: a CP prefill instance has cp ranks
+        section = cfg.prefill if name == "prefill" else cfg.decode
+        return section.tp * (cfg.prefill.cp if name == "prefill" else 1)
+
+    return [RoleLayout(name, s.tp, s.dp * ranks(name) if s.ep else 1) for name, s in sections]
 
 
 def check_tp_layout(cfg: OrchConfig) -> str:

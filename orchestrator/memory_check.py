@@ -130,10 +130,10 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     lay, have, fixes = role.layout, plan.memory.bytes, []
     key = lay.section
     experts = plan.model.n_routed_experts or 0
-    if not lay.ep and experts and experts % (lay.dp * lay.tp) == 0:
+    if not lay.ep and experts and experts % lay.ranks == 0:
         on = plan_role(plan.model, replace(lay, ep=True), plan.precision).total_bytes
         fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
-                     f"{experts // (lay.dp * lay.tp)} experts each)")
+                     f"{experts // lay.ranks} experts each)")
     wider = _wider_tp(plan, role) if lay.cp == 1 else None  # NOTE: CP needs tp 1
     if wider is not None:
         fixes.append(f"raise {key}.tp to {wider.layout.tp} ({_gb(wider.total_bytes)} GB per "

@@ -79,7 +79,7 @@ class RoleLayout:
     @property
     def ep_size(self) -> int:
         """Ranks the routed experts are split over (1: every DP rank holds all experts)."""
-        return self.dp * self.tp if self.ep else 1
+        return self.ranks if self.ep else 1
 
 
 @dataclass(frozen=True)

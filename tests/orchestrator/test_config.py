@@ -148,7 +148,6 @@ def _error(tmp_path, text: str) -> str:
     ("prefill: {cp: 2, layer_sharding: [o_proj, gate_proj]}",
      "prefill.layer_sharding names ['gate_proj'], which are not attention linears"),
     ("decode: {cp: 2}", "decode.cp: unknown key"),
-    ("prefill: {cp: 2, dp: 2, ep: true}", "prefill.cp (2) > 1 with prefill.ep is not supported"),
     ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
     ("- a\n- b", "the top level must be a mapping"),
@@ -334,3 +333,12 @@ def test_layer_sharding_of_a_linear_the_model_lacks_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"prefill.layer_sharding: the model has no "
                                           r"\['q_b_proj'\] \(q_lora_rank=None\)"):
         load_config(path)
+
+
+def test_cp_prefill_with_ep_splits_experts_over_every_cp_rank(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cluster: {device: cpu}\nprefill: {dp: 2, cp: 2, ep: true}\n")
+    cfg = load_config(path)
+    prefill = [i.parallel for i in cfg.instances() if i.role == "prefill"]
+    assert [(p.ranks, p.ep_size) for p in prefill] == [(2, 4), (2, 4)]
+    assert [p.ep_rank(r) for p in prefill for r in range(p.ranks)] == [0, 1, 2, 3]
