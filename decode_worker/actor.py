@@ -2,8 +2,9 @@
 
 Protocol (DESIGN.md "One request"), decode side:
 
-1. ``reserve(spec, prefill_tp, prefill_cp)``: take blocks for prompt + max_tokens BEFORE prefill computes
-   and tell every rank's KV receiver to expect the prompt's KV; or a :class:`Rejection`.
+1. ``reserve(spec, prefill_tp, prefill_cp)``: take blocks for prompt + max_tokens BEFORE
+   prefill computes and tell every rank's KV receiver to expect the prompt's KV; or a
+   :class:`Rejection`.
 2. KV arrives on the receiver threads of every rank, straight into the reserved slots.
 3. ``admit(request_id, first_token_id)``: prefill's first token; once every rank has every
    layer, the request joins the running batch with ``num_computed_tokens = prompt``.
