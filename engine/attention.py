@@ -149,23 +149,34 @@ class MLAttention(nn.Module):
                       c_kv: torch.Tensor, k_pe: torch.Tensor, prefix_slots: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """``out[rows] =`` attention of queries ``q [n, H, P+R]``, the LAST n of the chunk
-        tokens ``c_kv [s, L]``, ``k_pe [s, R]`` (causal over those), and of the cached prefix
-        at ``prefix_slots [ctx]`` (read from the latent cache), LSE-merged."""
-        k, v = self._expand_kv(c_kv, k_pe)
-        if prefix_slots.numel() == 0 and q.shape[0] == k.shape[0]:
+        tokens ``c_kv [s, L]``, ``k_pe [s, R]`` (causal among those n), over themselves, the
+        ``s - n`` chunk tokens before them and the cached prefix at ``prefix_slots [ctx]``
+        (read from the latent cache), LSE-merged."""
+        n, s = q.shape[0], c_kv.shape[0]
+        k, v = self._expand_kv(c_kv[s - n:], k_pe[s - n:])
+        if prefix_slots.numel() == 0 and n == s:
             out[rows] = attend_causal(q, k, v, self.scale)
             return
         o, lse = attend_with_lse(q, k, v, self.scale, causal=True)
         flat_k = k_cache.view(-1, self.kv_lora_rank)
         flat_v = v_cache.view(-1, self.qk_rope_head_dim)
-        # NOTE: the prefix is read from the latent cache, never a padded full-sequence
-        # tensor, in tiles of prefix_tile tokens so memory stays O(chunk * tile).
-        tiles = prefix_slots.split(self.prefix_tile) if prefix_slots.numel() else ()
-        for tile in tiles:
-            k_pre, v_pre = self._expand_kv(flat_k[tile], flat_v[tile])
-            o_pre, lse_pre = attend_with_lse(q, k_pre, v_pre, self.scale, causal=False)
-            o, lse = merge_attention(o, lse, o_pre, lse_pre)
+        # NOTE: the earlier keys (cached prefix, then the chunk before these queries) are
+        # decompressed and attended in tiles of prefix_tile tokens, the prefix read from the
+        # latent cache, so memory stays O(n * tile), never a padded full-sequence tensor.
+        for tile in (prefix_slots.split(self.prefix_tile) if prefix_slots.numel() else ()):
+            o, lse = self._merge_tile(q, o, lse, flat_k[tile], flat_v[tile])
+        for lo in range(0, s - n, self.prefix_tile):
+            hi = min(lo + self.prefix_tile, s - n)
+            o, lse = self._merge_tile(q, o, lse, c_kv[lo:hi], k_pe[lo:hi])
         out[rows] = o
+
+    def _merge_tile(self, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                    c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(o, lse)`` of ``q`` merged with its attention over earlier keys ``c_kv [S, L]``,
+        ``k_pe [S, R]`` (all visible)."""
+        k_pre, v_pre = self._expand_kv(c_kv, k_pe)
+        o_pre, lse_pre = attend_with_lse(q, k_pre, v_pre, self.scale, causal=False)
+        return merge_attention(o, lse, o_pre, lse_pre)
 
     def _prefill_sparse(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                         iq: IndexerQuery, meta: AttentionMetadata,
