@@ -102,6 +102,11 @@ def test_cp_prefill_replicates_attention_and_layer_shards_the_named_weights():
     assert sharded["layer-sharding prefetch"].group == "workspace"
     assert "q_b_proj, o_proj layer-sharded: 16 of 61 layers (cp 4)" in \
         sharded["attention"].split
+    from engine.layer_sharding import layer_sharding_bytes  # the engine's own count
+
+    stored, pool = layer_sharding_bytes(v3(), ("q_b_proj", "o_proj", "kv_b_proj"), 4, 0, 1)
+    assert stored == 16 * (Q_B + O + KV_B)
+    assert pool == sharded["layer-sharding prefetch"].elements
 
 
 def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
