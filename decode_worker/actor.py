@@ -2,8 +2,9 @@
 
 Protocol (DESIGN.md "One request"), decode side:
 
-1. ``reserve(spec, prefill_tp)``: take blocks for prompt + max_tokens BEFORE prefill computes
-   and tell every rank's KV receiver to expect the prompt's KV; or a :class:`Rejection`.
+1. ``reserve(spec, prefill_tp, prefill_cp)``: take blocks for prompt + max_tokens BEFORE
+   prefill computes and tell every rank's KV receiver to expect the prompt's KV; or a
+   :class:`Rejection`.
 2. KV arrives on the receiver threads of every rank, straight into the reserved slots.
 3. ``admit(request_id, first_token_id)``: prefill's first token; once every rank has every
    layer, the request joins the running batch with ``num_computed_tokens = prompt``.
@@ -60,8 +61,9 @@ class DecodeRank(LeaderRank):
         host, port = self.connector.address
         return KVPeer(self.cfg.name, self.rank, host, port)
 
-    def expect_kv(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
-        self.connector.expect(request_id, num_tokens, prefill_tp)
+    def expect_kv(self, request_id: str, num_tokens: int, prefill_tp: int,
+                  prefill_cp: int = 1) -> None:
+        self.connector.expect(request_id, num_tokens, prefill_tp, prefill_cp)
 
     def kv_status(self, request_ids: list[str]) -> dict[str, KVStatus]:
         """request id -> this rank's :class:`KVStatus` of its prompt KV. A request this rank
@@ -91,8 +93,10 @@ class DecodeRank(LeaderRank):
         self.peers_kv = tuple(self.call_all("kv_peer"))
         super().start()
 
-    def reserve(self, spec: RequestSpec, prefill_tp: int = 1) -> Reservation | Rejection:
-        """Take blocks for prompt + max_tokens and arm every rank's receiver.
+    def reserve(self, spec: RequestSpec, prefill_tp: int = 1,
+                prefill_cp: int = 1) -> Reservation | Rejection:
+        """Take blocks for prompt + max_tokens and arm every rank's receiver for a prefill
+        instance of ``prefill_cp`` x ``prefill_tp`` ranks (the transfer plan's sizes).
 
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
@@ -119,7 +123,8 @@ class DecodeRank(LeaderRank):
                 Request(spec, blocks=blocks), DecodeRequestState.WAITING_FOR_FIRST_TOKEN,
                 deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
-            self.call_all("expect_kv", spec.request_id, spec.num_prompt_tokens, prefill_tp)
+            self.call_all("expect_kv", spec.request_id, spec.num_prompt_tokens, prefill_tp,
+                          prefill_cp)
         except RankFailure as exc:
             self.mark_broken(str(exc))
             self._drop_reserved(spec.request_id)

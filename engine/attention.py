@@ -15,6 +15,11 @@ Names follow DeepSeek/HF checkpoints (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_wi
   query's top ``index_topk`` causal tokens and both forms attend to those only
   (:mod:`engine.sparse_attention`).
 
+Context parallel (``meta.cp``, :mod:`engine.context_parallel`): the module sees only this
+rank's tokens, with all heads; the latents of the step's tokens are all-gathered before the
+one cache write, so the cache holds them all, and each local piece attends causally to the
+chunk up to its end plus the cached prefix.
+
 TP: the module holds ``num_heads`` heads (this rank's, per :mod:`engine.layout`: head-major
 rows of ``q_b_proj``/``q_proj``/``kv_b_proj``, columns of ``o_proj``); ``forward`` returns
 this rank's PARTIAL ``o_proj`` output: the caller all-reduces.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.context_parallel import CPStep
 from engine.forward_context import AttentionMetadata, DecodeBatch
 from engine.indexer import Indexer, IndexerQuery
 from engine.kernels import KernelSet
@@ -81,6 +87,7 @@ class MLAttention(nn.Module):
 
         Args:
             x: ``[T, hidden]`` normed hidden states. cos, sin: ``[T, R/2]`` at meta.positions.
+                Under CP (``meta.cp``) T is this rank's local rows (``meta.cp.local_rows``).
             caches: this layer's K ``[num_blocks, block_size, L]``, V ``[.., R]`` and, with
                 an indexer, index_k ``[.., Di]`` (``KVCache.layer_buffers``).
 
@@ -105,10 +112,14 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             entries += (self.indexer.keys(x, cos, sin),)  # [T, Di]
             iq = self.indexer.queries(x, q_latent, cos, sin)
+        if meta.cp is not None:  # T local rows -> the step's latents, all of them
+            entries = self._gather_latents(entries, meta.cp)
         self.kernels.reshape_and_cache(entries, caches, meta.slot_mapping)
 
         out = x.new_empty(t, h, self.v_head_dim)  # [T, H, V]
-        if meta.prefills and iq is not None:
+        if meta.cp is not None:
+            self._prefill_cp(out, q_nope, q_pe, iq, entries, meta, caches)
+        elif meta.prefills and iq is not None:
             self._prefill_sparse(out, q_nope, q_pe, iq, meta, caches)
         elif meta.prefills:
             self._prefill(out, q_nope, q_pe, c_kv, k_pe, meta, caches[0], caches[1])
@@ -129,43 +140,100 @@ class MLAttention(nn.Module):
         """Fill ``out [T, H, V]`` rows of the prefill sequences (chunk causal + cached prefix,
         LSE merge). q_nope ``[T, H, P]``, q_pe ``[T, H, R]``, c_kv ``[T, L]``, k_pe ``[T, R]``."""
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, P+R]
-        flat_k = k_cache.view(-1, self.kv_lora_rank)
-        flat_v = v_cache.view(-1, self.qk_rope_head_dim)
         for seq in meta.prefills:
             rows = slice(seq.start, seq.end)
-            k, v = self._expand_kv(c_kv[rows], k_pe[rows])
-            if seq.context_len == 0:
-                out[rows] = attend_causal(q[rows], k, v, self.scale)
-                continue
-            o, lse = attend_with_lse(q[rows], k, v, self.scale, causal=True)
-            # NOTE: the prefix is read from the latent cache, never a padded full-sequence
-            # tensor, in tiles of prefix_tile tokens so memory stays O(chunk * tile).
-            for tile in seq.prefix_slots.split(self.prefix_tile):
-                k_pre, v_pre = self._expand_kv(flat_k[tile], flat_v[tile])
-                o_pre, lse_pre = attend_with_lse(q[rows], k_pre, v_pre, self.scale, causal=False)
-                o, lse = merge_attention(o, lse, o_pre, lse_pre)
-            out[rows] = o
+            self._attend_chunk(out, rows, q[rows], c_kv[rows], k_pe[rows], seq.prefix_slots,
+                               k_cache, v_cache)
+
+    def _attend_chunk(self, out: torch.Tensor, rows: slice, q: torch.Tensor,
+                      c_kv: torch.Tensor, k_pe: torch.Tensor, prefix_slots: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """``out[rows] =`` attention of queries ``q [n, H, P+R]``, the LAST n of the chunk
+        tokens ``c_kv [s, L]``, ``k_pe [s, R]`` (causal among those n), over themselves, the
+        ``s - n`` chunk tokens before them and the cached prefix at ``prefix_slots [ctx]``
+        (read from the latent cache), LSE-merged."""
+        n, s = q.shape[0], c_kv.shape[0]
+        k, v = self._expand_kv(c_kv[s - n:], k_pe[s - n:])
+        if prefix_slots.numel() == 0 and n == s:
+            out[rows] = attend_causal(q, k, v, self.scale)
+            return
+        o, lse = attend_with_lse(q, k, v, self.scale, causal=True)
+        flat_k = k_cache.view(-1, self.kv_lora_rank)
+        flat_v = v_cache.view(-1, self.qk_rope_head_dim)
+        # NOTE: the earlier keys (cached prefix, then the chunk before these queries) are
+        # decompressed and attended in tiles of prefix_tile tokens, the prefix read from the
+        # latent cache, so memory stays O(n * tile), never a padded full-sequence tensor.
+        for tile in (prefix_slots.split(self.prefix_tile) if prefix_slots.numel() else ()):
+            o, lse = self._merge_tile(q, o, lse, flat_k[tile], flat_v[tile])
+        for lo in range(0, s - n, self.prefix_tile):
+            hi = min(lo + self.prefix_tile, s - n)
+            o, lse = self._merge_tile(q, o, lse, c_kv[lo:hi], k_pe[lo:hi])
+        out[rows] = o
+
+    def _merge_tile(self, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                    c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(o, lse)`` of ``q`` merged with its attention over earlier keys ``c_kv [S, L]``,
+        ``k_pe [S, R]`` (all visible)."""
+        k_pre, v_pre = self._expand_kv(c_kv, k_pe)
+        o_pre, lse_pre = attend_with_lse(q, k_pre, v_pre, self.scale, causal=False)
+        return merge_attention(o, lse, o_pre, lse_pre)
 
     def _prefill_sparse(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                         iq: IndexerQuery, meta: AttentionMetadata,
                         caches: tuple[torch.Tensor, ...]) -> None:
         """Fill ``out [T, H, V]`` rows of the prefill sequences with the ``sparse_prefill``
-        kernel over each query's top-k of prefix + chunk (the caches hold the chunk), in
-        tiles of ``query_tile`` queries."""
-        indexer, w_uk, w_uv = self.indexer, *self._w_kvb()
-        flat_index = caches[2].view(-1, caches[2].shape[-1])
+        kernel over each query's top-k of prefix + chunk (the caches hold the chunk)."""
         for seq in meta.prefills:
             seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[seq.start:seq.end]))
-            index_k = flat_index[seq_slots]  # [S, Di]
-            for lo in range(seq.start, seq.end, self.query_tile):
-                rows = torch.arange(lo, min(lo + self.query_tile, seq.end), device=out.device)
-                slots, valid = select_prefill_entries(
-                    iq.rows(rows), meta.positions[rows], index_k, seq_slots, indexer.topk,
-                    indexer.softmax_scale)
-                # NOTE: each query token is a row of its own with its own slot list.
-                out[rows] = self.kernels.sparse_prefill(
-                    q_nope[rows], q_pe[rows], caches[0], caches[1],
-                    DecodeBatch(rows, slots, valid), w_uk, w_uv, self.scale)
+            rows = torch.arange(seq.start, seq.end, device=out.device)
+            self._attend_sparse(out, q_nope, q_pe, iq, caches, seq_slots, rows,
+                                meta.positions[seq.start:seq.end])
+
+    def _attend_sparse(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                       iq: IndexerQuery, caches: tuple[torch.Tensor, ...],
+                       seq_slots: torch.Tensor, rows: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+        """``out[rows] =`` sparse attention of query rows ``rows [n]`` (at ``positions [n]``)
+        over their top-k of ``seq_slots [S]`` (positions ``0..S-1``, cached), in tiles of
+        ``query_tile`` queries."""
+        indexer, w_uk, w_uv = self.indexer, *self._w_kvb()
+        index_k = caches[2].view(-1, caches[2].shape[-1])[seq_slots]  # [S, Di]
+        for lo in range(0, rows.numel(), self.query_tile):
+            tile = rows[lo:lo + self.query_tile]
+            slots, valid = select_prefill_entries(
+                iq.rows(tile), positions[lo:lo + self.query_tile], index_k, seq_slots,
+                indexer.topk, indexer.softmax_scale)
+            # NOTE: each query token is a row of its own with its own slot list.
+            out[tile] = self.kernels.sparse_prefill(
+                q_nope[tile], q_pe[tile], caches[0], caches[1],
+                DecodeBatch(tile, slots, valid), w_uk, w_uv, self.scale)
+
+    @staticmethod
+    def _gather_latents(entries: tuple[torch.Tensor, ...],
+                        cp: CPStep) -> tuple[torch.Tensor, ...]:
+        """Local ``(c_kv [t, L], k_pe [t, R][, index_k [t, Di]])`` -> the same of all T tokens
+        of the step in token order (one all-gather of the entries side by side)."""
+        widths = [e.shape[-1] for e in entries]
+        return cp.gather_rows(torch.cat(entries, dim=-1)).split(widths, dim=-1)
+
+    def _prefill_cp(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                    iq: IndexerQuery | None, entries: tuple[torch.Tensor, ...],
+                    meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> None:
+        """Fill ``out [t, H, V]`` (local rows) piece by piece: each piece of the chunk is a
+        prefill of its own whose context is the prefix plus the chunk before it; entries are
+        the step's gathered latents ``[T, ...]`` (the caches already hold them)."""
+        for piece in meta.cp.pieces:
+            seq, rows = piece.seq, piece.local_rows
+            full = slice(seq.start + piece.lo, seq.start + piece.hi)
+            if iq is not None:
+                seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[seq.start:full.stop]))
+                local = torch.arange(rows.start, rows.stop, device=out.device)
+                self._attend_sparse(out, q_nope, q_pe, iq, caches, seq_slots, local,
+                                    meta.positions[full])
+                continue
+            c_kv, k_pe = (e[seq.start:full.stop] for e in entries[:2])
+            self._attend_chunk(out, rows, torch.cat((q_nope[rows], q_pe[rows]), dim=-1),
+                               c_kv, k_pe, seq.prefix_slots, caches[0], caches[1])
 
     def _w_kvb(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b_proj`` viewed per head: ``(W_UK [H, P, L], W_UV [H, V, L])``."""

@@ -15,11 +15,15 @@ runners (or threads) never see each other's step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.block_pool import slot_mapping
+
+if TYPE_CHECKING:
+    from engine.context_parallel import CPStep
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ class AttentionMetadata:
         prefills: the prefill sequences.
         decode: the decode sequences, or None when there are none.
         logits_index: ``[B]`` int64 row of each sequence's last token.
+        cp: this rank's share of a context-parallel step (:mod:`engine.context_parallel`),
+            None without CP. With it, every row above is of the FULL step while the model's
+            activations hold only ``cp.local_rows``.
     """
 
     positions: torch.Tensor
@@ -71,12 +78,20 @@ class AttentionMetadata:
     prefills: tuple[PrefillSeq, ...]
     decode: DecodeBatch | None
     logits_index: torch.Tensor
+    cp: CPStep | None = None
+
+    def with_cp(self, cp: CPStep) -> AttentionMetadata:
+        """This metadata with ``cp`` set."""
+        return replace(self, cp=cp)
 
 
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
                              block_tables: list[tuple[int, ...]], block_size: int,
-                             device: torch.device | str = "cpu") -> AttentionMetadata:
+                             device: torch.device | str = "cpu", *,
+                             prefill_only: bool = False) -> AttentionMetadata:
     """Metadata of a step from per-sequence query lengths, cached lengths and block tables.
+
+    ``prefill_only``: every sequence is a prefill, 1-token ones included (context parallel).
 
     Raises:
         ValueError: a sequence has no query tokens, or its block table is too short for
@@ -90,7 +105,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         seq_slots = slot_mapping(table, 0, ctx + qlen, block_size)  # [ctx + qlen]
         positions.append(torch.arange(ctx, ctx + qlen, dtype=torch.int64))
         slots.append(seq_slots[ctx:])
-        if qlen == 1 and ctx > 0:
+        if qlen == 1 and ctx > 0 and not prefill_only:
             dec_rows.append(start)
             dec_slots.append(seq_slots)
         else:

@@ -47,13 +47,10 @@ nowhere else; the model builds only the rank's experts (:attr:`TPLayout.experts`
 loader never reads the others. The shared experts keep their TP rules; the MoE forward
 dispatches and combines by all-to-all (:mod:`engine.expert_parallel`).
 
-How the next layout plugs in here (and only here, plus the forward's collectives):
-
-- Layer sharding (prefill context parallel, DESIGN.md "Words"): a rule gains an owner
-  policy "layer ``i`` on rank ``i % n`` of the CP group" for the chosen weights
-  (``q_b_proj``, ``o_proj``, ...); the loader reads such a tensor only on its owner, and the
-  model broadcasts it from the owner into a reused buffer one layer ahead of use. The split
-  itself (replicated under CP) is unchanged, so the two compose in one rule.
+Context parallel (prefill, ``cp > 1``, tp = 1): every weight is replicated over the CP group
+(the TP split of size 1). Layer sharding (:mod:`engine.layer_sharding`) is an ownership
+policy on top, not a split: the chosen attention linears of layer ``i`` are stored only on
+CP rank ``i % cp`` (the loader skips them elsewhere) and broadcast one layer ahead of use.
 """
 
 from __future__ import annotations

@@ -70,10 +70,12 @@ def _split_fused(prefix: str, kind: str,
             yield f"{prefix}.{j}.{proj}.weight", tuple(part.shape), part.__getitem__
 
 
-def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPGroup) -> None:
+def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPGroup,
+                 skip: frozenset[str] = frozenset()) -> None:
     """Copy the checkpoint into ``model`` (its parameters hold this rank's shards, laid out by
-    ``model.layout``). Routed experts another EP rank owns are not in ``model``: never read.
-    Vocab padding rows (last TP rank) are zeroed.
+    ``model.layout``). Routed experts another EP rank owns are not in ``model``: never read;
+    nor are the parameters named in ``skip`` (layer-sharded weights another CP rank stores,
+    :mod:`engine.layer_sharding`). Vocab padding rows (last TP rank) are zeroed.
 
     Raises:
         CheckpointError: a model tensor is missing from the checkpoint, or a checkpoint tensor
@@ -90,7 +92,7 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
         loaded = load_quantized(model, checkpoint_dir, tp)
     for name, shape, read in _checkpoint_entries(Path(checkpoint_dir)):
         param = params.get(name)
-        if param is None or name in loaded:
+        if param is None or name in loaded or name in skip:
             continue  # not part of this model (MTP layer, scales, ...) or loaded: never read
         rule = rule_for(name)
         expected = rule.full_shape(tuple(param.shape), layout)
@@ -99,7 +101,7 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
                                   f"implies {expected}: config.json and weights disagree")
         _copy_padded(param, read(rule.local_slices(shape, tp.rank, layout)))
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(params) - loaded - skip)
     if missing:
         shown = ", ".join(f"{n} {rule_for(n).full_shape(tuple(params[n].shape), layout)}"
                           for n in missing[:5])

@@ -7,7 +7,10 @@ loader fills them with the slices the layout's rules name): attention heads and 
 intermediate dims are split, and each decoder layer all-reduces twice (after attention's
 o_proj and after the MLP/MoE). ``embed_tokens`` and ``lm_head`` are vocab-parallel over TP
 (the embedding all-reduces, lm_head all-gathers). Under EP the MoE layers hold only this
-rank's routed experts (:mod:`engine.expert_parallel`).
+rank's routed experts (:mod:`engine.expert_parallel`). Under context parallel each rank runs
+its share of the step's tokens (:mod:`engine.context_parallel`), and layer-sharded weights
+arrive one layer ahead through :attr:`DeepseekForCausalLM.prefetcher`
+(:mod:`engine.layer_sharding`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from engine.attention import MLAttention
 from engine.forward_context import AttentionMetadata
 from engine.kernels import KernelSet
 from engine.kv_cache import KVCache
+from engine.layer_sharding import LayerPrefetcher
 from engine.layout import TPLayout, tp_layout
 from engine.model_config import ModelConfig
 from engine.moe import MLP, MoE, MoEGate
@@ -97,13 +101,15 @@ class DeepseekForCausalLM(nn.Module):
         self.model = DeepseekModel(config, layout, tp, ep, kernels)
         self.lm_head = nn.Linear(config.hidden_size, layout.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+        self.prefetcher: LayerPrefetcher | None = None  # layer sharding (runner sets it)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         """One step.
 
         Args:
-            input_ids: ``[T]`` int64 flattened tokens of the step.
+            input_ids: ``[T]`` int64 flattened tokens of the step (under CP, ``meta.cp``:
+                only this rank's ``meta.cp.local_rows``).
             meta: the step's :class:`AttentionMetadata`.
             kv_cache: this rank's caches (layer i uses ``kv_cache.layer_buffers(i)``).
 
@@ -111,10 +117,18 @@ class DeepseekForCausalLM(nn.Module):
             ``[B, vocab]`` fp32 logits at each sequence's last token.
         """
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)  # [T, R/2]
+        positions = meta.positions if meta.cp is None else meta.positions[meta.cp.local_rows]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, R/2]
+        if self.prefetcher is not None:
+            self.prefetcher.begin()
         for i, layer in enumerate(self.model.layers):
+            if self.prefetcher is not None:
+                self.prefetcher.before_layer(i)
             x = layer(x, cos, sin, meta, kv_cache.layer_buffers(i))
-        x = self.model.norm(x[meta.logits_index])  # [B, hidden]
+            if self.prefetcher is not None:
+                self.prefetcher.after_layer(i)
+        last = x[meta.logits_index] if meta.cp is None else meta.cp.gather_last(x)
+        x = self.model.norm(last)  # [B, hidden]
         logits = self.tp.all_gather(self.lm_head(x).float())  # [B, tp * local vocab]
         return logits[:, :self.config.vocab_size]
 

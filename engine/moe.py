@@ -132,4 +132,4 @@ def _local_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             pick = order[start:start + n]
             routed[pick] = expert(x[pick // k]) * weights.view(-1)[pick, None].to(x.dtype)
         start += n
-    return routed.view(t, k, -1).sum(dim=1)
+    return routed.view(t, k, x.shape[1]).sum(dim=1)  # NOTE: explicit width: t may be 0 (CP)

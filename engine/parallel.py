@@ -1,4 +1,5 @@
-"""Process groups of one rank: its TP group, and its role's expert-parallel (EP) group.
+"""Process groups of one rank: its TP group, its CP group, and its role's expert-parallel (EP)
+group.
 
 TP rendezvous: rank 0 (the leader) opens a ``TCPStore`` on ``host:port``; the other ranks
 connect to it; ``torch.distributed.init_process_group`` then builds the group on that store
@@ -11,9 +12,15 @@ EP (DESIGN.md "Words"): all dp x tp ranks of a role, ``ep_rank = dp_rank * tp + 
 (:mod:`engine.expert_parallel`). Every rank of the group must enter every collective, also
 with zero tokens (``ModelRunner.execute_empty``).
 
-Model code receives a :class:`TPGroup` / :class:`EPGroup` (never a module global); at size 1
-every collective is a no-op. Which weight is split how, and the local sizes, are
-:mod:`engine.layout`'s.
+CP (context-parallel prefill, DESIGN.md "Words"): a CP prefill instance's ranks split each
+step's tokens (:mod:`engine.context_parallel`); its rank group IS the process's default (WORLD)
+group, with tp = 1 under cp > 1 (:func:`init_cp_group`, same rendezvous as the TP group), plus a
+second group over the same ranks for the layer-sharded weight broadcasts, so that they overlap
+the token all-gathers instead of queueing behind them.
+
+Model code receives a :class:`TPGroup` / :class:`CPGroup` / :class:`EPGroup` (never a module
+global); at size 1 every collective is a no-op. Which weight is split how, and the local sizes,
+are :mod:`engine.layout`'s.
 """
 
 from __future__ import annotations
@@ -96,6 +103,85 @@ def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
                               timeout=timeout, wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """One rank's view of its context-parallel (CP) group.
+
+    Attributes:
+        rank: this rank, ``0 <= rank < size``. size: ranks in the group.
+        group: the torch.distributed process group of the token collectives (None at size 1).
+        weight_group: the group of the weight broadcasts (:meth:`broadcast`); None: ``group``.
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+    weight_group: object | None = None
+
+    def all_gather(self, x: torch.Tensor, counts: list[int] | None = None) -> torch.Tensor:
+        """Rows of every rank, concatenated in rank order: ``x [counts[rank], ...]`` ->
+        ``[sum(counts), ...]`` (``x`` itself at size 1). Row counts may differ and be zero;
+        ``counts`` (rows of each rank) saves one small all-gather when every rank knows them.
+
+        Raises:
+            ValueError: ``counts[rank]`` is not ``x``'s row count.
+        """
+        if self.size == 1:
+            return x
+        if counts is None:
+            counts = self._row_counts(x.shape[0])
+        if counts[self.rank] != x.shape[0]:
+            raise ValueError(f"CP rank {self.rank} has {x.shape[0]} rows, counts say "
+                             f"{counts[self.rank]}: every rank must pass the same counts")
+        width = max(counts)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+
+    def _row_counts(self, n: int) -> list[int]:
+        mine = torch.tensor([n], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        return [int(p) for p in parts]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group in place and return it (no-op at size 1)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int, async_op: bool = False) -> dist.Work | None:
+        """Broadcast ``x`` (contiguous, in place) from CP rank ``src`` over ``weight_group``
+        (or ``group``); with ``async_op`` the pending :class:`torch.distributed.Work` (its
+        ``wait()`` is bounded by the group's timeout), else None once done. No-op at size 1."""
+        if self.size == 1:
+            return None
+        # NOTE: the CP group is the default (WORLD) group, so CP rank == global rank.
+        return dist.broadcast(x, src=src, group=self.weight_group or self.group,
+                              async_op=async_op)
+
+    def destroy(self) -> None:
+        """Tear down the groups (idempotent)."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_cp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
+                  backend: str = "gloo", timeout_s: float = 60.0,
+                  store: dist.Store | None = None) -> CPGroup:
+    """Join (or, on rank 0, open) the CP group of ``size`` ranks at ``host:port``: the default
+    (WORLD) group, built exactly like :func:`init_tp_group` (same arguments, same errors), plus
+    the weight-broadcast group over the same ranks. Size 1 returns a trivial group."""
+    tp = init_tp_group(rank, size, host, port, backend, timeout_s, store)
+    if size == 1:
+        return CPGroup()
+    weight_group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s),
+                                  backend=backend)
+    return CPGroup(rank=rank, size=size, group=tp.group, weight_group=weight_group)
 
 
 def ep_rank_of(dp_rank: int, tp_rank: int, tp_size: int) -> int:

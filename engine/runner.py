@@ -1,9 +1,11 @@
 """ModelRunner: the entry point the prefill and decode workers call, one per rank.
 
-SPMD: every TP rank of an instance builds a runner over the same checkpoint and calls
+SPMD: every TP (or CP) rank of an instance builds a runner over the same checkpoint and calls
 :meth:`ModelRunner.execute` with the same steps each iteration; all ranks return the same
-logits. The runner owns the model and this rank's KV cache; the caller (the worker's
-scheduler) owns the block tables and the block pool.
+logits. Under context parallel (``cp``, prefill) each rank computes its share of every step's
+tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The
+runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
+block tables and the block pool.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from pathlib import Path
 
 import torch
 
+from engine.context_parallel import build_cp_step
 from engine.forward_context import build_attention_metadata
+from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, drop_unowned
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import load_model_config
-from engine.parallel import EPGroup, TPGroup
+from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
 
@@ -59,12 +63,21 @@ class ModelRunner:
         kernels: an already resolved :class:`KernelSet` (overrides ``kernel_choices``).
         fp8_storage: FP8 checkpoints only: "dequantize" (to ``dtype`` at load) or "fp8"
             (FP8 weights kept, dequantized per block at use); see docs/quantization.md.
+        cp: this rank's :class:`CPGroup` (None: context parallel off). Prefill only, with
+            tp = 1; every rank of the group calls :meth:`execute` with the same steps (any
+            chunk sizes, 1-token ones included). With ``ep`` (EP rank ``dp_rank * cp +
+            cp_rank``) each CP rank dispatches its own tokens' MoE rows.
+        layer_sharding: attention linears (``engine.layer_sharding.SHARDABLE``) whose layer
+            ``i`` weight only CP rank ``i % cp`` stores; broadcast one layer ahead of use.
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
+        prefetcher: the layer-sharding :class:`LayerPrefetcher` (``prefetcher.stats``: time
+            blocked on weight broadcasts), None without layer sharding under cp > 1.
 
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
+        ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
@@ -72,18 +85,27 @@ class ModelRunner:
                  device: torch.device | str | None = None,
                  kernel_choices: Mapping[str, str] | None = None,
                  kernels: KernelSet | None = None, ep: EPGroup | None = None,
-                 fp8_storage: str = "dequantize") -> None:
-        self.tp = tp or TPGroup()
-        self.ep = ep or EPGroup()
+                 fp8_storage: str = "dequantize", cp: CPGroup | None = None,
+                 layer_sharding: tuple[str, ...] = ()) -> None:
+        self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
+        _check_cp(self.tp, self.cp)
         self.platform = detect_platform()
         self.device = torch.device(device) if device is not None \
-            else self.platform.device(self.tp.rank)
+            else self.platform.device(max(self.tp.rank, self.cp.rank))
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
         quant = quant_plan(checkpoint_dir, cfg.quantization, fp8_storage)
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep)
-        load_weights(self.model, checkpoint_dir, self.tp)
+        layers = self.model.model.layers
+        check_layer_sharding(tuple(layer_sharding), layers)
+        skip = drop_unowned(layers, tuple(layer_sharding), self.cp)
+        load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
+        self.prefetcher = None
+        if layer_sharding and self.cp.size > 1:
+            self.prefetcher = LayerPrefetcher(layers, tuple(layer_sharding), self.cp, dtype,
+                                              self.device)
+        self.model.prefetcher = self.prefetcher
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
@@ -94,7 +116,9 @@ class ModelRunner:
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one step over ``steps`` (any mix of prefill chunks and decode tokens).
 
-        Writes the KV of every computed token into the cache at its slot.
+        Writes the KV of every computed token into the cache at its slot (under CP: every
+        rank's cache gets every token of the step, each rank having computed its
+        ``cp_token_slices`` of each chunk).
 
         Returns:
             ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order.
@@ -109,9 +133,13 @@ class ModelRunner:
             self._check_step(s)
         meta = build_attention_metadata(
             [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
-            [s.block_ids for s in steps], self.kv_spec.block_size, self.device)
+            [s.block_ids for s in steps], self.kv_spec.block_size, self.device,
+            prefill_only=self.cp.size > 1)
         input_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
                                  device=self.device)
+        if self.cp.size > 1:
+            meta = meta.with_cp(build_cp_step(meta.prefills, self.cp, self.device))
+            input_ids = input_ids[meta.cp.local_rows]
         return self.model(input_ids, meta, self.kv_cache)
 
     @torch.inference_mode()
@@ -135,3 +163,10 @@ class ModelRunner:
             raise ValueError(f"request {s.request_id} has block ids {bad[:4]} outside this "
                              f"KV cache's {self.kv_spec.num_blocks} blocks: the block table "
                              "must come from this instance's BlockPool")
+
+
+def _check_cp(tp: TPGroup, cp: CPGroup) -> None:
+    """Raise ValueError, naming the fix, for a layout context parallel does not support."""
+    if cp.size > 1 and tp.size > 1:
+        raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
+                         "instance runs tp=1 (its ranks are the CP group); set tp to 1")

@@ -5,7 +5,7 @@ start (records of unknown requests are read and dropped), then poll ``is_complet
 ``failure``; finally ``release`` (after completion, abort or failure). Once ``release``
 returns no byte is written into the request's slots any more, so its blocks may be freed.
 
-The prefill tp needed for the plan comes with ``expect`` (the router knows both instances).
+The prefill tp and cp needed for the plan come with ``expect`` (the router knows both instances).
 """
 
 from __future__ import annotations
@@ -61,13 +61,15 @@ class DecodeKVConnector:
         """``(host, port)`` of the rendezvous store, to publish to prefill ranks."""
         return self._host, self._rendezvous.port
 
-    def expect(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
-        """Receive every planned layer of tokens ``[0, num_tokens)`` of ``request_id``.
+    def expect(self, request_id: str, num_tokens: int, prefill_tp: int,
+               prefill_cp: int = 1) -> None:
+        """Receive every layer of tokens ``[0, num_tokens)`` of ``request_id`` from a prefill
+        instance of ``prefill_cp`` x ``prefill_tp`` ranks (the plan says which pairs send).
 
         The completion deadline (``completion_timeout_s``) starts now.
         Raises ValueError if the request is already expected.
         """
-        self._tracker.expect(request_id, num_tokens, prefill_tp)
+        self._tracker.expect(request_id, num_tokens, prefill_tp, prefill_cp)
 
     def is_complete(self, request_id: str) -> bool:
         """Every planned layer of every token arrived and every planned ``done`` record.

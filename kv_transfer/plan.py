@@ -1,7 +1,9 @@
-"""Transfer plan ("layer sharding"): which layers/heads flow on which (prefill, decode) pair.
+"""Transfer plan ("layer sharding"): which layers/heads/tokens flow on which (prefill, decode)
+pair.
 
-A pure function of (prefill tp, decode tp, num_layers, kind[, num_kv_heads]); DESIGN.md
-"Transfer plan". Method, for every KV head ``h`` (MLA: one pseudo-head held by every rank):
+A pure function of (prefill tp, decode tp, num_layers, kind[, num_kv_heads][, prefill cp]);
+DESIGN.md "Transfer plan". Method, for every KV head ``h`` (MLA: one pseudo-head held by every
+rank) of one prefill TP group:
 
 1. ``holders`` = prefill ranks holding ``h``; ``needers`` = decode ranks holding ``h``
    (:func:`kv_transfer.layout.rank_heads`; MLA: all ranks).
@@ -24,13 +26,26 @@ Completion: a decode rank is complete when every planned layer arrived and a ``d
 came from every prefill rank in ``recvs_to(d)``. Every decode rank has at least one such rank.
 A prefill rank with no pair (e.g. P8->D1 with 1 layer) neither sends nor is waited for; its
 ``finish`` and ``wait_idle`` return at once.
+
+Context-parallel prefill (``prefill_cp`` = c > 1): the instance is c TP groups of
+``prefill_tp`` ranks (prefill rank ``p = cp_rank * prefill_tp + tp_rank``); CP rank ``r``
+computes pieces ``r`` and ``2c-1-r`` of every chunk cut in 2c pieces
+(:func:`engine.context_parallel.cp_token_slices`, the load-balanced causal order) and ships
+only those tokens: each TP group is planned as
+above (layers/heads over its ranks) for its own tokens. So every (decode rank, head, layer,
+token) is still sent exactly once, and each prefill rank's tokens per chunk are within two of
+every other's (bytes within one layer plus two tokens, all layers, of every other's). A pair
+then carries only part of its layers' tokens: the decode side counts (layer, token) cells over
+all its pairs (:mod:`~kv_transfer.tracker`). P(cp2) -> D1: ranks 0 and 1 each send every layer,
+rank 0 tokens ``[0, n/4) + [3n/4, n)`` of an n-token chunk, rank 1 the middle half.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from engine.context_parallel import cp_token_slices
 from kv_transfer.layout import KINDS, rank_heads
 
 
@@ -41,12 +56,15 @@ class PairPlan:
     Attributes:
         layers: layer ids, ascending.
         heads: global KV heads (GQA), None for MLA (the whole latent).
+        cp_rank: the prefill rank's context-parallel rank (0 without CP): the pair ships the
+            tokens of :meth:`TransferPlan.token_ranges` of that rank, all of them without CP.
     """
 
     prefill_rank: int
     decode_rank: int
     layers: tuple[int, ...]
     heads: range | None
+    cp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class TransferPlan:
     kind: str
     num_kv_heads: int | None
     pairs: tuple[PairPlan, ...]
+    prefill_cp: int = 1
 
     def sends_from(self, prefill_rank: int) -> tuple[PairPlan, ...]:
         """Pairs prefill rank ``prefill_rank`` sends on (possibly empty)."""
@@ -68,18 +87,31 @@ class TransferPlan:
         """Pairs decode rank ``decode_rank`` receives on (never empty)."""
         return tuple(p for p in self.pairs if p.decode_rank == decode_rank)
 
+    def token_ranges(self, prefill_rank: int, token_start: int,
+                     token_end: int) -> tuple[tuple[int, int], ...]:
+        """Token ranges ``[a, b)`` of chunk ``[token_start, token_end)`` that prefill rank
+        ``prefill_rank`` ships (on each of its pairs): the whole chunk without CP, else its
+        CP rank's pieces (:func:`cp_token_slices`: the tokens it computed), ascending, empty
+        ones left out."""
+        if self.prefill_cp == 1:
+            return ((token_start, token_end),)
+        pieces = cp_token_slices(token_end - token_start, self.prefill_cp,
+                                 prefill_rank // self.prefill_tp)
+        return tuple((token_start + p.start, token_start + p.stop) for p in pieces if p)
+
 
 def build_transfer_plan(prefill_tp: int, decode_tp: int, num_layers: int, kind: str = "mla",
-                        num_kv_heads: int | None = None) -> TransferPlan:
-    """Plan the pairs of a prefill instance of ``prefill_tp`` and a decode one of ``decode_tp``.
+                        num_kv_heads: int | None = None, prefill_cp: int = 1) -> TransferPlan:
+    """Plan the pairs of a prefill instance of ``prefill_cp`` x ``prefill_tp`` ranks and a
+    decode one of ``decode_tp``.
 
     Raises:
         ValueError: non-positive sizes, unknown kind, missing ``num_kv_heads`` for gqa, or a
             tp that cannot split the heads (see :func:`rank_heads`).
     """
-    if min(prefill_tp, decode_tp, num_layers) <= 0:
-        raise ValueError(f"prefill_tp ({prefill_tp}), decode_tp ({decode_tp}) and num_layers "
-                         f"({num_layers}) must be positive")
+    if min(prefill_tp, decode_tp, num_layers, prefill_cp) <= 0:
+        raise ValueError(f"prefill_tp ({prefill_tp}), decode_tp ({decode_tp}), num_layers "
+                         f"({num_layers}) and prefill_cp ({prefill_cp}) must be positive")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if (kind == "gqa") != (num_kv_heads is not None):
@@ -96,8 +128,12 @@ def build_transfer_plan(prefill_tp: int, decode_tp: int, num_layers: int, kind: 
             for holder, run in zip(senders, _cut(items, len(senders))):
                 for d, layer in run:
                     work.setdefault((holder, d), {}).setdefault(head, []).append(layer)
-    pairs = tuple(_pair(p, d, per_head, kind) for (p, d), per_head in sorted(work.items()))
-    return TransferPlan(prefill_tp, decode_tp, num_layers, kind, num_kv_heads, pairs)
+    group = [_pair(p, d, per_head, kind) for (p, d), per_head in sorted(work.items())]
+    # NOTE: one TP group's plan per CP rank (module docstring): same layers, its own tokens.
+    pairs = tuple(replace(pp, prefill_rank=c * prefill_tp + pp.prefill_rank, cp_rank=c)
+                  for c in range(prefill_cp) for pp in group)
+    return TransferPlan(prefill_tp, decode_tp, num_layers, kind, num_kv_heads, pairs,
+                        prefill_cp)
 
 
 def _holding(tp: int, kind: str, num_kv_heads: int | None, head: int) -> list[int]:

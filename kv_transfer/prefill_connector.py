@@ -7,8 +7,10 @@ time (queued records dropped, ``abort`` records sent) followed by ``wait_idle``.
 
 ``peers`` is the decode instance's ranks in rank order, one :class:`~kv_transfer.KVPeer`
 each, with ``(host, port)`` the address each ``DecodeKVConnector`` published. Which decode
-ranks this rank sends to, and which layers/heads, comes from :func:`build_transfer_plan`
-(``prefill tp = tp``, ``decode tp = len(peers)``).
+ranks this rank sends to, and which layers/heads/tokens, comes from :func:`build_transfer_plan`
+(``prefill tp = tp``, ``prefill cp = cp``, ``decode tp = len(peers)``): with context-parallel
+prefill each rank ships, of every chunk, only the token pieces its CP rank computed (one
+record per piece and pair).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ class PrefillKVConnector:
         kv_cache: the rank's ``KVCache`` (or any object whose ``flat_buffers(layer)`` gives
             the buffers ``layout`` names, see :mod:`~kv_transfer.payload`).
         layout: this instance's :class:`KVLayout` (``layout.tp == tp``).
-        instance, rank, tp: this rank's identity.
+        instance, rank, tp: this rank's identity (``rank`` in ``[0, cp * tp)``, CP rank
+            ``rank // tp``).
         config: bounded waits.
+        cp: context-parallel size of the instance.
 
     Raises:
         ValueError: ``layout.tp != tp``, or ``kv_cache`` does not hold the buffers ``layout``
@@ -104,13 +108,13 @@ class PrefillKVConnector:
     """
 
     def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int, tp: int,
-                 config: TransferConfig) -> None:
+                 config: TransferConfig, cp: int = 1) -> None:
         if layout.tp != tp:
             raise ValueError(f"layout.tp ({layout.tp}) != tp ({tp}): build the layout for "
                              "this instance")
-        check_cache(kv_cache, layout, layout.heads_of(rank))
+        check_cache(kv_cache, layout, layout.heads_of(rank % tp))
         self._cache, self._layout, self._config = kv_cache, layout, config
-        self._instance, self._rank, self._tp = instance, rank, tp
+        self._instance, self._rank, self._tp, self._cp = instance, rank, tp, cp
         self._device = cache_slots(kv_cache)[1]
         self._backend = backend_for(self._device)
         self._fingerprint = layout.fingerprint()
@@ -126,12 +130,13 @@ class PrefillKVConnector:
         if decode_tp not in self._plans:
             lay = self._layout
             self._plans[decode_tp] = build_transfer_plan(self._tp, decode_tp, lay.num_layers,
-                                                         lay.kind, lay.num_kv_heads)
+                                                         lay.kind, lay.num_kv_heads, self._cp)
         return self._plans[decode_tp]
 
     def send_chunk(self, request_id: str, peers: Sequence[KVPeer], token_start: int,
                    token_end: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Queue this rank's planned layers of tokens ``[token_start, token_end)``.
+        """Queue this rank's planned layers of tokens ``[token_start, token_end)`` (with CP:
+        of its pieces of them, :meth:`TransferPlan.token_ranges`).
 
         Args:
             src_slots: int64 ``[T]`` slots of those tokens in this rank's cache; the blocks
@@ -151,13 +156,19 @@ class PrefillKVConnector:
             return  # NOTE: a chunk that raced with abort(): nothing more goes out
         src = src_slots.to(device=self._device, dtype=torch.int64)
         dst = dst_slots.to(device="cpu", dtype=torch.int64)
-        for pp, peer in self._planned(peers):
+        planned = self._planned(peers)
+        if not planned:
+            return
+        ranges = self.plan(len(peers)).token_ranges(self._rank, token_start, token_end)
+        for pp, peer in planned:
             heads = None if pp.heads is None else (pp.heads.start, pp.heads.stop)
-            header = wire.Header(kind=wire.DATA, request_id=request_id,
-                                 prefill_rank=self._rank, fingerprint=self._fingerprint,
-                                 layers=pp.layers, heads=heads, token_start=token_start,
-                                 token_end=token_end, dst_slots=dst)
-            self._enqueue(SendTask(header, peer, src))
+            for a, b in ranges:
+                cells = slice(a - token_start, b - token_start)
+                header = wire.Header(kind=wire.DATA, request_id=request_id,
+                                     prefill_rank=self._rank, fingerprint=self._fingerprint,
+                                     layers=pp.layers, heads=heads, token_start=a,
+                                     token_end=b, dst_slots=dst[cells])
+                self._enqueue(SendTask(header, peer, src[cells]))
 
     def finish(self, request_id: str, peers: Sequence[KVPeer], num_tokens: int) -> None:
         """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank.

@@ -383,5 +383,5 @@ def _local_heads(layout: KVLayout, rank: int, heads: range | None) -> slice | No
     """Global pair heads -> slice of this rank's local head axis (None for MLA)."""
     if heads is None:
         return None
-    local = layout.heads_of(rank)
+    local = layout.heads_of(rank % layout.tp)  # NOTE: CP rank r * tp + t holds t's heads
     return slice(heads.start - local.start, heads.stop - local.start)

@@ -1,8 +1,10 @@
 """Decode side: what each expected request still needs, and whether its slots may be written.
 
-Per request: for every prefill rank the plan pairs with this decode rank, a bool mask
-``[len(pair.layers), num_tokens]`` of (layer, token) cells received, and whether that rank's
-``done`` record arrived. Complete = every mask full and every ``done`` in.
+Per request: one bool mask ``[num_layers, num_tokens]`` of (layer, token) cells received over
+all the pairs feeding this decode rank (each record's layers checked against its pair's plan),
+and which planned prefill ranks' ``done`` records arrived. Complete = the mask full and every
+``done`` in. One mask, not one per pair: with a context-parallel prefill a pair carries only
+the tokens its rank computed, which depend on the prefill's chunking (kv_transfer/plan.py).
 
 Write guarantee: payload bytes are written into a request's slots only by a scatter or an
 in-place receive that started while the request was active (expected, not failed, not past
@@ -45,10 +47,9 @@ class TrackedRequest:
     :meth:`RequestTracker.admit` and the write it admits (fields are the tracker's)."""
 
     num_tokens: int
-    prefill_tp: int
     deadline: float
     pairs: dict[int, PairPlan]                     # prefill rank -> what it sends us
-    masks: dict[int, torch.Tensor]                 # prefill rank -> bool [Ly, num_tokens]
+    mask: torch.Tensor                             # bool [num_layers, num_tokens] received
     done_from: set[int] = field(default_factory=set)
     sources: set[PairGeneration] = field(default_factory=set)  # sent records of it
     error: str | None = None
@@ -58,14 +59,15 @@ class TrackedRequest:
 
     def complete(self) -> bool:
         return (self.error is None and self.done_from == set(self.pairs)
-                and all(bool(m.all()) for m in self.masks.values()))
+                and bool(self.mask.all()))
 
     def missing(self) -> str:
         parts = []
         for p, pp in sorted(self.pairs.items()):
-            cells = int((~self.masks[p]).sum())
-            parts.append(f"prefill rank {p}: {cells} of {self.masks[p].numel()} (layer, token) "
-                         f"cells missing, done record {'in' if p in self.done_from else 'missing'}")
+            rows = self.mask[list(pp.layers)]  # NOTE: with CP, shared by the CP ranks
+            parts.append(f"prefill rank {p}: {int((~rows).sum())} of {rows.numel()} (layer, "
+                         f"token) cells missing, done record "
+                         f"{'in' if p in self.done_from else 'missing'}")
         return "; ".join(parts)
 
 
@@ -77,19 +79,19 @@ class RequestTracker:
         self._requests: dict[str, TrackedRequest] = {}
         self._lock = threading.Lock()
 
-    def expect(self, request_id: str, num_tokens: int, prefill_tp: int) -> None:
+    def expect(self, request_id: str, num_tokens: int, prefill_tp: int,
+               prefill_cp: int = 1) -> None:
         """Start tracking; see ``DecodeKVConnector.expect``. Raises ValueError if known."""
-        if num_tokens <= 0 or prefill_tp <= 0:
-            raise ValueError(f"expect({request_id!r}): num_tokens ({num_tokens}) and prefill_tp "
-                             f"({prefill_tp}) must be positive")
+        if min(num_tokens, prefill_tp, prefill_cp) <= 0:
+            raise ValueError(f"expect({request_id!r}): num_tokens ({num_tokens}), prefill_tp "
+                             f"({prefill_tp}) and prefill_cp ({prefill_cp}) must be positive")
         lay = self._layout
         plan = build_transfer_plan(prefill_tp, lay.tp, lay.num_layers, lay.kind,
-                                   lay.num_kv_heads)
+                                   lay.num_kv_heads, prefill_cp)
         pairs = {pp.prefill_rank: pp for pp in plan.recvs_to(self._rank)}
-        masks = {p: torch.zeros(len(pp.layers), num_tokens, dtype=torch.bool)
-                 for p, pp in pairs.items()}
+        mask = torch.zeros(lay.num_layers, num_tokens, dtype=torch.bool)
         deadline = time.monotonic() + self._config.completion_timeout_s
-        req = TrackedRequest(num_tokens, prefill_tp, deadline, pairs, masks)
+        req = TrackedRequest(num_tokens, deadline, pairs, mask)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected on decode "
@@ -148,9 +150,7 @@ class RequestTracker:
         with req.lock:
             req.writers -= 1
             if done:
-                pp = req.pairs[header.prefill_rank]
-                rows = [pp.layers.index(layer) for layer in header.layers]
-                req.masks[header.prefill_rank][rows, header.token_start:header.token_end] = True
+                req.mask[list(header.layers), header.token_start:header.token_end] = True
             req.lock.notify_all()
 
     def on_done(self, source: PairGeneration, header: wire.Header) -> None:

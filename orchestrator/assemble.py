@@ -42,7 +42,8 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
         return ColocatedFlow(leaders["colocated"], policy("colocated"))
     return DisaggregatedFlow(
         leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
-        AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp)
+        AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp,
+        prefill_cp=cfg.prefill.cp)
 
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,

@@ -268,7 +268,7 @@ def bring_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None,
 def _place(cluster: Cluster, cfg: OrchConfig, timeout: float) -> None:
     """One placement group per instance, each ready (resources held) before the next."""
     instances = cfg.instances()
-    ranks = sum(inst.parallel.tp for inst in instances)
+    ranks = sum(inst.parallel.ranks for inst in instances)
     cluster.report(f"placing {plural(len(instances), 'instance')} "
                    f"({plural(ranks, 'rank')}, one placement group per instance)")
     for inst_cfg in instances:
@@ -279,7 +279,7 @@ def _spawn(cluster: Cluster, classes: dict[str, type], cpus: float,
            timeout: float) -> dict[str, str]:
     """Start every rank process; one line per instance once its ranks answer. Returns Ray
     node id -> IP (:func:`node_ips`)."""
-    ranks = sum(inst.cfg.parallel.tp for inst in cluster.instances)
+    ranks = sum(inst.cfg.parallel.ranks for inst in cluster.instances)
     processes = plural(ranks, "rank process", "rank processes")
     cluster.report(f"starting {processes} (each imports torch: up to a minute on a busy "
                    "machine)")
@@ -383,16 +383,16 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
 
     bundle = rank_bundle(inst.parallel.device, cfg.cluster.cpus_per_rank,
                          role_resources(cfg, inst.role))
-    pg = placement_group([dict(bundle) for _ in range(inst.parallel.tp)], strategy=STRATEGY,
+    pg = placement_group([dict(bundle) for _ in range(inst.parallel.ranks)], strategy=STRATEGY,
                          name=f"orch-{inst.name}")
     try:
         ray.get(pg.ready(), timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         ray.util.remove_placement_group(pg)
         raise BringUpError(
-            f"{inst.name}: placement group of {inst.parallel.tp} x {bundle} ({STRATEGY}: all "
+            f"{inst.name}: placement group of {inst.parallel.ranks} x {bundle} ({STRATEGY}: all "
             f"on one node) not ready within {timeout:g} s: no node has those resources free (see "
-            "`ray status`); lower cluster.cpus_per_rank or the tp, or add nodes") from None
+            "`ray status`); lower cluster.cpus_per_rank or the tp (cp), or add nodes") from None
     return InstanceRanks(cfg=inst, pg=pg)
 
 
@@ -403,7 +403,7 @@ def _create_ranks(inst: InstanceRanks, cls: type, cpus: float) -> None:
     accel = {"cuda": {"num_gpus": 1},
              "npu": {"resources": {"NPU": 1}}}.get(inst.cfg.parallel.device, {})
     remote_cls = ray.remote(cls)
-    for rank in range(inst.cfg.parallel.tp):
+    for rank in range(inst.cfg.parallel.ranks):
         strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
                                                     placement_group_bundle_index=rank)
         options = dict(num_cpus=cpus, scheduling_strategy=strategy,

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from engine import envs
+from engine.layer_sharding import SHARDABLE
 from engine.platform import DIST_BACKENDS, detect_platform
 from kv_transfer.config import TransferConfig
 from orchestrator.config_errors import ConfigError, validation_error_message, yaml_error_message
@@ -75,7 +76,7 @@ class ModelSection(_Section):
 
 
 def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
-    """Expert parallelism needs more than one rank in the role."""
+    """Expert parallelism needs more than one rank in the role (``tp``: ranks per instance)."""
     if ep and dp * tp == 1:
         raise _cross_field(
             f"{section}.ep is on but {section}.dp x {section}.tp = 1: expert parallelism "
@@ -83,12 +84,35 @@ def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
             f"raise {section}.dp or {section}.tp, or set {section}.ep false")
 
 
+def _check_cp(cp: int, tp: int, layer_sharding: list[str]) -> None:
+    """Context parallelism replaces TP inside a prefill instance; layer sharding needs CP and
+    names only attention linears."""
+    if cp > 1 and tp != 1:
+        raise _cross_field(
+            f"prefill.cp ({cp}) > 1 needs prefill.tp == 1, got {tp}: a context-parallel "
+            "instance's ranks each hold all heads; set prefill.tp to 1 (or prefill.cp to 1)")
+    if layer_sharding and cp == 1:
+        raise _cross_field(
+            f"prefill.layer_sharding {layer_sharding} needs prefill.cp > 1: layer sharding "
+            "spreads the weights CP replicates; raise prefill.cp or remove layer_sharding")
+    unknown = [name for name in layer_sharding if name not in SHARDABLE]
+    if unknown:
+        raise _cross_field(
+            f"prefill.layer_sharding names {unknown}, which are not attention linears: "
+            f"choose from {list(SHARDABLE)}")
+
+
 class PrefillSection(_Section):
-    """Prefill instances: ``dp`` instances of ``tp`` ranks, chunked prefill sizes; ``ep``:
-    the routed experts split over all dp x tp ranks (DESIGN.md "Words")."""
+    """Prefill instances: ``dp`` instances of ``tp`` ranks (``cp`` ranks with context
+    parallelism), chunked prefill sizes; ``ep``: the routed experts split over all dp x tp
+    ranks (DESIGN.md "Words")."""
 
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    # Context parallelism: one prompt's tokens split over cp ranks, each with all heads.
+    cp: int = Field(1, ge=1)
+    # With cp > 1: attention weights stored on one rank per layer, broadcast ahead of use.
+    layer_sharding: list[str] = Field(default_factory=list)
     chunk_size: int = Field(512, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
@@ -106,7 +130,8 @@ class PrefillSection(_Section):
                 f"prefill.chunk_size ({self.chunk_size}) must be <= "
                 f"prefill.max_num_batched_tokens ({self.max_num_batched_tokens}): lower "
                 "chunk_size or raise max_num_batched_tokens")
-        _check_ep("prefill", self.ep, self.dp, self.tp)
+        _check_ep("prefill", self.ep, self.dp, self.tp * self.cp)
+        _check_cp(self.cp, self.tp, self.layer_sharding)
         return self
 
 
@@ -253,6 +278,10 @@ class OrchConfig(_Section):
     @model_validator(mode="after")
     def _cross_section(self) -> "OrchConfig":
         _check_backend(self.kv_transfer.backend, self.cluster.device)
+        if self.mode == "colocated" and self.prefill.cp > 1:
+            raise _cross_field(
+                f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "
+                "colocated instances are sized by the decode section: set prefill.cp to 1")
         block, max_len = self.kv_transfer.block_size, self.model.max_model_len
         sides = [("decode", self.decode.num_kv_blocks)]
         if self.mode == "disaggregated":
@@ -329,7 +358,9 @@ class OrchConfig(_Section):
         """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""
         bind_host = self.cluster.bind_host or ("" if self.cluster.address else "127.0.0.1")
         section = self._section(role)
-        return ParallelConfig(tp=section.tp, dp=section.dp, ep=section.ep,
+        cp = dict(cp=section.cp, layer_sharding=tuple(section.layer_sharding)) \
+            if role == "prefill" else {}
+        return ParallelConfig(tp=section.tp, dp=section.dp, ep=section.ep, **cp,
                               device=self.device(), dist_backend=self.dist_backend(),
                               bind_host=bind_host)
 

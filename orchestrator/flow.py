@@ -142,14 +142,15 @@ class DisaggregatedFlow(Flow):
         prefill, decode: leaders of each role.
         prefill_policy, decode_policy: instance choice per role.
         admission: bounded queue of requests waiting for decode KV blocks.
-        prefill_tp: TP size of every prefill instance (decode ranks plan their receives by it).
+        prefill_tp, prefill_cp: TP and CP sizes of every prefill instance (decode ranks plan
+            their receives by them).
     """
 
     def __init__(self, prefill: list[LeaderClient], decode: list[LeaderClient],
                  prefill_policy: Policy, decode_policy: Policy,
-                 admission: AdmissionQueue, prefill_tp: int = 1) -> None:
+                 admission: AdmissionQueue, prefill_tp: int = 1, prefill_cp: int = 1) -> None:
         super().__init__(decode, decode_policy)
-        self.prefill_tp = prefill_tp
+        self.prefill_tp, self.prefill_cp = prefill_tp, prefill_cp
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
@@ -210,7 +211,8 @@ class DisaggregatedFlow(Flow):
         self.policy.acquire(name, spec.max_total_tokens)
         answer = None
         try:
-            answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp)
+            answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp,
+                                         self.prefill_cp)
         except (InstanceFailure, asyncio.CancelledError):
             # NOTE: a reserve that timed out, was abandoned or cancelled may still have
             # reserved. Aborted in the background: a hung instance must not hold up the next.

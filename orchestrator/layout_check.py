@@ -25,7 +25,7 @@ class RoleLayout:
 
     section: str
     tp: int
-    ep_size: int  # dp * tp with ep on, else 1
+    ep_size: int  # dp * tp (* cp) with ep on, else 1
 
     def describe(self) -> str:
         ep = f" (ep over dp x tp = {self.ep_size})" if self.ep_size > 1 else ""
@@ -37,7 +37,11 @@ def _role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
     mode (colocated instances are sized by the decode section)."""
     sections = [("prefill", cfg.prefill)] if cfg.mode == "disaggregated" else []
     sections.append(("decode", cfg.decode))
-    return [RoleLayout(name, s.tp, s.dp * s.tp if s.ep else 1) for name, s in sections]
+    def ranks(name: str) -> int:  # per instance; NOTE: a CP prefill instance has cp ranks
+        section = cfg.prefill if name == "prefill" else cfg.decode
+        return section.tp * (cfg.prefill.cp if name == "prefill" else 1)
+
+    return [RoleLayout(name, s.tp, s.dp * ranks(name) if s.ep else 1) for name, s in sections]
 
 
 def check_tp_layout(cfg: OrchConfig) -> str:
@@ -75,5 +79,17 @@ def check_tp_layout(cfg: OrchConfig) -> str:
                 tp_layout(model, role.tp, ep_size)
             except ValueError as exc:
                 raise ConfigError(f"{key}: {exc} ({source})") from None
+    _check_layer_sharding(cfg, model, source)
     sizes = ", ".join(role.describe() for role in layouts)
     return f"tp layout: {sizes} fit the model ({source})"
+
+
+def _check_layer_sharding(cfg: OrchConfig, model, source: str) -> None:
+    """``prefill.layer_sharding`` names only linears the model has (q_a/q_b_proj need a
+    ``q_lora_rank``, q_proj its absence)."""
+    has = {"q_a_proj": bool(model.q_lora_rank), "q_b_proj": bool(model.q_lora_rank),
+           "q_proj": not model.q_lora_rank}
+    missing = [n for n in cfg.prefill.layer_sharding if not has.get(n, True)]
+    if missing:
+        raise ConfigError(f"prefill.layer_sharding: the model has no {missing} "
+                          f"(q_lora_rank={model.q_lora_rank}); drop them ({source})")

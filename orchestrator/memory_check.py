@@ -46,7 +46,7 @@ class MemoryPlan:
     @property
     def all_ranks_bytes(self) -> int:
         """Bytes of every rank of every role together (what a shared cpu machine holds)."""
-        return sum(p.total_bytes * p.layout.dp * p.layout.tp for p in self.roles)
+        return sum(p.total_bytes * p.layout.ranks for p in self.roles)
 
 
 def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
@@ -59,6 +59,7 @@ def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
         s = inst.scheduler
         layouts[inst.role] = RoleLayout(
             role=inst.role, dp=section.dp, tp=inst.parallel.tp, ep=section.ep,
+            cp=inst.parallel.cp, layer_sharding=inst.parallel.layer_sharding,
             num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
             step_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
             max_model_len=cfg.model.max_model_len)
@@ -143,11 +144,11 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     lay, have, fixes = role.layout, plan.memory.bytes, []
     key = lay.section
     experts = plan.model.n_routed_experts or 0
-    if not lay.ep and experts and experts % (lay.dp * lay.tp) == 0:
+    if not lay.ep and experts and experts % lay.ranks == 0:
         on = plan_role(plan.model, replace(lay, ep=True), plan.precision).total_bytes
         fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
-                     f"{experts // (lay.dp * lay.tp)} experts each)")
-    wider = _wider_tp(plan, role)
+                     f"{experts // lay.ranks} experts each)")
+    wider = _wider_tp(plan, role) if lay.cp == 1 else None  # NOTE: CP needs tp 1
     if wider is not None and wider.total_bytes <= have:
         fixes.append(f"raise {key}.tp to {wider.layout.tp} ({_gb(wider.total_bytes)} GB per "
                      "rank)")
@@ -212,7 +213,7 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
     if mem.shared:
-        ranks = sum(p.layout.dp * p.layout.tp for p in plan.roles)
+        ranks = sum(p.layout.ranks for p in plan.roles)
         lines.append(f"all {ranks} rank(s) together: {_gb(plan.all_ranks_bytes)} GB of "
                      f"{_gb(mem.bytes)} GB: {_headroom(plan.all_ranks_bytes, mem.bytes)}")
     return lines
@@ -227,7 +228,8 @@ def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
     def size(n: int) -> str:
         return f"{n / scale:>10.2f}"
 
-    lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}, {ep}; each of its {lay.dp * lay.tp} "
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+    lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}{cp}, {ep}; each of its {lay.ranks} "
              "rank(s) holds:",
              f"  {'kind':<24}{'elements':>17}{'B/el':>7}{unit:>10}  split"]
     for row in role.rows:

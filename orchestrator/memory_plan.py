@@ -12,8 +12,10 @@ How later layouts plug in (rows and parameters, not branches):
   weights from :func:`engine.quant.memory.bytes_per_param` (1 byte + the scales' share, or
   the compute dtype for FP8 with ``model.fp8_storage: dequantize``); embedding, norms, gate,
   lm_head and ``kv_b_proj`` (dequantized at load) keep ``weight``.
-- Layer-sharded prefill weights: the attention row's replicated part divided by the shard
-  group size.
+- Context-parallel prefill (done): tp is 1, so attention is replicated on every CP rank; the
+  ``layer_sharding`` linears count only the layers a rank owns (``ceil(layers / cp)`` on CP
+  rank 0, the most loaded), and a prefetch pool row holds :data:`PREFETCH_POOL` layers of them
+  (the broadcast buffers, ``engine.layer_sharding.LayerPrefetcher``).
 
 Split rules are the engine's (engine/layout.py, DESIGN.md "Parallel layout"): attention by
 heads over TP (``q_a_proj``, ``kv_a_proj_with_mqa`` whole); dense MLP and shared experts by
@@ -31,6 +33,8 @@ from typing import Callable
 from engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# NOTE: buffer sets of the layer-sharding prefetcher (engine LayerPrefetcher's pool_size).
+PREFETCH_POOL = 2
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class RoleLayout:
     Attributes:
         role: "prefill", "decode" or "colocated".
         dp, tp: DP ranks of the role and TP ranks per DP rank.
+        cp: context-parallel ranks per DP rank (prefill; tp is 1 then).
+        layer_sharding: attention linears stored on one CP rank per layer (cp > 1).
         ep: routed experts split over all ``dp * tp`` ranks (else TP-sharded per DP rank).
         num_kv_blocks, block_size: the KV cache of one DP rank (every TP rank holds all of it).
         step_tokens: most tokens one step runs (prefill: max_num_batched_tokens; decode:
@@ -57,6 +63,13 @@ class RoleLayout:
     step_tokens: int
     max_num_seqs: int
     max_model_len: int
+    cp: int = 1
+    layer_sharding: tuple[str, ...] = ()
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the role: ``dp * tp * cp``."""
+        return self.dp * self.tp * self.cp
 
     @property
     def section(self) -> str:
@@ -66,7 +79,7 @@ class RoleLayout:
     @property
     def ep_size(self) -> int:
         """Ranks the routed experts are split over (1: every DP rank holds all experts)."""
-        return self.dp * self.tp if self.ep else 1
+        return self.ranks if self.ep else 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ class Kind:
         storage: the :class:`Precision` field giving its bytes per element.
         count: (model, layout) -> (elements per rank, how they are split, in words).
         sparse_only: a DeepSeek-V3.2 (DSA) row, left out of other models' plans.
+        layer_sharded_only: a layer-sharding row, left out of layouts without it.
     """
 
     name: str
@@ -112,6 +126,7 @@ class Kind:
     storage: str
     count: Callable[[ModelConfig, RoleLayout], tuple[int, str]]
     sparse_only: bool = False
+    layer_sharded_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,21 +165,55 @@ def num_moe_layers(m: ModelConfig) -> int:
     return sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
 
 
+def _attention_linears(m: ModelConfig, lay: RoleLayout) -> dict[str, int]:
+    """Elements of one layer's attention linears on one rank (by-heads ones divided by tp)."""
+    heads, tp = m.num_attention_heads, lay.tp
+    sizes = {"kv_a_proj_with_mqa": m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim),
+             "o_proj": heads * m.v_head_dim * m.hidden_size // tp,
+             "kv_b_proj": m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) // tp}
+    if m.q_lora_rank:
+        sizes["q_a_proj"] = m.hidden_size * m.q_lora_rank
+        sizes["q_b_proj"] = m.q_lora_rank * heads * m.qk_head_dim // tp
+    else:  # plain q_proj (V2-Lite)
+        sizes["q_proj"] = m.hidden_size * heads * m.qk_head_dim // tp
+    return sizes
+
+
+def _layers_held(m: ModelConfig, lay: RoleLayout, name: str) -> int:
+    """Layers of ``name`` one rank stores: all, or with layer sharding the most one CP rank
+    owns (layer i lives on CP rank i % cp)."""
+    layers = m.num_hidden_layers
+    return -(-layers // lay.cp) if name in lay.layer_sharding else layers
+
+
+def _sharded_text(m: ModelConfig, lay: RoleLayout, names: list[str]) -> str:
+    sharded = [n for n in lay.layer_sharding if n in names]
+    if not sharded:
+        return ""
+    return (f"; {', '.join(sharded)} layer-sharded: {_layers_held(m, lay, sharded[0])} of "
+            f"{m.num_hidden_layers} layers (cp {lay.cp})")
+
+
 def _attention(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    heads = m.num_attention_heads
-    q_in = m.q_lora_rank or m.hidden_size  # q_b_proj, or plain q_proj (V2-Lite)
-    by_heads = q_in * heads * m.qk_head_dim + heads * m.v_head_dim * m.hidden_size  # q_b/q, o
-    whole = (m.hidden_size * m.q_lora_rank if m.q_lora_rank else 0) \
-        + m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim)  # q_a, kv_a_with_mqa
-    return (m.num_hidden_layers * (whole + by_heads // lay.tp),
-            f"q/o by heads /{lay.tp}; q_a, kv_a whole")
+    sizes = _attention_linears(m, lay)
+    names = [n for n in sizes if n != "kv_b_proj"]
+    # NOTE: cp > 1 has tp 1: attention replicated on every CP rank unless layer-sharded.
+    return (sum(_layers_held(m, lay, n) * sizes[n] for n in names),
+            f"q/o by heads /{lay.tp}; q_a, kv_a whole" + _sharded_text(m, lay, names))
 
 
 def _attention_kv_b(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     # NOTE: its own row because the engine keeps kv_b_proj at model precision even in a
     # quantized checkpoint (attention absorbs its weight into q and the output directly).
-    by_heads = m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
-    return m.num_hidden_layers * by_heads // lay.tp, f"by heads /{lay.tp}"
+    held = _layers_held(m, lay, "kv_b_proj")
+    return (held * _attention_linears(m, lay)["kv_b_proj"],
+            f"by heads /{lay.tp}" + _sharded_text(m, lay, ["kv_b_proj"]))
+
+
+def _prefetch_pool(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    sizes = _attention_linears(m, lay)
+    per_layer = sum(sizes[n] for n in lay.layer_sharding if n in sizes)
+    return PREFETCH_POOL * per_layer, f"{PREFETCH_POOL} layers of the layer-sharded weights"
 
 
 def _dense_mlp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -255,7 +304,9 @@ def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
         + m.num_experts_per_tok * (2 * m.hidden_size + 3 * inter)
     prefix = 0 if lay.role == "decode" else \
         lay.max_model_len * heads * (m.qk_nope_head_dim + m.v_head_dim)
-    return lay.step_tokens * per_token + prefix, f"{lay.step_tokens} step tokens (estimate)"
+    mine = -(-lay.step_tokens // lay.cp)  # NOTE: CP: each rank computes 1/cp of a step
+    cp = f" / cp {lay.cp}" if lay.cp > 1 else ""
+    return mine * per_token + prefix, f"{lay.step_tokens} step tokens{cp} (estimate)"
 
 
 def _logits(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -272,6 +323,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("lm_head", "weights", "weight", _lm_head),
     Kind("indexer (V3.2)", "weights", "linear", _indexer, sparse_only=True),
     Kind("norms + router gate", "weights", "weight", _norms_and_gate),
+    Kind("layer-sharding prefetch", "workspace", "weight", _prefetch_pool,
+         layer_sharded_only=True),
     Kind("KV cache: c_kv latent", "kv", "kv", _kv_latent),
     Kind("KV cache: k_pe", "kv", "kv", _kv_rope),
     Kind("KV cache: index_k", "kv", "kv", _kv_index, sparse_only=True),
@@ -290,6 +343,8 @@ def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> R
     rows = []
     for kind in KINDS:
         if kind.sparse_only and not model.uses_sparse_attention:
+            continue
+        if kind.layer_sharded_only and not layout.layer_sharding:
             continue
         elements, split = kind.count(model, layout)
         rows.append(PlanRow(kind.name, kind.group, elements,

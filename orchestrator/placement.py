@@ -39,18 +39,19 @@ def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list
              f"{cfg.cluster.address or 'embedded local (started by orch up)'}"]
     totals: dict[str, float] = {}
     for inst in instances:
-        tp = inst.parallel.tp
+        tp, ranks = inst.parallel.tp, inst.parallel.ranks
         bundle = rank_bundle(inst.parallel.device, cfg.cluster.cpus_per_rank,
                              role_resources(cfg, inst.role))
-        lines.append(f"{inst.name}: tp={tp}, placement group {STRATEGY} with {tp} "
+        cp = f", cp={inst.parallel.cp}" if inst.parallel.cp > 1 else ""
+        lines.append(f"{inst.name}: tp={tp}{cp}, placement group {STRATEGY} with {ranks} "
                      f"bundle(s) of {bundle}, kv blocks {inst.scheduler.num_kv_blocks} x "
                      f"{inst.scheduler.block_size} tokens")
-        last = f", rank1..rank{tp - 1}" if tp > 1 else ""
+        last = f", rank1..rank{ranks - 1}" if ranks > 1 else ""
         lines.append(f"  ranks: rank0 (leader){last}; one Ray actor per rank, bundle index = rank")
         for key, amount in bundle.items():
-            totals[key] = totals.get(key, 0) + amount * tp
+            totals[key] = totals.get(key, 0) + amount * ranks
     lines.append(f"total: {len(instances)} instance(s), "
-                 f"{sum(i.parallel.tp for i in instances)} rank(s), resources {totals}")
+                 f"{sum(i.parallel.ranks for i in instances)} rank(s), resources {totals}")
     return lines
 
 
@@ -68,16 +69,21 @@ def describe_transfer_plans(cfg: OrchConfig, instances: list[InstanceConfig]) ->
         return lines + [f"transfer plan: unavailable ({exc}); install the kv_transfer package"]
     prefill = [i for i in instances if i.role == "prefill"]
     decode = [i for i in instances if i.role == "decode"]
-    plan = build_transfer_plan(cfg.prefill.tp, cfg.decode.tp, num_layers, kind="mla")
+    cp = cfg.prefill.cp
+    plan = build_transfer_plan(cfg.prefill.tp, cfg.decode.tp, num_layers, kind="mla",
+                               prefill_cp=cp)
     pairs = [f"{p.name}->{d.name}" for p in prefill for d in decode]
-    # NOTE: the plan is a pure function of (tp sizes, layers, kind): every instance pair of
+    # NOTE: the plan is a pure function of (tp/cp sizes, layers, kind): every instance pair of
     # this config uses the same one, so it is printed once with the pairs it applies to.
-    lines.append(f"transfer plan P{cfg.prefill.tp} -> D{cfg.decode.tp} (MLA), used by "
+    shape = f"P{cfg.prefill.tp}" + (f" cp{cp}" if cp > 1 else "")
+    lines.append(f"transfer plan {shape} -> D{cfg.decode.tp} (MLA), used by "
                  f"{len(pairs)} instance pair(s): {', '.join(pairs)}")
     for pair in plan.pairs:
         layers = list(pair.layers)
+        tokens = f", chunk pieces {pair.cp_rank} and {2 * cp - 1 - pair.cp_rank} of {2 * cp}" \
+            if cp > 1 else ""
         lines.append(f"  prefill rank {pair.prefill_rank} -> decode rank {pair.decode_rank}: "
-                     f"{len(layers)} layer(s) {_ranges(layers)}")
+                     f"{len(layers)} layer(s) {_ranges(layers)}{tokens}")
     return lines
 
 

@@ -75,7 +75,7 @@ class PrefillRank(LeaderRank):
 
         self.connector = PrefillKVConnector(
             self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            self.cfg.parallel.tp, self.cfg.transfer)
+            self.cfg.parallel.tp, self.cfg.transfer, cp=self.cfg.parallel.cp)
         self.transfer_log = TransferLog()
         if self.rank == 0:
             self.setup_leader()
@@ -92,11 +92,13 @@ class PrefillRank(LeaderRank):
         for t in step_inputs or ():
             self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
                                       t.dst_slots)
-            for send in self.connector.plan(len(t.peers)).sends_from(self.rank):
+            plan = self.connector.plan(len(t.peers))
+            tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
+            for send in plan.sends_from(self.rank):
                 pair = f"{self.cfg.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
                        f"{send.decode_rank}"
                 self.transfer_log.add(t.request_id, pair,
-                                      len(send.layers) * (t.end - t.start) * per_token_layer)
+                                      len(send.layers) * tokens * per_token_layer)
             if t.last:
                 self.connector.finish(t.request_id, t.peers, t.end)
 

@@ -55,12 +55,17 @@ class ParallelConfig:
     """Where and how the instance's ranks run together.
 
     Attributes:
-        tp: tensor-parallel size (ranks in the instance).
+        tp: tensor-parallel size (ranks in the instance without ``cp``).
+        cp: context-parallel size (prefill only): one prompt's tokens split over ``cp`` ranks
+            with all heads each (tp is 1 then); the instance has ``ranks = tp * cp`` ranks.
+        layer_sharding: with ``cp > 1``, attention weights (q_b_proj, o_proj, ...) each layer
+            stores on one rank only and broadcasts ahead of use (``engine.parallel``).
         dp: instances of the role (DP ranks); dp_rank: this instance's index, ``0 <= dp_rank
             < dp`` (instance ``{role}-{dp_rank}``).
-        ep: expert parallelism: the routed experts are split over all ``dp * tp`` ranks of the
-            role (EP rank ``dp_rank * tp + rank``) and the role's DP ranks step in lockstep
-            (prefill_worker/dp_sync.py). Off: instances are independent replicas.
+        ep: expert parallelism: the routed experts are split over all ``dp * ranks`` ranks of
+            the role (EP rank ``dp_rank * ranks + rank``; ranks = tp, or cp for a CP prefill)
+            and the role's DP ranks step in lockstep (prefill_worker/dp_sync.py). Off:
+            instances are independent replicas.
         device: "cpu", "cuda" or "npu" (decided once by the orchestrator, engine.platform).
         dist_backend: "gloo", "nccl" or "hccl" (TP groups and KV pair groups).
         bind_host: address the rank's stores listen on (127.0.0.1 on one machine; empty: the
@@ -69,6 +74,8 @@ class ParallelConfig:
     """
 
     tp: int = 1
+    cp: int = 1
+    layer_sharding: tuple[str, ...] = ()
     dp: int = 1
     dp_rank: int = 0
     ep: bool = False
@@ -81,17 +88,26 @@ class ParallelConfig:
         if not 0 <= self.dp_rank < self.dp:
             raise ValueError(f"ParallelConfig.dp_rank ({self.dp_rank}) must be in [0, dp="
                              f"{self.dp})")
-        if self.ep and self.dp * self.tp < 2:
-            raise ValueError("ParallelConfig.ep needs dp * tp >= 2 ranks in the role")
+        if self.ep and self.dp * self.ranks < 2:
+            raise ValueError("ParallelConfig.ep needs dp * tp * cp >= 2 ranks in the role")
+        if self.cp > 1 and self.tp != 1:
+            raise ValueError(f"ParallelConfig.cp ({self.cp}) > 1 needs tp == 1, got {self.tp}")
+        if self.layer_sharding and self.cp == 1:
+            raise ValueError("ParallelConfig.layer_sharding needs cp > 1")
+
+    @property
+    def ranks(self) -> int:
+        """Ranks (actors) of one instance: ``tp * cp``."""
+        return self.tp * self.cp
 
     @property
     def ep_size(self) -> int:
-        """Ranks of the role's expert-parallel group (``dp * tp``; 1 when ep is off)."""
-        return self.dp * self.tp if self.ep else 1
+        """Ranks of the role's expert-parallel group (``dp * ranks``; 1 when ep is off)."""
+        return self.dp * self.ranks if self.ep else 1
 
-    def ep_rank(self, tp_rank: int) -> int:
-        """EP rank of TP rank ``tp_rank`` of this instance (0 when ep is off)."""
-        return self.dp_rank * self.tp + tp_rank if self.ep else 0
+    def ep_rank(self, rank: int) -> int:
+        """EP rank of rank ``rank`` (TP or CP) of this instance (0 when ep is off)."""
+        return self.dp_rank * self.ranks + rank if self.ep else 0
 
 
 @dataclass(frozen=True)

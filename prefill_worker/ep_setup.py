@@ -4,7 +4,7 @@ and, on a leader, of the role's DP sync (prefill_worker/dp_sync.py).
 Both rendezvous on the role's EP store, which the leader of the role's first instance (EP
 rank 0) opens and orchestrator/cluster.py hands to every rank of the role as ``(host,
 port)``; that leader passes the store object itself (it is the store's master). EP rank of
-TP rank ``r`` of DP rank ``d``: ``d * tp + r``, of ``dp * tp``.
+TP (or CP) rank ``r`` of DP rank ``d``: ``d * ranks + r``, of ``dp * ranks`` (ranks = tp * cp).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What every rank actor has in common: its TP group, its model shard, the SPMD step, and
+"""What every rank actor has in common: its TP group (a prefill instance with ``cp > 1``: its
+CP group, tp 1), its model shard, the SPMD step, and
 (on the leader) the step loop thread and the event queue the router long-polls.
 
 Lifecycle (driven by the orchestrator, see orchestrator/cluster.py):
@@ -115,7 +116,7 @@ class RankBase(ABC):
         """Leader only: open the TCPStore the instance's ranks rendezvous on; (host, port)."""
         from torch.distributed import TCPStore
 
-        self._store = TCPStore(self.cfg.parallel.bind_host, 0, self.cfg.parallel.tp,
+        self._store = TCPStore(self.cfg.parallel.bind_host, 0, self.cfg.parallel.ranks,
                                is_master=True,
                                timeout=timedelta(seconds=self.cfg.transfer.connect_timeout_s),
                                wait_for_workers=False)
@@ -141,14 +142,17 @@ class RankBase(ABC):
         Raises:
             RuntimeError: rendezvous or model load failed (message names instance and rank).
         """
-        from engine.parallel import init_tp_group
+        from engine.parallel import init_cp_group, init_tp_group
         from engine.runner import ModelRunner
 
         self.peers = list(peers)
         par = self.cfg.parallel
         try:
-            tp = init_tp_group(self.rank, par.tp, host, port, par.dist_backend,
+            # NOTE: the instance's ranks are one TP group, or (cp > 1, tp 1) one CP group.
+            init_group = init_cp_group if par.cp > 1 else init_tp_group
+            group = init_group(self.rank, par.ranks, host, port, par.dist_backend,
                                self.cfg.transfer.connect_timeout_s, store=self._store)
+            tp, cp = (None, group) if par.cp > 1 else (group, None)
             ep = join_ep_group(par, self.rank, ep_store, store=self._ep_store)
             # NOTE: Ray gives each rank actor one accelerator and hides the others
             # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
@@ -157,7 +161,8 @@ class RankBase(ABC):
                                       num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
                                       block_size=self.cfg.scheduler.block_size,
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
-                                      ep=ep, fp8_storage=self.cfg.fp8_storage)
+                                      ep=ep, fp8_storage=self.cfg.fp8_storage, cp=cp,
+                                      layer_sharding=par.layer_sharding)
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)

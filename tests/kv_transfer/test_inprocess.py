@@ -238,3 +238,50 @@ def test_headline_shape_p16_to_d4():
     finally:
         for c in pres + decs:
             c.close()
+
+
+def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
+    """Context-parallel prefill (cp 2, tp 1) -> D2, two chunks: each prefill rank's cache is
+    right only at the tokens it computed (noise elsewhere), so decode equals the reference
+    only if every rank ships exactly its pieces of every chunk."""
+    spec_p = KVCacheSpec(num_layers=3, num_blocks=8, block_size=4, kv_lora_rank=8,
+                         qk_rope_head_dim=4)
+    spec_d = KVCacheSpec(num_layers=3, num_blocks=4, block_size=8, kv_lora_rank=8,
+                         qk_rope_head_dim=4)
+    n, chunks = 13, ((0, 9), (9, 13))
+    src, dst = slot_mapping((6, 1, 4, 0), 0, n, 4), slot_mapping((3, 0), 0, n, 8)
+    ref = [torch.randn(n, 8), torch.randn(n, 4)]  # [T, kv_lora_rank], [T, rope]
+    plan = build_transfer_plan(1, 2, 3, prefill_cp=2)
+    p_caches = [KVCache(spec_p) for _ in range(2)]
+    for p, cache in enumerate(p_caches):
+        mine = [t for a, b in chunks for lo, hi in plan.token_ranges(p, a, b)
+                for t in range(lo, hi)]
+        for layer in range(3):
+            for flat, want in zip((cache.flat_k(layer), cache.flat_v(layer)), ref):
+                flat.copy_(torch.randn(flat.shape))
+                flat[src[mine]] = want[mine]
+    d_caches = [KVCache(spec_d) for _ in range(2)]
+    decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 2), "d0", d, CFG)
+            for d in range(2)]
+    pres = [PrefillKVConnector(p_caches[p], KVLayout.from_spec(spec_p, "m", 1), "p0", p, 1,
+                               CFG, cp=2) for p in range(2)]
+    peers = [KVPeer("d0", d, *decs[d].address) for d in range(2)]
+    try:
+        for dec in decs:
+            dec.expect("r", n, prefill_tp=1, prefill_cp=2)
+        for pre in pres:
+            for a, b in chunks:
+                pre.send_chunk("r", peers, a, b, src[a:b], dst[a:b])
+            pre.finish("r", peers, n)
+        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
+        for d in range(2):
+            assert decs[d].failure("r") is None, decs[d].failure("r")
+            for layer in range(3):
+                assert torch.equal(d_caches[d].flat_k(layer)[dst], ref[0])
+                assert torch.equal(d_caches[d].flat_v(layer)[dst], ref[1])
+        sent = sorted(p.stats.snapshot()["bytes"] for p in pres)
+        per_token = 2 * 3 * (8 + 4) * 4  # two decode ranks, 3 layers, K + V fp32
+        assert sent == [6 * per_token, 7 * per_token]  # chunk 9: 4 + 5, chunk 4: 2 + 2
+    finally:
+        for c in pres + decs:
+            c.close()

@@ -93,3 +93,52 @@ def test_plan_rejects_bad_arguments():
 
 def _splits(tp, heads):
     return heads % tp == 0 or tp % heads == 0
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("d_tp", [1, 2, 3, 4])
+def test_cp_plan_ships_every_layer_token_once_balanced(cp, d_tp):
+    for layers in (1, 3, 61):
+        plan = build_transfer_plan(1, d_tp, layers, prefill_cp=cp)
+        for start, end in ((0, 1), (0, 7), (5, 21), (64, 1088)):
+            got = Counter()
+            sent = []
+            for p in range(cp):
+                ranges = plan.token_ranges(p, start, end)
+                tokens = [t for a, b in ranges for t in range(a, b)]
+                assert ranges == tuple(sorted(ranges)) and all(a < b for a, b in ranges)
+                sent.append(len(tokens))
+                for pp in plan.sends_from(p):
+                    assert pp.cp_rank == p
+                    got.update((pp.decode_rank, layer, t) for layer in pp.layers
+                               for t in tokens)
+            want = {(d, layer, t) for d in range(d_tp) for layer in range(layers)
+                    for t in range(start, end)}
+            assert set(got) == want and max(got.values()) == 1, (cp, d_tp, layers, start, end)
+            assert max(sent) - min(sent) <= 2, sent  # bytes within two tokens (all layers)
+
+
+@pytest.mark.parametrize("cp,p_tp,d_tp", [(2, 2, 1), (2, 2, 4), (2, 4, 2), (4, 2, 3)])
+def test_cp_plan_over_tp_groups_shards_layers_within_each(cp, p_tp, d_tp):
+    plan = build_transfer_plan(p_tp, d_tp, 7, prefill_cp=cp)
+    got = Counter((pp.decode_rank, layer, t) for pp in plan.pairs for layer in pp.layers
+                  for a, b in plan.token_ranges(pp.prefill_rank, 0, 40) for t in range(a, b))
+    assert set(got) == {(d, layer, t) for d in range(d_tp) for layer in range(7)
+                        for t in range(40)}
+    assert max(got.values()) == 1
+    for p in range(cp * p_tp):  # ranks of one CP rank share its tokens, split the layers
+        assert {pp.cp_rank for pp in plan.sends_from(p)} <= {p // p_tp}
+    for d in range(d_tp):
+        assert {pp.cp_rank for pp in plan.recvs_to(d)} == set(range(cp))
+
+
+def test_cp_named_shapes():
+    plan = build_transfer_plan(1, 1, 4, prefill_cp=2)
+    assert [(pp.prefill_rank, pp.layers) for pp in plan.recvs_to(0)] == \
+        [(0, tuple(range(4))), (1, tuple(range(4)))]
+    assert plan.token_ranges(0, 100, 108) == ((100, 102), (106, 108))
+    assert plan.token_ranges(1, 100, 108) == ((102, 104), (104, 106))
+    assert plan.token_ranges(1, 0, 1) == ()  # one token: rank 0 computes it
+    assert build_transfer_plan(1, 1, 4).token_ranges(0, 3, 9) == ((3, 9),)
+    with pytest.raises(ValueError, match="prefill_cp"):
+        build_transfer_plan(1, 1, 4, prefill_cp=0)

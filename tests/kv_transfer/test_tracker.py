@@ -48,6 +48,19 @@ def test_complete_only_after_every_layer_token_and_done_from_each_sender():
     assert tr.is_complete("r") and tr.failure("r") is None
 
 
+def test_cp_prefill_completes_from_each_rank_s_token_pieces():
+    tr = _tracker()
+    tr.expect("r", 8, prefill_tp=1, prefill_cp=2)  # both ranks send all 3 layers
+    assert _deliver(tr, _data("r", 0, (0, 1, 2), 0, 2))  # rank 0: pieces 0 and 3
+    assert _deliver(tr, _data("r", 0, (0, 1, 2), 6, 8))
+    assert _deliver(tr, _data("r", 1, (0, 1, 2), 2, 4))  # rank 1: pieces 1 and 2
+    tr.on_done(SOURCE, _done("r", 0, 8))
+    tr.on_done(SOURCE, _done("r", 1, 8))
+    assert not tr.is_complete("r"), "tokens [4, 6) still missing"
+    assert _deliver(tr, _data("r", 1, (0, 1, 2), 4, 6))
+    assert tr.is_complete("r") and tr.failure("r") is None
+
+
 def test_deadline_fails_with_what_was_missing():
     tr = _tracker(completion_timeout_s=0.05)
     tr.expect("r", 4, prefill_tp=1)

@@ -85,7 +85,7 @@ class PrefillRank(_FakeRank):
 
 
 class DecodeRank(_FakeRank):
-    def reserve(self, spec, prefill_tp=1):
+    def reserve(self, spec, prefill_tp=1, prefill_cp=1):
         self._specs[spec.request_id] = spec
         return Reservation(spec.request_id, self.cfg.name, (0,), self.cfg.scheduler.block_size,
                            tuple(KVPeer(self.cfg.name, r, "127.0.0.1", 1)

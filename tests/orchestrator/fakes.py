@@ -124,7 +124,7 @@ class FakeDecode(_Leader):
         self.reserved: dict[str, object] = {}
         self.error_after_admit: str | None = None
 
-    async def reserve(self, spec, prefill_tp=1):
+    async def reserve(self, spec, prefill_tp=1, prefill_cp=1):
         self.calls.append(("reserve", spec.request_id))
         await self._enter("reserve")
         if self.never_fits:

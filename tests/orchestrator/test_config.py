@@ -28,7 +28,8 @@ def test_shipped_config_validates_and_dry_runs(path, capsys, tmp_path, monkeypat
     assert main(["up", "--dry-run", str(path)]) == 0
     out = capsys.readouterr().out
     for inst in cfg.instances():
-        assert f"{inst.name}: tp={inst.parallel.tp}, placement group STRICT_PACK" in out
+        cp = f", cp={inst.parallel.cp}" if inst.parallel.cp > 1 else ""
+        assert f"{inst.name}: tp={inst.parallel.tp}{cp}, placement group STRICT_PACK" in out
     assert not (tmp_path / "tiny-0").exists()  # dry-run creates nothing
 
 
@@ -122,8 +123,8 @@ def _error(tmp_path, text: str) -> str:
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("prefill: {tpp: 2}", "prefill.tpp: unknown key; allowed keys here: dp, tp, chunk_size, "
-                          "max_num_batched_tokens, num_kv_blocks"),
+    ("prefill: {tpp: 2}", "prefill.tpp: unknown key; allowed keys here: dp, tp, cp, "
+                          "layer_sharding, chunk_size, max_num_batched_tokens, num_kv_blocks"),
     ("routr: {}", "routr: unknown key; allowed keys here: model, mode, prefill, decode"),
     ("prefill: {tp: two}", "prefill.tp: expected an integer, got 'two'"),
     ("kv_transfer: {connect_timeout_s: soon}", "kv_transfer.connect_timeout_s: expected a number"),
@@ -145,6 +146,13 @@ def _error(tmp_path, text: str) -> str:
      "decode.num_kv_blocks (4) x kv_transfer.block_size (16) = 64 tokens < model.max_model_len "
      "(2048): one request could never fit; raise decode.num_kv_blocks to >= 128"),
     ("router: {port: 9000, metrics_port: 9000}", "router.metrics_port (9000) equals router.port"),
+    ("prefill: {cp: 2, tp: 2}", "prefill.cp (2) > 1 needs prefill.tp == 1, got 2"),
+    ("prefill: {layer_sharding: [o_proj]}", "prefill.layer_sharding ['o_proj'] needs "
+                                            "prefill.cp > 1"),
+    ("prefill: {cp: 2, layer_sharding: [o_proj, gate_proj]}",
+     "prefill.layer_sharding names ['gate_proj'], which are not attention linears"),
+    ("decode: {cp: 2}", "decode.cp: unknown key"),
+    ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
     ("- a\n- b", "the top level must be a mapping"),
 ])
@@ -191,8 +199,8 @@ def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
 
     calls = []
 
-    def build_transfer_plan(prefill_tp, decode_tp, num_layers, kind="mla"):
-        calls.append((prefill_tp, decode_tp, num_layers, kind))
+    def build_transfer_plan(prefill_tp, decode_tp, num_layers, kind="mla", prefill_cp=1):
+        calls.append((prefill_tp, decode_tp, num_layers, kind, prefill_cp))
         return types.SimpleNamespace(pairs=[_Pair(0, 0, range(61)), _Pair(0, 1, [0, 1, 2, 7])])
 
     fake = types.ModuleType("kv_transfer.plan")
@@ -203,7 +211,7 @@ def test_dry_run_prints_the_transfer_plan(tmp_path, capsys, monkeypatch):
                     "prefill: {dp: 2}\ndecode: {tp: 2}\n")
     assert main(["up", "--dry-run", str(path)]) == 0
     out = capsys.readouterr().out
-    assert calls == [(1, 2, 61, "mla")]
+    assert calls == [(1, 2, 61, "mla", 1)]
     assert ("transfer plan P1 -> D2 (MLA), used by 2 instance pair(s): prefill-0->decode-0, "
             "prefill-1->decode-0") in out
     assert "  prefill rank 0 -> decode rank 0: 61 layer(s) 0-60\n" in out
@@ -332,3 +340,22 @@ def test_unsupported_quantization_is_refused_before_anything_starts(tmp_path, ca
     err = capsys.readouterr().err
     assert "model.path: config.json quantization_config.quant_method is 'awq'" in err
     assert "orch model quantize" in err
+
+
+def test_layer_sharding_of_a_linear_the_model_lacks_is_a_config_error(tmp_path):
+    ckpt = _checkpoint(tmp_path, q_lora_rank=None)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{path: {ckpt}}}\ncluster: {{device: cpu}}\n"
+                    "prefill: {cp: 2, layer_sharding: [q_proj, q_b_proj]}\n")
+    with pytest.raises(ConfigError, match=r"prefill.layer_sharding: the model has no "
+                                          r"\['q_b_proj'\] \(q_lora_rank=None\)"):
+        load_config(path)
+
+
+def test_cp_prefill_with_ep_splits_experts_over_every_cp_rank(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("cluster: {device: cpu}\nprefill: {dp: 2, cp: 2, ep: true}\n")
+    cfg = load_config(path)
+    prefill = [i.parallel for i in cfg.instances() if i.role == "prefill"]
+    assert [(p.ranks, p.ep_size) for p in prefill] == [(2, 4), (2, 4)]
+    assert [p.ep_rank(r) for p in prefill for r in range(p.ranks)] == [0, 1, 2, 3]

@@ -88,6 +88,29 @@ def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
     assert kv == 1280 * (512 + 64 + 128) * 2 * 61  # 1,408 B per token per layer
 
 
+def test_cp_prefill_replicates_attention_and_layer_shards_the_named_weights():
+    def rows(**cp):
+        layout = RoleLayout("prefill", dp=1, tp=1, ep=False, num_kv_blocks=1, block_size=1,
+                            step_tokens=1, max_num_seqs=1, max_model_len=1, **cp)
+        return {r.kind: r for r in plan_role(v3(), layout, Precision.of("bfloat16")).rows}
+
+    replicated = rows(cp=4)
+    assert replicated["attention"].elements == 61 * (Q_A + KV_A + Q_B + O)  # not divided
+    assert "layer-sharding prefetch" not in replicated
+    sharded = rows(cp=4, layer_sharding=("q_b_proj", "o_proj", "kv_b_proj"))
+    assert sharded["attention"].elements == 61 * (Q_A + KV_A) + 16 * (Q_B + O)  # ceil(61/4)
+    assert sharded["attention: kv_b_proj"].elements == 16 * KV_B
+    assert sharded["layer-sharding prefetch"].elements == 2 * (Q_B + O + KV_B)
+    assert sharded["layer-sharding prefetch"].group == "workspace"
+    assert "q_b_proj, o_proj layer-sharded: 16 of 61 layers (cp 4)" in \
+        sharded["attention"].split
+    from engine.layer_sharding import layer_sharding_bytes  # the engine's own count
+
+    stored, pool = layer_sharding_bytes(v3(), ("q_b_proj", "o_proj", "kv_b_proj"), 4, 0, 1)
+    assert stored == 16 * (Q_B + O + KV_B)
+    assert pool == sharded["layer-sharding prefetch"].elements
+
+
 def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
     """GB of the workspace estimate under EP (docs/memory_plan.md), bf16."""
     heads = 128 // tp
@@ -293,3 +316,16 @@ def test_a_model_the_engine_refuses_stops_orch_up_before_anything_starts(tmp_pat
     cfg = load_config(REPO / "configs" / "v32_1p1d.yaml", {"model.path": str(tmp_path)})
     with pytest.raises(UnservableModelError, match=re.escape(words)):
         check_memory(cfg)
+
+
+def test_cp_prefill_ranks_count_and_no_tp_advice():
+    cfg = load_config(REPO / "configs" / "cp_1p1d.yaml")
+    plan, _ = build_memory_plan(cfg)
+    prefill, decode = plan.roles
+    assert (prefill.layout.cp, prefill.layout.ranks, decode.layout.ranks) == (2, 2, 1)
+    assert plan.all_ranks_bytes == 2 * prefill.total_bytes + decode.total_bytes
+    a3_cp = load_config(A3, {"prefill.tp": 1, "prefill.cp": 16, "prefill.ep": False})
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(a3_cp)
+    assert "- prefill: one rank needs" in str(err.value)
+    assert "raise prefill.tp" not in str(err.value), "cp > 1 needs tp 1"

@@ -1,0 +1,163 @@
+"""Layer sharding of attention weights over a context-parallel (CP) group.
+
+Under CP every rank runs all attention heads, so attention weights would be replicated on
+every rank. With ``layer_sharding`` (names of attention linears, e.g. ``("q_b_proj",
+"o_proj")``) the weight ``model.layers.{i}.self_attn.{name}.weight`` is loaded and stored
+ONLY on its owner, CP rank ``i % cp`` (:func:`owner_of`); the other ranks hold an empty
+placeholder (:func:`drop_unowned`), so the bytes a rank stores of those weights are 1/cp of
+the total (within one layer).
+
+:class:`LayerPrefetcher` brings them in one layer ahead: before layer ``i`` computes, it waits
+for layer ``i``'s broadcast, points the modules at the received buffers, and issues layer
+``i + 1``'s asynchronous broadcast (``CPGroup.broadcast(async_op=True)``) into the next of
+``pool_size`` reusable buffer sets, so it travels while layer ``i`` computes. The pool adds
+``pool_size`` layers' worth of those weights per rank. ``stats.wait_s`` is the time spent
+blocked on broadcasts (what compute did not hide).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.parallel import CPGroup
+
+SHARDABLE: tuple[str, ...] = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                              "kv_b_proj", "o_proj")
+"""The attention linears ``layer_sharding`` may name."""
+
+
+def owner_of(layer_idx: int, cp_size: int) -> int:
+    """The CP rank that stores layer ``layer_idx``'s sharded weights."""
+    return layer_idx % cp_size
+
+
+def check_layer_sharding(names: tuple[str, ...], layers: nn.ModuleList) -> None:
+    """Raise ValueError, naming the fix, unless every name is a plain (unquantized)
+    ``nn.Linear`` of :data:`SHARDABLE` that the model's attention has."""
+    unknown = [n for n in names if n not in SHARDABLE]
+    if unknown:
+        raise ValueError(f"layer_sharding names {unknown}; it takes attention linears of "
+                         f"{list(SHARDABLE)}")
+    attn = layers[0].self_attn
+    for name in names:
+        module = getattr(attn, name, None)
+        if type(module) is not nn.Linear:
+            raise ValueError(f"layer_sharding: {name} is not a plain linear of this model "
+                             f"({type(module).__name__}); drop it from layer_sharding (a "
+                             "quantized or absent weight cannot be sharded)")
+
+
+def linear_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+    """``[out, in]`` of attention linear ``name`` (:data:`SHARDABLE`) with all heads."""
+    h, hidden, lat = config.num_attention_heads, config.hidden_size, config.kv_lora_rank
+    return {"q_proj": (h * config.qk_head_dim, hidden),
+            "q_a_proj": (config.q_lora_rank or 0, hidden),
+            "q_b_proj": (h * config.qk_head_dim, config.q_lora_rank or 0),
+            "kv_a_proj_with_mqa": (lat + config.qk_rope_head_dim, hidden),
+            "kv_b_proj": (h * (config.qk_nope_head_dim + config.v_head_dim), lat),
+            "o_proj": (hidden, h * config.v_head_dim)}[name]
+
+
+def layer_sharding_bytes(config: ModelConfig, names: tuple[str, ...], cp_size: int,
+                         cp_rank: int, bytes_per_param: int, pool_size: int = 2) -> tuple[int, int]:
+    """For the memory plan: ``(stored, pool)`` bytes of the ``names`` weights on CP rank
+    ``cp_rank``: those of the layers it owns, and the :class:`LayerPrefetcher`'s receive
+    buffers (``pool_size`` layers' worth; 0 at ``cp_size == 1``)."""
+    per_layer = sum(math.prod(linear_shape(config, n)) for n in names) * bytes_per_param
+    owned = sum(owner_of(i, cp_size) == cp_rank for i in range(config.num_hidden_layers))
+    return owned * per_layer, (pool_size * per_layer if cp_size > 1 and names else 0)
+
+
+def drop_unowned(layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup) -> frozenset[str]:
+    """Free the sharded weights of the layers another CP rank owns (an empty placeholder
+    stays); returns their parameter names, for the loader to skip."""
+    dropped = set()
+    for i, layer in enumerate(layers):
+        if owner_of(i, cp.size) == cp.rank:
+            continue
+        for name in names:
+            weight = getattr(layer.self_attn, name).weight
+            weight.data = weight.new_empty(0)
+            dropped.add(f"model.layers.{i}.self_attn.{name}.weight")
+    return frozenset(dropped)
+
+
+@dataclass
+class PrefetchStats:
+    """Counters of a :class:`LayerPrefetcher`: ``wait_s`` seconds blocked waiting for
+    broadcasts, ``layers`` layers brought in, ``bytes_received`` bytes received."""
+
+    wait_s: float = 0.0
+    layers: int = 0
+    bytes_received: int = 0
+
+
+class LayerPrefetcher:
+    """Broadcasts layer ``i + 1``'s sharded weights while layer ``i`` computes.
+
+    Call :meth:`begin` at the start of a forward, then :meth:`before_layer` ``(i)`` before layer
+    ``i`` and :meth:`after_layer` ``(i)`` after it, for every layer in order (every CP rank the
+    same: the broadcasts are collectives). Waits are bounded by the weight group's timeout
+    (``RuntimeError``).
+
+    Args:
+        layers: the model's decoder layers (after :func:`drop_unowned`).
+        names: the sharded attention linears. cp: the CP group.
+        dtype, device: of the weights. pool_size: reusable buffer sets (>= 2).
+    """
+
+    def __init__(self, layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup,
+                 dtype: torch.dtype, device: torch.device, pool_size: int = 2) -> None:
+        self._cp, self._n = cp, len(layers)
+        self._modules = [[getattr(layer.self_attn, n) for n in names] for layer in layers]
+        shapes = [(m.out_features, m.in_features) for m in self._modules[0]]
+        self._pool = [[torch.empty(s, dtype=dtype, device=device) for s in shapes]
+                      for _ in range(pool_size)]
+        self._pending: dict[int, list] = {}
+        self.stats = PrefetchStats()
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the reusable receive buffers (what the memory plan adds per rank)."""
+        return sum(b.numel() * b.element_size() for slot in self._pool for b in slot)
+
+    def begin(self) -> None:
+        """Issue layer 0's broadcast (a forward's first call)."""
+        self._pending.clear()
+        self._issue(0)
+
+    def before_layer(self, i: int) -> None:
+        """Wait for layer ``i``'s weights, install them, issue layer ``i + 1``'s."""
+        start = time.perf_counter()
+        for work in self._pending.pop(i):
+            work.wait()
+        self.stats.wait_s += time.perf_counter() - start
+        if owner_of(i, self._cp.size) != self._cp.rank:
+            for module, buf in zip(self._modules[i], self._slot(i), strict=True):
+                module.weight.data = buf
+                self.stats.bytes_received += buf.numel() * buf.element_size()
+        self.stats.layers += 1
+        if i + 1 < self._n:
+            self._issue(i + 1)
+
+    def after_layer(self, i: int) -> None:
+        """Layer ``i`` is done: a non-owner's modules drop the buffers again (empty
+        placeholders), so between forwards a rank holds only the layers it owns."""
+        if owner_of(i, self._cp.size) != self._cp.rank:
+            for module in self._modules[i]:
+                module.weight.data = module.weight.new_empty(0)
+
+    def _slot(self, i: int) -> list[torch.Tensor]:
+        return self._pool[i % len(self._pool)]
+
+    def _issue(self, i: int) -> None:
+        owner = owner_of(i, self._cp.size)
+        tensors = [m.weight.detach() for m in self._modules[i]] if owner == self._cp.rank \
+            else self._slot(i)
+        self._pending[i] = [self._cp.broadcast(t, owner, async_op=True) for t in tensors]

@@ -1,0 +1,99 @@
+"""Multi-process helper of the context-parallel tests: ``n`` gloo CP ranks run several plans
+over one CP group (the processes and the group start once: on 2 cores that is most of the
+time). Each plan builds a runner, prefills one prompt in the given chunks, and saves the
+logits, the KV caches and the bytes of the layer-sharded weights of every rank."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """What every rank runs: ``prompt`` prefilled in ``chunks`` (token counts) with
+    ``layer_sharding``, with expert parallelism over the CP ranks when ``ep``; results go to
+    ``{out_dir}/{name}_rank{i}.pt``."""
+
+    name: str
+    ckpt: str
+    prompt: tuple[int, ...]
+    chunks: tuple[int, ...]
+    layer_sharding: tuple[str, ...] = ()
+    ep: bool = False
+
+
+def blocks_for(num_tokens: int) -> tuple[int, ...]:
+    return tuple(range(-(-num_tokens // BLOCK)))
+
+
+def prefill(runner, prompt: tuple[int, ...], chunks: tuple[int, ...]) -> torch.Tensor:
+    """Logits ``[vocab]`` after the prompt ran in ``chunks``."""
+    from engine.runner import SeqStep
+
+    done, blocks, logits = 0, blocks_for(len(prompt)), None
+    for n in chunks:
+        logits = runner.execute([SeqStep("r", prompt[done:done + n], done, blocks)])[0]
+        done += n
+    assert done == len(prompt), "chunks must cover the prompt"
+    return logits
+
+
+def sharded_bytes(model: torch.nn.Module, names: tuple[str, ...]) -> int:
+    """Bytes of the attention weights named ``names`` that ``model`` stores."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n.split(".")[-2] in names and ".self_attn." in n)
+
+
+def caches_of(runner) -> list[torch.Tensor]:
+    return [b.clone() for i in range(runner.kv_spec.num_layers)
+            for b in runner.kv_cache.layer_buffers(i)]
+
+
+def rank_main(index: int, size: int, ports: tuple[int, int], plans: tuple[CPPlan, ...],
+              out_dir: str) -> None:
+    """Body of spawned process ``index``: join the CP group (``ports[0]``) and the EP group
+    over the same ranks (``ports[1]``), run every plan in turn."""
+    from engine.parallel import EPGroup, init_cp_group, init_ep_group
+    from engine.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    cp = init_cp_group(index, size, "127.0.0.1", ports[0], timeout_s=60)
+    ep = init_ep_group(index, size, "127.0.0.1", ports[1], timeout_s=60)
+    try:
+        for plan in plans:
+            runner = ModelRunner(plan.ckpt, num_kv_blocks=len(blocks_for(len(plan.prompt))),
+                                 block_size=BLOCK, cp=cp, layer_sharding=plan.layer_sharding,
+                                 ep=ep if plan.ep else EPGroup())
+            logits = prefill(runner, plan.prompt, plan.chunks)
+            torch.save({"logits": logits, "caches": caches_of(runner),
+                        "sharded_bytes": sharded_bytes(runner.model, ("q_b_proj", "o_proj"))},
+                       f"{out_dir}/{plan.name}_rank{index}.pt")
+    finally:
+        ep.destroy()
+        cp.destroy()
+
+
+def run_cp_ranks(size: int, ports: tuple[int, int], plans: tuple[CPPlan, ...], out_dir: str,
+                 timeout_s: float = 120.0) -> dict[str, list[dict]]:
+    """Spawn ``size`` CP ranks, run ``plans``, wait (bounded); plan name -> rank results."""
+    ctx = mp.start_processes(rank_main, args=(size, ports, plans, out_dir), nprocs=size,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{size} CP ranks did not finish in {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return {p.name: [torch.load(f"{out_dir}/{p.name}_rank{i}.pt") for i in range(size)]
+            for p in plans}
