@@ -91,9 +91,12 @@ def drop_unowned(layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup) -> 
 @dataclass
 class PrefetchStats:
     """Counters of a :class:`LayerPrefetcher`: ``wait_s`` seconds blocked waiting for
-    broadcasts, ``layers`` layers brought in, ``bytes_received`` bytes received."""
+    broadcasts, out of ``forward_s`` seconds of forwards (first ``begin`` to last layer
+    done; ``wait_s / forward_s`` is the share of the forward the broadcasts cost), ``layers``
+    layers brought in, ``bytes_received`` bytes received."""
 
     wait_s: float = 0.0
+    forward_s: float = 0.0
     layers: int = 0
     bytes_received: int = 0
 
@@ -120,6 +123,7 @@ class LayerPrefetcher:
         self._pool = [[torch.empty(s, dtype=dtype, device=device) for s in shapes]
                       for _ in range(pool_size)]
         self._pending: dict[int, list] = {}
+        self._start = 0.0
         self.stats = PrefetchStats()
 
     @property
@@ -130,6 +134,7 @@ class LayerPrefetcher:
     def begin(self) -> None:
         """Issue layer 0's broadcast (a forward's first call)."""
         self._pending.clear()
+        self._start = time.perf_counter()
         self._issue(0)
 
     def before_layer(self, i: int) -> None:
@@ -152,6 +157,8 @@ class LayerPrefetcher:
         if owner_of(i, self._cp.size) != self._cp.rank:
             for module in self._modules[i]:
                 module.weight.data = module.weight.new_empty(0)
+        if i == self._n - 1:
+            self.stats.forward_s += time.perf_counter() - self._start
 
     def _slot(self, i: int) -> list[torch.Tensor]:
         return self._pool[i % len(self._pool)]

@@ -72,7 +72,8 @@ def rank_main(index: int, size: int, ports: tuple[int, int], plans: tuple[CPPlan
                                  block_size=BLOCK, cp=cp, layer_sharding=plan.layer_sharding,
                                  ep=ep if plan.ep else EPGroup())
             logits = prefill(runner, plan.prompt, plan.chunks)
-            torch.save({"logits": logits, "caches": caches_of(runner),
+            stats = vars(runner.prefetcher.stats) if runner.prefetcher is not None else None
+            torch.save({"logits": logits, "caches": caches_of(runner), "stats": stats,
                         "sharded_bytes": sharded_bytes(runner.model, ("q_b_proj", "o_proj"))},
                        f"{out_dir}/{plan.name}_rank{index}.pt")
     finally:

@@ -71,6 +71,9 @@ def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tmp_path):
     for rank, got in enumerate(results["sharded"]):
         assert abs(got["sharded_bytes"] * CP - total) <= per_layer * CP, f"rank {rank}"
         assert torch.equal(got["logits"], results["one_shot"][rank]["logits"]), f"rank {rank}"
+        stats = got["stats"]  # one forward of 4 layers, 3 of them received
+        assert (stats["layers"], stats["bytes_received"]) == (4, 3 * per_layer), f"rank {rank}"
+        assert 0 <= stats["wait_s"] <= stats["forward_s"], f"rank {rank}"
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 8])
