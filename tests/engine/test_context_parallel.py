@@ -128,8 +128,10 @@ def sharded_bytes_of(params: dict[str, torch.Tensor]) -> int:
 def test_layer_sharding_names_attention_linears_only(cp_ckpt):
     with pytest.raises(ValueError, match=r"layer_sharding names \['gate_proj'\]"):
         ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, layer_sharding=("gate_proj",))
-    with pytest.raises(ValueError, match="q_proj is not a plain linear of this model"):
-        ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, layer_sharding=("q_proj",))
+    with pytest.raises(ValueError, match=r"\['q_proj'\], which this model \(q_lora_rank=48\) "
+                                         "does not have; drop them"):
+        ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=CPGroup(rank=1, size=CP),
+                    layer_sharding=("q_proj",))
 
 
 def test_cp_group_of_one_is_trivial():
