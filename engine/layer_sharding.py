@@ -115,10 +115,16 @@ class LayerPrefetcher:
         layers: the model's decoder layers (built with :func:`unowned_params` empty).
         names: the sharded attention linears. cp: the CP group.
         dtype, device: of the weights. pool_size: reusable buffer sets (>= 2).
+
+    Raises:
+        ValueError: ``pool_size < 2``.
     """
 
     def __init__(self, layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup,
                  dtype: torch.dtype, device: torch.device, pool_size: int = 2) -> None:
+        if pool_size < 2:
+            raise ValueError(f"pool_size={pool_size}: layer i+1's broadcast needs a buffer "
+                             "set other than layer i's; use at least 2")
         self._cp, self._n = cp, len(layers)
         self._modules = [[getattr(layer.self_attn, n) for n in names] for layer in layers]
         shapes = [(m.out_features, m.in_features) for m in self._modules[0]]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.context_parallel import cp_token_slices
-from engine.layer_sharding import layer_sharding_bytes
+from engine.layer_sharding import LayerPrefetcher, layer_sharding_bytes
 from engine.model_config import load_model_config
 from engine.parallel import CPGroup, TPGroup, init_cp_group
 from engine.runner import ModelRunner
@@ -131,6 +131,13 @@ def test_layer_sharding_names_attention_linears_only(cp_ckpt):
                                          "does not have; drop them"):
         ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=CPGroup(rank=1, size=CP),
                     layer_sharding=("q_proj",))
+
+
+def test_prefetcher_needs_two_buffer_sets(cp_ckpt):
+    layers = ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK).model.model.layers
+    with pytest.raises(ValueError, match="use at least 2"):
+        LayerPrefetcher(layers, SHARDED, CPGroup(rank=0, size=CP), torch.float32,
+                        torch.device("cpu"), pool_size=1)
 
 
 def test_cp_group_of_one_is_trivial():
