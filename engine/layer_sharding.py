@@ -3,8 +3,8 @@
 Under CP every rank runs all attention heads, so attention weights would be replicated on
 every rank. With ``layer_sharding`` (names of attention linears, e.g. ``("q_b_proj",
 "o_proj")``) the weight ``model.layers.{i}.self_attn.{name}.weight`` is loaded and stored
-ONLY on its owner, CP rank ``i % cp`` (:func:`owner_of`); the other ranks hold an empty
-placeholder (:func:`drop_unowned`), so the bytes a rank stores of those weights are 1/cp of
+ONLY on its owner, CP rank ``i % cp`` (:func:`owner_of`); the other ranks build an empty
+placeholder, never allocated (:func:`unowned_params`), so the bytes a rank stores of those weights are 1/cp of
 the total (within one layer).
 
 :class:`LayerPrefetcher` brings them in one layer ahead: before layer ``i`` computes, it waits
@@ -37,20 +37,36 @@ def owner_of(layer_idx: int, cp_size: int) -> int:
     return layer_idx % cp_size
 
 
-def check_layer_sharding(names: tuple[str, ...], layers: nn.ModuleList) -> None:
-    """Raise ValueError, naming the fix, unless every name is a plain (unquantized)
-    ``nn.Linear`` of :data:`SHARDABLE` that the model's attention has."""
+def check_layer_sharding(names: tuple[str, ...], config: ModelConfig) -> None:
+    """Raise ValueError, naming the fix, unless every name is one of :data:`SHARDABLE` that
+    ``config``'s attention has (``q_proj`` without ``q_lora_rank``, ``q_a_proj`` /
+    ``q_b_proj`` with it)."""
     unknown = [n for n in names if n not in SHARDABLE]
     if unknown:
         raise ValueError(f"layer_sharding names {unknown}; it takes attention linears of "
                          f"{list(SHARDABLE)}")
-    attn = layers[0].self_attn
+    absent = ("q_a_proj", "q_b_proj") if config.q_lora_rank is None else ("q_proj",)
+    if any(n in absent for n in names):
+        raise ValueError(f"layer_sharding names {[n for n in names if n in absent]}, which "
+                         f"this model (q_lora_rank={config.q_lora_rank}) does not have; "
+                         "drop them from layer_sharding")
+
+
+def check_sharded_modules(names: tuple[str, ...], layers: nn.ModuleList) -> None:
+    """Raise ValueError, naming the fix, unless every name is a plain (unquantized)
+    ``nn.Linear`` of the built model's attention."""
     for name in names:
-        module = getattr(attn, name, None)
+        module = getattr(layers[0].self_attn, name)
         if type(module) is not nn.Linear:
-            raise ValueError(f"layer_sharding: {name} is not a plain linear of this model "
-                             f"({type(module).__name__}); drop it from layer_sharding (a "
-                             "quantized or absent weight cannot be sharded)")
+            raise ValueError(f"layer_sharding: {name} is quantized in this checkpoint "
+                             f"({type(module).__name__}); drop it from layer_sharding")
+
+
+def unowned_params(num_layers: int, names: tuple[str, ...], cp: CPGroup) -> frozenset[str]:
+    """Parameter names of the sharded weights of the layers another CP rank owns: the model
+    builds them empty (``build_model(empty=...)``) and the loader never reads them."""
+    return frozenset(f"model.layers.{i}.self_attn.{name}.weight" for i in range(num_layers)
+                     if owner_of(i, cp.size) != cp.rank for name in names)
 
 
 def linear_shape(config: ModelConfig, name: str) -> tuple[int, int]:
@@ -74,26 +90,15 @@ def layer_sharding_bytes(config: ModelConfig, names: tuple[str, ...], cp_size: i
     return owned * per_layer, (pool_size * per_layer if cp_size > 1 and names else 0)
 
 
-def drop_unowned(layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup) -> frozenset[str]:
-    """Free the sharded weights of the layers another CP rank owns (an empty placeholder
-    stays); returns their parameter names, for the loader to skip."""
-    dropped = set()
-    for i, layer in enumerate(layers):
-        if owner_of(i, cp.size) == cp.rank:
-            continue
-        for name in names:
-            weight = getattr(layer.self_attn, name).weight
-            weight.data = weight.new_empty(0)
-            dropped.add(f"model.layers.{i}.self_attn.{name}.weight")
-    return frozenset(dropped)
-
-
 @dataclass
 class PrefetchStats:
     """Counters of a :class:`LayerPrefetcher`: ``wait_s`` seconds blocked waiting for
-    broadcasts, ``layers`` layers brought in, ``bytes_received`` bytes received."""
+    broadcasts, out of ``forward_s`` seconds of forwards (first ``begin`` to last layer
+    done; ``wait_s / forward_s`` is the share of the forward the broadcasts cost), ``layers``
+    layers brought in, ``bytes_received`` bytes received."""
 
     wait_s: float = 0.0
+    forward_s: float = 0.0
     layers: int = 0
     bytes_received: int = 0
 
@@ -107,19 +112,26 @@ class LayerPrefetcher:
     (``RuntimeError``).
 
     Args:
-        layers: the model's decoder layers (after :func:`drop_unowned`).
+        layers: the model's decoder layers (built with :func:`unowned_params` empty).
         names: the sharded attention linears. cp: the CP group.
         dtype, device: of the weights. pool_size: reusable buffer sets (>= 2).
+
+    Raises:
+        ValueError: ``pool_size < 2``.
     """
 
     def __init__(self, layers: nn.ModuleList, names: tuple[str, ...], cp: CPGroup,
                  dtype: torch.dtype, device: torch.device, pool_size: int = 2) -> None:
+        if pool_size < 2:
+            raise ValueError(f"pool_size={pool_size}: layer i+1's broadcast needs a buffer "
+                             "set other than layer i's; use at least 2")
         self._cp, self._n = cp, len(layers)
         self._modules = [[getattr(layer.self_attn, n) for n in names] for layer in layers]
         shapes = [(m.out_features, m.in_features) for m in self._modules[0]]
         self._pool = [[torch.empty(s, dtype=dtype, device=device) for s in shapes]
                       for _ in range(pool_size)]
         self._pending: dict[int, list] = {}
+        self._start = 0.0
         self.stats = PrefetchStats()
 
     @property
@@ -130,6 +142,7 @@ class LayerPrefetcher:
     def begin(self) -> None:
         """Issue layer 0's broadcast (a forward's first call)."""
         self._pending.clear()
+        self._start = time.perf_counter()
         self._issue(0)
 
     def before_layer(self, i: int) -> None:
@@ -152,6 +165,8 @@ class LayerPrefetcher:
         if owner_of(i, self._cp.size) != self._cp.rank:
             for module in self._modules[i]:
                 module.weight.data = module.weight.new_empty(0)
+        if i == self._n - 1:
+            self.stats.forward_s += time.perf_counter() - self._start
 
     def _slot(self, i: int) -> list[torch.Tensor]:
         return self._pool[i % len(self._pool)]

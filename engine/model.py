@@ -143,7 +143,8 @@ class DeepseekForCausalLM(nn.Module):
 
 def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
                 device: torch.device, quant: QuantPlan | None = None, *,
-                ep: EPGroup | None = None) -> DeepseekForCausalLM:
+                ep: EPGroup | None = None,
+                empty: frozenset[str] = frozenset()) -> DeepseekForCausalLM:
     """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill, with
     rank ``tp.rank``'s share of every split weight and, under EP (``ep`` of size > 1), only
     EP rank ``ep.rank``'s routed experts (:func:`engine.layout.tp_layout`).
@@ -152,7 +153,8 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (selection is
     sensitive to it; HF keeps it fp32 too). ``quant``: a quantized checkpoint's plan; its
     quantized linear layers are swapped for quantized modules
-    (:func:`engine.quant.linear.quantize_modules`).
+    (:func:`engine.quant.linear.quantize_modules`). ``empty``: parameters built as empty
+    placeholders, never allocated (:func:`engine.layer_sharding.unowned_params`).
 
     Raises:
         ValueError: ``tp.size`` does not divide a size the layout splits, or ``ep.size`` does
@@ -167,6 +169,9 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
         if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
     quantize_modules(model, quant, kernels)
+    for name in empty:  # layer-sharded weights another CP rank stores: never allocated
+        param = model.get_parameter(name)
+        param.data = param.new_empty(0)
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(config).to(device)  # its buffer was made on meta
     return model.eval()

@@ -18,7 +18,8 @@ import torch
 
 from engine.context_parallel import build_cp_step
 from engine.forward_context import build_attention_metadata
-from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, drop_unowned
+from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, \
+    check_sharded_modules, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
@@ -95,16 +96,17 @@ class ModelRunner:
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
         quant = quant_plan(checkpoint_dir, cfg.quantization, fp8_storage)
+        sharded = tuple(layer_sharding)
+        check_layer_sharding(sharded, cfg)
+        skip = unowned_params(cfg.num_hidden_layers, sharded, self.cp)
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
-                                 ep=self.ep)
+                                 ep=self.ep, empty=skip)
         layers = self.model.model.layers
-        check_layer_sharding(tuple(layer_sharding), layers)
-        skip = drop_unowned(layers, tuple(layer_sharding), self.cp)
+        check_sharded_modules(sharded, layers)
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
         self.prefetcher = None
-        if layer_sharding and self.cp.size > 1:
-            self.prefetcher = LayerPrefetcher(layers, tuple(layer_sharding), self.cp, dtype,
-                                              self.device)
+        if sharded and self.cp.size > 1:
+            self.prefetcher = LayerPrefetcher(layers, sharded, self.cp, dtype, self.device)
         self.model.prefetcher = self.prefetcher
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,

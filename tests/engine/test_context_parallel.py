@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from engine.context_parallel import cp_token_slices
-from engine.layer_sharding import layer_sharding_bytes
+from engine.layer_sharding import LayerPrefetcher, layer_sharding_bytes
 from engine.model_config import load_model_config
 from engine.parallel import CPGroup, TPGroup, init_cp_group
 from engine.runner import ModelRunner
 from orchestrator.tiny_model import write_tiny_checkpoint
-from tests.engine.cp_ranks import BLOCK, CPPlan, caches_of, prefill, run_cp_ranks, \
-    sharded_bytes
+from tests.engine.cp_ranks import BLOCK, CPPlan, caches_of, num_blocks, run_cp_ranks, \
+    run_plan, sharded_bytes
 from tests.engine.ep_ranks import free_port
 
 CP = 4
@@ -33,10 +33,9 @@ def _prompt(n: int, seed: int) -> tuple[int, ...]:
                  .tolist())
 
 
-def _one_rank(ckpt, prompt: tuple[int, ...], chunks: tuple[int, ...]) -> dict:
-    runner = ModelRunner(ckpt, num_kv_blocks=-(-len(prompt) // BLOCK), block_size=BLOCK)
-    logits = prefill(runner, prompt, chunks)
-    return {"logits": logits, "caches": caches_of(runner),
+def _one_rank(plan: CPPlan) -> dict:
+    runner = ModelRunner(plan.ckpt, num_kv_blocks=num_blocks(plan), block_size=BLOCK)
+    return {"logits": run_plan(runner, plan), "caches": caches_of(runner),
             "sharded_bytes": sharded_bytes(runner.model, SHARDED)}
 
 
@@ -48,19 +47,19 @@ def _max_diff(got: dict, want: dict) -> tuple[float, float]:
 
 
 def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tmp_path):
-    """1K-token prompt in one shot and in chunks (V3), with layer sharding, with expert
-    parallelism over the 4 CP ranks (chunked), and a V3.2 prompt in 2 chunks (its indexer
-    keys gathered too): every rank's logits and whole KV cache equal one rank's."""
+    """1K-token prompt in one shot and in chunks (V3; earlier keys in tiles of 100), as two
+    batched requests, with layer sharding, with expert parallelism over the 4 CP ranks
+    (chunked), and a V3.2 prompt in 2 chunks (its indexer keys gathered too): every rank's
+    logits and whole KV cache equal one rank's."""
     long, short = _prompt(1024, 0), _prompt(300, 1)
     plans = (CPPlan("one_shot", str(cp_ckpt), long, (1024,)),
-             CPPlan("chunked", str(cp_ckpt), long, CHUNKS),
+             CPPlan("chunked", str(cp_ckpt), long, CHUNKS, prefix_tile=100),
+             CPPlan("batched", str(cp_ckpt), long, (), batched=True),
              CPPlan("sharded", str(cp_ckpt), long, (1024,), SHARDED),
              CPPlan("ep", str(cp_ckpt), long, CHUNKS, ep=True),
              CPPlan("dsa", str(tiny_dsa_ckpt), short, (173, 127)))
     results = run_cp_ranks(CP, (free_port(), free_port()), plans, str(tmp_path))
-    want = {"one_shot": _one_rank(cp_ckpt, long, (1024,)),
-            "chunked": _one_rank(cp_ckpt, long, CHUNKS),
-            "dsa": _one_rank(tiny_dsa_ckpt, short, (173, 127))}
+    want = {plan.name: _one_rank(plan) for plan in plans if plan.name not in ("sharded", "ep")}
     want["sharded"], want["ep"] = want["one_shot"], want["chunked"]
     for plan in plans:
         for rank, got in enumerate(results[plan.name]):
@@ -71,6 +70,9 @@ def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tmp_path):
     for rank, got in enumerate(results["sharded"]):
         assert abs(got["sharded_bytes"] * CP - total) <= per_layer * CP, f"rank {rank}"
         assert torch.equal(got["logits"], results["one_shot"][rank]["logits"]), f"rank {rank}"
+        stats = got["stats"]  # one forward of 4 layers, 3 of them received
+        assert (stats["layers"], stats["bytes_received"]) == (4, 3 * per_layer), f"rank {rank}"
+        assert 0 <= stats["wait_s"] <= stats["forward_s"], f"rank {rank}"
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 8])
@@ -125,8 +127,17 @@ def sharded_bytes_of(params: dict[str, torch.Tensor]) -> int:
 def test_layer_sharding_names_attention_linears_only(cp_ckpt):
     with pytest.raises(ValueError, match=r"layer_sharding names \['gate_proj'\]"):
         ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, layer_sharding=("gate_proj",))
-    with pytest.raises(ValueError, match="q_proj is not a plain linear of this model"):
-        ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, layer_sharding=("q_proj",))
+    with pytest.raises(ValueError, match=r"\['q_proj'\], which this model \(q_lora_rank=48\) "
+                                         "does not have; drop them"):
+        ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK, cp=CPGroup(rank=1, size=CP),
+                    layer_sharding=("q_proj",))
+
+
+def test_prefetcher_needs_two_buffer_sets(cp_ckpt):
+    layers = ModelRunner(cp_ckpt, num_kv_blocks=1, block_size=BLOCK).model.model.layers
+    with pytest.raises(ValueError, match="use at least 2"):
+        LayerPrefetcher(layers, SHARDED, CPGroup(rank=0, size=CP), torch.float32,
+                        torch.device("cpu"), pool_size=1)
 
 
 def test_cp_group_of_one_is_trivial():
