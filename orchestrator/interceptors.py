@@ -16,7 +16,6 @@ OrchServer serves); others pass through unchanged.
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from google.protobuf.message import DecodeError
 
 from orchestrator.limits import check_request_size
 from orchestrator.request import RequestError
+from orchestrator.security import bearer_matches
 
 log = logging.getLogger(__name__)
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -47,7 +47,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     """
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     async def intercept_service(self, continuation: Continuation,
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
@@ -56,8 +56,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return handler
         presented = next((value for key, value in details.invocation_metadata or ()
                           if key == "authorization"), None)
-        if isinstance(presented, str) and hmac.compare_digest(presented.encode(),
-                                                              self._expected):
+        if isinstance(presented, str) and bearer_matches(presented, self._token):
             return handler
         why = "no bearer token" if presented is None else "wrong bearer token"
         log.debug("refused %s: %s", details.method, why)

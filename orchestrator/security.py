@@ -6,6 +6,7 @@ Read once by ``orch up`` before the slow bring-up, so a wrong path fails in seco
 
 from __future__ import annotations
 
+import hmac
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,3 +84,16 @@ def _token(auth: AuthSection) -> str:
                           "ASCII characters without spaces: make one with "
                           "`openssl rand -hex 32`")
     return token
+
+
+def bearer_matches(presented: str | None, token: str) -> bool:
+    """True when an ``authorization`` value carries ``token`` with the Bearer scheme.
+
+    The scheme is case-insensitive (RFC 9110 section 11.1; RFC 6750 "Bearer"), spaces after
+    it are skipped, and the token is compared in constant time.
+    """
+    if presented is None:
+        return False
+    scheme, _, credentials = presented.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        credentials.strip().encode(), token.encode())

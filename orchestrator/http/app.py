@@ -13,7 +13,6 @@ the request, as a gRPC cancel does).
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
@@ -33,6 +32,7 @@ from orchestrator.http.responses import CHAT, COMPLETION, Shape
 from orchestrator.limits import check_request_size, max_request_bytes
 from orchestrator.request import RequestError
 from orchestrator.router import Router
+from orchestrator.security import bearer_matches
 
 T = TypeVar("T")
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
@@ -60,7 +60,7 @@ class OpenAIApp:
                  token: str | None, ready: Callable[[], bool]) -> None:
         self.router, self.chat_template, self.ready = router, chat_template, ready
         self.model = router.model.name
-        self._expected = None if token is None else f"Bearer {token}".encode()
+        self._token = token
         max_len = router.model.max_model_len
         self.max_model_len = max_len
         self.body_limit = JSON_ESCAPE_FACTOR * max_request_bytes(
@@ -117,10 +117,10 @@ class OpenAIApp:
         return req
 
     def _authorize(self, request: Request) -> None:
-        if self._expected is None:
+        if self._token is None:
             return
         presented = request.headers.get("authorization")
-        if presented is not None and hmac.compare_digest(presented.encode(), self._expected):
+        if bearer_matches(presented, self._token):
             return
         why = "no bearer token" if presented is None else "wrong bearer token"
         raise RequestError("UNAUTHENTICATED", f"{why}: send the header 'Authorization: Bearer "

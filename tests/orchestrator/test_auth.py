@@ -189,3 +189,14 @@ def test_async_client_with_tls_and_token(secured):
         finally:
             await client.close()
     assert asyncio.run(go()) == (expected_tokens((9,), 2), False)
+
+
+@pytest.mark.parametrize("presented, ok", [
+    ("Bearer tok-0123456789abcdef", True), ("bearer tok-0123456789abcdef", True),
+    ("BEARER  tok-0123456789abcdef ", True), ("Basic tok-0123456789abcdef", False),
+    ("Bearer tok-0123456789abcdeX", False), ("tok-0123456789abcdef", False), ("", False),
+    (None, False)])
+def test_bearer_scheme_is_case_insensitive_and_the_token_exact(presented, ok):
+    from orchestrator.security import bearer_matches
+
+    assert bearer_matches(presented, "tok-0123456789abcdef") is ok

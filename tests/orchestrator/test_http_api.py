@@ -198,6 +198,10 @@ def test_bearer_token_is_required_when_configured():
         out = h.client(api_key=TOKEN).completions.create(model=MODEL.name, prompt="hi",
                                                          max_tokens=2)
         assert out.usage.completion_tokens == 2
+        # NOTE: the auth scheme is case-insensitive (RFC 9110 11.1): curl users type "bearer"
+        models = httpx.get(h.url + "/models", timeout=10,
+                           headers={"Authorization": f"bearer  {TOKEN}"})
+        assert models.status_code == 200
         assert httpx.get(h.url[:-3] + "/health", timeout=10).status_code == 200
     finally:
         h.close()
