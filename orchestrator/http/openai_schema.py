@@ -33,7 +33,7 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None  # OpenAI's default: 1
     top_p: float | None = None  # OpenAI's default: 1
     top_k: int | None = None  # 0: off
@@ -75,7 +75,7 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool | None = None
 
@@ -125,7 +125,7 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
 

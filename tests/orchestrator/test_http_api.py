@@ -140,6 +140,8 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
     ({"model": "fake", "prompt": "hi", "stream": "yes"}, 400, "stream: Input should be a valid"),
     ({"model": "fake", "prompt": "hi", "max_tokens": True}, 400, "max_tokens: Input should be"),
     ({"model": "fake", "prompt": "hi", "max_tokens": "3"}, 400, "max_tokens: Input should be"),
+    ({"model": "fake", "prompt": "hi", "max_tokens": 0}, 400,
+     "max_tokens: Input should be greater than or equal to 1"),
     ({"model": "fake", "prompt": [True, 2]}, 400, "prompt.list[int].0: Input should be"),
 ])
 def test_bad_requests_get_openai_errors(h, body, status, words):
