@@ -35,6 +35,7 @@ from orchestrator.router import Router
 from orchestrator.security import bearer_matches
 
 T = TypeVar("T")
+BODY_TIMEOUT_S = 30.0  # seconds for a whole request body to arrive
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404,
                "ALREADY_EXISTS": 409, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
                "INTERNAL": 500, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
@@ -173,15 +174,23 @@ async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None]:
 
 
 async def _read_body(request: Request, limit: int, max_model_len: int) -> bytes:
-    """The body, refused (gRPC's size message) once it passes ``limit`` bytes."""
+    """The body, refused (gRPC's size message) once it passes ``limit`` bytes, or when it
+    has not all arrived within :data:`BODY_TIMEOUT_S` (uvicorn itself never times a body out).
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit():
         check_request_size(int(declared), limit, max_model_len)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        check_request_size(size, limit, max_model_len)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                check_request_size(size, limit, max_model_len)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError("DEADLINE_EXCEEDED", f"the request body did not arrive within "
+                                                f"{BODY_TIMEOUT_S:g} s ({size} bytes came): "
+                                                "send the whole body at once") from None
     return b"".join(chunks)
 
 

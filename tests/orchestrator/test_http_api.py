@@ -243,3 +243,24 @@ def test_a_bug_is_500_in_openai_shape(h, monkeypatch):
     assert resp.status_code == 500
     assert resp.json()["error"]["message"] == ("router error: RuntimeError: boom; see router "
                                                "log")
+
+
+def test_a_body_that_never_arrives_is_refused_within_the_bound(h, monkeypatch):
+    """Content-Length 1000 but 16 bytes sent: the connection is not held forever."""
+    import http.client
+    import socket
+    from urllib.parse import urlsplit
+
+    from orchestrator.http import app
+
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.5)
+    host, port = urlsplit(h.url).hostname, urlsplit(h.url).port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 1000\r\n\r\n" + b'{"model": "fake",')
+        reply = http.client.HTTPResponse(sock)
+        reply.begin()
+        body = reply.read().decode()
+    assert reply.status == 504, body
+    assert "did not arrive within 0.5 s (17 bytes came)" in body
+    assert _nothing_left(h)
