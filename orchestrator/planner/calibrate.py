@@ -1,0 +1,128 @@
+"""The ``cpu`` device, measured on this machine by a short run (a few seconds) and cached.
+
+Measured, with one torch thread as each rank uses (``ORCH_TORCH_THREADS`` default 1), at
+float32 (the tiny model's dtype):
+
+- matmul FLOP/s: a 512 x 512 x 512 matmul, best of a few;
+- memcpy bandwidth: copying a 64 MB tensor (read + write bytes over time);
+- op dispatch: one small torch op (the host cost every kernel of an eager step pays);
+- gloo loopback: two processes exchanging 16 MB over a gloo group on 127.0.0.1, and the
+  round trip of a 4-byte all-reduce (the latency of one collective).
+
+Cached as JSON in ``$ORCH_CACHE_DIR`` (else ``~/.cache/orch``) ``/planner_cpu.json``; the
+machine's load changes the figures, so a test measures and compares in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from engine import envs
+from orchestrator.planner.specs import DeviceSpec
+
+CACHE_NAME = "planner_cpu.json"
+# NOTE: eager torch ops one decoder layer of this engine dispatches per step (norms, MLA
+# projections and rope, attention, router top-k, expert gather/scatter, residuals); the
+# per-layer host cost is this many small-op dispatches. Fitted once against a measured tiny
+# decode step (docs/planner.md), not derived.
+OPS_PER_LAYER = 60
+GLOO_BYTES = 16 * 2**20
+
+
+def cache_path() -> Path:
+    root = envs.ORCH_CACHE_DIR.get() or os.path.expanduser("~/.cache/orch")
+    return Path(root) / CACHE_NAME
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _local_rates() -> dict[str, float]:
+    import torch
+
+    torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    flops = 2 * 512**3 / _best(lambda: a @ b, 10)
+    src = torch.empty(16 * 2**20)  # 64 MB of float32
+    dst = torch.empty_like(src)
+    copy_s = _best(lambda: dst.copy_(src), 5)
+    x = torch.randn(64)
+    op_s = _best(lambda: [x.add(x) for _ in range(1000)], 5) / 1000
+    return {"flops": flops, "copy_gb_s": 2 * src.numel() * 4 / copy_s / 1e9, "op_us": op_s * 1e6}
+
+
+def _gloo_peer(rank: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
+    buf, small = torch.empty(GLOO_BYTES // 4), torch.zeros(1)
+    dist.all_reduce(small)  # warm the connection
+    lat = _best(lambda: dist.all_reduce(small), 20)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+    dist.all_reduce(small)
+    bw = 4 * GLOO_BYTES / (time.perf_counter() - t0) / 1e9
+    if rank == 0:
+        out.put({"gloo_gb_s": bw, "gloo_latency_us": lat * 1e6})
+    dist.destroy_process_group()
+
+
+def _gloo_rates() -> dict[str, float]:
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_peer, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        return out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def measure_cpu() -> DeviceSpec:
+    """Run the calibration (a few seconds) and return the ``cpu`` device it measured.
+
+    Raises:
+        queue.Empty: the gloo pair did not report within 120 s.
+    """
+    rates = {**_local_rates(), **_gloo_rates()}
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return DeviceSpec(
+        key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=ram,
+        hbm_gb_s=rates["copy_gb_s"], bf16_tflops=rates["flops"] / 1e12,
+        int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
+        inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
+        ranks_per_node=os.cpu_count() or 1, layer_overhead_us=OPS_PER_LAYER * rates["op_us"])
+
+
+def cpu_device(recalibrate: bool = False) -> DeviceSpec:
+    """The cached ``cpu`` device; measured (and cached) when absent or ``recalibrate``."""
+    path = cache_path()
+    if not recalibrate and path.exists():
+        return DeviceSpec(**json.loads(path.read_text()))
+    spec = measure_cpu()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(spec), indent=1))
+    return spec
