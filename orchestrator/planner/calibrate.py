@@ -5,7 +5,10 @@ float32 (the tiny model's dtype):
 
 - matmul FLOP/s: a 512 x 512 x 512 matmul, best of a few;
 - memcpy bandwidth: copying a 64 MB tensor (read + write bytes over time);
-- op dispatch: one small torch op (the host cost every kernel of an eager step pays);
+- host dispatch: one decode step (batch 1) and one 64-token prefill of the built-in tiny
+  model (:class:`engine.runner.ModelRunner`), less what their FLOPs and bytes take at the
+  rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
+  (the eager engine loops over the experts a step picks; a decode step picks fewer);
 - gloo loopback: two processes exchanging 16 MB over a gloo group on 127.0.0.1, and the
   round trip of a 4-byte all-reduce (the latency of one collective).
 
@@ -19,19 +22,15 @@ import json
 import os
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine import envs
 from orchestrator.planner.specs import DeviceSpec
 
 CACHE_NAME = "planner_cpu.json"
-# NOTE: eager torch ops one decoder layer of this engine dispatches per step (norms, MLA
-# projections and rope, attention, router top-k, expert gather/scatter, residuals); the
-# per-layer host cost is this many small-op dispatches. Fitted once against a measured tiny
-# decode step (docs/planner.md), not derived.
-OPS_PER_LAYER = 60
 GLOO_BYTES = 16 * 2**20
+PROMPT = 64  # tokens of the timed tiny prefill
 
 
 def cache_path() -> Path:
@@ -57,9 +56,7 @@ def _local_rates() -> dict[str, float]:
     src = torch.empty(16 * 2**20)  # 64 MB of float32
     dst = torch.empty_like(src)
     copy_s = _best(lambda: dst.copy_(src), 5)
-    x = torch.randn(64)
-    op_s = _best(lambda: [x.add(x) for _ in range(1000)], 5) / 1000
-    return {"flops": flops, "copy_gb_s": 2 * src.numel() * 4 / copy_s / 1e9, "op_us": op_s * 1e6}
+    return {"flops": flops, "copy_gb_s": 2 * src.numel() * 4 / copy_s / 1e9}
 
 
 def _gloo_peer(rank: int, port: int, out) -> None:
@@ -101,6 +98,54 @@ def _gloo_rates() -> dict[str, float]:
                 p.kill()
 
 
+def _tiny_step_s() -> tuple[float, float]:
+    """(seconds of a 64-token prefill, of a batch-1 decode step) of the built-in tiny model:
+    the median of a few after a warm-up (a median, as the load a server sees is typical,
+    not the best case)."""
+    import tempfile
+
+    from engine.runner import ModelRunner, SeqStep
+    from orchestrator.tiny_model import write_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = ModelRunner(write_tiny_checkpoint(Path(tmp) / "tiny"), num_kv_blocks=8,
+                             block_size=16)
+    table = tuple(range(8))
+    prompt = SeqStep("p", tuple(range(1000, 1000 + PROMPT)), 0, table)
+    step = SeqStep("p", (7,), PROMPT, table)
+    runner.execute([prompt])
+    times: list[list[float]] = [[], []]
+    for _ in range(9):  # NOTE: interleaved, so a burst of load elsewhere hits both alike
+        for i, seq in enumerate((prompt, step)):
+            t0 = time.perf_counter()
+            runner.execute([seq])
+            times[i].append(time.perf_counter() - t0)
+    return sorted(times[0])[4], sorted(times[1])[4]
+
+
+def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[float, float]:
+    """(us per layer, us per routed expert run) of host dispatch: the tiny model's measured
+    step times less their FLOP and byte time on ``raw``."""
+    from engine.model_config import ModelConfig
+    from orchestrator.memory_plan import Precision, RoleLayout, plan_role, num_moe_layers
+    from orchestrator.planner.cost import (Hardware, _expert_active_share, decode_step_cost,
+                                           prefill_cost)
+    from orchestrator.planner.specs import efficiency
+    from orchestrator.tiny_model import tiny_config_dict
+
+    m = ModelConfig.from_dict(tiny_config_dict())
+    lay = RoleLayout("colocated", 1, 1, False, 8, 16, PROMPT, 1, 128)
+    prec = Precision.of("float32")
+    plan, hw = plan_role(m, lay, prec), Hardware(raw, efficiency(raw))
+    host_pre = prefill_s - prefill_cost(m, plan, prec, hw, PROMPT, PROMPT).total_s
+    host_dec = decode_s - decode_step_cost(m, plan, prec, hw, 1, PROMPT).total_s
+    moe, layers = num_moe_layers(m), m.num_hidden_layers
+    experts = [moe * m.n_routed_experts * _expert_active_share(m, n) for n in (PROMPT, 1)]
+    per_expert = max(0.0, (host_pre - host_dec) / (experts[0] - experts[1]))
+    per_layer = max(0.0, (host_dec - experts[1] * per_expert) / layers)
+    return per_layer * 1e6, per_expert * 1e6
+
+
 def measure_cpu() -> DeviceSpec:
     """Run the calibration (a few seconds) and return the ``cpu`` device it measured.
 
@@ -109,12 +154,14 @@ def measure_cpu() -> DeviceSpec:
     """
     rates = {**_local_rates(), **_gloo_rates()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return DeviceSpec(
+    raw = DeviceSpec(
         key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=ram,
         hbm_gb_s=rates["copy_gb_s"], bf16_tflops=rates["flops"] / 1e12,
         int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
-        ranks_per_node=os.cpu_count() or 1, layer_overhead_us=OPS_PER_LAYER * rates["op_us"])
+        ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
+    per_layer, per_expert = _host_costs(raw, *_tiny_step_s())
+    return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert)
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

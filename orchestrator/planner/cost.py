@@ -171,7 +171,7 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     if cp > 1:
         comm += (cp - 1) / cp * prompt * kv_bytes_per_token(m, prec) / hw.link(cp) \
             + m.num_hidden_layers * hw.latency_s * chunks
-    overhead = chunks * m.num_hidden_layers * hw.spec.layer_overhead_us * 1e-6
+    overhead = chunks * host_s(m, lay, hw, min(chunk, prompt))
     return Cost(flops / lay.tp / hw.flops, memory, comm, overhead)
 
 
@@ -181,6 +181,16 @@ def _expert_active_share(m: ModelConfig, tokens: float) -> float:
     if not experts:
         return 0.0
     return 1 - (1 - m.num_experts_per_tok / experts) ** tokens
+
+
+def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> float:
+    """Host dispatch of one step of ``tokens`` tokens on one DP rank (with ``ep`` every DP
+    rank's tokens reach the experts): per layer, plus per routed expert the rank runs."""
+    step_tokens = tokens * (lay.dp if lay.ep else 1)
+    local = (m.n_routed_experts or 0) / lay.ep_size
+    experts = num_moe_layers(m) * local * _expert_active_share(m, step_tokens)
+    return 1e-6 * (m.num_hidden_layers * hw.spec.layer_overhead_us
+                   + experts * hw.spec.expert_overhead_us)
 
 
 def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
@@ -199,9 +209,8 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     flops = batch * (2.0 * (linear_params_per_token(m) + m.hidden_size * m.vocab_size)
                      + attention_flops(m, 1, int(context)))
     comm = _comm_per_layer(m, lay, hw, batch, prec.activation)
-    overhead = m.num_hidden_layers * hw.spec.layer_overhead_us * 1e-6
     return Cost(flops / lay.tp / hw.flops, (weights + batch * per_seq_kv) / hw.hbm, comm,
-                overhead)
+                host_s(m, lay, hw, batch))
 
 
 def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,

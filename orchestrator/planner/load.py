@@ -91,13 +91,14 @@ def _capacities(r: Roles, out: int) -> tuple[float, float]:
     return r.prefill_dp / r.prefill_s, r.decode_dp * r.slots / (out * r.step_s(r.slots))
 
 
-def _tpot(r: Roles, batch: float, rate: float) -> float:
+def _tpot(r: Roles, batch: float, rate: float, others: float = 1.0) -> float:
     """Time per output token: the step, stretched in colocated ranks by the share of time
-    their prefills take."""
+    the prefills of ``others`` (the share of prefills that are not the request's own: 1 in
+    an open loop, 1 - dp / C in a closed loop of C) take."""
     step = r.step_s(batch)
     if not r.colocated:
         return step
-    busy = min(0.95, rate * r.prefill_s / r.prefill_dp)
+    busy = min(0.95, rate * r.prefill_s / r.prefill_dp * others)
     return step / (1 - busy)
 
 
@@ -107,14 +108,15 @@ def operating_point(r: Roles, wl: WorkloadSpec) -> OperatingPoint:
     if wl.rate is not None:
         return _open_loop(r, wl, cap_p, cap_d)
     conc = wl.concurrency or r.decode_dp * r.slots
+    others = max(0.0, 1 - r.prefill_dp / conc)
     batch, rate, bound = float(r.slots), 0.0, "load"
     for _ in range(100):
-        tpot = _tpot(r, batch, rate)
+        tpot = _tpot(r, batch, rate, others)
         rate = min(conc / (r.prefill_s + r.transfer_s + wl.output_len * tpot), cap_p, cap_d)
         bound = "prefill" if rate == cap_p else "decode" if rate == cap_d else "load"
         batch = 0.5 * batch + 0.5 * min(r.slots, max(1.0, rate * wl.output_len * tpot
                                                       / r.decode_dp))
-    tpot = _tpot(r, batch, rate)
+    tpot = _tpot(r, batch, rate, others)
     ttft = max(r.prefill_s + r.transfer_s, conc / rate - wl.output_len * tpot)
     return OperatingPoint(ttft, tpot, rate, rate * wl.output_len, batch, conc, bound)
 

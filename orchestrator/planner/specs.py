@@ -30,6 +30,8 @@ class DeviceSpec:
         link_latency_us: fixed cost of one collective or transfer message, us.
         ranks_per_node: ranks that share the intra-node links.
         layer_overhead_us: host dispatch per layer per step not hidden by the device, us.
+        expert_overhead_us: host dispatch per routed expert a step runs on the rank, per MoE
+            layer, us (0 where one grouped kernel runs every expert).
     """
 
     key: str
@@ -44,6 +46,7 @@ class DeviceSpec:
     link_latency_us: float
     ranks_per_node: int
     layer_overhead_us: float
+    expert_overhead_us: float = 0.0
 
 
 @dataclass(frozen=True)
