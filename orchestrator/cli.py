@@ -56,10 +56,13 @@ def _dry_run(cfg: OrchConfig) -> int:
     from orchestrator.config import ConfigError
     from orchestrator.memory_check import check_memory
     from orchestrator.placement import dry_run_report
+    from orchestrator.planner.report import dry_run_lines
 
     try:
         print(dry_run_report(cfg), flush=True)
         print(check_memory(cfg))
+        for line in dry_run_lines(cfg):
+            print(line)
     except ConfigError as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 2

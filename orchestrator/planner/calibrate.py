@@ -4,13 +4,15 @@ Measured, with one torch thread as each rank uses (``ORCH_TORCH_THREADS`` defaul
 float32 (the tiny model's dtype):
 
 - matmul FLOP/s: a 512 x 512 x 512 matmul, best of a few;
-- memcpy bandwidth: copying a 64 MB tensor (read + write bytes over time);
+- memory bandwidth as a decode step streams weights: a matrix-vector product over a 33 MB
+  weight with 64 inputs (the narrow shape of the tiny model's layers and lm_head; a plain
+  memcpy runs about 2x faster than this on the machine it was written on);
 - host dispatch: one decode step (batch 1) and one 64-token prefill of the built-in tiny
   model (:class:`engine.runner.ModelRunner`), less what their FLOPs and bytes take at the
   rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
-- gloo loopback: two processes exchanging 16 MB over a gloo group on 127.0.0.1, and the
-  round trip of a 4-byte all-reduce (the latency of one collective).
+- gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
+  the round trip of a 4-byte all-reduce (the latency of one collective).
 
 Cached as JSON in ``$ORCH_CACHE_DIR`` (else ``~/.cache/orch``) ``/planner_cpu.json``; the
 machine's load changes the figures, so a test measures and compares in the same run.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -53,49 +54,51 @@ def _local_rates() -> dict[str, float]:
     torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     flops = 2 * 512**3 / _best(lambda: a @ b, 10)
-    src = torch.empty(16 * 2**20)  # 64 MB of float32
-    dst = torch.empty_like(src)
-    copy_s = _best(lambda: dst.copy_(src), 5)
-    return {"flops": flops, "copy_gb_s": 2 * src.numel() * 4 / copy_s / 1e9}
+    w, x = torch.randn(129280, 64), torch.randn(1, 64)  # 33 MB of float32
+    gemv_s = _best(lambda: torch.nn.functional.linear(x, w), 10)
+    return {"flops": flops, "stream_gb_s": w.numel() * 4 / gemv_s / 1e9}
 
 
-def _gloo_peer(rank: int, port: int, out) -> None:
+def _gloo_pair(rank: int, store, out: dict) -> None:
+    """One side of an in-process 2-rank gloo group: latency of a 4-byte all-reduce, then
+    (rank 0) the bandwidth of 4 x 16 MB sent to rank 1."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
     buf, small = torch.empty(GLOO_BYTES // 4), torch.zeros(1)
-    dist.all_reduce(small)  # warm the connection
-    lat = _best(lambda: dist.all_reduce(small), 20)
+    pg.allreduce([small]).wait()  # warm the connection
+    out[f"lat{rank}"] = _best(lambda: pg.allreduce([small]).wait(), 20)
     t0 = time.perf_counter()
     for _ in range(4):
-        dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
-    dist.all_reduce(small)
-    bw = 4 * GLOO_BYTES / (time.perf_counter() - t0) / 1e9
-    if rank == 0:
-        out.put({"gloo_gb_s": bw, "gloo_latency_us": lat * 1e6})
-    dist.destroy_process_group()
+        (pg.send([buf], 1, 0) if rank == 0 else pg.recv([buf], 0, 0)).wait()
+    pg.allreduce([small]).wait()
+    out[f"bw{rank}"] = 4 * GLOO_BYTES / (time.perf_counter() - t0) / 1e9
 
 
 def _gloo_rates() -> dict[str, float]:
-    import multiprocessing as mp
+    """Gloo loopback bandwidth (GB/s) and small all-reduce latency (us): two ranks in two
+    threads of this process, over 127.0.0.1.
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_peer, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        return out.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    Raises:
+        RuntimeError: the pair did not finish within 120 s.
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    store, out = dist.HashStore(), {}
+    threads = [threading.Thread(target=_gloo_pair, args=(r, store, out), daemon=True)
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if "bw0" not in out or "lat0" not in out:
+        raise RuntimeError("gloo calibration pair did not finish within 120 s")
+    return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
 def _tiny_step_s() -> tuple[float, float]:
@@ -150,13 +153,13 @@ def measure_cpu() -> DeviceSpec:
     """Run the calibration (a few seconds) and return the ``cpu`` device it measured.
 
     Raises:
-        queue.Empty: the gloo pair did not report within 120 s.
+        RuntimeError: the gloo pair did not finish within 120 s.
     """
     rates = {**_local_rates(), **_gloo_rates()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     raw = DeviceSpec(
         key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=ram,
-        hbm_gb_s=rates["copy_gb_s"], bf16_tflops=rates["flops"] / 1e12,
+        hbm_gb_s=rates["stream_gb_s"], bf16_tflops=rates["flops"] / 1e12,
         int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)

@@ -174,3 +174,23 @@ def predicted_line(pt: OperatingPoint) -> str:
             f"{pt.output_tok_s:.4g} output tok/s ({pt.requests_s:.3g} req/s, "
             f"{pt.concurrency:.3g} in flight, decode batch {pt.decode_batch:.3g}; bound: "
             f"{pt.bound})")
+
+
+def dry_run_lines(cfg: OrchConfig) -> list[str]:
+    """The planner's figures for ``orch up --dry-run`` of an accelerator layout (none on cpu,
+    whose figures need a calibration run): seed 004's request shape (64K in, 3K out) fitted
+    to ``max_model_len``, closed loop filling the decode slots, the platform's default
+    device."""
+    if cfg.device() == "cpu":
+        return []
+    out = min(3072, cfg.model.max_model_len // 16)
+    wl = WorkloadSpec(min(65536, cfg.model.max_model_len - out), out)
+    try:
+        device = default_device(cfg.device())
+        plan = plan_config(cfg, wl, device)
+    except (ConfigError, ValueError) as exc:
+        return [f"planner: not computed ({exc})"]
+    return [f"planner on {device.key}, in={wl.input_len} out={wl.output_len} (`orch plan "
+            f"CONFIG --workload ...` for the breakdown): prefill {plan.prefill_cost.total_s:.3g}"
+            f" s per request, decode step {plan.step_cost.total_s * 1e3:.3g} ms",
+            "  " + predicted_line(plan.point)]
