@@ -130,8 +130,8 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     """(us per layer, us per routed expert run) of host dispatch: the tiny model's measured
     step times less their FLOP and byte time on ``raw``."""
     from engine.model_config import ModelConfig
-    from orchestrator.memory_plan import Precision, RoleLayout, plan_role, num_moe_layers
-    from orchestrator.planner.cost import (Hardware, _expert_active_share, decode_step_cost,
+    from orchestrator.memory_plan import Precision, RoleLayout, num_moe_layers, plan_role
+    from orchestrator.planner.cost import (Hardware, decode_step_cost, expert_active_share,
                                            prefill_cost)
     from orchestrator.planner.specs import efficiency
     from orchestrator.tiny_model import tiny_config_dict
@@ -143,7 +143,7 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     host_pre = prefill_s - prefill_cost(m, plan, prec, hw, PROMPT, PROMPT).total_s
     host_dec = decode_s - decode_step_cost(m, plan, prec, hw, 1, PROMPT).total_s
     moe, layers = num_moe_layers(m), m.num_hidden_layers
-    experts = [moe * m.n_routed_experts * _expert_active_share(m, n) for n in (PROMPT, 1)]
+    experts = [moe * m.n_routed_experts * expert_active_share(m, n) for n in (PROMPT, 1)]
     per_expert = max(0.0, (host_pre - host_dec) / (experts[0] - experts[1]))
     per_layer = max(0.0, (host_dec - experts[1] * per_expert) / layers)
     return per_layer * 1e6, per_expert * 1e6

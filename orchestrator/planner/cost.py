@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
+from engine.quant.formats import W8A8_INT8
 from orchestrator.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
 from orchestrator.planner.specs import DeviceSpec, Efficiency
 
@@ -52,6 +53,13 @@ class Hardware:
     @property
     def flops(self) -> float:
         return self.spec.bf16_tflops * TFLOPS * self.eff.compute
+
+    def linear_flops(self, m: ModelConfig) -> float:
+        """FLOP/s of the decoder's linears: the int8 peak for a W8A8 checkpoint (int8
+        activations and weights), else bf16 (FP8 weights are dequantized to compute)."""
+        int8 = m.quantization is not None and m.quantization.method == W8A8_INT8
+        return (self.spec.int8_tflops if int8 else self.spec.bf16_tflops) * TFLOPS \
+            * self.eff.compute
 
     @property
     def hbm(self) -> float:
@@ -164,7 +172,8 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     lay = plan.layout
     if lay.tp % cp:
         raise ValueError(f"cp {cp} must divide prefill tp {lay.tp}")
-    flops = 2.0 * prompt * linear_params_per_token(m) + attention_flops(m, prompt, 0)
+    seconds = (2.0 * prompt * linear_params_per_token(m) / hw.linear_flops(m)
+               + attention_flops(m, prompt, 0) / hw.flops) / lay.tp
     chunks = -(-prompt // chunk)
     memory = chunks * plan.bytes_of("weights") / hw.hbm
     comm = _comm_per_layer(m, lay, hw, prompt, prec.activation, cp)
@@ -172,10 +181,10 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
         comm += (cp - 1) / cp * prompt * kv_bytes_per_token(m, prec) / hw.link(cp) \
             + m.num_hidden_layers * hw.latency_s * chunks
     overhead = chunks * host_s(m, lay, hw, min(chunk, prompt))
-    return Cost(flops / lay.tp / hw.flops, memory, comm, overhead)
+    return Cost(seconds, memory, comm, overhead)
 
 
-def _expert_active_share(m: ModelConfig, tokens: float) -> float:
+def expert_active_share(m: ModelConfig, tokens: float) -> float:
     """Expected share of routed experts at least one of ``tokens`` tokens picks."""
     experts = m.n_routed_experts or 0
     if not experts:
@@ -188,7 +197,7 @@ def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> floa
     rank's tokens reach the experts): per layer, plus per routed expert the rank runs."""
     step_tokens = tokens * (lay.dp if lay.ep else 1)
     local = (m.n_routed_experts or 0) / lay.ep_size
-    experts = num_moe_layers(m) * local * _expert_active_share(m, step_tokens)
+    experts = num_moe_layers(m) * local * expert_active_share(m, step_tokens)
     return 1e-6 * (m.num_hidden_layers * hw.spec.layer_overhead_us
                    + experts * hw.spec.expert_overhead_us)
 
@@ -201,15 +210,16 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     step_tokens = batch * (lay.dp if lay.ep else 1)
     rows = {r.kind: r.bytes for r in plan.rows}
     weights = plan.bytes_of("weights") - rows.get("embedding", 0) \
-        - rows.get("routed experts", 0) * (1 - _expert_active_share(m, step_tokens))
+        - rows.get("routed experts", 0) * (1 - expert_active_share(m, step_tokens))
     per_seq_kv = m.num_hidden_layers * prec.kv * (
         min(context, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim)
         + context * m.index_head_dim if m.uses_sparse_attention
         else context * (m.kv_lora_rank + m.qk_rope_head_dim))
-    flops = batch * (2.0 * (linear_params_per_token(m) + m.hidden_size * m.vocab_size)
-                     + attention_flops(m, 1, int(context)))
+    seconds = batch * (2.0 * linear_params_per_token(m) / hw.linear_flops(m)
+                       + (2.0 * m.hidden_size * m.vocab_size
+                          + attention_flops(m, 1, int(context))) / hw.flops) / lay.tp
     comm = _comm_per_layer(m, lay, hw, batch, prec.activation)
-    return Cost(flops / lay.tp / hw.flops, (weights + batch * per_seq_kv) / hw.hbm, comm,
+    return Cost(seconds, (weights + batch * per_seq_kv) / hw.hbm, comm,
                 host_s(m, lay, hw, batch))
 
 

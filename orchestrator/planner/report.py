@@ -92,12 +92,12 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec,
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
         m, prec, hw, wl.input_len, pre.layout.dp * pre.layout.tp + dec.layout.dp * dec.layout.tp)
-    roles_ = Roles(p_cost.total_s, transfer.total_s if transfer else 0.0,
+    shape = Roles(p_cost.total_s, transfer.total_s if transfer else 0.0,
                    lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
                    pre.layout.dp, dec.layout.dp, slots, colocated)
-    point = operating_point(roles_, wl)
+    point = operating_point(shape, wl)
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
-    best = None if colocated else _best_split(roles_, pre, dec, wl)
+    best = None if colocated else _best_split(shape, pre, dec, wl)
     return Plan(cfg, memory, device, wl, cp, pre, dec, slots, p_cost, step, transfer, point,
                 best)
 
