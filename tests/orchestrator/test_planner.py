@@ -85,3 +85,21 @@ def test_device_memory_comes_from_the_device_file():
         assert spec.hbm_gb_s > 0 and spec.bf16_tflops > 0 and spec.inter_node_gb_s > 0
         entry = text.split(f"\n  {key}:\n")[1].split("\n  h")[0]
         assert entry.count("#") >= 4, f"{key}: each figure needs its source in a comment"
+
+
+def test_orch_plan_prints_seed_004s_prediction_as_docs_planner_md_says(capsys):
+    from orchestrator.cli import main
+
+    assert main(["plan", str(REPO / "configs" / "a3_v32_p2x16_d8x4.yaml"), "--workload",
+                 "in=65536,out=3072,concurrency=29", "--cp", "16"]) == 0
+    predicted = [line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("predicted: ")]
+    assert len(predicted) == 1
+    assert predicted[0] in (REPO / "docs" / "planner.md").read_text()
+
+
+def test_orch_plan_refuses_a_bad_workload(capsys):
+    from orchestrator.cli import main
+
+    assert main(["plan", str(REPO / "configs" / "1p1d.yaml"), "--workload", "in=64"]) == 2
+    assert "needs in= and out=" in capsys.readouterr().err
