@@ -12,7 +12,8 @@ and host dispatch add. Counts follow the engine's layout (docs/planner.md):
   whole prefix;
 - bytes: the memory plan's weights (routed experts only the share a step activates) and the
   KV read by attention;
-- collectives: two TP all-reduces per layer (ring: ``2 (n-1)/n`` of the bytes), and with
+- collectives: two TP all-reduces per layer (ring: ``2 (n-1)/n`` of the bytes) and one for
+  the vocab-parallel embedding, the all-gather of the sampled rows' fp32 logits, and with
   ``ep`` an all-to-all dispatch and combine per MoE layer; each also pays the link latency.
 """
 
@@ -158,6 +159,18 @@ def _comm_per_layer(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float
     return ar + 2 * num_moe_layers(m) * all_to_all_s(hw, per_rank, lay.ep_size)
 
 
+def _vocab_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float,
+                act: float) -> float:
+    """The vocab-parallel embedding's all-reduce (``tokens`` rows) and the all-gather of the
+    fp32 logits of ``tokens`` sampled rows (each rank receives the other ranks' vocab
+    shares)."""
+    if lay.tp <= 1:
+        return 0.0
+    gather = tokens * m.vocab_size * 4 * (lay.tp - 1) / lay.tp
+    return allreduce_s(hw, tokens * m.hidden_size * act, lay.tp) \
+        + gather / hw.link(lay.tp) + hw.latency_s
+
+
 def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                  prompt: int, chunk: int, cp: int = 1) -> Cost:
     """One prompt of ``prompt`` tokens on one prefill DP rank, in chunks of ``chunk`` tokens.
@@ -176,7 +189,8 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                + attention_flops(m, prompt, 0) / hw.flops) / lay.tp
     chunks = -(-prompt // chunk)
     memory = chunks * plan.bytes_of("weights") / hw.hbm
-    comm = _comm_per_layer(m, lay, hw, prompt, prec.activation, cp)
+    comm = _comm_per_layer(m, lay, hw, prompt, prec.activation, cp) \
+        + allreduce_s(hw, prompt / cp * m.hidden_size * prec.activation, lay.tp // cp)
     if cp > 1:
         comm += (cp - 1) / cp * prompt * kv_bytes_per_token(m, prec) / hw.link(cp) \
             + m.num_hidden_layers * hw.latency_s * chunks
@@ -218,7 +232,8 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     seconds = batch * (2.0 * linear_params_per_token(m) / hw.linear_flops(m)
                        + (2.0 * m.hidden_size * m.vocab_size
                           + attention_flops(m, 1, int(context))) / hw.flops) / lay.tp
-    comm = _comm_per_layer(m, lay, hw, batch, prec.activation)
+    comm = _comm_per_layer(m, lay, hw, batch, prec.activation) + _vocab_comm(m, lay, hw, batch,
+                                                                              prec.activation)
     return Cost(seconds, (weights + batch * per_seq_kv) / hw.hbm, comm,
                 host_s(m, lay, hw, batch))
 
