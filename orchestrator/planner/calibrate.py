@@ -7,6 +7,8 @@ float32 (the tiny model's dtype):
 - memory bandwidth as a decode step streams weights: a matrix-vector product over a 33 MB
   weight with 64 inputs (the narrow shape of the tiny model's layers and lm_head; a plain
   memcpy runs about 2x faster than this on the machine it was written on);
+- control call: the round trip of a Ray actor call carrying a small step list (median of 30),
+  on the Ray this process already runs, else on a private local one started for it (~5 s);
 - host dispatch: one decode step (batch 1) and one 64-token prefill of the built-in tiny
   model (:class:`engine.runner.ModelRunner`), less what their FLOPs and bytes take at the
   rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
@@ -101,6 +103,41 @@ def _gloo_rates() -> dict[str, float]:
     return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
+def _ray_call_us() -> float:
+    """Median round trip of a Ray actor call with a small payload, us.
+
+    Raises:
+        ray.exceptions.GetTimeoutError: a call took over 30 s.
+    """
+    import ray
+
+    own = not ray.is_initialized()
+    if own:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        echo = ray.remote(num_cpus=0)(_Echo).remote()
+        payload = [(f"r{i}", tuple(range(64)), 64, tuple(range(8))) for i in range(8)]
+        for _ in range(10):  # NOTE: warm: the first calls start the worker and its imports
+            ray.get(echo.ping.remote(payload), timeout=30)
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            ray.get(echo.ping.remote(payload), timeout=30)
+            times.append(time.perf_counter() - t0)
+        ray.kill(echo)
+        return sorted(times)[len(times) // 2] * 1e6
+    finally:
+        if own:
+            ray.shutdown()
+
+
+class _Echo:
+    """The actor :func:`_ray_call_us` calls."""
+
+    def ping(self, payload: list) -> int:
+        return len(payload)
+
+
 def _tiny_step_s() -> tuple[float, float]:
     """(seconds of a 64-token prefill, of a batch-1 decode step) of the built-in tiny model:
     the median of a few after a warm-up (a median, as the load a server sees is typical,
@@ -150,10 +187,11 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
 
 
 def measure_cpu() -> DeviceSpec:
-    """Run the calibration (a few seconds) and return the ``cpu`` device it measured.
+    """Run the calibration (5-15 s) and return the ``cpu`` device it measured.
 
     Raises:
         RuntimeError: the gloo pair did not finish within 120 s.
+        ray.exceptions.GetTimeoutError: a Ray call took over 30 s.
     """
     rates = {**_local_rates(), **_gloo_rates()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
@@ -164,7 +202,8 @@ def measure_cpu() -> DeviceSpec:
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
     per_layer, per_expert = _host_costs(raw, *_tiny_step_s())
-    return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert)
+    return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
+                   control_call_us=_ray_call_us())
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

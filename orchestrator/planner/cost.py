@@ -194,7 +194,7 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     if cp > 1:
         comm += (cp - 1) / cp * prompt * kv_bytes_per_token(m, prec) / hw.link(cp) \
             + m.num_hidden_layers * hw.latency_s * chunks
-    overhead = chunks * host_s(m, lay, hw, min(chunk, prompt))
+    overhead = chunks * (host_s(m, lay, hw, min(chunk, prompt)) + step_call_s(lay, hw))
     return Cost(seconds, memory, comm, overhead)
 
 
@@ -216,6 +216,18 @@ def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> floa
                    + experts * hw.spec.expert_overhead_us)
 
 
+def step_call_s(lay: RoleLayout, hw: Hardware) -> float:
+    """The leader's Ray call that runs a step on its TP followers (0 for tp 1)."""
+    return hw.spec.control_call_us * 1e-6 if lay.tp > 1 else 0.0
+
+
+def request_calls(colocated: bool) -> int:
+    """Ray calls in turn on a request's way to its first token (docs/request_path.md):
+    colocated, the launch; disaggregated, the decode reservation, the receivers it arms on
+    the decode ranks (in parallel: one round trip) and the prefill launch."""
+    return 1 if colocated else 3
+
+
 def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                      batch: float, context: float) -> Cost:
     """One decode step of ``batch`` sequences of ``context`` tokens on one decode DP rank
@@ -235,7 +247,7 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     comm = _comm_per_layer(m, lay, hw, batch, prec.activation) + _vocab_comm(m, lay, hw, batch,
                                                                               prec.activation)
     return Cost(seconds, (weights + batch * per_seq_kv) / hw.hbm, comm,
-                host_s(m, lay, hw, batch))
+                host_s(m, lay, hw, batch) + step_call_s(lay, hw))
 
 
 def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,

@@ -65,7 +65,7 @@ class Roles:
     """What the load model needs of the layout: per-request seconds and step times."""
 
     prefill_s: float            # one request on one prefill DP rank
-    transfer_s: float           # its KV to decode (0 colocated)
+    transfer_s: float           # its KV to decode and the router's calls until its first token
     step_s: Callable[[float], float]   # decode step seconds at a batch per DP rank
     prefill_dp: int
     decode_dp: int

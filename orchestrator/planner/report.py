@@ -13,7 +13,7 @@ from orchestrator.config_errors import ConfigError
 from orchestrator.memory_check import MemoryPlan, build_memory_plan
 from orchestrator.memory_plan import RolePlan
 from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_bytes_per_token,
-                                       kv_transfer_cost, prefill_cost)
+                                       kv_transfer_cost, prefill_cost, request_calls)
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
 from orchestrator.planner.specs import (DeviceSpec, default_device, efficiency,
                                         named_device)
@@ -92,7 +92,8 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec,
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
         m, prec, hw, wl.input_len, pre.layout.dp * pre.layout.tp + dec.layout.dp * dec.layout.tp)
-    shape = Roles(p_cost.total_s, transfer.total_s if transfer else 0.0,
+    calls = request_calls(colocated) * device.control_call_us * 1e-6
+    shape = Roles(p_cost.total_s, calls + (transfer.total_s if transfer else 0.0),
                    lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
                    pre.layout.dp, dec.layout.dp, slots, colocated)
     point = operating_point(shape, wl)

@@ -32,6 +32,8 @@ class DeviceSpec:
         layer_overhead_us: host dispatch per layer per step not hidden by the device, us.
         expert_overhead_us: host dispatch per routed expert a step runs on the rank, per MoE
             layer, us (0 where one grouped kernel runs every expert).
+        control_call_us: one Ray actor call round trip, us: the leader's step call to its TP
+            followers (every step with tp > 1) and the router's calls per request.
     """
 
     key: str
@@ -47,6 +49,7 @@ class DeviceSpec:
     ranks_per_node: int
     layer_overhead_us: float
     expert_overhead_us: float = 0.0
+    control_call_us: float = 0.0
 
 
 @dataclass(frozen=True)
