@@ -14,7 +14,11 @@ float32 (the tiny model's dtype):
   rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
-  the round trip of a 4-byte all-reduce (the latency of one collective).
+  the round trip of a 4-byte all-reduce;
+- collective latency as a TP step meets it: the tiny model's decode step split over two
+  gloo ranks in two processes, its extra time over one rank per collective (at least the
+  idle round trip above): with ranks competing for few cores each collective also waits
+  for the other rank to be scheduled;
 
 Cached as JSON in ``$ORCH_CACHE_DIR`` (else ``~/.cache/orch``) ``/planner_cpu.json``; the
 machine's load changes the figures, so a test measures and compares in the same run.
@@ -138,18 +142,13 @@ class _Echo:
         return len(payload)
 
 
-def _tiny_step_s() -> tuple[float, float]:
-    """(seconds of a 64-token prefill, of a batch-1 decode step) of the built-in tiny model:
-    the median of a few after a warm-up (a median, as the load a server sees is typical,
-    not the best case)."""
-    import tempfile
-
+def _tiny_step_s(ckpt: Path) -> tuple[float, float]:
+    """(seconds of a 64-token prefill, of a batch-1 decode step) of the tiny checkpoint
+    ``ckpt``: the median of a few after a warm-up (a median, as the load a server sees is
+    typical, not the best case)."""
     from engine.runner import ModelRunner, SeqStep
-    from orchestrator.tiny_model import write_tiny_checkpoint
 
-    with tempfile.TemporaryDirectory() as tmp:
-        runner = ModelRunner(write_tiny_checkpoint(Path(tmp) / "tiny"), num_kv_blocks=8,
-                             block_size=16)
+    runner = ModelRunner(ckpt, num_kv_blocks=8, block_size=16)
     table = tuple(range(8))
     prompt = SeqStep("p", tuple(range(1000, 1000 + PROMPT)), 0, table)
     step = SeqStep("p", (7,), PROMPT, table)
@@ -161,6 +160,71 @@ def _tiny_step_s() -> tuple[float, float]:
             runner.execute([seq])
             times[i].append(time.perf_counter() - t0)
     return sorted(times[0])[4], sorted(times[1])[4]
+
+
+def _tp2_rank(rank: int, port: int, ckpt: str, out) -> None:
+    """One rank of :func:`_tp2_decode_s` (a spawned process)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel import TPGroup
+    from engine.runner import ModelRunner, SeqStep
+
+    torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    runner = ModelRunner(ckpt, num_kv_blocks=8, block_size=16,
+                         tp=TPGroup(rank, 2, dist.group.WORLD))
+    table = tuple(range(8))
+    runner.execute([SeqStep("p", tuple(range(1000, 1000 + PROMPT)), 0, table)])
+    times = []
+    for _ in range(9):
+        dist.barrier()
+        t0 = time.perf_counter()
+        runner.execute([SeqStep("p", (7,), PROMPT, table)])
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(sorted(times)[4])
+    dist.destroy_process_group()
+
+
+def _tp2_decode_s(ckpt: Path) -> float:
+    """Median seconds of the tiny model's batch-1 decode step split over two gloo ranks in
+    two processes, as a TP2 decode instance runs it.
+
+    Raises:
+        queue.Empty: the pair did not report within 120 s.
+    """
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp2_rank, args=(r, port, str(ckpt), out), daemon=True)
+             for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        return out.get(timeout=120)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _collective_latency_us(m_layers: int, tp1_s: float, tp2_s: float, floor_us: float) -> float:
+    """The latency one TP collective costs inside a step: the TP2 step's extra time over TP1
+    per collective it meets (two per layer, the embedding's all-reduce, the logits'
+    all-gather), at least ``floor_us`` (two idle ranks' round trip). NOTE: on a machine
+    with fewer free cores than stepping ranks this is much more than the idle round trip:
+    each collective waits for the other rank to be scheduled."""
+    return max(floor_us, (tp2_s - tp1_s) / (2 * m_layers + 2) * 1e6)
 
 
 def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[float, float]:
@@ -187,10 +251,11 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
 
 
 def measure_cpu() -> DeviceSpec:
-    """Run the calibration (5-15 s) and return the ``cpu`` device it measured.
+    """Run the calibration (15-30 s) and return the ``cpu`` device it measured.
 
     Raises:
         RuntimeError: the gloo pair did not finish within 120 s.
+        queue.Empty: the TP2 step pair did not report within 120 s.
         ray.exceptions.GetTimeoutError: a Ray call took over 30 s.
     """
     rates = {**_local_rates(), **_gloo_rates()}
@@ -201,9 +266,19 @@ def measure_cpu() -> DeviceSpec:
         int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
-    per_layer, per_expert = _host_costs(raw, *_tiny_step_s())
+    import tempfile
+
+    from orchestrator.tiny_model import tiny_config_dict, write_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_tiny_checkpoint(Path(tmp) / "tiny")
+        prefill_s, decode_s = _tiny_step_s(ckpt)
+        tp2_s = _tp2_decode_s(ckpt)
+    per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
+    latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), decode_s,
+                                     tp2_s, raw.link_latency_us)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
-                   control_call_us=_ray_call_us())
+                   control_call_us=_ray_call_us(), link_latency_us=latency)
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:
