@@ -37,7 +37,7 @@ def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "bench", "--up",
          *(str(REPO / "configs" / f"{c}.yaml") for c in CONFIGS), "--up-out", str(out),
-         "--workload", "synthetic", "--num-requests", "4", "--warmup", "1", "--input-len",
+         "--workload", "synthetic", "--num-requests", "6", "--warmup", "1", "--input-len",
          str(IN), "--output-len", str(OUT), "--max-concurrency", "1", "--no-progress"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
