@@ -1,7 +1,8 @@
 """`orch plan` on this CPU machine predicts what `orch bench` measures: configs/1p1d.yaml and
 configs/colocated.yaml, one small workload (64-token prompts, 16 output tokens, one request
-in flight, 6 timed), median TTFT and TPOT each within 30 %. The cpu device is measured just before and
-just after the bench (figures averaged), so both see the same load on a shared machine."""
+in flight, 6 timed), median TTFT and TPOT each within 30 %. The cpu device is measured just
+before and just after the bench (figures averaged), so both see the same load on a shared
+machine."""
 
 from __future__ import annotations
 
