@@ -25,10 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="devices.yaml entry (a3, a2, h100, h200) or cpu; default: the "
                    "config's cluster.device default")
-    p.add_argument("--cp", type=int, default=None,
-                   help="context-parallel prefill: attention of each prefill DP rank split "
-                   "into cp groups of tp/cp ranks by tokens (cp divides tp; seed 004: cp = tp; "
-                   "default prefill.cp or 1)")
     p.add_argument("--calibrate", action="store_true",
                    help="cpu: measure again instead of using the cached figures")
 
@@ -61,7 +57,7 @@ def run(ns: argparse.Namespace) -> int:
         wl = parse_workload(ns.workload) if ns.workload else trace_workload(ns.trace,
                                                                             ns.trace_kind)
         device = resolve_device(cfg, ns.device, ns.calibrate)
-        plan = plan_config(cfg, wl, device, ns.cp)
+        plan = plan_config(cfg, wl, device)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"orch plan: {exc}", file=sys.stderr)
         return 2

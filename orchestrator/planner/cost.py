@@ -5,7 +5,7 @@ and host dispatch add. Counts follow the engine's layout (docs/planner.md):
 
 - linear FLOPs: 2 x the parameters a token touches (MLA projections on all heads, dense MLP
   or shared + ``num_experts_per_tok`` routed experts, router gate, V3.2 indexer), split over
-  the ``tp`` (x ``cp``) ranks of a DP rank;
+  the ``tp x cp`` ranks of a DP rank;
 - attention FLOPs: dense MLA in MHA form over the causal prefix (prefill) or absorbed over
   the whole context (decode); V3.2 sparse attention over ``min(context, index_topk)`` keys in
   absorbed form plus the indexer's ``index_n_heads x index_head_dim`` dot products over the
@@ -148,14 +148,15 @@ def all_to_all_s(hw: Hardware, nbytes: float, n: int) -> float:
 
 
 def _comm_per_layer(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float,
-                    act: float, cp: int = 1) -> float:
-    """Collectives of one pass of ``tokens`` tokens through every layer of one DP rank;
-    with ``cp`` the TP all-reduces run over ``tp / cp`` ranks on ``tokens / cp`` tokens."""
-    hidden = tokens / cp * m.hidden_size * act
-    ar = 2 * m.num_hidden_layers * allreduce_s(hw, hidden, lay.tp // cp)
+                    act: float) -> float:
+    """Collectives of one pass of ``tokens`` tokens through every layer of one DP rank: the
+    TP all-reduces on each CP rank's ``tokens / cp``, the EP all-to-alls on each rank's
+    ``tokens / (tp cp)``."""
+    hidden = tokens / lay.cp * m.hidden_size * act
+    ar = 2 * m.num_hidden_layers * allreduce_s(hw, hidden, lay.tp)
     if not lay.ep:
         return ar
-    per_rank = tokens / lay.tp * m.num_experts_per_tok * m.hidden_size * act
+    per_rank = tokens / (lay.tp * lay.cp) * m.num_experts_per_tok * m.hidden_size * act
     return ar + 2 * num_moe_layers(m) * all_to_all_s(hw, per_rank, lay.ep_size)
 
 
@@ -172,27 +173,23 @@ def _vocab_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float,
 
 
 def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
-                 prompt: int, chunk: int, cp: int = 1) -> Cost:
+                 prompt: int, chunk: int) -> Cost:
     """One prompt of ``prompt`` tokens on one prefill DP rank, in chunks of ``chunk`` tokens.
 
-    ``cp`` (dividing tp): the DP rank's ranks run attention context-parallel, ``cp`` groups
-    of ``tp / cp`` head-split ranks each taking ``1 / cp`` of the tokens (seed 004's DSA-CP is
-    cp = tp); the K/V latents of each chunk are all-gathered over the ``cp`` groups.
-
-    Raises:
-        ValueError: ``cp`` does not divide tp.
+    With ``cp`` (context parallel, seed 004's DSA-CP) each of the DP rank's ``cp`` ranks
+    computes ``1 / cp`` of the tokens with all heads and the K/V latents of each chunk are
+    all-gathered; layer-sharded weights' broadcasts are taken as hidden behind compute.
     """
     lay = plan.layout
-    if lay.tp % cp:
-        raise ValueError(f"cp {cp} must divide prefill tp {lay.tp}")
+    ranks = lay.tp * lay.cp
     seconds = (2.0 * prompt * linear_params_per_token(m) / hw.linear_flops(m)
-               + attention_flops(m, prompt, 0) / hw.flops) / lay.tp
+               + attention_flops(m, prompt, 0) / hw.flops) / ranks
     chunks = -(-prompt // chunk)
     memory = chunks * plan.bytes_of("weights") / hw.hbm
-    comm = _comm_per_layer(m, lay, hw, prompt, prec.activation, cp) \
-        + allreduce_s(hw, prompt / cp * m.hidden_size * prec.activation, lay.tp // cp)
-    if cp > 1:
-        comm += (cp - 1) / cp * prompt * kv_bytes_per_token(m, prec) / hw.link(cp) \
+    comm = _comm_per_layer(m, lay, hw, prompt, prec.activation) \
+        + allreduce_s(hw, prompt / lay.cp * m.hidden_size * prec.activation, lay.tp)
+    if lay.cp > 1:
+        comm += (lay.cp - 1) / lay.cp * prompt * kv_bytes_per_token(m, prec) / hw.link(ranks) \
             + m.num_hidden_layers * hw.latency_s * chunks
     overhead = chunks * (host_s(m, lay, hw, min(chunk, prompt)) + step_call_s(lay, hw))
     return Cost(seconds, memory, comm, overhead)

@@ -36,7 +36,6 @@ class Plan:
     memory: MemoryPlan
     device: DeviceSpec
     workload: WorkloadSpec
-    cp: int
     prefill: RolePlan
     decode: RolePlan
     slots: int
@@ -67,10 +66,8 @@ def requests_held(plan: RolePlan, tokens: int) -> int:
     return min(lay.max_num_seqs, lay.num_kv_blocks // -(-tokens // lay.block_size))
 
 
-def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec,
-                cp: int | None = None) -> Plan:
-    """Predict ``cfg`` serving ``wl`` on ``device``; ``cp`` context-parallel prefill ranks
-    (default: ``prefill.cp`` when the config has it, else 1).
+def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
+    """Predict ``cfg`` serving ``wl`` on ``device``.
 
     Raises:
         ConfigError: no config.json to plan from, or a request does not fit one DP rank's KV.
@@ -78,7 +75,6 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec,
     memory, source = build_memory_plan(cfg)
     if memory is None:
         raise ConfigError(f"cannot plan: {source}")
-    cp = cp or int(getattr(cfg.prefill, "cp", 1) or 1)
     roles = {p.layout.role: p for p in memory.roles}
     colocated = "colocated" in roles
     pre, dec = (roles["colocated"],) * 2 if colocated else (roles["prefill"], roles["decode"])
@@ -88,10 +84,10 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec,
                           "a DP rank's KV cache: raise num_kv_blocks or shorten the workload")
     hw = Hardware(device, efficiency(device))
     m, prec = memory.model, memory.precision
-    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size, cp)
+    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size)
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
-        m, prec, hw, wl.input_len, pre.layout.dp * pre.layout.tp + dec.layout.dp * dec.layout.tp)
+        m, prec, hw, wl.input_len, pre.layout.ranks + dec.layout.ranks)
     calls = request_calls(colocated) * device.control_call_us * 1e-6
     shape = Roles(p_cost.total_s, calls + (transfer.total_s if transfer else 0.0),
                    lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
@@ -99,7 +95,7 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec,
     point = operating_point(shape, wl)
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
     best = None if colocated else _best_split(shape, pre, dec, wl)
-    return Plan(cfg, memory, device, wl, cp, pre, dec, slots, p_cost, step, transfer, point,
+    return Plan(cfg, memory, device, wl, pre, dec, slots, p_cost, step, transfer, point,
                 best)
 
 
@@ -107,8 +103,8 @@ def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
                 wl: WorkloadSpec) -> tuple[int, int, float]:
     """The prefill:decode DP split of the same ranks with the most output tokens/s at
     capacity (per-rank costs held fixed: the EP share of experts changes with it)."""
-    tp_p, tp_d = pre.layout.tp, dec.layout.tp
-    ranks = pre.layout.dp * tp_p + dec.layout.dp * tp_d
+    tp_p, tp_d = pre.layout.tp * pre.layout.cp, dec.layout.tp
+    ranks = pre.layout.ranks + dec.layout.ranks
     per_decode = r.slots / (wl.output_len * r.step_s(r.slots))
     best = (0, 0, 0.0)
     for dp_p in range(1, ranks // tp_p):
@@ -133,8 +129,9 @@ def _cost(c: Cost, scale: float, unit: str) -> str:
 def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens: int) -> str:
     lay = plan.layout
     ep = f", ep (EP {lay.ep_size})" if lay.ep else ""
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
     blocks = -(-tokens // lay.block_size)
-    return (f"{name}: dp {lay.dp} x tp {lay.tp}{ep}: one rank {_gb(plan.total_bytes)} GB "
+    return (f"{name}: dp {lay.dp} x tp {lay.tp}{cp}{ep}: one rank {_gb(plan.total_bytes)} GB "
             f"(weights {_gb(plan.bytes_of('weights'))}, KV {_gb(plan.bytes_of('kv'))}, "
             f"workspace {_gb(plan.bytes_of('workspace'))}) of {device.memory_gb:.4g} GB; "
             f"{held} request(s) per DP rank ({lay.num_kv_blocks} KV blocks / {blocks} per "
@@ -147,7 +144,7 @@ def format_plan(plan: Plan) -> list[str]:
     load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}"
     lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
              f"out={wl.output_len}, {load}; efficiency compute {eff.compute:g}, HBM "
-             f"{eff.hbm:g}, links {eff.link:g}" + (f"; cp {plan.cp}" if plan.cp > 1 else "")]
+             f"{eff.hbm:g}, links {eff.link:g}"]
     colocated = plan.transfer is None
     lines.append(_role_line("colocated" if colocated else "prefill", plan.prefill, plan.device,
                             requests_held(plan.prefill, wl.input_len), wl.input_len))

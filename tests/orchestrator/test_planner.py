@@ -91,7 +91,7 @@ def test_orch_plan_prints_seed_004s_prediction_as_docs_planner_md_says(capsys):
     from orchestrator.cli import main
 
     assert main(["plan", str(REPO / "configs" / "a3_v32_p2x16_d8x4.yaml"), "--workload",
-                 "in=65536,out=3072,concurrency=29", "--cp", "16"]) == 0
+                 "in=65536,out=3072,concurrency=29"]) == 0
     predicted = [line for line in capsys.readouterr().out.splitlines()
                  if line.startswith("predicted: ")]
     assert len(predicted) == 1
