@@ -13,6 +13,8 @@ float32 (the tiny model's dtype):
   model (:class:`engine.runner.ModelRunner`), less what their FLOPs and bytes take at the
   rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
+- serving cost per step: a served tiny request's token gap less the bare engine decode step
+  (:mod:`.calibrate_serving`), on the same Ray as the control call;
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
   the round trip of a 4-byte all-reduce;
 - collective latency as a TP step meets it: the tiny model's decode step split over two
@@ -107,32 +109,46 @@ def _gloo_rates() -> dict[str, float]:
     return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
-def _ray_call_us() -> float:
-    """Median round trip of a Ray actor call with a small payload, us.
+def _ray_figures(ckpt: Path) -> tuple[float, float]:
+    """(Ray actor call round trip, serving cost per step), us, on the Ray this process runs,
+    else on a private local one started for them.
 
     Raises:
         ray.exceptions.GetTimeoutError: a call took over 30 s.
     """
     import ray
 
+    from orchestrator.planner.calibrate_serving import serving_step_s
+
     own = not ray.is_initialized()
     if own:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        echo = ray.remote(num_cpus=0)(_Echo).remote()
-        payload = [(f"r{i}", tuple(range(64)), 64, tuple(range(8))) for i in range(8)]
-        for _ in range(10):  # NOTE: warm: the first calls start the worker and its imports
-            ray.get(echo.ping.remote(payload), timeout=30)
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            ray.get(echo.ping.remote(payload), timeout=30)
-            times.append(time.perf_counter() - t0)
-        ray.kill(echo)
-        return sorted(times)[len(times) // 2] * 1e6
+        return _ray_call_us(), serving_step_s(ckpt) * 1e6
     finally:
         if own:
             ray.shutdown()
+
+
+def _ray_call_us() -> float:
+    """Median round trip of a Ray actor call with a small payload, us (Ray initialised).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: a call took over 30 s.
+    """
+    import ray
+
+    echo = ray.remote(num_cpus=0)(_Echo).remote()
+    payload = [(f"r{i}", tuple(range(64)), 64, tuple(range(8))) for i in range(8)]
+    for _ in range(10):  # NOTE: warm: the first calls start the worker and its imports
+        ray.get(echo.ping.remote(payload), timeout=30)
+    times = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        ray.get(echo.ping.remote(payload), timeout=30)
+        times.append(time.perf_counter() - t0)
+    ray.kill(echo)
+    return sorted(times)[len(times) // 2] * 1e6
 
 
 class _Echo:
@@ -274,11 +290,13 @@ def measure_cpu() -> DeviceSpec:
         ckpt = write_tiny_checkpoint(Path(tmp) / "tiny")
         prefill_s, decode_s = _tiny_step_s(ckpt)
         tp2_s = _tp2_decode_s(ckpt)
+        call_us, serving_us = _ray_figures(ckpt)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
     latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), decode_s,
                                      tp2_s, raw.link_latency_us)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
-                   control_call_us=_ray_call_us(), link_latency_us=latency)
+                   control_call_us=call_us, link_latency_us=latency,
+                   step_serving_us=serving_us)
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

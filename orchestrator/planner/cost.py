@@ -191,7 +191,8 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     if lay.cp > 1:
         comm += (lay.cp - 1) / lay.cp * prompt * kv_bytes_per_token(m, prec) / hw.link(ranks) \
             + m.num_hidden_layers * hw.latency_s * chunks
-    overhead = chunks * (host_s(m, lay, hw, min(chunk, prompt)) + step_call_s(lay, hw))
+    overhead = chunks * (host_s(m, lay, hw, min(chunk, prompt)) + step_call_s(lay, hw)
+                         + serving_s(hw))
     return Cost(seconds, memory, comm, overhead)
 
 
@@ -216,6 +217,12 @@ def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> floa
 def step_call_s(lay: RoleLayout, hw: Hardware) -> float:
     """The leader's Ray call that runs a step on its TP followers (0 for tp 1)."""
     return hw.spec.control_call_us * 1e-6 if lay.tp > 1 else 0.0
+
+
+def serving_s(hw: Hardware) -> float:
+    """The serving layer's cost of one leader step beyond the engine's (scheduler, sampler,
+    token events and the router's poll of them), s."""
+    return hw.spec.step_serving_us * 1e-6
 
 
 def request_calls(colocated: bool) -> int:
@@ -244,7 +251,7 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     comm = _comm_per_layer(m, lay, hw, batch, prec.activation) + _vocab_comm(m, lay, hw, batch,
                                                                               prec.activation)
     return Cost(seconds, (weights + batch * per_seq_kv) / hw.hbm, comm,
-                host_s(m, lay, hw, batch) + step_call_s(lay, hw))
+                host_s(m, lay, hw, batch) + step_call_s(lay, hw) + serving_s(hw))
 
 
 def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,

@@ -34,6 +34,9 @@ class DeviceSpec:
             layer, us (0 where one grouped kernel runs every expert).
         control_call_us: one Ray actor call round trip, us: the leader's step call to its TP
             followers (every step with tp > 1) and the router's calls per request.
+        step_serving_us: the serving layer's cost per leader step on top of the engine step
+            (scheduler, sampler, token events, the router's poll of them), us; measured on
+            cpu, 0 (not estimated) for the accelerators.
     """
 
     key: str
@@ -50,6 +53,7 @@ class DeviceSpec:
     layer_overhead_us: float
     expert_overhead_us: float = 0.0
     control_call_us: float = 0.0
+    step_serving_us: float = 0.0
 
 
 @dataclass(frozen=True)
