@@ -103,3 +103,18 @@ def test_orch_plan_refuses_a_bad_workload(capsys):
 
     assert main(["plan", str(REPO / "configs" / "1p1d.yaml"), "--workload", "in=64"]) == 2
     assert "needs in= and out=" in capsys.readouterr().err
+
+
+def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
+    from dataclasses import replace
+
+    from orchestrator.config import load_config
+    from orchestrator.planner.report import plan_config
+
+    base = replace(default_device("cuda"), step_serving_us=0.0)
+    slow = replace(base, step_serving_us=1000.0)
+    cfg = load_config(REPO / "configs" / "colocated.yaml")
+    wl = WorkloadSpec(128, 16, concurrency=1)  # 128 tokens = 2 prefill chunks of 64
+    fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
+    assert slow_pt.tpot_s - fast_pt.tpot_s == pytest.approx(1e-3, rel=1e-6)
+    assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(2e-3, rel=1e-6)
