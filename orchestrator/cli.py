@@ -1,4 +1,4 @@
-"""The `orch` command: up, status, generate, model init-tiny, bench.
+"""The `orch` command: up, status, generate, model init-tiny, bench, plan.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments, 3 (`orch status`) the
 router answered but some instance is not healthy.
@@ -56,10 +56,13 @@ def _dry_run(cfg: OrchConfig) -> int:
     from orchestrator.config import ConfigError
     from orchestrator.memory_check import check_memory
     from orchestrator.placement import dry_run_report
+    from orchestrator.planner.report import dry_run_lines
 
     try:
         print(dry_run_report(cfg), flush=True)
         print(check_memory(cfg))
+        for line in dry_run_lines(cfg):
+            print(line)
     except ConfigError as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 2
@@ -275,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--shard-mb", type=int, default=5120, help="largest output file, MiB")
     quant.set_defaults(func=_cmd_quantize)
     _add_bench(sub)
+    from orchestrator.planner import cli as plan_cli
+
+    plan = sub.add_parser("plan", help="predict TTFT, TPOT and tokens/s of a config "
+                          "(docs/planner.md)")
+    plan_cli.add_arguments(plan)
+    plan.set_defaults(func=plan_cli.run)
     return parser
 
 

@@ -3,7 +3,8 @@ plan: every (prefill rank, decode rank) pair and its layers equal
 ``kv_transfer.build_transfer_plan`` for the config's tp sizes and layer count, and the plan is
 said to apply to every (prefill instance, decode instance) pair. It prints the memory plan of
 one rank per role (rows equal ``orchestrator.memory_check.build_memory_plan``) and exits 2,
-saying by how much, when a layout does not fit the device."""
+saying by how much, when a layout does not fit the device. For an accelerator layout it ends
+with the planner's predicted TTFT / TPOT / tokens/s (``orchestrator.planner``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from orchestrator.checkpoint import DEEPSEEK_V3_LAYERS
 from orchestrator.config import load_config
 from orchestrator.devices import GB
 from orchestrator.memory_check import build_memory_plan
+from orchestrator.planner.load import WorkloadSpec
+from orchestrator.planner.report import plan_config, predicted_line
+from orchestrator.planner.specs import default_device
 from orchestrator.tiny_model import tiny_config_dict
 from tests.e2e.harness import REPO
 
@@ -124,7 +128,15 @@ def test_dry_run_prints_the_memory_plan(printed):
                       f"{(64 * GB - role.total_bytes) / GB:.2f} GB "
                       f"({100 * (64 * GB - role.total_bytes) / (64 * GB):.1f} %)"
                       for role in plan.roles]
-    assert lines[-1] == "memory plan: fits npu default: Atlas A3 die (64.00 GB)"
+    assert "memory plan: fits npu default: Atlas A3 die (64.00 GB)" in lines
+
+
+def test_dry_run_prints_the_planner_figures_for_an_a3_layout(printed):
+    cfg = load_config(REPO / "configs" / "a3_p2x16_d8x4.yaml")
+    point = plan_config(cfg, WorkloadSpec(65536, 3072), default_device("npu")).point
+    lines = printed("a3_p2x16_d8x4.yaml")
+    assert lines[-2].startswith("planner on a3, in=65536 out=3072"), lines[-2:]
+    assert lines[-1] == "  " + predicted_line(point)
 
 
 def test_dry_run_refuses_a_layout_that_does_not_fit(tmp_path):

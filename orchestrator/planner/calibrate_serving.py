@@ -1,0 +1,93 @@
+"""The serving layer's cost per step on cpu: what a served token costs beyond the engine step.
+
+A :class:`prefill_worker.colocated.ColocatedRank` of the tiny model runs as a Ray actor (tp
+1, its own step loop thread, the actor options ``orch up`` gives a rank) and this process
+long-polls it for token events as the router's EventPump does. The median gap between a
+request's tokens, less the bare engine decode step (:class:`engine.runner.ModelRunner` at
+batch 1, timed in this process just before), is the serving cost of one step: the leader
+step's scheduler, sampler and events (measured in-process: well under 1 ms) and, most of it,
+the event path (a Ray ``poll`` call per step, its serialization, and the rank's step loop
+sharing the GIL with the actor's call threads).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+PROMPT = 64  # tokens of the served request's prompt
+TOKENS = 24  # tokens it generates (the first 4 gaps are left out as warm-up)
+POLL_S = 0.5  # the EventPump's long-poll timeout (orchestrator/leader.py)
+
+
+def _bare_decode_s(ckpt: Path, steps: int = 9) -> float:
+    """Median seconds of the tiny model's batch-1 decode step at context ``PROMPT``."""
+    from engine.runner import ModelRunner, SeqStep
+
+    runner = ModelRunner(ckpt, num_kv_blocks=8, block_size=16)
+    table = tuple(range(8))
+    runner.execute([SeqStep("p", tuple(range(1000, 1000 + PROMPT)), 0, table)])
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        runner.execute([SeqStep("p", (7,), PROMPT + i, table)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]:
+    """Seconds between the token events of ``request_id``, polled from the actor ``rank``.
+
+    Raises:
+        TimeoutError: the request did not finish within ``timeout_s``.
+        RuntimeError: it finished with an error.
+    """
+    import ray
+
+    from engine.sampling_params import SamplingParams
+    from prefill_worker.messages import RequestSpec
+
+    ray.get(rank.generate.remote(RequestSpec(
+        request_id, tuple(range(1000, 1000 + PROMPT)),
+        SamplingParams(max_tokens=TOKENS, ignore_eos=True))), timeout=30)
+    arrivals, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for ev in ray.get(rank.poll.remote(POLL_S), timeout=30):
+            if ev.error:
+                raise RuntimeError(f"calibration request failed: {ev.error}")
+            arrivals.extend([time.perf_counter()] * max(1, len(ev.token_ids)))
+            if ev.finish_reason is not None:
+                return [b - a for a, b in zip(arrivals, arrivals[1:])]
+    raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
+
+
+def serving_step_s(ckpt: Path) -> float:
+    """Seconds a served decode step costs beyond the bare engine step (>= 0), on the Ray
+    this process runs (the caller initialises it).
+
+    Raises:
+        TimeoutError, RuntimeError: the served request did not complete (see
+            :func:`_token_gaps_s`); ray.exceptions.GetTimeoutError: a call took over 30 s.
+    """
+    import ray
+
+    from orchestrator.cluster import ACTOR_CONCURRENCY
+    from prefill_worker.colocated import ColocatedRank
+    from prefill_worker.config import InstanceConfig, SchedulerConfig
+
+    sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
+                            max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
+    cfg = InstanceConfig(name="calib-0", role="colocated", checkpoint_dir=str(ckpt),
+                         scheduler=sched)
+    rank = ray.remote(ColocatedRank).options(num_cpus=0.1,
+                                             max_concurrency=ACTOR_CONCURRENCY).remote(cfg, 0)
+    try:
+        host, port = ray.get(rank.open_tp_store.remote(), timeout=60)
+        ray.get(rank.init_rank.remote(host, port, [rank]), timeout=60)
+        ray.get(rank.start.remote(), timeout=30)
+        bare = _bare_decode_s(ckpt)
+        gaps = [g for i in range(2) for g in _token_gaps_s(rank, f"calib-{i}")[4:]]
+        return max(0.0, statistics.median(gaps) - bare)
+    finally:
+        ray.kill(rank)

@@ -1,0 +1,65 @@
+"""``orch plan CONFIG --workload in=..,out=..[,rate=R|,concurrency=C]`` (or ``--trace FILE``).
+
+Exit codes: 0 printed, 2 bad config, options or trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from orchestrator.planner.load import WorkloadSpec, parse_workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``orch plan`` options (docs/planner.md)."""
+    p.add_argument("config", help="YAML config (configs/...)")
+    p.add_argument("--workload", default=None,
+                   help="in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N] (default "
+                   "closed loop filling the decode slots)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="a trace file instead: mean lengths and its arrival rate")
+    p.add_argument("--trace-kind", choices=("mooncake", "azure", "sharegpt"),
+                   default="mooncake", help="format of --trace (the bench's loaders)")
+    p.add_argument("--device", default=None,
+                   help="devices.yaml entry (a3, a2, h100, h200) or cpu; default: the "
+                   "config's cluster.device default")
+    p.add_argument("--calibrate", action="store_true",
+                   help="cpu: measure again instead of using the cached figures")
+
+
+def trace_workload(path: Path, kind: str) -> WorkloadSpec:
+    """Mean input/output tokens of a trace (the bench's loaders) and its arrival rate.
+
+    Raises:
+        ValueError, FileNotFoundError: the bench's loaders could not read it.
+    """
+    from orchestrator.bench.workloads import WorkloadConfig, load_workload
+
+    w = load_workload(WorkloadConfig(kind=kind, trace=path, num_requests=None))
+    reqs = w.requests
+    span = max(r.arrival_s for r in reqs)
+    return WorkloadSpec(round(sum(r.input_len for r in reqs) / len(reqs)),
+                        round(sum(r.output_len for r in reqs) / len(reqs)),
+                        rate=len(reqs) / span if span > 0 else None)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Print the plan; returns the exit code."""
+    from orchestrator.config import ConfigError, load_config
+    from orchestrator.planner.report import format_plan, plan_config, resolve_device
+
+    try:
+        cfg = load_config(ns.config)
+        if (ns.workload is None) == (ns.trace is None):
+            raise ValueError("give one of --workload in=..,out=.. or --trace FILE")
+        wl = parse_workload(ns.workload) if ns.workload else trace_workload(ns.trace,
+                                                                            ns.trace_kind)
+        device = resolve_device(cfg, ns.device, ns.calibrate)
+        plan = plan_config(cfg, wl, device)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"orch plan: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(format_plan(plan)))
+    return 0

@@ -1,0 +1,141 @@
+"""The workload a plan is for, and the operating point it reaches (queueing, batch, rate).
+
+Two load models:
+
+- closed loop (``concurrency=C``; the default C fills every decode slot, ``dp x`` the
+  requests one decode DP rank holds): C requests always in flight, each a new one as soon as
+  one ends. Throughput X = min(C / (prefill + transfer + out x TPOT), prefill capacity,
+  decode capacity); TTFT by Little's law, C / X - out x TPOT (so queueing before prefill is
+  in it when prefill is the bottleneck).
+- open loop (``rate=R`` requests/s, Poisson): each prefill DP rank an M/D/1 queue, TTFT =
+  wait + prefill + transfer; over capacity the plan says so (TTFT unbounded).
+
+Either way the decode batch per DP rank is X x out x TPOT / dp (Little), solved with the
+step time by fixed-point iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Mean request shape and load. ``rate`` (req/s) and ``concurrency`` exclusive; neither:
+    closed loop filling the decode slots."""
+
+    input_len: int
+    output_len: int
+    rate: float | None = None
+    concurrency: int | None = None
+
+
+def parse_workload(text: str) -> WorkloadSpec:
+    """``in=65536,out=3072[,rate=R | ,concurrency=C]`` -> :class:`WorkloadSpec`.
+
+    Raises:
+        ValueError: an unknown key, a missing in/out, a bad number, both rate and concurrency.
+    """
+    keys = {"in": int, "out": int, "rate": float, "concurrency": int}
+    values: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key.strip() not in keys:
+            raise ValueError(f"--workload: unknown key {key!r} in {text!r}: use "
+                             "in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N]")
+        values[key.strip()] = keys[key.strip()](value)
+    if "in" not in values or "out" not in values:
+        raise ValueError(f"--workload {text!r} needs in= and out= (tokens), e.g. "
+                         "in=65536,out=3072")
+    if "rate" in values and "concurrency" in values:
+        raise ValueError("--workload: give rate= (open loop) or concurrency= (closed loop), "
+                         "not both")
+    spec = WorkloadSpec(int(values["in"]), int(values["out"]), values.get("rate"),
+                        values.get("concurrency"))
+    if min(spec.input_len, spec.output_len) < 1 or (spec.rate or 1) <= 0 \
+            or (spec.concurrency or 1) < 1:
+        raise ValueError(f"--workload {text!r}: lengths, rate and concurrency must be > 0")
+    return spec
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What the load model needs of the layout: per-request seconds and step times."""
+
+    prefill_s: float            # one request on one prefill DP rank
+    transfer_s: float           # its KV to decode and the router's calls until its first token
+    step_s: Callable[[float], float]   # decode step seconds at a batch per DP rank
+    prefill_dp: int
+    decode_dp: int
+    slots: int                  # requests one decode DP rank holds at once
+    colocated: bool
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """Predicted figures; ``bound`` names what limits throughput."""
+
+    ttft_s: float
+    tpot_s: float
+    requests_s: float
+    output_tok_s: float
+    decode_batch: float
+    concurrency: float
+    bound: str
+
+
+def _capacities(r: Roles, out: int) -> tuple[float, float]:
+    """(prefill, decode) requests/s the layout can sustain."""
+    return r.prefill_dp / r.prefill_s, r.decode_dp * r.slots / (out * r.step_s(r.slots))
+
+
+def _tpot(r: Roles, batch: float, rate: float, others: float = 1.0) -> float:
+    """Time per output token: the step, stretched in colocated ranks by the share of time
+    the prefills of ``others`` (the share of prefills that are not the request's own: 1 in
+    an open loop, 1 - dp / C in a closed loop of C) take."""
+    step = r.step_s(batch)
+    if not r.colocated:
+        return step
+    busy = min(0.95, rate * r.prefill_s / r.prefill_dp * others)
+    return step / (1 - busy)
+
+
+def operating_point(r: Roles, wl: WorkloadSpec) -> OperatingPoint:
+    """The steady state of ``wl`` on the layout (see the module docstring)."""
+    cap_p, cap_d = _capacities(r, wl.output_len)
+    if wl.rate is not None:
+        return _open_loop(r, wl, cap_p, cap_d)
+    conc = wl.concurrency or r.decode_dp * r.slots
+    others = max(0.0, 1 - r.prefill_dp / conc)
+    batch, rate, bound = float(r.slots), 0.0, "load"
+    for _ in range(100):
+        tpot = _tpot(r, batch, rate, others)
+        rate = min(conc / (r.prefill_s + r.transfer_s + wl.output_len * tpot), cap_p, cap_d)
+        bound = "prefill" if rate == cap_p else "decode" if rate == cap_d else "load"
+        batch = 0.5 * batch + 0.5 * min(r.slots, max(1.0, rate * wl.output_len * tpot
+                                                      / r.decode_dp))
+    tpot = _tpot(r, batch, rate, others)
+    ttft = max(r.prefill_s + r.transfer_s, conc / rate - wl.output_len * tpot)
+    return OperatingPoint(ttft, tpot, rate, rate * wl.output_len, batch, conc, bound)
+
+
+def _open_loop(r: Roles, wl: WorkloadSpec, cap_p: float, cap_d: float) -> OperatingPoint:
+    rate = wl.rate
+    if rate >= min(cap_p, cap_d):
+        bound = "prefill" if cap_p <= cap_d else "decode"
+        rate = min(cap_p, cap_d)
+        tpot = _tpot(r, r.slots, rate)
+        return OperatingPoint(math.inf, tpot, rate, rate * wl.output_len, r.slots, math.inf,
+                              f"{bound} (overloaded: {wl.rate:g} req/s > capacity)")
+    rho = rate * r.prefill_s / r.prefill_dp
+    wait = rho * r.prefill_s / (2 * (1 - rho))
+    batch = 1.0
+    for _ in range(100):
+        tpot = _tpot(r, batch, rate)
+        batch = 0.5 * batch + 0.5 * min(r.slots, max(1.0, rate * wl.output_len * tpot
+                                                      / r.decode_dp))
+    ttft = wait + r.prefill_s + r.transfer_s
+    conc = rate * (ttft + wl.output_len * tpot)
+    return OperatingPoint(ttft, tpot, rate, rate * wl.output_len, batch, conc, "load")

@@ -1,0 +1,194 @@
+"""The plan of an :class:`OrchConfig` for a workload, and its printed table.
+
+Memory and KV capacity come from the memory plan (:mod:`orchestrator.memory_check`); seconds
+from :mod:`.cost`; the operating point from :mod:`.load`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.config import OrchConfig
+from orchestrator.config_errors import ConfigError
+from orchestrator.memory_check import MemoryPlan, build_memory_plan
+from orchestrator.memory_plan import RolePlan
+from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_bytes_per_token,
+                                       kv_transfer_cost, prefill_cost, request_calls)
+from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
+from orchestrator.planner.specs import (DeviceSpec, default_device, efficiency,
+                                        named_device)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``orch plan`` prints.
+
+    Attributes:
+        prefill, decode: the role plans (the same colocated plan twice in colocated mode).
+        slots: requests one decode DP rank holds (KV blocks and max_num_seqs).
+        prefill_cost: one request on one prefill DP rank.
+        step_cost: one decode step at the operating point's batch.
+        transfer: the KV of one request to decode (None colocated).
+        best_split: (prefill dp, decode dp, output tok/s) of the best split of the same ranks.
+    """
+
+    cfg: OrchConfig
+    memory: MemoryPlan
+    device: DeviceSpec
+    workload: WorkloadSpec
+    prefill: RolePlan
+    decode: RolePlan
+    slots: int
+    prefill_cost: Cost
+    step_cost: Cost
+    transfer: Cost | None
+    point: OperatingPoint
+    best_split: tuple[int, int, float] | None
+
+
+def resolve_device(cfg: OrchConfig, key: str | None, recalibrate: bool = False) -> DeviceSpec:
+    """``key`` from devices.yaml (or "cpu": measured), else the config's platform default.
+
+    Raises:
+        ValueError: unknown key or platform.
+    """
+    key = key or ("cpu" if cfg.device() == "cpu" else default_device(cfg.device()).key)
+    if key == "cpu":
+        from orchestrator.planner.calibrate import cpu_device
+
+        return cpu_device(recalibrate)
+    return named_device(key)
+
+
+def requests_held(plan: RolePlan, tokens: int) -> int:
+    """Requests of ``tokens`` tokens one DP rank holds: KV blocks and max_num_seqs."""
+    lay = plan.layout
+    return min(lay.max_num_seqs, lay.num_kv_blocks // -(-tokens // lay.block_size))
+
+
+def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
+    """Predict ``cfg`` serving ``wl`` on ``device``.
+
+    Raises:
+        ConfigError: no config.json to plan from, or a request does not fit one DP rank's KV.
+    """
+    memory, source = build_memory_plan(cfg)
+    if memory is None:
+        raise ConfigError(f"cannot plan: {source}")
+    roles = {p.layout.role: p for p in memory.roles}
+    colocated = "colocated" in roles
+    pre, dec = (roles["colocated"],) * 2 if colocated else (roles["prefill"], roles["decode"])
+    slots = requests_held(dec, wl.input_len + wl.output_len)
+    if slots < 1 or requests_held(pre, wl.input_len) < 1:
+        raise ConfigError(f"one request of {wl.input_len}+{wl.output_len} tokens does not fit "
+                          "a DP rank's KV cache: raise num_kv_blocks or shorten the workload")
+    hw = Hardware(device, efficiency(device))
+    m, prec = memory.model, memory.precision
+    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size)
+    context = wl.input_len + wl.output_len / 2
+    transfer = None if colocated else kv_transfer_cost(
+        m, prec, hw, wl.input_len, pre.layout.ranks + dec.layout.ranks)
+    calls = request_calls(colocated) * device.control_call_us * 1e-6
+    shape = Roles(p_cost.total_s, calls + (transfer.total_s if transfer else 0.0),
+                   lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
+                   pre.layout.dp, dec.layout.dp, slots, colocated)
+    point = operating_point(shape, wl)
+    step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
+    best = None if colocated else _best_split(shape, pre, dec, wl)
+    return Plan(cfg, memory, device, wl, pre, dec, slots, p_cost, step, transfer, point,
+                best)
+
+
+def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
+                wl: WorkloadSpec) -> tuple[int, int, float]:
+    """The prefill:decode DP split of the same ranks with the most output tokens/s at
+    capacity (per-rank costs held fixed: the EP share of experts changes with it)."""
+    tp_p, tp_d = pre.layout.tp * pre.layout.cp, dec.layout.tp
+    ranks = pre.layout.ranks + dec.layout.ranks
+    per_decode = r.slots / (wl.output_len * r.step_s(r.slots))
+    best = (0, 0, 0.0)
+    for dp_p in range(1, ranks // tp_p):
+        dp_d = (ranks - dp_p * tp_p) // tp_d
+        if dp_d >= 1:
+            rate = min(dp_p / r.prefill_s, dp_d * per_decode)
+            if rate * wl.output_len > best[2]:
+                best = (dp_p, dp_d, rate * wl.output_len)
+    return best
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def _cost(c: Cost, scale: float, unit: str) -> str:
+    return (f"{c.total_s * scale:.3g} {unit} (compute {c.compute_s * scale:.3g}, memory "
+            f"{c.memory_s * scale:.3g}, collectives {c.comm_s * scale:.3g}, host "
+            f"{c.overhead_s * scale:.3g})")
+
+
+def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens: int) -> str:
+    lay = plan.layout
+    ep = f", ep (EP {lay.ep_size})" if lay.ep else ""
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+    blocks = -(-tokens // lay.block_size)
+    return (f"{name}: dp {lay.dp} x tp {lay.tp}{cp}{ep}: one rank {_gb(plan.total_bytes)} GB "
+            f"(weights {_gb(plan.bytes_of('weights'))}, KV {_gb(plan.bytes_of('kv'))}, "
+            f"workspace {_gb(plan.bytes_of('workspace'))}) of {device.memory_gb:.4g} GB; "
+            f"{held} request(s) per DP rank ({lay.num_kv_blocks} KV blocks / {blocks} per "
+            f"request, max_num_seqs {lay.max_num_seqs})")
+
+
+def format_plan(plan: Plan) -> list[str]:
+    """The ``orch plan`` report lines."""
+    wl, pt, eff = plan.workload, plan.point, efficiency(plan.device)
+    load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}"
+    lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
+             f"out={wl.output_len}, {load}; efficiency compute {eff.compute:g}, HBM "
+             f"{eff.hbm:g}, links {eff.link:g}"]
+    colocated = plan.transfer is None
+    lines.append(_role_line("colocated" if colocated else "prefill", plan.prefill, plan.device,
+                            requests_held(plan.prefill, wl.input_len), wl.input_len))
+    lines.append(f"  prefill per request: {_cost(plan.prefill_cost, 1, 's')}")
+    if not colocated:
+        lines.append(_role_line("decode", plan.decode, plan.device, plan.slots,
+                                wl.input_len + wl.output_len))
+    lines.append(f"  decode step at batch {pt.decode_batch:.3g} per DP rank: "
+                 f"{_cost(plan.step_cost, 1e3, 'ms')}")
+    if plan.transfer is not None:
+        nbytes = wl.input_len * kv_bytes_per_token(plan.memory.model, plan.memory.precision)
+        lines.append(f"kv transfer per request: {plan.transfer.total_s:.3g} s "
+                     f"({_gb(nbytes)} GB)")
+    lines.append(predicted_line(pt))
+    if plan.best_split is not None:
+        dp_p, dp_d, tok_s = plan.best_split
+        lines.append(f"best P:D on the same ranks: prefill dp {dp_p} : decode dp {dp_d} -> "
+                     f"{tok_s:.4g} output tok/s at capacity")
+    return lines
+
+
+def predicted_line(pt: OperatingPoint) -> str:
+    """``predicted: TTFT .., TPOT .., .. output tok/s (..)``."""
+    return (f"predicted: TTFT {pt.ttft_s:.3g} s, TPOT {pt.tpot_s * 1e3:.3g} ms, "
+            f"{pt.output_tok_s:.4g} output tok/s ({pt.requests_s:.3g} req/s, "
+            f"{pt.concurrency:.3g} in flight, decode batch {pt.decode_batch:.3g}; bound: "
+            f"{pt.bound})")
+
+
+def dry_run_lines(cfg: OrchConfig) -> list[str]:
+    """The planner's figures for ``orch up --dry-run`` of an accelerator layout (none on cpu,
+    whose figures need a calibration run): seed 004's request shape (64K in, 3K out) fitted
+    to ``max_model_len``, closed loop filling the decode slots, the platform's default
+    device."""
+    if cfg.device() == "cpu":
+        return []
+    out = min(3072, cfg.model.max_model_len // 16)
+    wl = WorkloadSpec(min(65536, cfg.model.max_model_len - out), out)
+    try:
+        device = default_device(cfg.device())
+        plan = plan_config(cfg, wl, device)
+    except (ConfigError, ValueError) as exc:
+        return [f"planner: not computed ({exc})"]
+    return [f"planner on {device.key}, in={wl.input_len} out={wl.output_len} (`orch plan "
+            f"CONFIG --workload ...` for the breakdown): prefill {plan.prefill_cost.total_s:.3g}"
+            f" s per request, decode step {plan.step_cost.total_s * 1e3:.3g} ms",
+            "  " + predicted_line(plan.point)]

@@ -1,0 +1,120 @@
+"""orchestrator.planner without Ray or devices: FLOP counts against DeepSeek-V3's published
+active parameters, sparse attention counts against brute force, the load model against
+Little's law, the workload option, and the one device data file."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from engine.model_config import ModelConfig
+from orchestrator.devices import GB, device_memory
+from orchestrator.planner.cost import attention_flops, linear_params_per_token, sum_min
+from orchestrator.planner.load import Roles, WorkloadSpec, operating_point, parse_workload
+from orchestrator.planner.specs import DEVICES_FILE, default_device, device_table
+from tests.e2e.harness import REPO
+
+
+def _model(name: str) -> ModelConfig:
+    return ModelConfig.from_dict(json.loads(
+        (REPO / "configs" / "models" / name / "config.json").read_text()))
+
+
+def test_active_parameters_are_deepseek_v3s_37b():
+    m = _model("deepseek-v3")
+    with_vocab = linear_params_per_token(m) + 2 * m.vocab_size * m.hidden_size
+    assert with_vocab == pytest.approx(37e9, rel=0.03)  # "37B activated" (DeepSeek-V3 report)
+
+
+@pytest.mark.parametrize("past, new, k", [(0, 10, 4), (3, 10, 20), (30, 5, 4), (0, 1, 4),
+                                          (4, 4, 4)])
+def test_sum_min_is_brute_force(past, new, k):
+    assert sum_min(past, new, k) == sum(min(t, k) for t in range(past + 1, past + new + 1))
+
+
+def test_sparse_attention_counts_topk_keys_and_the_indexer_over_all():
+    v32 = _model("deepseek-v32")
+    n = 65536
+    dense = attention_flops(_model("deepseek-v3"), n, 0)
+    sparse = attention_flops(v32, n, 0)
+    indexer = 2.0 * v32.num_hidden_layers * v32.index_n_heads * v32.index_head_dim \
+        * n * (n + 1) / 2
+    mla = 2.0 * v32.num_hidden_layers * v32.num_attention_heads \
+        * (2 * v32.kv_lora_rank + v32.qk_rope_head_dim) * (n * 2048 - 2048 * 2047 / 2)
+    assert sparse == pytest.approx(indexer + mla)
+    assert sparse < dense / 2  # the indexer's 64 x 128 per key vs MLA's 128 x (192 + 128)
+
+
+def test_parse_workload():
+    assert parse_workload("in=65536,out=3072") == WorkloadSpec(65536, 3072)
+    assert parse_workload("in=8,out=2,rate=0.5").rate == 0.5
+    assert parse_workload("in=8,out=2,concurrency=4").concurrency == 4
+    for bad in ("in=8", "in=8,out=2,x=1", "in=8,out=2,rate=1,concurrency=2", "in=0,out=2"):
+        with pytest.raises(ValueError):
+            parse_workload(bad)
+
+
+def _roles(prefill_s: float, slots: int = 4) -> Roles:
+    return Roles(prefill_s, 0.5, lambda b: 0.01 + 0.001 * b, 2, 8, slots, False)
+
+
+def test_closed_loop_obeys_littles_law_and_prefill_capacity():
+    wl = WorkloadSpec(1000, 100, concurrency=64)
+    pt = operating_point(_roles(prefill_s=4.0), wl)
+    assert pt.bound == "prefill" and pt.requests_s == pytest.approx(2 / 4.0)
+    assert pt.requests_s * (pt.ttft_s + 100 * pt.tpot_s) == pytest.approx(64, rel=1e-6)
+    light = operating_point(_roles(prefill_s=0.01), WorkloadSpec(1000, 100, concurrency=1))
+    assert light.bound == "load"
+    assert light.ttft_s == pytest.approx(0.01 + 0.5)  # no queueing with one in flight
+
+
+def test_open_loop_over_capacity_says_so():
+    pt = operating_point(_roles(prefill_s=4.0), WorkloadSpec(1000, 100, rate=1.0))
+    assert math.isinf(pt.ttft_s) and pt.bound.startswith("prefill (overloaded")
+    ok = operating_point(_roles(prefill_s=4.0), WorkloadSpec(1000, 100, rate=0.25))
+    assert ok.ttft_s == pytest.approx(0.25 * 4.0 / 2 * 4.0 / (2 * (1 - 0.5)) + 4.5)
+
+
+def test_device_memory_comes_from_the_device_file():
+    assert device_memory("npu", None).bytes == default_device("npu").memory_gb * GB == 64 * GB
+    assert device_memory("cuda", None).bytes == 80 * GB
+    text = DEVICES_FILE.read_text()
+    for key, spec in device_table().items():
+        assert spec.hbm_gb_s > 0 and spec.bf16_tflops > 0 and spec.inter_node_gb_s > 0
+        entry = text.split(f"\n  {key}:\n")[1].split("\n  h")[0]
+        assert entry.count("#") >= 4, f"{key}: each figure needs its source in a comment"
+
+
+def test_orch_plan_prints_seed_004s_prediction_as_docs_planner_md_says(capsys):
+    from orchestrator.cli import main
+
+    assert main(["plan", str(REPO / "configs" / "a3_v32_p2x16_d8x4.yaml"), "--workload",
+                 "in=65536,out=3072,concurrency=29"]) == 0
+    predicted = [line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("predicted: ")]
+    assert len(predicted) == 1
+    assert predicted[0] in (REPO / "docs" / "planner.md").read_text()
+
+
+def test_orch_plan_refuses_a_bad_workload(capsys):
+    from orchestrator.cli import main
+
+    assert main(["plan", str(REPO / "configs" / "1p1d.yaml"), "--workload", "in=64"]) == 2
+    assert "needs in= and out=" in capsys.readouterr().err
+
+
+def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
+    from dataclasses import replace
+
+    from orchestrator.config import load_config
+    from orchestrator.planner.report import plan_config
+
+    base = replace(default_device("cuda"), step_serving_us=0.0)
+    slow = replace(base, step_serving_us=1000.0)
+    cfg = load_config(REPO / "configs" / "colocated.yaml")
+    wl = WorkloadSpec(128, 16, concurrency=1)  # 128 tokens = 2 prefill chunks of 64
+    fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
+    assert slow_pt.tpot_s - fast_pt.tpot_s == pytest.approx(1e-3, rel=1e-6)
+    assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(2e-3, rel=1e-6)
