@@ -75,15 +75,9 @@ def _client(ns: argparse.Namespace) -> OrchClient:
     Raises:
         OSError: ``--tls-ca`` or ``--token-file`` cannot be read.
     """
-    from engine import envs
-    from orchestrator.client import OrchClient
+    from orchestrator.client import OrchClient, resolve_token
 
-    if ns.token_file:
-        with open(ns.token_file) as f:
-            token = f.read().strip() or None
-    else:
-        token = envs.ORCH_TOKEN.get() or None
-    return OrchClient(ns.address, tls_ca=ns.tls_ca, token=token)
+    return OrchClient(ns.address, tls_ca=ns.tls_ca, token=resolve_token(ns.token_file))
 
 
 def _rpc_failure(ns: argparse.Namespace, exc: grpc.RpcError) -> str:

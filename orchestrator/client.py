@@ -15,6 +15,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine import envs
 from engine.sampling_params import SamplingParams
 from orchestrator import convert
 from orchestrator.request import GenerateInput, OutputChunk, RequestStats
@@ -33,7 +34,7 @@ def _request(prompt: str | None, token_ids: list[int] | None, request_id: str,
     return convert.generate_input_to_proto(inp)
 
 
-def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
+def credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
     """TLS credentials trusting the PEM file ``tls_ca``, or None for plaintext.
 
     Raises:
@@ -44,8 +45,21 @@ def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).expanduser().read_bytes())
 
 
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying ``token`` as ``authorization: Bearer``, or None."""
     return None if token is None else (("authorization", f"Bearer {token}"),)
+
+
+def resolve_token(token_file: str | None) -> str | None:
+    """The bearer token: the stripped contents of ``token_file``, else ``$ORCH_TOKEN``, else
+    None (an empty file or variable is None).
+
+    Raises:
+        OSError: ``token_file`` cannot be read.
+    """
+    if token_file:
+        return Path(token_file).expanduser().read_text().strip() or None
+    return envs.ORCH_TOKEN.get() or None
 
 
 def _collect(chunks: list[OutputChunk]) -> tuple[str, list[int], RequestStats | None]:
@@ -69,10 +83,10 @@ class OrchClient:
     def __init__(self, address: str, tls_ca: str | None = None,
                  token: str | None = None) -> None:
         self.address = address
-        creds = _credentials(tls_ca)
+        creds = credentials(tls_ca)
         self.channel = (grpc.insecure_channel(address) if creds is None
                         else grpc.secure_channel(address, creds))
-        self.metadata = _metadata(token)
+        self.metadata = bearer_metadata(token)
         self.stub = pb_grpc.OrchStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -138,10 +152,10 @@ class AsyncOrchClient:
     def __init__(self, address: str, tls_ca: str | None = None,
                  token: str | None = None) -> None:
         self.address = address
-        creds = _credentials(tls_ca)
+        creds = credentials(tls_ca)
         self.channel = (grpc.aio.insecure_channel(address) if creds is None
                         else grpc.aio.secure_channel(address, creds))
-        self.metadata = _metadata(token)
+        self.metadata = bearer_metadata(token)
         self.stub = pb_grpc.OrchStub(self.channel)
 
     async def close(self) -> None:

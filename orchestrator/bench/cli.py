@@ -40,8 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --backend openai: the API base, e.g. http://127.0.0.1:8000/v1")
     g.add_argument("--model", default=None,
                    help="with --backend openai: model name (default: the first of GET /models)")
+    g.add_argument("--tls-ca", metavar="PEM", default=None,
+                   help="CA (or self-signed certificate) PEM to trust: a router with "
+                   "router.tls, or an https --base-url")
+    g.add_argument("--token-file", metavar="FILE", default=None,
+                   help="file holding the bearer token of a router with router.auth, sent by "
+                   "both backends (default: $ORCH_TOKEN)")
     g.add_argument("--api-key", default=None,
-                   help="with --backend openai: bearer token, when the server needs one")
+                   help="with --backend openai: the bearer token itself (instead of "
+                   "--token-file)")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (default: unbounded)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="per request, seconds")
@@ -145,19 +152,22 @@ def replay(args: argparse.Namespace) -> int:
     from orchestrator.bench.runner import RunnerConfig, run_benchmark
     from orchestrator.bench.workloads import load_workload
 
+    from orchestrator.client import resolve_token
+
     try:
+        token = args.api_key or resolve_token(args.token_file)
         runner_cfg = RunnerConfig(
             address=args.address, max_concurrency=args.max_concurrency,
             request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
             label=args.label, progress=not args.no_progress, backend=args.backend,
-            base_url=args.base_url, model=args.model, api_key=args.api_key)
+            base_url=args.base_url, model=args.model, tls_ca=args.tls_ca, token=token)
         workload = load_workload(workload_config(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"orch bench: {e}", file=sys.stderr)
         return 2
     try:
         result = asyncio.run(run_benchmark(workload, runner_cfg))
-    except ConnectionError as e:
+    except OSError as e:  # ConnectionError (unreachable, refused token) or an unreadable --tls-ca
         print(f"orch bench: {e}", file=sys.stderr)
         return 1
     report = summarize(result, label=args.label, workload=workload.description,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -89,18 +90,22 @@ def _http_error(status: int, text: str) -> tuple[str, str]:
 @asynccontextmanager
 async def openai_sender(cfg: RunnerConfig) -> AsyncIterator[Send]:
     """A :data:`Send` of streamed completions to ``cfg.base_url`` (".../v1"); the model is
-    ``cfg.model``, else the first id ``GET /models`` lists.
+    ``cfg.model``, else the first id ``GET /models`` lists. ``cfg.token`` goes in an
+    ``Authorization: Bearer`` header; an https URL is verified against ``cfg.tls_ca`` when
+    given (else the system CAs).
 
     Raises:
         ConnectionError: nothing answered ``GET /models`` within ``cfg.connect_timeout_s``,
-            or it listed no model.
+            it answered 401, or it listed no model.
+        OSError: ``cfg.tls_ca`` cannot be read.
     """
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"Authorization": f"Bearer {cfg.token}"} if cfg.token else {}
+    verify = ssl.create_default_context(cafile=cfg.tls_ca) if cfg.tls_ca else True
     base_url = (cfg.base_url or "").rstrip("/")
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout,
-                                 limits=limits) as client:
+                                 limits=limits, verify=verify) as client:
         model = cfg.model or await _first_model(client, base_url, cfg.connect_timeout_s)
 
         async def send(req: BenchRequest, t0: float, run_id: str) -> RequestRecord:
@@ -125,7 +130,10 @@ async def _first_model(client: httpx.AsyncClient, base_url: str, timeout_s: floa
         raise ConnectionError(f"no OpenAI-compatible server answered GET {base_url}/models "
                               f"within {timeout_s:g}s ({exc}): start one (orch up with "
                               "router.http_port) or fix --base-url") from None
+    if resp.status_code == 401:
+        raise ConnectionError(f"GET {base_url}/models answered 401 UNAUTHENTICATED: pass "
+                              "--token-file FILE (or --api-key KEY, or set $ORCH_TOKEN)")
     if not models:
         raise ConnectionError(f"GET {base_url}/models answered {resp.status_code} with no "
-                              "model: pass --model NAME (and --api-key if it needs one)")
+                              "model: pass --model NAME (and --token-file if it needs a token)")
     return str(models[0]["id"])

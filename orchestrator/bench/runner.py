@@ -22,6 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, Literal
 import grpc
 
 from orchestrator.bench.workloads import BenchRequest, Workload
+from orchestrator.client import bearer_metadata, credentials
 from orchestrator.rpc import orch_pb2, orch_pb2_grpc
 
 _BACKSTOP_SLACK_S = 5.0  # NOTE: asyncio bound beyond the gRPC deadline, in case it never fires.
@@ -42,7 +43,9 @@ class RunnerConfig:
         backend: "grpc" (orch's Generate at ``address``) or "openai" (streamed
             ``/completions`` at ``base_url``, e.g. ``http://127.0.0.1:8000/v1``).
         model: the openai backend's model name (None: the first ``GET /models`` lists).
-        api_key: the openai backend's bearer token (None: none sent).
+        tls_ca: PEM file (CA or self-signed certificate) to trust for a TLS router or an
+            https ``base_url`` (None: plaintext gRPC, the system CAs for https).
+        token: bearer token sent by both backends (``authorization: Bearer``; None: none).
     """
 
     address: str = "127.0.0.1:50051"
@@ -54,7 +57,8 @@ class RunnerConfig:
     backend: Literal["grpc", "openai"] = "grpc"
     base_url: str | None = None
     model: str | None = None
-    api_key: str | None = None
+    tls_ca: str | None = None
+    token: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend == "openai" and not self.base_url:
@@ -183,7 +187,8 @@ Send = Callable[[BenchRequest, float, str], Awaitable[RequestRecord]]
 
 async def _consume(stub, req: BenchRequest, rid: str, st: StreamState, cfg: RunnerConfig,
                    t0: float) -> None:
-    call = stub.Generate(make_request(req, rid), timeout=cfg.request_timeout_s)
+    call = stub.Generate(make_request(req, rid), timeout=cfg.request_timeout_s,
+                         metadata=bearer_metadata(cfg.token))
     try:
         async for msg in call:
             now = time.perf_counter() - t0
@@ -248,19 +253,49 @@ def _progress_bar(total: int, cfg: RunnerConfig):
     return tqdm(total=total, unit="req", desc=cfg.label)
 
 
-async def connect(address: str, timeout_s: float) -> grpc.aio.Channel:
-    """An insecure channel to ``address`` that is ready, or ConnectionError after ``timeout_s``."""
-    channel = grpc.aio.insecure_channel(address, options=[
-        ("grpc.max_send_message_length", 256 << 20),
-        ("grpc.max_receive_message_length", 256 << 20)])
+async def connect(address: str, timeout_s: float, tls_ca: str | None = None,
+                  token: str | None = None) -> grpc.aio.Channel:
+    """A ready channel to ``address`` (TLS trusting ``tls_ca`` when given) whose router takes
+    ``token``.
+
+    Raises:
+        ConnectionError: not ready within ``timeout_s``, or the router answers UNAUTHENTICATED
+            (message says which option to pass).
+        OSError: ``tls_ca`` cannot be read.
+    """
+    options = [("grpc.max_send_message_length", 256 << 20),
+               ("grpc.max_receive_message_length", 256 << 20)]
+    creds = credentials(tls_ca)
+    channel = (grpc.aio.insecure_channel(address, options=options) if creds is None
+               else grpc.aio.secure_channel(address, creds, options=options))
     try:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
+        await _check_token(channel, address, timeout_s, token)
     except asyncio.TimeoutError:
         await channel.close()
+        tls = ("a router with router.tls needs --tls-ca FILE" if tls_ca is None else
+               f"is its certificate signed by {tls_ca} and valid for this address?")
         raise ConnectionError(
             f"no orch server answered at {address} within {timeout_s:g}s: start one with "
-            "`orch up CONFIG` or pass --address HOST:PORT of a running router") from None
+            f"`orch up CONFIG` or pass --address HOST:PORT of a running router ({tls})") from None
+    except BaseException:
+        await channel.close()
+        raise
     return channel
+
+
+async def _check_token(channel: grpc.aio.Channel, address: str, timeout_s: float,
+                       token: str | None) -> None:
+    """Fail the run at once, not per request, when the router refuses ``token``: one
+    ``GetStatus`` call (any other outcome, e.g. UNIMPLEMENTED, lets the run go on)."""
+    try:
+        await orch_pb2_grpc.OrchStub(channel).GetStatus(
+            orch_pb2.GetStatusRequest(), timeout=timeout_s, metadata=bearer_metadata(token))
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ConnectionError(
+                f"router at {address} answered UNAUTHENTICATED ({e.details()}): pass "
+                "--token-file FILE or set $ORCH_TOKEN to the router's token") from None
 
 
 async def run_benchmark(workload: Workload, cfg: RunnerConfig) -> RunResult:
@@ -291,7 +326,7 @@ async def _sender(cfg: RunnerConfig) -> AsyncIterator[Send]:
         async with openai_sender(cfg) as send:
             yield send
         return
-    channel = await connect(cfg.address, cfg.connect_timeout_s)
+    channel = await connect(cfg.address, cfg.connect_timeout_s, cfg.tls_ca, cfg.token)
     try:
         stub = orch_pb2_grpc.OrchStub(channel)
         yield lambda req, t0, run_id: send_one(stub, req, cfg, t0, run_id)
