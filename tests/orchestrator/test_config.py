@@ -151,6 +151,8 @@ def _error(tmp_path, text: str) -> str:
                                             "prefill.cp > 1"),
     ("prefill: {cp: 2, layer_sharding: [o_proj, gate_proj]}",
      "prefill.layer_sharding names ['gate_proj'], which are not attention linears"),
+    ("prefill: {cp: 2, layer_sharding: [o_proj, q_b_proj, o_proj]}",
+     "prefill.layer_sharding names ['o_proj'] more than once"),
     ("decode: {cp: 2}", "decode.cp: unknown key"),
     ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
