@@ -233,9 +233,9 @@ def _expert_range(config: ModelConfig, ep_size: int, ep_rank: int) -> range:
         raise ValueError(f"ep_rank {ep_rank} is outside an EP group of size {ep_size}")
     if n % ep_size:
         raise ValueError(
-            f"the expert-parallel size dp*tp={ep_size} does not divide n_routed_experts="
-            f"{n} of the checkpoint's config.json: choose dp and tp whose product is one of "
-            f"{_divisors(n)}, or turn expert parallelism off")
+            f"the expert-parallel size dp*tp*cp={ep_size} does not divide n_routed_experts="
+            f"{n} of the checkpoint's config.json: choose dp, tp and cp (prefill only) whose "
+            f"product is one of {_divisors(n)}, or turn expert parallelism off")
     per_rank = n // ep_size
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 

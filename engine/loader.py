@@ -89,7 +89,7 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
     if tied:
         params.pop("lm_head.weight")
     with torch.no_grad():  # quantized modules, and float weights stored quantized
-        loaded = load_quantized(model, checkpoint_dir, tp)
+        loaded = load_quantized(model, checkpoint_dir, tp, skip)
     for name, shape, read in _checkpoint_entries(Path(checkpoint_dir)):
         param = params.get(name)
         if param is None or name in loaded or name in skip:

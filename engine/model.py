@@ -23,7 +23,7 @@ from engine.attention import MLAttention
 from engine.forward_context import AttentionMetadata
 from engine.kernels import KernelSet
 from engine.kv_cache import KVCache
-from engine.layer_sharding import LayerPrefetcher
+from engine.layer_sharding import LayerPrefetcher, check_sharded_modules
 from engine.layout import TPLayout, tp_layout
 from engine.model_config import ModelConfig
 from engine.moe import MLP, MoE, MoEGate
@@ -158,7 +158,8 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
 
     Raises:
         ValueError: ``tp.size`` does not divide a size the layout splits, or ``ep.size`` does
-            not divide ``n_routed_experts`` (from ``tp_layout``).
+            not divide ``n_routed_experts`` (from ``tp_layout``); an ``empty`` parameter of a
+            quantized linear (:func:`engine.layer_sharding.check_sharded_modules`).
     """
     ep = ep or EPGroup()
     layout = tp_layout(config, tp.size, ep.size, ep.rank)
@@ -169,6 +170,7 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
         if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:
             module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
     quantize_modules(model, quant, kernels)
+    check_sharded_modules(tuple({name.split(".")[-2] for name in empty}), model.model.layers)
     for name in empty:  # layer-sharded weights another CP rank stores: never allocated
         param = model.get_parameter(name)
         param.data = param.new_empty(0)

@@ -18,8 +18,7 @@ import torch
 
 from engine.context_parallel import build_cp_step
 from engine.forward_context import build_attention_metadata
-from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, \
-    check_sharded_modules, unowned_params
+from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
@@ -102,7 +101,6 @@ class ModelRunner:
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep, empty=skip)
         layers = self.model.model.layers
-        check_sharded_modules(sharded, layers)
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
         self.prefetcher = None
         if sharded and self.cp.size > 1:

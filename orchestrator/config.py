@@ -86,7 +86,7 @@ def _check_ep(section: str, ep: bool, dp: int, tp: int) -> None:
 
 def _check_cp(cp: int, tp: int, layer_sharding: list[str]) -> None:
     """Context parallelism replaces TP inside a prefill instance; layer sharding needs CP and
-    names only attention linears."""
+    names only attention linears, each once."""
     if cp > 1 and tp != 1:
         raise _cross_field(
             f"prefill.cp ({cp}) > 1 needs prefill.tp == 1, got {tp}: a context-parallel "
@@ -95,6 +95,11 @@ def _check_cp(cp: int, tp: int, layer_sharding: list[str]) -> None:
         raise _cross_field(
             f"prefill.layer_sharding {layer_sharding} needs prefill.cp > 1: layer sharding "
             "spreads the weights CP replicates; raise prefill.cp or remove layer_sharding")
+    repeated = sorted({name for name in layer_sharding if layer_sharding.count(name) > 1})
+    if repeated:
+        raise _cross_field(
+            f"prefill.layer_sharding names {repeated} more than once: each weight is sharded "
+            "once (a repeat would be broadcast and counted twice); list each name once")
     unknown = [name for name in layer_sharding if name not in SHARDABLE]
     if unknown:
         raise _cross_field(

@@ -98,9 +98,11 @@ def quant_plan(checkpoint_dir: str | Path, scheme: QuantScheme | None,
     return QuantPlan(scheme, quantized, fp8_storage)
 
 
-def load_quantized(model: nn.Module, checkpoint_dir: str | Path, tp: TPGroup) -> set[str]:
+def load_quantized(model: nn.Module, checkpoint_dir: str | Path, tp: TPGroup,
+                   skip: frozenset[str] = frozenset()) -> set[str]:
     """Load every quantized module, and every float ``nn.Linear`` whose checkpoint weight is
-    quantized (dequantized to its dtype); return the float parameter names filled.
+    quantized (dequantized to its dtype) unless its weight is in ``skip`` (a layer-sharded
+    weight another CP rank stores: never read); return the float parameter names filled.
 
     Raises:
         CheckpointError: a weight or scale is missing or has the wrong shape or dtype; scale
@@ -123,7 +125,7 @@ def load_quantized(model: nn.Module, checkpoint_dir: str | Path, tp: TPGroup) ->
                            scheme, part)
             elif isinstance(module, Fp8BlockLinear):
                 _load_fp8(tensors, f"{name}.weight", module, scheme, part)
-            elif isinstance(module, nn.Linear) \
+            elif isinstance(module, nn.Linear) and f"{name}.weight" not in skip \
                     and tensors.has(scale_name(f"{name}.weight", scheme)):
                 _load_dequantized(tensors, f"{name}.weight", module.weight, scheme, part)
                 loaded.add(f"{name}.weight")

@@ -104,8 +104,8 @@ def test_an_ep_rank_reads_and_holds_only_its_experts(ep_ckpt, monkeypatch):
 
 def test_uneven_experts_name_the_fix():
     config = ModelConfig.from_dict(tiny_config_dict())  # 8 routed experts
-    with pytest.raises(ValueError, match=r"dp\*tp=3 does not divide n_routed_experts=8 .*one "
-                                         r"of \[1, 2, 4, 8\], or turn expert parallelism off"):
+    with pytest.raises(ValueError, match=r"dp\*tp\*cp=3 does not divide n_routed_experts=8 "
+                       r".*one of \[1, 2, 4, 8\], or turn expert parallelism off"):
         tp_layout(config, 1, ep_size=3, ep_rank=0)
     assert tp_layout(config, 2, ep_size=4, ep_rank=3).experts == range(6, 8)
 

@@ -151,6 +151,8 @@ def _error(tmp_path, text: str) -> str:
                                             "prefill.cp > 1"),
     ("prefill: {cp: 2, layer_sharding: [o_proj, gate_proj]}",
      "prefill.layer_sharding names ['gate_proj'], which are not attention linears"),
+    ("prefill: {cp: 2, layer_sharding: [o_proj, q_b_proj, o_proj]}",
+     "prefill.layer_sharding names ['o_proj'] more than once"),
     ("decode: {cp: 2}", "decode.cp: unknown key"),
     ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
@@ -285,9 +287,10 @@ def test_colocated_checks_only_the_decode_tp(tmp_path):
 @pytest.mark.parametrize("layout, expected", [
     ("decode: {dp: 1, tp: 1, ep: true}", "decode.ep is on but decode.dp x decode.tp = 1"),
     ("prefill: {dp: 3, tp: 1, ep: true}",
-     "prefill.ep: the expert-parallel size dp*tp=3 does not divide n_routed_experts=8 of the "
-     "checkpoint's config.json: choose dp and tp whose product is one of [1, 2, 4, 8], or "
-     "turn expert parallelism off"),
+     "prefill.ep: the expert-parallel size dp*tp*cp=3 does not divide n_routed_experts=8 of "
+     "the checkpoint's config.json: choose dp, tp and cp (prefill only) whose product is one "
+     "of [1, 2, 4, 8], or turn expert parallelism off"),
+    ("prefill: {dp: 1, cp: 3, ep: true}", "prefill.ep: the expert-parallel size dp*tp*cp=3"),
     ("decode: {dp: 2, tp: 3, ep: true}", "decode.tp: tp=3 does not divide"),
 ])
 def test_expert_parallel_layout_errors_name_the_key_before_anything_starts(tmp_path, layout,
