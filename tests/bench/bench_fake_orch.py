@@ -74,6 +74,10 @@ class FakeServer:
 
     def __exit__(self, *exc) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self.loop).result(10)
+        # NOTE: grpc.aio runs the base servicer's unimplemented GetStatus (the bench's token
+        # check calls it) on the loop's default executor: join that thread too.
+        asyncio.run_coroutine_threadsafe(self.loop.shutdown_default_executor(),
+                                         self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()

@@ -211,9 +211,9 @@ def test_cpu_ranks_are_checked_together():
 def test_uneven_experts_over_ep_ranks_is_an_error_naming_the_fix(config):
     # NOTE: refused when the config is loaded (orchestrator/layout_check.py, the engine's one
     # divisibility check), before any memory is planned
-    with pytest.raises(ConfigError, match=r"decode.ep: the expert-parallel size dp\*tp=3 does "
-                                          r"not divide n_routed_experts=8 .* or turn expert "
-                                          r"parallelism off"):
+    with pytest.raises(ConfigError, match=r"decode.ep: the expert-parallel size dp\*tp\*cp=3 "
+                                          r"does not divide n_routed_experts=8 .* or turn "
+                                          r"expert parallelism off"):
         load_config(REPO / "configs" / config, {"decode.ep": True, "decode.dp": 3,
                                                  "decode.tp": 1})
 
