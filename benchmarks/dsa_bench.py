@@ -17,27 +17,16 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
+from timing import best_time  # benchmarks/timing.py (scripts run as files)
 
 BLOCK = 64
 DIMS = {"num_heads": 8, "num_layers": 3, "seed": 0, "max_position_embeddings": 32768}
-
-
-def _best(fn, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls in ms (after one warm-up call)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def measure(runner: ModelRunner, n: int, batch: int, repeats: int,
@@ -46,9 +35,10 @@ def measure(runner: ModelRunner, n: int, batch: int, repeats: int,
     ids = torch.randint(2, 129280, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     per_seq = -(-(n + 1) // BLOCK)
     tables = [tuple(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
-    prefill = _best(lambda: runner.execute([SeqStep("p", tuple(ids), 0, tables[0])]), repeats)
+    prefill = 1e3 * best_time(
+        lambda: runner.execute([SeqStep("p", tuple(ids), 0, tables[0])]), repeats)
     step = [SeqStep(str(b), (7,), n, tables[b]) for b in range(batch)]
-    decode = _best(lambda: runner.execute(step), decode_repeats)
+    decode = 1e3 * best_time(lambda: runner.execute(step), decode_repeats)
     return prefill, decode
 
 

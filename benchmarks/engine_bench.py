@@ -18,20 +18,10 @@ import torch
 
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
+from timing import best_time  # benchmarks/timing.py (scripts run as files)
 
 BLOCK = 16
 PROMPT_DECODE = 64
-
-
-def _timed(fn, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls, seconds (after one warm-up call)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _prompts(batch: int, n: int) -> torch.Tensor:
@@ -41,9 +31,9 @@ def _prompts(batch: int, n: int) -> torch.Tensor:
 def bench_prefill(runner: ModelRunner, hf, n: int) -> tuple[float, float]:
     ids = _prompts(1, n)
     step = [SeqStep("p", tuple(ids[0].tolist()), 0, tuple(range(-(-n // BLOCK))))]
-    ours = _timed(lambda: runner.execute(step), 3)
+    ours = best_time(lambda: runner.execute(step), 3)
     with torch.inference_mode():
-        ref = _timed(lambda: hf(ids, use_cache=False, logits_to_keep=1), 3)
+        ref = best_time(lambda: hf(ids, use_cache=False, logits_to_keep=1), 3)
     return n / ours, n / ref
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,19 +31,10 @@ from engine.quant.memory import stored_weight_bytes
 from engine.quant.writer import quantize_checkpoint
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
+from timing import best_time  # benchmarks/timing.py (scripts run as files)
 
 V3 = dict(hidden=7168, layers=61, heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64,
           v=128, experts=256, inter=18432, moe_inter=2048, vocab=129280, dense_layers=3)
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def mlp_times(tokens: list[int], repeats: int) -> list[tuple[int, float, float, float]]:
@@ -65,8 +55,8 @@ def mlp_times(tokens: list[int], repeats: int) -> list[tuple[int, float, float, 
             def ref(xd=xd, gud=gud, dd=dd):
                 g, u = F.linear(xd, gud).chunk(2, dim=-1)
                 return F.linear(F.silu(g) * u, dd)
-            times.append(_best(ref, repeats) * 1e3)
-        times.append(_best(lambda: w8a8.w8a8_mlp(x, gu_q, gu_s, d_q, d_s), repeats) * 1e3)
+            times.append(best_time(ref, repeats) * 1e3)
+        times.append(best_time(lambda: w8a8.w8a8_mlp(x, gu_q, gu_s, d_q, d_s), repeats) * 1e3)
         rows.append((t, *times))
     return rows
 
