@@ -176,32 +176,35 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_init_tiny(ns: argparse.Namespace) -> int:
+def _run_model_tool(command: str, module: str, name: str, args: tuple,
+                    errors: tuple[type[Exception], ...]) -> int:
+    """``orch model COMMAND``: call ``module.name(*args)`` (it prints what it wrote); exit 1
+    when the engine is not installed, 2 on one of ``errors`` (bad arguments, a used folder)."""
     try:
-        from orchestrator.tiny_model import init_tiny_main
+        import importlib  # noqa: PLC0415 (the engine only when a model tool runs)
+
+        tool = getattr(importlib.import_module(module), name)
     except ImportError as exc:
-        print(f"orch model init-tiny: the engine is not installed ({exc})", file=sys.stderr)
+        print(f"orch model {command}: the engine is not installed ({exc})", file=sys.stderr)
         return 1
     try:
-        init_tiny_main(ns.dir, ns.seed, ns.arch)  # prints where it wrote
-    except ValueError as exc:  # unknown --arch, DIR not new or empty
-        print(f"orch model init-tiny: {exc}", file=sys.stderr)
+        tool(*args)
+    except errors as exc:
+        print(f"orch model {command}: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _cmd_init_tiny(ns: argparse.Namespace) -> int:
+    # ValueError: unknown --arch, DIR not new or empty
+    return _run_model_tool("init-tiny", "orchestrator.tiny_model", "init_tiny_main",
+                           (ns.dir, ns.seed, ns.arch), (ValueError,))
 
 
 def _cmd_quantize(ns: argparse.Namespace) -> int:
-    try:
-        from engine.quant.writer import quantize_main
-    except ImportError as exc:
-        print(f"orch model quantize: the engine is not installed ({exc})", file=sys.stderr)
-        return 1
-    try:
-        quantize_main(ns.src, ns.dst, ns.scheme, ns.shard_mb)  # prints what it wrote
-    except (OSError, ValueError) as exc:  # missing source, used destination, bad arguments
-        print(f"orch model quantize: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    # OSError / ValueError: missing source, used destination, bad arguments
+    return _run_model_tool("quantize", "engine.quant.writer", "quantize_main",
+                           (ns.src, ns.dst, ns.scheme, ns.shard_mb), (OSError, ValueError))
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
