@@ -85,16 +85,24 @@ class KVCache:
         k_caches: per layer ``[num_blocks, block_size, kv_lora_rank]``.
         v_caches: per layer ``[num_blocks, block_size, qk_rope_head_dim]``.
         index_caches: per layer ``[num_blocks, block_size, index_head_dim]``; empty for V3.
+        scratch_block: with ``scratch_block=True``, the id (``spec.num_blocks``) of one extra
+            physical block after the spec's blocks, which no block pool hands out (pools are
+            sized from the spec): graph mode's padding rows write their KV there
+            (:mod:`engine.graph`). None without it. Every buffer then has
+            ``num_blocks + 1`` blocks.
 
     Ownership: the model writes with ``reshape_and_cache`` (one write per buffer per layer per
     step); the KV transfer layer reads (prefill) or writes (decode) whole token slots. Nobody
     reallocates the tensors after construction, so views and data pointers stay valid.
     """
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu", *,
+                 scratch_block: bool = False) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        per_layer = [[torch.zeros(spec.num_blocks, spec.block_size, width, dtype=spec.dtype,
+        self.scratch_block = spec.num_blocks if scratch_block else None
+        blocks = spec.num_blocks + int(scratch_block)
+        per_layer = [[torch.zeros(blocks, spec.block_size, width, dtype=spec.dtype,
                                   device=self.device) for _ in range(spec.num_layers)]
                      for width in spec.buffer_widths]
         self.k_caches, self.v_caches = per_layer[0], per_layer[1]

@@ -5,19 +5,21 @@ SPMD: every TP (or CP) rank of an instance builds a runner over the same checkpo
 logits. Under context parallel (``cp``, prefill) each rank computes its share of every step's
 tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The
 runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
-block tables and the block pool.
+block tables and the block pool. With graph mode (``graph.enabled``) decode-only steps run
+a forward captured per batch-size bucket (:mod:`engine.graph`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from engine.context_parallel import build_cp_step
-from engine.forward_context import build_attention_metadata
+from engine.forward_context import AttentionMetadata, build_attention_metadata
+from engine.graph import DecodeGraphs, GraphConfig
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -69,15 +71,21 @@ class ModelRunner:
             cp_rank``) each CP rank dispatches its own tokens' MoE rows.
         layer_sharding: attention linears (``engine.layer_sharding.SHARDABLE``) whose layer
             ``i`` weight only CP rank ``i % cp`` stores; broadcast one layer ahead of use.
+        graph: graph mode of the decode forward (:class:`engine.graph.GraphConfig`); with it
+            the KV cache gets one scratch block (``kv_cache.scratch_block``) for padding rows.
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
         prefetcher: the layer-sharding :class:`LayerPrefetcher` (``prefetcher.stats``: time
             blocked on weight broadcasts), None without layer sharding under cp > 1.
+        graphs: the captured decode forwards (:class:`engine.graph.DecodeGraphs`), None with
+            graph mode off.
 
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
-        ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names.
+        ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names; graph mode with
+            cp > 1.
+        KeyError: graph mode on a device its backend has no implementation for.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
@@ -86,14 +94,19 @@ class ModelRunner:
                  kernel_choices: Mapping[str, str] | None = None,
                  kernels: KernelSet | None = None, ep: EPGroup | None = None,
                  fp8_storage: str = "dequantize", cp: CPGroup | None = None,
-                 layer_sharding: tuple[str, ...] = ()) -> None:
+                 layer_sharding: tuple[str, ...] = (),
+                 graph: GraphConfig | None = None) -> None:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
-        _check_cp(self.tp, self.cp)
+        graph = graph or GraphConfig()
+        _check_cp(self.tp, self.cp, graph)
         self.platform = detect_platform()
         self.device = torch.device(device) if device is not None \
             else self.platform.device(max(self.tp.rank, self.cp.rank))
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
+        if graph.enabled:  # NOTE: paged decode attention stays outside the captured graph
+            self.kernels = replace(self.kernels,
+                                   mla_decode=torch.compiler.disable(self.kernels.mla_decode))
         quant = quant_plan(checkpoint_dir, cfg.quantization, fp8_storage)
         sharded = tuple(layer_sharding)
         check_layer_sharding(sharded, cfg)
@@ -110,7 +123,11 @@ class ModelRunner:
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim)
-        self.kv_cache = KVCache(self.kv_spec, self.device)
+        self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
+        self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
+            if graph.enabled else None
+        if graph.enabled and graph.warmup:
+            self.warmup_graphs()
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:
@@ -131,6 +148,46 @@ class ModelRunner:
             raise ValueError("execute() needs at least one SeqStep")
         for s in steps:
             self._check_step(s)
+        bucket = self.graphs.bucket_for([len(s.token_ids) for s in steps],
+                                        [s.num_computed_tokens for s in steps]) \
+            if self.graphs is not None else None
+        if bucket is not None:
+            logits = self._run_graph(steps, bucket)
+            if logits is not None:
+                return logits
+        return self._forward(steps)
+
+    @torch.inference_mode()
+    def warmup_graphs(self) -> None:
+        """Capture every graph bucket now (a step of padding rows only, written to the
+        scratch block). No-op with graph mode off."""
+        if self.graphs is None:
+            return
+        for bucket in self.graphs.config.batch_sizes:
+            self._run_graph([], bucket)
+
+    def _run_graph(self, steps: list[SeqStep], bucket: int) -> torch.Tensor | None:
+        """``[len(steps), vocab]`` logits of a decode-only step from the captured forward of
+        ``bucket`` (steps padded to ``bucket`` rows), or None when that bucket runs eager."""
+        padded = steps + [self._padding_step()] * (bucket - len(steps))
+        input_ids, meta = self._inputs(padded)
+        logits = self.graphs.run(bucket, input_ids, meta, self.kv_cache)
+        return None if logits is None else logits[:len(steps)]
+
+    def _padding_step(self) -> SeqStep:
+        """A dummy decode sequence (position 1 after one cached token) whose table is the
+        scratch block only: its KV lands there, never in a block the pool hands out."""
+        blocks = -(-2 // self.kv_spec.block_size)
+        return SeqStep("<graph-padding>", (0,), 1, (self.kv_cache.scratch_block,) * blocks)
+
+    def _forward(self, steps: list[SeqStep]) -> torch.Tensor:
+        """The eager forward of ``steps`` (checked): ``[B, vocab]`` fp32 logits."""
+        input_ids, meta = self._inputs(steps)
+        return self.model(input_ids, meta, self.kv_cache)
+
+    def _inputs(self, steps: list[SeqStep]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The model inputs of ``steps``: ``[T]`` int64 token ids (this CP rank's rows under
+        CP) and the step's attention metadata."""
         meta = build_attention_metadata(
             [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
             [s.block_ids for s in steps], self.kv_spec.block_size, self.device,
@@ -140,7 +197,7 @@ class ModelRunner:
         if self.cp.size > 1:
             meta = meta.with_cp(build_cp_step(meta.prefills, self.cp, self.device))
             input_ids = input_ids[meta.cp.local_rows]
-        return self.model(input_ids, meta, self.kv_cache)
+        return input_ids, meta
 
     @torch.inference_mode()
     def execute_empty(self) -> None:
@@ -165,8 +222,11 @@ class ModelRunner:
                              "must come from this instance's BlockPool")
 
 
-def _check_cp(tp: TPGroup, cp: CPGroup) -> None:
+def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     """Raise ValueError, naming the fix, for a layout context parallel does not support."""
+    if cp.size > 1 and graph.enabled:
+        raise ValueError(f"graph mode with cp={cp.size}: context parallel is prefill-only and "
+                         "graph mode captures decode steps; turn graph mode off")
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from engine import envs
+from engine.graph import GraphConfig
 from engine.layer_sharding import SHARDABLE
 from engine.platform import DIST_BACKENDS, detect_platform
 from kv_transfer.config import TransferConfig
@@ -107,6 +108,34 @@ def _check_cp(cp: int, tp: int, layer_sharding: list[str]) -> None:
             f"choose from {list(SHARDABLE)}")
 
 
+class GraphSection(_Section):
+    """Graph mode of the decode forward (engine/graph.py): decode-only steps of up to
+    ``max(batch_sizes)`` sequences run a forward captured once per batch-size bucket; all
+    other steps run eager. vLLM's ``enforce_eager`` is ``enabled: false``, its
+    ``cuda_graph_sizes`` is ``batch_sizes``."""
+
+    enabled: bool = False
+    batch_sizes: list[int] = Field(default_factory=lambda: list(GraphConfig.batch_sizes),
+                                   min_length=1)
+    # Capture every bucket when the instance starts (else on a bucket's first use).
+    warmup: bool = False
+    # Capture backend ("compile", "cudagraph", "npugraph"); "" = the device type's default.
+    backend: str = ""
+
+    @model_validator(mode="after")
+    def _sizes_increase(self) -> "GraphSection":
+        try:
+            self.graph_config()
+        except ValueError as exc:
+            raise _cross_field(f"decode.graph: {exc}") from None
+        return self
+
+    def graph_config(self) -> GraphConfig:
+        """The :class:`engine.graph.GraphConfig` the decode (or colocated) runners get."""
+        return GraphConfig(enabled=self.enabled, batch_sizes=tuple(self.batch_sizes),
+                           warmup=self.warmup, backend=self.backend or None)
+
+
 class PrefillSection(_Section):
     """Prefill instances: ``dp`` instances of ``tp`` ranks (``cp`` ranks with context
     parallelism), chunked prefill sizes; ``ep``: the routed experts split over all dp x tp
@@ -127,6 +156,16 @@ class PrefillSection(_Section):
     # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
     # (e.g. {"prefill_node": 0.01} with `ray start --resources '{"prefill_node": 1}'`).
     ray_resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_graph(cls, data: object) -> object:
+        if isinstance(data, dict) and "graph" in data:
+            raise _cross_field(
+                "prefill.graph: graph mode captures the decode forward only (prefill steps "
+                "vary in token count and always run eager); move the graph section to decode "
+                "(it also covers colocated instances) or remove it")
+        return data
 
     @model_validator(mode="after")
     def _chunk_fits_batch(self) -> "PrefillSection":
@@ -152,6 +191,8 @@ class DecodeSection(_Section):
     ep: bool = False
     # Extra Ray resources every decode rank's bundle asks for (see PrefillSection).
     ray_resources: dict[str, float] = Field(default_factory=dict)
+    # Graph mode of the decode forward (decode and colocated instances).
+    graph: GraphSection = GraphSection()
 
     @model_validator(mode="after")
     def _ep_needs_ranks(self) -> "DecodeSection":
@@ -331,11 +372,14 @@ class OrchConfig(_Section):
         parallel = {role: self._parallel(role) for role in roles}
         scheduler = {role: self._scheduler(role) for role in roles}
         transfer = self.kv_transfer.transfer_config()
+        graph = {role: GraphConfig() if role == "prefill" else self.decode.graph.graph_config()
+                 for role in roles}
         return [InstanceConfig(name=f"{role}-{i}", role=role,
                                checkpoint_dir=str(self.model.checkpoint_dir()),
                                dtype=self.model.dtype, fp8_storage=self.model.fp8_storage,
                                scheduler=scheduler[role],
-                               parallel=replace(parallel[role], dp_rank=i), transfer=transfer)
+                               parallel=replace(parallel[role], dp_rank=i), transfer=transfer,
+                               graph=graph[role])
                 for role in roles for i in range(self._section(role).dp)]
 
     def _section(self, role: str) -> PrefillSection | DecodeSection:

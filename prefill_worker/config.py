@@ -8,12 +8,15 @@ part holds only what its component reads, filled from the YAML section of the in
 - :class:`ParallelConfig`: TP size, device, collective backend, rendezvous address.
 - ``kv_transfer.TransferConfig``: the bounded waits of the KV transfer layer (declared there
   once; the YAML ``kv_transfer`` section produces it).
+- ``engine.graph.GraphConfig``: graph mode of the decode forward (decode and colocated
+  instances; the YAML ``decode.graph`` section).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.graph import GraphConfig
 from kv_transfer.config import TransferConfig
 
 
@@ -123,6 +126,7 @@ class InstanceConfig:
         fp8_storage: FP8 checkpoints: "dequantize" at load or keep "fp8" (docs/quantization.md).
         parallel: TP size, device, backend, bind address.
         transfer: KV transfer bounds (seconds).
+        graph: graph mode of the decode forward (off on prefill instances).
     """
 
     name: str
@@ -133,3 +137,4 @@ class InstanceConfig:
     fp8_storage: str = "dequantize"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)

@@ -162,7 +162,7 @@ class RankBase(ABC):
                                       block_size=self.cfg.scheduler.block_size,
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
                                       ep=ep, fp8_storage=self.cfg.fp8_storage, cp=cp,
-                                      layer_sharding=par.layer_sharding)
+                                      layer_sharding=par.layer_sharding, graph=self.cfg.graph)
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)

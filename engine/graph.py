@@ -1,0 +1,189 @@
+"""Graph mode for decode: the decode forward captured once per batch-size bucket.
+
+A decode-only step (every :class:`engine.runner.SeqStep` one token with context) of B <=
+``max(batch_sizes)`` sequences runs the captured forward of the smallest bucket ``>= B``: the
+step is padded at the SeqStep level with dummy 1-token sequences whose KV goes to a scratch
+block the block pool never hands out (:class:`engine.kv_cache.KVCache` ``scratch_block``) and
+whose logits are dropped. Every other step (prefill, mixed, B > the largest bucket) runs
+eager; eager is also the reference (captured logits equal eager ones within 1e-5).
+
+Capture backends come from a registry, name -> loader per device type (same style as
+:mod:`engine.kernels`; loaders import lazily):
+
+- "compile" (cpu): ``torch.compile`` (inductor, ``dynamic=False``), one compiled callable per
+  bucket. The paged decode attention kernel runs outside the graph (the runner hands the model
+  a ``mla_decode`` wrapped in ``torch.compiler.disable``), so a new context length never
+  recompiles.
+- "cudagraph" (cuda): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs of the padded
+  graph pieces). Untested here (no GPU on the development machine).
+- "npugraph" (npu): torchair's NPU backend in "reduce-overhead" mode. Untested here.
+
+A bucket is captured on its first use (or at start with ``warmup``); the capture time is
+logged. A capture (or a captured call) that raises falls back to eager for that bucket, with
+one warning; the request never fails because of graph mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Capture = Callable[[Callable], Callable]
+"""A capture backend: the forward -> a captured callable with the same signature."""
+Loader = Callable[[], Capture]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Graph mode of one decode (or colocated) instance.
+
+    Attributes:
+        enabled: capture decode-only steps (False: every step eager, vLLM's enforce_eager).
+        batch_sizes: the buckets, strictly increasing, each >= 1 (vLLM's cuda_graph_sizes).
+        warmup: capture every bucket when the runner is built (else on first use).
+        backend: a :data:`GRAPH_BACKENDS` name; None = the device type's default.
+
+    Raises:
+        ValueError: empty, non-increasing or non-positive ``batch_sizes``; unknown backend.
+    """
+
+    enabled: bool = False
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    warmup: bool = False
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.batch_sizes
+        if not sizes or sizes[0] < 1 or any(a >= b for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"batch_sizes must be strictly increasing sizes >= 1, e.g. "
+                             f"[1, 2, 4, 8], got {list(sizes)}")
+        if self.backend is not None and self.backend not in GRAPH_BACKENDS.names():
+            raise ValueError(f"backend {self.backend!r} is not one of "
+                             f"{GRAPH_BACKENDS.names()}; leave it empty for the device's "
+                             "default")
+
+    def bucket(self, batch: int) -> int | None:
+        """The smallest bucket ``>= batch``, or None when ``batch`` exceeds every bucket."""
+        return next((b for b in self.batch_sizes if b >= batch), None)
+
+
+class GraphBackendRegistry:
+    """``name -> {device_type: loader}``, plus a default name per device type."""
+
+    def __init__(self) -> None:
+        self._loaders: dict[str, dict[str, Loader]] = {}
+        self._defaults: dict[str, str] = {}
+
+    def register(self, name: str, device_types: tuple[str, ...], loader: Loader, *,
+                 default: bool = False) -> None:
+        """Register ``loader`` as backend ``name`` on each of ``device_types`` (and, with
+        ``default``, make it their default)."""
+        table = self._loaders.setdefault(name, {})
+        for device_type in device_types:
+            table[device_type] = loader
+            if default:
+                self._defaults[device_type] = name
+
+    def names(self) -> list[str]:
+        """Registered backend names."""
+        return sorted(self._loaders)
+
+    def get(self, device_type: str, name: str | None = None) -> Capture:
+        """The capture function of ``name`` (or the device's default) on ``device_type``.
+
+        Raises:
+            KeyError: unknown name, or none registered for ``device_type``; the message
+                lists what exists.
+        """
+        name = name or self._defaults.get(device_type)
+        table = self._loaders.get(name or "", {})
+        if device_type not in table:
+            raise KeyError(f"no graph backend {name!r} for device {device_type!r}; registered: "
+                           f"{ {n: sorted(t) for n, t in self._loaders.items()} }; set "
+                           "decode.graph.backend to one of them or graph.enabled false")
+        return table[device_type]()
+
+
+def _load_compile() -> Capture:
+    return lambda fn: torch.compile(fn, backend="inductor", dynamic=False)
+
+
+def _load_cudagraph() -> Capture:
+    return lambda fn: torch.compile(fn, mode="reduce-overhead", dynamic=False)
+
+
+def _load_npugraph() -> Capture:
+    import torchair  # noqa: PLC0415 (lazy: only on Ascend)
+
+    config = torchair.CompilerConfig()
+    config.mode = "reduce-overhead"
+    backend = torchair.get_npu_backend(compiler_config=config)
+    return lambda fn: torch.compile(fn, backend=backend, dynamic=False)
+
+
+GRAPH_BACKENDS = GraphBackendRegistry()
+"""The registry every runner resolves its capture backend from (filled here, at import)."""
+
+GRAPH_BACKENDS.register("compile", ("cpu",), _load_compile, default=True)
+GRAPH_BACKENDS.register("cudagraph", ("cuda",), _load_cudagraph, default=True)
+GRAPH_BACKENDS.register("npugraph", ("npu",), _load_npugraph, default=True)
+
+
+class DecodeGraphs:
+    """The captured forwards of one runner, one per bucket, captured on first use.
+
+    Args:
+        forward: the eager forward (``model.forward``) to capture.
+        config: the buckets and backend.
+        device_type: picks the default backend.
+
+    Attributes:
+        capture_s: bucket -> seconds its first (capturing) call took.
+        failed: buckets that fell back to eager after a capture error.
+
+    Raises:
+        KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
+    """
+
+    def __init__(self, forward: Callable, config: GraphConfig, device_type: str) -> None:
+        self.config = config
+        self._forward = forward
+        self._capture = GRAPH_BACKENDS.get(device_type, config.backend)
+        self._graphs: dict[int, Callable] = {}
+        self.capture_s: dict[int, float] = {}
+        self.failed: set[int] = set()
+
+    def bucket_for(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> int | None:
+        """The bucket of a step, or None when it must run eager (not decode-only, or more
+        sequences than the largest bucket)."""
+        decode_only = all(q == 1 and c > 0 for q, c in zip(query_lens, context_lens))
+        return self.config.bucket(len(query_lens)) if decode_only else None
+
+    def run(self, bucket: int, *args: object) -> torch.Tensor | None:
+        """The captured forward of ``bucket`` on ``args`` (inputs padded to ``bucket`` rows),
+        capturing it first if needed; None when the bucket runs eager (its capture failed:
+        the caller runs the eager forward)."""
+        if bucket in self.failed:
+            return None
+        first = bucket not in self._graphs
+        start = time.perf_counter()
+        try:
+            if first:
+                self._graphs[bucket] = self._capture(self._forward)
+            out = self._graphs[bucket](*args)
+        except Exception as exc:  # noqa: BLE001 (any capture error: that bucket runs eager)
+            self.failed.add(bucket)
+            log.warning("graph mode: bucket %d falls back to eager, its capture failed: %s: %s",
+                        bucket, type(exc).__name__, exc)
+            return None
+        if first:
+            self.capture_s[bucket] = time.perf_counter() - start
+            log.info("graph mode: captured decode bucket %d in %.2f s", bucket,
+                     self.capture_s[bucket])
+        return out
