@@ -1,0 +1,151 @@
+"""Graph mode for decode: padded captured steps equal eager, padding writes only the scratch
+block, non-decode steps run eager, a failing capture falls back to eager with one warning,
+and the inductor capture equals eager within 1e-5 without recompiling per context length."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import graph as graph_mod
+from engine.graph import GraphBackendRegistry, GraphConfig
+from engine.runner import ModelRunner, SeqStep
+from orchestrator.tiny_model import write_tiny_checkpoint
+
+BLOCK, BLOCKS = 4, 24
+PROMPTS = [[3, 5, 7, 11, 13], [17, 19], [23, 29, 31, 37, 41, 43, 47]]
+TABLES = [(0, 1, 2, 3), (5, 6, 7, 8), (10, 11, 12, 13)]
+
+
+class CountingCapture:
+    """A capture backend that runs the forward as is (or raises) and counts calls."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.captures, self.calls = fail, 0, 0
+
+    def __call__(self, fn):
+        self.captures += 1
+
+        def captured(*args):
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError("backend exploded")
+            return fn(*args)
+
+        return captured
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    """A fresh registry holding the real backends plus "counting" and "failing" (cpu)."""
+    registry = GraphBackendRegistry()
+    registry.register("compile", ("cpu",), graph_mod._load_compile, default=True)
+    counting, failing = CountingCapture(), CountingCapture(fail=True)
+    registry.register("counting", ("cpu",), lambda: counting)
+    registry.register("failing", ("cpu",), lambda: failing)
+    monkeypatch.setattr(graph_mod, "GRAPH_BACKENDS", registry)
+    return {"counting": counting, "failing": failing}
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory):
+    """2 dense layers, small vocabulary: cheap to compile."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("graph"), seed=4, num_layers=2,
+                                 first_k_dense_replace=2, vocab_size=512)
+
+
+def _runners(ckpt, backend: str, buckets=(4,), **kwargs) -> tuple[ModelRunner, ModelRunner]:
+    eager = ModelRunner(ckpt, num_kv_blocks=BLOCKS, block_size=BLOCK)
+    graph = ModelRunner(ckpt, num_kv_blocks=BLOCKS, block_size=BLOCK, graph=GraphConfig(
+        enabled=True, batch_sizes=buckets, backend=backend, **kwargs))
+    return eager, graph
+
+
+def _decode_side_by_side(eager: ModelRunner, graph: ModelRunner, num_seqs: int,
+                         steps: int) -> float:
+    """Prefill ``num_seqs`` prompts on both, then ``steps`` greedy decode steps of all of
+    them; the largest |logit difference| over the decode steps."""
+    for r in (eager, graph):
+        for i in range(num_seqs):
+            r.execute([SeqStep(f"r{i}", tuple(PROMPTS[i]), 0, TABLES[i])])
+    lens, toks, worst = [len(p) for p in PROMPTS], [1, 2, 3], 0.0
+    for _ in range(steps):
+        batch = [SeqStep(f"r{i}", (toks[i],), lens[i], TABLES[i]) for i in range(num_seqs)]
+        want, got = eager.execute(batch), graph.execute(batch)
+        assert got.shape == want.shape
+        worst = max(worst, (got - want).abs().max().item())
+        toks, lens = want.argmax(-1).tolist(), [n + 1 for n in lens]
+    return worst
+
+
+def _assert_pool_blocks_equal(eager: ModelRunner, graph: ModelRunner) -> None:
+    """Every block a pool can hand out holds the same KV on both (padding wrote none)."""
+    for layer in range(eager.kv_spec.num_layers):
+        for want, got in zip(eager.kv_cache.layer_buffers(layer),
+                             graph.kv_cache.layer_buffers(layer), strict=True):
+            assert got.shape[0] == BLOCKS + 1  # the scratch block
+            torch.testing.assert_close(got[:BLOCKS], want, rtol=0, atol=1e-5)
+
+
+def test_padded_decode_equals_eager_and_writes_only_scratch(dense_ckpt, backends):
+    eager, graph = _runners(dense_ckpt, "counting")
+    assert graph.kv_cache.scratch_block == BLOCKS and eager.kv_cache.scratch_block is None
+    assert _decode_side_by_side(eager, graph, num_seqs=3, steps=4) <= 1e-5
+    counting = backends["counting"]
+    assert (counting.captures, counting.calls) == (1, 4)  # prefills ran eager, decodes captured
+    _assert_pool_blocks_equal(eager, graph)
+    scratch = graph.kv_cache.k_caches[0][BLOCKS]
+    assert scratch.abs().sum() > 0  # the padding row's KV went there
+
+
+def test_mixed_and_oversized_steps_run_eager(dense_ckpt, backends):
+    _, graph = _runners(dense_ckpt, "counting", buckets=(1, 2))
+    prefill = SeqStep("p", (3, 4), 0, (20,))
+    graph.execute([prefill])
+    decode = [SeqStep(f"d{i}", (5,), 2, (20 + i,)) for i in range(3)]
+    graph.execute(decode[:1] + [SeqStep("q", (3, 4), 0, (22,))])  # mixed
+    graph.execute(decode)  # 3 > the largest bucket
+    assert backends["counting"].calls == 0
+    graph.execute(decode[:2])
+    assert backends["counting"].calls == 1 and set(graph.graphs.capture_s) == {2}
+
+
+def test_warmup_captures_every_bucket_and_touches_no_pool_block(dense_ckpt, backends):
+    _, graph = _runners(dense_ckpt, "counting", buckets=(1, 2, 4), warmup=True)
+    assert set(graph.graphs.capture_s) == {1, 2, 4} and backends["counting"].calls == 3
+    assert all(c[:BLOCKS].abs().sum() == 0 for c in graph.kv_cache.k_caches)
+
+
+def test_failing_capture_falls_back_to_eager_with_one_warning(dense_ckpt, backends, caplog):
+    eager, graph = _runners(dense_ckpt, "failing")
+    with caplog.at_level(logging.WARNING, logger="engine.graph"):
+        assert _decode_side_by_side(eager, graph, num_seqs=2, steps=3) <= 1e-5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "bucket 4 falls back to eager" in warnings[0]
+    assert graph.graphs.failed == {4} and backends["failing"].calls == 1
+    _assert_pool_blocks_equal(eager, graph)
+
+
+def test_padded_decode_equals_eager_v32(tiny_dsa_ckpt, backends):
+    eager, graph = _runners(tiny_dsa_ckpt, "counting")
+    assert _decode_side_by_side(eager, graph, num_seqs=2, steps=3) <= 1e-5
+    assert backends["counting"].calls == 3
+    _assert_pool_blocks_equal(eager, graph)
+
+
+def test_inductor_capture_equals_eager_without_recompiling(dense_ckpt, backends, monkeypatch):
+    """torch.compile (inductor) on 2 dense layers: one compile for bucket 4, then new context
+    lengths (S changes every step) must not recompile (mla_decode stays outside the graph)."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    eager, graph = _runners(dense_ckpt, "compile")
+    assert _decode_side_by_side(eager, graph, num_seqs=3, steps=1) <= 1e-5
+    assert set(graph.graphs.capture_s) == {4} and not graph.graphs.failed
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        lens = [len(p) + 1 for p in PROMPTS]
+        for step in range(3):
+            batch = [SeqStep(f"r{i}", (7 + step,), lens[i] + step, TABLES[i]) for i in range(3)]
+            got, want = graph.execute(batch), eager.execute(batch)
+            assert (got - want).abs().max().item() <= 1e-5
+    assert not graph.graphs.failed  # a recompile would have raised and fallen back

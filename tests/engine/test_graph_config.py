@@ -1,0 +1,54 @@
+"""Graph mode config: the decode.graph section reaches decode and colocated instances, is
+refused on prefill with the fix, and bad buckets name their key path."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.graph import GraphConfig
+from orchestrator.config import ConfigError, load_config
+
+
+def _load(tmp_path, text: str):
+    path = tmp_path / "orch.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_decode_graph_reaches_decode_and_colocated_instances(tmp_path, mode):
+    cfg = _load(tmp_path, f"mode: {mode}\n"
+                          "decode: {graph: {enabled: true, batch_sizes: [1, 4], warmup: true}}\n")
+    want = GraphConfig(enabled=True, batch_sizes=(1, 4), warmup=True)
+    got = {inst.role: inst.graph for inst in cfg.instances()}
+    assert got.pop("prefill", GraphConfig()) == GraphConfig()  # prefill: always off
+    assert set(got.values()) == {want}
+
+
+def test_graph_is_off_by_default(tmp_path):
+    cfg = _load(tmp_path, "mode: colocated\n")
+    assert {inst.graph for inst in cfg.instances()} == {GraphConfig()}
+    assert not GraphConfig().enabled
+
+
+def test_prefill_graph_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"prefill\.graph: graph mode captures the decode "
+                                          r"forward only.*move the graph section to decode"):
+        _load(tmp_path, "prefill: {graph: {enabled: true}}\n")
+
+
+@pytest.mark.parametrize("sizes", ["[4, 2]", "[0, 1]", "[2, 2]", "[]"])
+def test_bad_batch_sizes_name_their_key(tmp_path, sizes):
+    with pytest.raises(ConfigError, match=r"decode\.graph"):
+        _load(tmp_path, f"decode: {{graph: {{batch_sizes: {sizes}}}}}\n")
+
+
+def test_unknown_backend_names_the_registered_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"decode\.graph: backend 'tensorrt' is not one of "
+                                          r"\['compile', 'cudagraph', 'npugraph'\]"):
+        _load(tmp_path, "decode: {graph: {backend: tensorrt}}\n")
+
+
+def test_bucket_is_the_smallest_at_least_the_batch():
+    cfg = GraphConfig(batch_sizes=(1, 2, 4, 8))
+    assert [cfg.bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
