@@ -149,12 +149,20 @@ class DecodeGraphs:
 
     Raises:
         KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
+
+    Side effect: dynamo's process-wide ``recompile_limit`` is raised to at least
+    ``len(batch_sizes) + 2``.
     """
 
     def __init__(self, forward: Callable, config: GraphConfig, device_type: str) -> None:
         self.config = config
         self._forward = forward
         self._capture = GRAPH_BACKENDS.get(device_type, config.backend)
+        # NOTE: every bucket compiles the same code objects once more; dynamo's per-code
+        # recompile limit (8 by default, process-wide) must not silently turn later buckets
+        # eager.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, len(config.batch_sizes) + 2)
         self._graphs: dict[int, Callable] = {}
         self.capture_s: dict[int, float] = {}
         self.failed: set[int] = set()

@@ -148,9 +148,8 @@ class ModelRunner:
             raise ValueError("execute() needs at least one SeqStep")
         for s in steps:
             self._check_step(s)
-        bucket = self.graphs.bucket_for([len(s.token_ids) for s in steps],
-                                        [s.num_computed_tokens for s in steps]) \
-            if self.graphs is not None else None
+        bucket = None if self.graphs is None else self.graphs.bucket_for(
+            [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps])
         if bucket is not None:
             logits = self._run_graph(steps, bucket)
             if logits is not None:
