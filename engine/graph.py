@@ -11,9 +11,9 @@ Capture backends come from a registry, name -> loader per device type (same styl
 :mod:`engine.kernels`; loaders import lazily):
 
 - "compile" (cpu): ``torch.compile`` (inductor, ``dynamic=False``), one compiled callable per
-  bucket. The paged decode attention kernel runs outside the graph (the runner hands the model
-  a ``mla_decode`` wrapped in ``torch.compiler.disable``), so a new context length never
-  recompiles.
+  bucket. The paged decode attention kernel is one opaque op in the graph
+  (:func:`opaque_mla_decode`; the decode batch's tensors are marked dynamic), so the graph
+  has no break for attention and a new context length never recompiles.
 - "cudagraph" (cuda): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs of the padded
   graph pieces). Untested here (no GPU on the development machine).
 - "npugraph" (npu): torchair's NPU backend in "reduce-overhead" mode. Untested here.
@@ -25,12 +25,15 @@ one warning; the request never fails because of graph mode.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.forward_context import DecodeBatch
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +136,55 @@ GRAPH_BACKENDS = GraphBackendRegistry()
 GRAPH_BACKENDS.register("compile", ("cpu",), _load_compile, default=True)
 GRAPH_BACKENDS.register("cudagraph", ("cuda",), _load_cudagraph, default=True)
 GRAPH_BACKENDS.register("npugraph", ("npu",), _load_npugraph, default=True)
+
+
+_OPAQUE_KERNELS: list[Callable] = []
+"""mla_decode kernels wrapped by :func:`opaque_mla_decode`; the op names one by index."""
+
+
+@torch.library.custom_op("orch::graph_mla_decode", mutates_args=())
+def _mla_decode_op(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, batch: list[torch.Tensor], w_uk: torch.Tensor,
+                   w_uv: torch.Tensor, scale: float, kernel: int) -> torch.Tensor:
+    out = _OPAQUE_KERNELS[kernel](q_nope, q_pe, k_cache, v_cache, DecodeBatch(*batch), w_uk,
+                                  w_uv, scale)
+    return out.contiguous()  # NOTE: the fake below promises a fresh contiguous [B, H, V]
+
+
+@_mla_decode_op.register_fake
+def _mla_decode_fake(q_nope, q_pe, k_cache, v_cache, batch, w_uk, w_uv, scale, kernel):
+    return q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+
+
+def opaque_mla_decode(kernel: Callable) -> Callable:
+    """``kernel`` (the ``mla_decode`` contract of :mod:`engine.kernels`) as ONE opaque op of
+    a captured graph (a ``torch.library`` custom op): no graph break, and the decode batch's
+    context-length-shaped tensors reach only the op (see :func:`mark_context_dynamic`), so
+    a new context length never recompiles. Eager calls run ``kernel`` through the op.
+
+    Every field of :class:`engine.forward_context.DecodeBatch` must be a tensor (they are
+    passed through as a list, in field order)."""
+    _OPAQUE_KERNELS.append(kernel)
+    index = len(_OPAQUE_KERNELS) - 1
+
+    def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
+                   w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        fields = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
+        return _mla_decode_op(q_nope, q_pe, k_cache, v_cache, fields, w_uk, w_uv, scale, index)
+
+    return mla_decode
+
+
+def mark_context_dynamic(batch: DecodeBatch | None) -> None:
+    """Mark every dim of every tensor of ``batch`` dynamic for the capture (where it can be),
+    so the compiled graph is not specialized on the context length; no-op for None."""
+    if batch is None:
+        return
+    for f in dataclasses.fields(batch):
+        tensor = getattr(batch, f.name)
+        for dim in range(tensor.dim()):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class DecodeGraphs:

@@ -19,7 +19,7 @@ import torch
 
 from engine.context_parallel import build_cp_step
 from engine.forward_context import AttentionMetadata, build_attention_metadata
-from engine.graph import DecodeGraphs, GraphConfig
+from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque_mla_decode
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -104,9 +104,9 @@ class ModelRunner:
             else self.platform.device(max(self.tp.rank, self.cp.rank))
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
-        if graph.enabled:  # NOTE: paged decode attention stays outside the captured graph
+        if graph.enabled:  # NOTE: paged decode attention: one opaque op of the graph
             self.kernels = replace(self.kernels,
-                                   mla_decode=torch.compiler.disable(self.kernels.mla_decode))
+                                   mla_decode=opaque_mla_decode(self.kernels.mla_decode))
         quant = quant_plan(checkpoint_dir, cfg.quantization, fp8_storage)
         sharded = tuple(layer_sharding)
         check_layer_sharding(sharded, cfg)
@@ -170,6 +170,7 @@ class ModelRunner:
         ``bucket`` (steps padded to ``bucket`` rows), or None when that bucket runs eager."""
         padded = steps + [self._padding_step()] * (bucket - len(steps))
         input_ids, meta = self._inputs(padded)
+        mark_context_dynamic(meta.decode)
         logits = self.graphs.run(bucket, input_ids, meta, self.kv_cache)
         return None if logits is None else logits[:len(steps)]
 

@@ -136,12 +136,17 @@ def test_padded_decode_equals_eager_v32(tiny_dsa_ckpt, backends):
 
 
 def test_inductor_capture_equals_eager_without_recompiling(dense_ckpt, backends, monkeypatch):
-    """torch.compile (inductor) on 2 dense layers: one compile for bucket 4, then new context
-    lengths (S changes every step) must not recompile (mla_decode stays outside the graph)."""
+    """torch.compile (inductor) on 2 dense layers: bucket 4 compiles to ONE graph (attention
+    is an opaque op, no break), and new context lengths (S changes every step) must not
+    recompile."""
+    from torch._dynamo.utils import counters
+
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     eager, graph = _runners(dense_ckpt, "compile")
+    graphs_before = counters["stats"]["unique_graphs"]
     assert _decode_side_by_side(eager, graph, num_seqs=3, steps=1) <= 1e-5
     assert set(graph.graphs.capture_s) == {4} and not graph.graphs.failed
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # no graph break
     with torch._dynamo.config.patch(error_on_recompile=True):
         lens = [len(p) + 1 for p in PROMPTS]
         for step in range(3):
