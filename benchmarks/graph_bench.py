@@ -2,10 +2,11 @@
 
 Two runners on the same checkpoint in one process, one eager and one with graph mode (the
 "compile" backend: torch.compile, inductor) and buckets equal to the batches. Per batch: a
-64-token prompt per sequence on both, then decode steps of one token per sequence; the
-figure is the best of ``--steps`` steps (benchmarks/timing.py) after the capturing step,
-whose time (compile time of the bucket) is printed too. After the timed steps, one more
-step on both checks the graph runner's logits against eager's (max |diff| printed). Not a test; run:
+64-token prompt per sequence on both, then decode steps of one token per sequence
+(context 64 to 79); the figure is the best step of ``--rounds`` alternating rounds of
+``--steps`` steps per runner (benchmarks/timing.py) after the capturing step, whose time
+(compile time of the bucket) is printed too. After the timed steps, one more step on both
+checks the graph runner's logits against eager's (max |diff| printed). Not a test; run:
 ``PYTHONPATH=. TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/graph_bench.py``.
 """
 
@@ -21,7 +22,7 @@ from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
 from timing import best_time  # benchmarks/timing.py (scripts run as files)
 
-BLOCK, PROMPT = 16, 64
+BLOCK, PROMPT, WINDOW = 16, 64, 16
 
 
 def _steps(batch: int, pos: int, blocks_per: int, prompt: bool) -> list[SeqStep]:
@@ -34,21 +35,22 @@ def _steps(batch: int, pos: int, blocks_per: int, prompt: bool) -> list[SeqStep]
     return [SeqStep(str(b), (7,), pos, tables[b]) for b in range(batch)]
 
 
-def _time_decode(runner: ModelRunner, batch: int, blocks_per: int, steps: int) -> float:
-    """Best decode step time (s) of ``runner`` over positions PROMPT, PROMPT + 1, ..."""
-    pos = [PROMPT]
+def _stepper(runner: ModelRunner, batch: int, blocks_per: int):
+    """One decode step of ``runner`` per call, positions cycling over PROMPT .. PROMPT +
+    WINDOW - 1 (token 7 everywhere, so every runner's cache ends up identical)."""
+    calls = [0]
 
     def one() -> None:
-        runner.execute(_steps(batch, pos[0], blocks_per, prompt=False))
-        pos[0] += 1
+        runner.execute(_steps(batch, PROMPT + calls[0] % WINDOW, blocks_per, prompt=False))
+        calls[0] += 1
 
-    return best_time(one, steps)
+    return one
 
 
-def bench(ckpt: str, batches: list[int], steps: int) -> list[tuple[int, float, float, float,
-                                                                  float]]:
+def bench(ckpt: str, batches: list[int], steps: int,
+          rounds: int) -> list[tuple[int, float, float, float, float]]:
     """Per batch: (batch, eager step s, graph step s, capture s, max |logit diff|)."""
-    blocks_per = -(-(PROMPT + steps + 4) // BLOCK)
+    blocks_per = -(-(PROMPT + WINDOW + 1) // BLOCK)
     blocks = max(batches) * blocks_per
     eager = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK)
     graph = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK,
@@ -58,8 +60,12 @@ def bench(ckpt: str, batches: list[int], steps: int) -> list[tuple[int, float, f
         for r in (eager, graph):
             r.execute(_steps(batch, 0, blocks_per, prompt=True))
         graph.execute(_steps(batch, PROMPT, blocks_per, prompt=False))  # captures
-        t_eager, t_graph = (_time_decode(r, batch, blocks_per, steps) for r in (eager, graph))
-        check = _steps(batch, PROMPT + steps + 1, blocks_per, prompt=False)
+        runs = [_stepper(r, batch, blocks_per) for r in (eager, graph)]
+        t_eager = t_graph = float("inf")
+        for _ in range(rounds):  # NOTE: alternating rounds: load changes hit both alike
+            t_eager = min(t_eager, best_time(runs[0], steps))
+            t_graph = min(t_graph, best_time(runs[1], steps))
+        check = _steps(batch, PROMPT + WINDOW, blocks_per, prompt=False)
         diff = (graph.execute(check) - eager.execute(check)).abs().max().item()
         rows.append((batch, t_eager, t_graph, graph.graphs.capture_s[batch], diff))
     return rows
@@ -68,7 +74,8 @@ def bench(ckpt: str, batches: list[int], steps: int) -> list[tuple[int, float, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--dense-layers", type=int, default=1,
@@ -78,9 +85,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(write_tiny_checkpoint(tmp, seed=0, num_layers=args.layers,
                                          first_k_dense_replace=args.dense_layers))
-        rows = bench(ckpt, args.batches, args.steps)
+        rows = bench(ckpt, args.batches, args.steps, args.rounds)
     print(f"tiny model, {args.layers} layers ({args.dense_layers} dense), context {PROMPT}, "
-          f"{args.threads} thread(s), best of {args.steps}")
+          f"{args.threads} thread(s), best of {args.rounds} x {args.steps} steps")
     print("batch | eager step ms | graph step ms | graph/eager | capture s | max |diff|")
     for batch, t_e, t_g, cap, diff in rows:
         print(f"{batch:5d} | {t_e * 1e3:13.2f} | {t_g * 1e3:13.2f} | {t_g / t_e:11.2f} | "
