@@ -7,7 +7,8 @@ blocks of ``--block-size`` spread over a shuffled cache: ``decode_absorbed`` (ti
 default kernel) against the padded-copy path it replaced (``attend_selected_absorbed`` over
 ``DecodeBatch.padded_slots``, the old ``[B, S, L + R]`` gather) and the analytic padded size
 ``B * S * (L + R) * bytes``. Part 2, one whole decode step of a tiny model (``execute``) with
-the tiled kernel and with the padded path registered as a bench-only variant.
+the tiled kernel and with the padded path registered as a bench-only variant, and the time
+of the step's ``build_attention_metadata``.
 
 Peak extra memory: torch.profiler (``profile_memory=True``) allocation and free events of
 the call, summed in time order, the maximum of the running total (CPU has no allocator peak
@@ -80,7 +81,7 @@ def bench_layer(args: argparse.Namespace, dtype: torch.dtype) -> None:
           f"{H} heads, {dtype}: padded copy B*S*(L+R)*bytes = {analytic / MIB:.1f} MiB")
     print(f"{'path':<28}{'peak extra MiB':>16}{'vs padded copy':>16}{'ms':>10}")
     rows = [(f"padded gather (old)", lambda: padded_decode(*case))]
-    rows += [(f"tiled, {t} blocks/tile", lambda t=t: decode_absorbed(*case, tile_blocks=t))
+    rows += [(f"tiled, {t} tokens/tile", lambda t=t: decode_absorbed(*case, tile_tokens=t))
              for t in args.tiles]
     base_ms = None
     for name, fn in rows:
@@ -111,6 +112,10 @@ def bench_model_step(args: argparse.Namespace) -> None:
     print(f"\nwhole decode step, tiny model (hidden 256, 8 heads, kv_lora {L}, 2 layers, fp32), "
           f"batch {args.batch} x context {args.context}: padded copy of one layer "
           f"{analytic / MIB:.1f} MiB")
+    meta_ms = 1e3 * best_time(lambda: build_attention_metadata(
+        [1] * args.batch, [args.context] * args.batch, [s.block_ids for s in step],
+        args.block_size), args.repeats)
+    print(f"build_attention_metadata of the step (block tables included): {meta_ms:.2f} ms")
     print(f"{'path':<28}{'peak extra MiB':>16}{'vs padded copy':>16}{'ms':>10}")
     base_ms = None
     for name, runner in runners.items():
@@ -126,10 +131,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--tiles", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tiles", type=int, nargs="+", default=[64, 256, 1024],
+                        help="tokens per tile of the one-layer rows (the default is 256)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="of part 1 (CPU bf16 matmuls are slow; the ratios hold)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, best of {args.repeats}")

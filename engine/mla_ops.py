@@ -67,16 +67,18 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
 
 
-DECODE_TILE_BLOCKS = 16
-"""Blocks :func:`decode_absorbed` reads and attends at a time per sequence."""
+DECODE_TILE_TOKENS = 256
+"""Cached tokens :func:`decode_absorbed` reads and attends at a time per sequence (rounded
+down to whole blocks, at least one): 16 blocks of 16."""
 
 
 def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
                     w_uv: torch.Tensor, scale: float, *,
-                    tile_blocks: int = DECODE_TILE_BLOCKS) -> torch.Tensor:
+                    tile_tokens: int = DECODE_TILE_TOKENS) -> torch.Tensor:
     """Absorbed MLA decode for B sequences, one query token each (the ``mla_decode`` contract),
-    read through the block table ``tile_blocks`` blocks at a time with an online softmax.
+    read through the block table a tile of whole blocks (about ``tile_tokens`` tokens) at a
+    time, merged with an online softmax.
 
     Args:
         q_nope: ``[B, H, P]``; q_pe: ``[B, H, R]`` (roped, interleaved like the cache).
@@ -84,14 +86,15 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Ten
             they already hold this step's tokens.
         batch: ``block_table [B, M]`` and ``seq_lens [B]`` (positions ``0..seq_len-1``).
         w_uk: ``[H, P, L]``; w_uv: ``[H, V, L]`` (kv_b_proj viewed per head).
-        tile_blocks: blocks per tile; extra memory is ``O(B * tile_blocks * block_size)``
-            per call, never ``O(B * M * block_size)``.
+        tile_tokens: tokens per tile; extra memory is ``O(B * H * tile_tokens)`` plus
+            ``O(B * tile_tokens * (L + R))`` per call, never ``O(B * M * block_size * L)``.
 
     Returns:
         ``[B, H, V]`` attention output per head (before o_proj).
     """
     # B seqs, H heads, L kv_lora_rank, R rope dim, n = tile_blocks * block_size tile tokens
     b, h, block_size = q_nope.shape[0], q_nope.shape[1], k_cache.shape[1]
+    tile_blocks = max(1, tile_tokens // block_size)
     q_lat = torch.einsum("bhp,hpl->bhl", q_nope, w_uk)  # [B, H, L]
     row_max = q_lat.new_full((b, h, 1), float("-inf"), dtype=torch.float32)
     denom = q_lat.new_zeros((b, h, 1), dtype=torch.float32)
@@ -114,9 +117,10 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Ten
         new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
         alpha = torch.exp(row_max - new_max)  # [B, H, 1] rescales what came before
         probs = scores.sub_(new_max).exp_()  # unnormalized, in place
-        denom = denom * alpha + probs.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(probs.to(c_kv.dtype), c_kv).float()
+        denom.mul_(alpha).add_(probs.sum(dim=-1, keepdim=True))
+        acc.mul_(alpha).add_(torch.matmul(probs.to(c_kv.dtype), c_kv))
         row_max = new_max
+        del c_kv, k_pe, scores, probs  # NOTE: before the next tile's gather: one tile alive
     o_lat = (acc / denom).to(q_nope.dtype)  # [B, H, L]
     return torch.einsum("bhl,hvl->bhv", o_lat, w_uv)
 

@@ -52,12 +52,12 @@ def test_metadata_carries_block_tables_padded_with_a_valid_block():
     assert build_attention_metadata([1], [0], [(2,)], BS).decode is None  # a 1-token prompt
 
 
-@pytest.mark.parametrize("tile_blocks", [1, 2, 3, 16])
+@pytest.mark.parametrize("tile_tokens", [1, BS, 2 * BS, 3 * BS + 1, 16 * BS])
 @pytest.mark.parametrize("seq_lens", [[2], [5, 17, 2, 9], [33, 2, 12]])
-def test_tiled_decode_equals_padded_copy_and_mha_reference(seq_lens, tile_blocks):
-    args = _case(seq_lens, seed=len(seq_lens) * 10 + tile_blocks)
+def test_tiled_decode_equals_padded_copy_and_mha_reference(seq_lens, tile_tokens):
+    args = _case(seq_lens, seed=len(seq_lens) * 10 + tile_tokens)
     batch = args[4]
-    tiled = decode_absorbed(*args, tile_blocks=tile_blocks)
+    tiled = decode_absorbed(*args, tile_tokens=tile_tokens)
     padded = attend_selected_absorbed(*args[:4], batch.padded_slots(BS), *args[5:])
     naive = decode_naive(*args)
     assert tiled.shape == (len(seq_lens), H, V)
@@ -73,14 +73,14 @@ def test_tiled_decode_reads_only_each_sequences_positions():
     last = batch.block_table[0, 1]  # holds positions 4, 5 of sequence 0; 6, 7 are unused
     k_cache[last, 2:], v_cache[last, 2:] = 1e4, float("inf")
     out = decode_absorbed(q_nope, q_pe, k_cache, v_cache, batch, w_uk, w_uv, scale,
-                          tile_blocks=2)
+                          tile_tokens=2 * BS)
     torch.testing.assert_close(out, ref)
 
 
 def test_tiled_decode_in_bfloat16_stays_close_to_float32():
     args32 = _case([40, 7], seed=5)
     args16 = _case([40, 7], seed=5, dtype=torch.bfloat16)
-    out16 = decode_absorbed(*args16, tile_blocks=2)
+    out16 = decode_absorbed(*args16, tile_tokens=2 * BS)
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.float(), decode_absorbed(*args32), atol=0.05, rtol=0.05)
 
