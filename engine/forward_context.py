@@ -8,6 +8,9 @@ cache (positions ``0..context_len-1``); the step computes positions
 A sequence is a DECODE sequence when ``query_len == 1 and context_len > 0``; every other
 sequence (a prompt or a prefill chunk) is a PREFILL sequence.
 
+Decode sequences reach attention as block tables (:class:`DecodeBatch`), read in place by
+paged attention; no padded per-token slot list is built.
+
 Scope: the runner builds one :class:`AttentionMetadata` per ``execute`` call and passes it
 down the forward explicitly (model -> layer -> attention); nothing is stored globally, so two
 runners (or threads) never see each other's step.
@@ -16,6 +19,7 @@ runners (or threads) never see each other's step.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -124,27 +128,25 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
             ``context_len + query_len`` tokens.
     """
     used = _blocks_used(query_lens, context_lens, block_tables, block_size)  # per sequence
+    ends, first = list(accumulate(query_lens)), [0, *accumulate(used)][:-1]  # [B] each
     flat = torch.tensor([b for t, n in zip(block_tables, used) for b in t[:n]],
                         dtype=torch.int64)  # [sum(used)] the step's blocks, sequence by sequence
-    first = torch.tensor([0, *used], dtype=torch.int64).cumsum(0)[:-1]  # [B] into flat
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    ctx = torch.tensor(context_lens, dtype=torch.int64)
-    ends = q_lens.cumsum(0)  # [B]
+    ends_t, first_t = torch.tensor(ends), torch.tensor(first)
+    ctx, q_lens = torch.tensor(context_lens), torch.tensor(query_lens)
     seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T] its sequence
-    positions = ctx[seq] + torch.arange(seq.shape[0]) - (ends - q_lens)[seq]  # [T]
-    slots = flat[first[seq] + positions // block_size] * block_size + positions % block_size
+    positions = ctx[seq] + torch.arange(seq.shape[0]) - (ends_t - q_lens)[seq]  # [T]
+    slots = flat[first_t[seq] + positions // block_size] * block_size + positions % block_size
     is_decode = [q == 1 and c > 0 and not prefill_only for q, c in zip(query_lens, context_lens)]
-    prefills = tuple(
-        _prefill_seq(int(ends[i]) - query_lens[i], int(ends[i]), context_lens[i],
-                     flat[int(first[i]):int(first[i]) + used[i]], block_size, device)
-        for i, dec in enumerate(is_decode) if not dec)
+    prefills = tuple(_prefill_seq(ends[i] - query_lens[i], ends[i], context_lens[i],
+                                  flat[first[i]:first[i] + used[i]], block_size, device)
+                     for i, dec in enumerate(is_decode) if not dec)
     dec_index = [i for i, dec in enumerate(is_decode) if dec]
-    decode = (_decode_batch(torch.tensor(dec_index), ends - 1, ctx + 1, flat, first,
+    decode = (_decode_batch(torch.tensor(dec_index), ends_t - 1, ctx + 1, flat, first_t,
                             max(used[i] for i in dec_index), block_size, device)
               if dec_index else None)
     return AttentionMetadata(
         positions=positions.to(device), slot_mapping=slots.to(device), prefills=prefills,
-        decode=decode, logits_index=(ends - 1).to(device))
+        decode=decode, logits_index=(ends_t - 1).to(device))
 
 
 def _blocks_used(query_lens: list[int], context_lens: list[int],
