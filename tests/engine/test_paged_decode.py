@@ -16,12 +16,13 @@ H, P, R, V, L, BS = 3, 8, 4, 6, 16, 4  # heads, nope, rope, v, kv_lora_rank, blo
 
 
 def _case(seq_lens: list[int], seed: int, dtype: torch.dtype = torch.float32):
-    """Random caches of 64 blocks, a DecodeBatch whose sequences own shuffled (fragmented)
-    blocks, and random queries / absorbed weights."""
+    """Random caches (8 spare blocks), a DecodeBatch whose sequences own shuffled
+    (fragmented) blocks, and random queries / absorbed weights."""
     gen = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(64, BS, L, generator=gen).to(dtype)
-    v_cache = torch.randn(64, BS, R, generator=gen).to(dtype)
-    perm = torch.randperm(64, generator=gen).tolist()
+    num_blocks = sum(-(-n // BS) for n in seq_lens) + 8
+    k_cache = torch.randn(num_blocks, BS, L, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BS, R, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for n in seq_lens:
         blocks, perm = perm[: -(-n // BS)], perm[-(-n // BS):]
@@ -100,3 +101,26 @@ def test_decode_batch_is_tensor_shaped():
     assert isinstance(batch, DecodeBatch)
     assert all(isinstance(getattr(batch, f), torch.Tensor)
                for f in ("token_index", "block_table", "seq_lens"))
+
+
+def _peak_bytes(fn) -> int:
+    """Peak running total of the bytes ``fn`` allocates (profiler memory events, in order)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_tiled_decode_holds_one_tile_not_the_padded_copy():
+    args = _case([250, 251, 249, 252], seed=9)  # 64 blocks of 4 per sequence
+    padded_bytes = 4 * 64 * BS * (L + R) * 4
+    peak = _peak_bytes(lambda: decode_absorbed(*args, tile_tokens=2 * BS))
+    assert peak < padded_bytes / 4
+    padded = args[4].padded_slots(BS)  # the probe sees a padded copy where there is one
+    assert _peak_bytes(lambda: attend_selected_absorbed(*args[:4], padded, *args[5:])) \
+        > padded_bytes
