@@ -16,9 +16,9 @@ Capture backends come from a registry, name -> loader per device type (same styl
   has no break for attention and a new context length never recompiles.
 - "cudagraph" (cuda): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs of the padded
   graph). Untested here (no GPU on the development machine). NOTE: the decode batch's
-  tensors are shaped by the longest context (padded ``[B, S_max]`` slots), so CUDA graph
-  trees would record one graph per S_max; real CUDA graphs need the paged decode kernel
-  over fixed-width block tables.
+  block table is ``[B, M]`` with M the longest sequence's blocks, so CUDA graph trees
+  would record one graph per M; real CUDA graphs need block tables of a fixed width
+  (max_model_len's blocks).
 - "npugraph" (npu): torchair's NPU backend in "reduce-overhead" mode. Untested here.
 
 A bucket is captured on its first use (or at start with ``warmup``); the capture time is
