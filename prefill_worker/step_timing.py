@@ -58,6 +58,15 @@ class StepTimings:
     step: PhaseTiming = PhaseTiming()
     phases: dict[str, PhaseTiming] = field(default_factory=dict)
 
+    def since(self, earlier: StepTimings) -> StepTimings:
+        """What was recorded after ``earlier`` (a snapshot of the same leader); the recent
+        windows are left empty. A leader restarted meanwhile reads as starting from zero."""
+        if earlier.step.count > self.step.count:
+            return StepTimings(_bare(self.step), {p: _bare(r) for p, r in self.phases.items()})
+        return StepTimings(_minus(self.step, earlier.step),
+                           {p: _minus(r, earlier.phases.get(p, PhaseTiming()))
+                            for p, r in self.phases.items()})
+
     def mean_per_step_s(self, phase: str) -> float:
         """Seconds ``phase`` takes per step on average (sum over steps, so a phase recorded
         twice in one step counts twice; 0.0 before the first step)."""
@@ -86,6 +95,14 @@ class StepTimings:
         return (f"{self.step.count} steps, {self.step.mean_s * 1e3:.2f} ms/step: "
                 f"{', '.join(parts)}, other {self.other_per_step_s * 1e3:.2f} ms; outside "
                 f"forward {self.outside_forward_fraction:.1%}")
+
+
+def _minus(rec: PhaseTiming, earlier: PhaseTiming) -> PhaseTiming:
+    return PhaseTiming(rec.count - earlier.count, rec.total_s - earlier.total_s)
+
+
+def _bare(rec: PhaseTiming) -> PhaseTiming:
+    return PhaseTiming(rec.count, rec.total_s)
 
 
 class _Record:

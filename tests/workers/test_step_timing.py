@@ -12,7 +12,9 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
+from orchestrator.convert import status_from_proto, status_to_proto
 from orchestrator.metrics import RouterMetrics
+from orchestrator.status import InstanceView
 from prefill_worker.colocated import ColocatedRank
 from prefill_worker.messages import InstanceStatusInfo, RequestSpec
 from prefill_worker.step_timing import STEP_PHASES, StepTimer
@@ -55,6 +57,27 @@ def test_metrics_export_each_phase_per_instance():
     assert value("orch_step_phase_seconds_sum", labels) == pytest.approx(0.27)
     assert value("orch_step_phase_seconds_count", {"instance": "decode-0", "phase": "step"}) == 3
     assert value("orch_step_outside_forward_ratio", {"instance": "decode-0"}) == pytest.approx(0.1)
+
+
+def test_timings_travel_through_get_status_and_subtract_per_run():
+    timer = StepTimer()
+    timer.add("forward", 0.08)
+    timer.end_step(0.1)
+    before = timer.snapshot()
+    for _ in range(2):
+        timer.add("forward", 0.05)
+        timer.add("fanout", 0.002)
+        timer.end_step(0.06)
+    status = InstanceStatusInfo("decode-0", "decode", 2, step_timings=timer.snapshot())
+    view = InstanceView("decode-0", "decode", 2, "healthy", "", status)
+    (back,) = status_from_proto(status_to_proto([view], 0, "tiny"))
+    after = back.status.step_timings
+    assert after.step.count == 3 and after.phases["fanout"].count == 2
+    run = after.since(before)
+    assert run.step.count == 2 and run.step.total_s == pytest.approx(0.12)
+    assert run.mean_per_step_s("forward") == pytest.approx(0.05)
+    assert run.mean_per_step_s("fanout") == pytest.approx(0.002)
+    assert before.since(after).step.count == 1  # a restarted leader: counted from zero
 
 
 @pytest.fixture(scope="module")
