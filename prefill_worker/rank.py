@@ -61,7 +61,8 @@ from prefill_worker.dp_sync import DPSync
 from prefill_worker.ep_setup import join_dp_sync, join_ep_group
 from prefill_worker.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from prefill_worker.rank_failure import RankFailure, await_followers
-from prefill_worker.step_channel import STORE_KEY, StepChannelFollower, StepChannelLeader
+from prefill_worker.step_channel import (StepChannelFollower, StepChannelLeader,
+                                         connect_follower, open_leader)
 from prefill_worker.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,7 @@ class RankBase(ABC):
                                timeout=timedelta(seconds=self.cfg.transfer.connect_timeout_s),
                                wait_for_workers=False)
         if par.ranks > 1:
-            self._step_leader = StepChannelLeader(par.bind_host, par.ranks - 1)
-            host, port = self._step_leader.address
-            self._store.set(STORE_KEY, f"{host}:{port}")
+            self._step_leader = open_leader(self._store, par.bind_host, par.ranks - 1)
         return par.bind_host, self._store.port
 
     def open_ep_store(self) -> tuple[str, int]:
@@ -195,18 +194,14 @@ class RankBase(ABC):
         Raises:
             RuntimeError: the channel could not be set up (names instance and rank).
         """
-        from torch.distributed import TCPStore
-
         timeout_s = self.cfg.transfer.connect_timeout_s
         try:
             if self.rank == 0:
                 self._step_leader.accept(timeout_s)
-                return
-            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            leader_host, leader_port = store.get(STORE_KEY).decode().rsplit(":", 1)
-            self._step_follower = StepChannelFollower(
-                (leader_host, int(leader_port)), self.rank, self.execute_step,
-                f"{self}-steps", timeout_s)
+            else:
+                self._step_follower = connect_follower((host, port), self.rank,
+                                                       self.execute_step, f"{self}-steps",
+                                                       timeout_s)
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: joining the step channel "
                                f"failed: {exc}") from exc

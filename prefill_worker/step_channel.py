@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from prefill_worker.rank_failure import RankGone, RankHung
@@ -265,3 +266,28 @@ class StepChannelFollower:
         self._stop.set()
         self._thread.join(timeout_s)
         self._sock.close()
+
+
+def open_leader(store: Any, host: str, num_followers: int) -> StepChannelLeader:
+    """Leader, when it opens its TP store (a ``torch.distributed.TCPStore``): listen at
+    ``host`` port 0 and publish the address in ``store`` under :data:`STORE_KEY`."""
+    leader = StepChannelLeader(host, num_followers)
+    store.set(STORE_KEY, f"{leader.address[0]}:{leader.address[1]}")
+    return leader
+
+
+def connect_follower(store_address: tuple[str, int], rank: int,
+                     run_step: Callable[[list, Any], None], name: str,
+                     timeout_s: float) -> StepChannelFollower:
+    """A follower: read the leader's address from the TP store at ``store_address`` and
+    connect (arguments as :class:`StepChannelFollower`), all within ``timeout_s`` each.
+
+    Raises:
+        torch.distributed.DistStoreError: the address was not published in time.
+        OSError: the leader could not be reached.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore(*store_address, is_master=False, timeout=timedelta(seconds=timeout_s))
+    host, port = store.get(STORE_KEY).decode().rsplit(":", 1)
+    return StepChannelFollower((host, int(port)), rank, run_step, name, timeout_s)
