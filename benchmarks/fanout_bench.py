@@ -8,7 +8,7 @@ leader, in the same run and alternating rounds:
 
 "ray" sends each step as ``execute_step.remote`` to the follower and waits on the ref (the
 fan-out before the step channel); "channel" is ``RankBase.run_step`` (the step channel).
-Figures are the best round's median per step. Then the leader loop serves 8 concurrent
+Figures are the best round's median per step (rounds alternate which mode runs first). Then the leader loop serves 8 concurrent
 requests and prints its step time breakdown (``status().step_timings``): the share of a
 decode step spent outside the model forward.
 
@@ -96,9 +96,10 @@ def _compare(leader, rounds: int, steps: int) -> dict[tuple[str, int], float]:
     ray.get(leader.prefill_all.remote(BATCH), timeout=300)
     best: dict[tuple[str, int], float] = {}
     pos = PROMPT
-    for _ in range(rounds):
+    for i in range(rounds):
         for batch in (0, BATCH):
-            for mode in ("ray", "channel"):
+            # NOTE: the order alternates per round, so neither mode always runs first
+            for mode in ("ray", "channel") if i % 2 == 0 else ("channel", "ray"):
                 times = ray.get(leader.time_steps.remote(mode, batch, steps, pos), timeout=600)
                 pos += steps if batch else 0
                 key = (mode, batch)

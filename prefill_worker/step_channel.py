@@ -5,8 +5,9 @@ follower's thread runs the step (forward + after_step) and answers one ack frame
 ``(seq, error)`` (``error`` None, or the step's exception). Ray stays the control plane
 (bring-up, status, faults); this is only the per-step data.
 
-Frames: an 8-byte big-endian length, then a pickle (the same objects Ray would pickle; both
-ends are ranks of one instance, so the peer is trusted).
+Frames: an 8-byte big-endian length, then a pickle (the same objects Ray would pickle). The
+leader unpickles only what a follower that proved it knows the channel's token sends: a
+follower's hello is its rank and the 16-byte token the leader published with its address.
 
 Bring-up: the leader's :class:`StepChannelLeader` listens at ``bind_host`` port 0 when it opens
 its TP store and publishes ``host:port`` in that store under :data:`STORE_KEY`; each follower,
@@ -21,8 +22,10 @@ leader accepts them all (bounded). Failures, as the leader sees them:
 
 from __future__ import annotations
 
+import hmac
 import logging
 import pickle
+import secrets
 import select
 import socket
 import struct
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STORE_KEY = "orch/step_channel"
 _LEN = struct.Struct("!Q")
+_HELLO = struct.Struct("!I16s")  # follower rank, channel token
 # NOTE: how often a follower's idle thread looks at its stop event (seconds).
 _IDLE_POLL_S = 0.5
 # NOTE: a frame whose first byte arrived comes whole within this (seconds), else the channel
@@ -94,6 +98,7 @@ class StepChannelLeader:
 
     def __init__(self, host: str, num_followers: int) -> None:
         self.num_followers = num_followers
+        self.token = secrets.token_bytes(16)
         self._listener = socket.create_server((host, 0), backlog=max(1, num_followers))
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._conns: dict[int, socket.socket] = {}  # follower rank -> connection
@@ -119,8 +124,12 @@ class StepChannelLeader:
                 continue
             _connect_options(conn)
             try:
-                rank = pickle.loads(_recv_frame(conn, deadline))
-            except (OSError, pickle.UnpicklingError, EOFError):
+                rank, token = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline))
+            except OSError:
+                conn.close()
+                continue
+            if not hmac.compare_digest(token, self.token) or not 1 <= rank <= self.num_followers:
+                log.warning("step channel: refused a connection that is not a follower")
                 conn.close()
                 continue
             self._conns[rank] = conn
@@ -208,6 +217,7 @@ class StepChannelFollower:
 
     Args:
         address: the leader's ``(host, port)``.
+        token: the leader's channel token (``StepChannelLeader.token``).
         rank: this follower's rank (>= 1).
         run_step: ``run_step(steps, step_inputs)``, the rank's step (forward + after_step).
         name: thread name (e.g. ``"decode-0:1-steps"``).
@@ -217,13 +227,14 @@ class StepChannelFollower:
         OSError: the leader could not be reached within ``timeout_s``.
     """
 
-    def __init__(self, address: tuple[str, int], rank: int,
+    def __init__(self, address: tuple[str, int], token: bytes, rank: int,
                  run_step: Callable[[list, Any], None], name: str, timeout_s: float) -> None:
         self._run_step = run_step
         self._stop = threading.Event()
         self._sock = socket.create_connection(address, timeout=timeout_s)
         _connect_options(self._sock)
-        _send_frame(self._sock, pickle.dumps(rank), timeout_s)
+        self._sock.settimeout(timeout_s)
+        self._sock.sendall(_HELLO.pack(rank, token))
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -264,6 +275,10 @@ class StepChannelFollower:
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (bounded by ``timeout_s``) and close the connection; idempotent."""
         self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's wait at once
+        except OSError:  # already closed or never connected
+            pass
         self._thread.join(timeout_s)
         self._sock.close()
 
@@ -272,7 +287,7 @@ def open_leader(store: Any, host: str, num_followers: int) -> StepChannelLeader:
     """Leader, when it opens its TP store (a ``torch.distributed.TCPStore``): listen at
     ``host`` port 0 and publish the address in ``store`` under :data:`STORE_KEY`."""
     leader = StepChannelLeader(host, num_followers)
-    store.set(STORE_KEY, f"{leader.address[0]}:{leader.address[1]}")
+    store.set(STORE_KEY, f"{leader.token.hex()}@{leader.address[0]}:{leader.address[1]}")
     return leader
 
 
@@ -289,5 +304,7 @@ def connect_follower(store_address: tuple[str, int], rank: int,
     from torch.distributed import TCPStore
 
     store = TCPStore(*store_address, is_master=False, timeout=timedelta(seconds=timeout_s))
-    host, port = store.get(STORE_KEY).decode().rsplit(":", 1)
-    return StepChannelFollower((host, int(port)), rank, run_step, name, timeout_s)
+    token, address = store.get(STORE_KEY).decode().split("@", 1)
+    host, port = address.rsplit(":", 1)
+    return StepChannelFollower((host, int(port)), bytes.fromhex(token), rank, run_step, name,
+                               timeout_s)

@@ -38,15 +38,15 @@ def channel():
     """A leader and two followers, connected; yields (leader, followers, scripts)."""
     leader = StepChannelLeader("127.0.0.1", 2)
     scripts = [Script(), Script()]
-    followers = [StepChannelFollower(leader.address, rank, scripts[rank - 1],
+    followers = [StepChannelFollower(leader.address, leader.token, rank, scripts[rank - 1],
                                      f"test-{rank}-steps", 5.0) for rank in (1, 2)]
     leader.accept(5.0)
     yield leader, followers, scripts
+    for s in scripts:
+        s.release.set()
     for f in followers:
         f.close()
     leader.close()
-    for s in scripts:
-        s.release.set()
 
 
 def step(leader: StepChannelLeader, steps: list, inputs: object, bound_s: float = 5.0) -> None:
@@ -105,7 +105,8 @@ def test_silent_follower_is_hung_at_the_deadline(channel):
 
 def test_close_ends_follower_threads():
     leader = StepChannelLeader("127.0.0.1", 1)
-    follower = StepChannelFollower(leader.address, 1, Script(), "closing-1-steps", 5.0)
+    follower = StepChannelFollower(leader.address, leader.token, 1, Script(), "closing-1-steps",
+                                   5.0)
     leader.accept(5.0)
     step(leader, ["g"], None)
     leader.close()  # the follower sees the end of its connection and stops
@@ -115,12 +116,16 @@ def test_close_ends_follower_threads():
     assert not [t for t in threading.enumerate() if t.name == "closing-1-steps"]
 
 
-def test_accept_names_the_follower_that_never_came():
+def test_accept_refuses_a_stranger_and_names_the_follower_that_never_came():
     leader = StepChannelLeader("127.0.0.1", 2)
-    follower = StepChannelFollower(leader.address, 1, Script(), "lonely-1-steps", 5.0)
+    follower = StepChannelFollower(leader.address, leader.token, 1, Script(),
+                                   "lonely-1-steps", 5.0)
+    stranger = StepChannelFollower(leader.address, b"x" * 16, 2, Script(), "stranger-2-steps",
+                                   5.0)  # does not know the token: refused, rank 2 missing
     try:
         with pytest.raises(TimeoutError, match=r"rank\(s\) \[2\] did not connect"):
             leader.accept(0.3)
     finally:
         follower.close()
+        stranger.close()
         leader.close()
