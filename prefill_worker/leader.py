@@ -151,8 +151,10 @@ class LeaderRank(RankBase):
         rows = [i for i, c in enumerate(out.chunks) if c.completes]
         if rows:
             reqs = [out.chunks[i].request for i in rows]
+            # NOTE: every row samples on decode: no [B, V] copy then
+            picked = logits if len(rows) == logits.shape[0] else logits[rows]
             with self.step_timer.phase("sample"):
-                tokens = sample(logits[rows], [r.spec.sampling for r in reqs],
+                tokens = sample(picked, [r.spec.sampling for r in reqs],
                                 [len(r.output_token_ids) for r in reqs])
             for req, token in zip(reqs, tokens):
                 if isinstance(token, RowFailure):
