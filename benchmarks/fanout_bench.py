@@ -1,17 +1,18 @@
 """Step fan-out: a Ray actor call per follower per step vs the step channel, side by side.
 
 A colocated instance of the tiny model at TP=2 (two rank actors on a local Ray). On the
-leader, in the same run and alternating rounds:
+leader, in the same run, step by step:
 
 - empty steps (no model work): the fan-out round trip alone (leader -> follower -> ack);
 - decode steps at batch 8 (64-token prompts): the whole step, model included.
 
 "ray" sends each step as ``execute_step.remote`` to the follower and waits on the ref (the
 fan-out before the step channel); "channel" is ``RankBase.run_step`` (the step channel).
-Figures are best-of-N: the fastest step of all rounds (rounds alternate which mode runs first),
-the figure least disturbed by other processes on a shared machine; the median is printed too. Then the leader loop serves 8 concurrent
-requests and prints its step time breakdown (``status().step_timings``): the share of a
-decode step spent outside the model forward.
+Each step runs in both modes back to back (order alternating), so both see the same machine
+load. Printed: best-of-N per mode (the fastest step, the figure least disturbed by other
+processes on a shared machine), the median, and the median of the paired ratios. Then the
+leader loop serves 8 concurrent requests and prints its step time breakdown
+(``status().step_timings``): the share of a decode step spent outside the model forward.
 
 Not a test; run: ``PYTHONPATH=. python benchmarks/fanout_bench.py``.
 """
@@ -44,16 +45,19 @@ BLOCKS_PER_SEQ = 64  # 1024 tokens: the prompt plus every timed decode step
 class BenchRank(ColocatedRank):
     """A colocated rank that can time steps driven by hand (leader only, loop not running)."""
 
-    def time_steps(self, mode: str, batch: int, steps: int, start: int) -> list[float]:
-        """Seconds per step of ``steps`` decode steps of ``batch`` sequences (batch 0: empty
-        steps) at positions ``start``.., fanned out by ``mode`` ("ray" or "channel")."""
-        run = self._run_by_ray if mode == "ray" else self.run_step
-        out = []
+    def time_steps(self, batch: int, steps: int, start: int) -> dict[str, list[float]]:
+        """mode ("ray", "channel") -> seconds of each of ``steps`` decode steps of ``batch``
+        sequences (batch 0: empty steps) at positions ``start``..; each step runs once per
+        mode, back to back, the order alternating (the same token at the same position: the
+        same work, the same KV written)."""
+        runs = {"ray": self._run_by_ray, "channel": self.run_step}
+        out: dict[str, list[float]] = {"ray": [], "channel": []}
         for i in range(steps):
             step = [SeqStep(str(b), (7,), start + i, _table(b)) for b in range(batch)]
-            t0 = time.perf_counter()
-            run(step)
-            out.append(time.perf_counter() - t0)
+            for mode in ("ray", "channel") if i % 2 == 0 else ("channel", "ray"):
+                t0 = time.perf_counter()
+                runs[mode](step)
+                out[mode].append(time.perf_counter() - t0)
         self.step_timer = StepTimer()  # NOTE: the breakdown is the leader loop's alone
         return out
 
@@ -92,19 +96,11 @@ def _start(ckpt: str) -> list:
     return ranks
 
 
-def _compare(leader, rounds: int, steps: int) -> dict[tuple[str, int], list[float]]:
-    """(mode, batch) -> seconds of every step of every round."""
+def _compare(leader, steps: int) -> dict[int, dict[str, list[float]]]:
+    """batch (0, ``BATCH``) -> mode -> seconds of each step."""
     ray.get(leader.prefill_all.remote(BATCH), timeout=300)
-    times: dict[tuple[str, int], list[float]] = {}
-    pos = PROMPT
-    for i in range(rounds):
-        for batch in (0, BATCH):
-            # NOTE: the order alternates per round, so neither mode always runs first
-            for mode in ("ray", "channel") if i % 2 == 0 else ("channel", "ray"):
-                times.setdefault((mode, batch), []).extend(
-                    ray.get(leader.time_steps.remote(mode, batch, steps, pos), timeout=600))
-                pos += steps if batch else 0
-    return times
+    return {batch: ray.get(leader.time_steps.remote(batch, steps, PROMPT), timeout=600)
+            for batch in (0, BATCH)}
 
 
 def _serve_breakdown(leader, max_tokens: int) -> str:
@@ -123,8 +119,7 @@ def _serve_breakdown(leader, max_tokens: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -133,20 +128,21 @@ def main() -> None:
             ckpt = str(write_tiny_checkpoint(tmp, seed=0))
             ranks = _start(ckpt)
             try:
-                times = _compare(ranks[0], args.rounds, args.steps)
+                times = _compare(ranks[0], args.steps)
                 breakdown = _serve_breakdown(ranks[0], args.max_tokens)
             finally:
                 for r in ranks:
                     ray.kill(r)
     finally:
         ray.shutdown()
-    print(f"tiny model, TP=2 colocated, torch {torch.__version__}, {args.rounds} rounds x "
-          f"{args.steps} steps per mode; ms per step, best (median)")
-    print(f"{'step':<22}{'ray call':>18}{'channel':>18}{'ratio':>8}")
+    print(f"tiny model, TP=2 colocated, torch {torch.__version__}, {args.steps} steps per "
+          "mode; ms per step: best (median); channel/ray: best, median of paired ratios")
+    print(f"{'step':<22}{'ray call':>18}{'channel':>18}{'best':>7}{'paired':>8}")
     for batch, name in ((0, "empty (fan-out only)"), (BATCH, f"decode batch {BATCH}")):
-        r, c = times[("ray", batch)], times[("channel", batch)]
+        r, c = times[batch]["ray"], times[batch]["channel"]
         cells = [f"{min(t) * 1e3:.3f} ({statistics.median(t) * 1e3:.3f})" for t in (r, c)]
-        print(f"{name:<22}{cells[0]:>18}{cells[1]:>18}{min(c) / min(r):>8.2f}")
+        paired = statistics.median(b / a for a, b in zip(r, c))
+        print(f"{name:<22}{cells[0]:>18}{cells[1]:>18}{min(c) / min(r):>7.2f}{paired:>8.2f}")
     print(f"leader loop, {BATCH} concurrent requests, {args.max_tokens} tokens each: {breakdown}")
 
 
