@@ -44,8 +44,8 @@ _LEN = struct.Struct("!Q")
 _HELLO = struct.Struct("!I16s")  # follower rank, channel token
 # NOTE: how often a follower's idle thread looks at its stop event (seconds).
 _IDLE_POLL_S = 0.5
-# NOTE: a frame whose first byte arrived comes whole within this (seconds), else the channel
-# is broken (the leader then sees no ack: RankHung).
+# NOTE: a frame whose first byte arrived comes whole, and an ack leaves, within this
+# (seconds), else the channel is broken (the leader then sees no ack: RankHung).
 _FRAME_TIMEOUT_S = 60.0
 
 
@@ -252,8 +252,8 @@ class StepChannelFollower:
                 return
             ack = self._run(payload)
             try:
-                _send_frame(self._sock, ack, None)
-            except OSError as exc:
+                _send_frame(self._sock, ack, _FRAME_TIMEOUT_S)
+            except OSError as exc:  # TimeoutError included: the leader stopped reading
                 log.info("%s: step channel closed (%s)", self._thread.name, exc)
                 return
 
