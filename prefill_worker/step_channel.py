@@ -26,7 +26,7 @@ import hmac
 import logging
 import pickle
 import secrets
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 STORE_KEY = "orch/step_channel"
 _LEN = struct.Struct("!Q")
 _HELLO = struct.Struct("!I16s")  # follower rank, channel token
+_STALE = object()  # an ack of an older step
 # NOTE: how often a follower's idle thread looks at its stop event (seconds).
 _IDLE_POLL_S = 0.5
 # NOTE: a frame whose first byte arrived comes whole, and an ack leaves, within this
@@ -102,6 +103,8 @@ class StepChannelLeader:
         self._listener = socket.create_server((host, 0), backlog=max(1, num_followers))
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._conns: dict[int, socket.socket] = {}  # follower rank -> connection
+        # NOTE: a selector, not select(): a rank process may hold fds above FD_SETSIZE
+        self._acks = selectors.DefaultSelector()  # every connection, data = its rank
         self._seq = 0
 
     def accept(self, timeout_s: float) -> None:
@@ -134,6 +137,8 @@ class StepChannelLeader:
                 continue
             self._conns[rank] = conn
         self._listener.close()
+        for rank, conn in self._conns.items():
+            self._acks.register(conn, selectors.EVENT_READ, rank)
 
     def run(self, steps: list, step_inputs: Any, deadline: float, bound_s: float) -> None:
         """Send one step to every follower (their threads start it at once).
@@ -166,13 +171,15 @@ class StepChannelLeader:
         errors: dict[int, BaseException] = {}
         while pending:
             left = deadline - time.monotonic()
-            ready = select.select(list(pending.values()), [], [], max(0.0, left))[0]
+            ready = [key.data for key, _ in self._acks.select(max(0.0, left))]
             if not ready:
                 raise RankHung(f"rank {min(pending)} did not finish a step within "
                                f"{bound_s:g} s (hung)")
-            for rank in [r for r, c in pending.items() if c in ready]:
-                error = self._read_ack(rank, pending[rank], deadline, bound_s)
-                if error is not _STALE:
+            # NOTE: a rank that acked already is read too: its connection can only have
+            # closed (RankGone at once), else the selector would report it again and again
+            for rank in ready:
+                error = self._read_ack(rank, self._conns[rank], deadline, bound_s)
+                if error is not _STALE and rank in pending:
                     del pending[rank]
                     if error is not None:
                         errors[rank] = error
@@ -204,12 +211,11 @@ class StepChannelLeader:
     def close(self) -> None:
         """Close every connection (followers' threads see the end and stop); idempotent."""
         self._listener.close()
+        self._acks.close()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
 
-
-_STALE = object()
 
 
 class StepChannelFollower:
@@ -233,6 +239,8 @@ class StepChannelFollower:
         self._stop = threading.Event()
         self._sock = socket.create_connection(address, timeout=timeout_s)
         _connect_options(self._sock)
+        self._steps = selectors.DefaultSelector()  # NOTE: not select(): fds may be > 1024
+        self._steps.register(self._sock, selectors.EVENT_READ)
         self._sock.settimeout(timeout_s)
         self._sock.sendall(_HELLO.pack(rank, token))
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -243,10 +251,10 @@ class StepChannelFollower:
         error goes back in the ack; only a broken connection ends the thread."""
         while not self._stop.is_set():
             try:
-                if not select.select([self._sock], [], [], _IDLE_POLL_S)[0]:
+                if not self._steps.select(_IDLE_POLL_S):
                     continue  # idle
                 payload = _recv_frame(self._sock, time.monotonic() + _FRAME_TIMEOUT_S)
-            except (OSError, ValueError) as exc:  # ValueError: select on a closed socket
+            except (OSError, ValueError) as exc:  # ValueError: a closed socket
                 if not self._stop.is_set():
                     log.info("%s: step channel closed (%s)", self._thread.name, exc)
                 return
@@ -280,6 +288,7 @@ class StepChannelFollower:
         except OSError:  # already closed or never connected
             pass
         self._thread.join(timeout_s)
+        self._steps.close()
         self._sock.close()
 
 
