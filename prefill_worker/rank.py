@@ -252,6 +252,7 @@ class RankBase(ABC):
         ``steps`` is empty: with ``ep`` an empty forward on every rank, else nothing).
 
         Phases recorded in ``step_timer``: fanout, forward, after_step, follower_wait.
+        NOTE: the loop thread only (one step at a time on the step channel).
 
         Raises:
             RankFailure: a follower died or did not finish within ``step_timeout_s``.
