@@ -154,8 +154,8 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     sensitive to it; HF keeps it fp32 too). Float MLPs get fused gate/up storage and MoE layers
     stacked expert storage (:func:`engine.moe.fuse_weights`); ``lm_head.weight`` is stored
     transposed (``[hidden, vocab]`` contiguous, seen as ``[vocab, hidden]``): the decode
-    logits GEMM reads it row-major, markedly faster on CPU. ``quant``: a quantized checkpoint's plan; its
-    quantized linear layers are swapped for quantized modules
+    logits GEMM reads it row-major, markedly faster on CPU. ``quant``: a quantized
+    checkpoint's plan; its quantized linear layers are swapped for quantized modules
     (:func:`engine.quant.linear.quantize_modules`). ``empty``: parameters built as empty
     placeholders, never allocated (:func:`engine.layer_sharding.unowned_params`).
 

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from engine.forward_context import build_attention_metadata
+from engine.layout import tp_layout
+from engine.model_config import ModelConfig
+from engine.moe import MoE, fuse_weights
+from engine.parallel import EPGroup, TPGroup
 from engine.runner import ModelRunner, SeqStep
+from orchestrator.tiny_model import tiny_config_dict
 
 BLOCK = 16
 _SYNCS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
@@ -32,6 +37,43 @@ def _no_host_reads():
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
+
+
+def _moe_pair(dtype: torch.dtype) -> tuple[MoE, MoE]:
+    """Two MoE layers with the same random weights: one per-expert (as quantized experts
+    run), one with stacked storage filled through its per-expert parameter names."""
+    config = ModelConfig.from_dict(tiny_config_dict(hidden_size=48, n_routed_experts=8))
+    layout = tp_layout(config, 1)
+    looped, stacked = (MoE(config, layout, TPGroup(), EPGroup()).to(dtype) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in looped.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    fuse_weights(stacked)
+    stacked.load_state_dict(looped.state_dict())
+    assert looped.w_gate_up is None and stacked.w_gate_up is not None
+    return looped, stacked
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [0, 1, 5, 64])  # 1: most of the 8 experts get no rows
+def test_grouped_experts_equal_the_per_expert_loop(dtype, tol, tokens):
+    looped, stacked = _moe_pair(dtype)
+    x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    with torch.no_grad():
+        ref, out = looped(x), stacked(x)
+    assert out.shape == (tokens, 48) and out.dtype == dtype
+    peak = float(ref.abs().max()) if tokens else 0.0
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * peak)
+
+
+def test_stacked_experts_are_the_checkpoint_parameters():
+    _, stacked = _moe_pair(torch.float32)
+    expert = stacked.experts["3"]
+    i = expert.gate_proj.weight.shape[0]
+    assert torch.equal(stacked.w_gate_up[3, :i], expert.gate_proj.weight)
+    assert torch.equal(stacked.w_gate_up[3, i:], expert.up_proj.weight)
+    assert stacked.w_down[3].data_ptr() == expert.down_proj.weight.data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
