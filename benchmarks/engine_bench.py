@@ -52,7 +52,7 @@ def bench_prefill(runner: ModelRunner, hf, n: int, vocab: int) -> tuple[float, f
     ids = _prompts(1, n, vocab)
     step = [SeqStep("p", tuple(ids[0].tolist()), 0, tuple(range(-(-n // BLOCK))))]
     ours, ref = _best_pair(lambda _: runner.execute(step),
-                           lambda _: hf(ids, use_cache=False, logits_to_keep=1), 3)
+                           lambda _: hf(ids, use_cache=False, logits_to_keep=1), 5)
     return n / ours, n / ref
 
 
@@ -76,7 +76,7 @@ def bench_decode(runner: ModelRunner, hf, ids: torch.Tensor,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--small-vocab", type=int, default=2048)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -125,6 +125,11 @@ class MoE(nn.Module):
         config: model config. layout: this rank's sizes (routed expert width and ids,
             shared experts' width: ``n_shared_experts * layout.moe_intermediate_size``).
         tp, ep: this rank's groups (EP off at ``ep.size == 1``).
+
+    Attributes:
+        w_gate_up, w_down: the stacked float experts ``[E, 2I, H]`` / ``[E, H, I]`` once
+            :meth:`stack_experts` ran (the experts' parameters are views of them); None
+            before, or for quantized experts.
     """
 
     def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup) -> None:
@@ -134,8 +139,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(j): MLP(config.hidden_size,
                                                   layout.expert_intermediate_size)
                                       for j in layout.experts})
-        self.w_gate_up: torch.Tensor | None = None  # [E, 2I, H] once stacked
-        self.w_down: torch.Tensor | None = None  # [E, H, I]
+        self.w_gate_up: torch.Tensor | None = None
+        self.w_down: torch.Tensor | None = None
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size,
@@ -156,7 +161,6 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
 
     def stack_experts(self) -> None:
         """Allocate ``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` and make every routed
