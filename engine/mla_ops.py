@@ -57,25 +57,33 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Returns:
         ``(o [T, H, V], lse [H, T])``, lse of the scaled scores (fp32).
     """
-    t, s = q.shape[0], k.shape[0]
-    hidden = None  # [T, S] True where query i must not see key j (causal)
-    if causal:
-        hidden = torch.ones(t, s, dtype=torch.bool, device=q.device).triu_(s - t + 1)
     if q.device.type == "cpu":
-        mask = None if hidden is None or s == t else \
-            torch.zeros(t, s, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *_equal_head_dims(q, k, v), 0.0, causal and s == t, attn_mask=mask, scale=scale)
-        return out[0, ..., :v.shape[-1]].transpose(0, 1), lse[0]
+        return _flash_with_lse(q, k, v, scale, causal)
     scores = torch.einsum("thd,shd->hts", q * scale, k).float()  # [H, T, S]
-    if hidden is not None:
-        scores.masked_fill_(hidden, float("-inf"))
+    if causal:
+        t, s = q.shape[0], k.shape[0]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).triu_(s - t + 1)
+        scores.masked_fill_(mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # [H, T, 1]
     probs = scores.sub_(row_max).exp_()  # unnormalized, in place
     denom = probs.sum(dim=-1)  # [H, T]
     out = torch.einsum("hts,shv->thv", probs.to(v.dtype), v)
     out = out / denom.transpose(0, 1)[..., None].to(v.dtype)
     return out, row_max.squeeze(-1) + denom.log()
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_with_lse` by torch's CPU flash kernel (same contract). Its own causal
+    flag aligns query i with key i, so a longer key sequence gets an explicit float mask."""
+    t, s = q.shape[0], k.shape[0]
+    mask = None
+    if causal and s != t:
+        hidden = torch.ones(t, s, dtype=torch.bool).triu_(s - t + 1)
+        mask = torch.zeros(t, s, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *_equal_head_dims(q, k, v), 0.0, causal and s == t, attn_mask=mask, scale=scale)
+    return out[0, ..., :v.shape[-1]].transpose(0, 1), lse[0]
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
