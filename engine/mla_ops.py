@@ -23,14 +23,32 @@ def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns:
         ``[T, H, V]``.
     """
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                         v.transpose(0, 1), is_causal=True, scale=scale)
-    return out.transpose(0, 1)
+    q4, k4, v4 = _equal_head_dims(q, k, v)
+    out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    return out[0, ..., :v.shape[-1]].transpose(0, 1)
+
+
+def _equal_head_dims(q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[1, H, T, D']`` views of q/k/v, the narrower of D (q, k) and V zero-padded to the
+    wider. NOTE: torch's fused (flash) SDPA kernels take only 4-D inputs with one head dim
+    for q, k and v; anything else falls back to the math kernel, which materializes the
+    ``[H, T, S]`` scores (about 6x slower at 2K tokens on CPU). Zero columns of q/k leave the
+    scores unchanged; zero columns of v give zero output columns, sliced off by the caller."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    return tuple(x.transpose(0, 1)[None] for x in (q, k, v))
 
 
 def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning output and log-sum-exp (for :func:`merge_attention`).
+
+    On CPU: torch's flash kernel (tiled, the scores are never materialized); elsewhere
+    explicit fp32 scores ``[H, T, S]``.
 
     Args:
         q: ``[T, H, D]``; k: ``[S, H, D]``; v: ``[S, H, V]``.
@@ -39,6 +57,8 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Returns:
         ``(o [T, H, V], lse [H, T])``, lse of the scaled scores (fp32).
     """
+    if q.device.type == "cpu":
+        return _flash_with_lse(q, k, v, scale, causal)
     scores = torch.einsum("thd,shd->hts", q * scale, k).float()  # [H, T, S]
     if causal:
         t, s = q.shape[0], k.shape[0]
@@ -50,6 +70,20 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     out = torch.einsum("hts,shv->thv", probs.to(v.dtype), v)
     out = out / denom.transpose(0, 1)[..., None].to(v.dtype)
     return out, row_max.squeeze(-1) + denom.log()
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_with_lse` by torch's CPU flash kernel (same contract). Its own causal
+    flag aligns query i with key i, so a longer key sequence gets an explicit float mask."""
+    t, s = q.shape[0], k.shape[0]
+    mask = None
+    if causal and s != t:
+        hidden = torch.ones(t, s, dtype=torch.bool).triu_(s - t + 1)
+        mask = torch.zeros(t, s, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *_equal_head_dims(q, k, v), 0.0, causal and s == t, attn_mask=mask, scale=scale)
+    return out[0, ..., :v.shape[-1]].transpose(0, 1), lse[0]
 
 
 def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
