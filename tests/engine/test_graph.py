@@ -125,6 +125,7 @@ def test_failing_capture_falls_back_to_eager_with_one_warning(dense_ckpt, backen
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "bucket 4 falls back to eager" in warnings[0]
     assert graph.graphs.failed == {4} and backends["failing"].calls == 1
+    assert graph.graphs.bucket_for([1, 1], [5, 6]) is None  # later steps go straight to eager
     _assert_pool_blocks_equal(eager, graph)
 
 
