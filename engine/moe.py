@@ -154,6 +154,8 @@ class MoE(nn.Module):
         experts = list(self.experts.values())
         if self.ep.size > 1:
             out = ep_routed(x, self.gate, experts, self.ep, self.tp)
+        elif self.w_gate_up is not None and torch.compiler.is_compiling():
+            out = _grouped_routed_op(x, *self.gate(x), self.w_gate_up, self.w_down)
         elif self.w_gate_up is not None:
             out = _grouped_routed(x, *self.gate(x), self.w_gate_up, self.w_down)
         else:
@@ -209,6 +211,20 @@ def _grouped_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     routed = torch.empty_like(out)
     routed[order] = out * weights.view(-1)[order, None].to(x.dtype)
     return routed.view(t, k, x.shape[1]).sum(dim=1)  # NOTE: explicit width: t may be 0 (CP)
+
+
+@torch.library.custom_op("orch::grouped_routed", mutates_args=())
+def _grouped_routed_op(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """:func:`_grouped_routed` as ONE opaque op of a captured decode graph (graph mode,
+    :mod:`engine.graph`): torch 2.13's fake ``_grouped_mm`` accepts bf16 only, so inside a
+    capture the routed experts run as this op, in any dtype. Eager calls skip it."""
+    return _grouped_routed(x, weights, ids, w_gate_up, w_down)
+
+
+@_grouped_routed_op.register_fake
+def _grouped_routed_fake(x, weights, ids, w_gate_up, w_down):
+    return torch.empty_like(x)
 
 
 def _local_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -56,6 +56,13 @@ def dense_ckpt(tmp_path_factory):
                                  first_k_dense_replace=2, vocab_size=512)
 
 
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    """1 dense + 1 MoE layer (float experts: the grouped-GEMM path), small vocabulary."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("graph_moe"), seed=4, num_layers=2,
+                                 first_k_dense_replace=1, vocab_size=512)
+
+
 def _runners(ckpt, backend: str, buckets=(4,), **kwargs) -> tuple[ModelRunner, ModelRunner]:
     eager = ModelRunner(ckpt, num_kv_blocks=BLOCKS, block_size=BLOCK)
     graph = ModelRunner(ckpt, num_kv_blocks=BLOCKS, block_size=BLOCK, graph=GraphConfig(
@@ -136,14 +143,14 @@ def test_padded_decode_equals_eager_v32(tiny_dsa_ckpt, backends):
     _assert_pool_blocks_equal(eager, graph)
 
 
-def test_inductor_capture_equals_eager_without_recompiling(dense_ckpt, backends, monkeypatch):
-    """torch.compile (inductor) on 2 dense layers: bucket 4 compiles to ONE graph (attention
-    is an opaque op, no break), and new context lengths (S changes every step) must not
-    recompile."""
+def test_inductor_capture_equals_eager_without_recompiling(moe_ckpt, backends, monkeypatch):
+    """torch.compile (inductor) on a dense + a MoE layer in fp32: bucket 4 compiles to ONE
+    graph (attention and the grouped experts are opaque ops, no break), and new context
+    lengths (S changes every step) must not recompile."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    eager, graph = _runners(dense_ckpt, "compile")
+    eager, graph = _runners(moe_ckpt, "compile")
     graphs_before = counters["stats"]["unique_graphs"]
     assert _decode_side_by_side(eager, graph, num_seqs=3, steps=1) <= 1e-5
     assert set(graph.graphs.capture_s) == {4} and not graph.graphs.failed
