@@ -1,0 +1,125 @@
+"""How a data record's payload travels: cache views (``direct``) or packs (``packed``).
+
+A data record carries, for its layers and tokens ``[token_start, token_end)``, every buffer
+of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`). Two framings, chosen by the
+sender and named by the header's ``packed`` flag:
+
+- direct (``packed`` false): the source and the destination slots are each one consecutive
+  run (a fresh allocation from an unfragmented pool) and the rows are contiguous: one
+  message per (buffer, layer), a view of the cache rows on both sides (no copy at all).
+- packed: the record is cut into packs of at most :data:`PACK_BYTES`; a pack is a group of
+  layers and a token range ``(layers, a, b)``, its bytes are, buffer after buffer, the
+  ``[len(layers), b - a, *D]`` rows of that buffer, gathered from the source slots into a
+  staging buffer (or a shared-memory slot, :mod:`~kv_transfer.local`) and scattered into the
+  destination slots. Both sides derive the same packs from the header alone.
+
+Packs go one message each, pipelined (:mod:`~kv_transfer.links`): the sender gathers pack
+``i + 1`` while pack ``i`` is on the wire and the receiver scatters pack ``i`` while pack
+``i + 1`` arrives; at most :data:`PACK_DEPTH` packs per side are in flight, so staging memory
+is bounded by ``PACK_DEPTH x PACK_BYTES`` per pair and side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer import payload, wire
+
+PACK_BYTES = 1 << 20  # target bytes of one pack (one wire message / one shared-memory slot)
+PACK_DEPTH = 4  # packs in flight per pair and side (staging memory: PACK_DEPTH x PACK_BYTES)
+
+
+def segment_bytes() -> int:
+    """Size of a pair's same-node segment: ``PACK_DEPTH`` slots of ``PACK_BYTES``."""
+    return PACK_DEPTH * PACK_BYTES
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One pack: ``layers`` (ids, a slice of the record's) x token offsets ``[a, b)`` within the
+    record; ``nbytes`` its size."""
+
+    layers: tuple[int, ...]
+    a: int
+    b: int
+    nbytes: int
+
+
+def run_start(slots: torch.Tensor) -> int | None:
+    """First slot when ``slots`` (int64 ``[T]``, T > 0) are one consecutive ascending run,
+    else None."""
+    s = slots.cpu()
+    if s.numel() > 1 and not bool((s[1:] - s[:-1]).eq(1).all()):
+        return None
+    return int(s[0])
+
+
+def token_bytes(layout, header: wire.Header) -> list[int]:
+    """Bytes per token per layer of each buffer (layout order) for ``header``'s heads."""
+    return [math.prod(layout.token_dims(spec, header.head_range())) * layout.element_size
+            for spec in layout.buffers]
+
+
+def packs(layout, header: wire.Header, limit: int | None = None) -> list[Pack]:
+    """The packs of data record ``header``, in wire order (layer groups, then token ranges).
+
+    ``limit``: bytes per pack (default :data:`PACK_BYTES`). Whole layers are grouped while a
+    group fits; a layer larger than ``limit`` is cut into token ranges.
+
+    Raises:
+        ValueError: one token of one layer is larger than ``limit``.
+    """
+    limit = PACK_BYTES if limit is None else limit
+    per_token = sum(token_bytes(layout, header))
+    if per_token > limit:
+        raise ValueError(f"one token of one layer is {per_token} B, more than a pack "
+                         f"({limit} B): raise kv_transfer.packs.PACK_BYTES")
+    n, layers = header.n_tokens, header.layers
+    if n * per_token <= limit:
+        step = limit // (n * per_token)
+        return [Pack(layers[i:i + step], 0, n, len(layers[i:i + step]) * n * per_token)
+                for i in range(0, len(layers), step)]
+    step = limit // per_token
+    return [Pack((layer,), a, min(a + step, n), (min(a + step, n) - a) * per_token)
+            for layer in layers for a in range(0, n, step)]
+
+
+def _views(buf: torch.Tensor, layout, header: wire.Header, pack: Pack) -> list[torch.Tensor]:
+    """``buf`` (uint8, at least ``pack.nbytes``) viewed as the pack's per-buffer tensors
+    ``[len(layers), b - a, *D]``, buffer after buffer."""
+    out, at = [], 0
+    for spec, nb in zip(layout.buffers, token_bytes(layout, header)):
+        size = len(pack.layers) * (pack.b - pack.a) * nb
+        shape = (len(pack.layers), pack.b - pack.a, *layout.token_dims(spec, header.head_range()))
+        out.append(payload.as_tensor(buf[at:at + size], shape, layout.torch_dtype))
+        at += size
+    return out
+
+
+def gather(cache: object, layout, header: wire.Header, heads: slice | None,
+           src_slots: torch.Tensor, pack: Pack, out: torch.Tensor) -> None:
+    """Copy the pack's rows from ``src_slots`` (int64 ``[T]``, cache device) into ``out``."""
+    rows = src_slots[pack.a:pack.b]
+    for buffer, view in enumerate(_views(out, layout, header, pack)):
+        payload.gather(cache, buffer, pack.layers, heads, rows, out=view)
+
+
+def scatter(cache: object, layout, header: wire.Header, heads: slice | None,
+            dst_slots: torch.Tensor, pack: Pack, src: torch.Tensor) -> None:
+    """Write the pack held in ``src`` into ``dst_slots`` (int64 ``[T]``, cache device)."""
+    rows = dst_slots[pack.a:pack.b]
+    for buffer, view in enumerate(_views(src, layout, header, pack)):
+        payload.scatter(cache, buffer, pack.layers, heads, rows, view)
+
+
+def direct_views(cache: object, layout, header: wire.Header, heads: slice | None,
+                 start: int) -> list[torch.Tensor] | None:
+    """Direct framing: per buffer, per layer, the cache rows ``[start, start + T)`` as views
+    (buffer after buffer); None when one is not contiguous (a GQA head subset)."""
+    n = header.n_tokens
+    got = [payload.flat(cache, buffer, layer, heads)[start:start + n]
+           for buffer in range(len(layout.buffers)) for layer in header.layers]
+    return got if all(v.is_contiguous() for v in got) else None
