@@ -175,7 +175,10 @@ class ReceiverChannel:
         local = self._local_heads(header.head_range())
         dst = header.dst_slots.to(self._device)
         scatter_s, ok = 0.0, allowed
-        for pack, got in zip(frames, self._link.receive([p.nbytes for p in frames], what)):
+        # NOTE: driven to its end (not zip-ped with frames): the link acks / recycles the
+        # last pack only when asked for the next one
+        for i, got in enumerate(self._link.receive([p.nbytes for p in frames], what)):
+            pack = frames[i]
             if not ok:
                 continue
             t0 = time.perf_counter()

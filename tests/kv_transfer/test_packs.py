@@ -95,8 +95,8 @@ def _check_bytes(p_cache, d_cache, src, dst):
 def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_blocks, block_p,
                                          block_d, same_node):
     torch.set_num_threads(1)
-    # 12-token chunks x 3 layers x 80 B per token: 2 layers per 2,000 B pack, the segment
-    # holds PACK_DEPTH = 4 packs, so slots are reused within a record and across records
+    # 3-token chunks x 3 layers x 80 B per token: one pack per record (10 records), the segment
+    # holds PACK_DEPTH = 4 packs: slots are reused across records
     monkeypatch.setattr(packs, "PACK_BYTES", 2000)
     spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
                          qk_rope_head_dim=4)
@@ -105,10 +105,10 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
     before = set(glob.glob(f"{local.SHM_DIR}/orch-kv-*"))
     made = _spy_segments(monkeypatch)
     p_cache, d_cache, src, dst, (sent, got), during = _transfer(
-        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=12, same_node=same_node)
+        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=3, same_node=same_node)
     _check_bytes(p_cache, d_cache, src, dst)
     assert sent["bytes"] == got["bytes"] == 30 * 3 * (16 + 4) * 4
-    assert sent["transfers"] == got["transfers"] == 3
+    assert sent["transfers"] == got["transfers"] == 10
     packed = same_node == "auto" or name != "contiguous"
     assert (sent["gather_s"] > 0) == packed, f"{name}: gather use"
     assert (got["scatter_s"] > 0) == packed, f"{name}: scatter use"
