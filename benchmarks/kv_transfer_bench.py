@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from kv_transfer import packs
 from kv_transfer.backend import backend_for
 
 LAYERS, KV_LORA, ROPE, BLOCK = 61, 512, 64, 128
@@ -110,6 +111,7 @@ def warm_up(conn, peers: list[KVPeer] | None, rank: int) -> None:
 
 
 def decode_main(args, port_q, addr_q, out_q) -> None:
+    packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     cache = KVCache(spec(max(args.tokens), dtype))
@@ -161,6 +163,7 @@ def receive(conn, group, rid: str, tokens: int) -> float:
 
 
 def prefill_main(args, port_q, addr_q, out_q) -> None:
+    packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     cache = KVCache(spec(max(args.tokens), dtype))
@@ -235,6 +238,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--pack-mib", type=float, default=packs.PACK_BYTES / 2**20,
+                        help="kv_transfer.packs.PACK_BYTES, MiB")
     parser.add_argument("--cases", nargs="+", default=["contiguous", "random"],
                         choices=["contiguous", "random"], help="block-table cases")
     args = parser.parse_args()
@@ -262,7 +267,7 @@ def report(args, results, scatter_s) -> None:
     the kvx run's gather (prefill) and scatter (decode) seconds."""
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
-          f"chunk {args.chunk} tokens, P1 -> D1 on this node, best of {args.reps}; "
+          f"chunk {args.chunk} tokens, packs {args.pack_mib:g} MiB, P1 -> D1 on this node, best of {args.reps}; "
           "net = process group (gloo loopback) vs raw gloo, local = shared memory vs memcpy")
     print(f"{'path':>5} {'case':>10} {'tokens':>7} {'MiB':>8} {'base':>6} {'base GB/s':>9} "
           f"{'kvx GB/s':>9} {'ratio':>6} {'gather s':>9} {'scatter s':>10}")

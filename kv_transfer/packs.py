@@ -28,8 +28,9 @@ import torch
 
 from kv_transfer import payload, wire
 
-PACK_BYTES = 1 << 20  # target bytes of one pack (one wire message / one shared-memory slot)
+PACK_BYTES = 4 << 20  # target bytes of one pack (one wire message / one shared-memory slot)
 PACK_DEPTH = 4  # packs in flight per pair and side (staging memory: PACK_DEPTH x PACK_BYTES)
+RUN_COPY_BYTES = 64 * 1024  # mean destination run (bytes) from which a scatter copies per run
 
 
 def segment_bytes() -> int:
@@ -109,10 +110,31 @@ def gather(cache: object, layout, header: wire.Header, heads: slice | None,
 
 def scatter(cache: object, layout, header: wire.Header, heads: slice | None,
             dst_slots: torch.Tensor, pack: Pack, src: torch.Tensor) -> None:
-    """Write the pack held in ``src`` into ``dst_slots`` (int64 ``[T]``, cache device)."""
+    """Write the pack held in ``src`` into ``dst_slots`` (int64 ``[T]``, cache device).
+
+    A buffer whose destination runs average :data:`RUN_COPY_BYTES` or more is written one
+    ``copy_`` per run (about memcpy speed), else with one ``index_copy_`` per layer.
+    """
     rows = dst_slots[pack.a:pack.b]
-    for buffer, view in enumerate(_views(src, layout, header, pack)):
-        payload.scatter(cache, buffer, pack.layers, heads, rows, view)
+    found = runs(rows)
+    for buffer, (view, nb) in enumerate(zip(_views(src, layout, header, pack),
+                                            token_bytes(layout, header))):
+        if rows.numel() * nb < RUN_COPY_BYTES * len(found):
+            payload.scatter(cache, buffer, pack.layers, heads, rows, view)
+            continue
+        for i, layer in enumerate(pack.layers):
+            flat = payload.flat(cache, buffer, layer, heads)
+            for offset, slot, n in found:
+                flat[slot:slot + n].copy_(view[i, offset:offset + n])
+
+
+def runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ascending ``slots`` (int64 ``[T]``, T > 0):
+    ``(offset, first slot, length)``."""
+    s = slots.cpu()
+    starts = [0] + ((s[1:] - s[:-1]).ne(1).nonzero().flatten() + 1).tolist()
+    ends = starts[1:] + [s.numel()]
+    return [(a, int(s[a]), b - a) for a, b in zip(starts, ends)]
 
 
 def direct_views(cache: object, layout, header: wire.Header, heads: slice | None,

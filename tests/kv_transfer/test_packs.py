@@ -42,6 +42,7 @@ def test_packs_group_layers_and_cut_tokens():
     assert packs.run_start(torch.arange(5, 12)) == 5
     assert packs.run_start(torch.tensor([3])) == 3
     assert packs.run_start(torch.tensor([4, 5, 7])) is None
+    assert packs.runs(torch.tensor([8, 9, 10, 4, 5, 20])) == [(0, 8, 3), (3, 4, 2), (5, 20, 1)]
 
 
 def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node):
@@ -98,6 +99,8 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
     # 3-token chunks x 3 layers x 80 B per token: one pack per record (10 records), the segment
     # holds PACK_DEPTH = 4 packs: slots are reused across records
     monkeypatch.setattr(packs, "PACK_BYTES", 2000)
+    # K runs (8 tokens x 64 B) are scattered per run, V runs (8 x 16 B) with index_copy_
+    monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
     spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
                          qk_rope_head_dim=4)
     spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
