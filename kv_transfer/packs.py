@@ -1,17 +1,22 @@
-"""How a data record's payload travels: cache views (``direct``) or packs (``packed``).
+"""How a data record's payload travels: cache views per run, and packs.
 
 A data record carries, for its layers and tokens ``[token_start, token_end)``, every buffer
-of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`). Two framings, chosen by the
-sender and named by the header's ``packed`` flag:
+of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`). The sender splits the buffers
+in two (the header's ``views`` and ``cuts``):
 
-- direct (``packed`` false): the source and the destination slots are each one consecutive
-  run (a fresh allocation from an unfragmented pool) and the rows are contiguous: one
-  message per (buffer, layer), a view of the cache rows on both sides (no copy at all).
-- packed: the record is cut into packs of at most :data:`PACK_BYTES`; a pack is a group of
-  layers and a token range ``(layers, a, b)``, its bytes are, buffer after buffer, the
-  ``[len(layers), b - a, *D]`` rows of that buffer, gathered from the source slots into a
-  staging buffer (or a shared-memory slot, :mod:`~kv_transfer.local`) and scattered into the
+- view buffers (``header.views``): one message per (buffer, layer, cut), a view of the cache
+  rows on both sides (no copy). ``header.cuts`` are the token offsets where the source or
+  the destination slots break their consecutive run, so every cut is one run on both sides.
+  Network pairs only, for buffers whose runs average :data:`MIN_RUN_BYTES` or more (a
+  128-token block of the 1 KiB/token MLA K buffer), and for every buffer when both slot
+  lists are one run (a fresh allocation: one message per (buffer, layer)).
+- packed buffers (the others): cut into packs of at most :data:`PACK_BYTES`; a pack is a group
+  of layers and a token range ``(layers, a, b)``, its bytes are, buffer after buffer, the
+  ``[len(layers), b - a, *D]`` rows of each packed buffer, gathered from the source slots into
+  a staging buffer (or a shared-memory slot, :mod:`~kv_transfer.local`) and scattered into the
   destination slots. Both sides derive the same packs from the header alone.
+
+View messages go first (buffer after buffer, layer major, cut minor), then the packs.
 
 Packs go one message each, pipelined (:mod:`~kv_transfer.links`): the sender gathers pack
 ``i + 1`` while pack ``i`` is on the wire and the receiver scatters pack ``i`` while pack
@@ -31,6 +36,7 @@ from kv_transfer import payload, wire
 PACK_BYTES = 4 << 20  # target bytes of one pack (one wire message / one shared-memory slot)
 PACK_DEPTH = 4  # packs in flight per pair and side (staging memory: PACK_DEPTH x PACK_BYTES)
 RUN_COPY_BYTES = 64 * 1024  # mean destination run (bytes) from which a scatter copies per run
+MIN_RUN_BYTES = 64 * 1024  # mean run (bytes per layer) from which a buffer goes as views
 
 
 def segment_bytes() -> int:
@@ -58,6 +64,36 @@ def run_start(slots: torch.Tensor) -> int | None:
     return int(s[0])
 
 
+def cut_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Token ranges that are one consecutive run in both ``src`` and ``dst`` slots (int64
+    ``[T]``, T > 0): ``(offset, first src slot, first dst slot, length)``."""
+    s, d = src.cpu(), dst.cpu()
+    breaks = (s[1:] - s[:-1]).ne(1) | (d[1:] - d[:-1]).ne(1)
+    starts = [0] + (breaks.nonzero().flatten() + 1).tolist()
+    ends = starts[1:] + [s.numel()]
+    return [(a, int(s[a]), int(d[a]), b - a) for a, b in zip(starts, ends)]
+
+
+def view_buffers(layout, header: wire.Header, n_cuts: int) -> tuple[int, ...]:
+    """Buffers worth sending as views with ``n_cuts`` cuts (see module docstring)."""
+    sizes = token_bytes(layout, header)
+    if n_cuts == 1:
+        return tuple(range(len(sizes)))
+    return tuple(b for b, nb in enumerate(sizes)
+                 if header.n_tokens * nb >= MIN_RUN_BYTES * n_cuts)
+
+
+def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
+              starts: list[int]) -> list[torch.Tensor]:
+    """The cache rows of every view message, in wire order: per view buffer, per layer, per
+    cut ``[starts[i], starts[i] + length_i)`` (may be non-contiguous: a GQA head subset)."""
+    bounds = list(header.cuts) + [header.n_tokens]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    return [payload.flat(cache, buffer, layer, heads)[s:s + n]
+            for buffer in header.views for layer in header.layers
+            for s, n in zip(starts, lengths)]
+
+
 def token_bytes(layout, header: wire.Header) -> list[int]:
     """Bytes per token per layer of each buffer (layout order) for ``header``'s heads."""
     return [math.prod(layout.token_dims(spec, header.head_range())) * layout.element_size
@@ -74,7 +110,10 @@ def packs(layout, header: wire.Header, limit: int | None = None) -> list[Pack]:
         ValueError: one token of one layer is larger than ``limit``.
     """
     limit = PACK_BYTES if limit is None else limit
-    per_token = sum(token_bytes(layout, header))
+    per_token = sum(nb for b, nb in enumerate(token_bytes(layout, header))
+                    if b not in header.views)
+    if per_token == 0:
+        return []
     if per_token > limit:
         raise ValueError(f"one token of one layer is {per_token} B, more than a pack "
                          f"({limit} B): raise kv_transfer.packs.PACK_BYTES")
@@ -88,14 +127,17 @@ def packs(layout, header: wire.Header, limit: int | None = None) -> list[Pack]:
             for layer in layers for a in range(0, n, step)]
 
 
-def _views(buf: torch.Tensor, layout, header: wire.Header, pack: Pack) -> list[torch.Tensor]:
+def _views(buf: torch.Tensor, layout, header: wire.Header,
+           pack: Pack) -> list[tuple[int, torch.Tensor, int]]:
     """``buf`` (uint8, at least ``pack.nbytes``) viewed as the pack's per-buffer tensors
-    ``[len(layers), b - a, *D]``, buffer after buffer."""
+    ``[len(layers), b - a, *D]``: ``(buffer, tensor, bytes per token)`` per packed buffer."""
     out, at = [], 0
-    for spec, nb in zip(layout.buffers, token_bytes(layout, header)):
+    for buffer, (spec, nb) in enumerate(zip(layout.buffers, token_bytes(layout, header))):
+        if buffer in header.views:
+            continue
         size = len(pack.layers) * (pack.b - pack.a) * nb
         shape = (len(pack.layers), pack.b - pack.a, *layout.token_dims(spec, header.head_range()))
-        out.append(payload.as_tensor(buf[at:at + size], shape, layout.torch_dtype))
+        out.append((buffer, payload.as_tensor(buf[at:at + size], shape, layout.torch_dtype), nb))
         at += size
     return out
 
@@ -104,7 +146,7 @@ def gather(cache: object, layout, header: wire.Header, heads: slice | None,
            src_slots: torch.Tensor, pack: Pack, out: torch.Tensor) -> None:
     """Copy the pack's rows from ``src_slots`` (int64 ``[T]``, cache device) into ``out``."""
     rows = src_slots[pack.a:pack.b]
-    for buffer, view in enumerate(_views(out, layout, header, pack)):
+    for buffer, view, _ in _views(out, layout, header, pack):
         payload.gather(cache, buffer, pack.layers, heads, rows, out=view)
 
 
@@ -117,8 +159,7 @@ def scatter(cache: object, layout, header: wire.Header, heads: slice | None,
     """
     rows = dst_slots[pack.a:pack.b]
     found = runs(rows)
-    for buffer, (view, nb) in enumerate(zip(_views(src, layout, header, pack),
-                                            token_bytes(layout, header))):
+    for buffer, view, nb in _views(src, layout, header, pack):
         if rows.numel() * nb < RUN_COPY_BYTES * len(found):
             payload.scatter(cache, buffer, pack.layers, heads, rows, view)
             continue
@@ -135,13 +176,3 @@ def runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
     starts = [0] + ((s[1:] - s[:-1]).ne(1).nonzero().flatten() + 1).tolist()
     ends = starts[1:] + [s.numel()]
     return [(a, int(s[a]), b - a) for a, b in zip(starts, ends)]
-
-
-def direct_views(cache: object, layout, header: wire.Header, heads: slice | None,
-                 start: int) -> list[torch.Tensor] | None:
-    """Direct framing: per buffer, per layer, the cache rows ``[start, start + T)`` as views
-    (buffer after buffer); None when one is not contiguous (a GQA head subset)."""
-    n = header.n_tokens
-    got = [payload.flat(cache, buffer, layer, heads)[start:start + n]
-           for buffer in range(len(layout.buffers)) for layer in header.layers]
-    return got if all(v.is_contiguous() for v in got) else None

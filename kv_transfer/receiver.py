@@ -4,9 +4,9 @@ Loop: wait for the doorbell (blocking in the store; a ``stop`` doorbell ends the
 whose value is the record's header, then for a data record receive its payload
 (:mod:`~kv_transfer.packs`; each wait bounded by ``payload_timeout_s``) while holding the
 request's write permission (:meth:`~kv_transfer.tracker.RequestTracker.begin_write`), so
-``release`` waits for it: a direct record straight into the cache rows (no scatter), a
-packed one pack by pack, each scattered into the destination slots while the next ones
-arrive (over the network, or from the pair's same-node segment: :mod:`~kv_transfer.links`).
+``release`` waits for it: its view messages straight into the cache rows (no scatter), then
+its packs one by one, each scattered into the destination slots while the next ones arrive
+(over the network, or from the pair's same-node segment: :mod:`~kv_transfer.links`).
 Payloads of unknown, failed or released requests are read and dropped, so the channel stays
 in step.
 
@@ -154,10 +154,9 @@ class ReceiverChannel:
                 f"tokens [{header.token_start}, {header.token_end})")
         t0, done, scatter_s = time.perf_counter(), False, 0.0
         try:
-            if header.packed:
-                scatter_s, done = self._receive_packs(header, allowed, what)
-            else:
-                scatter_s, done = self._receive_direct(group, header, allowed, what)
+            scatter_s = self._receive_views(group, header, allowed, what)
+            packed_s, done = self._receive_packs(header, allowed, what)
+            scatter_s += packed_s
         finally:
             if allowed:
                 self._tracker.end_write(req, header, done)
@@ -168,7 +167,7 @@ class ReceiverChannel:
 
     def _receive_packs(self, header: wire.Header, allowed: bool,
                        what: str) -> tuple[float, bool]:
-        """Receive a packed record, scattering each pack while the next ones arrive;
+        """Receive a record's packs, scattering each while the next ones arrive;
         returns (scatter seconds, every pack written). A failed scatter fails the request;
         the rest of its packs are read and dropped."""
         frames = packs.packs(self._layout, header)
@@ -191,33 +190,29 @@ class ReceiverChannel:
             scatter_s += time.perf_counter() - t0
         return scatter_s, ok
 
-    def _receive_direct(self, group: pairs.PairGroup, header: wire.Header, allowed: bool,
-                        what: str) -> tuple[float, bool]:
-        """Receive a direct record: straight into the cache rows where they are contiguous
-        views, else into staging and scattered (or dropped when not ``allowed``)."""
-        start = packs.run_start(header.dst_slots)
-        if start is None:
-            raise WireError(f"{group.name}: direct record of {what} with destination slots "
-                            "that are not one run: the sender breaks the protocol")
-        local = self._local_heads(header.head_range())
-        views = packs.direct_views(self._cache, self._layout, header, local, start) \
-            if allowed else None
-        if views is not None:
-            group.recv_all(views, self._config.payload_timeout_s, what)
-            return 0.0, True
-        staged = [torch.empty((len(header.layers), header.n_tokens,
-                               *self._layout.token_dims(spec, header.head_range())),
-                              dtype=self._layout.torch_dtype, device=self._device)
-                  for spec in self._layout.buffers]
-        group.recv_all([b[i] for b in staged for i in range(len(header.layers))],
-                       self._config.payload_timeout_s, what)
-        if not allowed:
-            return 0.0, False
+    def _receive_views(self, group: pairs.PairGroup, header: wire.Header, allowed: bool,
+                       what: str) -> float:
+        """Receive the record's view messages straight into the cache rows, or through a
+        temporary copy where those rows are not contiguous (a GQA head subset); read and
+        dropped when not ``allowed``. Returns the copy seconds."""
+        if not header.views:
+            return 0.0
+        cuts = set(header.cuts)
+        if any(a not in cuts for a, _, _ in packs.runs(header.dst_slots)):
+            raise WireError(f"{group.name}: {what}: cuts {header.cuts} split no run of "
+                            "destination slots: the sender breaks the protocol")
+        dst = header.dst_slots.cpu()
+        rows = packs.cut_views(self._cache, self._layout, header,
+                               self._local_heads(header.head_range()),
+                               [int(dst[a]) for a in header.cuts])
+        messages = [t if allowed and t.is_contiguous() else
+                    torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in rows]
+        group.recv_all(messages, self._config.payload_timeout_s, what)
+        copies = [(t, m) for t, m in zip(rows, messages) if m is not t] if allowed else []
         t0 = time.perf_counter()
-        slots = header.dst_slots.to(self._device)
-        for buffer, rows in enumerate(staged):
-            payload.scatter(self._cache, buffer, header.layers, local, slots, rows)
-        return time.perf_counter() - t0, True
+        for target, got in copies:
+            target.copy_(got)
+        return time.perf_counter() - t0 if copies else 0.0
 
     def _check_fits(self, group: pairs.PairGroup, header: wire.Header) -> None:
         """Raises TransferError (the pair is lost) for a record this cache cannot hold."""

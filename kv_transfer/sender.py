@@ -1,11 +1,11 @@
 """Prefill side: one sender thread per decode peer, an ordered queue of records.
 
 Records leave in the order they were queued (the channel's order is the protocol's order:
-data before ``done``). A data record whose source and destination slots are each one
-consecutive run goes as cache views (no copy); any other is gathered pack by pack on this
-thread (:mod:`~kv_transfer.packs`), pack ``i + 1`` while pack ``i`` is on the wire, into
-pooled staging memory or, on a same-node pair, into the pair's shared segment
-(:mod:`~kv_transfer.links`), so the caller's compute continues; the source slots must stay
+data before ``done``). A data record's buffers with long slot runs (all of them when both
+slot lists are one run) go as cache views per run (no copy; network pairs); the others are
+gathered pack by pack on this thread (:mod:`~kv_transfer.packs`), pack ``i + 1`` while pack
+``i`` is on the wire, into pooled staging memory or, on a same-node pair, into the pair's
+shared segment (:mod:`~kv_transfer.links`), so the caller's compute continues; the source slots must stay
 allocated, and their bytes unchanged, until ``PrefillKVConnector.wait_idle`` returned for
 the request.
 
@@ -96,7 +96,7 @@ class SendOwner(abc.ABC):
 @dataclass
 class _InFlight:
     """A data record posted to the backend, not yet known to have left: ``works`` and the
-    cache ``views`` they send (direct), or packs up to ``upto`` of ``link`` (packed)."""
+    cache ``views`` they send, and its packs up to ``upto`` of ``link`` (None: no packs)."""
 
     task: SendTask
     pair: pairs.PairGroup
@@ -195,7 +195,7 @@ class SenderChannel:
     def _run(self) -> None:
         # NOTE: up to _DEPTH data records are on the wire while the next one is posted: the
         # receiver finds the next record's doorbell and sends already posted when it finishes
-        # one (no idle wire between records); inside a packed record the gather of a pack
+        # one (no idle wire between records); inside a record the gather of a pack
         # overlaps the wire of the ones before it (links.py).
         in_flight: deque[_InFlight] = deque()
         while (task := self._next(block=not in_flight)) is not None or in_flight:
@@ -256,10 +256,9 @@ class SenderChannel:
             self._owner.finished(sent.task)
             return
         try:
+            self._pair.wait_sent(sent.works, self._config.payload_timeout_s, sent.what)
             if sent.link is not None:
                 sent.link.wait(sent.upto, sent.what)
-            else:
-                self._pair.wait_sent(sent.works, self._config.payload_timeout_s, sent.what)
             self._stats.add(wire_s=time.perf_counter() - sent.posted, nbytes=sent.nbytes)
         except Exception as exc:  # noqa: BLE001
             self._teardown(exc, sent.task)
@@ -267,25 +266,16 @@ class SenderChannel:
             self._owner.finished(sent.task)
 
     def _post_data(self, task: SendTask) -> _InFlight:
-        """Ring the record's doorbell and post its payload: cache views (direct) or packs
-        gathered one after the other, each while the ones before it are on the wire."""
-        header = task.header
-        heads = _local_heads(self._layout, self._rank, header.head_range())
-        views = None
-        if isinstance(self._link, links.NetSender):
-            start = packs.run_start(task.src_slots)
-            if start is not None and packs.run_start(header.dst_slots) is not None:
-                views = packs.direct_views(self._cache, self._layout, header, heads, start)
-        header = replace(header, packed=views is None)
+        """Ring the record's doorbell and post its payload: the view buffers' cache views,
+        then the packs, each gathered while the ones before it are on the wire."""
+        heads = _local_heads(self._layout, self._rank, task.header.head_range())
+        header, views = self._plan_views(task, heads)
         what = (f"data record of request {header.request_id} layers "
                 f"{header.layers[0]}..{header.layers[-1]} tokens "
                 f"[{header.token_start}, {header.token_end})")
         self._pair.post_doorbell(wire.encode_header(header), what)
         posted = time.perf_counter()
-        if views is not None:
-            nbytes = sum(v.numel() * v.element_size() for v in views)
-            return _InFlight(task, self._pair, self._pair.post(views, what), views, None, 0,
-                             what, posted, nbytes)
+        works = self._pair.post(views, what)
         src, seq, gather_s = task.src_slots.to(self._device), 0, 0.0
         frames = packs.packs(self._layout, header)
         for pack in frames:
@@ -294,9 +284,30 @@ class SenderChannel:
             packs.gather(self._cache, self._layout, header, heads, src, pack, buf)
             gather_s += time.perf_counter() - t0
             seq = self._link.post(buf, pack.nbytes, what)
-        self._stats.add(gather_s=gather_s)
-        return _InFlight(task, self._pair, [], [], self._link, seq, what, posted,
-                         sum(p.nbytes for p in frames))
+        if frames:
+            self._stats.add(gather_s=gather_s)
+        nbytes = sum(v.numel() * v.element_size() for v in views) + \
+            sum(p.nbytes for p in frames)
+        return _InFlight(task, self._pair, works, views, self._link if frames else None, seq,
+                         what, posted, nbytes)
+
+    def _plan_views(self, task: SendTask,
+                    heads: slice | None) -> tuple[wire.Header, list[torch.Tensor]]:
+        """The record's header (its ``views`` and ``cuts``) and the cache views to send:
+        none on a same-node pair, nor when a view would not be contiguous (GQA)."""
+        header = task.header
+        if not isinstance(self._link, links.NetSender):
+            return header, []
+        found = packs.cut_runs(task.src_slots, header.dst_slots)
+        header = replace(header, views=packs.view_buffers(self._layout, header, len(found)),
+                         cuts=tuple(a for a, _, _, _ in found))
+        views = packs.cut_views(self._cache, self._layout, header, heads,
+                                [s for _, s, _, _ in found])
+        if not all(v.is_contiguous() for v in views):
+            return replace(header, views=(), cuts=()), []
+        if not header.views:
+            header = replace(header, cuts=())
+        return header, views
 
     def _make_link(self) -> links.NetSender | links.LocalSender:
         """The pack transport of the pair just made: its same-node segment if it has one."""

@@ -4,9 +4,9 @@ Per pair, the prefill rank announces itself through the decode rank's TCPStore
 (:class:`Announce`, answered by :class:`Ack`), then every record is::
 
     doorbell (store key "<pair prefix>/doorbell/<n>" = msgpack of Header)
-    packed == false (kind == "data"): one message [T, *dims] per (buffer, layer), buffer
-        major (K, V[, index_k]), views of the cache rows on both sides
-    packed == true  (kind == "data"): one pack per (layer group, token range)
+    views (kind == "data"): one message [n, *dims] per (view buffer, layer, cut), views of
+        the cache rows on both sides (the cuts are runs of consecutive slots on both sides)
+    packs (kind == "data"): the other buffers, one pack per (layer group, token range)
         (:mod:`kv_transfer.packs`), each one message, or, on a same-node pair, a one-element
         "ready" message (the pack is in a shared-memory slot) answered by an "ack"
 
@@ -49,8 +49,10 @@ class Header:
         dst_slots: int64 ``[token_end - token_start]`` decode slots, one per token (data).
         num_tokens: tokens of the request sent in all (done).
         error: why the sender aborted (abort).
-        packed: the payload travels as packs (gathered / scattered), not as cache views
-            (data; :mod:`kv_transfer.packs`).
+        views: buffers (layout order numbers) sent as cache views per cut; the others go in
+            packs (data; :mod:`kv_transfer.packs`).
+        cuts: token offsets (from 0, ascending) where the view messages' runs start (data
+            with views).
     """
 
     kind: str
@@ -64,7 +66,8 @@ class Header:
     dst_slots: torch.Tensor | None = field(default=None, compare=False)
     num_tokens: int = 0
     error: str = ""
-    packed: bool = False
+    views: tuple[int, ...] = ()
+    cuts: tuple[int, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -84,7 +87,7 @@ def encode_header(header: Header) -> bytes:
         "heads": None if header.heads is None else list(header.heads),
         "t0": header.token_start, "t1": header.token_end, "slots": slots,
         "ntok": header.num_tokens, "err": header.error,
-        "packed": header.packed}, use_bin_type=True)
+        "views": list(header.views), "cuts": list(header.cuts)}, use_bin_type=True)
 
 
 def decode_header(raw: bytes) -> Header:
@@ -105,7 +108,8 @@ def decode_header(raw: bytes) -> Header:
                         token_start=int(m["t0"]), token_end=int(m["t1"]),
                         dst_slots=_slots(m["slots"]) if m["kind"] == DATA else None,
                         num_tokens=int(m["ntok"]), error=str(m["err"]),
-                        packed=bool(m["packed"]))
+                        views=tuple(int(x) for x in m["views"]),
+                        cuts=tuple(int(x) for x in m["cuts"]))
     except WireError:
         raise
     except Exception as exc:  # malformed msgpack / missing key / wrong type
@@ -128,6 +132,10 @@ def _validate(h: Header) -> None:
         if not h.layers or not 0 <= h.token_start < h.token_end:
             raise WireError(f"data record of {h.request_id!r} has layers {h.layers} and token "
                             f"range [{h.token_start}, {h.token_end}): both must be non-empty")
+        if h.views and (not h.cuts or h.cuts[0] != 0 or list(h.cuts) != sorted(set(h.cuts))
+                        or h.cuts[-1] >= h.n_tokens):
+            raise WireError(f"data record of {h.request_id!r} has cuts {h.cuts}: expected "
+                            f"ascending offsets from 0 below {h.n_tokens}")
         if h.dst_slots.numel() != h.n_tokens:
             raise WireError(f"data record of {h.request_id!r} has {h.dst_slots.numel()} slots "
                             f"for {h.n_tokens} tokens")

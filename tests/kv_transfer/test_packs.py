@@ -43,6 +43,9 @@ def test_packs_group_layers_and_cut_tokens():
     assert packs.run_start(torch.tensor([3])) == 3
     assert packs.run_start(torch.tensor([4, 5, 7])) is None
     assert packs.runs(torch.tensor([8, 9, 10, 4, 5, 20])) == [(0, 8, 3), (3, 4, 2), (5, 20, 1)]
+    # a cut wherever either side breaks its run
+    assert packs.cut_runs(torch.tensor([0, 1, 2, 3, 9, 10]), torch.tensor([4, 5, 8, 9, 10, 11])) \
+        == [(0, 0, 4, 2), (2, 2, 8, 2), (4, 9, 10, 2)]
 
 
 def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node):
@@ -96,11 +99,17 @@ def _check_bytes(p_cache, d_cache, src, dst):
 def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_blocks, block_p,
                                          block_d, same_node):
     torch.set_num_threads(1)
-    # 3-token chunks x 3 layers x 80 B per token: one pack per record (10 records), the segment
+    # same node: 3-token chunks x 3 layers x 80 B per token: one pack per record (10
+    # records); network: 12-token chunks, the segment
     # holds PACK_DEPTH = 4 packs: slots are reused across records
     monkeypatch.setattr(packs, "PACK_BYTES", 2000)
-    # K runs (8 tokens x 64 B) are scattered per run, V runs (8 x 16 B) with index_copy_
+    # K runs (8 tokens x 64 B) are scattered per run, V runs (8 x 16 B) with index_copy_;
+    # network pairs send K runs (>= 4 tokens x 64 B) as cache views, V in packs
     monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
+    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 256)
+    chosen, choose = [], packs.view_buffers
+    monkeypatch.setattr(packs, "view_buffers", lambda *a: chosen.append(choose(*a)) or
+                        chosen[-1])
     spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
                          qk_rope_head_dim=4)
     spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
@@ -108,13 +117,20 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
     before = set(glob.glob(f"{local.SHM_DIR}/orch-kv-*"))
     made = _spy_segments(monkeypatch)
     p_cache, d_cache, src, dst, (sent, got), during = _transfer(
-        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=3, same_node=same_node)
+        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=3 if same_node == "auto" else 12,
+        same_node=same_node)
     _check_bytes(p_cache, d_cache, src, dst)
     assert sent["bytes"] == got["bytes"] == 30 * 3 * (16 + 4) * 4
-    assert sent["transfers"] == got["transfers"] == 10
+    assert sent["transfers"] == got["transfers"] == (10 if same_node == "auto" else 3)
     packed = same_node == "auto" or name != "contiguous"
     assert (sent["gather_s"] > 0) == packed, f"{name}: gather use"
     assert (got["scatter_s"] > 0) == packed, f"{name}: scatter use"
+    # records [0, 12) [12, 24) [24, 30): 1 cut -> every buffer; 2 or 3 cuts (8-token blocks
+    # both sides, or 4 / 8 tokens) -> K if its runs average >= 256 B
+    views = {"off": {"contiguous": {(0, 1)}, "random": {(0,), (0, 1)},
+                     "misaligned": {(0,), ()}},
+             "auto": dict.fromkeys(("contiguous", "random", "misaligned"), set())}
+    assert set(chosen) == views[same_node][name], "buffers sent as cache views"
     assert made == ([packs.segment_bytes()] if same_node == "auto" else [])
     assert set(during) <= before, "the segment file outlived the pair set-up"
 
