@@ -1,4 +1,5 @@
-"""KV transfer throughput: the transfer layer vs a raw gloo send/recv of the same bytes.
+"""KV transfer throughput: the transfer layer vs a raw gloo send/recv (network path) and vs a
+plain memcpy (same-node path) of the same bytes.
 
 DeepSeek-V3-shaped request: 61 layers, K 512 + V 64 elements per token per layer, bf16
 (1,152 B per token per layer, REFERENCE.md "KV bytes"). One prefill rank -> one decode rank,
@@ -11,15 +12,20 @@ For each case and size the request goes in prefill chunks of ``--chunk`` tokens:
 - raw: the K and V bytes of each chunk, already contiguous, sent with plain gloo send/recv
   on a separate 2-rank group as two messages per chunk (the fewest possible; no header,
   gather or scatter), into receive buffers allocated and touched outside the clock;
-- kvx: ``PrefillKVConnector.send_chunk`` per chunk + ``finish``; the clock stops when the
-  decode rank's ``is_complete`` turned true (reported back over the raw group).
-Both clocks run on the prefill process from a "ready" message to the decode's ack; the same
-two processes do both. The pair's set-up is excluded (a warm-up request goes first). Every
-case ends with a byte check of the last request (prefill source rows == decode rows).
-Reported: best of ``--reps`` per line, ratio = raw s / kvx s, and the kvx run's gather
-(prefill) / scatter (decode) seconds (0 when every message was sent / received in place).
+- net: ``PrefillKVConnector.send_chunk`` per chunk + ``finish`` with
+  ``same_node="off"`` (the process-group path); the clock stops when the decode rank's
+  ``is_complete`` turned true (reported back over the raw group);
+- memcpy: one ``copy_`` of the same bytes between two contiguous tensors allocated and
+  touched outside the clock, on the prefill process (one thread);
+- local: as net, with ``same_node="auto"`` (both ranks on this node: the shared-memory path).
+Net/local clocks run on the prefill process from a "ready" message to the decode's ack; the
+same two processes do all. The pairs' set-up is excluded (a warm-up request goes first on
+each). Every case ends with a byte check of the last request (prefill source rows == decode
+rows). Reported: best of ``--reps`` per line, ratio = baseline s / kvx s, and the kvx run's
+gather (prefill) / scatter (decode) seconds (0 when every message was sent / received in
+place).
 
-Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 1024 4096 16384]
+Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 4096 16384]
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ import torch.multiprocessing as mp
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from kv_transfer import packs
 from kv_transfer.backend import backend_for
 
 LAYERS, KV_LORA, ROPE, BLOCK = 61, 512, 64, 128
 MODEL = "deepseek-v3-shape"
+PATHS = {"net": "off", "local": "auto"}  # kvx path -> TransferConfig.same_node
 
 
 def spec(max_tokens: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -103,16 +111,19 @@ def warm_up(conn, peers: list[KVPeer] | None, rank: int) -> None:
 
 
 def decode_main(args, port_q, addr_q, out_q) -> None:
+    packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     cache = KVCache(spec(max(args.tokens), dtype))
-    conn = DecodeKVConnector(cache, KVLayout.from_spec(cache.spec, MODEL, 1), "d0", 0,
-                             TransferConfig())
-    addr_q.put(conn.address)
+    layout = KVLayout.from_spec(cache.spec, MODEL, 1)
+    conns = {path: DecodeKVConnector(cache, layout, f"d-{path}", 0,
+                                     TransferConfig(same_node=same))
+             for path, same in PATHS.items()}
+    addr_q.put({path: conn.address for path, conn in conns.items()})
     group, _store = raw_group(1, port_q)
-    check = {}
-    scatter_s = {}
-    warm_up(conn, None, 1)
+    check, scatter_s = {}, {}
+    for conn in conns.values():
+        warm_up(conn, None, 1)
     for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
         chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
         # NOTE: raw receive buffers are allocated and touched once, outside the clock: the
@@ -125,38 +136,49 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
                 for t in (k, v):
                     group.recv([t], 0, 0).wait(WAIT)
             signal(group, 1)
-            rid = f"r{case}{tokens}-{rep}"
-            conn.expect(rid, tokens, 1)
-            before = conn.stats.snapshot()["scatter_s"]
-            signal(group, 1)
-            while not conn.is_complete(rid):
-                if conn.failure(rid):
-                    raise RuntimeError(conn.failure(rid))
-                time.sleep(0.0005)
-            signal(group, 1)
-            scatter_s[(case, tokens, rep)] = conn.stats.snapshot()["scatter_s"] - before
-            conn.release(rid)
+            for path, conn in conns.items():
+                scatter_s[(path, case, tokens, rep)] = receive(conn, group, f"r{path}{case}"
+                                                               f"{tokens}-{rep}", tokens)
         del bufs
         dst = table_slots(cache.spec.num_blocks, tokens, 2, case)
         check[case] = torch.cat([cache.flat_k(LAYERS - 1)[dst[-64:]],
                                  cache.flat_v(0)[dst[:64]]], 1).clone()
     out_q.put(("decode", scatter_s, check))
-    conn.close()
+    for conn in conns.values():
+        conn.close()
+
+
+def receive(conn, group, rid: str, tokens: int) -> float:
+    """Decode side of one timed request; returns its scatter seconds."""
+    conn.expect(rid, tokens, 1)
+    before = conn.stats.snapshot()["scatter_s"]
+    signal(group, 1)
+    while not conn.is_complete(rid):
+        if conn.failure(rid):
+            raise RuntimeError(conn.failure(rid))
+        time.sleep(0.0005)
+    signal(group, 1)
+    conn.release(rid)
+    return conn.stats.snapshot()["scatter_s"] - before
 
 
 def prefill_main(args, port_q, addr_q, out_q) -> None:
+    packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     cache = KVCache(spec(max(args.tokens), dtype))
     for t in cache.k_caches + cache.v_caches:
         t.uniform_()
-    conn = PrefillKVConnector(cache, KVLayout.from_spec(cache.spec, MODEL, 1), "p0", 0, 1,
-                              TransferConfig())
-    host, port = addr_q.get(timeout=60)
-    peers = [KVPeer("d0", 0, host, port)]
+    layout = KVLayout.from_spec(cache.spec, MODEL, 1)
+    conns = {path: PrefillKVConnector(cache, layout, f"p-{path}", 0, 1,
+                                      TransferConfig(same_node=same))
+             for path, same in PATHS.items()}
+    addrs = addr_q.get(timeout=60)
+    peers = {path: [KVPeer(f"d-{path}", 0, *addrs[path])] for path in PATHS}
     group, _store = raw_group(0, port_q)
     results, check = [], {}
-    warm_up(conn, peers, 0)
+    for path, conn in conns.items():
+        warm_up(conn, peers[path], 0)
     for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
         src = table_slots(cache.spec.num_blocks, tokens, 1, case)
         dst = table_slots(cache.spec.num_blocks, tokens, 2, case)
@@ -172,32 +194,52 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
                 w.wait(WAIT)
             wait_signal(group, 0)
             raw_s = time.perf_counter() - t0
+            memcpy_s = memcpy_time(bufs)
             del bufs, works
-            before = conn.stats.snapshot()
-            wait_signal(group, 0)
-            t0 = time.perf_counter()
-            rid = f"r{case}{tokens}-{rep}"
-            for a, b in chunks:
-                conn.send_chunk(rid, peers, a, b, src[a:b], dst[a:b])
-            conn.finish(rid, peers, tokens)
-            wait_signal(group, 0)
-            kvx_s = time.perf_counter() - t0
-            conn.wait_idle(rid, 60)
-            after = conn.stats.snapshot()
-            results.append((case, tokens, rep, raw_s, kvx_s,
-                            after["gather_s"] - before["gather_s"]))
+            row = {"raw": raw_s, "memcpy": memcpy_s}
+            for path, conn in conns.items():
+                row[path] = send(conn, group, peers[path], f"r{path}{case}{tokens}-{rep}",
+                                 chunks, src, dst)
+            results.append((case, tokens, rep, row))
         check[case] = torch.cat([cache.flat_k(LAYERS - 1)[src[-64:]],
                                  cache.flat_v(0)[src[:64]]], 1).clone()
     out_q.put(("prefill", results, check))
-    conn.close()
+    for conn in conns.values():
+        conn.close()
+
+
+def memcpy_time(bufs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Seconds of one plain ``copy_`` of every payload into a pre-touched copy (one thread)."""
+    outs = [(k.clone(), v.clone()) for k, v in bufs]
+    t0 = time.perf_counter()
+    for (k, v), (ok, ov) in zip(bufs, outs):
+        ok.copy_(k)
+        ov.copy_(v)
+    return time.perf_counter() - t0
+
+
+def send(conn, group, peers, rid: str, chunks, src, dst) -> tuple[float, float]:
+    """Prefill side of one timed request: (seconds to complete on decode, gather seconds)."""
+    before = conn.stats.snapshot()["gather_s"]
+    wait_signal(group, 0)
+    t0 = time.perf_counter()
+    for a, b in chunks:
+        conn.send_chunk(rid, peers, a, b, src[a:b], dst[a:b])
+    conn.finish(rid, peers, chunks[-1][1])
+    wait_signal(group, 0)
+    kvx_s = time.perf_counter() - t0
+    conn.wait_idle(rid, 60)
+    return kvx_s, conn.stats.snapshot()["gather_s"] - before
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk, tokens")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--pack-mib", type=float, default=packs.PACK_BYTES / 2**20,
+                        help="kv_transfer.packs.PACK_BYTES, MiB")
     parser.add_argument("--cases", nargs="+", default=["contiguous", "random"],
                         choices=["contiguous", "random"], help="block-table cases")
     args = parser.parse_args()
@@ -221,21 +263,25 @@ def main() -> None:
 
 
 def report(args, results, scatter_s) -> None:
-    """One line per (case, size): best raw and best kvx of the repetitions, and the kvx
-    run's gather (prefill) and scatter (decode) seconds."""
+    """One line per (path, case, size): best baseline and best kvx of the repetitions, and
+    the kvx run's gather (prefill) and scatter (decode) seconds."""
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
-          f"chunk {args.chunk} tokens, P1 -> D1, gloo loopback, best of {args.reps}")
-    print(f"{'case':>10} {'tokens':>7} {'MiB':>8} {'raw GB/s':>9} {'kvx GB/s':>9} "
-          f"{'ratio':>6} {'gather s':>9} {'scatter s':>10}")
-    for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
-        runs = [r for r in results if r[:2] == (case, tokens)]
-        raw_s = min(r[3] for r in runs)
-        _, _, rep, _, kvx_s, gather_s = min(runs, key=lambda r: r[4])
-        nbytes = tokens * LAYERS * (KV_LORA + ROPE) * elem
-        print(f"{case:>10} {tokens:>7} {nbytes / 2**20:>8.1f} {nbytes / raw_s / 1e9:>9.2f} "
-              f"{nbytes / kvx_s / 1e9:>9.2f} {raw_s / kvx_s:>6.2f} {gather_s:>9.3f} "
-              f"{scatter_s[(case, tokens, rep)]:>10.3f}")
+          f"chunk {args.chunk} tokens, packs {args.pack_mib:g} MiB, P1 -> D1 on this node, best of {args.reps}; "
+          "net = process group (gloo loopback) vs raw gloo, local = shared memory vs memcpy")
+    print(f"{'path':>5} {'case':>10} {'tokens':>7} {'MiB':>8} {'base':>6} {'base GB/s':>9} "
+          f"{'kvx GB/s':>9} {'ratio':>6} {'gather s':>9} {'scatter s':>10}")
+    for path, base in (("net", "raw"), ("local", "memcpy")):
+        for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
+            runs = [r for r in results if r[:2] == (case, tokens)]
+            base_s = min(r[3][base] for r in runs)
+            _, _, rep, row = min(runs, key=lambda r: r[3][path][0])
+            kvx_s, gather_s = row[path]
+            nbytes = tokens * LAYERS * (KV_LORA + ROPE) * elem
+            print(f"{path:>5} {case:>10} {tokens:>7} {nbytes / 2**20:>8.1f} {base:>6} "
+                  f"{nbytes / base_s / 1e9:>9.2f} {nbytes / kvx_s / 1e9:>9.2f} "
+                  f"{base_s / kvx_s:>6.2f} {gather_s:>9.3f} "
+                  f"{scatter_s[(path, case, tokens, rep)]:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SAME_NODE = ("auto", "off")  # values of TransferConfig.same_node
+
 
 @dataclass(frozen=True)
 class TransferConfig:
@@ -16,9 +18,10 @@ class TransferConfig:
             ``close()`` (``header_timeout_s + payload_timeout_s``); it bounds nothing else:
             since wire schema 2 the header travels in the doorbell itself, and an idle
             receiver waits for the doorbell without a bound.
-        payload_timeout_s: receiving one K or V message (a layer, or one run of slots of a
-            layer: :mod:`~kv_transfer.cuts`); sending one (a send also waits for the peer to
-            finish the record before it).
+        payload_timeout_s: receiving one payload message (a (buffer, layer) view or a pack:
+            :mod:`~kv_transfer.packs`; on a same-node pair a pack's "ready"); sending one (a
+            send also waits for the peer to finish the record before it), or waiting for a
+            same-node slot's ack.
         completion_timeout_s: decode side, from ``expect()`` until every planned layer and
             every ``done`` record arrived; prefill side, the default bound of ``wait_idle``.
         poll_interval_s: how often the decode rank's acceptor looks for new pair
@@ -32,6 +35,9 @@ class TransferConfig:
         retry_backoff_s: prefill side: after a failed connect, records to that decode
             address fail at once for this long, doubling per failure up to
             ``connect_timeout_s``; a new address (restarted rank) is tried at once.
+        same_node: ``auto``: a pair whose two ranks run on one node moves bytes through a
+            shared segment (:mod:`~kv_transfer.local`; cpu caches: ``/dev/shm``) instead of
+            its process group; ``off``: always the process group.
     """
 
     connect_timeout_s: float = 30.0
@@ -42,6 +48,7 @@ class TransferConfig:
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 10.0
     retry_backoff_s: float = 1.0
+    same_node: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "header_timeout_s", "payload_timeout_s",
@@ -50,6 +57,9 @@ class TransferConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0 seconds, got {value}")
+        if self.same_node not in SAME_NODE:
+            raise ValueError(f"TransferConfig.same_node must be one of {SAME_NODE}, got "
+                             f"{self.same_node!r}")
         if self.peer_timeout_s <= 2 * self.heartbeat_s:
             raise ValueError(f"TransferConfig.peer_timeout_s ({self.peer_timeout_s}) must be "
                              f"> 2 x heartbeat_s ({self.heartbeat_s}): raise it, or lower "

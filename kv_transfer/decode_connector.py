@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kv_transfer import wire
+from kv_transfer import local, packs, wire
 from kv_transfer.backend import backend_for
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatchError
@@ -47,7 +47,13 @@ class DecodeKVConnector:
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._host = instance, rank, host
         self._me = f"{instance}/{rank}"
-        self._backend = backend_for(cache_slots(kv_cache)[1])
+        self._device = cache_slots(kv_cache)[1]
+        self._backend = backend_for(self._device)
+        self._local = local.local_backend(self._device) if config.same_node == "auto" else None
+        if self._local is not None:
+            for path in local.remove_stale():
+                log.warning("decode %s: removed the same-node segment %s of a decode rank "
+                            "that no longer runs", self._me, path)
         self._tracker = RequestTracker(layout, rank, config, self._me)
         self._receivers: dict[tuple[str, int], ReceiverChannel] = {}
         self._retired: list[ReceiverChannel] = []
@@ -122,8 +128,9 @@ class DecodeKVConnector:
             channel.stop(self._rendezvous.store)
             self._tracker.on_pair_lost(channel.source, error)
 
-    def _on_announce(self, announce: wire.Announce) -> dict:
-        """Acceptor thread: a prefill rank opens a new pair generation."""
+    def _on_announce(self, announce: wire.Announce) -> tuple[dict, bytes]:
+        """Acceptor thread: a prefill rank opens a new pair generation; returns the ack's
+        layout and same-node segment handle (b"": none)."""
         try:
             KVLayout.from_dict(announce.layout).check_compatible(self._layout)
         except (LayoutMismatchError, ValueError, KeyError, TypeError) as exc:
@@ -131,9 +138,10 @@ class DecodeKVConnector:
             log.warning("decode %s: prefill %s/%s has an incompatible KV layout: %s",
                         self._me, announce.instance, announce.rank, exc)
         key = (announce.instance, announce.rank)
+        segment = self._same_node_segment(announce)
         channel = ReceiverChannel(self._host, self._rendezvous.port, announce, self._me,
                                   self._rank, self._cache, self._layout, self._backend,
-                                  self._config, self._tracker, self.stats)
+                                  self._config, self._tracker, self.stats, segment)
         with self._lock:
             old = self._receivers.get(key)
             self._receivers[key] = channel
@@ -146,4 +154,16 @@ class DecodeKVConnector:
                 old.source, f"{old.source.sender} -> decode {self._me}: pair generation "
                 f"{old.generation} replaced by {announce.generation} (prefill restarted or "
                 "remade the pair); records in flight on it were lost")
-        return self._layout.to_dict()
+        return self._layout.to_dict(), b"" if segment is None else segment[1]
+
+    def _same_node_segment(self, announce: wire.Announce) -> tuple[object, bytes] | None:
+        """A same-node segment for the pair when the prefill rank asked for one and runs on
+        this node (and ``same_node`` is ``auto``), else None (network path)."""
+        if self._local is None or not announce.node or announce.node != local.node_id():
+            return None
+        try:
+            return self._local.create(packs.segment_bytes(), self._device)
+        except (OSError, RuntimeError) as exc:
+            log.warning("decode %s: no same-node segment for prefill %s/%s (%s): using the "
+                        "network", self._me, announce.instance, announce.rank, exc)
+            return None

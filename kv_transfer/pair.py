@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from kv_transfer import wire
+from kv_transfer import local, packs, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError, TransferTimeout, WireError
@@ -82,6 +82,7 @@ class PairGroup:
     backend: PairBackend
     peer_layout: dict
     doorbells: int = 0
+    local: torch.Tensor | None = None  # same-node segment both ranks mapped (uint8), if any
 
     def post_doorbell(self, header: bytes, what: str) -> None:
         """Prefill side: announce the next record; the doorbell value is its msgpack header
@@ -131,8 +132,13 @@ class PairGroup:
         with self._errors(what):
             return [self.group.send([t], 1 - self.rank, 0) for t in tensors]
 
+    def post_recv(self, tensor: torch.Tensor, what: str) -> dist.Work:
+        """Post a receive into ``tensor`` (kept alive by the caller until waited)."""
+        with self._errors(what):
+            return self.group.recv([tensor], 1 - self.rank, 0)
+
     def wait_sent(self, works: list[dist.Work], timeout_s: float, what: str) -> None:
-        """Wait (bounded, each) for sends returned by :meth:`post`."""
+        """Wait (bounded, each) for sends of :meth:`post` (or receives of :meth:`post_recv`)."""
         with self._errors(what):
             for work in works:
                 self.backend.wait(work, timeout_s)
@@ -165,8 +171,12 @@ class PairGroup:
 
 
 def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: dict,
-            backend: PairBackend, config: TransferConfig) -> PairGroup:
+            backend: PairBackend, config: TransferConfig, device: torch.device) -> PairGroup:
     """Prefill side: open a new pair generation with the decode rank at ``host:port``.
+
+    With ``config.same_node == "auto"`` the announce carries this node's id; when the decode
+    rank answers with a same-node segment (:mod:`~kv_transfer.local`) that maps here, the
+    pair's ``local`` is that segment (the decode rank learns it from ``<prefix>/local``).
 
     Raises:
         TransferTimeout / TransferError: the decode rank did not answer within
@@ -185,10 +195,13 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
         gen = store.add(f"gen/{instance}/{rank}", 1)
         prefix = f"pair/{instance}/{rank}/{gen}"
         n = store.add("announce/count", 1)
-        store.set(f"announce/{n}", wire.pack(wire.Announce(instance, rank, gen, layout)))
+        node = local.node_id() if config.same_node == "auto" else ""
+        store.set(f"announce/{n}", wire.pack(wire.Announce(instance, rank, gen, layout, node)))
         store.wait([f"{prefix}/ack"], _td(config.connect_timeout_s))
         ack = wire.unpack(store.get(f"{prefix}/ack"), wire.Ack)
         name = f"{where} gen {gen}"
+        segment = _map_segment(ack.local, device, name)
+        store.set(f"{prefix}/local", b"1" if segment is not None else b"0")
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), PREFILL,
                                    config.connect_timeout_s, host)
     except WireError as exc:
@@ -198,15 +211,32 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
             f"{where}: could not connect within {config.connect_timeout_s:g} s "
             f"({_first_line(exc)}); check that the decode rank is alive and its published "
             "address is current", pair=where) from exc
-    return PairGroup(name, group, store, prefix, gen, PREFILL, backend, ack.layout)
+    return PairGroup(name, group, store, prefix, gen, PREFILL, backend, ack.layout,
+                     local=segment)
+
+
+def _map_segment(handle: bytes, device: torch.device, name: str) -> torch.Tensor | None:
+    """Prefill side: map the decode rank's same-node segment and unlink it (both mapped it
+    now); None (network path) when there is none or it does not map here."""
+    backend = local.local_backend(device)
+    if not handle or backend is None:
+        return None
+    try:
+        return backend.open(handle, packs.segment_bytes(), device)
+    except (OSError, RuntimeError) as exc:
+        log.warning("%s: same-node segment does not map here (%s): using the network", name, exc)
+        return None
+    finally:
+        backend.unlink(handle)
 
 
 def accept(host: str, port: int, announce: wire.Announce, me: str, backend: PairBackend,
-           config: TransferConfig) -> PairGroup:
+           config: TransferConfig, segment: torch.Tensor | None = None) -> PairGroup:
     """Decode side: join the group the prefill rank of ``announce`` is building.
 
-    Called after the ack was posted (see :class:`Rendezvous`). Raises TransferTimeout when
-    the prefill rank does not join within ``connect_timeout_s``.
+    Called after the ack was posted (see :class:`Rendezvous`); ``segment``: the same-node
+    segment the ack named, kept as the pair's ``local`` when the prefill rank mapped it.
+    Raises TransferTimeout when the prefill rank does not join within ``connect_timeout_s``.
     """
     prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
     name = (f"prefill {announce.instance}/{announce.rank} -> decode {me} "
@@ -216,25 +246,27 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
                               wait_for_workers=False)
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), DECODE,
                                    config.connect_timeout_s, host)
+        mapped = store.get(f"{prefix}/local") == b"1"  # NOTE: set before the group was built
         store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
                               f"({_first_line(exc)})", pair=name) from exc
     return PairGroup(name, group, store, prefix, announce.generation, DECODE, backend,
-                     announce.layout)
+                     announce.layout, local=segment if mapped else None)
 
 
 class Rendezvous:
     """Decode side: the TCPStore server and the thread that accepts announced pairs.
 
-    ``on_announce(announce) -> ack_layout`` runs on the acceptor thread for each new pair
-    generation; it returns the decode layout dict to post as the ack (and typically starts a
-    receiver that calls :func:`accept`). ``on_tick()`` runs on it every ``heartbeat_s`` (the
+    ``on_announce(announce) -> (ack_layout, local_handle)`` runs on the acceptor thread for
+    each new pair generation; it returns the decode layout dict and the same-node segment's
+    handle (``b""``: none) to post as the ack (and typically starts a receiver that calls
+    :func:`accept`). ``on_tick()`` runs on it every ``heartbeat_s`` (the
     liveness check of the pairs); errors of both are logged, never end the thread.
     """
 
     def __init__(self, host: str, config: TransferConfig,
-                 on_announce: Callable[[wire.Announce], dict], instance: str,
+                 on_announce: Callable[[wire.Announce], tuple[dict, bytes]], instance: str,
                  rank: int, on_tick: Callable[[], None] | None = None) -> None:
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=_td(config.connect_timeout_s))
@@ -270,9 +302,9 @@ class Rendezvous:
             try:
                 announce = wire.unpack(raw, wire.Announce)
                 prefix = f"pair/{announce.instance}/{announce.rank}/{announce.generation}"
-                ack = self._on_announce(announce)
+                layout, handle = self._on_announce(announce)
                 self._store.set(f"{prefix}/ack",
-                                wire.pack(wire.Ack(self._instance, self._rank, ack)))
+                                wire.pack(wire.Ack(self._instance, self._rank, layout, handle)))
             except Exception:  # one bad peer must not stop the acceptor
                 log.exception("decode %s: rejected a pair announcement", self._me)
         return n

@@ -1,15 +1,14 @@
 """Decode side: one receiver thread per pair generation.
 
 Loop: wait for the doorbell (blocking in the store; a ``stop`` doorbell ends the wait at once),
-whose value is the record's header, then for a data record receive its K, V (and, for
-DeepSeek-V3.2, index_k) messages (:mod:`~kv_transfer.cuts`; each receive bounded by
-``payload_timeout_s``). A buffer whose cuts are consecutive destination runs is received
-straight into the cache rows (no scatter), holding the request's write permission
-(:meth:`~kv_transfer.tracker.RequestTracker.begin_write`) for the whole receive, so
-``release`` waits for it. Other buffers go into pooled staging buffers, handed to this
-channel's scatter thread, which writes them into the destination slots if the tracker still
-allows writing the request. Payloads of unknown, failed or released requests are read into
-staging and dropped, so the channel stays in step.
+whose value is the record's header, then for a data record receive its payload
+(:mod:`~kv_transfer.packs`; each wait bounded by ``payload_timeout_s``) while holding the
+request's write permission (:meth:`~kv_transfer.tracker.RequestTracker.begin_write`), so
+``release`` waits for it: its view messages straight into the cache rows (no scatter), then
+its packs one by one, each scattered into the destination slots while the next ones arrive
+(over the network, or from the pair's same-node segment: :mod:`~kv_transfer.links`).
+Payloads of unknown, failed or released requests are read and dropped, so the channel stays
+in step.
 
 Any pair error (dead peer, timeout, bad header) ends the thread and fails the requests the
 generation carried records for; the prefill side remakes the pair with a new generation.
@@ -20,62 +19,35 @@ A prefill rank that dies or hangs between records is told by its heartbeats stop
 from __future__ import annotations
 
 import logging
-import math
-import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
+from kv_transfer import links, local, packs, payload, wire
 from kv_transfer import pair as pairs
-from kv_transfer import cuts, payload, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import TransferError
+from kv_transfer.errors import TransferError, WireError
 from kv_transfer.layout import KVLayout
-from kv_transfer.tracker import PairGeneration, RequestTracker, TrackedRequest
+from kv_transfer.tracker import PairGeneration, RequestTracker
 
 log = logging.getLogger(__name__)
-_SCATTER_DEPTH = 2
-
-
-@dataclass
-class _Targets:
-    """Where one data record's messages land.
-
-    Attributes:
-        messages: one tensor per wire message, in wire order: cache views (in place) or
-            slices of ``buffers``.
-        buffers: ``(buffer number in layout order, [Ly, T, *D] staging tensor)`` of the
-            buffers not received in place (to scatter).
-        raws: the pooled byte buffers under ``buffers``, given back after the scatter.
-    """
-
-    messages: list[torch.Tensor]
-    buffers: list[tuple[int, torch.Tensor]]
-    raws: list[torch.Tensor]
-
-
-@dataclass
-class _Staged:
-    """A received record waiting for the scatter thread (``buffers``/``raws`` as in
-    :class:`_Targets`; ``nbytes``: payload bytes, for the stats)."""
-
-    request: TrackedRequest
-    header: wire.Header
-    buffers: list[tuple[int, torch.Tensor]]
-    raws: list[torch.Tensor]
-    nbytes: int
 
 
 class ReceiverChannel:
-    """Receiver of one generation of pair (prefill ``announce.instance/rank`` -> this rank)."""
+    """Receiver of one generation of pair (prefill ``announce.instance/rank`` -> this rank).
+
+    ``segment``: the same-node segment (uint8 tensor, handle) named in this generation's ack,
+    or None; it is used if the prefill rank mapped it, and its name is unlinked once the
+    group is built or failed.
+    """
 
     def __init__(self, host: str, port: int, announce: wire.Announce, me: str, rank: int,
                  cache: object, layout: KVLayout, backend: PairBackend,
                  config: TransferConfig, tracker: RequestTracker,
-                 stats: payload.PayloadStats) -> None:
+                 stats: payload.PayloadStats,
+                 segment: tuple[torch.Tensor, bytes] | None = None) -> None:
         self.source = PairGeneration(f"prefill {announce.instance}/{announce.rank}",
                                      announce.generation)
         self._host, self._port, self._announce, self._me = host, port, announce, me
@@ -83,19 +55,12 @@ class ReceiverChannel:
         self._backend, self._config = backend, config
         self._tracker, self._stats = tracker, stats
         self._num_slots, self._device = payload.cache_slots(cache)
-        # NOTE: one staging buffer per cache buffer per record
-        self._pool = payload.BufferPool(keep=len(layout.buffers) * (_SCATTER_DEPTH + 1))
+        self._segment = segment
+        self._link: links.NetReceiver | links.LocalReceiver | None = None
         self._stop = threading.Event()
         self._group: pairs.PairGroup | None = None
         self._idle_since: float | None = None  # waiting for a doorbell since (monotonic s)
         self._beats, self._heard = -1, time.monotonic()
-        # NOTE: scatters run on their own thread so the next record's bytes arrive meanwhile;
-        # at most _SCATTER_DEPTH received payloads wait (bounds memory).
-        self._scatters: queue.Queue[_Staged | None] = queue.Queue(maxsize=_SCATTER_DEPTH)
-        self._scatter_thread = threading.Thread(
-            target=self._scatter_loop, daemon=True,
-            name=f"kv-scatter-{announce.instance}/{announce.rank}-g{announce.generation}->{me}")
-        self._scatter_thread.start()
         self._thread = threading.Thread(
             target=self._run, daemon=True,
             name=f"kv-recv-{announce.instance}/{announce.rank}-g{announce.generation}->{me}")
@@ -107,7 +72,7 @@ class ReceiverChannel:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() or self._scatter_thread.is_alive()
+        return self._thread.is_alive()
 
     def stop(self, store) -> None:
         """Ask the thread to stop (it finishes the record in flight, bounded); ``store`` is
@@ -134,12 +99,10 @@ class ReceiverChannel:
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)
-        self._scatter_thread.join(timeout_s)
 
     def _run(self) -> None:
         try:
-            group = pairs.accept(self._host, self._port, self._announce, self._me,
-                                 self._backend, self._config)
+            group = self._accept()
             self._group = group
             while not self._stop.is_set():
                 self._idle_since = time.monotonic()
@@ -154,26 +117,22 @@ class ReceiverChannel:
                                        f"{self._me}: pair lost: {exc}")
         finally:
             self._idle_since = None  # NOTE: an ended receiver is silent for a reason already
-            self._scatters.put(None)  # the scatter thread drains what was received, then ends
 
-    def _scatter_loop(self) -> None:
-        while (item := self._scatters.get()) is not None:
-            header = item.header
-            local = self._local_heads(header.head_range())
-            slots = header.dst_slots.to(self._device)
-            t0 = time.perf_counter()
-
-            def scatter() -> None:
-                for buffer, staged in item.buffers:
-                    payload.scatter(self._cache, buffer, header.layers, local, slots, staged)
-            try:
-                self._tracker.write(item.request, header, scatter)
-            except Exception as exc:  # noqa: BLE001 - fail the request, keep draining
-                self._tracker.fail(header.request_id, f"{self.source.sender} -> decode {self._me}: "
-                                   f"scatter of request {header.request_id} failed: {exc}")
-                continue
-            self._return_buffers(item.raws)
-            self._stats.add(scatter_s=time.perf_counter() - t0, nbytes=item.nbytes)
+    def _accept(self) -> pairs.PairGroup:
+        """Join the pair's group and pick its pack transport; the segment's name is unlinked
+        either way (both ranks mapped it, or it will not be used)."""
+        segment = None if self._segment is None else self._segment[0]
+        try:
+            group = pairs.accept(self._host, self._port, self._announce, self._me,
+                                 self._backend, self._config, segment)
+        finally:
+            if self._segment is not None:
+                local.local_backend(self._device).unlink(self._segment[1])
+                self._segment = None  # NOTE: the group holds the mapping if it is used
+        timeout_s = self._config.payload_timeout_s
+        self._link = links.NetReceiver(group, self._device, timeout_s) if group.local is None \
+            else links.LocalReceiver(group, group.local, self._device, timeout_s)
+        return group
 
     def _receive(self, group: pairs.PairGroup, raw: bytes) -> None:
         header = wire.decode_header(raw)
@@ -185,31 +144,75 @@ class ReceiverChannel:
             self._receive_data(group, header)
 
     def _receive_data(self, group: pairs.PairGroup, header: wire.Header) -> None:
-        """Receive one data record: in place where allowed, else staged for the scatter
-        thread; bytes of a request that may not be written are read and dropped."""
+        """Receive one data record into the request's slots while holding its write
+        permission (``release`` waits for it); bytes of a request that may not be written
+        are read and dropped, so the pair stays in step."""
         self._check_fits(group, header)
         req = self._tracker.admit(self.source, header, self._num_slots)
-        plans = self._cuts(header)
-        in_place = {} if req is None else self._in_place_views(header, plans)
-        if in_place and not self._tracker.begin_write(req):
-            in_place = {}  # NOTE: released/failed meanwhile: read into staging and drop
-        targets = self._targets(header, plans, in_place)
+        allowed = req is not None and self._tracker.begin_write(req)
         what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
                 f"tokens [{header.token_start}, {header.token_end})")
-        t0 = time.perf_counter()
-        done = False
-        try:  # NOTE: release() waits for in-place receives: their bytes land in the slots
-            group.recv_all(targets.messages, self._config.payload_timeout_s, what)
-            done = True
+        t0, done, scatter_s = time.perf_counter(), False, 0.0
+        try:
+            scatter_s = self._receive_views(group, header, allowed, what)
+            packed_s, done = self._receive_packs(header, allowed, what)
+            scatter_s += packed_s
         finally:
-            if in_place:
-                self._tracker.end_write(req, header, done and not targets.buffers)
-        nbytes = sum(t.numel() * t.element_size() for t in targets.messages)
-        self._stats.add(wire_s=time.perf_counter() - t0, nbytes=0 if targets.buffers else nbytes)
-        if req is None or not targets.buffers:
-            self._return_buffers(targets.raws)  # all in place, or may not be written: dropped
-        else:  # NOTE: waits while _SCATTER_DEPTH records are queued
-            self._scatters.put(_Staged(req, header, targets.buffers, targets.raws, nbytes))
+            if allowed:
+                self._tracker.end_write(req, header, done)
+        nbytes = header.n_tokens * len(header.layers) * sum(packs.token_bytes(self._layout,
+                                                                              header))
+        self._stats.add(wire_s=time.perf_counter() - t0 - scatter_s, scatter_s=scatter_s,
+                        nbytes=nbytes if allowed else 0)
+
+    def _receive_packs(self, header: wire.Header, allowed: bool,
+                       what: str) -> tuple[float, bool]:
+        """Receive a record's packs, scattering each while the next ones arrive;
+        returns (scatter seconds, every pack written). A failed scatter fails the request;
+        the rest of its packs are read and dropped."""
+        frames = packs.packs(self._layout, header)
+        local = self._local_heads(header.head_range())
+        dst = header.dst_slots.to(self._device)
+        scatter_s, ok = 0.0, allowed
+        # NOTE: driven to its end (not zip-ped with frames): the link acks / recycles the
+        # last pack only when asked for the next one
+        for i, got in enumerate(self._link.receive([p.nbytes for p in frames], what)):
+            pack = frames[i]
+            if not ok:
+                continue
+            t0 = time.perf_counter()
+            try:
+                packs.scatter(self._cache, self._layout, header, local, dst, pack, got)
+            except Exception as exc:  # noqa: BLE001 - fail the request, keep the pair in step
+                ok = False
+                self._tracker.fail(header.request_id, f"{self.source.sender} -> decode "
+                                   f"{self._me}: scatter of {what} failed: {exc}")
+            scatter_s += time.perf_counter() - t0
+        return scatter_s, ok
+
+    def _receive_views(self, group: pairs.PairGroup, header: wire.Header, allowed: bool,
+                       what: str) -> float:
+        """Receive the record's view messages straight into the cache rows, or through a
+        temporary copy where those rows are not contiguous (a GQA head subset); read and
+        dropped when not ``allowed``. Returns the copy seconds."""
+        if not header.views:
+            return 0.0
+        cuts = set(header.cuts)
+        if any(a not in cuts for a, _, _ in packs.runs(header.dst_slots)):
+            raise WireError(f"{group.name}: {what}: cuts {header.cuts} split no run of "
+                            "destination slots: the sender breaks the protocol")
+        dst = header.dst_slots.cpu()
+        rows = packs.cut_views(self._cache, self._layout, header,
+                               self._local_heads(header.head_range()),
+                               [int(dst[a]) for a in header.cuts])
+        messages = [t if allowed and t.is_contiguous() else
+                    torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in rows]
+        group.recv_all(messages, self._config.payload_timeout_s, what)
+        copies = [(t, m) for t, m in zip(rows, messages) if m is not t] if allowed else []
+        t0 = time.perf_counter()
+        for target, got in copies:
+            target.copy_(got)
+        return time.perf_counter() - t0 if copies else 0.0
 
     def _check_fits(self, group: pairs.PairGroup, header: wire.Header) -> None:
         """Raises TransferError (the pair is lost) for a record this cache cannot hold."""
@@ -224,59 +227,6 @@ class ReceiverChannel:
                                 f"{len(header.layers)} layers x {header.n_tokens} tokens does "
                                 f"not fit this cache ({self._layout.num_layers} layers, "
                                 f"{self._num_slots} slots)", pair=group.name)
-
-    def _cuts(self, header: wire.Header) -> list[cuts.Cuts]:
-        """Per buffer (layout order), the record's message cuts (from its destination slots)."""
-        return [cuts.cut(header.dst_slots, self._token_bytes(spec, header))
-                for spec in self._layout.buffers]
-
-    def _targets(self, header: wire.Header, plans: list[cuts.Cuts],
-                 in_place: dict[int, list[torch.Tensor]]) -> _Targets:
-        """Where each message of the record lands, in wire order (buffer after buffer, K, V[,
-        index_k]; per layer, per cut): the ``in_place`` cache views, else slices of pooled
-        staging buffers."""
-        targets = _Targets([], [], [])
-        for buffer, spec in enumerate(self._layout.buffers):
-            if buffer in in_place:
-                targets.messages.extend(in_place[buffer])
-                continue
-            shape = (len(header.layers), header.n_tokens,
-                     *self._layout.token_dims(spec, header.head_range()))
-            raw = self._pool.take(math.prod(shape) * self._layout.element_size, self._device)
-            buf = payload.as_tensor(raw, shape, self._layout.torch_dtype)
-            targets.raws.append(raw)
-            targets.buffers.append((buffer, buf))
-            targets.messages.extend(buf[i, a:a + n] for i in range(len(header.layers))
-                                    for a, n in plans[buffer].ranges)
-        return targets
-
-    def _token_bytes(self, spec, header: wire.Header) -> int:
-        return math.prod(self._layout.token_dims(spec, header.head_range())) * \
-            self._layout.element_size
-
-    def _in_place_views(self, header: wire.Header,
-                        plans: list[cuts.Cuts]) -> dict[int, list[torch.Tensor]]:
-        """Buffer number -> cache views (per layer, per cut) for the buffers whose cuts are all
-        consecutive destination runs (received in place, no scatter)."""
-        local = self._local_heads(header.head_range())
-        got = {}
-        for buffer, plan in enumerate(plans):
-            if not plan.in_place:
-                continue
-            views = []
-            for layer in header.layers:
-                found = cuts.views(payload.flat(self._cache, buffer, layer, local),
-                                   list(plan.dst_starts), plan)
-                if found is None:
-                    break
-                views.extend(found)
-            else:
-                got[buffer] = views
-        return got
-
-    def _return_buffers(self, raws: list[torch.Tensor]) -> None:
-        for raw in raws:
-            self._pool.give(raw)
 
     def _local_heads(self, heads: range | None) -> slice | None:
         if heads is None:

@@ -1,11 +1,13 @@
 """Prefill side: one sender thread per decode peer, an ordered queue of records.
 
 Records leave in the order they were queued (the channel's order is the protocol's order:
-data before ``done``). A data record's messages (K, V[, index_k]) are cache views where the source
-slots are consecutive runs (sent in place), else gathered on this thread (the next record
-is gathered while the previous one is on the wire), so the caller's compute continues; the
-source slots must stay allocated, and their bytes unchanged, until
-``PrefillKVConnector.wait_idle`` returned for the request.
+data before ``done``). A data record's buffers with long slot runs (all of them when both
+slot lists are one run) go as cache views per run (no copy; network pairs); the others are
+gathered pack by pack on this thread (:mod:`~kv_transfer.packs`), pack ``i + 1`` while pack
+``i`` is on the wire, into pooled staging memory or, on a same-node pair, into the pair's
+shared segment (:mod:`~kv_transfer.links`), so the caller's compute continues; the source slots must stay
+allocated, and their bytes unchanged, until ``PrefillKVConnector.wait_idle`` returned for
+the request.
 
 Failure: any error on the pair (connect, timeout, dead peer) tears the group down (it is
 remade, with a new generation, for the next record of a live request) and fails every
@@ -29,12 +31,12 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kv_transfer import pair as pairs
-from kv_transfer import cuts, payload, wire
+from kv_transfer import links, local, packs, payload, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatchError, TransferError
@@ -92,26 +94,19 @@ class SendOwner(abc.ABC):
 
 
 @dataclass
-class _Payload:
-    """The record's payload messages, buffer after buffer (K, V[, index_k]), per layer, per
-    cut, each ``[n, *D]``: views of the cache (consecutive source slots) or of pooled byte
-    buffers ``raws`` (gathered)."""
-
-    bufs: list[torch.Tensor]
-    raws: list[torch.Tensor]
-
-
-@dataclass
 class _InFlight:
-    """A data record posted to the backend, not yet known to have left."""
+    """A data record posted to the backend, not yet known to have left: ``works`` and the
+    cache ``views`` they send, and its packs up to ``upto`` of ``link`` (None: no packs)."""
 
     task: SendTask
     pair: pairs.PairGroup
     works: list
+    views: list[torch.Tensor]  # NOTE: keeps the views alive until the sends complete
+    link: links.NetSender | links.LocalSender | None
+    upto: int
     what: str
     posted: float
     nbytes: int
-    payload: _Payload  # NOTE: keeps the payloads alive until the sends complete
 
 
 class SenderChannel:
@@ -131,8 +126,7 @@ class SenderChannel:
         self._backend, self._config, self._stats = backend, config, stats
         self._owner = owner
         self._device = payload.cache_slots(cache)[1]
-        # NOTE: one gathered buffer per cache buffer, for the record in flight and the next
-        self._pool = payload.BufferPool(keep=2 * len(layout.buffers))
+        self._link: links.NetSender | links.LocalSender | None = None  # of the current pair
         self._queue: deque[SendTask] = deque()
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -199,29 +193,26 @@ class SenderChannel:
             self._teardown(exc)
 
     def _run(self) -> None:
-        # NOTE: up to _DEPTH data records are on the wire while the next one is gathered:
-        # the gather (memory copy on this thread) overlaps the wire (the backend's threads),
-        # and the receiver finds the next record's doorbell and sends already posted when it
-        # finishes one (no idle wire between records).
+        # NOTE: up to _DEPTH data records are on the wire while the next one is posted: the
+        # receiver finds the next record's doorbell and sends already posted when it finishes
+        # one (no idle wire between records); inside a record the gather of a pack
+        # overlaps the wire of the ones before it (links.py).
         in_flight: deque[_InFlight] = deque()
         while (task := self._next(block=not in_flight)) is not None or in_flight:
             if task is None:
                 self._wait_sent(in_flight.popleft())
                 continue
-            prepared = self._gather(task) if in_flight else None  # while the wire is busy
             while len(in_flight) >= _DEPTH:
                 self._wait_sent(in_flight.popleft())
             try:
-                sent = self._send(task, prepared)
+                sent = self._send(task)
             except _Cancelled:  # NOTE: cancel() reported it finished; nothing was posted
-                self._return_buffers(prepared)
                 continue
             except Exception as exc:  # noqa: BLE001 - every pair error fails its requests
                 self._teardown(exc, task)
-                self._owner.finished(task)  # NOTE: the backend may still hold ``prepared``
+                self._owner.finished(task)
                 continue
             if sent is None:
-                self._return_buffers(prepared)
                 self._owner.finished(task)
             else:
                 in_flight.append(sent)
@@ -230,7 +221,7 @@ class SenderChannel:
         for task in left:
             self._owner.finished(task)
 
-    def _send(self, task: SendTask, prepared: _Payload | None) -> _InFlight | None:
+    def _send(self, task: SendTask) -> _InFlight | None:
         """Put ``task``'s record (or the abort in its place) on the wire; a data record is
         returned in flight. Raises the pair's errors."""
         rid = task.header.request_id
@@ -247,8 +238,7 @@ class SenderChannel:
             return None
         self._active.add(rid)
         if header.kind == wire.DATA:
-            return self._post_data(task, prepared if prepared is not None else
-                                   self._gather(task))
+            return self._post_data(task)
         what = f"{header.kind} record of request {rid}"
         self._pair.post_doorbell(wire.encode_header(header), what)  # done/abort: doorbell only
         self._active.discard(rid)
@@ -267,42 +257,65 @@ class SenderChannel:
             return
         try:
             self._pair.wait_sent(sent.works, self._config.payload_timeout_s, sent.what)
+            if sent.link is not None:
+                sent.link.wait(sent.upto, sent.what)
             self._stats.add(wire_s=time.perf_counter() - sent.posted, nbytes=sent.nbytes)
         except Exception as exc:  # noqa: BLE001
             self._teardown(exc, sent.task)
-        else:
-            self._return_buffers(sent.payload)
         finally:
             self._owner.finished(sent.task)
 
-    def _return_buffers(self, gathered: _Payload | None) -> None:
-        for raw in gathered.raws if gathered is not None else ():
-            self._pool.give(raw)
-
-    def _gather(self, task: SendTask) -> _Payload | None:
-        """The wire messages of a data task (None for other records); see
-        :func:`cuts.source_messages` (views of the cache where the slots allow, else one
-        gather per buffer into pooled memory)."""
-        header = task.header
-        if header.kind != wire.DATA:
-            return None
-        heads = _local_heads(self._layout, self._rank, header.head_range())
-        t0 = time.perf_counter()
-        bufs, raws = cuts.source_messages(self._cache, self._layout, header, heads,
-                                          task.src_slots, self._pool, self._device)
-        if raws:
-            self._stats.add(gather_s=time.perf_counter() - t0)
-        return _Payload(bufs, raws)
-
-    def _post_data(self, task: SendTask, got: _Payload) -> _InFlight:
-        header = task.header
+    def _post_data(self, task: SendTask) -> _InFlight:
+        """Ring the record's doorbell and post its payload: the view buffers' cache views,
+        then the packs, each gathered while the ones before it are on the wire."""
+        heads = _local_heads(self._layout, self._rank, task.header.head_range())
+        header, views = self._plan_views(task, heads)
         what = (f"data record of request {header.request_id} layers "
                 f"{header.layers[0]}..{header.layers[-1]} tokens "
                 f"[{header.token_start}, {header.token_end})")
         self._pair.post_doorbell(wire.encode_header(header), what)
-        works = self._pair.post(got.bufs, what)
-        nbytes = sum(b.numel() * b.element_size() for b in got.bufs)
-        return _InFlight(task, self._pair, works, what, time.perf_counter(), nbytes, got)
+        posted = time.perf_counter()
+        works = self._pair.post(views, what)
+        src, seq, gather_s = task.src_slots.to(self._device), 0, 0.0
+        frames = packs.packs(self._layout, header)
+        for pack in frames:
+            buf = self._link.take(pack.nbytes, what)
+            t0 = time.perf_counter()
+            packs.gather(self._cache, self._layout, header, heads, src, pack, buf)
+            gather_s += time.perf_counter() - t0
+            seq = self._link.post(buf, pack.nbytes, what)
+        if frames:
+            self._stats.add(gather_s=gather_s)
+        nbytes = sum(v.numel() * v.element_size() for v in views) + \
+            sum(p.nbytes for p in frames)
+        return _InFlight(task, self._pair, works, views, self._link if frames else None, seq,
+                         what, posted, nbytes)
+
+    def _plan_views(self, task: SendTask,
+                    heads: slice | None) -> tuple[wire.Header, list[torch.Tensor]]:
+        """The record's header (its ``views`` and ``cuts``) and the cache views to send:
+        none on a same-node pair, nor when a view would not be contiguous (GQA)."""
+        header = task.header
+        if not isinstance(self._link, links.NetSender):
+            return header, []
+        found = packs.cut_runs(task.src_slots, header.dst_slots)
+        header = replace(header, views=packs.view_buffers(self._layout, header, len(found)),
+                         cuts=tuple(a for a, _, _, _ in found))
+        views = packs.cut_views(self._cache, self._layout, header, heads,
+                                [s for _, s, _, _ in found])
+        if not all(v.is_contiguous() for v in views):
+            return replace(header, views=(), cuts=()), []
+        if not header.views:
+            header = replace(header, cuts=())
+        return header, views
+
+    def _make_link(self) -> links.NetSender | links.LocalSender:
+        """The pack transport of the pair just made: its same-node segment if it has one."""
+        timeout_s = self._config.payload_timeout_s
+        if self._pair.local is not None:
+            return links.LocalSender(self._pair, self._pair.local,
+                                     local.local_backend(self._device), self._device, timeout_s)
+        return links.NetSender(self._pair, self._device, timeout_s)
 
     def _connect(self, task: SendTask) -> None:
         """Make the pair to ``task.peer`` current: kept if up, else a new generation; while
@@ -332,13 +345,14 @@ class SenderChannel:
         try:
             self._pair = pairs.connect(peer.host, peer.port, self._instance, self._rank,
                                        f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
-                                       self._backend, self._config)
+                                       self._backend, self._config, self._device)
         except TransferError as exc:
             self._mark_down(peer, exc)
             if not self._take_connecting(task):
                 raise _Cancelled() from exc
             raise
         self._pair_peer, self._down = peer, None
+        self._link = self._make_link()
         self._next_beat = time.monotonic() + self._config.heartbeat_s
         try:
             self._layout.check_compatible(KVLayout.from_dict(self._pair.peer_layout))
@@ -364,7 +378,7 @@ class SenderChannel:
         log.debug("KV peer down, next try in %.1f s: %s", backoff, exc)  # NOTE: teardown warns
 
     def _drop_pair(self) -> None:
-        self._pair, self._pair_peer, self._mismatch = None, None, None
+        self._pair, self._pair_peer, self._mismatch, self._link = None, None, None, None
         self._active.clear()
         self._aborted.clear()
 

@@ -4,17 +4,16 @@ Per pair, the prefill rank announces itself through the decode rank's TCPStore
 (:class:`Announce`, answered by :class:`Ack`), then every record is::
 
     doorbell (store key "<pair prefix>/doorbell/<n>" = msgpack of Header)
-    K        one message [n, *dims] per (layer, cut), layer major   (kind == "data" only)
-    V        one message [n, *dims] per (layer, cut), layer major   (kind == "data" only)
-    index_k  one message [n, *dims] per (layer, cut), layer major   (DeepSeek-V3.2 layouts)
+    views (kind == "data"): one message [n, *dims] per (view buffer, layer, cut), views of
+        the cache rows on both sides (the cuts are runs of consecutive slots on both sides)
+    packs (kind == "data"): the other buffers, one pack per (layer group, token range)
+        (:mod:`kv_transfer.packs`), each one message, or, on a same-node pair, a one-element
+        "ready" message (the pack is in a shared-memory slot) answered by an "ack"
 
-The buffers are the layout's (:attr:`KVLayout.buffers`, in that order), never concatenated;
-a V3 layout has K and V, a V3.2 one adds index_k (the fingerprint tells them apart at the
-handshake). ``dims`` is the buffer's per-token dims, restricted to ``heads`` for GQA; the
-cuts are token ranges both sides derive from ``dst_slots`` (:mod:`kv_transfer.cuts`), so
-either side can use cache rows in place where its slots are consecutive (no gather /
-scatter copy). Schema
-version 2 (version 1 sent K and V as one message each, the header as a group message).
+The buffers are the layout's (:attr:`KVLayout.buffers`, in that order); a V3 layout has K
+and V, a V3.2 one adds index_k (the fingerprint tells them apart at the handshake). ``dims``
+is the buffer's per-token dims, restricted to ``heads`` for GQA. Schema version 4 (3: one
+message per (buffer, layer, run of destination slots); 2: the header as a group message).
 """
 
 from __future__ import annotations
@@ -26,9 +25,9 @@ import torch
 
 from kv_transfer.errors import WireError
 
-# NOTE: 3 since the doorbell store key became `<prefix>/doorbell/<n>`: a peer of another schema
-# is refused at the handshake instead of waiting for records on a key nobody writes.
-VERSION = 3
+# NOTE: a peer of another schema is refused at the handshake (4: packed records, the
+# announce's node and the ack's same-node segment; 3: doorbell key `<prefix>/doorbell/<n>`).
+VERSION = 4
 DATA, DONE, ABORT = "data", "done", "abort"
 RECORD_KINDS = (DATA, DONE, ABORT)
 
@@ -50,6 +49,10 @@ class Header:
         dst_slots: int64 ``[token_end - token_start]`` decode slots, one per token (data).
         num_tokens: tokens of the request sent in all (done).
         error: why the sender aborted (abort).
+        views: buffers (layout order numbers) sent as cache views per cut; the others go in
+            packs (data; :mod:`kv_transfer.packs`).
+        cuts: token offsets (from 0, ascending) where the view messages' runs start (data
+            with views).
     """
 
     kind: str
@@ -63,6 +66,8 @@ class Header:
     dst_slots: torch.Tensor | None = field(default=None, compare=False)
     num_tokens: int = 0
     error: str = ""
+    views: tuple[int, ...] = ()
+    cuts: tuple[int, ...] = ()
 
     @property
     def n_tokens(self) -> int:
@@ -81,7 +86,8 @@ def encode_header(header: Header) -> bytes:
         "prank": header.prefill_rank, "fp": header.fingerprint, "layers": list(header.layers),
         "heads": None if header.heads is None else list(header.heads),
         "t0": header.token_start, "t1": header.token_end, "slots": slots,
-        "ntok": header.num_tokens, "err": header.error}, use_bin_type=True)
+        "ntok": header.num_tokens, "err": header.error,
+        "views": list(header.views), "cuts": list(header.cuts)}, use_bin_type=True)
 
 
 def decode_header(raw: bytes) -> Header:
@@ -101,7 +107,9 @@ def decode_header(raw: bytes) -> Header:
                                                                int(m["heads"][1])),
                         token_start=int(m["t0"]), token_end=int(m["t1"]),
                         dst_slots=_slots(m["slots"]) if m["kind"] == DATA else None,
-                        num_tokens=int(m["ntok"]), error=str(m["err"]))
+                        num_tokens=int(m["ntok"]), error=str(m["err"]),
+                        views=tuple(int(x) for x in m["views"]),
+                        cuts=tuple(int(x) for x in m["cuts"]))
     except WireError:
         raise
     except Exception as exc:  # malformed msgpack / missing key / wrong type
@@ -124,6 +132,10 @@ def _validate(h: Header) -> None:
         if not h.layers or not 0 <= h.token_start < h.token_end:
             raise WireError(f"data record of {h.request_id!r} has layers {h.layers} and token "
                             f"range [{h.token_start}, {h.token_end}): both must be non-empty")
+        if h.views and (not h.cuts or h.cuts[0] != 0 or list(h.cuts) != sorted(set(h.cuts))
+                        or h.cuts[-1] >= h.n_tokens):
+            raise WireError(f"data record of {h.request_id!r} has cuts {h.cuts}: expected "
+                            f"ascending offsets from 0 below {h.n_tokens}")
         if h.dst_slots.numel() != h.n_tokens:
             raise WireError(f"data record of {h.request_id!r} has {h.dst_slots.numel()} slots "
                             f"for {h.n_tokens} tokens")
@@ -131,22 +143,28 @@ def _validate(h: Header) -> None:
 
 @dataclass(frozen=True)
 class Announce:
-    """Prefill -> decode, through the store: a new pair generation and the prefill layout."""
+    """Prefill -> decode, through the store: a new pair generation and the prefill layout;
+    ``node``: the prefill rank's :func:`~kv_transfer.local.node_id` ("" when it does not want
+    a same-node path)."""
 
     instance: str
     rank: int
     generation: int
     layout: dict
+    node: str = ""
 
 
 @dataclass(frozen=True)
 class Ack:
     """Decode -> prefill, through the store: the decode layout (the pair is built either way;
-    on a layout mismatch the prefill side sends only ``abort`` records carrying the error)."""
+    on a layout mismatch the prefill side sends only ``abort`` records carrying the error);
+    ``local``: the handle of the pair's same-node segment (:mod:`kv_transfer.local`), b"" for
+    none."""
 
     instance: str
     rank: int
     layout: dict
+    local: bytes = b""
 
 
 def pack(message: Announce | Ack) -> bytes:

@@ -216,6 +216,7 @@ class KVTransferSection(_Section):
     heartbeat_s: float = Field(TransferConfig.heartbeat_s, gt=0)
     peer_timeout_s: float = Field(TransferConfig.peer_timeout_s, gt=0)
     retry_backoff_s: float = Field(TransferConfig.retry_backoff_s, gt=0)
+    same_node: Literal["auto", "off"] = TransferConfig.same_node
 
     @model_validator(mode="after")
     def _transfer_rules(self) -> "KVTransferSection":
@@ -233,7 +234,7 @@ class KVTransferSection(_Section):
                               payload_timeout_s=self.payload_timeout_s,
                               completion_timeout_s=self.completion_timeout_s,
                               heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
-                              retry_backoff_s=self.retry_backoff_s)
+                              retry_backoff_s=self.retry_backoff_s, same_node=self.same_node)
 
 
 class TLSSection(_Section):

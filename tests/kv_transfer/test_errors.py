@@ -111,7 +111,7 @@ def test_a_malformed_ack_fails_the_connect_naming_the_pair():
     answer.start()
     with pytest.raises(TransferError) as caught:
         connect("127.0.0.1", server.port, "p0", 0, "d0/0", {}, backend_for("cpu"),
-                TransferConfig(connect_timeout_s=10))
+                TransferConfig(connect_timeout_s=10), torch.device("cpu"))
     answer.join()
     where = f"prefill p0/0 -> decode d0/0 at 127.0.0.1:{server.port}"
     assert caught.value.pair == where and not isinstance(caught.value, TransferTimeout)

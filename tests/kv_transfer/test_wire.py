@@ -12,9 +12,9 @@ def test_data_header_round_trip():
     slots = torch.tensor([5, 6, 7, 40, 2**40], dtype=torch.int64)
     h = wire.Header(kind=wire.DATA, request_id="r-1", prefill_rank=3, fingerprint="ab" * 8,
                     layers=(0, 2, 9), heads=(2, 4), token_start=10, token_end=15,
-                    dst_slots=slots)
+                    dst_slots=slots, views=(0,), cuts=(0, 3))
     back = wire.decode_header(wire.encode_header(h))
-    assert back == h
+    assert back == h and back.views == (0,) and back.cuts == (0, 3)
     assert torch.equal(back.dst_slots, slots) and back.head_range() == range(2, 4)
 
 
@@ -44,6 +44,9 @@ def _raw(**over):
     ({"slots": b"\x00" * 8}, "1 slots for 2 tokens"),
     ({"layers": []}, "must be non-empty"),
     ({"t1": 0}, "must be non-empty"),
+    ({"views": [0], "cuts": []}, "has cuts"),
+    ({"views": [0], "cuts": [1]}, "has cuts"),
+    ({"views": [0], "cuts": [0, 2]}, "has cuts"),  # 2 tokens: a cut at 2 is past the end
 ])
 def test_malformed_headers_are_rejected(over, match):
     with pytest.raises(WireError, match=match):

@@ -109,6 +109,13 @@ def test_transfer_waits_are_the_one_transfer_config():
     cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"},
                                      "kv_transfer": {"payload_timeout_s": 7.5}})
     assert {i.transfer for i in cfg.instances()} == {TransferConfig(payload_timeout_s=7.5)}
+    off = OrchConfig.model_validate({"cluster": {"device": "cpu"},
+                                     "kv_transfer": {"same_node": "off"}})
+    assert {i.transfer.same_node for i in off.instances()} == {"off"}
+    with pytest.raises(ValidationError, match="same_node"):
+        OrchConfig.model_validate({"kv_transfer": {"same_node": "shm"}})
+    with pytest.raises(ValueError, match="same_node"):
+        TransferConfig(same_node="on")
 
 
 def test_auto_device_is_engine_platforms_decision(monkeypatch):

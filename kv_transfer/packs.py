@@ -1,0 +1,178 @@
+"""How a data record's payload travels: cache views per run, and packs.
+
+A data record carries, for its layers and tokens ``[token_start, token_end)``, every buffer
+of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`). The sender splits the buffers
+in two (the header's ``views`` and ``cuts``):
+
+- view buffers (``header.views``): one message per (buffer, layer, cut), a view of the cache
+  rows on both sides (no copy). ``header.cuts`` are the token offsets where the source or
+  the destination slots break their consecutive run, so every cut is one run on both sides.
+  Network pairs only, for buffers whose runs average :data:`MIN_RUN_BYTES` or more (a
+  128-token block of the 1 KiB/token MLA K buffer), and for every buffer when both slot
+  lists are one run (a fresh allocation: one message per (buffer, layer)).
+- packed buffers (the others): cut into packs of at most :data:`PACK_BYTES`; a pack is a group
+  of layers and a token range ``(layers, a, b)``, its bytes are, buffer after buffer, the
+  ``[len(layers), b - a, *D]`` rows of each packed buffer, gathered from the source slots into
+  a staging buffer (or a shared-memory slot, :mod:`~kv_transfer.local`) and scattered into the
+  destination slots. Both sides derive the same packs from the header alone.
+
+View messages go first (buffer after buffer, layer major, cut minor), then the packs.
+
+Packs go one message each, pipelined (:mod:`~kv_transfer.links`): the sender gathers pack
+``i + 1`` while pack ``i`` is on the wire and the receiver scatters pack ``i`` while pack
+``i + 1`` arrives; at most :data:`PACK_DEPTH` packs per side are in flight, so staging memory
+is bounded by ``PACK_DEPTH x PACK_BYTES`` per pair and side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer import payload, wire
+
+PACK_BYTES = 4 << 20  # target bytes of one pack (one wire message / one shared-memory slot)
+PACK_DEPTH = 4  # packs in flight per pair and side (staging memory: PACK_DEPTH x PACK_BYTES)
+RUN_COPY_BYTES = 64 * 1024  # mean destination run (bytes) from which a scatter copies per run
+MIN_RUN_BYTES = 64 * 1024  # mean run (bytes per layer) from which a buffer goes as views
+
+
+def segment_bytes() -> int:
+    """Size of a pair's same-node segment: ``PACK_DEPTH`` slots of ``PACK_BYTES``."""
+    return PACK_DEPTH * PACK_BYTES
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One pack: ``layers`` (ids, a slice of the record's) x token offsets ``[a, b)`` within the
+    record; ``nbytes`` its size."""
+
+    layers: tuple[int, ...]
+    a: int
+    b: int
+    nbytes: int
+
+
+def run_start(slots: torch.Tensor) -> int | None:
+    """First slot when ``slots`` (int64 ``[T]``, T > 0) are one consecutive ascending run,
+    else None."""
+    s = slots.cpu()
+    if s.numel() > 1 and not bool((s[1:] - s[:-1]).eq(1).all()):
+        return None
+    return int(s[0])
+
+
+def cut_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Token ranges that are one consecutive run in both ``src`` and ``dst`` slots (int64
+    ``[T]``, T > 0): ``(offset, first src slot, first dst slot, length)``."""
+    s, d = src.cpu(), dst.cpu()
+    breaks = (s[1:] - s[:-1]).ne(1) | (d[1:] - d[:-1]).ne(1)
+    starts = [0] + (breaks.nonzero().flatten() + 1).tolist()
+    ends = starts[1:] + [s.numel()]
+    return [(a, int(s[a]), int(d[a]), b - a) for a, b in zip(starts, ends)]
+
+
+def view_buffers(layout, header: wire.Header, n_cuts: int) -> tuple[int, ...]:
+    """Buffers worth sending as views with ``n_cuts`` cuts (see module docstring)."""
+    sizes = token_bytes(layout, header)
+    if n_cuts == 1:
+        return tuple(range(len(sizes)))
+    return tuple(b for b, nb in enumerate(sizes)
+                 if header.n_tokens * nb >= MIN_RUN_BYTES * n_cuts)
+
+
+def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
+              starts: list[int]) -> list[torch.Tensor]:
+    """The cache rows of every view message, in wire order: per view buffer, per layer, per
+    cut ``[starts[i], starts[i] + length_i)`` (may be non-contiguous: a GQA head subset)."""
+    bounds = list(header.cuts) + [header.n_tokens]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    return [payload.flat(cache, buffer, layer, heads)[s:s + n]
+            for buffer in header.views for layer in header.layers
+            for s, n in zip(starts, lengths)]
+
+
+def token_bytes(layout, header: wire.Header) -> list[int]:
+    """Bytes per token per layer of each buffer (layout order) for ``header``'s heads."""
+    return [math.prod(layout.token_dims(spec, header.head_range())) * layout.element_size
+            for spec in layout.buffers]
+
+
+def packs(layout, header: wire.Header, limit: int | None = None) -> list[Pack]:
+    """The packs of data record ``header``, in wire order (layer groups, then token ranges).
+
+    ``limit``: bytes per pack (default :data:`PACK_BYTES`). Whole layers are grouped while a
+    group fits; a layer larger than ``limit`` is cut into token ranges.
+
+    Raises:
+        ValueError: one token of one layer is larger than ``limit``.
+    """
+    limit = PACK_BYTES if limit is None else limit
+    per_token = sum(nb for b, nb in enumerate(token_bytes(layout, header))
+                    if b not in header.views)
+    if per_token == 0:
+        return []
+    if per_token > limit:
+        raise ValueError(f"one token of one layer is {per_token} B, more than a pack "
+                         f"({limit} B): raise kv_transfer.packs.PACK_BYTES")
+    n, layers = header.n_tokens, header.layers
+    if n * per_token <= limit:
+        step = limit // (n * per_token)
+        return [Pack(layers[i:i + step], 0, n, len(layers[i:i + step]) * n * per_token)
+                for i in range(0, len(layers), step)]
+    step = limit // per_token
+    return [Pack((layer,), a, min(a + step, n), (min(a + step, n) - a) * per_token)
+            for layer in layers for a in range(0, n, step)]
+
+
+def _views(buf: torch.Tensor, layout, header: wire.Header,
+           pack: Pack) -> list[tuple[int, torch.Tensor, int]]:
+    """``buf`` (uint8, at least ``pack.nbytes``) viewed as the pack's per-buffer tensors
+    ``[len(layers), b - a, *D]``: ``(buffer, tensor, bytes per token)`` per packed buffer."""
+    out, at = [], 0
+    for buffer, (spec, nb) in enumerate(zip(layout.buffers, token_bytes(layout, header))):
+        if buffer in header.views:
+            continue
+        size = len(pack.layers) * (pack.b - pack.a) * nb
+        shape = (len(pack.layers), pack.b - pack.a, *layout.token_dims(spec, header.head_range()))
+        out.append((buffer, payload.as_tensor(buf[at:at + size], shape, layout.torch_dtype), nb))
+        at += size
+    return out
+
+
+def gather(cache: object, layout, header: wire.Header, heads: slice | None,
+           src_slots: torch.Tensor, pack: Pack, out: torch.Tensor) -> None:
+    """Copy the pack's rows from ``src_slots`` (int64 ``[T]``, cache device) into ``out``."""
+    rows = src_slots[pack.a:pack.b]
+    for buffer, view, _ in _views(out, layout, header, pack):
+        payload.gather(cache, buffer, pack.layers, heads, rows, out=view)
+
+
+def scatter(cache: object, layout, header: wire.Header, heads: slice | None,
+            dst_slots: torch.Tensor, pack: Pack, src: torch.Tensor) -> None:
+    """Write the pack held in ``src`` into ``dst_slots`` (int64 ``[T]``, cache device).
+
+    A buffer whose destination runs average :data:`RUN_COPY_BYTES` or more is written one
+    ``copy_`` per run (about memcpy speed), else with one ``index_copy_`` per layer.
+    """
+    rows = dst_slots[pack.a:pack.b]
+    found = runs(rows)
+    for buffer, view, nb in _views(src, layout, header, pack):
+        if rows.numel() * nb < RUN_COPY_BYTES * len(found):
+            payload.scatter(cache, buffer, pack.layers, heads, rows, view)
+            continue
+        for i, layer in enumerate(pack.layers):
+            flat = payload.flat(cache, buffer, layer, heads)
+            for offset, slot, n in found:
+                flat[slot:slot + n].copy_(view[i, offset:offset + n])
+
+
+def runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ascending ``slots`` (int64 ``[T]``, T > 0):
+    ``(offset, first slot, length)``."""
+    s = slots.cpu()
+    starts = [0] + ((s[1:] - s[:-1]).ne(1).nonzero().flatten() + 1).tolist()
+    ends = starts[1:] + [s.numel()]
+    return [(a, int(s[a]), b - a) for a, b in zip(starts, ends)]

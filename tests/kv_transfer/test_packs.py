@@ -1,0 +1,185 @@
+"""Packs (layer groups x token ranges), and transfers through every path: direct (cache views
+both sides), packed over the network, packed through the same-node segment; exact bytes,
+nothing written outside the request, the segment's file gone once the pair is up."""
+
+import glob
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.block_pool import slot_mapping
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from kv_transfer import local, packs, wire
+
+CFG = dict(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
+           completion_timeout_s=60)
+
+
+def _header(layers, n):
+    return wire.Header(kind=wire.DATA, request_id="r", prefill_rank=0, fingerprint="f",
+                       layers=tuple(layers), token_start=0, token_end=n,
+                       dst_slots=torch.arange(n))
+
+
+def test_packs_group_layers_and_cut_tokens():
+    layout = KVLayout.from_spec(KVCacheSpec(num_layers=5, num_blocks=4, block_size=4,
+                                            kv_lora_rank=16, qk_rope_head_dim=4), "m", 1)
+    per_token = (16 + 4) * layout.element_size  # bytes per token per layer, all buffers
+    assert packs.token_bytes(layout, _header(range(5), 1)) == [64, 16]
+    # 10 tokens x 80 B = 800 B per layer: 2 layers per 1,700 B pack, the last one alone
+    got = packs.packs(layout, _header(range(5), 10), limit=1700)
+    assert [(p.layers, p.a, p.b, p.nbytes) for p in got] == [
+        ((0, 1), 0, 10, 1600), ((2, 3), 0, 10, 1600), ((4,), 0, 10, 800)]
+    # a layer larger than a pack: token ranges of 4 tokens, layer after layer
+    got = packs.packs(layout, _header((1, 3), 10), limit=4 * per_token + 5)
+    assert [(p.layers, p.a, p.b) for p in got] == [((1,), 0, 4), ((1,), 4, 8), ((1,), 8, 10),
+                                                   ((3,), 0, 4), ((3,), 4, 8), ((3,), 8, 10)]
+    with pytest.raises(ValueError, match="PACK_BYTES"):
+        packs.packs(layout, _header((0,), 2), limit=per_token - 1)
+    assert packs.run_start(torch.arange(5, 12)) == 5
+    assert packs.run_start(torch.tensor([3])) == 3
+    assert packs.run_start(torch.tensor([4, 5, 7])) is None
+    assert packs.runs(torch.tensor([8, 9, 10, 4, 5, 20])) == [(0, 8, 3), (3, 4, 2), (5, 20, 1)]
+    # a cut wherever either side breaks its run
+    assert packs.cut_runs(torch.tensor([0, 1, 2, 3, 9, 10]), torch.tensor([4, 5, 8, 9, 10, 11])) \
+        == [(0, 0, 4, 2), (2, 2, 8, 2), (4, 9, 10, 2)]
+
+
+def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node):
+    """Send ``tokens`` in chunks P1 -> D1 in one process; returns both caches and slots."""
+    cfg = TransferConfig(**CFG, same_node=same_node)
+    p_cache, d_cache = KVCache(spec_p), KVCache(spec_d)
+    for t in p_cache.k_caches + p_cache.v_caches:
+        t.copy_(torch.randn(t.shape))
+    dec = DecodeKVConnector(d_cache, KVLayout.from_spec(spec_d, "m", 1), "d0", 0, cfg)
+    pre = PrefillKVConnector(p_cache, KVLayout.from_spec(spec_p, "m", 1), "p0", 0, 1, cfg)
+    peers = [KVPeer("d0", 0, *dec.address)]
+    src = slot_mapping(src_blocks, 0, tokens, spec_p.block_size)
+    dst = slot_mapping(dst_blocks, 0, tokens, spec_d.block_size)
+    segments = []
+    try:
+        dec.expect("r", tokens, prefill_tp=1)
+        for a in range(0, tokens, chunk):
+            b = min(a + chunk, tokens)
+            pre.send_chunk("r", peers, a, b, src[a:b], dst[a:b])
+        pre.finish("r", peers, tokens)
+        segments.append(glob.glob(f"{local.SHM_DIR}/orch-kv-*"))
+        pre.wait_idle("r", 30)
+        deadline = time.monotonic() + 30
+        while not dec.is_complete("r"):
+            assert dec.failure("r") is None, dec.failure("r")
+            assert time.monotonic() < deadline, "transfer not complete in time"
+            time.sleep(0.005)
+        dec.release("r")
+        stats = (pre.stats.snapshot(), dec.stats.snapshot())
+    finally:
+        pre.close()
+        dec.close()
+    return p_cache, d_cache, src, dst, stats, segments[0]
+
+
+def _check_bytes(p_cache, d_cache, src, dst):
+    written = torch.zeros(d_cache.flat_k(0).shape[0], dtype=torch.bool)
+    written[dst] = True
+    for layer in range(len(p_cache.k_caches)):
+        for flat_p, flat_d in ((p_cache.flat_k, d_cache.flat_k), (p_cache.flat_v, d_cache.flat_v)):
+            assert torch.equal(flat_d(layer)[dst], flat_p(layer)[src])
+            assert not flat_d(layer)[~written].any(), "bytes written outside the request"
+
+
+@pytest.mark.parametrize("same_node", ["off", "auto"])
+@pytest.mark.parametrize("name,src_blocks,dst_blocks,block_p,block_d", [
+    ("contiguous", (2, 3, 4, 5), (1, 2, 3, 4), 8, 8),  # direct over the network
+    ("random", (7, 2, 5, 0), (3, 6, 1, 4), 8, 8),
+    ("misaligned", (7, 2, 5, 0, 9, 11, 1, 3), (3, 1, 6, 0), 4, 8),  # block sizes differ
+])
+def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_blocks, block_p,
+                                         block_d, same_node):
+    torch.set_num_threads(1)
+    # same node: 3-token chunks x 3 layers x 80 B per token: one pack per record (10
+    # records); network: 12-token chunks, the segment
+    # holds PACK_DEPTH = 4 packs: slots are reused across records
+    monkeypatch.setattr(packs, "PACK_BYTES", 2000)
+    # K runs (8 tokens x 64 B) are scattered per run, V runs (8 x 16 B) with index_copy_;
+    # network pairs send K runs (>= 4 tokens x 64 B) as cache views, V in packs
+    monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
+    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 256)
+    chosen, choose = [], packs.view_buffers
+    monkeypatch.setattr(packs, "view_buffers", lambda *a: chosen.append(choose(*a)) or
+                        chosen[-1])
+    spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
+                         qk_rope_head_dim=4)
+    spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
+                         qk_rope_head_dim=4)
+    before = set(glob.glob(f"{local.SHM_DIR}/orch-kv-*"))
+    made = _spy_segments(monkeypatch)
+    p_cache, d_cache, src, dst, (sent, got), during = _transfer(
+        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=3 if same_node == "auto" else 12,
+        same_node=same_node)
+    _check_bytes(p_cache, d_cache, src, dst)
+    assert sent["bytes"] == got["bytes"] == 30 * 3 * (16 + 4) * 4
+    assert sent["transfers"] == got["transfers"] == (10 if same_node == "auto" else 3)
+    packed = same_node == "auto" or name != "contiguous"
+    assert (sent["gather_s"] > 0) == packed, f"{name}: gather use"
+    assert (got["scatter_s"] > 0) == packed, f"{name}: scatter use"
+    # records [0, 12) [12, 24) [24, 30): 1 cut -> every buffer; 2 or 3 cuts (8-token blocks
+    # both sides, or 4 / 8 tokens) -> K if its runs average >= 256 B
+    views = {"off": {"contiguous": {(0, 1)}, "random": {(0,), (0, 1)},
+                     "misaligned": {(0,), ()}},
+             "auto": dict.fromkeys(("contiguous", "random", "misaligned"), set())}
+    assert set(chosen) == views[same_node][name], "buffers sent as cache views"
+    assert made == ([packs.segment_bytes()] if same_node == "auto" else [])
+    assert set(during) <= before, "the segment file outlived the pair set-up"
+
+
+def _spy_segments(monkeypatch) -> list[int]:
+    """Sizes of the same-node segments made from now on."""
+    made, create = [], local._shm_create
+    monkeypatch.setattr(local, "_shm_create", lambda n, d: made.append(n) or create(n, d))
+    return made
+
+
+def test_same_node_needs_one_node(monkeypatch):
+    """A peer on another node (other node id) gets no segment: the network path."""
+    torch.set_num_threads(1)
+    spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, kv_lora_rank=8,
+                       qk_rope_head_dim=4)
+    ids = iter(["node-a", "node-b"])
+    monkeypatch.setattr(local, "node_id", lambda: next(ids))  # prefill asks, decode compares
+    made = _spy_segments(monkeypatch)
+    p_cache, d_cache, src, dst, (sent, got), _ = _transfer(spec, spec, (2, 0), (1, 3), 8,
+                                                           chunk=8, same_node="auto")
+    _check_bytes(p_cache, d_cache, src, dst)
+    assert got["transfers"] == 1 and made == []
+
+
+def test_stale_segments_of_dead_decode_ranks_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path))
+    dead = tmp_path / "orch-kv-999999999-ab"
+    live = tmp_path / "orch-kv-1-cd"  # pid 1 runs
+    for f in (dead, live):
+        f.write_bytes(b"x")
+    assert local.remove_stale() == [str(dead)]
+    assert not dead.exists() and live.exists()
+
+
+def test_release_waits_for_a_receive_in_progress():
+    from tests.kv_transfer.test_tracker import SOURCE, _data, _tracker
+    tr = _tracker()
+    tr.expect("r", 4, prefill_tp=1)
+    header = _data("r", 0, (0, 1, 2), 0, 4)
+    req = tr.admit(SOURCE, header, 32)
+    assert tr.begin_write(req)  # the receiver holds the permission during the receive
+    log = []
+    releaser = threading.Thread(target=lambda: (tr.release("r"), log.append("released")))
+    releaser.start()
+    releaser.join(0.2)
+    assert releaser.is_alive(), "release returned while bytes were still being received"
+    log.append("received")
+    tr.end_write(req, header, True)
+    releaser.join(5)
+    assert log == ["received", "released"]
+    assert not tr.begin_write(req), "a released request must not be written again"
