@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from engine.layout import tp_layout
 from engine.model_config import ModelConfig
-from engine.moe import MoE
+from engine.moe import MoE, fuse_weights
 from engine.parallel import EPGroup, ep_rank_of, init_ep_group, init_tp_group
 from orchestrator.tiny_model import tiny_config_dict
 
@@ -58,6 +58,7 @@ def _build(config: ModelConfig, tp, ep) -> MoE:
     layout = tp_layout(config, tp.size, ep.size, ep.rank)
     torch.manual_seed(0)  # the router (built first) is the same on every rank
     moe = MoE(config, layout, tp, ep)
+    fuse_weights(moe)  # as build_model does: TP-sharded experts run as grouped GEMMs
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
     return moe.eval()

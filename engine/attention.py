@@ -9,8 +9,9 @@ Names follow DeepSeek/HF checkpoints (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_wi
 - Prefill sequences: MHA form (``k_nope``, ``v`` from ``kv_b_proj``), causal attention over
   the chunk, plus non-causal attention over the cached prefix (decompressed from the latent
   cache), merged by log-sum-exp.
-- Decode sequences: the ``mla_decode`` kernel (absorbed form by default) over the cache,
-  which already holds the step's own token.
+- Decode sequences: the ``mla_decode`` kernel (absorbed form by default) over the cache
+  through the step's block tables (``meta.decode``); the cache already holds the step's own
+  token.
 - DeepSeek-V3.2 (``config.uses_sparse_attention``): the layer's :class:`Indexer` picks each
   query's top ``index_topk`` causal tokens and both forms attend to those only
   (:mod:`engine.sparse_attention`).
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from engine.context_parallel import CPStep
-from engine.forward_context import AttentionMetadata, DecodeBatch
+from engine.forward_context import AttentionMetadata, SlotSelection
 from engine.indexer import Indexer, IndexerQuery
 from engine.kernels import KernelSet
 from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
@@ -206,7 +207,7 @@ class MLAttention(nn.Module):
             # NOTE: each query token is a row of its own with its own slot list.
             out[tile] = self.kernels.sparse_prefill(
                 q_nope[tile], q_pe[tile], caches[0], caches[1],
-                DecodeBatch(tile, slots, valid), w_uk, w_uv, self.scale)
+                SlotSelection(tile, slots, valid), w_uk, w_uv, self.scale)
 
     @staticmethod
     def _gather_latents(entries: tuple[torch.Tensor, ...],
@@ -244,12 +245,16 @@ class MLAttention(nn.Module):
     def _decode(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                 iq: IndexerQuery | None, meta: AttentionMetadata,
                 caches: tuple[torch.Tensor, ...]) -> None:
-        """Fill ``out [T, H, V]`` rows of the decode sequences with the ``mla_decode`` kernel,
-        over every cached token (V3) or the indexer's top-k entries (V3.2)."""
+        """Fill ``out [T, H, V]`` rows of the decode sequences: the ``mla_decode`` kernel over
+        every cached token through the block table (V3), or the ``sparse_decode`` kernel over
+        the indexer's top-k entries (V3.2)."""
         dec = meta.decode
-        if iq is not None:
-            dec = select_decode_entries(dec, iq.rows(dec.token_index), caches[2],
-                                        self.indexer.topk, self.indexer.softmax_scale)
-        out[dec.token_index] = self.kernels.mla_decode(
-            q_nope[dec.token_index], q_pe[dec.token_index], caches[0], caches[1], dec,
-            *self._w_kvb(), self.scale)
+        rows = dec.token_index
+        if iq is None:
+            out[rows] = self.kernels.mla_decode(q_nope[rows], q_pe[rows], caches[0], caches[1],
+                                                dec, *self._w_kvb(), self.scale)
+            return
+        sel = select_decode_entries(dec, iq.rows(rows), caches[2], self.indexer.topk,
+                                    self.indexer.softmax_scale)
+        out[rows] = self.kernels.sparse_decode(q_nope[rows], q_pe[rows], caches[0], caches[1],
+                                               sel, *self._w_kvb(), self.scale)

@@ -8,6 +8,9 @@ cache (positions ``0..context_len-1``); the step computes positions
 A sequence is a DECODE sequence when ``query_len == 1 and context_len > 0``; every other
 sequence (a prompt or a prefill chunk) is a PREFILL sequence.
 
+Decode sequences reach attention as block tables (:class:`DecodeBatch`), read in place by
+paged attention; no padded per-token slot list is built.
+
 Scope: the runner builds one :class:`AttentionMetadata` per ``execute`` call and passes it
 down the forward explicitly (model -> layer -> attention); nothing is stored globally, so two
 runners (or threads) never see each other's step.
@@ -16,11 +19,10 @@ runners (or threads) never see each other's step.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
-
-from engine.block_pool import slot_mapping
 
 if TYPE_CHECKING:
     from engine.context_parallel import CPStep
@@ -43,19 +45,46 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """The decode sequences of the step, batched.
+class SlotSelection:
+    """Q queries, each over its own list of cache slots (DeepSeek-V3.2 sparse attention, and
+    the padded reference form of a :class:`DecodeBatch`).
 
     Attributes:
-        token_index: their token rows in the flattened batch ``[Bd]`` int64.
-        slots: cache slots of positions ``0..context_len`` (incl. this step's token),
-            padded ``[Bd, S_max]`` int64 (padding points at slot 0).
-        valid: ``[Bd, S_max]`` bool, False on padding.
+        token_index: the queries' rows in the flattened batch ``[Q]`` int64.
+        slots: cache slots each query attends to ``[Q, K]`` int64 (filler entries point at
+            any valid slot).
+        valid: ``[Q, K]`` bool, False on filler; at least one True per row.
     """
 
     token_index: torch.Tensor
     slots: torch.Tensor
     valid: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decode sequences of the step, batched, as block tables (paged attention's input).
+
+    Attributes:
+        token_index: their token rows in the flattened batch ``[Bd]`` int64.
+        block_table: physical blocks of positions ``0..seq_len-1`` ``[Bd, M]`` int32,
+            ``M = max ceil(seq_len / block_size)``; a shorter row is padded with its own last
+            block (a valid id, never read unmasked).
+        seq_lens: ``[Bd]`` int32 tokens to attend to: ``context_len + 1`` (the cache already
+            holds this step's token).
+    """
+
+    token_index: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+    def padded_slots(self, block_size: int) -> SlotSelection:
+        """Every position's slot, padded: ``slots [Bd, M * block_size]`` with ``valid``
+        False at and past ``seq_lens`` (the reference / sparse-selection form; tensor ops)."""
+        offsets = torch.arange(block_size, device=self.block_table.device)
+        slots = (self.block_table.long()[:, :, None] * block_size + offsets).flatten(1)
+        pos = torch.arange(slots.shape[1], device=slots.device)
+        return SlotSelection(self.token_index, slots, pos[None, :] < self.seq_lens[:, None])
 
 
 @dataclass(frozen=True)
@@ -92,40 +121,66 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
     """Metadata of a step from per-sequence query lengths, cached lengths and block tables.
 
     ``prefill_only``: every sequence is a prefill, 1-token ones included (context parallel).
+    Built with tensor ops over the step's blocks: Python work is per sequence, never per token.
 
     Raises:
         ValueError: a sequence has no query tokens, or its block table is too short for
-            ``context_len + query_len`` tokens (from :func:`slot_mapping`).
+            ``context_len + query_len`` tokens.
     """
-    positions, slots, prefills, dec_rows, dec_slots = [], [], [], [], []
-    start = 0
+    used = _blocks_used(query_lens, context_lens, block_tables, block_size)  # per sequence
+    ends, first = list(accumulate(query_lens)), [0, *accumulate(used)][:-1]  # [B] each
+    flat = torch.tensor([b for t, n in zip(block_tables, used) for b in t[:n]],
+                        dtype=torch.int64)  # [sum(used)] the step's blocks, sequence by sequence
+    ends_t, first_t = torch.tensor(ends), torch.tensor(first)
+    ctx, q_lens = torch.tensor(context_lens), torch.tensor(query_lens)
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T] its sequence
+    positions = ctx[seq] + torch.arange(seq.shape[0]) - (ends_t - q_lens)[seq]  # [T]
+    slots = flat[first_t[seq] + positions // block_size] * block_size + positions % block_size
+    is_decode = [q == 1 and c > 0 and not prefill_only for q, c in zip(query_lens, context_lens)]
+    prefills = tuple(_prefill_seq(ends[i] - query_lens[i], ends[i], context_lens[i],
+                                  flat[first[i]:first[i] + used[i]], block_size, device)
+                     for i, dec in enumerate(is_decode) if not dec)
+    dec_index = [i for i, dec in enumerate(is_decode) if dec]
+    decode = (_decode_batch(torch.tensor(dec_index), ends_t - 1, ctx + 1, flat, first_t,
+                            max(used[i] for i in dec_index), block_size, device)
+              if dec_index else None)
+    return AttentionMetadata(
+        positions=positions.to(device), slot_mapping=slots.to(device), prefills=prefills,
+        decode=decode, logits_index=(ends_t - 1).to(device))
+
+
+def _blocks_used(query_lens: list[int], context_lens: list[int],
+                 block_tables: list[tuple[int, ...]], block_size: int) -> list[int]:
+    """Blocks each sequence's ``context_len + query_len`` tokens occupy (ValueError as
+    :func:`build_attention_metadata` documents)."""
+    used = []
     for qlen, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
         if qlen < 1:
             raise ValueError("every sequence in a step needs at least one token to compute")
-        seq_slots = slot_mapping(table, 0, ctx + qlen, block_size)  # [ctx + qlen]
-        positions.append(torch.arange(ctx, ctx + qlen, dtype=torch.int64))
-        slots.append(seq_slots[ctx:])
-        if qlen == 1 and ctx > 0 and not prefill_only:
-            dec_rows.append(start)
-            dec_slots.append(seq_slots)
-        else:
-            prefills.append(PrefillSeq(start, start + qlen, ctx, seq_slots[:ctx].to(device)))
-        start += qlen
-    decode = _decode_batch(dec_rows, dec_slots, device) if dec_rows else None
-    ends = torch.tensor(query_lens, dtype=torch.int64).cumsum(0) - 1
-    return AttentionMetadata(
-        positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),
-        prefills=tuple(prefills), decode=decode, logits_index=ends.to(device))
+        if ctx + qlen > len(table) * block_size:
+            raise ValueError(f"token range [0, {ctx + qlen}) does not fit {len(table)} blocks "
+                             f"of {block_size}: the scheduler must allocate the step's blocks")
+        used.append(-(-(ctx + qlen) // block_size))
+    return used
 
 
-def _decode_batch(rows: list[int], seq_slots: list[torch.Tensor],
+def _prefill_seq(start: int, end: int, context_len: int, table: torch.Tensor, block_size: int,
+                 device: torch.device | str) -> PrefillSeq:
+    """A prefill sequence of rows ``[start, end)`` whose blocks are ``table [n]`` int64."""
+    pos = torch.arange(context_len)
+    prefix = table[pos // block_size] * block_size + pos % block_size  # [context_len]
+    return PrefillSeq(start, end, context_len, prefix.to(device))
+
+
+def _decode_batch(index: torch.Tensor, last_rows: torch.Tensor, seq_lens: torch.Tensor,
+                  flat: torch.Tensor, first: torch.Tensor, width: int, block_size: int,
                   device: torch.device | str) -> DecodeBatch:
-    """Pad the decode sequences' slot lists to ``[Bd, S_max]`` with a validity mask."""
-    s_max = max(s.shape[0] for s in seq_slots)
-    padded = torch.zeros(len(rows), s_max, dtype=torch.int64)
-    valid = torch.zeros(len(rows), s_max, dtype=torch.bool)
-    for i, s in enumerate(seq_slots):
-        padded[i, : s.shape[0]] = s
-        valid[i, : s.shape[0]] = True
-    return DecodeBatch(torch.tensor(rows, dtype=torch.int64, device=device),
-                       padded.to(device), valid.to(device))
+    """The decode sequences ``index [Bd]`` (into the step's sequences) as a
+    :class:`DecodeBatch` of ``width`` blocks per row; ``last_rows``, ``seq_lens``, ``first``
+    are ``[B]`` per step sequence, ``flat`` the step's blocks."""
+    lens = seq_lens[index]  # [Bd]
+    last = (lens + block_size - 1) // block_size - 1  # [Bd] each row's last block column
+    col = torch.minimum(torch.arange(width)[None, :], last[:, None])  # [Bd, M] pad: last block
+    table = flat[first[index][:, None] + col]
+    return DecodeBatch(last_rows[index].to(device), table.to(torch.int32).to(device),
+                       lens.to(torch.int32).to(device))

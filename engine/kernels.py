@@ -12,14 +12,20 @@ Kernels:
         per step, one write per buffer (vLLM's ``reshape_and_cache`` contract, plus the
         indexer cache).
     mla_decode(q_nope, q_pe, k_cache, v_cache, decode_batch, w_uk, w_uv, scale): decode
-        attention of B single-token sequences over the paged caches (see
-        :func:`engine.mla_ops.decode_absorbed`); variants "absorbed" (default) and
-        "naive" (MHA form, the reference).
+        attention of B single-token sequences over the paged caches, read through the
+        batch's block table (see :func:`engine.mla_ops.decode_absorbed`); variants
+        "absorbed" (default, tiled, every device), "naive" (MHA form over a padded copy, the
+        reference), "flashinfer" (cuda only) and "npu" (npu only): the device variants
+        (:mod:`engine.mla_device`) are UNTESTED off-device and not the default.
+    sparse_decode(q_nope, q_pe, k_cache, v_cache, selection, w_uk, w_uv, scale):
+        DeepSeek-V3.2 decode attention, each query over its own selected slots
+        (``selection.slots [Q, K]``, a :class:`engine.forward_context.SlotSelection`);
+        variant "absorbed" (:func:`engine.mla_ops.attend_selected_absorbed`).
     sparse_prefill(q_nope, q_pe, k_cache, v_cache, selection, w_uk, w_uv, scale): DeepSeek-V3.2
-        prefill attention, each query over its own selected slots (``selection.slots [Q, K]``,
-        same contract as mla_decode); variants "mha" (default, MHA form:
+        prefill attention, each query over its own selected slots (same contract as
+        sparse_decode); variants "mha" (default, MHA form:
         :func:`engine.sparse_attention.sparse_prefill_mha`) and "absorbed"
-        (:func:`engine.mla_ops.decode_absorbed`).
+        (:func:`engine.mla_ops.attend_selected_absorbed`).
     w8a8_linear(x, weight, weight_scale): int8 linear with per-token dynamic activation
         quantization (:func:`engine.quant.w8a8.w8a8_linear`).
     w8a8_mlp(x, gate_up_weight, gate_up_scale, down_weight, down_scale): the fused int8
@@ -42,6 +48,7 @@ class KernelSet:
 
     reshape_and_cache: Callable
     mla_decode: Callable
+    sparse_decode: Callable
     sparse_prefill: Callable
     w8a8_linear: Callable
     w8a8_mlp: Callable
@@ -125,11 +132,14 @@ def _load_npu_reshape_and_cache() -> Callable:
     return reshape_and_cache_npu
 
 
-def _load_op(module: str, name: str) -> Loader:
+def _load_op(module: str, name: str, *, call: bool = False) -> Loader:
+    """Loader of ``module.name``; with ``call``, of what that zero-argument factory returns
+    (a kernel that imports its library or keeps per-runner state when built)."""
     def load() -> Callable:
         import importlib  # noqa: PLC0415 (lazy like every loader)
 
-        return getattr(importlib.import_module(module), name)
+        op = getattr(importlib.import_module(module), name)
+        return op() if call else op
 
     return load
 
@@ -153,10 +163,16 @@ _ALL = ("cpu", "cuda", "npu")
 KERNELS.register("mla_decode", "absorbed", _ALL, _load_op("engine.mla_ops", "decode_absorbed"),
                  default=True)
 KERNELS.register("mla_decode", "naive", _ALL, _load_op("engine.mla_ops", "decode_naive"))
+KERNELS.register("mla_decode", "flashinfer", ("cuda",),
+                 _load_op("engine.mla_device", "load_flashinfer_decode", call=True))
+KERNELS.register("mla_decode", "npu", ("npu",),
+                 _load_op("engine.mla_device", "load_npu_decode", call=True))
+KERNELS.register("sparse_decode", "absorbed", _ALL,
+                 _load_op("engine.mla_ops", "attend_selected_absorbed"), default=True)
 KERNELS.register("sparse_prefill", "mha", _ALL,
                  _load_op("engine.sparse_attention", "sparse_prefill_mha"), default=True)
 KERNELS.register("sparse_prefill", "absorbed", _ALL,
-                 _load_op("engine.mla_ops", "decode_absorbed"))
+                 _load_op("engine.mla_ops", "attend_selected_absorbed"))
 for _op in ("w8a8_linear", "w8a8_mlp"):
     KERNELS.register(_op, "native", ("cpu", "cuda"), _load_op("engine.quant.w8a8", _op),
                      default=True)

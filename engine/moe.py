@@ -7,6 +7,17 @@ the shared experts' and the dense MLP's are split: gate/up rows, down columns; s
 them by all-to-all (:mod:`engine.expert_parallel`); the gate is replicated and unchanged.
 ``forward`` returns this rank's PARTIAL sum of routed + shared outputs; the caller
 all-reduces ONCE over TP.
+
+Fused storage (:func:`fuse_weights`, once after the model is materialized, before loading):
+every float SwiGLU MLP keeps ``gate_proj``/``up_proj`` as the two halves of one ``[2I, H]``
+tensor (one GEMM), and a MoE's float routed experts live in two stacked tensors,
+``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` (``E`` = this rank's experts), whose
+per-expert slices ARE the checkpoint-named parameters (views: the loader fills them in place).
+Without EP the routed experts then run as two ``torch._grouped_mm`` calls over the
+assignments sorted by expert, with no host sync (no ``.tolist()``/``.item()``). Quantized
+experts (FP8 storage, W8A8) keep the per-expert loop, which reads the per-expert counts back to
+the host once per layer; so does EP (:mod:`engine.expert_parallel` needs host split sizes for
+its all-to-alls).
 """
 
 from __future__ import annotations
@@ -22,17 +33,42 @@ from engine.parallel import EPGroup, TPGroup
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with a (local) intermediate width."""
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with a (local) intermediate width.
+
+    Attributes:
+        gate_up: ``[2I, H]``, rows ``gate_proj`` then ``up_proj`` (their weights are views of
+            it) once :meth:`fuse` ran; None before, or when the projections are quantized.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None
+
+    def fusable(self) -> bool:
+        """True when all three projections are plain float ``nn.Linear`` (not quantized)."""
+        return all(type(p) is nn.Linear for p in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def fuse(self, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
+        """Re-point ``gate_proj``/``up_proj`` at the halves of ``gate_up [2I, H]`` (new storage
+        when None) and ``down_proj`` at ``down [H, I]`` (kept when None). Values are NOT
+        copied: call before loading. Requires :meth:`fusable`."""
+        i = self.gate_proj.weight.shape[0]
+        if gate_up is None:
+            gate_up = self.gate_proj.weight.new_empty(2 * i, self.gate_proj.weight.shape[1])
+        self.gate_proj.weight.data, self.up_proj.weight.data = gate_up[:i], gate_up[i:]
+        if down is not None:
+            self.down_proj.weight.data = down
+        self.gate_up = gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]`` (partial under TP)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoEGate(nn.Module):
@@ -89,6 +125,11 @@ class MoE(nn.Module):
         config: model config. layout: this rank's sizes (routed expert width and ids,
             shared experts' width: ``n_shared_experts * layout.moe_intermediate_size``).
         tp, ep: this rank's groups (EP off at ``ep.size == 1``).
+
+    Attributes:
+        w_gate_up, w_down: the stacked float experts ``[E, 2I, H]`` / ``[E, H, I]`` once
+            :meth:`stack_experts` ran (the experts' parameters are views of them); None
+            before, or for quantized experts.
     """
 
     def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup) -> None:
@@ -98,6 +139,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(j): MLP(config.hidden_size,
                                                   layout.expert_intermediate_size)
                                       for j in layout.experts})
+        self.w_gate_up: torch.Tensor | None = None
+        self.w_down: torch.Tensor | None = None
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size,
@@ -111,16 +154,67 @@ class MoE(nn.Module):
         experts = list(self.experts.values())
         if self.ep.size > 1:
             out = ep_routed(x, self.gate, experts, self.ep, self.tp)
+        elif self.w_gate_up is not None:
+            out = _grouped_routed(x, *self.gate(x), self.w_gate_up, self.w_down)
         else:
             out = _local_routed(x, *self.gate(x), experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
+    def stack_experts(self) -> None:
+        """Allocate ``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` and make every routed
+        expert's weights views of its slice (values NOT copied: call before loading). No-op
+        when the experts are quantized or there are none."""
+        experts = list(self.experts.values())
+        if not experts or not all(isinstance(e, MLP) and e.fusable() for e in experts):
+            return
+        gate, down = experts[0].gate_proj.weight, experts[0].down_proj.weight
+        self.w_gate_up = gate.new_empty(len(experts), 2 * gate.shape[0], gate.shape[1])
+        self.w_down = down.new_empty(len(experts), *down.shape)
+        for j, expert in enumerate(experts):
+            expert.fuse(self.w_gate_up[j], self.w_down[j])
+
+
+def fuse_weights(model: nn.Module) -> None:
+    """Fused storage for every float MLP and stacked experts for every MoE of ``model`` (see
+    the module doc). Call once the model is materialized (``to_empty``), before loading: the
+    new storage is uninitialized and the checkpoint-named parameters become views of it."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.stack_experts()
+    for module in model.modules():
+        if isinstance(module, MLP) and module.gate_up is None and module.fusable():
+            module.fuse()
+
+
+def _grouped_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Routed output without EP over stacked experts, two grouped GEMMs, no host sync.
+
+    Args:
+        x: ``[T, hidden]``. weights: ``[T, k]`` fp32 gate weights. ids: ``[T, k]`` int64
+            expert ids in ``0..E-1``. w_gate_up: ``[E, 2I, H]``. w_down: ``[E, H, I]``.
+
+    Returns:
+        ``[T, hidden]`` in ``x``'s dtype (TP-split experts: a partial sum).
+    """
+    t, k = ids.shape
+    sorted_ids, order = ids.view(-1).sort(stable=True)  # [T*k] assignments grouped by expert
+    experts = torch.arange(w_gate_up.shape[0], device=ids.device)
+    ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # [E] cumsum
+    rows = x[order // k]  # [T*k, hidden]
+    gate, up = torch._grouped_mm(rows, w_gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=ends)
+    routed = torch.empty_like(out)
+    routed[order] = out * weights.view(-1)[order, None].to(x.dtype)
+    return routed.view(t, k, x.shape[1]).sum(dim=1)  # NOTE: explicit width: t may be 0 (CP)
+
 
 def _local_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   experts: list[nn.Module]) -> torch.Tensor:
-    """Routed output without EP: every expert is here (TP-split: a partial sum)."""
+    """Routed output without EP, one expert module at a time (quantized experts): every
+    expert is here (TP-split: a partial sum). Reads the per-expert counts to the host."""
     t, k = ids.shape
     flat = ids.view(-1)
     order = flat.argsort(stable=True)  # assignments grouped by expert

@@ -4,24 +4,27 @@ Legend: T query tokens, S causal keys of a sequence (cached prefix + chunk), K =
 S) selected entries per query, U distinct selected slots, H local heads, P qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim, L kv_lora_rank, Di index_head_dim.
 
-Both phases first narrow every query to its selected cache slots, as a :class:`DecodeBatch`
+Both phases first narrow every query to its selected cache slots, as a :class:`SlotSelection`
 (``slots [Q, K]``, ``valid [Q, K]``: one row per query token; for prefill each token of a chunk
 is a row of its own), then attend over those latent entries:
 
 - Prefill: the ``sparse_prefill`` kernel, MHA form by default (:func:`sparse_prefill_mha`:
   each distinct selected latent decompressed once through ``kv_b_proj``); variant
-  ``absorbed`` is :func:`engine.mla_ops.decode_absorbed` (fewer bytes gathered per query).
+  ``absorbed`` is :func:`engine.mla_ops.attend_selected_absorbed` (fewer bytes gathered per
+  query).
   The selection spans the cached prefix and the chunk together (the prefix's indexer keys
   come from the ``index_k`` cache), so chunked prefill selects and attends exactly like one
   shot: prefix and chunk keys share one softmax, no log-sum-exp merge is needed.
-- Decode: the ``mla_decode`` kernel (absorbed) unchanged, over the selected entries.
+- Decode: the ``sparse_decode`` kernel (absorbed: :func:`engine.mla_ops.attend_selected_absorbed`)
+  over the selected entries; the selection scores every position of the block table's padded
+  slot list (:meth:`DecodeBatch.padded_slots`), so V3.2 decode is exactly the dense selection.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.forward_context import DecodeBatch
+from engine.forward_context import DecodeBatch, SlotSelection
 from engine.indexer import IndexerQuery, causal_topk, index_scores
 
 
@@ -45,24 +48,26 @@ def select_prefill_entries(iq: IndexerQuery, positions: torch.Tensor, index_k: t
 
 
 def select_decode_entries(batch: DecodeBatch, iq: IndexerQuery, index_cache: torch.Tensor,
-                          topk: int, softmax_scale: float) -> DecodeBatch:
+                          topk: int, softmax_scale: float) -> SlotSelection:
     """The decode batch narrowed to each sequence's top-k cached entries.
 
     Args:
-        batch: slots ``[B, S]`` of positions ``0..context_len`` and ``valid`` ``[B, S]``.
+        batch: ``block_table [B, M]`` and ``seq_lens [B]`` (positions ``0..context_len``).
         iq: the B decode tokens' indexer queries (``q [B, Hi, Di]``, ``weights [B, Hi]``).
         index_cache: ``[num_blocks, block_size, Di]`` (already holds the step's tokens).
 
     Returns:
-        a :class:`DecodeBatch` whose ``slots``/``valid`` are ``[B, min(topk, S)]``: a sequence
-        with at most ``topk`` positions keeps all of them (dense).
+        a :class:`SlotSelection` whose ``slots``/``valid`` are ``[B, min(topk, S)]``
+        (``S = M * block_size``): a sequence with at most ``topk`` positions keeps all of
+        them (dense); filler entries are not valid.
     """
-    keys = index_cache.view(-1, index_cache.shape[-1])[batch.slots]  # [B, S, Di]
+    padded = batch.padded_slots(index_cache.shape[1])  # [B, S]
+    keys = index_cache.view(-1, index_cache.shape[-1])[padded.slots]  # [B, S, Di]
     scores = index_scores(iq.q[:, None], iq.weights[:, None], keys, softmax_scale)[:, 0]
-    scores.masked_fill_(~batch.valid, float("-inf"))  # [B, S]
+    scores.masked_fill_(~padded.valid, float("-inf"))  # [B, S]
     index = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices  # [B, K]
-    return DecodeBatch(batch.token_index, batch.slots.gather(1, index),
-                       batch.valid.gather(1, index))
+    return SlotSelection(batch.token_index, padded.slots.gather(1, index),
+                         padded.valid.gather(1, index))
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -72,10 +77,10 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_prefill_mha(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
+                       v_cache: torch.Tensor, batch: SlotSelection, w_uk: torch.Tensor,
                        w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     """MHA-form attention of Q queries, each over its own selected entries (the
-    ``sparse_prefill`` contract, same as ``mla_decode``'s).
+    ``sparse_prefill`` contract, same as ``sparse_decode``'s).
 
     Args:
         q_nope: ``[Q, H, P]``; q_pe: ``[Q, H, R]`` (roped, interleaved like the cache).

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefill_worker.config import InstanceConfig
-from orchestrator.config import OrchConfig
+from orchestrator.config import ClusterSection, OrchConfig
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
 from orchestrator.progress import Report, Stopwatch, node_ips, nodes_text, plural, say
 
@@ -146,7 +146,7 @@ class Cluster:
                 news.append(_placement_group(old.cfg, self.cfg,
                                              max(deadline - time.monotonic(), 0.01)))
             _start_instances(news, self.rank_classes[olds[0].cfg.role],
-                             self.cfg.cluster.cpus_per_rank, deadline)
+                             self.cfg.cluster, deadline)
         except BaseException as exc:
             for new in news:
                 _kill(new)
@@ -256,7 +256,7 @@ def bring_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None,
     watch = Stopwatch()
     try:
         _place(cluster, cfg, timeout)
-        ips = _spawn(cluster, classes, cfg.cluster.cpus_per_rank, timeout)
+        ips = _spawn(cluster, classes, cfg.cluster, timeout)
         _init_and_start(cluster, timeout, watch, ips)
     except BaseException:
         cluster.teardown()
@@ -275,7 +275,7 @@ def _place(cluster: Cluster, cfg: OrchConfig, timeout: float) -> None:
         cluster.instances.append(_placement_group(inst_cfg, cfg, timeout))
 
 
-def _spawn(cluster: Cluster, classes: dict[str, type], cpus: float,
+def _spawn(cluster: Cluster, classes: dict[str, type], res: ClusterSection,
            timeout: float) -> dict[str, str]:
     """Start every rank process; one line per instance once its ranks answer. Returns Ray
     node id -> IP (:func:`node_ips`)."""
@@ -285,7 +285,7 @@ def _spawn(cluster: Cluster, classes: dict[str, type], cpus: float,
                    "machine)")
     watch = Stopwatch()
     for inst in cluster.instances:
-        _create_ranks(inst, classes[inst.cfg.role], cpus)
+        _create_ranks(inst, classes[inst.cfg.role], res)
     ips = {}
     for inst in cluster.instances:
         inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
@@ -332,7 +332,7 @@ def _open_ep_stores(instances: list[InstanceRanks], timeout: float) -> dict[str,
     return stores
 
 
-def _start_instances(insts: list[InstanceRanks], cls: type, cpus: float,
+def _start_instances(insts: list[InstanceRanks], cls: type, res: ClusterSection,
                      deadline: float) -> None:
     """Steps 2-5 of the module docstring for instances (of one role) whose placement groups
     are ready, each step bounded by what is left until ``deadline`` (monotonic seconds).
@@ -344,7 +344,7 @@ def _start_instances(insts: list[InstanceRanks], cls: type, cpus: float,
         return max(deadline - time.monotonic(), 0.01)
 
     for inst in insts:
-        _create_ranks(inst, cls, cpus)
+        _create_ranks(inst, cls, res)
     for inst in insts:
         inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
                                 left())
@@ -381,8 +381,7 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
     import ray
     from ray.util.placement_group import placement_group
 
-    bundle = rank_bundle(inst.parallel.device, cfg.cluster.cpus_per_rank,
-                         role_resources(cfg, inst.role))
+    bundle = rank_bundle(inst.parallel.device, cfg.cluster, role_resources(cfg, inst.role))
     pg = placement_group([dict(bundle) for _ in range(inst.parallel.ranks)], strategy=STRATEGY,
                          name=f"orch-{inst.name}")
     try:
@@ -396,17 +395,18 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
     return InstanceRanks(cfg=inst, pg=pg)
 
 
-def _create_ranks(inst: InstanceRanks, cls: type, cpus: float) -> None:
+def _create_ranks(inst: InstanceRanks, cls: type, res: ClusterSection) -> None:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    accel = {"cuda": {"num_gpus": 1},
-             "npu": {"resources": {"NPU": 1}}}.get(inst.cfg.parallel.device, {})
+    share = res.accelerators_per_rank
+    accel = {"cuda": {"num_gpus": share},
+             "npu": {"resources": {"NPU": share}}}.get(inst.cfg.parallel.device, {})
     remote_cls = ray.remote(cls)
     for rank in range(inst.cfg.parallel.ranks):
         strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
                                                     placement_group_bundle_index=rank)
-        options = dict(num_cpus=cpus, scheduling_strategy=strategy,
+        options = dict(num_cpus=res.cpus_per_rank, scheduling_strategy=strategy,
                        max_concurrency=ACTOR_CONCURRENCY, **accel)
         inst.ranks.append(remote_cls.options(**options).remote(inst.cfg, rank))
 

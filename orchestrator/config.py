@@ -259,6 +259,9 @@ class ClusterSection(_Section):
     address: str = ""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     cpus_per_rank: float = Field(1.0, gt=0)
+    # Share of one accelerator (GPU / NPU) per rank: 1 = a device each; 0.5 = two ranks on
+    # one device (prefill and decode on one development GPU). Ignored on cpu.
+    accelerators_per_rank: float = Field(1.0, gt=0, le=1)
     startup_timeout_s: float = Field(600.0, gt=0)
     # Address the ranks' rendezvous stores (TP and KV pairs) listen on. "" = 127.0.0.1 with
     # the embedded Ray, else each node's IP as Ray reports it.

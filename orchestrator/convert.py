@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 from prefill_worker.messages import InstanceStatusInfo
+from prefill_worker.step_timing import PhaseTiming, StepTimings
 from orchestrator.limits import check_request_id
 from orchestrator.request import GenerateInput, OutputChunk, RequestError, RequestStats
 from orchestrator.rpc import orch_pb2 as pb
@@ -138,6 +139,10 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
                 queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
                 total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
                 kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+            msg.step_phases.extend(pb.StepPhase(phase=name, count=rec.count,
+                                                total_s=rec.total_s)
+                                   for name, rec in (("step", s.step_timings.step),
+                                                     *s.step_timings.phases.items()))
         out.instances.append(msg)
     return out
 
@@ -155,4 +160,12 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         ranks=tuple((r.rank, r.node_id, r.device, r.pid) for r in i.ranks),
         queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
-        kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures)
+        kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures,
+        step_timings=_timings_from_proto(i.step_phases))
+
+
+def _timings_from_proto(phases) -> StepTimings:
+    """``StepPhase`` rows -> :class:`StepTimings` (the recent window does not travel)."""
+    recs = {p.phase: PhaseTiming(p.count, p.total_s) for p in phases}
+    step = recs.pop("step", PhaseTiming())
+    return StepTimings(step, recs)

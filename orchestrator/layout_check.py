@@ -86,10 +86,24 @@ def check_tp_layout(cfg: OrchConfig) -> str:
 
 def _check_layer_sharding(cfg: OrchConfig, model, source: str) -> None:
     """``prefill.layer_sharding`` names only linears the model has (q_a/q_b_proj need a
-    ``q_lora_rank``, q_proj its absence)."""
+    ``q_lora_rank``, q_proj its absence) and, when the checkpoint is at hand, none it keeps
+    quantized (every CP rank would refuse it at load)."""
+    names = cfg.prefill.layer_sharding
     has = {"q_a_proj": bool(model.q_lora_rank), "q_b_proj": bool(model.q_lora_rank),
            "q_proj": not model.q_lora_rank}
-    missing = [n for n in cfg.prefill.layer_sharding if not has.get(n, True)]
+    missing = [n for n in names if not has.get(n, True)]
     if missing:
         raise ConfigError(f"prefill.layer_sharding: the model has no {missing} "
                           f"(q_lora_rank={model.q_lora_rank}); drop them ({source})")
+    ckpt = cfg.model.checkpoint_dir()
+    if not names or model.quantization is None or not (ckpt / "config.json").is_file():
+        return
+    from engine.quant.linear import held_quantized  # lazy: torch
+    from engine.quant.load import quant_plan
+
+    plan = quant_plan(ckpt, model.quantization, cfg.model.fp8_storage)
+    kept = [n for n in names if held_quantized(plan, f"model.layers.0.self_attn.{n}.weight")]
+    if kept:
+        raise ConfigError(f"prefill.layer_sharding: {kept} are stored quantized "
+                          f"({model.quantization.method}) in {ckpt} and only float linears "
+                          "are layer-sharded; drop them from prefill.layer_sharding")

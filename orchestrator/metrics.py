@@ -17,6 +17,10 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
   ``orch_instance_outstanding_tokens``, ``orch_instance_info{instance,role,tp}`` (= 1), and
   counters ``orch_instance_kv_sent_bytes_total``, ``orch_instance_kv_failures_total`` (the
   instance's own cumulative totals; a restart that resets them reads as a counter reset).
+- per instance leader step breakdown (prefill_worker/step_timing.py), from the same snapshot:
+  summary ``orch_step_phase_seconds{instance,phase}`` (count and sum of each phase's records
+  since the instance started; phase "step" is the whole loop iteration that ran a forward)
+  and gauge ``orch_step_outside_forward_ratio{instance}`` ((step - forward) / step).
 - per instance health (``track_health``): gauge ``orch_instance_healthy{instance,role}`` (1
   healthy, 0 unhealthy or recovering) and counter
   ``orch_health_transitions_total{instance,state}`` (changes into ``state``; ``recovering``
@@ -32,7 +36,7 @@ import threading
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from prefill_worker.messages import InstanceStatusInfo
@@ -81,6 +85,24 @@ class _InstanceCollector(Collector):
             sent.add_metric([s.name], float(s.kv_bytes_sent))
             fails.add_metric([s.name], float(s.kv_failures))
         yield from (info, sent, fails)
+        yield from _step_families(snap)
+
+
+def _step_families(snap: tuple[InstanceStatusInfo, ...]) -> Iterable:
+    """``orch_step_phase_seconds`` and ``orch_step_outside_forward_ratio`` of ``snap``."""
+    phases = SummaryMetricFamily("orch_step_phase_seconds", "leader step time by phase "
+                                 "(schedule, fanout, forward, follower_wait, after_step, "
+                                 "sample, emit; step: the whole step), seconds",
+                                 labels=["instance", "phase"])
+    outside = GaugeMetricFamily("orch_step_outside_forward_ratio", "share of the leader's "
+                                "step time spent outside the model forward",
+                                labels=["instance"])
+    for s in snap:
+        t = s.step_timings
+        for name, rec in (("step", t.step), *sorted(t.phases.items())):
+            phases.add_metric([s.name, name], count_value=rec.count, sum_value=rec.total_s)
+        outside.add_metric([s.name], t.outside_forward_fraction)
+    yield from (phases, outside)
 
 
 class RouterMetrics:

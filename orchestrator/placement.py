@@ -1,15 +1,17 @@
 """Where instances and ranks go: placement-group bundles, and the `orch up --dry-run` report.
 
 One Ray placement group per instance, strategy STRICT_PACK (a TP group stays on one node),
-one bundle per rank: ``{"CPU": c}`` on cpu, ``{"GPU": 1, "CPU": c}`` on cuda,
-``{"NPU": 1, "CPU": c}`` on npu (NPU is a custom Ray resource the node must advertise).
+one bundle per rank: ``{"CPU": c}`` on cpu, ``{"GPU": a, "CPU": c}`` on cuda,
+``{"NPU": a, "CPU": c}`` on npu (NPU is a custom Ray resource the node must advertise);
+``c`` = ``cluster.cpus_per_rank``, ``a`` = ``cluster.accelerators_per_rank`` (1: a device
+per rank; 0.5: two ranks share one, e.g. prefill and decode on one development GPU).
 """
 
 from __future__ import annotations
 
 from prefill_worker.config import InstanceConfig
 from orchestrator.checkpoint import layer_count_for_plan
-from orchestrator.config import OrchConfig
+from orchestrator.config import ClusterSection, OrchConfig
 from orchestrator.layout_check import check_tp_layout
 from orchestrator.memory_check import describe_memory
 
@@ -17,13 +19,14 @@ STRATEGY = "STRICT_PACK"
 _ACCELERATOR = {"cuda": "GPU", "npu": "NPU"}
 
 
-def rank_bundle(device: str, cpus_per_rank: float,
+def rank_bundle(device: str, res: ClusterSection,
                 extra: dict[str, float] | None = None) -> dict[str, float]:
-    """Resources of one rank (one bundle of its instance's placement group); ``extra``: the
-    role's ``ray_resources`` (custom node labels)."""
-    bundle: dict[str, float] = {"CPU": cpus_per_rank, **(extra or {})}
+    """Resources of one rank (one bundle of its instance's placement group): ``res``'s CPUs
+    and accelerator share per rank; ``extra``: the role's ``ray_resources`` (custom node
+    labels)."""
+    bundle: dict[str, float] = {"CPU": res.cpus_per_rank, **(extra or {})}
     if device in _ACCELERATOR:
-        bundle[_ACCELERATOR[device]] = 1
+        bundle[_ACCELERATOR[device]] = res.accelerators_per_rank
     return bundle
 
 
@@ -40,8 +43,7 @@ def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list
     totals: dict[str, float] = {}
     for inst in instances:
         tp, ranks = inst.parallel.tp, inst.parallel.ranks
-        bundle = rank_bundle(inst.parallel.device, cfg.cluster.cpus_per_rank,
-                             role_resources(cfg, inst.role))
+        bundle = rank_bundle(inst.parallel.device, cfg.cluster, role_resources(cfg, inst.role))
         cp = f", cp={inst.parallel.cp}" if inst.parallel.cp > 1 else ""
         lines.append(f"{inst.name}: tp={tp}{cp}, placement group {STRATEGY} with {ranks} "
                      f"bundle(s) of {bundle}, kv blocks {inst.scheduler.num_kv_blocks} x "

@@ -151,14 +151,18 @@ class LeaderRank(RankBase):
         rows = [i for i, c in enumerate(out.chunks) if c.completes]
         if rows:
             reqs = [out.chunks[i].request for i in rows]
-            tokens = sample(logits[rows], [r.spec.sampling for r in reqs],
-                            [len(r.output_token_ids) for r in reqs])
+            # NOTE: every row samples on decode: no [B, V] copy then
+            picked = logits if len(rows) == logits.shape[0] else logits[rows]
+            with self.step_timer.phase("sample"):
+                tokens = sample(picked, [r.spec.sampling for r in reqs],
+                                [len(r.output_token_ids) for r in reqs])
             for req, token in zip(reqs, tokens):
                 if isinstance(token, RowFailure):
                     failed[req.request_id] = f"{self.cfg.name}: {token.reason}"
                 else:
                     sampled[req.request_id] = token
-        self.scheduler.update(out, sampled)
+        with self.step_timer.phase("schedule"):
+            self.scheduler.update(out, sampled)
         return StepResult(out, sampled, failed)
 
     def _execute_each(self, out: SchedulerOutput,
@@ -200,7 +204,12 @@ class LeaderRank(RankBase):
         return f"{self.cfg.name}: the model step failed for this request: {_first_line(exc)}"
 
     def finish_sampled(self, sampled: dict[str, int], *, free: bool = True) -> list[Request]:
-        """Emit one event per sampled token; remove finished requests. Returns those removed."""
+        """Emit one event per sampled token; remove finished requests. Returns those removed.
+        Timed as the step's ``emit`` phase."""
+        with self.step_timer.phase("emit"):
+            return self._finish_sampled(sampled, free)
+
+    def _finish_sampled(self, sampled: dict[str, int], free: bool) -> list[Request]:
         done: list[Request] = []
         for rid, token in sampled.items():
             req = self.scheduler.find(rid)
@@ -227,7 +236,8 @@ class LeaderRank(RankBase):
             RankFailure: a rank died or hung, or another DP rank did not meet a round (the
                 caller's loop takes the instance out of service).
         """
-        out = self.scheduler.schedule()
+        with self.step_timer.phase("schedule"):
+            out = self.scheduler.schedule()
         if not out:
             if self.dp_sync is None:
                 return None
@@ -305,7 +315,7 @@ class LeaderRank(RankBase):
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
             outstanding_tokens=self.scheduler.num_outstanding_tokens, broken=self.broken,
-            **stats)
+            step_timings=self.step_timer.snapshot(), **stats)
 
     def transfer_stats(self, timeout_s: float | None) -> dict:
         """Role hook, leader, inside :meth:`status` (not under the lock): the role's

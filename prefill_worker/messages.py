@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVPeer
+from prefill_worker.step_timing import StepTimings
 
 
 class InstanceOutOfService(RuntimeError):
@@ -151,3 +152,5 @@ class InstanceStatusInfo:
     # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
     transfers: tuple[tuple[str, int, float, bool], ...] = ()
     broken: str | None = None
+    # Where the leader's step time goes (prefill_worker/step_timing.py).
+    step_timings: StepTimings = StepTimings()

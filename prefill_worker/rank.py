@@ -13,9 +13,12 @@ role, so with several DP ranks the leaders agree on each forward first (``dp_syn
 prefill_worker/dp_sync.py) and a rank with nothing to run runs an empty forward
 (:meth:`RankBase.forward`).
 
-SPMD: only the leader schedules. Each step it calls ``execute_step`` on every other rank
-(Ray actor calls) and runs the same step itself; the TP all-reduces inside the model keep the
-ranks in lock step. A rank that does not answer within ``step_timeout_s`` fails the step.
+SPMD: only the leader schedules. Each step it sends the step to every other rank over the
+step channel (prefill_worker/step_channel.py: one TCP connection per follower, opened at
+bring-up; no Ray call per step), runs the same step itself, then reads the followers' acks;
+the TP all-reduces inside the model keep the ranks in lock step. A rank that does not ack
+within ``step_timeout_s`` fails the step. The leader records where each step's time goes
+(prefill_worker/step_timing.py; ``status().step_timings``).
 
 Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank override them):
 
@@ -58,6 +61,9 @@ from prefill_worker.dp_sync import DPSync
 from prefill_worker.ep_setup import join_dp_sync, join_ep_group
 from prefill_worker.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from prefill_worker.rank_failure import RankFailure, await_followers
+from prefill_worker.step_channel import (StepChannelFollower, StepChannelLeader,
+                                         connect_follower, open_leader)
+from prefill_worker.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +91,9 @@ class RankBase(ABC):
         self._wake = threading.Event()
         self._loop_thread: threading.Thread | None = None
         self._role_ready = False  # setup_role returned: close_role has something to close
+        self._step_leader: StepChannelLeader | None = None  # leader with followers
+        self._step_follower: StepChannelFollower | None = None  # a follower
+        self.step_timer = StepTimer()  # leader: where step time goes
         self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
@@ -113,14 +122,18 @@ class RankBase(ABC):
         return node, self.cfg.parallel.device
 
     def open_tp_store(self) -> tuple[str, int]:
-        """Leader only: open the TCPStore the instance's ranks rendezvous on; (host, port)."""
+        """Leader only: open the TCPStore the instance's ranks rendezvous on, and (with
+        followers) the step channel's listening socket, whose address the store carries;
+        (host, port) of the store."""
         from torch.distributed import TCPStore
 
-        self._store = TCPStore(self.cfg.parallel.bind_host, 0, self.cfg.parallel.ranks,
-                               is_master=True,
+        par = self.cfg.parallel
+        self._store = TCPStore(par.bind_host, 0, par.ranks, is_master=True,
                                timeout=timedelta(seconds=self.cfg.transfer.connect_timeout_s),
                                wait_for_workers=False)
-        return self.cfg.parallel.bind_host, self._store.port
+        if par.ranks > 1:
+            self._step_leader = open_leader(self._store, par.bind_host, par.ranks - 1)
+        return par.bind_host, self._store.port
 
     def open_ep_store(self) -> tuple[str, int]:
         """The role's first leader (EP rank 0), with ``ep`` only: open the TCPStore every rank
@@ -170,6 +183,28 @@ class RankBase(ABC):
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
         self._role_ready = True
+        if par.ranks > 1:
+            self._join_step_channel(host, port)
+
+    def _join_step_channel(self, host: str, port: int) -> None:
+        """End of :meth:`init_rank` (role state exists): a follower connects to the leader's
+        step channel (address from the TP store at ``host:port``) and starts serving steps;
+        the leader waits until every follower did. Bounded by ``connect_timeout_s``.
+
+        Raises:
+            RuntimeError: the channel could not be set up (names instance and rank).
+        """
+        timeout_s = self.cfg.transfer.connect_timeout_s
+        try:
+            if self.rank == 0:
+                self._step_leader.accept(timeout_s)
+            else:
+                self._step_follower = connect_follower((host, port), self.rank,
+                                                       self.execute_step, f"{self}-steps",
+                                                       timeout_s)
+        except Exception as exc:
+            raise RuntimeError(f"{self.cfg.name} rank {self.rank}: joining the step channel "
+                               f"failed: {exc}") from exc
 
     def setup_role(self) -> None:
         """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
@@ -177,9 +212,9 @@ class RankBase(ABC):
 
     # ---- SPMD ---------------------------------------------------------------------------
     def execute_step(self, steps: list, step_inputs: Any = None) -> None:
-        """Follower side of one step (a Ray call from the leader's :meth:`run_step`): run the
-        model on ``steps`` (:meth:`forward`), then :meth:`after_step` with the role's
-        ``step_inputs``."""
+        """Follower side of one step (on the step channel's thread, from the leader's
+        :meth:`run_step`): run the model on ``steps`` (:meth:`forward`), then
+        :meth:`after_step` with the role's ``step_inputs``."""
         self.forward(steps)
         self.after_step(step_inputs)
 
@@ -208,7 +243,7 @@ class RankBase(ABC):
 
     def after_step(self, step_inputs: Any) -> None:
         """Role hook, every rank, right after this rank's model step (on the leader under its
-        lock, on a follower in the Ray call); ``step_inputs`` is what the leader's
+        lock, on a follower on the step channel's thread); ``step_inputs`` is what the leader's
         ``step_inputs_for`` made for this step (None when it made nothing). It may queue work
         on this rank's own role state (KV sends), never touch the scheduler."""
 
@@ -216,21 +251,33 @@ class RankBase(ABC):
         """Leader: run one step on all ranks; the leader's logits ``[B, V]`` (None when
         ``steps`` is empty: with ``ep`` an empty forward on every rank, else nothing).
 
+        Phases recorded in ``step_timer``: fanout, forward, after_step, follower_wait.
+        NOTE: the loop thread only (one step at a time on the step channel).
+
         Raises:
             RankFailure: a follower died or did not finish within ``step_timeout_s``.
-            Exception: what the leader's step or a follower's (a ``RayTaskError``) raised.
+            Exception: what the leader's step or a follower's raised (a follower's carries a
+                note naming its rank).
         """
         timeout_s = self.cfg.parallel.step_timeout_s
         deadline = time.monotonic() + timeout_s
-        refs = [p.execute_step.remote(steps, step_inputs) for p in self.peers[1:]]
+        timer, channel = self.step_timer, self._step_leader
+        if channel is not None:
+            with timer.phase("fanout"):
+                channel.run(steps, step_inputs, deadline, timeout_s)
         try:
-            logits = self.forward(steps)
-            self.after_step(step_inputs)
+            with timer.phase("forward"):
+                logits = self.forward(steps)
+            with timer.phase("after_step"):
+                self.after_step(step_inputs)
         except Exception:
             # NOTE: a dead follower breaks the leader's collectives too: its own error wins.
-            await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
+            if channel is not None:
+                channel.wait(deadline, timeout_s)
             raise
-        await_followers(refs, deadline - time.monotonic(), timeout_s, "a step")
+        if channel is not None:
+            with timer.phase("follower_wait"):
+                channel.wait(deadline, timeout_s)
         return logits
 
     def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
@@ -269,7 +316,11 @@ class RankBase(ABC):
                 if self.num_active():
                     self.fail_all(str(self.out_of_service()))
                 return False
-            return self.step()
+            started = time.perf_counter()
+            try:
+                return self.step()
+            finally:
+                self.step_timer.end_step(time.perf_counter() - started)
         except RankFailure as exc:
             self.mark_broken(str(exc))
             return True
@@ -349,6 +400,9 @@ class RankBase(ABC):
         self._wake.set()
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=10)
+        for channel in (self._step_leader, self._step_follower):
+            if channel is not None:
+                channel.close()
         if self._role_ready:
             self.close_role()
 

@@ -1,9 +1,11 @@
 """How the leader tells a follower's failure apart from a failed step.
 
-A follower whose actor died (``RayActorError``) is :class:`RankGone`; one that does not answer
+A follower whose actor died (``RayActorError`` on a Ray call; its step channel connection
+closed or reset, prefill_worker/step_channel.py) is :class:`RankGone`; one that does not answer
 within the bound is :class:`RankHung`. Either takes the instance out of service (see
-prefill_worker/rank.py, Failures). A follower's method that raised (``RayTaskError``) is not a
-rank failure: the rank lives, and the error is the step's.
+prefill_worker/rank.py, Failures). A follower's method or step that raised (``RayTaskError``,
+or the exception its step ack carries) is not a rank failure: the rank lives, and the error is
+the step's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class RankFailure(RuntimeError):
 
 
 class RankGone(RankFailure):
-    """A follower's actor died (``RayActorError``)."""
+    """A follower's actor died (``RayActorError``, or its step channel connection closed)."""
 
 
 class RankHung(RankFailure):

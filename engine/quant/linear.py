@@ -101,6 +101,17 @@ class W8A8MLP(nn.Module):
                         self.down_scale)
 
 
+def held_quantized(plan: QuantPlan | None, weight_name: str) -> bool:
+    """Whether the checkpoint weight ``weight_name`` (``model.layers.0.self_attn.o_proj
+    .weight``) of a plain linear stays quantized in the built model (its module is swapped,
+    module doc): False without a plan, for FP8 dequantized at load, and for
+    :data:`NEVER_QUANTIZED` modules."""
+    if plan is None or (plan.scheme.method == FP8_BLOCK and plan.fp8_storage == "dequantize"):
+        return False
+    module = weight_name.removesuffix(".weight")
+    return module.rpartition(".")[2] not in NEVER_QUANTIZED and weight_name in plan.quantized
+
+
 def quantize_modules(model: nn.Module, plan: QuantPlan | None, kernels: KernelSet) -> None:
     """Swap ``model.model.layers``' modules for quantized ones, in place (see module doc).
 

@@ -166,6 +166,7 @@ def replay(args: argparse.Namespace) -> int:
         print(f"orch bench: {e}", file=sys.stderr)
         return 2
     try:
+        before = _step_timings(runner_cfg)
         result = asyncio.run(run_benchmark(workload, runner_cfg))
     except OSError as e:  # ConnectionError (unreachable, refused token) or an unreadable --tls-ca
         print(f"orch bench: {e}", file=sys.stderr)
@@ -174,6 +175,12 @@ def replay(args: argparse.Namespace) -> int:
                        num_capped=workload.num_capped, num_skipped=workload.num_skipped,
                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     print_report(report)
+    if before is not None:
+        from orchestrator.bench.step_breakdown import print_step_breakdown
+
+        after = _step_timings(runner_cfg)
+        if after is not None:
+            print_step_breakdown(before, after)
     if args.output is not None:
         report.to_json(args.output)
     if args.plot is not None:
@@ -181,6 +188,25 @@ def replay(args: argparse.Namespace) -> int:
 
         write_cdf_plots(report, args.plot)
     return 0 if report.counts["completed"] > 0 else 1
+
+
+def _step_timings(cfg) -> dict | None:
+    """The leaders' step timings (gRPC backend), None when the router does not say (the
+    breakdown is then not printed; the run goes on).
+
+    Raises:
+        OSError: the router is unreachable (ConnectionError) or --tls-ca is unreadable.
+    """
+    if cfg.backend != "grpc":
+        return None
+    import grpc
+
+    from orchestrator.bench.step_breakdown import read_step_timings
+
+    try:
+        return asyncio.run(read_step_timings(cfg))
+    except grpc.aio.AioRpcError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,7 +101,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load")
+    __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load", "step_phases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class InstanceStatus(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     HAS_LOAD_FIELD_NUMBER: _ClassVar[int]
+    STEP_PHASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     tp: int
@@ -130,7 +131,18 @@ class InstanceStatus(_message.Message):
     health: str
     detail: str
     has_load: bool
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_failures: _Optional[int] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., has_load: _Optional[bool] = ...) -> None: ...
+    step_phases: _containers.RepeatedCompositeFieldContainer[StepPhase]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_failures: _Optional[int] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., has_load: _Optional[bool] = ..., step_phases: _Optional[_Iterable[_Union[StepPhase, _Mapping]]] = ...) -> None: ...
+
+class StepPhase(_message.Message):
+    __slots__ = ("phase", "count", "total_s")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    count: int
+    total_s: float
+    def __init__(self, phase: _Optional[str] = ..., count: _Optional[int] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("instances", "in_flight", "model")

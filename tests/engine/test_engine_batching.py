@@ -147,8 +147,9 @@ def test_metadata_layout_of_a_mixed_step():
     assert [(p.start, p.end, p.context_len) for p in meta.prefills] == [(0, 3, 0), (4, 6, 4)]
     assert meta.prefills[1].prefix_slots.tolist() == [112, 113, 114, 115]
     assert meta.decode.token_index.tolist() == [3]
-    assert meta.decode.slots[0].tolist() == list(range(16, 32)) + list(range(32, 37))
-    assert meta.decode.valid.all()
+    assert meta.decode.block_table.tolist() == [[1, 2]]
+    assert meta.decode.seq_lens.tolist() == [21]
+    assert meta.decode.padded_slots(16).slots[0, :21].tolist() == list(range(16, 37))
     with pytest.raises(ValueError, match="does not fit"):
         build_attention_metadata([5], [30], [(0, 1)], 16)
 

@@ -31,3 +31,18 @@ def test_fp8_dequantized_linears_shard_and_the_owned_layer_loads(tiny_ckpt, tmp_
         assert getattr(sharded[0].self_attn, name).weight.numel() == 0
         assert torch.equal(getattr(sharded[1].self_attn, name).weight,
                            getattr(whole[1].self_attn, name).weight)
+
+
+def test_dry_run_refuses_sharding_a_quantized_linear(tiny_ckpt, tmp_path, capsys):
+    """`orch up --dry-run` reads the checkpoint and refuses (exit 2) what every CP rank would
+    refuse at load; FP8 dequantized at load passes."""
+    from orchestrator.cli import main
+
+    for fmt, code in (("w8a8", 2), ("fp8-block", 0)):
+        ckpt = quantize_checkpoint(tiny_ckpt, tmp_path / fmt, fmt)
+        path = tmp_path / f"{fmt}.yaml"
+        path.write_text(f"model: {{path: {ckpt}, max_model_len: 256}}\ncluster: {{device: cpu}}\n"
+                        "prefill: {cp: 2, layer_sharding: [q_b_proj, o_proj]}\n")
+        assert main(["up", "--dry-run", str(path)]) == code, fmt
+    err = capsys.readouterr().err
+    assert "prefill.layer_sharding: ['q_b_proj', 'o_proj'] are stored quantized (w8a8" in err

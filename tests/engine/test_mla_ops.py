@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.mla_ops import attend_with_lse, merge_attention
+from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 
 H, D, V = 4, 6, 5  # heads, qk head dim, v head dim
 SCALE = D ** -0.5
@@ -42,6 +42,17 @@ def test_attend_with_lse_equals_direct_softmax(t, s):
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(lse, lse_ref)
     assert lse.shape == (H, t)
+
+
+@pytest.mark.parametrize("v_dim", [V, D + 3])  # narrower / wider than the qk head dim
+def test_causal_attention_with_any_v_head_dim(v_dim):
+    q, k, _ = _qkv(9, 9, seed=v_dim)
+    v = torch.randn(9, H, v_dim, generator=torch.Generator().manual_seed(1))
+    o_ref, lse_ref = _direct(q, k, v)
+    torch.testing.assert_close(attend_causal(q, k, v, SCALE), o_ref)
+    o, lse = attend_with_lse(q, k, v, SCALE, causal=True)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
 
 
 @pytest.mark.parametrize("t", [1, 4, 6])  # 4 == H: a [T, H] / [H, T] mix-up broadcasts here

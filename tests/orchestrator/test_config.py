@@ -57,6 +57,18 @@ def test_dry_run_report_lines(tmp_path, capsys):
     assert "layers: 61 (/nonexistent/DeepSeek-V3/config.json not found: assuming DeepSeek-V3" in out
 
 
+def test_ranks_can_share_one_gpu(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: /nonexistent/DeepSeek-V3}\ncluster: {device: cuda, "
+                    "cpus_per_rank: 1, accelerators_per_rank: 0.5}\n"
+                    "kv_transfer: {backend: nccl}\n")
+    assert main(["up", "--dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "prefill-0: tp=1, placement group STRICT_PACK with 1 bundle(s) of " \
+           "{'CPU': 1.0, 'GPU': 0.5}" in out
+    assert "resources {'CPU': 2.0, 'GPU': 1.0}" in out
+
+
 def test_dry_run_reads_layers_from_checkpoint(tmp_path, capsys):
     from orchestrator.tiny_model import tiny_config_dict
 
@@ -154,6 +166,7 @@ def _error(tmp_path, text: str) -> str:
     ("prefill: {cp: 2, layer_sharding: [o_proj, q_b_proj, o_proj]}",
      "prefill.layer_sharding names ['o_proj'] more than once"),
     ("decode: {cp: 2}", "decode.cp: unknown key"),
+    ("cluster: {accelerators_per_rank: 2}", "cluster.accelerators_per_rank"),
     ("mode: colocated\nprefill: {cp: 2}", "prefill.cp (2) is for disaggregated prefill"),
     ("prefill: [", "not valid YAML at line"),
     ("- a\n- b", "the top level must be a mapping"),

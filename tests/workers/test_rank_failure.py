@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -34,6 +35,14 @@ class ProbedPrefillRank(PrefillRank):
 
     def loop_alive(self) -> bool:
         return self._loop_thread is not None and self._loop_thread.is_alive()
+
+    def execute_step(self, steps, step_inputs=None) -> None:
+        self.step_threads = {*getattr(self, "step_threads", ()),
+                             threading.current_thread().name}
+        super().execute_step(steps, step_inputs)
+
+    def threads_that_stepped(self) -> set[str]:
+        return getattr(self, "step_threads", set())
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +108,8 @@ def test_dead_follower_ends_every_request_and_refuses_new_work(ray_session, pref
         ray.get([leader.prefill.remote(s, r) for s, r in zip(specs, reservations)], timeout=30)
         events = ray.get(leader.poll.remote(30), timeout=40)  # the first request's first token
         assert events and events[0].error is None, events
+        # every step reached the follower on its step channel thread, none as a Ray call
+        assert ray.get(follower.threads_that_stepped.remote()) == {"prefill-0:1-steps"}
         ray.kill(follower)
         killed = time.monotonic()
         ended = {e.request_id: e for e in events}

@@ -1,0 +1,46 @@
+"""The leaders' step time breakdown over an ``orch bench`` run, from ``GetStatus``.
+
+Each leader keeps running sums per step phase (prefill_worker/step_timing.py); the bench reads
+them before and after the timed requests and prints the difference: per instance, mean
+milliseconds per step of each phase and the share of the step spent outside the model forward.
+"""
+
+from __future__ import annotations
+
+from orchestrator.bench.runner import RunnerConfig, connect
+from orchestrator.client import bearer_metadata
+from orchestrator.convert import status_from_proto
+from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from prefill_worker.step_timing import StepTimings
+
+
+async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
+    """instance name -> its leader's step timings now (instances without load are absent).
+
+    Raises:
+        ConnectionError: the router is not reachable within ``cfg.connect_timeout_s``.
+        grpc.aio.AioRpcError: ``GetStatus`` failed.
+    """
+    channel = await connect(cfg.address, cfg.connect_timeout_s, cfg.tls_ca, cfg.token)
+    try:
+        resp = await orch_pb2_grpc.OrchStub(channel).GetStatus(
+            orch_pb2.GetStatusRequest(), timeout=cfg.connect_timeout_s,
+            metadata=bearer_metadata(cfg.token))
+    finally:
+        await channel.close()
+    return {v.name: v.status.step_timings for v in status_from_proto(resp)
+            if v.status is not None}
+
+
+def print_step_breakdown(before: dict[str, StepTimings], after: dict[str, StepTimings],
+                         console=None) -> None:
+    """One line per instance: its steps between ``before`` and ``after`` (rich ``console``,
+    default stdout)."""
+    from rich.console import Console
+
+    console = console or Console()
+    console.print("step time per leader (ms per step; outside forward = 1 - forward/step):")
+    for name in sorted(after):
+        run = after[name].since(before.get(name, StepTimings()))
+        console.print(f"  {name}: {run.format()}", markup=False, highlight=False,
+                      soft_wrap=True)
