@@ -21,8 +21,8 @@ an ``--input-len``-token prompt.
 
 Printed per level: TTFT / TPOT (mean) and ITL p50 in ms, output tokens/s, the PD / colocated
 ratios of the medians and the range of the per-round ratios; after each level, every
-leader's status fields beyond the basic load (the per-step phase timings, where the leaders
-report them). Reports: ``--out/<deployment>-c<level>-r<round>.json``, ``--out/summary.json``.
+leader's step time breakdown over its rounds (``orch bench``'s, from ``GetStatus``).
+Reports: ``--out/<deployment>-c<level>-r<round>.json``, ``--out/summary.json``.
 
 Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/serve_bench.py [--tp 1] [--levels 1 8 32]
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import os
@@ -44,15 +43,10 @@ import yaml
 from orchestrator.bench.report import summarize
 from orchestrator.bench.runner import RunnerConfig, run_benchmark
 from orchestrator.bench.serve import serving
+from orchestrator.bench.step_breakdown import print_step_breakdown, read_step_timings
 from orchestrator.bench.workloads import WorkloadConfig, load_workload
-from orchestrator.client import OrchClient
-from prefill_worker.messages import InstanceStatusInfo
 
 REPO = Path(__file__).resolve().parents[1]
-# InstanceStatusInfo fields every leader had before step timings: not printed as breakdown.
-_BASIC_FIELDS = {"name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks",
-                 "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures",
-                 "transfers", "broken"}
 # (report key, figure) compared per level; lower is better except output tokens/s.
 METRICS = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_p50_ms", "ITL"),
            ("output_tok_s", "tok/s"))
@@ -116,26 +110,11 @@ def replay_level(args: argparse.Namespace, address: str, label: str, level: int,
             "itl_p50_ms": rep.itl.p50_ms, "output_tok_s": rep.output_tokens_per_s}
 
 
-def step_breakdown(address: str) -> list[str]:
-    """One line per leader with its status fields beyond the basic load (e.g. step phase
-    timings); none when the leaders report nothing more."""
-    with OrchClient(address) as client:
-        views, _, _ = client.status()
-    lines = []
-    for view in views:
-        st: InstanceStatusInfo | None = view.status
-        extra = {} if st is None else {f.name: getattr(st, f.name)
-                                       for f in dataclasses.fields(st)
-                                       if f.name not in _BASIC_FIELDS}
-        if extra:
-            lines.append(f"  {view.name}: {extra}")
-    return lines
-
-
 def compare_level(args: argparse.Namespace, level: int, sides: dict[str, str]) -> dict:
     """``--rounds`` replays of ``level`` on each side of ``sides`` (name -> address, PD
     first), alternating the order each round; per side the list of figures per round."""
     runs: dict[str, list[dict]] = {name: [] for name in sides}
+    before = {name: _timings(address) for name, address in sides.items()}
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in order:
@@ -143,9 +122,14 @@ def compare_level(args: argparse.Namespace, level: int, sides: dict[str, str]) -
             runs[name].append(replay_level(args, sides[name], label, level,
                                            args.out / f"{label}.json"))
     for name, address in sides.items():
-        for line in step_breakdown(address):
-            print(f"[{name} c{level}]{line}")
+        print(f"{name}, concurrency {level}, all rounds:", end=" ")
+        print_step_breakdown(before[name], _timings(address))
     return runs
+
+
+def _timings(address: str) -> dict:
+    """instance name -> its leader's step timings now (orchestrator/bench/step_breakdown.py)."""
+    return asyncio.run(read_step_timings(RunnerConfig(address=address, progress=False)))
 
 
 def summarize_level(level: int, base: str, runs: dict[str, list[dict]]) -> dict:
