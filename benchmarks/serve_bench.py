@@ -12,7 +12,7 @@ The machine is shared and its load drifts, so each level is replayed ``--rounds`
 alternating the two sides (ABBA...), while both are up (an idle deployment costs both sides
 alike); per side the median over rounds is reported. Every deployment gets the same scheduler
 sizes (``max_num_seqs``, ``num_kv_blocks`` enough for the largest level, the configs' prefill
-chunking) and the same torch threads per rank: ``ORCH_TORCH_THREADS=--threads``
+chunking; ``--pd-prefill-chunk`` changes PD's) and the same torch threads per rank: ``ORCH_TORCH_THREADS=--threads``
 (engine/envs.py) in the environment of ``orch up``, which its Ray workers inherit. One replay
 of level ``c`` sends ``max(--min-requests, 2 c)`` requests, ``c`` at a time, after
 ``--warmup`` warm-up requests, with the bench client (``orch bench``'s runner and synthetic
@@ -64,15 +64,18 @@ class Deployment:
 
 
 def deployments(args: argparse.Namespace) -> dict[str, Deployment]:
-    """``pd``, ``colocated-dp1`` and ``colocated-dp2`` with the same scheduler sizes."""
+    """``pd``, ``colocated-dp1`` and ``colocated-dp2`` with the same scheduler sizes (PD's
+    prefill chunk is ``args.pd_prefill_chunk`` when set)."""
     top = max(args.levels)
     blocks = top * math.ceil((args.input_len + args.output_len) / 16) + 16
     sched = {"max_num_seqs": max(top, 8), "num_kv_blocks": blocks}
     common = {"router": {"max_pending": 2 * top, "metrics_port": None},
               "model": {"max_model_len": args.input_len + args.output_len}}
+    chunk = getattr(args, "pd_prefill_chunk", None)
+    pd_prefill = {**sched, "dp": 1, "tp": 1, **({"chunk_size": chunk} if chunk else {})}
     return {
-        "pd": Deployment("pd", "1p1d.yaml", {**common, "decode": {**sched, "dp": 1, "tp": args.tp},
-                                             "prefill": {**sched, "dp": 1, "tp": 1}}),
+        "pd": Deployment("pd", "1p1d.yaml", {**common, "prefill": pd_prefill,
+                                             "decode": {**sched, "dp": 1, "tp": args.tp}}),
         "colocated-dp1": Deployment("colocated-dp1", "colocated.yaml",
                                     {**common, "decode": {**sched, "dp": 1, "tp": args.tp}}),
         "colocated-dp2": Deployment("colocated-dp2", "colocated.yaml",
@@ -152,7 +155,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\nPD (prefill tp1 -> decode tp{args.tp}) vs colocated tp{args.tp}: "
           f"{args.input_len}-token prompts, {args.output_len} output tokens, "
           f"ORCH_TORCH_THREADS={args.threads} per rank on both sides, median of "
-          f"{args.rounds} alternating rounds")
+          f"{args.rounds} alternating rounds; PD prefill chunk "
+          f"{args.pd_prefill_chunk or 'as colocated'}")
     print("| concurrency | colocated | " + " | ".join(
         f"{name} PD / colo (ratio) [round range]" for _, name in METRICS) + " |")
     print("|---|---|" + "---|" * len(METRICS))
@@ -191,6 +195,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="ORCH_TORCH_THREADS of every rank")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32],
                     help="concurrency levels (1 = unloaded, against colocated dp 1)")
+    ap.add_argument("--pd-prefill-chunk", type=int, default=None,
+                    help="PD's prefill.chunk_size (default: the config's, as colocated's); a "
+                         "prefill instance has no decode steps to keep short")
     ap.add_argument("--rounds", type=int, default=3, help="alternating replays per level")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)

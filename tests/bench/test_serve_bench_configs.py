@@ -42,3 +42,14 @@ def test_every_deployment_loads_with_the_same_scheduler_sizes(tmp_path):
             pd.prefill.chunk_size, pd.prefill.max_num_batched_tokens)
         assert cfg.model.max_model_len >= 256 + 64
         assert cfg.router.max_pending >= 32 and cfg.router.metrics_port is None
+
+
+def test_pd_prefill_chunk_changes_only_the_prefill_instance(tmp_path):
+    sb = _serve_bench()
+    args = argparse.Namespace(levels=[1, 8], tp=1, input_len=256, output_len=64,
+                              pd_prefill_chunk=256)
+    deps = sb.deployments(args)
+    pd = load_config(sb.write_config(deps["pd"], tmp_path))
+    colocated = load_config(sb.write_config(deps["colocated-dp2"], tmp_path))
+    assert pd.prefill.chunk_size == 256
+    assert colocated.prefill.chunk_size == 64  # configs/colocated.yaml's
