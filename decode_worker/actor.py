@@ -6,8 +6,10 @@ Protocol (DESIGN.md "One request"), decode side:
    prefill computes and tell every rank's KV receiver to expect the prompt's KV; or a
    :class:`Rejection`.
 2. KV arrives on the receiver threads of every rank, straight into the reserved slots.
-3. ``admit(request_id, first_token_id)``: prefill's first token; once every rank has every
-   layer, the request joins the running batch with ``num_computed_tokens = prompt``.
+3. ``admit(request_id, first_token_id)``: prefill's first token; it returns at once (it never
+   waits for a step in progress) and the loop applies it before its next step; once every
+   rank has every layer, the request joins the running batch with
+   ``num_computed_tokens = prompt``.
 4. Tokens stream out through ``poll``; at the end the blocks are freed exactly once.
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
@@ -19,6 +21,7 @@ reuses the blocks: ``reserve`` and ``admit`` are refused).
 from __future__ import annotations
 
 import logging
+import queue
 import time
 
 from decode_worker.request_state import DecodeRequestState, KVState, KVStatus, ReservedRequest
@@ -53,6 +56,8 @@ class DecodeRank(LeaderRank):
         if self.rank == 0:
             self.setup_leader()
             self.reserved: dict[str, ReservedRequest] = {}  # holds blocks, not in the batch yet
+            # (request id, first token, completion deadline) admitted, not yet applied
+            self.first_tokens: queue.SimpleQueue[tuple[str, int, float]] = queue.SimpleQueue()
             self.peers_kv: tuple[KVPeer, ...] = ()
             self.kv_failures = 0  # requests failed for missing or broken KV
 
@@ -137,20 +142,31 @@ class DecodeRank(LeaderRank):
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete, or fails
-        ``completion_timeout_s`` from now.
+        ``completion_timeout_s`` from now. Returns at once: it never takes the lock a step in
+        progress holds (the loop applies it before its next step, :meth:`_apply_first_tokens`).
 
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
         self.check_in_service()
-        with self._lock:
-            entry = self.reserved.get(request_id)
-            if entry is None:
-                return
-            entry.request.output_token_ids = [first_token_id]
-            entry.state = DecodeRequestState.WAITING_FOR_KV
-            entry.deadline = time.monotonic() + self.cfg.transfer.completion_timeout_s
+        deadline = time.monotonic() + self.cfg.transfer.completion_timeout_s
+        self.first_tokens.put((request_id, first_token_id, deadline))
         self._wake.set()
+
+    def _apply_first_tokens(self) -> None:
+        """Loop: each admitted reservation now waits for its KV (one aborted meanwhile is
+        gone: its first token is dropped)."""
+        while True:
+            try:
+                request_id, token, deadline = self.first_tokens.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                entry = self.reserved.get(request_id)
+                if entry is not None:
+                    entry.request.output_token_ids = [token]
+                    entry.state = DecodeRequestState.WAITING_FOR_KV
+                    entry.deadline = deadline
 
     def _drop_reserved(self, request_id: str) -> Request | None:
         """Forget a reserved request on every rank, then free its blocks (in that order);
@@ -260,6 +276,7 @@ class DecodeRank(LeaderRank):
                                  retryable=True))
 
     def step(self) -> bool:
+        self._apply_first_tokens()
         settled = self._settle_reserved()
         if not self.agree_to_step():
             return settled

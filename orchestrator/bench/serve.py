@@ -18,6 +18,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +28,8 @@ import yaml
 
 # Seconds `orch up` gets to drain and stop after SIGINT before its process group is killed.
 STOP_TIMEOUT_S = 120.0
+# Seconds between checks that `orch up` still runs while waiting for it to serve.
+_READY_SLICE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -81,42 +86,70 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def serve_and_replay(config: Path, args: argparse.Namespace, out: Path) -> ServedConfig:
-    """``orch up config`` on free ports, the replay of ``args`` against it, then stop it.
+@contextmanager
+def serving(config: Path, out: Path, startup_timeout_s: float) -> Iterator[str]:
+    """``orch up config`` on free loopback ports (log in ``out/<stem>.up.log``), serving for
+    the body of the ``with``; yields the router address; stopped (drained) on exit.
 
     Raises:
-        TimeoutError: the router was not SERVING within ``args.up_startup_timeout`` seconds
-            (the ``orch up`` log path is in the message).
+        FileNotFoundError, ValueError: ``config`` is missing or not a YAML mapping.
+        TimeoutError: the router was not SERVING within ``startup_timeout_s`` seconds (the
+            ``orch up`` log path is in the message).
         RuntimeError: ``orch up`` exited before serving.
     """
-    from orchestrator.bench.cli import replay
-    from orchestrator.client import OrchClient
-
-    stem = config.stem
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path, port = _config_on_free_ports(config, Path(tmp))
-        log_path = out / f"{stem}.up.log"
+        log_path = out / f"{config.stem}.up.log"
         with log_path.open("w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up",
                                      str(cfg_path)], stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         try:
-            with OrchClient(f"127.0.0.1:{port}") as client:
-                try:
-                    client.wait_ready(args.up_startup_timeout)
-                except TimeoutError as exc:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"orch up {config} exited with {proc.returncode} "
-                                           f"before serving; see {log_path}") from exc
-                    raise TimeoutError(f"orch up {config} not serving within "
-                                       f"{args.up_startup_timeout:g} s; see {log_path}") from exc
-            report = out / f"{stem}.json"
-            run_args = argparse.Namespace(**{**vars(args), "address": f"127.0.0.1:{port}",
-                                             "label": stem, "output": report})
-            code = replay(run_args)
-            return ServedConfig(config, report, code)
+            _wait_serving(proc, port, startup_timeout_s, f"orch up {config}", log_path)
+            yield f"127.0.0.1:{port}"
         finally:
             _stop(proc)
+
+
+def _wait_serving(proc: subprocess.Popen, port: int, timeout_s: float, what: str,
+                  log_path: Path) -> None:
+    """Wait until the router on ``port`` is SERVING, checking every ``_READY_SLICE_S`` that
+    ``proc`` still runs.
+
+    Raises:
+        RuntimeError: ``proc`` exited first. TimeoutError: not SERVING within ``timeout_s``.
+    """
+    from orchestrator.client import OrchClient
+
+    deadline = time.monotonic() + timeout_s
+    with OrchClient(f"127.0.0.1:{port}") as client:
+        while True:
+            try:
+                client.wait_ready(min(_READY_SLICE_S, max(0.1, deadline - time.monotonic())))
+                return
+            except TimeoutError as exc:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{what} exited with {proc.returncode} before serving; "
+                                       f"see {log_path}") from exc
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} not serving within {timeout_s:g} s; see "
+                                       f"{log_path}") from exc
+
+
+def serve_and_replay(config: Path, args: argparse.Namespace, out: Path) -> ServedConfig:
+    """``orch up config`` on free ports (:func:`serving`), the replay of ``args`` against it,
+    then stop it.
+
+    Raises:
+        TimeoutError, RuntimeError: see :func:`serving`.
+    """
+    from orchestrator.bench.cli import replay
+
+    with serving(config, out, args.up_startup_timeout) as address:
+        report = out / f"{config.stem}.json"
+        run_args = argparse.Namespace(**{**vars(args), "address": address,
+                                         "label": config.stem, "output": report})
+        return ServedConfig(config, report, replay(run_args))
 
 
 def run_configs(args: argparse.Namespace) -> int:

@@ -1,9 +1,11 @@
 """Decode rank's reserved-request states (TP=1, no Ray): a reservation whose first token never
-comes is freed at its deadline even when its KV arrived in full, and a rank asked about KV it
-no longer expects answers FAILED instead of raising."""
+comes is freed at its deadline even when its KV arrived in full, a rank asked about KV it
+no longer expects answers FAILED instead of raising, and ``admit`` never waits for a step in
+progress."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -55,5 +57,30 @@ def test_kv_status_of_a_request_not_expected_is_failed(ckpt):
     try:
         status = decode.kv_status(["gone"])["gone"]
         assert status.state is KVState.FAILED and "not expected" in status.error
+    finally:
+        decode.shutdown()
+
+
+def test_admit_returns_while_a_step_holds_the_lock(ckpt):
+    """The router hands the first token over with ``admit``; it must not wait for the decode
+    step in progress (a whole batch step under load, more when the loop takes the lock
+    again first): the loop applies it before its next step."""
+    decode = start(DecodeRank, ckpt, "decode")
+    try:
+        spec = RequestSpec("held", tuple(range(9)), SamplingParams(max_tokens=3))
+        assert isinstance(decode.reserve(spec, 1), Reservation)
+        returned = threading.Event()
+        caller = threading.Thread(target=lambda: (decode.admit("held", 7), returned.set()))
+        with decode._lock:  # stands for a step in progress
+            caller.start()
+            assert returned.wait(5), "admit waited for the step's lock"
+        caller.join(5)
+        deadline = time.monotonic() + 5
+        while decode.reserved["held"].state is not DecodeRequestState.WAITING_FOR_KV:
+            assert time.monotonic() < deadline, decode.reserved["held"]
+            time.sleep(0.01)
+        assert decode.reserved["held"].request.output_token_ids == [7]
+        assert decode.abort("held")
+        assert decode.pool.num_live_sets == 0
     finally:
         decode.shutdown()
