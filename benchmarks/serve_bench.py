@@ -156,7 +156,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
           f"{args.input_len}-token prompts, {args.output_len} output tokens, "
           f"ORCH_TORCH_THREADS={args.threads} per rank on both sides, median of "
           f"{args.rounds} alternating rounds; PD prefill chunk "
-          f"{args.pd_prefill_chunk or 'as colocated'}")
+          f"{args.pd_prefill_chunk or 'from configs/1p1d.yaml'}")
     print("| concurrency | colocated | " + " | ".join(
         f"{name} PD / colo (ratio) [round range]" for _, name in METRICS) + " |")
     print("|---|---|" + "---|" * len(METRICS))
@@ -196,8 +196,8 @@ def main() -> int:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32],
                     help="concurrency levels (1 = unloaded, against colocated dp 1)")
     ap.add_argument("--pd-prefill-chunk", type=int, default=None,
-                    help="PD's prefill.chunk_size (default: the config's, as colocated's); a "
-                         "prefill instance has no decode steps to keep short")
+                    help="PD's prefill.chunk_size (default: configs/1p1d.yaml's, 256; 64 is "
+                         "colocated's); a prefill instance has no decode steps to keep short")
     ap.add_argument("--rounds", type=int, default=3, help="alternating replays per level")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)

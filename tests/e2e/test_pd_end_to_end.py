@@ -27,7 +27,10 @@ LONG = 500  # max_tokens of a request stopped early ("hi" is 1 token; max_model_
 
 @pytest.fixture(scope="module")
 def pd_server(tmp_path_factory):
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("pd")) as orch:
+    # NOTE: prefill chunks of 64 (the config's are 256): the prompts (~40-150 tokens) then
+    # go in several chunks, each shipped on its own, as long prompts do with 256
+    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("pd"),
+                     {"prefill.chunk_size": 64}) as orch:
         yield orch
 
 
