@@ -1,13 +1,16 @@
-"""The serving layer's cost per step on cpu: what a served token costs beyond the engine step.
+"""Served steps on cpu: what a served token costs beyond the engine step, at tp 1 and tp 2.
 
-A :class:`prefill_worker.colocated.ColocatedRank` of the tiny model runs as a Ray actor (tp
-1, its own step loop thread, the actor options ``orch up`` gives a rank) and this process
-long-polls it for token events as the router's EventPump does. The median gap between a
-request's tokens, less the bare engine decode step (:class:`engine.runner.ModelRunner` at
-batch 1, timed in this process just before), is the serving cost of one step: the leader
-step's scheduler, sampler and events (measured in-process: well under 1 ms) and, most of it,
-the event path (a Ray ``poll`` call per step, its serialization, and the rank's step loop
-sharing the GIL with the actor's call threads).
+A :class:`prefill_worker.colocated.ColocatedRank` instance of the tiny model runs as Ray
+actors (tp 1, then a TP pair; its own step loop thread, the actor options ``orch up`` gives a
+rank) and this process long-polls its leader for token events as the router's EventPump
+does. The median gap between a request's tokens, less the bare engine decode step
+(:class:`engine.runner.ModelRunner` at batch 1, timed in this process just before), is the
+serving cost of one step: the leader step's scheduler, sampler and events (well under 1 ms)
+and, most of it, the event path (a Ray ``poll`` call per step, its serialization, and the
+rank's step loop sharing the GIL with the actor's call threads). The TP pair's gap over the
+single rank's is what a TP step costs as served: the leader's step call to its follower, the
+collectives, and the two ranks, this process and Ray sharing the machine's cores (on a
+2-core machine far more than two idle gloo ranks' round trips).
 """
 
 from __future__ import annotations
@@ -62,32 +65,48 @@ def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]
     raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
 
 
-def serving_step_s(ckpt: Path) -> float:
-    """Seconds a served decode step costs beyond the bare engine step (>= 0), on the Ray
-    this process runs (the caller initialises it).
+def _served_gap_s(ckpt: Path, tp: int) -> float:
+    """Token gap, seconds, of a tiny request served by a ``tp``-rank
+    :class:`ColocatedRank` instance (Ray actors as ``orch up`` makes them), on the Ray this
+    process runs.
 
     Raises:
         TimeoutError, RuntimeError: the served request did not complete (see
-            :func:`_token_gaps_s`); ray.exceptions.GetTimeoutError: a call took over 30 s.
+            :func:`_token_gaps_s`); ray.exceptions.GetTimeoutError: a call took over 60 s.
     """
     import ray
 
     from orchestrator.cluster import ACTOR_CONCURRENCY
     from prefill_worker.colocated import ColocatedRank
-    from prefill_worker.config import InstanceConfig, SchedulerConfig
+    from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
     sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
                             max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
-    cfg = InstanceConfig(name="calib-0", role="colocated", checkpoint_dir=str(ckpt),
-                         scheduler=sched)
-    rank = ray.remote(ColocatedRank).options(num_cpus=0.1,
-                                             max_concurrency=ACTOR_CONCURRENCY).remote(cfg, 0)
+    cfg = InstanceConfig(name=f"calib-tp{tp}", role="colocated", checkpoint_dir=str(ckpt),
+                         scheduler=sched, parallel=ParallelConfig(tp=tp))
+    ranks = [ray.remote(ColocatedRank).options(num_cpus=0.1, max_concurrency=ACTOR_CONCURRENCY)
+             .remote(cfg, r) for r in range(tp)]
     try:
-        host, port = ray.get(rank.open_tp_store.remote(), timeout=60)
-        ray.get(rank.init_rank.remote(host, port, [rank]), timeout=60)
-        ray.get(rank.start.remote(), timeout=30)
-        bare = _bare_decode_s(ckpt)
-        gaps = [g for i in range(2) for g in _token_gaps_s(rank, f"calib-{i}")[4:]]
-        return max(0.0, statistics.median(gaps) - bare)
+        host, port = ray.get(ranks[0].open_tp_store.remote(), timeout=60)
+        ray.get([r.init_rank.remote(host, port, ranks) for r in ranks], timeout=60)
+        ray.get(ranks[0].start.remote(), timeout=30)
+        # NOTE: per request the mean gap (as the bench's TPOT), then the median of three:
+        # events polled in twos make single gaps 0 or double
+        return statistics.median(statistics.fmean(_token_gaps_s(ranks[0], f"calib-{i}")[4:])
+                                 for i in range(3))
     finally:
-        ray.kill(rank)
+        for rank in ranks:
+            ray.kill(rank)
+
+
+def served_steps_s(ckpt: Path) -> tuple[float, float, float]:
+    """(bare engine decode step, served tp-1 step, served tp-2 step), seconds: the step in
+    this process, and the token gaps of a request served by one rank and by a TP pair (the
+    serving cost per step is the second less the first; what a TP step costs on top of that
+    is the third less the second). On the Ray this process runs (the caller initialises it).
+
+    Raises:
+        see :func:`_served_gap_s`.
+    """
+    bare = _bare_decode_s(ckpt)
+    return bare, _served_gap_s(ckpt, 1), _served_gap_s(ckpt, 2)
