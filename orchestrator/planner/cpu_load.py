@@ -6,7 +6,7 @@ a served TP step meets, the Ray call round trip, the serving cost per step, and 
 and bandwidths) are all measured by processes competing for the same cores, so they slow
 down together when other work takes them. The calibration records its reference, the tiny
 model's batch-1 decode step in one process (``reference_step_us``); :func:`reference_step_s`
-times the same step again (~0.2 s) and :func:`at_load` scales every time by the ratio (every
+times the same step again (~0.3 s) and :func:`at_load` scales every time by the ratio (every
 rate by its inverse). On a quiet machine the ratio is ~1; a comparison with a measurement on
 a shared machine times the reference next to it.
 """
@@ -23,7 +23,7 @@ from orchestrator.planner.specs import DeviceSpec
 CONTEXT = 64  # tokens the reference decode step attends to
 
 
-def reference_step_s(ckpt: Path, steps: int = 9) -> float:
+def reference_step_s(ckpt: Path, steps: int = 15) -> float:
     """Median seconds of the tiny checkpoint ``ckpt``'s batch-1 decode step at context
     ``CONTEXT`` in this process (one torch thread, as a rank), after one warm-up step."""
     import torch

@@ -1,0 +1,85 @@
+"""`orch plan` next to `orch bench` on a running cpu deployment (issue 17's check): the
+measured ``cpu`` device rescaled to the load of the moment (:mod:`.cpu_load`), the bench's
+median TTFT / TPOT over a few short reps.
+
+Used by ``tests/e2e/test_plan_vs_bench.py`` and ``benchmarks/plan_vs_bench.py``; the caller
+brings the config up (``orch up``) and measures the device (:func:`.calibrate.measure_cpu`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import OrchConfig
+from orchestrator.planner.cpu_load import at_load, reference_step_s
+from orchestrator.planner.load import WorkloadSpec
+from orchestrator.planner.report import plan_config
+from orchestrator.planner.specs import DeviceSpec
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure of one config at one load: predicted and measured, ms."""
+
+    config: str
+    concurrency: int
+    figure: str          # "TTFT" or "TPOT"
+    predicted_ms: float
+    measured_ms: float
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_ms - self.measured_ms) / self.measured_ms
+
+    def __str__(self) -> str:
+        return (f"{self.config} x{self.concurrency} {self.figure}: plan "
+                f"{self.predicted_ms:.1f} ms, bench {self.measured_ms:.1f} ms "
+                f"({self.error:+.0%})")
+
+
+def bench_ms(address: str, wl: WorkloadSpec, requests: int,
+             warmup: int = 0) -> tuple[float, float]:
+    """(median TTFT, median TPOT), ms, of ``requests`` synthetic requests of ``wl``'s shape,
+    ``wl.concurrency`` in flight, against the router at ``address`` (orch bench's runner,
+    in this process).
+
+    Raises:
+        RuntimeError: a request did not complete (the bench's counts in the message).
+        ConnectionError: the router did not answer.
+    """
+    from orchestrator.bench.report import summarize
+    from orchestrator.bench.runner import RunnerConfig, run_benchmark
+    from orchestrator.bench.workloads import WorkloadConfig, load_workload
+
+    work = load_workload(WorkloadConfig(kind="synthetic", num_requests=requests,
+                                        warmup=warmup, input_len=wl.input_len,
+                                        output_len=wl.output_len))
+    cfg = RunnerConfig(address=address, max_concurrency=wl.concurrency or 1,
+                       request_timeout_s=60, progress=False)
+    report = summarize(asyncio.run(run_benchmark(work, cfg)))
+    if report.counts["completed"] != requests:
+        raise RuntimeError(f"bench against {address}: {report.counts}")
+    return report.ttft.p50_ms, report.tpot.p50_ms
+
+
+def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, ckpt: Path,
+            wl: WorkloadSpec, reps: int, requests: int) -> list[Row]:
+    """Plan vs bench of ``cfg`` (up at ``address``) for ``wl``: ``reps`` times a bench of
+    ``requests`` with the reference step timed before and after each; the prediction at the
+    median reference step, the measurement the median of the reps' bench medians.
+
+    Raises:
+        see :func:`bench_ms`; ConfigError: ``wl`` does not fit ``cfg``.
+    """
+    refs, meas = [reference_step_s(ckpt)], []
+    for _ in range(reps):
+        meas.append(bench_ms(address, wl, requests))
+        refs.append(reference_step_s(ckpt))
+    point = plan_config(cfg, wl, at_load(device, statistics.median(refs))).point
+    conc = wl.concurrency or 1
+    return [Row(name, conc, "TTFT", point.ttft_s * 1e3, statistics.median(m[0] for m in meas)),
+            Row(name, conc, "TPOT", point.tpot_s * 1e3, statistics.median(m[1] for m in meas))]
