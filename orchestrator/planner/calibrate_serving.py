@@ -65,14 +65,12 @@ def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]
     raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
 
 
-def _served_gap_s(ckpt: Path, tp: int) -> float:
-    """Token gap, seconds, of a tiny request served by a ``tp``-rank
-    :class:`ColocatedRank` instance (Ray actors as ``orch up`` makes them), on the Ray this
-    process runs.
+def _start_instance(ckpt: Path, tp: int) -> list:
+    """A started ``tp``-rank :class:`ColocatedRank` instance of ``ckpt``: its rank actors
+    (leader first), made as ``orch up`` makes them, on the Ray this process runs.
 
     Raises:
-        TimeoutError, RuntimeError: the served request did not complete (see
-            :func:`_token_gaps_s`); ray.exceptions.GetTimeoutError: a call took over 60 s.
+        ray.exceptions.GetTimeoutError: a bring-up call took over 60 s.
     """
     import ray
 
@@ -89,24 +87,44 @@ def _served_gap_s(ckpt: Path, tp: int) -> float:
     try:
         host, port = ray.get(ranks[0].open_tp_store.remote(), timeout=60)
         ray.get([r.init_rank.remote(host, port, ranks) for r in ranks], timeout=60)
-        ray.get(ranks[0].start.remote(), timeout=30)
-        # NOTE: per request the mean gap (as the bench's TPOT), then the median of three:
-        # events polled in twos make single gaps 0 or double
-        return statistics.median(statistics.fmean(_token_gaps_s(ranks[0], f"calib-{i}")[4:])
-                                 for i in range(3))
-    finally:
+        ray.get(ranks[0].start.remote(), timeout=60)
+    except BaseException:
         for rank in ranks:
             ray.kill(rank)
+        raise
+    return ranks
 
 
-def served_steps_s(ckpt: Path) -> tuple[float, float, float]:
+def _mean_gap_s(leader, request_id: str) -> float:
+    """The mean token gap of one served request (as the bench's TPOT), its first 4 gaps left
+    out as warm-up. NOTE: a mean, not a median: events polled in twos make single gaps 0
+    or double."""
+    return statistics.fmean(_token_gaps_s(leader, request_id)[4:])
+
+
+def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float]:
     """(bare engine decode step, served tp-1 step, served tp-2 step), seconds: the step in
     this process, and the token gaps of a request served by one rank and by a TP pair (the
     serving cost per step is the second less the first; what a TP step costs on top of that
-    is the third less the second). On the Ray this process runs (the caller initialises it).
+    is the third less the second). Both instances are up together and the three are timed
+    in turn, ``rounds`` times (medians), so a change of load hits them alike. On the Ray
+    this process runs (the caller initialises it).
 
     Raises:
-        see :func:`_served_gap_s`.
+        TimeoutError, RuntimeError: a served request did not complete (see
+            :func:`_token_gaps_s`); ray.exceptions.GetTimeoutError: a call took over 60 s.
     """
-    bare = _bare_decode_s(ckpt)
-    return bare, _served_gap_s(ckpt, 1), _served_gap_s(ckpt, 2)
+    import ray
+
+    instances = [_start_instance(ckpt, 1), _start_instance(ckpt, 2)]
+    try:
+        times: list[list[float]] = [[], [], []]
+        for i in range(rounds):
+            times[0].append(_bare_decode_s(ckpt, steps=5))
+            for k, ranks in enumerate(instances, start=1):
+                times[k].append(_mean_gap_s(ranks[0], f"calib-{i}"))
+        bare, tp1, tp2 = (statistics.median(t) for t in times)
+        return bare, tp1, tp2
+    finally:
+        for rank in (r for ranks in instances for r in ranks):
+            ray.kill(rank)
