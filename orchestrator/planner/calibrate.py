@@ -22,9 +22,8 @@ float32 (the tiny model's dtype):
   per collective (at least the idle round trip above): with the ranks, their Ray threads
   and the event path sharing few cores each collective also waits for the other rank to be
   scheduled (a two-core machine runs 3-5 busy processes per served TP2 step);
-- the reference step (:mod:`.cpu_load`): the tiny batch-1 decode step in this process, the
-  median of four timings spread over the run, so a later run can rescale the figures to
-  the load of its moment.
+- the reference step (:mod:`.cpu_load`): the served tp-1 step above, so a later run can
+  rescale the figures to the load of its moment.
 
 Cached as JSON in ``$ORCH_CACHE_DIR`` (else ``~/.cache/orch``) ``/planner_cpu.json``; the
 machine's load changes the figures: :func:`.cpu_load.at_load` rescales them.
@@ -34,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -237,7 +235,6 @@ def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
 
         with tempfile.TemporaryDirectory() as tmp:
             return measure_cpu(write_tiny_checkpoint(Path(tmp) / "tiny"))
-    from orchestrator.planner.cpu_load import reference_step_s
     from orchestrator.tiny_model import tiny_config_dict
 
     rates = {**_local_rates(), **_gloo_rates()}
@@ -248,18 +245,15 @@ def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
         int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
-    first = reference_step_s(ckpt)
     prefill_s, decode_s = _tiny_step_s(ckpt)
     call_us, served = _ray_figures(ckpt)
-    # NOTE: the reference is the same step timed four times over the run (the load moves)
-    reference = statistics.median([first, decode_s, served[0], reference_step_s(ckpt)])
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
     latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), served,
                                      call_us, raw.link_latency_us)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
                    control_call_us=call_us, link_latency_us=latency,
                    step_serving_us=max(0.0, served[1] - served[0]) * 1e6,
-                   reference_step_us=reference * 1e6)
+                   reference_step_us=served[1] * 1e6)
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

@@ -65,7 +65,7 @@ def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]
     raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
 
 
-def _start_instance(ckpt: Path, tp: int) -> list:
+def start_instance(ckpt: Path, tp: int) -> list:
     """A started ``tp``-rank :class:`ColocatedRank` instance of ``ckpt``: its rank actors
     (leader first), made as ``orch up`` makes them, on the Ray this process runs.
 
@@ -95,10 +95,14 @@ def _start_instance(ckpt: Path, tp: int) -> list:
     return ranks
 
 
-def _mean_gap_s(leader, request_id: str) -> float:
-    """The mean token gap of one served request (as the bench's TPOT), its first 4 gaps left
-    out as warm-up. NOTE: a mean, not a median: events polled in twos make single gaps 0
-    or double."""
+def served_gap_s(leader, request_id: str) -> float:
+    """The mean token gap, seconds, of one request served by the instance of ``leader`` (as
+    the bench's TPOT), its first 4 gaps left out as warm-up. NOTE: a mean, not a median:
+    events polled in twos make single gaps 0 or double.
+
+    Raises:
+        see :func:`_token_gaps_s`.
+    """
     return statistics.fmean(_token_gaps_s(leader, request_id)[4:])
 
 
@@ -116,13 +120,13 @@ def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float]:
     """
     import ray
 
-    instances = [_start_instance(ckpt, 1), _start_instance(ckpt, 2)]
+    instances = [start_instance(ckpt, 1), start_instance(ckpt, 2)]
     try:
         times: list[list[float]] = [[], [], []]
         for i in range(rounds):
             times[0].append(_bare_decode_s(ckpt, steps=5))
             for k, ranks in enumerate(instances, start=1):
-                times[k].append(_mean_gap_s(ranks[0], f"calib-{i}"))
+                times[k].append(served_gap_s(ranks[0], f"calib-{i}"))
         bare, tp1, tp2 = (statistics.median(t) for t in times)
         return bare, tp1, tp2
     finally:

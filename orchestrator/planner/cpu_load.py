@@ -4,44 +4,60 @@ moves with what else runs.
 The ``cpu`` device's figures (host dispatch per layer and per expert, the collective latency
 a served TP step meets, the Ray call round trip, the serving cost per step, and the FLOP/s
 and bandwidths) are all measured by processes competing for the same cores, so they slow
-down together when other work takes them. The calibration records its reference, the tiny
-model's batch-1 decode step in one process (``reference_step_us``); :func:`reference_step_s`
-times the same step again (~0.3 s) and :func:`at_load` scales every time by the ratio (every
-rate by its inverse). On a quiet machine the ratio is ~1; a comparison with a measurement on
-a shared machine times the reference next to it.
+down together when other work takes them. The calibration records its reference, the served
+tp-1 step of the tiny model (``reference_step_us``: a request's mean token gap, rank actors
+and event path as served); :class:`Reference` keeps such an instance up and times the same
+gap again (~0.4 s), and :func:`at_load` scales every time of the device by the ratio (every
+rate by its inverse). A served step, not a step in one process: under load the hand-offs
+between the processes (Ray calls, events, the collectives of a TP pair) slow down far more
+than one process's own work. On a quiet machine the ratio is ~1; a comparison with a
+measurement on a shared machine times the reference next to it.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.planner.specs import DeviceSpec
 
-CONTEXT = 64  # tokens the reference decode step attends to
 
+class Reference:
+    """A tp-1 tiny instance (the calibration's) kept up on the Ray this process runs, to
+    time the reference step next to a measurement; a context manager (kills its actor).
 
-def reference_step_s(ckpt: Path, steps: int = 15) -> float:
-    """Median seconds of the tiny checkpoint ``ckpt``'s batch-1 decode step at context
-    ``CONTEXT`` in this process (one torch thread, as a rank), after one warm-up step."""
-    import torch
+    Raises:
+        ray.exceptions.GetTimeoutError: its bring-up took over 60 s.
+    """
 
-    from engine import envs
-    from engine.runner import ModelRunner, SeqStep
+    def __init__(self, ckpt: Path) -> None:
+        from orchestrator.planner.calibrate_serving import start_instance
 
-    torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
-    runner = ModelRunner(ckpt, num_kv_blocks=8, block_size=16)
-    table = tuple(range(8))
-    runner.execute([SeqStep("p", tuple(range(1000, 1000 + CONTEXT)), 0, table)])
-    runner.execute([SeqStep("p", (7,), CONTEXT, table)])
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        runner.execute([SeqStep("p", (7,), CONTEXT, table)])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        self._ranks = start_instance(ckpt, 1)
+        self._served = 0
+
+    def step_s(self) -> float:
+        """The served step now: one request's mean token gap, seconds.
+
+        Raises:
+            TimeoutError, RuntimeError: the request did not complete.
+        """
+        from orchestrator.planner.calibrate_serving import served_gap_s
+
+        self._served += 1
+        return served_gap_s(self._ranks[0], f"reference-{self._served}")
+
+    def close(self) -> None:
+        import ray
+
+        for rank in self._ranks:
+            ray.kill(rank)
+
+    def __enter__(self) -> "Reference":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def at_load(spec: DeviceSpec, reference_s: float) -> DeviceSpec:

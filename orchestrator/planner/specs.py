@@ -37,9 +37,9 @@ class DeviceSpec:
         step_serving_us: the serving layer's cost per leader step on top of the engine step
             (scheduler, sampler, token events, the router's poll of them), us; measured on
             cpu, 0 (not estimated) for the accelerators.
-        reference_step_us: cpu only: the tiny model's batch-1 decode step in one process when
-            the figures were measured (:mod:`.cpu_load` rescales them to another load); 0
-            for the accelerators.
+        reference_step_us: cpu only: the tiny model's served tp-1 step (a request's mean
+            token gap) when the figures were measured (:mod:`.cpu_load` rescales them to
+            another load); 0 for the accelerators.
     """
 
     key: str

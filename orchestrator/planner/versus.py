@@ -3,7 +3,8 @@ measured ``cpu`` device rescaled to the load of the moment (:mod:`.cpu_load`), t
 median TTFT / TPOT over a few short reps.
 
 Used by ``tests/e2e/test_plan_vs_bench.py`` and ``benchmarks/plan_vs_bench.py``; the caller
-brings the config up (``orch up``) and measures the device (:func:`.calibrate.measure_cpu`).
+brings the config up (``orch up``), measures the device (:func:`.calibrate.measure_cpu`) and
+keeps a :class:`.cpu_load.Reference` up.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 from orchestrator.config import OrchConfig
-from orchestrator.planner.cpu_load import at_load, reference_step_s
+from orchestrator.planner.cpu_load import Reference, at_load
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.report import plan_config
 from orchestrator.planner.specs import DeviceSpec
@@ -66,7 +66,7 @@ def bench_ms(address: str, wl: WorkloadSpec, requests: int,
     return report.ttft.p50_ms, report.tpot.p50_ms
 
 
-def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, ckpt: Path,
+def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, ref: Reference,
             wl: WorkloadSpec, reps: int, requests: int) -> list[Row]:
     """Plan vs bench of ``cfg`` (up at ``address``) for ``wl``: ``reps`` times a bench of
     ``requests`` with the reference step timed before and after each; the prediction at the
@@ -75,10 +75,10 @@ def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, ckpt: 
     Raises:
         see :func:`bench_ms`; ConfigError: ``wl`` does not fit ``cfg``.
     """
-    refs, meas = [reference_step_s(ckpt)], []
+    refs, meas = [ref.step_s()], []
     for _ in range(reps):
         meas.append(bench_ms(address, wl, requests))
-        refs.append(reference_step_s(ckpt))
+        refs.append(ref.step_s())
     point = plan_config(cfg, wl, at_load(device, statistics.median(refs))).point
     conc = wl.concurrency or 1
     return [Row(name, conc, "TTFT", point.ttft_s * 1e3, statistics.median(m[0] for m in meas)),
