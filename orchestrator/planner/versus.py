@@ -9,9 +9,13 @@ keeps a :class:`.cpu_load.Reference` up.
 
 from __future__ import annotations
 
-import asyncio
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from orchestrator.config import OrchConfig
 from orchestrator.planner.cpu_load import Reference, at_load
@@ -44,26 +48,29 @@ class Row:
 def bench_ms(address: str, wl: WorkloadSpec, requests: int,
              warmup: int = 0) -> tuple[float, float]:
     """(median TTFT, median TPOT), ms, of ``requests`` synthetic requests of ``wl``'s shape,
-    ``wl.concurrency`` in flight, against the router at ``address`` (orch bench's runner,
-    in this process).
+    ``wl.concurrency`` in flight, against the router at ``address``: ``orch bench`` in a
+    subprocess (NOTE: not in this process: gRPC's asyncio poller would stay behind and slow
+    this process's reference timings).
 
     Raises:
-        RuntimeError: a request did not complete (the bench's counts in the message).
-        ConnectionError: the router did not answer.
+        RuntimeError: the bench failed or a request did not complete (its output's tail).
     """
-    from orchestrator.bench.report import summarize
-    from orchestrator.bench.runner import RunnerConfig, run_benchmark
-    from orchestrator.bench.workloads import WorkloadConfig, load_workload
-
-    work = load_workload(WorkloadConfig(kind="synthetic", num_requests=requests,
-                                        warmup=warmup, input_len=wl.input_len,
-                                        output_len=wl.output_len))
-    cfg = RunnerConfig(address=address, max_concurrency=wl.concurrency or 1,
-                       request_timeout_s=60, progress=False)
-    report = summarize(asyncio.run(run_benchmark(work, cfg)))
-    if report.counts["completed"] != requests:
-        raise RuntimeError(f"bench against {address}: {report.counts}")
-    return report.ttft.p50_ms, report.tpot.p50_ms
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "bench", "--address", address,
+             "--workload", "synthetic", "--num-requests", str(requests), "--warmup",
+             str(warmup), "--input-len", str(wl.input_len), "--output-len",
+             str(wl.output_len), "--max-concurrency", str(wl.concurrency or 1),
+             "--request-timeout", "60", "--no-progress", "--output", str(out)],
+            capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"orch bench against {address} failed: "
+                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        report = json.loads(out.read_text())
+    if report["counts"]["completed"] != requests:
+        raise RuntimeError(f"orch bench against {address}: {report['counts']}")
+    return report["ttft"]["p50_ms"], report["tpot"]["p50_ms"]
 
 
 def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, ref: Reference,
