@@ -14,7 +14,9 @@ float32 (the tiny model's dtype):
   rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
 - serving cost per step: a served tiny request's token gap less the bare engine decode step
-  (:mod:`.calibrate_serving`), on the same Ray as the control call;
+  (:mod:`.calibrate_serving`), on the same Ray as the control call; and the first token's
+  cost: its time to first token less the launch call, the bare prefill and that serving
+  cost (the event path of a lone event, not overlapped with a next step);
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
   the round trip of a 4-byte all-reduce;
 - collective latency as a served TP step meets it: the token gap of a request served by a
@@ -112,7 +114,7 @@ def _gloo_rates() -> dict[str, float]:
     return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
-def _ray_figures(ckpt: Path) -> tuple[float, tuple[float, float, float]]:
+def _ray_figures(ckpt: Path) -> tuple[float, tuple[float, float, float, float]]:
     """(Ray actor call round trip in us, the served steps of
     :func:`.calibrate_serving.served_steps_s` in s), on the Ray this process runs, else on a
     private local one started for them.
@@ -182,7 +184,7 @@ def _tiny_step_s(ckpt: Path) -> tuple[float, float]:
     return sorted(times[0])[4], sorted(times[1])[4]
 
 
-def _collective_latency_us(m_layers: int, served: tuple[float, float, float], call_us: float,
+def _collective_latency_us(m_layers: int, served: tuple[float, ...], call_us: float,
                            floor_us: float) -> float:
     """The latency one TP collective costs inside a served step: the served TP2 step's extra
     time over the served single rank (``served``: bare, tp 1, tp 2 seconds), less the
@@ -250,9 +252,12 @@ def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
     latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), served,
                                      call_us, raw.link_latency_us)
+    serving_s = max(0.0, served[1] - served[0])
+    # NOTE: the model's TTFT at one request is the launch call + the prefill step + serving
+    first_token_s = max(0.0, served[3] - call_us * 1e-6 - prefill_s - serving_s)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
                    control_call_us=call_us, link_latency_us=latency,
-                   step_serving_us=max(0.0, served[1] - served[0]) * 1e6,
+                   step_serving_us=serving_s * 1e6, first_token_us=first_token_s * 1e6,
                    reference_step_us=served[1] * 1e6)
 
 

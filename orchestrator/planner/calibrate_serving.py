@@ -39,8 +39,9 @@ def _bare_decode_s(ckpt: Path, steps: int = 9) -> float:
     return statistics.median(times)
 
 
-def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]:
-    """Seconds between the token events of ``request_id``, polled from the actor ``rank``.
+def _token_times_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]:
+    """Seconds from sending ``request_id`` to the actor ``rank`` to each of its tokens,
+    polled as the EventPump does.
 
     Raises:
         TimeoutError: the request did not finish within ``timeout_s``.
@@ -51,6 +52,7 @@ def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]
     from engine.sampling_params import SamplingParams
     from prefill_worker.messages import RequestSpec
 
+    sent = time.perf_counter()
     ray.get(rank.generate.remote(RequestSpec(
         request_id, tuple(range(1000, 1000 + PROMPT)),
         SamplingParams(max_tokens=TOKENS, ignore_eos=True))), timeout=30)
@@ -59,9 +61,9 @@ def _token_gaps_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]
         for ev in ray.get(rank.poll.remote(POLL_S), timeout=30):
             if ev.error:
                 raise RuntimeError(f"calibration request failed: {ev.error}")
-            arrivals.extend([time.perf_counter()] * max(1, len(ev.token_ids)))
+            arrivals.extend([time.perf_counter() - sent] * max(1, len(ev.token_ids)))
             if ev.finish_reason is not None:
-                return [b - a for a, b in zip(arrivals, arrivals[1:])]
+                return arrivals
     raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
 
 
@@ -95,40 +97,45 @@ def start_instance(ckpt: Path, tp: int) -> list:
     return ranks
 
 
-def served_gap_s(leader, request_id: str) -> float:
-    """The mean token gap, seconds, of one request served by the instance of ``leader`` (as
-    the bench's TPOT), its first 4 gaps left out as warm-up. NOTE: a mean, not a median:
-    events polled in twos make single gaps 0 or double.
+def served_request_s(leader, request_id: str) -> tuple[float, float]:
+    """(time to first token, mean token gap), seconds, of one request served by the
+    instance of ``leader``, as the poller sees them; the gap as the bench's TPOT, its first
+    4 gaps left out as warm-up. NOTE: a mean, not a median: events polled in twos make
+    single gaps 0 or double.
 
     Raises:
-        see :func:`_token_gaps_s`.
+        see :func:`_token_times_s`.
     """
-    return statistics.fmean(_token_gaps_s(leader, request_id)[4:])
+    times = _token_times_s(leader, request_id)
+    return times[0], (times[-1] - times[4]) / (len(times) - 5)
 
 
-def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float]:
-    """(bare engine decode step, served tp-1 step, served tp-2 step), seconds: the step in
-    this process, and the token gaps of a request served by one rank and by a TP pair (the
-    serving cost per step is the second less the first; what a TP step costs on top of that
-    is the third less the second). Both instances are up together and the three are timed
-    in turn, ``rounds`` times (medians), so a change of load hits them alike. On the Ray
-    this process runs (the caller initialises it).
+def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, float]:
+    """(bare engine decode step, served tp-1 step, served tp-2 step, served tp-1 time to
+    first token), seconds: the step in this process, the token gaps of a request served by
+    one rank and by a TP pair (the serving cost per step is the second less the first; what
+    a TP step costs on top of that is the third less the second), and the single rank's
+    first token as the poller sees it. Both instances are up together and the three
+    requests timed in turn, ``rounds`` times (medians), so a change of load hits them alike.
+    On the Ray this process runs (the caller initialises it).
 
     Raises:
         TimeoutError, RuntimeError: a served request did not complete (see
-            :func:`_token_gaps_s`); ray.exceptions.GetTimeoutError: a call took over 60 s.
+            :func:`_token_times_s`); ray.exceptions.GetTimeoutError: a call took over 60 s.
     """
     import ray
 
     instances = [start_instance(ckpt, 1), start_instance(ckpt, 2)]
     try:
-        times: list[list[float]] = [[], [], []]
+        times: list[list[float]] = [[], [], [], []]
         for i in range(rounds):
             times[0].append(_bare_decode_s(ckpt, steps=5))
-            for k, ranks in enumerate(instances, start=1):
-                times[k].append(served_gap_s(ranks[0], f"calib-{i}"))
-        bare, tp1, tp2 = (statistics.median(t) for t in times)
-        return bare, tp1, tp2
+            ttft, gap = served_request_s(instances[0][0], f"c1-{i}")
+            times[1].append(gap)
+            times[3].append(ttft)
+            times[2].append(served_request_s(instances[1][0], f"c2-{i}")[1])
+        bare, tp1, tp2, first = (statistics.median(t) for t in times)
+        return bare, tp1, tp2, first
     finally:
         for rank in (r for ranks in instances for r in ranks):
             ray.kill(rank)

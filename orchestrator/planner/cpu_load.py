@@ -42,10 +42,10 @@ class Reference:
         Raises:
             TimeoutError, RuntimeError: the request did not complete.
         """
-        from orchestrator.planner.calibrate_serving import served_gap_s
+        from orchestrator.planner.calibrate_serving import served_request_s
 
         self._served += 1
-        return served_gap_s(self._ranks[0], f"reference-{self._served}")
+        return served_request_s(self._ranks[0], f"reference-{self._served}")[1]
 
     def close(self) -> None:
         import ray
@@ -80,4 +80,5 @@ def at_load(spec: DeviceSpec, reference_s: float) -> DeviceSpec:
                    link_latency_us=spec.link_latency_us * f,
                    control_call_us=spec.control_call_us * f,
                    step_serving_us=spec.step_serving_us * f,
+                   first_token_us=spec.first_token_us * f,
                    reference_step_us=reference_s * 1e6)

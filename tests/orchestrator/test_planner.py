@@ -129,7 +129,8 @@ def test_at_load_scales_every_cpu_time_by_the_reference_step():
 
     gpu = default_device("cuda")
     cpu = replace(gpu, key="cpu", platform="cpu", step_serving_us=1000.0,
-                  control_call_us=700.0, expert_overhead_us=50.0, reference_step_us=10_000.0)
+                  control_call_us=700.0, expert_overhead_us=50.0, first_token_us=300.0,
+                  reference_step_us=10_000.0)
     slow = at_load(cpu, 0.02)
     assert slow.reference_step_us == pytest.approx(20_000.0)
     assert slow.hbm_gb_s == pytest.approx(cpu.hbm_gb_s / 2)
@@ -148,6 +149,6 @@ def test_cpu_collective_latency_is_the_served_tp2_steps_extra_per_collective():
     from orchestrator.planner.calibrate import _collective_latency_us
 
     # 3 layers: 2 x 3 + 2 = 8 collectives; 30 ms over 14 ms served, less a 1.2 ms call
-    assert _collective_latency_us(3, (0.007, 0.014, 0.030), 1200.0, 100.0) == \
+    assert _collective_latency_us(3, (0.007, 0.014, 0.030, 0.02), 1200.0, 100.0) == \
         pytest.approx(14_800.0 / 8)
-    assert _collective_latency_us(3, (0.007, 0.014, 0.0141), 1200.0, 100.0) == 100.0
+    assert _collective_latency_us(3, (0.007, 0.014, 0.0141, 0.02), 1200.0, 100.0) == 100.0
