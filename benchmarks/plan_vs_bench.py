@@ -18,7 +18,6 @@ import ray
 from orchestrator.checkpoint import ensure_checkpoint
 from orchestrator.config import load_config
 from orchestrator.planner.calibrate import measure_cpu
-from orchestrator.planner.cpu_load import Reference
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.versus import bench_ms, compare
 from tests.e2e.harness import OrchProcess
@@ -40,14 +39,14 @@ def main() -> None:
     try:
         ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
         device = measure_cpu(ckpt)
-        print(f"cpu: served reference step {device.reference_step_us / 1e3:.2f} ms, serving "
-              f"cost per step {device.step_serving_us / 1e3:.2f} ms, host "
+        print(f"cpu: serving cost per step {device.step_serving_us / 1e3:.2f} ms, first token "
+              f"{device.first_token_us / 1e3:.2f} ms, host "
               f"{device.layer_overhead_us / 1e3:.2f} ms per layer, collective "
               f"{device.link_latency_us / 1e3:.2f} ms, Ray call "
               f"{device.control_call_us / 1e3:.2f} ms")
         overrides = {"cluster.address": ray.get_runtime_context().gcs_address,
                      "cluster.bind_host": "127.0.0.1"}
-        with tempfile.TemporaryDirectory() as tmp, Reference(ckpt) as ref:
+        with tempfile.TemporaryDirectory() as tmp:
             for name in CONFIGS:
                 path = REPO / "configs" / f"{name}.yaml"
                 with OrchProcess(path, Path(tmp), overrides) as orch:
@@ -55,7 +54,7 @@ def main() -> None:
                     for conc in args.concurrency:
                         wl = WorkloadSpec(IN, OUT, concurrency=conc)
                         for row in compare(name, load_config(path), orch.address, device,
-                                           ref, wl, args.reps, REQUESTS * conc):
+                                           wl, args.reps, REQUESTS * conc):
                             print(row)
     finally:
         ray.shutdown()

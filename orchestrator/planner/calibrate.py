@@ -24,11 +24,10 @@ float32 (the tiny model's dtype):
   per collective (at least the idle round trip above): with the ranks, their Ray threads
   and the event path sharing few cores each collective also waits for the other rank to be
   scheduled (a two-core machine runs 3-5 busy processes per served TP2 step);
-- the reference step (:mod:`.cpu_load`): the served tp-1 step above, so a later run can
-  rescale the figures to the load of its moment.
 
 Cached as JSON in ``$ORCH_CACHE_DIR`` (else ``~/.cache/orch``) ``/planner_cpu.json``; the
-machine's load changes the figures: :func:`.cpu_load.at_load` rescales them.
+machine's load changes the figures, so a comparison measures them in the same run, just
+before.
 """
 
 from __future__ import annotations
@@ -257,8 +256,7 @@ def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
     first_token_s = max(0.0, served[3] - call_us * 1e-6 - prefill_s - serving_s)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
                    control_call_us=call_us, link_latency_us=latency,
-                   step_serving_us=serving_s * 1e6, first_token_us=first_token_s * 1e6,
-                   reference_step_us=served[1] * 1e6)
+                   step_serving_us=serving_s * 1e6, first_token_us=first_token_s * 1e6)
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

@@ -67,7 +67,7 @@ def _token_times_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float
     raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
 
 
-def start_instance(ckpt: Path, tp: int) -> list:
+def _start_instance(ckpt: Path, tp: int) -> list:
     """A started ``tp``-rank :class:`ColocatedRank` instance of ``ckpt``: its rank actors
     (leader first), made as ``orch up`` makes them, on the Ray this process runs.
 
@@ -97,7 +97,7 @@ def start_instance(ckpt: Path, tp: int) -> list:
     return ranks
 
 
-def served_request_s(leader, request_id: str) -> tuple[float, float]:
+def _served_request_s(leader, request_id: str) -> tuple[float, float]:
     """(time to first token, mean token gap), seconds, of one request served by the
     instance of ``leader``, as the poller sees them; the gap as the bench's TPOT, its first
     4 gaps left out as warm-up. NOTE: a mean, not a median: events polled in twos make
@@ -125,15 +125,15 @@ def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, fl
     """
     import ray
 
-    instances = [start_instance(ckpt, 1), start_instance(ckpt, 2)]
+    instances = [_start_instance(ckpt, 1), _start_instance(ckpt, 2)]
     try:
         times: list[list[float]] = [[], [], [], []]
         for i in range(rounds):
             times[0].append(_bare_decode_s(ckpt, steps=5))
-            ttft, gap = served_request_s(instances[0][0], f"c1-{i}")
+            ttft, gap = _served_request_s(instances[0][0], f"c1-{i}")
             times[1].append(gap)
             times[3].append(ttft)
-            times[2].append(served_request_s(instances[1][0], f"c2-{i}")[1])
+            times[2].append(_served_request_s(instances[1][0], f"c2-{i}")[1])
         bare, tp1, tp2, first = (statistics.median(t) for t in times)
         return bare, tp1, tp2, first
     finally:

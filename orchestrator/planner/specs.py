@@ -41,9 +41,6 @@ class DeviceSpec:
             serving cost per step (the event path not overlapped with a next step: the rank's
             loop waking for the new request, the poll returning the lone first event), us,
             once per request; measured on cpu, 0 (not estimated) for the accelerators.
-        reference_step_us: cpu only: the tiny model's served tp-1 step (a request's mean
-            token gap) when the figures were measured (:mod:`.cpu_load` rescales them to
-            another load); 0 for the accelerators.
     """
 
     key: str
@@ -62,7 +59,6 @@ class DeviceSpec:
     control_call_us: float = 0.0
     step_serving_us: float = 0.0
     first_token_us: float = 0.0
-    reference_step_us: float = 0.0
 
 
 @dataclass(frozen=True)

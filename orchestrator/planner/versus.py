@@ -1,10 +1,10 @@
 """`orch plan` next to `orch bench` on a running cpu deployment (issue 17's check): the
-measured ``cpu`` device rescaled to the load of the moment (:mod:`.cpu_load`), the bench's
-median TTFT / TPOT over a few short reps.
+prediction on the measured ``cpu`` device, the bench's median TTFT / TPOT over a few short
+reps.
 
 Used by ``tests/e2e/test_plan_vs_bench.py`` and ``benchmarks/plan_vs_bench.py``; the caller
-brings the config up (``orch up``), measures the device (:func:`.calibrate.measure_cpu`) and
-keeps a :class:`.cpu_load.Reference` up.
+brings the config up (``orch up``) and measures the device (:func:`.calibrate.measure_cpu`,
+in the same run, just before: the machine's load moves the cpu figures).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchestrator.config import OrchConfig
-from orchestrator.planner.cpu_load import Reference, at_load
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.report import plan_config
 from orchestrator.planner.specs import DeviceSpec
@@ -73,20 +72,16 @@ def bench_ms(address: str, wl: WorkloadSpec, requests: int,
     return report["ttft"]["p50_ms"], report["tpot"]["p50_ms"]
 
 
-def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, ref: Reference,
-            wl: WorkloadSpec, reps: int, requests: int) -> list[Row]:
-    """Plan vs bench of ``cfg`` (up at ``address``) for ``wl``: ``reps`` times a bench of
-    ``requests`` with the reference step timed before and after each; the prediction at the
-    median reference step, the measurement the median of the reps' bench medians.
+def compare(name: str, cfg: OrchConfig, address: str, device: DeviceSpec, wl: WorkloadSpec,
+            reps: int, requests: int) -> list[Row]:
+    """Plan vs bench of ``cfg`` (up at ``address``) for ``wl`` on ``device``: the measurement
+    is the median of ``reps`` benches' medians, ``requests`` requests each.
 
     Raises:
         see :func:`bench_ms`; ConfigError: ``wl`` does not fit ``cfg``.
     """
-    refs, meas = [ref.step_s()], []
-    for _ in range(reps):
-        meas.append(bench_ms(address, wl, requests))
-        refs.append(ref.step_s())
-    point = plan_config(cfg, wl, at_load(device, statistics.median(refs))).point
+    point = plan_config(cfg, wl, device).point
+    meas = [bench_ms(address, wl, requests) for _ in range(reps)]
     conc = wl.concurrency or 1
     return [Row(name, conc, "TTFT", point.ttft_s * 1e3, statistics.median(m[0] for m in meas)),
             Row(name, conc, "TPOT", point.tpot_s * 1e3, statistics.median(m[1] for m in meas))]

@@ -2,13 +2,11 @@
 configs/colocated.yaml and configs/1p1d.yaml, median TTFT and TPOT within 30 % (64-token
 prompts, 16 output tokens, one request in flight).
 
-The only timing assertion of the suite (the issue asks for it), so made robust on a shared,
-timing-noisy 2-core machine: the cpu device is measured once in this process on the
-deployments' own tiny checkpoint and the session's Ray, and its tp-1 reference instance kept
-up; each config is brought up once (on that Ray) and warmed; then three reps of a bench of 4
-requests with the reference step timed before and after each: the prediction is at the
-median reference step (``orchestrator.planner.cpu_load.at_load``: the load of that moment),
-the measurement the median of the reps' medians.
+The only timing assertion of the suite (the issue asks for it), so made as steady as it can
+be on a shared, timing-noisy 2-core machine: the cpu device is measured in this process just
+before, on the deployments' own tiny checkpoint and the session's Ray; each config is brought
+up once (on that Ray) and warmed (2 requests); the measurement is the median of three
+benches' medians (4 requests each, ``orch bench`` in a subprocess).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import pytest
 from orchestrator.checkpoint import ensure_checkpoint
 from orchestrator.config import load_config
 from orchestrator.planner.calibrate import measure_cpu
-from orchestrator.planner.cpu_load import Reference
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.versus import bench_ms, compare
 from tests.e2e.harness import REPO, OrchProcess
@@ -35,13 +32,12 @@ def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
     overrides = {"cluster.address": ray_session.get_runtime_context().gcs_address,
                  "cluster.bind_host": "127.0.0.1"}
     rows = []
-    with Reference(ckpt) as ref:
-        for name in ("colocated", "1p1d"):
-            path = REPO / "configs" / f"{name}.yaml"
-            with OrchProcess(path, tmp_path, overrides) as orch:
-                bench_ms(orch.address, WORKLOAD, 1, warmup=2)
-                rows += compare(name, load_config(path), orch.address, device, ref, WORKLOAD,
-                                REPS, REQUESTS)
+    for name in ("colocated", "1p1d"):
+        path = REPO / "configs" / f"{name}.yaml"
+        with OrchProcess(path, tmp_path, overrides) as orch:
+            bench_ms(orch.address, WORKLOAD, 1, warmup=2)
+            rows += compare(name, load_config(path), orch.address, device, WORKLOAD, REPS,
+                            REQUESTS)
     text = "; ".join(map(str, rows)) + \
         f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
     print(text)

@@ -120,31 +120,6 @@ def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
     assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(2e-3, rel=1e-6)
 
 
-def test_at_load_scales_every_cpu_time_by_the_reference_step():
-    from dataclasses import replace
-
-    from orchestrator.config import load_config
-    from orchestrator.planner.cpu_load import at_load
-    from orchestrator.planner.report import plan_config
-
-    gpu = default_device("cuda")
-    cpu = replace(gpu, key="cpu", platform="cpu", step_serving_us=1000.0,
-                  control_call_us=700.0, expert_overhead_us=50.0, first_token_us=300.0,
-                  reference_step_us=10_000.0)
-    slow = at_load(cpu, 0.02)
-    assert slow.reference_step_us == pytest.approx(20_000.0)
-    assert slow.hbm_gb_s == pytest.approx(cpu.hbm_gb_s / 2)
-    assert slow.link_latency_us == pytest.approx(cpu.link_latency_us * 2)
-    # NOTE: every term of a plan is a time or a size over a rate: the figures scale exactly
-    wl = WorkloadSpec(64, 16, concurrency=1)
-    for name in ("colocated", "1p1d"):
-        cfg = load_config(REPO / "configs" / f"{name}.yaml")
-        base, loaded = (plan_config(cfg, wl, d).point for d in (cpu, slow))
-        assert loaded.tpot_s == pytest.approx(2 * base.tpot_s, rel=1e-6)
-        assert loaded.ttft_s == pytest.approx(2 * base.ttft_s, rel=1e-6)
-    assert at_load(gpu, 0.02) is gpu  # no reference step: an accelerator stays as it is
-
-
 def test_cpu_collective_latency_is_the_served_tp2_steps_extra_per_collective():
     from orchestrator.planner.calibrate import _collective_latency_us
 
@@ -152,3 +127,19 @@ def test_cpu_collective_latency_is_the_served_tp2_steps_extra_per_collective():
     assert _collective_latency_us(3, (0.007, 0.014, 0.030, 0.02), 1200.0, 100.0) == \
         pytest.approx(14_800.0 / 8)
     assert _collective_latency_us(3, (0.007, 0.014, 0.0141, 0.02), 1200.0, 100.0) == 100.0
+
+
+def test_first_token_cost_is_paid_once_per_request_in_ttft_only():
+    from dataclasses import replace
+
+    from orchestrator.config import load_config
+    from orchestrator.planner.report import plan_config
+
+    base = replace(default_device("cuda"), first_token_us=0.0)
+    slow = replace(base, first_token_us=1000.0)
+    wl = WorkloadSpec(128, 16, concurrency=1)
+    for name in ("colocated", "1p1d"):
+        cfg = load_config(REPO / "configs" / f"{name}.yaml")
+        fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
+        assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(1e-3, rel=1e-6)
+        assert slow_pt.tpot_s == pytest.approx(fast_pt.tpot_s, rel=1e-9)
