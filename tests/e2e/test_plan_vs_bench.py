@@ -38,8 +38,12 @@ def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
             bench_ms(orch.address, WORKLOAD, 1, warmup=2)
             rows += compare(name, load_config(path), orch.address, device, WORKLOAD, REPS,
                             REQUESTS)
-    text = "; ".join(map(str, rows)) + \
-        f" (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    ms = {k: getattr(device, k) / 1e3 for k in ("layer_overhead_us", "step_serving_us",
+                                                 "first_token_us", "link_latency_us",
+                                                 "control_call_us")}
+    text = "; ".join(map(str, rows)) + f" (load average {os.getloadavg()[0]:.1f} on " \
+        f"{os.cpu_count()} cores; cpu figures in ms: " \
+        + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in ms.items()) + ")"
     print(text)
     for row in rows:
         assert row.predicted_ms == pytest.approx(row.measured_ms, rel=0.3), text
