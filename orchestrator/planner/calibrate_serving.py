@@ -125,8 +125,10 @@ def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, fl
     """
     import ray
 
-    instances = [_start_instance(ckpt, 1), _start_instance(ckpt, 2)]
+    instances: list[list] = []
     try:
+        for tp in (1, 2):
+            instances.append(_start_instance(ckpt, tp))
         times: list[list[float]] = [[], [], [], []]
         for i in range(rounds):
             times[0].append(_bare_decode_s(ckpt, steps=5))
