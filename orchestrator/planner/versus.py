@@ -48,8 +48,7 @@ def bench_ms(address: str, wl: WorkloadSpec, requests: int,
              warmup: int = 0) -> tuple[float, float]:
     """(median TTFT, median TPOT), ms, of ``requests`` synthetic requests of ``wl``'s shape,
     ``wl.concurrency`` in flight, against the router at ``address``: ``orch bench`` in a
-    subprocess (NOTE: not in this process: gRPC's asyncio poller would stay behind and slow
-    this process's reference timings).
+    subprocess, a client process of its own as a user runs it.
 
     Raises:
         RuntimeError: the bench failed or a request did not complete (its output's tail).
