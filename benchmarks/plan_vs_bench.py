@@ -38,12 +38,6 @@ def main() -> None:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}})
     try:
         ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
-        device = measure_cpu(ckpt)
-        print(f"cpu: serving cost per step {device.step_serving_us / 1e3:.2f} ms, first token "
-              f"{device.first_token_us / 1e3:.2f} ms, host "
-              f"{device.layer_overhead_us / 1e3:.2f} ms per layer, collective "
-              f"{device.link_latency_us / 1e3:.2f} ms, Ray call "
-              f"{device.control_call_us / 1e3:.2f} ms")
         overrides = {"cluster.address": ray.get_runtime_context().gcs_address,
                      "cluster.bind_host": "127.0.0.1"}
         with tempfile.TemporaryDirectory() as tmp:
@@ -51,6 +45,13 @@ def main() -> None:
                 path = REPO / "configs" / f"{name}.yaml"
                 with OrchProcess(path, Path(tmp), overrides) as orch:
                     bench_ms(orch.address, WorkloadSpec(IN, OUT, concurrency=1), 1, warmup=2)
+                    device = measure_cpu(ckpt)  # NOTE: with the deployment up, just before
+                    print(f"{name}: cpu serving cost per step "
+                          f"{device.step_serving_us / 1e3:.2f} ms, first token "
+                          f"{device.first_token_us / 1e3:.2f} ms, host "
+                          f"{device.layer_overhead_us / 1e3:.2f} ms per layer, collective "
+                          f"{device.link_latency_us / 1e3:.2f} ms, Ray call "
+                          f"{device.control_call_us / 1e3:.2f} ms")
                     for conc in args.concurrency:
                         wl = WorkloadSpec(IN, OUT, concurrency=conc)
                         for row in compare(name, load_config(path), orch.address, device,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 PROMPT = 64  # tokens of the served request's prompt
 TOKENS = 24  # tokens it generates (the first 4 gaps are left out as warm-up)
+FIRST_TOKENS = 9  # one-token requests timed for the time to first token
 POLL_S = 0.5  # the EventPump's long-poll timeout (orchestrator/leader.py)
 
 
@@ -39,9 +40,10 @@ def _bare_decode_s(ckpt: Path, steps: int = 9) -> float:
     return statistics.median(times)
 
 
-def _token_times_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float]:
-    """Seconds from sending ``request_id`` to the actor ``rank`` to each of its tokens,
-    polled as the EventPump does.
+def _token_times_s(rank, request_id: str, tokens: int = TOKENS,
+                   timeout_s: float = 60.0) -> list[float]:
+    """Seconds from sending ``request_id`` (``tokens`` output tokens) to the actor ``rank``
+    to each of its tokens, polled as the EventPump does.
 
     Raises:
         TimeoutError: the request did not finish within ``timeout_s``.
@@ -55,7 +57,7 @@ def _token_times_s(rank, request_id: str, timeout_s: float = 60.0) -> list[float
     sent = time.perf_counter()
     ray.get(rank.generate.remote(RequestSpec(
         request_id, tuple(range(1000, 1000 + PROMPT)),
-        SamplingParams(max_tokens=TOKENS, ignore_eos=True))), timeout=30)
+        SamplingParams(max_tokens=tokens, ignore_eos=True))), timeout=30)
     arrivals, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for ev in ray.get(rank.poll.remote(POLL_S), timeout=30):
@@ -97,17 +99,16 @@ def _start_instance(ckpt: Path, tp: int) -> list:
     return ranks
 
 
-def _served_request_s(leader, request_id: str) -> tuple[float, float]:
-    """(time to first token, mean token gap), seconds, of one request served by the
-    instance of ``leader``, as the poller sees them; the gap as the bench's TPOT, its first
-    4 gaps left out as warm-up. NOTE: a mean, not a median: events polled in twos make
-    single gaps 0 or double.
+def _served_gap_s(leader, request_id: str) -> float:
+    """The mean token gap, seconds, of one request served by the instance of ``leader``, as
+    the poller sees it (as the bench's TPOT), its first 4 gaps left out as warm-up. NOTE: a
+    mean, not a median: events polled in twos make single gaps 0 or double.
 
     Raises:
         see :func:`_token_times_s`.
     """
     times = _token_times_s(leader, request_id)
-    return times[0], (times[-1] - times[4]) / (len(times) - 5)
+    return (times[-1] - times[4]) / (len(times) - 5)
 
 
 def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, float]:
@@ -115,8 +116,9 @@ def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, fl
     first token), seconds: the step in this process, the token gaps of a request served by
     one rank and by a TP pair (the serving cost per step is the second less the first; what
     a TP step costs on top of that is the third less the second), and the single rank's
-    first token as the poller sees it. Both instances are up together and the three
-    requests timed in turn, ``rounds`` times (medians), so a change of load hits them alike.
+    first token as the poller sees it (median of ``FIRST_TOKENS`` one-token requests). Both
+    instances are up together and the bare step and the two served requests timed in turn,
+    ``rounds`` times (medians), so a change of load hits them alike.
     On the Ray this process runs (the caller initialises it).
 
     Raises:
@@ -132,10 +134,11 @@ def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, fl
         times: list[list[float]] = [[], [], [], []]
         for i in range(rounds):
             times[0].append(_bare_decode_s(ckpt, steps=5))
-            ttft, gap = _served_request_s(instances[0][0], f"c1-{i}")
-            times[1].append(gap)
-            times[3].append(ttft)
-            times[2].append(_served_request_s(instances[1][0], f"c2-{i}")[1])
+            times[1].append(_served_gap_s(instances[0][0], f"c1-{i}"))
+            times[2].append(_served_gap_s(instances[1][0], f"c2-{i}"))
+        # NOTE: the first token is the noisiest figure: its own requests, one token each
+        times[3] = [_token_times_s(instances[0][0], f"f-{i}", tokens=1)[0]
+                    for i in range(FIRST_TOKENS)]
         bare, tp1, tp2, first = (statistics.median(t) for t in times)
         return bare, tp1, tp2, first
     finally:
