@@ -1,63 +1,64 @@
-"""`orch plan` vs `orch bench` on this CPU machine: configs/colocated.yaml and configs/1p1d.yaml,
-one small workload (64-token prompts, 16 output tokens, one request in flight, one warm-up,
-4 timed). Measures the cpu device once just before the bench (so both see about the same
-load), then prints each config's predicted and measured median TTFT / TPOT and the error.
-Not a test: on a shared 2-core machine the error depends on how the load moves between the
-calibration and the bench (docs/planner.md). Run (~45-60 s):
-``PYTHONPATH=. python benchmarks/plan_vs_bench.py``.
+"""`orch plan` vs `orch bench` on this CPU machine, as tests/e2e/test_plan_vs_bench.py does it
+but with more reps and, with ``--concurrency 1 4``, a loaded closed loop as well: for
+configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output tokens), the
+predicted and measured median TTFT / TPOT and the error (orchestrator/planner/versus.py).
+Starts its own Ray; each config is brought up once on it. Run (~1-2 min):
+``PYTHONPATH=. python benchmarks/plan_vs_bench.py [--reps 5] [--concurrency 1 4]``.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+import ray
+
+from orchestrator.checkpoint import ensure_checkpoint
 from orchestrator.config import load_config
 from orchestrator.planner.calibrate import measure_cpu
 from orchestrator.planner.load import WorkloadSpec
-from orchestrator.planner.report import plan_config
+from orchestrator.planner.versus import bench_ms, compare
+from tests.e2e.harness import OrchProcess
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ("colocated", "1p1d")
 IN, OUT, REQUESTS = 64, 16, 4
 
 
-def run_bench(out: Path) -> None:
-    """``orch bench --up`` of both configs, reports as ``out/<config>.json``.
-
-    Raises:
-        RuntimeError: the bench failed (its output's tail in the message).
-    """
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "bench", "--up",
-         *(str(REPO / "configs" / f"{c}.yaml") for c in CONFIGS), "--up-out", str(out),
-         "--workload", "synthetic", "--num-requests", str(REQUESTS), "--warmup", "1",
-         "--input-len", str(IN), "--output-len", str(OUT), "--max-concurrency", "1",
-         "--no-progress"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError("orch bench failed: " + done.stdout[-2000:] + done.stderr[-2000:])
-
-
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=5, help="reps per config and load")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                   help="requests in flight (closed loop), one comparison each")
+    args = p.parse_args()
     load_before = os.getloadavg()[0]
-    device = measure_cpu()
-    print(f"cpu: serving cost per step {device.step_serving_us / 1e3:.2f} ms, host "
-          f"{device.layer_overhead_us / 1e3:.2f} ms per layer, collective "
-          f"{device.link_latency_us / 1e3:.2f} ms, Ray call {device.control_call_us / 1e3:.2f} ms")
-    with tempfile.TemporaryDirectory() as tmp:
-        run_bench(Path(tmp))
-        reports = {c: json.loads((Path(tmp) / f"{c}.json").read_text()) for c in CONFIGS}
-    wl = WorkloadSpec(IN, OUT, concurrency=1)
-    for name in CONFIGS:
-        point = plan_config(load_config(REPO / "configs" / f"{name}.yaml"), wl, device).point
-        for kind, predicted in (("ttft", point.ttft_s * 1e3), ("tpot", point.tpot_s * 1e3)):
-            measured = reports[name][kind]["p50_ms"]
-            print(f"{name:10s} {kind.upper()}: plan {predicted:6.1f} ms, bench {measured:6.1f} ms,"
-                  f" error {(predicted - measured) / measured:+.0%}")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}})
+    try:
+        ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
+        overrides = {"cluster.address": ray.get_runtime_context().gcs_address,
+                     "cluster.bind_host": "127.0.0.1"}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in CONFIGS:
+                path = REPO / "configs" / f"{name}.yaml"
+                with OrchProcess(path, Path(tmp), overrides) as orch:
+                    bench_ms(orch.address, WorkloadSpec(IN, OUT, concurrency=1), 1, warmup=2)
+                    device = measure_cpu(ckpt)  # NOTE: with the deployment up, just before
+                    print(f"{name}: cpu serving cost per step "
+                          f"{device.step_serving_us / 1e3:.2f} ms, first token "
+                          f"{device.first_token_us / 1e3:.2f} ms, host "
+                          f"{device.layer_overhead_us / 1e3:.2f} ms per layer, collective "
+                          f"{device.link_latency_us / 1e3:.2f} ms, Ray call "
+                          f"{device.control_call_us / 1e3:.2f} ms")
+                    for conc in args.concurrency:
+                        wl = WorkloadSpec(IN, OUT, concurrency=conc)
+                        for row in compare(name, load_config(path), orch.address, device,
+                                           wl, args.reps, REQUESTS * conc):
+                            print(row)
+    finally:
+        ray.shutdown()
     print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "
           f"on {os.cpu_count()} cores")
 

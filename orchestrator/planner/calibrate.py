@@ -14,16 +14,20 @@ float32 (the tiny model's dtype):
   rates above, solved for a cost per layer and a cost per routed expert a MoE layer runs
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
 - serving cost per step: a served tiny request's token gap less the bare engine decode step
-  (:mod:`.calibrate_serving`), on the same Ray as the control call;
+  (:mod:`.calibrate_serving`), on the same Ray as the control call; and the first token's
+  cost: its time to first token less the launch call, the bare prefill and that serving
+  cost (the event path of a lone event, not overlapped with a next step);
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
   the round trip of a 4-byte all-reduce;
-- collective latency as a TP step meets it: the tiny model's decode step split over two
-  gloo ranks in two processes, its extra time over one rank per collective (at least the
-  idle round trip above): with ranks competing for few cores each collective also waits
-  for the other rank to be scheduled;
+- collective latency as a served TP step meets it: the token gap of a request served by a
+  TP2 instance (two rank actors) over that of a single rank, less the leader's step call,
+  per collective (at least the idle round trip above): with the ranks, their Ray threads
+  and the event path sharing few cores each collective also waits for the other rank to be
+  scheduled (a two-core machine runs 3-5 busy processes per served TP2 step);
 
 Cached as JSON in ``$ORCH_CACHE_DIR`` (else ``~/.cache/orch``) ``/planner_cpu.json``; the
-machine's load changes the figures, so a test measures and compares in the same run.
+machine's load changes the figures, so a comparison measures them in the same run, just
+before.
 """
 
 from __future__ import annotations
@@ -109,22 +113,23 @@ def _gloo_rates() -> dict[str, float]:
     return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
-def _ray_figures(ckpt: Path) -> tuple[float, float]:
-    """(Ray actor call round trip, serving cost per step), us, on the Ray this process runs,
-    else on a private local one started for them.
+def _ray_figures(ckpt: Path) -> tuple[float, tuple[float, float, float, float]]:
+    """(Ray actor call round trip in us, the served steps of
+    :func:`.calibrate_serving.served_steps_s` in s), on the Ray this process runs, else on a
+    private local one started for them.
 
     Raises:
         ray.exceptions.GetTimeoutError: a call took over 30 s.
     """
     import ray
 
-    from orchestrator.planner.calibrate_serving import serving_step_s
+    from orchestrator.planner.calibrate_serving import served_steps_s
 
     own = not ray.is_initialized()
     if own:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        return _ray_call_us(), serving_step_s(ckpt) * 1e6
+        return _ray_call_us(), served_steps_s(ckpt)
     finally:
         if own:
             ray.shutdown()
@@ -178,69 +183,17 @@ def _tiny_step_s(ckpt: Path) -> tuple[float, float]:
     return sorted(times[0])[4], sorted(times[1])[4]
 
 
-def _tp2_rank(rank: int, port: int, ckpt: str, out) -> None:
-    """One rank of :func:`_tp2_decode_s` (a spawned process)."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from engine.parallel import TPGroup
-    from engine.runner import ModelRunner, SeqStep
-
-    torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))
-    runner = ModelRunner(ckpt, num_kv_blocks=8, block_size=16,
-                         tp=TPGroup(rank, 2, dist.group.WORLD))
-    table = tuple(range(8))
-    runner.execute([SeqStep("p", tuple(range(1000, 1000 + PROMPT)), 0, table)])
-    times = []
-    for _ in range(9):
-        dist.barrier()
-        t0 = time.perf_counter()
-        runner.execute([SeqStep("p", (7,), PROMPT, table)])
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        out.put(sorted(times)[4])
-    dist.destroy_process_group()
-
-
-def _tp2_decode_s(ckpt: Path) -> float:
-    """Median seconds of the tiny model's batch-1 decode step split over two gloo ranks in
-    two processes, as a TP2 decode instance runs it.
-
-    Raises:
-        queue.Empty: the pair did not report within 120 s.
-    """
-    import multiprocessing as mp
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_tp2_rank, args=(r, port, str(ckpt), out), daemon=True)
-             for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    try:
-        return out.get(timeout=120)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-
-
-def _collective_latency_us(m_layers: int, tp1_s: float, tp2_s: float, floor_us: float) -> float:
-    """The latency one TP collective costs inside a step: the TP2 step's extra time over TP1
-    per collective it meets (two per layer, the embedding's all-reduce, the logits'
-    all-gather), at least ``floor_us`` (two idle ranks' round trip). NOTE: on a machine
-    with fewer free cores than stepping ranks this is much more than the idle round trip:
-    each collective waits for the other rank to be scheduled."""
-    return max(floor_us, (tp2_s - tp1_s) / (2 * m_layers + 2) * 1e6)
+def _collective_latency_us(m_layers: int, served: tuple[float, ...], call_us: float,
+                           floor_us: float) -> float:
+    """The latency one TP collective costs inside a served step: the served TP2 step's extra
+    time over the served single rank (``served``: bare, tp 1, tp 2 seconds), less the
+    leader's step call ``call_us``, per collective it meets (two per layer, the embedding's
+    all-reduce, the logits' all-gather); at least ``floor_us`` (two idle ranks' round trip).
+    NOTE: on a machine with few cores this is far more than the idle round trip: each
+    collective waits for the other rank to be scheduled, among the follower's Ray call
+    threads, the event path and whatever else runs."""
+    extra_us = (served[2] - served[1]) * 1e6 - call_us
+    return max(floor_us, extra_us / (2 * m_layers + 2))
 
 
 def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[float, float]:
@@ -266,14 +219,25 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     return per_layer * 1e6, per_expert * 1e6
 
 
-def measure_cpu() -> DeviceSpec:
-    """Run the calibration (15-30 s) and return the ``cpu`` device it measured.
+def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
+    """Run the calibration (10-30 s) and return the ``cpu`` device it measured, on the tiny
+    checkpoint ``ckpt`` (a deployment's own, e.g. ``ensure_checkpoint(cfg.model)``; default
+    a fresh one written to a temporary folder, a few seconds more).
 
     Raises:
         RuntimeError: the gloo pair did not finish within 120 s.
-        queue.Empty: the TP2 step pair did not report within 120 s.
-        ray.exceptions.GetTimeoutError: a Ray call took over 30 s.
+        TimeoutError: a served calibration request did not finish within 60 s.
+        ray.exceptions.GetTimeoutError: a Ray call took over 60 s.
     """
+    if ckpt is None:
+        import tempfile
+
+        from orchestrator.tiny_model import write_tiny_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return measure_cpu(write_tiny_checkpoint(Path(tmp) / "tiny"))
+    from orchestrator.tiny_model import tiny_config_dict
+
     rates = {**_local_rates(), **_gloo_rates()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     raw = DeviceSpec(
@@ -282,21 +246,17 @@ def measure_cpu() -> DeviceSpec:
         int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
-    import tempfile
-
-    from orchestrator.tiny_model import tiny_config_dict, write_tiny_checkpoint
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_tiny_checkpoint(Path(tmp) / "tiny")
-        prefill_s, decode_s = _tiny_step_s(ckpt)
-        tp2_s = _tp2_decode_s(ckpt)
-        call_us, serving_us = _ray_figures(ckpt)
+    prefill_s, decode_s = _tiny_step_s(ckpt)
+    call_us, served = _ray_figures(ckpt)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
-    latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), decode_s,
-                                     tp2_s, raw.link_latency_us)
+    latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), served,
+                                     call_us, raw.link_latency_us)
+    serving_s = max(0.0, served[1] - served[0])
+    # NOTE: the model's TTFT at one request is the launch call + the prefill step + serving
+    first_token_s = max(0.0, served[3] - call_us * 1e-6 - prefill_s - serving_s)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
                    control_call_us=call_us, link_latency_us=latency,
-                   step_serving_us=serving_us)
+                   step_serving_us=serving_s * 1e6, first_token_us=first_token_s * 1e6)
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

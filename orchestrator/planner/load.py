@@ -65,12 +65,13 @@ class Roles:
     """What the load model needs of the layout: per-request seconds and step times."""
 
     prefill_s: float            # one request on one prefill DP rank
-    transfer_s: float           # its KV to decode and the router's calls until its first token
+    calls_s: float              # the router's calls and the first token's way out
     step_s: Callable[[float], float]   # decode step seconds at a batch per DP rank
     prefill_dp: int
     decode_dp: int
     slots: int                  # requests one decode DP rank holds at once
     colocated: bool
+    kv_s: float = 0.0           # its KV to decode: after the first token, before the second
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,21 @@ def operating_point(r: Roles, wl: WorkloadSpec) -> OperatingPoint:
     batch, rate, bound = float(r.slots), 0.0, "load"
     for _ in range(100):
         tpot = _tpot(r, batch, rate, others)
-        rate = min(conc / (r.prefill_s + r.transfer_s + wl.output_len * tpot), cap_p, cap_d)
+        rate = min(conc / (r.prefill_s + r.calls_s + r.kv_s + wl.output_len * tpot), cap_p,
+                   cap_d)
         bound = "prefill" if rate == cap_p else "decode" if rate == cap_d else "load"
         batch = 0.5 * batch + 0.5 * min(r.slots, max(1.0, rate * wl.output_len * tpot
                                                       / r.decode_dp))
-    tpot = _tpot(r, batch, rate, others)
-    ttft = max(r.prefill_s + r.transfer_s, conc / rate - wl.output_len * tpot)
-    return OperatingPoint(ttft, tpot, rate, rate * wl.output_len, batch, conc, bound)
+    step = _tpot(r, batch, rate, others)
+    ttft = max(r.prefill_s + r.calls_s, conc / rate - r.kv_s - wl.output_len * step)
+    return OperatingPoint(ttft, _seen_tpot(r, step, wl.output_len), rate,
+                          rate * wl.output_len, batch, conc, bound)
+
+
+def _seen_tpot(r: Roles, step: float, out: int) -> float:
+    """TPOT as a client measures it, (last - first token) / (out - 1): the steps, and once
+    the KV transfer (the first token comes from prefill, the second after the transfer)."""
+    return step + r.kv_s / max(1, out - 1)
 
 
 def _open_loop(r: Roles, wl: WorkloadSpec, cap_p: float, cap_d: float) -> OperatingPoint:
@@ -136,6 +145,7 @@ def _open_loop(r: Roles, wl: WorkloadSpec, cap_p: float, cap_d: float) -> Operat
         tpot = _tpot(r, batch, rate)
         batch = 0.5 * batch + 0.5 * min(r.slots, max(1.0, rate * wl.output_len * tpot
                                                       / r.decode_dp))
-    ttft = wait + r.prefill_s + r.transfer_s
-    conc = rate * (ttft + wl.output_len * tpot)
-    return OperatingPoint(ttft, tpot, rate, rate * wl.output_len, batch, conc, "load")
+    ttft = wait + r.prefill_s + r.calls_s
+    conc = rate * (ttft + r.kv_s + wl.output_len * tpot)
+    return OperatingPoint(ttft, _seen_tpot(r, tpot, wl.output_len), rate,
+                          rate * wl.output_len, batch, conc, "load")

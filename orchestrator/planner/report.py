@@ -88,10 +88,11 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
         m, prec, hw, wl.input_len, pre.layout.ranks + dec.layout.ranks)
-    calls = request_calls(colocated) * device.control_call_us * 1e-6
-    shape = Roles(p_cost.total_s, calls + (transfer.total_s if transfer else 0.0),
-                   lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
-                   pre.layout.dp, dec.layout.dp, slots, colocated)
+    calls = (request_calls(colocated) * device.control_call_us + device.first_token_us) * 1e-6
+    shape = Roles(p_cost.total_s, calls,
+                  lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
+                  pre.layout.dp, dec.layout.dp, slots, colocated,
+                  transfer.total_s if transfer else 0.0)
     point = operating_point(shape, wl)
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
     best = None if colocated else _best_split(shape, pre, dec, wl)

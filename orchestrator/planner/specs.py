@@ -37,6 +37,10 @@ class DeviceSpec:
         step_serving_us: the serving layer's cost per leader step on top of the engine step
             (scheduler, sampler, token events, the router's poll of them), us; measured on
             cpu, 0 (not estimated) for the accelerators.
+        first_token_us: what a request's first token costs on its way out beyond the
+            serving cost per step (the event path not overlapped with a next step: the rank's
+            loop waking for the new request, the poll returning the lone first event), us,
+            once per request; measured on cpu, 0 (not estimated) for the accelerators.
     """
 
     key: str
@@ -54,6 +58,7 @@ class DeviceSpec:
     expert_overhead_us: float = 0.0
     control_call_us: float = 0.0
     step_serving_us: float = 0.0
+    first_token_us: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -118,3 +118,28 @@ def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
     fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
     assert slow_pt.tpot_s - fast_pt.tpot_s == pytest.approx(1e-3, rel=1e-6)
     assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(2e-3, rel=1e-6)
+
+
+def test_cpu_collective_latency_is_the_served_tp2_steps_extra_per_collective():
+    from orchestrator.planner.calibrate import _collective_latency_us
+
+    # 3 layers: 2 x 3 + 2 = 8 collectives; 30 ms over 14 ms served, less a 1.2 ms call
+    assert _collective_latency_us(3, (0.007, 0.014, 0.030, 0.02), 1200.0, 100.0) == \
+        pytest.approx(14_800.0 / 8)
+    assert _collective_latency_us(3, (0.007, 0.014, 0.0141, 0.02), 1200.0, 100.0) == 100.0
+
+
+def test_first_token_cost_is_paid_once_per_request_in_ttft_only():
+    from dataclasses import replace
+
+    from orchestrator.config import load_config
+    from orchestrator.planner.report import plan_config
+
+    base = replace(default_device("cuda"), first_token_us=0.0)
+    slow = replace(base, first_token_us=1000.0)
+    wl = WorkloadSpec(128, 16, concurrency=1)
+    for name in ("colocated", "1p1d"):
+        cfg = load_config(REPO / "configs" / f"{name}.yaml")
+        fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
+        assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(1e-3, rel=1e-6)
+        assert slow_pt.tpot_s == pytest.approx(fast_pt.tpot_s, rel=1e-9)
