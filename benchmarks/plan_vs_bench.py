@@ -1,5 +1,5 @@
-"""`orch plan` vs `orch bench` on this CPU machine, as tests/e2e/test_plan_vs_bench.py does it
-but with more reps and, with ``--concurrency 1 4``, a loaded closed loop as well: for
+"""`orch plan` vs `orch bench` on this CPU machine (issue 17's check; not in CI, see
+docs/planner.md), with ``--reps`` and, with ``--concurrency 1 4``, a loaded closed loop: for
 configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output tokens), the
 predicted and measured median TTFT / TPOT and the error (orchestrator/planner/versus.py).
 Starts its own Ray; each config is brought up once on it. Run (~1-2 min):

@@ -2,7 +2,7 @@
 prediction on the measured ``cpu`` device, the bench's median TTFT / TPOT over a few short
 reps.
 
-Used by ``tests/e2e/test_plan_vs_bench.py`` and ``benchmarks/plan_vs_bench.py``; the caller
+Used by ``benchmarks/plan_vs_bench.py``; the caller
 brings the config up (``orch up``) and measures the device (:func:`.calibrate.measure_cpu`,
 in the same run, just before: the machine's load moves the cpu figures).
 """
