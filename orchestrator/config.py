@@ -130,9 +130,14 @@ class GraphSection(_Section):
             raise _cross_field(f"decode.graph: {exc}") from None
         return self
 
-    def graph_config(self) -> GraphConfig:
-        """The :class:`engine.graph.GraphConfig` the decode (or colocated) runners get."""
-        return GraphConfig(enabled=self.enabled, batch_sizes=tuple(self.batch_sizes),
+    def graph_config(self, max_num_seqs: int | None = None) -> GraphConfig:
+        """The :class:`engine.graph.GraphConfig` the decode (or colocated) runners get; with
+        ``max_num_seqs`` (the instance's batch cap) every bucket above it becomes
+        ``max_num_seqs``: no step is padded past the batch cap and warmup captures no bucket
+        a step cannot use."""
+        sizes = self.batch_sizes if max_num_seqs is None else \
+            sorted({min(size, max_num_seqs) for size in self.batch_sizes})
+        return GraphConfig(enabled=self.enabled, batch_sizes=tuple(sizes),
                            warmup=self.warmup, backend=self.backend or None)
 
 
@@ -376,8 +381,8 @@ class OrchConfig(_Section):
         parallel = {role: self._parallel(role) for role in roles}
         scheduler = {role: self._scheduler(role) for role in roles}
         transfer = self.kv_transfer.transfer_config()
-        graph = {role: GraphConfig() if role == "prefill" else self.decode.graph.graph_config()
-                 for role in roles}
+        graph = {role: GraphConfig() if role == "prefill"
+                 else self.decode.graph.graph_config(self.decode.max_num_seqs) for role in roles}
         return [InstanceConfig(name=f"{role}-{i}", role=role,
                                checkpoint_dir=str(self.model.checkpoint_dir()),
                                dtype=self.model.dtype, fp8_storage=self.model.fp8_storage,
