@@ -63,3 +63,13 @@ def test_buckets_above_max_num_seqs_become_max_num_seqs(tmp_path, sizes, max_num
     cfg = _load(tmp_path, f"mode: colocated\ndecode: {{max_num_seqs: {max_num_seqs}, "
                           f"graph: {{enabled: true, batch_sizes: {sizes}}}}}\n")
     assert {inst.graph.batch_sizes for inst in cfg.instances()} == {want}
+
+
+def test_a_backend_without_the_device_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"decode\.graph\.backend 'cudagraph' has no "
+                                          r"implementation on cluster\.device 'cpu'.*"
+                                          r"one of \['compile'\]"):
+        _load(tmp_path, "cluster: {device: cpu}\n"
+                        "decode: {graph: {enabled: true, backend: cudagraph}}\n")
+    _load(tmp_path, "cluster: {device: cpu}\ndecode: {graph: {enabled: false, "
+                    "backend: cudagraph}}\n")  # off: not checked
