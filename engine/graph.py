@@ -100,6 +100,12 @@ class GraphBackendRegistry:
         """Registered backend names."""
         return sorted(self._loaders)
 
+    def device_types(self, name: str | None = None) -> list[str]:
+        """Device types ``name`` has a loader for (None: those with a default backend);
+        loads nothing."""
+        table = self._defaults if name is None else self._loaders.get(name, {})
+        return sorted(table)
+
     def get(self, device_type: str, name: str | None = None) -> Capture:
         """The capture function of ``name`` (or the device's default) on ``device_type``.
 

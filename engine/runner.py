@@ -162,8 +162,11 @@ class ModelRunner:
         scratch block). No-op with graph mode off."""
         if self.graphs is None:
             return
+        # NOTE: a context over two blocks: with the padding step's one-block table the capture
+        # specializes on that width (size 1) and the first real step compiles again
+        warm = self._padding_step(context=self.kv_spec.block_size + 1)
         for bucket in self.graphs.config.batch_sizes:
-            self._run_graph([], bucket)
+            self._run_graph([warm] * bucket, bucket)
 
     def _run_graph(self, steps: list[SeqStep], bucket: int) -> torch.Tensor | None:
         """``[len(steps), vocab]`` logits of a decode-only step from the captured forward of
@@ -174,11 +177,12 @@ class ModelRunner:
         logits = self.graphs.run(bucket, input_ids, meta, self.kv_cache)
         return None if logits is None else logits[:len(steps)]
 
-    def _padding_step(self) -> SeqStep:
-        """A dummy decode sequence (position 1 after one cached token) whose table is the
-        scratch block only: its KV lands there, never in a block the pool hands out."""
-        blocks = -(-2 // self.kv_spec.block_size)
-        return SeqStep("<graph-padding>", (0,), 1, (self.kv_cache.scratch_block,) * blocks)
+    def _padding_step(self, context: int = 1) -> SeqStep:
+        """A dummy decode sequence (one token after ``context`` cached ones) whose table is
+        the scratch block only: its KV lands there, never in a block the pool hands out."""
+        blocks = -(-(context + 1) // self.kv_spec.block_size)
+        return SeqStep("<graph-padding>", (0,), context,
+                       (self.kv_cache.scratch_block,) * blocks)
 
     def _forward(self, steps: list[SeqStep]) -> torch.Tensor:
         """The eager forward of ``steps`` (checked): ``[B, vocab]`` fp32 logits."""

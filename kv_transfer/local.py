@@ -24,6 +24,7 @@ import glob
 import os
 import pickle
 import socket
+import stat
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -83,10 +84,20 @@ def _shm_map(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def _shm_open(handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
-    path = handle.decode()
+def _segment_path(handle: bytes) -> str:
+    """The segment file a handle names. Raises OSError when it is not an ``orch-kv-`` file
+    directly in :data:`SHM_DIR` (a handle arrives from the peer: never map or unlink any
+    other path)."""
+    path = handle.decode(errors="replace")
     if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(_PREFIX):
         raise OSError(f"not a KV segment path: {path!r}")
+    return path
+
+
+def _shm_open(handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+    path = _segment_path(handle)
+    if not stat.S_ISREG(os.lstat(path).st_mode):  # NOTE: a link could point anywhere
+        raise OSError(f"{path} is not a regular file")
     if os.path.getsize(path) < nbytes:
         raise OSError(f"{path} holds {os.path.getsize(path)} B, expected {nbytes}")
     return _shm_map(path, nbytes)
@@ -94,9 +105,9 @@ def _shm_open(handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _shm_unlink(handle: bytes) -> None:
     try:
-        os.unlink(handle.decode())
+        os.unlink(_segment_path(handle))
     except OSError:
-        pass  # NOTE: already unlinked by the peer
+        pass  # NOTE: already unlinked by the peer, or not a segment path
 
 
 def remove_stale() -> list[str]:

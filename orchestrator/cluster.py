@@ -34,6 +34,7 @@ from typing import Any
 
 from prefill_worker.config import InstanceConfig
 from orchestrator.config import ClusterSection, OrchConfig
+from orchestrator.health import PROBE_GROUP
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
 from orchestrator.progress import Report, Stopwatch, node_ips, nodes_text, plural, say
 
@@ -395,19 +396,27 @@ def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> I
     return InstanceRanks(cfg=inst, pg=pg)
 
 
-def _create_ranks(inst: InstanceRanks, cls: type, res: ClusterSection) -> None:
+def rank_actor(cls: type) -> Any:
+    """``cls`` as a Ray actor class of a rank: ``ACTOR_CONCURRENCY`` threads for its calls,
+    plus one thread of its own for the health probe (``health.PROBE_GROUP``), so a ping
+    answers while every call thread waits for the step lock."""
     import ray
+
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY,
+                      concurrency_groups={PROBE_GROUP: 1})(cls)
+
+
+def _create_ranks(inst: InstanceRanks, cls: type, res: ClusterSection) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     share = res.accelerators_per_rank
     accel = {"cuda": {"num_gpus": share},
              "npu": {"resources": {"NPU": share}}}.get(inst.cfg.parallel.device, {})
-    remote_cls = ray.remote(cls)
+    remote_cls = rank_actor(cls)
     for rank in range(inst.cfg.parallel.ranks):
         strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
                                                     placement_group_bundle_index=rank)
-        options = dict(num_cpus=res.cpus_per_rank, scheduling_strategy=strategy,
-                       max_concurrency=ACTOR_CONCURRENCY, **accel)
+        options = dict(num_cpus=res.cpus_per_rank, scheduling_strategy=strategy, **accel)
         inst.ranks.append(remote_cls.options(**options).remote(inst.cfg, rank))
 
 

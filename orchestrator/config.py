@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import PydanticCustomError
 
 from engine import envs
-from engine.graph import GraphConfig
+from engine.graph import GRAPH_BACKENDS, GraphConfig
 from engine.layer_sharding import SHARDABLE
 from engine.platform import DIST_BACKENDS, detect_platform
 from kv_transfer.config import TransferConfig
@@ -130,9 +130,14 @@ class GraphSection(_Section):
             raise _cross_field(f"decode.graph: {exc}") from None
         return self
 
-    def graph_config(self) -> GraphConfig:
-        """The :class:`engine.graph.GraphConfig` the decode (or colocated) runners get."""
-        return GraphConfig(enabled=self.enabled, batch_sizes=tuple(self.batch_sizes),
+    def graph_config(self, max_num_seqs: int | None = None) -> GraphConfig:
+        """The :class:`engine.graph.GraphConfig` the decode (or colocated) runners get; with
+        ``max_num_seqs`` (the instance's batch cap) every bucket above it becomes
+        ``max_num_seqs``: no step is padded past the batch cap and warmup captures no bucket
+        a step cannot use."""
+        sizes = self.batch_sizes if max_num_seqs is None else \
+            sorted({min(size, max_num_seqs) for size in self.batch_sizes})
+        return GraphConfig(enabled=self.enabled, batch_sizes=tuple(sizes),
                            warmup=self.warmup, backend=self.backend or None)
 
 
@@ -328,6 +333,8 @@ class OrchConfig(_Section):
     @model_validator(mode="after")
     def _cross_section(self) -> "OrchConfig":
         _check_backend(self.kv_transfer.backend, self.cluster.device)
+        if self.cluster.device != "auto" or self.kv_transfer.backend != "auto":
+            _check_graph_backend(self.decode.graph, self.device())
         if self.mode == "colocated" and self.prefill.cp > 1:
             raise _cross_field(
                 f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "
@@ -376,8 +383,8 @@ class OrchConfig(_Section):
         parallel = {role: self._parallel(role) for role in roles}
         scheduler = {role: self._scheduler(role) for role in roles}
         transfer = self.kv_transfer.transfer_config()
-        graph = {role: GraphConfig() if role == "prefill" else self.decode.graph.graph_config()
-                 for role in roles}
+        graph = {role: GraphConfig() if role == "prefill"
+                 else self.decode.graph.graph_config(self.decode.max_num_seqs) for role in roles}
         return [InstanceConfig(name=f"{role}-{i}", role=role,
                                checkpoint_dir=str(self.model.checkpoint_dir()),
                                dtype=self.model.dtype, fp8_storage=self.model.fp8_storage,
@@ -425,6 +432,17 @@ def _check_backend(backend: str, device: str) -> None:
         raise _cross_field(
             f"kv_transfer.backend '{backend}' does not work with cluster.device '{device}': "
             f"use backend '{DIST_BACKENDS[device]}' (or 'auto') for {device}")
+
+
+def _check_graph_backend(graph: GraphSection, device: str) -> None:
+    if graph.enabled and device not in GRAPH_BACKENDS.device_types(graph.backend or None):
+        what = f"decode.graph.backend '{graph.backend}'" if graph.backend else \
+            "graph mode (decode.graph.enabled)"
+        usable = [n for n in GRAPH_BACKENDS.names() if device in GRAPH_BACKENDS.device_types(n)]
+        raise _cross_field(
+            f"{what} has no implementation on cluster.device '{device}': set "
+            f"decode.graph.backend to one of {usable} (or leave it empty), or "
+            "decode.graph.enabled false")
 
 
 def _override(data: dict, key: str, value: object) -> None:

@@ -29,6 +29,10 @@ from typing import Any, Awaitable, Callable
 
 log = logging.getLogger(__name__)
 PROBE_METHOD = "node_info"  # every rank actor has it; answers without touching the engine
+# NOTE: the probe's Ray concurrency group (one thread of its own on every rank actor, see
+# orchestrator/cluster.py): a ping never queues behind calls that wait for the step lock
+# while a long step runs (a graph capture on first use takes seconds on CPU).
+PROBE_GROUP = "probe"
 
 
 class Health(str, enum.Enum):
@@ -239,7 +243,7 @@ class HealthMonitor:
 
 
 async def _ping(handle: Any) -> Any:
-    return await getattr(handle, PROBE_METHOD).remote()
+    return await getattr(handle, PROBE_METHOD).options(concurrency_group=PROBE_GROUP).remote()
 
 
 def _describe(exc: BaseException) -> str:

@@ -100,7 +100,8 @@ class StepChannelLeader:
     def __init__(self, host: str, num_followers: int) -> None:
         self.num_followers = num_followers
         self.token = secrets.token_bytes(16)
-        self._listener = socket.create_server((host, 0), backlog=max(1, num_followers))
+        # NOTE: a deep backlog: strangers queued before accept() must not keep followers out
+        self._listener = socket.create_server((host, 0), backlog=socket.SOMAXCONN)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._conns: dict[int, socket.socket] = {}  # follower rank -> connection
         # NOTE: a selector, not select(): a rank process may hold fds above FD_SETSIZE
@@ -108,37 +109,71 @@ class StepChannelLeader:
         self._seq = 0
 
     def accept(self, timeout_s: float) -> None:
-        """Wait (bounded) until every follower connected and said its rank.
+        """Wait (bounded) until every follower connected and said its rank. Hellos are read
+        from every open connection at once, so a stranger that connects and stays silent
+        (or sends half a hello) delays no follower; a wrong token is refused at once.
 
         Raises:
             TimeoutError: some follower did not connect within ``timeout_s`` (names them).
         """
         deadline = time.monotonic() + timeout_s
-        while len(self._conns) < self.num_followers:
-            left = deadline - time.monotonic()
-            missing = sorted(set(range(1, self.num_followers + 1)) - set(self._conns))
-            if left <= 0:
-                raise TimeoutError(f"rank(s) {missing} did not connect to the step channel "
-                                   f"within {timeout_s:g} s")
-            self._listener.settimeout(left)
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            _connect_options(conn)
-            try:
-                rank, token = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline))
-            except OSError:
-                conn.close()
-                continue
-            if not hmac.compare_digest(token, self.token) or not 1 <= rank <= self.num_followers:
-                log.warning("step channel: refused a connection that is not a follower")
-                conn.close()
-                continue
-            self._conns[rank] = conn
-        self._listener.close()
+        waiting = selectors.DefaultSelector()  # the listener, and connections yet to say hello
+        waiting.register(self._listener, selectors.EVENT_READ, None)
+        self._listener.setblocking(False)
+        try:
+            while len(self._conns) < self.num_followers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.num_followers + 1)) - set(self._conns))
+                    raise TimeoutError(f"rank(s) {missing} did not connect to the step "
+                                       f"channel within {timeout_s:g} s")
+                for key, _ in waiting.select(left):
+                    if key.data is None:
+                        self._accept_one(waiting)
+                    else:
+                        self._read_hello(waiting, key.fileobj, key.data)
+        finally:
+            for key in list(waiting.get_map().values()):
+                if key.data is not None:
+                    key.fileobj.close()  # strangers still silent
+            waiting.close()
+            self._listener.close()
         for rank, conn in self._conns.items():
+            conn.setblocking(True)
             self._acks.register(conn, selectors.EVENT_READ, rank)
+
+    def _accept_one(self, waiting: selectors.BaseSelector) -> None:
+        """Accept one connection (non-blocking) and wait for its hello in ``waiting``."""
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return  # NOTE: the peer left before accept
+        conn.setblocking(False)
+        _connect_options(conn)
+        waiting.register(conn, selectors.EVENT_READ, bytearray())
+
+    def _read_hello(self, waiting: selectors.BaseSelector, conn: socket.socket,
+                    buf: bytearray) -> None:
+        """Read what ``conn`` sent of its hello; on a whole one, keep it as that rank's
+        follower or refuse it (closed)."""
+        try:
+            chunk = conn.recv(_HELLO.size - len(buf))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        buf += chunk
+        if chunk and len(buf) < _HELLO.size:
+            return
+        waiting.unregister(conn)
+        rank, token = _HELLO.unpack(buf) if chunk else (0, b"")
+        if (not hmac.compare_digest(token, self.token) or not 1 <= rank <= self.num_followers
+                or rank in self._conns):
+            if chunk:
+                log.warning("step channel: refused a connection that is not a follower")
+            conn.close()
+            return
+        self._conns[rank] = conn
 
     def run(self, steps: list, step_inputs: Any, deadline: float, bound_s: float) -> None:
         """Send one step to every follower (their threads start it at once).

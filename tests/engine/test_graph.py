@@ -162,3 +162,14 @@ def test_inductor_capture_equals_eager_without_recompiling(moe_ckpt, backends, m
             got, want = graph.execute(batch), eager.execute(batch)
             assert (got - want).abs().max().item() <= 1e-5
     assert not graph.graphs.failed  # a recompile would have raised and fallen back
+
+
+def test_inductor_warmup_is_the_graph_real_steps_use(dense_ckpt, backends, monkeypatch):
+    """After warmup the first real decode step of a bucket must not compile again (the
+    warmup's padding-only step once had a one-block table: a size-1 specialization)."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    eager, graph = _runners(dense_ckpt, "compile", buckets=(2,), warmup=True)
+    assert set(graph.graphs.capture_s) == {2}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert _decode_side_by_side(eager, graph, num_seqs=2, steps=2) <= 1e-5
+    assert not graph.graphs.failed  # a recompile would have raised and fallen back

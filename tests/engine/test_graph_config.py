@@ -52,3 +52,24 @@ def test_unknown_backend_names_the_registered_ones(tmp_path):
 def test_bucket_is_the_smallest_at_least_the_batch():
     cfg = GraphConfig(batch_sizes=(1, 2, 4, 8))
     assert [cfg.bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+
+
+@pytest.mark.parametrize("sizes, max_num_seqs, want", [
+    ("[1, 2, 4, 8, 16, 32]", 10, (1, 2, 4, 8, 10)),
+    ("[1, 100000000]", 8, (1, 8)),  # a batch of 2 is never padded to 10^8 rows
+    ("[2, 4]", 64, (2, 4)),
+])
+def test_buckets_above_max_num_seqs_become_max_num_seqs(tmp_path, sizes, max_num_seqs, want):
+    cfg = _load(tmp_path, f"mode: colocated\ndecode: {{max_num_seqs: {max_num_seqs}, "
+                          f"graph: {{enabled: true, batch_sizes: {sizes}}}}}\n")
+    assert {inst.graph.batch_sizes for inst in cfg.instances()} == {want}
+
+
+def test_a_backend_without_the_device_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"decode\.graph\.backend 'cudagraph' has no "
+                                          r"implementation on cluster\.device 'cpu'.*"
+                                          r"one of \['compile'\]"):
+        _load(tmp_path, "cluster: {device: cpu}\n"
+                        "decode: {graph: {enabled: true, backend: cudagraph}}\n")
+    _load(tmp_path, "cluster: {device: cpu}\ndecode: {graph: {enabled: false, "
+                    "backend: cudagraph}}\n")  # off: not checked

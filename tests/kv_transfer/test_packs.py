@@ -183,3 +183,27 @@ def test_release_waits_for_a_receive_in_progress():
     releaser.join(5)
     assert log == ["received", "released"]
     assert not tr.begin_write(req), "a released request must not be written again"
+
+
+def test_a_handle_that_is_not_a_segment_is_neither_mapped_nor_unlinked(tmp_path, monkeypatch):
+    """The prefill rank unlinks the handle of a decode ack even when it does not map: a
+    handle naming any other file must leave that file alone."""
+    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path / "shm"))
+    victim = tmp_path / "orch-kv-1-victim"  # right name, wrong folder
+    victim.write_bytes(b"x" * 64)
+    backend = local.local_backend("cpu")
+    with pytest.raises(OSError, match="not a KV segment path"):
+        backend.open(str(victim).encode(), 64, torch.device("cpu"))
+    backend.unlink(str(victim).encode())
+    assert victim.exists()
+
+
+def test_a_link_named_like_a_segment_is_not_mapped(tmp_path, monkeypatch):
+    monkeypatch.setattr(local, "SHM_DIR", str(tmp_path))
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"x" * 64)
+    link = tmp_path / "orch-kv-1-link"
+    link.symlink_to(target)
+    with pytest.raises(OSError, match="not a regular file"):
+        local.local_backend("cpu").open(str(link).encode(), 64, torch.device("cpu"))
+    assert target.read_bytes() == b"x" * 64

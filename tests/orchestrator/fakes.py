@@ -48,6 +48,10 @@ class Remote:
                     result = fn(*args)
                     return await result if inspect.isawaitable(result) else result
                 return run()
+
+            @staticmethod
+            def options(**_):  # e.g. concurrency_group: one in-process object has none
+                return _Method
         return _Method
 
 

@@ -35,6 +35,10 @@ class FakeRank:
                         await rank._never.wait()
                     return "node-a", "cpu"
                 return run()
+
+            @staticmethod
+            def options(**_):
+                return _Method
         return _Method
 
 

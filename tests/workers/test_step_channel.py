@@ -6,6 +6,7 @@ the deadline; closing leaves no thread behind."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -128,4 +129,24 @@ def test_accept_refuses_a_stranger_and_names_the_follower_that_never_came():
     finally:
         follower.close()
         stranger.close()
+        leader.close()
+
+
+def test_a_silent_stranger_does_not_stall_the_followers_accept():
+    leader = StepChannelLeader("127.0.0.1", 2)
+    stranger = socket.create_connection(leader.address, timeout=5.0)  # connects, says nothing
+    half = socket.create_connection(leader.address, timeout=5.0)
+    half.sendall(b"\x00\x00")  # a hello cut short
+    followers = [StepChannelFollower(leader.address, leader.token, rank, Script(),
+                                     f"after-stranger-{rank}-steps", 5.0) for rank in (1, 2)]
+    try:
+        t0 = time.monotonic()
+        leader.accept(3.0)
+        assert time.monotonic() - t0 < 1.0
+        step(leader, ["h"], None)
+    finally:
+        for f in followers:
+            f.close()
+        stranger.close()
+        half.close()
         leader.close()
