@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.config import ModelSection
+from orchestrator.config_sections import ModelSection
 
 DEEPSEEK_V3_LAYERS = 61
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefill_worker.config import InstanceConfig
-from orchestrator.config import ClusterSection, OrchConfig
+from orchestrator.config import OrchConfig
+from orchestrator.config_sections import ClusterSection
 from orchestrator.health import PROBE_GROUP
 from orchestrator.placement import STRATEGY, rank_bundle, role_resources
 from orchestrator.progress import Report, Stopwatch, node_ips, nodes_text, plural, say

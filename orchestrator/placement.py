@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from prefill_worker.config import InstanceConfig
 from orchestrator.checkpoint import layer_count_for_plan
-from orchestrator.config import ClusterSection, OrchConfig
+from orchestrator.config import OrchConfig
+from orchestrator.config_sections import ClusterSection
 from orchestrator.layout_check import check_tp_layout
 from orchestrator.memory_check import describe_memory
 

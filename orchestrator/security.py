@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import envs
-from orchestrator.config import AuthSection, RouterSection, TLSSection
+from orchestrator.config_sections import AuthSection, RouterSection, TLSSection
 from orchestrator.config_errors import ConfigError
 
 MIN_TOKEN_CHARS = 16

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
-from orchestrator.config import TLSSection
+from orchestrator.config_sections import TLSSection
 from orchestrator.server import PortInUseError
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 
 from engine.quant.writer import quantize_checkpoint
 from orchestrator.checkpoint import ensure_checkpoint
-from orchestrator.config import ModelSection
+from orchestrator.config_sections import ModelSection
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 

@@ -14,7 +14,7 @@ import pytest
 
 from orchestrator import cli
 from orchestrator.client import OrchClient
-from orchestrator.config import AuthSection, RouterSection, TLSSection
+from orchestrator.config_sections import AuthSection, RouterSection, TLSSection
 from orchestrator.config_errors import ConfigError
 from orchestrator.security import load_security
 from tests.orchestrator.fakes import expected_tokens

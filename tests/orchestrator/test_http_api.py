@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.config import TLSSection
+from orchestrator.config_sections import TLSSection
 from orchestrator.http.app import OpenAIApp
 from orchestrator.http.chat_template import ChatTemplate
 from orchestrator.http.server import HttpServer

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.config import OrchConfig, TLSSection, load_config
+from orchestrator.config import OrchConfig, load_config
+from orchestrator.config_sections import TLSSection
 from orchestrator.config_errors import ConfigError
 from orchestrator.http.server import HttpServer
 from orchestrator.server import PortInUseError
