@@ -90,6 +90,21 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     say(check_memory(cfg))
     security = load_security(cfg.router)
     check_ports_free(cfg)
+    # NOTE: the metrics server binds its port now, before Ray, gloo and the step channels
+    # open hundreds of ephemeral ports during bring-up: a free port checked above and bound
+    # only after them could be taken in between.
+    metrics = make_metrics(cfg)
+    try:
+        _run_cluster(cfg, rank_classes, security, metrics)
+    finally:
+        if metrics is not None and hasattr(metrics, "stop"):
+            metrics.stop()
+    return 0
+
+
+def _run_cluster(cfg: OrchConfig, rank_classes: dict[str, type] | None,
+                 security: EdgeSecurity, metrics) -> None:
+    """:func:`run_up` after the checks: read the model, start Ray and the ranks, serve."""
     checkpoint = ensure_checkpoint(cfg.model)
     model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
     tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None
@@ -106,13 +121,12 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     try:
         # NOTE: inside the try: an interrupt in ray.init still shuts down what it started.
         cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=_start_ray(cfg))
-        asyncio.run(_serve(cfg, cluster, model, tokenizer, security, checkpoint))
+        asyncio.run(_serve(cfg, cluster, model, tokenizer, security, checkpoint, metrics))
     finally:
         if cluster is not None:
             cluster.teardown(timeout_s=TEARDOWN_S)
         elif owns_ray:
             ray.shutdown()
-    return 0
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -146,8 +160,7 @@ def _worker_logs_dir() -> str:
 
 
 async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
-                 security: EdgeSecurity, checkpoint) -> None:
-    metrics = make_metrics(cfg)
+                 security: EdgeSecurity, checkpoint, metrics) -> None:
     # NOTE: the monitor tells the router (built next) about failures and has the recoverer
     # (built on the router's leader clients, which it rebinds) restart the instance.
     monitor = build_monitor(cfg, cluster.ranks_of,
@@ -193,5 +206,3 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     await asyncio.gather(reporter, return_exceptions=True)
     stops = [server.stop(grace_s=DRAIN_S)] + ([http.stop()] if http else [])
     await asyncio.gather(*stops)
-    if metrics is not None and hasattr(metrics, "stop"):
-        metrics.stop()

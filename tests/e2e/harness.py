@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,15 +17,10 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SHAREGPT = "sharegpt_v3_filtered_500.json"  # in ../shared/data (the `shared_data` fixture)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sharegpt_prompts(path: Path, n: int, max_chars: int = 600) -> list[str]:

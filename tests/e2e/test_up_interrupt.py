@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from tests.e2e.harness import REPO, descendants, free_port
+from tests.e2e.harness import REPO, descendants
+from tests.ports import free_port
 
 # (the line that starts the stage, a process that exists once the stage is under way, whether
 # orch up starts with SIGINT ignored, as a shell starts a background job `orch up ... &`)

@@ -9,7 +9,6 @@ request; a DP rank whose request has not started yet (or has finished) calls
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 
@@ -104,12 +103,6 @@ def _decode_in_lockstep(runner, plan: Plan,
         logits.append(row)
         tokens.append(int(row.argmax()))
     return tokens, logits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(plans: tuple[Plan, ...], timeout_s: float = 120.0) -> dict[str, list[dict]]:

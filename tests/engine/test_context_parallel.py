@@ -15,7 +15,7 @@ from engine.runner import ModelRunner
 from orchestrator.tiny_model import write_tiny_checkpoint
 from tests.engine.cp_ranks import BLOCK, CPPlan, caches_of, num_blocks, run_cp_ranks, \
     run_plan, sharded_bytes
-from tests.engine.ep_ranks import free_port
+from tests.ports import free_port
 
 CP = 4
 SHARDED = ("q_b_proj", "o_proj")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.runner import ModelRunner, SeqStep
+from tests.ports import free_port as _free_port
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1040))
@@ -36,12 +36,6 @@ def _rank_main(rank: int, port: int, ckpts: list[str], out_dir: str) -> None:
             torch.save(_scenario(runner), f"{out_dir}/rank{rank}_ckpt{i}.pt")
     finally:
         tp.destroy()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tp2_equals_tp1(tiny_ckpt, tiny_ckpt_no_qlora, tiny_dsa_ckpt, tmp_path):

@@ -15,7 +15,8 @@ from engine.parallel import EPGroup, TPGroup, init_ep_group
 from engine.runner import ModelRunner
 from orchestrator.tiny_model import tiny_config_dict, write_tiny_checkpoint
 from tests.engine.engine_drive import generate_greedy
-from tests.engine.ep_ranks import BLOCK, Plan, expert_bytes, free_port, run_ranks
+from tests.engine.ep_ranks import BLOCK, Plan, expert_bytes, run_ranks
+from tests.ports import free_port
 
 MAX_NEW = 32
 VOCAB = 1001  # odd: the last TP shard of embed_tokens / lm_head is padded

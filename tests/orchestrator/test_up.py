@@ -29,14 +29,9 @@ from orchestrator.up import check_ports_free
 from tests.orchestrator.fake_ranks import CLASSES
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER
+from tests.ports import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ports_cfg(port: int, metrics_port: int) -> OrchConfig:
