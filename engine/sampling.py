@@ -64,6 +64,42 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+_ARGMAX_CHUNK = 256
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit, the first one on ties: ``torch.argmax(logits, -1)``.
+
+    ``torch.argmax`` over a long CPU row is a scalar loop that tracks the index (1.0 ms at
+    ``[8, 129280]`` fp32, one thread); a max reduction vectorizes (0.08 ms). So: the max of
+    each chunk of ``_ARGMAX_CHUNK`` logits, the first chunk holding the row's max (argmax over
+    ``V / 256`` values), then the first max inside that chunk (0.1 ms in all). A row holding
+    NaN gives the index of a NaN's chunk rather than of the NaN itself (:func:`sample` fails
+    such rows before using their index).
+
+    Args:
+        logits: ``[B, V]`` floating logits.
+
+    Returns:
+        ``[B]`` int64 token ids.
+    """
+    rows, vocab = logits.shape
+    chunks = vocab // _ARGMAX_CHUNK
+    if chunks < 2 or logits.device.type != "cpu":
+        return torch.argmax(logits, dim=-1)
+    whole = chunks * _ARGMAX_CHUNK
+    chunk_max = logits[:, :whole].reshape(rows, chunks, _ARGMAX_CHUNK).amax(dim=-1)
+    if whole < vocab:
+        chunk_max = torch.cat([chunk_max, logits[:, whole:].amax(dim=-1, keepdim=True)], -1)
+    start = chunk_max.argmax(dim=-1) * _ARGMAX_CHUNK  # [B]
+    cols = start[:, None] + torch.arange(_ARGMAX_CHUNK, device=logits.device)  # [B, chunk]
+    inside = logits.gather(1, cols.clamp(max=vocab - 1))
+    # NOTE: the last chunk may be short: its columns past the vocabulary (clamped onto the
+    # last one above) must never win.
+    inside = inside.masked_fill(cols >= vocab, float("-inf"))
+    return start + inside.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            steps: list[int]) -> list[int | RowFailure]:
     """Pick one token per row; a bad row fails alone (see module docstring).
@@ -81,7 +117,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # reduction instead of a [B, V] mask (0.1 ms vs 2.5 ms at [8, 129280], one CPU thread);
     # finite logits would need |x| ~ 1e33 to overflow the fp32 sum.
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [B]
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()  # [B]
+    greedy_ids = greedy_argmax(logits).tolist()  # [B]
     out: list[int | RowFailure] = []
     for row, (p, step) in enumerate(zip(params, steps)):
         if not finite[row]:

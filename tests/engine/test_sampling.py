@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling import RowFailure, sample
+from engine.sampling import RowFailure, greedy_argmax, sample
 from engine.sampling_params import SAMPLING_EPS, SamplingParams, fill_seed
 
 
@@ -95,3 +95,19 @@ def test_a_poisoned_row_fails_alone():
     assert out[0] == clean[0]
     assert [type(t) for t in out[1:]] == [RowFailure] * 3
     assert "non-finite logits" in out[1].reason and "not finite" in out[3].reason
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 511, 512, 1000, 129280])
+def test_greedy_argmax_equals_torch_argmax_with_ties(vocab):
+    """The chunked argmax picks what torch.argmax picks, the first index on ties, with
+    vocabularies shorter than a chunk, a whole number of chunks and a short last chunk."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[1] = 0.0  # every column ties: index 0
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 50.0  # a tie across chunks: the first
+    logits[3, vocab - 1] = 50.0  # the max in the (short) last chunk
+    logits[4] = float("-inf")
+    logits[4, vocab // 2] = -1e30
+    logits[5, : vocab // 2] = float("-inf")
+    assert greedy_argmax(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert greedy_argmax(logits[:0]).shape == (0,)
