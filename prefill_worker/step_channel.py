@@ -16,8 +16,9 @@ leader accepts them all (bounded). Failures, as the leader sees them:
 
 - a follower whose connection closes or resets (its process died) -> :class:`RankGone`;
 - no ack (or no room to send) within the step's deadline -> :class:`RankHung`;
-- a follower whose step raised -> that exception re-raised on the leader (a note names the
-  rank), once every follower acked (the channel stays in step).
+- a follower whose step raised, or that could not unpickle the step's frame -> that
+  exception re-raised on the leader (a note names the rank), once every follower acked (the
+  channel stays in step).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ STORE_KEY = "orch/step_channel"
 _LEN = struct.Struct("!Q")
 _HELLO = struct.Struct("!I16s")  # follower rank, channel token
 _STALE = object()  # an ack of an older step
+# NOTE: the seq of an ack whose step frame the follower could not unpickle (its seq is inside
+# the pickle); it answers the step in flight (frames are served in order, one at a time).
+_UNREAD_SEQ = -1
 # NOTE: how often a follower's idle thread looks at its stop event (seconds).
 _IDLE_POLL_S = 0.5
 # NOTE: a frame whose first byte arrived comes whole, and an ack leaves, within this
@@ -234,7 +238,7 @@ class StepChannelLeader:
                            "(hung)") from exc
         except (OSError, EOFError, pickle.UnpicklingError) as exc:
             raise RankGone(f"rank {rank} is gone (step channel: {exc or 'closed'})") from exc
-        if seq != self._seq:
+        if seq != self._seq and seq != _UNREAD_SEQ:
             return _STALE
         if error_text is None:
             return None
@@ -301,8 +305,9 @@ class StepChannelFollower:
                 return
 
     def _run(self, payload: bytes) -> bytes:
-        """Run one step frame; the pickled ack ``(seq, error pickle, error text)``."""
-        seq = -1
+        """Run one step frame; the pickled ack ``(seq, error pickle, error text)``
+        (``_UNREAD_SEQ`` when the frame cannot be unpickled)."""
+        seq = _UNREAD_SEQ
         try:
             seq, steps, step_inputs = pickle.loads(payload)
             self._run_step(steps, step_inputs)

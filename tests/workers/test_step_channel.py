@@ -85,6 +85,28 @@ def test_unpicklable_error_arrives_as_its_text(channel):
         step(leader, ["d"], None)
 
 
+def _refuse_to_unpickle():
+    raise ValueError("this step frame cannot be read here")
+
+
+class Unreadable:
+    """Pickles fine; unpickling it raises (a class a follower lacks, a corrupt frame)."""
+
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+def test_unreadable_step_frame_fails_the_step_at_once_and_the_channel_serves_on(channel):
+    leader, _, scripts = channel
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="cannot be read here") as info:
+        step(leader, ["f"], Unreadable(), bound_s=30.0)
+    assert time.monotonic() - t0 < 5.0  # not the step's 30 s bound
+    assert "rank 1" in "".join(info.value.__notes__)
+    step(leader, ["g"], None)
+    assert [s.ran for s in scripts] == [[(["g"], None)]] * 2
+
+
 def test_dead_follower_is_gone_at_once_while_another_hangs(channel):
     leader, followers, scripts = channel
     scripts[0].block.set()  # rank 1 hangs in its step
