@@ -133,7 +133,7 @@ class OrchConfig(_Section):
             if role == "prefill" else {}
         return ParallelConfig(tp=section.tp, dp=section.dp, ep=section.ep, **cp,
                               device=self.device(), dist_backend=self.dist_backend(),
-                              bind_host=bind_host)
+                              bind_host=bind_host, step_timeout_s=self.health.step_timeout_s)
 
 
 def _check_backend(backend: str, device: str) -> None:

@@ -278,8 +278,12 @@ class HealthSection(_Section):
     ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``.
     An unhealthy instance is restarted (new rank actors) within ``recover_timeout_s``, at most
     ``max_restarts`` times per ``restart_window_s`` (0 turns automatic restarts off).
+    ``step_timeout_s`` bounds one SPMD step across an instance's ranks: a rank that answers
+    pings but neither finishes nor fails a step within it (e.g. stuck in a collective) takes
+    its instance out of service.
     """
 
+    step_timeout_s: float = Field(300.0, gt=0)
     probe_interval_s: float = Field(1.0, gt=0)
     probe_timeout_s: float = Field(5.0, gt=0)
     status_timeout_s: float = Field(2.0, gt=0)

@@ -118,6 +118,14 @@ def test_transfer_waits_are_the_one_transfer_config():
         TransferConfig(same_node="on")
 
 
+def test_step_timeout_reaches_every_instance():
+    cfg = OrchConfig.model_validate({"cluster": {"device": "cpu"},
+                                     "health": {"step_timeout_s": 45}})
+    assert {i.parallel.step_timeout_s for i in cfg.instances()} == {45.0}
+    with pytest.raises(ValidationError, match="step_timeout_s"):
+        OrchConfig.model_validate({"health": {"step_timeout_s": 0}})
+
+
 def test_auto_device_is_engine_platforms_decision(monkeypatch):
     monkeypatch.setenv("ORCH_DEVICE", "cuda")  # engine.platform honours it; no GPU needed
     cfg = OrchConfig.model_validate({})
