@@ -123,23 +123,37 @@ def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
 def test_cpu_collective_latency_is_the_served_tp2_steps_extra_per_collective():
     from orchestrator.planner.calibrate import _collective_latency_us
 
+    from orchestrator.planner.calibrate_serving import ServedSteps
+
     # 3 layers: 2 x 3 + 2 = 8 collectives; 30 ms over 14 ms served, less a 1.2 ms call
-    assert _collective_latency_us(3, (0.007, 0.014, 0.030, 0.02), 1200.0, 100.0) == \
-        pytest.approx(14_800.0 / 8)
-    assert _collective_latency_us(3, (0.007, 0.014, 0.0141, 0.02), 1200.0, 100.0) == 100.0
+    steps = ServedSteps(0.007, 0.014, 0.030, 0.02, 0.03)
+    assert _collective_latency_us(3, steps, 1200.0, 100.0) == pytest.approx(14_800.0 / 8)
+    close = ServedSteps(0.007, 0.014, 0.0141, 0.02, 0.03)
+    assert _collective_latency_us(3, close, 1200.0, 100.0) == 100.0
 
 
-def test_first_token_cost_is_paid_once_per_request_in_ttft_only():
+def test_cpu_first_token_costs_are_the_served_first_tokens_beyond_the_counted_calls():
+    from orchestrator.planner.calibrate import _first_token_us
+
+    # colocated: 1 call; disaggregated: 3 (reserve, the receivers it arms, prefill)
+    assert _first_token_us(0.012, True, 1000.0, 0.006, 0.002) == pytest.approx(3000.0)
+    assert _first_token_us(0.020, False, 1000.0, 0.006, 0.002) == pytest.approx(9000.0)
+    assert _first_token_us(0.005, True, 1000.0, 0.006, 0.002) == 0.0
+
+
+def test_first_token_cost_of_its_mode_is_paid_once_per_request_in_ttft_only():
     from dataclasses import replace
 
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
 
-    base = replace(default_device("cuda"), first_token_us=0.0)
-    slow = replace(base, first_token_us=1000.0)
+    base = replace(default_device("cuda"), first_token_us=0.0, pd_first_token_us=0.0)
     wl = WorkloadSpec(128, 16, concurrency=1)
-    for name in ("colocated", "1p1d"):
+    for name, field in (("colocated", "first_token_us"), ("1p1d", "pd_first_token_us")):
         cfg = load_config(REPO / "configs" / f"{name}.yaml")
-        fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
+        other = "pd_first_token_us" if field == "first_token_us" else "first_token_us"
+        fast_pt, slow_pt, other_pt = (plan_config(cfg, wl, d).point for d in (
+            base, replace(base, **{field: 1000.0}), replace(base, **{other: 1000.0})))
         assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(1e-3, rel=1e-6)
         assert slow_pt.tpot_s == pytest.approx(fast_pt.tpot_s, rel=1e-9)
+        assert other_pt.ttft_s == pytest.approx(fast_pt.ttft_s, rel=1e-9)
