@@ -16,7 +16,7 @@ after the first token) and long-polls the leaders for token events as the EventP
 - The decode instance's token gap over the tp-1 rank's is what a TP-2 step costs as served:
   the leader's step to its follower, the collectives, and the ranks, this process and Ray
   sharing the machine's cores.
-- The time to first token of one-token requests, on each: colocated from ``generate`` sent,
+- The time to first token of short requests, on each, sent to an in-process router: colocated from ``generate`` sent,
   disaggregated from ``reserve`` sent to the prefill's first event (the reservation, the
   receivers it arms, the prefill launch, the prefill step with its KV sends starting, the
   lone first event's way out).
@@ -161,7 +161,7 @@ def _start_colocated(ckpt: Path) -> object:
 
     sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
                             max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
-    cfg = InstanceConfig(name="calib-colocated", role="colocated", checkpoint_dir=str(ckpt),
+    cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=sched, parallel=ParallelConfig(tp=1))
     rank = ray.remote(ColocatedRank).options(
         num_cpus=0.1, max_concurrency=ACTOR_CONCURRENCY).remote(cfg, 0)
@@ -175,19 +175,58 @@ def _start_colocated(ckpt: Path) -> object:
     return rank
 
 
-def _pd_config(ckpt: Path):
-    """configs/1p1d.yaml's layout on ``ckpt``, 0.1 CPU a rank, KV on loopback."""
+def _config(ckpt: Path, disaggregated: bool):
+    """The served instances' layout on ``ckpt``: configs/1p1d.yaml's (prefill tp 1, decode
+    tp 2) or a tp-1 colocated instance; 0.1 CPU a rank, KV on loopback."""
     from orchestrator.config import OrchConfig
 
     blocks = {"num_kv_blocks": 16, "max_num_seqs": 8}
+    prefill = {"dp": 1, "tp": 1, "chunk_size": 256, "max_num_batched_tokens": 256, **blocks} \
+        if disaggregated else {"chunk_size": PROMPT, "max_num_batched_tokens": 4 * PROMPT}
     return OrchConfig.model_validate({
         "model": {"path": str(ckpt), "dtype": "float32", "max_model_len": 256},
-        "mode": "disaggregated",
-        "prefill": {"dp": 1, "tp": 1, "chunk_size": 256, "max_num_batched_tokens": 256,
-                    **blocks},
-        "decode": {"dp": 1, "tp": 2, **blocks},
+        "mode": "disaggregated" if disaggregated else "colocated", "prefill": prefill,
+        "decode": {"dp": 1, "tp": 2 if disaggregated else 1, **blocks},
         "kv_transfer": {"backend": "gloo", "block_size": 16},
         "cluster": {"device": "cpu", "cpus_per_rank": 0.1, "bind_host": "127.0.0.1"}})
+
+
+def routed_first_s(cfg, handles: dict, ckpt: Path, requests: int) -> list[float]:
+    """Seconds to the first token of ``requests`` two-token requests, one at a time, each
+    sent to an in-process :class:`orchestrator.router.Router` of ``cfg`` over the leader
+    ``handles`` (instance name -> actor) as the gRPC servicer sends it (the router's
+    placement, calls and EventPump included; not gRPC nor the client). NOTE: two tokens:
+    the router streams a request's last token only once its reservation is handed back, a
+    one-token request's first token would wait for that call.
+
+    Raises:
+        orchestrator.request.RequestError: a request failed.
+    """
+    import asyncio
+
+    from engine.sampling_params import SamplingParams
+    from orchestrator.assemble import build_router
+    from orchestrator.checkpoint import read_model_info
+    from orchestrator.request import GenerateInput
+
+    async def run() -> list[float]:
+        router = build_router(cfg, handles, read_model_info(ckpt, "tiny",
+                                                            cfg.model.max_model_len), None)
+        router.start()
+        times: list[float] = []
+        try:
+            for _ in range(requests):
+                inp = GenerateInput(None, tuple(range(1000, 1000 + PROMPT)),
+                                    SamplingParams(max_tokens=2, ignore_eos=True))
+                sent = time.perf_counter()
+                async for chunk in router.generate(inp):
+                    if chunk.token_ids and len(times) < requests:
+                        times.append(time.perf_counter() - sent)
+        finally:
+            await router.stop(drain_timeout_s=5.0)
+        return times
+
+    return asyncio.run(run())
 
 
 class ServedInstances:
@@ -212,7 +251,7 @@ class ServedInstances:
 
         self._colocated = _start_colocated(self.ckpt)
         try:
-            self._pair = bring_up(_pd_config(self.ckpt), report=lambda *_: None)
+            self._pair = bring_up(_config(self.ckpt, True), report=lambda *_: None)
             # NOTE: warm: the first requests connect the KV pairs and fill caches
             leaders = self._pair.leaders()
             for _ in range(2):
@@ -249,9 +288,9 @@ class ServedInstances:
             times[1].append(_gap_s(_colocated_times(self._colocated, self._id(), TOKENS)))
             times[2].append(_gap_s(_pd_times(prefill, decode, self._id(), TOKENS)))
         # NOTE: the first tokens are the noisiest figures: their own requests, one token each
-        for _ in range(FIRST_TOKENS):
-            times[3].append(_colocated_times(self._colocated, self._id(), 1)[0])
-            times[4].append(_pd_times(prefill, decode, self._id(), 1)[0])
+        times[3] = routed_first_s(_config(self.ckpt, False),
+                                  {"colocated-0": self._colocated}, self.ckpt, FIRST_TOKENS)
+        times[4] = routed_first_s(_config(self.ckpt, True), leaders, self.ckpt, FIRST_TOKENS)
         return ServedSteps(*(statistics.median(t) for t in times))
 
     def _id(self) -> str:
