@@ -1,14 +1,15 @@
 """Served steps on cpu: what a served token costs beyond the engine step, colocated and
-disaggregated.
+disaggregated, as a client of the router sees it.
 
 :class:`ServedInstances` keeps two instances of the tiny model up as Ray actors, made as
 ``orch up`` makes them: a tp-1 :class:`prefill_worker.colocated.ColocatedRank` and a
 disaggregated pair (prefill tp 1, decode tp 2, KV over gloo: configs/1p1d.yaml's layout,
-brought up by :func:`orchestrator.cluster.bring_up`). This process drives them as the router
-does (``generate``; or ``reserve`` on decode, ``prefill`` on prefill, ``admit`` on decode
-after the first token) and long-polls the leaders for token events as the EventPump does.
+brought up by :func:`orchestrator.cluster.bring_up`), and one
+:class:`orchestrator.router.Router` over each (``orchestrator.assemble.build_router``, on an
+event loop thread of this process): requests go through the router's placement, its calls
+and its EventPump as in ``orch up``; gRPC and the client are not on the way.
 
-- The tp-1 rank's median token gap, less the bare engine decode step
+- The tp-1 rank's token gap, less the bare engine decode step
   (:class:`engine.runner.ModelRunner` at batch 1, timed in this process just before), is the
   serving cost of one step: the leader step's scheduler, sampler and events (well under
   1 ms) and, most of it, the event path (a Ray ``poll`` call per step, its serialization,
@@ -16,37 +17,45 @@ after the first token) and long-polls the leaders for token events as the EventP
 - The decode instance's token gap over the tp-1 rank's is what a TP-2 step costs as served:
   the leader's step to its follower, the collectives, and the ranks, this process and Ray
   sharing the machine's cores.
-- The time to first token of short requests, on each, sent to an in-process router: colocated from ``generate`` sent,
-  disaggregated from ``reserve`` sent to the prefill's first event (the reservation, the
-  receivers it arms, the prefill launch, the prefill step with its KV sends starting, the
-  lone first event's way out).
+- The time to first token of short requests on each: colocated the launch call, the prefill
+  step and the lone first event's way out; disaggregated also the decode reservation (and
+  the receivers it arms) before the prefill launch and the prefill rank's KV sends starting
+  right after its step.
+
+NOTE: one router per instance for the instances' whole life: a stopped router's last
+``poll`` call still runs in the rank and would swallow the next router's first events.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 PROMPT = 64  # tokens of the served requests' prompts
 TOKENS = 24  # tokens a gap request generates (the first 4 gaps are left out as warm-up)
-FIRST_TOKENS = 9  # one-token requests timed for each time to first token
-POLL_S = 0.5  # the EventPump's long-poll timeout (orchestrator/leader.py)
-CALL_S = 30.0  # bound of one actor call
+FIRST_TOKENS = 9  # two-token requests timed for each time to first token
+CALL_S = 60.0  # bound of one served request
 
 
 @dataclass(frozen=True)
 class ServedSteps:
-    """Medians, seconds, of one :meth:`ServedInstances.measure`.
+    """Medians, seconds, of one :meth:`ServedInstances.measure`, requests sent to the
+    routers.
 
     Attributes:
         bare_s: the tiny model's batch-1 decode step in this process.
         tp1_gap_s: token gap of a request served by the tp-1 colocated rank.
         tp2_gap_s: token gap of a request's decode on the pair's tp-2 decode instance.
-        first_s: colocated time to first token (``generate`` sent -> first event polled).
-        pd_first_s: disaggregated time to first token (``reserve`` sent -> the prefill's
-            first event polled).
+        first_s: colocated time to first token.
+        pd_first_s: disaggregated time to first token.
     """
 
     bare_s: float
@@ -69,74 +78,6 @@ def _bare_decode_s(ckpt: Path, steps: int = 5) -> float:
         runner.execute([SeqStep("p", (7,), PROMPT + i, table)])
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _spec(request_id: str, tokens: int):
-    from engine.sampling_params import SamplingParams
-    from prefill_worker.messages import RequestSpec
-
-    return RequestSpec(request_id, tuple(range(1000, 1000 + PROMPT)),
-                       SamplingParams(max_tokens=tokens, ignore_eos=True))
-
-
-def _arrivals(rank, request_id: str, sent: float, first_only: bool,
-              timeout_s: float = 60.0) -> tuple[list[float], int]:
-    """(seconds from ``sent`` to each token of ``request_id`` that ``rank`` emits, the last
-    token id), polled as the EventPump does (other requests' events, e.g. the abort of an
-    earlier one-token request's reservation, are dropped), until an event ends the request
-    (or, ``first_only``, until its first token).
-
-    Raises:
-        TimeoutError: no end within ``timeout_s``. RuntimeError: an error event.
-    """
-    import ray
-
-    arrivals, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for ev in ray.get(rank.poll.remote(POLL_S), timeout=CALL_S):
-            if ev.request_id != request_id:
-                continue
-            if ev.error:
-                raise RuntimeError(f"calibration request failed: {ev.error}")
-            arrivals.extend([time.perf_counter() - sent] * max(1, len(ev.token_ids)))
-            if ev.finish_reason is not None or (first_only and ev.token_ids):
-                return arrivals, (ev.token_ids or (0,))[-1]
-    raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
-
-
-def _colocated_times(rank, request_id: str, tokens: int) -> list[float]:
-    """Seconds from ``generate`` sent to each token of a ``tokens``-token request."""
-    import ray
-
-    sent = time.perf_counter()
-    ray.get(rank.generate.remote(_spec(request_id, tokens)), timeout=CALL_S)
-    return _arrivals(rank, request_id, sent, first_only=False)[0]
-
-
-def _pd_times(prefill, decode, request_id: str, tokens: int) -> list[float]:
-    """Seconds from ``reserve`` sent to each token of a ``tokens``-token request placed as
-    the router places it (reserve, prefill, then admit; a one-token request's reservation
-    is aborted as the router does).
-
-    Raises:
-        RuntimeError: the reservation was refused, or an error event.
-    """
-    import ray
-
-    from prefill_worker.messages import Reservation
-
-    spec = _spec(request_id, tokens)
-    sent = time.perf_counter()
-    res = ray.get(decode.reserve.remote(spec, 1, 1), timeout=CALL_S)
-    if not isinstance(res, Reservation):
-        raise RuntimeError(f"calibration reservation refused: {res}")
-    ray.get(prefill.prefill.remote(spec, res), timeout=CALL_S)
-    first, token = _arrivals(prefill, request_id, sent, first_only=True)
-    if tokens == 1:
-        ray.get(decode.abort.remote(request_id), timeout=CALL_S)
-        return first
-    ray.get(decode.admit.remote(request_id, token), timeout=CALL_S)
-    return first + _arrivals(decode, request_id, sent, first_only=False)[0]
 
 
 def _gap_s(times: list[float]) -> float:
@@ -191,108 +132,128 @@ def _config(ckpt: Path, disaggregated: bool):
         "cluster": {"device": "cpu", "cpus_per_rank": 0.1, "bind_host": "127.0.0.1"}})
 
 
-def routed_first_s(cfg, handles: dict, ckpt: Path, requests: int) -> list[float]:
-    """Seconds to the first token of ``requests`` two-token requests, one at a time, each
-    sent to an in-process :class:`orchestrator.router.Router` of ``cfg`` over the leader
-    ``handles`` (instance name -> actor) as the gRPC servicer sends it (the router's
-    placement, calls and EventPump included; not gRPC nor the client). NOTE: two tokens:
-    the router streams a request's last token only once its reservation is handed back, a
-    one-token request's first token would wait for that call.
+async def _token_times(router, tokens: int) -> list[float]:
+    """Seconds from sending a ``tokens``-token request (``PROMPT`` prompt tokens) to
+    ``router`` to each of its tokens, as the router streams them.
 
     Raises:
-        orchestrator.request.RequestError: a request failed.
+        orchestrator.request.RequestError: the request failed.
     """
-    import asyncio
-
     from engine.sampling_params import SamplingParams
-    from orchestrator.assemble import build_router
-    from orchestrator.checkpoint import read_model_info
     from orchestrator.request import GenerateInput
 
-    async def run() -> list[float]:
-        router = build_router(cfg, handles, read_model_info(ckpt, "tiny",
-                                                            cfg.model.max_model_len), None)
-        router.start()
-        times: list[float] = []
-        try:
-            for _ in range(requests):
-                inp = GenerateInput(None, tuple(range(1000, 1000 + PROMPT)),
-                                    SamplingParams(max_tokens=2, ignore_eos=True))
-                sent = time.perf_counter()
-                async for chunk in router.generate(inp):
-                    if chunk.token_ids and len(times) < requests:
-                        times.append(time.perf_counter() - sent)
-        finally:
-            await router.stop(drain_timeout_s=5.0)
-        return times
-
-    return asyncio.run(run())
+    inp = GenerateInput(None, tuple(range(1000, 1000 + PROMPT)),
+                        SamplingParams(max_tokens=tokens, ignore_eos=True))
+    sent, times = time.perf_counter(), []
+    async for chunk in router.generate(inp):
+        times.extend([time.perf_counter() - sent] * len(chunk.token_ids))
+    return times
 
 
 class ServedInstances:
-    """The calibration's served instances (module docstring), up from ``__enter__`` to
-    ``__exit__`` on the Ray this process runs (the caller initialises it), so several
-    :meth:`measure` calls (one next to each measurement they are compared with) share one
-    bring-up (~5-15 s: four rank processes, each importing torch).
+    """The calibration's served instances and their routers (module docstring), up from
+    ``__enter__`` to ``__exit__`` on the Ray this process runs (the caller initialises it),
+    so several :meth:`measure` calls (one next to each measurement they are compared with)
+    share one bring-up (~10-25 s: four rank processes, each importing torch).
 
     Raises (``__enter__``):
         orchestrator.cluster.BringUpError, ray.exceptions.GetTimeoutError: a rank did not
-            come up.
+            come up; TimeoutError, RequestError: a warm-up request did not complete.
     """
 
     def __init__(self, ckpt: Path) -> None:
         self.ckpt = ckpt
         self._colocated = None
         self._pair = None
-        self._count = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._routers: dict[str, object] = {}
 
     def __enter__(self) -> "ServedInstances":
         from orchestrator.cluster import bring_up
 
-        self._colocated = _start_colocated(self.ckpt)
         try:
+            self._colocated = _start_colocated(self.ckpt)
             self._pair = bring_up(_config(self.ckpt, True), report=lambda *_: None)
-            # NOTE: warm: the first requests connect the KV pairs and fill caches
-            leaders = self._pair.leaders()
-            for _ in range(2):
-                _pd_times(leaders["prefill-0"], leaders["decode-0"], self._id(), 2)
-                _colocated_times(self._colocated, self._id(), 2)
+            self._start_routers()
+            # NOTE: warm, as measured: the first requests connect the KV pairs, fill caches
+            # and run the router's code for the first time
+            for name in self._routers:
+                self._run(_token_times(self._routers[name], 2))
         except BaseException:
             self.__exit__()
             raise
         return self
 
+    def _start_routers(self) -> None:
+        from orchestrator.assemble import build_router
+        from orchestrator.checkpoint import read_model_info
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="calib-router",
+                                        daemon=True)
+        self._thread.start()
+        handles = {"colocated": {"colocated-0": self._colocated},
+                   "pair": self._pair.leaders()}
+
+        async def start(name: str):
+            cfg = _config(self.ckpt, name == "pair")
+            router = build_router(cfg, handles[name], read_model_info(
+                self.ckpt, "tiny", cfg.model.max_model_len), None)
+            router.start()
+            return router
+
+        for name in handles:
+            self._routers[name] = self._run(start(name))
+
+    def _run(self, coro):
+        """Run ``coro`` on the routers' loop; its result, bounded by ``CALL_S``.
+
+        Raises:
+            TimeoutError: not done within ``CALL_S`` (it is cancelled).
+        """
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=CALL_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"a calibration request took over {CALL_S:g} s") from None
+
     def __exit__(self, *exc) -> None:
         import ray
 
+        for router in self._routers.values():
+            try:
+                self._run(router.stop(drain_timeout_s=5.0))
+            except Exception:  # noqa: BLE001 - tear-down goes on
+                log.exception("stopping a calibration router failed")
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
         if self._pair is not None:
             self._pair.teardown(timeout_s=10)
         if self._colocated is not None:
             ray.kill(self._colocated)
-        self._pair = self._colocated = None
+        self._pair = self._colocated = self._loop = None
+        self._routers = {}
 
     def measure(self, rounds: int = 3) -> ServedSteps:
-        """The bare step and a request on each instance timed in turn, ``rounds`` times,
-        then ``FIRST_TOKENS`` one-token requests on each in turn; medians (so a change of
-        load hits them alike).
+        """The bare step and a ``TOKENS``-token request on each instance timed in turn,
+        ``rounds`` times, then ``FIRST_TOKENS`` two-token requests on each in turn (the time
+        to first token: two tokens, as the router streams a request's last token only once
+        a disaggregated reservation is handed back); medians (so a change of load hits them
+        alike).
 
         Raises:
-            TimeoutError, RuntimeError: a served request did not complete;
-            ray.exceptions.GetTimeoutError: a call took over ``CALL_S``.
+            TimeoutError, orchestrator.request.RequestError: a request did not complete.
         """
-        leaders = self._pair.leaders()
-        prefill, decode = leaders["prefill-0"], leaders["decode-0"]
         times: list[list[float]] = [[], [], [], [], []]
         for _ in range(rounds):
             times[0].append(_bare_decode_s(self.ckpt))
-            times[1].append(_gap_s(_colocated_times(self._colocated, self._id(), TOKENS)))
-            times[2].append(_gap_s(_pd_times(prefill, decode, self._id(), TOKENS)))
-        # NOTE: the first tokens are the noisiest figures: their own requests, one token each
-        times[3] = routed_first_s(_config(self.ckpt, False),
-                                  {"colocated-0": self._colocated}, self.ckpt, FIRST_TOKENS)
-        times[4] = routed_first_s(_config(self.ckpt, True), leaders, self.ckpt, FIRST_TOKENS)
+            for i, name in ((1, "colocated"), (2, "pair")):
+                times[i].append(_gap_s(self._run(_token_times(self._routers[name], TOKENS))))
+        # NOTE: the first tokens are the noisiest figures: their own short requests
+        for _ in range(FIRST_TOKENS):
+            for i, name in ((3, "colocated"), (4, "pair")):
+                times[i].append(self._run(_token_times(self._routers[name], 2))[0])
         return ServedSteps(*(statistics.median(t) for t in times))
-
-    def _id(self) -> str:
-        self._count += 1
-        return f"calib-{self._count}"
