@@ -1,7 +1,8 @@
 """`orch plan` vs `orch bench` on this CPU machine (issue 17's check; in CI as
 tests/e2e/test_plan_vs_bench.py), with ``--reps`` and, with ``--concurrency 1 4``, a loaded
-closed loop: for configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output
-tokens), the predicted and measured median TTFT / TPOT and the error
+closed loop (planned in lock-step, ``start=together``, as the bench runs equal requests):
+for configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output tokens), the
+predicted and measured median TTFT / TPOT and the error
 (orchestrator/planner/versus.py). Starts its own Ray; the calibration's served instances are
 brought up once on it, each config once; the cpu device is measured with the config up,
 right before its benches. Run (~1-2 min):
@@ -57,7 +58,7 @@ def main() -> None:
                           f"{device.link_latency_us / 1e3:.2f} ms, Ray call "
                           f"{device.control_call_us / 1e3:.2f} ms")
                     for conc in args.concurrency:
-                        wl = WorkloadSpec(IN, OUT, concurrency=conc)
+                        wl = WorkloadSpec(IN, OUT, concurrency=conc, together=conc > 1)
                         for row in compare(name, load_config(path), orch.address, device,
                                            wl, args.reps, REQUESTS * conc):
                             print(row)

@@ -93,7 +93,9 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     shape = Roles(p_cost.total_s, calls,
                   lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
                   pre.layout.dp, dec.layout.dp, slots, colocated,
-                  transfer.total_s if transfer else 0.0)
+                  transfer.total_s if transfer else 0.0,
+                  lambda n: prefill_cost(m, pre, prec, hw, int(n), int(n)).total_s,
+                  cfg.prefill.max_num_batched_tokens, cfg.prefill.chunk_size)
     point = operating_point(shape, wl)
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
     best = None if colocated else _best_split(shape, pre, dec, wl)
@@ -143,7 +145,8 @@ def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens:
 def format_plan(plan: Plan) -> list[str]:
     """The ``orch plan`` report lines."""
     wl, pt, eff = plan.workload, plan.point, efficiency(plan.device)
-    load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}"
+    load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}" + (
+        ", starting together" if wl.together else "")
     lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
              f"out={wl.output_len}, {load}; efficiency compute {eff.compute:g}, HBM "
              f"{eff.hbm:g}, links {eff.link:g}"]

@@ -51,13 +51,32 @@ def test_parse_workload():
     assert parse_workload("in=65536,out=3072") == WorkloadSpec(65536, 3072)
     assert parse_workload("in=8,out=2,rate=0.5").rate == 0.5
     assert parse_workload("in=8,out=2,concurrency=4").concurrency == 4
-    for bad in ("in=8", "in=8,out=2,x=1", "in=8,out=2,rate=1,concurrency=2", "in=0,out=2"):
+    assert parse_workload("in=8,out=2,concurrency=4,start=together").together
+    assert not parse_workload("in=8,out=2,concurrency=4,start=staggered").together
+    for bad in ("in=8", "in=8,out=2,x=1", "in=8,out=2,rate=1,concurrency=2", "in=0,out=2",
+                "in=8,out=2,start=together", "in=8,out=2,concurrency=4,start=now"):
         with pytest.raises(ValueError):
             parse_workload(bad)
 
 
 def _roles(prefill_s: float, slots: int = 4) -> Roles:
     return Roles(prefill_s, 0.5, lambda b: 0.01 + 0.001 * b, 2, 8, slots, False)
+
+
+def test_lockstep_prompts_share_prefill_steps_under_the_budget_then_decode_together():
+    # 1 ms per prompt token a step; 4 prompts of 64 tokens starting together on one rank
+    def roles(budget: int) -> Roles:
+        return Roles(0.064, 0.002, lambda b: 0.01 + 0.001 * b, 1, 1, 8, False, 0.003,
+                     lambda n: 0.001 * n, budget, 64)
+
+    wl = WorkloadSpec(64, 5, concurrency=4, together=True)
+    one = operating_point(roles(256), wl)  # all four in one 256-token step
+    assert one.ttft_s == pytest.approx(0.002 + 0.256)
+    assert one.tpot_s == pytest.approx(0.014 + 4 * 0.003 / 4)  # batch 4; 4 transfers in turn
+    assert one.decode_batch == 4
+    assert one.requests_s == pytest.approx(4 / (0.258 + 4 * one.tpot_s))
+    two = operating_point(roles(128), wl)  # steps of 2 prompts: done at 128 and 256 ms
+    assert two.ttft_s == pytest.approx(0.002 + (0.128 + 0.256) / 2)
 
 
 def test_closed_loop_obeys_littles_law_and_prefill_capacity():
