@@ -15,8 +15,9 @@ float32 (the tiny model's dtype):
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
 - serving cost per step: a served tiny request's token gap less the bare engine decode step
   (:mod:`.calibrate_serving`), on the same Ray as the control call; and the first token's
-  cost, colocated and disaggregated: the served time to first token less the calls in turn
-  on its way (1 or 3), the bare prefill and that serving cost (the event path of a lone
+  cost, colocated and disaggregated: the served time to first token (requests sent to a
+  router in this process, as the rest of the served figures) less the calls in turn on its
+  way (1 or 3), the bare prefill and that serving cost (the event path of a lone
   event, not overlapped with a next step; disaggregated also the reservation's own work and
   the prefill rank's KV sends competing with the first token);
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
@@ -234,13 +235,13 @@ def measure_cpu(ckpt: Path | None = None,
     """Run the calibration and return the ``cpu`` device it measured, on the tiny
     checkpoint ``ckpt`` (a deployment's own, e.g. ``ensure_checkpoint(cfg.model)``; default
     a fresh one written to a temporary folder, a few seconds more). The served steps on
-    ``served`` (up already, on ``ckpt``: ~10 s) or on instances brought up for them
+    ``served`` (up already, on ``ckpt``: ~5 s in all) or on instances brought up for them
     (~20-30 s in all).
 
     Raises:
-        RuntimeError: the gloo pair did not finish within 120 s, or a served calibration
-            request failed.
-        TimeoutError: a served calibration request did not finish within 60 s.
+        RuntimeError: the gloo pair did not finish within 120 s.
+        TimeoutError, orchestrator.request.RequestError: a served calibration request did
+            not complete within 60 s or failed.
         ray.exceptions.GetTimeoutError: a Ray call took over 60 s.
         orchestrator.cluster.BringUpError: the served instances did not come up.
     """

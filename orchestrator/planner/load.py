@@ -11,12 +11,12 @@ Two load models:
   wait + prefill + transfer; over capacity the plan says so (TTFT unbounded).
 - lock-step closed loop (``concurrency=C,start=together``): what a closed-loop bench of
   equal requests does: the C requests start together, each prefill DP rank takes its share
-  n_p = ceil(C / prefill dp) as FCFS chunks under the step budget (``max_num_batched_tokens``,
-  at most ``chunk_size`` a request per step), so the k-th prompt's first token comes at the
-  end of step ceil(k L / T) (T the tokens a step takes); all decode together at batch
-  n_d = ceil(C / decode dp) (a colocated rank has no other prefills meanwhile), their KV
-  transfers one after another before the second tokens; all end together and the next C
-  start together. TTFT is the mean over k.
+  n_p = ceil(C / prefill dp) one after another (they reach the rank one placement's calls
+  apart and its loop starts a step on the first one, so the k-th waits for the k-1 before
+  it: TTFT_k = calls + k x prefill); all decode together at batch n_d = ceil(C / decode dp)
+  (a colocated rank has no other prefills meanwhile), their KV transfers one after another
+  before the second tokens; all end together and the next C start together. TTFT is the
+  mean over k.
 
 Either way the decode batch per DP rank is X x out x TPOT / dp (Little), solved with the
 step time by fixed-point iteration.
@@ -89,9 +89,6 @@ class Roles:
     slots: int                  # requests one decode DP rank holds at once
     colocated: bool
     kv_s: float = 0.0           # its KV to decode: after the first token, before the second
-    prefill_step_s: Callable[[float], float] | None = None  # one step of N prompt tokens
-    step_tokens: int = 0        # prompt tokens one prefill step takes (max_num_batched_tokens)
-    chunk: int = 0              # prompt tokens one request gets per step (chunk_size)
 
 
 @dataclass(frozen=True)
@@ -177,16 +174,8 @@ def _lockstep(r: Roles, wl: WorkloadSpec) -> OperatingPoint:
     """``wl.concurrency`` requests starting together, in waves (module docstring)."""
     conc = wl.concurrency or r.decode_dp * r.slots
     n_p, n_d = -(-conc // r.prefill_dp), min(r.slots, -(-conc // r.decode_dp))
-    per_step = min(r.step_tokens, n_p * min(wl.input_len, r.chunk))
-    steps = [-(-k * wl.input_len // per_step) for k in range(1, n_p + 1)]
-    done, clock = [], 0.0
-    for i in range(1, steps[-1] + 1):
-        clock += r.prefill_step_s(min(per_step, n_p * wl.input_len - (i - 1) * per_step))
-        done.append(clock)
-    ttfts = [r.calls_s + done[s - 1] for s in steps]
-    step = r.step_s(n_d)
-    tpot = step + n_p * r.kv_s / max(1, wl.output_len - 1)
-    wave = max(ttfts) + (wl.output_len - 1) * tpot
-    rate = conc / wave
-    return OperatingPoint(sum(ttfts) / len(ttfts), tpot, rate, rate * wl.output_len, n_d,
-                          conc, "load (lock-step)")
+    ttfts = [r.calls_s + k * r.prefill_s for k in range(1, n_p + 1)]
+    tpot = r.step_s(n_d) + n_p * r.kv_s / max(1, wl.output_len - 1)
+    rate = conc / (ttfts[-1] + (wl.output_len - 1) * tpot)
+    return OperatingPoint(sum(ttfts) / n_p, tpot, rate, rate * wl.output_len, n_d, conc,
+                          "load (lock-step)")

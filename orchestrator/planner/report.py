@@ -93,9 +93,7 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     shape = Roles(p_cost.total_s, calls,
                   lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
                   pre.layout.dp, dec.layout.dp, slots, colocated,
-                  transfer.total_s if transfer else 0.0,
-                  lambda n: prefill_cost(m, pre, prec, hw, int(n), int(n)).total_s,
-                  cfg.prefill.max_num_batched_tokens, cfg.prefill.chunk_size)
+                  transfer.total_s if transfer else 0.0)
     point = operating_point(shape, wl)
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
     best = None if colocated else _best_split(shape, pre, dec, wl)

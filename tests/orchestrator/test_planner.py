@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -63,20 +64,17 @@ def _roles(prefill_s: float, slots: int = 4) -> Roles:
     return Roles(prefill_s, 0.5, lambda b: 0.01 + 0.001 * b, 2, 8, slots, False)
 
 
-def test_lockstep_prompts_share_prefill_steps_under_the_budget_then_decode_together():
-    # 1 ms per prompt token a step; 4 prompts of 64 tokens starting together on one rank
-    def roles(budget: int) -> Roles:
-        return Roles(0.064, 0.002, lambda b: 0.01 + 0.001 * b, 1, 1, 8, False, 0.003,
-                     lambda n: 0.001 * n, budget, 64)
-
-    wl = WorkloadSpec(64, 5, concurrency=4, together=True)
-    one = operating_point(roles(256), wl)  # all four in one 256-token step
-    assert one.ttft_s == pytest.approx(0.002 + 0.256)
-    assert one.tpot_s == pytest.approx(0.014 + 4 * 0.003 / 4)  # batch 4; 4 transfers in turn
-    assert one.decode_batch == 4
-    assert one.requests_s == pytest.approx(4 / (0.258 + 4 * one.tpot_s))
-    two = operating_point(roles(128), wl)  # steps of 2 prompts: done at 128 and 256 ms
-    assert two.ttft_s == pytest.approx(0.002 + (0.128 + 0.256) / 2)
+def test_lockstep_prompts_queue_one_after_another_then_decode_together():
+    # 4 requests start together on one prefill rank (64 ms a prompt) and one decode rank
+    r = Roles(0.064, 0.002, lambda b: 0.01 + 0.001 * b, 1, 1, 8, False, 0.003)
+    pt = operating_point(r, WorkloadSpec(64, 5, concurrency=4, together=True))
+    assert pt.ttft_s == pytest.approx(0.002 + 0.064 * (1 + 2 + 3 + 4) / 4)
+    assert pt.tpot_s == pytest.approx(0.014 + 4 * 0.003 / 4)  # batch 4; 4 transfers in turn
+    assert pt.decode_batch == 4
+    assert pt.requests_s == pytest.approx(4 / (0.002 + 4 * 0.064 + 4 * pt.tpot_s))
+    two = operating_point(replace(r, prefill_dp=2), WorkloadSpec(64, 5, concurrency=4,
+                                                                 together=True))
+    assert two.ttft_s == pytest.approx(0.002 + 0.064 * 1.5)
 
 
 def test_closed_loop_obeys_littles_law_and_prefill_capacity():
@@ -125,8 +123,6 @@ def test_orch_plan_refuses_a_bad_workload(capsys):
 
 
 def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
-    from dataclasses import replace
-
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
 
@@ -161,8 +157,6 @@ def test_cpu_first_token_costs_are_the_served_first_tokens_beyond_the_counted_ca
 
 
 def test_first_token_cost_of_its_mode_is_paid_once_per_request_in_ttft_only():
-    from dataclasses import replace
-
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
 
