@@ -23,8 +23,8 @@ float32 (the tiny model's dtype):
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
   the round trip of a 4-byte all-reduce;
 - collective latency as a served TP step meets it: the token gap of a request's decode on a
-  TP2 decode instance (two rank actors) over that of a single rank, less the leader's step call,
-  per collective (at least the idle round trip above): with the ranks, their Ray threads
+  TP2 decode instance (two rank actors) over that of a single rank, less the leader's step
+  call, per collective (at least the idle round trip above): with the ranks, their Ray threads
   and the event path sharing few cores each collective also waits for the other rank to be
   scheduled (a two-core machine runs 3-5 busy processes per served TP2 step);
 
