@@ -1,8 +1,11 @@
-"""`orch plan` vs `orch bench` on this CPU machine (issue 17's check; not in CI, see
-docs/planner.md), with ``--reps`` and, with ``--concurrency 1 4``, a loaded closed loop: for
-configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output tokens), the
-predicted and measured median TTFT / TPOT and the error (orchestrator/planner/versus.py).
-Starts its own Ray; each config is brought up once on it. Run (~1-2 min):
+"""`orch plan` vs `orch bench` on this CPU machine (issue 17's check; in CI as
+tests/e2e/test_plan_vs_bench.py), with ``--reps`` and, with ``--concurrency 1 4``, a loaded
+closed loop (planned in lock-step, ``start=together``, as the bench runs equal requests):
+for configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output tokens), the
+predicted and measured median TTFT / TPOT and the error
+(orchestrator/planner/versus.py). Starts its own Ray; the calibration's served instances are
+brought up once on it, each config once; the cpu device is measured with the config up,
+right before its benches. Run (~1-2 min):
 ``PYTHONPATH=. python benchmarks/plan_vs_bench.py [--reps 5] [--concurrency 1 4]``.
 """
 
@@ -18,6 +21,7 @@ import ray
 from orchestrator.checkpoint import ensure_checkpoint
 from orchestrator.config import load_config
 from orchestrator.planner.calibrate import measure_cpu
+from orchestrator.planner.calibrate_serving import ServedInstances
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.versus import bench_ms, compare
 from tests.e2e.harness import OrchProcess
@@ -40,20 +44,21 @@ def main() -> None:
         ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
         overrides = {"cluster.address": ray.get_runtime_context().gcs_address,
                      "cluster.bind_host": "127.0.0.1"}
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, ServedInstances(ckpt) as served:
             for name in CONFIGS:
                 path = REPO / "configs" / f"{name}.yaml"
                 with OrchProcess(path, Path(tmp), overrides) as orch:
                     bench_ms(orch.address, WorkloadSpec(IN, OUT, concurrency=1), 1, warmup=2)
-                    device = measure_cpu(ckpt)  # NOTE: with the deployment up, just before
+                    device = measure_cpu(ckpt, served)  # NOTE: with it up, just before
                     print(f"{name}: cpu serving cost per step "
                           f"{device.step_serving_us / 1e3:.2f} ms, first token "
-                          f"{device.first_token_us / 1e3:.2f} ms, host "
+                          f"{device.first_token_us / 1e3:.2f} ms (disaggregated "
+                          f"{device.pd_first_token_us / 1e3:.2f} ms), host "
                           f"{device.layer_overhead_us / 1e3:.2f} ms per layer, collective "
                           f"{device.link_latency_us / 1e3:.2f} ms, Ray call "
                           f"{device.control_call_us / 1e3:.2f} ms")
                     for conc in args.concurrency:
-                        wl = WorkloadSpec(IN, OUT, concurrency=conc)
+                        wl = WorkloadSpec(IN, OUT, concurrency=conc, together=conc > 1)
                         for row in compare(name, load_config(path), orch.address, device,
                                            wl, args.reps, REQUESTS * conc):
                             print(row)

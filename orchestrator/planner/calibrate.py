@@ -15,13 +15,16 @@ float32 (the tiny model's dtype):
   (the eager engine loops over the experts a step picks; a decode step picks fewer);
 - serving cost per step: a served tiny request's token gap less the bare engine decode step
   (:mod:`.calibrate_serving`), on the same Ray as the control call; and the first token's
-  cost: its time to first token less the launch call, the bare prefill and that serving
-  cost (the event path of a lone event, not overlapped with a next step);
+  cost, colocated and disaggregated: the served time to first token (requests sent to a
+  router in this process, as the rest of the served figures) less the calls in turn on its
+  way (1 or 3), the bare prefill and that serving cost (the event path of a lone
+  event, not overlapped with a next step; disaggregated also the reservation's own work and
+  the prefill rank's KV sends competing with the first token);
 - gloo loopback: two ranks (threads) exchanging 16 MB over a gloo group on 127.0.0.1, and
   the round trip of a 4-byte all-reduce;
-- collective latency as a served TP step meets it: the token gap of a request served by a
-  TP2 instance (two rank actors) over that of a single rank, less the leader's step call,
-  per collective (at least the idle round trip above): with the ranks, their Ray threads
+- collective latency as a served TP step meets it: the token gap of a request's decode on a
+  TP2 decode instance (two rank actors) over that of a single rank, less the leader's step
+  call, per collective (at least the idle round trip above): with the ranks, their Ray threads
   and the event path sharing few cores each collective also waits for the other rank to be
   scheduled (a two-core machine runs 3-5 busy processes per served TP2 step);
 
@@ -37,9 +40,13 @@ import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine import envs
 from orchestrator.planner.specs import DeviceSpec
+
+if TYPE_CHECKING:
+    from orchestrator.planner.calibrate_serving import ServedInstances, ServedSteps
 
 CACHE_NAME = "planner_cpu.json"
 GLOO_BYTES = 16 * 2**20
@@ -113,23 +120,27 @@ def _gloo_rates() -> dict[str, float]:
     return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
-def _ray_figures(ckpt: Path) -> tuple[float, tuple[float, float, float, float]]:
-    """(Ray actor call round trip in us, the served steps of
-    :func:`.calibrate_serving.served_steps_s` in s), on the Ray this process runs, else on a
-    private local one started for them.
+def _ray_figures(ckpt: Path, served: "ServedInstances | None") -> tuple[float, "ServedSteps"]:
+    """(Ray actor call round trip in us, the served steps of ``served``, else of
+    :class:`.calibrate_serving.ServedInstances` brought up for them), on the Ray this process
+    runs, else on a private local one started for them.
 
     Raises:
-        ray.exceptions.GetTimeoutError: a call took over 30 s.
+        see :meth:`.calibrate_serving.ServedInstances.measure`; BringUpError: its instances
+            did not come up.
     """
     import ray
 
-    from orchestrator.planner.calibrate_serving import served_steps_s
+    from orchestrator.planner.calibrate_serving import ServedInstances
 
     own = not ray.is_initialized()
     if own:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        return _ray_call_us(), served_steps_s(ckpt)
+        if served is not None:
+            return _ray_call_us(), served.measure()
+        with ServedInstances(ckpt) as fresh:
+            return _ray_call_us(), fresh.measure()
     finally:
         if own:
             ray.shutdown()
@@ -183,16 +194,16 @@ def _tiny_step_s(ckpt: Path) -> tuple[float, float]:
     return sorted(times[0])[4], sorted(times[1])[4]
 
 
-def _collective_latency_us(m_layers: int, served: tuple[float, ...], call_us: float,
+def _collective_latency_us(m_layers: int, served: "ServedSteps", call_us: float,
                            floor_us: float) -> float:
-    """The latency one TP collective costs inside a served step: the served TP2 step's extra
-    time over the served single rank (``served``: bare, tp 1, tp 2 seconds), less the
+    """The latency one TP collective costs inside a served step: the served TP2 decode
+    step's extra time over the served single rank (``served``), less the
     leader's step call ``call_us``, per collective it meets (two per layer, the embedding's
     all-reduce, the logits' all-gather); at least ``floor_us`` (two idle ranks' round trip).
     NOTE: on a machine with few cores this is far more than the idle round trip: each
     collective waits for the other rank to be scheduled, among the follower's Ray call
     threads, the event path and whatever else runs."""
-    extra_us = (served[2] - served[1]) * 1e6 - call_us
+    extra_us = (served.tp2_gap_s - served.tp1_gap_s) * 1e6 - call_us
     return max(floor_us, extra_us / (2 * m_layers + 2))
 
 
@@ -219,15 +230,20 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     return per_layer * 1e6, per_expert * 1e6
 
 
-def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
-    """Run the calibration (10-30 s) and return the ``cpu`` device it measured, on the tiny
+def measure_cpu(ckpt: Path | None = None,
+                served: "ServedInstances | None" = None) -> DeviceSpec:
+    """Run the calibration and return the ``cpu`` device it measured, on the tiny
     checkpoint ``ckpt`` (a deployment's own, e.g. ``ensure_checkpoint(cfg.model)``; default
-    a fresh one written to a temporary folder, a few seconds more).
+    a fresh one written to a temporary folder, a few seconds more). The served steps on
+    ``served`` (up already, on ``ckpt``: ~5 s in all) or on instances brought up for them
+    (~20-30 s in all).
 
     Raises:
         RuntimeError: the gloo pair did not finish within 120 s.
-        TimeoutError: a served calibration request did not finish within 60 s.
+        TimeoutError, orchestrator.request.RequestError: a served calibration request did
+            not complete within 60 s or failed.
         ray.exceptions.GetTimeoutError: a Ray call took over 60 s.
+        orchestrator.cluster.BringUpError: the served instances did not come up.
     """
     if ckpt is None:
         import tempfile
@@ -235,7 +251,7 @@ def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
         from orchestrator.tiny_model import write_tiny_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
-            return measure_cpu(write_tiny_checkpoint(Path(tmp) / "tiny"))
+            return measure_cpu(write_tiny_checkpoint(Path(tmp) / "tiny"), served)
     from orchestrator.tiny_model import tiny_config_dict
 
     rates = {**_local_rates(), **_gloo_rates()}
@@ -247,16 +263,29 @@ def measure_cpu(ckpt: Path | None = None) -> DeviceSpec:
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
     prefill_s, decode_s = _tiny_step_s(ckpt)
-    call_us, served = _ray_figures(ckpt)
+    call_us, steps = _ray_figures(ckpt, served)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
-    latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), served,
+    latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), steps,
                                      call_us, raw.link_latency_us)
-    serving_s = max(0.0, served[1] - served[0])
-    # NOTE: the model's TTFT at one request is the launch call + the prefill step + serving
-    first_token_s = max(0.0, served[3] - call_us * 1e-6 - prefill_s - serving_s)
+    serving_s = max(0.0, steps.tp1_gap_s - steps.bare_s)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
                    control_call_us=call_us, link_latency_us=latency,
-                   step_serving_us=serving_s * 1e6, first_token_us=first_token_s * 1e6)
+                   step_serving_us=serving_s * 1e6,
+                   first_token_us=_first_token_us(steps.first_s, True, call_us, prefill_s,
+                                                  serving_s),
+                   pd_first_token_us=_first_token_us(steps.pd_first_s, False, call_us,
+                                                     prefill_s, serving_s))
+
+
+def _first_token_us(served_s: float, colocated: bool, call_us: float, prefill_s: float,
+                    serving_s: float) -> float:
+    """What a served time to first token (one request, ``served_s``) costs beyond what the
+    model counts at one request: the calls in turn on its way
+    (:func:`.cost.request_calls`), the bare prefill step and the serving cost per step."""
+    from orchestrator.planner.cost import request_calls
+
+    counted = request_calls(colocated) * call_us * 1e-6 + prefill_s + serving_s
+    return max(0.0, served_s - counted) * 1e6
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:

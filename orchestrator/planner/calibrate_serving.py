@@ -1,31 +1,71 @@
-"""Served steps on cpu: what a served token costs beyond the engine step, at tp 1 and tp 2.
+"""Served steps on cpu: what a served token costs beyond the engine step, colocated and
+disaggregated, as a client of the router sees it.
 
-A :class:`prefill_worker.colocated.ColocatedRank` instance of the tiny model runs as Ray
-actors (tp 1, then a TP pair; its own step loop thread, the actor options ``orch up`` gives a
-rank) and this process long-polls its leader for token events as the router's EventPump
-does. The median gap between a request's tokens, less the bare engine decode step
-(:class:`engine.runner.ModelRunner` at batch 1, timed in this process just before), is the
-serving cost of one step: the leader step's scheduler, sampler and events (well under 1 ms)
-and, most of it, the event path (a Ray ``poll`` call per step, its serialization, and the
-rank's step loop sharing the GIL with the actor's call threads). The TP pair's gap over the
-single rank's is what a TP step costs as served: the leader's step call to its follower, the
-collectives, and the two ranks, this process and Ray sharing the machine's cores (on a
-2-core machine far more than two idle gloo ranks' round trips).
+:class:`ServedInstances` keeps two instances of the tiny model up as Ray actors, made as
+``orch up`` makes them: a tp-1 :class:`prefill_worker.colocated.ColocatedRank` and a
+disaggregated pair (prefill tp 1, decode tp 2, KV over gloo: configs/1p1d.yaml's layout,
+brought up by :func:`orchestrator.cluster.bring_up`), and one
+:class:`orchestrator.router.Router` over each (``orchestrator.assemble.build_router``, on an
+event loop thread of this process): requests go through the router's placement, its calls
+and its EventPump as in ``orch up``; gRPC and the client are not on the way.
+
+- The tp-1 rank's token gap, less the bare engine decode step
+  (:class:`engine.runner.ModelRunner` at batch 1, timed in this process just before), is the
+  serving cost of one step: the leader step's scheduler, sampler and events (well under
+  1 ms) and, most of it, the event path (a Ray ``poll`` call per step, its serialization,
+  the rank's step loop sharing the GIL with the actor's call threads).
+- The decode instance's token gap over the tp-1 rank's is what a TP-2 step costs as served:
+  the leader's step to its follower, the collectives, and the ranks, this process and Ray
+  sharing the machine's cores.
+- The time to first token of short requests on each: colocated the launch call, the prefill
+  step and the lone first event's way out; disaggregated also the decode reservation (and
+  the receivers it arms) before the prefill launch and the prefill rank's KV sends starting
+  right after its step.
+
+NOTE: one router per instance for the instances' whole life: a stopped router's last
+``poll`` call still runs in the rank and would swallow the next router's first events.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 import statistics
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-PROMPT = 64  # tokens of the served request's prompt
-TOKENS = 24  # tokens it generates (the first 4 gaps are left out as warm-up)
-FIRST_TOKENS = 9  # one-token requests timed for the time to first token
-POLL_S = 0.5  # the EventPump's long-poll timeout (orchestrator/leader.py)
+log = logging.getLogger(__name__)
+
+PROMPT = 64  # tokens of the served requests' prompts
+TOKENS = 24  # tokens a gap request generates (the first 4 gaps are left out as warm-up)
+FIRST_TOKENS = 9  # two-token requests timed for each time to first token
+CALL_S = 60.0  # bound of one served request
 
 
-def _bare_decode_s(ckpt: Path, steps: int = 9) -> float:
+@dataclass(frozen=True)
+class ServedSteps:
+    """Medians, seconds, of one :meth:`ServedInstances.measure`, requests sent to the
+    routers.
+
+    Attributes:
+        bare_s: the tiny model's batch-1 decode step in this process.
+        tp1_gap_s: token gap of a request served by the tp-1 colocated rank.
+        tp2_gap_s: token gap of a request's decode on the pair's tp-2 decode instance.
+        first_s: colocated time to first token.
+        pd_first_s: disaggregated time to first token.
+    """
+
+    bare_s: float
+    tp1_gap_s: float
+    tp2_gap_s: float
+    first_s: float
+    pd_first_s: float
+
+
+def _bare_decode_s(ckpt: Path, steps: int = 5) -> float:
     """Median seconds of the tiny model's batch-1 decode step at context ``PROMPT``."""
     from engine.runner import ModelRunner, SeqStep
 
@@ -40,38 +80,16 @@ def _bare_decode_s(ckpt: Path, steps: int = 9) -> float:
     return statistics.median(times)
 
 
-def _token_times_s(rank, request_id: str, tokens: int = TOKENS,
-                   timeout_s: float = 60.0) -> list[float]:
-    """Seconds from sending ``request_id`` (``tokens`` output tokens) to the actor ``rank``
-    to each of its tokens, polled as the EventPump does.
-
-    Raises:
-        TimeoutError: the request did not finish within ``timeout_s``.
-        RuntimeError: it finished with an error.
-    """
-    import ray
-
-    from engine.sampling_params import SamplingParams
-    from prefill_worker.messages import RequestSpec
-
-    sent = time.perf_counter()
-    ray.get(rank.generate.remote(RequestSpec(
-        request_id, tuple(range(1000, 1000 + PROMPT)),
-        SamplingParams(max_tokens=tokens, ignore_eos=True))), timeout=30)
-    arrivals, deadline = [], time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for ev in ray.get(rank.poll.remote(POLL_S), timeout=30):
-            if ev.error:
-                raise RuntimeError(f"calibration request failed: {ev.error}")
-            arrivals.extend([time.perf_counter() - sent] * max(1, len(ev.token_ids)))
-            if ev.finish_reason is not None:
-                return arrivals
-    raise TimeoutError(f"calibration request did not finish within {timeout_s} s")
+def _gap_s(times: list[float]) -> float:
+    """The mean token gap of one request's arrival ``times``, its first 4 gaps left out as
+    warm-up. NOTE: a mean, not a median: events polled in twos make single gaps 0 or
+    double."""
+    return (times[-1] - times[4]) / (len(times) - 5)
 
 
-def _start_instance(ckpt: Path, tp: int) -> list:
-    """A started ``tp``-rank :class:`ColocatedRank` instance of ``ckpt``: its rank actors
-    (leader first), made as ``orch up`` makes them, on the Ray this process runs.
+def _start_colocated(ckpt: Path) -> object:
+    """A started tp-1 :class:`ColocatedRank` of ``ckpt``, made as ``orch up`` makes a rank,
+    on the Ray this process runs.
 
     Raises:
         ray.exceptions.GetTimeoutError: a bring-up call took over 60 s.
@@ -84,63 +102,158 @@ def _start_instance(ckpt: Path, tp: int) -> list:
 
     sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
                             max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
-    cfg = InstanceConfig(name=f"calib-tp{tp}", role="colocated", checkpoint_dir=str(ckpt),
-                         scheduler=sched, parallel=ParallelConfig(tp=tp))
-    ranks = [ray.remote(ColocatedRank).options(num_cpus=0.1, max_concurrency=ACTOR_CONCURRENCY)
-             .remote(cfg, r) for r in range(tp)]
+    cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
+                         scheduler=sched, parallel=ParallelConfig(tp=1))
+    rank = ray.remote(ColocatedRank).options(
+        num_cpus=0.1, max_concurrency=ACTOR_CONCURRENCY).remote(cfg, 0)
     try:
-        host, port = ray.get(ranks[0].open_tp_store.remote(), timeout=60)
-        ray.get([r.init_rank.remote(host, port, ranks) for r in ranks], timeout=60)
-        ray.get(ranks[0].start.remote(), timeout=60)
+        host, port = ray.get(rank.open_tp_store.remote(), timeout=60)
+        ray.get(rank.init_rank.remote(host, port, [rank]), timeout=60)
+        ray.get(rank.start.remote(), timeout=60)
     except BaseException:
-        for rank in ranks:
-            ray.kill(rank)
+        ray.kill(rank)
         raise
-    return ranks
+    return rank
 
 
-def _served_gap_s(leader, request_id: str) -> float:
-    """The mean token gap, seconds, of one request served by the instance of ``leader``, as
-    the poller sees it (as the bench's TPOT), its first 4 gaps left out as warm-up. NOTE: a
-    mean, not a median: events polled in twos make single gaps 0 or double.
+def _config(ckpt: Path, disaggregated: bool):
+    """The served instances' layout on ``ckpt``: configs/1p1d.yaml's (prefill tp 1, decode
+    tp 2) or a tp-1 colocated instance; 0.1 CPU a rank, KV on loopback."""
+    from orchestrator.config import OrchConfig
 
-    Raises:
-        see :func:`_token_times_s`.
-    """
-    times = _token_times_s(leader, request_id)
-    return (times[-1] - times[4]) / (len(times) - 5)
+    blocks = {"num_kv_blocks": 16, "max_num_seqs": 8}
+    prefill = {"dp": 1, "tp": 1, "chunk_size": 256, "max_num_batched_tokens": 256, **blocks} \
+        if disaggregated else {"chunk_size": PROMPT, "max_num_batched_tokens": 4 * PROMPT}
+    return OrchConfig.model_validate({
+        "model": {"path": str(ckpt), "dtype": "float32", "max_model_len": 256},
+        "mode": "disaggregated" if disaggregated else "colocated", "prefill": prefill,
+        "decode": {"dp": 1, "tp": 2 if disaggregated else 1, **blocks},
+        "kv_transfer": {"backend": "gloo", "block_size": 16},
+        "cluster": {"device": "cpu", "cpus_per_rank": 0.1, "bind_host": "127.0.0.1"}})
 
 
-def served_steps_s(ckpt: Path, rounds: int = 3) -> tuple[float, float, float, float]:
-    """(bare engine decode step, served tp-1 step, served tp-2 step, served tp-1 time to
-    first token), seconds: the step in this process, the token gaps of a request served by
-    one rank and by a TP pair (the serving cost per step is the second less the first; what
-    a TP step costs on top of that is the third less the second), and the single rank's
-    first token as the poller sees it (median of ``FIRST_TOKENS`` one-token requests). Both
-    instances are up together and the bare step and the two served requests timed in turn,
-    ``rounds`` times (medians), so a change of load hits them alike.
-    On the Ray this process runs (the caller initialises it).
+async def _token_times(router, tokens: int) -> list[float]:
+    """Seconds from sending a ``tokens``-token request (``PROMPT`` prompt tokens) to
+    ``router`` to each of its tokens, as the router streams them.
 
     Raises:
-        TimeoutError, RuntimeError: a served request did not complete (see
-            :func:`_token_times_s`); ray.exceptions.GetTimeoutError: a call took over 60 s.
+        orchestrator.request.RequestError: the request failed.
     """
-    import ray
+    from engine.sampling_params import SamplingParams
+    from orchestrator.request import GenerateInput
 
-    instances: list[list] = []
-    try:
-        for tp in (1, 2):
-            instances.append(_start_instance(ckpt, tp))
-        times: list[list[float]] = [[], [], [], []]
-        for i in range(rounds):
-            times[0].append(_bare_decode_s(ckpt, steps=5))
-            times[1].append(_served_gap_s(instances[0][0], f"c1-{i}"))
-            times[2].append(_served_gap_s(instances[1][0], f"c2-{i}"))
-        # NOTE: the first token is the noisiest figure: its own requests, one token each
-        times[3] = [_token_times_s(instances[0][0], f"f-{i}", tokens=1)[0]
-                    for i in range(FIRST_TOKENS)]
-        bare, tp1, tp2, first = (statistics.median(t) for t in times)
-        return bare, tp1, tp2, first
-    finally:
-        for rank in (r for ranks in instances for r in ranks):
-            ray.kill(rank)
+    inp = GenerateInput(None, tuple(range(1000, 1000 + PROMPT)),
+                        SamplingParams(max_tokens=tokens, ignore_eos=True))
+    sent, times = time.perf_counter(), []
+    async for chunk in router.generate(inp):
+        times.extend([time.perf_counter() - sent] * len(chunk.token_ids))
+    return times
+
+
+class ServedInstances:
+    """The calibration's served instances and their routers (module docstring), up from
+    ``__enter__`` to ``__exit__`` on the Ray this process runs (the caller initialises it),
+    so several :meth:`measure` calls (one next to each measurement they are compared with)
+    share one bring-up (~10-25 s: four rank processes, each importing torch).
+
+    Raises (``__enter__``):
+        orchestrator.cluster.BringUpError, ray.exceptions.GetTimeoutError: a rank did not
+            come up; TimeoutError, RequestError: a warm-up request did not complete.
+    """
+
+    def __init__(self, ckpt: Path) -> None:
+        self.ckpt = ckpt
+        self._colocated = None
+        self._pair = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._routers: dict[str, object] = {}
+
+    def __enter__(self) -> "ServedInstances":
+        from orchestrator.cluster import bring_up
+
+        try:
+            self._colocated = _start_colocated(self.ckpt)
+            self._pair = bring_up(_config(self.ckpt, True), report=lambda *_: None)
+            self._start_routers()
+            # NOTE: warm, as measured: the first requests connect the KV pairs, fill caches
+            # and run the router's code for the first time
+            for name in self._routers:
+                self._run(_token_times(self._routers[name], 2))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _start_routers(self) -> None:
+        from orchestrator.assemble import build_router
+        from orchestrator.checkpoint import read_model_info
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="calib-router",
+                                        daemon=True)
+        self._thread.start()
+        handles = {"colocated": {"colocated-0": self._colocated},
+                   "pair": self._pair.leaders()}
+
+        async def start(name: str):
+            cfg = _config(self.ckpt, name == "pair")
+            router = build_router(cfg, handles[name], read_model_info(
+                self.ckpt, "tiny", cfg.model.max_model_len), None)
+            router.start()
+            return router
+
+        for name in handles:
+            self._routers[name] = self._run(start(name))
+
+    def _run(self, coro):
+        """Run ``coro`` on the routers' loop; its result, bounded by ``CALL_S``.
+
+        Raises:
+            TimeoutError: not done within ``CALL_S`` (it is cancelled).
+        """
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=CALL_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"a calibration request took over {CALL_S:g} s") from None
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        for router in self._routers.values():
+            try:
+                self._run(router.stop(drain_timeout_s=5.0))
+            except Exception:  # noqa: BLE001 - tear-down goes on
+                log.exception("stopping a calibration router failed")
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if self._pair is not None:
+            self._pair.teardown(timeout_s=10)
+        if self._colocated is not None:
+            ray.kill(self._colocated)
+        self._pair = self._colocated = self._loop = None
+        self._routers = {}
+
+    def measure(self, rounds: int = 3) -> ServedSteps:
+        """The bare step and a ``TOKENS``-token request on each instance timed in turn,
+        ``rounds`` times, then ``FIRST_TOKENS`` two-token requests on each in turn (the time
+        to first token: two tokens, as the router streams a request's last token only once
+        a disaggregated reservation is handed back); medians (so a change of load hits them
+        alike).
+
+        Raises:
+            TimeoutError, orchestrator.request.RequestError: a request did not complete.
+        """
+        times: list[list[float]] = [[], [], [], [], []]
+        for _ in range(rounds):
+            times[0].append(_bare_decode_s(self.ckpt))
+            for i, name in ((1, "colocated"), (2, "pair")):
+                times[i].append(_gap_s(self._run(_token_times(self._routers[name], TOKENS))))
+        # NOTE: the first tokens are the noisiest figures: their own short requests
+        for _ in range(FIRST_TOKENS):
+            for i, name in ((3, "colocated"), (4, "pair")):
+                times[i].append(self._run(_token_times(self._routers[name], 2))[0])
+        return ServedSteps(*(statistics.median(t) for t in times))

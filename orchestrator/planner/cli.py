@@ -1,4 +1,5 @@
-"""``orch plan CONFIG --workload in=..,out=..[,rate=R|,concurrency=C]`` (or ``--trace FILE``).
+"""``orch plan CONFIG --workload in=..,out=..[,rate=R|,concurrency=C[,start=together]]`` (or
+``--trace FILE``).
 
 Exit codes: 0 printed, 2 bad config, options or trace.
 """
@@ -16,8 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``orch plan`` options (docs/planner.md)."""
     p.add_argument("config", help="YAML config (configs/...)")
     p.add_argument("--workload", default=None,
-                   help="in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N] (default "
-                   "closed loop filling the decode slots)")
+                   help="in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start="
+                   "together]] (default closed loop filling the decode slots; start=together: "
+                   "the N in lock-step, as a closed-loop bench of equal requests runs)")
     p.add_argument("--trace", type=Path, default=None,
                    help="a trace file instead: mean lengths and its arrival rate")
     p.add_argument("--trace-kind", choices=("mooncake", "azure", "sharegpt"),

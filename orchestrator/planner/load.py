@@ -9,6 +9,14 @@ Two load models:
   in it when prefill is the bottleneck).
 - open loop (``rate=R`` requests/s, Poisson): each prefill DP rank an M/D/1 queue, TTFT =
   wait + prefill + transfer; over capacity the plan says so (TTFT unbounded).
+- lock-step closed loop (``concurrency=C,start=together``): what a closed-loop bench of
+  equal requests does: the C requests start together, each prefill DP rank takes its share
+  n_p = ceil(C / prefill dp) one after another (they reach the rank one placement's calls
+  apart and its loop starts a step on the first one, so the k-th waits for the k-1 before
+  it: TTFT_k = calls + k x prefill); all decode together at batch n_d = ceil(C / decode dp)
+  (a colocated rank has no other prefills meanwhile), their KV transfers one after another
+  before the second tokens; all end together and the next C start together. TTFT is the
+  mean over k.
 
 Either way the decode batch per DP rank is X x out x TPOT / dp (Little), solved with the
 step time by fixed-point iteration.
@@ -24,28 +32,37 @@ from typing import Callable
 @dataclass(frozen=True)
 class WorkloadSpec:
     """Mean request shape and load. ``rate`` (req/s) and ``concurrency`` exclusive; neither:
-    closed loop filling the decode slots."""
+    closed loop filling the decode slots; ``together`` (with ``concurrency``): the closed
+    loop runs in lock-step."""
 
     input_len: int
     output_len: int
     rate: float | None = None
     concurrency: int | None = None
+    together: bool = False  # closed loop in lock-step (module docstring)
 
 
 def parse_workload(text: str) -> WorkloadSpec:
-    """``in=65536,out=3072[,rate=R | ,concurrency=C]`` -> :class:`WorkloadSpec`.
+    """``in=65536,out=3072[,rate=R | ,concurrency=C[,start=together|staggered]]`` ->
+    :class:`WorkloadSpec`.
 
     Raises:
-        ValueError: an unknown key, a missing in/out, a bad number, both rate and concurrency.
+        ValueError: an unknown key, a missing in/out, a bad number or start, both rate and
+            concurrency, start without concurrency.
     """
-    keys = {"in": int, "out": int, "rate": float, "concurrency": int}
-    values: dict[str, float] = {}
+    keys = {"in": int, "out": int, "rate": float, "concurrency": int, "start": str}
+    values: dict[str, float | str] = {}
     for part in filter(None, text.split(",")):
         key, _, value = part.partition("=")
         if key.strip() not in keys:
-            raise ValueError(f"--workload: unknown key {key!r} in {text!r}: use "
-                             "in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N]")
+            raise ValueError(f"--workload: unknown key {key!r} in {text!r}: use in=TOKENS,"
+                             "out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start=together]]")
         values[key.strip()] = keys[key.strip()](value)
+    start = values.pop("start", "staggered")
+    if start not in ("together", "staggered") or ("concurrency" not in values
+                                                  and start == "together"):
+        raise ValueError(f"--workload {text!r}: start= is together or staggered, with "
+                         "concurrency=")
     if "in" not in values or "out" not in values:
         raise ValueError(f"--workload {text!r} needs in= and out= (tokens), e.g. "
                          "in=65536,out=3072")
@@ -53,7 +70,7 @@ def parse_workload(text: str) -> WorkloadSpec:
         raise ValueError("--workload: give rate= (open loop) or concurrency= (closed loop), "
                          "not both")
     spec = WorkloadSpec(int(values["in"]), int(values["out"]), values.get("rate"),
-                        values.get("concurrency"))
+                        values.get("concurrency"), start == "together")
     if min(spec.input_len, spec.output_len) < 1 or (spec.rate or 1) <= 0 \
             or (spec.concurrency or 1) < 1:
         raise ValueError(f"--workload {text!r}: lengths, rate and concurrency must be > 0")
@@ -108,6 +125,8 @@ def operating_point(r: Roles, wl: WorkloadSpec) -> OperatingPoint:
     cap_p, cap_d = _capacities(r, wl.output_len)
     if wl.rate is not None:
         return _open_loop(r, wl, cap_p, cap_d)
+    if wl.together:
+        return _lockstep(r, wl)
     conc = wl.concurrency or r.decode_dp * r.slots
     others = max(0.0, 1 - r.prefill_dp / conc)
     batch, rate, bound = float(r.slots), 0.0, "load"
@@ -149,3 +168,14 @@ def _open_loop(r: Roles, wl: WorkloadSpec, cap_p: float, cap_d: float) -> Operat
     conc = rate * (ttft + r.kv_s + wl.output_len * tpot)
     return OperatingPoint(ttft, _seen_tpot(r, tpot, wl.output_len), rate,
                           rate * wl.output_len, batch, conc, "load")
+
+
+def _lockstep(r: Roles, wl: WorkloadSpec) -> OperatingPoint:
+    """``wl.concurrency`` requests starting together, in waves (module docstring)."""
+    conc = wl.concurrency or r.decode_dp * r.slots
+    n_p, n_d = -(-conc // r.prefill_dp), min(r.slots, -(-conc // r.decode_dp))
+    ttfts = [r.calls_s + k * r.prefill_s for k in range(1, n_p + 1)]
+    tpot = r.step_s(n_d) + n_p * r.kv_s / max(1, wl.output_len - 1)
+    rate = conc / (ttfts[-1] + (wl.output_len - 1) * tpot)
+    return OperatingPoint(sum(ttfts) / n_p, tpot, rate, rate * wl.output_len, n_d, conc,
+                          "load (lock-step)")

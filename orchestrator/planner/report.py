@@ -88,7 +88,8 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
         m, prec, hw, wl.input_len, pre.layout.ranks + dec.layout.ranks)
-    calls = (request_calls(colocated) * device.control_call_us + device.first_token_us) * 1e-6
+    first = device.first_token_us if colocated else device.pd_first_token_us
+    calls = (request_calls(colocated) * device.control_call_us + first) * 1e-6
     shape = Roles(p_cost.total_s, calls,
                   lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
                   pre.layout.dp, dec.layout.dp, slots, colocated,
@@ -142,7 +143,8 @@ def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens:
 def format_plan(plan: Plan) -> list[str]:
     """The ``orch plan`` report lines."""
     wl, pt, eff = plan.workload, plan.point, efficiency(plan.device)
-    load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}"
+    load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}" + (
+        ", starting together" if wl.together else "")
     lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
              f"out={wl.output_len}, {load}; efficiency compute {eff.compute:g}, HBM "
              f"{eff.hbm:g}, links {eff.link:g}"]

@@ -41,6 +41,11 @@ class DeviceSpec:
             serving cost per step (the event path not overlapped with a next step: the rank's
             loop waking for the new request, the poll returning the lone first event), us,
             once per request; measured on cpu, 0 (not estimated) for the accelerators.
+        pd_first_token_us: the same for a disaggregated request (from the decode
+            reservation to the prefill's first event: beyond the three calls, the
+            reservation's own work and the prefill rank's KV sends, which start right after
+            its step, competing with the first token's way out), us, once per request;
+            measured on cpu, 0 (not estimated) for the accelerators.
     """
 
     key: str
@@ -59,6 +64,7 @@ class DeviceSpec:
     control_call_us: float = 0.0
     step_serving_us: float = 0.0
     first_token_us: float = 0.0
+    pd_first_token_us: float = 0.0
 
 
 @dataclass(frozen=True)

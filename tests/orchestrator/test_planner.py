@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -51,13 +52,29 @@ def test_parse_workload():
     assert parse_workload("in=65536,out=3072") == WorkloadSpec(65536, 3072)
     assert parse_workload("in=8,out=2,rate=0.5").rate == 0.5
     assert parse_workload("in=8,out=2,concurrency=4").concurrency == 4
-    for bad in ("in=8", "in=8,out=2,x=1", "in=8,out=2,rate=1,concurrency=2", "in=0,out=2"):
+    assert parse_workload("in=8,out=2,concurrency=4,start=together").together
+    assert not parse_workload("in=8,out=2,concurrency=4,start=staggered").together
+    for bad in ("in=8", "in=8,out=2,x=1", "in=8,out=2,rate=1,concurrency=2", "in=0,out=2",
+                "in=8,out=2,start=together", "in=8,out=2,concurrency=4,start=now"):
         with pytest.raises(ValueError):
             parse_workload(bad)
 
 
 def _roles(prefill_s: float, slots: int = 4) -> Roles:
     return Roles(prefill_s, 0.5, lambda b: 0.01 + 0.001 * b, 2, 8, slots, False)
+
+
+def test_lockstep_prompts_queue_one_after_another_then_decode_together():
+    # 4 requests start together on one prefill rank (64 ms a prompt) and one decode rank
+    r = Roles(0.064, 0.002, lambda b: 0.01 + 0.001 * b, 1, 1, 8, False, 0.003)
+    pt = operating_point(r, WorkloadSpec(64, 5, concurrency=4, together=True))
+    assert pt.ttft_s == pytest.approx(0.002 + 0.064 * (1 + 2 + 3 + 4) / 4)
+    assert pt.tpot_s == pytest.approx(0.014 + 4 * 0.003 / 4)  # batch 4; 4 transfers in turn
+    assert pt.decode_batch == 4
+    assert pt.requests_s == pytest.approx(4 / (0.002 + 4 * 0.064 + 4 * pt.tpot_s))
+    two = operating_point(replace(r, prefill_dp=2), WorkloadSpec(64, 5, concurrency=4,
+                                                                 together=True))
+    assert two.ttft_s == pytest.approx(0.002 + 0.064 * 1.5)
 
 
 def test_closed_loop_obeys_littles_law_and_prefill_capacity():
@@ -106,8 +123,6 @@ def test_orch_plan_refuses_a_bad_workload(capsys):
 
 
 def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
-    from dataclasses import replace
-
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
 
@@ -123,23 +138,35 @@ def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
 def test_cpu_collective_latency_is_the_served_tp2_steps_extra_per_collective():
     from orchestrator.planner.calibrate import _collective_latency_us
 
+    from orchestrator.planner.calibrate_serving import ServedSteps
+
     # 3 layers: 2 x 3 + 2 = 8 collectives; 30 ms over 14 ms served, less a 1.2 ms call
-    assert _collective_latency_us(3, (0.007, 0.014, 0.030, 0.02), 1200.0, 100.0) == \
-        pytest.approx(14_800.0 / 8)
-    assert _collective_latency_us(3, (0.007, 0.014, 0.0141, 0.02), 1200.0, 100.0) == 100.0
+    steps = ServedSteps(0.007, 0.014, 0.030, 0.02, 0.03)
+    assert _collective_latency_us(3, steps, 1200.0, 100.0) == pytest.approx(14_800.0 / 8)
+    close = ServedSteps(0.007, 0.014, 0.0141, 0.02, 0.03)
+    assert _collective_latency_us(3, close, 1200.0, 100.0) == 100.0
 
 
-def test_first_token_cost_is_paid_once_per_request_in_ttft_only():
-    from dataclasses import replace
+def test_cpu_first_token_costs_are_the_served_first_tokens_beyond_the_counted_calls():
+    from orchestrator.planner.calibrate import _first_token_us
 
+    # colocated: 1 call; disaggregated: 3 (reserve, the receivers it arms, prefill)
+    assert _first_token_us(0.012, True, 1000.0, 0.006, 0.002) == pytest.approx(3000.0)
+    assert _first_token_us(0.020, False, 1000.0, 0.006, 0.002) == pytest.approx(9000.0)
+    assert _first_token_us(0.005, True, 1000.0, 0.006, 0.002) == 0.0
+
+
+def test_first_token_cost_of_its_mode_is_paid_once_per_request_in_ttft_only():
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
 
-    base = replace(default_device("cuda"), first_token_us=0.0)
-    slow = replace(base, first_token_us=1000.0)
+    base = replace(default_device("cuda"), first_token_us=0.0, pd_first_token_us=0.0)
     wl = WorkloadSpec(128, 16, concurrency=1)
-    for name in ("colocated", "1p1d"):
+    for name, field in (("colocated", "first_token_us"), ("1p1d", "pd_first_token_us")):
         cfg = load_config(REPO / "configs" / f"{name}.yaml")
-        fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
+        other = "pd_first_token_us" if field == "first_token_us" else "first_token_us"
+        fast_pt, slow_pt, other_pt = (plan_config(cfg, wl, d).point for d in (
+            base, replace(base, **{field: 1000.0}), replace(base, **{other: 1000.0})))
         assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(1e-3, rel=1e-6)
         assert slow_pt.tpot_s == pytest.approx(fast_pt.tpot_s, rel=1e-9)
+        assert other_pt.ttft_s == pytest.approx(fast_pt.ttft_s, rel=1e-9)
