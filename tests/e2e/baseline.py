@@ -18,7 +18,6 @@ from pathlib import Path
 from orchestrator.detokenizer import Tokenizer
 
 BLOCK_SIZE = 16
-NUM_BLOCKS = 32  # x 16 tokens = 512: the max_model_len of every e2e config
 
 
 def router_token_ids(checkpoint: Path, texts: list[str]) -> list[tuple[int, ...]]:
@@ -29,21 +28,37 @@ def router_token_ids(checkpoint: Path, texts: list[str]) -> list[tuple[int, ...]
 
 def engine_greedy(checkpoint: Path, prompts: list[tuple[int, ...]], max_tokens: list[int] | int,
                   chunk: int | None = 64) -> list[list[int]]:
-    """Greedy output tokens of each prompt from the engine alone, one request at a time.
+    """Greedy output tokens of each prompt from the engine alone: each prompt prefilled on
+    its own, then every unfinished request decoded in one batch per step (as colocated
+    serving batches them).
 
     Args:
         checkpoint: the checkpoint folder the tested `orch up` served
             (``load_config(orch.config).model.checkpoint_dir()``, made by that run).
-        prompts: prompt token ids, each at most NUM_BLOCKS * BLOCK_SIZE - max_tokens long.
+        prompts: prompt token ids.
         max_tokens: output tokens per prompt (one int: the same for every prompt).
         chunk: prefill chunk in tokens (colocated.yaml's 64: long prompts go in several chunks,
             as colocated serving runs them); None: each prompt in one step.
     """
-    from engine.runner import ModelRunner
-    from tests.engine.engine_drive import generate_greedy
+    from engine.runner import ModelRunner, SeqStep
 
     counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
-    runner = ModelRunner(str(checkpoint), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    blocks = tuple(range(NUM_BLOCKS))
-    return [generate_greedy(runner, list(p), n, blocks, chunk=chunk)[0]
-            for p, n in zip(prompts, counts)]
+    tables, first = [], 0
+    for prompt, count in zip(prompts, counts):
+        size = -(-(len(prompt) + count) // BLOCK_SIZE)
+        tables.append(tuple(range(first, first + size)))
+        first += size
+    runner = ModelRunner(str(checkpoint), num_kv_blocks=first, block_size=BLOCK_SIZE)
+    out = []
+    for i, (prompt, table) in enumerate(zip(prompts, tables)):
+        step = chunk or len(prompt)
+        for done in range(0, len(prompt), step):
+            piece = tuple(prompt[done:done + step])
+            logits = runner.execute([SeqStep(f"r{i}", piece, done, table)])[0]
+        out.append([int(logits.argmax())])
+    while live := [i for i, tokens in enumerate(out) if len(tokens) < counts[i]]:
+        steps = [SeqStep(f"r{i}", (out[i][-1],), len(prompts[i]) + len(out[i]) - 1, tables[i])
+                 for i in live]
+        for i, logits in zip(live, runner.execute(steps)):
+            out[i].append(int(logits.argmax()))
+    return out
