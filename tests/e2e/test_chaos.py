@@ -1,8 +1,8 @@
 """Chaos (issue 9, "Must show"): a trace replay at a steady rate while ranks die and hang.
 
-`orch up` (joined to the session Ray) with prefill dp 2 x tp 2 and decode dp 2 x tp 1. Requests whose
-lengths come from the Mooncake conversation trace (capped to the tiny model's context) are
-sent at a steady rate, each on its own thread, while one after the other:
+`orch up` (joined to the session Ray) with prefill dp 2 x tp 2 and decode dp 2 x tp 1.
+Requests whose lengths come from the Mooncake conversation trace (capped to the tiny model's
+context) are sent at a steady rate, each on its own thread, while one after the other:
 
 1. decode-0's rank is killed (SIGKILL),
 2. prefill-0's leader is killed,

@@ -1,8 +1,8 @@
 """Context-parallel prefill end to end: `orch up configs/cp_1p1d.yaml` (prefill cp 2 with
 q_b_proj and o_proj layer-sharded, decode tp 1; each CP rank ships only the KV of the chunk
-pieces it computed) gives the same greedy tokens as colocated execution (the engine alone in chunks of 64,
-tests/e2e/baseline.py) on long ShareGPT prompts (several hundred tokens, several chunks each);
-afterwards every block is free."""
+pieces it computed) gives the same greedy tokens as colocated execution (the engine alone in
+chunks of 64, tests/e2e/baseline.py) on long ShareGPT prompts (several hundred tokens, several
+chunks each); afterwards every block is free."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The main job end to end: `orch up configs/1p1d.yaml` (joined to the session Ray), 16 concurrent gRPC
-requests from ShareGPT prompts, greedy; outputs equal the colocated baseline token for token;
+"""The main job end to end: `orch up configs/1p1d.yaml` (joined to the session Ray), 16
+concurrent gRPC requests from ShareGPT prompts, greedy; outputs equal the colocated baseline token for token;
 afterwards every block is free on every instance and nothing is in flight. On the same server:
 bad input, client cancel and the Abort RPC (both free every block well before the request
 would have ended), seeded sampling through the sync and async clients and `orch generate`,
