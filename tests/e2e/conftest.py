@@ -18,8 +18,7 @@ def joined_ray(ray_session) -> dict[str, str]:
     when it exits (test_rank_death checks that).
 
     NOTE: the embedded path keeps its own tests (test_embedded_ray, test_up_interrupt,
-    test_bench_up, tests/orchestrator/test_up.py). A test that kills ranks kills only the
-    processes of its own orch (pids from GetStatus or its own instances' titles).
+    test_fault_log, test_bench_up, tests/orchestrator/test_up.py).
     """
     return {"cluster.address": ray_session.get_runtime_context().gcs_address,
             "cluster.bind_host": "127.0.0.1"}
