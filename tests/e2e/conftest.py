@@ -1,4 +1,5 @@
-"""Shared fixtures of the end-to-end tests: the prompts and the colocated baseline outputs."""
+"""Shared fixtures of the end-to-end tests: the prompts, the colocated baseline outputs and the
+overrides that make `orch up` join the session Ray."""
 
 from __future__ import annotations
 
@@ -11,15 +12,28 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="session")
+def joined_ray(ray_session) -> dict[str, str]:
+    """Overrides for OrchProcess: `orch up` joins the session Ray (``ray_session``) instead of
+    starting an embedded one (~8 s of CI per bring-up). Its placement groups and actors go
+    when it exits (test_rank_death checks that).
+
+    NOTE: the embedded path keeps its own tests (test_embedded_ray, test_up_interrupt,
+    test_fault_log, test_bench_up, tests/orchestrator/test_up.py).
+    """
+    return {"cluster.address": ray_session.get_runtime_context().gcs_address,
+            "cluster.bind_host": "127.0.0.1"}
+
+
+@pytest.fixture(scope="session")
 def prompts(shared_data):
     return sharegpt_prompts(shared_data(SHAREGPT), NUM_REQUESTS)
 
 
 @pytest.fixture(scope="session")
-def colocated_outputs(tmp_path_factory, prompts):
+def colocated_outputs(tmp_path_factory, prompts, joined_ray):
     """Greedy outputs of the colocated baseline (`orch up configs/colocated.yaml`)."""
     with OrchProcess(REPO / "configs" / "colocated.yaml",
-                     tmp_path_factory.mktemp("colocated")) as orch:
+                     tmp_path_factory.mktemp("colocated"), joined_ray) as orch:
         outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
         wait_idle(orch)
     return outputs

@@ -91,7 +91,7 @@ class OrchProcess:
                         return
                 except grpc.RpcError:
                     pass
-                time.sleep(0.5)
+                time.sleep(0.1)
         raise TimeoutError(f"orch up not SERVING within {timeout_s} s:\n"
                            f"{self.log.read_text()[-4000:]}")
 
@@ -204,4 +204,4 @@ def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle after {timeout_s} s: {status}")
-        time.sleep(0.5)
+        time.sleep(0.1)

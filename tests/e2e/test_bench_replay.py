@@ -27,11 +27,11 @@ def trace_lengths(azure: Path) -> tuple[list[tuple[int, int]], int]:
     return [(min(i, MAX_IN), min(o, MAX_OUT)) for i, o in scaled], capped
 
 
-def test_azure_replay_counts_match_trace_and_metrics(tmp_path, shared_data):
+def test_azure_replay_counts_match_trace_and_metrics(tmp_path, shared_data, joined_ray):
     azure = shared_data(AZURE)
     expected, num_capped = trace_lengths(azure)
     report_path = tmp_path / "report.json"
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path) as orch:
+    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path, joined_ray) as orch:
         subprocess.run(
             [sys.executable, "-m", "orchestrator.cli", "bench", "--address", orch.address,
              "--workload", "azure", "--trace", str(azure), "--num-requests", str(N),

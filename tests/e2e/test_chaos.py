@@ -1,8 +1,8 @@
 """Chaos (issue 9, "Must show"): a trace replay at a steady rate while ranks die and hang.
 
-`orch up` (embedded Ray) with prefill dp 2 x tp 2 and decode dp 2 x tp 1. Requests whose
-lengths come from the Mooncake conversation trace (capped to the tiny model's context) are
-sent at a steady rate, each on its own thread, while one after the other:
+`orch up` (joined to the session Ray) with prefill dp 2 x tp 2 and decode dp 2 x tp 1.
+Requests whose lengths come from the Mooncake conversation trace (capped to the tiny model's
+context) are sent at a steady rate, each on its own thread, while one after the other:
 
 1. decode-0's rank is killed (SIGKILL),
 2. prefill-0's leader is killed,
@@ -19,7 +19,10 @@ each time waiting until every instance is healthy again. Checked:
 - each faulted instance serves again within ``RECOVER_WITHIN_S`` of its fault;
 - afterwards no instance holds a block or a request (every block free, nothing in flight);
 - after recovery, greedy outputs equal the colocated baseline (the engine run alone on the
-  same checkpoint).
+  same checkpoint, tests/e2e/baseline.py).
+
+The replay runs until requests are served before the first fault, and between faults until a
+request sent after the recovery is served (the healed system takes load again).
 
 The figures it prints are in docs/reliability.md.
 """
@@ -35,7 +38,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from orchestrator.config import load_config
 from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from tests.e2e.baseline import engine_greedy
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 
 TRACE = "mooncake_conversation_trace.jsonl"  # in ../shared/data
@@ -159,31 +164,32 @@ def fault_and_recover(orch: OrchProcess, instance: str, rank: int,
                          f"{sorted(healthy(orch))}\n{orch.log.read_text()[-3000:]}")
 
 
-def colocated_baseline(requests: list[Request]) -> dict[tuple[int, ...], list[int]]:
-    """Greedy tokens of each request from the engine alone on the served tiny checkpoint."""
-    from engine.runner import ModelRunner
-    from orchestrator.config import load_config
-    from tests.engine.engine_drive import generate_greedy
+def wait_served(out: list[Outcome], since: float, count: int) -> None:
+    """Returns once ``count`` requests sent at or after ``since`` (monotonic s) have their
+    first response; fails after MAX_EVENT_GAP_S + PERIOD_S * count."""
+    timeout_s = MAX_EVENT_GAP_S + PERIOD_S * count
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for r in list(out) if r.sent >= since and r.arrivals) < count:
+        assert time.monotonic() < deadline, \
+            f"{count} requests sent since {since:.1f} not served within {timeout_s} s"
+        time.sleep(0.1)
 
-    ckpt = load_config(REPO / "configs" / "1p1d.yaml").model.checkpoint_dir()
-    runner = ModelRunner(str(ckpt), num_kv_blocks=32, block_size=16)
-    blocks = tuple(range(32))
-    return {p: generate_greedy(runner, list(p), n, blocks)[0] for p, n in requests}
 
-
-def test_chaos_faults_stay_small_and_heal(tmp_path, shared_data):
+def test_chaos_faults_stay_small_and_heal(tmp_path, shared_data, joined_ray):
     requests = trace_requests(shared_data(TRACE), 600)
     out: list[Outcome] = []
     faults: list[Fault] = []
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path, OVERRIDES) as orch:
+    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path,
+                     {**OVERRIDES, **joined_ray}) as orch:
         stop = threading.Event()
         replayer = threading.Thread(target=replay, args=(orch, requests, stop, out),
                                     daemon=True)
         replayer.start()
-        time.sleep(8)  # NOTE: steady load before the first fault
+        wait_served(out, 0.0, 3)  # NOTE: steady load before the first fault
         for instance, rank, sig in FAULTS:
             faults.append(fault_and_recover(orch, instance, rank, sig))
-            time.sleep(3)  # NOTE: load on the healed system before the next fault
+            wait_served(out, faults[-1].end, 1)  # NOTE: the healed system takes load
+        checkpoint = load_config(orch.config).model.checkpoint_dir()
         stop.set()
         replayer.join(10)
         deadline = time.monotonic() + 120
@@ -192,8 +198,11 @@ def test_chaos_faults_stay_small_and_heal(tmp_path, shared_data):
         wait_idle(orch, timeout_s=60)
         probes = requests[:4]
         after: list[Outcome] = []
-        for p in probes:
-            send(orch, p, after)
+        senders = [threading.Thread(target=send, args=(orch, p, after)) for p in probes]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(timeout=180)  # NOTE: send's own deadline is 180 s
         wait_idle(orch, timeout_s=60)
     failed = [r for r in out if r.code is not None]
     print(f"chaos: {len(out)} requests, {len(failed)} failed "
@@ -206,4 +215,6 @@ def test_chaos_faults_stay_small_and_heal(tmp_path, shared_data):
         during = [f.instance for f in faults if r.sent <= f.end and f.start <= r.ended]
         assert any(name in r.details for name in during), (r.code, r.details, during)
     assert all(r.code is None for r in after), [(r.code, r.details) for r in after]
-    assert {r.prompt: r.tokens for r in after} == colocated_baseline(probes)
+    colocated = engine_greedy(checkpoint, [p for p, _ in probes], [n for _, n in probes],
+                              chunk=None)
+    assert {r.prompt: r.tokens for r in after} == dict(zip([p for p, _ in probes], colocated))

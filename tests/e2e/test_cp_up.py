@@ -1,13 +1,16 @@
 """Context-parallel prefill end to end: `orch up configs/cp_1p1d.yaml` (prefill cp 2 with
 q_b_proj and o_proj layer-sharded, decode tp 1; each CP rank ships only the KV of the chunk
-pieces it computed) gives the same greedy tokens as the colocated baseline on long ShareGPT
-prompts (several hundred tokens, several chunks each); afterwards every block is free."""
+pieces it computed) gives the same greedy tokens as colocated execution (the engine alone in
+chunks of 64, tests/e2e/baseline.py) on long ShareGPT prompts (several hundred tokens, several
+chunks each); afterwards every block is free."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from orchestrator.config import load_config
+from tests.e2e.baseline import engine_greedy, router_token_ids
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, SHAREGPT, OrchProcess, wait_idle
 
@@ -28,16 +31,16 @@ def long_prompts(path: Path) -> list[str]:
     raise RuntimeError(f"{path} has fewer than {NUM_LONG} prompts of {MIN_CHARS} characters")
 
 
-def test_cp_prefill_equals_colocated_on_long_prompts(tmp_path, shared_data):
+def test_cp_prefill_equals_colocated_on_long_prompts(tmp_path, shared_data, joined_ray):
     prompts = long_prompts(shared_data(SHAREGPT))
-    with OrchProcess(REPO / "configs" / "colocated.yaml", tmp_path) as orch:
-        colocated = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
-        wait_idle(orch)
-    with OrchProcess(REPO / "configs" / "cp_1p1d.yaml", tmp_path) as orch:
+    with OrchProcess(REPO / "configs" / "cp_1p1d.yaml", tmp_path, joined_ray) as orch:
         outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
-        lengths = [orch.generate(p, max_tokens=1)[1][-1].stats.prompt_tokens for p in prompts]
         wait_idle(orch)
         prefill = [i for i in orch.status().instances if i.role == "prefill"]
+    checkpoint = load_config(orch.config).model.checkpoint_dir()
+    token_ids = router_token_ids(checkpoint, prompts)
+    lengths = [len(ids) for ids in token_ids]
+    colocated = engine_greedy(checkpoint, token_ids, MAX_TOKENS)
     assert all(len(o) == MAX_TOKENS for o in outputs)
     for i, (cp, co) in enumerate(zip(outputs, colocated)):
         assert cp == co, f"request {i} ({lengths[i]} tokens): CP prefill {cp} != colocated {co}"

@@ -23,8 +23,8 @@ def _decode_instances_fed(orch: OrchProcess, timeout_s: float = 30) -> set[str]:
         time.sleep(0.5)
 
 
-def test_expert_parallel_pd_equals_colocated(tmp_path, prompts, colocated_outputs):
-    with OrchProcess(REPO / "configs" / "ep_1p1d.yaml", tmp_path) as orch:
+def test_expert_parallel_pd_equals_colocated(tmp_path, prompts, colocated_outputs, joined_ray):
+    with OrchProcess(REPO / "configs" / "ep_1p1d.yaml", tmp_path, joined_ray) as orch:
         outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
         status = orch.status()
         assert sorted((i.name, i.tp) for i in status.instances) == [

@@ -25,9 +25,9 @@ BURST, BURST_PROMPT, BURST_TOKENS = 5, "hi " * 120, 380  # ~500 tokens: 2 fit de
 
 
 @pytest.fixture(scope="module")
-def orch(tmp_path_factory):
+def orch(tmp_path_factory, joined_ray):
     # NOTE: max_pending 0: a request that finds decode full is refused at once (429).
-    overrides = {"router.http_port": free_port(), "router.max_pending": 0}
+    overrides = {"router.http_port": free_port(), "router.max_pending": 0, **joined_ray}
     with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("openai"),
                      overrides) as proc:
         proc.base_url = f"http://127.0.0.1:{overrides['router.http_port']}/v1"

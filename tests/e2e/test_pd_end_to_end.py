@@ -1,5 +1,5 @@
-"""The main job end to end: `orch up configs/1p1d.yaml` (local Ray), 16 concurrent gRPC
-requests from ShareGPT prompts, greedy; outputs equal the colocated baseline token for token;
+"""The main job end to end: `orch up configs/1p1d.yaml` (joined to the session Ray), 16
+concurrent gRPC requests from ShareGPT prompts, greedy; outputs equal the colocated baseline token for token;
 afterwards every block is free on every instance and nothing is in flight. On the same server:
 bad input, client cancel and the Abort RPC (both free every block well before the request
 would have ended), seeded sampling through the sync and async clients and `orch generate`,
@@ -26,11 +26,11 @@ LONG = 500  # max_tokens of a request stopped early ("hi" is 1 token; max_model_
 
 
 @pytest.fixture(scope="module")
-def pd_server(tmp_path_factory):
+def pd_server(tmp_path_factory, joined_ray):
     # NOTE: prefill chunks of 64 (the config's are 256): the prompts (~40-150 tokens) then
     # go in several chunks, each shipped on its own, as long prompts do with 256
     with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("pd"),
-                     {"prefill.chunk_size": 64}) as orch:
+                     {"prefill.chunk_size": 64, **joined_ray}) as orch:
         yield orch
 
 

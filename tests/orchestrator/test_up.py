@@ -108,7 +108,9 @@ def test_bring_up_reports_each_stage_and_instance(ray_session):
         assert re.fullmatch(pattern, line), (line, pattern)
 
 
-def _write_setup(tmp: Path, port: int) -> Path:
+def _write_setup(tmp: Path, port: int, ray_address: str = "") -> Path:
+    """An `orch up` config (fake-rank sized checkpoint in ``tmp``) serving on ``port``, on an
+    embedded Ray or joined to the one at ``ray_address``."""
     ckpt = tmp / "ckpt"
     ckpt.mkdir()
     # NOTE: a config.json the engine reads (orch up refuses any other before it starts)
@@ -120,7 +122,7 @@ model: {{path: {ckpt}, max_model_len: 256}}
 prefill: {{tp: 1, num_kv_blocks: 16}}
 decode: {{tp: 2, num_kv_blocks: 16}}
 router: {{host: 127.0.0.1, port: {port}, request_timeout_s: 30}}
-cluster: {{device: cpu, cpus_per_rank: 0.1, startup_timeout_s: 120}}
+cluster: {{device: cpu, cpus_per_rank: 0.1, startup_timeout_s: 120, address: "{ray_address}"}}
 """)
     return cfg
 
