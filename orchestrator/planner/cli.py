@@ -56,8 +56,8 @@ def run(ns: argparse.Namespace) -> int:
         cfg = load_config(ns.config)
         if (ns.workload is None) == (ns.trace is None):
             raise ValueError("give one of --workload in=..,out=.. or --trace FILE")
-        wl = parse_workload(ns.workload) if ns.workload else trace_workload(ns.trace,
-                                                                            ns.trace_kind)
+        wl = (parse_workload(ns.workload) if ns.workload is not None
+              else trace_workload(ns.trace, ns.trace_kind))
         device = resolve_device(cfg, ns.device, ns.calibrate)
         plan = plan_config(cfg, wl, device)
     except (ConfigError, ValueError, FileNotFoundError) as exc:

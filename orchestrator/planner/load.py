@@ -47,17 +47,24 @@ def parse_workload(text: str) -> WorkloadSpec:
     :class:`WorkloadSpec`.
 
     Raises:
-        ValueError: an unknown key, a missing in/out, a bad number or start, both rate and
+        ValueError: an unknown or repeated key, a missing in/out, a bad number (rate not a
+            finite number > 0, a length or concurrency < 1) or start, both rate and
             concurrency, start without concurrency.
     """
     keys = {"in": int, "out": int, "rate": float, "concurrency": int, "start": str}
     values: dict[str, float | str] = {}
     for part in filter(None, text.split(",")):
-        key, _, value = part.partition("=")
-        if key.strip() not in keys:
+        key, _, value = (s.strip() for s in part.partition("="))
+        if key not in keys:
             raise ValueError(f"--workload: unknown key {key!r} in {text!r}: use in=TOKENS,"
                              "out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start=together]]")
-        values[key.strip()] = keys[key.strip()](value)
+        if key in values:
+            raise ValueError(f"--workload {text!r}: {key}= given twice")
+        try:
+            values[key] = keys[key](value)
+        except ValueError:
+            raise ValueError(f"--workload {text!r}: {key}={value!r} is not "
+                             f"{'a whole number' if keys[key] is int else 'a number'}") from None
     start = values.pop("start", "staggered")
     if start not in ("together", "staggered") or ("concurrency" not in values
                                                   and start == "together"):
@@ -71,8 +78,9 @@ def parse_workload(text: str) -> WorkloadSpec:
                          "not both")
     spec = WorkloadSpec(int(values["in"]), int(values["out"]), values.get("rate"),
                         values.get("concurrency"), start == "together")
-    if min(spec.input_len, spec.output_len) < 1 or (spec.rate or 1) <= 0 \
-            or (spec.concurrency or 1) < 1:
+    rate_ok = spec.rate is None or (math.isfinite(spec.rate) and spec.rate > 0)
+    if min(spec.input_len, spec.output_len) < 1 or not rate_ok \
+            or (spec.concurrency is not None and spec.concurrency < 1):
         raise ValueError(f"--workload {text!r}: lengths, rate and concurrency must be > 0")
     return spec
 

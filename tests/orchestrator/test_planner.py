@@ -55,7 +55,9 @@ def test_parse_workload():
     assert parse_workload("in=8,out=2,concurrency=4,start=together").together
     assert not parse_workload("in=8,out=2,concurrency=4,start=staggered").together
     for bad in ("in=8", "in=8,out=2,x=1", "in=8,out=2,rate=1,concurrency=2", "in=0,out=2",
-                "in=8,out=2,start=together", "in=8,out=2,concurrency=4,start=now"):
+                "in=8,out=2,start=together", "in=8,out=2,concurrency=4,start=now",
+                "in=8,out=2,rate=0", "in=8,out=2,concurrency=0", "in=8,out=2,rate=nan",
+                "in=8,out=2,rate=inf", "in=8,out=2,in=4", "in=abc,out=2"):
         with pytest.raises(ValueError):
             parse_workload(bad)
 
