@@ -70,8 +70,13 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     """Predict ``cfg`` serving ``wl`` on ``device``.
 
     Raises:
-        ConfigError: no config.json to plan from, or a request does not fit one DP rank's KV.
+        ConfigError: no config.json to plan from, or a request is longer than
+            model.max_model_len (the router refuses it) or does not fit one DP rank's KV.
     """
+    if wl.input_len + wl.output_len > cfg.model.max_model_len:
+        raise ConfigError(f"one request of {wl.input_len}+{wl.output_len} tokens is longer "
+                          f"than model.max_model_len ({cfg.model.max_model_len}): the router "
+                          "refuses it; raise max_model_len or shorten the workload")
     memory, source = build_memory_plan(cfg)
     if memory is None:
         raise ConfigError(f"cannot plan: {source}")

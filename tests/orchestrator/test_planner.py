@@ -124,6 +124,15 @@ def test_orch_plan_refuses_a_bad_workload(capsys):
     assert "needs in= and out=" in capsys.readouterr().err
 
 
+def test_plan_refuses_a_request_longer_than_max_model_len():
+    from orchestrator.config import ConfigError, load_config
+    from orchestrator.planner.report import plan_config
+
+    cfg = load_config(REPO / "configs" / "colocated.yaml")  # max_model_len 512, KV 1024
+    with pytest.raises(ConfigError, match="max_model_len"):
+        plan_config(cfg, WorkloadSpec(600, 10), default_device("cuda"))
+
+
 def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
