@@ -49,6 +49,8 @@ _STALE = object()  # an ack of an older step
 _UNREAD_SEQ = -1
 # NOTE: how often a follower's idle thread looks at its stop event (seconds).
 _IDLE_POLL_S = 0.5
+# NOTE: how a step's RankHung message ends: a bound set below a real step reads the same.
+_HUNG = "(hung, or health.step_timeout_s is below this step's time)"
 # NOTE: a frame whose first byte arrived comes whole, and an ack leaves, within this
 # (seconds), else the channel is broken (the leader then sees no ack: RankHung).
 _FRAME_TIMEOUT_S = 60.0
@@ -193,7 +195,7 @@ class StepChannelLeader:
                 _send_frame(conn, payload, max(1e-3, deadline - time.monotonic()))
             except TimeoutError as exc:
                 raise RankHung(f"rank {rank} did not take a step within {bound_s:g} s "
-                               "(hung)") from exc
+                               f"{_HUNG}") from exc
             except OSError as exc:
                 raise RankGone(f"rank {rank} is gone (step channel: {exc})") from exc
 
@@ -213,7 +215,7 @@ class StepChannelLeader:
             ready = [key.data for key, _ in self._acks.select(max(0.0, left))]
             if not ready:
                 raise RankHung(f"rank {min(pending)} did not finish a step within "
-                               f"{bound_s:g} s (hung)")
+                               f"{bound_s:g} s {_HUNG}")
             # NOTE: a rank that acked already is read too: its connection can only have
             # closed (RankGone at once), else the selector would report it again and again
             for rank in ready:
@@ -235,7 +237,7 @@ class StepChannelLeader:
             seq, error_pickle, error_text = pickle.loads(_recv_frame(conn, deadline))
         except TimeoutError as exc:
             raise RankHung(f"rank {rank} did not finish a step within {bound_s:g} s "
-                           "(hung)") from exc
+                           f"{_HUNG}") from exc
         except (OSError, EOFError, pickle.UnpicklingError) as exc:
             raise RankGone(f"rank {rank} is gone (step channel: {exc or 'closed'})") from exc
         if seq != self._seq and seq != _UNREAD_SEQ:
