@@ -164,7 +164,8 @@ def _open_loop(r: Roles, wl: WorkloadSpec, cap_p: float, cap_d: float) -> Operat
         rate = min(cap_p, cap_d)
         tpot = _tpot(r, r.slots, rate)
         return OperatingPoint(math.inf, tpot, rate, rate * wl.output_len, r.slots, math.inf,
-                              f"{bound} (overloaded: {wl.rate:g} req/s > capacity)")
+                              f"{bound} (overloaded: {wl.rate:.3g} req/s > capacity "
+                              f"{rate:.3g} req/s)")
     rho = rate * r.prefill_s / r.prefill_dp
     wait = rho * r.prefill_s / (2 * (1 - rho))
     batch = 1.0

@@ -91,7 +91,8 @@ def test_closed_loop_obeys_littles_law_and_prefill_capacity():
 
 def test_open_loop_over_capacity_says_so():
     pt = operating_point(_roles(prefill_s=4.0), WorkloadSpec(1000, 100, rate=1.0))
-    assert math.isinf(pt.ttft_s) and pt.bound.startswith("prefill (overloaded")
+    assert math.isinf(pt.ttft_s)
+    assert pt.bound == "prefill (overloaded: 1 req/s > capacity 0.5 req/s)"  # 2 ranks, 4 s
     ok = operating_point(_roles(prefill_s=4.0), WorkloadSpec(1000, 100, rate=0.25))
     assert ok.ttft_s == pytest.approx(0.25 * 4.0 / 2 * 4.0 / (2 * (1 - 0.5)) + 4.5)
 
