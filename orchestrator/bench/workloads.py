@@ -228,9 +228,10 @@ def load_workload(cfg: WorkloadConfig) -> Workload:
         else:
             kept.append((entry, fitted))
     if (want is not None and len(kept) < want) or len(kept) <= cfg.warmup:
+        timed = cfg.num_requests if cfg.num_requests is not None else "at least 1"
         raise ValueError(
             f"{cfg.trace} has {len(kept)} usable requests ({skipped} skipped for length) but "
-            f"{cfg.warmup} warm-up + {cfg.num_requests} timed were asked for: lower "
+            f"{cfg.warmup} warm-up + {timed} timed were asked for: lower "
             "--num-requests/--warmup, or use --over-length cap / larger caps")
     times = _arrivals(cfg, [e for e, _ in kept[cfg.warmup:]])
     requests = _make_requests(cfg, kept, times, measurer)

@@ -199,3 +199,10 @@ def test_bad_options_say_what_to_do(trace_file):
         WorkloadConfig(over_length="drop")
     with pytest.raises(FileNotFoundError, match="--trace"):
         load_workload(WorkloadConfig(kind="azure", trace=Path("/nonexistent.csv")))
+
+
+def test_an_empty_trace_says_it_has_no_requests(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="has 0 usable requests .* at least 1 timed"):
+        load_workload(WorkloadConfig(kind="mooncake", trace=empty, num_requests=None))
