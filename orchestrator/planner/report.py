@@ -70,7 +70,8 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     """Predict ``cfg`` serving ``wl`` on ``device``.
 
     Raises:
-        ConfigError: no config.json to plan from, or a request is longer than
+        ConfigError: no config.json to plan from, a rank (on cpu: all ranks together) needs
+            more memory than ``device`` has, or a request is longer than
             model.max_model_len (the router refuses it) or does not fit one DP rank's KV.
     """
     if wl.input_len + wl.output_len > cfg.model.max_model_len:
@@ -80,6 +81,7 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     memory, source = build_memory_plan(cfg)
     if memory is None:
         raise ConfigError(f"cannot plan: {source}")
+    _check_fits(memory, device)
     roles = {p.layout.role: p for p in memory.roles}
     colocated = "colocated" in roles
     pre, dec = (roles["colocated"],) * 2 if colocated else (roles["prefill"], roles["decode"])
@@ -121,6 +123,20 @@ def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
             if rate * wl.output_len > best[2]:
                 best = (dp_p, dp_d, rate * wl.output_len)
     return best
+
+
+def _check_fits(memory: MemoryPlan, device: DeviceSpec) -> None:
+    """Raises ConfigError when the layout's memory plan does not fit ``device`` (cpu: one
+    machine's RAM shared by every rank; an accelerator: one rank's memory)."""
+    if device.platform == "cpu":
+        need, who = memory.all_ranks_bytes, "all ranks together need"
+    else:
+        need, who = max(p.total_bytes for p in memory.roles), "one rank needs"
+    if need > device.memory_gb * 1e9:
+        raise ConfigError(f"the layout does not fit {device.name}: {who} {_gb(need)} GB of "
+                          f"{device.memory_gb:.4g} GB; pick a device with more memory "
+                          "(--device) or change the layout (`orch up --dry-run CONFIG` shows "
+                          "its memory plan)")
 
 
 def _gb(n: float) -> str:
