@@ -116,7 +116,7 @@ def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
     ranks = pre.layout.ranks + dec.layout.ranks
     per_decode = r.slots / (wl.output_len * r.step_s(r.slots))
     best = (0, 0, 0.0)
-    for dp_p in range(1, ranks // tp_p):
+    for dp_p in range(1, ranks // tp_p + 1):
         dp_d = (ranks - dp_p * tp_p) // tp_d
         if dp_d >= 1:
             rate = min(dp_p / r.prefill_s, dp_d * per_decode)

@@ -147,6 +147,15 @@ def test_plan_refuses_a_layout_that_does_not_fit_the_device():
         plan_config(cfg, wl, replace(h100, platform="cpu", memory_gb=100))
 
 
+def test_best_split_may_give_prefill_all_the_ranks_it_can_use():
+    from orchestrator.config import load_config
+    from orchestrator.planner.report import plan_config
+
+    cfg = load_config(REPO / "configs" / "cp_1p1d.yaml")  # prefill tp 1 x cp 2, decode tp 1
+    plan = plan_config(cfg, WorkloadSpec(64, 16), default_device("cuda"))
+    assert plan.best_split[:2] == (1, 1)  # the only split of 3 ranks (was none: dp 0 : 0)
+
+
 def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
     from orchestrator.config import load_config
     from orchestrator.planner.report import plan_config
