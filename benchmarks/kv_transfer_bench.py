@@ -141,8 +141,8 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
                                                                f"{tokens}-{rep}", tokens)
         del bufs
         dst = table_slots(cache.spec.num_blocks, tokens, 2, case)
-        check[case] = torch.cat([cache.flat_k(LAYERS - 1)[dst[-64:]],
-                                 cache.flat_v(0)[dst[:64]]], 1).clone()
+        check[case] = torch.cat([cache.read(LAYERS - 1, dst[-64:])[0],
+                                 cache.read(0, dst[:64])[1]], 1)
     out_q.put(("decode", scatter_s, check))
     for conn in conns.values():
         conn.close()
@@ -184,8 +184,8 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
         dst = table_slots(cache.spec.num_blocks, tokens, 2, case)
         chunks = [(a, min(a + args.chunk, tokens)) for a in range(0, tokens, args.chunk)]
         for rep in range(args.reps):
-            bufs = [(torch.stack([cache.flat_k(i)[src[a:b]] for i in range(LAYERS)]),
-                     torch.stack([cache.flat_v(i)[src[a:b]] for i in range(LAYERS)]))
+            bufs = [(torch.stack([cache.read(i, src[a:b])[0] for i in range(LAYERS)]),
+                     torch.stack([cache.read(i, src[a:b])[1] for i in range(LAYERS)]))
                     for a, b in chunks]
             wait_signal(group, 0)
             t0 = time.perf_counter()
@@ -201,8 +201,8 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
                 row[path] = send(conn, group, peers[path], f"r{path}{case}{tokens}-{rep}",
                                  chunks, src, dst)
             results.append((case, tokens, rep, row))
-        check[case] = torch.cat([cache.flat_k(LAYERS - 1)[src[-64:]],
-                                 cache.flat_v(0)[src[:64]]], 1).clone()
+        check[case] = torch.cat([cache.read(LAYERS - 1, src[-64:])[0],
+                                 cache.read(0, src[:64])[1]], 1)
     out_q.put(("prefill", results, check))
     for conn in conns.values():
         conn.close()

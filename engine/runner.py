@@ -73,6 +73,9 @@ class ModelRunner:
             ``i`` weight only CP rank ``i % cp`` stores; broadcast one layer ahead of use.
         graph: graph mode of the decode forward (:class:`engine.graph.GraphConfig`); with it
             the KV cache gets one scratch block (``kv_cache.scratch_block``) for padding rows.
+        kv_layout: the KV cache's physical layout, ``layer_major`` or ``block_major``
+            (:mod:`engine.kv_cache`); None: the device's default
+            (:func:`engine.kv_cache.default_layout`).
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
@@ -95,7 +98,7 @@ class ModelRunner:
                  kernels: KernelSet | None = None, ep: EPGroup | None = None,
                  fp8_storage: str = "dequantize", cp: CPGroup | None = None,
                  layer_sharding: tuple[str, ...] = (),
-                 graph: GraphConfig | None = None) -> None:
+                 graph: GraphConfig | None = None, kv_layout: str | None = None) -> None:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
         graph = graph or GraphConfig()
         _check_cp(self.tp, self.cp, graph)
@@ -123,7 +126,8 @@ class ModelRunner:
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim)
-        self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
+        self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled,
+                                layout=kv_layout)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
             if graph.enabled else None

@@ -30,7 +30,7 @@ class DecodeKVConnector:
     """KV receiver of one decode rank: hosts the pair rendezvous, runs receiver threads.
 
     Args:
-        kv_cache: the rank's ``KVCache`` (or any object whose ``flat_buffers(layer)`` gives
+        kv_cache: the rank's ``KVCache`` (or any object whose ``layer_buffers(layer)`` gives
             the buffers ``layout`` names, see :mod:`~kv_transfer.payload`).
         layout: this instance's :class:`KVLayout`.
         instance, rank: this rank's identity.
@@ -44,6 +44,7 @@ class DecodeKVConnector:
     def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int,
                  config: TransferConfig, host: str = "127.0.0.1") -> None:
         check_cache(kv_cache, layout, layout.heads_of(rank))
+        layout = layout.for_cache(kv_cache)
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._host = instance, rank, host
         self._me = f"{instance}/{rank}"

@@ -3,10 +3,13 @@
 Shape legend: Ly layers in the transfer, T tokens, D per-token dims of the buffer (MLA: one
 dim, e.g. 512 for K / 64 for V / 128 for index_k; GQA: heads-in-pair x head_dim).
 
-The cache object is duck-typed: ``flat_buffers(layer)`` returns the layer's buffers viewed as
-slots ``[num_blocks * block_size, *dims]``, in the order of ``KVLayout.buffers``
-(``KVCache.flat_buffers``: K, V[, index_k]); a buffer is named by its position ``buffer`` in
-that order. Slot ``s`` is row ``s`` (``engine.block_pool.slot_mapping``).
+The cache object is duck-typed: ``layer_buffers(layer)`` returns the layer's buffers
+``[num_blocks, block_size, *dims]`` in the order of ``KVLayout.buffers`` (``KVCache``: K,
+V[, index_k]); a buffer is named by its position ``buffer`` in that order. Slots
+(``engine.block_pool.slot_mapping``) become rows of the token-row views
+(``engine.kv_cache.slot_rows``) through :func:`rows_of`, once per record: everything below
+indexes rows. For a ``layer_major`` cache the row of slot ``s`` is ``s``; a ``block_major``
+cache (``engine.kv_cache``) puts one block's rows of every layer together, so its rows skip.
 """
 
 from __future__ import annotations
@@ -16,18 +19,26 @@ import threading
 
 import torch
 
+from engine.kv_cache import slot_index, slot_rows
+
 
 def flat(cache: object, buffer: int, layer: int, heads: slice | None) -> torch.Tensor:
-    """``[num_slots, *dims]`` view of one layer's buffer number ``buffer``, restricted to local
-    ``heads``."""
-    rows = cache.flat_buffers(layer)[buffer]
+    """Token-row view ``[rows, *dims]`` of one layer's buffer number ``buffer`` (index it with
+    :func:`rows_of`), restricted to local ``heads``."""
+    rows = slot_rows(cache.layer_buffers(layer)[buffer])
     return rows if heads is None else rows[:, heads]
 
 
+def rows_of(cache: object, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of :func:`flat` holding ``slots`` (int64, any shape); the same for every layer and
+    buffer of ``cache``."""
+    return slot_index(cache.layer_buffers(0)[0], slots)
+
+
 def cache_slots(cache: object) -> tuple[int, torch.device]:
-    """Slots per layer and device of ``cache``."""
-    rows = cache.flat_buffers(0)[0]
-    return rows.shape[0], rows.device
+    """Slots per layer (``num_blocks * block_size``) and device of ``cache``."""
+    buf = cache.layer_buffers(0)[0]
+    return buf.shape[0] * buf.shape[1], buf.device
 
 
 def check_cache(cache: object, layout, heads: range | None) -> None:
@@ -40,7 +51,7 @@ def check_cache(cache: object, layout, heads: range | None) -> None:
     Raises:
         ValueError: buffer count or per-token dims differ (message names both).
     """
-    got = [tuple(t.shape[1:]) for t in cache.flat_buffers(0)]
+    got = [tuple(t.shape[2:]) for t in cache.layer_buffers(0)]
     want = [layout.token_dims(spec, heads) for spec in layout.buffers]
     if got != want:
         names = [spec.name for spec in layout.buffers]
@@ -95,7 +106,8 @@ def gather(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | N
     """Copy ``src_slots`` of ``layers`` into ``out``, a contiguous ``[Ly, T, *D]`` tensor;
     returns ``out``.
 
-    ``src_slots``: int64 ``[T]`` on the cache's device. One ``index_select`` per layer, written
+    ``src_slots``: int64 ``[T]`` ROWS (:func:`rows_of`) on the cache's device. One
+    ``index_select`` per layer, written
     straight into the payload (no intermediate copy).
     """
     for i, layer in enumerate(layers):
@@ -105,7 +117,8 @@ def gather(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | N
 
 def scatter(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | None,
             dst_slots: torch.Tensor, payload: torch.Tensor) -> None:
-    """Write ``payload`` ``[Ly, T, *D]`` into ``dst_slots`` (int64 ``[T]``) of ``layers``.
+    """Write ``payload`` ``[Ly, T, *D]`` into ``dst_slots`` (int64 ``[T]`` ROWS,
+    :func:`rows_of`) of ``layers``.
 
     NOTE: ``index_copy_`` writes each slot once, in place; slots within one transfer are
     distinct (they are token positions of one request). It runs on an int32 view of the rows

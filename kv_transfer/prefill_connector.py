@@ -94,7 +94,7 @@ class PrefillKVConnector:
     """KV sender of one prefill rank (see module docstring for the call order).
 
     Args:
-        kv_cache: the rank's ``KVCache`` (or any object whose ``flat_buffers(layer)`` gives
+        kv_cache: the rank's ``KVCache`` (or any object whose ``layer_buffers(layer)`` gives
             the buffers ``layout`` names, see :mod:`~kv_transfer.payload`).
         layout: this instance's :class:`KVLayout` (``layout.tp == tp``).
         instance, rank, tp: this rank's identity (``rank`` in ``[0, cp * tp)``, CP rank
@@ -113,6 +113,7 @@ class PrefillKVConnector:
             raise ValueError(f"layout.tp ({layout.tp}) != tp ({tp}): build the layout for "
                              "this instance")
         check_cache(kv_cache, layout, layout.heads_of(rank % tp))
+        layout = layout.for_cache(kv_cache)
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._tp, self._cp = instance, rank, tp, cp
         self._device = cache_slots(kv_cache)[1]

@@ -172,7 +172,7 @@ class ReceiverChannel:
         the rest of its packs are read and dropped."""
         frames = packs.packs(self._layout, header)
         local = self._local_heads(header.head_range())
-        dst = header.dst_slots.to(self._device)
+        dst = payload.rows_of(self._cache, header.dst_slots.to(self._device))
         scatter_s, ok = 0.0, allowed
         # NOTE: driven to its end (not zip-ped with frames): the link acks / recycles the
         # last pack only when asked for the next one
@@ -198,10 +198,10 @@ class ReceiverChannel:
         if not header.views:
             return 0.0
         cuts = set(header.cuts)
-        if any(a not in cuts for a, _, _ in packs.runs(header.dst_slots)):
+        dst = payload.rows_of(self._cache, header.dst_slots.cpu())
+        if any(a not in cuts for a, _, _ in packs.runs(dst)):
             raise WireError(f"{group.name}: {what}: cuts {header.cuts} split no run of "
-                            "destination slots: the sender breaks the protocol")
-        dst = header.dst_slots.cpu()
+                            "destination rows: the sender breaks the protocol")
         rows = packs.cut_views(self._cache, self._layout, header,
                                self._local_heads(header.head_range()),
                                [int(dst[a]) for a in header.cuts])

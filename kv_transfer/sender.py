@@ -276,7 +276,8 @@ class SenderChannel:
         self._pair.post_doorbell(wire.encode_header(header), what)
         posted = time.perf_counter()
         works = self._pair.post(views, what)
-        src, seq, gather_s = task.src_slots.to(self._device), 0, 0.0
+        src = payload.rows_of(self._cache, task.src_slots.to(self._device))
+        seq, gather_s = 0, 0.0
         frames = packs.packs(self._layout, header)
         for pack in frames:
             buf = self._link.take(pack.nbytes, what)
@@ -298,7 +299,9 @@ class SenderChannel:
         header = task.header
         if not isinstance(self._link, links.NetSender):
             return header, []
-        found = packs.cut_runs(task.src_slots, header.dst_slots)
+        peer = KVLayout.from_dict(self._pair.peer_layout)
+        found = packs.cut_runs(payload.rows_of(self._cache, task.src_slots.cpu()),
+                               peer.slot_rows(header.dst_slots.cpu()))
         header = replace(header, views=packs.view_buffers(self._layout, header, len(found)),
                          cuts=tuple(a for a, _, _, _ in found))
         views = packs.cut_views(self._cache, self._layout, header, heads,

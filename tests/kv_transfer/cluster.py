@@ -81,10 +81,9 @@ def check_received(s: Scenario, cache: KVCache) -> None:
     """Every request slot equals the prefill slot; every other slot is still zero."""
     ref = reference_prefill_cache(s)
     src, dst = slots(s, "prefill", 0, s.num_tokens), slots(s, "decode", 0, s.num_tokens)
+    every = torch.arange(cache.spec.num_blocks * cache.spec.block_size)
     for layer in range(s.num_layers):
-        for name in ("k", "v"):
-            got = getattr(cache, f"flat_{name}")(layer)
-            want = getattr(ref, f"flat_{name}")(layer)[src]
+        for name, got, want in zip(("k", "v"), cache.read(layer, every), ref.read(layer, src)):
             assert torch.equal(got[dst], want), f"layer {layer} {name} differs"
             others = torch.ones(got.shape[0], dtype=torch.bool)
             others[dst] = False

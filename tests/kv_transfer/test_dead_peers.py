@@ -27,7 +27,7 @@ def _kv_threads() -> list[str]:
 
 
 def _prefill() -> tuple[KVCache, PrefillKVConnector]:
-    cache = KVCache(SPEC)
+    cache = KVCache(SPEC, layout="layer_major")
     for t in cache.k_caches + cache.v_caches:
         t.copy_(torch.randn(t.shape))
     return cache, PrefillKVConnector(cache, KVLayout.from_spec(SPEC, "m", 1), "p0", 0, 1, CFG)
@@ -59,7 +59,7 @@ def test_dead_decode_fails_its_requests_at_once_then_a_restarted_one_is_paired()
         assert "cannot connect" in pre.failure("A") and "d0/0" in pre.failure("A")
         assert "next try in" in pre.failure("B")  # backoff: no second connect
         # the decode rank restarted: same instance/rank, new address -> tried at once
-        d_cache = KVCache(SPEC)
+        d_cache = KVCache(SPEC, layout="layer_major")
         dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC, "m", 1), "d0", 0, CFG)
         dec.expect("D", 8, prefill_tp=1)
         _send(pre, "D", [KVPeer("d0", 0, *dec.address)])
@@ -118,9 +118,9 @@ def test_idle_pair_to_a_dead_decode_is_torn_down_by_its_heartbeat():
     cfg = TransferConfig(connect_timeout_s=6, header_timeout_s=10, payload_timeout_s=10,
                          completion_timeout_s=30, heartbeat_s=0.2, peer_timeout_s=2.0)
     before = _kv_threads()
-    cache = KVCache(SPEC)
+    cache = KVCache(SPEC, layout="layer_major")
     pre = PrefillKVConnector(cache, KVLayout.from_spec(SPEC, "m", 1), "p0", 0, 1, cfg)
-    dec = DecodeKVConnector(KVCache(SPEC), KVLayout.from_spec(SPEC, "m", 1), "d0", 0, cfg)
+    dec = DecodeKVConnector(KVCache(SPEC, layout="layer_major"), KVLayout.from_spec(SPEC, "m", 1), "d0", 0, cfg)
     peers = [KVPeer("d0", 0, *dec.address)]
     try:
         dec.expect("A", 8, prefill_tp=1)

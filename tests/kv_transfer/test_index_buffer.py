@@ -26,7 +26,7 @@ def _spec(blocks: int, block_size: int, index_head_dim: int = WIDTHS[2]) -> KVCa
 
 def _prefill_cache() -> KVCache:
     """Random contents, a different value in every element of every buffer."""
-    cache = KVCache(_spec(blocks=12, block_size=4))
+    cache = KVCache(_spec(blocks=12, block_size=4), layout="layer_major")
     gen = torch.Generator().manual_seed(3)
     for layer in range(LAYERS):
         for buf in cache.flat_buffers(layer):
@@ -45,7 +45,7 @@ def _transfer(p_tp: int, d_tp: int, dst: torch.Tensor) -> tuple[KVCache, list[KV
     """Send TOKENS tokens (two chunks) from P``p_tp`` to D``d_tp``; returns the prefill cache,
     the decode caches and the prefill connectors' stats."""
     ref, src = _prefill_cache(), slot_mapping((9, 2, 5, 0, 11, 7), 0, TOKENS, 4)
-    d_caches = [KVCache(_spec(blocks=8, block_size=8)) for _ in range(d_tp)]
+    d_caches = [KVCache(_spec(blocks=8, block_size=8), layout="layer_major") for _ in range(d_tp)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(_spec(8, 8), "v32", d_tp), "d0",
                               d, CFG) for d in range(d_tp)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(_spec(12, 4), "v32", p_tp), "p0", p,
@@ -108,10 +108,10 @@ def test_v3_and_v32_layouts_are_refused_with_a_clear_error():
 def test_v3_prefill_to_v32_decode_fails_the_request_and_writes_nothing():
     """Over a real pair: the decode side learns the mismatch (abort record), no byte lands."""
     before = [t.name for t in threading.enumerate()]
-    v3 = KVCache(_spec(12, 4, index_head_dim=0))
+    v3 = KVCache(_spec(12, 4, index_head_dim=0), layout="layer_major")
     for t in v3.k_caches + v3.v_caches:
         t.fill_(1.0)
-    d_cache = KVCache(_spec(8, 8))
+    d_cache = KVCache(_spec(8, 8), layout="layer_major")
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(_spec(8, 8), "m", 1), "d0", 0, CFG)
     pre = PrefillKVConnector(v3, KVLayout.from_spec(v3.spec, "m", 1), "p0", 0, 1, CFG)
     peers = [KVPeer("d0", 0, *dec.address)]
@@ -132,5 +132,5 @@ def test_v3_prefill_to_v32_decode_fails_the_request_and_writes_nothing():
 
 def test_a_layout_that_does_not_describe_the_cache_is_refused():
     with pytest.raises(ValueError, match="holds per-token buffers"):
-        PrefillKVConnector(KVCache(_spec(12, 4, index_head_dim=0)),
+        PrefillKVConnector(KVCache(_spec(12, 4, index_head_dim=0), layout="layer_major"),
                            KVLayout.from_spec(_spec(12, 4), "m", 1), "p0", 0, 1, CFG)

@@ -35,10 +35,10 @@ def _kv_threads():
 
 def test_abort_and_unknown_requests_never_write():
     before = _kv_threads()
-    p_cache = KVCache(SPEC_P)
+    p_cache = KVCache(SPEC_P, layout="layer_major")
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_cache = KVCache(SPEC_D)
+    d_cache = KVCache(SPEC_D, layout="layer_major")
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, CFG)
     pre = PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), "p0", 0, 1, CFG)
     peers = [KVPeer("d0", 0, *dec.address)]
@@ -77,9 +77,9 @@ def test_abort_and_unknown_requests_never_write():
 class _GQACache(SimpleNamespace):
     """Duck-typed GQA cache: per layer K/V ``[num_blocks, block_size, local heads, head_dim]``."""
 
-    def flat_buffers(self, layer):
-        """K and V of ``layer`` as slots ``[num_slots, local heads, head_dim]``."""
-        return self.k_caches[layer].flatten(0, 1), self.v_caches[layer].flatten(0, 1)
+    def layer_buffers(self, layer):
+        """K and V of ``layer``, ``[num_blocks, block_size, local heads, head_dim]``."""
+        return self.k_caches[layer], self.v_caches[layer]
 
 
 def _gqa_caches(tp, heads, reference=None, blocks=16, bs=4, layers=3, hd=4):
@@ -141,10 +141,10 @@ def test_one_dead_pair_does_not_affect_another():
     # A and B alike before their first records arrived)
     cfg = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
                          completion_timeout_s=8)
-    p_cache = KVCache(SPEC_P)
+    p_cache = KVCache(SPEC_P, layout="layer_major")
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_cache = KVCache(SPEC_D)
+    d_cache = KVCache(SPEC_D, layout="layer_major")
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, cfg)
     pa, pb = (PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), name, 0, 1, cfg)
               for name in ("pa", "pb"))
@@ -185,10 +185,10 @@ def test_non_divisible_p3_to_d2_mla():
                          qk_rope_head_dim=4)
     spec_d = KVCacheSpec(num_layers=5, num_blocks=4, block_size=8, kv_lora_rank=8,
                          qk_rope_head_dim=4)
-    ref = KVCache(spec_p)
+    ref = KVCache(spec_p, layout="layer_major")
     for t in ref.k_caches + ref.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_caches = [KVCache(spec_d) for _ in range(2)]
+    d_caches = [KVCache(spec_d, layout="layer_major") for _ in range(2)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 2), "d0", d, CFG)
             for d in range(2)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 3), "p0", p, 3, CFG)
@@ -223,10 +223,10 @@ def test_headline_shape_p16_to_d4():
                          qk_rope_head_dim=2)
     spec_d = KVCacheSpec(num_layers=8, num_blocks=2, block_size=8, kv_lora_rank=4,
                          qk_rope_head_dim=2)
-    ref = KVCache(spec_p)
+    ref = KVCache(spec_p, layout="layer_major")
     for t in ref.k_caches + ref.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_caches = [KVCache(spec_d) for _ in range(4)]
+    d_caches = [KVCache(spec_d, layout="layer_major") for _ in range(4)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 4), "d0", d, CFG)
             for d in range(4)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 16), "p0", p, 16, CFG)
@@ -263,7 +263,7 @@ def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
     src, dst = slot_mapping((6, 1, 4, 0), 0, n, 4), slot_mapping((3, 0), 0, n, 8)
     ref = [torch.randn(n, 8), torch.randn(n, 4)]  # [T, kv_lora_rank], [T, rope]
     plan = build_transfer_plan(1, 2, 3, prefill_cp=2)
-    p_caches = [KVCache(spec_p) for _ in range(2)]
+    p_caches = [KVCache(spec_p, layout="layer_major") for _ in range(2)]
     for p, cache in enumerate(p_caches):
         mine = [t for a, b in chunks for lo, hi in plan.token_ranges(p, a, b)
                 for t in range(lo, hi)]
@@ -271,7 +271,7 @@ def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
             for flat, want in zip((cache.flat_k(layer), cache.flat_v(layer)), ref):
                 flat.copy_(torch.randn(flat.shape))
                 flat[src[mine]] = want[mine]
-    d_caches = [KVCache(spec_d) for _ in range(2)]
+    d_caches = [KVCache(spec_d, layout="layer_major") for _ in range(2)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 2), "d0", d, CFG)
             for d in range(2)]
     pres = [PrefillKVConnector(p_caches[p], KVLayout.from_spec(spec_p, "m", 1), "p0", p, 1,

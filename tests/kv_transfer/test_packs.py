@@ -48,10 +48,12 @@ def test_packs_group_layers_and_cut_tokens():
         == [(0, 0, 4, 2), (2, 2, 8, 2), (4, 9, 10, 2)]
 
 
-def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node):
-    """Send ``tokens`` in chunks P1 -> D1 in one process; returns both caches and slots."""
+def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node,
+              layouts=("layer_major", "layer_major")):
+    """Send ``tokens`` in chunks P1 -> D1 in one process (caches of ``layouts``, prefill and
+    decode); returns both caches and slots."""
     cfg = TransferConfig(**CFG, same_node=same_node)
-    p_cache, d_cache = KVCache(spec_p), KVCache(spec_d)
+    p_cache, d_cache = KVCache(spec_p, layout=layouts[0]), KVCache(spec_d, layout=layouts[1])
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(spec_d, "m", 1), "d0", 0, cfg)
@@ -82,12 +84,13 @@ def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node):
 
 
 def _check_bytes(p_cache, d_cache, src, dst):
-    written = torch.zeros(d_cache.flat_k(0).shape[0], dtype=torch.bool)
+    every = torch.arange(d_cache.spec.num_blocks * d_cache.spec.block_size)
+    written = torch.zeros(every.numel(), dtype=torch.bool)
     written[dst] = True
     for layer in range(len(p_cache.k_caches)):
-        for flat_p, flat_d in ((p_cache.flat_k, d_cache.flat_k), (p_cache.flat_v, d_cache.flat_v)):
-            assert torch.equal(flat_d(layer)[dst], flat_p(layer)[src])
-            assert not flat_d(layer)[~written].any(), "bytes written outside the request"
+        for got, want in zip(d_cache.read(layer, every), p_cache.read(layer, src)):
+            assert torch.equal(got[dst], want)
+            assert not got[~written].any(), "bytes written outside the request"
 
 
 @pytest.mark.parametrize("same_node", ["off", "auto"])
@@ -133,6 +136,35 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
     assert set(chosen) == views[same_node][name], "buffers sent as cache views"
     assert made == ([packs.segment_bytes()] if same_node == "auto" else [])
     assert set(during) <= before, "the segment file outlived the pair set-up"
+
+
+@pytest.mark.parametrize("same_node", ["off", "auto"])
+@pytest.mark.parametrize("layouts", [("block_major", "block_major"),
+                                     ("layer_major", "block_major"),
+                                     ("block_major", "layer_major")])
+@pytest.mark.parametrize("name,src_blocks,dst_blocks,block_p,block_d", [
+    ("contiguous", (2, 3, 4, 5), (1, 2, 3, 4), 8, 8),
+    ("random", (7, 2, 5, 0), (3, 6, 1, 4), 8, 8),
+    ("misaligned", (7, 2, 5, 0, 9, 11, 1, 3), (3, 1, 6, 0), 4, 8),
+])
+def test_cache_layouts_move_exact_bytes(monkeypatch, layouts, name, src_blocks, dst_blocks,
+                                        block_p, block_d, same_node):
+    """block_major caches (one block's layers together, engine.kv_cache) on either side or
+    both: the same bytes land in the same slots as between layer_major caches."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(packs, "PACK_BYTES", 2000)
+    monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
+    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 256)
+    spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
+                         qk_rope_head_dim=4)
+    spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
+                         qk_rope_head_dim=4)
+    p_cache, d_cache, src, dst, (sent, got), _ = _transfer(
+        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=3 if same_node == "auto" else 12,
+        same_node=same_node, layouts=layouts)
+    assert (p_cache.layout, d_cache.layout) == layouts
+    _check_bytes(p_cache, d_cache, src, dst)
+    assert sent["bytes"] == got["bytes"] == 30 * 3 * (16 + 4) * 4
 
 
 def _spy_segments(monkeypatch) -> list[int]:
