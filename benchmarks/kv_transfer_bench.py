@@ -21,9 +21,15 @@ For each case and size the request goes in prefill chunks of ``--chunk`` tokens:
 Net/local clocks run on the prefill process from a "ready" message to the decode's ack; the
 same two processes do all. The pairs' set-up is excluded (a warm-up request goes first on
 each). Every case ends with a byte check of the last request (prefill source rows == decode
-rows). Reported: best of ``--reps`` per line, ratio = baseline s / kvx s, and the kvx run's
-gather (prefill) / scatter (decode) seconds (0 when every message was sent / received in
-place).
+rows). Reported: best of ``--reps`` per line, ratio = best baseline s / best kvx s,
+paired = the median over repetitions of (baseline s / kvx s) of the same repetition (each
+repetition runs baseline then kvx back to back: the figure least moved by other jobs), and
+the kvx run's gather (prefill) / scatter (decode) seconds (0 when every message was sent /
+received in place).
+
+The caches are the platform's default layout (``block_major`` on CPU, engine.kv_cache):
+``--cache-layout layer_major`` measures the per-layer layout (one message per block and
+layer for a random table).
 
 Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 4096 16384]
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 
 import torch
@@ -39,7 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.block_pool import slot_mapping
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import CACHE_LAYOUTS, KVCache, KVCacheSpec
 from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
 from kv_transfer import packs
 from kv_transfer.backend import backend_for
@@ -114,7 +121,7 @@ def decode_main(args, port_q, addr_q, out_q) -> None:
     packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    cache = KVCache(spec(max(args.tokens), dtype))
+    cache = KVCache(spec(max(args.tokens), dtype), layout=args.cache_layout)
     layout = KVLayout.from_spec(cache.spec, MODEL, 1)
     conns = {path: DecodeKVConnector(cache, layout, f"d-{path}", 0,
                                      TransferConfig(same_node=same))
@@ -166,7 +173,7 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
     packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    cache = KVCache(spec(max(args.tokens), dtype))
+    cache = KVCache(spec(max(args.tokens), dtype), layout=args.cache_layout)
     for t in cache.k_caches + cache.v_caches:
         t.uniform_()
     layout = KVLayout.from_spec(cache.spec, MODEL, 1)
@@ -240,6 +247,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--pack-mib", type=float, default=packs.PACK_BYTES / 2**20,
                         help="kv_transfer.packs.PACK_BYTES, MiB")
+    parser.add_argument("--cache-layout", default=None, choices=list(CACHE_LAYOUTS),
+                        help="KV cache layout of both sides (default: the platform's, "
+                             "block_major on cpu)")
     parser.add_argument("--cases", nargs="+", default=["contiguous", "random"],
                         choices=["contiguous", "random"], help="block-table cases")
     args = parser.parse_args()
@@ -267,20 +277,22 @@ def report(args, results, scatter_s) -> None:
     the kvx run's gather (prefill) and scatter (decode) seconds."""
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
-          f"chunk {args.chunk} tokens, packs {args.pack_mib:g} MiB, P1 -> D1 on this node, best of {args.reps}; "
+          f"chunk {args.chunk} tokens, packs {args.pack_mib:g} MiB, "
+          f"{args.cache_layout or 'block_major'} caches, P1 -> D1 on this node, best of {args.reps}; "
           "net = process group (gloo loopback) vs raw gloo, local = shared memory vs memcpy")
     print(f"{'path':>5} {'case':>10} {'tokens':>7} {'MiB':>8} {'base':>6} {'base GB/s':>9} "
-          f"{'kvx GB/s':>9} {'ratio':>6} {'gather s':>9} {'scatter s':>10}")
+          f"{'kvx GB/s':>9} {'ratio':>6} {'paired':>7} {'gather s':>9} {'scatter s':>10}")
     for path, base in (("net", "raw"), ("local", "memcpy")):
         for case, tokens in [(c, t) for c in args.cases for t in args.tokens]:
             runs = [r for r in results if r[:2] == (case, tokens)]
             base_s = min(r[3][base] for r in runs)
             _, _, rep, row = min(runs, key=lambda r: r[3][path][0])
             kvx_s, gather_s = row[path]
+            paired = statistics.median(r[3][base] / r[3][path][0] for r in runs)
             nbytes = tokens * LAYERS * (KV_LORA + ROPE) * elem
             print(f"{path:>5} {case:>10} {tokens:>7} {nbytes / 2**20:>8.1f} {base:>6} "
                   f"{nbytes / base_s / 1e9:>9.2f} {nbytes / kvx_s / 1e9:>9.2f} "
-                  f"{base_s / kvx_s:>6.2f} {gather_s:>9.3f} "
+                  f"{base_s / kvx_s:>6.2f} {paired:>7.2f} {gather_s:>9.3f} "
                   f"{scatter_s[(path, case, tokens, rep)]:>10.3f}")
 
 

@@ -37,6 +37,7 @@ PACK_BYTES = 4 << 20  # target bytes of one pack (one wire message / one shared-
 PACK_DEPTH = 4  # packs in flight per pair and side (staging memory: PACK_DEPTH x PACK_BYTES)
 RUN_COPY_BYTES = 64 * 1024  # mean destination run (bytes) from which a scatter copies per run
 MIN_RUN_BYTES = 64 * 1024  # mean run (bytes per layer) from which a buffer goes as views
+MAX_VIEW_BYTES = 16 << 20  # a block-run view message holds whole blocks up to about this
 
 
 def segment_bytes() -> int:
@@ -92,6 +93,84 @@ def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
     return [payload.flat(cache, buffer, layer, heads)[s:s + n]
             for buffer in header.views for layer in header.layers
             for s, n in zip(starts, lengths)]
+
+
+def block_pieces(header: wire.Header, slots: torch.Tensor, block_size: int,
+                 max_blocks: int) -> list[tuple[int, int, int, bool]]:
+    """The pieces of a ``block_views`` record, in wire order: each cut (``header.cuts``) split
+    at block boundaries into ``(offset, first slot, length, whole)``, where ``whole`` marks a
+    run of at most ``max_blocks`` whole blocks (first slot at a block start, length a
+    multiple of ``block_size``) and the other pieces lie inside one block.
+
+    ``slots``: int64 ``[T]`` (CPU) of either side: a cut starts at the same offset in a block
+    on both sides (the sender checks it), so both sides find the same pieces.
+    """
+    bounds = list(header.cuts) + [header.n_tokens]
+    pieces = []
+    for a, b in zip(bounds, bounds[1:]):
+        first, t = int(slots[a]), a
+        while t < b:
+            slot = first + t - a
+            off = slot % block_size
+            whole = min((b - t) // block_size, max_blocks) * block_size if off == 0 else 0
+            n = whole or min(block_size - off, b - t)
+            pieces.append((t, slot, n, bool(whole)))
+            t += n
+    return pieces
+
+
+def block_run_blocks(layout, header: wire.Header) -> int:
+    """Whole blocks per block-run message: as many as fit :data:`MAX_VIEW_BYTES` in the
+    record's largest buffer, at least one. The same on both sides (layout and header only)."""
+    block_bytes = max(token_bytes(layout, header)) * layout.block_size * layout.num_layers
+    return max(1, MAX_VIEW_BYTES // block_bytes)
+
+
+def block_messages(header: wire.Header, pieces: list[tuple[int, int, int, bool]],
+                   num_layers: int, block_size: int) -> int:
+    """Messages per view buffer of a ``block_views`` record (see :func:`block_views`)."""
+    every = header.layers == tuple(range(num_layers))
+    return sum((1 if every else n // block_size) if whole else len(header.layers)
+               for _, _, n, whole in pieces)
+
+
+def block_view_buffers(layout, header: wire.Header, n_messages: int) -> tuple[int, ...]:
+    """Buffers worth sending as block views with ``n_messages`` messages each: every buffer
+    when that is one message, else those whose messages average :data:`MIN_RUN_BYTES`."""
+    sizes = token_bytes(layout, header)
+    if n_messages == 1:
+        return tuple(range(len(sizes)))
+    return tuple(b for b, nb in enumerate(sizes)
+                 if header.n_tokens * len(header.layers) * nb >= MIN_RUN_BYTES * n_messages)
+
+
+def block_views(cache: object, header: wire.Header,
+                pieces: list[tuple[int, int, int, bool]]) -> list[torch.Tensor]:
+    """The cache memory of every view message of a ``block_views`` record, in wire order:
+    per view buffer, per piece (:func:`block_pieces`): a run of ``k`` whole blocks is ONE
+    message ``backing[b:b + k]`` (``[k, num_layers, block_size, *D]``) when the record
+    carries every layer, else one per block ``backing[b, l0:l0 + Ly]`` (its layers must be
+    one ascending range); a piece inside one block is one message per layer, its rows
+    ``[n, *D]``. All contiguous (``cache.backing``, :class:`engine.kv_cache.KVCache`
+    ``block_major``).
+    """
+    layers = header.layers
+    l0, ly = layers[0], len(layers)
+    bs = cache.spec.block_size
+    every = layers == tuple(range(cache.spec.num_layers))
+    out: list[torch.Tensor] = []
+    for buffer in header.views:
+        backing = cache.backing[buffer]
+        for _, slot, n, whole in pieces:
+            if whole and every:
+                out.append(backing[slot // bs:(slot + n) // bs])
+            elif whole:
+                out.extend(backing[b, l0:l0 + ly] for b in range(slot // bs, (slot + n) // bs))
+            else:
+                row = int(payload.rows_of(cache, torch.tensor(slot)))
+                out.extend(payload.flat(cache, buffer, layer, None)[row:row + n]
+                           for layer in layers)
+    return out
 
 
 def token_bytes(layout, header: wire.Header) -> list[int]:

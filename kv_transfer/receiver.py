@@ -198,13 +198,25 @@ class ReceiverChannel:
         if not header.views:
             return 0.0
         cuts = set(header.cuts)
-        dst = payload.rows_of(self._cache, header.dst_slots.cpu())
+        if header.block_views:
+            dst = header.dst_slots.cpu()
+            if self._layout.cache_layout != "block_major" or header.heads is not None:
+                raise WireError(f"{group.name}: {what}: block views sent to a "
+                                f"{self._layout.cache_layout} cache: the sender breaks the "
+                                "protocol")
+        else:
+            dst = payload.rows_of(self._cache, header.dst_slots.cpu())
         if any(a not in cuts for a, _, _ in packs.runs(dst)):
             raise WireError(f"{group.name}: {what}: cuts {header.cuts} split no run of "
                             "destination rows: the sender breaks the protocol")
-        rows = packs.cut_views(self._cache, self._layout, header,
-                               self._local_heads(header.head_range()),
-                               [int(dst[a]) for a in header.cuts])
+        if header.block_views:
+            rows = packs.block_views(self._cache, header, packs.block_pieces(
+                header, dst, self._layout.block_size,
+                packs.block_run_blocks(self._layout, header)))
+        else:
+            rows = packs.cut_views(self._cache, self._layout, header,
+                                   self._local_heads(header.head_range()),
+                                   [int(dst[a]) for a in header.cuts])
         messages = [t if allowed and t.is_contiguous() else
                     torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in rows]
         group.recv_all(messages, self._config.payload_timeout_s, what)

@@ -5,15 +5,19 @@ Per pair, the prefill rank announces itself through the decode rank's TCPStore
 
     doorbell (store key "<pair prefix>/doorbell/<n>" = msgpack of Header)
     views (kind == "data"): one message [n, *dims] per (view buffer, layer, cut), views of
-        the cache rows on both sides (the cuts are runs of consecutive slots on both sides)
+        the cache rows on both sides (the cuts are runs of consecutive rows on both sides);
+        with ``block_views`` (both caches block_major) runs of whole blocks go as one message
+        for every layer of the record ([k, layers, block_size, *dims] or [layers,
+        block_size, *dims], :func:`kv_transfer.packs.block_views`)
     packs (kind == "data"): the other buffers, one pack per (layer group, token range)
         (:mod:`kv_transfer.packs`), each one message, or, on a same-node pair, a one-element
         "ready" message (the pack is in a shared-memory slot) answered by an "ack"
 
 The buffers are the layout's (:attr:`KVLayout.buffers`, in that order); a V3 layout has K
 and V, a V3.2 one adds index_k (the fingerprint tells them apart at the handshake). ``dims``
-is the buffer's per-token dims, restricted to ``heads`` for GQA. Schema version 4 (3: one
-message per (buffer, layer, run of destination slots); 2: the header as a group message).
+is the buffer's per-token dims, restricted to ``heads`` for GQA. Schema version 5 (4: no
+block views; 3: one message per (buffer, layer, run of destination slots); 2: the header as a
+group message).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import torch
 
 from kv_transfer.errors import WireError
 
-# NOTE: a peer of another schema is refused at the handshake (4: packed records, the
+# NOTE: a peer of another schema is refused at the handshake (5: block views; 4: packed records, the
 # announce's node and the ack's same-node segment; 3: doorbell key `<prefix>/doorbell/<n>`).
-VERSION = 4
+VERSION = 5
 DATA, DONE, ABORT = "data", "done", "abort"
 RECORD_KINDS = (DATA, DONE, ABORT)
 
@@ -52,7 +56,10 @@ class Header:
         views: buffers (layout order numbers) sent as cache views per cut; the others go in
             packs (data; :mod:`kv_transfer.packs`).
         cuts: token offsets (from 0, ascending) where the view messages' runs start (data
-            with views).
+            with views): runs of consecutive rows on both sides, or, with ``block_views``,
+            of consecutive slots on both sides, starting at the same offset in a block.
+        block_views: the view messages are block runs (:func:`kv_transfer.packs.block_views`):
+            both caches ``block_major`` with one block size.
     """
 
     kind: str
@@ -68,6 +75,7 @@ class Header:
     error: str = ""
     views: tuple[int, ...] = ()
     cuts: tuple[int, ...] = ()
+    block_views: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -87,7 +95,8 @@ def encode_header(header: Header) -> bytes:
         "heads": None if header.heads is None else list(header.heads),
         "t0": header.token_start, "t1": header.token_end, "slots": slots,
         "ntok": header.num_tokens, "err": header.error,
-        "views": list(header.views), "cuts": list(header.cuts)}, use_bin_type=True)
+        "views": list(header.views), "cuts": list(header.cuts),
+        "blocks": header.block_views}, use_bin_type=True)
 
 
 def decode_header(raw: bytes) -> Header:
@@ -109,7 +118,8 @@ def decode_header(raw: bytes) -> Header:
                         dst_slots=_slots(m["slots"]) if m["kind"] == DATA else None,
                         num_tokens=int(m["ntok"]), error=str(m["err"]),
                         views=tuple(int(x) for x in m["views"]),
-                        cuts=tuple(int(x) for x in m["cuts"]))
+                        cuts=tuple(int(x) for x in m["cuts"]),
+                        block_views=bool(m["blocks"]))
     except WireError:
         raise
     except Exception as exc:  # malformed msgpack / missing key / wrong type

@@ -4,6 +4,7 @@ nothing written outside the request, the segment's file gone once the pair is up
 
 import glob
 import threading
+from collections import Counter
 import time
 
 import pytest
@@ -150,11 +151,17 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
 def test_cache_layouts_move_exact_bytes(monkeypatch, layouts, name, src_blocks, dst_blocks,
                                         block_p, block_d, same_node):
     """block_major caches (one block's layers together, engine.kv_cache) on either side or
-    both: the same bytes land in the same slots as between layer_major caches."""
+    both: the same bytes land in the same slots as between layer_major caches. Both
+    block_major with one block size over the network: block runs go as block views, one
+    message per run of whole blocks for all 3 layers (K and V; at most MAX_VIEW_BYTES)."""
     torch.set_num_threads(1)
     monkeypatch.setattr(packs, "PACK_BYTES", 2000)
     monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
     monkeypatch.setattr(packs, "MIN_RUN_BYTES", 256)
+    monkeypatch.setattr(packs, "MAX_VIEW_BYTES", 2 * 3 * 8 * 16 * 4)  # 2 blocks of K
+    shapes, block_views = [], packs.block_views
+    monkeypatch.setattr(packs, "block_views", lambda *a: (shapes.append(
+        [tuple(t.shape) for t in block_views(*a)]) or block_views(*a)))
     spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
                          qk_rope_head_dim=4)
     spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
@@ -165,6 +172,19 @@ def test_cache_layouts_move_exact_bytes(monkeypatch, layouts, name, src_blocks, 
     assert (p_cache.layout, d_cache.layout) == layouts
     _check_bytes(p_cache, d_cache, src, dst)
     assert sent["bytes"] == got["bytes"] == 30 * 3 * (16 + 4) * 4
+    blocks = layouts == ("block_major", "block_major") and block_p == block_d \
+        and same_node == "off"
+    assert bool(shapes) == blocks, "block views used"
+    if name == "contiguous" and blocks:
+        # records [0, 12) [12, 24) [24, 30) of 8-token blocks from block 2 (prefill) / 1
+        # (decode): [0, 8) whole, [8, 12) per layer; [12, 16) per layer, [16, 24) whole;
+        # [24, 30) per layer. Sender and receiver list the same messages. V (16 B per token)
+        # averages 144 B a message there, under MIN_RUN_BYTES: packed.
+        lists = Counter(tuple(s) for s in shapes)
+        assert lists == {((1, 3, 8, 16),) + ((4, 16),) * 3: 2,
+                         ((4, 16),) * 3 + ((1, 3, 8, 16),): 2, ((6, 16),) * 3: 2}
+    if name == "random" and blocks:
+        assert ((1, 3, 8, 16), (4, 16), (4, 16), (4, 16)) in {tuple(s) for s in shapes}
 
 
 def _spy_segments(monkeypatch) -> list[int]:
