@@ -87,7 +87,7 @@ class ModelRunner:
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
         ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names; graph mode with
-            cp > 1.
+            cp > 1; ``kv_layout`` not a layout, or ``block_major`` on a device.
         KeyError: graph mode on a device its backend has no implementation for.
     """
 
@@ -126,6 +126,11 @@ class ModelRunner:
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim)
+        if kv_layout == "block_major" and self.device.type != "cpu":
+            raise ValueError(f"kv_layout 'block_major' is for the cpu path: the "
+                             f"{self.device.type} kernels (paged MLA decode, reshape_and_cache) "
+                             "read one contiguous cache per layer; use 'layer_major' (the "
+                             "default there)")
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled,
                                 layout=kv_layout)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
