@@ -6,7 +6,10 @@ in two (the header's ``views`` and ``cuts``):
 
 - view buffers (``header.views``): one message per (buffer, layer, cut), a view of the cache
   rows on both sides (no copy). ``header.cuts`` are the token offsets where the source or
-  the destination slots break their consecutive run, so every cut is one run on both sides.
+  the destination rows break their consecutive run, so every cut is one run on both sides.
+  With ``header.block_views`` (both caches ``block_major``, :mod:`engine.kv_cache`) the
+  messages are block runs instead: whole blocks of every layer of the record at once
+  (:func:`block_pieces`, :func:`block_views`), at most about :data:`MAX_VIEW_BYTES` each.
   Network pairs only, for buffers whose runs average :data:`MIN_RUN_BYTES` or more (a
   128-token block of the 1 KiB/token MLA K buffer), and for every buffer when both slot
   lists are one run (a fresh allocation: one message per (buffer, layer)).
@@ -104,6 +107,7 @@ def block_pieces(header: wire.Header, slots: torch.Tensor, block_size: int,
 
     ``slots``: int64 ``[T]`` (CPU) of either side: a cut starts at the same offset in a block
     on both sides (the sender checks it), so both sides find the same pieces.
+    ``max_blocks``: :func:`block_run_blocks`.
     """
     bounds = list(header.cuts) + [header.n_tokens]
     pieces = []
