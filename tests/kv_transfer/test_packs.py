@@ -13,7 +13,7 @@ import torch
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
-from kv_transfer import local, packs, wire
+from kv_transfer import local, packs, payload, wire
 
 CFG = dict(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
            completion_timeout_s=60)
@@ -259,3 +259,18 @@ def test_a_link_named_like_a_segment_is_not_mapped(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="not a regular file"):
         local.local_backend("cpu").open(str(link).encode(), 64, torch.device("cpu"))
     assert target.read_bytes() == b"x" * 64
+
+
+def test_scatter_of_a_pack_buffer_that_starts_mid_word():
+    """2-byte elements are scattered as int32 words where the rows allow it; V follows K in a
+    pack, so with 1 layer x 3 tokens x an odd K width (5) V starts at an odd element: it must
+    still land (before: 'storage_offset() must be divisible by 2', the request failed)."""
+    spec = KVCacheSpec(num_layers=1, num_blocks=2, block_size=4, kv_lora_rank=5,
+                       qk_rope_head_dim=2, dtype=torch.bfloat16)
+    cache = KVCache(spec)
+    pack = torch.randn(3 * 5 + 3 * 2).to(torch.bfloat16)
+    v = pack[3 * 5:].view(1, 3, 2)
+    assert v.storage_offset() % 2 == 1
+    slots = torch.tensor([6, 1, 4])
+    payload.scatter(cache, 1, (0,), None, payload.rows_of(cache, slots), v)
+    assert torch.equal(cache.read(0, slots)[1], v[0])
