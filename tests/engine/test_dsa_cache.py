@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec, default_layout, slot_index, slot_rows
+from engine.runner import ModelRunner
 
 
 def test_v3_cache_has_two_buffers() -> None:
@@ -59,3 +60,15 @@ def test_block_major_puts_one_blocks_layers_together() -> None:
                                                   for i in range(3)]))
     with pytest.raises(ValueError, match="layout 'tiles' is not one of"):
         KVCache(spec, layout="tiles")
+
+
+def test_runner_refuses_a_bad_kv_layout_before_loading(tmp_path):
+    """Checked before the checkpoint is read (a real model loads for minutes first): a
+    block_major cache on a device, whose kernels read one contiguous cache per layer, and a
+    name that is no layout; on any machine (no CUDA needed)."""
+    missing = tmp_path / "no-checkpoint"
+    with pytest.raises(ValueError, match="'block_major' is for the cpu path"):
+        ModelRunner(missing, num_kv_blocks=4, block_size=4, device="cuda",
+                    kv_layout="block_major")
+    with pytest.raises(ValueError, match="'nonsense' is not one of"):
+        ModelRunner(missing, num_kv_blocks=4, block_size=4, kv_layout="nonsense")

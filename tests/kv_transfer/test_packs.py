@@ -13,7 +13,7 @@ import torch
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
-from kv_transfer import local, packs, wire
+from kv_transfer import local, packs, payload, wire
 
 CFG = dict(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
            completion_timeout_s=60)
@@ -259,3 +259,64 @@ def test_a_link_named_like_a_segment_is_not_mapped(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="not a regular file"):
         local.local_backend("cpu").open(str(link).encode(), 64, torch.device("cpu"))
     assert target.read_bytes() == b"x" * 64
+
+
+def test_scatter_of_a_pack_buffer_that_starts_mid_word():
+    """2-byte elements are scattered as int32 words where the rows allow it; V follows K in a
+    pack, so with 1 layer x 3 tokens x an odd K width (5) V starts at an odd element: it must
+    still land (before: 'storage_offset() must be divisible by 2', the request failed)."""
+    spec = KVCacheSpec(num_layers=1, num_blocks=2, block_size=4, kv_lora_rank=5,
+                       qk_rope_head_dim=2, dtype=torch.bfloat16)
+    cache = KVCache(spec)
+    pack = torch.randn(3 * 5 + 3 * 2).to(torch.bfloat16)
+    v = pack[3 * 5:].view(1, 3, 2)
+    assert v.storage_offset() % 2 == 1
+    slots = torch.tensor([6, 1, 4])
+    payload.scatter(cache, 1, (0,), None, payload.rows_of(cache, slots), v)
+    assert torch.equal(cache.read(0, slots)[1], v[0])
+
+
+def test_block_views_of_records_with_some_of_the_layers(monkeypatch):
+    """P2 -> D1: each prefill rank's records carry some of the layers (layer sharding: layers
+    0-1 from rank 0, layer 2 from rank 1), so a run of whole blocks goes as one ``[layers,
+    block_size, width]`` message per block (``backing[b, l0:l0 + ly]``); V3.2's three
+    buffers; chunk edges inside blocks. Exact bytes, nothing written outside the request."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 1)  # every buffer as block views
+    shapes, block_views = [], packs.block_views
+    monkeypatch.setattr(packs, "block_views", lambda *a: (shapes.extend(
+        tuple(t.shape) for t in block_views(*a)) or block_views(*a)))
+    spec_p, spec_d = (KVCacheSpec(num_layers=3, num_blocks=n, block_size=4, kv_lora_rank=16,
+                                  qk_rope_head_dim=4, index_head_dim=8) for n in (10, 8))
+    ref = KVCache(spec_p)
+    for t in ref.backing:
+        t.copy_(torch.randn(t.shape))
+    p_caches, d_cache = [KVCache(spec_p) for _ in range(2)], KVCache(spec_d)
+    for cache in p_caches:
+        for t, want in zip(cache.backing, ref.backing):
+            t.copy_(want)
+    cfg = TransferConfig(**CFG, same_node="off")
+    dec = DecodeKVConnector(d_cache, KVLayout.from_spec(spec_d, "m", 1), "d0", 0, cfg)
+    pres = [PrefillKVConnector(p_caches[r], KVLayout.from_spec(spec_p, "m", 2), "p0", r, 2, cfg)
+            for r in range(2)]
+    peers = [KVPeer("d0", 0, *dec.address)]
+    src, dst = slot_mapping((5, 1, 7, 2, 9), 0, 18, 4), slot_mapping((3, 6, 0, 7, 1), 0, 18, 4)
+    try:
+        dec.expect("r", 18, prefill_tp=2)
+        for a, b in ((0, 3), (3, 13), (13, 18)):
+            for pre in pres:
+                pre.send_chunk("r", peers, a, b, src[a:b], dst[a:b])
+        for pre in pres:
+            pre.finish("r", peers, 18)
+            pre.wait_idle("r", 30)
+        deadline = time.monotonic() + 30
+        while not dec.is_complete("r"):
+            assert dec.failure("r") is None, dec.failure("r")
+            assert time.monotonic() < deadline, "transfer not complete in time"
+            time.sleep(0.005)
+    finally:
+        for pre in pres:
+            pre.close()
+        dec.close()
+    _check_bytes(ref, d_cache, src, dst)
+    assert {(2, 4, 16), (1, 4, 16), (2, 4, 8), (1, 4, 8)} <= set(shapes), shapes
