@@ -30,7 +30,7 @@ is bounded by ``PACK_DEPTH x PACK_BYTES`` per pair and side.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,6 +96,36 @@ def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
     return [payload.flat(cache, buffer, layer, heads)[s:s + n]
             for buffer in header.views for layer in header.layers
             for s, n in zip(starts, lengths)]
+
+
+def plan_block_views(cache: object, layout, peer, header: wire.Header,
+                     src_slots: torch.Tensor) -> tuple[wire.Header, list[torch.Tensor]] | None:
+    """The sender's block-view plan of MLA data record ``header``: the header with
+    ``block_views``, ``cuts`` and ``views`` set, and the cache memory of its view messages
+    (:func:`block_views`); None when block views do not apply (either cache not
+    ``block_major``, block sizes or layer counts differ, the record's layers not one
+    ascending range, or a cut starting at different offsets in a block on the two sides).
+
+    Args:
+        layout, peer: this side's and the decode side's ``KVLayout``.
+        src_slots: int64 ``[T]`` (CPU) source slots of the record.
+    """
+    layers, bs = header.layers, layout.block_size
+    if not (layout.cache_layout == peer.cache_layout == "block_major"
+            and hasattr(cache, "backing")
+            and (peer.block_size, peer.num_layers) == (bs, layout.num_layers)
+            and layers == tuple(range(layers[0], layers[0] + len(layers)))):
+        return None
+    found = cut_runs(src_slots, header.dst_slots.cpu())
+    if any(s % bs != d % bs for _, s, d, _ in found):
+        return None
+    header = replace(header, block_views=True, cuts=tuple(a for a, *_ in found))
+    pieces = block_pieces(header, src_slots, bs, block_run_blocks(layout, header))
+    n = block_messages(header, pieces, layout.num_layers, bs)
+    header = replace(header, views=block_view_buffers(layout, header, n))
+    if not header.views:
+        return replace(header, cuts=(), block_views=False), []
+    return header, block_views(cache, header, pieces)
 
 
 def block_pieces(header: wire.Header, slots: torch.Tensor, block_size: int,

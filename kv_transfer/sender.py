@@ -300,18 +300,11 @@ class SenderChannel:
         if not isinstance(self._link, links.NetSender):
             return header, []
         peer = KVLayout.from_dict(self._pair.peer_layout)
-        if heads is None and self._block_views_fit(peer, header):
-            found = packs.cut_runs(task.src_slots.cpu(), header.dst_slots.cpu())
-            bs = self._layout.block_size
-            if all(s % bs == d % bs for _, s, d, _ in found):
-                header = replace(header, block_views=True, cuts=tuple(a for a, *_ in found))
-                pieces = packs.block_pieces(header, task.src_slots.cpu(), bs,
-                                            packs.block_run_blocks(self._layout, header))
-                n = packs.block_messages(header, pieces, self._layout.num_layers, bs)
-                header = replace(header, views=packs.block_view_buffers(self._layout, header, n))
-                if not header.views:
-                    return replace(header, cuts=(), block_views=False), []
-                return header, packs.block_views(self._cache, header, pieces)
+        if heads is None:
+            planned = packs.plan_block_views(self._cache, self._layout, peer, header,
+                                             task.src_slots.cpu())
+            if planned is not None:
+                return planned
         found = packs.cut_runs(payload.rows_of(self._cache, task.src_slots.cpu()),
                                peer.slot_rows(header.dst_slots.cpu()))
         header = replace(header, views=packs.view_buffers(self._layout, header, len(found)),
@@ -323,15 +316,6 @@ class SenderChannel:
         if not header.views:
             header = replace(header, cuts=())
         return header, views
-
-    def _block_views_fit(self, peer: KVLayout, header: wire.Header) -> bool:
-        """Both caches ``block_major`` with one block size and layer count, and the record's
-        layers one ascending range: its whole blocks can go as block runs."""
-        mine, layers = self._layout, header.layers
-        return (mine.cache_layout == peer.cache_layout == "block_major"
-                and hasattr(self._cache, "backing")
-                and (peer.block_size, peer.num_layers) == (mine.block_size, mine.num_layers)
-                and layers == tuple(range(layers[0], layers[0] + len(layers))))
 
     def _make_link(self) -> links.NetSender | links.LocalSender:
         """The pack transport of the pair just made: its same-node segment if it has one."""

@@ -49,6 +49,15 @@ def test_packs_group_layers_and_cut_tokens():
         == [(0, 0, 4, 2), (2, 2, 8, 2), (4, 9, 10, 2)]
 
 
+def _wait_complete(dec, rid: str, timeout_s: float = 30) -> None:
+    """Wait (bounded) until decode connector ``dec`` has every byte of ``rid``."""
+    deadline = time.monotonic() + timeout_s
+    while not dec.is_complete(rid):
+        assert dec.failure(rid) is None, dec.failure(rid)
+        assert time.monotonic() < deadline, "transfer not complete in time"
+        time.sleep(0.005)
+
+
 def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node,
               layouts=("layer_major", "layer_major")):
     """Send ``tokens`` in chunks P1 -> D1 in one process (caches of ``layouts``, prefill and
@@ -71,11 +80,7 @@ def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node,
         pre.finish("r", peers, tokens)
         segments.append(glob.glob(f"{local.SHM_DIR}/orch-kv-*"))
         pre.wait_idle("r", 30)
-        deadline = time.monotonic() + 30
-        while not dec.is_complete("r"):
-            assert dec.failure("r") is None, dec.failure("r")
-            assert time.monotonic() < deadline, "transfer not complete in time"
-            time.sleep(0.005)
+        _wait_complete(dec, "r")
         dec.release("r")
         stats = (pre.stats.snapshot(), dec.stats.snapshot())
     finally:
@@ -309,11 +314,7 @@ def test_block_views_of_records_with_some_of_the_layers(monkeypatch):
         for pre in pres:
             pre.finish("r", peers, 18)
             pre.wait_idle("r", 30)
-        deadline = time.monotonic() + 30
-        while not dec.is_complete("r"):
-            assert dec.failure("r") is None, dec.failure("r")
-            assert time.monotonic() < deadline, "transfer not complete in time"
-            time.sleep(0.005)
+        _wait_complete(dec, "r")
     finally:
         for pre in pres:
             pre.close()
