@@ -80,6 +80,14 @@ def slot_rows(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided(((nb - 1) * per_block + bs, *dims), cache.stride()[1:])
 
 
+def skip_rows(slots: torch.Tensor, block_size: int, rows_per_block: int) -> torch.Tensor:
+    """Rows of ``slots`` (int64, any shape) when consecutive blocks are ``rows_per_block``
+    rows apart (``block_size * num_layers`` for ``block_major``): ``slots + (slots //
+    block_size) * (rows_per_block - block_size)``."""
+    return slots + torch.div(slots, block_size, rounding_mode="floor") * (rows_per_block
+                                                                          - block_size)
+
+
 def slot_index(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows of :func:`slot_rows` ``(cache)`` holding ``slots`` (int64, any shape): ``slots``
     itself for a contiguous cache, else ``slots + (slots // block_size) * (rows_per_block -
@@ -88,7 +96,7 @@ def slot_index(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     per_block = cache.stride(0) // max(cache.stride(1), 1)
     if cache.is_contiguous() or per_block == bs:
         return slots
-    return slots + torch.div(slots, bs, rounding_mode="floor") * (per_block - bs)
+    return skip_rows(slots, bs, per_block)
 
 
 @dataclass(frozen=True)

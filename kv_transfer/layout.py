@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.kv_cache import CACHE_LAYOUTS, KVCacheSpec
+from engine.kv_cache import CACHE_LAYOUTS, KVCacheSpec, skip_rows
 from kv_transfer.errors import LayoutMismatchError
 
 KINDS = ("mla", "gqa")
@@ -136,8 +136,7 @@ class KVLayout:
         + (slots // block_size) * (num_layers - 1) * block_size`` for ``block_major``."""
         if self.cache_layout == "layer_major":
             return slots
-        bs = self.block_size
-        return slots + torch.div(slots, bs, rounding_mode="floor") * (self.num_layers - 1) * bs
+        return skip_rows(slots, self.block_size, self.block_size * self.num_layers)
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model: str, tp: int) -> KVLayout:

@@ -78,13 +78,15 @@ def cut_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int, 
     return [(a, int(s[a]), int(d[a]), b - a) for a, b in zip(starts, ends)]
 
 
-def view_buffers(layout, header: wire.Header, n_cuts: int) -> tuple[int, ...]:
-    """Buffers worth sending as views with ``n_cuts`` cuts (see module docstring)."""
+def view_buffers(layout, header: wire.Header, messages: int, single: bool) -> tuple[int, ...]:
+    """Buffers worth sending as views with ``messages`` messages each: every buffer when
+    ``single`` (both slot lists one run, or one block-run message), else those whose
+    messages average :data:`MIN_RUN_BYTES` or more (see module docstring)."""
     sizes = token_bytes(layout, header)
-    if n_cuts == 1:
+    if single:
         return tuple(range(len(sizes)))
     return tuple(b for b, nb in enumerate(sizes)
-                 if header.n_tokens * nb >= MIN_RUN_BYTES * n_cuts)
+                 if header.n_tokens * len(header.layers) * nb >= MIN_RUN_BYTES * messages)
 
 
 def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
@@ -122,7 +124,7 @@ def plan_block_views(cache: object, layout, peer, header: wire.Header,
     header = replace(header, block_views=True, cuts=tuple(a for a, *_ in found))
     pieces = block_pieces(header, src_slots, bs, block_run_blocks(layout, header))
     n = block_messages(header, pieces, layout.num_layers, bs)
-    header = replace(header, views=block_view_buffers(layout, header, n))
+    header = replace(header, views=view_buffers(layout, header, n, n == 1))
     if not header.views:
         return replace(header, cuts=(), block_views=False), []
     return header, block_views(cache, header, pieces)
@@ -166,16 +168,6 @@ def block_messages(header: wire.Header, pieces: list[tuple[int, int, int, bool]]
     every = header.layers == tuple(range(num_layers))
     return sum((1 if every else n // block_size) if whole else len(header.layers)
                for _, _, n, whole in pieces)
-
-
-def block_view_buffers(layout, header: wire.Header, n_messages: int) -> tuple[int, ...]:
-    """Buffers worth sending as block views with ``n_messages`` messages each: every buffer
-    when that is one message, else those whose messages average :data:`MIN_RUN_BYTES`."""
-    sizes = token_bytes(layout, header)
-    if n_messages == 1:
-        return tuple(range(len(sizes)))
-    return tuple(b for b, nb in enumerate(sizes)
-                 if header.n_tokens * len(header.layers) * nb >= MIN_RUN_BYTES * n_messages)
 
 
 def block_views(cache: object, header: wire.Header,

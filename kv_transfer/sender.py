@@ -307,7 +307,9 @@ class SenderChannel:
                 return planned
         found = packs.cut_runs(payload.rows_of(self._cache, task.src_slots.cpu()),
                                peer.slot_rows(header.dst_slots.cpu()))
-        header = replace(header, views=packs.view_buffers(self._layout, header, len(found)),
+        header = replace(header, views=packs.view_buffers(
+                             self._layout, header, len(found) * len(header.layers),
+                             len(found) == 1),
                          cuts=tuple(a for a, _, _, _ in found))
         views = packs.cut_views(self._cache, self._layout, header, heads,
                                 [s for _, s, _, _ in found])
