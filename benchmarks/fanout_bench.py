@@ -30,11 +30,11 @@ import torch
 from engine.runner import SeqStep
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.colocated import ColocatedRank
-from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
-from prefill_worker.messages import RequestSpec
-from prefill_worker.rank_failure import await_followers
-from prefill_worker.step_timing import StepTimer
+from rank.colocated import ColocatedRank
+from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
+from engine.request import RequestSpec
+from rank.failures import await_followers
+from rank.step_timing import StepTimer
 
 BLOCK = 16
 PROMPT = 64

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import ray
 
-from orchestrator.checkpoint import ensure_checkpoint
-from orchestrator.config import load_config
+from orchestrator.config.checkpoint import ensure_checkpoint
+from orchestrator.config.load import load_config
 from orchestrator.planner.calibrate import measure_cpu
 from orchestrator.planner.calibrate_serving import ServedInstances
 from orchestrator.planner.load import WorkloadSpec

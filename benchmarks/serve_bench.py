@@ -41,7 +41,8 @@ from pathlib import Path
 import yaml
 
 from orchestrator.bench.report import summarize
-from orchestrator.bench.runner import RunnerConfig, run_benchmark
+from orchestrator.bench.runner import run_benchmark
+from orchestrator.bench.records import RunnerConfig
 from orchestrator.bench.serve import serving
 from orchestrator.bench.step_breakdown import print_step_breakdown, read_step_timings
 from orchestrator.bench.workloads import WorkloadConfig, load_workload

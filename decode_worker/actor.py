@@ -25,12 +25,14 @@ import queue
 import time
 
 from decode_worker.request_state import DecodeRequestState, KVState, KVStatus, ReservedRequest
-from engine.scheduler import DECODE, Request
+from engine.scheduler import DECODE
+from engine.request import Request
 from kv_transfer import KVPeer
-from prefill_worker.kv_setup import make_layout, stretch_completion
-from prefill_worker.leader import LeaderRank
-from prefill_worker.messages import Rejection, Reservation, RequestSpec, TokenEvent
-from prefill_worker.rank_failure import RankFailure
+from rank.kv_setup import make_layout, stretch_completion
+from rank.leader import LeaderRank
+from rank.messages import Rejection, Reservation, TokenEvent
+from engine.request import RequestSpec
+from rank.failures import RankFailure
 
 log = logging.getLogger(__name__)
 

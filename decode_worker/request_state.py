@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.scheduler import Request
+from engine.request import Request
 
 
 class DecodeRequestState(enum.Enum):

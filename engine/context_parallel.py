@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward_context import PrefillSeq
+from engine.prefill_seq import PrefillSeq
 from engine.parallel import CPGroup
 
 

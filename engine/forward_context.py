@@ -20,28 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import accumulate
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from engine.context_parallel import CPStep
-
-
-@dataclass(frozen=True)
-class PrefillSeq:
-    """One prefill sequence of the step.
-
-    Attributes:
-        start, end: its tokens in the flattened batch ``[start, end)``.
-        context_len: tokens already cached before this step.
-        prefix_slots: cache slots of positions ``0..context_len-1`` ``[context_len]`` int64.
-    """
-
-    start: int
-    end: int
-    context_len: int
-    prefix_slots: torch.Tensor
+from engine.context_parallel import CPStep
+from engine.prefill_seq import PrefillSeq
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,11 @@ from safetensors import safe_open
 
 from engine.layout import rule_for
 from engine.model import DeepseekForCausalLM
+from engine.model_config import CheckpointError
 from engine.parallel import TPGroup
+from engine.quant.load import load_quantized
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, has the wrong shape, or is in an unsupported format."""
 
 
 Reader = Callable[[tuple[slice, ...]], torch.Tensor]
@@ -82,8 +80,6 @@ def load_weights(model: DeepseekForCausalLM, checkpoint_dir: str | Path, tp: TPG
             has a shape other than the full (unsharded) shape the config implies; the message
             names the tensor and the expected shape.
     """
-    from engine.quant.load import load_quantized  # noqa: PLC0415 (it imports CheckpointError)
-
     params, layout = dict(model.named_parameters()), model.layout
     tied = model.config.tie_word_embeddings
     if tied:

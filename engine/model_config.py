@@ -37,6 +37,10 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's config.json names something this runtime cannot run."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, has the wrong shape, or is in an unsupported format."""
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN rope scaling (Peng et al. 2023, "YaRN"), DeepSeek flavour.

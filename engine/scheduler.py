@@ -20,11 +20,11 @@ Blocks are reserved for the whole life of a request at admission, so nothing is 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, BlockSet
+from engine.block_pool import BlockPool
 from engine.runner import SeqStep
-from prefill_worker.messages import RequestSpec
+from engine.request import Request, RequestSpec
 
 
 @dataclass(frozen=True)
@@ -43,42 +43,6 @@ class RolePolicy:
 PREFILL = RolePolicy(reserve_output_blocks=False, stop_after_first_token=True)
 DECODE = RolePolicy(reserve_output_blocks=True, stop_after_first_token=False)
 COLOCATED = RolePolicy(reserve_output_blocks=True, stop_after_first_token=False)
-
-
-@dataclass
-class Request:
-    """One request inside an instance.
-
-    Attributes:
-        spec: the accepted request.
-        output_token_ids: tokens generated so far (on decode, starts with prefill's token).
-        num_computed_tokens: tokens whose KV is in this instance's cache.
-        blocks: block table, or None while waiting for admission.
-    """
-
-    spec: RequestSpec
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    blocks: BlockSet | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.spec.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.spec.num_prompt_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self.spec.num_prompt_tokens + len(self.output_token_ids)
-
-    def token_range(self, start: int, end: int) -> tuple[int, ...]:
-        """Token ids at positions ``[start, end)`` of prompt + output."""
-        prompt = self.spec.prompt_token_ids
-        if end <= len(prompt):
-            return tuple(prompt[start:end])
-        return tuple((list(prompt) + self.output_token_ids)[start:end])
 
 
 @dataclass(frozen=True)

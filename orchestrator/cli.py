@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import grpc
 
-    from orchestrator.client import OrchClient
-    from orchestrator.config import OrchConfig
+    from orchestrator.api.client import OrchClient
+    from orchestrator.config.schema import OrchConfig
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EXIT_UNHEALTHY = 3
 
 
 def _cmd_up(ns: argparse.Namespace) -> int:
-    from orchestrator.config import ConfigError, load_config
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.load import load_config
 
     flags = {"router.host": ns.host, "router.port": ns.port,
              "router.metrics_host": ns.metrics_host, "router.metrics_port": ns.metrics_port,
@@ -33,8 +34,8 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         return 2
     if ns.dry_run:
         return _dry_run(cfg)
-    from orchestrator.cluster import BringUpError
-    from orchestrator.server import PortInUseError
+    from orchestrator.deploy.cluster import BringUpError
+    from orchestrator.api.server import PortInUseError
     from orchestrator.up import run_up
 
     try:
@@ -53,9 +54,9 @@ def _cmd_up(ns: argparse.Namespace) -> int:
 
 def _dry_run(cfg: OrchConfig) -> int:
     """Print the `orch up --dry-run` report; 2 when the memory plan does not fit."""
-    from orchestrator.config import ConfigError
-    from orchestrator.memory_check import check_memory
-    from orchestrator.placement import dry_run_report
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.memory_check import check_memory
+    from orchestrator.deploy.placement import dry_run_report
     from orchestrator.planner.report import dry_run_lines
 
     try:
@@ -75,7 +76,7 @@ def _client(ns: argparse.Namespace) -> OrchClient:
     Raises:
         OSError: ``--tls-ca`` or ``--token-file`` cannot be read.
     """
-    from orchestrator.client import OrchClient, resolve_token
+    from orchestrator.api.client import OrchClient, resolve_token
 
     return OrchClient(ns.address, tls_ca=ns.tls_ca, token=resolve_token(ns.token_file))
 

@@ -37,7 +37,7 @@ class PlainFormatter(logging.Formatter):
 
 # NOTE: a health transition or a refused restart is an event, however alike its text (the
 # same instance killed twice); the restart rate already bounds how often these log.
-NEVER_FOLDED = frozenset({"orchestrator.health", "orchestrator.recovery"})
+NEVER_FOLDED = frozenset({"orchestrator.deploy.health", "orchestrator.deploy.recovery"})
 
 
 class RepeatFilter(logging.Filter):

@@ -17,7 +17,7 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
   ``orch_instance_outstanding_tokens``, ``orch_instance_info{instance,role,tp}`` (= 1), and
   counters ``orch_instance_kv_sent_bytes_total``, ``orch_instance_kv_failures_total`` (the
   instance's own cumulative totals; a restart that resets them reads as a counter reset).
-- per instance leader step breakdown (prefill_worker/step_timing.py), from the same snapshot:
+- per instance leader step breakdown (rank/step_timing.py), from the same snapshot:
   summary ``orch_step_phase_seconds{instance,phase}`` (count and sum of each phase's records
   since the instance started; phase "step" is the whole loop iteration that ran a forward)
   and gauge ``orch_step_outside_forward_ratio{instance}`` ((step - forward) / step).
@@ -39,8 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from prefill_worker.messages import InstanceStatusInfo
-from orchestrator.health import Health, HealthMonitor, InstanceHealth
+from rank.messages import InstanceStatusInfo
+from orchestrator.deploy.health import Health, HealthMonitor, InstanceHealth
 
 # NOTE: buckets span tiny CPU runs (ms) and production (TTFT ~24 s at 64K prompts, minutes
 # under overload; TPOT ~26 ms on A3, seconds on a CPU).

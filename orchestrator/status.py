@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from prefill_worker.messages import InstanceStatusInfo
-from orchestrator.health import HealthMonitor
-from orchestrator.leader import LeaderClient, LeaderError
+from rank.messages import InstanceStatusInfo
+from orchestrator.deploy.health import HealthMonitor
+from orchestrator.router.leader import LeaderClient, LeaderError
 
 log = logging.getLogger(__name__)
 # NOTE: the InstanceStatusInfo field in which a leader says it is out of service ("" = fine);
@@ -29,7 +29,7 @@ class InstanceView:
 
     Attributes:
         name, role, tp: from the deployment (known even when the instance does not answer).
-        health: "healthy", "unhealthy" or "recovering" (``orchestrator.health.Health``).
+        health: "healthy", "unhealthy" or "recovering" (``orchestrator.deploy.health.Health``).
         detail: why it is not healthy, or why its status is missing ("" otherwise).
         status: the leader's snapshot; None when it was not asked or did not answer.
     """
@@ -58,7 +58,7 @@ class StatusBoard:
     Args:
         leaders: every instance leader.
         tps: instance name -> tp.
-        monitor: the :class:`orchestrator.health.HealthMonitor` of those instances.
+        monitor: the :class:`orchestrator.deploy.health.HealthMonitor` of those instances.
         metrics: gets ``update_instances(statuses)`` with every set of answers (each answer's
             transfer records arrive once, so every status call must pass through here).
         status_timeout_s: bound of one leader's ``status()`` (seconds).

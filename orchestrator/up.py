@@ -1,7 +1,7 @@
 """`orch up`: checkpoint, Ray instances, router, gRPC server and (``router.http_port``) the
 OpenAI HTTP API on the same router, until SIGINT/SIGTERM.
 
-Start-up prints one line per stage and instance (:mod:`orchestrator.progress`); SIGINT or
+Start-up prints one line per stage and instance (:mod:`orchestrator.deploy.progress`); SIGINT or
 SIGTERM during it stops what was started and ends the command (exit 130 from the CLI).
 Stop order once serving: health NOT_SERVING and the HTTP server stops accepting, drain
 in-flight requests (bounded by ``DRAIN_S``), servers stop, then the Ray actors (leaders' drain and shutdown bounded by
@@ -17,17 +17,17 @@ import socket
 import sys
 
 from engine import envs
-from orchestrator.assemble import build_board, build_http_server, build_monitor, build_router
-from orchestrator.checkpoint import ensure_checkpoint, read_model_info
-from orchestrator.cluster import Cluster, bring_up
-from orchestrator.config import OrchConfig
-from orchestrator.detokenizer import Tokenizer
-from orchestrator.memory_check import check_memory
-from orchestrator.progress import Stopwatch, node_ips, plural, say
-from orchestrator.ray_connect import connect_ray
-from orchestrator.recovery import Recoverer
-from orchestrator.security import EdgeSecurity, load_security
-from orchestrator.server import OrchServer, PortInUseError
+from orchestrator.deploy.assemble import build_board, build_http_server, build_monitor, build_router
+from orchestrator.config.checkpoint import ensure_checkpoint, read_model_info
+from orchestrator.deploy.cluster import Cluster, bring_up
+from orchestrator.config.schema import OrchConfig
+from orchestrator.router.detokenizer import Tokenizer
+from orchestrator.config.memory_check import check_memory
+from orchestrator.deploy.progress import Stopwatch, node_ips, plural, say
+from orchestrator.deploy.ray_connect import connect_ray
+from orchestrator.deploy.recovery import Recoverer
+from orchestrator.api.security import EdgeSecurity, load_security
+from orchestrator.api.server import OrchServer, PortInUseError
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0

@@ -13,7 +13,7 @@ Protocol (DESIGN.md "One request"), prefill side:
 
 Abort: the request leaves the queue; every rank cancels its queued sends and says so to the
 decode side; ``abort`` returns only when no send into the reservation is still in flight.
-A request that fails (its chunk or its sampling, see prefill_worker/leader.py) ends the same
+A request that fails (its chunk or its sampling, see rank/leader.py) ends the same
 way, from the loop: error event, sends aborted on every rank, blocks freed once idle.
 
 Out of service (a rank dead or hung): every request ends with an error event, the leader's own
@@ -32,11 +32,12 @@ import logging
 from engine.block_pool import BlockSet, slot_mapping
 from engine.scheduler import PREFILL, SchedulerOutput
 from kv_transfer import KVPeer
-from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
+from rank.messages import Reservation, TokenEvent
+from engine.request import RequestSpec
 from prefill_worker.transfer_log import TransferLog
-from prefill_worker.kv_setup import make_layout
-from prefill_worker.leader import LeaderRank
-from prefill_worker.rank_failure import RankFailure
+from rank.kv_setup import make_layout
+from rank.leader import LeaderRank
+from rank.failures import RankFailure
 
 log = logging.getLogger(__name__)
 

@@ -105,7 +105,7 @@ def serve(name: str, device: str, out: Path, prompts: list[str]) -> list[list[in
     Raises:
         RuntimeError: orch up exited or did not serve (its log's tail in the message).
     """
-    from orchestrator.client import OrchClient
+    from orchestrator.api.client import OrchClient
 
     cfg = _config(name, device, out)
     port = yaml.safe_load(cfg.read_text())["router"]["port"]

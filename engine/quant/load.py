@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.layout import TPLayout, rule_for
-from engine.loader import CheckpointError
+from engine.model_config import CheckpointError
 from engine.parallel import TPGroup
 from engine.quant.formats import FP8_BLOCK, SCALE_SUFFIX, QuantScheme
 from engine.quant.fp8_block import Fp8BlockLinear, dequantize_block

@@ -13,14 +13,11 @@ standalone. Exit codes: 0 at least one timed request completed (failures are in 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
-from orchestrator.bench.workloads import DEFAULT_TRACES, WorkloadConfig, default_trace
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
+from orchestrator.bench.replay import replay
+from orchestrator.bench.serve import run_configs
 
 def _rate(text: str) -> float:
     value = float(text)
@@ -101,28 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --up: seconds each `orch up` gets to start serving")
 
 
-def workload_config(args: argparse.Namespace) -> WorkloadConfig:
-    """The :class:`WorkloadConfig` of parsed options.
-
-    Raises:
-        ValueError: a bad option, or no trace given and the default file is missing.
-    """
-    trace = args.trace
-    if trace is None and args.workload in DEFAULT_TRACES:
-        trace = default_trace(args.workload, REPO_ROOT)
-        if trace is None:
-            raise ValueError(f"no default {args.workload} trace ({DEFAULT_TRACES[args.workload]}"
-                             " in ../shared/data): pass --trace PATH")
-    return WorkloadConfig(
-        kind=args.workload, trace=trace, num_requests=args.num_requests or None,
-        warmup=args.warmup, seed=args.seed, time_scale=args.time_scale,
-        request_rate=args.request_rate, arrival=args.arrival, input_len=args.input_len,
-        output_len=args.output_len, scale_lengths=args.scale_lengths,
-        max_input_len=args.max_input_len, max_output_len=args.max_output_len,
-        over_length=args.over_length, tokenizer=args.tokenizer,
-        **({"token_range": tuple(args.token_range)} if args.token_range else {}))
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``orch bench`` with parsed options; returns the exit code (see module docstring)."""
     if args.compare:
@@ -139,74 +114,8 @@ def run(args: argparse.Namespace) -> int:
             print("orch bench: --up replays over gRPC only: drop --backend openai, or start "
                   "the server yourself and pass --base-url", file=sys.stderr)
             return 2
-        from orchestrator.bench.serve import run_configs
-
         return run_configs(args)
     return replay(args)
-
-
-def replay(args: argparse.Namespace) -> int:
-    """Replay the workload of ``args`` against ``args.address``; print (and write) the report.
-    Returns the exit code (see module docstring)."""
-    from orchestrator.bench.report import print_report, summarize
-    from orchestrator.bench.runner import RunnerConfig, run_benchmark
-    from orchestrator.bench.workloads import load_workload
-
-    from orchestrator.client import resolve_token
-
-    try:
-        token = args.api_key or resolve_token(args.token_file)
-        runner_cfg = RunnerConfig(
-            address=args.address, max_concurrency=args.max_concurrency,
-            request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
-            label=args.label, progress=not args.no_progress, backend=args.backend,
-            base_url=args.base_url, model=args.model, tls_ca=args.tls_ca, token=token)
-        workload = load_workload(workload_config(args))
-    except (ValueError, OSError) as e:
-        print(f"orch bench: {e}", file=sys.stderr)
-        return 2
-    try:
-        before = _step_timings(runner_cfg)
-        result = asyncio.run(run_benchmark(workload, runner_cfg))
-    except OSError as e:  # ConnectionError (unreachable, refused token) or an unreadable --tls-ca
-        print(f"orch bench: {e}", file=sys.stderr)
-        return 1
-    report = summarize(result, label=args.label, workload=workload.description,
-                       num_capped=workload.num_capped, num_skipped=workload.num_skipped,
-                       slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    print_report(report)
-    if before is not None:
-        from orchestrator.bench.step_breakdown import print_step_breakdown
-
-        after = _step_timings(runner_cfg)
-        if after is not None:
-            print_step_breakdown(before, after)
-    if args.output is not None:
-        report.to_json(args.output)
-    if args.plot is not None:
-        from orchestrator.bench.plots import write_cdf_plots
-
-        write_cdf_plots(report, args.plot)
-    return 0 if report.counts["completed"] > 0 else 1
-
-
-def _step_timings(cfg) -> dict | None:
-    """The leaders' step timings (gRPC backend), None when the router does not say (the
-    breakdown is then not printed; the run goes on).
-
-    Raises:
-        OSError: the router is unreachable (ConnectionError) or --tls-ca is unreadable.
-    """
-    if cfg.backend != "grpc":
-        return None
-    import grpc
-
-    from orchestrator.bench.step_breakdown import read_step_timings
-
-    try:
-        return asyncio.run(read_step_timings(cfg))
-    except grpc.aio.AioRpcError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

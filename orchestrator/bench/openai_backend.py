@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import httpx
 
-from orchestrator.bench.runner import RequestRecord, RunnerConfig, Send, StreamState
+from orchestrator.bench.records import RequestRecord, RunnerConfig, Send, StreamState
 from orchestrator.bench.workloads import BenchRequest
 
 _BACKSTOP_SLACK_S = 5.0

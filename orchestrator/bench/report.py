@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.bench.runner import RequestRecord, RunResult
+from orchestrator.bench.records import RequestRecord, RunResult
 
 PERCENTILES = (50, 90, 99)
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from orchestrator.bench.replay import replay
+
 # Seconds `orch up` gets to drain and stop after SIGINT before its process group is killed.
 STOP_TIMEOUT_S = 120.0
 # Seconds between checks that `orch up` still runs while waiting for it to serve.
@@ -119,7 +121,7 @@ def _wait_serving(proc: subprocess.Popen, port: int, timeout_s: float, what: str
     Raises:
         RuntimeError: ``proc`` exited first. TimeoutError: not SERVING within ``timeout_s``.
     """
-    from orchestrator.client import OrchClient
+    from orchestrator.api.client import OrchClient
 
     deadline = time.monotonic() + timeout_s
     with OrchClient(f"127.0.0.1:{port}") as client:
@@ -143,7 +145,6 @@ def serve_and_replay(config: Path, args: argparse.Namespace, out: Path) -> Serve
     Raises:
         TimeoutError, RuntimeError: see :func:`serving`.
     """
-    from orchestrator.bench.cli import replay
 
     with serving(config, out, args.up_startup_timeout) as address:
         report = out / f"{config.stem}.json"

@@ -1,17 +1,18 @@
 """The leaders' step time breakdown over an ``orch bench`` run, from ``GetStatus``.
 
-Each leader keeps running sums per step phase (prefill_worker/step_timing.py); the bench reads
+Each leader keeps running sums per step phase (rank/step_timing.py); the bench reads
 them before and after the timed requests and prints the difference: per instance, mean
 milliseconds per step of each phase and the share of the step spent outside the model forward.
 """
 
 from __future__ import annotations
 
-from orchestrator.bench.runner import RunnerConfig, connect
-from orchestrator.client import bearer_metadata
-from orchestrator.convert import status_from_proto
-from orchestrator.rpc import orch_pb2, orch_pb2_grpc
-from prefill_worker.step_timing import StepTimings
+from orchestrator.bench.records import RunnerConfig
+from orchestrator.bench.grpc_backend import connect
+from orchestrator.api.client import bearer_metadata
+from orchestrator.api.convert import status_from_proto
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
+from rank.step_timing import StepTimings
 
 
 async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:

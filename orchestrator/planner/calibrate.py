@@ -211,7 +211,7 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     """(us per layer, us per routed expert run) of host dispatch: the tiny model's measured
     step times less their FLOP and byte time on ``raw``."""
     from engine.model_config import ModelConfig
-    from orchestrator.memory_plan import Precision, RoleLayout, num_moe_layers, plan_role
+    from orchestrator.config.memory_plan import Precision, RoleLayout, num_moe_layers, plan_role
     from orchestrator.planner.cost import (Hardware, decode_step_cost, expert_active_share,
                                            prefill_cost)
     from orchestrator.planner.specs import efficiency
@@ -240,10 +240,10 @@ def measure_cpu(ckpt: Path | None = None,
 
     Raises:
         RuntimeError: the gloo pair did not finish within 120 s.
-        TimeoutError, orchestrator.request.RequestError: a served calibration request did
+        TimeoutError, orchestrator.router.request.RequestError: a served calibration request did
             not complete within 60 s or failed.
         ray.exceptions.GetTimeoutError: a Ray call took over 60 s.
-        orchestrator.cluster.BringUpError: the served instances did not come up.
+        orchestrator.deploy.cluster.BringUpError: the served instances did not come up.
     """
     if ckpt is None:
         import tempfile

@@ -2,10 +2,10 @@
 disaggregated, as a client of the router sees it.
 
 :class:`ServedInstances` keeps two instances of the tiny model up as Ray actors, made as
-``orch up`` makes them: a tp-1 :class:`prefill_worker.colocated.ColocatedRank` and a
+``orch up`` makes them: a tp-1 :class:`rank.colocated.ColocatedRank` and a
 disaggregated pair (prefill tp 1, decode tp 2, KV over gloo: configs/1p1d.yaml's layout,
-brought up by :func:`orchestrator.cluster.bring_up`), and one
-:class:`orchestrator.router.Router` over each (``orchestrator.assemble.build_router``, on an
+brought up by :func:`orchestrator.deploy.cluster.bring_up`), and one
+:class:`orchestrator.router.router.Router` over each (``orchestrator.deploy.assemble.build_router``, on an
 event loop thread of this process): requests go through the router's placement, its calls
 and its EventPump as in ``orch up``; gRPC and the client are not on the way.
 
@@ -102,9 +102,9 @@ def _start_colocated(ckpt: Path) -> object:
     """
     import ray
 
-    from orchestrator.cluster import ACTOR_CONCURRENCY
-    from prefill_worker.colocated import ColocatedRank
-    from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
+    from orchestrator.deploy.cluster import ACTOR_CONCURRENCY
+    from rank.colocated import ColocatedRank
+    from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
     sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
                             max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
@@ -125,7 +125,7 @@ def _start_colocated(ckpt: Path) -> object:
 def _config(ckpt: Path, disaggregated: bool):
     """The served instances' layout on ``ckpt``: configs/1p1d.yaml's (prefill tp 1, decode
     tp 2) or a tp-1 colocated instance; 0.1 CPU a rank, KV on loopback."""
-    from orchestrator.config import OrchConfig
+    from orchestrator.config.schema import OrchConfig
 
     blocks = {"num_kv_blocks": 16, "max_num_seqs": 8}
     prefill = {"dp": 1, "tp": 1, "chunk_size": 256, "max_num_batched_tokens": 256, **blocks} \
@@ -143,10 +143,10 @@ async def _token_times(router, tokens: int) -> list[float]:
     ``router`` to each of its tokens, as the router streams them.
 
     Raises:
-        orchestrator.request.RequestError: the request failed.
+        orchestrator.router.request.RequestError: the request failed.
     """
     from engine.sampling_params import SamplingParams
-    from orchestrator.request import GenerateInput
+    from orchestrator.router.request import GenerateInput
 
     inp = GenerateInput(None, tuple(range(1000, 1000 + PROMPT)),
                         SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -163,7 +163,7 @@ class ServedInstances:
     share one bring-up (~10-25 s: four rank processes, each importing torch).
 
     Raises (``__enter__``):
-        orchestrator.cluster.BringUpError, ray.exceptions.GetTimeoutError: a rank did not
+        orchestrator.deploy.cluster.BringUpError, ray.exceptions.GetTimeoutError: a rank did not
             come up; TimeoutError, RequestError: a warm-up request did not complete.
     """
 
@@ -176,7 +176,7 @@ class ServedInstances:
         self._routers: dict[str, object] = {}
 
     def __enter__(self) -> "ServedInstances":
-        from orchestrator.cluster import bring_up
+        from orchestrator.deploy.cluster import bring_up
 
         try:
             self._colocated = _start_colocated(self.ckpt)
@@ -192,8 +192,8 @@ class ServedInstances:
         return self
 
     def _start_routers(self) -> None:
-        from orchestrator.assemble import build_router
-        from orchestrator.checkpoint import read_model_info
+        from orchestrator.deploy.assemble import build_router
+        from orchestrator.config.checkpoint import read_model_info
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="calib-router",
@@ -251,7 +251,7 @@ class ServedInstances:
         alike).
 
         Raises:
-            TimeoutError, orchestrator.request.RequestError: a request did not complete.
+            TimeoutError, orchestrator.router.request.RequestError: a request did not complete.
         """
         times: list[list[float]] = [[], [], [], [], []]
         for _ in range(rounds):

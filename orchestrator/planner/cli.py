@@ -49,7 +49,8 @@ def trace_workload(path: Path, kind: str) -> WorkloadSpec:
 
 def run(ns: argparse.Namespace) -> int:
     """Print the plan; returns the exit code."""
-    from orchestrator.config import ConfigError, load_config
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.load import load_config
     from orchestrator.planner.report import format_plan, plan_config, resolve_device
 
     try:

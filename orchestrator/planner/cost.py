@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
 from engine.quant.formats import W8A8_INT8
-from orchestrator.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
+from orchestrator.config.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
 from orchestrator.planner.specs import DeviceSpec, Efficiency
 
 GBPS = 1e9

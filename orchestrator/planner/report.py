@@ -1,6 +1,6 @@
 """The plan of an :class:`OrchConfig` for a workload, and its printed table.
 
-Memory and KV capacity come from the memory plan (:mod:`orchestrator.memory_check`); seconds
+Memory and KV capacity come from the memory plan (:mod:`orchestrator.config.memory_check`); seconds
 from :mod:`.cost`; the operating point from :mod:`.load`.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.config import OrchConfig
-from orchestrator.config_errors import ConfigError
-from orchestrator.memory_check import MemoryPlan, build_memory_plan
-from orchestrator.memory_plan import RolePlan
+from orchestrator.config.schema import OrchConfig
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.memory_check import MemoryPlan, build_memory_plan
+from orchestrator.config.memory_plan import RolePlan
 from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_bytes_per_token,
                                        kv_transfer_cost, prefill_cost, request_calls)
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point

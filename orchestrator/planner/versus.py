@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.config import OrchConfig
+from orchestrator.config.schema import OrchConfig
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.report import plan_config
 from orchestrator.planner.specs import DeviceSpec

@@ -12,7 +12,7 @@ import threading
 
 import grpc
 
-from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
 
 
 class FakeOrch(orch_pb2_grpc.OrchServicer):

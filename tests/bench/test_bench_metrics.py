@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefill_worker.messages import InstanceStatusInfo
+from rank.messages import InstanceStatusInfo
 from orchestrator.metrics import RouterMetrics
 
 

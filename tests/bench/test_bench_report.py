@@ -10,7 +10,7 @@ from rich.console import Console
 from orchestrator.bench.compare import compare_rows, print_comparison
 from orchestrator.bench.plots import write_cdf_plots
 from orchestrator.bench.report import BenchReport, itl_s, print_report, summarize, tpot_s
-from orchestrator.bench.runner import RequestRecord, RunResult
+from orchestrator.bench.records import RequestRecord, RunResult
 
 
 def _rec(index, send, times, tokens, end, *, out_len=3, in_len=10, code=None, warm=False):

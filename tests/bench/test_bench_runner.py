@@ -9,7 +9,8 @@ import pytest
 
 from bench_fake_orch import FakeOrch, FakeServer
 from orchestrator.bench.report import summarize
-from orchestrator.bench.runner import RunnerConfig, run_benchmark
+from orchestrator.bench.runner import run_benchmark
+from orchestrator.bench.records import RunnerConfig
 from orchestrator.bench.workloads import WorkloadConfig, load_workload
 
 TTFT_S, ITL_S = 0.15, 0.01

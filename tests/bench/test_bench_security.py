@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from orchestrator.bench.cli import main
-from orchestrator.config_sections import TLSSection
+from orchestrator.config.sections import TLSSection
 from tests.orchestrator.test_auth import make_cert, secured  # noqa: F401  (module fixture)
 from tests.orchestrator.test_http_api import HttpHarness
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bench_fake_orch import FakeOrch, FakeServer
 from orchestrator.bench.cli import main
-from orchestrator.rpc import orch_pb2
+from orchestrator.api.rpc import orch_pb2
 
 
 class TimedFakeOrch(FakeOrch):

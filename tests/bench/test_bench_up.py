@@ -9,7 +9,7 @@ from pathlib import Path
 from orchestrator.bench import serve
 from orchestrator.bench.cli import main
 from orchestrator.bench.report import summarize
-from orchestrator.bench.runner import RunResult
+from orchestrator.bench.records import RunResult
 
 
 def _report(path: Path, label: str) -> Path:

@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.detokenizer import Tokenizer
+from orchestrator.router.detokenizer import Tokenizer
 
 BLOCK_SIZE = 16
 
 
 def router_token_ids(checkpoint: Path, texts: list[str]) -> list[tuple[int, ...]]:
-    """The prompt token ids the router computes for ``texts`` (orchestrator/validate.py)."""
+    """The prompt token ids the router computes for ``texts`` (orchestrator/router/validate.py)."""
     tokenizer = Tokenizer(checkpoint)
     return [tuple(tokenizer.encode(text)) for text in texts]
 

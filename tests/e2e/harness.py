@@ -16,7 +16,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]

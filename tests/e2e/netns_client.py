@@ -13,7 +13,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from orchestrator.client import OrchClient
+from orchestrator.api.client import OrchClient
 
 
 def ready(address: str, timeout_s: float) -> dict:

@@ -56,7 +56,7 @@ def test_azure_replay_counts_match_trace_and_metrics(tmp_path, shared_data, join
     assert report["goodput"] > 0
     # KV bytes per pair: P1 -> D2 sends every layer of every prompt token to both decode ranks.
     from engine.model_config import load_model_config
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
 
     model = load_model_config(load_config(REPO / "configs" / "1p1d.yaml").model.checkpoint_dir())
     per_token = model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 4

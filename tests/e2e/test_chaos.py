@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.config import load_config
-from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from orchestrator.config.load import load_config
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
 from tests.e2e.baseline import engine_greedy
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 

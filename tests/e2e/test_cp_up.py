@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from tests.e2e.baseline import engine_greedy, router_token_ids
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, SHAREGPT, OrchProcess, wait_idle

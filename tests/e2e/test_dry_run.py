@@ -2,7 +2,7 @@
 plan: every (prefill rank, decode rank) pair and its layers equal
 ``kv_transfer.build_transfer_plan`` for the config's tp sizes and layer count, and the plan is
 said to apply to every (prefill instance, decode instance) pair. It prints the memory plan of
-one rank per role (rows equal ``orchestrator.memory_check.build_memory_plan``) and exits 2,
+one rank per role (rows equal ``orchestrator.config.memory_check.build_memory_plan``) and exits 2,
 saying by how much, when a layout does not fit the device. For an accelerator layout it ends
 with the planner's predicted TTFT / TPOT / tokens/s (``orchestrator.planner``)."""
 
@@ -16,10 +16,10 @@ import sys
 import pytest
 
 from kv_transfer import build_transfer_plan
-from orchestrator.checkpoint import DEEPSEEK_V3_LAYERS
-from orchestrator.config import load_config
-from orchestrator.devices import GB
-from orchestrator.memory_check import build_memory_plan
+from orchestrator.config.checkpoint import DEEPSEEK_V3_LAYERS
+from orchestrator.config.load import load_config
+from orchestrator.config.devices import GB
+from orchestrator.config.memory_check import build_memory_plan
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.report import plan_config, predicted_line
 from orchestrator.planner.specs import default_device

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.config import load_config
-from orchestrator.http.chat_template import ChatTemplate
+from orchestrator.config.load import load_config
+from orchestrator.api.http.chat_template import ChatTemplate
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 from tests.ports import free_port
 from tests.e2e.test_pd_end_to_end import decode_seconds

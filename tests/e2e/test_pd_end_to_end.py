@@ -17,8 +17,8 @@ import time
 import grpc
 import pytest
 
-from orchestrator.client import AsyncOrchClient, OrchClient
-from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from orchestrator.api.client import AsyncOrchClient, OrchClient
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 

@@ -19,8 +19,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from orchestrator.checkpoint import ensure_checkpoint
-from orchestrator.config import load_config
+from orchestrator.config.checkpoint import ensure_checkpoint
+from orchestrator.config.load import load_config
 from orchestrator.planner.calibrate import measure_cpu
 from orchestrator.planner.calibrate_serving import ServedInstances
 from orchestrator.planner.load import WorkloadSpec

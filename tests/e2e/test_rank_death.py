@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
 from tests.e2e.harness import REPO, OrchProcess, descendants
 
 REQUEST_TIMEOUT_S = 60.0

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from engine.quant.writer import quantize_checkpoint
-from orchestrator.checkpoint import ensure_checkpoint
-from orchestrator.config_sections import ModelSection
+from orchestrator.config.checkpoint import ensure_checkpoint
+from orchestrator.config.sections import ModelSection
 from tests.e2e.baseline import engine_greedy, router_token_ids
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, OrchProcess, wait_idle

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import CheckpointError
+from engine.model_config import CheckpointError
 from engine.model_config import UnsupportedModelError
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine.graph import GraphConfig
-from orchestrator.config import ConfigError, load_config
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.load import load_config
 
 
 def _load(tmp_path, text: str):

@@ -10,9 +10,9 @@ import torch
 from engine.graph import GraphConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from prefill_worker.colocated import ColocatedRank
-from prefill_worker.config import InstanceConfig, SchedulerConfig
-from prefill_worker.messages import RequestSpec
+from rank.colocated import ColocatedRank
+from rank.config import InstanceConfig, SchedulerConfig
+from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 from tests.engine.test_graph import backends, dense_ckpt  # noqa: F401 (fixtures)
 

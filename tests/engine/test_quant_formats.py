@@ -88,7 +88,7 @@ def test_llmcompressor_w8a8_config_parses():
 
 
 def test_model_fp8_storage_reaches_every_instance_and_is_checked():
-    from orchestrator.config import OrchConfig
+    from orchestrator.config.schema import OrchConfig
 
     sections = {"model": {"fp8_storage": "fp8"}, "cluster": {"device": "cpu"}}
     assert {i.fp8_storage for i in OrchConfig.model_validate(sections).instances()} == {"fp8"}

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 from engine.kernels import KERNELS
 from engine.layout import rule_for
-from engine.loader import CheckpointError, load_weights
+from engine.loader import load_weights
+from engine.model_config import CheckpointError
 from engine.model import build_model
 from engine.model_config import ModelConfig, load_model_config
 from engine.parallel import EPGroup, TPGroup

@@ -2,9 +2,9 @@
 
 from engine.block_pool import BlockPool
 from engine.sampling_params import SamplingParams
-from engine.scheduler import (COLOCATED, DECODE, PREFILL, Request, Scheduler,
-                                   finish_reason)
-from prefill_worker.messages import RequestSpec
+from engine.scheduler import COLOCATED, DECODE, PREFILL, Scheduler, finish_reason
+from engine.request import Request
+from engine.request import RequestSpec
 
 
 def spec(rid, n_prompt, max_tokens=4, ignore_eos=False):

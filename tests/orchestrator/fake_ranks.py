@@ -1,4 +1,4 @@
-"""Fake rank actor classes with the real contract (orchestrator/cluster.py), for Ray tests.
+"""Fake rank actor classes with the real contract (orchestrator/deploy/cluster.py), for Ray tests.
 
 They compute nothing: the leader scripts tokens like tests/orchestrator/fakes.py and records
 every bring-up call so tests can check the sequence.
@@ -10,7 +10,7 @@ import os
 import threading
 
 from kv_transfer import KVPeer
-from prefill_worker.messages import InstanceStatusInfo, Reservation, TokenEvent
+from rank.messages import InstanceStatusInfo, Reservation, TokenEvent
 from tests.orchestrator.fakes import expected_tokens
 
 

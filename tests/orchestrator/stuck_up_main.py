@@ -4,7 +4,7 @@ in a failing transfer); run as a subprocess by test_up_teardown.py."""
 import sys
 import threading
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from orchestrator.up import run_up
 from tests.orchestrator import fake_ranks
 

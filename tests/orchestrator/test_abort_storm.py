@@ -12,13 +12,13 @@ import time
 
 import grpc
 
-from orchestrator.assemble import build_board, build_monitor, build_router
-from orchestrator.checkpoint import ensure_checkpoint, read_model_info
-from orchestrator.client import AsyncOrchClient
-from orchestrator.cluster import bring_up
-from orchestrator.config import OrchConfig
-from orchestrator.detokenizer import Tokenizer
-from orchestrator.server import OrchServer
+from orchestrator.deploy.assemble import build_board, build_monitor, build_router
+from orchestrator.config.checkpoint import ensure_checkpoint, read_model_info
+from orchestrator.api.client import AsyncOrchClient
+from orchestrator.deploy.cluster import bring_up
+from orchestrator.config.schema import OrchConfig
+from orchestrator.router.detokenizer import Tokenizer
+from orchestrator.api.server import OrchServer
 
 SEED = 10
 N = 100

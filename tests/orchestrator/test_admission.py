@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from orchestrator.admission import AdmissionQueue
-from orchestrator.request import RequestError
+from orchestrator.router.admission import AdmissionQueue
+from orchestrator.router.request import RequestError
 
 POLL_S = 30.0  # AdmissionQueue.retry_s: the fallback poll interval
 PROMPT_S = 2.0  # "promptly": well under POLL_S, generous for a loaded machine

@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from orchestrator import cli
-from orchestrator.client import OrchClient
-from orchestrator.config_sections import AuthSection, RouterSection, TLSSection
-from orchestrator.config_errors import ConfigError
-from orchestrator.security import load_security
+from orchestrator.api.client import OrchClient
+from orchestrator.config.sections import AuthSection, RouterSection, TLSSection
+from orchestrator.config.errors import ConfigError
+from orchestrator.api.security import load_security
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
 
@@ -162,7 +162,7 @@ def test_orch_up_with_an_unreadable_token_file_fails_before_bring_up(tmp_path, c
 
 
 def test_metrics_stay_on_loopback_when_the_router_listens_everywhere():
-    from orchestrator.config import OrchConfig
+    from orchestrator.config.schema import OrchConfig
     from orchestrator.up import make_metrics
 
     cfg = OrchConfig.model_validate({"router": {"host": "0.0.0.0", "metrics_port": 0},
@@ -177,7 +177,7 @@ def test_metrics_stay_on_loopback_when_the_router_listens_everywhere():
 def test_async_client_with_tls_and_token(secured):
     import asyncio
 
-    from orchestrator.client import AsyncOrchClient
+    from orchestrator.api.client import AsyncOrchClient
 
     h, ca, token, _ = secured
 
@@ -197,6 +197,6 @@ def test_async_client_with_tls_and_token(secured):
     ("Bearer tok-0123456789abcdeX", False), ("tok-0123456789abcdef", False), ("", False),
     (None, False)])
 def test_bearer_scheme_is_case_insensitive_and_the_token_exact(presented, ok):
-    from orchestrator.security import bearer_matches
+    from orchestrator.api.security import bearer_matches
 
     assert bearer_matches(presented, "tok-0123456789abcdef") is ok

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Blocker())
-    from orchestrator.client import AsyncOrchClient, OrchClient, _request
+    from orchestrator.api.client import AsyncOrchClient, OrchClient, _request
 
     client = OrchClient("127.0.0.1:1")
     req = _request("hi", None, "r1", max_tokens=3, temperature=0.5, top_p=0.9, seed=7)

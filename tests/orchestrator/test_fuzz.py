@@ -21,9 +21,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from engine.sampling_params import SamplingParams
-from orchestrator.client import OrchClient
-from orchestrator.limits import max_request_bytes
-from orchestrator.rpc import orch_pb2 as pb
+from orchestrator.api.client import OrchClient
+from orchestrator.router.limits import max_request_bytes
+from orchestrator.api.rpc import orch_pb2 as pb
 from tests.orchestrator.fakes import VOCAB, expected_tokens
 from tests.orchestrator.harness import MODEL, TOKENIZER, Harness
 
@@ -34,7 +34,7 @@ IN_FLIGHT = 64
 GENERATE = "/orch.v1.Orch/Generate"
 MAX_LEN = MODEL.max_model_len
 LIMIT = max_request_bytes(MAX_LEN, TOKENIZER.max_token_bytes)
-# The rule the edge must enforce, written out independently of orchestrator.limits.
+# The rule the edge must enforce, written out independently of orchestrator.router.limits.
 ID_RULE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ID_CHARS = "ABCxyz0189._:-"
 INT32 = (-2**31, -1, 0, 2**31 - 1)

@@ -8,8 +8,8 @@ import time
 import pytest
 from ray.exceptions import ActorDiedError
 
-from orchestrator.health import Health, HealthMonitor
-from orchestrator.policies import LeastOutstandingTokens, RoundRobin
+from orchestrator.deploy.health import Health, HealthMonitor
+from orchestrator.router.policies import LeastOutstandingTokens, RoundRobin
 
 
 class FakeRank:

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.config_sections import TLSSection
-from orchestrator.http.app import OpenAIApp
-from orchestrator.http.chat_template import ChatTemplate
-from orchestrator.http.server import HttpServer
-from orchestrator.security import EdgeSecurity
+from orchestrator.config.sections import TLSSection
+from orchestrator.api.http.app import OpenAIApp
+from orchestrator.api.http.chat_template import ChatTemplate
+from orchestrator.api.http.server import HttpServer
+from orchestrator.api.security import EdgeSecurity
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import MODEL, TOKENIZER, Harness
 from tests.orchestrator.test_router import _calls, _wait_for
@@ -251,7 +251,7 @@ def test_a_body_that_never_arrives_is_refused_within_the_bound(h, monkeypatch):
     import socket
     from urllib.parse import urlsplit
 
-    from orchestrator.http import app
+    from orchestrator.api.http import app
 
     monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.5)
     host, port = urlsplit(h.url).hostname, urlsplit(h.url).port

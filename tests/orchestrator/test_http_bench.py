@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.bench.report import summarize
-from orchestrator.bench.runner import RunnerConfig, run_benchmark
+from orchestrator.bench.runner import run_benchmark
+from orchestrator.bench.records import RunnerConfig
 from orchestrator.bench.workloads import WorkloadConfig, load_workload
 from tests.orchestrator.test_http_api import HttpHarness
 

@@ -10,11 +10,12 @@ import httpx
 import openai
 import pytest
 
-from orchestrator.config import OrchConfig, load_config
-from orchestrator.config_sections import TLSSection
-from orchestrator.config_errors import ConfigError
-from orchestrator.http.server import HttpServer
-from orchestrator.server import PortInUseError
+from orchestrator.config.schema import OrchConfig
+from orchestrator.config.load import load_config
+from orchestrator.config.sections import TLSSection
+from orchestrator.config.errors import ConfigError
+from orchestrator.api.http.server import HttpServer
+from orchestrator.api.server import PortInUseError
 from orchestrator.up import check_ports_free
 from tests.orchestrator.harness import MODEL
 from tests.orchestrator.test_auth import make_cert

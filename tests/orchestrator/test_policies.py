@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.policies import LeastOutstandingTokens, RoundRobin, make_policy
+from orchestrator.router.policies import LeastOutstandingTokens, RoundRobin, make_policy
 
 
 def test_round_robin_rotates():

@@ -8,8 +8,8 @@ import asyncio
 import threading
 import time
 
-from orchestrator import health
-from orchestrator.cluster import ACTOR_CONCURRENCY, rank_actor
+from orchestrator.deploy import health
+from orchestrator.deploy.cluster import ACTOR_CONCURRENCY, rank_actor
 
 
 class BusyRank:

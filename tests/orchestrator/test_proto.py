@@ -1,5 +1,5 @@
-"""The committed stubs in orchestrator/rpc match proto/orch.proto (regenerate with
-`python -m orchestrator.rpc.generate`)."""
+"""The committed stubs in orchestrator/api/rpc match proto/orch.proto (regenerate with
+`python -m orchestrator.api.rpc.generate`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_has_not_drifted():
-    result = subprocess.run([sys.executable, "-m", "orchestrator.rpc.generate", "--check"],
+    result = subprocess.run([sys.executable, "-m", "orchestrator.api.rpc.generate", "--check"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
@@ -22,9 +22,9 @@ def test_drift_check_fails_when_the_generated_code_changes(tmp_path):
     copy = tmp_path / "repo"
     for name in ("orchestrator", "proto"):
         shutil.copytree(ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
-    target = copy / "orchestrator" / "rpc" / "orch_pb2.pyi"
+    target = copy / "orchestrator" / "api" / "rpc" / "orch_pb2.pyi"
     target.write_text(target.read_text() + "\n# edited by hand\n")
-    result = subprocess.run([sys.executable, "-m", "orchestrator.rpc.generate", "--check"],
+    result = subprocess.run([sys.executable, "-m", "orchestrator.api.rpc.generate", "--check"],
                             cwd=copy, capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 1

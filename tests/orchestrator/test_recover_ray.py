@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from orchestrator.assemble import build_router
-from orchestrator.checkpoint import read_model_info
-from orchestrator.cluster import bring_up
-from orchestrator.config import OrchConfig
-from orchestrator.recovery import Recoverer
-from orchestrator.request import GenerateInput
+from orchestrator.deploy.assemble import build_router
+from orchestrator.config.checkpoint import read_model_info
+from orchestrator.deploy.cluster import bring_up
+from orchestrator.config.schema import OrchConfig
+from orchestrator.deploy.recovery import Recoverer
+from orchestrator.router.request import GenerateInput
 from orchestrator.tiny_model import write_tiny_checkpoint
 from tests.e2e.harness import descendants
 

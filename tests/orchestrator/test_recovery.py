@@ -8,9 +8,9 @@ import logging
 import threading
 from types import SimpleNamespace
 
-from orchestrator.cluster import BringUpError
-from orchestrator.leader import LeaderClient
-from orchestrator.recovery import Recoverer
+from orchestrator.deploy.cluster import BringUpError
+from orchestrator.router.leader import LeaderClient
+from orchestrator.deploy.recovery import Recoverer
 
 
 class FakeCluster:
@@ -80,7 +80,7 @@ def test_restart_rate_is_bounded_per_instance_with_one_line_saying_why(caplog):
     async def run() -> list[bool]:
         return [await rec.recover("decode-0") for _ in range(3)] + [
             await rec.recover("decode-1")]
-    with caplog.at_level(logging.WARNING, logger="orchestrator.recovery"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.deploy.recovery"):
         assert asyncio.run(run()) == [True, True, False, True]
     assert cluster.calls == ["decode-0", "decode-0", "decode-1"]
     (line,) = [r.getMessage() for r in caplog.records]
@@ -118,7 +118,7 @@ def test_failed_restart_returns_false_keeps_the_old_handle_and_counts(caplog):
     cluster, leaders = FakeCluster(), _leaders()
     cluster.fail = True
     rec = Recoverer(cluster, leaders, max_restarts=1, timeout_s=5.0)
-    with caplog.at_level(logging.WARNING, logger="orchestrator.recovery"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.deploy.recovery"):
         assert asyncio.run(rec.recover("decode-0")) is False
         assert asyncio.run(rec.recover("decode-0")) is False  # the failed one counted
     assert leaders["decode-0"].handle == "decode-0#0"

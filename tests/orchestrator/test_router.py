@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.client import OrchClient
+from orchestrator.api.client import OrchClient
 from tests.orchestrator.fakes import EOS, expected_tokens
 from tests.orchestrator.harness import TOKENIZER, Harness
 
@@ -112,7 +112,7 @@ def test_bad_input_is_invalid_argument(harness, kwargs, message):
     ("top_p", 1.5, "top_p must be in (0, 1]"),
 ])
 def test_bad_sampling_is_invalid_argument(harness, field, value, message):
-    from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+    from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
     req = orch_pb2.GenerateRequest(text="hi", sampling=orch_pb2.SamplingParams(max_tokens=4))
     setattr(req.sampling, field, value)
     with grpc.insecure_channel(harness.address) as channel:
@@ -219,7 +219,7 @@ def test_request_that_never_fits_is_invalid_argument():
 def test_client_cancel_aborts_on_both_sides(harness):
     harness.call_in_loop(lambda: setattr(harness.fakes["prefill-0"], "silent", True))
     with grpc.insecure_channel(harness.address) as channel:
-        from orchestrator.rpc import orch_pb2, orch_pb2_grpc
+        from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
         call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
             text="cancel me", request_id="c1", sampling=orch_pb2.SamplingParams(max_tokens=5)))
         assert _wait_for(lambda: ("prefill", "c1@1", "decode-0") in _calls(harness, "prefill-0"))
@@ -289,9 +289,9 @@ def test_status_and_health(harness):
 def test_least_outstanding_tokens_spreads_over_decode_instances():
     import asyncio
 
-    from orchestrator.assemble import build_router
-    from orchestrator.config import OrchConfig
-    from orchestrator.request import GenerateInput
+    from orchestrator.deploy.assemble import build_router
+    from orchestrator.config.schema import OrchConfig
+    from orchestrator.router.request import GenerateInput
     from engine.sampling_params import SamplingParams
     from tests.orchestrator.fakes import FakeDecode, FakePrefill, Remote
     from tests.orchestrator.harness import MODEL

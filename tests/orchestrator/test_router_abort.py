@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from orchestrator.client import OrchClient
+from orchestrator.api.client import OrchClient
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER, Harness
 from tests.orchestrator.test_router import _calls, _wait_for

@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 
-from orchestrator.client import OrchClient
+from orchestrator.api.client import OrchClient
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
 from tests.orchestrator.test_router import _calls, _wait_for

@@ -9,7 +9,7 @@ import threading
 import grpc
 import pytest
 
-from orchestrator.client import OrchClient
+from orchestrator.api.client import OrchClient
 from tests.orchestrator.harness import Harness
 from tests.orchestrator.test_router import _calls, _wait_for
 
@@ -74,8 +74,8 @@ def test_stop_ends_queued_requests_at_once_and_stuck_ones_after_the_drain():
 def test_second_server_on_the_same_port_is_refused():
     import asyncio
 
-    from orchestrator.assemble import build_board
-    from orchestrator.server import OrchServer, PortInUseError
+    from orchestrator.deploy.assemble import build_board
+    from orchestrator.api.server import OrchServer, PortInUseError
 
     h = Harness()
     try:

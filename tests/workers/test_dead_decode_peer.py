@@ -12,7 +12,8 @@ import time
 
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVPeer
-from prefill_worker.messages import Reservation, RequestSpec
+from rank.messages import Reservation
+from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import ckpt, pd, run_pd, wait_all_free  # noqa: F401
 
 CONNECT_TIMEOUT_S = 10  # what test_pd_ranks.start configures: one connect's bound

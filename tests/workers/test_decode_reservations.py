@@ -13,7 +13,8 @@ import torch
 from decode_worker.actor import DecodeRank
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.messages import Reservation, RequestSpec, TokenEvent
+from rank.messages import Reservation, TokenEvent
+from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import start
 
 COMPLETION_TIMEOUT_S = 0.5
@@ -73,7 +74,7 @@ def test_a_full_decode_refuses_a_reservation_until_blocks_are_freed(decode):
     """Blocks for prompt + max_tokens are held from reserve to the end: with every block
     reserved, a third request of the same size is refused (retryable: the router queues it),
     and reserved once one of the first two ends."""
-    from prefill_worker.messages import Rejection
+    from rank.messages import Rejection
 
     def spec(rid: str) -> RequestSpec:  # 20 + 108 tokens = 16 blocks of 8: half the pool
         return RequestSpec(rid, tuple(range(40, 60)), SamplingParams(max_tokens=108))

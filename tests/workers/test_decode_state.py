@@ -16,7 +16,8 @@ from decode_worker.request_state import DecodeRequestState, KVState
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.actor import PrefillRank
-from prefill_worker.messages import Reservation, RequestSpec
+from rank.messages import Reservation
+from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import start, wait_all_free, wait_events
 
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from engine.sampling_params import SamplingParams
-from prefill_worker.colocated import ColocatedRank
-from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
-from prefill_worker.dp_sync import DPGroupBroken, open_dp_sync
-from prefill_worker.messages import RequestSpec
+from rank.colocated import ColocatedRank
+from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
+from rank.dp_sync import DPGroupBroken, open_dp_sync
+from engine.request import RequestSpec
 
 VOCAB, TOKEN = 32, 7  # every row's argmax is TOKEN
 STEP_TIMEOUT_S = 1.5  # the sync and the fake EP collective

@@ -16,8 +16,9 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.actor import PrefillRank
-from prefill_worker.colocated import ColocatedRank
-from prefill_worker.messages import Reservation, RequestSpec
+from rank.colocated import ColocatedRank
+from rank.messages import Reservation
+from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 from tests.workers.test_pd_ranks import start, wait_all_free
 

@@ -15,8 +15,9 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
 from kv_transfer.config import TransferConfig
-from prefill_worker.config import InstanceConfig, SchedulerConfig
-from prefill_worker.messages import Rejection, Reservation, RequestSpec
+from rank.config import InstanceConfig, SchedulerConfig
+from rank.messages import Rejection, Reservation
+from engine.request import RequestSpec
 from prefill_worker.actor import PrefillRank
 from tests.engine.engine_drive import generate_greedy
 

@@ -19,8 +19,9 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
 from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.actor import PrefillRank
-from prefill_worker.config import InstanceConfig, ParallelConfig, SchedulerConfig
-from prefill_worker.messages import InstanceOutOfService, Reservation, RequestSpec
+from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
+from rank.messages import InstanceOutOfService, Reservation
+from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import start
 
 NUM_REQUESTS = 12

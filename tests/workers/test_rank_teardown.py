@@ -8,8 +8,8 @@ import pytest
 
 from decode_worker.actor import DecodeRank
 from prefill_worker.actor import PrefillRank
-from prefill_worker.colocated import ColocatedRank
-from prefill_worker.config import InstanceConfig, SchedulerConfig
+from rank.colocated import ColocatedRank
+from rank.config import InstanceConfig, SchedulerConfig
 
 
 @pytest.mark.parametrize("cls, role", [(PrefillRank, "prefill"), (DecodeRank, "decode"),

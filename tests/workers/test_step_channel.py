@@ -1,4 +1,4 @@
-"""The step channel (prefill_worker/step_channel.py) in one process, no Ray, no model: a
+"""The step channel (rank/step_channel.py) in one process, no Ray, no model: a
 leader end and follower ends on threads with scripted step functions. Steps and their inputs
 arrive whole; a follower's error comes back as the same type and the follower keeps serving;
 a dead follower is RankGone at once even while another hangs; a silent one is RankHung at
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from prefill_worker.rank_failure import RankGone, RankHung
-from prefill_worker.step_channel import StepChannelFollower, StepChannelLeader
+from rank.failures import RankGone, RankHung
+from rank.step_channel import StepChannelFollower, StepChannelLeader
 
 
 class Script:

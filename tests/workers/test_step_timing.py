@@ -1,4 +1,4 @@
-"""The step time breakdown (prefill_worker/step_timing.py): an iteration's phases count only
+"""The step time breakdown (rank/step_timing.py): an iteration's phases count only
 when it ran a forward, per-step means and the outside-forward fraction follow from the sums;
 and a real colocated leader (TP=1, in-process) reports every phase of its decode steps in
 ``status()``."""
@@ -12,12 +12,13 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from orchestrator.convert import status_from_proto, status_to_proto
+from orchestrator.api.convert import status_from_proto, status_to_proto
 from orchestrator.metrics import RouterMetrics
 from orchestrator.status import InstanceView
-from prefill_worker.colocated import ColocatedRank
-from prefill_worker.messages import InstanceStatusInfo, RequestSpec
-from prefill_worker.step_timing import STEP_PHASES, StepTimer
+from rank.colocated import ColocatedRank
+from rank.messages import InstanceStatusInfo
+from engine.request import RequestSpec
+from rank.step_timing import STEP_PHASES, StepTimer
 from tests.workers.test_pd_ranks import start
 
 

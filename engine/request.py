@@ -1,0 +1,72 @@
+"""The requests an instance schedules: :class:`RequestSpec` (what the router accepted) and
+:class:`Request` (its state inside one instance: counters, not phases)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockSet
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated, tokenized request as accepted by the router.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: prompt tokens (>= 1).
+        sampling: sampling parameters; a sampled request always carries a seed here.
+        arrival_time: ``time.time()`` when the router accepted it (seconds).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus every token it may generate: the KV slots it may ever need."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+
+
+@dataclass
+class Request:
+    """One request inside an instance.
+
+    Attributes:
+        spec: the accepted request.
+        output_token_ids: tokens generated so far (on decode, starts with prefill's token).
+        num_computed_tokens: tokens whose KV is in this instance's cache.
+        blocks: block table, or None while waiting for admission.
+    """
+
+    spec: RequestSpec
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    blocks: BlockSet | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.spec.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.spec.num_prompt_tokens + len(self.output_token_ids)
+
+    def token_range(self, start: int, end: int) -> tuple[int, ...]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        prompt = self.spec.prompt_token_ids
+        if end <= len(prompt):
+            return tuple(prompt[start:end])
+        return tuple((list(prompt) + self.output_token_ids)[start:end])

@@ -1,0 +1,114 @@
+"""One OpenAI request on the router: the same ``Router.generate`` the gRPC servicer calls
+(validation, admission queue, attempts, abort on every exit, metrics), with OpenAI's sampling
+defaults and stop strings on top.
+
+The prompt text is tokenized here (off the loop, with the checkpoint's tokenizer, as the
+router would) so the prompt's token count is known before the first token: it gives chat's
+default ``max_tokens`` (the rest of ``max_model_len``) and ``usage`` when a stop string ends
+the request early. A text the router must refuse anyway (no tokenizer, more bytes than
+``max_model_len`` tokens can hold) goes to the router as text, which answers with gRPC's
+message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from orchestrator.api.convert import build_sampling
+from orchestrator.api.http.openai_schema import GenerationRequest
+from orchestrator.api.http.stop_text import StopText
+from orchestrator.router.request import GenerateInput
+from orchestrator.router.router import Router
+
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
+OPENAI_TOP_P = 1.0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text of the choice; the last piece has the finish reason."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One request's run: :meth:`pieces` streams it, then the counters hold its usage.
+
+    Attributes:
+        request_id: the router's id of it (also the response id's suffix).
+        prompt_tokens, completion_tokens: usage (completion counts every generated token,
+            the ones a stop string cut off included, as OpenAI does).
+    """
+
+    def __init__(self, router: Router, inp: GenerateInput, prompt_tokens: int,
+                 stops: tuple[str, ...]) -> None:
+        self.router, self.inp, self.stops = router, inp, stops
+        self.request_id = inp.request_id
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The choice's text as it is generated; the last piece has finish_reason "stop"
+        (EOS or a stop string), "length" or "abort". Leaving early (a stop string, the client
+        gone) closes the router's stream, which aborts the request on every instance.
+
+        Raises:
+            RequestError: the router's (bad input, overload, failures; see Router.generate).
+        """
+        stop = StopText(self.stops)
+        stream = self.router.generate(self.inp)
+        try:
+            async for chunk in stream:
+                self.completion_tokens += len(chunk.token_ids)
+                if chunk.stats is not None:
+                    self.prompt_tokens = chunk.stats.prompt_tokens
+                text, stopped = stop.feed(chunk.text)
+                if stopped:
+                    yield Piece(text, "stop")
+                    return
+                if chunk.finish_reason is not None:
+                    yield Piece(text + stop.flush(), chunk.finish_reason)
+                    return
+                if text:
+                    yield Piece(text)
+        finally:
+            await stream.aclose()
+
+
+async def start_generation(router: Router, text: str | None, token_ids: tuple[int, ...] | None,
+                           req: GenerationRequest, max_tokens: int | None) -> Generation:
+    """A :class:`Generation` of one prompt (exactly one of ``text`` / ``token_ids``).
+
+    Args:
+        max_tokens: the request's budget; None fills the context (``max_model_len`` minus
+            the prompt).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT for sampling values gRPC would refuse (same message).
+    """
+    if text is not None:
+        token_ids = await _tokenize(router, text)
+    prompt_tokens = len(token_ids) if token_ids is not None else 0
+    if max_tokens is None:
+        max_tokens = max(router.model.max_model_len - prompt_tokens, 1)
+    sampling = build_sampling(
+        max_tokens=max_tokens,
+        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+        top_k=req.top_k or 0, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
+        seed=req.seed, ignore_eos=bool(req.ignore_eos))
+    inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
+                        sampling=sampling, request_id=uuid.uuid4().hex)
+    return Generation(router, inp, prompt_tokens, req.stop_strings())
+
+
+async def _tokenize(router: Router, text: str) -> tuple[int, ...] | None:
+    """The prompt's ids, or None when the router must see (and refuse) the text itself."""
+    tokenizer = router.tokenizer
+    if tokenizer is None or not text:
+        return None
+    if len(text.encode()) > router.model.max_model_len * tokenizer.max_token_bytes:
+        return None
+    return tuple(await asyncio.to_thread(tokenizer.encode, text))

@@ -1,0 +1,178 @@
+"""gRPC front end: the Orch servicer, the standard health service, graceful stop.
+
+Errors leave as gRPC status codes carrying :class:`RequestError` messages. The edge
+(``orchestrator.api.interceptors``): optional bearer-token auth, then requests that are too big
+or cannot be parsed answered INVALID_ARGUMENT before the servicer sees them; optional TLS
+(``orchestrator.api.security``). gRPC server reflection (the standard
+``grpc.reflection.v1alpha`` service) lists the services and their descriptors, so grpcurl /
+grpcui need no .proto file (behind the token like every call but health). The health service says SERVING while every role has a healthy
+instance (the health monitor's view), NOT_SERVING while some role has none, and from the
+start of shutdown on. Stop order: health NOT_SERVING (load balancers stop sending), router
+refuses new requests and drains in-flight ones (bounded), the health monitor stops,
+``server.stop(grace)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from orchestrator.api import convert
+from orchestrator.deploy.health import InstanceHealth
+from orchestrator.api.interceptors import RequestGuard, TokenAuth
+from orchestrator.router.limits import DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes
+from orchestrator.router.request import RequestError
+from orchestrator.router.router import Router
+from orchestrator.api.rpc import orch_pb2 as pb
+from orchestrator.api.rpc import orch_pb2_grpc as pb_grpc
+from orchestrator.api.security import EdgeSecurity
+from orchestrator.status import StatusBoard
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Orch"].full_name  # "orch.v1.Orch"
+
+
+class PortInUseError(RuntimeError):
+    """A port orch must listen on is taken; the message names the config key."""
+
+
+class OrchServicer(pb_grpc.OrchServicer):
+    """Maps the Orch RPCs onto a :class:`Router` and its :class:`StatusBoard`."""
+
+    def __init__(self, router: Router, board: StatusBoard) -> None:
+        self.router, self.board = router, board
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            inp = convert.generate_input_from_proto(request)
+            async for chunk in self.router.generate(inp):
+                yield convert.chunk_to_proto(chunk)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        except Exception as exc:  # noqa: BLE001 -- a bug must still end the stream clearly
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"router error: {type(exc).__name__}: {exc}; see router log")
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            request_id = convert.abort_id_from_proto(request)
+        except RequestError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+        return pb.AbortResponse(found=await self.router.abort(request_id))
+
+    async def GetStatus(self, request: pb.GetStatusRequest,
+                        context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        views = await self.board.views()  # NOTE: bounded, whatever the instances do
+        return convert.status_to_proto(views, self.router.in_flight, self.router.model.name)
+
+
+class OrchServer:
+    """A grpc.aio server around one router.
+
+    Args:
+        router: the router (started by :meth:`start`).
+        board: instance rows for GetStatus; its health monitor is started by :meth:`start`
+            and drives the gRPC health service.
+        host, port: where to listen (port 0 = any free port; see ``self.port``).
+        security: TLS key pair and bearer token (default: plaintext, no token).
+        max_message_bytes: gRPC's receive limit (``router.max_message_bytes``), raised to the
+            edge limit when lower. A request between the two gets INVALID_ARGUMENT from the
+            edge; only one over it gets gRPC's own RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, router: Router, board: StatusBoard, host: str, port: int,
+                 security: EdgeSecurity = EdgeSecurity(),
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.router, self.monitor = router, board.monitor
+        self.security = security
+        self.health = health.aio.HealthServicer()
+        self._serving: bool | None = None  # what the health service says now
+        self._health_updates: set[asyncio.Task] = set()
+        max_len = router.model.max_model_len
+        limit = max_request_bytes(max_len, router.tokenizer.max_token_bytes
+                                  if router.tokenizer is not None else None)
+        interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(limit, max_len)]
+        if security.token is not None:
+            interceptors.insert(0, TokenAuth(security.token))
+        # NOTE: gRPC enables SO_REUSEPORT by default, which lets a second `orch up` bind the
+        # same port and silently share clients with this one. gRPC's receive limit stays
+        # above the edge's, so the edge (INVALID_ARGUMENT), not gRPC (RESOURCE_EXHAUSTED),
+        # refuses what the model cannot use.
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
+        pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.address = f"{host}:{port}"
+        self.port = 0
+
+    @property
+    def serving(self) -> bool:
+        """What the health service says now: True while serving and every role has a
+        healthy instance."""
+        return bool(self._serving)
+
+    async def start(self) -> int:
+        """Bind, start the router and the server, report SERVING; returns the bound port.
+
+        Raises:
+            PortInUseError: the address could not be bound (message says what to do).
+        """
+        try:
+            if self.security.tls_key_pair is None:
+                self.port = self.server.add_insecure_port(self.address)
+            else:
+                creds = grpc.ssl_server_credentials([self.security.tls_key_pair])
+                self.port = self.server.add_secure_port(self.address, creds)
+        except RuntimeError as exc:
+            raise PortInUseError(f"cannot listen on {self.address} ({exc}): pick a free "
+                                 "router.port or stop what uses it") from None
+        self.router.start()
+        self.monitor.add_listener(self._on_health)
+        self.monitor.start()
+        await self.server.start()
+        self._serving = not self.monitor.roles_without_healthy()
+        await self._publish(self._serving)
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """NOT_SERVING, drain the router (bounded by ``grace_s``), stop the health monitor,
+        then stop the server."""
+        self.monitor.remove_listener(self._on_health)
+        if self._health_updates:
+            await asyncio.wait(self._health_updates, timeout=grace_s)
+        self._serving = False
+        await self._publish(False)
+        await self.router.stop(drain_timeout_s=grace_s)
+        await self.monitor.stop()
+        await self.server.stop(grace_s)
+
+    def _on_health(self, changed: InstanceHealth) -> None:
+        """Monitor listener: NOT_SERVING while some role has no healthy instance."""
+        missing = self.monitor.roles_without_healthy()
+        if (not missing) == self._serving:
+            return
+        if missing:
+            log.warning("no healthy %s instance: gRPC health NOT_SERVING until one is back",
+                        " or ".join(missing))
+        self._serving = not missing
+        # NOTE: updates run in creation order, so the last one wins.
+        task = asyncio.create_task(self._publish(self._serving))
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _publish(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)

@@ -1,0 +1,78 @@
+"""Load an `orch up` YAML file into a validated :class:`~orchestrator.config.schema.OrchConfig`:
+every YAML or validation problem becomes one :class:`ConfigError` whose message names the key
+path (``prefill.tp``), what is allowed and what to do; each role's tp is then checked against
+the model (:func:`orchestrator.config.layout_check.check_tp_layout`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.config.errors import ConfigError, validation_error_message, yaml_error_message
+from orchestrator.config.layout_check import check_tp_layout
+from orchestrator.config.schema import OrchConfig
+
+
+def _override(data: dict, key: str, value: object) -> None:
+    """Set dotted ``key`` of the YAML mapping ``data`` to ``value`` (sections made as needed;
+    a section that is not a mapping is left for validation to report)."""
+    *sections, last = key.split(".")
+    node = data
+    for name in sections:
+        node = node.setdefault(name, {})
+        if not isinstance(node, dict):
+            return
+    node[last] = value
+
+
+def _resolve_config_json(data: dict, folder: Path) -> None:
+    """Make a relative ``model.config_json`` relative to the YAML file's ``folder``."""
+    model = data.get("model")
+    value = model.get("config_json") if isinstance(model, dict) else None
+    if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+        model["config_json"] = str(folder / value)
+
+
+def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> OrchConfig:
+    """Read and validate a YAML config file, and each role's tp against the model
+    (:func:`orchestrator.config.layout_check.check_tp_layout`, when the model's config is at hand).
+
+    Args:
+        path: the YAML file.
+        overrides: dotted key path -> value (``{"router.port": 9000}``) replacing the file's
+            values before validation (the `orch up --port` flags).
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not YAML, or does not validate, or
+            a tp does not fit the model; the message names each offending key path, what is
+            allowed and what to do.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}; check the path "
+                          "(examples live in configs/)") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(yaml_error_message(path, exc)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, mode, "
+                          f"prefill, ...), got {type(data).__name__}; see docs/config.md")
+    for key, value in (overrides or {}).items():
+        _override(data, key, value)
+    _resolve_config_json(data, path.resolve().parent)
+    try:
+        cfg = OrchConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(validation_error_message(path, exc, OrchConfig)) from None
+    try:
+        check_tp_layout(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config {path}:\n- {exc}") from None
+    return cfg

@@ -1,0 +1,249 @@
+"""Does the layout fit the devices? The memory plan of an :class:`OrchConfig`, its table for
+``orch up --dry-run``, and the check ``orch up`` runs before anything starts.
+
+Each role's rank is planned by :func:`orchestrator.config.memory_plan.plan_role` from the model's
+config.json (the checkpoint's, else ``model.config_json``, else the built-in tiny config) and
+checked against :func:`orchestrator.config.devices.device_memory`: each rank on its own device (npu,
+cuda), or every rank together on cpu (one machine's RAM). With no config.json at hand nothing
+is checked here and the report says why; a config.json the engine refuses is an error here,
+before anything starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.quant.memory import bytes_per_param
+from orchestrator.config.checkpoint import model_config_dict
+from orchestrator.config.schema import OrchConfig
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.devices import GB, DeviceMemory, device_memory
+from orchestrator.config.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePlan, plan_role
+
+
+class MemoryPlanError(ConfigError):
+    """The layout does not fit the device memory; the message says by how much and what to
+    change."""
+
+
+class UnservableModelError(ConfigError):
+    """The model's config.json is one the engine refuses (every rank would fail loading it);
+    the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of every role of a config, and the memory it is checked against."""
+
+    model: ModelConfig
+    source: str
+    precision: Precision
+    roles: tuple[RolePlan, ...]
+    memory: DeviceMemory
+
+    @property
+    def all_ranks_bytes(self) -> int:
+        """Bytes of every rank of every role together (what a shared cpu machine holds)."""
+        return sum(p.total_bytes * p.layout.ranks for p in self.roles)
+
+
+def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
+    """The :class:`RoleLayout` of each role that runs (colocated: sized by ``decode``)."""
+    layouts: dict[str, RoleLayout] = {}
+    for inst in cfg.instances():
+        if inst.role in layouts:
+            continue
+        section = cfg.prefill if inst.role == "prefill" else cfg.decode
+        s = inst.scheduler
+        layouts[inst.role] = RoleLayout(
+            role=inst.role, dp=section.dp, tp=inst.parallel.tp, ep=section.ep,
+            cp=inst.parallel.cp, layer_sharding=inst.parallel.layer_sharding,
+            num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
+            step_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
+            max_model_len=cfg.model.max_model_len)
+    return list(layouts.values())
+
+
+def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
+    """(the plan, or None with the reason why it could not be made; the config.json used).
+
+    Raises:
+        UnservableModelError: the engine refuses the config.json (an unsupported
+            architecture such as GLM-5, an invalid V3.2 indexer, a missing field), so
+            ``orch up`` stops before starting Ray and rank processes that would all fail.
+        ConfigError: the device has no memory figure (names the key to set).
+    """
+    raw, source = model_config_dict(cfg.model)
+    if raw is None:
+        return None, source
+    try:
+        model = ModelConfig.from_dict(raw)
+    except UnsupportedModelError as exc:
+        raise UnservableModelError(f"{source}: {exc}") from None
+    except KeyError as exc:
+        raise UnservableModelError(f"{source} has no field {exc}: it is not a DeepSeek-V2/V3/"
+                                   "V3.2 config.json the engine reads") from None
+    except (TypeError, ValueError) as exc:
+        raise UnservableModelError(f"{source} has a field of the wrong type ({exc}): fix it "
+                                   "(DeepSeek's config.json is the reference)") from None
+    precision = Precision.of(cfg.model.dtype, bytes_per_param(
+        model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
+    try:
+        roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
+        memory = device_memory(cfg.device(), cfg.cluster.device_memory_gb)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return MemoryPlan(model, source, precision, roles, memory), source
+
+
+def check_memory(cfg: OrchConfig) -> str:
+    """Check the plan against the device memory; one report line when it fits.
+
+    Raises:
+        MemoryPlanError: a rank (or, on cpu, all ranks together) needs more than the device
+            has; the message says by how much and what to change.
+        ConfigError: see :func:`build_memory_plan`.
+    """
+    plan, source = build_memory_plan(cfg)
+    if plan is None:
+        return f"memory plan: not checked ({source})"
+    problems = _problems(plan)
+    if problems:
+        raise MemoryPlanError("the layout does not fit the device memory:\n- "
+                              + "\n- ".join(problems))
+    return f"memory plan: fits {plan.memory.source} ({_gb(plan.memory.bytes)} GB)"
+
+
+def _problems(plan: MemoryPlan) -> list[str]:
+    have = plan.memory.bytes
+    if plan.memory.shared:
+        need = plan.all_ranks_bytes
+        if need <= have:
+            return []
+        return [f"all ranks together need {_gb(need)} GB but {plan.memory.source} is "
+                f"{_gb(have)} GB: exceeds it by {_gb(need - have)} GB ({need / have:.2f}x); "
+                "lower num_kv_blocks, max_num_batched_tokens or dp, turn ep on, or set "
+                "cluster.device_memory_gb"]
+    return [_rank_problem(plan, role) for role in plan.roles
+            if role.total_bytes > have]
+
+
+def _rank_problem(plan: MemoryPlan, role: RolePlan) -> str:
+    lay, need, have = role.layout, role.total_bytes, plan.memory.bytes
+    head = (f"{lay.role}: one rank needs {_gb(need)} GB (weights {_gb(role.bytes_of('weights'))}"
+            f", KV {_gb(role.bytes_of('kv'))}, workspace {_gb(role.bytes_of('workspace'))}) "
+            f"but the device has {_gb(have)} GB ({plan.memory.source}): exceeds it by "
+            f"{_gb(need - have)} GB ({need / have:.2f}x)")
+    return f"{head}. To fit: {'; '.join(_fixes(plan, role))}"
+
+
+def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
+    """What to change for ``role`` to fit, with the per-rank bytes each change gives."""
+    lay, have, fixes = role.layout, plan.memory.bytes, []
+    key = lay.section
+    experts = plan.model.n_routed_experts or 0
+    if not lay.ep and experts and experts % lay.ranks == 0:
+        on = plan_role(plan.model, replace(lay, ep=True), plan.precision).total_bytes
+        fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
+                     f"{experts // lay.ranks} experts each)")
+    wider = _wider_tp(plan, role) if lay.cp == 1 else None  # NOTE: CP needs tp 1
+    if wider is not None and wider.total_bytes <= have:
+        fixes.append(f"raise {key}.tp to {wider.layout.tp} ({_gb(wider.total_bytes)} GB per "
+                     "rank)")
+    most_tokens = _most_step_tokens(plan, role)
+    if lay.role != "decode" and most_tokens is not None and most_tokens < lay.step_tokens:
+        fixes.append(f"lower {key}.max_num_batched_tokens from {lay.step_tokens} to <= "
+                     f"{most_tokens}")
+    per_block = role.bytes_of("kv") / lay.num_kv_blocks
+    room = have - (role.total_bytes - role.bytes_of("kv"))
+    least = -(-lay.max_model_len // lay.block_size)
+    if room >= least * per_block:
+        fixes.append(f"lower {key}.num_kv_blocks from {lay.num_kv_blocks} to <= "
+                     f"{math.floor(room / per_block)}")
+    fixes.append("or set cluster.device_memory_gb if the device has more")
+    return fixes
+
+
+def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
+    """The most step tokens with which ``role`` fits, everything else unchanged (None: it
+    does not fit even with one)."""
+    lay, have = role.layout, plan.memory.bytes
+    base = plan_role(plan.model, replace(lay, step_tokens=0), plan.precision).total_bytes
+    per_token = plan_role(plan.model, replace(lay, step_tokens=1), plan.precision).total_bytes \
+        - base
+    if per_token <= 0 or base + per_token > have:
+        return None
+    return (have - base) // per_token
+
+
+def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
+    """The plan with tp doubled, when the model can be split that way (and ep still divides)."""
+    from engine.layout import tp_layout  # lazy: torch
+
+    lay = role.layout
+    try:
+        tp_layout(plan.model, lay.tp * 2, lay.ep_size * 2 if lay.ep else 1)
+        return plan_role(plan.model, replace(lay, tp=lay.tp * 2), plan.precision)
+    except ValueError:
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f}"
+
+
+def describe_memory(cfg: OrchConfig) -> list[str]:
+    """Report lines for ``orch up --dry-run``: per role, a table of what one rank holds by
+    kind (elements, bytes per element, GB, how it is split) with totals against the device.
+
+    Raises:
+        ConfigError: see :func:`build_memory_plan`.
+    """
+    plan, source = build_memory_plan(cfg)
+    if plan is None:
+        return [f"memory plan: not computed ({source})"]
+    mem = plan.memory
+    quant = plan.model.quantization
+    stored = "" if quant is None else \
+        f", linear weights {quant.method} checkpoint stored at {plan.precision.linear:.4g} B/el"
+    lines = [f"memory plan per rank ({cfg.model.dtype}{stored}; GB = 10^9 bytes; model "
+             f"{source}; device {_gb(mem.bytes)} GB: {mem.source})"]
+    for role in plan.roles:
+        lines += _role_table(role, None if mem.shared else mem.bytes)
+    if mem.shared:
+        ranks = sum(p.layout.ranks for p in plan.roles)
+        lines.append(f"all {ranks} rank(s) together: {_gb(plan.all_ranks_bytes)} GB of "
+                     f"{_gb(mem.bytes)} GB: {_headroom(plan.all_ranks_bytes, mem.bytes)}")
+    return lines
+
+
+def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
+    lay = role.layout
+    ep = f"ep on (EP {lay.ep_size})" if lay.ep else "ep off"
+    # NOTE: MB for small (tiny-model) plans, so their rows do not all read 0.00
+    unit, scale = ("GB", GB) if role.total_bytes >= GB else ("MB", GB // 1000)
+
+    def size(n: int) -> str:
+        return f"{n / scale:>10.2f}"
+
+    cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
+    lines = [f"{lay.role}: dp {lay.dp} x tp {lay.tp}{cp}, {ep}; each of its {lay.ranks} "
+             "rank(s) holds:",
+             f"  {'kind':<24}{'elements':>17}{'B/el':>7}{unit:>10}  split"]
+    for row in role.rows:
+        lines.append(f"  {row.kind:<24}{row.elements:>17,}{row.bytes_per_element:>7.4g}"
+                     f"{size(row.bytes)}  {row.split}")
+    for group in ("weights", "kv", "workspace"):
+        lines.append(f"  {group + ' (sum)':<48}{size(role.bytes_of(group))}")
+    total = f"  {'total':<48}{size(role.total_bytes)}"
+    if device_bytes is not None:
+        total += f"  of {_gb(device_bytes)} GB: {_headroom(role.total_bytes, device_bytes)}"
+    return lines + [total]
+
+
+def _headroom(need: int, have: int) -> str:
+    if need > have:
+        return f"EXCEEDS by {_gb(need - have)} GB"
+    return f"headroom {_gb(have - need)} GB ({100 * (have - need) / have:.1f} %)"

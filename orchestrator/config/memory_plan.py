@@ -1,0 +1,352 @@
+"""Per-rank memory plan: what one rank of a role holds, by kind, from config.json and the layout.
+
+The plan is a table: one :class:`Kind` per row (:data:`KINDS`), each giving the ELEMENTS one
+rank holds (a pure function of the :class:`engine.model_config.ModelConfig` and the
+:class:`RoleLayout`) and its storage class; :class:`Precision` gives the bytes per element
+of each storage class. Nothing is instantiated; no weights are read.
+
+How later layouts plug in (rows and parameters, not branches):
+- DeepSeek-V3.2's indexer (done): a row for its weights (replicated), a third KV row
+  (``index_head_dim``); both only for models with sparse attention.
+- FP8 / W8A8 checkpoints (done): :class:`Precision` gets the stored bytes of ``linear``
+  weights from :func:`engine.quant.memory.bytes_per_param` (1 byte + the scales' share, or
+  the compute dtype for FP8 with ``model.fp8_storage: dequantize``); embedding, norms, gate,
+  lm_head and ``kv_b_proj`` (dequantized at load) keep ``weight``.
+- Context-parallel prefill (done): tp is 1, so attention is replicated on every CP rank; the
+  ``layer_sharding`` linears count only the layers a rank owns (``ceil(layers / cp)`` on CP
+  rank 0, the most loaded), and a prefetch pool row holds :data:`PREFETCH_POOL` layers of them
+  (the broadcast buffers, ``engine.layer_sharding.LayerPrefetcher``).
+
+Split rules are the engine's (engine/layout.py, DESIGN.md "Parallel layout"): attention by
+heads over TP (``q_a_proj``, ``kv_a_proj_with_mqa`` whole); dense MLP and shared experts by
+intermediate channels over TP; routed experts either whole experts over the role's
+dp x tp ranks (``ep``) or all experts with the intermediate split over TP; embedding and
+lm_head vocab-parallel over TP (``ceil(vocab / tp)`` rows); norms and the router gate whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.model_config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# NOTE: buffer sets of the layer-sharding prefetcher (engine LayerPrefetcher's pool_size).
+PREFETCH_POOL = 2
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """One role's parallel layout and scheduler sizes (what the plan depends on).
+
+    Attributes:
+        role: "prefill", "decode" or "colocated".
+        dp, tp: DP ranks of the role and TP ranks per DP rank.
+        cp: context-parallel ranks per DP rank (prefill; tp is 1 then).
+        layer_sharding: attention linears stored on one CP rank per layer (cp > 1).
+        ep: routed experts split over all ``dp * tp`` ranks (else TP-sharded per DP rank).
+        num_kv_blocks, block_size: the KV cache of one DP rank (every TP rank holds all of it).
+        step_tokens: most tokens one step runs (prefill: max_num_batched_tokens; decode:
+            max_num_seqs).
+        max_num_seqs: most sequences one step samples (logits rows).
+        max_model_len: longest sequence, tokens (the prefix chunked prefill decompresses).
+    """
+
+    role: str
+    dp: int
+    tp: int
+    ep: bool
+    num_kv_blocks: int
+    block_size: int
+    step_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    cp: int = 1
+    layer_sharding: tuple[str, ...] = ()
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the role: ``dp * tp * cp``."""
+        return self.dp * self.tp * self.cp
+
+    @property
+    def section(self) -> str:
+        """The config section that sizes the role (colocated instances: ``decode``)."""
+        return "decode" if self.role == "colocated" else self.role
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks the routed experts are split over (1: every DP rank holds all experts)."""
+        return self.ranks if self.ep else 1
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each storage class.
+
+    Attributes:
+        linear: projection and expert weights (the ones a quantized checkpoint stores small).
+        weight: embedding, lm_head, norms, router gate (kept at model precision).
+        kv: KV cache elements.
+        activation: workspace activations.
+    """
+
+    linear: float
+    weight: float
+    kv: float
+    activation: float
+    fp32: float = 4.0
+
+    @classmethod
+    def of(cls, dtype: str, linear: float | None = None) -> "Precision":
+        """Everything at ``dtype`` ("bfloat16", "float16", "float32"), except ``linear``
+        weights when given (bytes per element of a quantized checkpoint's linears)."""
+        size = DTYPE_BYTES[dtype]
+        return cls(linear=size if linear is None else linear, weight=size, kv=size,
+                   activation=size)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One row of the plan.
+
+    Attributes:
+        name: what the row holds ("routed experts").
+        group: "weights", "kv" or "workspace".
+        storage: the :class:`Precision` field giving its bytes per element.
+        count: (model, layout) -> (elements per rank, how they are split, in words).
+        sparse_only: a DeepSeek-V3.2 (DSA) row, left out of other models' plans.
+        layer_sharded_only: a layer-sharding row, left out of layouts without it.
+    """
+
+    name: str
+    group: str
+    storage: str
+    count: Callable[[ModelConfig, RoleLayout], tuple[int, str]]
+    sparse_only: bool = False
+    layer_sharded_only: bool = False
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """A kind's share of one rank: ``elements`` x ``bytes_per_element`` bytes."""
+
+    kind: str
+    group: str
+    elements: int
+    bytes_per_element: float
+    split: str
+
+    @property
+    def bytes(self) -> int:
+        return math.ceil(self.elements * self.bytes_per_element)
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """What ONE rank of a role holds (every rank of a role holds the same amount)."""
+
+    layout: RoleLayout
+    rows: tuple[PlanRow, ...]
+
+    def bytes_of(self, group: str) -> int:
+        """Bytes of the rows of ``group`` ("weights", "kv", "workspace")."""
+        return sum(row.bytes for row in self.rows if row.group == group)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(row.bytes for row in self.rows)
+
+
+def num_moe_layers(m: ModelConfig) -> int:
+    """Decoder layers with routed experts (the rest have a dense MLP)."""
+    return sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+
+
+def _attention_linears(m: ModelConfig, lay: RoleLayout) -> dict[str, int]:
+    """Elements of one layer's attention linears on one rank (by-heads ones divided by tp)."""
+    heads, tp = m.num_attention_heads, lay.tp
+    sizes = {"kv_a_proj_with_mqa": m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim),
+             "o_proj": heads * m.v_head_dim * m.hidden_size // tp,
+             "kv_b_proj": m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) // tp}
+    if m.q_lora_rank:
+        sizes["q_a_proj"] = m.hidden_size * m.q_lora_rank
+        sizes["q_b_proj"] = m.q_lora_rank * heads * m.qk_head_dim // tp
+    else:  # plain q_proj (V2-Lite)
+        sizes["q_proj"] = m.hidden_size * heads * m.qk_head_dim // tp
+    return sizes
+
+
+def _layers_held(m: ModelConfig, lay: RoleLayout, name: str) -> int:
+    """Layers of ``name`` one rank stores: all, or with layer sharding the most one CP rank
+    owns (layer i lives on CP rank i % cp)."""
+    layers = m.num_hidden_layers
+    return -(-layers // lay.cp) if name in lay.layer_sharding else layers
+
+
+def _sharded_text(m: ModelConfig, lay: RoleLayout, names: list[str]) -> str:
+    sharded = [n for n in lay.layer_sharding if n in names]
+    if not sharded:
+        return ""
+    return (f"; {', '.join(sharded)} layer-sharded: {_layers_held(m, lay, sharded[0])} of "
+            f"{m.num_hidden_layers} layers (cp {lay.cp})")
+
+
+def _attention(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    sizes = _attention_linears(m, lay)
+    names = [n for n in sizes if n != "kv_b_proj"]
+    # NOTE: cp > 1 has tp 1: attention replicated on every CP rank unless layer-sharded.
+    return (sum(_layers_held(m, lay, n) * sizes[n] for n in names),
+            f"q/o by heads /{lay.tp}; q_a, kv_a whole" + _sharded_text(m, lay, names))
+
+
+def _attention_kv_b(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    # NOTE: its own row because the engine keeps kv_b_proj at model precision even in a
+    # quantized checkpoint (attention absorbs its weight into q and the output directly).
+    held = _layers_held(m, lay, "kv_b_proj")
+    return (held * _attention_linears(m, lay)["kv_b_proj"],
+            f"by heads /{lay.tp}" + _sharded_text(m, lay, ["kv_b_proj"]))
+
+
+def _prefetch_pool(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    sizes = _attention_linears(m, lay)
+    per_layer = sum(sizes[n] for n in lay.layer_sharding if n in sizes)
+    return PREFETCH_POOL * per_layer, f"{PREFETCH_POOL} layers of the layer-sharded weights"
+
+
+def _dense_mlp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    dense = m.num_hidden_layers - num_moe_layers(m)
+    return dense * 3 * m.hidden_size * m.intermediate_size // lay.tp, \
+        f"{dense} layers, intermediate /{lay.tp}"
+
+
+def _shared_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    width = m.n_shared_experts * m.moe_intermediate_size
+    return num_moe_layers(m) * 3 * m.hidden_size * width // lay.tp, f"intermediate /{lay.tp}"
+
+
+def _routed_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    experts = m.n_routed_experts or 0
+    per_expert = 3 * m.hidden_size * m.moe_intermediate_size
+    if lay.ep:
+        # NOTE: dp x tp divides the experts: load_config ran the engine's one check
+        # (orchestrator/config/layout_check.py -> engine.layout.tp_layout) before any plan.
+        mine = experts // lay.ep_size
+        return (num_moe_layers(m) * mine * per_expert,
+                f"{mine} of {experts} whole (EP {lay.ep_size})")
+    return num_moe_layers(m) * experts * per_expert // lay.tp, \
+        f"all {experts}, intermediate /{lay.tp}"
+
+
+def _vocab_rows(m: ModelConfig, lay: RoleLayout) -> int:
+    return -(-m.vocab_size // lay.tp) * m.hidden_size
+
+
+def _embedding(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return _vocab_rows(m, lay), f"vocab /{lay.tp}"
+
+
+def _lm_head(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    if m.tie_word_embeddings:
+        return 0, "tied to the embedding"
+    return _vocab_rows(m, lay), f"vocab /{lay.tp}"
+
+
+def _indexer(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    per_layer = m.q_lora_rank * m.index_n_heads * m.index_head_dim \
+        + m.hidden_size * (m.index_head_dim + m.index_n_heads)  # wq_b, wk, weights_proj
+    return m.num_hidden_layers * per_layer, "whole (every TP rank)"
+
+
+def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    norms = 2 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank \
+        + 2 * m.index_head_dim  # per layer; the last: V3.2 indexer k_norm weight and bias
+    experts = m.n_routed_experts or 0
+    bias = experts if m.topk_method == "noaux_tc" else 0
+    gate = experts * m.hidden_size + bias
+    return (m.num_hidden_layers * norms + m.hidden_size + num_moe_layers(m) * gate,
+            "whole")
+
+
+def _kv_tokens(lay: RoleLayout) -> int:
+    return lay.num_kv_blocks * lay.block_size
+
+
+def _kv_latent(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return m.num_hidden_layers * _kv_tokens(lay) * m.kv_lora_rank, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.kv_lora_rank}"
+
+
+def _kv_rope(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return m.num_hidden_layers * _kv_tokens(lay) * m.qk_rope_head_dim, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.qk_rope_head_dim}"
+
+
+def _kv_index(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return m.num_hidden_layers * _kv_tokens(lay) * m.index_head_dim, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.index_head_dim}"
+
+
+def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    # NOTE: an estimate of the live tensors of one layer (they are reused layer to layer),
+    # assuming fused (flash / paged) attention kernels that never hold a score matrix:
+    # per step token: 4 hidden-wide tensors (residual, normed input, attention and MLP out),
+    # the q and kv latents, MHA-form q, k, v and output on local heads, and per routed
+    # expert choice its dispatched copy in and out plus gate, up and SwiGLU intermediates;
+    # chunked prefill also decompresses the cached prefix (max_model_len tokens) on local
+    # heads.
+    heads = m.num_attention_heads // lay.tp
+    inter = m.moe_intermediate_size if lay.ep else m.moe_intermediate_size // lay.tp
+    per_token = 4 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank \
+        + m.qk_rope_head_dim + heads * 2 * (m.qk_head_dim + m.v_head_dim) \
+        + m.num_experts_per_tok * (2 * m.hidden_size + 3 * inter)
+    prefix = 0 if lay.role == "decode" else \
+        lay.max_model_len * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    mine = -(-lay.step_tokens // lay.cp)  # NOTE: CP: each rank computes 1/cp of a step
+    cp = f" / cp {lay.cp}" if lay.cp > 1 else ""
+    return mine * per_token + prefix, f"{lay.step_tokens} step tokens{cp} (estimate)"
+
+
+def _logits(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return lay.max_num_seqs * m.vocab_size, f"{lay.max_num_seqs} seqs x full vocab, fp32"
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("attention", "weights", "linear", _attention),
+    Kind("attention: kv_b_proj", "weights", "weight", _attention_kv_b),
+    Kind("dense MLP", "weights", "linear", _dense_mlp),
+    Kind("shared experts", "weights", "linear", _shared_experts),
+    Kind("routed experts", "weights", "linear", _routed_experts),
+    Kind("embedding", "weights", "weight", _embedding),
+    Kind("lm_head", "weights", "weight", _lm_head),
+    Kind("indexer (V3.2)", "weights", "linear", _indexer, sparse_only=True),
+    Kind("norms + router gate", "weights", "weight", _norms_and_gate),
+    Kind("layer-sharding prefetch", "workspace", "weight", _prefetch_pool,
+         layer_sharded_only=True),
+    Kind("KV cache: c_kv latent", "kv", "kv", _kv_latent),
+    Kind("KV cache: k_pe", "kv", "kv", _kv_rope),
+    Kind("KV cache: index_k", "kv", "kv", _kv_index, sparse_only=True),
+    Kind("workspace: activations", "workspace", "activation", _activations),
+    Kind("workspace: logits", "workspace", "fp32", _logits),
+)
+
+
+def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> RolePlan:
+    """The memory of one rank of ``layout``'s role, one row per :data:`KINDS` entry.
+
+    ``layout`` must be one the engine can build (:func:`engine.layout.tp_layout`; for an
+    ``OrchConfig`` that is checked by ``load_config``): with ``ep`` on, dp x tp divides
+    n_routed_experts.
+    """
+    rows = []
+    for kind in KINDS:
+        if kind.sparse_only and not model.uses_sparse_attention:
+            continue
+        if kind.layer_sharded_only and not layout.layer_sharding:
+            continue
+        elements, split = kind.count(model, layout)
+        rows.append(PlanRow(kind.name, kind.group, elements,
+                            getattr(precision, kind.storage), split))
+    return RolePlan(layout, tuple(rows))

@@ -1,0 +1,153 @@
+"""The `orch up` configuration: one frozen pydantic model per component, validated when loaded.
+
+The YAML file maps one to one onto :class:`OrchConfig` (reference: docs/config.md), whose
+sections (one per component) are in :mod:`orchestrator.config.sections`.
+:func:`orchestrator.config.load.load_config` builds it from the YAML file.
+:meth:`OrchConfig.instances` derives the per-instance :class:`rank.config.InstanceConfig`
+that the rank actors receive: each role's scheduler sizes from that role's section, the one
+``kv_transfer.TransferConfig`` from the ``kv_transfer`` section, and the device and backend
+decided once by ``engine.platform``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+from pydantic import model_validator
+
+from engine.graph import GRAPH_BACKENDS, GraphConfig
+from engine.platform import DIST_BACKENDS, detect_platform
+from orchestrator.config.sections import (ClusterSection, DecodeSection, GraphSection,
+                                          HealthSection, KVTransferSection, ModelSection,
+                                          PrefillSection, RouterSection, _cross_field, _Section)
+from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
+
+DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
+
+
+class OrchConfig(_Section):
+    """The whole deployment. Built by :func:`load_config`; frozen."""
+
+    model: ModelSection = ModelSection()
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: PrefillSection = PrefillSection()
+    decode: DecodeSection = DecodeSection()
+    kv_transfer: KVTransferSection = KVTransferSection()
+    router: RouterSection = RouterSection()
+    health: HealthSection = HealthSection()
+    cluster: ClusterSection = ClusterSection()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "OrchConfig":
+        _check_backend(self.kv_transfer.backend, self.cluster.device)
+        if self.cluster.device != "auto" or self.kv_transfer.backend != "auto":
+            _check_graph_backend(self.decode.graph, self.device())
+        if self.mode == "colocated" and self.prefill.cp > 1:
+            raise _cross_field(
+                f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "
+                "colocated instances are sized by the decode section: set prefill.cp to 1")
+        block, max_len = self.kv_transfer.block_size, self.model.max_model_len
+        sides = [("decode", self.decode.num_kv_blocks)]
+        if self.mode == "disaggregated":
+            sides.append(("prefill", self.prefill.num_kv_blocks))
+        for side, blocks in sides:
+            if blocks * block < max_len:
+                need = -(-max_len // block)
+                raise _cross_field(
+                    f"{side}.num_kv_blocks ({blocks}) x kv_transfer.block_size ({block}) = "
+                    f"{blocks * block} tokens < model.max_model_len ({max_len}): one request "
+                    f"could never fit; raise {side}.num_kv_blocks to >= {need} or lower "
+                    "model.max_model_len")
+        if self.router.metrics_port and self.router.metrics_port == self.router.port:
+            raise _cross_field(
+                f"router.metrics_port ({self.router.metrics_port}) equals router.port: pick "
+                "another port for metrics (or leave metrics_port unset)")
+        if self.router.http_port and self.router.http_port in (self.router.port,
+                                                                self.router.metrics_port):
+            raise _cross_field(
+                f"router.http_port ({self.router.http_port}) equals router.port or "
+                "router.metrics_port: pick another port for the HTTP API")
+        return self
+
+    def device(self) -> str:
+        """The rank device: ``cluster.device``, or derived from the backend, or
+        ``engine.platform``'s decision (``$ORCH_DEVICE``, else detected)."""
+        if self.cluster.device != "auto":
+            return self.cluster.device
+        if self.kv_transfer.backend != "auto":
+            return DEVICE_FOR_BACKEND[self.kv_transfer.backend]
+        return detect_platform().device_type
+
+    def dist_backend(self) -> str:
+        """torch.distributed backend for TP groups and KV pairs."""
+        if self.kv_transfer.backend != "auto":
+            return self.kv_transfer.backend
+        return DIST_BACKENDS[self.device()]
+
+    def instances(self) -> list[InstanceConfig]:
+        """One :class:`InstanceConfig` per instance: prefill-0.., decode-0.. or colocated-0.."""
+        roles = ["colocated"] if self.mode == "colocated" else ["prefill", "decode"]
+        parallel = {role: self._parallel(role) for role in roles}
+        scheduler = {role: self._scheduler(role) for role in roles}
+        transfer = self.kv_transfer.transfer_config()
+        graph = {role: GraphConfig() if role == "prefill"
+                 else self.decode.graph.graph_config(self.decode.max_num_seqs) for role in roles}
+        return [InstanceConfig(name=f"{role}-{i}", role=role,
+                               checkpoint_dir=str(self.model.checkpoint_dir()),
+                               dtype=self.model.dtype, fp8_storage=self.model.fp8_storage,
+                               scheduler=scheduler[role],
+                               parallel=replace(parallel[role], dp_rank=i), transfer=transfer,
+                               graph=graph[role])
+                for role in roles for i in range(self._section(role).dp)]
+
+    def _section(self, role: str) -> PrefillSection | DecodeSection:
+        """The section that sizes ``role``'s instances (colocated ones: ``decode``)."""
+        return self.prefill if role == "prefill" else self.decode
+
+    def _scheduler(self, role: str) -> SchedulerConfig:
+        """Scheduler sizes of ``role``: prefill's from ``prefill``, decode's from ``decode``
+        (one token per request per step), colocated ones from both (chunking from
+        ``prefill``, batch and KV size from ``decode``)."""
+        block = self.kv_transfer.block_size
+        if role == "prefill":
+            p = self.prefill
+            return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
+                                   p.max_num_batched_tokens, p.max_num_seqs)
+        d = self.decode
+        if role == "decode":
+            return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1,
+                                   max_num_batched_tokens=d.max_num_seqs,
+                                   max_num_seqs=d.max_num_seqs)
+        return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
+                               self.prefill.max_num_batched_tokens, d.max_num_seqs)
+
+    def _parallel(self, role: str) -> ParallelConfig:
+        """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""
+        bind_host = self.cluster.bind_host or ("" if self.cluster.address else "127.0.0.1")
+        section = self._section(role)
+        cp = dict(cp=section.cp, layer_sharding=tuple(section.layer_sharding)) \
+            if role == "prefill" else {}
+        return ParallelConfig(tp=section.tp, dp=section.dp, ep=section.ep, **cp,
+                              device=self.device(), dist_backend=self.dist_backend(),
+                              bind_host=bind_host, step_timeout_s=self.health.step_timeout_s)
+
+
+def _check_backend(backend: str, device: str) -> None:
+    if backend == "auto" or device == "auto":
+        return
+    if DIST_BACKENDS[device] != backend:
+        raise _cross_field(
+            f"kv_transfer.backend '{backend}' does not work with cluster.device '{device}': "
+            f"use backend '{DIST_BACKENDS[device]}' (or 'auto') for {device}")
+
+
+def _check_graph_backend(graph: GraphSection, device: str) -> None:
+    if graph.enabled and device not in GRAPH_BACKENDS.device_types(graph.backend or None):
+        what = f"decode.graph.backend '{graph.backend}'" if graph.backend else \
+            "graph mode (decode.graph.enabled)"
+        usable = [n for n in GRAPH_BACKENDS.names() if device in GRAPH_BACKENDS.device_types(n)]
+        raise _cross_field(
+            f"{what} has no implementation on cluster.device '{device}': set "
+            f"decode.graph.backend to one of {usable} (or leave it empty), or "
+            "decode.graph.enabled false")

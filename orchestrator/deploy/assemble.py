@@ -1,0 +1,96 @@
+"""Wire a Router, its health monitor and status board from the config and the leader handles
+(Ray actors or fakes)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from orchestrator.router.admission import AdmissionQueue
+from orchestrator.config.checkpoint import ModelInfo
+from orchestrator.config.schema import OrchConfig
+from orchestrator.router.detokenizer import Tokenizer
+from orchestrator.router.flow import ColocatedFlow, DisaggregatedFlow, Flow
+from orchestrator.deploy.health import HealthMonitor
+from orchestrator.router.leader import LeaderClient
+from orchestrator.router.policies import make_policy
+from orchestrator.router.router import Router, RouterMetrics
+from orchestrator.status import StatusBoard
+
+log = logging.getLogger(__name__)
+Healthy = Callable[[str], bool]
+RECOVER_GRACE_S = 30.0  # beyond health.recover_timeout_s before the monitor gives up
+
+
+def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Flow:
+    """The flow of ``cfg.mode`` over leader ``handles`` (instance name -> leader handle);
+    its policies choose only among instances for which ``healthy(name)`` holds.
+
+    Raises:
+        KeyError: a configured instance has no handle.
+    """
+    timeout = cfg.router.request_timeout_s
+    leaders = {inst.role: [] for inst in cfg.instances()}
+    for inst in cfg.instances():
+        leaders[inst.role].append(LeaderClient(inst.name, inst.role, handles[inst.name],
+                                               call_timeout_s=timeout))
+    def policy(role: str):
+        return make_policy(cfg.router.policy, [l.name for l in leaders[role]], healthy)
+
+    if cfg.mode == "colocated":
+        return ColocatedFlow(leaders["colocated"], policy("colocated"))
+    return DisaggregatedFlow(
+        leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
+        AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp,
+        prefill_cp=cfg.prefill.cp)
+
+
+def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
+                 tokenizer: Tokenizer | None, metrics: RouterMetrics | None = None,
+                 poll_timeout_s: float = 0.5,
+                 healthy: Healthy = lambda name: True) -> Router:
+    """A router over ``handles`` configured by ``cfg.router`` (call from the event loop);
+    ``healthy``: the health monitor's ``is_healthy`` (default: all instances healthy)."""
+    return Router(build_flow(cfg, handles, healthy), model, tokenizer,
+                  cfg.router.request_timeout_s, metrics=metrics, poll_timeout_s=poll_timeout_s,
+                  max_attempts=cfg.router.max_attempts)
+
+
+def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
+                  on_unhealthy: Callable[[str, str], None] | None = None,
+                  recover: Callable[[str], Awaitable[bool]] | None = None) -> HealthMonitor:
+    """A health monitor of every instance of ``cfg``, timed by ``cfg.health`` (see
+    :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy`` and ``recover``)."""
+    h = cfg.health
+    # NOTE: the Recoverer bounds a restart by recover_timeout_s itself and then gives up on
+    # it a few seconds later; the monitor's own bound only catches a recover that hangs.
+    return HealthMonitor({inst.name: inst.role for inst in cfg.instances()}, ranks_of,
+                         h.probe_interval_s, h.probe_timeout_s, on_unhealthy=on_unhealthy,
+                         recover=recover, recover_timeout_s=h.recover_timeout_s + RECOVER_GRACE_S)
+
+
+def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:
+    """The status rows of ``router``'s instances (its metrics get every status answer)."""
+    return StatusBoard(router.flow.leaders,
+                       {inst.name: inst.parallel.tp for inst in cfg.instances()}, monitor,
+                       router.metrics, cfg.health.status_timeout_s)
+
+
+def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: str | None,
+                      ready: Callable[[], bool], grace_s: float):
+    """The OpenAI HTTP API over ``router`` on ``router.host:router.http_port`` (TLS from
+    ``router.tls``); ``ready`` drives its /health. Chat uses the checkpoint's chat template;
+    without one, chat completions answer 400 and a warning says why."""
+    from orchestrator.api.http.app import OpenAIApp  # lazy: only when router.http_port is set
+    from orchestrator.api.http.chat_template import ChatTemplate, ChatTemplateError
+    from orchestrator.api.http.server import HttpServer
+
+    try:
+        template = ChatTemplate.from_checkpoint(checkpoint)
+    except ChatTemplateError as exc:
+        log.warning("/v1/chat/completions is off: %s", exc)
+        template = None
+    app = OpenAIApp(router, template, token, ready)
+    return HttpServer(app.asgi(), cfg.router.host, cfg.router.http_port, cfg.router.tls,
+                      grace_s=grace_s)

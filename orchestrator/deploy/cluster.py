@@ -1,0 +1,447 @@
+"""Ray bring-up and tear-down of the rank actors of every instance.
+
+Sequence (every step bounded by ``cluster.startup_timeout_s``; any failure names the
+instance/rank, tears everything down and raises :class:`BringUpError`):
+
+1. one placement group per instance (STRICT_PACK, one bundle per rank), wait until ready;
+2. create the rank actors ``cls(cfg: InstanceConfig, rank)`` in their bundles, check
+   ``node_info()`` on each (constructor errors surface here);
+3. ``host, port = leader.open_tp_store()``; for a role with ``ep``, its first instance's
+   leader also opens the role's EP store (``open_ep_store()``);
+4. ``rank.init_rank(host, port, peers, ep_store)`` on every rank (``peers``: all rank handles
+   of the instance, rank order; ``ep_store``: the role's EP store, None without ``ep``). With
+   ``ep`` this is collective over every rank of the role (the EP group, and the leaders' DP
+   sync), so every instance's ``init_rank`` is under way before any is awaited;
+5. ``leader.start()``.
+
+Progress goes to a :data:`orchestrator.deploy.progress.Report` (default: printed ``orch up: ...``
+lines): one line per stage and per instance, with its node and how long it took.
+
+:meth:`Cluster.restart_instance` repeats 1-5 for one instance whose ranks died or hang, after
+killing what is left of them (automatic recovery: ``orchestrator/deploy/recovery.py``); for an
+expert-parallel role, for all its instances together (one EP group spans them:
+:meth:`Cluster.restart_group`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rank.config import InstanceConfig
+from orchestrator.config.schema import OrchConfig
+from orchestrator.config.sections import ClusterSection
+from orchestrator.deploy.health import PROBE_GROUP
+from orchestrator.deploy.placement import STRATEGY, rank_bundle, role_resources
+from orchestrator.deploy.progress import Report, Stopwatch, node_ips, nodes_text, plural, say
+
+log = logging.getLogger(__name__)
+
+RANK_CLASSES = {
+    "prefill": "prefill_worker.actor:PrefillRank",
+    "decode": "decode_worker.actor:DecodeRank",
+    "colocated": "rank.colocated:ColocatedRank",
+}
+ACTOR_CONCURRENCY = 16  # NOTE: poll() blocks a thread while reserve/abort/status still answer
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class BringUpError(RuntimeError):
+    """The cluster could not be brought up; the message names the instance/rank and the fix."""
+
+
+@dataclass
+class InstanceRanks:
+    """One running instance: its config, placement group and rank actors (rank order)."""
+
+    cfg: InstanceConfig
+    pg: Any
+    ranks: list[Any] = field(default_factory=list)
+    nodes: list[tuple[str, str]] = field(default_factory=list)  # (node id, device) per rank
+    started: bool = False  # the leader's start() returned: there is work to drain
+
+    @property
+    def leader(self) -> Any:
+        return self.ranks[0]
+
+
+@dataclass
+class Cluster:
+    """Everything :func:`bring_up` made; :meth:`teardown` undoes it exactly once.
+
+    ``cfg`` and ``rank_classes`` are what :meth:`restart_instance` rebuilds an instance from.
+    An instance whose restart failed stays listed with no ranks (``pg`` None) until a later
+    restart succeeds.
+    """
+
+    instances: list[InstanceRanks]
+    started_ray: bool
+    report: Report = say
+    cfg: OrchConfig | None = None
+    rank_classes: dict[str, type] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _closed: bool = False
+
+    def leaders(self) -> dict[str, Any]:
+        """Instance name -> leader actor handle (instances that have ranks)."""
+        with self._lock:
+            return {inst.cfg.name: inst.leader for inst in self.instances if inst.ranks}
+
+    def ranks_of(self, name: str) -> list[Any]:
+        """The rank actor handles of instance ``name`` now, rank order (empty while a failed
+        restart left it without ranks).
+
+        Raises:
+            KeyError: no instance of that name.
+        """
+        with self._lock:
+            return list(self._find(name).ranks)
+
+    def restart_group(self, name: str) -> list[str]:
+        """The instances restarted together with ``name``: every instance of its role when the
+        role is expert-parallel (one EP group spans them all), else ``name`` alone.
+
+        Raises:
+            KeyError: no instance of that name.
+        """
+        with self._lock:
+            cfg = self._find(name).cfg
+            if not cfg.parallel.ep:
+                return [name]
+            return [i.cfg.name for i in self.instances if i.cfg.role == cfg.role]
+
+    def restart_instance(self, name: str, timeout_s: float) -> list[InstanceRanks]:
+        """Replace instance ``name`` (and every instance of :meth:`restart_group`) by new rank
+        actors: kill what is left of their ranks (``ray.kill`` also ends a SIGSTOPped
+        process), remove their placement groups, then placement groups, actors, TP (and EP)
+        stores, ``init_rank``, leader ``start()`` as at bring-up, all within ``timeout_s``.
+        The new :class:`InstanceRanks` replace the old ones in ``instances``; returned in
+        :meth:`restart_group` order. Blocking (call it from a thread).
+
+        A restarted decode instance publishes new KV addresses (its reservations carry
+        them); prefill ranks remake their pairs to it on first use, and a restarted prefill
+        instance makes new pair generations (the KV handshake checks the layout fingerprint).
+
+        Raises:
+            KeyError: no instance of that name.
+            BringUpError: a step failed or ``timeout_s`` ran out (what was made is removed;
+                the instances are left without ranks), or the cluster is being torn down.
+        """
+        names = self.restart_group(name)
+        with self._lock:
+            if self._closed or self.cfg is None:
+                raise BringUpError(f"{name}: not restarted: the cluster is shut down or was not "
+                                   "made by bring_up")
+            olds = [self._find(n) for n in names]
+            for old in olds:
+                self.instances[self.instances.index(old)] = InstanceRanks(old.cfg, None)
+        deadline = time.monotonic() + timeout_s
+        for old in olds:
+            _kill(old)
+        news = []
+        try:
+            for old in olds:
+                news.append(_placement_group(old.cfg, self.cfg,
+                                             max(deadline - time.monotonic(), 0.01)))
+            _start_instances(news, self.rank_classes[olds[0].cfg.role],
+                             self.cfg.cluster, deadline)
+        except BaseException as exc:
+            for new in news:
+                _kill(new)
+            if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
+                raise BringUpError(f"{name}: restart failed: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+            raise
+        self._install(news)
+        return news
+
+    def _install(self, news: list[InstanceRanks]) -> None:
+        """Put restarted instances in place of their empty entries (or kill them when the
+        cluster shut down meanwhile).
+
+        Raises:
+            BringUpError: the cluster was torn down while they started.
+        """
+        with self._lock:
+            if self._closed:
+                for new in news:
+                    _kill(new)
+                raise BringUpError(f"{', '.join(n.cfg.name for n in news)}: restarted while the "
+                                   "cluster shut down; removed")
+            for new in news:
+                self.instances[self.instances.index(self._find(new.cfg.name))] = new
+        for new in news:
+            log.info("%s restarted on %s", new.cfg.name,
+                     nodes_text([node for node, _ in new.nodes], node_ips()))
+
+    def _find(self, name: str) -> InstanceRanks:
+        """Caller holds ``_lock``."""
+        for inst in self.instances:
+            if inst.cfg.name == name:
+                return inst
+        raise KeyError(f"no instance {name!r}; known: {[i.cfg.name for i in self.instances]}")
+
+    def teardown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Started leaders ``drain`` then ``shutdown`` (each bounded by ``timeout_s``), kill
+        every rank, remove the placement groups, stop Ray if we started it.
+
+        NOTE: instances whose leader never started (an interrupted or failed start-up) are
+        killed without the calls: an actor still in its constructor would answer them only
+        when that ends, and they have nothing to drain.
+        """
+        import ray
+
+        watch = Stopwatch()
+        with self._lock:
+            instances, self.instances, self._closed = self.instances, [], True
+        if instances:
+            self.report(f"stopping {plural(len(instances), 'instance')}")
+        leaders = [inst.leader for inst in instances if inst.started]
+        for step, args in (("drain", (timeout_s,)), ("shutdown", ())):
+            try:
+                ray.get([getattr(leader, step).remote(*args) for leader in leaders],
+                        timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
+                log.warning("leader %s did not complete: %s", step, _first_line(exc))
+                log.debug("leader %s failure detail", step, exc_info=exc)
+        for inst in instances:
+            _kill(inst)
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+            self.report(f"stopped the ranks and the embedded Ray in {watch}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an error, the worker's own one when Ray wrapped it (the
+    wrapper's text is a whole coloured traceback)."""
+    cause = getattr(exc, "cause", None)
+    exc = cause if isinstance(cause, BaseException) else exc
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def load_rank_classes() -> dict[str, type]:
+    """The lead's rank actor classes (imported lazily; clear error when absent)."""
+    classes = {}
+    for role, target in RANK_CLASSES.items():
+        module, name = target.split(":")
+        try:
+            classes[role] = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise BringUpError(f"cannot import {target} ({exc}): this build lacks the "
+                               f"{role} worker; install the full orch package") from None
+    return classes
+
+
+def bring_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None,
+             started_ray: bool = False, report: Report = say) -> Cluster:
+    """Create and start every instance of ``cfg`` on the connected Ray cluster.
+
+    Args:
+        cfg: the deployment.
+        rank_classes: role -> plain rank class (default: :func:`load_rank_classes`).
+        started_ray: whether the caller started Ray (then teardown stops it).
+        report: where the progress lines go (stage, instance, node, seconds).
+
+    Raises:
+        BringUpError: a placement group, actor or init step failed or timed out.
+    """
+    classes = rank_classes or load_rank_classes()
+    cluster = Cluster(instances=[], started_ray=started_ray, report=report, cfg=cfg,
+                      rank_classes=classes)
+    timeout = cfg.cluster.startup_timeout_s
+    watch = Stopwatch()
+    try:
+        _place(cluster, cfg, timeout)
+        ips = _spawn(cluster, classes, cfg.cluster, timeout)
+        _init_and_start(cluster, timeout, watch, ips)
+    except BaseException:
+        cluster.teardown()
+        raise
+    report(f"{plural(len(cluster.instances), 'instance')} ready in {watch}")
+    return cluster
+
+
+def _place(cluster: Cluster, cfg: OrchConfig, timeout: float) -> None:
+    """One placement group per instance, each ready (resources held) before the next."""
+    instances = cfg.instances()
+    ranks = sum(inst.parallel.ranks for inst in instances)
+    cluster.report(f"placing {plural(len(instances), 'instance')} "
+                   f"({plural(ranks, 'rank')}, one placement group per instance)")
+    for inst_cfg in instances:
+        cluster.instances.append(_placement_group(inst_cfg, cfg, timeout))
+
+
+def _spawn(cluster: Cluster, classes: dict[str, type], res: ClusterSection,
+           timeout: float) -> dict[str, str]:
+    """Start every rank process; one line per instance once its ranks answer. Returns Ray
+    node id -> IP (:func:`node_ips`)."""
+    ranks = sum(inst.cfg.parallel.ranks for inst in cluster.instances)
+    processes = plural(ranks, "rank process", "rank processes")
+    cluster.report(f"starting {processes} (each imports torch: up to a minute on a busy "
+                   "machine)")
+    watch = Stopwatch()
+    for inst in cluster.instances:
+        _create_ranks(inst, classes[inst.cfg.role], res)
+    ips = {}
+    for inst in cluster.instances:
+        inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
+                                "node_info", timeout)
+        ips = ips or node_ips()
+        processes = plural(len(inst.ranks), "rank process", "rank processes")
+        where = nodes_text([node for node, _ in inst.nodes], ips)
+        cluster.report(f"{inst.cfg.name}: {processes} up on {where} in {watch}")
+    return ips
+
+
+def _init_and_start(cluster: Cluster, timeout: float, watch: Stopwatch,
+                    ips: dict[str, str]) -> None:
+    """TP rendezvous and model load on every rank, then each leader's loop; one line per
+    instance once it serves (``watch``: since bring-up began; ``ips``: node id -> IP)."""
+    cluster.report("loading the model on every rank and joining the TP groups")
+    stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", timeout)
+              for inst in cluster.instances]
+    ep_stores = _open_ep_stores(cluster.instances, timeout)
+    inits = [[r.init_rank.remote(host, port, inst.ranks, ep_stores.get(inst.cfg.role))
+              for r in inst.ranks]
+             for inst, (host, port) in zip(cluster.instances, stores)]
+    for inst, refs in zip(cluster.instances, inits):
+        _get_ranks(inst, refs, "init_rank", timeout)
+        _get_one(inst, inst.leader.start.remote(), "start", timeout)
+        inst.started = True
+        where = nodes_text([node for node, _ in inst.nodes], ips)
+        cluster.report(f"{inst.cfg.name}: {plural(len(inst.ranks), 'rank')} on {where} ready "
+                       f"in {watch}")
+
+
+def _open_ep_stores(instances: list[InstanceRanks], timeout: float) -> dict[str, tuple]:
+    """Role -> (host, port) of its EP store, opened by the leader of the role's first
+    instance (EP rank 0), for every role with ``ep``.
+
+    Raises:
+        BringUpError: that leader did not open it within ``timeout``.
+    """
+    stores: dict[str, tuple] = {}
+    for inst in instances:
+        if inst.cfg.parallel.ep and inst.cfg.parallel.dp_rank == 0:
+            stores[inst.cfg.role] = _get_one(inst, inst.leader.open_ep_store.remote(),
+                                             "open_ep_store", timeout)
+    return stores
+
+
+def _start_instances(insts: list[InstanceRanks], cls: type, res: ClusterSection,
+                     deadline: float) -> None:
+    """Steps 2-5 of the module docstring for instances (of one role) whose placement groups
+    are ready, each step bounded by what is left until ``deadline`` (monotonic seconds).
+
+    Raises:
+        BringUpError: a step failed or did not finish in time.
+    """
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.01)
+
+    for inst in insts:
+        _create_ranks(inst, cls, res)
+    for inst in insts:
+        inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
+                                left())
+    stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", left())
+              for inst in insts]
+    ep_stores = _open_ep_stores(insts, left())
+    inits = [[r.init_rank.remote(host, port, inst.ranks, ep_stores.get(inst.cfg.role))
+              for r in inst.ranks] for inst, (host, port) in zip(insts, stores)]
+    for inst, refs in zip(insts, inits):
+        _get_ranks(inst, refs, "init_rank", left())
+    for inst in insts:
+        _get_one(inst, inst.leader.start.remote(), "start", left())
+        inst.started = True
+
+
+def _kill(inst: InstanceRanks) -> None:
+    """Kill the instance's rank actors and remove its placement group (errors logged)."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in inst.ranks:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 -- already gone
+            log.debug("%s: kill: %s", inst.cfg.name, exc)
+    if inst.pg is not None:
+        try:
+            remove_placement_group(inst.pg)
+        except Exception as exc:  # noqa: BLE001 -- already removed
+            log.debug("%s: remove placement group: %s", inst.cfg.name, exc)
+
+
+def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> InstanceRanks:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle = rank_bundle(inst.parallel.device, cfg.cluster, role_resources(cfg, inst.role))
+    pg = placement_group([dict(bundle) for _ in range(inst.parallel.ranks)], strategy=STRATEGY,
+                         name=f"orch-{inst.name}")
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise BringUpError(
+            f"{inst.name}: placement group of {inst.parallel.ranks} x {bundle} ({STRATEGY}: all "
+            f"on one node) not ready within {timeout:g} s: no node has those resources free (see "
+            "`ray status`); lower cluster.cpus_per_rank or the tp (cp), or add nodes") from None
+    return InstanceRanks(cfg=inst, pg=pg)
+
+
+def rank_actor(cls: type) -> Any:
+    """``cls`` as a Ray actor class of a rank: ``ACTOR_CONCURRENCY`` threads for its calls,
+    plus one thread of its own for the health probe (``health.PROBE_GROUP``), so a ping
+    answers while every call thread waits for the step lock."""
+    import ray
+
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY,
+                      concurrency_groups={PROBE_GROUP: 1})(cls)
+
+
+def _create_ranks(inst: InstanceRanks, cls: type, res: ClusterSection) -> None:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    share = res.accelerators_per_rank
+    accel = {"cuda": {"num_gpus": share},
+             "npu": {"resources": {"NPU": share}}}.get(inst.cfg.parallel.device, {})
+    remote_cls = rank_actor(cls)
+    for rank in range(inst.cfg.parallel.ranks):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
+                                                    placement_group_bundle_index=rank)
+        options = dict(num_cpus=res.cpus_per_rank, scheduling_strategy=strategy, **accel)
+        inst.ranks.append(remote_cls.options(**options).remote(inst.cfg, rank))
+
+
+def _get_one(inst: InstanceRanks, ref: Any, step: str, timeout: float) -> Any:
+    return _get_ranks(inst, [ref], step, timeout)[0]
+
+
+def _get_ranks(inst: InstanceRanks, refs: list[Any], step: str, timeout: float) -> list[Any]:
+    """``ray.get`` each rank's ``step`` result; failures name the instance and rank."""
+    import time
+
+    import ray
+
+    out, deadline = [], time.monotonic() + timeout
+    for rank, ref in enumerate(refs):
+        try:
+            out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01)))
+        except ray.exceptions.GetTimeoutError:
+            raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} did not finish within "
+                               f"cluster.startup_timeout_s={timeout:g} s; see that rank's log "
+                               "(ray logs), or raise the timeout") from None
+        except ray.exceptions.RayError as exc:
+            cause = getattr(exc, "cause", None) or exc  # the worker's own exception
+            raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} failed: "
+                               f"{type(cause).__name__}: {cause} (traceback in that rank's "
+                               "log: `ray logs`)") from None
+    return out

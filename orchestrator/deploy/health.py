@@ -1,0 +1,256 @@
+"""Health of every instance (DP rank) as the router sees it: probes, states, recovery.
+
+One asyncio task per instance pings every rank of it (``node_info``, a cheap actor method)
+every ``health.probe_interval_s`` seconds, each ping bounded by ``health.probe_timeout_s``:
+
+- a rank whose actor is gone (``RayActorError``) turns the instance UNHEALTHY at once;
+- a rank that does not answer within the bound (hung, e.g. SIGSTOP) turns it UNHEALTHY then;
+- anyone may report a failure it saw (:meth:`HealthMonitor.report_failure`; the status board
+  does when a leader's own status says it is broken).
+
+States::
+
+    HEALTHY --failure--> UNHEALTHY --recover given--> RECOVERING --recover True, probe ok--> HEALTHY
+                                                                 --recover False/raised/probe
+                                                                   fails--> UNHEALTHY
+
+NOTE: an UNHEALTHY instance is not probed back to HEALTHY: a rank that missed a deadline may
+have left its TP group or its KV pairs out of step (a zombie that answers pings yet fails every
+request), so only a restart (the ``recover`` callback) returns it to service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+log = logging.getLogger(__name__)
+PROBE_METHOD = "node_info"  # every rank actor has it; answers without touching the engine
+# NOTE: the probe's Ray concurrency group (one thread of its own on every rank actor, see
+# orchestrator/deploy/cluster.py): a ping never queues behind calls that wait for the step lock
+# while a long step runs (a graph capture on first use takes seconds on CPU).
+PROBE_GROUP = "probe"
+
+
+class Health(str, enum.Enum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    RECOVERING = "recovering"
+
+
+@dataclass(frozen=True)
+class InstanceHealth:
+    """One instance's health; ``reason`` says why it is not healthy ("" when healthy)."""
+
+    name: str
+    role: str
+    state: Health
+    reason: str = ""
+
+
+Listener = Callable[[InstanceHealth], None]
+
+
+class HealthMonitor:
+    """Probes every rank of every instance; runs on the router's event loop.
+
+    Args:
+        roles: instance name -> role, e.g. {"prefill-0": "prefill", "decode-0": "decode"}.
+        ranks_of: instance name -> its CURRENT rank actor handles, rank order (asked before
+            every probe, so handles that a restart replaced are picked up).
+        probe_interval_s: seconds between two probes of one instance.
+        probe_timeout_s: bound of one probe (seconds): a rank silent that long is hung.
+        on_unhealthy: called ``(name, reason)`` the moment an instance turns unhealthy (the
+            router fails over its requests); its errors are logged.
+        recover: ``async (name) -> bool`` that restarts an instance; called once per turn to
+            UNHEALTHY, bounded by ``recover_timeout_s``. None: unhealthy instances stay so.
+        recover_timeout_s: bound of one ``recover`` call (seconds).
+    """
+
+    def __init__(self, roles: dict[str, str], ranks_of: Callable[[str], list[Any]],
+                 probe_interval_s: float, probe_timeout_s: float,
+                 on_unhealthy: Callable[[str, str], None] | None = None,
+                 recover: Callable[[str], Awaitable[bool]] | None = None,
+                 recover_timeout_s: float = 600.0) -> None:
+        self._ranks_of = ranks_of
+        self._interval_s, self._timeout_s = probe_interval_s, probe_timeout_s
+        self._on_unhealthy, self._recover = on_unhealthy, recover
+        self._recover_timeout_s = recover_timeout_s
+        self._states = {name: InstanceHealth(name, role, Health.HEALTHY)
+                        for name, role in roles.items()}
+        self._listeners: list[Listener] = []
+        self._tasks: list[asyncio.Task] = []
+        self._recoveries: dict[str, asyncio.Task] = {}
+        self._stopping = False
+        self._wake = {name: asyncio.Event() for name in roles}  # probe now, or stop
+
+    # ---- queries (any time, on the loop) -----------------------------------------------
+    def get(self, name: str) -> InstanceHealth:
+        return self._states[name]
+
+    def is_healthy(self, name: str) -> bool:
+        """The policies' predicate: may new requests go to ``name``?"""
+        return self._states[name].state is Health.HEALTHY
+
+    def snapshot(self) -> list[InstanceHealth]:
+        """Every instance's health, in the order given at construction."""
+        return list(self._states.values())
+
+    def roles_without_healthy(self) -> list[str]:
+        """Roles none of whose instances is healthy (the service cannot serve then)."""
+        roles = {h.role for h in self._states.values()}
+        return sorted(r for r in roles if not any(
+            h.role == r and h.state is Health.HEALTHY for h in self._states.values()))
+
+    def add_listener(self, listener: Listener) -> None:
+        """``listener(health)`` is called after every state change (sync, on the loop)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (no-op when it is not registered)."""
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """One probing task per instance (call from the running loop)."""
+        self._stopping = False
+        for wake in self._wake.values():
+            wake.clear()
+        self._tasks = [asyncio.create_task(self._watch(name), name=f"health-{name}")
+                       for name in self._states]
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop probing and cancel running recoveries (bounded wait)."""
+        self._stopping = True
+        for wake in self._wake.values():
+            wake.set()
+        tasks = self._tasks + list(self._recoveries.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            if pending:
+                log.warning("health tasks still running after stop: %s", pending)
+        self._tasks, self._recoveries = [], {}
+
+    # ---- failures ------------------------------------------------------------------------
+    def report_failure(self, name: str, reason: str) -> None:
+        """Someone saw ``name`` fail: a HEALTHY instance turns UNHEALTHY now (else no-op:
+        an instance being restarted may still fail through its old handles)."""
+        if self._states[name].state is Health.HEALTHY:
+            self._turn_unhealthy(name, reason)
+
+    def probe_soon(self, name: str) -> None:
+        """Probe ``name`` now rather than at its next turn (a call to it just failed)."""
+        self._wake[name].set()
+
+    async def probe(self, name: str) -> str | None:
+        """Ping every rank of ``name`` once (bounded); None when all answered, else why not.
+
+        A rank whose call raises ends the probe at once (others are not waited for).
+        """
+        try:
+            handles = list(self._ranks_of(name))
+        except Exception as exc:  # noqa: BLE001 -- a failed lookup is a failed probe
+            return f"its rank handles are unavailable ({type(exc).__name__}: {exc})"
+        tasks = [asyncio.ensure_future(_ping(handle)) for handle in handles]
+        if not tasks:
+            return "it has no rank actors"
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=self._timeout_s,
+                                            return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # NOTE: also when this probe is cancelled (stop)
+            for task in tasks:
+                task.cancel()
+        errors = [f"rank {rank} {_describe(task.exception())}" for rank, task
+                  in enumerate(tasks) if task.done() and not task.cancelled()
+                  and task.exception() is not None]
+        if errors:
+            return "; ".join(errors)
+        silent = [str(rank) for rank, task in enumerate(tasks) if task in pending]
+        if silent:
+            return (f"rank {', '.join(silent)} did not answer a ping within "
+                    f"health.probe_timeout_s={self._timeout_s:g} s (hung or overloaded)")
+        return None
+
+    async def _watch(self, name: str) -> None:
+        while not self._stopping:
+            if self._states[name].state is Health.HEALTHY:
+                try:
+                    failure = await self.probe(name)
+                except Exception as exc:  # noqa: BLE001 -- the watch loop must not die
+                    log.exception("probing %s failed", name)
+                    failure = f"probe error {type(exc).__name__}: {exc}"
+                if failure is not None:
+                    self.report_failure(name, failure)
+            try:
+                await asyncio.wait_for(self._wake[name].wait(), self._interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake[name].clear()
+
+    def _turn_unhealthy(self, name: str, reason: str) -> None:
+        shown = reason if self._recover else f"{reason}; automatic recovery is off: restart " \
+                                               "`orch up`"
+        self._set(name, Health.UNHEALTHY, shown)
+        log.warning("%s is unhealthy: %s", name, reason)
+        if self._on_unhealthy is not None:
+            try:
+                self._on_unhealthy(name, reason)
+            except Exception:  # noqa: BLE001 -- the monitor goes on whatever the hook does
+                log.exception("on_unhealthy(%s) failed", name)
+        if self._recover is None:
+            return
+        self._set(name, Health.RECOVERING, f"restarting after: {reason}")
+        self._recoveries[name] = asyncio.create_task(self._recover_one(name, reason),
+                                                     name=f"recover-{name}")
+
+    async def _recover_one(self, name: str, reason: str) -> None:
+        """Run ``recover(name)`` (bounded), then probe: HEALTHY or UNHEALTHY with why."""
+        try:
+            ok = await asyncio.wait_for(self._recover(name), self._recover_timeout_s)
+            failure = (await self.probe(name) if ok else
+                       "the automatic restart failed or was refused (see the router log)")
+        except asyncio.TimeoutError:
+            failure = (f"the automatic restart did not finish within "
+                       f"health.recover_timeout_s={self._recover_timeout_s:g} s")
+        except Exception as exc:  # noqa: BLE001 -- a failed restart leaves it unhealthy
+            log.exception("recovering %s failed", name)
+            failure = f"the automatic restart raised {type(exc).__name__}: {exc}"
+        self._recoveries.pop(name, None)
+        if failure is None:
+            self._set(name, Health.HEALTHY, "")
+            log.info("%s is healthy again after a restart", name)
+            return
+        self._set(name, Health.UNHEALTHY, f"{reason}; {failure}: restart `orch up`")
+        log.warning("%s stays unhealthy: %s", name, failure)
+
+    def _set(self, name: str, state: Health, reason: str) -> None:
+        old = self._states[name]
+        new = InstanceHealth(name, old.role, state, reason)
+        self._states[name] = new
+        if new.state is old.state:
+            return
+        for listener in self._listeners:
+            try:
+                listener(new)
+            except Exception:  # noqa: BLE001 -- a listener never stops the monitor
+                log.exception("health listener %r failed", listener)
+
+
+async def _ping(handle: Any) -> Any:
+    return await getattr(handle, PROBE_METHOD).options(concurrency_group=PROBE_GROUP).remote()
+
+
+def _describe(exc: BaseException) -> str:
+    """Why a ping raised, in a few words: a dead actor, or the error's first line."""
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+
+    if isinstance(exc, RayActorError):
+        return f"is gone ({type(exc).__name__})"
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"failed a ping ({type(exc).__name__}: {first[:200]})"

@@ -1,0 +1,82 @@
+"""Joining a Ray cluster (``cluster.address``) or starting orch's own private one.
+
+One place decides which Ray `orch up` runs on: a reachable cluster at ``cluster.address``
+(checked first, so an unreachable address or a refused auth token is one line saying what to
+do), or an embedded local cluster that belongs to this process alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engine import envs
+from orchestrator.deploy.cluster import BringUpError
+from orchestrator.config.schema import OrchConfig
+
+
+def connect_ray(cfg: OrchConfig) -> bool:
+    """Join ``cluster.address`` or start an embedded private Ray; True when we started it.
+
+    The embedded Ray is always a new local cluster of this process (``address="local"``,
+    ``RAY_ADDRESS`` removed from the environment), never one already running on the host.
+    The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
+    gets one line per fault from the router, ``orch up`` says where the worker logs are.
+
+    Raises:
+        BringUpError: the cluster is unreachable or refuses this process (one line: what to
+            do).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.cluster.address:
+        _check_reachable(cfg.cluster.address, timeout_s=10.0)
+        ray.init(address=cfg.cluster.address, log_to_driver=False)
+        return False
+    resources = {}
+    if cfg.device() == "npu":
+        import torch
+        import torch_npu  # noqa: F401
+
+        resources["NPU"] = torch.npu.device_count()
+    envs.RAY_ADDRESS.unset()
+    ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
+             include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast (bounded) when ``host:port`` of a Ray cluster does not accept connections
+    or refuses this process's authentication token.
+
+    Raises:
+        BringUpError: nothing listens there within ``timeout_s`` seconds, or the cluster
+            requires a token this process does not present.
+    """
+    import socket
+
+    import ray
+    from ray._raylet import GcsClient  # NOTE: the one Ray client that fails in ms, typed
+
+    if address == "auto" or "://" in address or ":" not in address:
+        return  # ray resolves these itself
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise BringUpError(
+            f"cannot reach the Ray cluster at cluster.address {address!r} within {timeout_s:g} s "
+            f"({exc}): start it with `ray start --head` on that node, or fix the address "
+            "(empty = embedded local Ray)") from None
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError:
+        raise BringUpError(
+            f"the Ray cluster at {address} refused this process's token (InvalidAuthToken): "
+            "run `orch up` with RAY_AUTH_MODE=token and the cluster's token (the head's "
+            "~/.ray/auth_token, or RAY_AUTH_TOKEN), as in the README's multi-node recipe") from None
+    except ray.exceptions.RpcError as exc:
+        raise BringUpError(
+            f"{address} accepts connections but no Ray cluster answered there ({exc}): give "
+            "cluster.address as the head's IP and `ray start --head --port`") from None

@@ -1,0 +1,281 @@
+"""The PD protocol as a strategy object: how one request is placed, started and torn down.
+
+Legal combinations, written once:
+
+=============== =================================== ============================ ============
+mode            place                               launch                       first token
+=============== =================================== ============================ ============
+disaggregated   decode.reserve -> Reservation       prefill.prefill(spec, res)   decode.admit
+                (retryable Rejection: admission       (first token from prefill,   (or abort if
+                queue; final one: INVALID_ARGUMENT)   the rest from decode)        it finished)
+colocated       choose an instance                  colocated.generate(spec)     nothing
+=============== =================================== ============================ ============
+
+Abort (client cancel, timeout, failure): prefill.abort (returns once no KV send is in flight
+into the reservation) THEN decode.abort, so decode never frees blocks that are being written.
+
+Failover: placement skips instances the policies report unhealthy, and tries instances that already
+failed this request (``avoid``) last; a decode whose reserve call fails (dead, timed out,
+raised) is skipped for the next one in the policy's order. A failed leader call raises
+:class:`InstanceFailure` naming the instance; the router decides whether to place again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from rank.messages import Rejection, Reservation
+from engine.request import RequestSpec
+from orchestrator.router.admission import AdmissionQueue
+from orchestrator.router.leader import LeaderClient, LeaderError
+from orchestrator.router.policies import Policy
+from orchestrator.router.request import InstanceFailure, RequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Route:
+    """Where one request runs and which load it still holds (mutable, router-owned)."""
+
+    request_id: str
+    main: str  # decode or colocated instance: where the request ends
+    prefill: str | None = None
+    prefill_load: int = 0  # prompt tokens charged to the prefill instance until first token
+    main_load: int = 0  # prompt + max_tokens charged to the main instance until the end
+    reservation: Reservation | None = None  # decode blocks (disaggregated), for launch
+    workers_done: bool = False  # the workers ended it themselves: nothing left to abort
+
+    @property
+    def instances(self) -> set[str]:
+        return {self.main} | ({self.prefill} if self.prefill else set())
+
+
+class Flow(ABC):
+    """One mode of serving a request. Methods run on the router's event loop."""
+
+    def __init__(self, main: list[LeaderClient], policy: Policy) -> None:
+        self.main = {leader.name: leader for leader in main}
+        self.policy = policy
+
+    @property
+    def leaders(self) -> list[LeaderClient]:
+        """Every leader that emits events or answers status()."""
+        return list(self.main.values())
+
+    def leader(self, name: str) -> LeaderClient:
+        """The leader of instance ``name`` (KeyError for an unknown name)."""
+        return {leader.name: leader for leader in self.leaders}[name]
+
+    def choices(self, policy: Policy, avoid: Collection[str], role: str) -> list[str]:
+        """``policy.order()`` (healthy instances only, see :class:`Policy`); those in ``avoid``
+        (they failed this request already) last.
+
+        Raises:
+            RequestError: UNAVAILABLE when no instance of ``role`` is healthy.
+        """
+        healthy = policy.order()
+        if not healthy:
+            raise _none_healthy(policy, role)
+        return [n for n in healthy if n not in avoid] + [n for n in healthy if n in avoid]
+
+    @abstractmethod
+    async def place(self, spec: RequestSpec, deadline: float,
+                    avoid: Collection[str] = ()) -> Route:
+        """Choose healthy instances (``avoid`` last) and hold what the request needs.
+
+        Raises:
+            RequestError: no capacity, never fits, no healthy instance, or cancelled.
+        """
+
+    @abstractmethod
+    async def launch(self, spec: RequestSpec, route: Route) -> None:
+        """Start computing; events follow through the leaders' poll().
+
+        Raises:
+            InstanceFailure: the instance could not be called.
+        """
+
+    async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
+        """Called once when the first output token reached the router."""
+
+    @abstractmethod
+    async def abort(self, route: Route) -> None:
+        """Stop the request everywhere and free its KV; logs failures, never raises."""
+
+    def release(self, route: Route) -> None:
+        """The request ended: give back its policy load (called exactly once)."""
+        self.policy.release(route.main, route.main_load)
+        route.main_load = 0
+
+    def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
+        """End a request still being placed with ``error``; False when none is waiting."""
+        return False
+
+    def close_waiting(self, error: RequestError) -> None:
+        """End every placement, now and later, with ``error`` (shutdown)."""
+
+
+class ColocatedFlow(Flow):
+    """Prefill and decode in the same instance: ``generate(spec)`` then events from poll()."""
+
+    async def place(self, spec: RequestSpec, deadline: float,
+                    avoid: Collection[str] = ()) -> Route:
+        name = self.choices(self.policy, avoid, "colocated")[0]
+        self.policy.acquire(name, spec.max_total_tokens)
+        return Route(spec.request_id, main=name, main_load=spec.max_total_tokens)
+
+    async def launch(self, spec: RequestSpec, route: Route) -> None:
+        await _call_or_fail(self.main[route.main], "generate", spec)
+
+    async def abort(self, route: Route) -> None:
+        await _abort_quietly(self.main[route.main], route.request_id)
+
+
+class DisaggregatedFlow(Flow):
+    """Decode reserves first, prefill computes into the reservation, decode admits.
+
+    Args:
+        prefill, decode: leaders of each role.
+        prefill_policy, decode_policy: instance choice per role.
+        admission: bounded queue of requests waiting for decode KV blocks.
+        prefill_tp, prefill_cp: TP and CP sizes of every prefill instance (decode ranks plan
+            their receives by them).
+    """
+
+    def __init__(self, prefill: list[LeaderClient], decode: list[LeaderClient],
+                 prefill_policy: Policy, decode_policy: Policy,
+                 admission: AdmissionQueue, prefill_tp: int = 1, prefill_cp: int = 1) -> None:
+        super().__init__(decode, decode_policy)
+        self.prefill_tp, self.prefill_cp = prefill_tp, prefill_cp
+        self.prefill = {leader.name: leader for leader in prefill}
+        self.prefill_policy = prefill_policy
+        self.admission = admission
+        self._aborts: set[asyncio.Task] = set()  # aborts of reserves that failed
+
+    @property
+    def leaders(self) -> list[LeaderClient]:
+        return list(self.prefill.values()) + list(self.main.values())
+
+    async def place(self, spec: RequestSpec, deadline: float,
+                    avoid: Collection[str] = ()) -> Route:
+        if not any(map(self.prefill_policy.healthy, self.prefill_policy.instances)):
+            raise _none_healthy(self.prefill_policy, "prefill")  # before reserving anything
+        decode, reservation = await self._reserve(spec, deadline, avoid)
+        route = Route(spec.request_id, main=decode, main_load=spec.max_total_tokens,
+                      reservation=reservation)
+        try:
+            route.prefill = self.choices(self.prefill_policy, avoid, "prefill")[0]
+        except RequestError:
+            await self.abort(route)
+            self.release(route)
+            raise
+        self.prefill_policy.acquire(route.prefill, spec.num_prompt_tokens)
+        route.prefill_load = spec.num_prompt_tokens
+        return route
+
+    async def _reserve(self, spec: RequestSpec, deadline: float,
+                       avoid: Collection[str]) -> tuple[str, Reservation]:
+        """Reserve on the first decode that can; wait in the admission queue while all are
+        full. A decode whose call fails is skipped (UNAVAILABLE when every one failed)."""
+        async with self.admission.ticket(spec.request_id) as ticket:
+            while True:
+                full_reason, failures = "", []
+                for name in self.choices(self.policy, avoid, "decode"):
+                    self.admission.check(spec.request_id)  # aborted: stop trying
+                    try:
+                        answer = await self._reserve_on(name, spec)
+                    except InstanceFailure as exc:
+                        # NOTE: debug: the instance's failure is logged once, not per request
+                        log.debug("reserve of %s: %s; trying the next decode instance",
+                                  spec.request_id, exc.message)
+                        failures.append(exc.message)
+                        continue
+                    if isinstance(answer, Reservation):
+                        return name, answer
+                    if not answer.retryable:
+                        raise RequestError("INVALID_ARGUMENT", f"{name}: {answer.reason}")
+                    full_reason = answer.reason
+                if not full_reason:
+                    raise RequestError("UNAVAILABLE", "no decode instance could reserve: "
+                                       f"{'; '.join(failures)}: retry later; `orch status` "
+                                       "shows the instances")
+                await ticket.wait(deadline, full_reason)
+
+    async def _reserve_on(self, name: str, spec: RequestSpec) -> Reservation | Rejection:
+        """One reserve call; the policy load stays charged only on success."""
+        # NOTE: charge the load before awaiting, so concurrent placements already see it.
+        self.policy.acquire(name, spec.max_total_tokens)
+        answer = None
+        try:
+            answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp,
+                                         self.prefill_cp)
+        except (InstanceFailure, asyncio.CancelledError):
+            # NOTE: a reserve that timed out, was abandoned or cancelled may still have
+            # reserved. Aborted in the background: a hung instance must not hold up the next.
+            task = asyncio.create_task(_abort_quietly(self.main[name], spec.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+            raise
+        finally:
+            if not isinstance(answer, Reservation):
+                self.policy.release(name, spec.max_total_tokens)
+        return answer
+
+    async def launch(self, spec: RequestSpec, route: Route) -> None:
+        await _call_or_fail(self.prefill[route.prefill], "prefill", spec, route.reservation)
+
+    async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
+        self._release_prefill(route)
+        decode = self.main[route.main]
+        if finished:  # NOTE: max_tokens == 1 or EOS: the reservation is no longer needed
+            await _abort_quietly(decode, route.request_id)
+            self.admission.notify()
+            return
+        await _call_or_fail(decode, "admit", route.request_id, token_id)
+
+    async def abort(self, route: Route) -> None:
+        if route.prefill:
+            await _abort_quietly(self.prefill[route.prefill], route.request_id)
+        await _abort_quietly(self.main[route.main], route.request_id)
+
+    def release(self, route: Route) -> None:
+        self._release_prefill(route)
+        super().release(route)
+        self.admission.notify()
+
+    def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
+        return self.admission.cancel(request_id, error)
+
+    def close_waiting(self, error: RequestError) -> None:
+        self.admission.close(error)
+
+    def _release_prefill(self, route: Route) -> None:
+        if route.prefill and route.prefill_load:
+            self.prefill_policy.release(route.prefill, route.prefill_load)
+            route.prefill_load = 0
+
+
+def _none_healthy(policy: Policy, role: str) -> RequestError:
+    return RequestError("UNAVAILABLE", f"no healthy {role} instance "
+                                       f"({', '.join(policy.instances)} out of service): "
+                                       "retry later; `orch status` shows why")
+
+
+async def _call_or_fail(leader: LeaderClient, method: str, *args: object) -> object:
+    """A leader call whose failure is the instance's: raises :class:`InstanceFailure`."""
+    try:
+        return await leader.call(method, *args)
+    except LeaderError as exc:
+        raise InstanceFailure(leader.name, str(exc)) from None
+
+
+async def _abort_quietly(leader: LeaderClient, request_id: str) -> None:
+    try:
+        await leader.call("abort", request_id)
+    except LeaderError as exc:
+        log.debug("abort of %s on %s failed: %s", request_id, leader.name, exc)

@@ -1,0 +1,200 @@
+"""Router-side view of instance leaders: bounded actor calls and the event pump.
+
+``LeaderClient`` wraps one leader handle (a Ray actor handle, or an in-process fake whose
+methods also have ``.remote(...)`` returning an awaitable). ``EventPump`` runs one asyncio task
+per leader that long-polls ``poll(timeout_s)`` and fans the :class:`TokenEvent` list out to
+per-request queues, keeping only the events of instances the request watches; when a leader
+cannot be polled every request watching it gets a retryable error event, so nothing waits
+forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from rank.messages import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+def _brief(exc: BaseException) -> str:
+    """One line for a failed actor call: the worker's own error, or that the actor died."""
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+
+    name = type(exc).__name__
+    if isinstance(exc, RayActorError):
+        return (f"{name}: a rank process of this instance is gone (orch restarts the "
+                "instance; `orch status` shows it)")
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the worker's
+    if isinstance(cause, BaseException) and cause is not exc:
+        return _brief(cause)
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{name}: {first[:300]}"
+
+
+class LeaderError(RuntimeError):
+    """A leader call failed or did not answer in time; the message names instance and method."""
+
+
+async def _resolve(ref: Any) -> Any:
+    return await ref
+
+
+class LeaderClient:
+    """Bounded async calls to one instance leader.
+
+    Args:
+        name: instance name ("decode-0").
+        role: "prefill", "decode" or "colocated".
+        handle: the leader actor handle.
+        call_timeout_s: default bound of one call (seconds).
+    """
+
+    def __init__(self, name: str, role: str, handle: Any, call_timeout_s: float) -> None:
+        self.name, self.role, self.handle = name, role, handle
+        self.call_timeout_s = call_timeout_s
+        self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
+
+    def abandon_calls(self, reason: str) -> None:
+        """The instance is known dead or hung: every call in flight fails now with a
+        LeaderError naming ``reason`` (later calls go out as usual)."""
+        if self._abandon is not None and not self._abandon.done():
+            self._abandon.set_result(reason)
+        self._abandon = None
+
+    def rebind(self, handle: Any) -> None:
+        """Send every later call (the EventPump's polls too) to ``handle``: the instance's
+        new leader after a restart (``orchestrator/deploy/recovery.py``). Calls already sent finish
+        or fail on the old one."""
+        self.handle = handle
+
+    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """``await handle.<method>.remote(*args)`` bounded by ``timeout_s``.
+
+        Raises:
+            LeaderError: the call raised, the actor died, no answer within the bound, or the
+                call was abandoned (:meth:`abandon_calls`).
+        """
+        bound = self.call_timeout_s if timeout_s is None else timeout_s
+        if self._abandon is None:
+            self._abandon = asyncio.get_running_loop().create_future()
+        abandon = self._abandon
+        try:
+            answer = asyncio.ensure_future(_resolve(getattr(self.handle, method).remote(*args)))
+            try:
+                await asyncio.wait({answer, abandon}, timeout=bound,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not answer.done():
+                    answer.cancel()  # NOTE: takes effect later: done() stays False for now
+            if answer.done():
+                return answer.result()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Ray wraps worker exceptions; keep the cause in the text
+            raise LeaderError(f"{self.name}.{method} failed: {_brief(exc)}") from exc
+        if abandon.done():
+            raise LeaderError(f"{self.name}.{method} was abandoned: {abandon.result()}")
+        raise LeaderError(f"{self.name}.{method} did not answer within {bound:.1f} s: the "
+                          "instance may be stuck or overloaded; check its logs")
+
+
+class EventPump:
+    """Fans leader events out to per-request queues; one polling task per leader.
+
+    Args:
+        leaders: every leader that produces events.
+        poll_timeout_s: how long one ``poll`` may block in the leader (seconds).
+        retry_s: pause after a failed poll before trying again (seconds).
+    """
+
+    def __init__(self, leaders: list[LeaderClient], poll_timeout_s: float = 0.5,
+                 retry_s: float = 0.5) -> None:
+        self._leaders = leaders
+        self._poll_timeout_s, self._retry_s = poll_timeout_s, retry_s
+        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._sources: dict[str, set[str]] = {}  # request id -> instances it waits on
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        """Start one polling task per leader (call from the event loop)."""
+        self._tasks = [asyncio.create_task(self._run(leader), name=f"poll-{leader.name}")
+                       for leader in self._leaders]
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the polling tasks (bounded wait)."""
+        self._stopping = True
+        # NOTE: on Python < 3.12 asyncio.wait_for can swallow a cancel that races with a
+        # completing poll; the _stopping flag ends the loop in that case, and the bounded
+        # wait below keeps stop() from hanging on it anyway.
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if pending:
+                log.warning("poll tasks still running after stop: %s", pending)
+        self._tasks = []
+
+    def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        """A queue receiving ``request_id``'s events from now on."""
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._sources[request_id] = set()
+        return queue
+
+    def watch(self, request_id: str, instances: set[str]) -> None:
+        """The request now depends on exactly ``instances`` (replacing what it watched):
+        only their events reach its queue, and their failure fails it."""
+        if request_id in self._sources:
+            self._sources[request_id] = set(instances)
+
+    def fail_instance(self, instance: str, error: str) -> int:
+        """Deliver a retryable error event (source "router") to every request watching
+        ``instance``; returns how many were told."""
+        told = 0
+        for request_id, sources in list(self._sources.items()):
+            if instance in sources:
+                told += self.deliver(TokenEvent(
+                    request_id=request_id, finish_reason="error", error=error,
+                    source="router", instance=instance, retryable=True))
+        return told
+
+    def unregister(self, request_id: str) -> None:
+        """Stop routing events of ``request_id``; later events for it are dropped."""
+        self._queues.pop(request_id, None)
+        self._sources.pop(request_id, None)
+
+    def deliver(self, event: TokenEvent) -> bool:
+        """Put ``event`` on its request's queue; False when the request is gone."""
+        queue = self._queues.get(event.request_id)
+        if queue is None:
+            return False
+        queue.put_nowait(event)
+        return True
+
+    async def _run(self, leader: LeaderClient) -> None:
+        bound = self._poll_timeout_s + leader.call_timeout_s
+        failing = False  # NOTE: one warning per run of failed polls, the rest at debug
+        while not self._stopping:
+            try:
+                events = await leader.call("poll", self._poll_timeout_s, timeout_s=bound)
+            except LeaderError as exc:
+                log.log(logging.DEBUG if failing else logging.WARNING,
+                        "polling %s failed: %s", leader.name, exc)
+                failing = True
+                self.fail_instance(leader.name, str(exc))
+                await asyncio.sleep(self._retry_s)
+                continue
+            if failing:
+                log.info("polling %s works again", leader.name)
+                failing = False
+            for event in events:
+                # NOTE: an instance the request no longer watches (a failed attempt's, or
+                # prefill after the first token) cannot end it with a late event.
+                if leader.name not in self._sources.get(event.request_id, ()):
+                    log.debug("dropped event of %s from %s", event.request_id, leader.name)
+                    continue
+                self.deliver(event)

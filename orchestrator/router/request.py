@@ -1,0 +1,85 @@
+"""Router-edge request and response values (what convert.py maps protobuf to and from).
+
+``GenerateInput`` is a client request before validation/tokenization; the router turns it
+into an :class:`rank.messages.RequestSpec`. ``OutputChunk`` is one streamed response message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A request failed with a gRPC-style status code and an actionable message.
+
+    Attributes:
+        code: a ``grpc.StatusCode`` name: "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED",
+            "DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL", "ALREADY_EXISTS", "CANCELLED".
+        message: what went wrong and what to do.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InstanceFailure(RequestError):
+    """An instance failed while a request depended on it (dead, unreachable, broken): not the
+    request's fault. UNAVAILABLE; before the request's first token the router places it again
+    elsewhere (``router.max_attempts``).
+
+    Attributes:
+        instance: the failed instance's name ("decode-0").
+    """
+
+    def __init__(self, instance: str, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
+        self.instance = instance
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A client request as received.
+
+    Attributes:
+        text: prompt text (exactly one of ``text`` / ``token_ids`` is set).
+        token_ids: prompt token ids.
+        sampling: sampling parameters (already range-checked by ``SamplingParams``).
+        request_id: client-chosen id, or "" for a router-made one.
+    """
+
+    text: str | None
+    token_ids: tuple[int, ...] | None
+    sampling: SamplingParams
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Final statistics of one request (seconds, tokens).
+
+    ttft_s: acceptance -> first token; tpot_s: mean gap between output tokens after the first
+    (0 with one token); e2e_s: acceptance -> last message.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    prefill_instance: str = ""
+    decode_instance: str = ""
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """One streamed message: new tokens and their text; the last one has finish + stats."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str | None = None
+    stats: RequestStats | None = None

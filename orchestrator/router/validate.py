@@ -1,0 +1,49 @@
+"""Request validation against the served model: every message says what to change."""
+
+from __future__ import annotations
+
+from orchestrator.config.checkpoint import ModelInfo
+from orchestrator.router.detokenizer import Tokenizer
+from orchestrator.router.request import GenerateInput, RequestError
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError("INVALID_ARGUMENT", message)
+
+
+def validate_request(inp: GenerateInput, model: ModelInfo,
+                     tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """Tokenize and check one request; returns the prompt token ids.
+
+    Checks: a non-empty prompt; every id in [0, vocab_size); prompt + max_tokens <=
+    max_model_len. Sampling ranges were checked when ``inp.sampling`` was built.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the problem and the fix.
+    """
+    if inp.token_ids is not None:
+        ids = tuple(inp.token_ids)
+    elif inp.text:
+        if tokenizer is None:
+            raise _invalid("this model has no tokenizer.json: send token_ids instead of text")
+        nbytes = len(inp.text.encode())
+        if nbytes > model.max_model_len * tokenizer.max_token_bytes:
+            # NOTE: refused before tokenizing: it has more than max_model_len tokens for sure.
+            raise _invalid(f"prompt is {nbytes} bytes, more than max_model_len "
+                           f"{model.max_model_len} tokens can hold: shorten the prompt or "
+                           "raise model.max_model_len")
+        ids = tuple(tokenizer.encode(inp.text))
+    else:
+        ids = ()
+    if not ids:
+        raise _invalid("the prompt is empty: send non-empty text or at least one token id")
+    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"token id {bad} is out of range [0, {model.vocab_size}) for "
+                       f"{model.name}: send ids from this model's tokenizer")
+    max_tokens = inp.sampling.max_tokens
+    if len(ids) + max_tokens > model.max_model_len:
+        raise _invalid(f"prompt has {len(ids)} tokens + max_tokens {max_tokens} > "
+                       f"max_model_len {model.max_model_len}: shorten the prompt, lower "
+                       "max_tokens or raise model.max_model_len")
+    return ids

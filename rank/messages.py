@@ -1,0 +1,129 @@
+"""Control-plane messages between the router and the worker leaders (Ray actor calls).
+
+One schema module for the control plane: the router converts protobuf to these dataclasses at
+its edge (orchestrator/api/convert.py) and the workers never see protobuf. The data plane (KV
+bytes between ranks) has its own msgpack schema in ``kv_transfer``.
+
+Leader actor methods that carry these (see prefill_worker/actor.py, decode_worker/actor.py):
+
+- decode leader: ``reserve(RequestSpec) -> Reservation | Rejection``;
+  ``admit(request_id, first_token_id)`` once prefill returned the first token;
+  ``poll(timeout_s) -> list[TokenEvent]``; ``abort(request_id) -> bool``; ``status()``.
+- prefill leader: ``prefill(RequestSpec, Reservation)``; ``poll(timeout_s)``;
+  ``abort(request_id) -> bool`` (returns only once no KV send into the reservation is in
+  flight, so the decode side may free its blocks); ``status()``.
+
+A leader whose instance lost a rank (dead or hung) is out of service: ``reserve``, ``admit``,
+``prefill`` and ``generate`` raise :class:`InstanceOutOfService` (through Ray: a
+``RayTaskError`` that is also an instance of it), and ``status().broken`` says why.
+
+This module imports neither torch nor Ray: the gRPC client (orchestrator/api/client.py) uses it.
+What the rank actors are built from is in rank/config.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kv_transfer import KVPeer
+from rank.step_timing import StepTimings
+
+
+class InstanceOutOfService(RuntimeError):
+    """A leader refuses new work: a rank of its instance is dead or hung. The message names
+    the instance and the rank; orch replaces the instance, so the caller tries another one."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """KV blocks a decode instance set aside for one request, before prefill computes.
+
+    Attributes:
+        request_id: the request.
+        decode_instance: name of the decode instance holding the blocks.
+        block_ids: the request's block table on the decode side (covers
+            ``RequestSpec.max_total_tokens`` tokens).
+        block_size: tokens per block on the decode side.
+        peers: one :class:`~kv_transfer.KVPeer` per decode rank, in rank order.
+    """
+
+    request_id: str
+    decode_instance: str
+    block_ids: tuple[int, ...]
+    block_size: int
+    peers: tuple[KVPeer, ...]
+
+    @property
+    def decode_tp(self) -> int:
+        return len(self.peers)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a decode instance could not reserve now.
+
+    Attributes:
+        request_id: the request.
+        reason: human-readable cause with what to do.
+        retryable: True when the instance is only full for now (back-pressure), False when the
+            request can never fit (it needs more blocks than the instance has).
+    """
+
+    request_id: str
+    reason: str
+    retryable: bool = True
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens (and/or the end) of one request, from a worker leader to the router.
+
+    Attributes:
+        request_id: the request.
+        token_ids: tokens generated since the previous event (may be empty on finish).
+        finish_reason: None while running; "stop", "length", "abort" or "error" at the end.
+        error: message when ``finish_reason == "error"``.
+        source: "prefill" (the first token), "decode", "colocated", or "router" (made by
+            the router itself: an abort, or an instance it found failed).
+        instance: name of the instance that produced it (or that failed).
+        retryable: with ``finish_reason == "error"``: True when the instance failed (dead,
+            unreachable, broken), not the request; the router may run the request again
+            elsewhere if no token was streamed yet. False: the request's own fault, final.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    source: str = "decode"
+    instance: str = ""
+    retryable: bool = False
+
+
+@dataclass(frozen=True)
+class InstanceStatusInfo:
+    """Snapshot of one instance for ``orch status`` and metrics.
+
+    ``broken`` is None while the instance serves; else why it is out of service (e.g. "rank 1
+    is gone (ActorDiedError)"): every request it had ended with an error and new work is
+    refused until orch replaces it.
+    """
+
+    name: str
+    role: str
+    tp: int
+    # (rank, Ray node id, device, process id) per rank
+    ranks: tuple[tuple[int, str, str, int], ...] = field(default_factory=tuple)
+    queue_depth: int = 0
+    running: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    outstanding_tokens: int = 0
+    kv_bytes_sent: int = 0
+    kv_failures: int = 0
+    # Per-pair KV transfer records closed since the previous status call:
+    # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
+    transfers: tuple[tuple[str, int, float, bool], ...] = ()
+    broken: str | None = None
+    # Where the leader's step time goes (rank/step_timing.py).
+    step_timings: StepTimings = StepTimings()
