@@ -83,9 +83,8 @@ class TokenEvent:
         token_ids: tokens generated since the previous event (may be empty on finish).
         finish_reason: None while running; "stop", "length", "abort" or "error" at the end.
         error: message when ``finish_reason == "error"``.
-        source: "prefill" (the first token), "decode", "colocated", or "router" (made by
-            the router itself: an abort, or an instance it found failed).
-        instance: name of the instance that produced it (or that failed).
+        source: "prefill" (the first token), "decode" or "colocated".
+        instance: name of the instance that produced it.
         retryable: with ``finish_reason == "error"``: True when the instance failed (dead,
             unreachable, broken), not the request; the router may run the request again
             elsewhere if no token was streamed yet. False: the request's own fault, final.

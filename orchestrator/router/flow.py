@@ -48,7 +48,6 @@ class Route:
     prefill_load: int = 0  # prompt tokens charged to the prefill instance until first token
     main_load: int = 0  # prompt + max_tokens charged to the main instance until the end
     reservation: Reservation | None = None  # decode blocks (disaggregated), for launch
-    workers_done: bool = False  # the workers ended it themselves: nothing left to abort
 
     @property
     def instances(self) -> set[str]:

@@ -3,17 +3,19 @@
 ``LeaderClient`` wraps one leader handle (a Ray actor handle, or an in-process fake whose
 methods also have ``.remote(...)`` returning an awaitable). ``EventPump`` runs one asyncio task
 per leader that long-polls ``poll(timeout_s)`` and fans the :class:`TokenEvent` list out to
-per-request queues, keeping only the events of instances the request watches; when a leader
-cannot be polled every request watching it gets a retryable error event, so nothing waits
-forever.
+per-attempt :class:`Inbox`es, keeping only the events of instances the attempt watches; when a
+leader cannot be polled, the inbox of every attempt watching it raises
+:class:`InstanceFailure`, so nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
+from orchestrator.router.request import InstanceFailure, request_failed
 from rank.messages import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -101,8 +103,68 @@ class LeaderClient:
                           "instance may be stuck or overloaded; check its logs")
 
 
+class Inbox:
+    """One attempt's events from the pump, in arrival order, and the failures among them.
+
+    :meth:`take` returns token events and raises failures: a worker's error event
+    (retryable: :class:`InstanceFailure`, else INTERNAL) or an instance found failed
+    (:meth:`fail`). Items of an instance the attempt stopped depending on are dropped
+    (:meth:`narrow`). One consumer, on the router loop; every item names its instance.
+
+    Args:
+        request_id: the client's id, named in the errors ``take`` raises.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._items: deque[TokenEvent | InstanceFailure] = deque()
+        # NOTE: done while an item waits; a fresh future once every item is taken.
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def put(self, event: TokenEvent) -> None:
+        self._add(event)
+
+    def fail(self, instance: str, error: str) -> None:
+        """``instance`` failed: :meth:`take` raises :class:`InstanceFailure` once the items
+        before it are taken."""
+        self._add(request_failed(self.request_id, instance, error, retryable=True))
+
+    def narrow(self, instances: set[str]) -> None:
+        """Drop what came from other instances (a prefill failure queued before the first
+        token moved the request on to its decode only)."""
+        self._items = deque(item for item in self._items if item.instance in instances)
+        self._rearm()
+
+    def take(self) -> TokenEvent | None:
+        """The next token event; None when nothing waits.
+
+        Raises:
+            InstanceFailure: an instance failed (dead, unreachable, broken).
+            RequestError: INTERNAL, the worker's error for this request.
+        """
+        if not self._items:
+            return None
+        item = self._items.popleft()
+        self._rearm()
+        if isinstance(item, InstanceFailure):
+            raise item
+        if item.finish_reason == "error":
+            raise request_failed(self.request_id, item.instance, item.error or "",
+                                 item.retryable)
+        return item
+
+    def _add(self, item: TokenEvent | InstanceFailure) -> None:
+        self._items.append(item)
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    def _rearm(self) -> None:
+        if not self._items and self.ready.done():
+            self.ready = asyncio.get_running_loop().create_future()
+
+
 class EventPump:
-    """Fans leader events out to per-request queues; one polling task per leader.
+    """Fans leader events out to per-attempt :class:`Inbox`es; one polling task per leader.
 
     Args:
         leaders: every leader that produces events.
@@ -114,8 +176,8 @@ class EventPump:
                  retry_s: float = 0.5) -> None:
         self._leaders = leaders
         self._poll_timeout_s, self._retry_s = poll_timeout_s, retry_s
-        self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
-        self._sources: dict[str, set[str]] = {}  # request id -> instances it waits on
+        self._inboxes: dict[str, Inbox] = {}  # attempt id -> its inbox
+        self._sources: dict[str, set[str]] = {}  # attempt id -> instances it waits on
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
@@ -138,42 +200,32 @@ class EventPump:
                 log.warning("poll tasks still running after stop: %s", pending)
         self._tasks = []
 
-    def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        """A queue receiving ``request_id``'s events from now on."""
-        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._sources[request_id] = set()
-        return queue
+    def register(self, attempt_id: str, request_id: str, instances: set[str]) -> Inbox:
+        """An inbox receiving ``attempt_id``'s events from ``instances`` from now on
+        (``request_id``: the client's, for its errors)."""
+        inbox = self._inboxes[attempt_id] = Inbox(request_id)
+        self._sources[attempt_id] = set(instances)
+        return inbox
 
-    def watch(self, request_id: str, instances: set[str]) -> None:
-        """The request now depends on exactly ``instances`` (replacing what it watched):
-        only their events reach its queue, and their failure fails it."""
-        if request_id in self._sources:
-            self._sources[request_id] = set(instances)
+    def watch(self, attempt_id: str, instances: set[str]) -> None:
+        """The attempt now depends on exactly ``instances`` (fewer than before): only their
+        events reach its inbox, only their failure fails it, what others queued is dropped."""
+        if attempt_id in self._sources:
+            self._sources[attempt_id] = set(instances)
+            self._inboxes[attempt_id].narrow(instances)
 
     def fail_instance(self, instance: str, error: str) -> int:
-        """Deliver a retryable error event (source "router") to every request watching
-        ``instance``; returns how many were told."""
-        told = 0
-        for request_id, sources in list(self._sources.items()):
-            if instance in sources:
-                told += self.deliver(TokenEvent(
-                    request_id=request_id, finish_reason="error", error=error,
-                    source="router", instance=instance, retryable=True))
-        return told
+        """Fail every attempt watching ``instance`` (its inbox raises
+        :class:`InstanceFailure`); returns how many were told."""
+        watching = [a for a, sources in self._sources.items() if instance in sources]
+        for attempt_id in watching:
+            self._inboxes[attempt_id].fail(instance, error)
+        return len(watching)
 
-    def unregister(self, request_id: str) -> None:
-        """Stop routing events of ``request_id``; later events for it are dropped."""
-        self._queues.pop(request_id, None)
-        self._sources.pop(request_id, None)
-
-    def deliver(self, event: TokenEvent) -> bool:
-        """Put ``event`` on its request's queue; False when the request is gone."""
-        queue = self._queues.get(event.request_id)
-        if queue is None:
-            return False
-        queue.put_nowait(event)
-        return True
+    def unregister(self, attempt_id: str) -> None:
+        """Stop routing events of ``attempt_id``; later events for it are dropped."""
+        self._inboxes.pop(attempt_id, None)
+        self._sources.pop(attempt_id, None)
 
     async def _run(self, leader: LeaderClient) -> None:
         bound = self._poll_timeout_s + leader.call_timeout_s
@@ -192,9 +244,9 @@ class EventPump:
                 log.info("polling %s works again", leader.name)
                 failing = False
             for event in events:
-                # NOTE: an instance the request no longer watches (a failed attempt's, or
+                # NOTE: an instance the attempt no longer watches (a failed attempt's, or
                 # prefill after the first token) cannot end it with a late event.
                 if leader.name not in self._sources.get(event.request_id, ()):
                     log.debug("dropped event of %s from %s", event.request_id, leader.name)
                     continue
-                self.deliver(event)
+                self._inboxes[event.request_id].put(event)

@@ -40,6 +40,16 @@ class InstanceFailure(RequestError):
         self.instance = instance
 
 
+def request_failed(request_id: str, instance: str, error: str,
+                   retryable: bool) -> RequestError:
+    """The error that ends ``request_id`` because of ``instance``: :class:`InstanceFailure`
+    when the instance failed (``retryable``), else INTERNAL (the worker's error for this
+    request: never run again). The message is "request <id> failed on <instance>: <error>"."""
+    where = f" on {instance}" if instance else ""
+    message = f"request {request_id} failed{where}: {error}"
+    return InstanceFailure(instance, message) if retryable else RequestError("INTERNAL", message)
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     """A client request as received.

@@ -1,13 +1,13 @@
-"""The router: validate, tokenize, place through the flow, stream tokens back, account.
+"""The router: one client request's life, read top to bottom in :meth:`Router.generate`.
 
-One request, linearly (see DESIGN.md "One request"): accept (validate + tokenize + id + seed)
--> attempts: ``flow.place`` -> ``flow.launch`` -> events from the pump until a finish ->
-stats. Each attempt has its own router-unique id ("<request_id>@<n>"): the workers and the
-pump never see the client's id, so a reused id or a failed attempt's late events cannot reach
-another attempt. An instance failure before the first token places the request again
-(``max_attempts``); after it the request ends UNAVAILABLE. Any exit before the finish
-(client cancel, abort, timeout, failure) aborts the attempt on every instance it touched.
-gRPC lives in server.py; this module speaks dataclasses only.
+accept (validate + tokenize + seed) -> attempts { place -> launch -> stream to a finish } ->
+end, the request's phase and counters in one :class:`RequestState`. Each attempt has its own
+router-unique id "<request_id>@<n>": workers and the pump never see the client's id, so a
+reused id or a failed attempt's late events cannot reach another attempt. Failures are
+exceptions (a failed leader call beside the stream, a failed instance, a worker's error): an
+instance failure before the first token places the request again (``max_attempts``), after
+it the request ends UNAVAILABLE. An attempt the workers did not end themselves is aborted on
+every instance it touched. gRPC lives in api/server.py; this module speaks dataclasses only.
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import replace
+from contextlib import aclosing
 from typing import AsyncIterator, Protocol
 
-from engine.sampling_params import fill_seed
-from rank.messages import InstanceStatusInfo, TokenEvent
 from engine.request import RequestSpec
-from orchestrator.router.attempt import Attempt, InFlight, event_error
+from engine.sampling_params import fill_seed
 from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump
 from orchestrator.router.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
-from orchestrator.router.stream import StreamProgress
+from orchestrator.router.request_state import Phase, RequestState
 from orchestrator.router.validate import validate_request
+from rank.messages import InstanceStatusInfo, TokenEvent
 
 log = logging.getLogger(__name__)
 # Seconds the aborted leftovers of a drain get to end before the router stops anyway.
@@ -38,7 +37,9 @@ SHUTDOWN_ABORT_S = 10.0
 
 
 class RouterMetrics(Protocol):
-    """What the router reports; ``orchestrator.metrics.RouterMetrics`` implements it."""
+    """What the router reports; ``orchestrator.metrics.RouterMetrics`` implements it. Each
+    request is reported exactly once: ``request_rejected`` when it failed before anything
+    was computed, else ``request_finished``."""
 
     def request_finished(self, outcome: str, ttft_s: float | None, tpot_s: float | None,
                          e2e_s: float, prompt_tokens: int, completion_tokens: int) -> None: ...
@@ -82,7 +83,7 @@ class Router:
         self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
         self.metrics = metrics or NoMetrics()
         self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s)
-        self._requests: dict[str, InFlight] = {}  # client request id -> its state
+        self._requests: dict[str, RequestState] = {}  # client request id -> its state
         self._attempt_numbers = itertools.count(1)
         self._background: set[asyncio.Task] = set()
         self._accepting = True
@@ -104,19 +105,14 @@ class Router:
         self.flow.close_waiting(RequestError(
             "UNAVAILABLE", "the router is shutting down before this request got KV blocks: "
                            "retry on another router or after it restarts"))
-        try:
-            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
-        except asyncio.TimeoutError:
+        if not await self._drained(drain_timeout_s):
             log.warning("%d request(s) still running after %.1f s drain: ending them",
                         self.in_flight, drain_timeout_s)
-            for state in list(self._requests.values()):
-                self.pump.deliver(TokenEvent(
-                    state.attempt_id, finish_reason="error", source="router",
-                    error=f"the router shut down before the request finished (drain limit "
-                          f"{drain_timeout_s:g} s): retry it"))
-            try:
-                await asyncio.wait_for(self._idle.wait(), SHUTDOWN_ABORT_S)
-            except asyncio.TimeoutError:
+            for req in list(self._requests.values()):
+                req.fail(RequestError(
+                    "UNAVAILABLE", f"request {req.request_id} failed: the router shut down "
+                    f"before the request finished (drain limit {drain_timeout_s:g} s): retry it"))
+            if not await self._drained(SHUTDOWN_ABORT_S):
                 log.warning("%d request(s) did not end after the drain", self.in_flight)
         await self.pump.stop()
         if self._background:
@@ -124,7 +120,7 @@ class Router:
 
     def instance_failed(self, name: str, reason: str) -> None:
         """``name`` is dead or hung (the health monitor says so; call on the router loop):
-        every request watching it reacts now, without waiting for a poll to fail, and every
+        every request watching it fails now, without waiting for a poll to fail, and every
         call in flight to it fails now (a reserve on it tries the next decode). Before its
         first token a request is placed again elsewhere; after it, it ends UNAVAILABLE.
 
@@ -136,6 +132,20 @@ class Router:
         log.info("%s failed (%s): %d request(s) still waiting on it were told", name, reason,
                  told)
 
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request the router knows, at whatever step it is (tokenizing, waiting
+        for blocks, reserving, launching, streaming): each later step checks the mark, the
+        stream ends with finish_reason "abort" and the attempt is aborted on every instance
+        it touched. False for an unknown or ended id."""
+        req = self._requests.get(request_id)
+        if req is None or req.ended:
+            return False
+        req.abort()
+        if req.attempt_id:
+            self.flow.cancel_waiting(req.attempt_id, RequestError(
+                "CANCELLED", f"request {request_id} was aborted"))
+        return True
+
     async def generate(self, inp: GenerateInput) -> AsyncIterator[OutputChunk]:
         """Run one request; yields chunks, the last with finish_reason and stats.
 
@@ -145,170 +155,182 @@ class Router:
                 after the first token (UNAVAILABLE), a worker's error for this request
                 (INTERNAL), or shutting down (UNAVAILABLE).
         """
+        req = self._open(inp.request_id or uuid.uuid4().hex)
         try:
-            state = self._open(inp.request_id or uuid.uuid4().hex)
-            spec = await self._accept(inp, state)
+            await self._accept(req, inp)
+            while not req.ended:
+                if req.aborted:
+                    yield self._last_chunk(req, (), "", "abort")
+                    return
+                try:
+                    async with aclosing(self._attempt(req)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                except InstanceFailure as exc:
+                    self._attempt_failed(req, exc)
         except RequestError as exc:
-            self.metrics.request_rejected(exc.code)
-            raise
-        progress = StreamProgress(spec, self.model, time.monotonic())
-        try:
-            async for chunk in self._serve(state, spec, progress):
-                yield chunk
-        except RequestError as exc:
-            self._record(progress, outcome=exc.code)
+            self._end(req, Phase.FAILED, exc.code)
             raise
         finally:
-            self._close(state, progress)
+            self._close(req)
 
-    async def _serve(self, state: InFlight, spec: RequestSpec,
-                     progress: StreamProgress) -> AsyncIterator[OutputChunk]:
-        """Attempts until one streams to its finish, the request is aborted, or the
-        attempts run out (UNAVAILABLE naming every failure)."""
-        while not state.aborted:
-            try:
-                async for chunk in self._attempt(state, spec, progress):
-                    yield chunk
-                if progress.done:
-                    return
-            except InstanceFailure as exc:
-                if progress.completion_tokens:
-                    raise RequestError("UNAVAILABLE", f"{exc.message}; {progress.completion_tokens}"
-                                       " token(s) were already streamed, so it is not run "
-                                       "again: retry the request") from None
-                state.attempt_failed(exc, self.max_attempts)
-                log.debug("request %s: %s; placing it again", state.request_id, exc.message)
-        progress.done = True
-        self._record(progress, outcome="abort")
-        yield OutputChunk(state.request_id, finish_reason="abort",
-                          stats=progress.stats(state.route, time.monotonic()))
-
-    async def _attempt(self, state: InFlight, spec: RequestSpec,
-                       progress: StreamProgress) -> AsyncIterator[OutputChunk]:
-        """One placement under a fresh attempt id: place -> launch -> stream. Returns without
-        a chunk when aborted while placing.
+    async def _attempt(self, req: RequestState) -> AsyncIterator[OutputChunk]:
+        """One placement under a fresh attempt id: place -> launch -> stream to the finish
+        (its chunk ends the request). Returns without a chunk when aborted before launch.
 
         Raises:
             InstanceFailure: an instance it depends on failed (the caller may place again).
+            RequestError: as :meth:`generate`.
         """
-        attempt = Attempt(self.flow, self.pump, replace(
-            spec, request_id=f"{state.request_id}@{next(self._attempt_numbers)}"), self._spawn)
-        state.attempt_id = attempt.spec.request_id
+        spec = req.new_attempt(next(self._attempt_numbers))
+        route = await self._place(req, spec)
+        if route is None:
+            return
+        req.placed(route)
+        inbox = self.pump.register(req.attempt_id, req.request_id, route.instances)
+        by_workers = False  # the workers ended it themselves: nothing left to abort
         try:
-            route = await self._place(state, attempt.spec, progress)
-            if route is None:
+            if req.aborted:  # NOTE: placed after the abort came: never launched, freed below
                 return
-            state.route = route
-            attempt.placed(route)
-            if not state.aborted:  # else its abort event is already queued
-                attempt.launch()
-            async for chunk in self._stream(state, attempt, progress):
+            req.calls["launch"] = self._spawn(self.flow.launch(spec, route))
+            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            while not req.ended:
+                event = await req.next_event(inbox, self.request_timeout_s)
+                chunk, by_workers = await self._on_event(req, event, detok)
                 yield chunk
         finally:
-            attempt.end()
+            self.pump.unregister(req.attempt_id)
+            self._release(route, abort=not by_workers)
 
-    async def _place(self, state: InFlight, spec: RequestSpec,
-                     progress: StreamProgress) -> Route | None:
-        """flow.place; None when aborted meanwhile. A failure before any attempt failed is a
-        rejection (nothing was computed)."""
+    def _attempt_failed(self, req: RequestState, exc: InstanceFailure) -> None:
+        """Before the first token: remember the failure, the caller places again.
+
+        Raises:
+            RequestError: UNAVAILABLE after the first token, or past ``max_attempts``.
+        """
+        if req.phase is Phase.DECODING:
+            # NOTE: migration (prompt + streamed tokens placed again) would go here.
+            raise RequestError("UNAVAILABLE", f"{exc.message}; {req.completion_tokens} "
+                               "token(s) were already streamed, so it is not run again: "
+                               "retry the request") from None
+        req.attempt_failed(exc, self.max_attempts)
+        log.debug("request %s: %s; placing it again", req.request_id, exc.message)
+
+    async def _place(self, req: RequestState, spec: RequestSpec) -> Route | None:
+        """flow.place within the request's deadline; None when aborted meanwhile."""
         try:
-            return await self.flow.place(spec, progress.start + self.request_timeout_s,
-                                         state.avoid)
-        except RequestError as exc:
-            if state.aborted:
+            return await self.flow.place(spec, req.start + self.request_timeout_s, req.avoid)
+        except RequestError:
+            if req.aborted:
                 return None
-            if not state.failures:
-                progress.recorded = True
-                self.metrics.request_rejected(exc.code)
             raise
 
-    async def _stream(self, state: InFlight, attempt: Attempt,
-                      progress: StreamProgress) -> AsyncIterator[OutputChunk]:
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        route = attempt.route
-        while True:
-            event = await self._next_event(state, attempt, progress)
-            tokens = progress.add(event, time.monotonic())
-            finish = progress.finish_reason(event)
-            handover = None
-            if progress.first_event_now:  # NOTE: runs while the first token goes out
-                handover = attempt.first_token(tokens[0], finished=finish is not None)
-            text = detok.add(tokens) if detok else ""
-            if finish and detok:
-                text += detok.flush()
-            if finish:
-                if handover:  # NOTE: frees the reservation before the load is given back
-                    await handover
-                # NOTE: a finish the router made (EOS / max_tokens the leader did not report,
-                # an abort) leaves the request running on the workers: the attempt aborts it.
-                route.workers_done = (event.source != "router"
-                                      and event.finish_reason in ("stop", "length"))
-                progress.done = True
-                self._record(progress, outcome=finish)
-                yield OutputChunk(state.request_id, tokens, text, finish,
-                                  progress.stats(route, time.monotonic()))
-                return
-            yield OutputChunk(state.request_id, tokens, text)
+    async def _on_event(self, req: RequestState, event: TokenEvent | None,
+                        detok: IncrementalDetokenizer | None) -> tuple[OutputChunk, bool]:
+        """The chunk ``event`` makes (None: aborted: the last chunk, "abort"), and whether
+        the workers ended the request themselves (nothing left to abort on them)."""
+        tokens, finish = req.take(event, time.monotonic()) if event else ((), "abort")
+        if tokens and req.phase is Phase.PREFILLING:
+            self._first_token(req, tokens[0], finished=finish is not None)
+        text = detok.add(tokens) if detok else ""
+        if finish is None:
+            return OutputChunk(req.request_id, tokens, text), False
+        if detok:
+            text += detok.flush()
+        handover = req.calls.pop("handover", None)
+        if handover is not None:  # NOTE: frees the reservation before the load is given back
+            await asyncio.wait({handover})
+        # NOTE: a finish the router made (EOS / max_tokens the leader did not report, an
+        # abort) leaves the request running on the workers: the attempt aborts it.
+        by_workers = event is not None and event.finish_reason in ("stop", "length")
+        return self._last_chunk(req, tokens, text, finish), by_workers
 
-    async def _next_event(self, state: InFlight, attempt: Attempt,
-                          progress: StreamProgress) -> TokenEvent:
-        """The attempt's next event; raises an error event as its RequestError."""
-        route = attempt.route
-        while True:
-            try:
-                event = await asyncio.wait_for(attempt.queue.get(), self.request_timeout_s)
-            except asyncio.TimeoutError:
-                raise RequestError(
-                    "DEADLINE_EXCEEDED",
-                    f"request {state.request_id}: no tokens from {sorted(route.instances)} "
-                    f"within router.request_timeout_s={self.request_timeout_s:g} s: the "
-                    "instance may be overloaded or stuck; check `orch status` and the worker "
-                    "logs, or raise router.request_timeout_s") from None
-            if progress.completion_tokens and event.instance not in ("", route.main):
-                continue  # NOTE: prefill's failure, queued before the first token moved on
-            if event.finish_reason != "error":
-                return event
-            raise event_error(state.request_id, event)
+    def _first_token(self, req: RequestState, token_id: int, finished: bool) -> None:
+        """DECODING: from now on the request depends on its main instance only; the token
+        is handed over (flow.on_first_token) beside the stream."""
+        req.decoding()
+        self.pump.watch(req.attempt_id, req.instances)
+        req.calls["handover"] = self._spawn(
+            self.flow.on_first_token(req.route, token_id, finished))
 
-    def _open(self, request_id: str) -> InFlight:
-        """Know the request from now on (an Abort finds it even while it is tokenized)."""
+    def _last_chunk(self, req: RequestState, tokens: tuple[int, ...], text: str,
+                    finish: str) -> OutputChunk:
+        """End the request with ``finish`` ("stop" / "length": FINISHED, "abort": ABORTED)
+        and make its last chunk, with the stats."""
+        self._end(req, Phase.FINISHED if finish in ("stop", "length") else Phase.ABORTED,
+                  finish)
+        return OutputChunk(req.request_id, tokens, text, finish, req.stats(time.monotonic()))
+
+    def _open(self, request_id: str) -> RequestState:
+        """Know the request from now on (an Abort finds it even while it is tokenized).
+
+        Raises:
+            RequestError: shutting down (UNAVAILABLE) or the id is in flight
+                (INVALID_ARGUMENT); reported as a rejection.
+        """
+        refusal = None
         if not self._accepting:
-            raise RequestError("UNAVAILABLE", "the router is shutting down: retry on another "
-                                              "router or after it restarts")
-        if request_id in self._requests:
-            raise RequestError("INVALID_ARGUMENT",
-                               f"request id {request_id!r} is already in flight: use a unique "
-                               "request_id or leave it empty for a generated one")
-        state = self._requests[request_id] = InFlight(request_id)
+            refusal = RequestError("UNAVAILABLE", "the router is shutting down: retry on "
+                                                  "another router or after it restarts")
+        elif request_id in self._requests:
+            refusal = RequestError(
+                "INVALID_ARGUMENT", f"request id {request_id!r} is already in flight: use a "
+                "unique request_id or leave it empty for a generated one")
+        if refusal is not None:
+            self.metrics.request_rejected(refusal.code)
+            raise refusal
+        req = self._requests[request_id] = RequestState(request_id, time.monotonic())
         self._idle.clear()
-        return state
+        return req
 
-    async def _accept(self, inp: GenerateInput, state: InFlight) -> RequestSpec:
+    async def _accept(self, req: RequestState, inp: GenerateInput) -> None:
         """Validate + tokenize (off the loop: a long prompt takes seconds) + seed."""
-        try:
-            ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
-        except BaseException:
-            self._close(state, None)
-            raise
-        return RequestSpec(request_id=state.request_id, prompt_token_ids=ids,
-                           sampling=fill_seed(inp.sampling), arrival_time=time.time())
+        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
+        req.accepted(RequestSpec(request_id=req.request_id, prompt_token_ids=ids,
+                                 sampling=fill_seed(inp.sampling), arrival_time=time.time()),
+                     self.model.eos_token_ids, time.monotonic())
 
-    def _close(self, state: InFlight, progress: StreamProgress | None) -> None:
-        """Every exit path: forget the request (its attempt already cleaned up after itself)."""
-        self._requests.pop(state.request_id, None)
-        if progress is not None and not progress.done:
-            self._record(progress, outcome="cancelled")  # no-op when already recorded
+    def _close(self, req: RequestState) -> None:
+        """Every exit: a request nothing ended was cancelled (the client went away); forget
+        it (its attempt already cleaned up after itself)."""
+        if not req.ended:
+            self._end(req, Phase.ABORTED, "cancelled")
+        del self._requests[req.request_id]
         if not self._requests:
             self._idle.set()
 
-    def _record(self, progress: StreamProgress, outcome: str) -> None:
-        if progress.recorded:
+    def _end(self, req: RequestState, phase: Phase, outcome: str) -> None:
+        """Move ``req`` to its end ``phase`` and report it to the metrics, exactly once."""
+        if req.end(phase):
+            self.metrics.request_rejected(outcome)
             return
-        progress.recorded = True
-        now = time.monotonic()
-        self.metrics.request_finished(outcome, progress.ttft(), progress.tpot(),
-                                      now - progress.start, progress.spec.num_prompt_tokens,
-                                      progress.completion_tokens)
+        prompt_tokens = req.spec.num_prompt_tokens if req.spec else 0
+        self.metrics.request_finished(outcome, req.ttft(), req.tpot(),
+                                      time.monotonic() - req.start, prompt_tokens,
+                                      req.completion_tokens)
+
+    def _release(self, route: Route, abort: bool) -> None:
+        """The attempt ended: give back its load; with ``abort``, only after the request is
+        aborted on its instances (prefill, then decode: the flow's order)."""
+        if abort:
+            self._spawn(self._abort_then_release(route))
+        else:
+            self.flow.release(route)
+
+    async def _abort_then_release(self, route: Route) -> None:
+        # NOTE: the load (and the admission queue's wake-up) waits for the blocks to be free.
+        try:
+            await self.flow.abort(route)
+        finally:
+            self.flow.release(route)
+
+    async def _drained(self, timeout_s: float) -> bool:
+        """Whether every request ended within ``timeout_s`` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _spawn(self, coro) -> asyncio.Task:
         """A tracked background task (awaited by :meth:`stop`); its failure is logged."""
@@ -317,26 +339,13 @@ class Router:
         task.add_done_callback(_forget(self._background))
         return task
 
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request the router knows, at whatever step it is (tokenizing, waiting
-        for blocks, reserving, launching, streaming): each later step checks the mark, the
-        stream ends with finish_reason "abort" and the attempt is aborted on every instance
-        it touched. False for an unknown or ended id."""
-        state = self._requests.get(request_id)
-        if state is None:
-            return False
-        state.aborted = True
-        if state.attempt_id:
-            self.flow.cancel_waiting(state.attempt_id, RequestError(
-                "CANCELLED", f"request {request_id} was aborted"))
-            self.pump.deliver(TokenEvent(state.attempt_id, finish_reason="abort",
-                                         source="router"))
-        return True
-
 
 def _forget(tasks: set[asyncio.Task]):
     def done(task: asyncio.Task) -> None:
         tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background task failed: %s", task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        # NOTE: a failed leader call beside a stream is that stream's to raise (debug here)
+        level = logging.DEBUG if isinstance(task.exception(), RequestError) else logging.WARNING
+        log.log(level, "background task failed: %s", task.exception())
     return done

@@ -1,0 +1,255 @@
+"""One client request on the router: its :class:`Phase` and counters in one object.
+
+``Router.generate`` owns one :class:`RequestState` per client request and drives it through
+the phases; every transition goes through ``RequestState._move`` and the table ``_NEXT``, so
+the legal life of a request is written once. Times are ``time.monotonic()`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field, replace
+
+from engine.request import RequestSpec
+from orchestrator.router.flow import Route
+from orchestrator.router.leader import Inbox
+from orchestrator.router.request import (InstanceFailure, RequestError, RequestStats,
+                                         request_failed)
+from rank.messages import TokenEvent
+
+
+class Phase(enum.Enum):
+    """Where a request is. The last three are ends: exactly one is reached, once."""
+
+    ACCEPTED = "accepted"  # known (an Abort finds it): validating, tokenizing
+    PLACING = "placing"  # an attempt id: reserving decode blocks, or waiting for them
+    PREFILLING = "prefilling"  # placed on a route (launched unless aborted first), no token
+    DECODING = "decoding"  # first token streamed: depends on its main instance only
+    FINISHED = "finished"  # "stop" or "length"
+    ABORTED = "aborted"  # Abort RPC, a worker's "abort", or the client went away
+    FAILED = "failed"  # a RequestError ended it
+
+    @property
+    def ended(self) -> bool:
+        return self in _ENDS
+
+
+_ENDS = frozenset({Phase.FINISHED, Phase.ABORTED, Phase.FAILED})
+_NEXT: dict[Phase, frozenset[Phase]] = {
+    Phase.ACCEPTED: _ENDS | {Phase.PLACING},
+    Phase.PLACING: _ENDS | {Phase.PLACING, Phase.PREFILLING},  # PLACING: a failed attempt
+    Phase.PREFILLING: _ENDS | {Phase.PLACING, Phase.DECODING},
+    # NOTE: migration (prompt + streamed tokens placed again) would add PLACING here.
+    Phase.DECODING: _ENDS,
+}
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One client request from acceptance to its last message (router-owned, one loop).
+
+    Attributes:
+        request_id: the client's id (what every OutputChunk and Abort carry).
+        start: when it was opened, then when it was accepted (validated and tokenized):
+            TTFT, e2e and the placement deadline count from acceptance.
+        phase: see :class:`Phase`; changed only by the methods below.
+        spec: the accepted request (None while ACCEPTED).
+        eos: token ids that end it (empty with ``ignore_eos``).
+        completion_tokens: tokens streamed so far (never past max_tokens).
+        first_token_at, last_token_at: when the first / latest token came (None before).
+        attempt_id: the current attempt's id "<request_id>@<n>" ("" before the first).
+        route: the current attempt's route (None until placed).
+        calls: the current attempt's leader calls running beside its stream, by name
+            ("launch", "handover"); the stream's wait raises their failures.
+        failures: one line per failed attempt; avoid: the instances that failed it.
+        aborted: an Abort arrived; every later step checks it.
+        error: ends the request at its next wait (the router shutting down).
+        woken: done once ``aborted`` or ``error`` is set (the stream's wait watches it).
+    """
+
+    request_id: str
+    start: float
+    phase: Phase = Phase.ACCEPTED
+    spec: RequestSpec | None = None
+    eos: frozenset[int] = frozenset()
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    attempt_id: str = ""
+    route: Route | None = None
+    calls: dict[str, asyncio.Task] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    avoid: set[str] = field(default_factory=set)
+    aborted: bool = False
+    error: RequestError | None = None
+    woken: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def ended(self) -> bool:
+        return self.phase.ended
+
+    @property
+    def instances(self) -> set[str]:
+        """The instances the request depends on now: its route's until the first token,
+        then only the main (decode or colocated) one; none while unplaced."""
+        if self.route is None:
+            return set()
+        return {self.route.main} if self.phase is Phase.DECODING else self.route.instances
+
+    def accepted(self, spec: RequestSpec, eos_token_ids: tuple[int, ...], now: float) -> None:
+        """Validated and tokenized at ``now``: ``spec`` is what every attempt runs."""
+        self.spec, self.start = spec, now
+        self.eos = frozenset() if spec.sampling.ignore_eos else frozenset(eos_token_ids)
+
+    def new_attempt(self, number: int) -> RequestSpec:
+        """PLACING under attempt id "<request_id>@<number>"; returns the spec under that id."""
+        self._move(Phase.PLACING)
+        self.attempt_id = f"{self.request_id}@{number}"
+        self.route, self.calls = None, {}
+        return replace(self.spec, request_id=self.attempt_id)
+
+    def placed(self, route: Route) -> None:
+        """PREFILLING: the attempt holds ``route``."""
+        self._move(Phase.PREFILLING)
+        self.route = route
+
+    def decoding(self) -> None:
+        """DECODING: the first token is out."""
+        self._move(Phase.DECODING)
+
+    def take(self, event: TokenEvent, now: float) -> tuple[tuple[int, ...], str | None]:
+        """Count ``event``'s tokens; returns (the tokens to stream: never past max_tokens nor
+        past an EOS, the finish reason: the leader's, else "stop" after EOS, "length" at
+        max_tokens, else None)."""
+        room = self.spec.sampling.max_tokens - self.completion_tokens
+        tokens = tuple(event.token_ids[:room])
+        eos_at = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+        tokens = tokens if eos_at is None else tokens[:eos_at + 1]
+        if tokens and self.first_token_at is None:
+            self.first_token_at = now
+        if tokens:
+            self.last_token_at = now
+        self.completion_tokens += len(tokens)
+        if event.finish_reason is not None:
+            return tokens, event.finish_reason
+        if eos_at is not None:
+            return tokens, "stop"
+        if self.completion_tokens >= self.spec.sampling.max_tokens:
+            return tokens, "length"
+        return tokens, None
+
+    async def next_event(self, inbox: Inbox, timeout_s: float) -> TokenEvent | None:
+        """The current attempt's next token event; None once aborted. Waits at most
+        ``timeout_s`` seconds on the inbox, the wake-up and the side calls.
+
+        Raises:
+            InstanceFailure: an instance it depends on failed (poll, health, a side call, a
+                retryable error event).
+            RequestError: the worker's error (INTERNAL), ``error`` (shutdown), or no event
+                within ``timeout_s`` (DEADLINE_EXCEEDED).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.aborted:
+                return None
+            if self.error is not None:
+                raise self.error
+            event = inbox.take()  # NOTE: before the calls: a failed instance fails both
+            if event is not None:
+                return event
+            self._raise_failed_call()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(
+                    "DEADLINE_EXCEEDED",
+                    f"request {self.request_id}: no tokens from {sorted(self.route.instances)}"
+                    f" within router.request_timeout_s={timeout_s:g} s: the instance may be "
+                    "overloaded or stuck; check `orch status` and the worker logs, or raise "
+                    "router.request_timeout_s")
+            await asyncio.wait({inbox.ready, self.woken, *self.calls.values()}, timeout=left,
+                               return_when=asyncio.FIRST_COMPLETED)
+
+    def attempt_failed(self, exc: InstanceFailure, max_attempts: int) -> None:
+        """Remember a failed attempt (before the first token); the next one avoids
+        ``exc.instance``.
+
+        Raises:
+            RequestError: UNAVAILABLE naming every failure, when it was attempt ``max_attempts``.
+        """
+        self.failures.append(f"attempt {len(self.failures) + 1}: {exc.message}")
+        self.avoid.add(exc.instance)
+        if len(self.failures) >= max_attempts:
+            raise RequestError(
+                "UNAVAILABLE", f"request {self.request_id} failed on {len(self.failures)} "
+                f"attempt(s) (router.max_attempts={max_attempts}): {'; '.join(self.failures)}: "
+                "retry later; `orch status` shows the instances")
+
+    def abort(self) -> None:
+        """Mark it aborted and wake its wait (a later step ends it with "abort")."""
+        self.aborted = True
+        self._wake()
+
+    def fail(self, error: RequestError) -> None:
+        """End it with ``error`` at its next wait."""
+        self.error = self.error or error
+        self._wake()
+
+    def end(self, phase: Phase) -> bool:
+        """Move to an end ``phase``; returns whether that is a rejection (FAILED before
+        anything was computed: while ACCEPTED, or while placing its first attempt).
+
+        Raises:
+            RuntimeError: it already ended (a router bug: metrics would count it twice).
+        """
+        rejected = phase is Phase.FAILED and (
+            self.phase is Phase.ACCEPTED or (self.phase is Phase.PLACING and not self.failures))
+        self._move(phase)
+        return rejected
+
+    def ttft(self) -> float | None:
+        """Seconds from acceptance to the first token (None before it)."""
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (0 with one token; None before)."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        if self.completion_tokens < 2:
+            return 0.0
+        return (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
+
+    def stats(self, now: float) -> RequestStats:
+        """Final statistics; instance names from the current route ("" when unplaced)."""
+        main = self.route.main if self.route is not None else ""
+        return RequestStats(
+            prompt_tokens=self.spec.num_prompt_tokens if self.spec else 0,
+            completion_tokens=self.completion_tokens, ttft_s=self.ttft() or 0.0,
+            tpot_s=self.tpot() or 0.0, e2e_s=now - self.start,
+            prefill_instance=(self.route.prefill if self.route else "") or main,
+            decode_instance=main)
+
+    def _move(self, phase: Phase) -> None:
+        if phase not in _NEXT.get(self.phase, ()):
+            raise RuntimeError(f"request {self.request_id}: no transition {self.phase.value} "
+                               f"-> {phase.value} (a router bug)")
+        self.phase = phase
+
+    def _raise_failed_call(self) -> None:
+        """Forget the side calls that ended; raise the failure of one whose instance the
+        request still depends on (a launch failing after the first token does not count)."""
+        for name, call in list(self.calls.items()):
+            if not call.done() or call.cancelled():
+                continue
+            del self.calls[name]
+            exc = call.exception()
+            if isinstance(exc, InstanceFailure) and exc.instance in self.instances:
+                raise request_failed(self.request_id, exc.instance, exc.message, retryable=True)
+            if exc is not None and not isinstance(exc, InstanceFailure):
+                raise exc
+
+    def _wake(self) -> None:
+        if not self.woken.done():
+            self.woken.set_result(None)
