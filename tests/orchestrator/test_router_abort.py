@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
 
 from orchestrator.api.client import OrchClient
+from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER, Harness
 from tests.orchestrator.test_router import _calls, _wait_for
@@ -72,6 +74,21 @@ def test_abort_while_tokenizing_wins(harness):
         held.release.set()
         _ends_with_abort(thread, result, harness)
     assert result["chunks"][-1].token_ids == ()
+    assert _calls(harness, "decode-0") == [] and _calls(harness, "prefill-0") == []
+
+
+def test_client_gone_while_tokenizing_is_reported_once_as_cancelled(harness):
+    held = HeldTokenizer()
+    harness.call_in_loop(lambda: setattr(harness.router, "tokenizer", held))
+    with grpc.insecure_channel(harness.address) as channel:
+        call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
+            text="gone early", request_id="g", sampling=orch_pb2.SamplingParams(max_tokens=5)))
+        assert held.entered.wait(5)
+        call.cancel()
+        assert _wait_for(lambda: harness.call_in_loop(lambda: harness.router.in_flight) == 0)
+    held.release.set()
+    assert harness.metrics.finished == [("cancelled", 0, 0)]
+    assert harness.metrics.rejected == []
     assert _calls(harness, "decode-0") == [] and _calls(harness, "prefill-0") == []
 
 
