@@ -14,6 +14,7 @@ import asyncio
 import logging
 from typing import Any
 
+from engine.error_text import first_line
 from rank.messages import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,7 @@ def _brief(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the worker's
     if isinstance(cause, BaseException) and cause is not exc:
         return _brief(cause)
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    return f"{name}: {first[:300]}"
+    return first_line(exc)
 
 
 class LeaderError(RuntimeError):
