@@ -92,7 +92,7 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
         model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
     try:
         roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
-        memory = device_memory(cfg.device(), cfg.cluster.device_memory_gb)
+        memory = device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return MemoryPlan(model, source, precision, roles, memory), source
