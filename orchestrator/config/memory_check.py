@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from engine.layout import tp_layout
 from engine.model_config import ModelConfig, UnsupportedModelError
 from engine.quant.memory import bytes_per_param
 from orchestrator.config.checkpoint import model_config_dict
@@ -180,8 +181,6 @@ def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
 
 def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
     """The plan with tp doubled, when the model can be split that way (and ep still divides)."""
-    from engine.layout import tp_layout  # lazy: torch
-
     lay = role.layout
     try:
         tp_layout(plan.model, lay.tp * 2, lay.ep_size * 2 if lay.ep else 1)
