@@ -8,8 +8,9 @@ themselves. This module decides, from one table, for every parameter of the chec
 - which ``config.json`` size the TP size must divide for that split to keep whole units
   (heads for attention, so a head is never cut in two), and that the EP size divides
   ``n_routed_experts``; checked once, in :func:`tp_layout`, whose error says what to change;
-- the local sizes the modules are built with (:class:`TPLayout`), and the slice of the full
-  checkpoint tensor the loader reads (:meth:`ShardRule.local_slices`).
+- the local sizes the modules are built with (:class:`TPLayout`), the slice of the full
+  checkpoint tensor the loader reads (:meth:`ShardRule.local_slices`), and the shape a rank
+  holds (:meth:`ShardRule.local_shape`, which the memory plan counts).
 
 ===========================================  ==============  =====================
 parameter (``L.`` = ``model.layers.{i}.``)   split           TP size must divide
@@ -140,6 +141,17 @@ class ShardRule:
             index[dim] = slice(min(tp_rank * n, full_shape[dim]),
                                min((tp_rank + 1) * n, full_shape[dim]))
         return tuple(index)
+
+    def local_shape(self, full_shape: tuple[int, ...], layout: TPLayout) -> tuple[int, ...]:
+        """The shape of the parameter on one rank, from its checkpoint shape (the inverse of
+        :meth:`full_shape`): the split dim divided by the TP size, ``ceil(vocab_size / tp)``
+        rows for VOCAB (padding included), whole when replicated."""
+        split, shape = self.split_in(layout), list(full_shape)
+        if split is Split.VOCAB:
+            shape[0] = layout.vocab_size
+        elif split.dim is not None:
+            shape[split.dim] //= layout.tp_size
+        return tuple(shape)
 
     def full_shape(self, local_shape: tuple[int, ...], layout: TPLayout) -> tuple[int, ...]:
         """The checkpoint (unsplit) shape of a parameter whose local shape is ``local_shape``."""

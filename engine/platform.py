@@ -3,10 +3,9 @@
 Detection order: Ascend NPU (``torch_npu`` importable and a device present), CUDA, CPU. The
 ``ORCH_DEVICE`` environment variable ("npu", "cuda" or "cpu", see engine/envs.py) overrides
 detection. ``torch_npu`` is imported lazily, only when NPU is asked for or probed. The
-orchestrator asks here too (for ``cluster.device: auto`` and the backend of a device), so the
-control plane and the ranks decide the same way.
+orchestrator asks here too (:func:`platform_for` with ``cluster.device`` and
+``kv_transfer.backend``), so the control plane and the ranks decide the same way.
 """
-
 from __future__ import annotations
 
 import importlib
@@ -17,6 +16,8 @@ import torch
 from engine import envs
 
 DIST_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,37 @@ def detect_platform(device_type: str | None = None) -> Platform:
         except ImportError as exc:
             raise RuntimeError("device 'npu' needs torch_npu: pip install orch[npu]") from exc
     return Platform(device_type=device_type, dist_backend=DIST_BACKENDS[device_type])
+
+
+def platform_for(device: str = AUTO, backend: str = AUTO,
+                 keys: tuple[str, str] = ("device", "backend")) -> Platform:
+    """The platform of a deployment that asks for ``device`` and ``backend`` (``"auto"``: not
+    set): the device when set, else the device of the backend when set, else
+    :func:`detect_platform`'s decision (``$ORCH_DEVICE``, else detected).
+
+    A set device or backend is a table lookup: nothing is imported or probed, so a CPU machine
+    can plan an NPU layout.
+
+    Args:
+        keys: the names of the two settings where the caller reads them (the error names them,
+            e.g. ``("cluster.device", "kv_transfer.backend")``).
+
+    Raises:
+        ValueError: a device or backend not in the table, or a backend that does not go with
+            the device (the message says which backend to use).
+    """
+    device_key, backend_key = keys
+    if device != AUTO and device not in DIST_BACKENDS:
+        raise ValueError(f"{device_key} '{device}' is not one of {sorted(DIST_BACKENDS)} "
+                         "(or 'auto')")
+    if backend != AUTO and backend not in DEVICE_FOR_BACKEND:
+        raise ValueError(f"{backend_key} '{backend}' is not one of "
+                         f"{sorted(DEVICE_FOR_BACKEND)} (or 'auto')")
+    if device != AUTO and backend not in (AUTO, DIST_BACKENDS[device]):
+        raise ValueError(f"{backend_key} '{backend}' does not work with {device_key} "
+                         f"'{device}': use backend '{DIST_BACKENDS[device]}' (or 'auto') for "
+                         f"{device}")
+    if device == AUTO and backend == AUTO:
+        return detect_platform()
+    device = device if device != AUTO else DEVICE_FOR_BACKEND[backend]
+    return Platform(device_type=device, dist_backend=DIST_BACKENDS[device])

@@ -102,7 +102,9 @@ class ModelRunner:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
         graph = graph or GraphConfig()
         _check_cp(self.tp, self.cp, graph)
-        self.platform = detect_platform()
+        # NOTE: a given device was decided by the platform already (the orchestrator's
+        # OrchConfig.platform()); the runner's platform is that device's, never a second guess.
+        self.platform = detect_platform(torch.device(device).type if device is not None else None)
         self.device = torch.device(device) if device is not None \
             else self.platform.device(max(self.tp.rank, self.cp.rank))
         _check_kv_layout(kv_layout, self.device)

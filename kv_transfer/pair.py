@@ -43,6 +43,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from engine.error_text import first_line
 from kv_transfer import local, packs, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
@@ -165,7 +166,7 @@ class PairGroup:
         except TransferTimeout as exc:
             raise TransferTimeout(f"{self.name}: {what}: {exc}", pair=self.name) from exc
         except Exception as exc:  # gloo/store errors are RuntimeError subclasses
-            raise TransferError(f"{self.name}: {what} failed: {_first_line(exc)} (the peer "
+            raise TransferError(f"{self.name}: {what} failed: {first_line(exc)} (the peer "
                                 "died or closed the pair; it is remade on next use)",
                                 pair=self.name) from exc
 
@@ -209,7 +210,7 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
     except Exception as exc:  # store/gloo connection errors
         raise TransferTimeout(
             f"{where}: could not connect within {config.connect_timeout_s:g} s "
-            f"({_first_line(exc)}); check that the decode rank is alive and its published "
+            f"({first_line(exc)}); check that the decode rank is alive and its published "
             "address is current", pair=where) from exc
     return PairGroup(name, group, store, prefix, gen, PREFILL, backend, ack.layout,
                      local=segment)
@@ -250,7 +251,7 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
         store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "
-                              f"({_first_line(exc)})", pair=name) from exc
+                              f"({first_line(exc)})", pair=name) from exc
     return PairGroup(name, group, store, prefix, announce.generation, DECODE, backend,
                      announce.layout, local=segment if mapped else None)
 
@@ -342,8 +343,3 @@ def _open_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     if isinstance(made[0], Exception):
         raise made[0]
     return made[0]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__

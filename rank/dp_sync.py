@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.error_text import first_line
 from engine.network import gloo_devices
 from rank.failures import RankFailure
 
@@ -78,7 +79,7 @@ class DPSync:
             raise DPGroupBroken(
                 f"DP rank {self.rank}: another DP rank of this expert-parallel role failed or did "
                 f"not meet a step within {self.timeout_s:g} s (dead, hung or out of service): "
-                f"the role's EP group is broken ({_first_line(exc)})") from exc
+                f"the role's EP group is broken ({first_line(exc)})") from exc
         return bool(flag.item())
 
 
@@ -107,8 +108,3 @@ def open_dp_sync(host: str, port: int, rank: int, size: int, timeout_s: float,
     opts._devices = gloo_devices(host)
     group = dist.ProcessGroupGloo(dist.PrefixStore(STORE_PREFIX, store), rank, size, opts)
     return DPSync(group, rank, size, timeout_s)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]

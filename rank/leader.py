@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.error_text import first_line
 from engine.block_pool import BlockPool
 from engine.sampling import RowFailure, sample
 from engine.scheduler import RolePolicy, Scheduler, SchedulerOutput, finish_reason
@@ -177,7 +178,7 @@ class LeaderRank(RankBase):
             RankFailure: a rank died or hung meanwhile.
         """
         log.warning("%s: a step of %d request(s) failed (%s)%s", self.cfg.name,
-                    len(out.chunks), _first_line(error),
+                    len(out.chunks), first_line(error),
                     "; running each alone"
                     if len(out.chunks) > 1 or self.dp_sync is not None else "")
         # NOTE: with a DP sync even one chunk runs again: its round tells a broken EP group
@@ -203,7 +204,7 @@ class LeaderRank(RankBase):
         return StepResult(out, sampled, failed)
 
     def _step_error(self, exc: Exception) -> str:
-        return f"{self.cfg.name}: the model step failed for this request: {_first_line(exc)}"
+        return f"{self.cfg.name}: the model step failed for this request: {first_line(exc)}"
 
     def finish_sampled(self, sampled: dict[str, int], *, free: bool = True) -> list[Request]:
         """Emit one event per sampled token; remove finished requests. Returns those removed.
@@ -265,7 +266,7 @@ class LeaderRank(RankBase):
             raise
         except Exception as exc:  # noqa: BLE001 - no request to blame: the EP group broke
             raise DPGroupBroken(f"{self.cfg.name}: an empty lockstep forward failed: "
-                                f"{_first_line(exc)}") from exc
+                                f"{first_line(exc)}") from exc
 
     def fail_request(self, request_id: str, error: str, retryable: bool = False) -> None:
         """Role hook, leader, caller holds the lock: end one queued or running request with an
@@ -329,9 +330,3 @@ class LeaderRank(RankBase):
             RankFailure: a rank is gone or did not answer.
         """
         return {}
-
-
-def _first_line(exc: Exception) -> str:
-    """``Type: message`` of an error on one line (a RayTaskError carries a whole traceback)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from engine.layout import tp_layout
 from engine.model_config import ModelConfig, UnsupportedModelError
 from engine.quant.memory import bytes_per_param
 from orchestrator.config.checkpoint import model_config_dict
@@ -92,7 +93,7 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
         model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
     try:
         roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
-        memory = device_memory(cfg.device(), cfg.cluster.device_memory_gb)
+        memory = device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return MemoryPlan(model, source, precision, roles, memory), source
@@ -180,8 +181,6 @@ def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
 
 def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
     """The plan with tp doubled, when the model can be split that way (and ep still divides)."""
-    from engine.layout import tp_layout  # lazy: torch
-
     lay = role.layout
     try:
         tp_layout(plan.model, lay.tp * 2, lay.ep_size * 2 if lay.ep else 1)

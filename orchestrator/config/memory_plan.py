@@ -17,11 +17,13 @@ How later layouts plug in (rows and parameters, not branches):
   rank 0, the most loaded), and a prefetch pool row holds :data:`PREFETCH_POOL` layers of them
   (the broadcast buffers, ``engine.layer_sharding.LayerPrefetcher``).
 
-Split rules are the engine's (engine/layout.py, DESIGN.md "Parallel layout"): attention by
-heads over TP (``q_a_proj``, ``kv_a_proj_with_mqa`` whole); dense MLP and shared experts by
-intermediate channels over TP; routed experts either whole experts over the role's
-dp x tp ranks (``ep``) or all experts with the intermediate split over TP; embedding and
-lm_head vocab-parallel over TP (``ceil(vocab / tp)`` rows); norms and the router gate whole.
+Split rules are read from the engine's one table (engine/layout.py ``RULES``, DESIGN.md
+"Parallel layout"): each weight row lists the checkpoint weights it holds with their full
+shapes from config.json, and one rank's elements are what
+:meth:`engine.layout.ShardRule.local_shape` leaves of each under the role's
+:func:`engine.layout.tp_layout` (routed experts: the EP rank's ones, whole, or all of them
+split over TP). A change in the table changes the plan; only the ``split`` words are the
+plan's own.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.layer_sharding import linear_shape
+from engine.layout import TPLayout, rule_for, tp_layout
 from engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # NOTE: buffer sets of the layer-sharding prefetcher (engine LayerPrefetcher's pool_size).
 PREFETCH_POOL = 2
+_LAYER = "model.layers.0."  # decoder weights are named as layer 0's: the rules match any layer
 
 
 @dataclass(frozen=True)
@@ -165,18 +170,30 @@ def num_moe_layers(m: ModelConfig) -> int:
     return sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
 
 
+def _tp(m: ModelConfig, lay: RoleLayout) -> TPLayout:
+    """The engine's layout of one rank of the role (EP rank 0: every EP rank holds as many)."""
+    return tp_layout(m, lay.tp, lay.ep_size)
+
+
+def _held(m: ModelConfig, lay: RoleLayout, name: str, shape: tuple[int, ...]) -> int:
+    """Elements one rank holds of checkpoint weight ``name`` of full ``shape``: what its rule
+    in engine/layout.py leaves of it under the role's layout."""
+    return math.prod(rule_for(name).local_shape(shape, _tp(m, lay)))
+
+
 def _attention_linears(m: ModelConfig, lay: RoleLayout) -> dict[str, int]:
-    """Elements of one layer's attention linears on one rank (by-heads ones divided by tp)."""
-    heads, tp = m.num_attention_heads, lay.tp
-    sizes = {"kv_a_proj_with_mqa": m.hidden_size * (m.kv_lora_rank + m.qk_rope_head_dim),
-             "o_proj": heads * m.v_head_dim * m.hidden_size // tp,
-             "kv_b_proj": m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) // tp}
-    if m.q_lora_rank:
-        sizes["q_a_proj"] = m.hidden_size * m.q_lora_rank
-        sizes["q_b_proj"] = m.q_lora_rank * heads * m.qk_head_dim // tp
-    else:  # plain q_proj (V2-Lite)
-        sizes["q_proj"] = m.hidden_size * heads * m.qk_head_dim // tp
-    return sizes
+    """Elements of one layer's attention linears on one rank, by linear name."""
+    q = ("q_a_proj", "q_b_proj") if m.q_lora_rank else ("q_proj",)  # plain q_proj: V2-Lite
+    return {name: _held(m, lay, f"{_LAYER}self_attn.{name}.weight", linear_shape(m, name))
+            for name in q + ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+
+
+def _mlp(m: ModelConfig, lay: RoleLayout, prefix: str, width: int) -> int:
+    """Elements of one gate/up/down MLP of intermediate ``width`` (weights ``prefix*``) on one
+    rank."""
+    h = m.hidden_size
+    return sum(_held(m, lay, f"{prefix}{name}.weight", shape) for name, shape in
+               (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width))))
 
 
 def _layers_held(m: ModelConfig, lay: RoleLayout, name: str) -> int:
@@ -218,56 +235,61 @@ def _prefetch_pool(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 
 def _dense_mlp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     dense = m.num_hidden_layers - num_moe_layers(m)
-    return dense * 3 * m.hidden_size * m.intermediate_size // lay.tp, \
+    return dense * _mlp(m, lay, f"{_LAYER}mlp.", m.intermediate_size), \
         f"{dense} layers, intermediate /{lay.tp}"
 
 
 def _shared_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     width = m.n_shared_experts * m.moe_intermediate_size
-    return num_moe_layers(m) * 3 * m.hidden_size * width // lay.tp, f"intermediate /{lay.tp}"
+    return num_moe_layers(m) * _mlp(m, lay, f"{_LAYER}mlp.shared_experts.", width), \
+        f"intermediate /{lay.tp}"
 
 
 def _routed_experts(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    experts = m.n_routed_experts or 0
-    per_expert = 3 * m.hidden_size * m.moe_intermediate_size
-    if lay.ep:
-        # NOTE: dp x tp divides the experts: load_config ran the engine's one check
-        # (orchestrator/config/layout_check.py -> engine.layout.tp_layout) before any plan.
-        mine = experts // lay.ep_size
-        return (num_moe_layers(m) * mine * per_expert,
-                f"{mine} of {experts} whole (EP {lay.ep_size})")
-    return num_moe_layers(m) * experts * per_expert // lay.tp, \
+    # NOTE: under EP, dp x tp divides the experts: load_config ran the engine's one check
+    # (orchestrator/config/layout_check.py -> engine.layout.tp_layout) before any plan.
+    experts, mine = m.n_routed_experts or 0, len(_tp(m, lay).experts)
+    one = _mlp(m, lay, f"{_LAYER}mlp.experts.0.", m.moe_intermediate_size)
+    split = f"{mine} of {experts} whole (EP {lay.ep_size})" if lay.ep else \
         f"all {experts}, intermediate /{lay.tp}"
-
-
-def _vocab_rows(m: ModelConfig, lay: RoleLayout) -> int:
-    return -(-m.vocab_size // lay.tp) * m.hidden_size
+    return num_moe_layers(m) * mine * one, split
 
 
 def _embedding(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    return _vocab_rows(m, lay), f"vocab /{lay.tp}"
+    shape = (m.vocab_size, m.hidden_size)
+    return _held(m, lay, "model.embed_tokens.weight", shape), f"vocab /{lay.tp}"
 
 
 def _lm_head(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     if m.tie_word_embeddings:
         return 0, "tied to the embedding"
-    return _vocab_rows(m, lay), f"vocab /{lay.tp}"
+    return _held(m, lay, "lm_head.weight", (m.vocab_size, m.hidden_size)), f"vocab /{lay.tp}"
 
 
 def _indexer(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    per_layer = m.q_lora_rank * m.index_n_heads * m.index_head_dim \
-        + m.hidden_size * (m.index_head_dim + m.index_n_heads)  # wq_b, wk, weights_proj
+    heads, dim, h = m.index_n_heads, m.index_head_dim, m.hidden_size
+    shapes = {"wq_b": (heads * dim, m.q_lora_rank), "wk": (dim, h), "weights_proj": (heads, h)}
+    per_layer = sum(_held(m, lay, f"{_LAYER}self_attn.indexer.{name}.weight", shape)
+                    for name, shape in shapes.items())
     return m.num_hidden_layers * per_layer, "whole (every TP rank)"
 
 
 def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    norms = 2 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank \
-        + 2 * m.index_head_dim  # per layer; the last: V3.2 indexer k_norm weight and bias
-    experts = m.n_routed_experts or 0
-    bias = experts if m.topk_method == "noaux_tc" else 0
-    gate = experts * m.hidden_size + bias
-    return (m.num_hidden_layers * norms + m.hidden_size + num_moe_layers(m) * gate,
-            "whole")
+    h, experts = m.hidden_size, m.n_routed_experts or 0
+    layer = {"input_layernorm.weight": h, "post_attention_layernorm.weight": h,
+             "self_attn.kv_a_layernorm.weight": m.kv_lora_rank}
+    if m.q_lora_rank:
+        layer["self_attn.q_a_layernorm.weight"] = m.q_lora_rank
+    if m.index_head_dim:  # V3.2's indexer k_norm
+        layer.update({"self_attn.indexer.k_norm.weight": m.index_head_dim,
+                      "self_attn.indexer.k_norm.bias": m.index_head_dim})
+    gate = {"mlp.gate.weight": (experts, h)}
+    if m.topk_method == "noaux_tc":
+        gate["mlp.gate.e_score_correction_bias"] = (experts,)
+    norms = sum(_held(m, lay, _LAYER + name, (n,)) for name, n in layer.items())
+    router = sum(_held(m, lay, _LAYER + name, shape) for name, shape in gate.items())
+    final = _held(m, lay, "model.norm.weight", (h,))
+    return m.num_hidden_layers * norms + final + num_moe_layers(m) * router, "whole"
 
 
 def _kv_tokens(lay: RoleLayout) -> int:
@@ -297,8 +319,8 @@ def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     # expert choice its dispatched copy in and out plus gate, up and SwiGLU intermediates;
     # chunked prefill also decompresses the cached prefix (max_model_len tokens) on local
     # heads.
-    heads = m.num_attention_heads // lay.tp
-    inter = m.moe_intermediate_size if lay.ep else m.moe_intermediate_size // lay.tp
+    local = _tp(m, lay)
+    heads, inter = local.num_attention_heads, local.expert_intermediate_size
     per_token = 4 * m.hidden_size + (m.q_lora_rank or 0) + m.kv_lora_rank \
         + m.qk_rope_head_dim + heads * 2 * (m.qk_head_dim + m.v_head_dim) \
         + m.num_experts_per_tok * (2 * m.hidden_size + 3 * inter)
@@ -336,9 +358,11 @@ KINDS: tuple[Kind, ...] = (
 def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> RolePlan:
     """The memory of one rank of ``layout``'s role, one row per :data:`KINDS` entry.
 
-    ``layout`` must be one the engine can build (:func:`engine.layout.tp_layout`; for an
-    ``OrchConfig`` that is checked by ``load_config``): with ``ep`` on, dp x tp divides
-    n_routed_experts.
+    Raises:
+        ValueError: ``layout`` is not one the engine can build (the error of
+            :func:`engine.layout.tp_layout`: tp does not divide a split size, or with ``ep``
+            on dp x tp x cp does not divide n_routed_experts); ``load_config`` checks an
+            ``OrchConfig``'s layouts before any plan.
     """
     rows = []
     for kind in KINDS:

@@ -6,7 +6,7 @@ sections (one per component) are in :mod:`orchestrator.config.sections`.
 :meth:`OrchConfig.instances` derives the per-instance :class:`rank.config.InstanceConfig`
 that the rank actors receive: each role's scheduler sizes from that role's section, the one
 ``kv_transfer.TransferConfig`` from the ``kv_transfer`` section, and the device and backend
-decided once by ``engine.platform``.
+decided once by ``engine.platform`` (:meth:`OrchConfig.platform`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from typing import Literal
 from pydantic import model_validator
 
 from engine.graph import GRAPH_BACKENDS, GraphConfig
-from engine.platform import DIST_BACKENDS, detect_platform
+from engine.platform import AUTO, Platform, platform_for
 from orchestrator.config.sections import (ClusterSection, DecodeSection, GraphSection,
                                           HealthSection, KVTransferSection, ModelSection,
                                           PrefillSection, RouterSection, _cross_field, _Section)
 from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
-
-DEVICE_FOR_BACKEND = {backend: device for device, backend in DIST_BACKENDS.items()}
 
 
 class OrchConfig(_Section):
@@ -40,9 +38,12 @@ class OrchConfig(_Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "OrchConfig":
-        _check_backend(self.kv_transfer.backend, self.cluster.device)
-        if self.cluster.device != "auto" or self.kv_transfer.backend != "auto":
-            _check_graph_backend(self.decode.graph, self.device())
+        if self.cluster.device != AUTO or self.kv_transfer.backend != AUTO:
+            try:
+                platform = self.platform()
+            except ValueError as exc:
+                raise _cross_field(str(exc)) from None
+            _check_graph_backend(self.decode.graph, platform.device_type)
         if self.mode == "colocated" and self.prefill.cp > 1:
             raise _cross_field(
                 f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "
@@ -70,20 +71,12 @@ class OrchConfig(_Section):
                 "router.metrics_port: pick another port for the HTTP API")
         return self
 
-    def device(self) -> str:
-        """The rank device: ``cluster.device``, or derived from the backend, or
-        ``engine.platform``'s decision (``$ORCH_DEVICE``, else detected)."""
-        if self.cluster.device != "auto":
-            return self.cluster.device
-        if self.kv_transfer.backend != "auto":
-            return DEVICE_FOR_BACKEND[self.kv_transfer.backend]
-        return detect_platform().device_type
-
-    def dist_backend(self) -> str:
-        """torch.distributed backend for TP groups and KV pairs."""
-        if self.kv_transfer.backend != "auto":
-            return self.kv_transfer.backend
-        return DIST_BACKENDS[self.device()]
+    def platform(self) -> Platform:
+        """Device and torch.distributed backend (TP groups, KV pairs) of every rank:
+        :func:`engine.platform.platform_for` of ``cluster.device`` and
+        ``kv_transfer.backend`` (both ``auto``: ``$ORCH_DEVICE``, else detected)."""
+        return platform_for(self.cluster.device, self.kv_transfer.backend,
+                            keys=("cluster.device", "kv_transfer.backend"))
 
     def instances(self) -> list[InstanceConfig]:
         """One :class:`InstanceConfig` per instance: prefill-0.., decode-0.. or colocated-0.."""
@@ -128,18 +121,11 @@ class OrchConfig(_Section):
         section = self._section(role)
         cp = dict(cp=section.cp, layer_sharding=tuple(section.layer_sharding)) \
             if role == "prefill" else {}
+        platform = self.platform()
         return ParallelConfig(tp=section.tp, dp=section.dp, ep=section.ep, **cp,
-                              device=self.device(), dist_backend=self.dist_backend(),
+                              device=platform.device_type,
+                              dist_backend=platform.dist_backend,
                               bind_host=bind_host, step_timeout_s=self.health.step_timeout_s)
-
-
-def _check_backend(backend: str, device: str) -> None:
-    if backend == "auto" or device == "auto":
-        return
-    if DIST_BACKENDS[device] != backend:
-        raise _cross_field(
-            f"kv_transfer.backend '{backend}' does not work with cluster.device '{device}': "
-            f"use backend '{DIST_BACKENDS[device]}' (or 'auto') for {device}")
 
 
 def _check_graph_backend(graph: GraphSection, device: str) -> None:

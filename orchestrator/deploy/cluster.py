@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.error_text import first_line
 from rank.config import InstanceConfig
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.sections import ClusterSection
@@ -206,7 +207,8 @@ class Cluster:
                 ray.get([getattr(leader, step).remote(*args) for leader in leaders],
                         timeout=timeout_s)
             except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
-                log.warning("leader %s did not complete: %s", step, _first_line(exc))
+                worker_error = getattr(exc, "cause", None) or exc  # RayTaskError wraps it
+                log.warning("leader %s did not complete: %s", step, first_line(worker_error))
                 log.debug("leader %s failure detail", step, exc_info=exc)
         for inst in instances:
             _kill(inst)
@@ -214,15 +216,6 @@ class Cluster:
             ray.shutdown()
             self.started_ray = False
             self.report(f"stopped the ranks and the embedded Ray in {watch}")
-
-
-def _first_line(exc: BaseException) -> str:
-    """``Type: first line`` of an error, the worker's own one when Ray wrapped it (the
-    wrapper's text is a whole coloured traceback)."""
-    cause = getattr(exc, "cause", None)
-    exc = cause if isinstance(cause, BaseException) else exc
-    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def load_rank_classes() -> dict[str, type]:

@@ -27,6 +27,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from engine.error_text import first_line
+
 log = logging.getLogger(__name__)
 PROBE_METHOD = "node_info"  # every rank actor has it; answers without touching the engine
 # NOTE: the probe's Ray concurrency group (one thread of its own on every rank actor, see
@@ -252,5 +254,4 @@ def _describe(exc: BaseException) -> str:
 
     if isinstance(exc, RayActorError):
         return f"is gone ({type(exc).__name__})"
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    return f"failed a ping ({type(exc).__name__}: {first[:200]})"
+    return f"failed a ping ({first_line(exc, limit=200)})"

@@ -35,7 +35,7 @@ def connect_ray(cfg: OrchConfig) -> bool:
         ray.init(address=cfg.cluster.address, log_to_driver=False)
         return False
     resources = {}
-    if cfg.device() == "npu":
+    if cfg.platform().device_type == "npu":
         import torch
         import torch_npu  # noqa: F401
 

@@ -52,7 +52,8 @@ def resolve_device(cfg: OrchConfig, key: str | None, recalibrate: bool = False) 
     Raises:
         ValueError: unknown key or platform.
     """
-    key = key or ("cpu" if cfg.device() == "cpu" else default_device(cfg.device()).key)
+    platform = cfg.platform().device_type
+    key = key or ("cpu" if platform == "cpu" else default_device(platform).key)
     if key == "cpu":
         from orchestrator.planner.calibrate import cpu_device
 
@@ -203,12 +204,13 @@ def dry_run_lines(cfg: OrchConfig) -> list[str]:
     whose figures need a calibration run): seed 004's request shape (64K in, 3K out) fitted
     to ``max_model_len``, closed loop filling the decode slots, the platform's default
     device."""
-    if cfg.device() == "cpu":
+    platform = cfg.platform().device_type
+    if platform == "cpu":
         return []
     out = min(3072, cfg.model.max_model_len // 16)
     wl = WorkloadSpec(min(65536, cfg.model.max_model_len - out), out)
     try:
-        device = default_device(cfg.device())
+        device = default_device(platform)
         plan = plan_config(cfg, wl, device)
     except (ConfigError, ValueError) as exc:
         return [f"planner: not computed ({exc})"]

@@ -15,6 +15,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from engine.error_text import first_line
 from orchestrator.router.request import InstanceFailure, request_failed
 from rank.messages import TokenEvent
 
@@ -32,8 +33,7 @@ def _brief(exc: BaseException) -> str:
     cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError wraps the worker's
     if isinstance(cause, BaseException) and cause is not exc:
         return _brief(cause)
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    return f"{name}: {first[:300]}"
+    return first_line(exc)
 
 
 class LeaderError(RuntimeError):

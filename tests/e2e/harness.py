@@ -17,6 +17,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
+from tests.leaks import busy_instances
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,9 +199,7 @@ def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         status = orch.status()
-        busy = [i for i in status.instances
-                if i.free_blocks != i.total_blocks or i.queue_depth or i.running]
-        if not busy and status.in_flight == 0:
+        if not busy_instances(status.instances) and status.in_flight == 0:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle after {timeout_s} s: {status}")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.block_pool import BlockPool, DoubleFreeError, NoFreeBlocksError, slot_mapping
+from tests.leaks import assert_pool_empty
 
 
 def test_allocate_free_roundtrip_returns_every_block():
@@ -14,7 +15,7 @@ def test_allocate_free_roundtrip_returns_every_block():
     assert sorted(a.block_ids + b.block_ids) == list(range(8))
     pool.free(a)
     pool.free(b)
-    assert pool.num_free_blocks == 8 and pool.num_live_sets == 0
+    assert_pool_empty(pool)
 
 
 def test_failed_allocation_takes_nothing():
@@ -31,7 +32,7 @@ def test_double_free_is_rejected():
     pool.free(s)
     with pytest.raises(DoubleFreeError, match="block set 0 \\(2 blocks\\) was already freed"):
         pool.free(s)
-    assert pool.num_free_blocks == 4 and pool.num_live_sets == 0
+    assert_pool_empty(pool)
 
 
 def test_foreign_set_is_rejected_even_when_its_set_id_is_live_here():
@@ -44,7 +45,8 @@ def test_foreign_set_is_rejected_even_when_its_set_id_is_live_here():
     assert other.num_free_blocks == 1 and other.num_live_sets == 1
     other.free(theirs)
     pool.free(mine)
-    assert other.num_free_blocks == 4 and pool.num_free_blocks == 4
+    assert_pool_empty(other)
+    assert_pool_empty(pool)
 
 
 def test_blocks_needed_rounds_up():

@@ -68,6 +68,7 @@ def test_tp2_shard_shapes(config):
                 -(-n // 2) if d == dim else n for d, n in enumerate(shape))
             assert local[name] == want, name
             assert rule_for(name).full_shape(local[name], layout) == shape, name
+            assert rule_for(name).local_shape(shape, layout) == local[name], name
 
 
 def test_tp2_shard_shapes_by_name():
@@ -103,6 +104,20 @@ def test_local_slices_take_contiguous_part_rank_of_the_split_dim():
 def _layout(tp: int) -> TPLayout:
     """A layout of ``tp`` ranks (only tp_size matters to COLUMN / ROW / REPLICATED rules)."""
     return TPLayout(4, 4, 4, 4, 4, range(0), tp_size=tp, ep_size=1, full_vocab_size=4)
+
+
+def test_local_shape_of_an_expert_weight_is_whole_under_ep_and_split_without():
+    """What the memory plan counts per rank: an expert's down_proj [hidden 64, moe 32]."""
+    config = ModelConfig.from_dict(CONFIGS["v3"])
+    down = rule_for("model.layers.1.mlp.experts.3.down_proj.weight")
+    shared = rule_for("model.layers.1.mlp.shared_experts.down_proj.weight")
+    tp2, tp2_ep4 = tp_layout(config, 2), tp_layout(config, 2, ep_size=4)
+    assert down.local_shape((64, 32), tp2) == (64, 16)
+    assert down.local_shape((64, 32), tp2_ep4) == (64, 32)
+    assert shared.local_shape((64, 32), tp2_ep4) == (64, 16)  # shared experts stay TP
+    vocab = rule_for("lm_head.weight").local_shape((129283, 64), tp_layout(
+        ModelConfig.from_dict({**CONFIGS["v3"], "vocab_size": 129283}), 2))
+    assert vocab == (64642, 64)  # ceil(129283 / 2), the last shard padded
 
 
 def test_local_sizes():

@@ -42,6 +42,39 @@ def test_top_k_restricts_support():
     assert draws == {97, 98, 99}
 
 
+# NOTE: probabilities 0.35, 0.25, 0.2, 0.12, 0.08: running sums 0.35, 0.6, 0.8, 0.92, 1.0, each
+# at least 0.02 from the p tested below, so fp32 rounding cannot move the nucleus edge.
+NUCLEUS_PROBS = (0.35, 0.25, 0.2, 0.12, 0.08)
+
+
+def _draws(logits: torch.Tensor, top_p: float, n: int = 300) -> set[int]:
+    """Tokens of ``n`` seeded draws (seeds and steps vary) at temperature 1."""
+    return {sample(logits[None], [SamplingParams(temperature=1.0, top_p=top_p, seed=s)],
+                   [s % 7])[0] for s in range(n)}
+
+
+@pytest.mark.parametrize("top_p, nucleus", [(0.5, {0, 1}), (0.7, {0, 1, 2}),
+                                            (0.9, {0, 1, 2, 3}), (0.95, {0, 1, 2, 3, 4})])
+def test_top_p_draws_exactly_the_nucleus(top_p, nucleus):
+    """The nucleus is the smallest set of most likely tokens whose probabilities sum to at
+    least p (by hand: p 0.5 -> 0.35 + 0.25; p 0.9 -> 0.35 + 0.25 + 0.2 + 0.12). Every draw is
+    in it and every token of it is drawn."""
+    order = [3, 0, 4, 1, 2]  # token ids of NUCLEUS_PROBS: the filter must sort by probability
+    logits = torch.empty(5)
+    logits[order] = torch.tensor(NUCLEUS_PROBS).log()
+    assert _draws(logits, top_p) == {order[i] for i in nucleus}
+
+
+def test_top_p_at_exactly_the_running_sum_keeps_no_more_tokens():
+    """Four equal logits (probabilities exactly 0.25 in fp32): the first two reach p = 0.5
+    exactly, so the nucleus has two tokens (the rule: drop a token once the mass before it
+    reaches p); just above 0.5 it has three. Ties may keep any of the tied tokens."""
+    logits = torch.zeros(4)
+    assert len(_draws(logits, 0.5)) == 2
+    assert len(_draws(logits, 0.5 + 1e-6)) == 3
+    assert len(_draws(logits, 1.0)) == 4
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"), ({"seed": -1}, "seed"),

@@ -5,6 +5,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import COLOCATED, DECODE, PREFILL, Scheduler, finish_reason
 from engine.request import Request
 from engine.request import RequestSpec
+from tests.leaks import assert_scheduler_empty
 
 
 def spec(rid, n_prompt, max_tokens=4, ignore_eos=False):
@@ -37,7 +38,7 @@ def test_chunked_prefill_respects_chunk_and_budget():
     assert max(counts) <= 12 and sum(counts) == 25
     out_first = counts[0]
     assert out_first == 12  # a: 8 (chunk cap) + b: 4 (budget left)
-    assert pool.num_free_blocks == 64 and pool.num_live_sets == 0
+    assert_scheduler_empty(s)
 
 
 def test_steps_carry_positions_and_block_tables():
@@ -74,7 +75,7 @@ def test_admission_waits_for_blocks_and_is_fifo():
     s.schedule()
     assert [r.request_id for r in s.running] == ["big"] and len(s.waiting) == 1
     run_to_end(s)
-    assert pool.num_free_blocks == 4 and not s.running and not s.waiting
+    assert_scheduler_empty(s)
 
 
 def test_decode_role_runs_from_received_kv_to_max_tokens():
@@ -86,7 +87,7 @@ def test_decode_role_runs_from_received_kv_to_max_tokens():
     s.add(req)
     counts = run_to_end(s)
     assert counts == [1, 1] and req.output_token_ids == [11, 7, 7]
-    assert pool.num_free_blocks == 8
+    assert_scheduler_empty(s)
 
 
 def test_finish_reasons():

@@ -19,6 +19,7 @@ from orchestrator.deploy.cluster import bring_up
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.api.server import OrchServer
+from tests.leaks import busy_instances
 
 SEED = 10
 N = 100
@@ -80,9 +81,7 @@ async def _all_free(router) -> list:
     deadline = time.monotonic() + FREE_WITHIN_S
     while True:
         statuses = await asyncio.gather(*(l.call("status") for l in router.flow.leaders))
-        idle = all(s.free_blocks == s.total_blocks and s.running == 0 and s.queue_depth == 0
-                   for s in statuses)
-        if idle or time.monotonic() > deadline:
+        if not busy_instances(statuses) or time.monotonic() > deadline:
             return statuses
         await asyncio.sleep(0.2)
 

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from kv_transfer.config import TransferConfig
 from orchestrator.cli import main
+from engine.platform import Platform
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.load import load_config
@@ -131,7 +132,7 @@ def test_step_timeout_reaches_every_instance():
 def test_auto_device_is_engine_platforms_decision(monkeypatch):
     monkeypatch.setenv("ORCH_DEVICE", "cuda")  # engine.platform honours it; no GPU needed
     cfg = OrchConfig.model_validate({})
-    assert (cfg.device(), cfg.dist_backend()) == ("cuda", "nccl")
+    assert cfg.platform() == Platform("cuda", "nccl")
     assert {(i.parallel.device, i.parallel.dist_backend) for i in cfg.instances()} == \
         {("cuda", "nccl")}
 

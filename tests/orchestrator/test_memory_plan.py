@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -70,6 +71,54 @@ def test_deepseek_v3_has_671b_parameters():
     plan = plan_role(v3(), layout, Precision.of("bfloat16"))
     params = sum(row.elements for row in plan.rows if row.group == "weights")
     assert params == pytest.approx(671e9, rel=0.005)  # DeepSeek's figure, without the MTP layer
+
+
+@pytest.mark.parametrize("arch", ["v3", "no_q_lora", "v2", "v32"])
+@pytest.mark.parametrize("tp, dp, ep", [(1, 1, False), (2, 1, False), (4, 1, False),
+                                        (2, 2, True), (1, 4, True)])
+def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
+    """Every parameter the engine builds for one rank (last TP rank, EP rank 0), on the meta
+    device: the plan's weight rows hold the same number of elements."""
+    import torch
+
+    from engine.kernels import KERNELS
+    from engine.model import build_model
+    from engine.parallel import EPGroup, TPGroup
+    from orchestrator.tiny_model import tiny_config_dict
+
+    raw = {"v3": tiny_config_dict(), "no_q_lora": tiny_config_dict(q_lora_rank=None),
+           "v2": tiny_config_dict(deepseek_v2=True),
+           "v32": tiny_config_dict(deepseek_v32=True)}[arch]
+    model_config = ModelConfig.from_dict(raw)
+    model = build_model(model_config, TPGroup(rank=tp - 1, size=tp), KERNELS.resolve("cpu"),
+                        torch.float32, torch.device("meta"),
+                        ep=EPGroup(0, dp * tp) if ep else None)
+    layout = RoleLayout("decode", dp=dp, tp=tp, ep=ep, num_kv_blocks=1, block_size=1,
+                        step_tokens=1, max_num_seqs=1, max_model_len=1)
+    plan = plan_role(model_config, layout, Precision.of("float32"))
+    assert sum(r.elements for r in plan.rows if r.group == "weights") == \
+        sum(p.numel() for p in model.parameters())
+
+
+def test_a_change_in_the_engines_layout_table_changes_the_plan(monkeypatch):
+    """The plan reads engine/layout.py's rules: o_proj and the embedding made replicated
+    there move exactly those two rows, by the hand-computed amounts."""
+    import engine.layout as layout_table
+
+    layout = RoleLayout("decode", dp=1, tp=4, ep=False, num_kv_blocks=1, block_size=1,
+                        step_tokens=1, max_num_seqs=1, max_model_len=1)
+    before = {r.kind: r.elements for r in plan_role(v3(), layout, Precision.of("bfloat16")).rows}
+    replicated = {r"model\.layers\.\d+\.self_attn\.o_proj\.weight",
+                  r"model\.embed_tokens\.weight"}
+    rules = tuple(replace(rule, split=layout_table.REPLICATED, unit=None)
+                  if rule.pattern in replicated else rule for rule in layout_table.RULES)
+    monkeypatch.setattr(layout_table, "_COMPILED",
+                        tuple((re.compile(rule.pattern), rule) for rule in rules))
+    after = {r.kind: r.elements for r in plan_role(v3(), layout, Precision.of("bfloat16")).rows}
+    assert after["attention"] - before["attention"] == 61 * (O - O // 4)
+    assert (before["embedding"], after["embedding"]) == (VOCAB // 4, VOCAB)
+    assert {kind for kind in before if after[kind] != before[kind]} == {"attention",
+                                                                        "embedding"}
 
 
 def test_deepseek_v32_adds_the_indexer_and_its_kv_row():
