@@ -1,11 +1,9 @@
 """Paged KV block allocator: check-then-commit, opaque block sets, exactly-once free.
 
-The pool is the only owner of the free list. Callers ask ``can_allocate(n)`` (no side
-effect), then ``allocate(n)`` which hands back an opaque :class:`BlockSet`; the set goes back
-with ``free(block_set)`` exactly once. A second free of the same set, or a set from another
-pool, raises instead of corrupting the free list.
-
-Slot arithmetic follows vLLM's paged attention: ``slot = block_id * block_size + offset``.
+The pool is the only owner of the free list: ``can_allocate(n)`` (no side effect), then
+``allocate(n)`` -> :class:`BlockSet`, returned with ``free(block_set)`` exactly once (a second
+free, or a set from another pool, raises). Slots follow vLLM's paged attention:
+``slot = block_id * block_size + offset``.
 """
 
 from __future__ import annotations
@@ -50,15 +48,9 @@ _POOL_IDS = itertools.count()
 class BlockPool:
     """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
 
-    Thread-safe. One pool per instance, on its leader rank, used from two kinds of threads:
-    the step loop (the scheduler allocates and frees) and the actor's RPC threads (Ray runs
-    several calls at once: decode ``reserve`` / ``abort``, prefill ``abort``, ``status``),
-    some of which free outside the rank's lock. The KV transfer threads never touch it:
-    they write into slots a reservation already holds.
-
-    Args:
-        num_blocks: physical blocks in the KV cache.
-        block_size: tokens per block.
+    NOTE: thread-safe: the step loop and the actor's concurrent RPC threads (reserve, abort,
+    status) allocate and free, some outside the rank's lock; KV transfer threads never touch
+    it (they write into slots a reservation holds).
 
     Raises:
         ValueError: if either argument is not positive.
@@ -139,13 +131,7 @@ def slot_mapping(block_ids: tuple[int, ...] | list[int], start: int, end: int,
                  block_size: int) -> torch.Tensor:
     """Slots of logical token positions ``[start, end)`` of one request.
 
-    Args:
-        block_ids: the request's block table (physical block id per logical block).
-        start, end: token positions, ``0 <= start <= end <= len(block_ids) * block_size``.
-        block_size: tokens per block.
-
-    Returns:
-        int64 tensor ``[end - start]`` with ``slot = block_ids[p // bs] * bs + p % bs``.
+    Returns ``[end - start]`` int64, ``slot = block_ids[p // bs] * bs + p % bs``.
 
     Raises:
         ValueError: the range does not fit in the block table.

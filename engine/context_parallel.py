@@ -1,22 +1,14 @@
-"""Context-parallel (CP) prefill: which tokens of a step each CP rank computes, and the step's
-gathers.
+"""Context-parallel (CP) prefill: which tokens of a step each CP rank computes, and the gathers.
 
-Every CP rank of an instance is called with the same steps (SPMD). Each sequence's chunk is
-cut into ``2 * cp`` contiguous pieces and rank ``r`` computes pieces ``r`` and
-``2 * cp - 1 - r`` (:func:`cp_token_slices`): one early and one late piece, so that causal
-attention work (a token at chunk offset ``j`` attends to ``context_len + j + 1`` keys) is
-balanced over the ranks. A rank runs its tokens through every layer with all attention heads:
-
-- its queries are local; the small MLA latents (``c_kv``, ``k_pe`` and the V3.2 indexer keys)
-  of its tokens are all-gathered and put back in token order (:meth:`CPStep.gather_rows`);
-- cache contract: after a CP step EVERY CP rank's KV cache holds the K/V (and index_k) of ALL
-  the step's tokens (written with the layer's one fused ``reshape_and_cache``), so chunked
-  prefill's prefix is local to every rank and any rank can ship any token (a KV transfer
-  plan ships from each rank the slices it computed, :func:`cp_token_slices`);
-- attention of a piece = causal attention over the chunk up to the piece's end plus the
-  cached prefix (exact, LSE-merged); the MLP / MoE runs per local token as usual;
-- the final hidden state of each sequence's last token is summed over the group from its
-  one owner (:meth:`CPStep.gather_last`), so every rank returns the same logits.
+Every CP rank is called with the same steps (SPMD). Each sequence's chunk is cut into
+``2 * cp`` pieces and rank ``r`` computes pieces ``r`` and ``2 * cp - 1 - r``
+(:func:`cp_token_slices`), balancing causal attention work. A rank runs its tokens through
+every layer with all heads; the MLA latents (``c_kv``, ``k_pe``, V3.2 indexer keys) of its
+tokens are all-gathered into token order (:meth:`CPStep.gather_rows`) and a piece attends
+causally over the chunk up to its end plus the cached prefix (exact, LSE-merged). NOTE: after
+a CP step EVERY rank's KV cache holds ALL the step's tokens, so any rank can ship any token;
+each sequence's last hidden state is summed from its one owner (:meth:`CPStep.gather_last`),
+so every rank returns the same logits.
 """
 
 from __future__ import annotations
@@ -30,15 +22,11 @@ from engine.parallel import CPGroup
 
 
 def cp_token_slices(num_tokens: int, cp_size: int, cp_rank: int) -> tuple[range, ...]:
-    """The chunk offsets CP rank ``cp_rank`` computes: ``(piece r, piece 2*cp-1-r)``.
+    """The chunk offsets CP rank ``cp_rank`` computes: ``(piece r, piece 2*cp-1-r)``, piece
+    ``k`` being ``[k*T // (2cp), (k+1)*T // (2cp))`` (may be empty when T < 2cp).
 
-    The ``num_tokens`` tokens are cut into ``2 * cp_size`` contiguous pieces, piece ``k``
-    being ``[k*T // (2cp), (k+1)*T // (2cp))``; pieces may be empty (T < 2cp). Pure.
-
-    Balance: the ranks' token counts differ by at most 2, and their causal work
-    (sum over their tokens of ``offset + 1``) differs by at most ``2 * T`` (piece k's and
-    piece 2cp-1-k's offsets sum to about ``T`` per token pair), where a contiguous split's
-    differs by about ``T**2 / cp``.
+    Balance: token counts differ by at most 2 and causal work (sum of ``offset + 1``) by at
+    most ``2 * T`` over the ranks (a contiguous split: about ``T**2 / cp``).
 
     Raises:
         ValueError: negative ``num_tokens``, ``cp_size < 1`` or ``cp_rank`` outside it.

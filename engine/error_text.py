@@ -1,9 +1,7 @@
 """One line of an error's text, for messages and logs that quote a caught exception.
 
-Every package quotes errors this way (a remote or wrapped error's text can be a whole
-traceback or a coloured multi-line report); it lives here, on the ground floor, so that
-each one can import it. Unwrapping a framework's wrapper (Ray's ``RayTaskError``) is the
-caller's business: it passes the error it wants quoted.
+On the ground floor so every package can import it; unwrapping a framework's wrapper (Ray's
+``RayTaskError``) is the caller's business.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Expert-parallel MoE: dispatch token rows to the EP ranks owning their experts, combine back.
 
-Each EP rank holds ``n_local = n_routed_experts / ep`` whole experts, ids
-``ep.rank * n_local ..`` (:func:`engine.layout.tp_layout`). Per MoE layer and step:
+Each EP rank holds ``n_local = n_routed_experts / ep`` whole experts (ids from
+``ep.rank * n_local``). Per MoE layer, TP rank ``r`` routes only its contiguous slice of the
+DP rank's tokens (:func:`token_slice`); its ``T_r * k`` assignments, sorted by expert (hence
+owner), go out by three all-to-alls: per-expert counts (one ``.tolist()`` gives the splits),
+hidden rows, and the experts' results back; the sender weights and sums each token's k rows.
 
-1. the TP ranks of a DP rank all see the same tokens; TP rank ``r`` takes only its
-   contiguous slice of them (:func:`token_slice`), so no token is sent twice, and runs the
-   (replicated) router on that slice only;
-2. its slice's ``T_r * k`` (token, expert) assignments are sorted by expert id (which also
-   sorts them by owner rank), and the per-expert counts ``[n_routed_experts]`` go to the
-   owners by one all-to-all (``n_local`` counts per rank); one ``.tolist()`` of the counts
-   gives the split sizes;
-3. the assignment rows (hidden states, ``[sum, hidden]``) go by a second all-to-all; each
-   owner groups what it received by local expert, runs each expert once on its rows (full
-   width: routed experts are not TP-split under EP), and sends the results back by a third
-   all-to-all with the splits swapped;
-4. the sender weights each returned row by its gate weight and sums each token's k rows.
-
-INVARIANT (with the decoder layer's TP all-reduce after the MLP): :func:`ep_routed` returns
-``[T, hidden]`` that is each token's COMPLETE routed output on the rows of this TP rank's
-slice and zero on the others, so summing it over the TP group adds every token's routed
-output exactly once, alongside the shared experts' TP partial sums.
-
-A rank with zero tokens (``T_r == 0``: an idle DP rank's empty step, or fewer tokens than
-TP ranks) still enters all three all-to-alls, with zero-row splits.
+INVARIANT (with the decoder layer's TP all-reduce): :func:`ep_routed` returns each token's
+COMPLETE routed output on this TP rank's slice and zero elsewhere, so the TP sum adds it once.
+NOTE: a rank with zero tokens still enters all three all-to-alls, with zero-row splits.
 """
 
 from __future__ import annotations
@@ -42,19 +28,12 @@ def token_slice(num_tokens: int, tp: TPGroup) -> slice:
 
 def ep_routed(x: torch.Tensor, gate: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
               experts: list[nn.Module], ep: EPGroup, tp: TPGroup) -> torch.Tensor:
-    """Routed-expert output of ``x`` under EP (see the module doc for the invariant).
+    """Routed-expert output ``[T, hidden]`` of ``x [T, hidden]`` (same on every TP rank of
+    the DP rank) under EP. ``gate``: ``[Tr, hidden]`` -> (fp32 weights, int64 global ids),
+    each ``[Tr, k]``. ``experts``: this rank's ``n_local``, in id order.
 
-    Shapes: T tokens of the step, Tr = this TP rank's slice of them, k = experts per token,
-    E = n_routed_experts = ep.size * n_local, A = Tr * k assignments, R = rows received.
-
-    Args:
-        x: ``[T, hidden]`` the step's tokens (same on every TP rank of the DP rank).
-        gate: the router, ``[Tr, hidden]`` -> (fp32 weights ``[Tr, k]``, int64 global expert
-            ids ``[Tr, k]``); run only on this rank's slice.
-        experts: this rank's experts, in id order (``n_local`` of them).
-
-    Returns:
-        ``[T, hidden]`` in ``x``'s dtype.
+    Shapes: Tr this TP rank's slice, k experts per token, E = ep.size * n_local,
+    A = Tr * k assignments, R rows received.
     """
     part = token_slice(x.shape[0], tp)
     xs = x[part]  # [Tr, hidden]

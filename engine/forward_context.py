@@ -1,19 +1,11 @@
 """Per-step attention metadata: the one object that carries a step's layout to every layer.
 
-A step is a token-flattened batch of T tokens from B sequences, sequence b owning the next
-``query_len`` rows of the batch. Sequence b already has ``context_len`` tokens in the KV
-cache (positions ``0..context_len-1``); the step computes positions
-``context_len .. context_len + query_len - 1``.
-
-A sequence is a DECODE sequence when ``query_len == 1 and context_len > 0``; every other
-sequence (a prompt or a prefill chunk) is a PREFILL sequence.
-
-Decode sequences reach attention as block tables (:class:`DecodeBatch`), read in place by
-paged attention; no padded per-token slot list is built.
-
-Scope: the runner builds one :class:`AttentionMetadata` per ``execute`` call and passes it
-down the forward explicitly (model -> layer -> attention); nothing is stored globally, so two
-runners (or threads) never see each other's step.
+A step is a token-flattened batch of T tokens from B sequences; sequence b owns the next
+``query_len`` rows, has ``context_len`` tokens cached and computes positions
+``context_len .. context_len + query_len - 1``. It is a DECODE sequence when
+``query_len == 1 and context_len > 0`` (read in place from block tables by paged attention),
+else a PREFILL sequence. The runner builds one :class:`AttentionMetadata` per ``execute`` and
+passes it down explicitly; nothing is global.
 """
 
 from __future__ import annotations
@@ -99,13 +91,9 @@ class AttentionMetadata:
 class BlockTableCache:
     """Each request's block table as an int64 tensor, kept from one step to the next.
 
-    A request's block table is fixed for its life (the scheduler reserves every block at
-    admission, and nothing is preempted: engine/scheduler.py), so the tensor made at its first
-    step serves every later one; a step's metadata then concatenates B tensors instead of
-    converting every block id of every table from Python ints (0.64 ms -> 0.06 ms for 32
-    tables of 257 blocks, one CPU thread). A cached table is reused only while it equals the
-    step's tuple (one C-level tuple comparison; a request id reused later with other blocks
-    gets a new tensor, checked). Entries of requests absent from a step are dropped.
+    NOTE: a block table is fixed for the request's life (all blocks reserved at admission, no
+    preemption), so its first step's tensor serves every later one; it is reused only while
+    it equals the step's tuple. Entries of requests absent from a step are dropped.
 
     Args:
         num_blocks: blocks in the KV cache; every block id must be in ``[0, num_blocks)``.
@@ -134,7 +122,6 @@ class BlockTableCache:
         return out
 
     def _checked(self, request_id: str, table: tuple[int, ...]) -> torch.Tensor:
-        """``table`` as an int64 tensor (ValueError when a block is outside the cache)."""
         ids = torch.tensor(table, dtype=torch.int64)
         bad = ids[(ids < 0) | (ids >= self.num_blocks)]
         if bad.numel():
@@ -152,9 +139,7 @@ def build_attention_metadata(query_lens: list[int], context_lens: list[int],
     """Metadata of a step from per-sequence query lengths, cached lengths and block tables.
 
     ``prefill_only``: every sequence is a prefill, 1-token ones included (context parallel).
-    ``block_tables``: per sequence a tuple of block ids, or a ``[n]`` int64 CPU tensor of them
-    (:class:`BlockTableCache`: nothing converted per block). Built with tensor ops over the
-    step's blocks: Python work is per sequence, never per token.
+    ``block_tables``: per sequence a tuple of block ids or a ``[n]`` int64 CPU tensor.
 
     Raises:
         ValueError: a sequence has no query tokens, or its block table is too short for

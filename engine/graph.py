@@ -1,29 +1,15 @@
 """Graph mode for decode: the decode forward captured once per batch-size bucket.
 
-A decode-only step (every :class:`engine.runner.SeqStep` one token with context) of B <=
-``max(batch_sizes)`` sequences runs the captured forward of the smallest bucket ``>= B``: the
-step is padded at the SeqStep level with dummy 1-token sequences whose KV goes to a scratch
-block the block pool never hands out (:class:`engine.kv_cache.KVCache` ``scratch_block``) and
-whose logits are dropped. Every other step (prefill, mixed, B > the largest bucket) runs
-eager; eager is also the reference (captured logits equal eager ones within 1e-5).
-
-Capture backends come from a registry, name -> loader per device type (same style as
-:mod:`engine.kernels`; loaders import lazily):
-
-- "compile" (cpu): ``torch.compile`` (inductor, ``dynamic=False``), one compiled callable per
-  bucket. The paged decode attention kernel is one opaque op in the graph
-  (:func:`opaque_mla_decode`; the decode batch's tensors are marked dynamic), so the graph
-  has no break for attention and a new context length never recompiles.
-- "cudagraph" (cuda): ``torch.compile(mode="reduce-overhead")`` (CUDA graphs of the padded
-  graph). Untested here (no GPU on the development machine). NOTE: the decode batch's
-  block table is ``[B, M]`` with M the longest sequence's blocks, so CUDA graph trees
-  would record one graph per M; real CUDA graphs need block tables of a fixed width
-  (max_model_len's blocks).
-- "npugraph" (npu): torchair's NPU backend in "reduce-overhead" mode. Untested here.
-
-A bucket is captured on its first use (or at start with ``warmup``); the capture time is
-logged. A capture (or a captured call) that raises falls back to eager for that bucket, with
-one warning; the request never fails because of graph mode.
+A decode-only step of B <= ``max(batch_sizes)`` sequences runs the captured forward of the
+smallest bucket ``>= B``, padded with dummy 1-token sequences whose KV goes to the cache's
+scratch block (never handed out by the block pool) and whose logits are dropped. Every other
+step runs eager, which is also the reference (captured logits equal eager ones within 1e-5).
+Backends come from a registry with lazy loaders: "compile" (cpu, inductor), "cudagraph" (cuda,
+``reduce-overhead``) and "npugraph" (npu, torchair); the last two are untested here. NOTE: the
+decode block table is ``[B, M]`` with M the longest sequence's blocks, so real CUDA graphs need
+a fixed width. Paged decode attention is one opaque op (:func:`opaque_mla_decode`), so a new
+context length never recompiles. A capture that raises turns that bucket eager with one
+warning; a request never fails because of graph mode.
 """
 
 from __future__ import annotations
@@ -88,8 +74,7 @@ class GraphBackendRegistry:
 
     def register(self, name: str, device_types: tuple[str, ...], loader: Loader, *,
                  default: bool = False) -> None:
-        """Register ``loader`` as backend ``name`` on each of ``device_types`` (and, with
-        ``default``, make it their default)."""
+        """Register ``loader`` as ``name`` on ``device_types`` (``default``: their default)."""
         table = self._loaders.setdefault(name, {})
         for device_type in device_types:
             table[device_type] = loader
@@ -97,7 +82,6 @@ class GraphBackendRegistry:
                 self._defaults[device_type] = name
 
     def names(self) -> list[str]:
-        """Registered backend names."""
         return sorted(self._loaders)
 
     def device_types(self, name: str | None = None) -> list[str]:
@@ -166,14 +150,10 @@ def _mla_decode_fake(q_nope, q_pe, k_cache, v_cache, batch, w_uk, w_uv, scale, k
 
 
 def opaque_mla_decode(kernel: Callable) -> Callable:
-    """``kernel`` (the ``mla_decode`` contract of :mod:`engine.kernels`) as ONE opaque op of
-    a captured graph (a ``torch.library`` custom op): no graph break, and the decode batch's
-    context-length-shaped tensors reach only the op (see :func:`mark_context_dynamic`), so
-    a new context length never recompiles. Eager calls (not compiling) call ``kernel``
-    directly (the op's dispatch costs ~0.1 ms per call on CPU).
-
-    Every field of :class:`engine.forward_context.DecodeBatch` must be a tensor (they are
-    passed through as a list, in field order)."""
+    """``kernel`` (the ``mla_decode`` contract of :mod:`engine.kernels`) as ONE opaque
+    ``torch.library`` op of a captured graph; eager calls call ``kernel`` directly. NOTE:
+    every field of :class:`engine.forward_context.DecodeBatch` must be a tensor (passed as a
+    list, in field order)."""
     _OPAQUE_KERNELS.append(kernel)
     index = len(_OPAQUE_KERNELS) - 1
 
@@ -201,11 +181,6 @@ def mark_context_dynamic(batch: DecodeBatch | None) -> None:
 
 class DecodeGraphs:
     """The captured forwards of one runner, one per bucket, captured on first use.
-
-    Args:
-        forward: the eager forward (``model.forward``) to capture.
-        config: the buckets and backend.
-        device_type: picks the default backend.
 
     Attributes:
         capture_s: bucket -> seconds its first (capturing) call took.

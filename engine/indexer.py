@@ -1,19 +1,13 @@
 """DeepSeek-V3.2 lightning indexer (DSA): which cached tokens each query attends to.
 
-Names follow the checkpoint (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}``); maths
-as transformers 5.x ``DeepseekV32Indexer`` (the bf16/fp32 form of DeepSeek's FP8 kernel: the
-Hadamard rotation it applies to q and k leaves dot products unchanged, so it is skipped):
-
-- ``q = rope_half(wq_b(q_latent))`` per indexer head, ``k = rope_half(k_norm(wk(x)))`` (one
-  key per token, no head axis; it is what the ``index_k`` cache holds);
-  ``w = weights_proj(x) * n_heads^-0.5``; rope on the first ``qk_rope_head_dim`` dims in the
-  NON-interleaved form (MLA's own rope is interleaved).
-- ``score[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t] * index_head_dim^-0.5)`` (fp32).
-- Causal top-``index_topk`` per query; a query with fewer causal tokens keeps them all, so it
-  attends exactly like dense MLA.
-
-TP: the indexer is small and replicated on every TP rank (like ``kv_a_proj_with_mqa``), so
-every rank selects the same tokens.
+Maths as transformers 5.x ``DeepseekV32Indexer`` (the bf16/fp32 form of DeepSeek's FP8 kernel;
+its Hadamard rotation leaves dot products unchanged, so it is skipped):
+``q = rope_half(wq_b(q_latent))`` per indexer head, ``k = rope_half(k_norm(wk(x)))`` (one key
+per token, what the ``index_k`` cache holds), ``w = weights_proj(x) * n_heads^-0.5``;
+``score[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t] * index_head_dim^-0.5)`` (fp32); causal
+top-``index_topk`` per query. NOTE: rope here is NON-interleaved (MLA's is interleaved); a
+query with fewer causal tokens keeps them all (= dense MLA). Replicated over TP, so every rank
+selects the same tokens.
 """
 
 from __future__ import annotations
@@ -45,12 +39,8 @@ class IndexerQuery:
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of one decoder layer.
-
-    Args:
-        config: a V3.2 model config (``index_n_heads``, ``index_head_dim``, ``index_topk``,
-            ``q_lora_rank`` set).
-    """
+    """The lightning indexer of one decoder layer (``config``: V3.2, ``index_*`` and
+    ``q_lora_rank`` set)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -82,14 +72,8 @@ class Indexer(nn.Module):
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  softmax_scale: float) -> torch.Tensor:
-    """Indexer scores of T queries against S keys, optionally batched over leading dims.
-
-    Args:
-        q: ``[..., T, Hi, Di]``; weights: ``[..., T, Hi]`` fp32; keys: ``[..., S, Di]``.
-
-    Returns:
-        ``[..., T, S]`` fp32 ``sum_h weights * ReLU(q . k * softmax_scale)`` (no mask).
-    """
+    """``q [..., T, Hi, Di]``, ``weights [..., T, Hi]`` fp32, ``keys [..., S, Di]`` ->
+    ``[..., T, S]`` fp32 ``sum_h weights * ReLU(q . k * softmax_scale)`` (no mask)."""
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(-3))  # [.,T,Hi,S]
     scores = torch.relu_(scores.mul_(softmax_scale))
     return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
@@ -97,16 +81,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 def causal_topk(scores: torch.Tensor, query_pos: torch.Tensor,
                 topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``topk`` keys of each query among its causal keys.
+    """The top ``topk`` keys of each query among its causal keys (key j is causal iff
+    ``j <= query_pos``); ``scores [T, S]``, ``query_pos [T]`` int64.
 
-    Args:
-        scores: ``[T, S]`` scores of keys at positions ``0..S-1``.
-        query_pos: ``[T]`` int64 position of each query; key j is causal iff ``j <= pos``.
-        topk: ``index_topk``.
-
-    Returns:
-        ``(index [T, K], valid [T, K])`` with ``K = min(topk, S)``: key positions, and False
-        where a query has fewer than K causal keys (those entries point at a masked key).
+    Returns ``(index [T, K], valid [T, K])``, ``K = min(topk, S)``: key positions, False
+    where a query has fewer than K causal keys (those point at a masked key).
     """
     k = min(topk, scores.shape[-1])
     key_pos = torch.arange(scores.shape[-1], device=scores.device)

@@ -1,18 +1,11 @@
 """Layer sharding of attention weights over a context-parallel (CP) group.
 
-Under CP every rank runs all attention heads, so attention weights would be replicated on
-every rank. With ``layer_sharding`` (names of attention linears, e.g. ``("q_b_proj",
-"o_proj")``) the weight ``model.layers.{i}.self_attn.{name}.weight`` is loaded and stored
-ONLY on its owner, CP rank ``i % cp`` (:func:`owner_of`); the other ranks build an empty
-placeholder, never allocated (:func:`unowned_params`), so the bytes a rank stores of those weights are 1/cp of
-the total (within one layer).
-
-:class:`LayerPrefetcher` brings them in one layer ahead: before layer ``i`` computes, it waits
-for layer ``i``'s broadcast, points the modules at the received buffers, and issues layer
-``i + 1``'s asynchronous broadcast (``CPGroup.broadcast(async_op=True)``) into the next of
-``pool_size`` reusable buffer sets, so it travels while layer ``i`` computes. The pool adds
-``pool_size`` layers' worth of those weights per rank. ``stats.wait_s`` is the time spent
-blocked on broadcasts (what compute did not hide).
+Under CP every rank runs all heads, so attention weights would be replicated. With
+``layer_sharding`` (attention linears, e.g. ``("q_b_proj", "o_proj")``) layer ``i``'s weight is
+stored ONLY on CP rank ``i % cp`` (:func:`owner_of`); the others build an unallocated
+placeholder (:func:`unowned_params`). :class:`LayerPrefetcher` broadcasts layer ``i + 1``
+asynchronously into one of ``pool_size`` reusable buffer sets while layer ``i`` computes;
+``stats.wait_s`` is the broadcast time compute did not hide.
 """
 
 from __future__ import annotations
@@ -92,10 +85,8 @@ def layer_sharding_bytes(config: ModelConfig, names: tuple[str, ...], cp_size: i
 
 @dataclass
 class PrefetchStats:
-    """Counters of a :class:`LayerPrefetcher`: ``wait_s`` seconds blocked waiting for
-    broadcasts, out of ``forward_s`` seconds of forwards (first ``begin`` to last layer
-    done; ``wait_s / forward_s`` is the share of the forward the broadcasts cost), ``layers``
-    layers brought in, ``bytes_received`` bytes received."""
+    """``wait_s`` seconds blocked on broadcasts out of ``forward_s`` seconds of forwards
+    (``begin`` to last layer), ``layers`` brought in, ``bytes_received``."""
 
     wait_s: float = 0.0
     forward_s: float = 0.0
@@ -106,15 +97,9 @@ class PrefetchStats:
 class LayerPrefetcher:
     """Broadcasts layer ``i + 1``'s sharded weights while layer ``i`` computes.
 
-    Call :meth:`begin` at the start of a forward, then :meth:`before_layer` ``(i)`` before layer
-    ``i`` and :meth:`after_layer` ``(i)`` after it, for every layer in order (every CP rank the
-    same: the broadcasts are collectives). Waits are bounded by the weight group's timeout
-    (``RuntimeError``).
-
-    Args:
-        layers: the model's decoder layers (built with :func:`unowned_params` empty).
-        names: the sharded attention linears. cp: the CP group.
-        dtype, device: of the weights. pool_size: reusable buffer sets (>= 2).
+    NOTE: every CP rank calls :meth:`begin`, then :meth:`before_layer` / :meth:`after_layer`
+    for every layer in order (the broadcasts are collectives). Waits are bounded by the
+    weight group's timeout (``RuntimeError``).
 
     Raises:
         ValueError: ``pool_size < 2``.

@@ -1,16 +1,11 @@
 """Parallel layout of the model's weights (TP, vocab-parallel, expert-parallel), in one place.
 
-The model code is plain: modules take their local sizes as ints and never split anything
-themselves. This module decides, from one table, for every parameter of the checkpoint:
-
-- how it is split over the TP group, or owned by one EP rank (:data:`RULES`, full match on
-  the parameter name);
-- which ``config.json`` size the TP size must divide for that split to keep whole units
-  (heads for attention, so a head is never cut in two), and that the EP size divides
-  ``n_routed_experts``; checked once, in :func:`tp_layout`, whose error says what to change;
-- the local sizes the modules are built with (:class:`TPLayout`), the slice of the full
-  checkpoint tensor the loader reads (:meth:`ShardRule.local_slices`), and the shape a rank
-  holds (:meth:`ShardRule.local_shape`, which the memory plan counts).
+Model modules take their local sizes as ints and never split anything. :data:`RULES` (full
+match on the parameter name) says how each checkpoint parameter is split over the TP group or
+owned by one EP rank, and which ``config.json`` size the TP size must divide so heads and
+intermediate channels stay whole; :func:`tp_layout` checks that once and gives the local
+sizes (:class:`TPLayout`); :meth:`ShardRule.local_slices` / :meth:`ShardRule.local_shape`
+give the loader's slice and the memory plan's shape.
 
 ===========================================  ==============  =====================
 parameter (``L.`` = ``model.layers.{i}.``)   split           TP size must divide
@@ -29,29 +24,15 @@ every norm, ``q_a_proj``, ``kv_a_proj...``   replicated      -
 ``L.mlp.shared_experts.down_proj``           row (dim 1)     moe_intermediate_size
 ===========================================  ==============  =====================
 
-Dims are those of an ``nn.Linear`` weight ``[out, in]``. Attention's split dims are
-head-major (``[H * D]``), so tp equal contiguous parts are tp groups of whole heads.
-
-Column-parallel: this rank's output features, no communication. Row-parallel: this rank's
-input features, so the output is a PARTIAL sum; each decoder layer all-reduces twice (after
-``o_proj`` and after the MLP/MoE, routed + shared summed first).
-
-Vocab-parallel: TP rank ``r`` holds rows ``r*n .. r*n+n-1`` of ``embed_tokens`` and
-``lm_head`` with ``n = ceil(vocab_size / tp)``; the last shard's rows past ``vocab_size``
-are zero padding (vLLM pads the same way). The embedding maps ids outside its rows to zero
-and all-reduces; lm_head all-gathers the logits over TP and trims them to ``vocab_size``.
-
-Expert parallelism (EP over all dp x tp ranks of a role, DESIGN.md "Words", ``ep > 1``):
-the routed-expert rules (``expert=True``) stop splitting over TP: expert ``j`` is stored
-whole (full ``moe_intermediate_size``) on EP rank ``j // (n_routed_experts / ep)`` and
-nowhere else; the model builds only the rank's experts (:attr:`TPLayout.experts`), so the
-loader never reads the others. The shared experts keep their TP rules; the MoE forward
-dispatches and combines by all-to-all (:mod:`engine.expert_parallel`).
-
-Context parallel (prefill, ``cp > 1``, tp = 1): every weight is replicated over the CP group
-(the TP split of size 1). Layer sharding (:mod:`engine.layer_sharding`) is an ownership
-policy on top, not a split: the chosen attention linears of layer ``i`` are stored only on
-CP rank ``i % cp`` (the loader skips them elsewhere) and broadcast one layer ahead of use.
+Dims are those of an ``nn.Linear`` weight ``[out, in]``; attention's split dims are head-major
+(``[H * D]``). NOTE: a row-parallel output is a PARTIAL sum: each decoder layer all-reduces
+after ``o_proj`` and after the MLP/MoE (routed + shared summed first). Vocab-parallel: rank
+``r`` holds rows ``r*n .. r*n+n-1`` with ``n = ceil(vocab_size / tp)``, the last shard
+zero-padded (as vLLM); the embedding all-reduces, lm_head all-gathers and trims to
+``vocab_size``. Under EP (``ep > 1``, over all dp x tp ranks of a role) routed expert ``j`` is
+whole on EP rank ``j // (n_routed_experts / ep)`` only (:attr:`TPLayout.experts`); shared
+experts keep their TP rules. Context parallel (tp = 1) replicates every weight; layer
+sharding (:mod:`engine.layer_sharding`) is an ownership policy on top, not a split.
 """
 
 from __future__ import annotations

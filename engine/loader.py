@@ -1,16 +1,11 @@
 """Load a HF checkpoint's ``*.safetensors`` into a :class:`DeepseekForCausalLM`, TP-sharded.
 
-Accepted expert layouts:
-- per expert (transformers 4.x, DeepSeek's released checkpoints):
-  ``model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight``;
-- fused (transformers 5.x ``save_pretrained``): ``mlp.experts.gate_up_proj [E, 2I, H]`` and
-  ``mlp.experts.down_proj [E, H, I]``, split per expert here.
-
-Which tensor is split how is :mod:`engine.layout`'s table (``rule_for``); this module only
-reads the slice a rule names, shard-only where the file format allows. Tensors the model does
-not have (e.g. the MTP layer ``model.layers.{num_hidden_layers}.*``) are skipped, never read.
-Quantized weights and their scales (FP8 block, int8 W8A8) are loaded first by
-:func:`engine.quant.load.load_quantized`; checkpoints may be split over several files.
+Experts may be stored per expert (transformers 4.x, DeepSeek's releases:
+``mlp.experts.{j}.{gate,up,down}_proj.weight``) or fused (transformers 5.x:
+``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``, split here). Only
+the slice :func:`engine.layout.rule_for` names is read; tensors the model lacks (e.g. the MTP
+layer) are never read. Quantized weights and scales go first through
+:func:`engine.quant.load.load_quantized`.
 """
 
 from __future__ import annotations
@@ -37,9 +32,8 @@ Reader = Callable[[tuple[slice, ...]], torch.Tensor]
 def _checkpoint_entries(checkpoint_dir: Path) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
     """(name, full shape, reader) of every checkpoint tensor, fused expert tensors split.
 
-    ``reader(index)`` returns ``tensor[index]``; for per-tensor entries it reads only that
-    part from disk. Must be called before the next entry is requested (the file stays open
-    only while iterating).
+    ``reader(index)`` returns ``tensor[index]`` (only that part read for per-tensor entries).
+    NOTE: call it before requesting the next entry (the file is open only while iterating).
     """
     files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:

@@ -1,17 +1,14 @@
 """Device ``mla_decode`` kernels: FlashInfer on CUDA, ``torch_npu`` on Ascend.
 
-Both read the latent cache in place through the block table, as :func:`engine.mla_ops.
-decode_absorbed` does on CPU, with the same contract (q_nope ``[B, H, P]``, q_pe ``[B, H, R]``,
-k_cache ``[num_blocks, block_size, L]``, v_cache ``[num_blocks, block_size, R]``, a
-:class:`DecodeBatch`, w_uk ``[H, P, L]``, w_uv ``[H, V, L]``, scale -> ``[B, H, V]``): the
-query is absorbed into the latent space (``q_lat = q_nope W_UK``), the device kernel attends
-over c_kv (keys and values) plus k_pe (rope keys), and the latent output goes through W_UV.
-Our K cache (c_kv) and V cache (k_pe) are the two separate caches both libraries take.
+Same contract as :func:`engine.mla_ops.decode_absorbed` (q_nope ``[B, H, P]``, q_pe
+``[B, H, R]``, k_cache ``[num_blocks, block_size, L]``, v_cache ``[num_blocks, block_size, R]``,
+a :class:`DecodeBatch`, w_uk ``[H, P, L]``, w_uv ``[H, V, L]``, scale -> ``[B, H, V]``): the
+query is absorbed (``q_lat = q_nope W_UK``), the kernel attends over c_kv plus k_pe in place
+through the block table, and the latent output goes through W_UV.
 
-NOTE: UNTESTED OFF-DEVICE. Written from the libraries' documented signatures (FlashInfer's
+NOTE: UNTESTED OFF-DEVICE, written from the documented signatures (FlashInfer
 ``flashinfer.mla.BatchMLAPagedAttentionWrapper``; ``torch_npu.npu_fused_infer_attention_score``
-as vLLM-Ascend's MLA decode calls it). The registry imports this module only when one of them
-is resolved on its device; run the device check there before making either the default.
+as vLLM-Ascend's MLA decode calls it). Imported only when resolved on its device.
 """
 
 from __future__ import annotations

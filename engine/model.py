@@ -1,16 +1,11 @@
 """DeepSeek-V2/V3 decoder for serving: embed -> layers (MLA + dense/MoE MLP) -> norm -> lm_head.
 
-Parameter names equal the HF checkpoint's (``model.layers.{i}.self_attn.kv_b_proj.weight``...),
-so the loader maps names one to one. Parallel layout (:mod:`engine.layout`, applied from
-outside: :func:`build_model` builds the modules with :class:`TPLayout`'s local sizes, the
-loader fills them with the slices the layout's rules name): attention heads and MLP/expert
-intermediate dims are split, and each decoder layer all-reduces twice (after attention's
-o_proj and after the MLP/MoE). ``embed_tokens`` and ``lm_head`` are vocab-parallel over TP
-(the embedding all-reduces, lm_head all-gathers). Under EP the MoE layers hold only this
-rank's routed experts (:mod:`engine.expert_parallel`). Under context parallel each rank runs
-its share of the step's tokens (:mod:`engine.context_parallel`), and layer-sharded weights
-arrive one layer ahead through :attr:`DeepseekForCausalLM.prefetcher`
-(:mod:`engine.layer_sharding`).
+Parameter names equal the HF checkpoint's, so the loader maps names one to one. The parallel
+layout is applied from outside (:mod:`engine.layout`): modules are built with
+:class:`TPLayout`'s local sizes; each decoder layer all-reduces twice over TP, embed_tokens
+and lm_head are vocab-parallel, MoE layers hold only this rank's experts under EP, and under
+context parallel each rank runs its share of the step's tokens with layer-sharded weights
+arriving through :attr:`DeepseekForCausalLM.prefetcher`.
 """
 
 from __future__ import annotations
@@ -87,12 +82,7 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """Full model; :meth:`forward` runs one step and returns last-token logits.
-
-    Args:
-        config: model config. layout: this rank's local sizes. tp, ep: this rank's groups.
-        kernels: resolved :class:`KernelSet`.
-    """
+    """Full model; :meth:`forward` runs one step and returns last-token logits."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup,
                  kernels: KernelSet) -> None:
@@ -149,15 +139,11 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     rank ``tp.rank``'s share of every split weight and, under EP (``ep`` of size > 1), only
     EP rank ``ep.rank``'s routed experts (:func:`engine.layout.tp_layout`).
 
-    Built on the meta device and materialized once, so no time goes into random init. The
-    router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (selection is
-    sensitive to it; HF keeps it fp32 too). Float MLPs get fused gate/up storage and MoE layers
-    stacked expert storage (:func:`engine.moe.fuse_weights`); ``lm_head.weight`` is stored
-    transposed (``[hidden, vocab]`` contiguous, seen as ``[vocab, hidden]``): the decode
-    logits GEMM reads it row-major, markedly faster on CPU. ``quant``: a quantized
-    checkpoint's plan; its quantized linear layers are swapped for quantized modules
-    (:func:`engine.quant.linear.quantize_modules`). ``empty``: parameters built as empty
-    placeholders, never allocated (:func:`engine.layer_sharding.unowned_params`).
+    NOTE: the router's ``e_score_correction_bias`` stays fp32 whatever ``dtype`` is (as HF);
+    ``lm_head.weight`` is ``[hidden, vocab]`` contiguous storage seen as ``[vocab, hidden]``
+    (faster decode GEMM on CPU); float MLPs/experts get fused storage
+    (:func:`engine.moe.fuse_weights`). ``quant``: a quantized checkpoint's plan.
+    ``empty``: parameters left unallocated (:func:`engine.layer_sharding.unowned_params`).
 
     Raises:
         ValueError: ``tp.size`` does not divide a size the layout splits, or ``ep.size`` does

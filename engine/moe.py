@@ -1,23 +1,16 @@
 """DeepSeek MoE feed-forward: router gate, routed experts, shared experts; and the dense MLP.
 
 Maths: REFERENCE.md "Router (MoE gate)" (DeepSeek-V3 ``inference/model.py`` Gate, vLLM
-``grouped_topk``). TP: modules are built with this rank's intermediate width (every expert's,
-the shared experts' and the dense MLP's are split: gate/up rows, down columns; see
-:mod:`engine.layout`). EP: only this rank's routed experts exist, whole, and tokens reach
-them by all-to-all (:mod:`engine.expert_parallel`); the gate is replicated and unchanged.
-``forward`` returns this rank's PARTIAL sum of routed + shared outputs; the caller
-all-reduces ONCE over TP.
+``grouped_topk``). Modules are built with this rank's widths (:mod:`engine.layout`); under EP
+only this rank's routed experts exist and tokens reach them by all-to-all
+(:mod:`engine.expert_parallel`). NOTE: ``forward`` returns this rank's PARTIAL sum of routed +
+shared outputs; the caller all-reduces ONCE over TP.
 
-Fused storage (:func:`fuse_weights`, once after the model is materialized, before loading):
-every float SwiGLU MLP keeps ``gate_proj``/``up_proj`` as the two halves of one ``[2I, H]``
-tensor (one GEMM), and a MoE's float routed experts live in two stacked tensors,
-``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` (``E`` = this rank's experts), whose
-per-expert slices ARE the checkpoint-named parameters (views: the loader fills them in place).
-Without EP the routed experts then run as two ``torch._grouped_mm`` calls over the
-assignments sorted by expert, with no host sync (no ``.tolist()``/``.item()``). Quantized
-experts (FP8 storage, W8A8) keep the per-expert loop, which reads the per-expert counts back to
-the host once per layer; so does EP (:mod:`engine.expert_parallel` needs host split sizes for
-its all-to-alls).
+Fused storage (:func:`fuse_weights`, before loading): a float SwiGLU MLP keeps gate/up as the
+halves of one ``[2I, H]`` tensor, and float routed experts live in ``w_gate_up [E, 2I, H]`` and
+``w_down [E, H, I]`` (E = this rank's experts) whose slices ARE the checkpoint-named
+parameters. Without EP these run as two ``torch._grouped_mm`` calls with no host sync;
+quantized experts and EP loop per expert and read the counts to the host once per layer.
 """
 
 from __future__ import annotations
@@ -121,10 +114,8 @@ class MoEGate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (``experts.{j}``, only this rank's under EP) plus shared experts.
 
-    Args:
-        config: model config. layout: this rank's sizes (routed expert width and ids,
-            shared experts' width: ``n_shared_experts * layout.moe_intermediate_size``).
-        tp, ep: this rank's groups (EP off at ``ep.size == 1``).
+    Shared experts are ``n_shared_experts * layout.moe_intermediate_size`` wide; EP is off at
+    ``ep.size == 1``.
 
     Attributes:
         w_gate_up, w_down: the stacked float experts ``[E, 2I, H]`` / ``[E, H, I]`` once
@@ -179,9 +170,8 @@ class MoE(nn.Module):
 
 
 def fuse_weights(model: nn.Module) -> None:
-    """Fused storage for every float MLP and stacked experts for every MoE of ``model`` (see
-    the module doc). Call once the model is materialized (``to_empty``), before loading: the
-    new storage is uninitialized and the checkpoint-named parameters become views of it."""
+    """Fused storage for every float MLP and stacked experts for every MoE of ``model``.
+    NOTE: call after ``to_empty``, before loading: the new storage is uninitialized."""
     for module in model.modules():
         if isinstance(module, MoE):
             module.stack_experts()
@@ -216,9 +206,8 @@ def _grouped_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 @torch.library.custom_op("orch::grouped_routed", mutates_args=())
 def _grouped_routed_op(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """:func:`_grouped_routed` as ONE opaque op of a captured decode graph (graph mode,
-    :mod:`engine.graph`): torch 2.13's fake ``_grouped_mm`` accepts bf16 only, so inside a
-    capture the routed experts run as this op, in any dtype. Eager calls skip it."""
+    """:func:`_grouped_routed` as one opaque op inside a graph capture (torch 2.13's fake
+    ``_grouped_mm`` accepts bf16 only)."""
     return _grouped_routed(x, weights, ids, w_gate_up, w_down)
 
 

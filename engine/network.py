@@ -1,15 +1,10 @@
 """Which local address a rank's Gloo sockets use (TP groups and KV pair groups).
 
-Gloo's default device is built from the hostname, which on many hosts resolves to a loopback
-address (Debian's ``127.0.1.1 <hostname>`` line, or ``127.0.0.1 <hostname>``): each rank then
-tells its peer "connect to me at 127.0.x.x", which only works when both share a host, and a
-group across hosts fails ("Gloo connectFullMesh failed ... remote=[127.0.0.1]"). Orch never
-lets Gloo guess. A group's device is bound to:
-
-- the interfaces ``GLOO_SOCKET_IFNAME`` names (comma separated), when it is set; else
-- the local address the kernel sends from to reach the peer's rendezvous address
-  (:func:`local_address_toward`): the node's own IP on the link to the peer, 127.0.0.1 when
-  the peer is on loopback.
+NOTE: orch never lets Gloo guess from the hostname, which often resolves to loopback
+(``127.0.1.1 <hostname>``) and breaks groups across hosts ("Gloo connectFullMesh failed ...
+remote=[127.0.0.1]"). A group's device is bound to the interfaces ``GLOO_SOCKET_IFNAME`` names
+(comma separated) when set, else to the local address the kernel sends from to reach the
+peer's rendezvous address (:func:`local_address_toward`).
 """
 
 from __future__ import annotations
@@ -29,9 +24,8 @@ _DISCARD_PORT = 9  # any port: connecting a UDP socket sends nothing
 def local_address_toward(host: str) -> str:
     """The local IP this host sends from to reach ``host`` (IPv4 or IPv6 text).
 
-    Only the routing table is consulted (a UDP socket is connected; no packet leaves), so it
-    is instant. ``host`` may be a name or an address; for one of this host's own addresses
-    the answer is that address, for a loopback one ``127.0.0.1`` (``::1``).
+    Only the routing table is consulted (no packet leaves); a loopback ``host`` gives
+    ``127.0.0.1`` (``::1``).
 
     Raises:
         OSError: ``host`` does not resolve or no route leads to it (message names it).

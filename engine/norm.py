@@ -7,11 +7,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
-
-    Args:
-        dim: normalized width; eps: added to the mean square.
-    """
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (``dim`` wide)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()

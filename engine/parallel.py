@@ -1,26 +1,14 @@
-"""Process groups of one rank: its TP group, its CP group, and its role's expert-parallel (EP)
-group.
+"""Process groups of one rank: its TP group, its CP group, and its role's expert-parallel group.
 
-TP rendezvous: rank 0 (the leader) opens a ``TCPStore`` on ``host:port``; the other ranks
-connect to it; ``torch.distributed.init_process_group`` then builds the group on that store
-with the platform's backend (hccl/nccl/gloo). NOTE: the TP group is the process's default
-(WORLD) group: a rank process belongs to exactly one instance. KV-transfer pair groups and
-the EP group are built separately, directly from a ``PrefixStore``, and never use it.
-
-EP (DESIGN.md "Words"): all dp x tp ranks of a role, ``ep_rank = dp_rank * tp + tp_rank``
-(:func:`ep_rank_of`); the MoE layers exchange token rows with two all-to-alls per layer
-(:mod:`engine.expert_parallel`). Every rank of the group must enter every collective, also
-with zero tokens (``ModelRunner.execute_empty``).
-
-CP (context-parallel prefill, DESIGN.md "Words"): a CP prefill instance's ranks split each
-step's tokens (:mod:`engine.context_parallel`); its rank group IS the process's default (WORLD)
-group, with tp = 1 under cp > 1 (:func:`init_cp_group`, same rendezvous as the TP group), plus a
-second group over the same ranks for the layer-sharded weight broadcasts, so that they overlap
-the token all-gathers instead of queueing behind them.
-
-Model code receives a :class:`TPGroup` / :class:`CPGroup` / :class:`EPGroup` (never a module
-global); at size 1 every collective is a no-op. Which weight is split how, and the local sizes,
-are :mod:`engine.layout`'s.
+Rank 0 opens a ``TCPStore``, the others connect, and ``init_process_group`` builds the group
+with the platform's backend (hccl/nccl/gloo). NOTE: the TP group (or, under cp > 1 with tp = 1,
+the CP group) is the process's default (WORLD) group, so a rank process belongs to exactly one
+instance; KV-transfer pair groups and the EP group are built from a ``PrefixStore`` and never
+use it. EP spans all dp x tp ranks of a role (``ep_rank = dp_rank * tp + tp_rank``); NOTE:
+every EP rank must enter every all-to-all, also with zero tokens. The CP group has a second
+group over the same ranks for the layer-sharded weight broadcasts, so they overlap the token
+all-gathers. Model code receives a group object, never a global; at size 1 every collective is
+a no-op.
 """
 
 from __future__ import annotations
@@ -74,10 +62,9 @@ def init_tp_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
                   store: dist.Store | None = None) -> TPGroup:
     """Join (or, on rank 0, open) the TP group of ``size`` ranks at ``host:port``.
 
-    Size 1 returns a trivial group and touches nothing. ``store``: the leader's already open
-    TCPStore (rank 0 only), used instead of opening one at ``port``. With gloo, Gloo's
-    sockets use the interface that reaches ``host`` (``GLOO_SOCKET_IFNAME`` is set to it for
-    this process unless set already; see :mod:`engine.network`).
+    Size 1 returns a trivial group. ``store``: the leader's open TCPStore (rank 0 only),
+    instead of one at ``port``. With gloo, ``GLOO_SOCKET_IFNAME`` defaults to the interface
+    that reaches ``host`` (:mod:`engine.network`).
 
     Raises:
         ValueError: bad rank/size or port 0 with size > 1 (every rank must know the port).
@@ -193,9 +180,8 @@ def ep_rank_of(dp_rank: int, tp_rank: int, tp_size: int) -> int:
 class EPGroup:
     """One rank's view of its role's expert-parallel group (all dp x tp ranks).
 
-    Built directly from a store (:func:`init_ep_group`), never the default group (which is the
-    TP group). Every collective is a single all-to-all that all ``size`` ranks must enter in the
-    same order; each wait is bounded by the group's timeout (``RuntimeError`` after it).
+    NOTE: every collective is one all-to-all that all ``size`` ranks enter in the same order;
+    each wait is bounded by the group's timeout (``RuntimeError`` after it).
 
     Attributes:
         rank: this rank, ``ep_rank_of(dp_rank, tp_rank, tp)``. size: ``dp * tp``.
@@ -241,12 +227,9 @@ class EPGroup:
 def init_ep_group(rank: int, size: int, host: str = "127.0.0.1", port: int = 0,
                   backend: str = "gloo", timeout_s: float = 60.0,
                   store: dist.Store | None = None) -> EPGroup:
-    """Join (or, on rank 0, open) the EP group of ``size`` ranks at ``host:port``.
-
-    The group is built directly on ``PrefixStore("ep", store)`` (not the default group).
-    ``store``: an already open store every rank can use (e.g. the role's rendezvous store),
-    used instead of a ``TCPStore`` at ``host:port`` (rank 0 is that store's master). Size 1
-    returns a trivial group and touches nothing. ``backend``: ``gloo``, ``nccl`` or ``hccl``.
+    """Join (or, on rank 0, open) the EP group of ``size`` ranks, on ``PrefixStore("ep",
+    store)``; ``store`` (e.g. the role's rendezvous store) replaces a ``TCPStore`` at
+    ``host:port``. Size 1 returns a trivial group. ``backend``: gloo, nccl or hccl.
 
     Raises:
         ValueError: bad rank/size, an unknown backend, or port 0 with size > 1 and no store.

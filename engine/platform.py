@@ -1,10 +1,8 @@
 """The one place that decides device type and torch.distributed backend.
 
-Detection order: Ascend NPU (``torch_npu`` importable and a device present), CUDA, CPU. The
-``ORCH_DEVICE`` environment variable ("npu", "cuda" or "cpu", see engine/envs.py) overrides
-detection. ``torch_npu`` is imported lazily, only when NPU is asked for or probed. The
-orchestrator asks here too (:func:`platform_for` with ``cluster.device`` and
-``kv_transfer.backend``), so the control plane and the ranks decide the same way.
+Detection order: Ascend NPU (``torch_npu`` importable and a device present), CUDA, CPU;
+``ORCH_DEVICE`` ("npu", "cuda", "cpu") overrides it. ``torch_npu`` is imported lazily. The
+orchestrator asks here too (:func:`platform_for`), so control plane and ranks agree.
 """
 from __future__ import annotations
 
@@ -77,16 +75,10 @@ def detect_platform(device_type: str | None = None) -> Platform:
 
 def platform_for(device: str = AUTO, backend: str = AUTO,
                  keys: tuple[str, str] = ("device", "backend")) -> Platform:
-    """The platform of a deployment that asks for ``device`` and ``backend`` (``"auto"``: not
-    set): the device when set, else the device of the backend when set, else
-    :func:`detect_platform`'s decision (``$ORCH_DEVICE``, else detected).
-
-    A set device or backend is a table lookup: nothing is imported or probed, so a CPU machine
-    can plan an NPU layout.
-
-    Args:
-        keys: the names of the two settings where the caller reads them (the error names them,
-            e.g. ``("cluster.device", "kv_transfer.backend")``).
+    """The platform of a deployment asking for ``device`` and ``backend`` (``"auto"``: not
+    set): the device when set, else the backend's device, else :func:`detect_platform`. A set
+    one is a table lookup, nothing probed (a CPU machine can plan an NPU layout). ``keys``:
+    the two settings' names for the error, e.g. ``("cluster.device", "kv_transfer.backend")``.
 
     Raises:
         ValueError: a device or backend not in the table, or a backend that does not go with

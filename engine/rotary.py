@@ -1,19 +1,15 @@
 """Rotary position embedding for MLA's rope dims: plain rope or DeepSeek YaRN, interleaved.
 
-DeepSeek-V3.2's lightning indexer uses the same cos/sin on its first ``qk_rope_head_dim`` dims
-but in the NON-interleaved (half-split, "rotate_half") form: :func:`apply_rotary_half`.
+Layout (REFERENCE.md "Rope layout"): DeepSeek checkpoints store the rope dims in interleaved
+pairs ``(x0, x1), (x2, x3), ...``, pair i rotated by frequency i (GPT-J style). NOTE: the result
+stays INTERLEAVED (as DeepSeek's inference code and vLLM), so the cached ``k_pe`` is
+interleaved where HF caches ``[evens | odds]``; it is ``KVCacheSpec.rope_layout``. The V3.2
+indexer uses the NON-interleaved form (:func:`apply_rotary_half`).
 
-Layout (see REFERENCE.md "Rope layout"): DeepSeek checkpoints store the rope dims of
-``q_b_proj`` / ``kv_a_proj_with_mqa`` in interleaved pairs ``(x0, x1), (x2, x3), ...``; pair i
-is rotated by frequency i (GPT-J style). We apply that rotation in place of the pairs and keep
-the result INTERLEAVED, as DeepSeek's inference code and vLLM do. So the ``k_pe`` we cache
-(the V cache) is interleaved; HF transformers instead outputs (and caches) ``[evens | odds]``.
-q·k is the same either way, but the cache layout is not: it is ``KVCacheSpec.rope_layout``.
-
-Maths: YaRN (Peng et al. 2023), as in DeepSeek-V3 ``inference/model.py`` and HF
+Maths: YaRN (Peng et al. 2023) as DeepSeek-V3 ``inference/model.py`` and HF
 ``_compute_yarn_parameters``: inv_freq blends interpolated (``/factor``) and original
 frequencies with a linear ramp between the correction dims of ``beta_fast`` and ``beta_slow``;
-cos/sin are multiplied by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` and the
+cos/sin are scaled by ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` and the
 softmax scale by ``mscale(factor, mscale_all_dim)**2``.
 """
 
@@ -65,11 +61,7 @@ def _yarn_inv_freq(dim: int, base: float, yarn: YarnScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Interleaved rotary embedding over ``qk_rope_head_dim`` dims.
-
-    Args:
-        config: the model config (``qk_rope_head_dim``, ``rope_theta``, ``rope_scaling``).
-    """
+    """Interleaved rotary embedding over ``qk_rope_head_dim`` dims."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -1,7 +1,6 @@
-"""Sampling parameters of one request: a plain frozen dataclass, no torch.
+"""Sampling parameters of one request: a plain frozen dataclass.
 
-The router, the gRPC client and the control-plane messages use it; the sampler
-(engine/sampling.py, which needs torch) reads it. Keep this module free of torch and Ray
+NOTE: no torch or Ray here: the router and the gRPC client import it
 (tests/orchestrator/test_client_imports.py checks the client's import graph).
 """
 

@@ -1,20 +1,12 @@
 """Continuous-batching scheduler with chunked prefill, shared by all three instance roles.
 
-Request state is counters (vLLM v1 style): a request knows its prompt, its output tokens and
-``num_computed_tokens`` (tokens whose KV is in this instance's cache). Each step schedules,
-per running request, the tokens it still lacks KV for, capped by ``chunk_size`` and the step's
-``max_num_batched_tokens`` budget. When a step brings a request up to all its known tokens, the
-step's logits give its next token. "Prefill done" and "decoding" are derived, never stored.
-
-The roles differ only in a :class:`RolePolicy`:
-
-- prefill: blocks for the prompt are taken when a request is admitted; the request leaves
-  the instance after its first token (handed to decode).
-- decode: the request arrives with its blocks (reserved before prefill) and its prompt KV
-  received (``num_computed_tokens == num_prompt_tokens``) and its first token.
-- colocated: blocks for prompt + max_tokens are taken at admission; runs to the end.
-
-Blocks are reserved for the whole life of a request at admission, so nothing is preempted.
+Request state is counters (vLLM v1): each step schedules, per running request, the tokens it
+still lacks KV for, capped by ``chunk_size`` and ``max_num_batched_tokens``; a step that brings
+a request up to all its known tokens samples its next token. Roles differ only in a
+:class:`RolePolicy`: prefill takes prompt blocks at admission and lets the request go after its
+first token; decode receives the request with its blocks reserved, its prompt KV and first
+token; colocated takes prompt + max_tokens blocks and runs to the end. NOTE: blocks are
+reserved for a request's whole life at admission, so nothing is preempted.
 """
 
 from __future__ import annotations
@@ -82,12 +74,8 @@ class SchedulerOutput:
 class Scheduler:
     """Chunked-prefill, continuous-batching scheduler of one instance (leader only).
 
-    Args:
-        pool: the instance's block pool (the scheduler allocates at admission, frees at end).
-        policy: role policy.
-        chunk_size: most tokens of one request per step.
-        max_num_batched_tokens: most tokens per step.
-        max_num_seqs: most requests running at once.
+    ``chunk_size``: most tokens of one request per step; ``max_num_batched_tokens``: per step;
+    ``max_num_seqs``: requests running at once.
     """
 
     def __init__(self, pool: BlockPool, policy: RolePolicy, *, chunk_size: int,
@@ -163,12 +151,8 @@ class Scheduler:
         return SchedulerOutput(tuple(chunks))
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance counters after a step; append each sampled token to its request.
-
-        Args:
-            output: the step that ran.
-            sampled: request id -> token id, for the chunks that ``completes``.
-        """
+        """Advance counters after ``output`` ran; ``sampled`` (request id -> token id, for
+        the chunks that ``completes``) appends each token to its request."""
         for chunk in output.chunks:
             chunk.request.num_computed_tokens = chunk.end
             if chunk.request.request_id in sampled:

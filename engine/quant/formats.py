@@ -1,22 +1,15 @@
 """Quantized checkpoint formats: ``quantization_config`` of config.json -> :class:`QuantScheme`.
 
-Two published formats are read (and written by :mod:`engine.quant.writer`):
+- DeepSeek FP8 (``quant_method: fp8``, V3/R1): a linear weight ``W [out, in]`` is
+  float8_e4m3fn with float32 ``weight_scale_inv [ceil(out/128), ceil(in/128)]``; the weight is
+  ``W * scale_inv`` of its 128 x 128 block (last block may be partial); activations float.
+- compressed-tensors int8 W8A8 (``format: int-quantized``, as llm-compressor writes it):
+  ``weight`` int8 ``[out, in]``, ``weight_scale [out, 1]`` (symmetric per channel);
+  activations quantized per token at run time (scale = max|x| / 127).
 
-- DeepSeek FP8 (``quant_method: fp8``, as released for V3/R1): every quantized linear weight
-  ``W [out, in]`` is float8_e4m3fn with ``weight_scale_inv`` float32
-  ``[ceil(out/128), ceil(in/128)]``; the real weight is ``W * scale_inv`` of its 128 x 128
-  block (the last block of a dim may be partial). Activations stay in the compute dtype.
-- compressed-tensors int8 W8A8 (``quant_method: compressed-tensors``, ``format:
-  int-quantized``, as llm-compressor writes it): ``weight`` int8 ``[out, in]`` and
-  ``weight_scale [out, 1]`` (symmetric, per output channel); activations quantized per token
-  at run time (dynamic, symmetric, scale = max|x| / 127).
-
-Which weights are quantized is read from the checkpoint itself (a weight is quantized when its
-scale tensor exists: :func:`engine.quant.load.quant_plan`), not from lists in the config:
-DeepSeek's format lists none, and compressed-tensors' ``targets``/``ignore`` name module
-classes and names of the library that wrote it.
-
-Anything else raises :class:`UnsupportedQuantizationError` naming what is supported.
+NOTE: a weight is quantized when its scale tensor exists in the checkpoint
+(:func:`engine.quant.load.quant_plan`), not per config lists. Anything else raises
+:class:`UnsupportedQuantizationError`.
 """
 
 from __future__ import annotations

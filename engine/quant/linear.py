@@ -1,18 +1,12 @@
 """Quantized modules and the pass that puts them into a built (meta) model.
 
-:func:`quantize_modules` swaps modules of ``model.model.layers`` for their quantized form,
-keeping checkpoint names, so model code (attention, MoE) is unchanged. A module is swapped
-only when its checkpoint weights are stored quantized (:attr:`QuantPlan.quantized`):
-
-- W8A8: a SwiGLU :class:`engine.moe.MLP` (dense MLP, a routed expert, the shared experts)
-  whose three projections are int8 -> :class:`W8A8MLP` (one fused kernel call); any other
-  int8 ``nn.Linear`` -> :class:`Int8Linear`.
-- FP8 with ``fp8_storage="fp8"``: an FP8 ``nn.Linear`` -> :class:`Fp8BlockLinear`.
-  ``fp8_storage="dequantize"``: nothing is swapped; the loader dequantizes at load.
-
-Never swapped: ``kv_b_proj`` (attention reads its weight for the absorbed decode form; the
-loader dequantizes it, REFERENCE.md "MLA"), and everything outside the decoder layers.
-Quantized weights of modules left float are dequantized by the loader.
+:func:`quantize_modules` swaps modules of ``model.model.layers`` whose checkpoint weights are
+stored quantized (:attr:`QuantPlan.quantized`) for their quantized form, keeping checkpoint
+names: under W8A8 a SwiGLU :class:`engine.moe.MLP` with three int8 projections becomes a
+:class:`W8A8MLP` and any other int8 ``nn.Linear`` an :class:`Int8Linear`; under FP8 with
+``fp8_storage="fp8"`` an FP8 ``nn.Linear`` becomes an :class:`Fp8BlockLinear` (``"dequantize"``
+swaps nothing). NOTE: ``kv_b_proj`` is never swapped (absorbed decode reads its weight;
+REFERENCE.md "MLA"); quantized weights of modules left float are dequantized by the loader.
 """
 
 from __future__ import annotations
@@ -35,11 +29,10 @@ W8A8MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class QuantPlan:
-    """How this runtime holds a quantized checkpoint's weights (made by
-    :func:`engine.quant.load.quant_plan`).
+    """How this runtime holds a quantized checkpoint's weights
+    (:func:`engine.quant.load.quant_plan`).
 
     Attributes:
-        scheme: the checkpoint's format.
         quantized: checkpoint weight names (``...q_a_proj.weight``) stored quantized.
         fp8_storage: FP8 only: "dequantize" at load or keep "fp8" (:data:`FP8_STORAGE`).
 
@@ -102,10 +95,9 @@ class W8A8MLP(nn.Module):
 
 
 def held_quantized(plan: QuantPlan | None, weight_name: str) -> bool:
-    """Whether the checkpoint weight ``weight_name`` (``model.layers.0.self_attn.o_proj
-    .weight``) of a plain linear stays quantized in the built model (its module is swapped,
-    module doc): False without a plan, for FP8 dequantized at load, and for
-    :data:`NEVER_QUANTIZED` modules."""
+    """Whether checkpoint weight ``weight_name`` of a plain linear stays quantized in the
+    built model: False without a plan, for FP8 dequantized at load, for
+    :data:`NEVER_QUANTIZED`."""
     if plan is None or (plan.scheme.method == FP8_BLOCK and plan.fp8_storage == "dequantize"):
         return False
     module = weight_name.removesuffix(".weight")
@@ -113,11 +105,8 @@ def held_quantized(plan: QuantPlan | None, weight_name: str) -> bool:
 
 
 def quantize_modules(model: nn.Module, plan: QuantPlan | None, kernels: KernelSet) -> None:
-    """Swap ``model.model.layers``' modules for quantized ones, in place (see module doc).
-
-    Call on the model built on the meta device, after its dtype cast and before
-    ``to_empty`` (the new buffers are made on meta too, and keep their int8/fp8/fp32 dtype).
-    """
+    """Swap ``model.model.layers``' modules for quantized ones, in place. NOTE: call on the
+    meta model after its dtype cast, before ``to_empty`` (new buffers keep int8/fp8/fp32)."""
     if plan is None or (plan.scheme.method == FP8_BLOCK and plan.fp8_storage == "dequantize"):
         return
     _swap(model.model.layers, "model.layers", plan, kernels)

@@ -1,11 +1,9 @@
 """Fill a model's quantized (and to-be-dequantized) linear weights from a quantized checkpoint.
 
-Module driven: for every module of the model, the checkpoint tensors it needs are read by
-name from whichever ``*.safetensors`` shard holds them (weight and scale may sit in different
-shards), only this rank's part (:func:`engine.layout.rule_for` names the part of the weight;
-the scale's part follows it: the same rows for per-channel scales, the covering blocks for
-block scales). The generic loader (:func:`engine.loader.load_weights`) loads everything else
-and skips the names returned here.
+For every module, the tensors it needs are read by name from whichever shard holds them, only
+this rank's part (:func:`engine.layout.rule_for`); the scale's part follows the weight's (same
+rows for per-channel scales, the covering blocks for block scales). The generic loader
+(:func:`engine.loader.load_weights`) loads the rest and skips the names returned here.
 """
 
 from __future__ import annotations
@@ -61,11 +59,7 @@ class CheckpointTensors:
         return name in self._files
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Full shape of tensor ``name``.
-
-        Raises:
-            CheckpointError: no shard holds ``name``.
-        """
+        """Full shape of tensor ``name`` (CheckpointError: no shard holds it)."""
         if name not in self._files:
             raise CheckpointError(f"{name} is missing from {self.dir}: the quantized model "
                                   "needs it (is quantization_config right for these tensors?)")

@@ -1,11 +1,9 @@
 """Bytes a rank stores for its weights under a quantized checkpoint (for the memory plan).
 
-What is stored follows :mod:`engine.quant.linear`: the decoder layers' linear weights are kept
-quantized (``kv_b_proj`` excepted: dequantized at load), everything else (embedding, norms,
-router gate, lm_head) in the compute dtype; FP8 with ``fp8_storage: dequantize`` stores the
-compute dtype everywhere. Plug-in for a plan that lists ``(checkpoint name, local shape)``
-per rank: sum :func:`stored_weight_bytes` over them; a plan that counts parameters per kind
-multiplies by :func:`bytes_per_param` instead (exact up to the scales).
+Follows :mod:`engine.quant.linear`: decoder linears stay quantized (``kv_b_proj`` excepted),
+everything else is in the compute dtype, as is everything under FP8 ``fp8_storage:
+dequantize``. Sum :func:`stored_weight_bytes` over ``(name, local shape)`` rows, or multiply a
+parameter count by :func:`bytes_per_param` (exact up to the scales).
 """
 
 from __future__ import annotations

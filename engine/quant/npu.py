@@ -1,12 +1,8 @@
 """Ascend implementations of the W8A8 kernels (torch_npu fused ops; UNTESTED off-Ascend).
 
-The ops are vLLM-Ascend's W8A8-dynamic path (``w8a8_dynamic.py``):
-``torch_npu.npu_dynamic_quant`` (per-token int8 + scale), ``torch_npu.npu_quant_matmul``
-(int8 GEMM with per-channel and per-token dequant, or int32 out) and
-``torch_npu.npu_dequant_swiglu_quant`` (the fused dequant -> SwiGLU -> per-token quant).
-Weights are passed ``[N, K]`` like the torch reference and transposed here (a view). The
-grouped form for all of a rank's experts at once is ``torch_npu.npu_grouped_matmul`` with the
-same three steps; the MoE loop calls one expert at a time today.
+vLLM-Ascend's W8A8-dynamic path (``w8a8_dynamic.py``): ``npu_dynamic_quant`` (per-token int8),
+``npu_quant_matmul`` (int8 GEMM with dequant) and ``npu_dequant_swiglu_quant``. Weights are
+passed ``[N, K]`` like the torch reference and transposed here (a view).
 """
 
 from __future__ import annotations

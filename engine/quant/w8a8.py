@@ -1,15 +1,10 @@
 """W8A8 dynamic int8: per-channel int8 weights, per-token int8 activations quantized at run time.
 
-``y = (x_q @ W_q^T) * x_scale * w_scale`` with ``x_scale [T, 1] = max|x| / 127`` per token
-and ``w_scale [out, 1]`` per output channel (symmetric, no zero points). The int8 GEMM
-accumulates in int32 (exact); everything after it is float32, cast to the caller's dtype last.
-
-Kernels (resolved through :mod:`engine.kernels`; these are the torch references, CPU/CUDA):
-
-- :func:`w8a8_linear`: one int8 linear layer.
-- :func:`w8a8_mlp`: the fused expert MLP: gate/up int8 GEMM -> dequant -> SwiGLU ->
-  per-token quant -> down int8 GEMM -> dequant (:func:`dequant_swiglu_quant` is the fused
-  middle step; on Ascend one ``npu_dequant_swiglu_quant`` call).
+``y = (x_q @ W_q^T) * x_scale * w_scale`` with ``x_scale [T, 1] = max|x| / 127`` per token and
+``w_scale [out, 1]`` per output channel (symmetric, no zero points); the int8 GEMM is exact in
+int32, the rest float32, cast to the caller's dtype last. These are the torch reference kernels
+(:mod:`engine.kernels`): :func:`w8a8_linear` and the fused expert :func:`w8a8_mlp`, whose
+middle :func:`dequant_swiglu_quant` is one ``npu_dequant_swiglu_quant`` call on Ascend.
 """
 
 from __future__ import annotations
@@ -43,11 +38,9 @@ EXACT_FP32_K = 1024
 def int8_gemm(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """``x_q [T, K] int8 @ w_q [N, K]^T`` -> int32 ``[T, N]`` (exact).
 
-    Float32 GEMMs over K chunks of :data:`EXACT_FP32_K`, each exact (every partial sum is an
-    integer below 2^24; int8 inputs are exact in TF32 too), summed in int32. NOTE: bit-equal
-    to ``torch._int_mm`` and 2-15x faster on CPUs without AVX512-VNNI, where PyTorch's int8
-    GEMM has no fast path (docs/quantization.md); ``torch._int_mm`` is not used on CUDA
-    either (untested here, and it refuses T <= 16 rows in some versions).
+    Float32 GEMMs over K chunks of :data:`EXACT_FP32_K` (each exact: partial sums are integers
+    below 2^24), summed in int32. NOTE: bit-equal to ``torch._int_mm``, 2-15x faster on CPUs
+    without AVX512-VNNI (docs/quantization.md).
     """
     acc = None
     for k in range(0, x_q.shape[1], EXACT_FP32_K):
@@ -58,11 +51,8 @@ def int8_gemm(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x [T, K]`` (float) -> ``[T, N]`` in ``x``'s dtype.
-
-    Args:
-        weight: int8 ``[N, K]``. weight_scale: float32 ``[N, 1]``.
-    """
+    """``x [T, K]`` (float), int8 ``weight [N, K]``, fp32 ``weight_scale [N, 1]`` ->
+    ``[T, N]`` in ``x``'s dtype."""
     x_q, x_scale = quantize_per_token(x)
     acc = int8_gemm(x_q, weight)  # [T, N] int32
     return (acc.float() * x_scale * weight_scale.t()).to(x.dtype)
@@ -70,15 +60,9 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def dequant_swiglu_quant(acc: torch.Tensor, x_scale: torch.Tensor,
                          gate_up_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused middle of the expert MLP.
-
-    Args:
-        acc: int32 ``[T, 2I]`` gate/up GEMM output (gate columns first).
-        x_scale: ``[T, 1]`` the input's per-token scales. gate_up_scale: ``[2I, 1]``.
-
-    Returns:
-        ``(int8 [T, I], float32 scale [T, 1])``: ``silu(gate) * up``, quantized per token.
-    """
+    """Int32 gate/up GEMM output ``acc [T, 2I]`` (gate first), ``x_scale [T, 1]``,
+    ``gate_up_scale [2I, 1]`` -> ``silu(gate) * up`` quantized per token:
+    ``(int8 [T, I], float32 scale [T, 1])``."""
     h = acc.float() * x_scale * gate_up_scale.t()  # [T, 2I]
     gate, up = h.chunk(2, dim=-1)
     return quantize_per_token(F.silu(gate) * up)
@@ -86,12 +70,9 @@ def dequant_swiglu_quant(acc: torch.Tensor, x_scale: torch.Tensor,
 
 def w8a8_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_scale: torch.Tensor,
              down_weight: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP in int8: ``x [T, H]`` -> ``[T, H]`` in ``x``'s dtype.
-
-    Args:
-        gate_up_weight: int8 ``[2I, H]`` (gate rows, then up rows); gate_up_scale ``[2I, 1]``.
-        down_weight: int8 ``[H, I]``; down_scale ``[H, 1]``.
-    """
+    """SwiGLU MLP in int8: ``x [T, H]`` -> ``[T, H]`` in ``x``'s dtype; int8
+    ``gate_up_weight [2I, H]`` (gate rows first), ``gate_up_scale [2I, 1]``, int8
+    ``down_weight [H, I]``, ``down_scale [H, 1]``."""
     x_q, x_scale = quantize_per_token(x)
     a_q, a_scale = dequant_swiglu_quant(int8_gemm(x_q, gate_up_weight), x_scale, gate_up_scale)
     acc = int8_gemm(a_q, down_weight)  # [T, H] int32

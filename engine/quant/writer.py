@@ -1,14 +1,9 @@
 """Write a quantized checkpoint from a float one (``orch model quantize SRC DST --scheme``).
 
-``fp8-block``: DeepSeek's FP8 format (e4m3 weights, ``weight_scale_inv`` per 128 x 128
-block, ``quantization_config.quant_method: fp8``). ``w8a8``: compressed-tensors int8 W8A8
-(``weight`` int8, ``weight_scale [out, 1]``, ``quant_method: compressed-tensors``, format
-``int-quantized``, ``ignore: [lm_head]``), the format llm-compressor's ``W8A8`` scheme writes.
-
-Quantized: the linear weights of the decoder layers (``model.layers.*.*_proj.weight``, incl.
-each expert's); the embedding, norms, router gate and lm_head keep the source dtype. The
-output is split over shards of at most ``shard_bytes`` with ``model.safetensors.index.json``
-(HF's layout); other files (tokenizer, ...) are copied.
+``fp8-block``: DeepSeek's FP8 format; ``w8a8``: compressed-tensors int8 W8A8 as llm-compressor's
+``W8A8`` scheme writes it, ``ignore: [lm_head]`` (:mod:`engine.quant.formats`). Only decoder
+linear weights (``model.layers.*.*_proj.weight``, experts included) are quantized; the output
+is HF-sharded (``shard_bytes``, ``model.safetensors.index.json``), other files copied.
 """
 
 from __future__ import annotations
