@@ -93,10 +93,8 @@ class BlockTableCache:
 
     NOTE: a block table is fixed for the request's life (all blocks reserved at admission, no
     preemption), so its first step's tensor serves every later one; it is reused only while
-    it equals the step's tuple. Entries of requests absent from a step are dropped.
-
-    Args:
-        num_blocks: blocks in the KV cache; every block id must be in ``[0, num_blocks)``.
+    it equals the step's tuple. Entries of requests absent from a step are dropped. Block ids
+    must be in ``[0, num_blocks)``.
     """
 
     def __init__(self, num_blocks: int) -> None:

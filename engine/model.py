@@ -95,17 +95,9 @@ class DeepseekForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
-        """One step.
-
-        Args:
-            input_ids: ``[T]`` int64 flattened tokens of the step (under CP, ``meta.cp``:
-                only this rank's ``meta.cp.local_rows``).
-            meta: the step's :class:`AttentionMetadata`.
-            kv_cache: this rank's caches (layer i uses ``kv_cache.layer_buffers(i)``).
-
-        Returns:
-            ``[B, vocab]`` fp32 logits at each sequence's last token.
-        """
+        """One step: ``input_ids [T]`` int64 (under CP only ``meta.cp.local_rows``) ->
+        ``[B, vocab]`` fp32 logits at each sequence's last token; layer i writes
+        ``kv_cache.layer_buffers(i)``."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         positions = meta.positions if meta.cp is None else meta.positions[meta.cp.local_rows]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, R/2]

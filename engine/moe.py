@@ -182,15 +182,10 @@ def fuse_weights(model: nn.Module) -> None:
 
 def _grouped_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Routed output without EP over stacked experts, two grouped GEMMs, no host sync.
-
-    Args:
-        x: ``[T, hidden]``. weights: ``[T, k]`` fp32 gate weights. ids: ``[T, k]`` int64
-            expert ids in ``0..E-1``. w_gate_up: ``[E, 2I, H]``. w_down: ``[E, H, I]``.
-
-    Returns:
-        ``[T, hidden]`` in ``x``'s dtype (TP-split experts: a partial sum).
-    """
+    """Routed output ``[T, hidden]`` in ``x``'s dtype (a partial sum under TP), without EP,
+    over stacked experts: two grouped GEMMs, no host sync. ``x [T, hidden]``, ``weights
+    [T, k]`` fp32, ``ids [T, k]`` int64 in ``0..E-1``, ``w_gate_up [E, 2I, H]``,
+    ``w_down [E, H, I]``."""
     t, k = ids.shape
     sorted_ids, order = ids.view(-1).sort(stable=True)  # [T*k] assignments grouped by expert
     experts = torch.arange(w_gate_up.shape[0], device=ids.device)

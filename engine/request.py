@@ -13,11 +13,8 @@ from engine.sampling_params import SamplingParams
 class RequestSpec:
     """A validated, tokenized request as accepted by the router.
 
-    Attributes:
-        request_id: unique id.
-        prompt_token_ids: prompt tokens (>= 1).
-        sampling: sampling parameters; a sampled request always carries a seed here.
-        arrival_time: ``time.time()`` when the router accepted it (seconds).
+    ``prompt_token_ids``: at least one; ``sampling`` of a sampled request always carries a
+    seed here; ``arrival_time``: ``time.time()`` when the router accepted it, seconds.
     """
 
     request_id: str

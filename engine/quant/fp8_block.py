@@ -22,14 +22,10 @@ def block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
 
 def dequantize_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """Float32 ``[r, c]`` weight from ``q [r, c]`` (any dtype) and its scale grid.
-
-    Args:
-        q: a part of the quantized weight starting at row/col ``offset`` of the full weight.
-        scale_inv: the FULL weight's scale grid ``[ceil(out/bo), ceil(in/bi)]`` (or the part
-            of it whose first block is ``offset // block``: then pass ``offset % block``).
-        block: (bo, bi).
-    """
+    """Float32 ``[r, c]`` weight from ``q [r, c]`` (any dtype; a part starting at row/col
+    ``offset`` of the full weight) and ``scale_inv``, the FULL weight's grid
+    ``[ceil(out/bo), ceil(in/bi)]`` (or the part whose first block is ``offset // block``,
+    with ``offset % block`` passed); ``block`` = (bo, bi)."""
     rows = (torch.arange(q.shape[0], device=q.device) + offset[0]) // block[0]
     cols = (torch.arange(q.shape[1], device=q.device) + offset[1]) // block[1]
     return q.float() * scale_inv.float()[rows][:, cols]
