@@ -1,13 +1,10 @@
 """``orch bench``: replay a workload against a running router and report latency/throughput.
 
-``--up CONFIG [CONFIG ...]`` instead brings each config up in turn, replays against it and
-compares the reports (:mod:`orchestrator.bench.serve`): this package is the one home of serving
-benchmarks; ``benchmarks/`` holds the component microbenchmarks (engine, KV transfer).
-
-The lead CLI (``orchestrator/cli.py``) mounts this on its ``bench`` subcommand with
-:func:`add_arguments` and :func:`run`; ``python -m orchestrator.bench`` does the same
-standalone. Exit codes: 0 at least one timed request completed (failures are in the report),
-1 nothing completed or the server was unreachable, 2 bad options or input files.
+``--up CONFIG [CONFIG ...]`` brings each config up in turn and compares the reports
+(:mod:`orchestrator.bench.serve`). The lead CLI mounts :func:`add_arguments` and :func:`run`
+on ``bench``; ``python -m orchestrator.bench`` runs it standalone. Exit codes: 0 at least one
+timed request completed, 1 nothing completed or the server was unreachable, 2 bad options or
+input files.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Replay against any OpenAI-compatible server (`orch bench --backend openai --base-url URL`):
 ``POST {base_url}/completions`` with ``stream: true``, timed per server-sent event.
 
-Each request asks what the gRPC runner asks: the prompt (text, or token ids as OpenAI's
-``prompt: [ids]``), ``max_tokens = output_len``, greedy, ``ignore_eos`` (the vLLM extension
-orch and vLLM/SGLang honour) and ``stream_options.include_usage``. An event does not say how
-many tokens it carries: each event with text counts one, and the final ``usage`` corrects the
-last one, so token totals are the server's own count. Every wait is bounded (httpx timeouts
-plus an asyncio backstop of ``request_timeout_s``).
+Requests ask what the gRPC runner asks (``max_tokens = output_len``, greedy, ``ignore_eos``,
+``stream_options.include_usage``). Each event with text counts one token and the final
+``usage`` corrects the last, so totals are the server's count. Every wait is bounded (httpx
+timeouts plus an asyncio backstop of ``request_timeout_s``).
 """
 
 from __future__ import annotations

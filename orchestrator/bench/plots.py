@@ -14,12 +14,8 @@ _PLOTTED = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"))
 def write_cdf_plots(report: BenchReport, out_dir: str | Path) -> list[Path]:
     """Write ``<label>_ttft_cdf.png`` and ``<label>_tpot_cdf.png`` into ``out_dir``.
 
-    The x axis is milliseconds, the y axis the fraction of completed requests at or below it
-    (empirical CDF). A metric with no values (e.g. TPOT when every request made 1 token) still
-    gets a figure saying so, so the set of files does not depend on the data.
-
-    Returns:
-        The written paths.
+    Empirical CDFs (x: milliseconds); a metric with no values still gets a figure saying so,
+    so the set of files does not depend on the data. Returns the written paths.
     """
     import matplotlib
 

@@ -1,16 +1,12 @@
 """Prompt construction for replays: deterministic random token ids, shared prefix blocks,
 and token counting / truncation of text prompts.
 
-Traces carry lengths, not text, so a replay invents prompts of the recorded length. Token ids
-are drawn uniformly from ``[TOKEN_LOW, TOKEN_HIGH)`` by default: above every special token of
-the DeepSeek-V3 vocabulary (129,280 ids; specials sit below 1000 and from 128,000) and inside
-the built-in tiny model's vocabulary (the same size); ``--token-range`` changes it for a model
-with a smaller vocabulary. The draw is a pure function of (seed, key), so two
-runs with one seed send the same prompts.
-
-Mooncake prefix sharing: block ``h`` of a trace is always the same ``block_tokens`` ids, so two
-requests whose ``hash_ids`` start with the same k ids share their first ``k * block_tokens``
-prompt tokens (what a prefix cache would see in production).
+Traces carry lengths, not text. Token ids are drawn uniformly from ``[TOKEN_LOW, TOKEN_HIGH)``
+by default: above every special token of the DeepSeek-V3 vocabulary (129,280 ids; specials
+below 1000 and from 128,000), inside the tiny model's vocabulary (``--token-range`` changes
+it). The draw is a pure function of (seed, key). Mooncake prefix sharing: block ``h`` is always
+the same ``block_tokens`` ids, so requests whose ``hash_ids`` share k leading ids share their
+first ``k * block_tokens`` prompt tokens.
 """
 
 from __future__ import annotations
@@ -28,11 +24,8 @@ _REQUEST_STREAM = 1
 class TokenPromptFactory:
     """Makes token-id prompts; block contents are cached so shared blocks are built once.
 
-    Args:
-        seed: base seed of every draw.
-        block_tokens: tokens per prefix block (512 for Mooncake, scaled with
-            ``--scale-lengths``), >= 1.
-        low, high: ids are drawn from ``[low, high)``.
+    ``block_tokens``: tokens per prefix block (512 for Mooncake, scaled with
+    ``--scale-lengths``); ids are drawn from ``[low, high)``.
 
     Raises:
         ValueError: ``block_tokens < 1`` or an empty id range.
@@ -93,8 +86,7 @@ def default_tokenizer_path() -> Path | None:
 class TextMeasurer:
     """Counts and truncates text prompts in tokens with a HuggingFace ``tokenizer.json``.
 
-    Args:
-        path: tokenizer.json; None uses :func:`default_tokenizer_path`.
+    ``path`` None uses :func:`default_tokenizer_path`.
 
     Raises:
         FileNotFoundError: no tokenizer found; pass ``--tokenizer PATH/tokenizer.json`` (the

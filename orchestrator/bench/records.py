@@ -18,12 +18,10 @@ class RunnerConfig:
     """How to drive the server.
 
     Attributes:
-        address: router ``host:port``.
-        max_concurrency: most requests in flight (None = unbounded).
-        request_timeout_s: gRPC deadline of one request, seconds.
-        connect_timeout_s: how long to wait for the channel to become ready, seconds.
+        address: router ``host:port``. max_concurrency: requests in flight (None: unbounded).
+        request_timeout_s, connect_timeout_s: one request's gRPC deadline and the wait for
+            the channel to be ready, seconds.
         label: prefix of request ids (``<label>-<run id>-<index>``).
-        progress: show a tqdm progress bar on stderr.
         backend: "grpc" (orch's Generate at ``address``) or "openai" (streamed
             ``/completions`` at ``base_url``, e.g. ``http://127.0.0.1:8000/v1``).
         model: the openai backend's model name (None: the first ``GET /models`` lists).
@@ -59,14 +57,11 @@ class RequestRecord:
     """What happened to one request; times are seconds on the run's clock (0 = timed start).
 
     Attributes:
-        index: the request's workload index.
-        warmup: a warm-up request (not in the statistics).
+        index: workload index. warmup: not in the statistics.
         input_len: prompt tokens (the server's count when its final stats carried one).
-        output_len: tokens asked for.
-        scheduled_s: due time from the workload.
+        output_len: tokens asked for. scheduled_s: due time from the workload.
         send_s: when ``Generate`` was called (after the concurrency slot was free).
-        chunk_times_s: arrival time of each message carrying tokens.
-        chunk_tokens: tokens in each of those messages.
+        chunk_times_s, chunk_tokens: arrival time and tokens of each message carrying tokens.
         end_s: when the stream ended (final message, error or timeout).
         finish_reason: the final message's reason ("stop", "length", "abort"), or None.
         error_code: gRPC status name on failure ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED",
@@ -122,15 +117,8 @@ class RunResult:
 
 
 class StreamState:
-    """Mutable state of one call while it streams (frozen into a RequestRecord at the end).
-
-    Attributes:
-        send_s: when it was sent (run clock, seconds).
-        input_len: prompt tokens (the server's count once it gave one).
-        times, tokens: arrival time and token count of each message carrying tokens.
-        finish: the finish reason, once seen.
-        code, error: the failure (gRPC status name, message), or None.
-    """
+    """Mutable state of one call while it streams, frozen into a :class:`RequestRecord` at
+    the end (same meanings; ``code, error``: gRPC status name and message, or None)."""
 
     def __init__(self, send_s: float, input_len: int) -> None:
         self.send_s = send_s

@@ -1,13 +1,11 @@
-"""Replay a workload against a running router over gRPC (grpc.aio), or against any
-OpenAI-compatible server (``backend="openai"``, :mod:`orchestrator.bench.openai_backend`), and
-time every token.
+"""Replay a workload against a running router over gRPC, or against any OpenAI-compatible
+server (``backend="openai"``), and time every token.
 
-Each timed request is a task that sleeps until its arrival time, waits for a concurrency slot
-(``max_concurrency``), sends ``Generate`` (greedy, ``ignore_eos``, ``max_tokens =
-output_len``) and stamps every streamed message with ``time.perf_counter()``. Warm-up requests
-go first, one at a time, and are kept apart. Every wait is bounded: the channel must be ready
-within ``connect_timeout_s`` and each call has a gRPC deadline of ``request_timeout_s`` (plus
-an asyncio backstop), so the run ends by itself.
+Each timed request sleeps until its arrival time, waits for a concurrency slot
+(``max_concurrency``), sends (greedy, ``ignore_eos``, ``max_tokens = output_len``) and stamps
+every streamed message with ``time.perf_counter()``; warm-up requests go first, one at a time.
+Every wait is bounded (``connect_timeout_s``, ``request_timeout_s`` plus an asyncio backstop),
+so the run ends by itself.
 """
 
 from __future__ import annotations

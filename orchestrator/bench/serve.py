@@ -1,12 +1,10 @@
 """``orch bench --up CONFIG [CONFIG ...]``: bring each config up in turn, replay the same
 workload against it, stop it, and compare the reports.
 
-This is how two deployments (e.g. ``configs/colocated.yaml`` against ``configs/1p1d.yaml``) are
-compared in one session on one machine: each ``orch up`` runs as a subprocess on free loopback
-ports (the config's router host/port and metrics port are replaced), the replay is the usual
-``orch bench`` run against it, and SIGINT drains and stops it before the next config starts.
-Reports land in ``--up-out`` as ``<config stem>.json`` with the ``orch up`` log beside each;
-with two or more configs the comparison prints the first (A) against each later one (B), B/A.
+Each ``orch up`` runs as a subprocess on free loopback ports (router and metrics ports
+replaced); SIGINT drains it before the next config starts. Reports land in ``--up-out`` as
+``<config stem>.json`` beside the ``orch up`` log; the comparison prints the first config (A)
+against each later one (B), B/A.
 """
 
 from __future__ import annotations
@@ -36,13 +34,8 @@ _READY_SLICE_S = 2.0
 
 @dataclass(frozen=True)
 class ServedConfig:
-    """One config's replay.
-
-    Attributes:
-        config: the YAML file as given.
-        report: the JSON report written for it.
-        exit_code: the replay's exit code (0: at least one timed request completed).
-    """
+    """One config's replay: its YAML file, JSON report and exit code (0: at least one timed
+    request completed)."""
 
     config: Path
     report: Path
@@ -140,11 +133,7 @@ def _wait_serving(proc: subprocess.Popen, port: int, timeout_s: float, what: str
 
 def serve_and_replay(config: Path, args: argparse.Namespace, out: Path) -> ServedConfig:
     """``orch up config`` on free ports (:func:`serving`), the replay of ``args`` against it,
-    then stop it.
-
-    Raises:
-        TimeoutError, RuntimeError: see :func:`serving`.
-    """
+    then stop it; raises as :func:`serving`."""
 
     with serving(config, out, args.up_startup_timeout) as address:
         report = out / f"{config.stem}.json"

@@ -1,18 +1,11 @@
 """Readers for the public request traces: one :class:`TraceEntry` per request, as recorded.
 
-Formats (see ../shared/data/README.md):
-
-- Mooncake JSONL (kvcache-ai/Mooncake, FAST'25): one object a line with ``timestamp`` (ms from
-  the start), ``input_length``, ``output_length`` (tokens) and ``hash_ids`` (one id per
-  512-token prompt block; equal leading ids mean a shared prompt prefix).
-- Azure LLM inference CSV (Splitwise, ISCA'24): ``TIMESTAMP`` (absolute, e.g.
-  ``2023-11-16 18:15:46.6805900``: 7 fraction digits, more than ``datetime`` parses),
-  ``ContextTokens``, ``GeneratedTokens``.
-- ShareGPT JSON: a list of ``{"id", "conversations": [{"from", "value"}]}``; the first turn
-  with ``from == "human"`` is the prompt text. It carries no output length and no time.
-
-Readers do not cap, scale or re-time anything: that is :mod:`.workloads`' job, so tests can
-compare a replay with the file line by line.
+Formats (../shared/data/README.md): Mooncake JSONL (FAST'25: ``timestamp`` ms,
+``input_length``, ``output_length``, ``hash_ids`` one per 512-token prompt block, equal leading
+ids = shared prefix); Azure LLM inference CSV (Splitwise, ISCA'24: ``TIMESTAMP`` absolute with
+7 fraction digits, ``ContextTokens``, ``GeneratedTokens``); ShareGPT JSON (first ``human``
+turn is the prompt; no output length, no time). Readers never cap, scale or re-time:
+:mod:`.workloads` does, so a replay compares with the file line by line.
 """
 
 from __future__ import annotations
@@ -82,10 +75,8 @@ def read_mooncake(path: str | Path) -> list[TraceEntry]:
 
 
 def parse_azure_timestamp(text: str) -> float:
-    """Seconds since the epoch (naive, UTC assumed) of an Azure trace ``TIMESTAMP``.
-
-    The fraction has up to 7+ digits (100 ns ticks), which ``datetime`` cannot parse, so the
-    whole seconds and the fraction are read apart: ``"...:46.6805900"`` -> ``... + 0.68059``.
+    """Seconds since the epoch (naive, UTC assumed) of an Azure trace ``TIMESTAMP``; the
+    7+-digit fraction is read apart (``"...:46.6805900"`` -> ``... + 0.68059``).
 
     Raises:
         ValueError: not ``YYYY-MM-DD HH:MM:SS[.fraction]``.

@@ -1,20 +1,14 @@
 """Workloads: the list of requests a benchmark replays, built from a trace or synthetically.
 
-Pipeline (each step a pure function of the config, so one seed gives one workload):
-
-1. read the trace (:mod:`.traces`) or make ``num_requests`` synthetic entries;
-2. scale lengths by ``scale_lengths`` (to fit a tiny model: ``round(len * f)``, at least 1),
-   then apply ``max_input_len`` / ``max_output_len``: a request above a cap is cut to it
-   (``over_length="cap"``) or dropped (``"skip"``); entries are taken in trace order until
-   ``warmup + num_requests`` are kept, so ``num_skipped`` counts the dropped entries met on
-   the way;
-3. the first ``warmup`` kept requests are warm-up (sent one by one before timing, excluded
-   from the statistics); arrival times of the rest are the trace's, rebased to 0, or Poisson /
-   fixed-rate arrivals at ``request_rate`` (seeded); either way multiplied by ``time_scale``;
-4. prompts: token ids (:class:`.prompts.TokenPromptFactory`, Mooncake blocks shared by
-   hash id) or, for ShareGPT, the text itself (counted and cut with a tokenizer).
-
-Every request asks for exactly ``output_len`` tokens, greedy, with EOS ignored (the runner).
+Each step is a pure function of the config (one seed, one workload): read the trace
+(:mod:`.traces`) or make synthetic entries; scale lengths by ``scale_lengths``
+(``round(len * f)``, at least 1); cut a request over ``max_input_len`` / ``max_output_len``
+(``over_length="cap"``) or drop it (``"skip"``, counted in ``num_skipped`` until
+``warmup + num_requests`` are kept); the first ``warmup`` are warm-up (sent one by one, not in
+the statistics); arrivals are the trace's rebased to 0, or Poisson / fixed-rate at
+``request_rate`` (seeded), times ``time_scale``; prompts are token ids
+(:class:`.prompts.TokenPromptFactory`) or ShareGPT text. Every request asks for exactly
+``output_len`` tokens, greedy, EOS ignored.
 """
 
 from __future__ import annotations
@@ -112,12 +106,10 @@ class BenchRequest:
     Attributes:
         index: position in the workload (warm-up first); the request id is made from it.
         arrival_s: seconds after the timed phase starts when it is due (0 for warm-up).
-        input_len: prompt tokens (for text prompts: counted with the workload's tokenizer).
-        output_len: tokens to ask for (``max_tokens``; EOS ignored).
-        prompt_token_ids: int32 array [input_len], or None for a text prompt.
-        prompt_text: the text prompt, or None.
-        capped: a cap shortened it.
-        warmup: excluded from the statistics.
+        input_len: prompt tokens (text prompts: counted with the workload's tokenizer).
+        output_len: ``max_tokens`` (EOS ignored).
+        prompt_token_ids, prompt_text: int32 array ``[input_len]`` or the text (one is None).
+        capped: a cap shortened it. warmup: excluded from the statistics.
     """
 
     index: int
@@ -134,12 +126,9 @@ class BenchRequest:
 class Workload:
     """Requests to replay plus what the length caps did.
 
-    Attributes:
-        warmup: warm-up requests (sent first, one at a time).
-        requests: timed requests, in arrival order of the trace.
-        num_capped: timed or warm-up requests a cap shortened.
-        num_skipped: trace entries dropped by ``over_length="skip"``.
-        description: one line naming the source, for the report.
+    ``requests``: timed, in the trace's arrival order (``warmup`` sent first, one at a time);
+    ``num_capped``: requests a cap shortened; ``num_skipped``: trace entries dropped by
+    ``over_length="skip"``; ``description``: one line naming the source.
     """
 
     warmup: tuple[BenchRequest, ...]
@@ -207,7 +196,7 @@ def _arrivals(cfg: WorkloadConfig, kept: list[traces.TraceEntry]) -> np.ndarray:
 
 
 def load_workload(cfg: WorkloadConfig) -> Workload:
-    """Build the workload of ``cfg`` (see the module docstring for the steps).
+    """Build the workload of ``cfg``.
 
     Raises:
         FileNotFoundError: the trace (or ShareGPT's tokenizer) is missing.
