@@ -71,11 +71,9 @@ def read_model_info(checkpoint_dir: Path, name: str, max_model_len: int) -> Mode
 def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
     """The served model's ``config.json`` contents, without needing the checkpoint to exist.
 
-    Returns:
-        (the parsed config.json of the checkpoint, else of ``model.config_json``, else the
-        built-in tiny config when ``model.path`` is ``tiny`` and the checkpoint is not made
-        yet, or None when none is at hand; a sentence saying where it came from or why it is
-        unknown).
+    Returns ``(config, where)``: the checkpoint's config.json, else ``model.config_json``'s,
+    else the tiny config (``model.path: tiny`` not made yet), else None; and a sentence
+    saying where it came from or why it is unknown.
     """
     config = model.checkpoint_dir() / "config.json"
     if not config.is_file() and model.config_json:
@@ -101,8 +99,7 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
 def layer_count_for_plan(model: ModelSection) -> tuple[int | None, str]:
     """Layers to plan KV transfer for, without needing the checkpoint to exist.
 
-    Returns:
-        (num_layers or None when unknown, a sentence saying where the number came from).
+    Returns ``(num_layers or None, a sentence saying where it came from)``.
     """
     raw, source = model_config_dict(model)
     if raw is None:

@@ -1,10 +1,8 @@
 """Memory of one device, per device type: what the memory plan checks each rank against.
 
-Figures are the vendors' published capacities in GB (10^9 bytes), from the one device data
-file ``orchestrator/planner/devices.yaml`` (the default entry of each platform: npu = Atlas A3
-die, cuda = H100 80GB). The physical HBM is a
-little larger in bytes (GiB stacks) and the runtime keeps some of it, so a plan that fits the
-figure with a few GB of headroom is the aim. ``cluster.device_memory_gb`` overrides them.
+Figures are vendors' capacities in GB (10^9 bytes) from ``orchestrator/planner/devices.yaml``
+(defaults: npu = Atlas A3 die, cuda = H100 80GB); ``cluster.device_memory_gb`` overrides them.
+NOTE: the runtime keeps some memory, so aim for a few GB of headroom under the figure.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def device_memory(device: str, override_gb: float | None) -> DeviceMemory:
     """The memory a rank of ``device`` ("cpu", "cuda", "npu") is checked against.
 
     ``override_gb`` (``cluster.device_memory_gb``) wins; else the platform's default entry of
-    ``devices.yaml``; on cpu the
-    machine's physical RAM (``os.sysconf``), shared by every rank.
+    ``devices.yaml``; on cpu the machine's physical RAM, shared by every rank.
 
     Raises:
         ValueError: an unknown device with no override (names the key to set).

@@ -1,12 +1,9 @@
 """Does each role's layout (``tp``, and with ``ep`` the expert-parallel size ``dp * tp``) fit
-the served model? Checked when the config is loaded and by ``orch up --dry-run``, before
-anything starts.
+the served model? Checked at config load and by ``orch up --dry-run``, before anything starts.
 
-The check is the engine's own (:func:`engine.layout.tp_layout`, the one the ranks run when they
-load their shard), applied to the checkpoint's ``config.json``, or to the built-in tiny config
-when ``model.path`` is ``tiny`` and the checkpoint is not made yet. With neither at hand (or a
-``config.json`` the engine cannot read) nothing is checked here and the report says why; the
-ranks still check at load.
+The check is the engine's own (:func:`engine.layout.tp_layout`, as the ranks run it at load)
+on the checkpoint's ``config.json``, or the tiny config when not made yet; with neither (or
+one the engine cannot read) nothing is checked here and the report says why.
 """
 
 from __future__ import annotations

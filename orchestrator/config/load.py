@@ -39,10 +39,8 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
     """Read and validate a YAML config file, and each role's tp against the model
     (:func:`orchestrator.config.layout_check.check_tp_layout`, when the model's config is at hand).
 
-    Args:
-        path: the YAML file.
-        overrides: dotted key path -> value (``{"router.port": 9000}``) replacing the file's
-            values before validation (the `orch up --port` flags).
+    ``overrides``: dotted key path -> value (``{"router.port": 9000}``) replacing the file's
+    values before validation (the `orch up --port` flags).
 
     Raises:
         ConfigError: the file is missing or unreadable, is not YAML, or does not validate, or

@@ -1,12 +1,11 @@
 """Does the layout fit the devices? The memory plan of an :class:`OrchConfig`, its table for
 ``orch up --dry-run``, and the check ``orch up`` runs before anything starts.
 
-Each role's rank is planned by :func:`orchestrator.config.memory_plan.plan_role` from the model's
-config.json (the checkpoint's, else ``model.config_json``, else the built-in tiny config) and
-checked against :func:`orchestrator.config.devices.device_memory`: each rank on its own device (npu,
-cuda), or every rank together on cpu (one machine's RAM). With no config.json at hand nothing
-is checked here and the report says why; a config.json the engine refuses is an error here,
-before anything starts.
+Each role's rank is planned by :func:`orchestrator.config.memory_plan.plan_role` from the
+model's config.json (checkpoint's, else ``model.config_json``, else the tiny config) and
+checked against :func:`orchestrator.config.devices.device_memory`: per rank on npu/cuda, all
+ranks together on cpu. Without a config.json nothing is checked (the report says why); one
+the engine refuses is an error before anything starts.
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Per-rank memory plan: what one rank of a role holds, by kind, from config.json and the layout.
 
-The plan is a table: one :class:`Kind` per row (:data:`KINDS`), each giving the ELEMENTS one
-rank holds (a pure function of the :class:`engine.model_config.ModelConfig` and the
-:class:`RoleLayout`) and its storage class; :class:`Precision` gives the bytes per element
-of each storage class. Nothing is instantiated; no weights are read.
-
-How later layouts plug in (rows and parameters, not branches):
-- DeepSeek-V3.2's indexer (done): a row for its weights (replicated), a third KV row
-  (``index_head_dim``); both only for models with sparse attention.
-- FP8 / W8A8 checkpoints (done): :class:`Precision` gets the stored bytes of ``linear``
-  weights from :func:`engine.quant.memory.bytes_per_param` (1 byte + the scales' share, or
-  the compute dtype for FP8 with ``model.fp8_storage: dequantize``); embedding, norms, gate,
-  lm_head and ``kv_b_proj`` (dequantized at load) keep ``weight``.
-- Context-parallel prefill (done): tp is 1, so attention is replicated on every CP rank; the
-  ``layer_sharding`` linears count only the layers a rank owns (``ceil(layers / cp)`` on CP
-  rank 0, the most loaded), and a prefetch pool row holds :data:`PREFETCH_POOL` layers of them
-  (the broadcast buffers, ``engine.layer_sharding.LayerPrefetcher``).
-
-Split rules are read from the engine's one table (engine/layout.py ``RULES``, DESIGN.md
-"Parallel layout"): each weight row lists the checkpoint weights it holds with their full
-shapes from config.json, and one rank's elements are what
-:meth:`engine.layout.ShardRule.local_shape` leaves of each under the role's
-:func:`engine.layout.tp_layout` (routed experts: the EP rank's ones, whole, or all of them
-split over TP). A change in the table changes the plan; only the ``split`` words are the
-plan's own.
+The plan is a table: one :class:`Kind` per row (:data:`KINDS`) giving the ELEMENTS one rank
+holds (a pure function of the :class:`engine.model_config.ModelConfig` and the
+:class:`RoleLayout`) and its storage class; :class:`Precision` gives bytes per element
+(quantized ``linear`` weights: :func:`engine.quant.memory.bytes_per_param`). Nothing is
+instantiated, no weights read. Split rules are the engine's one table (engine/layout.py
+``RULES``): each weight row lists its checkpoint weights with full shapes, and one rank's
+elements are :meth:`engine.layout.ShardRule.local_shape` under the role's
+:func:`engine.layout.tp_layout`. V3.2 indexer rows appear only for sparse-attention models;
+under CP layer sharding, a rank counts only the layers it owns (``ceil(layers / cp)`` on CP
+rank 0) plus a prefetch pool of :data:`PREFETCH_POOL` layers.
 """
 
 from __future__ import annotations
@@ -359,10 +345,8 @@ def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> R
     """The memory of one rank of ``layout``'s role, one row per :data:`KINDS` entry.
 
     Raises:
-        ValueError: ``layout`` is not one the engine can build (the error of
-            :func:`engine.layout.tp_layout`: tp does not divide a split size, or with ``ep``
-            on dp x tp x cp does not divide n_routed_experts); ``load_config`` checks an
-            ``OrchConfig``'s layouts before any plan.
+        ValueError: ``layout`` is not one the engine can build
+            (:func:`engine.layout.tp_layout`'s error).
     """
     rows = []
     for kind in KINDS:

@@ -1,12 +1,9 @@
 """The `orch up` configuration: one frozen pydantic model per component, validated when loaded.
 
-The YAML file maps one to one onto :class:`OrchConfig` (reference: docs/config.md), whose
-sections (one per component) are in :mod:`orchestrator.config.sections`.
-:func:`orchestrator.config.load.load_config` builds it from the YAML file.
-:meth:`OrchConfig.instances` derives the per-instance :class:`rank.config.InstanceConfig`
-that the rank actors receive: each role's scheduler sizes from that role's section, the one
-``kv_transfer.TransferConfig`` from the ``kv_transfer`` section, and the device and backend
-decided once by ``engine.platform`` (:meth:`OrchConfig.platform`).
+The YAML file maps one to one onto :class:`OrchConfig` (docs/config.md; sections in
+:mod:`orchestrator.config.sections`). :meth:`OrchConfig.instances` derives each rank actor's
+:class:`rank.config.InstanceConfig` (scheduler sizes from the role's section, the
+``kv_transfer`` section, and the platform decided by ``engine.platform``).
 """
 
 from __future__ import annotations
