@@ -69,12 +69,8 @@ def _collect(chunks: list[OutputChunk]) -> tuple[str, list[int], RequestStats | 
 
 
 class OrchClient:
-    """Blocking client.
-
-    Args:
-        address: "host:port" of the router.
-        tls_ca: PEM file to trust for a TLS router (None: plaintext).
-        token: bearer token for a router with ``router.auth`` (None: send none).
+    """Blocking client of the router at ``address`` ("host:port"); ``tls_ca`` / ``token``
+    as the module doc says (None: plaintext / no token).
 
     Raises:
         OSError: ``tls_ca`` cannot be read.

@@ -1,15 +1,10 @@
-"""gRPC front end: the Orch servicer, the standard health service, graceful stop.
+"""gRPC front end: the Orch servicer, the standard health service, reflection, graceful stop.
 
-Errors leave as gRPC status codes carrying :class:`RequestError` messages. The edge
-(``orchestrator.api.interceptors``): optional bearer-token auth, then requests that are too big
-or cannot be parsed answered INVALID_ARGUMENT before the servicer sees them; optional TLS
-(``orchestrator.api.security``). gRPC server reflection (the standard
-``grpc.reflection.v1alpha`` service) lists the services and their descriptors, so grpcurl /
-grpcui need no .proto file (behind the token like every call but health). The health service says SERVING while every role has a healthy
-instance (the health monitor's view), NOT_SERVING while some role has none, and from the
-start of shutdown on. Stop order: health NOT_SERVING (load balancers stop sending), router
-refuses new requests and drains in-flight ones (bounded), the health monitor stops,
-``server.stop(grace)``.
+Errors leave as gRPC status codes carrying :class:`RequestError` messages; the edge
+(``orchestrator.api.interceptors``, ``orchestrator.api.security``) does token auth, size and
+parse checks and TLS. Health is SERVING while every role has a healthy instance, NOT_SERVING
+otherwise and from the start of shutdown. NOTE: stop order is health NOT_SERVING, router
+drains in-flight requests (bounded), health monitor stops, ``server.stop(grace)``.
 """
 
 from __future__ import annotations
@@ -77,15 +72,10 @@ class OrchServicer(pb_grpc.OrchServicer):
 class OrchServer:
     """A grpc.aio server around one router.
 
-    Args:
-        router: the router (started by :meth:`start`).
-        board: instance rows for GetStatus; its health monitor is started by :meth:`start`
-            and drives the gRPC health service.
-        host, port: where to listen (port 0 = any free port; see ``self.port``).
-        security: TLS key pair and bearer token (default: plaintext, no token).
-        max_message_bytes: gRPC's receive limit (``router.max_message_bytes``), raised to the
-            edge limit when lower. A request between the two gets INVALID_ARGUMENT from the
-            edge; only one over it gets gRPC's own RESOURCE_EXHAUSTED.
+    ``board``: instance rows for GetStatus; its health monitor drives the health service.
+    ``port`` 0 = any free port (``self.port``). ``max_message_bytes``: gRPC's receive limit,
+    raised to the edge limit when lower (a request between the two gets INVALID_ARGUMENT from
+    the edge, one over it gRPC's RESOURCE_EXHAUSTED).
     """
 
     def __init__(self, router: Router, board: StatusBoard, host: str, port: int,

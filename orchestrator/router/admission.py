@@ -17,12 +17,8 @@ from orchestrator.router.request import RequestError
 
 
 class AdmissionQueue:
-    """At most ``max_pending`` waiting requests (0 = reject at once when decode is full).
-
-    Args:
-        max_pending: the bound (`router.max_pending`).
-        retry_s: longest sleep between two reservation attempts (seconds).
-    """
+    """At most ``max_pending`` waiting requests (0 = reject at once when decode is full);
+    ``retry_s``: longest sleep between two reservation attempts, seconds."""
 
     def __init__(self, max_pending: int, retry_s: float = 0.2) -> None:
         self.max_pending, self.retry_s = max_pending, retry_s

@@ -1,9 +1,8 @@
 """Instance-choice policies, chosen by name through a registry (`router.policy`).
 
-A policy orders the HEALTHY instances of a role for a request (best first; an empty list when
-none is healthy: the flow then refuses the request with UNAVAILABLE) and is told when the
-request's load on an instance ends. Load is counted in tokens: a prefill instance carries the prompt tokens of
-the requests it has not finished prefilling; a decode (or colocated) instance carries
+A policy orders the HEALTHY instances of a role for a request, best first (empty: the request
+is refused UNAVAILABLE), and is told when the request's load ends. Load is tokens: a prefill
+instance carries the prompts it has not finished; a decode (or colocated) instance
 ``prompt + max_tokens`` of each request it holds (the KV slots it may need).
 """
 
@@ -16,10 +15,8 @@ from typing import Callable
 class Policy(ABC):
     """Chooses among the instances of one role. Called only from the router's event loop.
 
-    Args:
-        instances: instance names, e.g. ["decode-0", "decode-1"].
-        healthy: may new requests go to this instance? (``HealthMonitor.is_healthy``;
-            default: every instance is).
+    ``instances``: names, e.g. ["decode-0", "decode-1"]; ``healthy``: may new requests go
+    to this one (``HealthMonitor.is_healthy``; default: all).
     """
 
     def __init__(self, instances: list[str],

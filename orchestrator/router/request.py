@@ -54,11 +54,8 @@ def request_failed(request_id: str, instance: str, error: str,
 class GenerateInput:
     """A client request as received.
 
-    Attributes:
-        text: prompt text (exactly one of ``text`` / ``token_ids`` is set).
-        token_ids: prompt token ids.
-        sampling: sampling parameters (already range-checked by ``SamplingParams``).
-        request_id: client-chosen id, or "" for a router-made one.
+    Exactly one of ``text`` / ``token_ids`` is set; ``sampling`` is range-checked already;
+    ``request_id`` "" asks for a router-made id.
     """
 
     text: str | None

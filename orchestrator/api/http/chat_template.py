@@ -1,11 +1,9 @@
 """The checkpoint's own chat template (``tokenizer_config.json``), rendered with jinja2.
 
-Rendered the way HuggingFace transformers renders it (``apply_chat_template``): a sandboxed,
-immutable jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
-extension, a ``tojson`` filter, and the globals ``raise_exception`` and ``strftime_now``; the
-template sees ``messages``, ``add_generation_prompt`` and the special tokens of the config
-(``bos_token``, ``eos_token``, ...). A template cannot read files or call Python it was not
-given.
+Rendered as HF transformers' ``apply_chat_template``: a sandboxed, immutable environment with
+``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``tojson``, ``raise_exception`` and
+``strftime_now``; the template sees ``messages``, ``add_generation_prompt`` and the config's
+special tokens, and cannot read files or call Python it was not given.
 """
 
 from __future__ import annotations
@@ -49,11 +47,7 @@ def _token_text(value: Any) -> str:
 
 
 class ChatTemplate:
-    """One compiled chat template and the special tokens it may use.
-
-    Args:
-        source: the jinja2 template text.
-        special_tokens: name ("bos_token", ...) -> token text.
+    """One compiled chat template and its special tokens (name "bos_token", ... -> text).
 
     Raises:
         ChatTemplateError: the template does not compile.
@@ -97,11 +91,8 @@ class ChatTemplate:
         return cls(source, {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS})
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation.
-
-        Args:
-            messages: ``{"role": ..., "content": str, ...}`` in order.
-            add_generation_prompt: end with the assistant's turn header.
+        """The prompt text of ``messages`` (``{"role", "content", ...}`` in order);
+        ``add_generation_prompt`` ends with the assistant's turn header.
 
         Raises:
             RequestError: INVALID_ARGUMENT when the template refuses the conversation (its

@@ -1,13 +1,10 @@
-"""One OpenAI request on the router: the same ``Router.generate`` the gRPC servicer calls
-(validation, admission queue, attempts, abort on every exit, metrics), with OpenAI's sampling
-defaults and stop strings on top.
+"""One OpenAI request on the router: the same ``Router.generate`` the gRPC servicer calls,
+with OpenAI's sampling defaults and stop strings on top.
 
-The prompt text is tokenized here (off the loop, with the checkpoint's tokenizer, as the
-router would) so the prompt's token count is known before the first token: it gives chat's
-default ``max_tokens`` (the rest of ``max_model_len``) and ``usage`` when a stop string ends
-the request early. A text the router must refuse anyway (no tokenizer, more bytes than
-``max_model_len`` tokens can hold) goes to the router as text, which answers with gRPC's
-message.
+The prompt is tokenized here (off the loop, with the checkpoint's tokenizer) so its token
+count gives chat's default ``max_tokens`` (the rest of ``max_model_len``) and ``usage`` when a
+stop string ends early; a text the router must refuse anyway goes to it as text and gets
+gRPC's message.
 """
 
 from __future__ import annotations
@@ -82,9 +79,7 @@ async def start_generation(router: Router, text: str | None, token_ids: tuple[in
                            req: GenerationRequest, max_tokens: int | None) -> Generation:
     """A :class:`Generation` of one prompt (exactly one of ``text`` / ``token_ids``).
 
-    Args:
-        max_tokens: the request's budget; None fills the context (``max_model_len`` minus
-            the prompt).
+    ``max_tokens`` None fills the context (``max_model_len`` minus the prompt).
 
     Raises:
         RequestError: INVALID_ARGUMENT for sampling values gRPC would refuse (same message).

@@ -1,9 +1,8 @@
 """uvicorn serving the OpenAI app inside ``orch up``'s event loop, beside gRPC.
 
 The socket is bound here (a taken port is a :class:`PortInUseError` naming
-``router.http_port``, not uvicorn's ``sys.exit``), uvicorn's own signal handling is off (``orch
-up`` owns SIGINT/SIGTERM and stops this server with the gRPC one), and its logging config is
-left alone. TLS when ``router.tls`` is set (the same PEM files gRPC uses).
+``router.http_port``); uvicorn's signal handling is off (``orch up`` owns SIGINT/SIGTERM) and
+its logging config left alone. TLS when ``router.tls`` is set (gRPC's PEM files).
 """
 
 from __future__ import annotations
@@ -31,13 +30,10 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    """One uvicorn server for ``app`` on ``host:port``.
+    """One uvicorn server for ASGI ``app`` on ``host:port`` (port 0: any free one).
 
-    Args:
-        app: the ASGI app (``OpenAIApp.asgi()``).
-        host, port: where to listen (port 0 = any free port; :meth:`start` returns it).
-        tls: PEM certificate and key files, or None for plain HTTP.
-        grace_s: how long :meth:`stop` lets running requests finish before cancelling them.
+    ``tls``: PEM certificate and key files, or None; ``grace_s``: seconds :meth:`stop` lets
+    running requests finish before cancelling them.
     """
 
     def __init__(self, app, host: str, port: int, tls: TLSSection | None = None,

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 
 class StopText:
-    """Finds the first stop string in a stream of text pieces.
-
-    Args:
-        stops: the stop strings (non-empty).
-    """
+    """Finds the first of ``stops`` (non-empty strings) in a stream of text pieces."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
