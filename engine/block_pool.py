@@ -49,8 +49,8 @@ class BlockPool:
     """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
 
     NOTE: thread-safe: the step loop and the actor's concurrent RPC threads (reserve, abort,
-    status) allocate and free, some outside the rank's lock; KV transfer threads never touch
-    it (they write into slots a reservation holds).
+    status) allocate and free, some outside the rank's lock; KV transfer threads never
+    touch it (they write into slots a reservation holds).
 
     Raises:
         ValueError: if either argument is not positive.

@@ -182,15 +182,12 @@ def mark_context_dynamic(batch: DecodeBatch | None) -> None:
 class DecodeGraphs:
     """The captured forwards of one runner, one per bucket, captured on first use.
 
-    Attributes:
-        capture_s: bucket -> seconds its first (capturing) call took.
-        failed: buckets that fell back to eager after a capture error.
+    ``capture_s``: bucket -> seconds its first (capturing) call took; ``failed``: buckets
+    that fell back to eager. Side effect: dynamo's process-wide ``recompile_limit`` is raised
+    to at least ``len(batch_sizes) + 2``.
 
     Raises:
         KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
-
-    Side effect: dynamo's process-wide ``recompile_limit`` is raised to at least
-    ``len(batch_sizes) + 2``.
     """
 
     def __init__(self, forward: Callable, config: GraphConfig, device_type: str) -> None:

@@ -20,12 +20,9 @@ DEEPSEEK_V3_LAYERS = 61
 class ModelInfo:
     """What the router needs to know about the model.
 
-    Attributes:
-        name: the configured model path (or "tiny").
-        vocab_size: token ids must lie in [0, vocab_size).
-        eos_token_ids: ids that end a request (unless ``ignore_eos``).
-        num_layers: decoder layers (for transfer plans).
-        max_model_len: prompt + max_tokens limit (tokens).
+    ``name``: the configured model path (or "tiny"); token ids lie in ``[0, vocab_size)``;
+    ``eos_token_ids`` end a request unless ``ignore_eos``; ``max_model_len``: limit on
+    prompt + max_tokens, tokens.
     """
 
     name: str

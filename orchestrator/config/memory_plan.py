@@ -3,13 +3,14 @@
 The plan is a table: one :class:`Kind` per row (:data:`KINDS`) giving the ELEMENTS one rank
 holds (a pure function of the :class:`engine.model_config.ModelConfig` and the
 :class:`RoleLayout`) and its storage class; :class:`Precision` gives bytes per element
-(quantized ``linear`` weights: :func:`engine.quant.memory.bytes_per_param`). Nothing is
-instantiated, no weights read. Split rules are the engine's one table (engine/layout.py
-``RULES``): each weight row lists its checkpoint weights with full shapes, and one rank's
-elements are :meth:`engine.layout.ShardRule.local_shape` under the role's
-:func:`engine.layout.tp_layout`. V3.2 indexer rows appear only for sparse-attention models;
-under CP layer sharding, a rank counts only the layers it owns (``ceil(layers / cp)`` on CP
-rank 0) plus a prefetch pool of :data:`PREFETCH_POOL` layers.
+(quantized ``linear`` weights: :func:`engine.quant.memory.bytes_per_param`; ``kv_b_proj``,
+dequantized at load, stays ``weight``). Nothing is instantiated, no weights read. Split rules
+are the engine's one table (engine/layout.py ``RULES``): each weight row lists its checkpoint
+weights with full shapes, and one rank's elements are
+:meth:`engine.layout.ShardRule.local_shape` under the role's :func:`engine.layout.tp_layout`.
+V3.2 indexer rows appear only for sparse-attention models; under CP layer sharding a rank
+counts only the layers it owns (``ceil(layers / cp)`` on CP rank 0) plus a prefetch pool of
+:data:`PREFETCH_POOL` layers.
 """
 
 from __future__ import annotations
