@@ -112,9 +112,10 @@ class Availability:
                 return
             role, policy = missing[0]
             if not any(map(self._returning, policy.instances)):
-                raise RequestError("UNAVAILABLE", f"no healthy {role} instance and none is "
-                                   f"being restarted ({self._reasons(policy)}): retry later; "
-                                   "`orch status` shows why")
+                raise RequestError("UNAVAILABLE", f"no healthy {role} instance "
+                                   f"({', '.join(policy.instances)} out of service) and none "
+                                   f"is being restarted ({self._reasons(policy)}): retry later;"
+                                   " `orch status` shows why")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RequestError("UNAVAILABLE", f"no healthy {role} instance within "
@@ -156,7 +157,7 @@ class Availability:
 
     def _reasons(self, policy: Policy) -> str:
         if self._health is None:
-            return ", ".join(policy.instances) + " out of service"
+            return "no health monitor"
         return "; ".join(f"{name}: {self._health.get(name).reason or 'out of service'}"
                          for name in policy.instances)
 

@@ -134,7 +134,8 @@ def test_a_failed_restart_is_unavailable_at_once_naming_why():
         assert time.monotonic() - start < 5.0  # when the restart failed, not at the deadline
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         details = err.value.details()
-        assert "no healthy prefill instance and none is being restarted" in details, details
+        assert "no healthy prefill instance (prefill-0 out of service) and none is being " \
+            "restarted" in details, details
         assert "rank 0 is gone; the automatic restart failed" in details, details
         assert _calls(h, "decode-0") == []  # nothing was reserved
     finally:
