@@ -170,7 +170,7 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     if metrics is not None:
         metrics.track_health(monitor)
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
-                          healthy=monitor.is_healthy)
+                          health=monitor)
     recoverer = Recoverer(cluster, {leader.name: leader for leader in router.flow.leaders},
                           max_restarts=cfg.health.max_restarts,
                           window_s=cfg.health.restart_window_s,

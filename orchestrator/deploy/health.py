@@ -97,6 +97,12 @@ class HealthMonitor:
         """The policies' predicate: may new requests go to ``name``?"""
         return self._states[name].state is Health.HEALTHY
 
+    def returning(self, name: str) -> bool:
+        """Is ``name`` out of service while a restart of it runs or is scheduled? The router
+        holds requests for such an instance (``orchestrator/router/availability.py``); every
+        change of this answer comes with a state change, so listeners hear of it."""
+        return self._states[name].state is not Health.HEALTHY and name in self._recoveries
+
     def snapshot(self) -> list[InstanceHealth]:
         """Every instance's health, in the order given at construction."""
         return list(self._states.values())

@@ -70,6 +70,11 @@ class Flow(ABC):
         """The leader of instance ``name`` (KeyError for an unknown name)."""
         return {leader.name: leader for leader in self.leaders}[name]
 
+    @property
+    @abstractmethod
+    def pools(self) -> dict[str, Policy]:
+        """Role -> the policy choosing among its instances; a placement needs one of each."""
+
     def choices(self, policy: Policy, avoid: Collection[str], role: str) -> list[str]:
         """``policy.order()`` (healthy instances only, see :class:`Policy`); those in ``avoid``
         (they failed this request already) last.
@@ -122,6 +127,10 @@ class Flow(ABC):
 class ColocatedFlow(Flow):
     """Prefill and decode in the same instance: ``generate(spec)`` then events from poll()."""
 
+    @property
+    def pools(self) -> dict[str, Policy]:
+        return {"colocated": self.policy}
+
     async def place(self, spec: RequestSpec, deadline: float,
                     avoid: Collection[str] = ()) -> Route:
         name = self.choices(self.policy, avoid, "colocated")[0]
@@ -159,6 +168,10 @@ class DisaggregatedFlow(Flow):
     @property
     def leaders(self) -> list[LeaderClient]:
         return list(self.prefill.values()) + list(self.main.values())
+
+    @property
+    def pools(self) -> dict[str, Policy]:
+        return {"prefill": self.prefill_policy, "decode": self.policy}
 
     async def place(self, spec: RequestSpec, deadline: float,
                     avoid: Collection[str] = ()) -> Route:

@@ -23,6 +23,7 @@ from typing import AsyncIterator, Protocol
 from engine.request import RequestSpec
 from engine.sampling_params import fill_seed
 from orchestrator.config.checkpoint import ModelInfo
+from orchestrator.router.availability import Availability, HealthView
 from orchestrator.router.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump
@@ -73,15 +74,20 @@ class Router:
         request_timeout_s: bound of every wait of one request (reservation queue, next event).
         metrics: a :class:`RouterMetrics` (default: none).
         poll_timeout_s: how long one leader poll may block (seconds).
-        max_attempts: most placements of one request (`router.max_attempts`).
+        max_attempts: most placements of one request that ran on an instance
+            (`router.max_attempts`).
+        health: the health monitor: a placement waits while every instance of a role is
+            being restarted (None: it never waits; see :class:`Availability`).
     """
 
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
-                 poll_timeout_s: float = 0.5, max_attempts: int = 3) -> None:
+                 poll_timeout_s: float = 0.5, max_attempts: int = 3,
+                 health: HealthView | None = None) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
         self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
         self.metrics = metrics or NoMetrics()
+        self.availability = Availability(health)
         self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
         self._attempt_numbers = itertools.count(1)
@@ -101,7 +107,11 @@ class Router:
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new requests, wait (bounded) for in-flight ones, then stop polling."""
         self._accepting = False
-        # NOTE: requests still waiting for KV blocks have nothing computed: end them now.
+        # NOTE: requests still waiting for an instance or KV blocks have nothing computed:
+        # end them now.
+        self.availability.close(RequestError(
+            "UNAVAILABLE", "the router is shutting down before an instance came back for "
+                           "this request: retry on another router or after it restarts"))
         self.flow.close_waiting(RequestError(
             "UNAVAILABLE", "the router is shutting down before this request got KV blocks: "
                            "retry on another router or after it restarts"))
@@ -217,9 +227,15 @@ class Router:
         log.debug("request %s: %s; placing it again", req.request_id, exc.message)
 
     async def _place(self, req: RequestState, spec: RequestSpec) -> Route | None:
-        """flow.place within the request's deadline; None when aborted meanwhile."""
+        """flow.place within the request's deadline, once every role has a healthy
+        instance (while all of a role's are being restarted it waits: no attempt is spent);
+        None when aborted meanwhile."""
+        deadline = req.start + self.request_timeout_s
         try:
-            return await self.flow.place(spec, req.start + self.request_timeout_s, req.avoid)
+            await self.availability.wait(self.flow.pools, deadline, req.woken, req.avoid)
+            if req.aborted:
+                return None
+            return await self.flow.place(spec, deadline, req.avoid)
         except RequestError:
             if req.aborted:
                 return None

@@ -64,6 +64,7 @@ class _Leader:
         self.poll_failures = 0  # polls that raised poll_error
         self.silent = False  # never emits anything
         self.errors: dict[str, str] = {}  # method -> its calls raise RuntimeError(message)
+        self.dead: str | None = None  # every call raises this (see die)
         self._holds: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
 
     def hold(self, method: str) -> tuple[asyncio.Event, asyncio.Event]:
@@ -73,8 +74,15 @@ class _Leader:
         self._holds[method] = (entered, release)
         return entered, release
 
+    def die(self, reason: str = "ActorDiedError: the actor died unexpectedly") -> None:
+        """Like a killed rank process: from now on every call (polls, probes) raises."""
+        self.dead = self.poll_error = reason
+
     async def _enter(self, method: str) -> None:
-        """At the start of ``method``: wait while held, raise its injected error."""
+        """At the start of ``method``: raise when dead, wait while held, raise its injected
+        error."""
+        if self.dead:
+            raise RuntimeError(self.dead)
         hold = self._holds.get(method)
         if hold is not None:
             hold[0].set()
@@ -111,6 +119,8 @@ class _Leader:
         return True
 
     def node_info(self) -> tuple[str, str]:  # the health monitor's probe
+        if self.dead:
+            raise RuntimeError(self.dead)
         return "node-a", "cpu"
 
     def status(self) -> InstanceStatusInfo:

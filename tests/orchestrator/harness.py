@@ -37,12 +37,18 @@ class RecordingMetrics:
 
 
 class Harness:
-    """Starts loop + fakes + router + server; ``address`` for clients; ``close()`` stops all."""
+    """Starts loop + fakes + router + server; ``address`` for clients; ``close()`` stops all.
+
+    ``recover``: ``async (harness, name) -> bool``, the health monitor's restart of an
+    unhealthy instance; with it the monitor also fails the router's requests on an instance
+    the moment it turns unhealthy, as `orch up` wires them (None: neither).
+    ``probe_interval_s``: seconds between two of the monitor's own probes of an instance.
+    """
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
-                 security=EdgeSecurity()) -> None:
-        self.security = security
+                 security=EdgeSecurity(), recover=None, probe_interval_s=1.0) -> None:
+        self.security, self.recover = security, recover
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -52,7 +58,8 @@ class Harness:
             "prefill": {"num_kv_blocks": 16, "dp": prefill_dp},
             "decode": {"num_kv_blocks": 16, "dp": decode_dp},
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
-                       "policy": "round_robin"}})
+                       "policy": "round_robin"},
+            "health": {"probe_interval_s": probe_interval_s}})
         self.metrics = RecordingMetrics()
         self.run(self._start(decode_capacity, never_fits))
 
@@ -65,10 +72,16 @@ class Harness:
             self.fakes.update({f"decode-{i}": FakeDecode(f"decode-{i}", decode_capacity,
                                                          never_fits)
                                for i in range(self.cfg.decode.dp)})
-        handles = {name: Remote(f) for name, f in self.fakes.items()}
-        self.monitor = build_monitor(self.cfg, lambda name: [handles[name]])
+        # NOTE: the monitor probes self.handles, which a test's restart may replace
+        handles = self.handles = {name: Remote(f) for name, f in self.fakes.items()}
+        wired = self.recover is not None
+        self.monitor = build_monitor(
+            self.cfg, lambda name: [self.handles[name]],
+            on_unhealthy=(lambda name, why: self.router.instance_failed(name, why))
+            if wired else None,
+            recover=(lambda name: self.recover(self, name)) if wired else None)
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
-                                   poll_timeout_s=0.05, healthy=self.monitor.is_healthy)
+                                   poll_timeout_s=0.05, health=self.monitor)
         self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
                                  "127.0.0.1", 0, self.security)
         port = await self.server.start()
