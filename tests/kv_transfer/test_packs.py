@@ -2,6 +2,7 @@
 both sides), packed over the network, packed through the same-node segment; exact bytes,
 nothing written outside the request, the segment's file gone once the pair is up."""
 
+import dataclasses
 import glob
 import time
 
@@ -258,3 +259,23 @@ def test_views_of_records_with_some_of_the_layers(monkeypatch):
     assert chosen == [(0, 1, 2)] * 6, chosen  # 3 records per rank, every buffer as views
     assert [s["gather_s"] for s in sent] == [0.0, 0.0], "nothing packed"
     assert [s["bytes"] for s in sent] == [18 * n * (16 + 4 + 8) * 4 for n in (2, 1)]
+
+
+def test_view_messages_are_the_cache_rows_of_each_cut_and_refuse_a_cut_that_splits_no_run():
+    """The receiver's views of a record: per (buffer, layer, cut) the rows of its own slots;
+    cuts that leave a break of those slots inside one message break the protocol."""
+    spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, kv_lora_rank=3,
+                       qk_rope_head_dim=2)
+    cache = KVCache(spec)
+    for layer in range(2):
+        for t in cache.flat_buffers(layer):
+            t.copy_(torch.randn(t.shape))
+    slots = torch.tensor([9, 10, 2, 3])
+    chunk = KVChunk("r", (1,), 0, 4, slots)
+    header = dataclasses.replace(wire.data_header(chunk, 0, "f"), views=(0, 1), cuts=(0, 2))
+    got = packs.cut_views(cache, header, None, slots)
+    want = [cache.flat_buffers(1)[b][s:s + 2] for b in (0, 1) for s in (9, 2)]
+    assert len(got) == 4 and all(g.data_ptr() == w.data_ptr() and torch.equal(g, w)
+                                 for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="split no run"):
+        packs.cut_views(cache, dataclasses.replace(header, cuts=(0,)), None, slots)
