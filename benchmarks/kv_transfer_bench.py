@@ -14,7 +14,7 @@ For each case and size the request goes in prefill chunks of ``--chunk`` tokens:
   gather or scatter), into receive buffers allocated and touched outside the clock;
 - net: ``PrefillKVConnector.send_chunk`` per chunk + ``finish`` with
   ``same_node="off"`` (the process-group path); the clock stops when the decode rank's
-  ``is_complete`` turned true (reported back over the raw group);
+  ``poll`` said SUCCESS (reported back over the raw group);
 - memcpy: one ``copy_`` of the same bytes between two contiguous tensors allocated and
   touched outside the clock, on the prefill process (one thread);
 - local: as net, with ``same_node="auto"`` (both ranks on this node: the shared-memory path).
@@ -26,10 +26,6 @@ paired = the median over repetitions of (baseline s / kvx s) of the same repetit
 repetition runs baseline then kvx back to back: the figure least moved by other jobs), and
 the kvx run's gather (prefill) / scatter (decode) seconds (0 when every message was sent /
 received in place).
-
-The caches are the platform's default layout (``block_major`` on CPU, engine.kv_cache):
-``--cache-layout layer_major`` measures the per-layer layout (one message per block and
-layer for a random table).
 
 Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 4096 16384]
 """
@@ -46,8 +42,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.block_pool import slot_mapping
-from engine.kv_cache import CACHE_LAYOUTS, KVCache, KVCacheSpec
-from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from engine.kv_cache import KVCache, KVCacheSpec
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, PrefillKVConnector,
+                         TransferConfig)
 from kv_transfer import packs
 from kv_transfer.backend import backend_for
 
@@ -105,23 +102,24 @@ def warm_up(conn, peers: list[KVPeer] | None, rank: int) -> None:
     if peers is None:  # decode
         conn.expect("warm-up", BLOCK, 1)
         deadline = time.monotonic() + 60
-        while not conn.is_complete("warm-up"):
-            if conn.failure("warm-up") or time.monotonic() > deadline:
-                raise RuntimeError(f"warm-up failed: {conn.failure('warm-up')}")
+        while (status := conn.poll("warm-up")).state is not KVPoll.SUCCESS:
+            if status.state is KVPoll.FAILED or time.monotonic() > deadline:
+                raise RuntimeError(f"warm-up failed: {status}")
             time.sleep(0.001)
         conn.release("warm-up")
         return
     slots = torch.arange(BLOCK)
     conn.send_chunk("warm-up", peers, 0, BLOCK, slots, slots)
     conn.finish("warm-up", peers, BLOCK)
-    conn.wait_idle("warm-up", 60)
+    if (status := conn.wait("warm-up", 60)).state is not KVPoll.SUCCESS:
+        raise RuntimeError(f"warm-up failed: {status}")
 
 
 def decode_main(args, port_q, addr_q, out_q) -> None:
     packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    cache = KVCache(spec(max(args.tokens), dtype), layout=args.cache_layout)
+    cache = KVCache(spec(max(args.tokens), dtype))
     layout = KVLayout.from_spec(cache.spec, MODEL, 1)
     conns = {path: DecodeKVConnector(cache, layout, f"d-{path}", 0,
                                      TransferConfig(same_node=same))
@@ -160,9 +158,9 @@ def receive(conn, group, rid: str, tokens: int) -> float:
     conn.expect(rid, tokens, 1)
     before = conn.stats.snapshot()["scatter_s"]
     signal(group, 1)
-    while not conn.is_complete(rid):
-        if conn.failure(rid):
-            raise RuntimeError(conn.failure(rid))
+    while (status := conn.poll(rid)).state is not KVPoll.SUCCESS:
+        if status.state is KVPoll.FAILED:
+            raise RuntimeError(status.error)
         time.sleep(0.0005)
     signal(group, 1)
     conn.release(rid)
@@ -173,7 +171,7 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
     packs.PACK_BYTES = int(args.pack_mib * 2**20)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
-    cache = KVCache(spec(max(args.tokens), dtype), layout=args.cache_layout)
+    cache = KVCache(spec(max(args.tokens), dtype))
     for t in cache.k_caches + cache.v_caches:
         t.uniform_()
     layout = KVLayout.from_spec(cache.spec, MODEL, 1)
@@ -235,7 +233,8 @@ def send(conn, group, peers, rid: str, chunks, src, dst) -> tuple[float, float]:
     conn.finish(rid, peers, chunks[-1][1])
     wait_signal(group, 0)
     kvx_s = time.perf_counter() - t0
-    conn.wait_idle(rid, 60)
+    if (status := conn.wait(rid, 60)).state is not KVPoll.SUCCESS:
+        raise RuntimeError(f"request {rid}: {status}")
     return kvx_s, conn.stats.snapshot()["gather_s"] - before
 
 
@@ -247,9 +246,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--pack-mib", type=float, default=packs.PACK_BYTES / 2**20,
                         help="kv_transfer.packs.PACK_BYTES, MiB")
-    parser.add_argument("--cache-layout", default=None, choices=list(CACHE_LAYOUTS),
-                        help="KV cache layout of both sides (default: the platform's, "
-                             "block_major on cpu)")
     parser.add_argument("--cases", nargs="+", default=["contiguous", "random"],
                         choices=["contiguous", "random"], help="block-table cases")
     args = parser.parse_args()
@@ -278,7 +274,7 @@ def report(args, results, scatter_s) -> None:
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
           f"chunk {args.chunk} tokens, packs {args.pack_mib:g} MiB, "
-          f"{args.cache_layout or 'block_major'} caches, P1 -> D1 on this node, best of {args.reps}; "
+          f"P1 -> D1 on this node, best of {args.reps}; "
           "net = process group (gloo loopback) vs raw gloo, local = shared memory vs memcpy")
     print(f"{'path':>5} {'case':>10} {'tokens':>7} {'MiB':>8} {'base':>6} {'base GB/s':>9} "
           f"{'kvx GB/s':>9} {'ratio':>6} {'paired':>7} {'gather s':>9} {'scatter s':>10}")

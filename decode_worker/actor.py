@@ -24,10 +24,10 @@ import logging
 import queue
 import time
 
-from decode_worker.request_state import DecodeRequestState, KVState, KVStatus, ReservedRequest
+from decode_worker.request_state import DecodeRequestState, ReservedRequest
 from engine.scheduler import DECODE
 from engine.request import Request
-from kv_transfer import KVPeer
+from kv_transfer import KVPeer, KVPoll, KVStatus
 from rank.kv_setup import make_layout, stretch_completion
 from rank.leader import LeaderRank
 from rank.messages import Rejection, Reservation, TokenEvent
@@ -75,19 +75,7 @@ class DecodeRank(LeaderRank):
     def kv_status(self, request_ids: list[str]) -> dict[str, KVStatus]:
         """request id -> this rank's :class:`KVStatus` of its prompt KV. A request this rank
         does not expect (released meanwhile) reads as FAILED."""
-        out: dict[str, KVStatus] = {}
-        for rid in request_ids:
-            try:
-                failure = self.connector.failure(rid)
-                complete = self.connector.is_complete(rid)
-            except KeyError:
-                failure = (f"{self.cfg.name} rank {self.rank}: KV of {rid!r} is not expected "
-                           "here (released after an abort or failure)")
-            if failure is not None:
-                out[rid] = KVStatus(KVState.FAILED, failure)
-            else:
-                out[rid] = KVStatus(KVState.COMPLETE if complete else KVState.ARRIVING)
-        return out
+        return {rid: self.connector.poll(rid) for rid in request_ids}
 
     def release_kv(self, request_id: str) -> None:
         self.connector.release(request_id)
@@ -237,8 +225,8 @@ class DecodeRank(LeaderRank):
             entry = self.reserved.get(request_id)
         if entry is None:  # aborted meanwhile (and freed there)
             return True
-        errors = [s.error for s in per_rank if s.state is KVState.FAILED]
-        complete = all(s.state is KVState.COMPLETE for s in per_rank)
+        errors = [s.error for s in per_rank if s.state is KVPoll.FAILED]
+        complete = all(s.state is KVPoll.SUCCESS for s in per_rank)
         if complete and entry.state is DecodeRequestState.WAITING_FOR_KV:
             self._join_batch(request_id)
         elif errors or now > entry.deadline:

@@ -1,10 +1,9 @@
-"""Where a decode request waits before it joins the running batch, and what each rank says
-about its KV.
+"""Where a decode request waits before it joins the running batch.
 
 A decode request holds its blocks from ``reserve`` on. Until it joins the batch, the leader
 keeps one :class:`ReservedRequest` for it (state :class:`DecodeRequestState`); once in the
-batch it lives in the scheduler only. Each rank answers the leader's ``kv_status`` with a
-:class:`KVStatus` per request.
+batch it lives in the scheduler only. Each rank answers the leader's ``kv_status`` with its
+connector's :class:`kv_transfer.KVStatus` per request.
 """
 
 from __future__ import annotations
@@ -39,24 +38,3 @@ class ReservedRequest:
     request: Request
     state: DecodeRequestState
     deadline: float
-
-
-class KVState(enum.Enum):
-    """One rank's view of one request's prompt KV."""
-
-    ARRIVING = "arriving"  # layers or completion records still missing
-    COMPLETE = "complete"  # every planned layer of every prompt token and every "done" record
-    FAILED = "failed"  # failed, aborted, timed out or released: see KVStatus.error
-
-
-@dataclass(frozen=True)
-class KVStatus:
-    """One rank's answer for one request.
-
-    Attributes:
-        state: see :class:`KVState`.
-        error: why, when ``state`` is ``FAILED`` (names the pair and the cause); else None.
-    """
-
-    state: KVState
-    error: str | None = None

@@ -35,7 +35,6 @@ from engine.context_parallel import CPStep
 from engine.forward_context import AttentionMetadata, SlotSelection
 from engine.indexer import Indexer, IndexerQuery
 from engine.kernels import KernelSet
-from engine.kv_cache import slot_index, slot_rows
 from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
@@ -160,12 +159,12 @@ class MLAttention(nn.Module):
             out[rows] = attend_causal(q, k, v, self.scale)
             return
         o, lse = attend_with_lse(q, k, v, self.scale, causal=True)
-        flat_k, flat_v = slot_rows(k_cache), slot_rows(v_cache)
-        prefix_rows = slot_index(k_cache, prefix_slots)
+        flat_k = k_cache.view(-1, self.kv_lora_rank)
+        flat_v = v_cache.view(-1, self.qk_rope_head_dim)
         # NOTE: the earlier keys (cached prefix, then the chunk before these queries) are
         # decompressed and attended in tiles of prefix_tile tokens, the prefix read from the
         # latent cache, so memory stays O(n * tile), never a padded full-sequence tensor.
-        for tile in (prefix_rows.split(self.prefix_tile) if prefix_rows.numel() else ()):
+        for tile in (prefix_slots.split(self.prefix_tile) if prefix_slots.numel() else ()):
             o, lse = self._merge_tile(q, o, lse, flat_k[tile], flat_v[tile])
         for lo in range(0, s - n, self.prefix_tile):
             hi = min(lo + self.prefix_tile, s - n)
@@ -199,7 +198,7 @@ class MLAttention(nn.Module):
         over their top-k of ``seq_slots [S]`` (positions ``0..S-1``, cached), in tiles of
         ``query_tile`` queries."""
         indexer, w_uk, w_uv = self.indexer, *self._w_kvb()
-        index_k = slot_rows(caches[2])[slot_index(caches[2], seq_slots)]  # [S, Di]
+        index_k = caches[2].view(-1, caches[2].shape[-1])[seq_slots]  # [S, Di]
         for lo in range(0, rows.numel(), self.query_tile):
             tile = rows[lo:lo + self.query_tile]
             slots, valid = select_prefill_entries(

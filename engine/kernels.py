@@ -104,25 +104,15 @@ class KernelRegistry:
 
 def reshape_and_cache_torch(entries: tuple[torch.Tensor, ...], caches: tuple[torch.Tensor, ...],
                             slot_mapping: torch.Tensor) -> None:
-    """CPU/CUDA: one write per buffer: ``index_copy_`` into a contiguous (``layer_major``)
-    cache viewed ``[slots, width]``, ``index_put_`` at ``[slot // block_size, slot %
-    block_size]`` into a ``block_major`` layer's strided view.
+    """CPU/CUDA: one ``index_copy_`` per buffer into the cache viewed ``[slots, width]``.
 
     Args:
         entries: per-token rows ``[T, width_i]`` in ``KVCacheSpec.buffer_names`` order.
         caches: the layer's caches ``[num_blocks, block_size, width_i]``, same order.
         slot_mapping: ``[T]`` int64 flat slots.
     """
-    blk = off = None
     for entry, cache in zip(entries, caches, strict=True):
-        if cache.is_contiguous():
-            cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(cache.dtype))
-            continue
-        # NOTE: a block_major layer (strided view): index_put_ at [block, offset], which graph
-        # capture can functionalize (an index_copy_ into slot_rows' wider view cannot).
-        if blk is None:
-            blk, off = slot_mapping // cache.shape[1], slot_mapping % cache.shape[1]
-        cache.index_put_((blk, off), entry.to(cache.dtype))
+        cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entry.to(cache.dtype))
 
 
 def _load_npu_reshape_and_cache() -> Callable:

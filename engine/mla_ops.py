@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.forward_context import DecodeBatch, SlotSelection
-from engine.kv_cache import slot_index, slot_rows
 
 
 def attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -166,9 +165,9 @@ def gather_selected_cache(k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     NOTE: index_select (row copies), not advanced indexing: several times faster on CPU.
     """
-    rows = slot_index(k_cache, sel.slots.flatten())
-    c_kv = slot_rows(k_cache).index_select(0, rows)
-    k_pe = slot_rows(v_cache).index_select(0, rows)
+    slots = sel.slots.flatten()
+    c_kv = k_cache.view(-1, k_cache.shape[-1]).index_select(0, slots)
+    k_pe = v_cache.view(-1, v_cache.shape[-1]).index_select(0, slots)
     return c_kv.view(*sel.slots.shape, -1), k_pe.view(*sel.slots.shape, -1)
 
 

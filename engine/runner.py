@@ -22,7 +22,7 @@ from engine.forward_context import AttentionMetadata, BlockTableCache, build_att
 from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque_mla_decode
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
-from engine.kv_cache import CACHE_LAYOUTS, KVCache, KVCacheSpec
+from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import load_model_config
@@ -73,9 +73,6 @@ class ModelRunner:
             ``i`` weight only CP rank ``i % cp`` stores; broadcast one layer ahead of use.
         graph: graph mode of the decode forward (:class:`engine.graph.GraphConfig`); with it
             the KV cache gets one scratch block (``kv_cache.scratch_block``) for padding rows.
-        kv_layout: the KV cache's physical layout, ``layer_major`` or ``block_major``
-            (:mod:`engine.kv_cache`); None: the device's default
-            (:func:`engine.kv_cache.default_layout`).
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
@@ -87,7 +84,7 @@ class ModelRunner:
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
         ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names; graph mode with
-            cp > 1; ``kv_layout`` not a layout, or ``block_major`` on a device.
+            cp > 1.
         KeyError: graph mode on a device its backend has no implementation for.
     """
 
@@ -98,7 +95,7 @@ class ModelRunner:
                  kernels: KernelSet | None = None, ep: EPGroup | None = None,
                  fp8_storage: str = "dequantize", cp: CPGroup | None = None,
                  layer_sharding: tuple[str, ...] = (),
-                 graph: GraphConfig | None = None, kv_layout: str | None = None) -> None:
+                 graph: GraphConfig | None = None) -> None:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
         graph = graph or GraphConfig()
         _check_cp(self.tp, self.cp, graph)
@@ -107,7 +104,6 @@ class ModelRunner:
         self.platform = detect_platform(torch.device(device).type if device is not None else None)
         self.device = torch.device(device) if device is not None \
             else self.platform.device(max(self.tp.rank, self.cp.rank))
-        _check_kv_layout(kv_layout, self.device)
         self.model_config = cfg = load_model_config(checkpoint_dir)
         self.kernels = kernels or KERNELS.resolve(self.device.type, kernel_choices)
         if graph.enabled:  # NOTE: paged decode attention: one opaque op of the graph
@@ -129,8 +125,7 @@ class ModelRunner:
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim)
-        self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled,
-                                layout=kv_layout)
+        self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
             if graph.enabled else None
@@ -234,18 +229,6 @@ class ModelRunner:
                 f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)} "
                 f"tokens; the model's max_position_embeddings is {limit}: shorten the prompt "
                 "or max_tokens")
-
-
-def _check_kv_layout(kv_layout: str | None, device: torch.device) -> None:
-    """Raise ValueError, naming the fix, for a ``kv_layout`` that is no layout or that the
-    device's kernels cannot read (checked before any weight is loaded)."""
-    if kv_layout is not None and kv_layout not in CACHE_LAYOUTS:
-        raise ValueError(f"kv_layout {kv_layout!r} is not one of {CACHE_LAYOUTS} (or None: "
-                         "the device's default)")
-    if kv_layout == "block_major" and device.type != "cpu":
-        raise ValueError(f"kv_layout 'block_major' is for the cpu path: the {device.type} "
-                         "kernels (paged MLA decode, reshape_and_cache) read one contiguous "
-                         "cache per layer; use 'layer_major' (the default there)")
 
 
 def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:

@@ -26,7 +26,6 @@ import torch
 
 from engine.forward_context import DecodeBatch, SlotSelection
 from engine.indexer import IndexerQuery, causal_topk, index_scores
-from engine.kv_cache import slot_index, slot_rows
 
 
 def select_prefill_entries(iq: IndexerQuery, positions: torch.Tensor, index_k: torch.Tensor,
@@ -63,7 +62,7 @@ def select_decode_entries(batch: DecodeBatch, iq: IndexerQuery, index_cache: tor
         them (dense); filler entries are not valid.
     """
     padded = batch.padded_slots(index_cache.shape[1])  # [B, S]
-    keys = slot_rows(index_cache)[slot_index(index_cache, padded.slots)]  # [B, S, Di]
+    keys = index_cache.view(-1, index_cache.shape[-1])[padded.slots]  # [B, S, Di]
     scores = index_scores(iq.q[:, None], iq.weights[:, None], keys, softmax_scale)[:, 0]
     scores.masked_fill_(~padded.valid, float("-inf"))  # [B, S]
     index = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices  # [B, K]
@@ -93,9 +92,8 @@ def sparse_prefill_mha(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.
         ``[Q, H, V]``.
     """
     slots, inverse = torch.unique(batch.slots, return_inverse=True)  # [U], [Q, K]
-    rows = slot_index(k_cache, slots)
-    c_kv = slot_rows(k_cache)[rows]  # [U, L]
-    k_pe = slot_rows(v_cache)[rows]  # [U, R]
+    c_kv = k_cache.view(-1, k_cache.shape[-1])[slots]  # [U, L]
+    k_pe = v_cache.view(-1, v_cache.shape[-1])[slots]  # [U, R]
     h = w_uk.shape[0]
     k = torch.cat((torch.einsum("ul,hpl->hup", c_kv, w_uk),
                    k_pe[None].expand(h, -1, -1)), dim=-1)  # [H, U, P+R]

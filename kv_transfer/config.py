@@ -16,14 +16,14 @@ class TransferConfig:
             process group of a pair (both sides).
         header_timeout_s: decode side, only the bound on joining a receiver thread at
             ``close()`` (``header_timeout_s + payload_timeout_s``); it bounds nothing else:
-            since wire schema 2 the header travels in the doorbell itself, and an idle
-            receiver waits for the doorbell without a bound.
+            the header travels in the doorbell itself, and an idle receiver waits for the
+            doorbell without a bound.
         payload_timeout_s: receiving one payload message (a (buffer, layer) view or a pack:
             :mod:`~kv_transfer.packs`; on a same-node pair a pack's "ready"); sending one (a
             send also waits for the peer to finish the record before it), or waiting for a
             same-node slot's ack.
         completion_timeout_s: decode side, from ``expect()`` until every planned layer and
-            every ``done`` record arrived; prefill side, the default bound of ``wait_idle``.
+            every ``done`` record arrived; prefill side, the default bound of ``wait``.
         poll_interval_s: how often the decode rank's acceptor looks for new pair
             announcements (pair set-up latency); idle sender threads check their stop flag
             every ten intervals. Receivers do not poll (they block on the doorbell).

@@ -1,9 +1,10 @@
 """Decode rank side of the KV transfer: what the decode worker calls, per rank.
 
 Call order per request: ``expect`` on every decode rank BEFORE the prefill instance is told to
-start (records of unknown requests are read and dropped), then poll ``is_complete`` /
-``failure``; finally ``release`` (after completion, abort or failure). Once ``release``
-returns no byte is written into the request's slots any more, so its blocks may be freed.
+start (records of unknown requests are read and dropped), then ``poll`` until SUCCESS or
+FAILED (:class:`~kv_transfer.status.KVPoll`); finally ``release`` (after success, abort or
+failure). Once ``release`` returns no byte is written into the request's slots any more, so
+its blocks may be freed.
 
 The prefill tp and cp needed for the plan come with ``expect`` (the router knows both instances).
 """
@@ -21,6 +22,7 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.pair import Rendezvous
 from kv_transfer.payload import PayloadStats, cache_slots, check_cache
 from kv_transfer.receiver import ReceiverChannel
+from kv_transfer.status import KVStatus
 from kv_transfer.tracker import RequestTracker
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,6 @@ class DecodeKVConnector:
     def __init__(self, kv_cache: object, layout: KVLayout, instance: str, rank: int,
                  config: TransferConfig, host: str = "127.0.0.1") -> None:
         check_cache(kv_cache, layout, layout.heads_of(rank))
-        layout = layout.for_cache(kv_cache)
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._host = instance, rank, host
         self._me = f"{instance}/{rank}"
@@ -78,17 +79,12 @@ class DecodeKVConnector:
         """
         self._tracker.expect(request_id, num_tokens, prefill_tp, prefill_cp)
 
-    def is_complete(self, request_id: str) -> bool:
-        """Every planned layer of every token arrived and every planned ``done`` record.
-
-        Raises KeyError for a request not expected (or released)."""
-        return self._tracker.is_complete(request_id)
-
-    def failure(self, request_id: str) -> str | None:
-        """Error text if the transfer failed, was aborted or timed out; else None.
-
-        Raises KeyError for a request not expected (or released)."""
-        return self._tracker.failure(request_id)
+    def poll(self, request_id: str) -> KVStatus:
+        """The request's state on this rank: WAITING (no record yet), TRANSFERRING, SUCCESS
+        (every planned layer of every token and every planned ``done`` record arrived) or
+        FAILED (failed, aborted by the prefill side, past ``completion_timeout_s``, or not
+        expected here: never, or released; ``error`` says which)."""
+        return self._tracker.poll(request_id)
 
     def release(self, request_id: str) -> None:
         """Forget the request; afterwards nothing is written into its slots (idempotent)."""

@@ -15,11 +15,8 @@ What must match between a prefill and a decode instance (``check_compatible``), 
 - ``rope_layout``: interleaved vs de-interleaved k_pe (REFERENCE.md "Rope layout") give
   different bytes for the same key.
 
-What may differ: ``tp`` (the transfer plan maps ranks and regroups GQA heads),
-``block_size`` (every transfer carries one destination slot per token) and ``cache_layout``
-(``layer_major`` / ``block_major``, :mod:`engine.kv_cache`: where a slot's row lies; each
-side maps slots to its own rows, :meth:`KVLayout.slot_rows`, and the sender also to the
-peer's to find the runs that are contiguous on both sides). So the
+What may differ: ``tp`` (the transfer plan maps ranks and regroups GQA heads) and
+``block_size`` (every transfer carries one destination slot per token). So the
 ``fingerprint`` hashes exactly the fields that must match; it is the same on every rank.
 
 MLA caches are identical on every TP rank (the latent has no head axis). GQA caches hold the
@@ -31,11 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import CACHE_LAYOUTS, KVCacheSpec, skip_rows
+from engine.kv_cache import KVCacheSpec
 from kv_transfer.errors import LayoutMismatchError
 
 KINDS = ("mla", "gqa")
@@ -97,8 +94,6 @@ class KVLayout:
         block_size: tokens per block (may differ between instances).
         tp: tensor-parallel size of the instance (may differ between instances).
         rope_layout: ``interleaved`` or ``deinterleaved`` k_pe.
-        cache_layout: the physical cache layout, ``layer_major`` or ``block_major``
-            (:mod:`engine.kv_cache`); set from the cache by the connectors (:meth:`for_cache`).
     """
 
     model: str
@@ -110,7 +105,6 @@ class KVLayout:
     block_size: int
     tp: int
     rope_layout: str
-    cache_layout: str = "layer_major"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -121,22 +115,6 @@ class KVLayout:
             raise ValueError("KVLayout num_layers, block_size and tp must be positive")
         if self.kind == "gqa":
             rank_heads(self.tp, self.num_kv_heads, 0)  # validates the head split
-        if self.cache_layout not in CACHE_LAYOUTS:
-            raise ValueError(f"KVLayout.cache_layout must be one of {CACHE_LAYOUTS}, got "
-                             f"{self.cache_layout!r}")
-
-    def for_cache(self, cache: object) -> KVLayout:
-        """This layout with ``cache_layout`` of ``cache`` (``KVCache.layout``; a cache object
-        without one is ``layer_major``)."""
-        return replace(self, cache_layout=getattr(cache, "layout", "layer_major"))
-
-    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of a layer's token-row view (``engine.kv_cache.slot_rows``) holding ``slots``
-        (int64, any shape) in a cache of this layout: ``slots`` for ``layer_major``, ``slots
-        + (slots // block_size) * (num_layers - 1) * block_size`` for ``block_major``."""
-        if self.cache_layout == "layer_major":
-            return slots
-        return skip_rows(slots, self.block_size, self.block_size * self.num_layers)
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model: str, tp: int) -> KVLayout:
@@ -180,7 +158,7 @@ class KVLayout:
                 "buffers": [[b.name, list(b.dims)] for b in self.buffers],
                 "num_kv_heads": self.num_kv_heads, "dtype": self.dtype,
                 "num_layers": self.num_layers, "block_size": self.block_size, "tp": self.tp,
-                "rope_layout": self.rope_layout, "cache_layout": self.cache_layout}
+                "rope_layout": self.rope_layout}
 
     @classmethod
     def from_dict(cls, data: dict) -> KVLayout:

@@ -4,12 +4,10 @@ Shape legend: Ly layers in the transfer, T tokens, D per-token dims of the buffe
 dim, e.g. 512 for K / 64 for V / 128 for index_k; GQA: heads-in-pair x head_dim).
 
 The cache object is duck-typed: ``layer_buffers(layer)`` returns the layer's buffers
-``[num_blocks, block_size, *dims]`` in the order of ``KVLayout.buffers`` (``KVCache``: K,
-V[, index_k]); a buffer is named by its position ``buffer`` in that order. Slots
-(``engine.block_pool.slot_mapping``) become rows of the token-row views
-(``engine.kv_cache.slot_rows``) through :func:`rows_of`, once per record: everything below
-indexes rows. For a ``layer_major`` cache the row of slot ``s`` is ``s``; a ``block_major``
-cache (``engine.kv_cache``) puts one block's rows of every layer together, so its rows skip.
+``[num_blocks, block_size, *dims]``, each contiguous, in the order of ``KVLayout.buffers``
+(``KVCache``: K, V[, index_k]); a buffer is named by its position ``buffer`` in that order.
+Slot ``s`` (``engine.block_pool.slot_mapping``) is row ``s`` of a buffer viewed as token rows
+(:func:`flat`).
 """
 
 from __future__ import annotations
@@ -19,20 +17,17 @@ import threading
 
 import torch
 
-from engine.kv_cache import slot_index, slot_rows
-
 
 def flat(cache: object, buffer: int, layer: int, heads: slice | None) -> torch.Tensor:
-    """Token-row view ``[rows, *dims]`` of one layer's buffer number ``buffer`` (index it with
-    :func:`rows_of`), restricted to local ``heads``."""
-    rows = slot_rows(cache.layer_buffers(layer)[buffer])
+    """Slot view ``[num_blocks * block_size, *dims]`` of one layer's buffer number ``buffer``
+    (row ``s`` is slot ``s``; a view, no copy), restricted to local ``heads``.
+
+    Raises:
+        RuntimeError: the buffer is not contiguous (``view`` refuses it; never a copy).
+    """
+    buf = cache.layer_buffers(layer)[buffer]
+    rows = buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:])
     return rows if heads is None else rows[:, heads]
-
-
-def rows_of(cache: object, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of :func:`flat` holding ``slots`` (int64, any shape); the same for every layer and
-    buffer of ``cache``."""
-    return slot_index(cache.layer_buffers(0)[0], slots)
 
 
 def cache_slots(cache: object) -> tuple[int, torch.device]:
@@ -42,28 +37,26 @@ def cache_slots(cache: object) -> tuple[int, torch.device]:
 
 
 def check_cache(cache: object, layout, heads: range | None) -> None:
-    """Check that ``cache`` holds the buffers ``layout`` names, with this rank's dims.
+    """Check that ``cache`` holds the buffers ``layout`` names, with this rank's dims, each
+    one contiguous allocation.
 
     Args:
         layout: the rank's :class:`~kv_transfer.layout.KVLayout`.
         heads: global KV heads this rank holds (GQA), None for MLA.
 
     Raises:
-        ValueError: buffer count or per-token dims differ (message names both).
+        ValueError: buffer count or per-token dims differ (message names both), or a buffer
+            is not contiguous.
     """
+    if not all(t.is_contiguous() for t in cache.layer_buffers(0)):
+        raise ValueError("the KV cache's buffers must each be contiguous [num_blocks, "
+                         "block_size, *dims] (engine.kv_cache.KVCache builds them so)")
     got = [tuple(t.shape[2:]) for t in cache.layer_buffers(0)]
     want = [layout.token_dims(spec, heads) for spec in layout.buffers]
     if got != want:
         names = [spec.name for spec in layout.buffers]
         raise ValueError(f"the KV cache holds per-token buffers {got} but the layout names "
                          f"{names} with dims {want}: build the layout from this cache's spec")
-
-
-def payload_shape(cache: object, buffer: int, n_layers: int, n_tokens: int,
-                  heads: slice | None) -> tuple[int, ...]:
-    """Shape ``[Ly, T, *D]`` of a payload of buffer number ``buffer`` for this cache."""
-    rest = flat(cache, buffer, 0, heads).shape[1:]
-    return (n_layers, n_tokens, *rest)
 
 
 class BufferPool:
@@ -106,9 +99,8 @@ def gather(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | N
     """Copy ``src_slots`` of ``layers`` into ``out``, a contiguous ``[Ly, T, *D]`` tensor;
     returns ``out``.
 
-    ``src_slots``: int64 ``[T]`` ROWS (:func:`rows_of`) on the cache's device. One
-    ``index_select`` per layer, written
-    straight into the payload (no intermediate copy).
+    ``src_slots``: int64 ``[T]`` on the cache's device. One ``index_select`` per layer,
+    written straight into the payload (no intermediate copy).
     """
     for i, layer in enumerate(layers):
         torch.index_select(flat(cache, buffer, layer, heads), 0, src_slots, out=out[i])
@@ -117,8 +109,8 @@ def gather(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | N
 
 def scatter(cache: object, buffer: int, layers: tuple[int, ...], heads: slice | None,
             dst_slots: torch.Tensor, payload: torch.Tensor) -> None:
-    """Write ``payload`` ``[Ly, T, *D]`` into ``dst_slots`` (int64 ``[T]`` ROWS,
-    :func:`rows_of`) of ``layers``.
+    """Write ``payload`` ``[Ly, T, *D]`` into ``dst_slots`` (int64 ``[T]``, cache device) of
+    ``layers``.
 
     NOTE: ``index_copy_`` writes each slot once, in place; slots within one transfer are
     distinct (they are token positions of one request). It runs on an int32 view of the rows

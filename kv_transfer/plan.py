@@ -25,7 +25,7 @@ head), so it is represented as one :class:`PairPlan`.
 Completion: a decode rank is complete when every planned layer arrived and a ``done`` record
 came from every prefill rank in ``recvs_to(d)``. Every decode rank has at least one such rank.
 A prefill rank with no pair (e.g. P8->D1 with 1 layer) neither sends nor is waited for; its
-``finish`` and ``wait_idle`` return at once.
+``finish`` and ``wait`` return at once.
 
 Context-parallel prefill (``prefill_cp`` = c > 1): the instance is c TP groups of
 ``prefill_tp`` ranks (prefill rank ``p = cp_rank * prefill_tp + tp_rank``); CP rank ``r``

@@ -2,15 +2,16 @@
 
 Per request the worker calls, in order: ``send_chunk`` after each computed chunk (non-blocking:
 records are queued on per-peer sender threads), ``finish`` after the last chunk (``done``
-records), then ``wait_idle`` before freeing the request's source blocks; or ``abort`` at any
-time (queued records dropped, ``abort`` records sent) followed by ``wait_idle``.
+records), then ``poll`` (or ``wait``) until the request is no longer TRANSFERRING before
+freeing its source blocks; or ``abort`` at any time (queued records dropped, ``abort`` records
+sent), likewise followed by ``poll`` / ``wait`` (:class:`~kv_transfer.status.KVPoll`).
 
 ``peers`` is the decode instance's ranks in rank order, one :class:`~kv_transfer.KVPeer`
 each, with ``(host, port)`` the address each ``DecodeKVConnector`` published. Which decode
 ranks this rank sends to, and which layers/heads/tokens, comes from :func:`build_transfer_plan`
 (``prefill tp = tp``, ``prefill cp = cp``, ``decode tp = len(peers)``): with context-parallel
 prefill each rank ships, of every chunk, only the token pieces its CP rank computed (one
-record per piece and pair).
+:class:`~kv_transfer.chunk.KVChunk` per piece and pair).
 """
 
 from __future__ import annotations
@@ -24,21 +25,25 @@ import torch
 
 from kv_transfer import wire
 from kv_transfer.backend import backend_for
+from kv_transfer.chunk import KVChunk
 from kv_transfer.config import TransferConfig
-from kv_transfer.errors import TransferError, TransferTimeout
+from kv_transfer.errors import TransferError
 from kv_transfer.layout import KVLayout
 from kv_transfer.payload import PayloadStats, cache_slots, check_cache
 from kv_transfer.peer import KVPeer
 from kv_transfer.plan import PairPlan, TransferPlan, build_transfer_plan
 from kv_transfer.sender import SenderChannel, SendOwner, SendTask
+from kv_transfer.status import KVPoll, KVStatus
 
-_MAX_FAILURES = 10_000  # remembered failed request ids (oldest forgotten first)
+_MAX_OUTCOMES = 10_000  # remembered ended requests (oldest forgotten first)
+# NOTE: of two outcomes of one request the stronger stays (a failure after finish or abort)
+_STRENGTH = {KVPoll.SUCCESS: 0, KVPoll.ABORTED: 1, KVPoll.FAILED: 2}
 
 
 class _SendProgress(SendOwner):
     """Per-request state of one prefill rank's sends (thread-safe): how many data and
-    ``done`` records are queued or in flight, and the first failure (of the newest
-    ``_MAX_FAILURES`` requests).
+    ``done`` records are queued or in flight, and how the request ended (finished, aborted
+    or failed; the newest ``_MAX_OUTCOMES`` requests).
 
     NOTE: ``abort`` records are not counted: they touch no slot, and an abort must not wait
     behind another request's connect to a dead decode rank.
@@ -46,20 +51,32 @@ class _SendProgress(SendOwner):
 
     def __init__(self) -> None:
         self._pending: dict[str, int] = {}
-        self._failures: OrderedDict[str, str] = OrderedDict()
+        self._outcomes: OrderedDict[str, KVStatus] = OrderedDict()
         self._cond = threading.Condition()
 
-    def queued(self, task: SendTask) -> None:
-        """``task`` is queued (its channel, or ``cancel``, reports it finished)."""
-        if task.header.kind == wire.ABORT:
+    def queued(self, header: wire.Header) -> None:
+        """The record is queued (its channel, or ``cancel``, reports it finished)."""
+        if header.kind == wire.ABORT:
             return
         with self._cond:
-            rid = task.header.request_id
-            self._pending[rid] = self._pending.get(rid, 0) + 1
+            self._pending[header.request_id] = self._pending.get(header.request_id, 0) + 1
 
-    def wait_idle(self, request_id: str, timeout_s: float) -> int:
+    def end(self, request_id: str, status: KVStatus) -> None:
+        """The request finished, was aborted or failed (the strongest outcome stays)."""
+        with self._cond:
+            old = self._outcomes.get(request_id)
+            if old is None or _STRENGTH[status.state] > _STRENGTH[old.state]:
+                self._outcomes[request_id] = status
+            while len(self._outcomes) > _MAX_OUTCOMES:
+                self._outcomes.popitem(last=False)
+
+    def poll(self, request_id: str) -> KVStatus:
+        with self._cond:
+            return self._poll(request_id)
+
+    def wait(self, request_id: str, timeout_s: float) -> KVStatus:
         """Wait up to ``timeout_s`` until no record of ``request_id`` is queued or in flight;
-        returns how many still are (0: idle)."""
+        returns its status then (TRANSFERRING when the wait ran out)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while self._pending.get(request_id, 0):
@@ -67,23 +84,26 @@ class _SendProgress(SendOwner):
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            return self._pending.get(request_id, 0)
+            return self._poll(request_id)
+
+    def _poll(self, request_id: str) -> KVStatus:
+        if self._pending.get(request_id, 0):
+            return KVStatus(KVPoll.TRANSFERRING)
+        return self._outcomes.get(request_id, KVStatus(KVPoll.WAITING))
 
     def failure(self, request_id: str) -> str | None:
         with self._cond:
-            return self._failures.get(request_id)
+            status = self._outcomes.get(request_id)
+        return status.error if status is not None and status.state is KVPoll.FAILED else None
 
     def fail(self, request_id: str, error: str) -> None:
-        with self._cond:
-            self._failures.setdefault(request_id, error)
-            while len(self._failures) > _MAX_FAILURES:
-                self._failures.popitem(last=False)
+        self.end(request_id, KVStatus(KVPoll.FAILED, error))
 
-    def finished(self, task: SendTask) -> None:
-        if task.header.kind == wire.ABORT:
+    def finished(self, header: wire.Header) -> None:
+        if header.kind == wire.ABORT:
             return
         with self._cond:
-            rid = task.header.request_id
+            rid = header.request_id
             self._pending[rid] -= 1
             if not self._pending[rid]:
                 del self._pending[rid]
@@ -91,7 +111,8 @@ class _SendProgress(SendOwner):
 
 
 class PrefillKVConnector:
-    """KV sender of one prefill rank (see module docstring for the call order).
+    """KV sender of one prefill rank (see module docstring for the call order). Its methods
+    are called by one thread (the rank's), its sender threads report through ``_progress``.
 
     Args:
         kv_cache: the rank's ``KVCache`` (or any object whose ``layer_buffers(layer)`` gives
@@ -113,7 +134,6 @@ class PrefillKVConnector:
             raise ValueError(f"layout.tp ({layout.tp}) != tp ({tp}): build the layout for "
                              "this instance")
         check_cache(kv_cache, layout, layout.heads_of(rank % tp))
-        layout = layout.for_cache(kv_cache)
         self._cache, self._layout, self._config = kv_cache, layout, config
         self._instance, self._rank, self._tp, self._cp = instance, rank, tp, cp
         self._device = cache_slots(kv_cache)[1]
@@ -122,7 +142,7 @@ class PrefillKVConnector:
         self._channels: dict[tuple[str, int], SenderChannel] = {}
         self._plans: dict[int, TransferPlan] = {}
         self._progress = _SendProgress()
-        self._aborted: set[str] = set()
+        self._aborted: OrderedDict[str, None] = OrderedDict()  # newest _MAX_OUTCOMES
         self.stats = PayloadStats()
         self._closed = False
 
@@ -141,10 +161,10 @@ class PrefillKVConnector:
 
         Args:
             src_slots: int64 ``[T]`` slots of those tokens in this rank's cache; the blocks
-                must stay allocated until ``wait_idle`` returns.
+                must stay allocated while :meth:`poll` says TRANSFERRING.
             dst_slots: int64 ``[T]`` slots of the same tokens in the decode cache.
 
-        Ignored after ``abort`` (until ``wait_idle`` returned for the request).
+        Ignored after ``abort``.
 
         Raises:
             ValueError: slot counts differ from the token range.
@@ -165,57 +185,49 @@ class PrefillKVConnector:
             heads = None if pp.heads is None else (pp.heads.start, pp.heads.stop)
             for a, b in ranges:
                 cells = slice(a - token_start, b - token_start)
-                header = wire.Header(kind=wire.DATA, request_id=request_id,
-                                     prefill_rank=self._rank, fingerprint=self._fingerprint,
-                                     layers=pp.layers, heads=heads, token_start=a,
-                                     token_end=b, dst_slots=dst[cells])
-                self._enqueue(SendTask(header, peer, src[cells]))
+                chunk = KVChunk(request_id, pp.layers, a, b, dst[cells], heads, src[cells])
+                self._enqueue(SendTask(wire.data_header(chunk, self._rank, self._fingerprint),
+                                       peer))
 
     def finish(self, request_id: str, peers: Sequence[KVPeer], num_tokens: int) -> None:
-        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank.
-
-        Ignored after ``abort`` (until ``wait_idle`` returned for the request)."""
+        """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank; the
+        request is SUCCESS once they and every data record left. Ignored after ``abort``."""
         if request_id in self._aborted:
             return
         for _, peer in self._planned(peers):
             self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens),
                                    peer))
+        self._progress.end(request_id, KVStatus(KVPoll.SUCCESS))
 
     def abort(self, request_id: str, peers: Sequence[KVPeer],
               reason: str = "aborted by prefill") -> None:
         """Drop queued records of the request (also one waiting for a connect) and queue
-        ``abort`` records to planned ranks (sent only on a pair that is up).
-
-        A record already in flight completes (bounded); follow with ``wait_idle``.
+        ``abort`` records to planned ranks (sent only on a pair that is up); the request is
+        ABORTED (unless it failed) once no record is in flight any more (bounded).
         """
-        self._aborted.add(request_id)
+        self._aborted[request_id] = None
+        while len(self._aborted) > _MAX_OUTCOMES:
+            self._aborted.popitem(last=False)
+        self._progress.end(request_id, KVStatus(KVPoll.ABORTED, reason))
         for channel in list(self._channels.values()):
             for task in channel.cancel(request_id):
-                self._progress.finished(task)
+                self._progress.finished(task.header)
         for _, peer in self._planned(peers):
             self._enqueue(SendTask(self._record(wire.ABORT, request_id, error=reason), peer))
 
-    def wait_idle(self, request_id: str, timeout_s: float | None = None) -> None:
-        """Return once no data or ``done`` record of ``request_id`` is queued or in flight
-        (its source slots may be reused; nothing more lands in its destination slots);
-        ``abort`` records may still be queued. A record to a decode rank that cannot be
-        reached fails the request at once (see :mod:`~kv_transfer.sender`, Dead peers).
+    def poll(self, request_id: str) -> KVStatus:
+        """The request's state on this rank (:class:`~kv_transfer.status.KVPoll`): its source
+        slots may be reused, and nothing more lands in its destination slots, once it is not
+        TRANSFERRING (``abort`` records may still be queued). A record to a decode rank that
+        cannot be reached fails the request at once (see :mod:`~kv_transfer.sender`, Dead
+        peers)."""
+        return self._progress.poll(request_id)
 
-        Raises:
-            TransferTimeout: still busy after ``timeout_s`` (default completion_timeout_s).
-        """
+    def wait(self, request_id: str, timeout_s: float | None = None) -> KVStatus:
+        """:meth:`poll` once the request is not TRANSFERRING, or after ``timeout_s`` (default
+        ``completion_timeout_s``), whichever comes first."""
         timeout_s = self._config.completion_timeout_s if timeout_s is None else timeout_s
-        busy = self._progress.wait_idle(request_id, timeout_s)
-        if busy:
-            raise TransferTimeout(
-                f"prefill {self._instance}/{self._rank}: {busy} KV records of request "
-                f"{request_id!r} still queued or in flight after {timeout_s:g} s; the decode "
-                "side is slow or stuck")
-        self._aborted.discard(request_id)
-
-    def failure(self, request_id: str) -> str | None:
-        """Why sending ``request_id`` failed, or None."""
-        return self._progress.failure(request_id)
+        return self._progress.wait(request_id, timeout_s)
 
     def close(self) -> None:
         """Stop all sender threads (each finishes its record in flight, bounded)."""
@@ -243,7 +255,7 @@ class PrefillKVConnector:
     def _enqueue(self, task: SendTask) -> None:
         if self._closed:
             raise TransferError(f"prefill {self._instance}/{self._rank}: connector is closed")
-        self._progress.queued(task)
+        self._progress.queued(task.header)
         self._channel(task.peer).put(task)
 
     def _channel(self, peer: KVPeer) -> SenderChannel:

@@ -144,14 +144,15 @@ class ReceiverChannel:
             self._receive_data(group, header)
 
     def _receive_data(self, group: pairs.PairGroup, header: wire.Header) -> None:
-        """Receive one data record into the request's slots while holding its write
-        permission (``release`` waits for it); bytes of a request that may not be written
-        are read and dropped, so the pair stays in step."""
+        """Receive one data record into its chunk's slots while holding the request's write
+        permission (``release`` waits for it); bytes of a chunk that may not be written are
+        read and dropped, so the pair stays in step."""
+        chunk = header.chunk
         self._check_fits(group, header)
-        req = self._tracker.admit(self.source, header, self._num_slots)
+        req = self._tracker.admit(self.source, header.prefill_rank, chunk, self._num_slots)
         allowed = req is not None and self._tracker.begin_write(req)
-        what = (f"request {header.request_id} layers {header.layers[0]}..{header.layers[-1]} "
-                f"tokens [{header.token_start}, {header.token_end})")
+        what = (f"request {chunk.request_id} layers {chunk.layers[0]}..{chunk.layers[-1]} "
+                f"tokens [{chunk.token_start}, {chunk.token_end})")
         t0, done, scatter_s = time.perf_counter(), False, 0.0
         try:
             scatter_s = self._receive_views(group, header, allowed, what)
@@ -159,9 +160,8 @@ class ReceiverChannel:
             scatter_s += packed_s
         finally:
             if allowed:
-                self._tracker.end_write(req, header, done)
-        nbytes = header.n_tokens * len(header.layers) * sum(packs.token_bytes(self._layout,
-                                                                              header))
+                self._tracker.end_write(req, chunk, done)
+        nbytes = chunk.n_tokens * len(chunk.layers) * sum(packs.token_bytes(self._layout, chunk))
         self._stats.add(wire_s=time.perf_counter() - t0 - scatter_s, scatter_s=scatter_s,
                         nbytes=nbytes if allowed else 0)
 
@@ -171,8 +171,8 @@ class ReceiverChannel:
         returns (scatter seconds, every pack written). A failed scatter fails the request;
         the rest of its packs are read and dropped."""
         frames = packs.packs(self._layout, header)
-        local = self._local_heads(header.head_range())
-        dst = payload.rows_of(self._cache, header.dst_slots.to(self._device))
+        local = self._local_heads(header.chunk.head_range())
+        dst = header.chunk.dst_slots.to(self._device)
         scatter_s, ok = 0.0, allowed
         # NOTE: driven to its end (not zip-ped with frames): the link acks / recycles the
         # last pack only when asked for the next one
@@ -194,29 +194,20 @@ class ReceiverChannel:
                        what: str) -> float:
         """Receive the record's view messages straight into the cache rows, or through a
         temporary copy where those rows are not contiguous (a GQA head subset); read and
-        dropped when not ``allowed``. Returns the copy seconds."""
+        dropped when not ``allowed``. Returns the copy seconds.
+
+        Raises:
+            WireError: the cuts split no run of the destination slots.
+        """
         if not header.views:
             return 0.0
-        cuts = set(header.cuts)
-        if header.block_views:
-            dst = header.dst_slots.cpu()
-            if self._layout.cache_layout != "block_major" or header.heads is not None:
-                raise WireError(f"{group.name}: {what}: block views sent to a "
-                                f"{self._layout.cache_layout} cache: the sender breaks the "
-                                "protocol")
-        else:
-            dst = payload.rows_of(self._cache, header.dst_slots.cpu())
-        if any(a not in cuts for a, _, _ in packs.runs(dst)):
-            raise WireError(f"{group.name}: {what}: cuts {header.cuts} split no run of "
-                            "destination rows: the sender breaks the protocol")
-        if header.block_views:
-            rows = packs.block_views(self._cache, header, packs.block_pieces(
-                header, dst, self._layout.block_size,
-                packs.block_run_blocks(self._layout, header)))
-        else:
-            rows = packs.cut_views(self._cache, self._layout, header,
-                                   self._local_heads(header.head_range()),
-                                   [int(dst[a]) for a in header.cuts])
+        try:
+            rows = packs.cut_views(self._cache, header,
+                                   self._local_heads(header.chunk.head_range()),
+                                   header.chunk.dst_slots)
+        except ValueError as exc:
+            raise WireError(f"{group.name}: {what}: {exc}: the sender breaks the protocol",
+                            pair=group.name) from exc
         messages = [t if allowed and t.is_contiguous() else
                     torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in rows]
         group.recv_all(messages, self._config.payload_timeout_s, what)
@@ -232,11 +223,12 @@ class ReceiverChannel:
             raise TransferError(f"{group.name}: data record with layout fingerprint "
                                 f"{header.fingerprint}, this rank has "
                                 f"{self._layout.fingerprint()}: configs differ", pair=group.name)
-        if (len(header.layers) > self._layout.num_layers or header.n_tokens > self._num_slots
-                or max(header.layers) >= self._layout.num_layers
-                or len(header.head_range() or ()) > (self._layout.num_kv_heads or 0)):
+        c = header.chunk
+        if (len(c.layers) > self._layout.num_layers or c.n_tokens > self._num_slots
+                or max(c.layers) >= self._layout.num_layers
+                or len(c.head_range() or ()) > (self._layout.num_kv_heads or 0)):
             raise TransferError(f"{group.name}: data record of {header.request_id} with "
-                                f"{len(header.layers)} layers x {header.n_tokens} tokens does "
+                                f"{len(c.layers)} layers x {c.n_tokens} tokens does "
                                 f"not fit this cache ({self._layout.num_layers} layers, "
                                 f"{self._num_slots} slots)", pair=group.name)
 

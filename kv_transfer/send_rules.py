@@ -1,13 +1,37 @@
-"""What a prefill sender does with one queued record, as pure functions (no threads, no I/O):
-the header that goes on the wire for it (or an ``abort`` in its place, or nothing), and the
-text a request failed on a pair reports. ``SenderChannel`` (sender.py) is the pump around
-them.
+"""What a prefill sender decides, as pure functions (no threads, no I/O): the header that
+goes on the wire for a queued record (or an ``abort`` in its place, or nothing), the text a
+request failed on a pair reports, and how long a decode address that failed a connect is
+left alone. ``SenderChannel`` (sender.py) is the pump around them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kv_transfer import wire
+from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError
+from kv_transfer.peer import KVPeer
+
+
+@dataclass(frozen=True)
+class PeerDown:
+    """The last failed connect of a channel: to ``peer``; records to it fail with ``error``
+    until ``retry_at`` (monotonic seconds); ``backoff_s`` is the wait that led there."""
+
+    peer: KVPeer
+    error: str
+    retry_at: float
+    backoff_s: float
+
+
+def mark_down(last: PeerDown | None, peer: KVPeer, error: str, config: TransferConfig,
+              now: float) -> PeerDown:
+    """``peer``'s address failed a connect at ``now``: back off ``retry_backoff_s``, doubling
+    per failure in a row to the same address, up to ``connect_timeout_s``."""
+    backoff = config.retry_backoff_s if last is None or last.peer != peer else \
+        min(2 * last.backoff_s, config.connect_timeout_s)
+    return PeerDown(peer, error, now + backoff, backoff)
 
 
 def header_to_send(header: wire.Header, failure: str | None, mismatch: str | None,

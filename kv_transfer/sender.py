@@ -1,27 +1,18 @@
 """Prefill side: one sender thread per decode peer, an ordered queue of records.
 
 Records leave in the order they were queued (the channel's order is the protocol's order:
-data before ``done``). A data record's buffers with long slot runs (all of them when both
-slot lists are one run) go as cache views per run (no copy; network pairs); the others are
-gathered pack by pack on this thread (:mod:`~kv_transfer.packs`), pack ``i + 1`` while pack
-``i`` is on the wire, into pooled staging memory or, on a same-node pair, into the pair's
-shared segment (:mod:`~kv_transfer.links`), so the caller's compute continues; the source slots must stay
-allocated, and their bytes unchanged, until ``PrefillKVConnector.wait_idle`` returned for
-the request.
+data before ``done``); data records are posted by :mod:`~kv_transfer.send_record`, up to
+``_DEPTH`` in flight, so the caller's compute continues. Any error on the pair (connect,
+timeout, dead peer, failed heartbeat) tears the pair generation down and fails every request
+that had records on it; their queued records become one ``abort`` per request, sent only on a
+pair that is up (none is made for a failed request, nor for an ``abort``).
 
-Failure: any error on the pair (connect, timeout, dead peer) tears the group down (it is
-remade, with a new generation, for the next record of a live request) and fails every
-request that sent something on that generation and had not finished; their queued records
-become one ``abort`` record per request, sent if a fresh pair to that decode rank is up (one
-is never made for a failed request, nor for an ``abort`` record), so the decode rank learns
-promptly.
-
-Dead peers: a failed connect marks the decode address down; records to it fail their
-request at once (no connect) until a backoff passed (``retry_backoff_s``, doubling per
-failure up to ``connect_timeout_s``); a new address of the same decode rank (it restarted)
-is tried at once. A record whose connect is under way is cancellable (:meth:`cancel`), so an
-abort never waits for a connect. While a pair is up the thread posts a heartbeat every
-``heartbeat_s`` (the decode side's liveness check); a failed heartbeat tears the pair down.
+Dead peers (docs/kv_transfer.md "Dead peers"): a failed connect marks the decode address down
+for a doubling back-off (:func:`~kv_transfer.send_rules.mark_down`), during which its records
+fail their request without a connect; a new address of the same rank is tried at once; a
+record whose connect is under way is cancellable (:meth:`SenderChannel.cancel`), so an abort
+never waits for a connect. While a pair is up the thread posts a heartbeat every
+``heartbeat_s``.
 """
 
 from __future__ import annotations
@@ -31,18 +22,17 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import dataclass
 
 from kv_transfer import pair as pairs
-from kv_transfer import links, local, packs, payload, wire
+from kv_transfer import links, local, payload, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatchError, TransferError
 from kv_transfer.layout import KVLayout
 from kv_transfer.peer import KVPeer
-from kv_transfer.send_rules import failure_text, header_to_send
+from kv_transfer.send_record import InFlight, post_data, wait_sent
+from kv_transfer.send_rules import PeerDown, failure_text, header_to_send, mark_down
 
 log = logging.getLogger(__name__)
 _MAX_ABORTED = 4096  # remembered aborted request ids per pair
@@ -54,23 +44,12 @@ class _Cancelled(Exception):
 
 
 @dataclass(frozen=True)
-class _Down:
-    """The last failed connect of a channel: to ``peer``; records to it fail with ``error``
-    until ``retry_at`` (monotonic seconds); ``backoff_s`` is the wait that led there."""
-
-    peer: KVPeer
-    error: str
-    retry_at: float
-    backoff_s: float
-
-
-@dataclass(frozen=True)
 class SendTask:
-    """One record to send; ``src_slots`` int64 ``[T]`` for data records."""
+    """One queued record: ``header`` (a data record's ``chunk`` holds its source slots), to
+    the decode rank ``peer``."""
 
     header: wire.Header
     peer: KVPeer
-    src_slots: torch.Tensor | None = None
 
 
 class SendOwner(abc.ABC):
@@ -89,24 +68,9 @@ class SendOwner(abc.ABC):
         """The request failed on this channel's pair (``error`` names the pair)."""
 
     @abc.abstractmethod
-    def finished(self, task: SendTask) -> None:
-        """``task`` left the channel (sent, skipped, failed or cancelled); once per task put."""
-
-
-@dataclass
-class _InFlight:
-    """A data record posted to the backend, not yet known to have left: ``works`` and the
-    cache ``views`` they send, and its packs up to ``upto`` of ``link`` (None: no packs)."""
-
-    task: SendTask
-    pair: pairs.PairGroup
-    works: list
-    views: list[torch.Tensor]  # NOTE: keeps the views alive until the sends complete
-    link: links.NetSender | links.LocalSender | None
-    upto: int
-    what: str
-    posted: float
-    nbytes: int
+    def finished(self, header: wire.Header) -> None:
+        """The record ``header`` left the channel (sent, skipped, failed or cancelled); once
+        per task put."""
 
 
 class SenderChannel:
@@ -132,7 +96,7 @@ class SenderChannel:
         self._stop = threading.Event()
         self._pair: pairs.PairGroup | None = None
         self._pair_peer: KVPeer | None = None
-        self._down: _Down | None = None
+        self._down: PeerDown | None = None
         self._connecting: SendTask | None = None  # guarded by _cond; cancel() may take it
         self._next_beat = 0.0
         self._mismatch: str | None = None
@@ -197,7 +161,7 @@ class SenderChannel:
         # receiver finds the next record's doorbell and sends already posted when it finishes
         # one (no idle wire between records); inside a record the gather of a pack
         # overlaps the wire of the ones before it (links.py).
-        in_flight: deque[_InFlight] = deque()
+        in_flight: deque[InFlight] = deque()
         while (task := self._next(block=not in_flight)) is not None or in_flight:
             if task is None:
                 self._wait_sent(in_flight.popleft())
@@ -209,19 +173,19 @@ class SenderChannel:
             except _Cancelled:  # NOTE: cancel() reported it finished; nothing was posted
                 continue
             except Exception as exc:  # noqa: BLE001 - every pair error fails its requests
-                self._teardown(exc, task)
-                self._owner.finished(task)
+                self._teardown(exc, task.header.request_id)
+                self._owner.finished(task.header)
                 continue
             if sent is None:
-                self._owner.finished(task)
+                self._owner.finished(task.header)
             else:
                 in_flight.append(sent)
         with self._cond:
             left, self._queue = list(self._queue), deque()
         for task in left:
-            self._owner.finished(task)
+            self._owner.finished(task.header)
 
-    def _send(self, task: SendTask) -> _InFlight | None:
+    def _send(self, task: SendTask) -> InFlight | None:
         """Put ``task``'s record (or the abort in its place) on the wire; a data record is
         returned in flight. Raises the pair's errors."""
         rid = task.header.request_id
@@ -238,7 +202,8 @@ class SenderChannel:
             return None
         self._active.add(rid)
         if header.kind == wire.DATA:
-            return self._post_data(task)
+            return post_data(self._cache, self._layout, self._rank, self._pair, self._link,
+                             header, self._stats)
         what = f"{header.kind} record of request {rid}"
         self._pair.post_doorbell(wire.encode_header(header), what)  # done/abort: doorbell only
         self._active.discard(rid)
@@ -248,76 +213,18 @@ class SenderChannel:
                 del self._aborted[next(iter(self._aborted))]
         return None
 
-    def _wait_sent(self, sent: _InFlight) -> None:
+    def _wait_sent(self, sent: InFlight) -> None:
         """Wait (bounded) until an in-flight data record left; a failure tears the pair down."""
-        if sent.pair is not self._pair:
-            # NOTE: its pair generation was torn down (its request failed then); the backend
-            # may still hold the payload: not given back to the pool.
-            self._owner.finished(sent.task)
-            return
         try:
-            self._pair.wait_sent(sent.works, self._config.payload_timeout_s, sent.what)
-            if sent.link is not None:
-                sent.link.wait(sent.upto, sent.what)
-            self._stats.add(wire_s=time.perf_counter() - sent.posted, nbytes=sent.nbytes)
+            if sent.pair is not self._pair:
+                # NOTE: its pair generation was torn down (its request failed then); the
+                # backend may still hold the payload: not given back to the pool.
+                return
+            wait_sent(sent, self._config.payload_timeout_s, self._stats)
         except Exception as exc:  # noqa: BLE001
-            self._teardown(exc, sent.task)
+            self._teardown(exc, sent.header.request_id)
         finally:
-            self._owner.finished(sent.task)
-
-    def _post_data(self, task: SendTask) -> _InFlight:
-        """Ring the record's doorbell and post its payload: the view buffers' cache views,
-        then the packs, each gathered while the ones before it are on the wire."""
-        heads = _local_heads(self._layout, self._rank, task.header.head_range())
-        header, views = self._plan_views(task, heads)
-        what = (f"data record of request {header.request_id} layers "
-                f"{header.layers[0]}..{header.layers[-1]} tokens "
-                f"[{header.token_start}, {header.token_end})")
-        self._pair.post_doorbell(wire.encode_header(header), what)
-        posted = time.perf_counter()
-        works = self._pair.post(views, what)
-        src = payload.rows_of(self._cache, task.src_slots.to(self._device))
-        seq, gather_s = 0, 0.0
-        frames = packs.packs(self._layout, header)
-        for pack in frames:
-            buf = self._link.take(pack.nbytes, what)
-            t0 = time.perf_counter()
-            packs.gather(self._cache, self._layout, header, heads, src, pack, buf)
-            gather_s += time.perf_counter() - t0
-            seq = self._link.post(buf, pack.nbytes, what)
-        if frames:
-            self._stats.add(gather_s=gather_s)
-        nbytes = sum(v.numel() * v.element_size() for v in views) + \
-            sum(p.nbytes for p in frames)
-        return _InFlight(task, self._pair, works, views, self._link if frames else None, seq,
-                         what, posted, nbytes)
-
-    def _plan_views(self, task: SendTask,
-                    heads: slice | None) -> tuple[wire.Header, list[torch.Tensor]]:
-        """The record's header (its ``views`` and ``cuts``) and the cache views to send:
-        none on a same-node pair, nor when a view would not be contiguous (GQA)."""
-        header = task.header
-        if not isinstance(self._link, links.NetSender):
-            return header, []
-        peer = KVLayout.from_dict(self._pair.peer_layout)
-        if heads is None:
-            planned = packs.plan_block_views(self._cache, self._layout, peer, header,
-                                             task.src_slots.cpu())
-            if planned is not None:
-                return planned
-        found = packs.cut_runs(payload.rows_of(self._cache, task.src_slots.cpu()),
-                               peer.slot_rows(header.dst_slots.cpu()))
-        header = replace(header, views=packs.view_buffers(
-                             self._layout, header, len(found) * len(header.layers),
-                             len(found) == 1),
-                         cuts=tuple(a for a, _, _, _ in found))
-        views = packs.cut_views(self._cache, self._layout, header, heads,
-                                [s for _, s, _, _ in found])
-        if not all(v.is_contiguous() for v in views):
-            return replace(header, views=(), cuts=()), []
-        if not header.views:
-            header = replace(header, cuts=())
-        return header, views
+            self._owner.finished(sent.header)
 
     def _make_link(self) -> links.NetSender | links.LocalSender:
         """The pack transport of the pair just made: its same-node segment if it has one."""
@@ -357,7 +264,8 @@ class SenderChannel:
                                        f"{peer.instance}/{peer.rank}", self._layout.to_dict(),
                                        self._backend, self._config, self._device)
         except TransferError as exc:
-            self._mark_down(peer, exc)
+            self._down = mark_down(self._down, peer, str(exc), self._config, time.monotonic())
+            log.debug("KV peer down: %s", exc)  # NOTE: the teardown warns
             if not self._take_connecting(task):
                 raise _Cancelled() from exc
             raise
@@ -379,33 +287,18 @@ class SenderChannel:
             self._connecting = None
         return mine
 
-    def _mark_down(self, peer: KVPeer, exc: TransferError) -> None:
-        """``peer``'s address failed a connect: back off (doubling) before the next try."""
-        last = self._down
-        backoff = self._config.retry_backoff_s if last is None or last.peer != peer else \
-            min(2 * last.backoff_s, self._config.connect_timeout_s)
-        self._down = _Down(peer, str(exc), time.monotonic() + backoff, backoff)
-        log.debug("KV peer down, next try in %.1f s: %s", backoff, exc)  # NOTE: teardown warns
-
     def _drop_pair(self) -> None:
         self._pair, self._pair_peer, self._mismatch, self._link = None, None, None, None
         self._active.clear()
         self._aborted.clear()
 
-    def _teardown(self, exc: Exception, task: SendTask | None = None) -> None:
-        """Fail every request with records on the current generation (and ``task``'s), and
-        drop it."""
+    def _teardown(self, exc: Exception, request_id: str | None = None) -> None:
+        """Fail every request with records on the current generation (and ``request_id``),
+        and drop it."""
         error = failure_text(exc, self._pair.name if self._pair is not None else None)
         log.warning("KV pair torn down: %s", error)
-        rids = self._active | ({task.header.request_id} if task is not None else set())
+        rids = self._active | ({request_id} if request_id is not None else set())
         for rid in rids:
             self._owner.fail(rid, error)
         self._drop_pair()
 
-
-def _local_heads(layout: KVLayout, rank: int, heads: range | None) -> slice | None:
-    """Global pair heads -> slice of this rank's local head axis (None for MLA)."""
-    if heads is None:
-        return None
-    local = layout.heads_of(rank % layout.tp)  # NOTE: CP rank r * tp + t holds t's heads
-    return slice(heads.start - local.start, heads.stop - local.start)

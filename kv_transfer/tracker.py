@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer import wire
+from kv_transfer.chunk import KVChunk
 from kv_transfer.config import TransferConfig
 from kv_transfer.layout import KVLayout
 from kv_transfer.plan import PairPlan, build_transfer_plan
+from kv_transfer.status import KVPoll, KVStatus
 
 
 @dataclass(frozen=True)
@@ -98,38 +100,22 @@ class RequestTracker:
                                  f"{self._me}: release() it first")
             self._requests[request_id] = req
 
-    def admit(self, source: PairGeneration, header: wire.Header,
+    def admit(self, source: PairGeneration, prefill_rank: int, chunk: KVChunk,
               num_slots: int) -> TrackedRequest | None:
-        """Data record arrived on ``source``: the request to write into, or None (drop it)."""
-        req = self._get(header.request_id)
+        """``chunk`` arrived from ``prefill_rank`` on ``source``: the request to write into, or
+        None (drop its bytes). A chunk the plan does not allow fails its request."""
+        req = self._get(chunk.request_id)
         if req is None:
             return None
         with req.lock:
             req.sources.add(source)
             if not self._active(req):
                 return None
-            problem = _check_data(req, header, num_slots)
+            problem = _check_chunk(req, prefill_rank, chunk, num_slots)
             if problem:
                 req.error = f"decode {self._me}: bad data record from {source.sender}: {problem}"
                 return None
         return req
-
-    def write(self, req: TrackedRequest, header: wire.Header, scatter) -> bool:
-        """Run ``scatter()`` and mark the cells, only if ``req`` is still active.
-
-        NOTE: the lock is not held during the copy, so pairs feeding the same request
-        (P16 -> D4: four per decode rank) scatter in parallel; ``release`` waits for
-        ``writers`` to drain instead.
-        """
-        if not self.begin_write(req):
-            return False
-        done = False
-        try:
-            scatter()
-            done = True
-        finally:
-            self.end_write(req, header, done)
-        return True
 
     def begin_write(self, req: TrackedRequest) -> bool:
         """Take write permission on ``req``'s slots if it is still active (then the caller
@@ -138,6 +124,10 @@ class RequestTracker:
         Used around a scatter (a memory copy) and around a receive straight into the cache
         (bounded by ``payload_timeout_s`` per message): the bytes land in the slots only
         while the request is expected, not failed, not past its deadline, not released.
+
+        NOTE: the lock is not held during the write, so pairs feeding the same request
+        (P16 -> D4: four per decode rank) write in parallel; ``release`` waits for
+        ``writers`` to drain instead.
         """
         with req.lock:
             if not self._active(req):
@@ -145,12 +135,12 @@ class RequestTracker:
             req.writers += 1
             return True
 
-    def end_write(self, req: TrackedRequest, header: wire.Header, done: bool) -> None:
-        """Drop the permission of :meth:`begin_write`; ``done``: mark the record's cells."""
+    def end_write(self, req: TrackedRequest, chunk: KVChunk, done: bool) -> None:
+        """Drop the permission of :meth:`begin_write`; ``done``: mark ``chunk``'s cells."""
         with req.lock:
             req.writers -= 1
             if done:
-                req.mask[list(header.layers), header.token_start:header.token_end] = True
+                req.mask[list(chunk.layers), chunk.token_start:chunk.token_end] = True
             req.lock.notify_all()
 
     def on_done(self, source: PairGeneration, header: wire.Header) -> None:
@@ -187,16 +177,20 @@ class RequestTracker:
         for rid, req in reqs:
             self.fail(rid, error)
 
-    def is_complete(self, request_id: str) -> bool:
-        req = self._require(request_id)
+    def poll(self, request_id: str) -> KVStatus:
+        """The request's state (``DecodeKVConnector.poll``); applies the completion deadline.
+        A request not expected (never, or released) is FAILED."""
+        req = self._get(request_id)
+        if req is None:
+            return KVStatus(KVPoll.FAILED, f"decode {self._me}: KV of request {request_id!r} "
+                            "is not expected here (never expected, or released after it "
+                            "completed, failed or was aborted)")
         with req.lock:
-            return req.complete()
-
-    def failure(self, request_id: str) -> str | None:
-        req = self._require(request_id)
-        with req.lock:
-            self._active(req)  # applies the completion deadline
-            return req.error
+            if self._active(req) and req.complete():
+                return KVStatus(KVPoll.SUCCESS)
+            if req.error is not None or req.released:
+                return KVStatus(KVPoll.FAILED, req.error)
+            return KVStatus(KVPoll.TRANSFERRING if req.sources else KVPoll.WAITING)
 
     def release(self, request_id: str) -> None:
         """Forget the request; returns once no scatter or in-place receive into its slots
@@ -228,26 +222,21 @@ class RequestTracker:
         with self._lock:
             return self._requests.get(request_id)
 
-    def _require(self, request_id: str) -> TrackedRequest:
-        req = self._get(request_id)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not expected on decode {self._me}: "
-                           "call expect() first (or it was released)")
-        return req
 
-
-def _check_data(req: TrackedRequest, h: wire.Header, num_slots: int) -> str | None:
-    pp = req.pairs.get(h.prefill_rank)
+def _check_chunk(req: TrackedRequest, prefill_rank: int, c: KVChunk,
+                 num_slots: int) -> str | None:
+    """Why ``c`` from ``prefill_rank`` may not be written into ``req``, or None."""
+    pp = req.pairs.get(prefill_rank)
     if pp is None:
-        return f"prefill rank {h.prefill_rank} is not planned to send to this rank"
-    if not set(h.layers) <= set(pp.layers):
-        return f"layers {h.layers} are not all planned on this pair (plan: {pp.layers})"
+        return f"prefill rank {prefill_rank} is not planned to send to this rank"
+    if not set(c.layers) <= set(pp.layers):
+        return f"layers {c.layers} are not all planned on this pair (plan: {pp.layers})"
     planned_heads = None if pp.heads is None else (pp.heads.start, pp.heads.stop)
-    if h.heads != planned_heads:
-        return f"heads {h.heads} differ from the plan's {planned_heads}"
-    if h.token_end > req.num_tokens:
-        return f"tokens [{h.token_start}, {h.token_end}) exceed the {req.num_tokens} expected"
-    slots = h.dst_slots
+    if c.heads != planned_heads:
+        return f"heads {c.heads} differ from the plan's {planned_heads}"
+    if c.token_end > req.num_tokens:
+        return f"tokens [{c.token_start}, {c.token_end}) exceed the {req.num_tokens} expected"
+    slots = c.dst_slots
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
         return f"destination slots outside [0, {num_slots})"
     return None

@@ -31,7 +31,7 @@ import logging
 
 from engine.block_pool import BlockSet, slot_mapping
 from engine.scheduler import PREFILL, SchedulerOutput
-from kv_transfer import KVPeer
+from kv_transfer import KVPeer, KVPoll
 from rank.messages import Reservation, TokenEvent
 from engine.request import RequestSpec
 from prefill_worker.transfer_log import TransferLog
@@ -106,16 +106,12 @@ class PrefillRank(LeaderRank):
     def sends_idle(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
         """request id -> True when no send of it is queued or in flight on this rank (waits
         up to ``timeout_s`` for each); an idle request's transfer record is closed."""
-        from kv_transfer import TransferTimeout
-
         out = {}
         for rid in request_ids:
-            try:
-                self.connector.wait_idle(rid, timeout_s)
-                out[rid] = True
-                self.transfer_log.close(rid, ok=self.connector.failure(rid) is None)
-            except TransferTimeout:
-                out[rid] = False
+            status = self.connector.wait(rid, timeout_s)
+            out[rid] = not status.busy
+            if not status.busy:
+                self.transfer_log.close(rid, ok=status.state is not KVPoll.FAILED)
         return out
 
     def take_transfer_log(self) -> tuple:

@@ -118,11 +118,9 @@ def test_batched_decode_of_short_and_long_equals_solo(runner):
     assert (both[1] - solo["l"][1]).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
-def test_one_write_per_cache_buffer_per_layer_per_step(tiny_dsa_ckpt, layout):
+def test_one_write_per_cache_buffer_per_layer_per_step(tiny_dsa_ckpt):
     """One reshape_and_cache call per layer per step, and every buffer (K, V, index_k) of every
-    layer is modified exactly once (tensor version counters count ALL in-place writes; under
-    block_major a buffer's layers share one counter, which counts one write per layer)."""
+    layer is modified exactly once (tensor version counters count ALL in-place writes)."""
     base = KERNELS.resolve("cpu")
     calls: list[int] = []
 
@@ -131,14 +129,11 @@ def test_one_write_per_cache_buffer_per_layer_per_step(tiny_dsa_ckpt, layout):
         return base.reshape_and_cache(entries, caches, slots)
 
     runner = ModelRunner(tiny_dsa_ckpt, num_kv_blocks=16, block_size=BLOCK,
-                         kernels=dataclasses.replace(base, reshape_and_cache=counting),
-                         kv_layout=layout)
+                         kernels=dataclasses.replace(base, reshape_and_cache=counting))
     cache = runner.kv_cache
     layers = runner.model_config.num_hidden_layers
     assert cache.spec.buffer_names == ("k", "v", "index_k") and len(cache.index_caches) == layers
-    buffers = [buf for i in range(layers) for buf in cache.layer_buffers(i)] \
-        if layout == "layer_major" else list(cache.backing)
-    writes = 1 if layout == "layer_major" else layers
+    buffers = [buf for i in range(layers) for buf in cache.layer_buffers(i)]
     steps = ([SeqStep("a", tuple(range(5, 45)), 0, (0, 1, 2)), SeqStep("b", (3, 4), 0, (3,))],
              [SeqStep("a", (7,), 40, (0, 1, 2)), SeqStep("b", (8, 9), 2, (3,))])
     for step in steps:
@@ -147,7 +142,7 @@ def test_one_write_per_cache_buffer_per_layer_per_step(tiny_dsa_ckpt, layout):
         runner.execute(step)
         assert calls == [3] * layers
         assert [buf._version - v for buf, v in zip(buffers, before, strict=True)] \
-            == [writes] * len(buffers)
+            == [1] * len(buffers)
 
 
 def test_config_v32_fields_and_refusals():

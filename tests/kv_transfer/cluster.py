@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector,
-                         TransferConfig, build_transfer_plan)
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
+                         PrefillKVConnector, TransferConfig, build_transfer_plan)
 
 RID = "req-1"
 CTX = mp.get_context("spawn")
@@ -102,6 +102,13 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.01)
 
 
+def wait_settled(conn: DecodeKVConnector, rid: str, timeout_s: float = 30.0) -> KVStatus:
+    """Poll ``conn`` until ``rid`` is SUCCESS or FAILED; returns that status."""
+    settled = (KVPoll.SUCCESS, KVPoll.FAILED)
+    wait_for(lambda: conn.poll(rid).state in settled, timeout_s, f"{rid} settled")
+    return conn.poll(rid)
+
+
 def run_ranks(targets: list[tuple], timeout_s: float = 60.0) -> dict:
     """Start ``(fn, args)`` processes; return ``{(role, rank): (error, info)}``; kill leftovers."""
     results = CTX.Queue()
@@ -149,10 +156,10 @@ def decode_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> di
     pairs = len(build_transfer_plan(s.prefill_tp, s.decode_tp, s.num_layers).recvs_to(rank))
     wait_for(lambda: conn.stats.snapshot()["transfers"] >= pairs * (len(s.chunks) - 1), 30,
              "first chunks scattered")
-    assert not conn.is_complete(RID), "complete before the last chunk was sent"
+    assert conn.poll(RID).state is KVPoll.TRANSFERRING, "complete before the last chunk"
     barrier.wait(30)
-    wait_for(lambda: conn.is_complete(RID) or conn.failure(RID), 30, "completion")
-    assert conn.failure(RID) is None, conn.failure(RID)
+    status = wait_settled(conn, RID)
+    assert status == KVStatus(KVPoll.SUCCESS), status
     check_received(s, cache)
     conn.release(RID)
     conn.close()
@@ -172,8 +179,8 @@ def prefill_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> d
             barrier.wait(30)
         conn.send_chunk(RID, peers, a, b, slots(s, "prefill", a, b), slots(s, "decode", a, b))
     conn.finish(RID, peers, s.num_tokens)
-    conn.wait_idle(RID, 30)
-    assert conn.failure(RID) is None, conn.failure(RID)
+    status = conn.wait(RID, 30)
+    assert status == KVStatus(KVPoll.SUCCESS), status
     conn.close()
     assert kv_threads() == [], kv_threads()
     return conn.stats.snapshot()

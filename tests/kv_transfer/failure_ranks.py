@@ -6,10 +6,11 @@ import dataclasses
 import time
 
 from engine.kv_cache import KVCache
-from kv_transfer import DecodeKVConnector, KVLayout, PrefillKVConnector, TransferConfig
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPoll, KVStatus, PrefillKVConnector,
+                         TransferConfig)
 
 from .cluster import (RID, Scenario, check_received, decode_spec, kv_threads, prefill_spec,
-                      receive_peers, reference_prefill_cache, slots, wait_for)
+                      receive_peers, reference_prefill_cache, slots, wait_for, wait_settled)
 
 RID2 = "req-2"
 
@@ -38,9 +39,9 @@ def decode_mismatch(role, rank, s: Scenario, addr_qs) -> str:
     conn.expect(RID, s.num_tokens, s.prefill_tp)
     for q in addr_qs:
         q.put((rank, conn.address))
-    wait_for(lambda: conn.failure(RID) is not None, 20, "mismatch reported")
-    error = conn.failure(RID)
-    assert not conn.is_complete(RID)
+    status = wait_settled(conn, RID, 20)
+    assert status.state is KVPoll.FAILED, status
+    error = status.error
     assert all(not t.any() for t in cache.k_caches + cache.v_caches), "mismatched bytes written"
     conn.release(RID)
     conn.close()
@@ -53,8 +54,9 @@ def prefill_mismatch(role, rank, s: Scenario, addr_qs) -> str:
     peers = receive_peers(addr_qs[rank], s.decode_tp)
     _send_all(conn, s, RID, peers)
     conn.finish(RID, peers, s.num_tokens)
-    conn.wait_idle(RID, 20)
-    error = conn.failure(RID)
+    status = conn.wait(RID, 20)
+    assert status.state is KVPoll.FAILED, status
+    error = status.error
     conn.close()
     assert kv_threads() == [], kv_threads()
     return error
@@ -72,16 +74,17 @@ def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, kille
     wait_for(lambda: conn.stats.snapshot()["transfers"] >= 1, 30, "chunk 0")
     t0 = time.monotonic()
     chunk0.set()
-    wait_for(lambda: conn.failure(RID) is not None, 30, "failure of RID")
+    status = wait_settled(conn, RID, 30)
     failed_after = time.monotonic() - t0
-    error = conn.failure(RID)
+    assert status.state is KVPoll.FAILED, status
+    error = status.error
     conn.release(RID)
     killed.set()  # parent starts the restarted prefill now
     assert restarted.wait(60), "restarted prefill never came up"
     conn.expect(RID2, s.num_tokens, s.prefill_tp)  # NOTE: its deadline starts now
     expected.set()
-    wait_for(lambda: conn.is_complete(RID2) or conn.failure(RID2), 30, "RID2")
-    assert conn.failure(RID2) is None, conn.failure(RID2)
+    status = wait_settled(conn, RID2, 30)
+    assert status == KVStatus(KVPoll.SUCCESS), status
     check_received(s, cache)
     # the replaced generation's receiver is woken by its stop doorbell and ends (bounded wait)
     wait_for(lambda: not [n for n in kv_threads() if "-g1->" in n], 5, "old receiver gone")
@@ -96,7 +99,7 @@ def prefill_then_hang(role, rank, s: Scenario, addr_q) -> None:
     conn = _prefill(s, rank)
     peers = receive_peers(addr_q, s.decode_tp)
     _send_all(conn, s, RID, peers, chunks=s.chunks[:1])
-    conn.wait_idle(RID, 20)
+    assert not conn.wait(RID, 20).busy
     time.sleep(120)  # killed by the parent
 
 
@@ -106,8 +109,8 @@ def prefill_restarted(role, rank, s: Scenario, peers, restarted, expected) -> No
     assert expected.wait(30)
     _send_all(conn, s, RID2, peers)
     conn.finish(RID2, peers, s.num_tokens)
-    conn.wait_idle(RID2, 20)
-    assert conn.failure(RID2) is None, conn.failure(RID2)
+    status = conn.wait(RID2, 20)
+    assert status == KVStatus(KVPoll.SUCCESS), status
     conn.close()
     assert kv_threads() == [], kv_threads()
 
@@ -127,8 +130,8 @@ def decode_restarted(role, rank, s: Scenario, addr_q) -> None:
     cache, conn = _decode(s)
     conn.expect(RID2, s.num_tokens, s.prefill_tp)
     addr_q.put((rank, conn.address))
-    wait_for(lambda: conn.is_complete(RID2) or conn.failure(RID2), 30, "RID2")
-    assert conn.failure(RID2) is None, conn.failure(RID2)
+    status = wait_settled(conn, RID2, 30)
+    assert status == KVStatus(KVPoll.SUCCESS), status
     check_received(s, cache)
     conn.release(RID2)
     conn.close()
@@ -146,14 +149,15 @@ def prefill_survives_decode_kill(role, rank, s: Scenario, addr_q, chunk0, killed
     t0 = time.monotonic()
     _send_all(conn, s, RID, peers, chunks=s.chunks[1:])
     conn.finish(RID, peers, s.num_tokens)
-    conn.wait_idle(RID, 30)
+    status = conn.wait(RID, 30)
     failed_after = time.monotonic() - t0
-    error = conn.failure(RID)
+    assert status.state is KVPoll.FAILED, status
+    error = status.error
     new_peers = receive_peers(addr_q, s.decode_tp)
     _send_all(conn, s, RID2, new_peers)
     conn.finish(RID2, new_peers, s.num_tokens)
-    conn.wait_idle(RID2, 30)
-    assert conn.failure(RID2) is None, conn.failure(RID2)
+    status = conn.wait(RID2, 30)
+    assert status == KVStatus(KVPoll.SUCCESS), status
     threads = kv_threads()
     conn.close()
     assert kv_threads() == [], kv_threads()

@@ -11,7 +11,8 @@ import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
+                         PrefillKVConnector, TransferConfig)
 
 # NOTE: connect_timeout_s is what a connect per record would cost; every wait below is shorter.
 CFG = TransferConfig(connect_timeout_s=6, header_timeout_s=10, payload_timeout_s=10,
@@ -27,7 +28,7 @@ def _kv_threads() -> list[str]:
 
 
 def _prefill() -> tuple[KVCache, PrefillKVConnector]:
-    cache = KVCache(SPEC, layout="layer_major")
+    cache = KVCache(SPEC)
     for t in cache.k_caches + cache.v_caches:
         t.copy_(torch.randn(t.shape))
     return cache, PrefillKVConnector(cache, KVLayout.from_spec(SPEC, "m", 1), "p0", 0, 1, CFG)
@@ -53,21 +54,21 @@ def test_dead_decode_fails_its_requests_at_once_then_a_restarted_one_is_paired()
         t0 = time.monotonic()
         for rid in ("A", "B", "C"):
             _send(pre, rid, dead)
-        for rid in ("A", "B", "C"):
-            pre.wait_idle(rid, 3.0)  # NOTE: raises TransferTimeout if a connect is tried
+        # NOTE: a connect per record would keep them TRANSFERRING past the wait
+        status = {rid: pre.wait(rid, 3.0) for rid in ("A", "B", "C")}
         assert time.monotonic() - t0 < 3.0
-        assert "cannot connect" in pre.failure("A") and "d0/0" in pre.failure("A")
-        assert "next try in" in pre.failure("B")  # backoff: no second connect
+        assert {s.state for s in status.values()} == {KVPoll.FAILED}, status
+        assert "cannot connect" in status["A"].error and "d0/0" in status["A"].error
+        assert "next try in" in status["B"].error  # backoff: no second connect
         # the decode rank restarted: same instance/rank, new address -> tried at once
-        d_cache = KVCache(SPEC, layout="layer_major")
+        d_cache = KVCache(SPEC)
         dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC, "m", 1), "d0", 0, CFG)
         dec.expect("D", 8, prefill_tp=1)
         _send(pre, "D", [KVPeer("d0", 0, *dec.address)])
-        pre.wait_idle("D", 10.0)
-        assert pre.failure("D") is None, pre.failure("D")
+        assert (status := pre.wait("D", 10.0)) == KVStatus(KVPoll.SUCCESS), status
         deadline = time.monotonic() + 10
-        while not dec.is_complete("D"):
-            assert dec.failure("D") is None and time.monotonic() < deadline, dec.failure("D")
+        while (status := dec.poll("D")).state is not KVPoll.SUCCESS:
+            assert status.state is not KVPoll.FAILED and time.monotonic() < deadline, status
             time.sleep(0.01)
         for layer in range(SPEC.num_layers):
             assert torch.equal(d_cache.flat_k(layer)[DST], cache.flat_k(layer)[SRC])
@@ -96,10 +97,11 @@ def test_abort_does_not_wait_for_a_connect_to_a_hung_decode():
         conns = [listener.accept()[0] for _ in range(2)]  # the probe, then the store client
         t0 = time.monotonic()
         pre.abort("A", hung, reason="client cancelled")
-        pre.wait_idle("A", 1.0)
+        status = pre.wait("A", 1.0)
         assert time.monotonic() - t0 < 1.0
-        pre.wait_idle("B", CFG.connect_timeout_s + 3)
-        assert "could not connect" in pre.failure("B"), pre.failure("B")
+        assert status == KVStatus(KVPoll.ABORTED, "client cancelled"), status
+        status = pre.wait("B", CFG.connect_timeout_s + 3)
+        assert status.state is KVPoll.FAILED and "could not connect" in status.error, status
     finally:
         pre.close()
         for c in conns:
@@ -118,23 +120,22 @@ def test_idle_pair_to_a_dead_decode_is_torn_down_by_its_heartbeat():
     cfg = TransferConfig(connect_timeout_s=6, header_timeout_s=10, payload_timeout_s=10,
                          completion_timeout_s=30, heartbeat_s=0.2, peer_timeout_s=2.0)
     before = _kv_threads()
-    cache = KVCache(SPEC, layout="layer_major")
+    cache = KVCache(SPEC)
     pre = PrefillKVConnector(cache, KVLayout.from_spec(SPEC, "m", 1), "p0", 0, 1, cfg)
-    dec = DecodeKVConnector(KVCache(SPEC, layout="layer_major"), KVLayout.from_spec(SPEC, "m", 1), "d0", 0, cfg)
+    dec = DecodeKVConnector(KVCache(SPEC), KVLayout.from_spec(SPEC, "m", 1), "d0", 0, cfg)
     peers = [KVPeer("d0", 0, *dec.address)]
     try:
         dec.expect("A", 8, prefill_tp=1)
         pre.send_chunk("A", peers, 0, 4, SRC[:4], DST[:4])
-        pre.wait_idle("A", 10.0)
-        assert pre.failure("A") is None
+        assert pre.wait("A", 10.0) == KVStatus(KVPoll.WAITING)  # sent; more chunks to come
         dec.close()
         del dec
         gc.collect()  # NOTE: the decode rank's store server goes with its last reference
         deadline = time.monotonic() + 5 * cfg.heartbeat_s + 2.0
-        while pre.failure("A") is None:
+        while (status := pre.poll("A")).state is not KVPoll.FAILED:
             assert time.monotonic() < deadline, "the dead pair was not noticed"
             time.sleep(0.02)
-        assert "heartbeat" in pre.failure("A"), pre.failure("A")
+        assert "heartbeat" in status.error, status
     finally:
         pre.close()
     assert _kv_threads() == before

@@ -2,15 +2,17 @@
 byte-exact, in place and through staging; a V3 peer is refused with a clear error."""
 
 import threading
-import time
 
 import pytest
 import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
+                         PrefillKVConnector, TransferConfig)
 from kv_transfer.errors import LayoutMismatchError
+
+from .cluster import wait_settled
 
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
                      completion_timeout_s=60)
@@ -26,7 +28,7 @@ def _spec(blocks: int, block_size: int, index_head_dim: int = WIDTHS[2]) -> KVCa
 
 def _prefill_cache() -> KVCache:
     """Random contents, a different value in every element of every buffer."""
-    cache = KVCache(_spec(blocks=12, block_size=4), layout="layer_major")
+    cache = KVCache(_spec(blocks=12, block_size=4))
     gen = torch.Generator().manual_seed(3)
     for layer in range(LAYERS):
         for buf in cache.flat_buffers(layer):
@@ -34,18 +36,11 @@ def _prefill_cache() -> KVCache:
     return cache
 
 
-def _wait(pred, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
-
-
 def _transfer(p_tp: int, d_tp: int, dst: torch.Tensor) -> tuple[KVCache, list[KVCache], list]:
     """Send TOKENS tokens (two chunks) from P``p_tp`` to D``d_tp``; returns the prefill cache,
     the decode caches and the prefill connectors' stats."""
     ref, src = _prefill_cache(), slot_mapping((9, 2, 5, 0, 11, 7), 0, TOKENS, 4)
-    d_caches = [KVCache(_spec(blocks=8, block_size=8), layout="layer_major") for _ in range(d_tp)]
+    d_caches = [KVCache(_spec(blocks=8, block_size=8)) for _ in range(d_tp)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(_spec(8, 8), "v32", d_tp), "d0",
                               d, CFG) for d in range(d_tp)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(_spec(12, 4), "v32", p_tp), "p0", p,
@@ -58,8 +53,7 @@ def _transfer(p_tp: int, d_tp: int, dst: torch.Tensor) -> tuple[KVCache, list[KV
             pre.send_chunk("r", peers, 0, 13, src[:13], dst[:13])
             pre.send_chunk("r", peers, 13, TOKENS, src[13:], dst[13:])
             pre.finish("r", peers, TOKENS)
-        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
-        assert [d.failure("r") for d in decs] == [None] * d_tp
+        assert [wait_settled(d, "r") for d in decs] == [KVStatus(KVPoll.SUCCESS)] * d_tp
         for dec in decs:
             dec.release("r")
         return ref, d_caches, [p.stats.snapshot() for p in pres]
@@ -108,10 +102,10 @@ def test_v3_and_v32_layouts_are_refused_with_a_clear_error():
 def test_v3_prefill_to_v32_decode_fails_the_request_and_writes_nothing():
     """Over a real pair: the decode side learns the mismatch (abort record), no byte lands."""
     before = [t.name for t in threading.enumerate()]
-    v3 = KVCache(_spec(12, 4, index_head_dim=0), layout="layer_major")
+    v3 = KVCache(_spec(12, 4, index_head_dim=0))
     for t in v3.k_caches + v3.v_caches:
         t.fill_(1.0)
-    d_cache = KVCache(_spec(8, 8), layout="layer_major")
+    d_cache = KVCache(_spec(8, 8))
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(_spec(8, 8), "m", 1), "d0", 0, CFG)
     pre = PrefillKVConnector(v3, KVLayout.from_spec(v3.spec, "m", 1), "p0", 0, 1, CFG)
     peers = [KVPeer("d0", 0, *dec.address)]
@@ -119,10 +113,10 @@ def test_v3_prefill_to_v32_decode_fails_the_request_and_writes_nothing():
         dec.expect("r", 4, prefill_tp=1)
         pre.send_chunk("r", peers, 0, 4, slot_mapping((1,), 0, 4, 4), slot_mapping((2,), 0, 4, 8))
         pre.finish("r", peers, 4)
-        pre.wait_idle("r", 30)
-        _wait(lambda: dec.failure("r") is not None)
-        assert "indexer keys (index_k" in dec.failure("r")
-        assert "indexer keys (index_k" in pre.failure("r")
+        sent = pre.wait("r", 30)
+        got = wait_settled(dec, "r")
+        assert got.state is KVPoll.FAILED and "indexer keys (index_k" in got.error, got
+        assert sent.state is KVPoll.FAILED and "indexer keys (index_k" in sent.error, sent
         assert all(not b.any() for layer in range(LAYERS) for b in d_cache.flat_buffers(layer))
     finally:
         pre.close()
@@ -132,5 +126,5 @@ def test_v3_prefill_to_v32_decode_fails_the_request_and_writes_nothing():
 
 def test_a_layout_that_does_not_describe_the_cache_is_refused():
     with pytest.raises(ValueError, match="holds per-token buffers"):
-        PrefillKVConnector(KVCache(_spec(12, 4, index_head_dim=0), layout="layer_major"),
+        PrefillKVConnector(KVCache(_spec(12, 4, index_head_dim=0)),
                            KVLayout.from_spec(_spec(12, 4), "m", 1), "p0", 0, 1, CFG)

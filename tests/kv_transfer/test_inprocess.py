@@ -9,9 +9,11 @@ import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector,
-                         TransferConfig, build_transfer_plan)
+from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
+                         PrefillKVConnector, TransferConfig, build_transfer_plan)
 from kv_transfer.layout import rank_heads
+
+from .cluster import wait_settled
 
 # NOTE: happy-path tests: generous bounds (2 shared cores, up to 48 threads in one process)
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
@@ -35,10 +37,10 @@ def _kv_threads():
 
 def test_abort_and_unknown_requests_never_write():
     before = _kv_threads()
-    p_cache = KVCache(SPEC_P, layout="layer_major")
+    p_cache = KVCache(SPEC_P)
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_cache = KVCache(SPEC_D, layout="layer_major")
+    d_cache = KVCache(SPEC_D)
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, CFG)
     pre = PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), "p0", 0, 1, CFG)
     peers = [KVPeer("d0", 0, *dec.address)]
@@ -47,7 +49,7 @@ def test_abort_and_unknown_requests_never_write():
         # unknown request: read and dropped (decode never expected it)
         pre.send_chunk("ghost", peers, 0, 8, src[:8], slot_mapping((5,), 0, 8, 8))
         pre.finish("ghost", peers, 8)
-        pre.wait_idle("ghost", 10)
+        assert pre.wait("ghost", 10) == KVStatus(KVPoll.SUCCESS)  # sent, and dropped there
         # aborted request: first chunk lands, then abort; later bytes never land
         dec.expect("a", 12, prefill_tp=1)
         dst = slot_mapping((2, 6), 0, 12, 8)
@@ -56,10 +58,10 @@ def test_abort_and_unknown_requests_never_write():
         pre.abort("a", peers, reason="client cancelled")
         pre.send_chunk("a", peers, 8, 12, src[8:], dst[8:])  # raced with abort: ignored
         pre.finish("a", peers, 12)  # ignored too
-        pre.wait_idle("a", 10)
-        _wait(lambda: dec.failure("a") is not None)
-        assert "client cancelled" in dec.failure("a") and not dec.is_complete("a")
-        assert pre.failure("a") is None  # an abort is not a transfer failure
+        # NOTE: an abort is not a transfer failure on the prefill side
+        assert pre.wait("a", 10) == KVStatus(KVPoll.ABORTED, "client cancelled")
+        got = wait_settled(dec, "a")
+        assert got.state is KVPoll.FAILED and "client cancelled" in got.error, got
         dec.release("a")
         written = torch.zeros(SPEC_D.num_blocks * SPEC_D.block_size, dtype=torch.bool)
         written[dst[:8]] = True
@@ -115,9 +117,9 @@ def test_gqa_heads_are_regrouped_p2_to_d4():
             pre.send_chunk("g", peers, 0, 6, src[:6], dst[:6])
             pre.send_chunk("g", peers, 6, n, src[6:], dst[6:])
             pre.finish("g", peers, n)
-        _wait(lambda: all(d.is_complete("g") or d.failure("g") for d in decs))
+        settled = [wait_settled(d, "g") for d in decs]
+        assert settled == [KVStatus(KVPoll.SUCCESS)] * len(decs), settled
         for d, dec in enumerate(decs):
-            assert dec.failure("g") is None, dec.failure("g")
             mine = rank_heads(d_tp, heads, d)
             for i in range(layers):
                 for got, want in ((d_caches[d].k_caches[i], ref[0][i]),
@@ -141,10 +143,10 @@ def test_one_dead_pair_does_not_affect_another():
     # A and B alike before their first records arrived)
     cfg = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
                          completion_timeout_s=8)
-    p_cache = KVCache(SPEC_P, layout="layer_major")
+    p_cache = KVCache(SPEC_P)
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_cache = KVCache(SPEC_D, layout="layer_major")
+    d_cache = KVCache(SPEC_D)
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(SPEC_D, "m", 1), "d0", 0, cfg)
     pa, pb = (PrefillKVConnector(p_cache, KVLayout.from_spec(SPEC_P, "m", 1), name, 0, 1, cfg)
               for name in ("pa", "pb"))
@@ -156,7 +158,8 @@ def test_one_dead_pair_does_not_affect_another():
             dec.expect(warm, 8, prefill_tp=1)
             conn.send_chunk(warm, peers, 0, 8, src, dst)
             conn.finish(warm, peers, 8)
-        _wait(lambda: dec.is_complete("warm-a") and dec.is_complete("warm-b"), timeout_s=60)
+        assert [wait_settled(dec, w, 60) for w in ("warm-a", "warm-b")] == \
+            [KVStatus(KVPoll.SUCCESS)] * 2
         for warm in ("warm-a", "warm-b"):
             dec.release(warm)
         sent = dec.stats.snapshot()["transfers"]
@@ -168,11 +171,11 @@ def test_one_dead_pair_does_not_affect_another():
         pa.close()  # prefill instance pa is gone
         pb.send_chunk("B", peers, 4, 8, src[4:], dst_b[4:])
         pb.finish("B", peers, 8)
-        _wait(lambda: dec.is_complete("B"))
+        assert wait_settled(dec, "B") == KVStatus(KVPoll.SUCCESS)
         assert torch.equal(d_cache.flat_k(1)[dst_b], p_cache.flat_k(1)[src])
-        _wait(lambda: dec.failure("A") is not None, timeout_s=30)
-        assert "completion_timeout_s" in dec.failure("A")
-        assert dec.failure("B") is None
+        got = wait_settled(dec, "A", 30)
+        assert got.state is KVPoll.FAILED and "completion_timeout_s" in got.error, got
+        assert dec.poll("B") == KVStatus(KVPoll.SUCCESS)
     finally:
         pb.close()
         dec.close()
@@ -185,10 +188,10 @@ def test_non_divisible_p3_to_d2_mla():
                          qk_rope_head_dim=4)
     spec_d = KVCacheSpec(num_layers=5, num_blocks=4, block_size=8, kv_lora_rank=8,
                          qk_rope_head_dim=4)
-    ref = KVCache(spec_p, layout="layer_major")
+    ref = KVCache(spec_p)
     for t in ref.k_caches + ref.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_caches = [KVCache(spec_d, layout="layer_major") for _ in range(2)]
+    d_caches = [KVCache(spec_d) for _ in range(2)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 2), "d0", d, CFG)
             for d in range(2)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 3), "p0", p, 3, CFG)
@@ -202,9 +205,9 @@ def test_non_divisible_p3_to_d2_mla():
             pre.send_chunk("r", peers, 0, 7, src[:7], dst[:7])
             pre.send_chunk("r", peers, 7, 11, src[7:], dst[7:])
             pre.finish("r", peers, 11)
-        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
+        settled = [wait_settled(d, "r") for d in decs]
+        assert settled == [KVStatus(KVPoll.SUCCESS)] * len(decs), settled
         for d in range(2):
-            assert decs[d].failure("r") is None, decs[d].failure("r")
             for layer in range(5):
                 assert torch.equal(d_caches[d].flat_k(layer)[dst], ref.flat_k(layer)[src])
                 assert torch.equal(d_caches[d].flat_v(layer)[dst], ref.flat_v(layer)[src])
@@ -223,10 +226,10 @@ def test_headline_shape_p16_to_d4():
                          qk_rope_head_dim=2)
     spec_d = KVCacheSpec(num_layers=8, num_blocks=2, block_size=8, kv_lora_rank=4,
                          qk_rope_head_dim=2)
-    ref = KVCache(spec_p, layout="layer_major")
+    ref = KVCache(spec_p)
     for t in ref.k_caches + ref.v_caches:
         t.copy_(torch.randn(t.shape))
-    d_caches = [KVCache(spec_d, layout="layer_major") for _ in range(4)]
+    d_caches = [KVCache(spec_d) for _ in range(4)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 4), "d0", d, CFG)
             for d in range(4)]
     pres = [PrefillKVConnector(ref, KVLayout.from_spec(spec_p, "m", 16), "p0", p, 16, CFG)
@@ -239,9 +242,9 @@ def test_headline_shape_p16_to_d4():
         for pre in pres:
             pre.send_chunk("r", peers, 0, 9, src, dst)
             pre.finish("r", peers, 9)
-        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
+        settled = [wait_settled(d, "r") for d in decs]
+        assert settled == [KVStatus(KVPoll.SUCCESS)] * len(decs), settled
         for d in range(4):
-            assert decs[d].failure("r") is None, decs[d].failure("r")
             for layer in range(8):
                 assert torch.equal(d_caches[d].flat_k(layer)[dst], ref.flat_k(layer)[src])
                 assert torch.equal(d_caches[d].flat_v(layer)[dst], ref.flat_v(layer)[src])
@@ -263,7 +266,7 @@ def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
     src, dst = slot_mapping((6, 1, 4, 0), 0, n, 4), slot_mapping((3, 0), 0, n, 8)
     ref = [torch.randn(n, 8), torch.randn(n, 4)]  # [T, kv_lora_rank], [T, rope]
     plan = build_transfer_plan(1, 2, 3, prefill_cp=2)
-    p_caches = [KVCache(spec_p, layout="layer_major") for _ in range(2)]
+    p_caches = [KVCache(spec_p) for _ in range(2)]
     for p, cache in enumerate(p_caches):
         mine = [t for a, b in chunks for lo, hi in plan.token_ranges(p, a, b)
                 for t in range(lo, hi)]
@@ -271,7 +274,7 @@ def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
             for flat, want in zip((cache.flat_k(layer), cache.flat_v(layer)), ref):
                 flat.copy_(torch.randn(flat.shape))
                 flat[src[mine]] = want[mine]
-    d_caches = [KVCache(spec_d, layout="layer_major") for _ in range(2)]
+    d_caches = [KVCache(spec_d) for _ in range(2)]
     decs = [DecodeKVConnector(d_caches[d], KVLayout.from_spec(spec_d, "m", 2), "d0", d, CFG)
             for d in range(2)]
     pres = [PrefillKVConnector(p_caches[p], KVLayout.from_spec(spec_p, "m", 1), "p0", p, 1,
@@ -284,9 +287,9 @@ def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
             for a, b in chunks:
                 pre.send_chunk("r", peers, a, b, src[a:b], dst[a:b])
             pre.finish("r", peers, n)
-        _wait(lambda: all(d.is_complete("r") or d.failure("r") for d in decs))
+        settled = [wait_settled(d, "r") for d in decs]
+        assert settled == [KVStatus(KVPoll.SUCCESS)] * len(decs), settled
         for d in range(2):
-            assert decs[d].failure("r") is None, decs[d].failure("r")
             for layer in range(3):
                 assert torch.equal(d_caches[d].flat_k(layer)[dst], ref[0])
                 assert torch.equal(d_caches[d].flat_v(layer)[dst], ref[1])

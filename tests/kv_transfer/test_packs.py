@@ -2,9 +2,8 @@
 both sides), packed over the network, packed through the same-node segment; exact bytes,
 nothing written outside the request, the segment's file gone once the pair is up."""
 
+import dataclasses
 import glob
-import threading
-from collections import Counter
 import time
 
 import pytest
@@ -12,24 +11,24 @@ import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import DecodeKVConnector, KVLayout, KVPeer, PrefillKVConnector, TransferConfig
+from kv_transfer import (DecodeKVConnector, KVChunk, KVLayout, KVPeer, KVPoll, KVStatus,
+                         PrefillKVConnector, TransferConfig)
 from kv_transfer import local, packs, payload, wire
+from kv_transfer.chunk import runs
 
 CFG = dict(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
            completion_timeout_s=60)
 
 
 def _header(layers, n):
-    return wire.Header(kind=wire.DATA, request_id="r", prefill_rank=0, fingerprint="f",
-                       layers=tuple(layers), token_start=0, token_end=n,
-                       dst_slots=torch.arange(n))
+    return wire.data_header(KVChunk("r", tuple(layers), 0, n, torch.arange(n)), 0, "f")
 
 
 def test_packs_group_layers_and_cut_tokens():
     layout = KVLayout.from_spec(KVCacheSpec(num_layers=5, num_blocks=4, block_size=4,
                                             kv_lora_rank=16, qk_rope_head_dim=4), "m", 1)
     per_token = (16 + 4) * layout.element_size  # bytes per token per layer, all buffers
-    assert packs.token_bytes(layout, _header(range(5), 1)) == [64, 16]
+    assert packs.token_bytes(layout, _header(range(5), 1).chunk) == [64, 16]
     # 10 tokens x 80 B = 800 B per layer: 2 layers per 1,700 B pack, the last one alone
     got = packs.packs(layout, _header(range(5), 10), limit=1700)
     assert [(p.layers, p.a, p.b, p.nbytes) for p in got] == [
@@ -40,30 +39,27 @@ def test_packs_group_layers_and_cut_tokens():
                                                    ((3,), 0, 4), ((3,), 4, 8), ((3,), 8, 10)]
     with pytest.raises(ValueError, match="PACK_BYTES"):
         packs.packs(layout, _header((0,), 2), limit=per_token - 1)
-    assert packs.run_start(torch.arange(5, 12)) == 5
-    assert packs.run_start(torch.tensor([3])) == 3
-    assert packs.run_start(torch.tensor([4, 5, 7])) is None
-    assert packs.runs(torch.tensor([8, 9, 10, 4, 5, 20])) == [(0, 8, 3), (3, 4, 2), (5, 20, 1)]
+    assert runs(torch.arange(5, 12)) == [range(0, 7)]
+    assert runs(torch.tensor([3])) == [range(0, 1)]
+    assert runs(torch.tensor([8, 9, 10, 4, 5, 20])) == [range(0, 3), range(3, 5), range(5, 6)]
     # a cut wherever either side breaks its run
-    assert packs.cut_runs(torch.tensor([0, 1, 2, 3, 9, 10]), torch.tensor([4, 5, 8, 9, 10, 11])) \
-        == [(0, 0, 4, 2), (2, 2, 8, 2), (4, 9, 10, 2)]
+    assert runs(torch.tensor([0, 1, 2, 3, 9, 10]), torch.tensor([4, 5, 8, 9, 10, 11])) \
+        == [range(0, 2), range(2, 4), range(4, 6)]
 
 
 def _wait_complete(dec, rid: str, timeout_s: float = 30) -> None:
     """Wait (bounded) until decode connector ``dec`` has every byte of ``rid``."""
     deadline = time.monotonic() + timeout_s
-    while not dec.is_complete(rid):
-        assert dec.failure(rid) is None, dec.failure(rid)
+    while (status := dec.poll(rid)).state is not KVPoll.SUCCESS:
+        assert status.state is not KVPoll.FAILED, status
         assert time.monotonic() < deadline, "transfer not complete in time"
         time.sleep(0.005)
 
 
-def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node,
-              layouts=("layer_major", "layer_major")):
-    """Send ``tokens`` in chunks P1 -> D1 in one process (caches of ``layouts``, prefill and
-    decode); returns both caches and slots."""
+def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node):
+    """Send ``tokens`` in chunks P1 -> D1 in one process; returns both caches and slots."""
     cfg = TransferConfig(**CFG, same_node=same_node)
-    p_cache, d_cache = KVCache(spec_p, layout=layouts[0]), KVCache(spec_d, layout=layouts[1])
+    p_cache, d_cache = KVCache(spec_p), KVCache(spec_d)
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(spec_d, "m", 1), "d0", 0, cfg)
@@ -79,7 +75,7 @@ def _transfer(spec_p, spec_d, src_blocks, dst_blocks, tokens, chunk, same_node,
             pre.send_chunk("r", peers, a, b, src[a:b], dst[a:b])
         pre.finish("r", peers, tokens)
         segments.append(glob.glob(f"{local.SHM_DIR}/orch-kv-*"))
-        pre.wait_idle("r", 30)
+        assert pre.wait("r", 30) == KVStatus(KVPoll.SUCCESS)
         _wait_complete(dec, "r")
         dec.release("r")
         stats = (pre.stats.snapshot(), dec.stats.snapshot())
@@ -116,9 +112,7 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
     # network pairs send K runs (>= 4 tokens x 64 B) as cache views, V in packs
     monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
     monkeypatch.setattr(packs, "MIN_RUN_BYTES", 256)
-    chosen, choose = [], packs.view_buffers
-    monkeypatch.setattr(packs, "view_buffers", lambda *a: chosen.append(choose(*a)) or
-                        chosen[-1])
+    chosen = _spy_views(monkeypatch)
     spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
                          qk_rope_head_dim=4)
     spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
@@ -138,58 +132,18 @@ def test_transfer_paths_move_exact_bytes(monkeypatch, name, src_blocks, dst_bloc
     # both sides, or 4 / 8 tokens) -> K if its runs average >= 256 B
     views = {"off": {"contiguous": {(0, 1)}, "random": {(0,), (0, 1)},
                      "misaligned": {(0,), ()}},
-             "auto": dict.fromkeys(("contiguous", "random", "misaligned"), set())}
+             "auto": dict.fromkeys(("contiguous", "random", "misaligned"), {()})}
     assert set(chosen) == views[same_node][name], "buffers sent as cache views"
     assert made == ([packs.segment_bytes()] if same_node == "auto" else [])
     assert set(during) <= before, "the segment file outlived the pair set-up"
 
 
-@pytest.mark.parametrize("same_node", ["off", "auto"])
-@pytest.mark.parametrize("layouts", [("block_major", "block_major"),
-                                     ("layer_major", "block_major"),
-                                     ("block_major", "layer_major")])
-@pytest.mark.parametrize("name,src_blocks,dst_blocks,block_p,block_d", [
-    ("contiguous", (2, 3, 4, 5), (1, 2, 3, 4), 8, 8),
-    ("random", (7, 2, 5, 0), (3, 6, 1, 4), 8, 8),
-    ("misaligned", (7, 2, 5, 0, 9, 11, 1, 3), (3, 1, 6, 0), 4, 8),
-])
-def test_cache_layouts_move_exact_bytes(monkeypatch, layouts, name, src_blocks, dst_blocks,
-                                        block_p, block_d, same_node):
-    """block_major caches (one block's layers together, engine.kv_cache) on either side or
-    both: the same bytes land in the same slots as between layer_major caches. Both
-    block_major with one block size over the network: block runs go as block views, one
-    message per run of whole blocks for all 3 layers (K and V; at most MAX_VIEW_BYTES)."""
-    torch.set_num_threads(1)
-    monkeypatch.setattr(packs, "PACK_BYTES", 2000)
-    monkeypatch.setattr(packs, "RUN_COPY_BYTES", 256)
-    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 256)
-    monkeypatch.setattr(packs, "MAX_VIEW_BYTES", 2 * 3 * 8 * 16 * 4)  # 2 blocks of K
-    shapes, block_views = [], packs.block_views
-    monkeypatch.setattr(packs, "block_views", lambda *a: (shapes.append(
-        [tuple(t.shape) for t in block_views(*a)]) or block_views(*a)))
-    spec_p = KVCacheSpec(num_layers=3, num_blocks=12, block_size=block_p, kv_lora_rank=16,
-                         qk_rope_head_dim=4)
-    spec_d = KVCacheSpec(num_layers=3, num_blocks=8, block_size=block_d, kv_lora_rank=16,
-                         qk_rope_head_dim=4)
-    p_cache, d_cache, src, dst, (sent, got), _ = _transfer(
-        spec_p, spec_d, src_blocks, dst_blocks, 30, chunk=3 if same_node == "auto" else 12,
-        same_node=same_node, layouts=layouts)
-    assert (p_cache.layout, d_cache.layout) == layouts
-    _check_bytes(p_cache, d_cache, src, dst)
-    assert sent["bytes"] == got["bytes"] == 30 * 3 * (16 + 4) * 4
-    blocks = layouts == ("block_major", "block_major") and block_p == block_d \
-        and same_node == "off"
-    assert bool(shapes) == blocks, "block views used"
-    if name == "contiguous" and blocks:
-        # records [0, 12) [12, 24) [24, 30) of 8-token blocks from block 2 (prefill) / 1
-        # (decode): [0, 8) whole, [8, 12) per layer; [12, 16) per layer, [16, 24) whole;
-        # [24, 30) per layer. Sender and receiver list the same messages. V (16 B per token)
-        # averages 144 B a message there, under MIN_RUN_BYTES: packed.
-        lists = Counter(tuple(s) for s in shapes)
-        assert lists == {((1, 3, 8, 16),) + ((4, 16),) * 3: 2,
-                         ((4, 16),) * 3 + ((1, 3, 8, 16),): 2, ((6, 16),) * 3: 2}
-    if name == "random" and blocks:
-        assert ((1, 3, 8, 16), (4, 16), (4, 16), (4, 16)) in {tuple(s) for s in shapes}
+def _spy_views(monkeypatch) -> list[tuple[int, ...]]:
+    """The view buffers the sender chooses for each data record from now on."""
+    chosen, plan = [], packs.plan_views
+    monkeypatch.setattr(packs, "plan_views", lambda *a: chosen.append(plan(*a).views) or
+                        plan(*a))
+    return chosen
 
 
 def _spy_segments(monkeypatch) -> list[int]:
@@ -221,25 +175,6 @@ def test_stale_segments_of_dead_decode_ranks_are_removed(tmp_path, monkeypatch):
         f.write_bytes(b"x")
     assert local.remove_stale() == [str(dead)]
     assert not dead.exists() and live.exists()
-
-
-def test_release_waits_for_a_receive_in_progress():
-    from tests.kv_transfer.test_tracker import SOURCE, _data, _tracker
-    tr = _tracker()
-    tr.expect("r", 4, prefill_tp=1)
-    header = _data("r", 0, (0, 1, 2), 0, 4)
-    req = tr.admit(SOURCE, header, 32)
-    assert tr.begin_write(req)  # the receiver holds the permission during the receive
-    log = []
-    releaser = threading.Thread(target=lambda: (tr.release("r"), log.append("released")))
-    releaser.start()
-    releaser.join(0.2)
-    assert releaser.is_alive(), "release returned while bytes were still being received"
-    log.append("received")
-    tr.end_write(req, header, True)
-    releaser.join(5)
-    assert log == ["received", "released"]
-    assert not tr.begin_write(req), "a released request must not be written again"
 
 
 def test_a_handle_that_is_not_a_segment_is_neither_mapped_nor_unlinked(tmp_path, monkeypatch):
@@ -277,29 +212,29 @@ def test_scatter_of_a_pack_buffer_that_starts_mid_word():
     v = pack[3 * 5:].view(1, 3, 2)
     assert v.storage_offset() % 2 == 1
     slots = torch.tensor([6, 1, 4])
-    payload.scatter(cache, 1, (0,), None, payload.rows_of(cache, slots), v)
+    payload.scatter(cache, 1, (0,), None, slots, v)
     assert torch.equal(cache.read(0, slots)[1], v[0])
 
 
-def test_block_views_of_records_with_some_of_the_layers(monkeypatch):
+def test_views_of_records_with_some_of_the_layers(monkeypatch):
     """P2 -> D1: each prefill rank's records carry some of the layers (layer sharding: layers
-    0-1 from rank 0, layer 2 from rank 1), so a run of whole blocks goes as one ``[layers,
-    block_size, width]`` message per block (``backing[b, l0:l0 + ly]``); V3.2's three
-    buffers; chunk edges inside blocks. Exact bytes, nothing written outside the request."""
+    0-1 from rank 0, layer 2 from rank 1), each buffer of V3.2's three as views, one
+    ``[n, width]`` message per (buffer, layer, run); chunk edges inside blocks. Exact bytes,
+    nothing written outside the request."""
     torch.set_num_threads(1)
-    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 1)  # every buffer as block views
-    shapes, block_views = [], packs.block_views
-    monkeypatch.setattr(packs, "block_views", lambda *a: (shapes.extend(
-        tuple(t.shape) for t in block_views(*a)) or block_views(*a)))
+    monkeypatch.setattr(packs, "MIN_RUN_BYTES", 1)  # every buffer as views
+    chosen = _spy_views(monkeypatch)
     spec_p, spec_d = (KVCacheSpec(num_layers=3, num_blocks=n, block_size=4, kv_lora_rank=16,
                                   qk_rope_head_dim=4, index_head_dim=8) for n in (10, 8))
     ref = KVCache(spec_p)
-    for t in ref.backing:
-        t.copy_(torch.randn(t.shape))
+    for layer in range(3):
+        for t in ref.flat_buffers(layer):
+            t.copy_(torch.randn(t.shape))
     p_caches, d_cache = [KVCache(spec_p) for _ in range(2)], KVCache(spec_d)
     for cache in p_caches:
-        for t, want in zip(cache.backing, ref.backing):
-            t.copy_(want)
+        for layer in range(3):
+            for t, want in zip(cache.flat_buffers(layer), ref.flat_buffers(layer)):
+                t.copy_(want)
     cfg = TransferConfig(**CFG, same_node="off")
     dec = DecodeKVConnector(d_cache, KVLayout.from_spec(spec_d, "m", 1), "d0", 0, cfg)
     pres = [PrefillKVConnector(p_caches[r], KVLayout.from_spec(spec_p, "m", 2), "p0", r, 2, cfg)
@@ -313,11 +248,34 @@ def test_block_views_of_records_with_some_of_the_layers(monkeypatch):
                 pre.send_chunk("r", peers, a, b, src[a:b], dst[a:b])
         for pre in pres:
             pre.finish("r", peers, 18)
-            pre.wait_idle("r", 30)
+            assert pre.wait("r", 30) == KVStatus(KVPoll.SUCCESS)
         _wait_complete(dec, "r")
+        sent = [pre.stats.snapshot() for pre in pres]
     finally:
         for pre in pres:
             pre.close()
         dec.close()
     _check_bytes(ref, d_cache, src, dst)
-    assert {(2, 4, 16), (1, 4, 16), (2, 4, 8), (1, 4, 8)} <= set(shapes), shapes
+    assert chosen == [(0, 1, 2)] * 6, chosen  # 3 records per rank, every buffer as views
+    assert [s["gather_s"] for s in sent] == [0.0, 0.0], "nothing packed"
+    assert [s["bytes"] for s in sent] == [18 * n * (16 + 4 + 8) * 4 for n in (2, 1)]
+
+
+def test_view_messages_are_the_cache_rows_of_each_cut_and_refuse_a_cut_that_splits_no_run():
+    """The receiver's views of a record: per (buffer, layer, cut) the rows of its own slots;
+    cuts that leave a break of those slots inside one message break the protocol."""
+    spec = KVCacheSpec(num_layers=2, num_blocks=4, block_size=4, kv_lora_rank=3,
+                       qk_rope_head_dim=2)
+    cache = KVCache(spec)
+    for layer in range(2):
+        for t in cache.flat_buffers(layer):
+            t.copy_(torch.randn(t.shape))
+    slots = torch.tensor([9, 10, 2, 3])
+    chunk = KVChunk("r", (1,), 0, 4, slots)
+    header = dataclasses.replace(wire.data_header(chunk, 0, "f"), views=(0, 1), cuts=(0, 2))
+    got = packs.cut_views(cache, header, None, slots)
+    want = [cache.flat_buffers(1)[b][s:s + 2] for b in (0, 1) for s in (9, 2)]
+    assert len(got) == 4 and all(g.data_ptr() == w.data_ptr() and torch.equal(g, w)
+                                 for g, w in zip(got, want))
+    with pytest.raises(ValueError, match="split no run"):
+        packs.cut_views(cache, dataclasses.replace(header, cuts=(0,)), None, slots)

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from kv_transfer import wire
+from kv_transfer import KVChunk, KVPeer, TransferConfig, wire
 from kv_transfer.errors import TransferError, TransferTimeout
-from kv_transfer.send_rules import failure_text, header_to_send
+from kv_transfer.send_rules import failure_text, header_to_send, mark_down
 
-DATA = wire.Header(kind=wire.DATA, request_id="r", prefill_rank=1, fingerprint="f",
-                   layers=(0,), token_start=0, token_end=2, dst_slots=torch.tensor([3, 4]))
+DATA = wire.data_header(KVChunk("r", (0,), 0, 2, torch.tensor([3, 4])), 1, "f")
 DONE = wire.Header(kind=wire.DONE, request_id="r", prefill_rank=1, fingerprint="f",
                    num_tokens=2)
 ABORT = wire.Header(kind=wire.ABORT, request_id="r", prefill_rank=1, fingerprint="f",
@@ -25,7 +24,7 @@ def test_failed_request_sends_one_abort_with_its_error_only_on_a_pair_that_is_up
     got = header_to_send(header, "pair lost", None, pair_to_peer=True, abort_sent=False)
     assert (got.kind, got.request_id, got.prefill_rank, got.error) == (wire.ABORT, "r", 1,
                                                                        "pair lost")
-    assert got.dst_slots is None and got.fingerprint == "f"
+    assert got.chunk is None and got.fingerprint == "f"
     assert header_to_send(header, "pair lost", None, pair_to_peer=False,
                           abort_sent=False) is None  # never connect for a lost cause
     assert header_to_send(header, "pair lost", None, pair_to_peer=True,
@@ -60,3 +59,16 @@ def test_an_abort_record_never_makes_a_pair():
     must not hold an abort."""
     assert header_to_send(ABORT, None, None, pair_to_peer=False, abort_sent=False) is None
     assert header_to_send(ABORT, None, None, pair_to_peer=True, abort_sent=True) is None
+
+
+def test_a_dead_address_is_left_alone_for_a_doubling_backoff():
+    cfg = TransferConfig(retry_backoff_s=1.0, connect_timeout_s=5.0)
+    a, b = KVPeer("d0", 0, "h", 1), KVPeer("d0", 0, "h", 2)  # b: the rank, restarted
+    down = mark_down(None, a, "refused", cfg, now=100.0)
+    assert (down.retry_at, down.error) == (101.0, "refused")
+    backoffs = []
+    for _ in range(4):
+        down = mark_down(down, a, "refused", cfg, now=200.0)
+        backoffs.append(down.backoff_s)
+    assert backoffs == [2.0, 4.0, 5.0, 5.0]  # doubling, up to connect_timeout_s
+    assert mark_down(down, b, "refused", cfg, now=300.0).backoff_s == 1.0  # a new address

@@ -1,16 +1,18 @@
 """Decode-side request tracking: completion, deadlines, release, bad records (no network)."""
 
+import threading
 import time
 
 import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from kv_transfer import KVLayout, TransferConfig
+from kv_transfer import KVChunk, KVLayout, KVPoll, KVStatus, TransferConfig
 from kv_transfer import wire
 from kv_transfer.tracker import PairGeneration, RequestTracker
 
 SOURCE = PairGeneration("prefill p0/0", 1)
+SUCCESS = KVStatus(KVPoll.SUCCESS)
 
 
 def _tracker(tp=1, layers=3, **cfg):
@@ -19,9 +21,9 @@ def _tracker(tp=1, layers=3, **cfg):
 
 
 def _data(rid, prank, layers, t0, t1, slots=None):
+    """``(prefill rank, chunk)`` of a data record."""
     slots = torch.arange(t0, t1) if slots is None else slots
-    return wire.Header(kind=wire.DATA, request_id=rid, prefill_rank=prank, fingerprint="f",
-                       layers=layers, token_start=t0, token_end=t1, dst_slots=slots)
+    return prank, KVChunk(rid, layers, t0, t1, slots)
 
 
 def _done(rid, prank, n):
@@ -29,23 +31,27 @@ def _done(rid, prank, n):
                        num_tokens=n)
 
 
-def _deliver(tr, header):
-    req = tr.admit(SOURCE, header, num_slots=32)
-    calls = []
-    return req is not None and tr.write(req, header, lambda: calls.append(1)) and calls == [1]
+def _deliver(tr, record):
+    """Admit and write ``record`` as the receiver does; True when its bytes were written."""
+    req = tr.admit(SOURCE, *record, num_slots=32)
+    if req is None or not tr.begin_write(req):
+        return False
+    tr.end_write(req, record[1], True)
+    return True
 
 
 def test_complete_only_after_every_layer_token_and_done_from_each_sender():
     tr = _tracker()
     tr.expect("r", 10, prefill_tp=2)  # P2 -> D1, 3 layers: rank 0 layers (0, 1), rank 1 (2,)
+    assert tr.poll("r") == KVStatus(KVPoll.WAITING)  # nothing arrived yet
     assert _deliver(tr, _data("r", 0, (0, 1), 0, 6))
     assert _deliver(tr, _data("r", 1, (2,), 0, 10))
     tr.on_done(SOURCE, _done("r", 1, 10))
-    assert not tr.is_complete("r")
+    assert tr.poll("r") == KVStatus(KVPoll.TRANSFERRING)
     assert _deliver(tr, _data("r", 0, (0, 1), 6, 10))
-    assert not tr.is_complete("r"), "done record of rank 0 still missing"
+    assert tr.poll("r") == KVStatus(KVPoll.TRANSFERRING), "done record of rank 0 missing"
     tr.on_done(SOURCE, _done("r", 0, 10))
-    assert tr.is_complete("r") and tr.failure("r") is None
+    assert tr.poll("r") == SUCCESS
 
 
 def test_cp_prefill_completes_from_each_rank_s_token_pieces():
@@ -56,9 +62,9 @@ def test_cp_prefill_completes_from_each_rank_s_token_pieces():
     assert _deliver(tr, _data("r", 1, (0, 1, 2), 2, 4))  # rank 1: pieces 1 and 2
     tr.on_done(SOURCE, _done("r", 0, 8))
     tr.on_done(SOURCE, _done("r", 1, 8))
-    assert not tr.is_complete("r"), "tokens [4, 6) still missing"
+    assert tr.poll("r").state is KVPoll.TRANSFERRING, "tokens [4, 6) still missing"
     assert _deliver(tr, _data("r", 1, (0, 1, 2), 4, 6))
-    assert tr.is_complete("r") and tr.failure("r") is None
+    assert tr.poll("r") == SUCCESS
 
 
 def test_deadline_fails_with_what_was_missing():
@@ -66,8 +72,10 @@ def test_deadline_fails_with_what_was_missing():
     tr.expect("r", 4, prefill_tp=1)
     assert _deliver(tr, _data("r", 0, (0, 1, 2), 0, 2))
     time.sleep(0.1)
-    err = tr.failure("r")
-    assert "completion_timeout_s" in err and "prefill rank 0: 6 of 12" in err
+    status = tr.poll("r")
+    err = status.error
+    assert status.state is KVPoll.FAILED and "completion_timeout_s" in err
+    assert "prefill rank 0: 6 of 12" in err
     assert "done record missing" in err
     assert not _deliver(tr, _data("r", 0, (0, 1, 2), 2, 4)), "no writes after failure"
 
@@ -75,28 +83,29 @@ def test_deadline_fails_with_what_was_missing():
 def test_release_stops_writes_and_forgets():
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
-    header = _data("r", 0, (0, 1, 2), 0, 4)
-    req = tr.admit(SOURCE, header, 32)
+    record = _data("r", 0, (0, 1, 2), 0, 4)
+    req = tr.admit(SOURCE, *record, 32)
     tr.release("r")
-    assert tr.write(req, header, lambda: pytest.fail("wrote after release")) is False
-    with pytest.raises(KeyError, match="call expect"):
-        tr.is_complete("r")
-    assert tr.admit(SOURCE, header, 32) is None  # unknown now: bytes are dropped
+    assert not tr.begin_write(req), "write permission after release"
+    status = tr.poll("r")
+    assert status.state is KVPoll.FAILED and "not expected" in status.error, status
+    assert tr.admit(SOURCE, *record, 32) is None  # unknown now: bytes are dropped
     tr.release("r")  # idempotent
     assert tr.pending() == 0
 
 
-@pytest.mark.parametrize("header,match", [
+@pytest.mark.parametrize("record,match", [
     (_data("r", 0, (0, 5), 0, 2), "not all planned"),
     (_data("r", 0, (0,), 0, 9), "exceed the 4 expected"),
     (_data("r", 0, (0,), 0, 2, torch.tensor([3, 99])), "outside"),
     (_data("r", 3, (0,), 0, 2), "not planned to send"),
 ])
-def test_bad_data_records_fail_the_request(header, match):
+def test_bad_data_records_fail_the_request(record, match):
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
-    assert tr.admit(SOURCE, header, 32) is None
-    assert match in tr.failure("r")
+    assert tr.admit(SOURCE, *record, 32) is None
+    status = tr.poll("r")
+    assert status.state is KVPoll.FAILED and match in status.error, status
 
 
 def test_abort_done_mismatch_and_pair_loss():
@@ -105,38 +114,34 @@ def test_abort_done_mismatch_and_pair_loss():
         tr.expect(rid, 4, prefill_tp=1)
     tr.on_abort(SOURCE, wire.Header(kind=wire.ABORT, request_id="a", prefill_rank=0,
                                   fingerprint="f", error="client cancelled"))
-    assert "aborted the transfer: client cancelled" in tr.failure("a")
+    assert "aborted the transfer: client cancelled" in tr.poll("a").error
     tr.on_done(SOURCE, _done("b", 0, 3))
-    assert "finished 3 tokens, expected 4" in tr.failure("b")
+    assert "finished 3 tokens, expected 4" in tr.poll("b").error
     assert _deliver(tr, _data("c", 0, (0,), 0, 2))
     tr.on_pair_lost(SOURCE, "pair lost: boom")
-    assert tr.failure("c") == "pair lost: boom"
-    assert tr.failure("d") is None, "requests the pair never carried are not failed"
+    assert tr.poll("c") == KVStatus(KVPoll.FAILED, "pair lost: boom")
+    assert tr.poll("d") == KVStatus(KVPoll.WAITING), "the pair never carried it: not failed"
     with pytest.raises(ValueError, match="already expected"):
         tr.expect("d", 4, prefill_tp=1)
 
 
-def test_release_waits_for_a_running_scatter():
-    import threading
+def test_release_waits_for_a_write_in_progress():
+    """The receiver holds the write permission around a scatter or an in-place receive:
+    ``release`` returns only after it, polling never blocks on it, and no write starts
+    after."""
     tr = _tracker()
     tr.expect("r", 4, prefill_tp=1)
-    header = _data("r", 0, (0, 1, 2), 0, 4)
-    req = tr.admit(SOURCE, header, 32)
-    started, finish, log = threading.Event(), threading.Event(), []
-
-    def slow_scatter():
-        started.set()
-        finish.wait(5)
-        log.append("scatter done")
-    writer = threading.Thread(target=tr.write, args=(req, header, slow_scatter))
-    writer.start()
-    assert started.wait(5)
-    assert tr.is_complete("r") is False  # polling does not block on the running copy
+    record = _data("r", 0, (0, 1, 2), 0, 4)
+    req = tr.admit(SOURCE, *record, 32)
+    assert tr.begin_write(req)
+    assert tr.poll("r").state is KVPoll.TRANSFERRING  # does not block on the running write
+    log = []
     releaser = threading.Thread(target=lambda: (tr.release("r"), log.append("released")))
     releaser.start()
     releaser.join(0.2)
-    assert releaser.is_alive(), "release returned while a scatter was still writing"
-    finish.set()
-    writer.join(5)
+    assert releaser.is_alive(), "release returned while bytes were still being written"
+    log.append("written")
+    tr.end_write(req, record[1], True)
     releaser.join(5)
-    assert log == ["scatter done", "released"]
+    assert log == ["written", "released"]
+    assert not tr.begin_write(req), "a released request must not be written again"

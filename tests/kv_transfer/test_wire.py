@@ -4,18 +4,22 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import wire
+from dataclasses import replace
+
+from kv_transfer import KVChunk, wire
 from kv_transfer.errors import WireError
 
 
 def test_data_header_round_trip():
+    """A data header carries its chunk; the source slots stay home."""
     slots = torch.tensor([5, 6, 7, 40, 2**40], dtype=torch.int64)
-    h = wire.Header(kind=wire.DATA, request_id="r-1", prefill_rank=3, fingerprint="ab" * 8,
-                    layers=(0, 2, 9), heads=(2, 4), token_start=10, token_end=15,
-                    dst_slots=slots, views=(0,), cuts=(0, 3))
+    chunk = KVChunk("r-1", (0, 2, 9), 10, 15, slots, heads=(2, 4), src_slots=slots + 1)
+    h = replace(wire.data_header(chunk, 3, "ab" * 8), views=(0,), cuts=(0, 3))
     back = wire.decode_header(wire.encode_header(h))
     assert back == h and back.views == (0,) and back.cuts == (0, 3)
-    assert torch.equal(back.dst_slots, slots) and back.head_range() == range(2, 4)
+    assert (back.kind, back.request_id, back.prefill_rank) == (wire.DATA, "r-1", 3)
+    assert torch.equal(back.chunk.dst_slots, slots) and back.chunk.head_range() == range(2, 4)
+    assert back.chunk.src_slots is None
 
 
 def test_done_and_abort_round_trip():
@@ -25,13 +29,11 @@ def test_done_and_abort_round_trip():
     abort = wire.Header(kind=wire.ABORT, request_id="r", prefill_rank=1, fingerprint="f",
                         error="client cancelled")
     back = wire.decode_header(wire.encode_header(abort))
-    assert back.error == "client cancelled" and back.dst_slots is None
+    assert back.error == "client cancelled" and back.chunk is None
 
 
 def _raw(**over):
-    h = wire.Header(kind=wire.DATA, request_id="r", prefill_rank=0, fingerprint="f",
-                    layers=(1,), token_start=0, token_end=2,
-                    dst_slots=torch.tensor([1, 2]))
+    h = wire.data_header(KVChunk("r", (1,), 0, 2, torch.tensor([1, 2])), 0, "f")
     m = msgpack.unpackb(wire.encode_header(h))
     m.update(over)
     return msgpack.packb(m, use_bin_type=True)

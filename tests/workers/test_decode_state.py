@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from decode_worker.actor import ORPHAN_FACTOR, DecodeRank
-from decode_worker.request_state import DecodeRequestState, KVState
+from decode_worker.request_state import DecodeRequestState
 from engine.sampling_params import SamplingParams
+from kv_transfer import KVPoll
 from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.actor import PrefillRank
 from rank.messages import Reservation
@@ -39,7 +40,7 @@ def test_reservation_never_admitted_is_freed_after_its_kv_arrived(ckpt):
         prefill.prefill(spec, reservation)
         wait_events(prefill, "orphan", lambda e: True)  # first token out; never admitted
         deadline = time.monotonic() + 10
-        while decode.kv_status(["orphan"])["orphan"].state is not KVState.COMPLETE:
+        while decode.kv_status(["orphan"])["orphan"].state is not KVPoll.SUCCESS:
             assert time.monotonic() < deadline, decode.kv_status(["orphan"])
             time.sleep(0.02)
         (ev,) = wait_events(decode, "orphan", lambda e: e.finish_reason is not None, 10)
@@ -57,7 +58,7 @@ def test_kv_status_of_a_request_not_expected_is_failed(ckpt):
     decode = start(DecodeRank, ckpt, "decode")
     try:
         status = decode.kv_status(["gone"])["gone"]
-        assert status.state is KVState.FAILED and "not expected" in status.error
+        assert status.state is KVPoll.FAILED and "not expected" in status.error
     finally:
         decode.shutdown()
 
