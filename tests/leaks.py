@@ -83,6 +83,13 @@ def kv_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if KV_THREAD.match(t.name))
 
 
+def assert_no_kv_threads(before: Iterable[str] = ()) -> None:
+    """No KV transfer thread is alive now beyond those of ``before`` (taken before the test
+    started its own)."""
+    left = sorted((Counter(kv_threads()) - Counter(before)).elements())
+    assert not left, f"KV threads left: {left}"
+
+
 def project_threads() -> list[str]:
     """Names of the live threads the project starts (KV transfer, rank loops, step
     channels), sorted."""

@@ -8,7 +8,6 @@ prefill cache held. Each process reports ``(role, rank, error_or_None, info)`` o
 from __future__ import annotations
 
 import queue
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
                          PrefillKVConnector, TransferConfig, build_transfer_plan)
+from tests.leaks import assert_no_kv_threads
 
 RID = "req-1"
 CTX = mp.get_context("spawn")
@@ -88,10 +88,6 @@ def check_received(s: Scenario, cache: KVCache) -> None:
             others = torch.ones(got.shape[0], dtype=torch.bool)
             others[dst] = False
             assert not got[others].any(), f"layer {layer} {name}: stray writes"
-
-
-def kv_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
 
 
 def wait_for(pred, timeout_s: float, what: str) -> None:
@@ -163,7 +159,7 @@ def decode_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> di
     check_received(s, cache)
     conn.release(RID)
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
     return conn.stats.snapshot()
 
 
@@ -182,7 +178,7 @@ def prefill_rank(role: str, rank: int, s: Scenario, addr_qs: list, barrier) -> d
     status = conn.wait(RID, 30)
     assert status == KVStatus(KVPoll.SUCCESS), status
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
     return conn.stats.snapshot()
 
 

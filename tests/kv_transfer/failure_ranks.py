@@ -9,8 +9,9 @@ from engine.kv_cache import KVCache
 from kv_transfer import (DecodeKVConnector, KVLayout, KVPoll, KVStatus, PrefillKVConnector,
                          TransferConfig)
 
-from .cluster import (RID, Scenario, check_received, decode_spec, kv_threads, prefill_spec,
+from .cluster import (RID, Scenario, check_received, decode_spec, prefill_spec,
                       receive_peers, reference_prefill_cache, slots, wait_for, wait_settled)
+from tests.leaks import assert_no_kv_threads, kv_threads
 
 RID2 = "req-2"
 
@@ -45,7 +46,7 @@ def decode_mismatch(role, rank, s: Scenario, addr_qs) -> str:
     assert all(not t.any() for t in cache.k_caches + cache.v_caches), "mismatched bytes written"
     conn.release(RID)
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
     return error
 
 
@@ -58,7 +59,7 @@ def prefill_mismatch(role, rank, s: Scenario, addr_qs) -> str:
     assert status.state is KVPoll.FAILED, status
     error = status.error
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
     return error
 
 
@@ -91,7 +92,7 @@ def decode_survives_prefill_kill(role, rank, s: Scenario, addr_qs, chunk0, kille
     threads = kv_threads()
     conn.release(RID2)
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
     return {"error": error, "failed_after": failed_after, "threads_before_close": threads}
 
 
@@ -112,7 +113,7 @@ def prefill_restarted(role, rank, s: Scenario, peers, restarted, expected) -> No
     status = conn.wait(RID2, 20)
     assert status == KVStatus(KVPoll.SUCCESS), status
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
 
 
 def decode_then_hang(role, rank, s: Scenario, addr_q, chunk0) -> None:
@@ -135,7 +136,7 @@ def decode_restarted(role, rank, s: Scenario, addr_q) -> None:
     check_received(s, cache)
     conn.release(RID2)
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
 
 
 def prefill_survives_decode_kill(role, rank, s: Scenario, addr_q, chunk0, killed) -> dict:
@@ -160,5 +161,5 @@ def prefill_survives_decode_kill(role, rank, s: Scenario, addr_q, chunk0, killed
     assert status == KVStatus(KVPoll.SUCCESS), status
     threads = kv_threads()
     conn.close()
-    assert kv_threads() == [], kv_threads()
+    assert_no_kv_threads()
     return {"error": error, "failed_after": failed_after, "threads_before_close": threads}

@@ -4,7 +4,6 @@ restarted rank at a new address is paired again; no thread is left behind."""
 
 import gc
 import socket
-import threading
 import time
 
 import torch
@@ -13,6 +12,7 @@ from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
                          PrefillKVConnector, TransferConfig)
+from tests.leaks import assert_no_kv_threads, kv_threads
 
 # NOTE: connect_timeout_s is what a connect per record would cost; every wait below is shorter.
 CFG = TransferConfig(connect_timeout_s=6, header_timeout_s=10, payload_timeout_s=10,
@@ -21,10 +21,6 @@ SPEC = KVCacheSpec(num_layers=2, num_blocks=8, block_size=4, kv_lora_rank=8,
                    qk_rope_head_dim=4)
 SRC = slot_mapping((3, 1), 0, 8, 4)
 DST = slot_mapping((5, 2), 0, 8, 4)
-
-
-def _kv_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
 
 
 def _prefill() -> tuple[KVCache, PrefillKVConnector]:
@@ -46,7 +42,7 @@ def _closed_port() -> int:
 
 
 def test_dead_decode_fails_its_requests_at_once_then_a_restarted_one_is_paired():
-    before = _kv_threads()
+    before = kv_threads()
     cache, pre = _prefill()
     dead = [KVPeer("d0", 0, "127.0.0.1", _closed_port())]
     dec = None
@@ -78,14 +74,14 @@ def test_dead_decode_fails_its_requests_at_once_then_a_restarted_one_is_paired()
         pre.close()
         if dec is not None:
             dec.close()
-    assert _kv_threads() == before
+    assert_no_kv_threads(before)
 
 
 def test_abort_does_not_wait_for_a_connect_to_a_hung_decode():
     """A decode rank that accepts TCP but never answers (SIGSTOP) holds a connect for
     connect_timeout_s: the request under connect is aborted at once; the one queued behind
     it fails when that connect gives up (bounded), without a connect of its own."""
-    before = _kv_threads()
+    before = kv_threads()
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(5)
     hung = [KVPeer("d0", 0, "127.0.0.1", listener.getsockname()[1])]
@@ -109,9 +105,9 @@ def test_abort_does_not_wait_for_a_connect_to_a_hung_decode():
         listener.close()
     # NOTE: the abandoned store constructor ends once its socket is closed (the rank is gone)
     deadline = time.monotonic() + 10
-    while _kv_threads() != before and time.monotonic() < deadline:
+    while kv_threads() != before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _kv_threads() == before
+    assert_no_kv_threads(before)
 
 
 def test_idle_pair_to_a_dead_decode_is_torn_down_by_its_heartbeat():
@@ -119,7 +115,7 @@ def test_idle_pair_to_a_dead_decode_is_torn_down_by_its_heartbeat():
     on the pair fails on the prefill side within a few heartbeats, not at its next record."""
     cfg = TransferConfig(connect_timeout_s=6, header_timeout_s=10, payload_timeout_s=10,
                          completion_timeout_s=30, heartbeat_s=0.2, peer_timeout_s=2.0)
-    before = _kv_threads()
+    before = kv_threads()
     cache = KVCache(SPEC)
     pre = PrefillKVConnector(cache, KVLayout.from_spec(SPEC, "m", 1), "p0", 0, 1, cfg)
     dec = DecodeKVConnector(KVCache(SPEC), KVLayout.from_spec(SPEC, "m", 1), "d0", 0, cfg)
@@ -138,4 +134,4 @@ def test_idle_pair_to_a_dead_decode_is_torn_down_by_its_heartbeat():
         assert "heartbeat" in status.error, status
     finally:
         pre.close()
-    assert _kv_threads() == before
+    assert_no_kv_threads(before)

@@ -1,7 +1,6 @@
 """Connectors of both sides in one process (threads, gloo over loopback): abort, dropped
 records of unknown requests, GQA head regrouping, thread hygiene."""
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -14,6 +13,7 @@ from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
 from kv_transfer.layout import rank_heads
 
 from .cluster import wait_settled
+from tests.leaks import assert_no_kv_threads, kv_threads
 
 # NOTE: happy-path tests: generous bounds (2 shared cores, up to 48 threads in one process)
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
@@ -31,12 +31,8 @@ def _wait(pred, timeout_s=20):
         time.sleep(0.005)
 
 
-def _kv_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("kv-")]
-
-
 def test_abort_and_unknown_requests_never_write():
-    before = _kv_threads()
+    before = kv_threads()
     p_cache = KVCache(SPEC_P)
     for t in p_cache.k_caches + p_cache.v_caches:
         t.copy_(torch.randn(t.shape))
@@ -73,7 +69,7 @@ def test_abort_and_unknown_requests_never_write():
     finally:
         pre.close()
         dec.close()
-    assert _kv_threads() == before
+    assert_no_kv_threads(before)
 
 
 class _GQACache(SimpleNamespace):
