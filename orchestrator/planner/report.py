@@ -165,9 +165,11 @@ def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens:
             f"request, max_num_seqs {lay.max_num_seqs})")
 
 
-def _options_text(wl: WorkloadSpec) -> str:
-    o = wl.options
+def _options_text(plan: Plan) -> str:
+    o = plan.workload.options
     mtp = f"; MTP {o.mtp} draft(s) at accept {o.accept:g}" if o.mtp else ""
+    if not (plan.prefill.layout.ep or plan.decode.layout.ep):
+        return mtp
     return f"{mtp}; EPLB {'on' if o.eplb else f'off (skew {o.skew:g})'}"
 
 
@@ -177,7 +179,7 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
     load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}" + (
         ", starting together" if wl.together else "")
     lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
-             f"out={wl.output_len}, {load}{_options_text(wl)}"]
+             f"out={wl.output_len}, {load}{_options_text(plan)}"]
     colocated = plan.transfer is None
     lines.append(_role_line("colocated" if colocated else "prefill", plan.prefill, plan.device,
                             requests_held(plan.prefill, wl.input_len), wl.input_len))

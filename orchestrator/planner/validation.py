@@ -96,8 +96,8 @@ ROWS = (
               "256 sequences per GPU assumed (ITL ~100 ms, source's limitations); no MTP"),
     Published("cm384-prefill", CM384, "a3", "prefill", 32, 0, 4096, 16384, 6_688, 2,
               "input tok/s per NPU",
-              setting="INT8, EP32 over 16 NPUs, 4K prompts (source); 16K tokens per die "
-              "per forward assumed"),
+              setting="INT8, 4K prompts (source); EP32 over 16 NPUs as recalled, "
+              "unverified; 16K tokens per die per forward assumed"),
     Published("cm384-decode", CM384, "a3", "decode", 320, 64, 4096, 48, 1_943, 2,
               "output tok/s per NPU", mtp=1, accept=0.7,
               setting="INT8, EP320 on 160 NPUs, batch 96 per NPU, 4K KV, TPOT < 50 ms "
