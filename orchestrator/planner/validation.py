@@ -1,5 +1,5 @@
 """The planner held against published large-EP DeepSeek serving results (docs/planner.md,
-"Validation"): ``python -m orchestrator.planner.validation [--explain] [--json]``.
+"Validation"): ``python -m orchestrator.planner.validation [--explain] [--json] [--row KEY]``.
 
 Each :class:`Published` row is one published throughput with the layout and load its source
 states; the prediction runs the same cost model as ``orch plan`` on that layout (DP attention,
@@ -165,8 +165,17 @@ def summary(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--explain", action="store_true", help="every term of each row")
+    p.add_argument("--row", choices=[r.key for r in ROWS], default=None,
+                   help="this row only (with its terms)")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
+    if ns.row:
+        row = next(r for r in ROWS if r.key == ns.row)
+        cost, pred = row_cost(row)
+        print(f"{row.key}: published {row.figure:.4g}, predicted {pred:.4g} {row.unit} "
+              f"(ratio {pred / row.figure:.2f})")
+        print("\n".join(cost_lines(cost, 1e3, "ms", "    ")))
+        return 0
     rows = table()
     if ns.json:
         print(json.dumps(rows, indent=1))

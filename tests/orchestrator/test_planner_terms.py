@@ -157,3 +157,13 @@ def test_validation_page_shows_the_tables_figures():
         assert f"| {r['key']} |" in text
     devices = {r["device"] for r in rows if r["role"] != "seed"}
     assert {"h800", "h100", "a3"} <= devices  # NVIDIA and Huawei chips
+
+
+def test_validation_row_command_prints_the_rows_terms(capsys):
+    from orchestrator.planner.validation import ROWS, main, row_cost
+
+    assert main(["--row", "cm384-decode"]) == 0
+    out = capsys.readouterr().out
+    row = next(r for r in ROWS if r.key == "cm384-decode")
+    assert f"ratio {row_cost(row)[1] / row.figure:.2f}" in out
+    assert "MTP: 1.7 tokens per step" in out and "all-to-all combine" in out
