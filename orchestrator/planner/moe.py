@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import num_moe_layers
+from orchestrator.planner.specs import AllToAll, DeviceSpec
 
 GBPS = 1e9
 SCALE_BYTES = 4 / 128  # one fp32 scale per 128 8-bit values (DeepEP / DeepGEMM FP8 blocks)
@@ -93,10 +94,11 @@ class Links:
     latency_s: float
 
 
-def alltoall_s(m: ModelConfig, spec, tokens: float, ep: int, decode: bool,
+def alltoall_s(m: ModelConfig, spec: DeviceSpec, tokens: float, ep: int, decode: bool,
                eight_bit: bool, link_eff: float) -> tuple[float, float]:
     """(dispatch, combine) seconds of one step's all-to-alls over every MoE layer, for
-    ``tokens`` tokens on one rank at EP size ``ep`` (``spec``: a DeviceSpec)."""
+    ``tokens`` tokens on one rank at EP size ``ep`` (``link_eff``: of the plain links, when
+    ``spec`` has no library figures)."""
     if ep <= 1 or not m.n_routed_experts or tokens <= 0:
         return 0.0, 0.0
     h, k = m.hidden_size, m.num_experts_per_tok
@@ -128,7 +130,7 @@ def _plain(copies: float, sizes: tuple[float, float], ep: int,
 
 
 def _normal(m: ModelConfig, tokens: float, sizes: tuple[float, float], ep: int, domain: int,
-            a2a, floor: float) -> tuple[float, float]:
+            a2a: AllToAll, floor: float) -> tuple[float, float]:
     """Prefill kernels: once per distinct destination domain across, once per distinct
     rank inside."""
     k = m.num_experts_per_tok
