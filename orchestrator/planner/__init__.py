@@ -1,12 +1,17 @@
 """``orch plan``: predict TTFT, TPOT and output tokens/s of a layout before deploying it.
 
-- :mod:`.specs`: device descriptions (``devices.yaml``, one data file) and efficiency factors.
+- :mod:`.specs`: device descriptions (``devices.yaml``, one data file), per-kernel
+  efficiencies and the EP library's all-to-all figures.
 - :mod:`.calibrate`: the ``cpu`` device, measured on this machine and cached
   (:mod:`.calibrate_serving`: its served steps).
-- :mod:`.cost`: FLOPs, bytes and seconds of one prefill, one decode step, one KV transfer.
+- :mod:`.counts`: parameters, FLOPs and KV bytes a token costs.
+- :mod:`.moe`: step options (overlap, MTP, EPLB), expert slots, imbalance, the all-to-all.
+- :mod:`.cost`: the terms and seconds of one prefill, one decode step, one KV transfer
+  (:mod:`.explain`: them printed).
 - :mod:`.load`: the operating point (queueing, batch, throughput) of a workload.
 - :mod:`.report`: the plan of an ``OrchConfig`` and its printed table.
 - :mod:`.versus`: the plan next to ``orch bench`` on a running cpu deployment.
+- :mod:`.validation`: the plan held against published large-EP results.
 
-docs/planner.md describes the model and its fitted factors.
+docs/planner.md describes the model, the sources of its figures and its validation.
 """

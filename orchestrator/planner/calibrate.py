@@ -212,15 +212,14 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     step times less their FLOP and byte time on ``raw``."""
     from engine.model_config import ModelConfig
     from orchestrator.config.memory_plan import Precision, RoleLayout, num_moe_layers, plan_role
-    from orchestrator.planner.cost import (Hardware, decode_step_cost, expert_active_share,
-                                           prefill_cost)
-    from orchestrator.planner.specs import efficiency
+    from orchestrator.planner.cost import Hardware, decode_step_cost, prefill_cost
+    from orchestrator.planner.counts import expert_active_share
     from orchestrator.tiny_model import tiny_config_dict
 
     m = ModelConfig.from_dict(tiny_config_dict())
     lay = RoleLayout("colocated", 1, 1, False, 8, 16, PROMPT, 1, 128)
     prec = Precision.of("float32")
-    plan, hw = plan_role(m, lay, prec), Hardware(raw, efficiency(raw))
+    plan, hw = plan_role(m, lay, prec), Hardware(raw)
     host_pre = prefill_s - prefill_cost(m, plan, prec, hw, PROMPT, PROMPT).total_s
     host_dec = decode_s - decode_step_cost(m, plan, prec, hw, 1, PROMPT).total_s
     moe, layers = num_moe_layers(m), m.num_hidden_layers
@@ -259,9 +258,9 @@ def measure_cpu(ckpt: Path | None = None,
     raw = DeviceSpec(
         key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=ram,
         hbm_gb_s=rates["stream_gb_s"], bf16_tflops=rates["flops"] / 1e12,
-        int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
-        inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
-        ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
+        int8_tflops=rates["flops"] / 1e12, intra_domain_gb_s=rates["gloo_gb_s"],
+        inter_domain_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
+        domain_ranks=os.cpu_count() or 1, layer_overhead_us=0.0)
     prefill_s, decode_s = _tiny_step_s(ckpt)
     call_us, steps = _ray_figures(ckpt, served)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
@@ -289,10 +288,14 @@ def _first_token_us(served_s: float, colocated: bool, call_us: float, prefill_s:
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:
-    """The cached ``cpu`` device; measured (and cached) when absent or ``recalibrate``."""
+    """The cached ``cpu`` device; measured (and cached) when absent, ``recalibrate`` or
+    written by an older layout of :class:`.specs.DeviceSpec`."""
     path = cache_path()
     if not recalibrate and path.exists():
-        return DeviceSpec(**json.loads(path.read_text()))
+        try:
+            return DeviceSpec.from_dict("cpu", json.loads(path.read_text()))
+        except TypeError:
+            pass  # an older field layout: measure again
     spec = measure_cpu()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(spec), indent=1))

@@ -10,23 +10,28 @@ import argparse
 import sys
 from pathlib import Path
 
-from orchestrator.planner.load import WorkloadSpec, parse_workload
+from orchestrator.planner.load import WORKLOAD_HELP, WorkloadSpec, parse_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``orch plan`` options (docs/planner.md)."""
     p.add_argument("config", help="YAML config (configs/...)")
     p.add_argument("--workload", default=None,
-                   help="in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start="
-                   "together]] (default closed loop filling the decode slots; start=together: "
-                   "the N in lock-step, as a closed-loop bench of equal requests runs)")
+                   help=WORKLOAD_HELP + " (default closed loop filling the decode slots; "
+                   "start=together: the N in lock-step, as a closed-loop bench of equal "
+                   "requests runs; mtp/accept: multi-token prediction; overlap: two "
+                   "micro-batches, default on for EP on an accelerator; eplb: expert load "
+                   "balancer, default 1; docs/planner.md)")
     p.add_argument("--trace", type=Path, default=None,
                    help="a trace file instead: mean lengths and its arrival rate")
     p.add_argument("--trace-kind", choices=("mooncake", "azure", "sharegpt"),
                    default="mooncake", help="format of --trace (the bench's loaders)")
     p.add_argument("--device", default=None,
-                   help="devices.yaml entry (a3, a2, h100, h200) or cpu; default: the "
+                   help="devices.yaml entry (a3, a2, h100, h200, h800) or cpu; default: the "
                    "config's cluster.device default")
+    p.add_argument("--explain", action="store_true",
+                   help="print every term of a prefill and a decode step (kernels, "
+                   "all-to-all, overlap, MTP, imbalance)")
     p.add_argument("--calibrate", action="store_true",
                    help="cpu: measure again instead of using the cached figures")
 
@@ -64,5 +69,5 @@ def run(ns: argparse.Namespace) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"orch plan: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(format_plan(plan)))
+    print("\n".join(format_plan(plan, ns.explain)))
     return 0

@@ -1,130 +1,140 @@
-"""Seconds of one prefill, one decode step and one KV transfer, from FLOPs and bytes.
+"""Seconds of one prefill, one decode step and one KV transfer, term by term.
 
-Every time is a :class:`Cost`: compute and memory overlap (the larger counts), collectives
-and host dispatch add. Counts follow the engine's layout (docs/planner.md):
+A forward pass of ``tokens`` tokens on one DP rank is a list of :class:`Term`:
 
-- linear FLOPs: 2 x the parameters a token touches (MLA projections on all heads, dense MLP
-  or shared + ``num_experts_per_tok`` routed experts, router gate, V3.2 indexer), split over
-  the ``tp x cp`` ranks of a DP rank;
-- attention FLOPs: dense MLA in MHA form over the causal prefix (prefill) or absorbed over
-  the whole context (decode); V3.2 sparse attention over ``min(context, index_topk)`` keys in
-  absorbed form plus the indexer's ``index_n_heads x index_head_dim`` dot products over the
-  whole prefix;
-- bytes: the memory plan's weights (routed experts only the share a step activates) and the
-  KV read by attention;
-- collectives: two TP all-reduces per layer (ring: ``2 (n-1)/n`` of the bytes) and one for
-  the vocab-parallel embedding, the all-gather of the sampled rows' fp32 logits, and with
-  ``ep`` an all-to-all dispatch and combine per MoE layer; each also pays the link latency.
+- kernels, each its roofline ``max(FLOPs / (peak x kernel efficiency), bytes / (HBM x
+  efficiency))``: the attention phase (MLA / indexer / dense-MLP linears and lm_head at the
+  linears' GEMM precision, the attention core) and the MoE phase (shared experts, routed
+  experts x the expert-load imbalance), split over the DP rank's ``tp x cp`` ranks;
+- the EP all-to-all dispatch and combine (:mod:`.moe`);
+- serial terms: TP all-reduces (ring: ``2 (n-1)/n`` of the bytes) and the vocab-parallel
+  collectives, context-parallel gathers, host dispatch, the step call, serving cost.
+
+Without overlap the step is the sum. With two micro-batches (:class:`.moe.StepOptions`) each
+kernel runs twice on half the tokens (weights read twice), compute-bound kernels under the
+prefill all-to-all lose the share of compute units its kernels hold, and a step is, per
+phase, the maximum of computation and communication: ``max(attention, dispatch) + max(MoE,
+combine)`` plus the serial terms. The linears run at the 8-bit peak when they are stored in one byte
+(FP8 where the device has it, else INT8), else at the bf16 peak.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.model_config import ModelConfig
-from engine.quant.formats import W8A8_INT8
 from orchestrator.config.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
-from orchestrator.planner.specs import DeviceSpec, Efficiency
+from orchestrator.planner import counts
+from orchestrator.planner.moe import StepOptions, alltoall_s, experts_per_rank, imbalance
+from orchestrator.planner.specs import DeviceSpec
 
 GBPS = 1e9
 TFLOPS = 1e12
+ATTN, MOE, DISPATCH, COMBINE, SERIAL = "attention", "moe", "dispatch", "combine", "serial"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One cause of time: ``phase`` places it in a step; ``bound`` says what limits it
+    ("compute", "memory", "link", "host")."""
+
+    name: str
+    phase: str
+    seconds: float
+    bound: str
 
 
 @dataclass(frozen=True)
 class Cost:
-    """Seconds by cause; ``total_s`` = max(compute, memory) + comm + overhead."""
+    """Seconds by cause (module docstring); ``total_s`` per the overlap rule.
 
-    compute_s: float
-    memory_s: float
-    comm_s: float
-    overhead_s: float
+    Attributes:
+        terms: the terms, by name (one per name).
+        overlap: two micro-batches.
+        tokens_per_step: tokens a sequence gains per step (MTP: 1 + accepted drafts).
+        imbalance: busiest EP rank's routed tokens over the mean.
+    """
+
+    terms: tuple[Term, ...]
+    overlap: bool = False
+    tokens_per_step: float = 1.0
+    imbalance: float = 1.0
+
+    def phase_s(self, phase: str) -> float:
+        return sum(t.seconds for t in self.terms if t.phase == phase)
+
+    def bound_s(self, bound: str) -> float:
+        return sum(t.seconds for t in self.terms if t.bound == bound)
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.comm_s + self.overhead_s
+        a, m, d, c = (self.phase_s(p) for p in (ATTN, MOE, DISPATCH, COMBINE))
+        serial = self.phase_s(SERIAL)
+        return (max(a, d) + max(m, c) if self.overlap else a + m + d + c) + serial
+
+    @property
+    def compute_s(self) -> float:
+        return self.bound_s("compute")
+
+    @property
+    def memory_s(self) -> float:
+        return self.bound_s("memory")
+
+    @property
+    def comm_s(self) -> float:
+        return self.bound_s("link")
+
+    @property
+    def overhead_s(self) -> float:
+        return self.bound_s("host")
+
+    def __add__(self, other: "Cost") -> "Cost":
+        names = {t.name: t for t in self.terms}
+        for t in other.terms:
+            old = names.get(t.name)
+            names[t.name] = t if old is None else replace(old, seconds=old.seconds + t.seconds)
+        return replace(self, terms=tuple(names.values()))
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """A device with its efficiency factors applied: achieved rates in bytes/s and FLOP/s."""
+    """A device with its kernel efficiencies applied: achieved rates in bytes/s, FLOP/s."""
 
     spec: DeviceSpec
-    eff: Efficiency
 
-    @property
-    def flops(self) -> float:
-        return self.spec.bf16_tflops * TFLOPS * self.eff.compute
+    def gemm_flops(self, prec: Precision) -> float:
+        """FLOP/s of the linears: 1-byte weights at the FP8 peak (else INT8: W8A8), else the
+        bf16 peak (cpu: the measured rate at the model dtype)."""
+        s, k = self.spec, self.spec.kernels
+        if prec.linear <= 1:
+            if s.fp8_tflops > 0:
+                return s.fp8_tflops * TFLOPS * k.gemm_fp8
+            return s.int8_tflops * TFLOPS * k.gemm_int8
+        return s.bf16_tflops * TFLOPS * k.gemm_bf16
 
-    def linear_flops(self, m: ModelConfig) -> float:
-        """FLOP/s of the decoder's linears: the int8 peak for a W8A8 checkpoint (int8
-        activations and weights), else bf16 (FP8 weights are dequantized to compute)."""
-        int8 = m.quantization is not None and m.quantization.method == W8A8_INT8
-        return (self.spec.int8_tflops if int8 else self.spec.bf16_tflops) * TFLOPS \
-            * self.eff.compute
+    def attn_flops(self, decode: bool) -> float:
+        k = self.spec.kernels
+        return self.spec.bf16_tflops * TFLOPS * (k.attn_decode if decode else k.attn_prefill)
 
-    @property
-    def hbm(self) -> float:
-        return self.spec.hbm_gb_s * GBPS * self.eff.hbm
+    def hbm(self, kind: str = "weights_hbm") -> float:
+        return self.spec.hbm_gb_s * GBPS * getattr(self.spec.kernels, kind)
 
     @property
     def latency_s(self) -> float:
         return self.spec.link_latency_us * 1e-6
 
     def link(self, group: int) -> float:
-        """Bytes/s per rank of a collective over ``group`` ranks (inter-node once it spans
-        more than one node)."""
-        gb_s = self.spec.intra_node_gb_s if group <= self.spec.ranks_per_node \
-            else self.spec.inter_node_gb_s
-        return gb_s * GBPS * self.eff.link
+        """Bytes/s per rank of a collective over ``group`` ranks (the inter-domain link once
+        it spans more than one scale-up domain)."""
+        gb_s = self.spec.intra_domain_gb_s if group <= self.spec.domain_ranks \
+            else self.spec.inter_domain_gb_s
+        return gb_s * GBPS * self.spec.kernels.link
 
 
-def linear_params_per_token(m: ModelConfig) -> int:
-    """Weights one token multiplies with over all decoder layers (lm_head not included)."""
-    heads, h = m.num_attention_heads, m.hidden_size
-    q = (h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim) if m.q_lora_rank \
-        else h * heads * m.qk_head_dim
-    attn = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) \
-        + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
-    if m.uses_sparse_attention:
-        attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim \
-            + h * (m.index_head_dim + m.index_n_heads)
-    moe = num_moe_layers(m)
-    experts = m.n_routed_experts or 0
-    per_moe = 3 * h * m.moe_intermediate_size * (m.n_shared_experts + m.num_experts_per_tok) \
-        + experts * h
-    dense = 3 * h * m.intermediate_size
-    return m.num_hidden_layers * attn + moe * per_moe + (m.num_hidden_layers - moe) * dense
-
-
-def attention_flops(m: ModelConfig, new: int, past: int) -> float:
-    """FLOPs of attention (all layers, all heads) for ``new`` tokens after ``past`` cached
-    ones, causal."""
-    heads, layers = m.num_attention_heads, m.num_hidden_layers
-    # sum over the new tokens of the keys each sees: past + 1 .. past + new
-    keys = new * past + new * (new + 1) / 2
-    if not m.uses_sparse_attention:
-        per_key = (m.qk_head_dim + m.v_head_dim) if new > 1 else \
-            (2 * m.kv_lora_rank + m.qk_rope_head_dim)  # decode runs absorbed MLA
-        return 2.0 * layers * heads * per_key * keys
-    k = m.index_topk
-    capped = sum_min(past, new, k)
-    absorbed = 2 * m.kv_lora_rank + m.qk_rope_head_dim
-    return 2.0 * layers * (heads * absorbed * capped + m.index_n_heads * m.index_head_dim * keys)
-
-
-def sum_min(past: int, new: int, k: int) -> float:
-    """sum over t in past+1 .. past+new of min(t, k)."""
-    lo, hi = past + 1, past + new
-    a_hi, b_lo = min(hi, k), max(lo, k + 1)
-    below = (a_hi - lo + 1) * (lo + a_hi) / 2 if lo <= a_hi else 0.0
-    return below + (hi - b_lo + 1) * k if b_lo <= hi else below
-
-
-def kv_bytes_per_token(m: ModelConfig, prec: Precision) -> float:
-    """KV cache bytes of one token over all layers (latent, k_pe, V3.2 index_k)."""
-    width = m.kv_lora_rank + m.qk_rope_head_dim + \
-        (m.index_head_dim if m.uses_sparse_attention else 0)
-    return m.num_hidden_layers * width * prec.kv
+def _roofline(name: str, phase: str, flops: float, rate: float, nbytes: float,
+              bw: float) -> Term:
+    c, m = flops / rate, nbytes / bw
+    return Term(name, phase, max(c, m), "compute" if c >= m else "memory")
 
 
 def allreduce_s(hw: Hardware, nbytes: float, n: int) -> float:
@@ -134,74 +144,115 @@ def allreduce_s(hw: Hardware, nbytes: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes / hw.link(n) + hw.latency_s
 
 
-def all_to_all_s(hw: Hardware, nbytes: float, n: int) -> float:
-    """One all-to-all where each rank sends ``nbytes`` spread over ``n`` ranks: the off-node
-    share over the inter-node link, the rest over intra-node links, in parallel."""
-    if n <= 1:
-        return 0.0
-    away = nbytes * (n - 1) / n
-    rpn = hw.spec.ranks_per_node
-    off = max(0.0, 1 - rpn / n)
-    intra = hw.spec.intra_node_gb_s * GBPS * hw.eff.link
-    inter = hw.spec.inter_node_gb_s * GBPS * hw.eff.link
-    return max(away * (1 - off) / intra, away * off / inter) + hw.latency_s
+def overlap_on(lay: RoleLayout, hw: Hardware, opts: StepOptions) -> bool:
+    """The option, else on for an EP layout on an accelerator (SGLang / DeepSeek large EP
+    run two micro-batches; orch's cpu engine does not)."""
+    if opts.overlap is not None:
+        return opts.overlap
+    return lay.ep and lay.ep_size > 1 and hw.spec.platform != "cpu"
 
 
-def _comm_per_layer(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float,
-                    act: float) -> float:
-    """Collectives of one pass of ``tokens`` tokens through every layer of one DP rank: the
-    TP all-reduces on each CP rank's ``tokens / cp``, the EP all-to-alls on each rank's
-    ``tokens / (tp cp)``."""
-    hidden = tokens / lay.cp * m.hidden_size * act
-    ar = 2 * m.num_hidden_layers * allreduce_s(hw, hidden, lay.tp)
-    if not lay.ep:
-        return ar
-    per_rank = tokens / (lay.tp * lay.cp) * m.num_experts_per_tok * m.hidden_size * act
-    return ar + 2 * num_moe_layers(m) * all_to_all_s(hw, per_rank, lay.ep_size)
+@dataclass(frozen=True)
+class Work:
+    """What one forward pass of a DP rank does: ``tokens`` through the linears,
+    ``attn_flops`` attention-core FLOPs reading ``kv_bytes``, ``lm_rows`` rows through
+    lm_head; ``decode``: decode kernels (attention efficiency, low-latency all-to-all)."""
+
+    tokens: float
+    attn_flops: float
+    kv_bytes: float
+    lm_rows: float
+    decode: bool
+
+    def half(self) -> "Work":
+        return Work(self.tokens / 2, self.attn_flops / 2, self.kv_bytes / 2,
+                    self.lm_rows / 2, self.decode)
 
 
-def _vocab_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float,
-                act: float) -> float:
-    """The vocab-parallel embedding's all-reduce (``tokens`` rows) and the all-gather of the
-    fp32 logits of ``tokens`` sampled rows (each rank receives the other ranks' vocab
-    shares)."""
-    if lay.tp <= 1:
-        return 0.0
-    gather = tokens * m.vocab_size * 4 * (lay.tp - 1) / lay.tp
-    return allreduce_s(hw, tokens * m.hidden_size * act, lay.tp) \
-        + gather / hw.link(lay.tp) + hw.latency_s
-
-
-def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
-                 prompt: int, chunk: int) -> Cost:
-    """One prompt of ``prompt`` tokens on one prefill DP rank, in chunks of ``chunk`` tokens.
-
-    With ``cp`` (context parallel, seed 004's DSA-CP) each of the DP rank's ``cp`` ranks
-    computes ``1 / cp`` of the tokens with all heads and the K/V latents of each chunk are
-    all-gathered; layer-sharded weights' broadcasts are taken as hidden behind compute.
-    """
+def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
+             opts: StepOptions, w: Work) -> tuple[list[Term], float]:
+    """The kernel terms of one pass and the EP imbalance they ran with."""
     lay = plan.layout
     ranks = lay.tp * lay.cp
-    seconds = (2.0 * prompt * linear_params_per_token(m) / hw.linear_flops(m)
-               + attention_flops(m, prompt, 0) / hw.flops) / ranks
-    chunks = -(-prompt // chunk)
-    memory = chunks * plan.bytes_of("weights") / hw.hbm
-    comm = _comm_per_layer(m, lay, hw, prompt, prec.activation) \
-        + allreduce_s(hw, prompt / lay.cp * m.hidden_size * prec.activation, lay.tp)
-    if lay.cp > 1:
-        comm += (lay.cp - 1) / lay.cp * prompt * kv_bytes_per_token(m, prec) / hw.link(ranks) \
-            + m.num_hidden_layers * hw.latency_s * chunks
-    overhead = chunks * (host_s(m, lay, hw, min(chunk, prompt)) + step_call_s(lay, hw)
-                         + serving_s(hw))
-    return Cost(seconds, memory, comm, overhead)
+    rows = {r.kind: r.bytes for r in plan.rows}
+    gemm, hbm = hw.gemm_flops(prec), hw.hbm()
+    moe_kinds = ("routed experts", "shared experts", "embedding")
+    dense_bytes = plan.bytes_of("weights") - sum(rows.get(k, 0) for k in moe_kinds)
+    dense_flops = 2 * w.tokens * counts.dense_params_per_token(m) / ranks
+    lm_flops = 2 * w.lm_rows * m.hidden_size * m.vocab_size / lay.tp
+    lm_rate = hw.spec.bf16_tflops * TFLOPS * hw.spec.kernels.gemm_bf16
+    terms = [Term("linears", ATTN, max(dense_flops / gemm + lm_flops / lm_rate,
+                                       dense_bytes / hbm),
+                  "compute" if dense_flops / gemm + lm_flops / lm_rate >= dense_bytes / hbm
+                  else "memory"),
+             _roofline("attention", ATTN, w.attn_flops / ranks, hw.attn_flops(w.decode),
+                       w.kv_bytes, hw.hbm("attn_decode_hbm"))]
+    if not m.n_routed_experts:
+        return terms, 1.0
+    group_tokens = w.tokens * (lay.dp if lay.ep else 1)
+    imb = imbalance(m, lay.ep_size, group_tokens, opts) if lay.ep else 1.0
+    terms.append(_roofline("shared experts", MOE,
+                           2 * w.tokens * counts.shared_params_per_token(m) / ranks, gemm,
+                           rows.get("shared experts", 0), hbm))
+    active = counts.expert_active_share(m, group_tokens)
+    if lay.ep:
+        held = experts_per_rank(m, lay.ep_size, opts.redundant)
+        expert_bytes = num_moe_layers(m) * held * counts.expert_params(m) * prec.linear
+    else:
+        expert_bytes = rows.get("routed experts", 0)
+    masked = hw.spec.kernels.gemm_masked if w.decode else 1.0
+    terms.append(_roofline("routed experts", MOE,
+                           2 * w.tokens * counts.routed_params_per_token(m) / ranks * imb,
+                           gemm * masked, expert_bytes * active, hbm))
+    return terms, imb
 
 
-def expert_active_share(m: ModelConfig, tokens: float) -> float:
-    """Expected share of routed experts at least one of ``tokens`` tokens picks."""
-    experts = m.n_routed_experts or 0
-    if not experts:
+def _tp_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, w: Work, act: float) -> float:
+    """TP all-reduces (two per layer, one for the vocab-parallel embedding) and, decoding,
+    the all-gather of the sampled rows' fp32 logits."""
+    if lay.tp <= 1:
         return 0.0
-    return 1 - (1 - m.num_experts_per_tok / experts) ** tokens
+    hidden = w.tokens / lay.cp * m.hidden_size * act
+    seconds = (2 * m.num_hidden_layers + 1) * allreduce_s(hw, hidden, lay.tp)
+    if w.decode:
+        gather = w.lm_rows * m.vocab_size * 4 * (lay.tp - 1) / lay.tp
+        seconds += gather / hw.link(lay.tp) + hw.latency_s
+    return seconds
+
+
+def forward_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
+                 opts: StepOptions, w: Work) -> Cost:
+    """One forward pass of one DP rank (module docstring): kernels, all-to-alls, TP
+    collectives and host costs; with ``opts.overlap`` None (auto) on an EP layout, the
+    faster of one batch and two micro-batches (engines enable two-batch overlap where it
+    pays: at a small decode batch the second weight read costs more than it hides)."""
+    lay = plan.layout
+    if opts.overlap is None and overlap_on(lay, hw, opts):
+        one, two = (_forward(m, plan, prec, hw, opts, w, n) for n in (1, 2))
+        return two if two.total_s < one.total_s else one
+    return _forward(m, plan, prec, hw, opts, w, 2 if overlap_on(lay, hw, opts) else 1)
+
+
+def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
+             opts: StepOptions, w: Work, n: int) -> Cost:
+    """:func:`forward_cost` in ``n`` micro-batches (1 or 2: overlapped)."""
+    lay = plan.layout
+    part = w.half() if n == 2 else w
+    kernels, imb = _kernels(m, plan, prec, hw, opts, part)
+    a2a = hw.spec.alltoall
+    slow = 1 / (1 - a2a.normal_sm_share) if n == 2 and lay.ep and a2a and not w.decode \
+        else 1.0  # the normal kernels' SMs, taken from computation under them
+    terms = [replace(t, seconds=t.seconds * n * (slow if t.bound == "compute" else 1.0))
+             for t in kernels]
+    if lay.ep:
+        d, c = alltoall_s(m, hw.spec, part.tokens / (lay.tp * lay.cp), lay.ep_size,
+                          w.decode, prec.linear <= 1, hw.spec.kernels.link)
+        terms += [Term("all-to-all dispatch", DISPATCH, d * n, "link"),
+                  Term("all-to-all combine", COMBINE, c * n, "link")]
+    terms += [Term("TP collectives", SERIAL, _tp_comm(m, lay, hw, w, prec.activation), "link"),
+              Term("host", SERIAL, host_s(m, lay, hw, w.tokens) + step_call_s(lay, hw)
+                   + serving_s(hw), "host")]
+    return Cost(tuple(terms), n == 2, 1.0, imb)
 
 
 def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> float:
@@ -209,7 +260,7 @@ def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> floa
     rank's tokens reach the experts): per layer, plus per routed expert the rank runs."""
     step_tokens = tokens * (lay.dp if lay.ep else 1)
     local = (m.n_routed_experts or 0) / lay.ep_size
-    experts = num_moe_layers(m) * local * expert_active_share(m, step_tokens)
+    experts = num_moe_layers(m) * local * counts.expert_active_share(m, step_tokens)
     return 1e-6 * (m.num_hidden_layers * hw.spec.layer_overhead_us
                    + experts * hw.spec.expert_overhead_us)
 
@@ -232,32 +283,54 @@ def request_calls(colocated: bool) -> int:
     return 1 if colocated else 3
 
 
-def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
-                     batch: float, context: float) -> Cost:
-    """One decode step of ``batch`` sequences of ``context`` tokens on one decode DP rank
-    (with ``ep`` every DP rank steps together with the same batch)."""
+def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
+                 prompt: int, chunk: int, opts: StepOptions = StepOptions()) -> Cost:
+    """One prompt of ``prompt`` tokens on one prefill DP rank, in chunks of ``chunk`` tokens
+    (each a forward pass over the prefix before it).
+
+    With ``cp`` (context parallel, seed 004's DSA-CP) each of the DP rank's ``cp`` ranks
+    computes ``1 / cp`` of the tokens with all heads and the K/V latents of each chunk are
+    all-gathered; layer-sharded weights' broadcasts are taken as hidden behind compute.
+    """
     lay = plan.layout
-    step_tokens = batch * (lay.dp if lay.ep else 1)
-    rows = {r.kind: r.bytes for r in plan.rows}
-    weights = plan.bytes_of("weights") - rows.get("embedding", 0) \
-        - rows.get("routed experts", 0) * (1 - expert_active_share(m, step_tokens))
-    per_seq_kv = m.num_hidden_layers * prec.kv * (
-        min(context, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim)
-        + context * m.index_head_dim if m.uses_sparse_attention
-        else context * (m.kv_lora_rank + m.qk_rope_head_dim))
-    seconds = batch * (2.0 * linear_params_per_token(m) / hw.linear_flops(m)
-                       + (2.0 * m.hidden_size * m.vocab_size
-                          + attention_flops(m, 1, int(context))) / hw.flops) / lay.tp
-    comm = _comm_per_layer(m, lay, hw, batch, prec.activation) + _vocab_comm(m, lay, hw, batch,
-                                                                              prec.activation)
-    return Cost(seconds, (weights + batch * per_seq_kv) / hw.hbm, comm,
-                host_s(m, lay, hw, batch) + step_call_s(lay, hw) + serving_s(hw))
+    total, past = None, 0
+    while past < prompt:
+        new = min(chunk, prompt - past)
+        w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False)
+        step = forward_cost(m, plan, prec, hw, opts, w)
+        total = step if total is None else total + step
+        past += new
+    if lay.cp > 1:
+        chunks = -(-prompt // chunk)
+        gather = (lay.cp - 1) / lay.cp * prompt * counts.kv_bytes_per_token(m, prec) \
+            / hw.link(lay.ranks) + m.num_hidden_layers * hw.latency_s * chunks
+        total = total + Cost((Term("CP gathers", SERIAL, gather, "link"),))
+    return total
+
+
+def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
+                     batch: float, context: float, opts: StepOptions = StepOptions()) -> Cost:
+    """One decode step of ``batch`` sequences of ``context`` tokens on one decode DP rank
+    (with ``ep`` every DP rank steps together with the same batch). With MTP each sequence
+    verifies ``1 + mtp`` tokens (absorbed attention over the same KV) and the draft module
+    (one layer-like block) runs ``mtp`` times on the batch."""
+    q = 1 + opts.mtp
+    w = Work(batch * q, batch * counts.attention_flops(m, q, int(context), absorbed=True),
+             batch * counts.kv_read_per_seq(m, prec, context), batch * q, True)
+    cost = forward_cost(m, plan, prec, hw, opts, w)
+    if opts.mtp:
+        base = forward_cost(m, plan, prec, hw, replace(opts, mtp=0),
+                            Work(batch, 0.0, 0.0, batch, True))
+        per_layer = (base.phase_s(ATTN) + base.phase_s(MOE)) / m.num_hidden_layers
+        cost = cost + Cost((Term("MTP drafts", SERIAL, opts.mtp * per_layer, "compute"),))
+    return replace(cost, tokens_per_step=opts.tokens_per_step())
 
 
 def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,
                      group: int) -> Cost:
     """Shipping one prompt's KV to a decode DP rank: every decode rank receives all of it
-    over its link (inter-node once the ``group`` of both roles' ranks spans nodes), one
+    over its link (inter-domain once the ``group`` of both roles' ranks spans domains), one
     message per layer."""
-    nbytes = prompt * kv_bytes_per_token(m, prec)
-    return Cost(0.0, 0.0, nbytes / hw.link(group) + m.num_hidden_layers * hw.latency_s, 0.0)
+    nbytes = prompt * counts.kv_bytes_per_token(m, prec)
+    return Cost((Term("KV transfer", SERIAL,
+                      nbytes / hw.link(group) + m.num_hidden_layers * hw.latency_s, "link"),))

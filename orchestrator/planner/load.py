@@ -25,39 +25,72 @@ step time by fixed-point iteration.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+from orchestrator.planner.moe import StepOptions
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
     """Mean request shape and load. ``rate`` (req/s) and ``concurrency`` exclusive; neither:
     closed loop filling the decode slots; ``together`` (with ``concurrency``): the closed
-    loop runs in lock-step."""
+    loop runs in lock-step; ``options``: how the engine runs a step (MTP, overlap, EPLB)."""
 
     input_len: int
     output_len: int
     rate: float | None = None
     concurrency: int | None = None
     together: bool = False  # closed loop in lock-step (module docstring)
+    options: StepOptions = field(default_factory=StepOptions)
+
+
+WORKLOAD_HELP = ("in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start=together]]"
+                 "[,mtp=DRAFTS,accept=P][,overlap=0|1][,eplb=0|1][,skew=CV]"
+                 "[,redundant=SLOTS]")
+_KEYS = {"in": int, "out": int, "rate": float, "concurrency": int, "start": str,
+         "mtp": int, "accept": float, "overlap": int, "eplb": int, "skew": float,
+         "redundant": int}
+
+
+def _options(values: dict, text: str) -> StepOptions:
+    """The step options among the parsed ``values`` (removed from it).
+
+    Raises:
+        ValueError: accept outside [0, 1] or given without mtp, mtp / redundant / skew < 0,
+            overlap or eplb not 0 or 1.
+    """
+    opts = {k: values.pop(k) for k in ("mtp", "accept", "overlap", "eplb", "skew",
+                                       "redundant") if k in values}
+    bad = [k for k in ("overlap", "eplb") if opts.get(k, 0) not in (0, 1)]
+    bad += [k for k in ("mtp", "redundant", "skew") if opts.get(k, 0) < 0]
+    if not 0 <= opts.get("accept", 0) <= 1 or ("accept" in opts and not opts.get("mtp")):
+        bad.append("accept")
+    if bad:
+        raise ValueError(f"--workload {text!r}: bad {', '.join(bad)}: overlap and eplb are 0 "
+                         "or 1, mtp/redundant/skew >= 0, accept in [0, 1] with mtp >= 1")
+    for k in ("overlap", "eplb"):
+        if k in opts:
+            opts[k] = bool(opts[k])
+    return StepOptions(**opts)
 
 
 def parse_workload(text: str) -> WorkloadSpec:
-    """``in=65536,out=3072[,rate=R | ,concurrency=C[,start=together|staggered]]`` ->
-    :class:`WorkloadSpec`.
+    """``in=65536,out=3072[,rate=R | ,concurrency=C[,start=together|staggered]]`` plus the
+    step options (:data:`WORKLOAD_HELP`, :class:`.moe.StepOptions`) -> :class:`WorkloadSpec`.
 
     Raises:
         ValueError: an unknown or repeated key, a missing in/out, a bad number (rate not a
             finite number > 0, a length or concurrency < 1) or start, both rate and
-            concurrency, start without concurrency.
+            concurrency, start without concurrency, a bad step option.
     """
-    keys = {"in": int, "out": int, "rate": float, "concurrency": int, "start": str}
+    keys = _KEYS
     values: dict[str, float | str] = {}
     for part in filter(None, text.split(",")):
         key, _, value = (s.strip() for s in part.partition("="))
         if key not in keys:
-            raise ValueError(f"--workload: unknown key {key!r} in {text!r}: use in=TOKENS,"
-                             "out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start=together]]")
+            raise ValueError(f"--workload: unknown key {key!r} in {text!r}: use "
+                             + WORKLOAD_HELP)
         if key in values:
             raise ValueError(f"--workload {text!r}: {key}= given twice")
         try:
@@ -65,6 +98,7 @@ def parse_workload(text: str) -> WorkloadSpec:
         except ValueError:
             raise ValueError(f"--workload {text!r}: {key}={value!r} is not "
                              f"{'a whole number' if keys[key] is int else 'a number'}") from None
+    options = _options(values, text)
     start = values.pop("start", "staggered")
     if start not in ("together", "staggered") or ("concurrency" not in values
                                                   and start == "together"):
@@ -77,7 +111,7 @@ def parse_workload(text: str) -> WorkloadSpec:
         raise ValueError("--workload: give rate= (open loop) or concurrency= (closed loop), "
                          "not both")
     spec = WorkloadSpec(int(values["in"]), int(values["out"]), values.get("rate"),
-                        values.get("concurrency"), start == "together")
+                        values.get("concurrency"), start == "together", options)
     rate_ok = spec.rate is None or (math.isfinite(spec.rate) and spec.rate > 0)
     if min(spec.input_len, spec.output_len) < 1 or not rate_ok \
             or (spec.concurrency is not None and spec.concurrency < 1):

@@ -12,11 +12,12 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.memory_check import MemoryPlan, build_memory_plan
 from orchestrator.config.memory_plan import RolePlan
-from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_bytes_per_token,
-                                       kv_transfer_cost, prefill_cost, request_calls)
+from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_transfer_cost,
+                                       prefill_cost, request_calls)
+from orchestrator.planner.counts import kv_bytes_per_token
+from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
-from orchestrator.planner.specs import (DeviceSpec, default_device, efficiency,
-                                        named_device)
+from orchestrator.planner.specs import DeviceSpec, default_device, named_device
 
 
 @dataclass(frozen=True)
@@ -90,20 +91,23 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     if slots < 1 or requests_held(pre, wl.input_len) < 1:
         raise ConfigError(f"one request of {wl.input_len}+{wl.output_len} tokens does not fit "
                           "a DP rank's KV cache: raise num_kv_blocks or shorten the workload")
-    hw = Hardware(device, efficiency(device))
+    hw, opts = Hardware(device), wl.options
     m, prec = memory.model, memory.precision
-    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size)
+    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size, opts)
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
         m, prec, hw, wl.input_len, pre.layout.ranks + dec.layout.ranks)
     first = device.first_token_us if colocated else device.pd_first_token_us
     calls = (request_calls(colocated) * device.control_call_us + first) * 1e-6
-    shape = Roles(p_cost.total_s, calls,
-                  lambda b: decode_step_cost(m, dec, prec, hw, b, context).total_s,
+    def per_token_s(batch: float) -> float:
+        step = decode_step_cost(m, dec, prec, hw, batch, context, opts)
+        return step.total_s / step.tokens_per_step
+
+    shape = Roles(p_cost.total_s, calls, per_token_s,
                   pre.layout.dp, dec.layout.dp, slots, colocated,
                   transfer.total_s if transfer else 0.0)
     point = operating_point(shape, wl)
-    step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context)
+    step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context, opts)
     best = None if colocated else _best_split(shape, pre, dec, wl)
     return Plan(cfg, memory, device, wl, pre, dec, slots, p_cost, step, transfer, point,
                 best)
@@ -147,7 +151,7 @@ def _gb(n: float) -> str:
 def _cost(c: Cost, scale: float, unit: str) -> str:
     return (f"{c.total_s * scale:.3g} {unit} (compute {c.compute_s * scale:.3g}, memory "
             f"{c.memory_s * scale:.3g}, collectives {c.comm_s * scale:.3g}, host "
-            f"{c.overhead_s * scale:.3g})")
+            f"{c.overhead_s * scale:.3g}{', overlapped' if c.overlap else ''})")
 
 
 def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens: int) -> str:
@@ -162,14 +166,21 @@ def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens:
             f"request, max_num_seqs {lay.max_num_seqs})")
 
 
-def format_plan(plan: Plan) -> list[str]:
-    """The ``orch plan`` report lines."""
-    wl, pt, eff = plan.workload, plan.point, efficiency(plan.device)
+def _options_text(plan: Plan) -> str:
+    o = plan.workload.options
+    mtp = f"; MTP {o.mtp} draft(s) at accept {o.accept:g}" if o.mtp else ""
+    if not (plan.prefill.layout.ep or plan.decode.layout.ep):
+        return mtp
+    return f"{mtp}; EPLB {'on' if o.eplb else f'off (skew {o.skew:g})'}"
+
+
+def format_plan(plan: Plan, explain: bool = False) -> list[str]:
+    """The ``orch plan`` report lines (``explain``: every term of a prefill and a step)."""
+    wl, pt = plan.workload, plan.point
     load = f"rate {wl.rate:g} req/s" if wl.rate else f"concurrency {pt.concurrency:g}" + (
         ", starting together" if wl.together else "")
     lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
-             f"out={wl.output_len}, {load}; efficiency compute {eff.compute:g}, HBM "
-             f"{eff.hbm:g}, links {eff.link:g}"]
+             f"out={wl.output_len}, {load}{_options_text(plan)}"]
     colocated = plan.transfer is None
     lines.append(_role_line("colocated" if colocated else "prefill", plan.prefill, plan.device,
                             requests_held(plan.prefill, wl.input_len), wl.input_len))
@@ -177,8 +188,12 @@ def format_plan(plan: Plan) -> list[str]:
     if not colocated:
         lines.append(_role_line("decode", plan.decode, plan.device, plan.slots,
                                 wl.input_len + wl.output_len))
+    if explain:
+        lines += cost_lines(plan.prefill_cost, 1, "s", "    ")
     lines.append(f"  decode step at batch {pt.decode_batch:.3g} per DP rank: "
                  f"{_cost(plan.step_cost, 1e3, 'ms')}")
+    if explain:
+        lines += cost_lines(plan.step_cost, 1e3, "ms", "    ")
     if plan.transfer is not None:
         nbytes = wl.input_len * kv_bytes_per_token(plan.memory.model, plan.memory.precision)
         lines.append(f"kv transfer per request: {plan.transfer.total_s:.3g} s "

@@ -12,7 +12,7 @@ import pytest
 
 from engine.model_config import ModelConfig
 from orchestrator.config.devices import GB, device_memory
-from orchestrator.planner.cost import attention_flops, linear_params_per_token, sum_min
+from orchestrator.planner.counts import attention_flops, linear_params_per_token, sum_min
 from orchestrator.planner.load import Roles, WorkloadSpec, operating_point, parse_workload
 from orchestrator.planner.specs import DEVICES_FILE, default_device, device_table
 from tests.e2e.harness import REPO
@@ -102,7 +102,7 @@ def test_device_memory_comes_from_the_device_file():
     assert device_memory("cuda", None).bytes == 80 * GB
     text = DEVICES_FILE.read_text()
     for key, spec in device_table().items():
-        assert spec.hbm_gb_s > 0 and spec.bf16_tflops > 0 and spec.inter_node_gb_s > 0
+        assert spec.hbm_gb_s > 0 and spec.bf16_tflops > 0 and spec.inter_domain_gb_s > 0
         entry = text.split(f"\n  {key}:\n")[1].split("\n  h")[0]
         assert entry.count("#") >= 4, f"{key}: each figure needs its source in a comment"
 

@@ -1,0 +1,108 @@
+"""What one token costs in parameters, FLOPs and KV bytes (no device, no layout).
+
+- parameters a token multiplies with: MLA projections on all heads (V3.2: plus the indexer's
+  projections), dense MLP layers, and per MoE layer the shared experts, the router gate and
+  ``num_experts_per_tok`` routed experts; lm_head not included;
+- attention FLOPs: dense MLA in MHA form over the causal prefix (prefill) or absorbed over
+  the whole context (decode); V3.2 sparse attention over ``min(context, index_topk)`` keys in
+  absorbed form plus the indexer's ``index_n_heads x index_head_dim`` dot products over the
+  whole prefix;
+- KV bytes: latent + rope key (+ V3.2 index key) per token and layer.
+"""
+
+from __future__ import annotations
+
+from engine.model_config import ModelConfig
+from orchestrator.config.memory_plan import Precision, num_moe_layers
+
+
+def attention_params_per_layer(m: ModelConfig) -> int:
+    """Weights of one layer's attention linears (all heads; V3.2 indexer included)."""
+    heads, h = m.num_attention_heads, m.hidden_size
+    q = (h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim) if m.q_lora_rank \
+        else h * heads * m.qk_head_dim
+    attn = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) \
+        + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
+    if m.uses_sparse_attention:
+        attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim \
+            + h * (m.index_head_dim + m.index_n_heads)
+    return attn
+
+
+def dense_params_per_token(m: ModelConfig) -> int:
+    """Weights every token multiplies with outside the routed and shared experts: attention
+    linears of every layer, dense MLP layers, the router gate of each MoE layer."""
+    moe = num_moe_layers(m)
+    dense_mlp = (m.num_hidden_layers - moe) * 3 * m.hidden_size * m.intermediate_size
+    gate = moe * (m.n_routed_experts or 0) * m.hidden_size
+    return m.num_hidden_layers * attention_params_per_layer(m) + dense_mlp + gate
+
+
+def expert_params(m: ModelConfig) -> int:
+    """Weights of one expert (gate, up, down) of one layer."""
+    return 3 * m.hidden_size * m.moe_intermediate_size
+
+
+def shared_params_per_token(m: ModelConfig) -> int:
+    """Weights of the shared experts a token runs, over all MoE layers."""
+    return num_moe_layers(m) * m.n_shared_experts * expert_params(m)
+
+
+def routed_params_per_token(m: ModelConfig) -> int:
+    """Weights of the routed experts a token runs, over all MoE layers."""
+    return num_moe_layers(m) * m.num_experts_per_tok * expert_params(m)
+
+
+def linear_params_per_token(m: ModelConfig) -> int:
+    """Weights one token multiplies with over all decoder layers (lm_head not included)."""
+    return dense_params_per_token(m) + shared_params_per_token(m) + routed_params_per_token(m)
+
+
+def attention_flops(m: ModelConfig, new: int, past: int, absorbed: bool | None = None) -> float:
+    """FLOPs of attention (all layers, all heads) for ``new`` tokens after ``past`` cached
+    ones, causal; dense MLA in MHA form (prefill) or ``absorbed`` (default: ``new`` == 1,
+    decode; MTP verification passes True)."""
+    heads, layers = m.num_attention_heads, m.num_hidden_layers
+    keys = new * past + new * (new + 1) / 2  # sum over new tokens of the keys each sees
+    absorbed = new == 1 if absorbed is None else absorbed
+    if not m.uses_sparse_attention:
+        per_key = (2 * m.kv_lora_rank + m.qk_rope_head_dim) if absorbed else \
+            (m.qk_head_dim + m.v_head_dim)
+        return 2.0 * layers * heads * per_key * keys
+    capped = sum_min(past, new, m.index_topk)
+    width = 2 * m.kv_lora_rank + m.qk_rope_head_dim
+    return 2.0 * layers * (heads * width * capped + m.index_n_heads * m.index_head_dim * keys)
+
+
+def sum_min(past: int, new: int, k: int) -> float:
+    """sum over t in past+1 .. past+new of min(t, k)."""
+    lo, hi = past + 1, past + new
+    a_hi, b_lo = min(hi, k), max(lo, k + 1)
+    below = (a_hi - lo + 1) * (lo + a_hi) / 2 if lo <= a_hi else 0.0
+    return below + (hi - b_lo + 1) * k if b_lo <= hi else below
+
+
+def kv_bytes_per_token(m: ModelConfig, prec: Precision) -> float:
+    """KV cache bytes of one token over all layers (latent, k_pe, V3.2 index_k)."""
+    width = m.kv_lora_rank + m.qk_rope_head_dim + \
+        (m.index_head_dim if m.uses_sparse_attention else 0)
+    return m.num_hidden_layers * width * prec.kv
+
+
+def kv_read_per_seq(m: ModelConfig, prec: Precision, context: float) -> float:
+    """KV bytes one decode step reads for one sequence of ``context`` tokens (V3.2: the
+    top-k latents and the indexer keys of the whole context)."""
+    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    if m.uses_sparse_attention:
+        per_layer = min(context, m.index_topk) * latent + context * m.index_head_dim
+    else:
+        per_layer = context * latent
+    return m.num_hidden_layers * prec.kv * per_layer
+
+
+def expert_active_share(m: ModelConfig, tokens: float) -> float:
+    """Expected share of routed experts at least one of ``tokens`` tokens picks."""
+    experts = m.n_routed_experts or 0
+    if not experts:
+        return 0.0
+    return 1 - (1 - m.num_experts_per_tok / experts) ** tokens

@@ -1,0 +1,193 @@
+"""The planner held against published large-EP DeepSeek serving results (docs/planner.md,
+"Validation"): ``python -m orchestrator.planner.validation [--explain] [--json] [--row KEY]``.
+
+Each :class:`Published` row is one published throughput with the layout and load its source
+states; the prediction runs the same cost model as ``orch plan`` on that layout (DP attention,
+EP over every rank of the role, the source's redundant experts, MTP and EPLB), per rank,
+then scaled to the source's unit (a node of 8 GPUs, a 2-die 910C NPU). Prefill: a forward of
+``tokens`` tokens per rank made of ``length``-token prompts; decode: one step of ``tokens``
+sequences per rank at ``length`` context. No figure of these sources is an input of the model
+(devices.yaml holds operator benchmarks only). Seed 004 is planned from its orch config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model_config import ModelConfig
+from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.planner import counts
+from orchestrator.planner.cost import Cost, Hardware, Work, decode_step_cost, forward_cost
+from orchestrator.planner.explain import cost_lines
+from orchestrator.planner.moe import StepOptions
+from orchestrator.planner.specs import named_device
+
+REPO = Path(__file__).resolve().parents[2]
+DAY6 = ("DeepSeek, \"Day 6: One More Thing, DeepSeek-V3/R1 Inference System Overview\" "
+        "(github.com/deepseek-ai/open-infra-index, 2025-03-01)")
+LMSYS = ("LMSYS, \"Deploying DeepSeek with PD Disaggregation and Large-scale Expert "
+         "Parallelism on 96 H100 GPUs\" (lmsys.org/blog/2025-05-05-large-scale-ep)")
+CM384 = ("Zuo et al., \"Serving Large Language Models on Huawei CloudMatrix384\" "
+         "(arXiv:2506.12708)")
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published throughput and the setting its source gives.
+
+    Attributes:
+        key: short name (``--row``).
+        source: title and address.
+        device: devices.yaml entry.
+        role: "prefill" (input tokens/s) or "decode" (output tokens/s).
+        ranks: ranks of the role's EP group (DP attention: dp = ranks, tp 1).
+        redundant: redundant expert slots.
+        length: prompt tokens (prefill) or context tokens (decode).
+        tokens: tokens per rank per forward (prefill) or sequences per rank (decode).
+        figure: the published throughput, per ``per`` ranks.
+        per: ranks per published unit (8: a node; 2: a 910C NPU of 2 dies).
+        unit: words for the unit.
+        mtp, accept: draft tokens per step and acceptance.
+        hit: share of input tokens served from a prefix cache (counted, not computed).
+        linear_bytes: bytes per linear weight (1: FP8 / INT8 W8A8).
+        setting: what of the setting is the source's and what is assumed.
+    """
+
+    key: str
+    source: str
+    device: str
+    role: str
+    ranks: int
+    redundant: int
+    length: int
+    tokens: int
+    figure: float
+    per: int
+    unit: str
+    mtp: int = 0
+    accept: float = 0.0
+    hit: float = 0.0
+    linear_bytes: float = 1.0
+    setting: str = ""
+
+
+ROWS = (
+    Published("day6-prefill", DAY6, "h800", "prefill", 32, 32, 4096, 16384, 73_700, 8,
+              "input tok/s per node", hit=0.563,
+              setting="EP32, 32 redundant experts (source); 56.3 % cache hits (source); "
+              "prompt length and tokens per forward not published: 4K and 16K assumed; a "
+              "24 h average, nodes not always busy"),
+    Published("day6-decode", DAY6, "h800", "decode", 144, 32, 5000, 88, 14_800, 8,
+              "output tok/s per node", mtp=1, accept=0.85,
+              setting="EP144, 32 redundant (source); 20-22 tok/s per user at 1850 tok/s per "
+              "GPU -> ~88 sequences per GPU (Little); MTP accept 0.85 (DeepSeek-V3 report: "
+              "85-90 %); context ~5K assumed"),
+    Published("lmsys-prefill", LMSYS, "h100", "prefill", 32, 32, 2000, 16384, 52_300, 8,
+              "input tok/s per node",
+              setting="4 prefill nodes EP32, 2000-token inputs (source); 16K tokens per "
+              "forward assumed; EPLB, two-batch overlap (source)"),
+    Published("lmsys-decode", LMSYS, "h100", "decode", 72, 32, 2100, 256, 22_300, 8,
+              "output tok/s per node",
+              setting="9 decode nodes EP72, 288 expert slots, 2000-token inputs (source); "
+              "256 sequences per GPU assumed (ITL ~100 ms, source's limitations); no MTP"),
+    Published("cm384-prefill", CM384, "a3", "prefill", 32, 0, 4096, 16384, 6_688, 2,
+              "input tok/s per NPU",
+              setting="INT8, 4K prompts (source); EP32 over 16 NPUs as recalled, "
+              "unverified; 16K tokens per die per forward assumed"),
+    Published("cm384-decode", CM384, "a3", "decode", 320, 64, 4096, 48, 1_943, 2,
+              "output tok/s per NPU", mtp=1, accept=0.7,
+              setting="INT8, EP320 on 160 NPUs, batch 96 per NPU, 4K KV, TPOT < 50 ms "
+              "(source); MTP accept ~0.7 and 64 redundant slots as recalled, unverified"),
+)
+
+
+def _model() -> ModelConfig:
+    raw = json.loads((REPO / "configs/models/deepseek-v3/config.json").read_text())
+    return ModelConfig.from_dict(raw)
+
+
+def row_cost(row: Published) -> tuple[Cost, float]:
+    """(the cost of one forward / step of one rank, the predicted figure in the row's
+    unit)."""
+    m = _model()
+    lay = RoleLayout(row.role, row.ranks, 1, True, 1, 128, row.tokens, row.tokens,
+                     row.length + 1024)
+    prec = Precision(linear=row.linear_bytes, weight=2, kv=2, activation=2)
+    plan, hw = plan_role(m, lay, prec), Hardware(named_device(row.device))
+    opts = StepOptions(mtp=row.mtp, accept=row.accept, redundant=row.redundant)
+    if row.role == "prefill":
+        prompts = row.tokens / row.length
+        attn = prompts * counts.attention_flops(m, row.length, 0)
+        cost = forward_cost(m, plan, prec, hw, opts, Work(row.tokens, attn, 0.0, 0.0, False))
+        return cost, row.tokens / cost.total_s / (1 - row.hit) * row.per
+    cost = decode_step_cost(m, plan, prec, hw, row.tokens, row.length, opts)
+    return cost, row.tokens * cost.tokens_per_step / cost.total_s * row.per
+
+
+def seed_rows() -> list[tuple[str, float, float]]:
+    """Seed 004 (configs/a3_v32_p2x16_d8x4.yaml, concurrency 29): (figure, published,
+    predicted) for TPOT (ms) and output tokens/s."""
+    from orchestrator.config.load import load_config
+    from orchestrator.planner.load import WorkloadSpec
+    from orchestrator.planner.report import plan_config
+
+    cfg = load_config(REPO / "configs" / "a3_v32_p2x16_d8x4.yaml")
+    pt = plan_config(cfg, WorkloadSpec(65536, 3072, concurrency=29), named_device("a3")).point
+    return [("TPOT ms", 26.0, pt.tpot_s * 1e3), ("output tok/s", 850.0, pt.output_tok_s),
+            ("TTFT s", 24.0, pt.ttft_s)]
+
+
+def table() -> list[dict]:
+    """Every row: key, role, device, published, predicted, ratio."""
+    out = []
+    for row in ROWS:
+        _, pred = row_cost(row)
+        out.append({"key": row.key, "role": row.role, "device": row.device,
+                    "unit": row.unit, "published": row.figure, "predicted": pred,
+                    "ratio": pred / row.figure})
+    for name, pub, pred in seed_rows():
+        out.append({"key": f"seed004 {name}", "role": "seed", "device": "a3", "unit": name,
+                    "published": pub, "predicted": pred, "ratio": pred / pub})
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    """Median and worst |ratio - 1| over the independent throughput rows (not the seed)."""
+    errs = [abs(r["ratio"] - 1) for r in rows if r["role"] != "seed"]
+    return (f"median |predicted/published - 1| {statistics.median(errs):.0%}, worst "
+            f"{max(errs):.0%} over {len(errs)} throughputs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--explain", action="store_true", help="every term of each row")
+    p.add_argument("--row", choices=[r.key for r in ROWS], default=None,
+                   help="this row only (with its terms)")
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv)
+    if ns.row:
+        row = next(r for r in ROWS if r.key == ns.row)
+        cost, pred = row_cost(row)
+        print(f"{row.key}: published {row.figure:.4g}, predicted {pred:.4g} {row.unit} "
+              f"(ratio {pred / row.figure:.2f})")
+        print("\n".join(cost_lines(cost, 1e3, "ms", "    ")))
+        return 0
+    rows = table()
+    if ns.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r, row in zip(rows, list(ROWS) + [None] * 3):
+        print(f"{r['key']:<22} {r['device']:<5} published {r['published']:>9.4g}  predicted "
+              f"{r['predicted']:>9.4g}  ratio {r['ratio']:.2f}  ({r['unit']})")
+        if ns.explain and row is not None:
+            print("\n".join(cost_lines(row_cost(row)[0], 1e3, "ms", "    ")))
+    print(summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The planner's step terms on small hand-computed cases: kernel efficiencies by precision,
+scale-up domains, the EP all-to-all (DeepEP's normal and low-latency figures), two-batch
+overlap, MTP, expert-load imbalance, redundant experts, --explain and the validation page."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from engine.model_config import ModelConfig
+from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.planner.cost import Cost, Hardware, Term, decode_step_cost
+from orchestrator.planner.load import parse_workload
+from orchestrator.planner.moe import (SCALE_BYTES, StepOptions, alltoall_s, distinct,
+                                      experts_per_rank, imbalance)
+from orchestrator.planner.specs import named_device
+from tests.e2e.harness import REPO
+
+
+def _v3() -> ModelConfig:
+    return ModelConfig.from_dict(json.loads(
+        (REPO / "configs" / "models" / "deepseek-v3" / "config.json").read_text()))
+
+
+def test_gemm_rate_follows_the_stored_precision_and_the_devices_8_bit_path():
+    fp8, bf16 = Precision(1, 2, 2, 2), Precision(2, 2, 2, 2)
+    h800, a3 = Hardware(named_device("h800")), Hardware(named_device("a3"))
+    assert h800.gemm_flops(fp8) == pytest.approx(1979e12 * 0.56)  # DeepGEMM FP8
+    assert h800.gemm_flops(bf16) == pytest.approx(989e12 * 0.56)
+    assert a3.gemm_flops(fp8) == pytest.approx(752e12 * 0.56)  # no FP8: W8A8 INT8
+    assert a3.attn_flops(decode=True) == pytest.approx(376e12 * 0.868)  # AMLA
+    assert h800.hbm("attn_decode_hbm") == pytest.approx(3350e9 * 0.90)  # FlashMLA
+
+
+def test_links_inside_a_scale_up_domain_and_beyond():
+    h800, a3 = Hardware(named_device("h800")), Hardware(named_device("a3"))
+    assert h800.link(8) == pytest.approx(160e9 * 0.7)
+    assert h800.link(16) == pytest.approx(50e9 * 0.7)  # two HGX servers: InfiniBand
+    assert a3.link(512) == pytest.approx(196e9 * 0.7)  # one CloudMatrix384 UB plane
+
+
+def test_redundant_experts_let_any_ep_size_hold_every_expert():
+    m = _v3()  # 256 routed experts
+    assert experts_per_rank(m, 32) == 8
+    assert experts_per_rank(m, 144) == 2  # 256 + 32 redundant = 288 slots (DeepSeek)
+    assert experts_per_rank(m, 72, redundant=32) == 4  # LMSYS: 288 slots on EP72
+    assert experts_per_rank(m, 320, redundant=64) == 1
+    assert experts_per_rank(m, 1) == 256
+
+
+def test_imbalance_is_the_busiest_ranks_sampling_noise_plus_skew_without_eplb():
+    m = _v3()  # top-8
+    on = imbalance(m, 2, 1, StepOptions())  # 8 copies over 2 ranks: mean 4
+    assert on == pytest.approx(1 + math.sqrt(2 * math.log(2)) * math.sqrt(1 / 4))
+    off = imbalance(m, 2, 1, StepOptions(eplb=False, skew=0.5))  # 128 experts a rank
+    assert off == pytest.approx(1 + math.sqrt(2 * math.log(2)) * math.sqrt(1 / 4 + 0.25 / 128))
+    assert imbalance(m, 1, 100, StepOptions()) == 1.0
+    assert imbalance(m, 32, 1e6, StepOptions()) < 1.01  # big prefill batches even out
+
+
+def test_low_latency_all_to_all_is_deepeps_table_per_expert_copy():
+    m, h800 = _v3(), named_device("h800")
+    d, c = alltoall_s(m, h800, 128, 32, decode=True, eight_bit=True, link_eff=0.7)
+    per_copy = 128 * 8 * 7168
+    assert d == pytest.approx(58 * per_copy * (1 + SCALE_BYTES) / 48e9)  # EP32: 48 GB/s
+    assert c == pytest.approx(58 * per_copy * 2 / 53e9)  # bf16 combine: 53 GB/s
+    assert d / 58 == pytest.approx(155e-6, rel=0.02)  # DeepEP's published 155 us
+    t = math.log2(24) - 4  # EP 24: this far (log2) from the EP16 row to the EP32 row
+    assert h800.alltoall.low_latency_gb_s(24) == pytest.approx((63 + t * (48 - 63),
+                                                                74 + t * (53 - 74)))
+    assert h800.alltoall.low_latency_gb_s(4) == (98, 127)  # below the table: EP8's row
+    tiny = alltoall_s(m, h800, 0.01, 32, decode=True, eight_bit=True, link_eff=0.7)
+    assert tiny == pytest.approx((58 * 20e-6, 58 * 20e-6))  # the latency floor
+
+
+def test_normal_all_to_all_sends_once_per_destination_domain():
+    m, h800 = _v3(), named_device("h800")
+    tokens, b = 4096, 7168 * (1 + SCALE_BYTES)
+    one_node, _ = alltoall_s(m, h800, tokens, 8, decode=False, eight_bit=True, link_eff=0.7)
+    assert one_node == pytest.approx(58 * tokens * distinct(8, 8) * 7 / 8 * b / 153e9)
+    four, _ = alltoall_s(m, h800, tokens, 32, decode=False, eight_bit=True, link_eff=0.7)
+    assert distinct(4, 8) == pytest.approx(4 * (1 - 0.75 ** 8))
+    assert four == pytest.approx(58 * tokens * distinct(4, 8) * 3 / 4 * b / 51e9)
+
+
+def test_overlap_is_the_per_phase_maximum_of_compute_and_communication():
+    terms = (Term("a", "attention", 3.0, "compute"), Term("m", "moe", 2.0, "compute"),
+             Term("d", "dispatch", 4.0, "link"), Term("c", "combine", 1.0, "link"),
+             Term("s", "serial", 0.5, "host"))
+    assert Cost(terms, overlap=True).total_s == pytest.approx(max(3, 4) + max(2, 1) + 0.5)
+    assert Cost(terms, overlap=False).total_s == pytest.approx(10.5)
+
+
+def _decode(opts: StepOptions, batch: float, device: str = "h800") -> Cost:
+    m = _v3()
+    lay = RoleLayout("decode", 144, 1, True, 1, 128, 512, 512, 8192)
+    prec = Precision(1, 2, 2, 2)
+    return decode_step_cost(m, plan_role(m, lay, prec), prec, Hardware(named_device(device)),
+                            batch, 4096, opts)
+
+
+def test_mtp_verifies_1_plus_k_tokens_and_gains_1_plus_accepted():
+    assert StepOptions(mtp=1, accept=0.8).tokens_per_step() == pytest.approx(1.8)
+    assert StepOptions(mtp=2, accept=0.5).tokens_per_step() == pytest.approx(1.75)
+    mtp, plain = _decode(StepOptions(mtp=1, accept=0.8, overlap=False), 256), \
+        _decode(StepOptions(overlap=False), 512)
+    assert mtp.tokens_per_step == pytest.approx(1.8)
+    by_name = {t.name: t.seconds for t in mtp.terms}
+    plain_names = {t.name: t.seconds for t in plain.terms}
+    for name in ("linears", "routed experts", "all-to-all dispatch"):  # (1 + 1) x 256 tokens
+        assert by_name[name] == pytest.approx(plain_names[name], rel=1e-9)
+    assert by_name["MTP drafts"] > 0
+
+
+def test_auto_overlap_takes_two_micro_batches_only_where_they_pay():
+    big, small = _decode(StepOptions(), 256), _decode(StepOptions(), 1)
+    forced = _decode(StepOptions(overlap=True), 1)
+    assert big.overlap and not small.overlap and forced.overlap
+    assert forced.total_s > small.total_s  # weights read twice at batch 1
+
+
+def test_workload_takes_the_step_options():
+    wl = parse_workload("in=4096,out=512,mtp=1,accept=0.8,overlap=0,eplb=0,skew=0.3,"
+                        "redundant=32")
+    assert wl.options == StepOptions(overlap=False, mtp=1, accept=0.8, eplb=False, skew=0.3,
+                                     redundant=32)
+    assert parse_workload("in=8,out=2").options == StepOptions()
+    for bad in ("in=8,out=2,accept=0.5", "in=8,out=2,mtp=1,accept=2", "in=8,out=2,overlap=2",
+                "in=8,out=2,mtp=-1", "in=8,out=2,eplb=yes"):
+        with pytest.raises(ValueError):
+            parse_workload(bad)
+
+
+def test_explain_prints_every_term_and_what_bounds_the_step(capsys):
+    from orchestrator.cli import main
+
+    assert main(["plan", str(REPO / "configs" / "a3_v32_p2x16_d8x4.yaml"), "--workload",
+                 "in=65536,out=3072,concurrency=29,mtp=1,accept=0.7", "--explain"]) == 0
+    out = capsys.readouterr().out
+    for word in ("linears [attention", "attention [attention", "routed experts [moe",
+                 "all-to-all dispatch [dispatch", "all-to-all combine [combine",
+                 "TP collectives [serial", "MTP drafts", "MTP: 1.7 tokens per step",
+                 "expert-load imbalance", "overlap (two micro-batches)"):
+        assert word in out, word
+
+
+def test_validation_page_shows_the_tables_figures():
+    from orchestrator.planner.validation import summary, table
+
+    rows = table()
+    text = (REPO / "docs" / "planner.md").read_text()
+    assert summary(rows) in text
+    for r in rows:
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+        assert f"| {r['key']} |" in text
+    devices = {r["device"] for r in rows if r["role"] != "seed"}
+    assert {"h800", "h100", "a3"} <= devices  # NVIDIA and Huawei chips
+
+
+def test_validation_row_command_prints_the_rows_terms(capsys):
+    from orchestrator.planner.validation import ROWS, main, row_cost
+
+    assert main(["--row", "cm384-decode"]) == 0
+    out = capsys.readouterr().out
+    row = next(r for r in ROWS if r.key == "cm384-decode")
+    assert f"ratio {row_cost(row)[1] / row.figure:.2f}" in out
+    assert "MTP: 1.7 tokens per step" in out and "all-to-all combine" in out
