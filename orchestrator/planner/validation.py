@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.model_config import ModelConfig
@@ -23,7 +23,7 @@ from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
 from orchestrator.planner import counts
 from orchestrator.planner.cost import Cost, Hardware, Work, decode_step_cost, forward_cost
 from orchestrator.planner.explain import cost_lines
-from orchestrator.planner.moe import StepOptions
+from orchestrator.planner.moe import StepOptions, experts_per_rank
 from orchestrator.planner.specs import named_device
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,7 +117,11 @@ def row_cost(row: Published) -> tuple[Cost, float]:
     lay = RoleLayout(row.role, row.ranks, 1, True, 1, 128, row.tokens, row.tokens,
                      row.length + 1024)
     prec = Precision(linear=row.linear_bytes, weight=2, kv=2, activation=2)
-    plan, hw = plan_role(m, lay, prec), Hardware(named_device(row.device))
+    # NOTE: the memory plan (the engine's layout) needs an EP size that divides the experts:
+    # plan the rank as holding its share of the experts plus their redundant copies.
+    slots = experts_per_rank(m, row.ranks, row.redundant) * row.ranks
+    plan = plan_role(replace(m, n_routed_experts=slots), lay, prec)
+    hw = Hardware(named_device(row.device))
     opts = StepOptions(mtp=row.mtp, accept=row.accept, redundant=row.redundant)
     if row.role == "prefill":
         prompts = row.tokens / row.length

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -97,8 +98,9 @@ def _decode(opts: StepOptions, batch: float, device: str = "h800") -> Cost:
     m = _v3()
     lay = RoleLayout("decode", 144, 1, True, 1, 128, 512, 512, 8192)
     prec = Precision(1, 2, 2, 2)
-    return decode_step_cost(m, plan_role(m, lay, prec), prec, Hardware(named_device(device)),
-                            batch, 4096, opts)
+    # NOTE: EP 144 holds 256 experts plus redundant copies: the memory plan sees the slots
+    plan = plan_role(replace(m, n_routed_experts=experts_per_rank(m, 144) * 144), lay, prec)
+    return decode_step_cost(m, plan, prec, Hardware(named_device(device)), batch, 4096, opts)
 
 
 def test_mtp_verifies_1_plus_k_tokens_and_gains_1_plus_accepted():
