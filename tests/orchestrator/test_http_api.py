@@ -143,6 +143,10 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
     ({"model": "fake", "prompt": "hi", "max_tokens": 0}, 400,
      "max_tokens: Input should be greater than or equal to 1"),
     ({"model": "fake", "prompt": [True, 2]}, 400, "prompt.list[int].0: Input should be"),
+    ({"model": "fake", "messages": [{"role": "user", "content": "hi"},
+                                    {"role": "wizard", "content": "hi"}]},
+     400, "messages.1.role: Input should be 'system', 'developer', 'user', 'assistant' or "
+          "'tool'"),
 ])
 def test_bad_requests_get_openai_errors(h, body, status, words):
     path = "/chat/completions" if "messages" in body else "/completions"
