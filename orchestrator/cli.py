@@ -111,9 +111,23 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     print(format_status(instances))
     sick = [v.name for v in instances if not v.healthy]
     if sick:
+        print(f"capacity: {format_capacity(instances)}")
         print(f"orch status: not healthy: {', '.join(sick)}", file=sys.stderr)
         return EXIT_UNHEALTHY
     return 0
+
+
+def format_capacity(instances: list) -> str:
+    """Healthy instances per role, e.g. "decode 1/2 healthy (reduced), prefill 1/1 healthy";
+    a role with none says it cannot serve."""
+    parts = []
+    for role in dict.fromkeys(v.role for v in instances):
+        rows = [v for v in instances if v.role == role]
+        healthy = sum(v.healthy for v in rows)
+        mark = (" (none: requests get UNAVAILABLE / HTTP 503)" if not healthy else
+                " (reduced)" if healthy < len(rows) else "")
+        parts.append(f"{role} {healthy}/{len(rows)} healthy{mark}")
+    return ", ".join(parts)
 
 
 def format_status(instances: list) -> str:

@@ -166,7 +166,8 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     monitor = build_monitor(cfg, cluster.ranks_of,
                             on_unhealthy=lambda name, why: router.instance_failed(name, why),
                             recover=(lambda name: recoverer.recover(name))
-                            if cfg.health.max_restarts else None)
+                            if cfg.health.max_restarts else None,
+                            restart_wait=lambda name: recoverer.restart_wait(name))
     if metrics is not None:
         metrics.track_health(monitor)
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
@@ -182,7 +183,8 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     http = None
     if cfg.router.http_port is not None:
         http = build_http_server(cfg, router, checkpoint, security.token,
-                                 ready=lambda: server.serving, grace_s=DRAIN_S)
+                                 ready=lambda: server.serving, grace_s=DRAIN_S,
+                                 retry_after=monitor.retry_after_s)
         try:
             http_port = await http.start()
         except BaseException:

@@ -13,6 +13,7 @@ the request, as a gRPC cancel does).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from pydantic import ValidationError
@@ -55,11 +56,15 @@ class OpenAIApp:
         chat_template: the checkpoint's template (None: chat completions answer 400).
         token: bearer token every route but /health needs (None: no auth).
         ready: True while the router should get traffic (/health says 200, else 503).
+        retry_after: seconds a client should wait after a 503 (the health monitor's
+            ``retry_after_s``), sent as ``Retry-After`` on every 503.
     """
 
     def __init__(self, router: Router, chat_template: ChatTemplate | None,
-                 token: str | None, ready: Callable[[], bool]) -> None:
+                 token: str | None, ready: Callable[[], bool],
+                 retry_after: Callable[[], float] = lambda: 1.0) -> None:
         self.router, self.chat_template, self.ready = router, chat_template, ready
+        self.retry_after = retry_after
         self.model = router.model.name
         self._token = token
         max_len = router.model.max_model_len
@@ -75,13 +80,23 @@ class OpenAIApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ], exception_handlers={RequestError: _request_error, HTTPException: _http_error,
+        ], exception_handlers={RequestError: self._request_error, HTTPException: _http_error,
                                Exception: _bug})
 
     async def health(self, request: Request) -> Response:
         ok = self.ready()
         return JSONResponse({"status": "serving" if ok else "not serving"},
-                            status_code=200 if ok else 503)
+                            status_code=200 if ok else 503,
+                            headers=None if ok else self._retry_header())
+
+    def _retry_header(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after())))}
+
+    async def _request_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        status = HTTP_STATUS.get(exc.code, 500)
+        return JSONResponse(_error_json(exc), status_code=status,
+                            headers=self._retry_header() if status == 503 else None)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -220,11 +235,6 @@ def _error_json(exc: RequestError) -> dict[str, Any]:
     code = "model_not_found" if exc.code == "NOT_FOUND" else exc.code
     return error_body(exc.message, ERROR_TYPE.get(status, "server_error"), code,
                       "model" if exc.code == "NOT_FOUND" else None)
-
-
-async def _request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError)
-    return JSONResponse(_error_json(exc), status_code=HTTP_STATUS.get(exc.code, 500))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
