@@ -312,11 +312,18 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.logs import setup_logging
+    """Run one command; exit code as in the module docstring, 130 on Ctrl-C (one line, no
+    traceback, whenever it comes: commands that start processes stop them first)."""
+    try:
+        from orchestrator.logs import setup_logging
 
-    setup_logging()
-    ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+        setup_logging()
+        ns = build_parser().parse_args(argv)
+        return ns.func(ns)
+    except KeyboardInterrupt:
+        command = " ".join(["orch"] + (sys.argv[1:2] if argv is None else argv[:1]))
+        print(f"{command}: interrupted (Ctrl-C or SIGTERM)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -142,3 +142,27 @@ def test_shipped_remote_configs_require_a_token(name, capsys):
     (router,) = [line for line in capsys.readouterr().out.splitlines()
                  if line.startswith("router: ")]
     assert router.startswith("router: 0.0.0.0:50051 (no TLS, token from $ORCH_TOKEN)")
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.0])
+def test_ctrl_c_in_the_first_second_of_orch_up_exits_130_without_a_traceback(after_s, tmp_path):
+    """SIGINT while `orch up` still imports and loads its config (before its own handlers are
+    in place): one line, exit 130, no traceback."""
+    import os
+    import signal
+    import time
+
+    config = tmp_path / "up.yaml"
+    config.write_text("cluster: {device: cpu}\nrouter: {port: 0}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", str(config),
+                             "--dry-run"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, ORCH_CACHE_DIR=str(tmp_path)))
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip(f"orch up --dry-run finished within {after_s} s: nothing to interrupt")
+    assert "Traceback" not in err, err
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "interrupted" in err
