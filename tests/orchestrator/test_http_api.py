@@ -148,6 +148,8 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
                                     {"role": "wizard", "content": "hi"}]},
      400, "messages.1.role: Input should be 'system', 'developer', 'user', 'assistant' or "
           "'tool'"),
+    ({"model": "fake", "messages": [{"role": "user", "content": "hi"}] * 300},
+     400, "messages has 300 entries; at most 256 are accepted"),
 ])
 def test_bad_requests_get_openai_errors(h, body, status, words):
     path = "/chat/completions" if "messages" in body else "/completions"

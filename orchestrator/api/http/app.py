@@ -16,7 +16,6 @@ import asyncio
 import math
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,9 +25,9 @@ from starlette.routing import Route
 from orchestrator.api.http import sse
 from orchestrator.api.http.chat_template import ChatTemplate
 from orchestrator.api.http.generation import Generation, Piece, start_generation
+from orchestrator.api.http.off_loop import MAX_CHAT_MESSAGES, OffLoop, parse_body
 from orchestrator.api.http.openai_schema import (ChatCompletionRequest, CompletionRequest,
-                                             GenerationRequest, error_body, model_list, now,
-                                             validation_message)
+                                             GenerationRequest, error_body, model_list, now)
 from orchestrator.api.http.responses import CHAT, COMPLETION, Shape
 from orchestrator.router.limits import check_request_size, max_request_bytes
 from orchestrator.router.request import RequestError
@@ -71,6 +70,8 @@ class OpenAIApp:
         self.max_model_len = max_len
         self.body_limit = JSON_ESCAPE_FACTOR * max_request_bytes(
             max_len, router.tokenizer.max_token_bytes if router.tokenizer else None)
+        self.max_messages = min(MAX_CHAT_MESSAGES, max_len)
+        self.off_loop = OffLoop()
         self.created = now()
 
     def asgi(self) -> Starlette:
@@ -114,18 +115,16 @@ class OpenAIApp:
             raise RequestError("INVALID_ARGUMENT", f"{self.model} has no chat template "
                                                    "(tokenizer_config.json chat_template): use "
                                                    "/v1/completions")
-        text = self.chat_template.render([m.for_template() for m in req.messages])
+        text = await self.off_loop.run(_render, self.chat_template, req.messages)
         gen = await start_generation(self.router, text, None, req, req.token_budget)
         return await self._respond(request, gen, req, CHAT)
 
     async def _parse(self, request: Request, kind: type[T]) -> T:
-        """Auth, size, JSON, schema, model name, supported fields (in that order)."""
+        """Auth, size, message count, JSON, schema, model name, supported fields (in that
+        order; parsing off the loop, :mod:`orchestrator.api.http.off_loop`)."""
         self._authorize(request)
         body = await _read_body(request, self.body_limit, self.max_model_len)
-        try:
-            req = kind.model_validate_json(body)
-        except ValidationError as exc:
-            raise RequestError("INVALID_ARGUMENT", validation_message(exc)) from None
+        req = await self.off_loop.run(parse_body, body, kind, self.max_messages)
         if req.model != self.model:
             raise RequestError("NOT_FOUND", f"model '{req.model}' is not served here: use "
                                             f"'{self.model}' (GET /v1/models lists it)")
@@ -178,6 +177,10 @@ class OpenAIApp:
         finally:
             await rest.aclose()
         yield sse.DONE
+
+
+def _render(template: ChatTemplate, messages: list) -> str:
+    return template.render([m.for_template() for m in messages])
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None]:
