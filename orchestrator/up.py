@@ -153,7 +153,7 @@ def _start_ray(cfg: OrchConfig) -> bool:
     watch = Stopwatch()
     started = connect_ray(cfg)
     say(f"Ray ready in {watch}: {plural(len(node_ips()), 'node')}; rank logs in "
-        f"{_worker_logs_dir()} on each node (`ray logs`)")
+        f"{_worker_logs_dir()} on each node (worker-*.err and worker-*.out)")
     return started
 
 

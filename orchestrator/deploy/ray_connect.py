@@ -18,7 +18,8 @@ def connect_ray(cfg: OrchConfig) -> bool:
     """Join ``cluster.address`` or start an embedded private Ray; True when we started it.
 
     The embedded Ray is always a new local cluster of this process (``address="local"``,
-    ``RAY_ADDRESS`` removed from the environment), never one already running on the host.
+    ``RAY_ADDRESS`` removed from the environment), never one already running on the host,
+    with token authentication unless ``RAY_AUTH_MODE`` says otherwise.
     The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
     gets one line per fault from the router, ``orch up`` says where the worker logs are.
 
@@ -41,6 +42,9 @@ def connect_ray(cfg: OrchConfig) -> bool:
 
         resources["NPU"] = torch.npu.device_count()
     envs.RAY_ADDRESS.unset()
+    # NOTE: Ray's own default for a new local cluster (token authentication, the token in
+    # ~/.ray/auth_token), set explicitly: Ray then skips its warning at every start.
+    envs.RAY_AUTH_MODE.set_default("token")
     ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
              include_dashboard=False, log_to_driver=False)
     return True

@@ -131,7 +131,7 @@ class Recoverer:
             insts = await asyncio.wait_for(asyncio.shield(work), self.timeout_s + _GRACE_S)
         except asyncio.TimeoutError:
             log.warning("%s: restart did not finish within %.0f s; it stays out of service "
-                        "(see its ranks' logs: `ray logs`)", name, self.timeout_s)
+                        "(see its ranks' worker-*.err in the rank log folder `orch up` printed)", name, self.timeout_s)
             return False
         except Exception as exc:  # noqa: BLE001 - BringUpError names the step and the fix
             log.warning("%s: restart failed: %s", name, exc)
