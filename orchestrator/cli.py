@@ -263,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("status", _cmd_status, "instances and ranks of a router"),
                              ("generate", _cmd_generate, "stream one completion")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--address", default=DEFAULT_ADDRESS, help="router host:port")
+        p.add_argument("--address", default=None,
+                       help=f"router host:port (default {DEFAULT_ADDRESS})")
+        p.add_argument("--port", dest="router_port", type=int, default=None,
+                       help="router port on 127.0.0.1, as given to `orch up --port` "
+                            "(shorthand for --address 127.0.0.1:PORT)")
         p.add_argument("--timeout", type=float, default=None if name == "generate" else 10.0,
                        help="seconds before giving up")
         p.add_argument("--tls-ca", metavar="FILE", default=None,
@@ -318,7 +322,14 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.logs import setup_logging
 
         setup_logging()
-        ns = build_parser().parse_args(argv)
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+        if getattr(ns, "router_port", None) is not None:
+            if ns.address is not None:
+                parser.error("give --address HOST:PORT or --port PORT, not both")
+            ns.address = f"127.0.0.1:{ns.router_port}"
+        elif hasattr(ns, "address") and ns.address is None:
+            ns.address = DEFAULT_ADDRESS
         return ns.func(ns)
     except KeyboardInterrupt:
         command = " ".join(["orch"] + (sys.argv[1:2] if argv is None else argv[:1]))

@@ -166,3 +166,14 @@ def test_ctrl_c_in_the_first_second_of_orch_up_exits_130_without_a_traceback(aft
     assert "Traceback" not in err, err
     assert proc.returncode == 130, (proc.returncode, err)
     assert "interrupted" in err
+
+
+def test_status_and_generate_take_the_port_orch_up_was_given(harness, capsys):
+    """`orch up --port N` pairs with `orch status --port N` (or --address 127.0.0.1:N)."""
+    port = harness.address.rsplit(":", 1)[1]
+    assert main(["status", "--port", port]) == 0
+    assert main(["generate", "hi", "--port", port, "--max-tokens", "2"]) == 0
+    with pytest.raises(SystemExit) as info:
+        main(["status", "--port", port, "--address", harness.address])
+    assert info.value.code == 2
+    assert "not both" in capsys.readouterr().err
