@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -254,7 +255,10 @@ def measure_cpu(ckpt: Path | None = None,
             return measure_cpu(write_tiny_checkpoint(Path(tmp) / "tiny"), served)
     from orchestrator.tiny_model import tiny_config_dict
 
-    rates = {**_local_rates(), **_gloo_rates()}
+    progress("memory bandwidth and compute of one core")
+    rates = _local_rates()
+    progress("a gloo pair's bandwidth and latency")
+    rates.update(_gloo_rates())
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     raw = DeviceSpec(
         key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=ram,
@@ -262,7 +266,9 @@ def measure_cpu(ckpt: Path | None = None,
         int8_tflops=rates["flops"] / 1e12, intra_node_gb_s=rates["gloo_gb_s"],
         inter_node_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         ranks_per_node=os.cpu_count() or 1, layer_overhead_us=0.0)
+    progress("the tiny model's prefill and decode steps")
     prefill_s, decode_s = _tiny_step_s(ckpt)
+    progress("served steps on Ray (starts instances of the tiny model: the longest step)")
     call_us, steps = _ray_figures(ckpt, served)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
     latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), steps,
@@ -289,11 +295,25 @@ def _first_token_us(served_s: float, colocated: bool, call_us: float, prefill_s:
 
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:
-    """The cached ``cpu`` device; measured (and cached) when absent or ``recalibrate``."""
+    """The cached ``cpu`` device; measured (and cached) when absent or ``recalibrate``, with
+    progress lines on stderr (the plan itself goes to stdout)."""
     path = cache_path()
     if not recalibrate and path.exists():
         return DeviceSpec(**json.loads(path.read_text()))
+    _say(f"calibrating this machine's CPU (once, about 15-30 s; the figures are cached in "
+         f"{path}, `orch plan --calibrate` measures again)")
+    start = time.monotonic()
     spec = measure_cpu()
+    _say(f"calibrated in {time.monotonic() - start:.1f} s")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(spec), indent=1))
     return spec
+
+
+def progress(step: str) -> None:
+    """One calibration step under way, on stderr."""
+    _say(f"calibrating: {step}")
+
+
+def _say(line: str) -> None:
+    print(f"orch plan: {line}", file=sys.stderr, flush=True)
