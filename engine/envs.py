@@ -116,9 +116,8 @@ RAY_ADDRESS: EnvVar[str] = EnvVar(
 
 RAY_AUTH_MODE: EnvVar[str] = EnvVar(
     "RAY_AUTH_MODE", str, "",
-    "read by Ray itself: 'token' makes a Ray cluster require the token in ~/.ray/auth_token "
-    "(made on first use); `orch up` sets it to 'token' for its embedded Ray unless it is set "
-    "('disabled' turns the authentication off)")
+    "read by Ray itself: unset or 'token', a new local Ray cluster (orch's embedded one) "
+    "requires the token in ~/.ray/auth_token (made on first use); 'disabled' turns that off")
 
 GRPC_VERBOSITY: EnvVar[str] = EnvVar(
     "GRPC_VERBOSITY", str, "",

@@ -7,6 +7,7 @@ do), or an embedded local cluster that belongs to this process alone.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from engine import envs
@@ -19,7 +20,8 @@ def connect_ray(cfg: OrchConfig) -> bool:
 
     The embedded Ray is always a new local cluster of this process (``address="local"``,
     ``RAY_ADDRESS`` removed from the environment), never one already running on the host,
-    with token authentication unless ``RAY_AUTH_MODE`` says otherwise.
+    with Ray's default token authentication (``RAY_AUTH_MODE`` unset; its start-up notice is
+    not printed).
     The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
     gets one line per fault from the router, ``orch up`` says where the worker logs are.
 
@@ -42,12 +44,21 @@ def connect_ray(cfg: OrchConfig) -> bool:
 
         resources["NPU"] = torch.npu.device_count()
     envs.RAY_ADDRESS.unset()
-    # NOTE: Ray's own default for a new local cluster (token authentication, the token in
-    # ~/.ray/auth_token), set explicitly: Ray then skips its warning at every start.
-    envs.RAY_AUTH_MODE.set_default("token")
+    # NOTE: Ray warns at every start of a new local cluster that it uses token authentication
+    # (its default); the README says so once. Setting RAY_AUTH_MODE=token here instead would
+    # not do: Ray's client config was read at import and would still say "disabled".
+    logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_quiet_token_auth_notice)
     ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
              include_dashboard=False, log_to_driver=False)
     return True
+
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _quiet_token_auth_notice(record: logging.LogRecord) -> bool:
+    """False for Ray's "Token authentication is enabled" notice (a logging filter)."""
+    return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:
