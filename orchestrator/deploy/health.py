@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -250,7 +251,7 @@ class HealthMonitor:
     async def _recover_one(self, name: str, reason: str) -> None:
         """Restart ``name`` until it is back: after each failed or deferred try, UNHEALTHY
         with why and when the next try is, then RECOVERING again (cancelled by :meth:`stop`)."""
-        for tries in range(1, 1 << 30):
+        for tries in itertools.count(1):
             wait = self._restart_wait(name)
             if wait is None:
                 failure = await self._try_restart(name)
@@ -260,7 +261,8 @@ class HealthMonitor:
                     log.info("%s is healthy again after a restart", name)
                     return
                 wait = (0.0, failure)
-            delay = max(wait[0], min(self._backoff_max_s, self._backoff_s * 2 ** (tries - 1)))
+            backoff = self._backoff_s * 2 ** min(tries - 1, 32)  # NOTE: capped: no overflow
+            delay = max(wait[0], min(self._backoff_max_s, backoff))
             retry_at = time.time() + delay
             shown = f"{reason}; {wait[1]}; next restart try in {delay:.0f} s (at " \
                     f"{time.strftime('%H:%M:%S', time.localtime(retry_at))})"
