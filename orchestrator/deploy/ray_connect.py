@@ -47,7 +47,7 @@ def connect_ray(cfg: OrchConfig) -> bool:
     # NOTE: Ray warns at every start of a new local cluster that it uses token authentication
     # (its default); the README says so once. Setting RAY_AUTH_MODE=token here instead would
     # not do: Ray's client config was read at import and would still say "disabled".
-    logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_quiet_token_auth_notice)
+    quiet_token_auth_notice()
     ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
              include_dashboard=False, log_to_driver=False)
     return True
@@ -56,8 +56,15 @@ def connect_ray(cfg: OrchConfig) -> bool:
 _RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
-def _quiet_token_auth_notice(record: logging.LogRecord) -> bool:
-    """False for Ray's "Token authentication is enabled" notice (a logging filter)."""
+def quiet_token_auth_notice() -> None:
+    """Drop Ray's "Token authentication is enabled" notice of a new local cluster (Ray's
+    default; README, Quickstart, says it once) from this process's log."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if _not_token_auth_notice not in logger.filters:
+        logger.addFilter(_not_token_auth_notice)
+
+
+def _not_token_auth_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Token authentication is enabled")
 
 

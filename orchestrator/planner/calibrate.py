@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import envs
+from orchestrator.deploy.ray_connect import quiet_token_auth_notice
 from orchestrator.planner.specs import DeviceSpec
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ def _ray_figures(ckpt: Path, served: "ServedInstances | None") -> tuple[float, "
 
     own = not ray.is_initialized()
     if own:
+        quiet_token_auth_notice()
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         if served is not None:
