@@ -164,7 +164,8 @@ def test_ctrl_c_in_the_first_second_of_orch_up_exits_130_without_a_traceback(aft
     if proc.returncode == 0:
         pytest.skip(f"orch up --dry-run finished within {after_s} s: nothing to interrupt")
     assert "Traceback" not in err, err
-    assert proc.returncode == 130, (proc.returncode, err)
+    # NOTE: 130, or ended by the SIGINT itself (-2 here; the shell reports 130 for both)
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
     assert "interrupted" in err
 
 
