@@ -114,6 +114,11 @@ RAY_ADDRESS: EnvVar[str] = EnvVar(
     "read by Ray itself: the cluster a bare ray.init() joins; orch joins only "
     "cluster.address and removes this variable before starting its embedded private Ray")
 
+RAY_AUTH_MODE: EnvVar[str] = EnvVar(
+    "RAY_AUTH_MODE", str, "",
+    "read by Ray itself: unset or 'token', a new local Ray cluster (orch's embedded one) "
+    "requires the token in ~/.ray/auth_token (made on first use); 'disabled' turns that off")
+
 GRPC_VERBOSITY: EnvVar[str] = EnvVar(
     "GRPC_VERBOSITY", str, "",
     "read by gRPC's C core when it starts: the least severe of its own lines that it prints; "
@@ -123,4 +128,4 @@ GRPC_VERBOSITY: EnvVar[str] = EnvVar(
 
 ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME,
                            ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX, RAY_ADDRESS,
-                           GRPC_VERBOSITY)
+                           RAY_AUTH_MODE, GRPC_VERBOSITY)

@@ -111,9 +111,23 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     print(format_status(instances))
     sick = [v.name for v in instances if not v.healthy]
     if sick:
+        print(f"capacity: {format_capacity(instances)}")
         print(f"orch status: not healthy: {', '.join(sick)}", file=sys.stderr)
         return EXIT_UNHEALTHY
     return 0
+
+
+def format_capacity(instances: list) -> str:
+    """Healthy instances per role, e.g. "decode 1/2 healthy (reduced), prefill 1/1 healthy";
+    a role with none says it cannot serve."""
+    parts = []
+    for role in dict.fromkeys(v.role for v in instances):
+        rows = [v for v in instances if v.role == role]
+        healthy = sum(v.healthy for v in rows)
+        mark = (" (none: requests get UNAVAILABLE / HTTP 503)" if not healthy else
+                " (reduced)" if healthy < len(rows) else "")
+        parts.append(f"{role} {healthy}/{len(rows)} healthy{mark}")
+    return ", ".join(parts)
 
 
 def format_status(instances: list) -> str:
@@ -249,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("status", _cmd_status, "instances and ranks of a router"),
                              ("generate", _cmd_generate, "stream one completion")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--address", default=DEFAULT_ADDRESS, help="router host:port")
+        p.add_argument("--address", default=None,
+                       help=f"router host:port (default {DEFAULT_ADDRESS})")
+        p.add_argument("--port", dest="router_port", type=int, default=None,
+                       help="router port on 127.0.0.1, as given to `orch up --port` "
+                            "(shorthand for --address 127.0.0.1:PORT)")
         p.add_argument("--timeout", type=float, default=None if name == "generate" else 10.0,
                        help="seconds before giving up")
         p.add_argument("--tls-ca", metavar="FILE", default=None,
@@ -298,11 +316,25 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.logs import setup_logging
+    """Run one command; exit code as in the module docstring, 130 on Ctrl-C (one line, no
+    traceback, whenever it comes: commands that start processes stop them first)."""
+    try:
+        from orchestrator.logs import setup_logging
 
-    setup_logging()
-    ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+        setup_logging()
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+        if getattr(ns, "router_port", None) is not None:
+            if ns.address is not None:
+                parser.error("give --address HOST:PORT or --port PORT, not both")
+            ns.address = f"127.0.0.1:{ns.router_port}"
+        elif hasattr(ns, "address") and ns.address is None:
+            ns.address = DEFAULT_ADDRESS
+        return ns.func(ns)
+    except KeyboardInterrupt:
+        command = " ".join(["orch"] + (sys.argv[1:2] if argv is None else argv[:1]))
+        print(f"{command}: interrupted (Ctrl-C or SIGTERM)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

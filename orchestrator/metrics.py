@@ -24,7 +24,9 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
 - per instance health (``track_health``): gauge ``orch_instance_healthy{instance,role}`` (1
   healthy, 0 unhealthy or recovering) and counter
   ``orch_health_transitions_total{instance,state}`` (changes into ``state``; ``recovering``
-  counts automatic restarts, ``unhealthy`` failures seen).
+  counts automatic restarts, ``unhealthy`` failures seen); per role gauges
+  ``orch_role_healthy_instances{role}`` and ``orch_role_instances{role}`` (fewer healthy than
+  instances: reduced capacity; 0 healthy: the role cannot serve).
 - per KV pair (``observe_transfer``): ``orch_kv_transfer_bytes_total{pair}``,
   ``orch_kv_transfer_seconds{pair}`` (histogram of successful transfers),
   ``orch_kv_transfer_failures_total{pair}``.
@@ -144,6 +146,12 @@ class RouterMetrics:
         self.health_transitions = Counter("orch_health_transitions", "instance health "
                                           "changes, by the state entered", ["instance", "state"],
                                           registry=r)
+        self.role_healthy = Gauge("orch_role_healthy_instances", "healthy instances of the "
+                                  "role (below orch_role_instances: reduced capacity)",
+                                  ["role"], registry=r)
+        self.role_instances = Gauge("orch_role_instances", "instances of the role",
+                                    ["role"], registry=r)
+        self._monitor: HealthMonitor | None = None
         self._instances = _InstanceCollector()
         r.register(self._instances)
         self._httpd = None
@@ -179,6 +187,7 @@ class RouterMetrics:
     def track_health(self, monitor: HealthMonitor) -> None:
         """Follow ``monitor``: the gauge from its
         current snapshot now, the gauge and the transition counter at every change."""
+        self._monitor = monitor
         for health in monitor.snapshot():
             self._set_healthy(health)
         monitor.add_listener(self.health_changed)
@@ -191,6 +200,9 @@ class RouterMetrics:
     def _set_healthy(self, health: InstanceHealth) -> None:
         self.healthy.labels(instance=health.name, role=health.role).set(
             1.0 if health.state is Health.HEALTHY else 0.0)
+        for role, (healthy, total) in (self._monitor.capacity() if self._monitor else {}).items():
+            self.role_healthy.labels(role=role).set(healthy)
+            self.role_instances.labels(role=role).set(total)
 
     def observe_transfer(self, pair: str, nbytes: int, seconds: float, ok: bool) -> None:
         """Record one KV transfer on ``pair`` (e.g. ``"prefill-0:0->decode-0:1"``): bytes and

@@ -4,7 +4,9 @@
 here). :class:`StatusBoard` builds the rows on the router: the monitor's cached health, and for
 each healthy instance its leader's ``status()`` bounded by ``health.status_timeout_s`` (an
 unhealthy one is not asked: a hung rank would only make the answer late). A leader whose own
-status says it is broken is reported to the monitor.
+status says it is broken, or whose status call fails while a ping of its ranks fails too, is
+reported to the monitor, and the row shows the monitor's state after that: the monitor is the
+one source of an instance's health.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class StatusBoard:
         self.metrics, self.status_timeout_s = metrics, status_timeout_s
 
     async def views(self) -> list[InstanceView]:
-        """One row per instance, in leader order; returns within ``status_timeout_s`` plus
+        """One row per instance, in leader order; returns within ``status_timeout_s`` (twice
+        that when a status call fails and the instance's ranks are pinged, below) plus
         scheduling time, whatever the instances do."""
         views = list(await asyncio.gather(*(self._view(l) for l in self.leaders)))
         self.metrics.update_instances([v.status for v in views if v.status is not None])
@@ -94,11 +97,30 @@ class StatusBoard:
         try:
             status = await leader.call("status", timeout_s=self.status_timeout_s)
         except LeaderError as exc:
-            self.monitor.probe_soon(leader.name)  # NOTE: a dead rank shows at the next look
-            return InstanceView(**row, detail=f"no status: {exc}")
+            return InstanceView(**{**row, **await self._unanswered(leader.name, exc)})
         if status.broken:
             self.monitor.report_failure(leader.name, f"its leader says: {status.broken}")
             health = self.monitor.get(leader.name)
             return InstanceView(**{**row, "health": health.state.value}, detail=health.reason,
                                 status=status)
         return InstanceView(**row, status=status)
+
+    async def _unanswered(self, name: str, exc: LeaderError) -> dict[str, str]:
+        """Health and detail of ``name`` whose status call failed: its ranks are pinged at
+        once (bounded by ``status_timeout_s``) and a failed ping goes to the monitor, so the
+        row shows the monitor's verdict (one source of truth), never "healthy" beside a
+        detail saying a rank is gone."""
+        try:
+            failure = await asyncio.wait_for(self.monitor.probe(name), self.status_timeout_s)
+        except asyncio.TimeoutError:
+            self.monitor.probe_soon(name)
+            return dict(health=self.monitor.get(name).state.value, detail=(
+                f"no status: {exc}; its ranks did not answer pings within "
+                f"{self.status_timeout_s:g} s either (the health monitor marks it unhealthy "
+                "once they stay silent for health.probe_timeout_s)"))
+        if failure is not None:
+            self.monitor.report_failure(name, failure)
+            health = self.monitor.get(name)
+            return dict(health=health.state.value, detail=health.reason)
+        return dict(health=self.monitor.get(name).state.value,
+                    detail=f"no status: {exc} (every rank answers pings: busy, not gone)")

@@ -5,7 +5,9 @@ Start-up prints one line per stage and instance (:mod:`orchestrator.deploy.progr
 SIGTERM during it stops what was started and ends the command (exit 130 from the CLI).
 Stop order once serving: health NOT_SERVING and the HTTP server stops accepting, drain
 in-flight requests (bounded by ``DRAIN_S``), servers stop, then the Ray actors (leaders' drain and shutdown bounded by
-``TEARDOWN_S`` each, then killed) and placement groups, then Ray itself if we started it.
+``TEARDOWN_S`` each, then killed) and placement groups, then Ray itself if we started it. An
+embedded Ray is also stopped when `orch up` is killed outright (its watchdog,
+:mod:`orchestrator.deploy.ray_watchdog`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.config.memory_check import check_memory
 from orchestrator.deploy.progress import Stopwatch, node_ips, plural, say
 from orchestrator.deploy.ray_connect import connect_ray
+from orchestrator.deploy.ray_watchdog import start_watchdog, stop_watchdog
 from orchestrator.deploy.recovery import Recoverer
 from orchestrator.api.security import EdgeSecurity, load_security
 from orchestrator.api.server import OrchServer, PortInUseError
@@ -117,6 +120,9 @@ def _run_cluster(cfg: OrchConfig, rank_classes: dict[str, type] | None,
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     owns_ray = not ray.is_initialized()
+    # NOTE: an embedded Ray only; started before ray.init so that a kill -9 even during it
+    # leaves nothing behind (orchestrator/deploy/ray_watchdog.py).
+    watchdog = start_watchdog() if owns_ray and not cfg.cluster.address else None
     cluster = None
     try:
         # NOTE: inside the try: an interrupt in ray.init still shuts down what it started.
@@ -127,6 +133,8 @@ def _run_cluster(cfg: OrchConfig, rank_classes: dict[str, type] | None,
             cluster.teardown(timeout_s=TEARDOWN_S)
         elif owns_ray:
             ray.shutdown()
+        if watchdog is not None:
+            stop_watchdog(watchdog)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -145,7 +153,7 @@ def _start_ray(cfg: OrchConfig) -> bool:
     watch = Stopwatch()
     started = connect_ray(cfg)
     say(f"Ray ready in {watch}: {plural(len(node_ips()), 'node')}; rank logs in "
-        f"{_worker_logs_dir()} on each node (`ray logs`)")
+        f"{_worker_logs_dir()} on each node (worker-*.err and worker-*.out)")
     return started
 
 
@@ -166,7 +174,8 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     monitor = build_monitor(cfg, cluster.ranks_of,
                             on_unhealthy=lambda name, why: router.instance_failed(name, why),
                             recover=(lambda name: recoverer.recover(name))
-                            if cfg.health.max_restarts else None)
+                            if cfg.health.max_restarts else None,
+                            restart_wait=lambda name: recoverer.restart_wait(name))
     if metrics is not None:
         metrics.track_health(monitor)
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
@@ -182,7 +191,8 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     http = None
     if cfg.router.http_port is not None:
         http = build_http_server(cfg, router, checkpoint, security.token,
-                                 ready=lambda: server.serving, grace_s=DRAIN_S)
+                                 ready=lambda: server.serving, grace_s=DRAIN_S,
+                                 retry_after=monitor.retry_after_s)
         try:
             http_port = await http.start()
         except BaseException:

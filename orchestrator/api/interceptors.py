@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from orchestrator.router.limits import check_request_size
+from orchestrator.router.limits import check_request_size, largest_field
 from orchestrator.router.request import RequestError
 from orchestrator.api.security import bearer_matches
 
@@ -117,10 +117,17 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
     def _parser(self, deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
-        """``deserialize`` that returns :class:`Unparsed` instead of raising."""
+        """``deserialize`` that returns :class:`Unparsed` instead of raising; a request over
+        the limit is refused naming its largest field (never parsed)."""
+        message = getattr(deserialize, "__self__", None)  # NOTE: a proto class's FromString
+        fields = message.DESCRIPTOR.fields_by_number if message is not None else {}
+
         def parse(raw: bytes) -> Any:
             try:
-                check_request_size(len(raw), self.limit_bytes, self.max_model_len)
+                if len(raw) > self.limit_bytes:
+                    field = fields.get(largest_field(raw))
+                    check_request_size(len(raw), self.limit_bytes, self.max_model_len,
+                                       field.name if field is not None else None)
                 return deserialize(raw) if deserialize is not None else raw
             except RequestError as exc:
                 return Unparsed(exc)

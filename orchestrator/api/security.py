@@ -1,12 +1,15 @@
 """The router's TLS key pair and bearer token, read from the files ``router.tls`` and
 ``router.auth`` name (docs/router.md, Security).
 
-Read once by ``orch up`` before the slow bring-up, so a wrong path fails in seconds.
+Read once by ``orch up`` before the slow bring-up (before Ray starts), so a wrong path, a key
+that does not match its certificate or a certificate out of its dates fails in seconds
+(:mod:`orchestrator.api.tls_check`).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,9 @@ from pathlib import Path
 from engine import envs
 from orchestrator.config.sections import AuthSection, RouterSection, TLSSection
 from orchestrator.config.errors import ConfigError
+from orchestrator.api.tls_check import check_key_pair
+
+log = logging.getLogger(__name__)
 
 MIN_TOKEN_CHARS = 16
 # NOTE: a gRPC metadata value is printable ASCII; the token follows "Bearer ".
@@ -66,6 +72,9 @@ def _key_pair(tls: TLSSection) -> tuple[bytes, bytes]:
     if b"PRIVATE KEY-----" not in key:
         raise ConfigError(f"router.tls.key_file: {tls.key_file} is not a PEM private key: "
                           "give the certificate's private key in PEM form")
+    for warning in check_key_pair(str(Path(tls.cert_file).expanduser()),
+                                  str(Path(tls.key_file).expanduser())):
+        log.warning(warning)
     return key, cert
 
 

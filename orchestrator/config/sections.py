@@ -277,7 +277,9 @@ class HealthSection(_Section):
     ``probe_timeout_s``: a dead rank marks its instance unhealthy at once, a silent one after
     ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``.
     An unhealthy instance is restarted (new rank actors) within ``recover_timeout_s``, at most
-    ``max_restarts`` times per ``restart_window_s`` (0 turns automatic restarts off).
+    ``max_restarts`` times per ``restart_window_s`` (0 turns automatic restarts off); a failed
+    or budget-deferred restart is tried again after ``restart_backoff_s``, doubling up to
+    ``restart_backoff_max_s`` (and never before the budget allows one).
     ``step_timeout_s`` bounds one SPMD step across an instance's ranks: a rank that answers
     pings but neither finishes nor fails a step within it (e.g. stuck in a collective) takes
     its instance out of service.
@@ -290,6 +292,8 @@ class HealthSection(_Section):
     recover_timeout_s: float = Field(300.0, gt=0)
     max_restarts: int = Field(3, ge=0)
     restart_window_s: float = Field(600.0, gt=0)
+    restart_backoff_s: float = Field(5.0, gt=0)
+    restart_backoff_max_s: float = Field(300.0, gt=0)
 
 
 class ClusterSection(_Section):

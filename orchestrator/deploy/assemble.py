@@ -12,7 +12,7 @@ from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import ColocatedFlow, DisaggregatedFlow, Flow
-from orchestrator.deploy.health import HealthMonitor
+from orchestrator.deploy.health import HealthMonitor, RestartWait
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import Router, RouterMetrics
@@ -60,15 +60,18 @@ def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
 
 def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
                   on_unhealthy: Callable[[str, str], None] | None = None,
-                  recover: Callable[[str], Awaitable[bool]] | None = None) -> HealthMonitor:
+                  recover: Callable[[str], Awaitable[bool]] | None = None,
+                  restart_wait: RestartWait | None = None) -> HealthMonitor:
     """A health monitor of every instance of ``cfg``, timed by ``cfg.health`` (see
-    :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy`` and ``recover``)."""
+    :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy``, ``recover``, ``restart_wait``)."""
     h = cfg.health
     # NOTE: the Recoverer bounds a restart by recover_timeout_s itself and then gives up on
     # it a few seconds later; the monitor's own bound only catches a recover that hangs.
     return HealthMonitor({inst.name: inst.role for inst in cfg.instances()}, ranks_of,
                          h.probe_interval_s, h.probe_timeout_s, on_unhealthy=on_unhealthy,
-                         recover=recover, recover_timeout_s=h.recover_timeout_s + RECOVER_GRACE_S)
+                         recover=recover, recover_timeout_s=h.recover_timeout_s + RECOVER_GRACE_S,
+                         backoff_s=h.restart_backoff_s, backoff_max_s=h.restart_backoff_max_s,
+                         restart_wait=restart_wait)
 
 
 def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:
@@ -79,10 +82,12 @@ def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> Stat
 
 
 def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: str | None,
-                      ready: Callable[[], bool], grace_s: float):
+                      ready: Callable[[], bool], grace_s: float,
+                      retry_after: Callable[[], float] = lambda: 1.0):
     """The OpenAI HTTP API over ``router`` on ``router.host:router.http_port`` (TLS from
-    ``router.tls``); ``ready`` drives its /health. Chat uses the checkpoint's chat template;
-    without one, chat completions answer 400 and a warning says why."""
+    ``router.tls``); ``ready`` drives its /health, ``retry_after`` its 503s' Retry-After.
+    Chat uses the checkpoint's chat template; without one, chat completions answer 400 and a
+    warning says why."""
     from orchestrator.api.http.app import OpenAIApp  # lazy: only when router.http_port is set
     from orchestrator.api.http.chat_template import ChatTemplate, ChatTemplateError
     from orchestrator.api.http.server import HttpServer
@@ -92,6 +97,6 @@ def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: 
     except ChatTemplateError as exc:
         log.warning("/v1/chat/completions is off: %s", exc)
         template = None
-    app = OpenAIApp(router, template, token, ready)
+    app = OpenAIApp(router, template, token, ready, retry_after)
     return HttpServer(app.asgi(), cfg.router.host, cfg.router.http_port, cfg.router.tls,
                       grace_s=grace_s)

@@ -431,10 +431,12 @@ def _get_ranks(inst: InstanceRanks, refs: list[Any], step: str, timeout: float) 
         except ray.exceptions.GetTimeoutError:
             raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} did not finish within "
                                f"cluster.startup_timeout_s={timeout:g} s; see that rank's log "
-                               "(ray logs), or raise the timeout") from None
+                               "(worker-*.err in the rank log folder `orch up` printed), or "
+                               "raise the timeout") from None
         except ray.exceptions.RayError as exc:
             cause = getattr(exc, "cause", None) or exc  # the worker's own exception
             raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} failed: "
                                f"{type(cause).__name__}: {cause} (traceback in that rank's "
-                               "log: `ray logs`)") from None
+                               "log: worker-*.err in the rank log folder `orch up` "
+                               "printed)") from None
     return out

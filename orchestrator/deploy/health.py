@@ -13,6 +13,12 @@ States::
     HEALTHY --failure--> UNHEALTHY --recover given--> RECOVERING --recover True, probe ok--> HEALTHY
                                                                  --recover False/raised/probe
                                                                    fails--> UNHEALTHY
+    UNHEALTHY (after a failed or deferred restart) --backoff delay--> RECOVERING (again)
+
+A restart that fails, or that the restart budget defers (``restart_wait``), is tried again
+after a delay that doubles from ``backoff_s`` up to ``backoff_max_s`` (and is never shorter
+than the budget's own wait): an instance comes back by itself once its cause is gone. The
+reason of a waiting instance names why and when the next try is (``InstanceHealth.retry_at``).
 
 NOTE: an UNHEALTHY instance is not probed back to HEALTHY: a rank that missed a deadline may
 have left its TP group or its KV pairs out of step (a zombie that answers pings yet fails every
@@ -23,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -45,15 +53,20 @@ class Health(str, enum.Enum):
 
 @dataclass(frozen=True)
 class InstanceHealth:
-    """One instance's health; ``reason`` says why it is not healthy ("" when healthy)."""
+    """One instance's health; ``reason`` says why it is not healthy ("" when healthy);
+    ``retry_at``: wall-clock time (``time.time()``) of its next restart try, None when none is
+    scheduled."""
 
     name: str
     role: str
     state: Health
     reason: str = ""
+    retry_at: float | None = None
 
 
 Listener = Callable[[InstanceHealth], None]
+# name -> None when a restart may run now, else (seconds until it may, why not now)
+RestartWait = Callable[[str], "tuple[float, str] | None"]
 
 
 class HealthMonitor:
@@ -70,17 +83,24 @@ class HealthMonitor:
         recover: ``async (name) -> bool`` that restarts an instance; called once per turn to
             UNHEALTHY, bounded by ``recover_timeout_s``. None: unhealthy instances stay so.
         recover_timeout_s: bound of one ``recover`` call (seconds).
+        backoff_s, backoff_max_s: delay before the first retry of a failed restart, and its
+            cap (seconds); it doubles with every failed try in a row.
+        restart_wait: asked before each try (the restart budget,
+            :meth:`Recoverer.restart_wait`); None: a restart may always run.
     """
 
     def __init__(self, roles: dict[str, str], ranks_of: Callable[[str], list[Any]],
                  probe_interval_s: float, probe_timeout_s: float,
                  on_unhealthy: Callable[[str, str], None] | None = None,
                  recover: Callable[[str], Awaitable[bool]] | None = None,
-                 recover_timeout_s: float = 600.0) -> None:
+                 recover_timeout_s: float = 600.0, backoff_s: float = 5.0,
+                 backoff_max_s: float = 300.0, restart_wait: RestartWait | None = None) -> None:
         self._ranks_of = ranks_of
         self._interval_s, self._timeout_s = probe_interval_s, probe_timeout_s
         self._on_unhealthy, self._recover = on_unhealthy, recover
         self._recover_timeout_s = recover_timeout_s
+        self._backoff_s, self._backoff_max_s = backoff_s, max(backoff_s, backoff_max_s)
+        self._restart_wait = restart_wait or (lambda name: None)
         self._states = {name: InstanceHealth(name, role, Health.HEALTHY)
                         for name, role in roles.items()}
         self._listeners: list[Listener] = []
@@ -112,6 +132,25 @@ class HealthMonitor:
         roles = {h.role for h in self._states.values()}
         return sorted(r for r in roles if not any(
             h.role == r and h.state is Health.HEALTHY for h in self._states.values()))
+
+    def capacity(self) -> dict[str, tuple[int, int]]:
+        """role -> (healthy instances, instances): below all of them is reduced capacity."""
+        out: dict[str, tuple[int, int]] = {}
+        for h in self._states.values():
+            healthy, total = out.get(h.role, (0, 0))
+            out[h.role] = (healthy + (h.state is Health.HEALTHY), total + 1)
+        return out
+
+    def retry_after_s(self) -> float:
+        """Seconds a client should wait before retrying while some role has no healthy
+        instance: the soonest scheduled restart try of such a role (at least the probe
+        interval, at least 1 s; the probe interval while a restart runs)."""
+        now, waits = time.time(), [1.0]
+        for role in self.roles_without_healthy():
+            soonest = min((h.retry_at - now if h.retry_at is not None else self._interval_s)
+                          for h in self._states.values() if h.role == role)
+            waits.append(soonest)
+        return max(max(waits), self._interval_s)
 
     def add_listener(self, listener: Listener) -> None:
         """``listener(health)`` is called after every state change (sync, on the loop)."""
@@ -218,28 +257,45 @@ class HealthMonitor:
                                                      name=f"recover-{name}")
 
     async def _recover_one(self, name: str, reason: str) -> None:
-        """Run ``recover(name)`` (bounded), then probe: HEALTHY or UNHEALTHY with why."""
+        """Restart ``name`` until it is back: after each failed or deferred try, UNHEALTHY
+        with why and when the next try is, then RECOVERING again (cancelled by :meth:`stop`)."""
+        for tries in itertools.count(1):
+            wait = self._restart_wait(name)
+            if wait is None:
+                failure = await self._try_restart(name)
+                if failure is None:
+                    self._recoveries.pop(name, None)
+                    self._set(name, Health.HEALTHY, "")
+                    log.info("%s is healthy again after a restart", name)
+                    return
+                wait = (0.0, failure)
+            backoff = self._backoff_s * 2 ** min(tries - 1, 32)  # NOTE: capped: no overflow
+            delay = max(wait[0], min(self._backoff_max_s, backoff))
+            retry_at = time.time() + delay
+            shown = f"{reason}; {wait[1]}; next restart try in {delay:.0f} s (at " \
+                    f"{time.strftime('%H:%M:%S', time.localtime(retry_at))})"
+            self._set(name, Health.UNHEALTHY, shown, retry_at)
+            log.warning("%s stays unhealthy: %s; next restart try in %.0f s", name, wait[1],
+                        delay)
+            await asyncio.sleep(delay)
+            self._set(name, Health.RECOVERING, f"restart try {tries + 1} after: {reason}")
+
+    async def _try_restart(self, name: str) -> str | None:
+        """One ``recover(name)`` (bounded), then a probe: None when it is back, else why not."""
         try:
             ok = await asyncio.wait_for(self._recover(name), self._recover_timeout_s)
-            failure = (await self.probe(name) if ok else
-                       "the automatic restart failed or was refused (see the router log)")
+            return (await self.probe(name) if ok else
+                    "the automatic restart failed or was refused (see the router log)")
         except asyncio.TimeoutError:
-            failure = (f"the automatic restart did not finish within "
-                       f"health.recover_timeout_s={self._recover_timeout_s:g} s")
+            return (f"the automatic restart did not finish within "
+                    f"health.recover_timeout_s={self._recover_timeout_s:g} s")
         except Exception as exc:  # noqa: BLE001 -- a failed restart leaves it unhealthy
             log.exception("recovering %s failed", name)
-            failure = f"the automatic restart raised {type(exc).__name__}: {exc}"
-        self._recoveries.pop(name, None)
-        if failure is None:
-            self._set(name, Health.HEALTHY, "")
-            log.info("%s is healthy again after a restart", name)
-            return
-        self._set(name, Health.UNHEALTHY, f"{reason}; {failure}: restart `orch up`")
-        log.warning("%s stays unhealthy: %s", name, failure)
+            return f"the automatic restart raised {type(exc).__name__}: {exc}"
 
-    def _set(self, name: str, state: Health, reason: str) -> None:
+    def _set(self, name: str, state: Health, reason: str, retry_at: float | None = None) -> None:
         old = self._states[name]
-        new = InstanceHealth(name, old.role, state, reason)
+        new = InstanceHealth(name, old.role, state, reason, retry_at)
         self._states[name] = new
         if new.state is old.state:
             return

@@ -49,7 +49,8 @@ def describe_placement(cfg: OrchConfig, instances: list[InstanceConfig]) -> list
         lines.append(f"{inst.name}: tp={tp}{cp}, placement group {STRATEGY} with {ranks} "
                      f"bundle(s) of {bundle}, kv blocks {inst.scheduler.num_kv_blocks} x "
                      f"{inst.scheduler.block_size} tokens")
-        last = f", rank1..rank{ranks - 1}" if ranks > 1 else ""
+        last = ("" if ranks == 1 else ", rank1" if ranks == 2 else
+                f", rank1..rank{ranks - 1}")
         lines.append(f"  ranks: rank0 (leader){last}; one Ray actor per rank, bundle index = rank")
         for key, amount in bundle.items():
             totals[key] = totals.get(key, 0) + amount * ranks

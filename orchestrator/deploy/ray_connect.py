@@ -7,6 +7,7 @@ do), or an embedded local cluster that belongs to this process alone.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from engine import envs
@@ -18,7 +19,9 @@ def connect_ray(cfg: OrchConfig) -> bool:
     """Join ``cluster.address`` or start an embedded private Ray; True when we started it.
 
     The embedded Ray is always a new local cluster of this process (``address="local"``,
-    ``RAY_ADDRESS`` removed from the environment), never one already running on the host.
+    ``RAY_ADDRESS`` removed from the environment), never one already running on the host,
+    with Ray's default token authentication (``RAY_AUTH_MODE`` unset; its start-up notice is
+    not printed).
     The ranks' own output stays in Ray's worker logs (``log_to_driver=False``): orch's log
     gets one line per fault from the router, ``orch up`` says where the worker logs are.
 
@@ -41,9 +44,28 @@ def connect_ray(cfg: OrchConfig) -> bool:
 
         resources["NPU"] = torch.npu.device_count()
     envs.RAY_ADDRESS.unset()
+    # NOTE: Ray warns at every start of a new local cluster that it uses token authentication
+    # (its default); the README says so once. Setting RAY_AUTH_MODE=token here instead would
+    # not do: Ray's client config was read at import and would still say "disabled".
+    quiet_token_auth_notice()
     ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
              include_dashboard=False, log_to_driver=False)
     return True
+
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_token_auth_notice() -> None:
+    """Drop Ray's "Token authentication is enabled" notice of a new local cluster (Ray's
+    default; README, Quickstart, says it once) from this process's log."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if _not_token_auth_notice not in logger.filters:
+        logger.addFilter(_not_token_auth_notice)
+
+
+def _not_token_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def _check_reachable(address: str, timeout_s: float) -> None:

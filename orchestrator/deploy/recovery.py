@@ -12,8 +12,9 @@ which the recoveries of the others (they break within ``step_timeout_s`` of the 
 lose their ranks to the restart) wait for, and every client of the group is rebound.
 
 Bounded restart rate: an instance restarted ``max_restarts`` times within ``window_s`` is not
-restarted again (it keeps failing for a reason a restart does not fix); one log line says so
-and what to do.
+restarted again until its oldest restart leaves the window (:meth:`Recoverer.restart_wait`
+says how long; the health monitor waits that long, then tries again): a cause a restart does
+not fix costs a restart per window, not a restart loop.
 """
 
 from __future__ import annotations
@@ -98,16 +99,26 @@ class Recoverer:
             history.popleft()
         return len(history)
 
+    def restart_wait(self, name: str) -> tuple[float, str] | None:
+        """None when a restart of ``name`` may run now; else (seconds until the restart budget
+        allows one, why not now). The health monitor's ``restart_wait``."""
+        n = self.restarts(name)
+        if n < self.max_restarts or n == 0:
+            return None
+        wait = self._history[name][0] + self.window_s - time.monotonic()
+        return max(wait, 0.0), (f"restart budget used up: {n} restarts in the last "
+                                f"{self.window_s:g} s (health.max_restarts="
+                                f"{self.max_restarts} per health.restart_window_s)")
+
     def _refusal(self, name: str) -> str | None:
         """Why ``name`` must not be restarted now, or None."""
         if name not in self._leaders:
             return f"{name}: not restarted: no such instance (known: {sorted(self._leaders)})"
-        n = self.restarts(name)
-        if n >= self.max_restarts:
-            return (f"{name}: not restarted: it was restarted {n} times in the last "
-                    f"{self.window_s:g} s (max_restarts={self.max_restarts}); it stays out of "
-                    "service: find the cause in its ranks' logs (`ray logs`), then restart "
-                    "`orch up`")
+        wait = self.restart_wait(name)
+        if wait is not None:
+            return (f"{name}: not restarted now: {wait[1]}; the next restart may run in "
+                    f"{wait[0]:.0f} s. If it keeps failing, find the cause in its ranks' "
+                    "logs (docs/reliability.md, Logs); restarting `orch up` resets the budget")
         return None
 
     async def _restart(self, name: str, group: list[str]) -> bool:
@@ -120,7 +131,7 @@ class Recoverer:
             insts = await asyncio.wait_for(asyncio.shield(work), self.timeout_s + _GRACE_S)
         except asyncio.TimeoutError:
             log.warning("%s: restart did not finish within %.0f s; it stays out of service "
-                        "(see its ranks' logs: `ray logs`)", name, self.timeout_s)
+                        "(see its ranks' worker-*.err in the rank log folder `orch up` printed)", name, self.timeout_s)
             return False
         except Exception as exc:  # noqa: BLE001 - BringUpError names the step and the fix
             log.warning("%s: restart failed: %s", name, exc)

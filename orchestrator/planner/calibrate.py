@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import envs
+from orchestrator.deploy.ray_connect import quiet_token_auth_notice
 from orchestrator.planner.specs import DeviceSpec
 
 if TYPE_CHECKING:
@@ -135,6 +137,7 @@ def _ray_figures(ckpt: Path, served: "ServedInstances | None") -> tuple[float, "
 
     own = not ray.is_initialized()
     if own:
+        quiet_token_auth_notice()
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         if served is not None:
@@ -253,7 +256,10 @@ def measure_cpu(ckpt: Path | None = None,
             return measure_cpu(write_tiny_checkpoint(Path(tmp) / "tiny"), served)
     from orchestrator.tiny_model import tiny_config_dict
 
-    rates = {**_local_rates(), **_gloo_rates()}
+    progress("memory bandwidth and compute of one core")
+    rates = _local_rates()
+    progress("a gloo pair's bandwidth and latency")
+    rates.update(_gloo_rates())
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     raw = DeviceSpec(
         key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=ram,
@@ -261,7 +267,9 @@ def measure_cpu(ckpt: Path | None = None,
         int8_tflops=rates["flops"] / 1e12, intra_domain_gb_s=rates["gloo_gb_s"],
         inter_domain_gb_s=rates["gloo_gb_s"], link_latency_us=rates["gloo_latency_us"],
         domain_ranks=os.cpu_count() or 1, layer_overhead_us=0.0)
+    progress("the tiny model's prefill and decode steps")
     prefill_s, decode_s = _tiny_step_s(ckpt)
+    progress("served steps on Ray (starts instances of the tiny model: the longest step)")
     call_us, steps = _ray_figures(ckpt, served)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
     latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), steps,
@@ -289,14 +297,28 @@ def _first_token_us(served_s: float, colocated: bool, call_us: float, prefill_s:
 
 def cpu_device(recalibrate: bool = False) -> DeviceSpec:
     """The cached ``cpu`` device; measured (and cached) when absent, ``recalibrate`` or
-    written by an older layout of :class:`.specs.DeviceSpec`."""
+    written by an older layout of :class:`.specs.DeviceSpec`, with progress lines on stderr (the
+    plan itself goes to stdout)."""
     path = cache_path()
     if not recalibrate and path.exists():
         try:
             return DeviceSpec.from_dict("cpu", json.loads(path.read_text()))
         except TypeError:
             pass  # an older field layout: measure again
+    _say(f"calibrating this machine's CPU (once, about 15-30 s; the figures are cached in "
+         f"{path}, `orch plan --calibrate` measures again)")
+    start = time.monotonic()
     spec = measure_cpu()
+    _say(f"calibrated in {time.monotonic() - start:.1f} s")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(spec), indent=1))
     return spec
+
+
+def progress(step: str) -> None:
+    """One calibration step under way, on stderr."""
+    _say(f"calibrating: {step}")
+
+
+def _say(line: str) -> None:
+    print(f"orch plan: {line}", file=sys.stderr, flush=True)

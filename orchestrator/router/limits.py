@@ -55,14 +55,71 @@ def max_request_bytes(max_model_len: int, max_token_bytes: int | None) -> int:
     return max_model_len * per_token + ENVELOPE_BYTES
 
 
-def check_request_size(nbytes: int, limit: int, max_model_len: int) -> None:
+def check_request_size(nbytes: int, limit: int, max_model_len: int,
+                       field: str | None = None) -> None:
     """Refuse a serialized request over ``limit`` bytes (:func:`max_request_bytes`).
 
+    Args:
+        field: the request's largest field (:func:`largest_field`), named in the message;
+            None or a prompt field (``text``, ``token_ids``): the prompt is.
+
     Raises:
-        RequestError: INVALID_ARGUMENT naming the sizes and what to do.
+        RequestError: INVALID_ARGUMENT naming the sizes, the field and what to do.
     """
-    if nbytes > limit:
+    if nbytes <= limit:
+        return
+    if field == "request_id":
+        raise RequestError("INVALID_ARGUMENT", f"request_id is about {nbytes} bytes, far over "
+                                               f"its limit: use {REQUEST_ID_RULE}")
+    if field not in (None, "text", "token_ids", "prompt", "messages"):
         raise RequestError("INVALID_ARGUMENT",
-                           f"request is {nbytes} bytes; with max_model_len {max_model_len} "
-                           f"a request can use at most {limit} bytes: shorten the prompt "
-                           "(or raise model.max_model_len)")
+                           f"request is {nbytes} bytes, most of them in {field}; a request "
+                           f"can use at most {limit} bytes: send a smaller {field}")
+    raise RequestError("INVALID_ARGUMENT",
+                       f"request is {nbytes} bytes; with max_model_len {max_model_len} "
+                       f"a request can use at most {limit} bytes: shorten the prompt "
+                       "(or raise model.max_model_len)")
+
+
+def largest_field(raw: bytes) -> int | None:
+    """The number of the top-level protobuf field of ``raw`` that takes the most bytes, or
+    None when ``raw`` is not well-formed wire format (the parser then says why).
+
+    Reads only tags and lengths (O(fields), never the contents): cheap on a huge request.
+    """
+    sizes: dict[int, int] = {}
+    pos, end = 0, len(raw)
+    try:
+        while pos < end:
+            key, pos = _varint(raw, pos)
+            number, wire = key >> 3, key & 7
+            start = pos
+            if wire == 0:
+                _, pos = _varint(raw, pos)
+            elif wire == 1:
+                pos += 8
+            elif wire == 2:
+                length, pos = _varint(raw, pos)
+                pos += length
+            elif wire == 5:
+                pos += 4
+            else:
+                return None
+            sizes[number] = sizes.get(number, 0) + pos - start
+    except IndexError:
+        return None
+    return max(sizes, key=sizes.__getitem__) if sizes and pos == end else None
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the base-128 varint at ``pos``; IndexError past the end."""
+    value, shift = 0, 0
+    while True:
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint longer than 10 bytes")

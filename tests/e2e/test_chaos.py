@@ -5,9 +5,12 @@ Requests whose lengths come from the Mooncake conversation trace (capped to the 
 context) are sent at a steady rate, each on its own thread, while one after the other:
 
 1. decode-0's rank is killed (SIGKILL),
-2. prefill-0's leader is killed,
-3. prefill-1's follower (rank 1) is killed,
-4. decode-1's rank is stopped (SIGSTOP) for ``STOP_S`` seconds, then resumed (SIGCONT),
+2. decode-0's rank is killed again, inside ``health.restart_window_s`` after its first restart
+   with ``health.max_restarts: 1``: the restart budget is used up, so its restart waits until
+   the window allows one (``orch status`` says so and when), then it comes back by itself,
+3. prefill-0's leader is killed,
+4. prefill-1's follower (rank 1) is killed,
+5. decode-1's rank is stopped (SIGSTOP) for ``STOP_S`` seconds, then resumed (SIGCONT),
 
 each time waiting until every instance is healthy again. Checked:
 
@@ -16,7 +19,8 @@ each time waiting until every instance is healthy again. Checked:
 - the failed-request count is reported, and only requests that were on the faulted instance
   may fail: each failure names the instance faulted at that moment (requests with no first
   token yet are placed again, so a prefill fault fails nothing);
-- each faulted instance serves again within ``RECOVER_WITHIN_S`` of its fault;
+- each faulted instance serves again within ``RECOVER_WITHIN_S`` of its fault (the fault over
+  the budget: within the rest of the window plus ``RECOVER_WITHIN_S``);
 - afterwards no instance holds a block or a request (every block free, nothing in flight);
 - after recovery, greedy outputs equal the colocated baseline (the engine run alone on the
   same checkpoint, tests/e2e/baseline.py).
@@ -49,14 +53,18 @@ MAX_PROMPT, MAX_OUTPUT = 200, 96  # tokens; the trace's lengths are capped to th
 MAX_EVENT_GAP_S = 30.0
 RECOVER_WITHIN_S = 60.0
 STOP_S = 10.0
+WINDOW_S = 40.0  # health.restart_window_s: the second decode-0 fault falls inside it
 OVERRIDES = {"prefill.dp": 2, "prefill.tp": 2, "decode.dp": 2, "decode.tp": 1,
              "cluster.cpus_per_rank": 0.25, "router.request_timeout_s": 60,
              "health.probe_interval_s": 0.5, "health.probe_timeout_s": 3.0,
+             "health.max_restarts": 1, "health.restart_window_s": WINDOW_S,
+             "health.restart_backoff_s": 2.0,
              "kv_transfer.connect_timeout_s": 10, "kv_transfer.payload_timeout_s": 10,
              "kv_transfer.completion_timeout_s": 30}
 # (instance, rank, signal): the faults, in order
-FAULTS = (("decode-0", 0, signal.SIGKILL), ("prefill-0", 0, signal.SIGKILL),
-          ("prefill-1", 1, signal.SIGKILL), ("decode-1", 0, signal.SIGSTOP))
+FAULTS = (("decode-0", 0, signal.SIGKILL), ("decode-0", 0, signal.SIGKILL),
+          ("prefill-0", 0, signal.SIGKILL), ("prefill-1", 1, signal.SIGKILL),
+          ("decode-1", 0, signal.SIGSTOP))
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Fault:
     instance: str
     start: float
     end: float = 0.0
+    details: set[str] = field(default_factory=set)  # its `orch status` details meanwhile
 
 
 Request = tuple[tuple[int, ...], int]  # (prompt token ids, max_tokens)
@@ -139,9 +148,10 @@ def rank_pid(orch: OrchProcess, instance: str, rank: int) -> int | None:
 
 
 def fault_and_recover(orch: OrchProcess, instance: str, rank: int,
-                      sig: signal.Signals) -> Fault:
+                      sig: signal.Signals, within_s: float = RECOVER_WITHIN_S) -> Fault:
     """Send ``sig`` to the rank; return once orch replaced it and every instance is healthy
-    again (SIGSTOP: the process is resumed after STOP_S, if orch has not killed it by then)."""
+    again (SIGSTOP: the process is resumed after STOP_S, if orch has not killed it by then),
+    at most ``within_s`` after the fault."""
     everyone = healthy(orch)
     pid = rank_pid(orch, instance, rank)
     assert pid, f"{instance} rank {rank} has no pid in GetStatus"
@@ -153,13 +163,15 @@ def fault_and_recover(orch: OrchProcess, instance: str, rank: int,
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass  # orch killed it to restart the instance
-    while time.monotonic() - fault.start < RECOVER_WITHIN_S:
+    while time.monotonic() - fault.start < within_s:
         # NOTE: back in service = every instance healthy, the faulted rank a new process
         if healthy(orch) == everyone and rank_pid(orch, instance, rank) not in (pid, None):
             fault.end = time.monotonic()
             return fault
+        fault.details |= {row.detail for row in orch.status().instances
+                          if row.name == instance and row.detail}
         time.sleep(0.25)
-    raise AssertionError(f"{instance} is not serving again within {RECOVER_WITHIN_S} s of "
+    raise AssertionError(f"{instance} is not serving again within {within_s} s of "
                          f"{sig.name} to its rank {rank} (pid {pid}); healthy: "
                          f"{sorted(healthy(orch))}\n{orch.log.read_text()[-3000:]}")
 
@@ -187,8 +199,13 @@ def test_chaos_faults_stay_small_and_heal(tmp_path, shared_data, joined_ray):
         replayer.start()
         wait_served(out, 0.0, 3)  # NOTE: steady load before the first fault
         for instance, rank, sig in FAULTS:
-            faults.append(fault_and_recover(orch, instance, rank, sig))
+            again = any(f.instance == instance for f in faults)
+            faults.append(fault_and_recover(orch, instance, rank, sig,
+                                            RECOVER_WITHIN_S + (WINDOW_S if again else 0)))
             wait_served(out, faults[-1].end, 1)  # NOTE: the healed system takes load
+        deferred = " ".join(faults[1].details)
+        assert "restart budget used up" in deferred and "next restart try in" in deferred, \
+            faults[1].details
         checkpoint = load_config(orch.config).model.checkpoint_dir()
         stop.set()
         replayer.join(10)

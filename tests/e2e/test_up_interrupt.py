@@ -88,3 +88,39 @@ def test_sigint_during_start_up_exits_cleanly(stage, process, ignored, tmp_path)
     assert output.rstrip().endswith(
         "orch up: interrupted (Ctrl-C or SIGTERM); stopped what had started"), output
     assert took < 30, f"took {took:.1f} s to stop:\n{output}"
+
+
+def test_kill_9_of_orch_up_leaves_no_ray_process_behind(tmp_path):
+    """`orch up` killed outright (no teardown runs): the embedded Ray's processes, its
+    dashboard and runtime-env agents and the ranks included, are gone within seconds (the
+    watchdog, orchestrator/deploy/ray_watchdog.py), not minutes."""
+    log = tmp_path / "up.log"
+    env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
+    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "1p1d.yaml"),
+           "--port", str(free_port()), "--metrics-port", str(free_port())]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    started: set[int] = set()
+    try:
+        _wait_for_line(log, proc, "orch serving", timeout_s=240)
+        found = descendants(proc.pid)
+        started = set(found)
+        assert any("raylet" in title for title in found.values()), found
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {pid: _cmdline(pid) for pid in _alive(started)}
+        assert left == {}, f"left running after kill -9: {left}\n{log.read_text()}"
+    finally:
+        for pid in _alive(started):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"

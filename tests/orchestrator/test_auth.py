@@ -200,3 +200,78 @@ def test_bearer_scheme_is_case_insensitive_and_the_token_exact(presented, ok):
     from orchestrator.api.security import bearer_matches
 
     assert bearer_matches(presented, "tok-0123456789abcdef") is ok
+
+
+def _with_dates(cert: str, out: Path, not_before: bytes | None = None,
+                not_after: bytes | None = None) -> str:
+    """A copy of the PEM certificate ``cert`` whose validity reads ``not_before`` /
+    ``not_after`` (UTCTime "YYMMDDHHMMSSZ"); its signature no longer matches, which the
+    checks under test do not look at (clients do)."""
+    import base64
+    import re
+
+    pem = Path(cert).read_text()
+    body = "".join(pem.strip().splitlines()[1:-1])
+    der = base64.b64decode(body)
+    times = [m.start() for m in re.finditer(rb"\x17\x0d\d{12}Z", der)][:2]
+    for pos, value in zip(times, (not_before, not_after)):
+        if value is not None:
+            der = der[:pos + 2] + value + der[pos + 15:]
+    text = base64.b64encode(der).decode()
+    out.write_text("-----BEGIN CERTIFICATE-----\n" + "\n".join(
+        text[i:i + 64] for i in range(0, len(text), 64)) + "\n-----END CERTIFICATE-----\n")
+    return str(out)
+
+
+def test_a_bad_key_pair_or_certificate_is_refused_when_loaded_naming_file_and_problem(
+        tmp_path):
+    cert, key = make_cert(tmp_path, "router")
+    _, other_key = make_cert(tmp_path, "other")
+    expired = _with_dates(cert, tmp_path / "expired.crt", not_after=b"200101000000Z")
+    early = _with_dates(cert, tmp_path / "early.crt", not_before=b"490101000000Z")
+    stranger = tmp_path / "stranger.crt"  # a CA that issued nothing here
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "30", "-subj",
+                    "/CN=stranger-ca", "-keyout", str(tmp_path / "stranger.key"), "-out",
+                    str(stranger)], check=True, capture_output=True, timeout=60)
+    chain = tmp_path / "chain.crt"
+    chain.write_text(Path(cert).read_text() + stranger.read_text())
+    cases = [
+        (cert, other_key, f"router.tls.key_file: {other_key} is not the private key of the "
+                          f"certificate in {cert}"),
+        (expired, key, f"router.tls.cert_file: the server certificate in {expired} expired on "
+                       "2020-01-01 00:00 UTC"),
+        (early, key, f"router.tls.cert_file: the server certificate in {early} is not valid "
+                     "before 2049-01-01 00:00 UTC"),
+        (str(chain), key, f"router.tls.cert_file: certificate 2 in {chain} did not issue the "
+                          "server certificate"),
+    ]
+    for cert_file, key_file, message in cases:
+        with pytest.raises(ConfigError) as info:
+            load_security(RouterSection(tls=TLSSection(cert_file=cert_file, key_file=key_file)))
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_certificate_close_to_expiry_is_a_warning(tmp_path, caplog):
+    cert, key = make_cert(tmp_path, "router")  # valid for one day
+    with caplog.at_level("WARNING", logger="orchestrator.api.security"):
+        load_security(RouterSection(tls=TLSSection(cert_file=cert, key_file=key)))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"router.tls.cert_file: the server certificate in {cert} expires "
+                           "on ") and "renew it soon" in line
+
+
+def test_orch_up_with_a_mismatched_key_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import orchestrator.up as up
+
+    def no_ray(cfg):
+        raise AssertionError("orch up started Ray although its TLS key pair is broken")
+    monkeypatch.setattr(up, "connect_ray", no_ray)
+    monkeypatch.setattr(up, "ensure_checkpoint", no_ray)
+    cert, _ = make_cert(tmp_path, "router")
+    _, other_key = make_cert(tmp_path, "other")
+    cfg = tmp_path / "up.yaml"
+    cfg.write_text(f"router: {{port: 0, tls: {{cert_file: {cert}, key_file: {other_key}}}}}\n"
+                   "cluster: {device: cpu}\n")
+    assert cli.main(["up", str(cfg)]) == 2
+    assert "is not the private key of the certificate" in capsys.readouterr().err

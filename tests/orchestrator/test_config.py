@@ -57,6 +57,7 @@ def test_dry_run_report_lines(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "decode-0: tp=2, placement group STRICT_PACK with 2 bundle(s) of {'CPU': 0.25}" in out
     assert "total: 2 instance(s), 3 rank(s), resources {'CPU': 0.75}" in out
+    assert "  ranks: rank0 (leader), rank1; one Ray actor per rank" in out  # not rank1..rank1
     assert "layers: 61 (/nonexistent/DeepSeek-V3/config.json not found: assuming DeepSeek-V3" in out
 
 

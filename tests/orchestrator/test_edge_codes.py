@@ -120,3 +120,20 @@ def test_every_method_refuses_garbage_with_invalid_argument(harness, caplog, met
             channel.unary_unary(method)(b"\xff\xff\xff", timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert len(_orch_records(caplog)) == 1
+
+
+@pytest.mark.parametrize("rpc", ["generate", "abort"])
+def test_an_oversized_request_id_is_named_not_the_prompt(harness, rpc):
+    """A request over the size limit because of its request_id is told about request_id (not
+    to shorten a prompt it may not even have)."""
+    limit = max_request_bytes(MODEL.max_model_len, TOKENIZER.max_token_bytes)
+    huge = "x" * (limit + 1)
+    with OrchClient(harness.address) as client, pytest.raises(grpc.RpcError) as info:
+        if rpc == "generate":
+            list(client.generate(token_ids=[5], request_id=huge, max_tokens=2))
+        else:
+            client.abort(huge)
+    details = info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "request_id" in details and f"1 to {MAX_REQUEST_ID_CHARS}" in details, details
+    assert "prompt" not in details, details

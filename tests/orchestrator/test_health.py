@@ -249,3 +249,49 @@ def test_policies_order_only_healthy_instances(cls):
     assert p.order() == []
     sick.clear()
     assert "d0" in p.order()
+
+
+def test_a_failed_restart_is_retried_with_growing_delay_until_the_instance_is_back():
+    """No cliff: restarts that fail (or that the budget defers) are tried again, each after a
+    longer delay, and the instance comes back by itself once a restart works; meanwhile its
+    reason names why and when the next try is, and retry_after_s follows that try."""
+    tries: list[float] = []
+
+    async def scenario():
+        async def recover(name: str) -> bool:
+            tries.append(time.monotonic())
+            if len(tries) < 4:
+                return False
+            s.ranks["decode-0"][1].mode = "ok"
+            return True
+
+        deferred = {"left": 1}
+
+        def restart_wait(name: str):
+            if len(tries) == 2 and deferred["left"]:  # the budget defers the third try once
+                deferred["left"] -= 1
+                return 0.05, "restart budget used up"
+            return None
+
+        s = Scenario(recover=recover)
+        s.monitor = HealthMonitor({"prefill-0": "prefill", "decode-0": "decode"},
+                                  lambda name: s.ranks[name], probe_interval_s=0.02,
+                                  probe_timeout_s=5.0, recover=recover, recover_timeout_s=5.0,
+                                  backoff_s=0.05, backoff_max_s=0.15, restart_wait=restart_wait)
+        s.monitor.start()
+        s.ranks["decode-0"][1].mode = "dead"
+        await s.until(lambda: len(tries) == 1)
+        await s.until(lambda: s.monitor.get("decode-0").retry_at is not None)
+        waiting = s.monitor.get("decode-0")
+        assert waiting.state is Health.UNHEALTHY
+        assert "failed or was refused" in waiting.reason
+        assert "next restart try in 0 s (at " in waiting.reason
+        assert 0 < s.monitor.retry_after_s() <= 1.0
+        await s.until(lambda: s.monitor.is_healthy("decode-0"), timeout_s=10)
+        assert s.monitor.get("decode-0").retry_at is None
+        assert s.monitor.capacity() == {"prefill": (1, 1), "decode": (1, 1)}
+        await s.monitor.stop()
+    run(scenario())
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert len(tries) == 4
+    assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.15, gaps  # 0.05, 0.1+, 0.15 cap

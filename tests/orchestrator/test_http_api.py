@@ -33,7 +33,8 @@ class HttpHarness(Harness):
     def __init__(self, token: str | None = None, tls: TLSSection | None = None,
                  **kwargs) -> None:
         super().__init__(security=EdgeSecurity(token=token), **kwargs)
-        app = OpenAIApp(self.router, TEMPLATE, token, ready=lambda: self.server.serving)
+        app = OpenAIApp(self.router, TEMPLATE, token, ready=lambda: self.server.serving,
+                        retry_after=self.monitor.retry_after_s)
         self.http = HttpServer(app.asgi(), "127.0.0.1", 0, tls, grace_s=2.0)
         port = self.run(self.http.start())
         self.url = f"http{'s' if tls else ''}://127.0.0.1:{port}/v1"
@@ -143,6 +144,12 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
     ({"model": "fake", "prompt": "hi", "max_tokens": 0}, 400,
      "max_tokens: Input should be greater than or equal to 1"),
     ({"model": "fake", "prompt": [True, 2]}, 400, "prompt.list[int].0: Input should be"),
+    ({"model": "fake", "messages": [{"role": "user", "content": "hi"},
+                                    {"role": "wizard", "content": "hi"}]},
+     400, "messages.1.role: Input should be 'system', 'developer', 'user', 'assistant' or "
+          "'tool'"),
+    ({"model": "fake", "messages": [{"role": "user", "content": "hi"}] * 300},
+     400, "messages has 300 entries; at most 256 are accepted"),
 ])
 def test_bad_requests_get_openai_errors(h, body, status, words):
     path = "/chat/completions" if "messages" in body else "/completions"
@@ -264,3 +271,15 @@ def test_a_body_that_never_arrives_is_refused_within_the_bound(h, monkeypatch):
     assert reply.status == 504, body
     assert "did not arrive within 0.5 s (17 bytes came)" in body
     assert _nothing_left(h)
+
+
+def test_no_healthy_instance_is_503_with_retry_after(h):
+    """A client told "retry later" is told when: Retry-After on the 503 (and on /health)."""
+    h.call_in_loop(lambda: h.monitor.report_failure("decode-0", "rank 0 is gone"))
+    resp = httpx.post(h.url + "/completions", json={"model": "fake", "prompt": "hi",
+                                                    "max_tokens": 2}, timeout=10)
+    assert resp.status_code == 503, resp.text
+    assert "no healthy decode instance" in resp.json()["error"]["message"]
+    assert int(resp.headers["retry-after"]) >= 1
+    health = httpx.get(h.url[:-3] + "/health", timeout=10)
+    assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1

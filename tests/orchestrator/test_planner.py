@@ -206,3 +206,28 @@ def test_first_token_cost_of_its_mode_is_paid_once_per_request_in_ttft_only():
         assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(1e-3, rel=1e-6)
         assert slow_pt.tpot_s == pytest.approx(fast_pt.tpot_s, rel=1e-9)
         assert other_pt.ttft_s == pytest.approx(fast_pt.ttft_s, rel=1e-9)
+
+
+def test_cpu_calibration_says_what_it_does_and_how_long(tmp_path, monkeypatch, capsys):
+    """`orch plan` on a cpu config measures the machine first (15-30 s): it says so, with
+    where the figures are cached, instead of staying silent."""
+    from orchestrator.planner import calibrate
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    measured = calibrate.DeviceSpec(
+        key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=8.0,
+        hbm_gb_s=10.0, bf16_tflops=0.1, int8_tflops=0.1, intra_node_gb_s=1.0,
+        inter_node_gb_s=1.0, link_latency_us=50.0, ranks_per_node=2, layer_overhead_us=0.0)
+
+    def fake_measure(ckpt=None, served=None):
+        calibrate.progress("step under test")
+        return measured
+    monkeypatch.setattr(calibrate, "measure_cpu", fake_measure)
+    assert calibrate.cpu_device(recalibrate=True) == measured
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("orch plan: calibrating this machine's CPU (once, about 15-30 s; "
+                             f"the figures are cached in {tmp_path}"), err
+    assert err[1] == "orch plan: calibrating: step under test"
+    assert err[2].startswith("orch plan: calibrated in ")
+    assert calibrate.cpu_device() == measured  # cached now: no second measurement
+    assert capsys.readouterr().err == ""

@@ -149,3 +149,23 @@ def test_unknown_instance_and_a_raising_cluster_never_raise():
     rec = Recoverer(Broken(), _leaders(), timeout_s=1.0)
     assert asyncio.run(rec.recover("prefill-9")) is False
     assert asyncio.run(rec.recover("decode-0")) is False
+
+
+def test_a_used_up_budget_says_when_the_next_restart_may_run():
+    """The budget is a wait, not a verdict: restart_wait names the rule and the seconds until
+    the oldest restart leaves the window, then lets a restart run again."""
+    cluster, leaders = FakeCluster(), _leaders()
+    rec = Recoverer(cluster, leaders, max_restarts=2, window_s=0.4, timeout_s=5.0)
+
+    async def run():
+        assert rec.restart_wait("decode-0") is None
+        await rec.recover("decode-0")
+        await rec.recover("decode-0")
+        wait = rec.restart_wait("decode-0")
+        await asyncio.sleep(wait[0] + 0.05)
+        return wait, rec.restart_wait("decode-0"), await rec.recover("decode-0")
+    (seconds, why), later, ok = asyncio.run(run())
+    assert 0.2 < seconds <= 0.4
+    assert "health.max_restarts=2" in why and "health.restart_window_s" in why
+    assert later is None and ok is True
+    assert cluster.calls == ["decode-0"] * 3

@@ -132,3 +132,53 @@ def test_health_metrics_follow_the_monitor():
                  {"instance": "decode-0", "state": "unhealthy"}) == 1
     assert value("orch_health_transitions_total",
                  {"instance": "prefill-0", "state": "unhealthy"}) is None
+
+
+def test_reduced_capacity_shows_in_status_and_metrics(capsys):
+    """Two decode instances, one out of service: health stays SERVING, yet `orch status` and
+    the metrics say the decode role runs at half capacity."""
+    h = Harness(decode_dp=2)
+    try:
+        metrics = RouterMetrics()
+        h.call_in_loop(lambda: metrics.track_health(h.monitor))
+        fail(h, "decode-1", "rank 0 is gone (ActorDiedError)")
+        assert serving(h.address) == health_pb2.HealthCheckResponse.SERVING
+        assert cli.main(["status", "--address", h.address]) == cli.EXIT_UNHEALTHY
+        out = capsys.readouterr().out
+        assert "capacity: prefill 1/1 healthy, decode 1/2 healthy (reduced)" in out
+        value = metrics.registry.get_sample_value
+        assert value("orch_role_healthy_instances", {"role": "decode"}) == 1
+        assert value("orch_role_instances", {"role": "decode"}) == 2
+        assert value("orch_role_healthy_instances", {"role": "prefill"}) == 1
+    finally:
+        h.close()
+
+
+def test_status_never_calls_an_instance_healthy_whose_rank_is_gone(harness):
+    """One source of truth: a status look that finds a rank gone tells the monitor at once, and
+    the row shows the monitor's verdict (never "healthy" beside a detail saying it is gone)."""
+    from ray.exceptions import ActorDiedError
+
+    def gone():
+        raise ActorDiedError()
+
+    fake = harness.fakes["decode-0"]
+    fake.status = fake.node_info = gone
+    with OrchClient(harness.address) as client:
+        instances, _, _ = client.status(timeout_s=10)
+    decode = instances[1]
+    assert decode.health != "healthy", decode
+    assert "is gone (ActorDiedError)" in decode.detail
+    assert not harness.call_in_loop(lambda: harness.monitor.is_healthy("decode-0"))
+
+
+def test_a_busy_leader_with_every_rank_answering_stays_healthy_and_says_so(harness):
+    async def hang():
+        await asyncio.Event().wait()
+
+    harness.fakes["decode-0"].status = hang
+    with OrchClient(harness.address) as client:
+        instances, _, _ = client.status(timeout_s=10)
+    decode = instances[1]
+    assert decode.health == "healthy"
+    assert "every rank answers pings" in decode.detail

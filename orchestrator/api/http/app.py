@@ -13,9 +13,9 @@ the request, as a gRPC cancel does).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,9 +25,9 @@ from starlette.routing import Route
 from orchestrator.api.http import sse
 from orchestrator.api.http.chat_template import ChatTemplate
 from orchestrator.api.http.generation import Generation, Piece, start_generation
+from orchestrator.api.http.off_loop import MAX_CHAT_MESSAGES, OffLoop, parse_body
 from orchestrator.api.http.openai_schema import (ChatCompletionRequest, CompletionRequest,
-                                             GenerationRequest, error_body, model_list, now,
-                                             validation_message)
+                                             GenerationRequest, error_body, model_list, now)
 from orchestrator.api.http.responses import CHAT, COMPLETION, Shape
 from orchestrator.router.limits import check_request_size, max_request_bytes
 from orchestrator.router.request import RequestError
@@ -55,17 +55,23 @@ class OpenAIApp:
         chat_template: the checkpoint's template (None: chat completions answer 400).
         token: bearer token every route but /health needs (None: no auth).
         ready: True while the router should get traffic (/health says 200, else 503).
+        retry_after: seconds a client should wait after a 503 (the health monitor's
+            ``retry_after_s``), sent as ``Retry-After`` on every 503.
     """
 
     def __init__(self, router: Router, chat_template: ChatTemplate | None,
-                 token: str | None, ready: Callable[[], bool]) -> None:
+                 token: str | None, ready: Callable[[], bool],
+                 retry_after: Callable[[], float] = lambda: 1.0) -> None:
         self.router, self.chat_template, self.ready = router, chat_template, ready
+        self.retry_after = retry_after
         self.model = router.model.name
         self._token = token
         max_len = router.model.max_model_len
         self.max_model_len = max_len
         self.body_limit = JSON_ESCAPE_FACTOR * max_request_bytes(
             max_len, router.tokenizer.max_token_bytes if router.tokenizer else None)
+        self.max_messages = min(MAX_CHAT_MESSAGES, max_len)
+        self.off_loop = OffLoop()
         self.created = now()
 
     def asgi(self) -> Starlette:
@@ -75,13 +81,23 @@ class OpenAIApp:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ], exception_handlers={RequestError: _request_error, HTTPException: _http_error,
+        ], exception_handlers={RequestError: self._request_error, HTTPException: _http_error,
                                Exception: _bug})
 
     async def health(self, request: Request) -> Response:
         ok = self.ready()
         return JSONResponse({"status": "serving" if ok else "not serving"},
-                            status_code=200 if ok else 503)
+                            status_code=200 if ok else 503,
+                            headers=None if ok else self._retry_header())
+
+    def _retry_header(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after())))}
+
+    async def _request_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        status = HTTP_STATUS.get(exc.code, 500)
+        return JSONResponse(_error_json(exc), status_code=status,
+                            headers=self._retry_header() if status == 503 else None)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -99,18 +115,16 @@ class OpenAIApp:
             raise RequestError("INVALID_ARGUMENT", f"{self.model} has no chat template "
                                                    "(tokenizer_config.json chat_template): use "
                                                    "/v1/completions")
-        text = self.chat_template.render([m.for_template() for m in req.messages])
+        text = await self.off_loop.run(_render, self.chat_template, req.messages)
         gen = await start_generation(self.router, text, None, req, req.token_budget)
         return await self._respond(request, gen, req, CHAT)
 
     async def _parse(self, request: Request, kind: type[T]) -> T:
-        """Auth, size, JSON, schema, model name, supported fields (in that order)."""
+        """Auth, size, message count, JSON, schema, model name, supported fields (in that
+        order; parsing off the loop, :mod:`orchestrator.api.http.off_loop`)."""
         self._authorize(request)
         body = await _read_body(request, self.body_limit, self.max_model_len)
-        try:
-            req = kind.model_validate_json(body)
-        except ValidationError as exc:
-            raise RequestError("INVALID_ARGUMENT", validation_message(exc)) from None
+        req = await self.off_loop.run(parse_body, body, kind, self.max_messages)
         if req.model != self.model:
             raise RequestError("NOT_FOUND", f"model '{req.model}' is not served here: use "
                                             f"'{self.model}' (GET /v1/models lists it)")
@@ -163,6 +177,10 @@ class OpenAIApp:
         finally:
             await rest.aclose()
         yield sse.DONE
+
+
+def _render(template: ChatTemplate, messages: list) -> str:
+    return template.render([m.for_template() for m in messages])
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None]:
@@ -220,11 +238,6 @@ def _error_json(exc: RequestError) -> dict[str, Any]:
     code = "model_not_found" if exc.code == "NOT_FOUND" else exc.code
     return error_body(exc.message, ERROR_TYPE.get(status, "server_error"), code,
                       "model" if exc.code == "NOT_FOUND" else None)
-
-
-async def _request_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestError)
-    return JSONResponse(_error_json(exc), status_code=HTTP_STATUS.get(exc.code, 500))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -109,7 +109,7 @@ class ChatMessage(BaseModel):
     """One message; fields beyond role/content (name, tool_calls, ...) reach the template."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
