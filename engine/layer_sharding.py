@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.layout import linear_shape
 from engine.model_config import ModelConfig
 from engine.parallel import CPGroup
 
@@ -60,17 +61,6 @@ def unowned_params(num_layers: int, names: tuple[str, ...], cp: CPGroup) -> froz
     builds them empty (``build_model(empty=...)``) and the loader never reads them."""
     return frozenset(f"model.layers.{i}.self_attn.{name}.weight" for i in range(num_layers)
                      if owner_of(i, cp.size) != cp.rank for name in names)
-
-
-def linear_shape(config: ModelConfig, name: str) -> tuple[int, int]:
-    """``[out, in]`` of attention linear ``name`` (:data:`SHARDABLE`) with all heads."""
-    h, hidden, lat = config.num_attention_heads, config.hidden_size, config.kv_lora_rank
-    return {"q_proj": (h * config.qk_head_dim, hidden),
-            "q_a_proj": (config.q_lora_rank or 0, hidden),
-            "q_b_proj": (h * config.qk_head_dim, config.q_lora_rank or 0),
-            "kv_a_proj_with_mqa": (lat + config.qk_rope_head_dim, hidden),
-            "kv_b_proj": (h * (config.qk_nope_head_dim + config.v_head_dim), lat),
-            "o_proj": (hidden, h * config.v_head_dim)}[name]
 
 
 def layer_sharding_bytes(config: ModelConfig, names: tuple[str, ...], cp_size: int,

@@ -240,3 +240,14 @@ def _common_unit(config: ModelConfig) -> int:
 def _divisors(n: int) -> list[int]:
     """The positive divisors of ``n`` (0 -> [])."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def linear_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+    """``[out, in]`` of attention linear ``name`` (:data:`SHARDABLE`) with all heads."""
+    h, hidden, lat = config.num_attention_heads, config.hidden_size, config.kv_lora_rank
+    return {"q_proj": (h * config.qk_head_dim, hidden),
+            "q_a_proj": (config.q_lora_rank or 0, hidden),
+            "q_b_proj": (h * config.qk_head_dim, config.q_lora_rank or 0),
+            "kv_a_proj_with_mqa": (lat + config.qk_rope_head_dim, hidden),
+            "kv_b_proj": (h * (config.qk_nope_head_dim + config.v_head_dim), lat),
+            "o_proj": (hidden, h * config.v_head_dim)}[name]

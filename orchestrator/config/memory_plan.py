@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.layer_sharding import linear_shape
+from engine.layout import linear_shape
 from engine.layout import TPLayout, rule_for, tp_layout
 from engine.model_config import ModelConfig
 

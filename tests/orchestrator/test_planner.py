@@ -216,8 +216,8 @@ def test_cpu_calibration_says_what_it_does_and_how_long(tmp_path, monkeypatch, c
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
     measured = calibrate.DeviceSpec(
         key="cpu", platform="cpu", name="cpu (measured on this machine)", memory_gb=8.0,
-        hbm_gb_s=10.0, bf16_tflops=0.1, int8_tflops=0.1, intra_node_gb_s=1.0,
-        inter_node_gb_s=1.0, link_latency_us=50.0, ranks_per_node=2, layer_overhead_us=0.0)
+        hbm_gb_s=10.0, bf16_tflops=0.1, int8_tflops=0.1, intra_domain_gb_s=1.0,
+        inter_domain_gb_s=1.0, link_latency_us=50.0, domain_ranks=2, layer_overhead_us=0.0)
 
     def fake_measure(ckpt=None, served=None):
         calibrate.progress("step under test")
