@@ -92,7 +92,7 @@ class StatusBoard:
         if health.reason:
             return InstanceView(**row, detail=health.reason)
         try:
-            status = await leader.call("status", timeout_s=self.status_timeout_s)
+            status = await leader.status(timeout_s=self.status_timeout_s)
         except LeaderError as exc:
             self.monitor.probe_soon(leader.name)  # NOTE: a dead rank shows at the next look
             return InstanceView(**row, detail=f"no status: {exc}")

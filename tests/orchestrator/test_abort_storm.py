@@ -79,7 +79,7 @@ async def _all_free(router) -> list:
     """Leader statuses once every block is free and nothing runs (bounded)."""
     deadline = time.monotonic() + FREE_WITHIN_S
     while True:
-        statuses = await asyncio.gather(*(l.call("status") for l in router.flow.leaders))
+        statuses = await asyncio.gather(*(l.status() for l in router.flow.leaders))
         idle = all(s.free_blocks == s.total_blocks and s.running == 0 and s.queue_depth == 0
                    for s in statuses)
         if idle or time.monotonic() > deadline:

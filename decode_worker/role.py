@@ -1,21 +1,21 @@
-"""Decode rank actor: reservations, KV receive, continuous-batching decode.
+"""Decode role: reservations, KV receive, continuous-batching decode.
 
 Protocol (DESIGN.md "One request"), decode side:
 
-1. ``reserve(spec, prefill_tp, prefill_cp)``: take blocks for prompt + max_tokens BEFORE
-   prefill computes and tell every rank's KV receiver to expect the prompt's KV; or a
-   :class:`Rejection`.
+1. :class:`~rank.messages.Reserve` ``(spec, prefill_tp, prefill_cp)``: take blocks for
+   prompt + max_tokens BEFORE prefill computes and tell every rank's KV receiver to expect the
+   prompt's KV; or a :class:`~rank.messages.Rejection`.
 2. KV arrives on the receiver threads of every rank, straight into the reserved slots.
-3. ``admit(request_id, first_token_id)``: prefill's first token; it returns at once (it never
-   waits for a step in progress) and the loop applies it before its next step; once every
-   rank has every layer, the request joins the running batch with
+3. :class:`~rank.messages.Admit` ``(request_id, first_token_id)``: prefill's first token; it
+   returns at once (it never waits for a step in progress) and the loop applies it before its
+   next step; once every rank has every layer, the request joins the running batch with
    ``num_computed_tokens = prompt``.
 4. Tokens stream out through ``poll``; at the end the blocks are freed exactly once.
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
 dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
 every request ends with an error event and only the leader's receiver is told (nothing
-reuses the blocks: ``reserve`` and ``admit`` are refused).
+reuses the blocks: ``Reserve`` and ``Admit`` are refused).
 """
 
 from __future__ import annotations
@@ -25,14 +25,13 @@ import queue
 import time
 
 from decode_worker.request_state import DecodeRequestState, KVState, KVStatus, ReservedRequest
+from engine.request import Request, RequestSpec
 from engine.scheduler import DECODE
-from engine.request import Request
-from kv_transfer import KVPeer
-from rank.kv_setup import make_layout, stretch_completion
-from rank.leader import LeaderRank
-from rank.messages import Rejection, Reservation, TokenEvent
-from engine.request import RequestSpec
+from kv_transfer import DecodeKVConnector, KVPeer
 from rank.failures import RankFailure
+from rank.kv_setup import make_layout, stretch_completion
+from rank.messages import Abort, Admit, LeaderRequest, Rejection, Reservation, Reserve
+from rank.role import RankParts, Role, not_taken
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +39,26 @@ log = logging.getLogger(__name__)
 ORPHAN_FACTOR = 4
 
 
-class DecodeRank(LeaderRank):
-    """Rank actor of a decode instance. Leader methods: ``reserve``, ``admit``, ``abort``,
-    ``poll``, ``status``, ``drain``, ``shutdown``; every rank: ``kv_peer``, ``expect_kv``,
-    ``kv_status``, ``release_kv``."""
+class DecodeRole(Role):
+    """Role of a decode instance. Requests: ``Reserve``, ``Admit``, ``Abort``. Rank-to-rank
+    calls (every rank): :meth:`kv_peer`, :meth:`expect_kv`, :meth:`kv_status`,
+    :meth:`release_kv`."""
 
     policy = DECODE
     source = "decode"
 
-    def setup_role(self) -> None:
-        from kv_transfer import DecodeKVConnector
-
+    def __init__(self, parts: RankParts) -> None:
+        self.cfg, self.rank, self.leader = parts.cfg, parts.rank, parts.leader
         self.connector = DecodeKVConnector(
-            self.runner.kv_cache, make_layout(self.runner, self.cfg), self.cfg.name, self.rank,
-            stretch_completion(self.cfg.transfer, ORPHAN_FACTOR),
+            parts.runner.kv_cache, make_layout(parts.runner, self.cfg), self.cfg.name,
+            self.rank, stretch_completion(self.cfg.transfer, ORPHAN_FACTOR),
             host=self.cfg.parallel.bind_host)
-        if self.rank == 0:
-            self.setup_leader()
-            self.reserved: dict[str, ReservedRequest] = {}  # holds blocks, not in the batch yet
-            # (request id, first token, completion deadline) admitted, not yet applied
-            self.first_tokens: queue.SimpleQueue[tuple[str, int, float]] = queue.SimpleQueue()
-            self.peers_kv: tuple[KVPeer, ...] = ()
-            self.kv_failures = 0  # requests failed for missing or broken KV
+        # leader: holds blocks, not in the batch yet (under the leader's lock)
+        self.reserved: dict[str, ReservedRequest] = {}
+        # (request id, first token, completion deadline) admitted, not yet applied
+        self.first_tokens: queue.SimpleQueue[tuple[str, int, float]] = queue.SimpleQueue()
+        self.peers_kv: tuple[KVPeer, ...] = ()
+        self.kv_failures = 0  # requests failed for missing or broken KV
 
     # ---- every rank ---------------------------------------------------------------------
     def kv_peer(self) -> KVPeer:
@@ -92,13 +89,22 @@ class DecodeRank(LeaderRank):
     def release_kv(self, request_id: str) -> None:
         self.connector.release(request_id)
 
-    def close_role(self) -> None:
+    def close(self) -> None:
         self.connector.close()
 
-    # ---- leader -------------------------------------------------------------------------
+    # ---- leader: requests ---------------------------------------------------------------
     def start(self) -> None:
-        self.peers_kv = tuple(self.call_all("kv_peer"))
-        super().start()
+        self.peers_kv = tuple(self.leader.ranks.call_all(DecodeRole.kv_peer))
+
+    def handle(self, request: LeaderRequest) -> object:
+        match request:
+            case Reserve(spec, prefill_tp, prefill_cp):
+                return self.reserve(spec, prefill_tp, prefill_cp)
+            case Admit(request_id, first_token_id):
+                return self.admit(request_id, first_token_id)
+            case Abort(request_id):
+                return self.abort(request_id)
+        raise not_taken(self, self.cfg.name, request)
 
     def reserve(self, spec: RequestSpec, prefill_tp: int = 1,
                 prefill_cp: int = 1) -> Reservation | Rejection:
@@ -108,39 +114,49 @@ class DecodeRank(LeaderRank):
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
-        self.check_in_service()  # NOTE: before the lock, which a step may hold
-        with self._lock:
-            self.check_in_service()
-            need = self.scheduler.blocks_for(spec)
-            reason = self.too_big(need)
-            if reason is not None:
-                return Rejection(spec.request_id, reason, retryable=False)
-            if self.has_tombstone(spec.request_id):
-                return Rejection(spec.request_id, f"request {spec.request_id!r} was aborted "
-                                 "before its reservation", retryable=False)
-            if spec.request_id in self.reserved or self.scheduler.find(spec.request_id):
-                return Rejection(spec.request_id, f"request id {spec.request_id!r} is already "
-                                 f"on {self.cfg.name}: use a fresh id", retryable=False)
-            if not self.pool.can_allocate(need):
-                return Rejection(spec.request_id, f"{self.cfg.name} is full "
-                                 f"({self.pool.num_free_blocks} of {self.pool.num_blocks} "
-                                 f"blocks free, {need} needed)", retryable=True)
-            blocks = self.pool.allocate(need)
+        leader = self.leader
+        leader.check_in_service()  # NOTE: before the lock, which a step may hold
+        with leader.lock:
+            leader.check_in_service()
+            need = leader.scheduler.blocks_for(spec)
+            refused = self._refusal(spec, need)
+            if refused is not None:
+                return refused
+            blocks = leader.pool.allocate(need)
             self.reserved[spec.request_id] = ReservedRequest(
                 Request(spec, blocks=blocks), DecodeRequestState.WAITING_FOR_FIRST_TOKEN,
                 deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
-            self.call_all("expect_kv", spec.request_id, spec.num_prompt_tokens, prefill_tp,
-                          prefill_cp)
+            leader.ranks.call_all(DecodeRole.expect_kv, spec.request_id,
+                                  spec.num_prompt_tokens, prefill_tp, prefill_cp)
         except RankFailure as exc:
-            self.mark_broken(str(exc))
+            leader.mark_broken(str(exc))
             self._drop_reserved(spec.request_id)
-            raise self.out_of_service() from exc
+            raise leader.out_of_service() from exc
         except Exception:
             self._drop_reserved(spec.request_id)
             raise
         return Reservation(spec.request_id, self.cfg.name, blocks.block_ids,
                            self.cfg.scheduler.block_size, self.peers_kv)
+
+    def _refusal(self, spec: RequestSpec, need: int) -> Rejection | None:
+        """Why ``spec`` (``need`` blocks) cannot be reserved now, or None; caller holds the
+        lock."""
+        leader, rid = self.leader, spec.request_id
+        reason = leader.too_big(need)
+        if reason is not None:
+            return Rejection(rid, reason, retryable=False)
+        if leader.has_tombstone(rid):
+            return Rejection(rid, f"request {rid!r} was aborted before its reservation",
+                             retryable=False)
+        if rid in self.reserved or leader.scheduler.find(rid):
+            return Rejection(rid, f"request id {rid!r} is already on {self.cfg.name}: use a "
+                             "fresh id", retryable=False)
+        if not leader.pool.can_allocate(need):
+            return Rejection(rid, f"{self.cfg.name} is full ({leader.pool.num_free_blocks} of "
+                             f"{leader.pool.num_blocks} blocks free, {need} needed)",
+                             retryable=True)
+        return None
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete, or fails
@@ -150,90 +166,74 @@ class DecodeRank(LeaderRank):
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
-        self.check_in_service()
+        self.leader.check_in_service()
         deadline = time.monotonic() + self.cfg.transfer.completion_timeout_s
         self.first_tokens.put((request_id, first_token_id, deadline))
-        self._wake.set()
+        self.leader.wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """End a request wherever it is; blocks freed once receivers dropped it."""
+        leader = self.leader
+        with leader.lock:
+            if request_id not in self.reserved and leader.scheduler.find(request_id) is None:
+                leader.add_tombstone(request_id)  # a reserve still on its way is refused
+                return False
+        if self._drop_reserved(request_id) is not None:
+            found = True
+        else:
+            with leader.lock:
+                found = leader.scheduler.remove(request_id) is not None
+        if found:
+            leader.emit_end(request_id, "abort")
+        return found
+
+    # ---- leader: the loop ---------------------------------------------------------------
+    def step(self) -> bool:
+        leader = self.leader
+        self._apply_first_tokens()
+        settled = self._settle_reserved()
+        if not leader.agree_to_step():
+            return settled
+        with leader.lock:
+            result = leader.step()
+            if result is not None:
+                leader.finish_sampled(result.sampled)
+                for rid, error in result.failed.items():
+                    leader.fail_request(rid, error)
+        return result is not None or settled
 
     def _apply_first_tokens(self) -> None:
-        """Loop: each admitted reservation now waits for its KV (one aborted meanwhile is
-        gone: its first token is dropped)."""
+        """Each admitted reservation now waits for its KV (one aborted meanwhile is gone: its
+        first token is dropped)."""
         while True:
             try:
                 request_id, token, deadline = self.first_tokens.get_nowait()
             except queue.Empty:
                 return
-            with self._lock:
+            with self.leader.lock:
                 entry = self.reserved.get(request_id)
                 if entry is not None:
                     entry.request.output_token_ids = [token]
                     entry.state = DecodeRequestState.WAITING_FOR_KV
                     entry.deadline = deadline
 
-    def _drop_reserved(self, request_id: str) -> Request | None:
-        """Forget a reserved request on every rank, then free its blocks (in that order);
-        never raises."""
-        with self._lock:
-            entry = self.reserved.pop(request_id, None)
-        if entry is None:
-            return None
-        try:
-            self._release_everywhere(request_id)
-        finally:
-            with self._lock:
-                self.pool.free(entry.request.blocks)
-        return entry.request
-
-    def _release_everywhere(self, request_id: str) -> None:
-        """Every rank's receiver forgets the request (only this rank's once out of service:
-        nothing reuses the blocks); never raises."""
-        try:
-            if self.broken is None:
-                self.call_all("release_kv", request_id)
-                return
-        except RankFailure as exc:
-            self.mark_broken(str(exc))
-        except Exception:  # noqa: BLE001 - a live rank that raised: logged, blocks freed
-            log.exception("%s: releasing the KV of %s failed", self.cfg.name, request_id)
-            return
-        try:
-            self.release_kv(request_id)
-        except Exception:  # noqa: BLE001
-            log.exception("%s: releasing the KV of %s failed", self.cfg.name, request_id)
-
-    def abort(self, request_id: str) -> bool:
-        """End a request wherever it is; blocks freed once receivers dropped it."""
-        with self._lock:
-            if request_id not in self.reserved and self.scheduler.find(request_id) is None:
-                self.add_tombstone(request_id)  # a reserve still on its way is refused
-                return False
-        if self._drop_reserved(request_id) is not None:
-            found = True
-        else:
-            with self._lock:
-                found = self.scheduler.remove(request_id) is not None
-        if found:
-            self.emit(TokenEvent(request_id, (), "abort", source=self.source,
-                                 instance=self.cfg.name))
-        return found
-
     def _settle_reserved(self) -> bool:
         """Ask every rank about the KV of each request waiting for KV or past its deadline,
         and settle each; True when one joined the batch or failed."""
         now = time.monotonic()
-        with self._lock:
+        with self.leader.lock:
             rids = [rid for rid, entry in self.reserved.items()
                     if entry.state is DecodeRequestState.WAITING_FOR_KV or now > entry.deadline]
         if not rids:
             return False
-        statuses = self.call_all("kv_status", rids)
+        statuses = self.leader.ranks.call_all(DecodeRole.kv_status, rids)
         settled = [self._settle(rid, [s[rid] for s in statuses], now) for rid in rids]
         return any(settled)
 
     def _settle(self, request_id: str, per_rank: list[KVStatus], now: float) -> bool:
         """Move one reserved request into the batch (KV complete on every rank, first token
         admitted), or fail it (a rank failed, or past its deadline); True unless it waits on."""
-        with self._lock:
+        with self.leader.lock:
             entry = self.reserved.get(request_id)
         if entry is None:  # aborted meanwhile (and freed there)
             return True
@@ -260,12 +260,44 @@ class DecodeRank(LeaderRank):
 
     def _join_batch(self, request_id: str) -> None:
         """Hand a request whose KV is complete to the scheduler (its KV counts as computed)."""
-        self.call_all("release_kv", request_id)
-        with self._lock:
+        self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
+        with self.leader.lock:
             entry = self.reserved.pop(request_id, None)
             if entry is not None:  # else aborted meanwhile (and freed there)
                 entry.request.num_computed_tokens = entry.request.num_prompt_tokens
-                self.scheduler.add(entry.request)
+                self.leader.scheduler.add(entry.request)
+
+    # ---- leader: failures ---------------------------------------------------------------
+    def _drop_reserved(self, request_id: str) -> Request | None:
+        """Forget a reserved request on every rank, then free its blocks (in that order);
+        never raises."""
+        with self.leader.lock:
+            entry = self.reserved.pop(request_id, None)
+        if entry is None:
+            return None
+        try:
+            self._release_everywhere(request_id)
+        finally:
+            with self.leader.lock:
+                self.leader.pool.free(entry.request.blocks)
+        return entry.request
+
+    def _release_everywhere(self, request_id: str) -> None:
+        """Every rank's receiver forgets the request (only this rank's once out of service:
+        nothing reuses the blocks); never raises."""
+        try:
+            if self.leader.broken is None:
+                self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
+                return
+        except RankFailure as exc:
+            self.leader.mark_broken(str(exc))
+        except Exception:  # noqa: BLE001 - a live rank that raised: logged, blocks freed
+            log.exception("%s: releasing the KV of %s failed", self.cfg.name, request_id)
+            return
+        try:
+            self.release_kv(request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: releasing the KV of %s failed", self.cfg.name, request_id)
 
     def _fail_reserved(self, request_id: str, error: str, kv_failed: bool) -> None:
         """End a reserved request with ``error`` and free its blocks; ``kv_failed``: its KV
@@ -274,34 +306,22 @@ class DecodeRank(LeaderRank):
         if self._drop_reserved(request_id) is not None:
             if kv_failed:
                 self.kv_failures += 1
-            self.emit(TokenEvent(request_id, (), "error", error, self.source, self.cfg.name,
-                                 retryable=True))
-
-    def step(self) -> bool:
-        self._apply_first_tokens()
-        settled = self._settle_reserved()
-        if not self.agree_to_step():
-            return settled
-        with self._lock:
-            result = self.leader_step()
-            if result is not None:
-                self.finish_sampled(result.sampled)
-                self.fail_requests(result.failed)
-        return result is not None or settled
-
-    def num_active(self) -> int:
-        return super().num_active() + len(self.reserved)
-
-    def transfer_stats(self, timeout_s: float | None) -> dict:
-        return {"kv_failures": self.kv_failures}
+            self.leader.emit_end(request_id, "error", error, retryable=True)
 
     def fail_all(self, error: str) -> None:
         """End every request, reserved ones included, with ``error``; never raises."""
-        super().fail_all(error)
-        with self._lock:
+        self.leader.fail_scheduled(error, self.leader.fail_request)
+        with self.leader.lock:
             rids = list(self.reserved)
         for rid in rids:
             try:
                 self._fail_reserved(rid, error, kv_failed=False)
             except Exception:  # noqa: BLE001 - the others still get their event
                 log.exception("%s: failing %s failed", self.cfg.name, rid)
+
+    # ---- leader: status -----------------------------------------------------------------
+    def num_active(self) -> int:
+        return self.leader.num_scheduled() + len(self.reserved)
+
+    def status_fields(self, timeout_s: float | None) -> dict:
+        return {"kv_failures": self.kv_failures}
