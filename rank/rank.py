@@ -244,7 +244,7 @@ class Rank:
         self.loop.start()
 
     def request(self, request: LeaderRequest) -> Any:
-        """One router request (rank/messages.py), handled by the role; its answer.
+        """Leader: one router request (rank/messages.py), handled by the role; its answer.
 
         Raises:
             InstanceOutOfService: new work while the instance is out of service.

@@ -11,8 +11,9 @@ Threads: Ray runs a rank's actor calls on several threads (``Rank.request``, ``R
 ``Rank.status``, ``Rank.role_call``), the leader's loop thread runs :meth:`Role.step`, and a
 follower's step channel thread runs :meth:`Role.after_step`. The leader's
 :attr:`~rank.leader.Leader.lock` guards the scheduler, the pool and the role's own request
-tables; a role never holds it across a call to other ranks (``call_all``), and a call that
-must not wait for a step in progress (``Abort``, ``Admit``) never waits for it.
+tables; a role never holds it across a call to other ranks (``call_all``), and ``Admit``
+never takes it (decode queues the first token for the loop: it never waits for a step in
+progress).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path,
     output = orch.log.read_text()
     lines = output.splitlines()
     assert "Traceback" not in output and "\x1b[" not in output, output
-    assert "Rank pid=" not in output, output  # no rank output forwarded: "(DecodeRank pid=1)"
+    assert "Rank pid=" not in output, output  # no rank output forwarded: "(Rank pid=1)"
     assert len(lines) <= MAX_LINES, output
     polls = [line for line in lines if "polling decode-0 failed" in line]
     assert len(polls) == 1, output

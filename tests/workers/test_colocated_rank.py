@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from rank.colocated import ColocatedRole
+from rank.role import RankParts
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
 from rank.config import InstanceConfig, SchedulerConfig
-from rank.messages import Abort, Generate
+from rank.messages import Abort, Generate, Reserve
 from rank.rank import Rank
 from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
@@ -82,3 +83,15 @@ def test_too_big_request_is_refused_and_abort_frees(ckpt):
         assert rank.leader.pool.num_free_blocks == 8 and rank.leader.pool.num_live_sets == 0
     finally:
         rank.shutdown()
+
+
+def test_a_request_the_role_does_not_take_is_refused_by_name():
+    """Requests are dispatched by type: one meant for another role never reaches a method."""
+    cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir="",
+                         scheduler=SchedulerConfig(block_size=4, num_kv_blocks=8, chunk_size=8,
+                                                   max_num_batched_tokens=8, max_num_seqs=1))
+    role = ColocatedRole(RankParts(cfg, 0, runner=None, leader=None))
+    spec = RequestSpec("r", (1, 2), SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="colocated-0 is a colocated instance: it does not take "
+                                        "Reserve"):
+        role.handle(Reserve(spec))
