@@ -7,7 +7,7 @@ leader, in the same run, step by step:
 - decode steps at batch 8 (64-token prompts): the whole step, model included.
 
 "ray" sends each step as ``execute_step.remote`` to the follower and waits on the ref (the
-fan-out before the step channel); "channel" is ``RankBase.run_step`` (the step channel).
+fan-out before the step channel); "channel" is ``SPMDGroup.run_step`` (the step channel).
 Each step runs in both modes back to back (order alternating), so both see the same machine
 load. Printed: best-of-N per mode (the fastest step, the figure least disturbed by other
 processes on a shared machine), the median, and the median of the paired ratios. Then the
@@ -30,11 +30,12 @@ import torch
 from engine.runner import SeqStep
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from rank.colocated import ColocatedRank
+from rank.colocated import ColocatedRole
 from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
 from engine.request import RequestSpec
 from rank.failures import await_followers
-from rank.step_timing import StepTimer
+from rank.messages import Generate
+from rank.rank import Rank
 
 BLOCK = 16
 PROMPT = 64
@@ -42,15 +43,15 @@ BATCH = 8
 BLOCKS_PER_SEQ = 64  # 1024 tokens: the prompt plus every timed decode step
 
 
-class BenchRank(ColocatedRank):
-    """A colocated rank that can time steps driven by hand (leader only, loop not running)."""
+class BenchRank(Rank):
+    """A rank that can time steps driven by hand (leader only, loop not running)."""
 
     def time_steps(self, batch: int, steps: int, start: int) -> dict[str, list[float]]:
         """mode ("ray", "channel") -> seconds of each of ``steps`` decode steps of ``batch``
         sequences (batch 0: empty steps) at positions ``start``..; each step runs once per
         mode, back to back, the order alternating (the same token at the same position: the
         same work, the same KV written)."""
-        runs = {"ray": self._run_by_ray, "channel": self.run_step}
+        runs = {"ray": self._run_by_ray, "channel": self.leader.ranks.run_step}
         out: dict[str, list[float]] = {"ray": [], "channel": []}
         for i in range(steps):
             step = [SeqStep(str(b), (7,), start + i, _table(b)) for b in range(batch)]
@@ -58,13 +59,15 @@ class BenchRank(ColocatedRank):
                 t0 = time.perf_counter()
                 runs[mode](step)
                 out[mode].append(time.perf_counter() - t0)
-        self.step_timer = StepTimer()  # NOTE: the breakdown is the leader loop's alone
+        # NOTE: the hand-driven steps' phases end here as one step: the breakdown of the
+        # leader loop leaves them out (StepTimings.since)
+        self.step_timer.end_step(0.0)
         return out
 
     def prefill_all(self, batch: int) -> None:
         """One prompt of ``PROMPT`` tokens per sequence, so decode steps have context."""
-        self.run_step([SeqStep(str(b), tuple(range(2, 2 + PROMPT)), 0, _table(b))
-                       for b in range(batch)])
+        self.leader.ranks.run_step([SeqStep(str(b), tuple(range(2, 2 + PROMPT)), 0, _table(b))
+                                    for b in range(batch)])
 
     def _run_by_ray(self, steps: list) -> None:
         """The fan-out before the step channel: one Ray call per follower per step."""
@@ -90,7 +93,7 @@ def _config(ckpt: str) -> InstanceConfig:
 
 def _start(ckpt: str) -> list:
     actor = ray.remote(BenchRank).options(num_cpus=0.1, max_concurrency=8)
-    ranks = [actor.remote(_config(ckpt), r) for r in range(2)]
+    ranks = [actor.remote(_config(ckpt), r, ColocatedRole) for r in range(2)]
     host, port = ray.get(ranks[0].open_tp_store.remote(), timeout=60)
     ray.get([r.init_rank.remote(host, port, ranks) for r in ranks], timeout=300)
     return ranks
@@ -105,16 +108,17 @@ def _compare(leader, steps: int) -> dict[int, dict[str, list[float]]]:
 
 def _serve_breakdown(leader, max_tokens: int) -> str:
     """Serve ``BATCH`` concurrent requests through the leader loop; its breakdown line."""
+    before = ray.get(leader.status.remote(), timeout=30).step_timings
     ray.get(leader.start.remote(), timeout=30)
     for i in range(BATCH):
-        ray.get(leader.generate.remote(RequestSpec(
+        ray.get(leader.request.remote(Generate(RequestSpec(
             f"b{i}", tuple(range(1000 + i, 1000 + i + PROMPT)),
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True))), timeout=30)
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True)))), timeout=30)
     ended, deadline = set(), time.monotonic() + 600
     while len(ended) < BATCH and time.monotonic() < deadline:
         ended |= {e.request_id for e in ray.get(leader.poll.remote(1.0), timeout=30)
                   if e.finish_reason}
-    return ray.get(leader.status.remote(), timeout=30).step_timings.format()
+    return ray.get(leader.status.remote(), timeout=30).step_timings.since(before).format()
 
 
 def main() -> None:

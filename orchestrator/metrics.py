@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from rank.messages import InstanceStatusInfo
+from rank.messages import InstanceStatusInfo, TransferRecord
 from orchestrator.deploy.health import Health, HealthMonitor, InstanceHealth
 
 # NOTE: buckets span tiny CPU runs (ms) and production (TTFT ~24 s at 64K prompts, minutes
@@ -181,8 +181,8 @@ class RouterMetrics:
         per-pair KV transfer records the statuses carry (each status carries its records once)."""
         self._instances.snapshot = tuple(statuses)
         for status in statuses:
-            for pair, nbytes, seconds, ok in status.transfers:
-                self.observe_transfer(pair, nbytes, seconds, ok)
+            for record in status.transfers:
+                self.observe_transfer(record)
 
     def track_health(self, monitor: HealthMonitor) -> None:
         """Follow ``monitor``: the gauge from its
@@ -204,14 +204,14 @@ class RouterMetrics:
             self.role_healthy.labels(role=role).set(healthy)
             self.role_instances.labels(role=role).set(total)
 
-    def observe_transfer(self, pair: str, nbytes: int, seconds: float, ok: bool) -> None:
-        """Record one KV transfer on ``pair`` (e.g. ``"prefill-0:0->decode-0:1"``): bytes and
+    def observe_transfer(self, record: TransferRecord) -> None:
+        """Record one KV transfer on its pair (e.g. ``"prefill-0:0->decode-0:1"``): bytes and
         duration when ``ok``, a failure otherwise (its bytes are not counted as moved)."""
-        if ok:
-            self.kv_bytes.labels(pair=pair).inc(nbytes)
-            self.kv_seconds.labels(pair=pair).observe(seconds)
+        if record.ok:
+            self.kv_bytes.labels(pair=record.pair).inc(record.nbytes)
+            self.kv_seconds.labels(pair=record.pair).observe(record.seconds)
         else:
-            self.kv_failures.labels(pair=pair).inc()
+            self.kv_failures.labels(pair=record.pair).inc()
 
     def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the bound port.

@@ -95,7 +95,7 @@ class StatusBoard:
         if health.reason:
             return InstanceView(**row, detail=health.reason)
         try:
-            status = await leader.call("status", timeout_s=self.status_timeout_s)
+            status = await leader.status(timeout_s=self.status_timeout_s)
         except LeaderError as exc:
             return InstanceView(**{**row, **await self._unanswered(leader.name, exc)})
         if status.broken:

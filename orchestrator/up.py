@@ -31,6 +31,7 @@ from orchestrator.deploy.ray_watchdog import start_watchdog, stop_watchdog
 from orchestrator.deploy.recovery import Recoverer
 from orchestrator.api.security import EdgeSecurity, load_security
 from orchestrator.api.server import OrchServer, PortInUseError
+from rank.rank import Rank
 
 log = logging.getLogger(__name__)
 DRAIN_S = 30.0
@@ -76,13 +77,14 @@ def check_ports_free(cfg: OrchConfig) -> None:
                                      f"stop what uses it or pick another {key}") from None
 
 
-def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
+def run_up(cfg: OrchConfig, roles: dict[str, type] | None = None,
+           rank_class: type = Rank) -> int:
     """Bring everything up and serve until SIGINT/SIGTERM; returns the exit code.
 
     Args:
         cfg: the deployment.
-        rank_classes: role -> rank class (default: the real worker classes; tests inject
-            fakes).
+        roles, rank_class: the role classes by role name (default: the workers') and the rank
+            actor class (tests inject fakes), as :func:`bring_up` takes them.
 
     Raises:
         ConfigError: ``router.tls`` / ``router.auth`` point at something unusable, or the
@@ -98,14 +100,14 @@ def run_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None) -> int:
     # only after them could be taken in between.
     metrics = make_metrics(cfg)
     try:
-        _run_cluster(cfg, rank_classes, security, metrics)
+        _run_cluster(cfg, roles, rank_class, security, metrics)
     finally:
         if metrics is not None and hasattr(metrics, "stop"):
             metrics.stop()
     return 0
 
 
-def _run_cluster(cfg: OrchConfig, rank_classes: dict[str, type] | None,
+def _run_cluster(cfg: OrchConfig, roles: dict[str, type] | None, rank_class: type,
                  security: EdgeSecurity, metrics) -> None:
     """:func:`run_up` after the checks: read the model, start Ray and the ranks, serve."""
     checkpoint = ensure_checkpoint(cfg.model)
@@ -126,7 +128,8 @@ def _run_cluster(cfg: OrchConfig, rank_classes: dict[str, type] | None,
     cluster = None
     try:
         # NOTE: inside the try: an interrupt in ray.init still shuts down what it started.
-        cluster = bring_up(cfg, rank_classes=rank_classes, started_ray=_start_ray(cfg))
+        cluster = bring_up(cfg, roles=roles, rank_class=rank_class,
+                           started_ray=_start_ray(cfg))
         asyncio.run(_serve(cfg, cluster, model, tokenizer, security, checkpoint, metrics))
     finally:
         if cluster is not None:

@@ -1,35 +1,20 @@
 """Per-pair KV transfer records of one prefill rank, for the router's metrics.
 
-A record is one request's KV on one (prefill rank, decode rank) pair: the bytes this rank
-queued for it, and the seconds from its first chunk being queued until every send of the
-request was idle on this rank; ``ok`` is False when the connector reported a failure.
+A record (:class:`rank.messages.TransferRecord`, carried as is in ``status().transfers``) is
+one request's KV on one (prefill rank, decode rank) pair: the bytes this rank queued for it,
+and the seconds from its first chunk being queued until every send of the request was idle on
+this rank; ``ok`` is False when the connector reported a failure.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+
+from rank.messages import TransferRecord
 
 # Records kept between two status polls at most (oldest dropped first).
 MAX_RECORDS = 10_000
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    """One request's KV on one pair.
-
-    Attributes:
-        pair: "prefill-0:1->decode-0:0" (instance:rank on each side).
-        nbytes: K + V payload bytes.
-        seconds: first chunk queued -> all sends idle, seconds.
-        ok: no failure reported for the request.
-    """
-
-    pair: str
-    nbytes: int
-    seconds: float
-    ok: bool
 
 
 class TransferLog:

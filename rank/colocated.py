@@ -1,26 +1,34 @@
-"""Colocated rank: one instance runs both phases (chunked prefill and decode), no transfer.
+"""Colocated role: one instance runs both phases (chunked prefill and decode), no transfer.
 
-It is the baseline disaggregated output is compared against, token for token.
+It is the baseline disaggregated output is compared against, token for token. Requests:
+:class:`~rank.messages.Generate` and :class:`~rank.messages.Abort`.
 """
 
 from __future__ import annotations
 
-from engine.scheduler import COLOCATED
-from rank.messages import TokenEvent
 from engine.request import RequestSpec
-from rank.leader import LeaderRank
+from engine.scheduler import COLOCATED
+from rank.messages import Abort, Generate, LeaderRequest
+from rank.role import RankParts, Role, not_taken
 
 
-class ColocatedRank(LeaderRank):
-    """Rank actor of a colocated instance. Leader methods: ``generate``, ``abort``, ``poll``,
-    ``status``, ``drain``, ``shutdown``."""
+class ColocatedRole(Role):
+    """Role of a colocated instance (nothing to do on a follower but step)."""
 
     policy = COLOCATED
     source = "colocated"
 
-    def setup_role(self) -> None:
-        if self.rank == 0:
-            self.setup_leader()
+    def __init__(self, parts: RankParts) -> None:
+        self.name = parts.cfg.name
+        self.leader = parts.leader
+
+    def handle(self, request: LeaderRequest) -> object:
+        match request:
+            case Generate(spec):
+                return self.generate(spec)
+            case Abort(request_id):
+                return self.abort(request_id)
+        raise not_taken(self, self.name, request)
 
     def generate(self, spec: RequestSpec) -> None:
         """Queue a request; its tokens arrive through ``poll``. Too big -> an error event.
@@ -28,28 +36,35 @@ class ColocatedRank(LeaderRank):
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
-        self.check_in_service()  # NOTE: before the lock, which a step may hold
-        with self._lock:
-            self.enqueue(spec)
+        self.leader.check_in_service()  # NOTE: before the lock, which a step may hold
+        with self.leader.lock:
+            self.leader.enqueue(spec)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request and free its blocks; True when it was here."""
-        with self._lock:
-            req = self.scheduler.remove(request_id)
+        with self.leader.lock:
+            req = self.leader.scheduler.remove(request_id)
             if req is None:
-                self.add_tombstone(request_id)
+                self.leader.add_tombstone(request_id)
         if req is not None:
-            self.emit(TokenEvent(request_id, (), "abort", source=self.source,
-                                 instance=self.cfg.name))
+            self.leader.emit_end(request_id, "abort")
         return req is not None
 
     def step(self) -> bool:
-        if not self.agree_to_step():
+        leader = self.leader
+        if not leader.agree_to_step():
             return False
-        with self._lock:
-            result = self.leader_step()
+        with leader.lock:
+            result = leader.step()
             if result is None:
                 return False
-            self.finish_sampled(result.sampled)
-            self.fail_requests(result.failed)
+            leader.finish_sampled(result.sampled)
+            for rid, error in result.failed.items():
+                leader.fail_request(rid, error)
             return True
+
+    def fail_all(self, error: str) -> None:
+        self.leader.fail_scheduled(error, self.leader.fail_request)
+
+    def num_active(self) -> int:
+        return self.leader.num_scheduled()

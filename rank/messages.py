@@ -4,17 +4,16 @@ One schema module for the control plane: the router converts protobuf to these d
 its edge (orchestrator/api/convert.py) and the workers never see protobuf. The data plane (KV
 bytes between ranks) has its own msgpack schema in ``kv_transfer``.
 
-Leader actor methods that carry these (see prefill_worker/actor.py, decode_worker/actor.py):
+The router sends a leader one :data:`LeaderRequest` per call (``Rank.request``, handled by the
+rank's role): a decode leader takes :class:`Reserve` (answers :class:`Reservation` or
+:class:`Rejection`) and :class:`Admit`; a prefill leader :class:`Prefill`; a colocated leader
+:class:`Generate`; every leader :class:`Abort` (answers whether the request was there; on
+prefill only once no KV send into its reservation is in flight, so decode may free its
+blocks). Events come back through ``Rank.poll(timeout_s) -> list[TokenEvent]``, and
+``Rank.status() -> InstanceStatusInfo`` is the snapshot.
 
-- decode leader: ``reserve(RequestSpec) -> Reservation | Rejection``;
-  ``admit(request_id, first_token_id)`` once prefill returned the first token;
-  ``poll(timeout_s) -> list[TokenEvent]``; ``abort(request_id) -> bool``; ``status()``.
-- prefill leader: ``prefill(RequestSpec, Reservation)``; ``poll(timeout_s)``;
-  ``abort(request_id) -> bool`` (returns only once no KV send into the reservation is in
-  flight, so the decode side may free its blocks); ``status()``.
-
-A leader whose instance lost a rank (dead or hung) is out of service: ``reserve``, ``admit``,
-``prefill`` and ``generate`` raise :class:`InstanceOutOfService` (through Ray: a
+A leader whose instance lost a rank (dead or hung) is out of service: ``Reserve``, ``Admit``,
+``Prefill`` and ``Generate`` raise :class:`InstanceOutOfService` (through Ray: a
 ``RayTaskError`` that is also an instance of it), and ``status().broken`` says why.
 
 This module imports neither torch nor Ray: the gRPC client (orchestrator/api/client.py) uses it.
@@ -24,9 +23,13 @@ What the rank actors are built from is in rank/config.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kv_transfer import KVPeer
 from rank.step_timing import StepTimings
+
+if TYPE_CHECKING:  # NOTE: engine.request imports torch (the client must not)
+    from engine.request import RequestSpec
 
 
 class InstanceOutOfService(RuntimeError):
@@ -75,6 +78,54 @@ class Rejection:
 
 
 @dataclass(frozen=True)
+class Reserve:
+    """Decode leader: take blocks for ``spec``'s prompt + max_tokens before prefill computes,
+    and arm every decode rank's KV receiver for a prefill instance of ``prefill_cp`` x
+    ``prefill_tp`` ranks (the transfer plan's sizes). Answer: :class:`Reservation` or
+    :class:`Rejection`."""
+
+    spec: RequestSpec
+    prefill_tp: int = 1
+    prefill_cp: int = 1
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill leader: run ``spec``'s prompt in chunks, its KV sent into ``reservation``; the
+    first token comes back as a ``TokenEvent``."""
+
+    spec: RequestSpec
+    reservation: Reservation
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Decode leader: prefill's first token of a reserved request; it joins the batch once its
+    KV is complete. Returns at once (never waits for a step in progress)."""
+
+    request_id: str
+    first_token_id: int
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Colocated leader: queue ``spec``; its tokens come back as ``TokenEvent``s."""
+
+    spec: RequestSpec
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Any leader: drop the request wherever it is and free its blocks; answers whether it
+    was there (an abort that finds nothing keeps a late call of the same id from starting)."""
+
+    request_id: str
+
+
+LeaderRequest = Reserve | Prefill | Admit | Generate | Abort
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """New tokens (and/or the end) of one request, from a worker leader to the router.
 
@@ -100,6 +151,23 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class TransferRecord:
+    """One request's KV on one (prefill rank, decode rank) pair, as a prefill rank closed it.
+
+    Attributes:
+        pair: "prefill-0:1->decode-0:0" (instance:rank on each side).
+        nbytes: K + V payload bytes this rank queued for the request on the pair.
+        seconds: first chunk queued -> every send of the request idle on this rank.
+        ok: no failure reported for the request.
+    """
+
+    pair: str
+    nbytes: int
+    seconds: float
+    ok: bool
+
+
+@dataclass(frozen=True)
 class InstanceStatusInfo:
     """Snapshot of one instance for ``orch status`` and metrics.
 
@@ -120,9 +188,8 @@ class InstanceStatusInfo:
     outstanding_tokens: int = 0
     kv_bytes_sent: int = 0
     kv_failures: int = 0
-    # Per-pair KV transfer records closed since the previous status call:
-    # (pair "prefill-0:0->decode-0:1", bytes, seconds, ok).
-    transfers: tuple[tuple[str, int, float, bool], ...] = ()
+    # Per-pair KV transfer records closed since the previous status call (prefill).
+    transfers: tuple[TransferRecord, ...] = ()
     broken: str | None = None
     # Where the leader's step time goes (rank/step_timing.py).
     step_timings: StepTimings = StepTimings()

@@ -1,57 +1,28 @@
-"""What every rank actor has in common: its TP group (a prefill instance with ``cp > 1``: its
-CP group, tp 1), its model shard, the SPMD step, and
-(on the leader) the step loop thread and the event queue the router long-polls.
+"""The rank actor: one Ray actor class for every role, holding a role object (rank/role.py).
 
-Lifecycle (driven by the orchestrator, see orchestrator/deploy/cluster.py):
-``__init__(cfg, rank)`` -> leader ``open_tp_store()`` (and, with ``ep``, the role's first
-leader ``open_ep_store()``) -> every rank ``init_rank(host, port, peers, ep_store)``
-(collective: TP rendezvous, EP rendezvous over every rank of the role, model load) -> leader
-``start()`` -> ... -> ``drain(timeout_s)`` -> ``shutdown()``.
+A rank owns its TP group (a prefill instance with ``cp > 1``: its CP group, tp 1), with
+``ep`` its end of the role's EP group, its model shard, its end of the step channel, and on
+the leader the loop thread, the DP sync and the :class:`~rank.leader.Leader` state. Lifecycle
+(driven by orchestrator/deploy/cluster.py): ``Rank(cfg, rank, role_cls)`` -> leader
+``open_tp_store()`` (and, with ``ep``, the role's first leader ``open_ep_store()``) -> every
+rank ``init_rank(host, port, peers, ep_store)`` (collective: rendezvous, model load, the role
+built) -> leader ``start()`` -> ``request``/``poll``/``status`` ... -> ``drain(timeout_s)`` ->
+``shutdown()``. Only the leader schedules: each step goes to every rank (rank/spmd.py).
 
-Expert parallelism (``cfg.parallel.ep``): every forward is collective over all ranks of the
-role, so with several DP ranks the leaders agree on each forward first (``dp_sync``, see
-rank/dp_sync.py) and a rank with nothing to run runs an empty forward
-(:meth:`RankBase.forward`).
-
-SPMD: only the leader schedules. Each step it sends the step to every other rank over the
-step channel (rank/step_channel.py: one TCP connection per follower, opened at
-bring-up; no Ray call per step), runs the same step itself, then reads the followers' acks;
-the TP all-reduces inside the model keep the ranks in lock step. A rank that does not ack
-within ``step_timeout_s`` fails the step. The leader records where each step's time goes
-(rank/step_timing.py; ``status().step_timings``).
-
-Role hooks (only the role classes PrefillRank, DecodeRank and ColocatedRank override them):
-
-- ``setup_role()``: every rank, at the end of ``init_rank`` once the model runner exists;
-  builds the role's state (KV connector; on the leader the scheduler, via
-  ``LeaderRank.setup_leader``).
-- ``after_step(step_inputs)``: every rank, right after its model step (prefill queues
-  KV sends here).
-- ``close_role()``: every rank, at the end of ``shutdown`` after the loop thread stopped;
-  releases what ``setup_role`` opened (not called when ``setup_role`` never returned: an
-  interrupted start-up).
-- leader only: ``step()`` (the loop's iteration), ``fail_all(error)``, ``num_active()``,
-  ``status()``; ``LeaderRank`` implements the last three, ``transfer_stats()`` adds the role's
-  fields to ``status()``.
-
-Failures: the loop thread never ends on an error. A follower that is dead (its actor died) or
-hung (no answer within ``step_timeout_s``) is a :class:`RankFailure`: the instance goes out of
-service at once (``broken`` holds why), the loop ends every request with an error event, and
-the leader refuses new work with ``InstanceOutOfService`` until orch replaces the instance.
-Any other error of a step fails only the requests it concerns (see ``LeaderRank.leader_step``).
+Failures: the loop thread (rank/loop.py) never ends on an error. A follower that is dead or
+hung (:class:`RankFailure`) takes the instance out of service (rank/leader.py): the loop ends
+every request with an error event and the leader refuses new work until orch replaces the
+instance. Any other error of a step fails only the requests it concerns (rank/leader_step.py).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import queue
-import threading
 import time
-from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -59,45 +30,47 @@ from engine import envs
 from rank.config import InstanceConfig
 from rank.dp_sync import DPSync
 from rank.ep_setup import join_dp_sync, join_ep_group
-from rank.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
-from rank.failures import RankFailure, await_followers
-from rank.step_channel import (StepChannelFollower, StepChannelLeader,
-                                         connect_follower, open_leader)
+from rank.failures import RankFailure, RankHung
+from rank.leader import Leader
+from rank.loop import StepLoop
+from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
+from rank.role import RankParts, Role
+from rank.spmd import SPMDGroup
+from rank.step_channel import (StepChannelFollower, StepChannelLeader, connect_follower,
+                               open_leader)
 from rank.step_timing import StepTimer
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Seconds a status snapshot waits for the other ranks (status answers within a few seconds
+# even when a rank hangs).
+STATUS_TIMEOUT_S = 2.0
 
 
-class RankBase(ABC):
-    """Base of PrefillRank, DecodeRank and ColocatedRank (plain classes; Ray wraps them).
+class Rank:
+    """One rank actor (a plain class; Ray wraps it, orchestrator/deploy/cluster.py).
 
     Args:
         cfg: the instance's config.
-        rank: this actor's TP rank (0 = leader).
+        rank: this actor's TP (or CP) rank (0 = leader).
+        role: the role class (``PrefillRole``, ``DecodeRole``, ``ColocatedRole``), built on
+            this rank once the model is loaded.
     """
 
-    def __init__(self, cfg: InstanceConfig, rank: int) -> None:
-        self.cfg = cfg
-        self.rank = rank
+    def __init__(self, cfg: InstanceConfig, rank: int, role: type[Role]) -> None:
+        self.cfg, self.rank, self.role_cls = cfg, rank, role
+        self.role: Role | None = None  # built by init_rank
+        self.leader: Leader | None = None  # rank 0, built by init_rank
         self.runner = None
         self.peers: list = []
         self._store = None
         self._ep_store = None  # the role's EP store, on the leader that opened it
         self.dp_sync: DPSync | None = None  # leader of an EP role with dp > 1
-        self._events: queue.Queue[TokenEvent] = queue.Queue()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._loop_thread: threading.Thread | None = None
-        self._role_ready = False  # setup_role returned: close_role has something to close
+        self.loop: StepLoop | None = None  # leader, from start()
         self._step_leader: StepChannelLeader | None = None  # leader with followers
         self._step_follower: StepChannelFollower | None = None  # a follower
         self.step_timer = StepTimer()  # leader: where step time goes
-        self._lock = threading.RLock()  # guards the scheduler between RPCs and the loop
-        # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
-        # without the lock (the loop ends whatever a racing RPC still queued).
-        self.broken: str | None = None
         if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
 
@@ -115,11 +88,15 @@ class RankBase(ABC):
 
     # ---- bring-up -----------------------------------------------------------------------
     def node_info(self) -> tuple[str, str]:
-        """(Ray node id, device) of this rank."""
+        """(Ray node id, device) of this rank; the health probe (its own Ray thread)."""
         import ray
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
         return node, self.cfg.parallel.device
+
+    def process_info(self) -> tuple[str, str, int]:
+        """(Ray node id, device, process id) of this rank."""
+        return (*self.node_info(), os.getpid())
 
     def open_tp_store(self) -> tuple[str, int]:
         """Leader only: open the TCPStore the instance's ranks rendezvous on, and (with
@@ -150,7 +127,7 @@ class RankBase(ABC):
     def init_rank(self, host: str, port: int, peers: list,
                   ep_store: tuple[str, int] | None = None) -> None:
         """Join the TP group (and, with ``ep``, the role's EP group at ``ep_store`` and on the
-        leader the DP sync), load the model shard, build role state. Collective.
+        leader the DP sync), load the model shard, build the role. Collective.
 
         Raises:
             RuntimeError: rendezvous or model load failed (message names instance and rank).
@@ -182,12 +159,22 @@ class RankBase(ABC):
         except Exception as exc:
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: init failed: {exc}") from exc
         self.setup_role()
-        self._role_ready = True
         if par.ranks > 1:
             self._join_step_channel(host, port)
 
+    def setup_role(self) -> None:
+        """End of :meth:`init_rank` (``runner`` and ``dp_sync`` exist, the loop is not
+        started): on the leader the :class:`Leader` over the instance's ranks, then the
+        role."""
+        if self.rank == 0:
+            group = SPMDGroup(self, self.peers, self._step_leader, self.step_timer,
+                              self.cfg.parallel.step_timeout_s)
+            self.leader = Leader(self.cfg, self.role_cls.policy, self.role_cls.source,
+                                 self.runner.model_config.eos_token_ids, group, self.dp_sync)
+        self.role = self.role_cls(RankParts(self.cfg, self.rank, self.runner, self.leader))
+
     def _join_step_channel(self, host: str, port: int) -> None:
-        """End of :meth:`init_rank` (role state exists): a follower connects to the leader's
+        """End of :meth:`init_rank` (the role exists): a follower connects to the leader's
         step channel (address from the TP store at ``host:port``) and starts serving steps;
         the leader waits until every follower did. Bounded by ``connect_timeout_s``.
 
@@ -206,18 +193,7 @@ class RankBase(ABC):
             raise RuntimeError(f"{self.cfg.name} rank {self.rank}: joining the step channel "
                                f"failed: {exc}") from exc
 
-    def setup_role(self) -> None:
-        """Role hook, every rank, end of :meth:`init_rank` (``self.runner`` exists, the loop
-        is not started): build the role's state (KV connector; scheduler on the leader)."""
-
-    # ---- SPMD ---------------------------------------------------------------------------
-    def execute_step(self, steps: list, step_inputs: Any = None) -> None:
-        """Follower side of one step (on the step channel's thread, from the leader's
-        :meth:`run_step`): run the model on ``steps`` (:meth:`forward`), then
-        :meth:`after_step` with the role's ``step_inputs``."""
-        self.forward(steps)
-        self.after_step(step_inputs)
-
+    # ---- every rank: the SPMD step and rank-to-rank calls -------------------------------
     def forward(self, steps: list) -> torch.Tensor | None:
         """This rank's model forward of one step: ``[B, V]`` logits, None for no steps.
 
@@ -242,184 +218,85 @@ class RankBase(ABC):
             raise
 
     def after_step(self, step_inputs: Any) -> None:
-        """Role hook, every rank, right after this rank's model step (on the leader under its
-        lock, on a follower on the step channel's thread); ``step_inputs`` is what the leader's
-        ``step_inputs_for`` made for this step (None when it made nothing). It may queue work
-        on this rank's own role state (KV sends), never touch the scheduler."""
+        """The role's :meth:`Role.after_step` of this rank."""
+        self.role.after_step(step_inputs)
 
-    def run_step(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None:
-        """Leader: run one step on all ranks; the leader's logits ``[B, V]`` (None when
-        ``steps`` is empty: with ``ep`` an empty forward on every rank, else nothing).
+    def execute_step(self, steps: list, step_inputs: Any = None) -> None:
+        """Follower side of one step (on the step channel's thread): run the model on
+        ``steps``, then the role's ``after_step`` with the leader's ``step_inputs``."""
+        self.forward(steps)
+        self.after_step(step_inputs)
 
-        Phases recorded in ``step_timer``: fanout, forward, after_step, follower_wait.
-        NOTE: the loop thread only (one step at a time on the step channel).
+    def role_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(role, *args)``: a rank-to-rank call (``SPMDGroup.call_all``); ``fn`` is a
+        method of this rank's role class."""
+        return fn(self.role, *args)
 
-        Raises:
-            RankFailure: a follower died or did not finish within ``step_timeout_s``.
-            Exception: what the leader's step or a follower's raised (a follower's carries a
-                note naming its rank).
-        """
-        timeout_s = self.cfg.parallel.step_timeout_s
-        deadline = time.monotonic() + timeout_s
-        timer, channel = self.step_timer, self._step_leader
-        if channel is not None:
-            with timer.phase("fanout"):
-                channel.run(steps, step_inputs, deadline, timeout_s)
-        try:
-            with timer.phase("forward"):
-                logits = self.forward(steps)
-            with timer.phase("after_step"):
-                self.after_step(step_inputs)
-        except Exception:
-            # NOTE: a dead follower breaks the leader's collectives too: its own error wins.
-            if channel is not None:
-                channel.wait(deadline, timeout_s)
-            raise
-        if channel is not None:
-            with timer.phase("follower_wait"):
-                channel.wait(deadline, timeout_s)
-        return logits
-
-    def call_all(self, method: str, *args, timeout_s: float | None = None) -> list:
-        """Call ``method(*args)`` on every rank (leader locally), bounded by ``timeout_s``
-        (default ``step_timeout_s``); results in rank order.
-
-        Raises:
-            RankFailure: a follower died or did not answer in time.
-            Exception: what the leader's call or a follower's (a ``RayTaskError``) raised.
-        """
-        bound = timeout_s or self.cfg.parallel.step_timeout_s
-        deadline = time.monotonic() + bound
-        refs = [getattr(p, method).remote(*args) for p in self.peers[1:]]
-        leader_result = getattr(self, method)(*args)
-        return [leader_result,
-                *await_followers(refs, deadline - time.monotonic(), bound, method)]
-
-    # ---- leader loop --------------------------------------------------------------------
+    # ---- leader ------------------------------------------------------------------------
     def start(self) -> None:
-        """Leader: start the step loop thread."""
-        self._loop_thread = threading.Thread(target=self._loop, name=f"{self.cfg.name}-loop",
-                                             daemon=True)
-        self._loop_thread.start()
+        """Leader: the role's start, then the step loop thread (rank/loop.py).
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._iterate():
-                self._wake.wait(0.005)
-                self._wake.clear()
+        Raises:
+            RankFailure: a rank is gone or did not answer the role's start.
+        """
+        self.role.start()
+        self.loop = StepLoop(self.cfg.name, self.leader, self.role)
+        self.loop.start()
 
-    def _iterate(self) -> bool:
-        """One loop iteration; never raises (an error ends requests, never the loop). True
-        when it did work."""
-        try:
-            if self.broken is not None:
-                if self.num_active():
-                    self.fail_all(str(self.out_of_service()))
-                return False
-            started = time.perf_counter()
-            try:
-                return self.step()
-            finally:
-                self.step_timer.end_step(time.perf_counter() - started)
-        except RankFailure as exc:
-            self.mark_broken(str(exc))
-            return True
-        except Exception as exc:  # noqa: BLE001 - not a rank's failure: the step's requests
-            log.exception("%s: step failed", self.cfg.name)
-            try:
-                self.fail_all(f"{self.cfg.name}: step failed: {exc}")
-            except Exception:  # noqa: BLE001
-                log.exception("%s: failing the requests of a failed step failed", self.cfg.name)
-            return False
+    def request(self, request: LeaderRequest) -> Any:
+        """Leader: one router request (rank/messages.py), handled by the role; its answer.
 
-    def mark_broken(self, reason: str) -> None:
-        """Take the instance out of service (the first reason stays); the loop then ends every
-        request with an error, and new work is refused. Never blocks."""
-        if self.broken is None:
-            self.broken = reason
-            log.error("%s is out of service: %s", self.cfg.name, reason)
-        self._wake.set()
-
-    def out_of_service(self) -> InstanceOutOfService:
-        """The error new work gets while ``broken``."""
-        return InstanceOutOfService(f"{self.cfg.name} is out of service: {self.broken} (orch "
-                                    "restarts it)")
-
-    def check_in_service(self) -> None:
-        """Raises InstanceOutOfService while the instance is broken."""
-        if self.broken is not None:
-            raise self.out_of_service()
-
-    @abstractmethod
-    def step(self) -> bool:
-        """Leader: one scheduling iteration; True when it did work."""
-
-    @abstractmethod
-    def fail_all(self, error: str) -> None:
-        """Leader: end every request with an error event and free its blocks."""
-
-    def emit(self, event: TokenEvent) -> None:
-        self._events.put(event)
+        Raises:
+            InstanceOutOfService: new work while the instance is out of service.
+            TypeError: a request this instance's role does not take.
+        """
+        return self.role.handle(request)
 
     def poll(self, timeout_s: float) -> list[TokenEvent]:
         """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one."""
-        out: list[TokenEvent] = []
-        try:
-            out.append(self._events.get(timeout=max(0.0, timeout_s)))
-        except queue.Empty:
-            return out
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        return self.leader.poll(timeout_s)
 
-    @abstractmethod
     def status(self) -> InstanceStatusInfo:
-        """Snapshot for ``orch status`` and metrics."""
+        """Snapshot for ``orch status`` and metrics, within a few seconds whatever the ranks
+        do (each call to the ranks is bounded by ``STATUS_TIMEOUT_S``).
 
-    @abstractmethod
-    def num_active(self) -> int:
-        """Requests queued or running on this instance."""
+        Asks every rank (bounded): a dead one takes the instance out of service (``broken``);
+        one that does not answer in time is reported by a TimeoutError (the step deadline or
+        the router's health checks judge whether it hangs).
 
+        Raises:
+            TimeoutError: a rank did not answer within ``STATUS_TIMEOUT_S``.
+        """
+        leader = self.leader
+        try:
+            ranks = leader.ranks.ranks_info(timeout_s=STATUS_TIMEOUT_S)
+            fields = self.role.status_fields(STATUS_TIMEOUT_S)
+        except RankHung as exc:
+            raise TimeoutError(f"{self.cfg.name}: {exc}") from exc
+        except RankFailure as exc:
+            leader.mark_broken(str(exc))
+            ranks, fields = (), self.role.status_fields(None)
+        return leader.status(ranks, fields)
+
+    # ---- tear-down ----------------------------------------------------------------------
     def drain(self, timeout_s: float) -> bool:
         """Wait (bounded) until no request is active; True when drained (at once when the
-        role was never set up: an interrupted start-up)."""
-        if not self._role_ready:
+        role was never built: an interrupted start-up)."""
+        if self.role is None:
             return True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.num_active() == 0:
+            if self.role.num_active() == 0:
                 return True
             time.sleep(0.05)
-        return self.num_active() == 0
+        return self.role.num_active() == 0
 
     def shutdown(self) -> None:
-        """Stop the loop and release role resources (connectors) on this rank."""
-        self._stop.set()
-        self._wake.set()
-        if self._loop_thread is not None:
-            self._loop_thread.join(timeout=10)
+        """Stop the loop and release the role's resources (connectors) on this rank."""
+        if self.loop is not None:
+            self.loop.stop()
         for channel in (self._step_leader, self._step_follower):
             if channel is not None:
                 channel.close()
-        if self._role_ready:
-            self.close_role()
-
-    def close_role(self) -> None:
-        """Role hook, every rank, end of :meth:`shutdown` (the loop thread has stopped):
-        release what :meth:`setup_role` opened (connectors, their threads and sockets)."""
-
-    def process_info(self) -> tuple[str, str, int]:
-        """(Ray node id, device, process id) of this rank."""
-        return (*self.node_info(), os.getpid())
-
-    def ranks_info(self, timeout_s: float | None = None
-                   ) -> tuple[tuple[int, str, str, int], ...]:
-        """(rank, node id, device, pid) of every rank, for status.
-
-        Raises:
-            RankFailure: a rank is gone or did not answer within ``timeout_s``.
-        """
-        return tuple((i, *info) for i, info in
-                     enumerate(self.call_all("process_info", timeout_s=timeout_s)))
+        if self.role is not None:
+            self.role.close()

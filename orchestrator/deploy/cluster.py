@@ -4,8 +4,9 @@ Sequence (every step bounded by ``cluster.startup_timeout_s``; any failure names
 instance/rank, tears everything down and raises :class:`BringUpError`):
 
 1. one placement group per instance (STRICT_PACK, one bundle per rank), wait until ready;
-2. create the rank actors ``cls(cfg: InstanceConfig, rank)`` in their bundles, check
-   ``node_info()`` on each (constructor errors surface here);
+2. create the rank actors ``Rank(cfg: InstanceConfig, rank, role_cls)`` in their bundles
+   (``role_cls``: the role class of ``cfg.role``, :data:`ROLES`), check ``node_info()`` on
+   each (constructor errors surface here);
 3. ``host, port = leader.open_tp_store()``; for a role with ``ep``, its first instance's
    leader also opens the role's EP store (``open_ep_store()``);
 4. ``rank.init_rank(host, port, peers, ep_store)`` on every rank (``peers``: all rank handles
@@ -34,6 +35,7 @@ from typing import Any
 
 from engine.error_text import first_line
 from rank.config import InstanceConfig
+from rank.rank import Rank
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.sections import ClusterSection
 from orchestrator.deploy.health import PROBE_GROUP
@@ -42,10 +44,12 @@ from orchestrator.deploy.progress import Report, Stopwatch, node_ips, nodes_text
 
 log = logging.getLogger(__name__)
 
-RANK_CLASSES = {
-    "prefill": "prefill_worker.actor:PrefillRank",
-    "decode": "decode_worker.actor:DecodeRank",
-    "colocated": "rank.colocated:ColocatedRank",
+# NOTE: the rank package never imports the workers: the role class of an instance is picked
+# here by ``InstanceConfig.role`` and handed to its ranks (pickled by reference).
+ROLES = {
+    "prefill": "prefill_worker.role:PrefillRole",
+    "decode": "decode_worker.role:DecodeRole",
+    "colocated": "rank.colocated:ColocatedRole",
 }
 ACTOR_CONCURRENCY = 16  # NOTE: poll() blocks a thread while reserve/abort/status still answer
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -74,7 +78,8 @@ class InstanceRanks:
 class Cluster:
     """Everything :func:`bring_up` made; :meth:`teardown` undoes it exactly once.
 
-    ``cfg`` and ``rank_classes`` are what :meth:`restart_instance` rebuilds an instance from.
+    ``cfg``, ``rank_class`` and ``roles`` are what :meth:`restart_instance` rebuilds an
+    instance from.
     An instance whose restart failed stays listed with no ranks (``pg`` None) until a later
     restart succeeds.
     """
@@ -83,7 +88,8 @@ class Cluster:
     started_ray: bool
     report: Report = say
     cfg: OrchConfig | None = None
-    rank_classes: dict[str, type] = field(default_factory=dict)
+    rank_class: type = Rank
+    roles: dict[str, type] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _closed: bool = False
 
@@ -148,7 +154,7 @@ class Cluster:
             for old in olds:
                 news.append(_placement_group(old.cfg, self.cfg,
                                              max(deadline - time.monotonic(), 0.01)))
-            _start_instances(news, self.rank_classes[olds[0].cfg.role],
+            _start_instances(news, self.rank_class, self.roles[olds[0].cfg.role],
                              self.cfg.cluster, deadline)
         except BaseException as exc:
             for new in news:
@@ -202,10 +208,11 @@ class Cluster:
         if instances:
             self.report(f"stopping {plural(len(instances), 'instance')}")
         leaders = [inst.leader for inst in instances if inst.started]
-        for step, args in (("drain", (timeout_s,)), ("shutdown", ())):
+        stages = (("drain", lambda leader: leader.drain.remote(timeout_s)),
+                  ("shutdown", lambda leader: leader.shutdown.remote()))
+        for step, call in stages:
             try:
-                ray.get([getattr(leader, step).remote(*args) for leader in leaders],
-                        timeout=timeout_s)
+                ray.get([call(leader) for leader in leaders], timeout=timeout_s)
             except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
                 worker_error = getattr(exc, "cause", None) or exc  # RayTaskError wraps it
                 log.warning("leader %s did not complete: %s", step, first_line(worker_error))
@@ -218,40 +225,42 @@ class Cluster:
             self.report(f"stopped the ranks and the embedded Ray in {watch}")
 
 
-def load_rank_classes() -> dict[str, type]:
-    """The lead's rank actor classes (imported lazily; clear error when absent)."""
-    classes = {}
-    for role, target in RANK_CLASSES.items():
+def load_roles() -> dict[str, type]:
+    """Role name -> role class (:data:`ROLES`, imported lazily; clear error when absent)."""
+    roles = {}
+    for role, target in ROLES.items():
         module, name = target.split(":")
         try:
-            classes[role] = getattr(importlib.import_module(module), name)
+            roles[role] = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
             raise BringUpError(f"cannot import {target} ({exc}): this build lacks the "
                                f"{role} worker; install the full orch package") from None
-    return classes
+    return roles
 
 
-def bring_up(cfg: OrchConfig, rank_classes: dict[str, type] | None = None,
+def bring_up(cfg: OrchConfig, roles: dict[str, type] | None = None, rank_class: type = Rank,
              started_ray: bool = False, report: Report = say) -> Cluster:
     """Create and start every instance of ``cfg`` on the connected Ray cluster.
 
     Args:
         cfg: the deployment.
-        rank_classes: role -> plain rank class (default: :func:`load_rank_classes`).
+        roles: role name -> role class (default: :func:`load_roles`).
+        rank_class: the plain rank actor class, made as ``rank_class(cfg, rank, role_cls)``
+            (tests pass fakes).
         started_ray: whether the caller started Ray (then teardown stops it).
         report: where the progress lines go (stage, instance, node, seconds).
 
     Raises:
         BringUpError: a placement group, actor or init step failed or timed out.
     """
-    classes = rank_classes or load_rank_classes()
+    roles = roles or load_roles()
     cluster = Cluster(instances=[], started_ray=started_ray, report=report, cfg=cfg,
-                      rank_classes=classes)
+                      rank_class=rank_class, roles=roles)
     timeout = cfg.cluster.startup_timeout_s
     watch = Stopwatch()
     try:
         _place(cluster, cfg, timeout)
-        ips = _spawn(cluster, classes, cfg.cluster, timeout)
+        ips = _spawn(cluster, cfg.cluster, timeout)
         _init_and_start(cluster, timeout, watch, ips)
     except BaseException:
         cluster.teardown()
@@ -270,8 +279,7 @@ def _place(cluster: Cluster, cfg: OrchConfig, timeout: float) -> None:
         cluster.instances.append(_placement_group(inst_cfg, cfg, timeout))
 
 
-def _spawn(cluster: Cluster, classes: dict[str, type], res: ClusterSection,
-           timeout: float) -> dict[str, str]:
+def _spawn(cluster: Cluster, res: ClusterSection, timeout: float) -> dict[str, str]:
     """Start every rank process; one line per instance once its ranks answer. Returns Ray
     node id -> IP (:func:`node_ips`)."""
     ranks = sum(inst.cfg.parallel.ranks for inst in cluster.instances)
@@ -280,7 +288,7 @@ def _spawn(cluster: Cluster, classes: dict[str, type], res: ClusterSection,
                    "machine)")
     watch = Stopwatch()
     for inst in cluster.instances:
-        _create_ranks(inst, classes[inst.cfg.role], res)
+        _create_ranks(inst, cluster.rank_class, cluster.roles[inst.cfg.role], res)
     ips = {}
     for inst in cluster.instances:
         inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
@@ -327,7 +335,7 @@ def _open_ep_stores(instances: list[InstanceRanks], timeout: float) -> dict[str,
     return stores
 
 
-def _start_instances(insts: list[InstanceRanks], cls: type, res: ClusterSection,
+def _start_instances(insts: list[InstanceRanks], cls: type, role: type, res: ClusterSection,
                      deadline: float) -> None:
     """Steps 2-5 of the module docstring for instances (of one role) whose placement groups
     are ready, each step bounded by what is left until ``deadline`` (monotonic seconds).
@@ -339,7 +347,7 @@ def _start_instances(insts: list[InstanceRanks], cls: type, res: ClusterSection,
         return max(deadline - time.monotonic(), 0.01)
 
     for inst in insts:
-        _create_ranks(inst, cls, res)
+        _create_ranks(inst, cls, role, res)
     for inst in insts:
         inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
                                 left())
@@ -400,7 +408,7 @@ def rank_actor(cls: type) -> Any:
                       concurrency_groups={PROBE_GROUP: 1})(cls)
 
 
-def _create_ranks(inst: InstanceRanks, cls: type, res: ClusterSection) -> None:
+def _create_ranks(inst: InstanceRanks, cls: type, role: type, res: ClusterSection) -> None:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     share = res.accelerators_per_rank
@@ -411,7 +419,7 @@ def _create_ranks(inst: InstanceRanks, cls: type, res: ClusterSection) -> None:
         strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
                                                     placement_group_bundle_index=rank)
         options = dict(num_cpus=res.cpus_per_rank, scheduling_strategy=strategy, **accel)
-        inst.ranks.append(remote_cls.options(**options).remote(inst.cfg, rank))
+        inst.ranks.append(remote_cls.options(**options).remote(inst.cfg, rank, role))
 
 
 def _get_one(inst: InstanceRanks, ref: Any, step: str, timeout: float) -> Any:

@@ -38,7 +38,6 @@ from typing import Any, Awaitable, Callable
 from engine.error_text import first_line
 
 log = logging.getLogger(__name__)
-PROBE_METHOD = "node_info"  # every rank actor has it; answers without touching the engine
 # NOTE: the probe's Ray concurrency group (one thread of its own on every rank actor, see
 # orchestrator/deploy/cluster.py): a ping never queues behind calls that wait for the step lock
 # while a long step runs (a graph capture on first use takes seconds on CPU).
@@ -307,7 +306,8 @@ class HealthMonitor:
 
 
 async def _ping(handle: Any) -> Any:
-    return await getattr(handle, PROBE_METHOD).options(concurrency_group=PROBE_GROUP).remote()
+    # NOTE: ``Rank.node_info``: every rank has it, and it answers without touching the engine
+    return await handle.node_info.options(concurrency_group=PROBE_GROUP).remote()
 
 
 def _describe(exc: BaseException) -> str:

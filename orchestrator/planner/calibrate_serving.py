@@ -2,7 +2,7 @@
 disaggregated, as a client of the router sees it.
 
 :class:`ServedInstances` keeps two instances of the tiny model up as Ray actors, made as
-``orch up`` makes them: a tp-1 :class:`rank.colocated.ColocatedRank` and a
+``orch up`` makes them: a tp-1 colocated :class:`rank.rank.Rank` and a
 disaggregated pair (prefill tp 1, decode tp 2, KV over gloo: configs/1p1d.yaml's layout,
 brought up by :func:`orchestrator.deploy.cluster.bring_up`), and one
 :class:`orchestrator.router.router.Router` over each (``orchestrator.deploy.assemble.build_router``, on an
@@ -94,7 +94,7 @@ def _gap_s(times: list[float]) -> float:
 
 
 def _start_colocated(ckpt: Path) -> object:
-    """A started tp-1 :class:`ColocatedRank` of ``ckpt``, made as ``orch up`` makes a rank,
+    """A started tp-1 colocated :class:`Rank` of ``ckpt``, made as ``orch up`` makes a rank,
     on the Ray this process runs.
 
     Raises:
@@ -103,15 +103,16 @@ def _start_colocated(ckpt: Path) -> object:
     import ray
 
     from orchestrator.deploy.cluster import ACTOR_CONCURRENCY
-    from rank.colocated import ColocatedRank
+    from rank.colocated import ColocatedRole
     from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
+    from rank.rank import Rank
 
     sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
                             max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=sched, parallel=ParallelConfig(tp=1))
-    rank = ray.remote(ColocatedRank).options(
-        num_cpus=0.1, max_concurrency=ACTOR_CONCURRENCY).remote(cfg, 0)
+    rank = ray.remote(Rank).options(
+        num_cpus=0.1, max_concurrency=ACTOR_CONCURRENCY).remote(cfg, 0, ColocatedRole)
     try:
         host, port = ray.get(rank.open_tp_store.remote(), timeout=60)
         ray.get(rank.init_rank.remote(host, port, [rank]), timeout=60)

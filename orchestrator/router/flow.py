@@ -28,7 +28,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from rank.messages import Rejection, Reservation
+from rank.messages import (Abort, Admit, Generate, LeaderRequest, Prefill, Rejection,
+                           Reservation, Reserve)
 from engine.request import RequestSpec
 from orchestrator.router.admission import AdmissionQueue
 from orchestrator.router.leader import LeaderClient, LeaderError
@@ -138,7 +139,7 @@ class ColocatedFlow(Flow):
         return Route(spec.request_id, main=name, main_load=spec.max_total_tokens)
 
     async def launch(self, spec: RequestSpec, route: Route) -> None:
-        await _call_or_fail(self.main[route.main], "generate", spec)
+        await _call_or_fail(self.main[route.main], Generate(spec))
 
     async def abort(self, route: Route) -> None:
         await _abort_quietly(self.main[route.main], route.request_id)
@@ -224,8 +225,8 @@ class DisaggregatedFlow(Flow):
         self.policy.acquire(name, spec.max_total_tokens)
         answer = None
         try:
-            answer = await _call_or_fail(self.main[name], "reserve", spec, self.prefill_tp,
-                                         self.prefill_cp)
+            answer = await _call_or_fail(self.main[name],
+                                         Reserve(spec, self.prefill_tp, self.prefill_cp))
         except (InstanceFailure, asyncio.CancelledError):
             # NOTE: a reserve that timed out, was abandoned or cancelled may still have
             # reserved. Aborted in the background: a hung instance must not hold up the next.
@@ -239,7 +240,7 @@ class DisaggregatedFlow(Flow):
         return answer
 
     async def launch(self, spec: RequestSpec, route: Route) -> None:
-        await _call_or_fail(self.prefill[route.prefill], "prefill", spec, route.reservation)
+        await _call_or_fail(self.prefill[route.prefill], Prefill(spec, route.reservation))
 
     async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
         self._release_prefill(route)
@@ -248,7 +249,7 @@ class DisaggregatedFlow(Flow):
             await _abort_quietly(decode, route.request_id)
             self.admission.notify()
             return
-        await _call_or_fail(decode, "admit", route.request_id, token_id)
+        await _call_or_fail(decode, Admit(route.request_id, token_id))
 
     async def abort(self, route: Route) -> None:
         if route.prefill:
@@ -278,16 +279,16 @@ def _none_healthy(policy: Policy, role: str) -> RequestError:
                                        "retry later; `orch status` shows why")
 
 
-async def _call_or_fail(leader: LeaderClient, method: str, *args: object) -> object:
+async def _call_or_fail(leader: LeaderClient, request: LeaderRequest) -> object:
     """A leader call whose failure is the instance's: raises :class:`InstanceFailure`."""
     try:
-        return await leader.call(method, *args)
+        return await leader.call(request)
     except LeaderError as exc:
         raise InstanceFailure(leader.name, str(exc)) from None
 
 
 async def _abort_quietly(leader: LeaderClient, request_id: str) -> None:
     try:
-        await leader.call("abort", request_id)
+        await leader.call(Abort(request_id))
     except LeaderError as exc:
         log.debug("abort of %s on %s failed: %s", request_id, leader.name, exc)

@@ -1,11 +1,12 @@
 """Router-side view of instance leaders: bounded actor calls and the event pump.
 
-``LeaderClient`` wraps one leader handle (a Ray actor handle, or an in-process fake whose
-methods also have ``.remote(...)`` returning an awaitable). ``EventPump`` runs one asyncio task
-per leader that long-polls ``poll(timeout_s)`` and fans the :class:`TokenEvent` list out to
-per-attempt :class:`Inbox`es, keeping only the events of instances the attempt watches; when a
-leader cannot be polled, the inbox of every attempt watching it raises
-:class:`InstanceFailure`, so nothing waits forever.
+``LeaderClient`` wraps one leader handle (a Ray actor handle of a ``rank.rank.Rank``, or an
+in-process fake whose methods also have ``.remote(...)`` returning an awaitable) with typed,
+bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``poll`` and ``status``.
+``EventPump`` runs one asyncio task per leader that long-polls ``poll(timeout_s)`` and fans
+the :class:`TokenEvent` list out to per-attempt :class:`Inbox`es, keeping only the events of
+instances the attempt watches; when a leader cannot be polled, the inbox of every attempt
+watching it raises :class:`InstanceFailure`, so nothing waits forever.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from engine.error_text import first_line
 from orchestrator.router.request import InstanceFailure, request_failed
-from rank.messages import TokenEvent
+from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +74,36 @@ class LeaderClient:
         or fail on the old one."""
         self.handle = handle
 
-    async def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """``await handle.<method>.remote(*args)`` bounded by ``timeout_s``.
+    async def call(self, request: LeaderRequest, *, timeout_s: float | None = None) -> Any:
+        """``await handle.request.remote(request)`` bounded by ``timeout_s``; errors name the
+        request as ``decode-0.reserve`` (its type, lower case).
 
         Raises:
             LeaderError: the call raised, the actor died, no answer within the bound, or the
                 call was abandoned (:meth:`abandon_calls`).
         """
+        return await self._bounded(type(request).__name__.lower(),
+                                   lambda: self.handle.request.remote(request), timeout_s)
+
+    async def poll(self, wait_s: float, *, timeout_s: float | None = None) -> list[TokenEvent]:
+        """``handle.poll.remote(wait_s)`` (events; the leader waits up to ``wait_s`` for one),
+        bounded by ``timeout_s``. Raises as :meth:`call`."""
+        return await self._bounded("poll", lambda: self.handle.poll.remote(wait_s), timeout_s)
+
+    async def status(self, *, timeout_s: float | None = None) -> InstanceStatusInfo:
+        """``handle.status.remote()`` bounded by ``timeout_s``. Raises as :meth:`call`."""
+        return await self._bounded("status", lambda: self.handle.status.remote(), timeout_s)
+
+    async def _bounded(self, method: str, send: Callable[[], Any],
+                       timeout_s: float | None) -> Any:
+        """``await send()`` (one actor call) bounded by ``timeout_s``; ``method`` names it in
+        errors."""
         bound = self.call_timeout_s if timeout_s is None else timeout_s
         if self._abandon is None:
             self._abandon = asyncio.get_running_loop().create_future()
         abandon = self._abandon
         try:
-            answer = asyncio.ensure_future(_resolve(getattr(self.handle, method).remote(*args)))
+            answer = asyncio.ensure_future(_resolve(send()))
             try:
                 await asyncio.wait({answer, abandon}, timeout=bound,
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -232,7 +251,7 @@ class EventPump:
         failing = False  # NOTE: one warning per run of failed polls, the rest at debug
         while not self._stopping:
             try:
-                events = await leader.call("poll", self._poll_timeout_s, timeout_s=bound)
+                events = await leader.poll(self._poll_timeout_s, timeout_s=bound)
             except LeaderError as exc:
                 log.log(logging.DEBUG if failing else logging.WARNING,
                         "polling %s failed: %s", leader.name, exc)

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rank.messages import InstanceStatusInfo
+from rank.messages import InstanceStatusInfo, TransferRecord
 from orchestrator.metrics import RouterMetrics
 
 
@@ -30,9 +30,9 @@ def _feed(m: RouterMetrics) -> None:
     m.request_rejected("RESOURCE_EXHAUSTED")
     m.request_rejected("RESOURCE_EXHAUSTED")
     m.request_rejected("INVALID_ARGUMENT")
-    m.observe_transfer("prefill-0:0->decode-0:0", 4096, 0.003, ok=True)
-    m.observe_transfer("prefill-0:0->decode-0:0", 1024, 0.2, ok=True)
-    m.observe_transfer("prefill-0:0->decode-0:0", 999, 1.0, ok=False)
+    m.observe_transfer(TransferRecord("prefill-0:0->decode-0:0", 4096, 0.003, ok=True))
+    m.observe_transfer(TransferRecord("prefill-0:0->decode-0:0", 1024, 0.2, ok=True))
+    m.observe_transfer(TransferRecord("prefill-0:0->decode-0:0", 999, 1.0, ok=False))
 
 
 def test_scraped_values_match_calls():

@@ -164,6 +164,18 @@ class OrchProcess:
             return orch_pb2_grpc.OrchStub(channel).GetStatus(orch_pb2.GetStatusRequest(),
                                                              timeout=30)
 
+    def rank_pids(self, instance: str) -> list[int]:
+        """Process ids of ``instance``'s ranks in rank order (the leader first), as its status
+        reports them; empty when the instance did not answer (it is unhealthy).
+
+        Raises:
+            KeyError: no instance of that name.
+        """
+        for inst in self.status().instances:
+            if inst.name == instance:
+                return [r.pid for r in inst.ranks]
+        raise KeyError(f"no instance {instance!r}")
+
 
 def descendants(root_pid: int) -> dict[int, str]:
     """Every process under ``root_pid`` (read from /proc): pid -> its title (argv[0]).

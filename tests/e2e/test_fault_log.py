@@ -13,23 +13,9 @@ import threading
 import time
 from pathlib import Path
 
-from tests.e2e.harness import REPO, OrchProcess, descendants
+from tests.e2e.harness import REPO, OrchProcess
 
 MAX_LINES = 40  # start-up (~15), serving, the fault (< 10), shutdown (~5)
-
-
-def _decode_ranks(root: int, timeout_s: float = 30.0) -> tuple[int, int]:
-    """(leader pid, follower pid) of the tp2 decode instance: the leader is the rank the
-    router long-polls (title ``ray::DecodeRank.poll`` most of the time)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ranks = {pid: title for pid, title in descendants(root).items()
-                 if title.startswith("ray::DecodeRank")}
-        polling = [pid for pid, title in ranks.items() if title == "ray::DecodeRank.poll"]
-        if len(ranks) == 2 and len(polling) == 1:
-            return polling[0], next(pid for pid in ranks if pid != polling[0])
-        time.sleep(0.02)
-    raise AssertionError(f"no 2 decode ranks with one in poll() within {timeout_s} s")
 
 
 def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path, monkeypatch):
@@ -42,7 +28,7 @@ def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path,
             "a long story", max_tokens=300, ignore_eos=True, started=started)))
         stream.start()
         assert started.wait(120), orch.log.read_text()
-        leader, follower = _decode_ranks(orch.proc.pid)
+        leader, follower = orch.rank_pids("decode-0")  # the tp2 decode instance
         os.kill(follower, signal.SIGKILL)
         stream.join(120)
         assert result["out"][2] is not None  # the stream ended with an error
@@ -53,7 +39,7 @@ def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path,
     output = orch.log.read_text()
     lines = output.splitlines()
     assert "Traceback" not in output and "\x1b[" not in output, output
-    assert "Rank pid=" not in output, output  # no rank output forwarded: "(DecodeRank pid=1)"
+    assert "Rank pid=" not in output, output  # no rank output forwarded: "(Rank pid=1)"
     assert len(lines) <= MAX_LINES, output
     polls = [line for line in lines if "polling decode-0 failed" in line]
     assert len(polls) == 1, output

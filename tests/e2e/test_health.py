@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e.harness import REPO, OrchProcess, descendants
+from tests.e2e.harness import REPO, OrchProcess
 
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 2.0
@@ -43,10 +43,10 @@ def orch(ray_session, tmp_path_factory):
         yield orch
 
 
-def decode_pids() -> list[int]:
+def decode_pids(orch: OrchProcess) -> list[int]:
     """The live decode rank processes (tp 1: each is its instance's leader)."""
-    return sorted(pid for pid, title in descendants(os.getpid()).items()
-                  if title.startswith("ray::DecodeRank") and _alive(pid))
+    return sorted(pid for name in ("decode-0", "decode-1") for pid in orch.rank_pids(name)
+                  if _alive(pid))
 
 
 def _alive(pid: int) -> bool:
@@ -95,7 +95,7 @@ def test_a_killed_decode_rank_is_skipped(orch):
     for t in threads:
         t.start()
     assert all(e.wait(60) for e in started)
-    pids = decode_pids()
+    pids = decode_pids(orch)
     assert len(pids) == 2, pids
     os.kill(pids[0], signal.SIGKILL)
     (dead,) = wait_unhealthy(orch, timeout_s=PROBE_INTERVAL_S + 3.0)
@@ -121,7 +121,7 @@ def test_a_killed_decode_rank_is_skipped(orch):
 
 
 def test_stopped_decode_ranks_are_unhealthy_and_status_still_answers(orch):
-    pids = decode_pids()  # NOTE: one when the test above killed the other
+    pids = decode_pids(orch)  # NOTE: one when the test above killed the other
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
-from tests.e2e.harness import REPO, OrchProcess, descendants
+from tests.e2e.harness import REPO, OrchProcess
 
 REQUEST_TIMEOUT_S = 60.0
 ERROR_WITHIN_S = 30.0  # well under REQUEST_TIMEOUT_S: the failure is seen, not timed out
@@ -38,25 +38,6 @@ def joined(ray_session, tmp_path_factory):
         yield orch
 
 
-def decode_rank_pids(timeout_s: float = 20.0) -> tuple[int, int]:
-    """(leader pid, follower pid) of the tp2 decode instance: ranks of the session Ray are
-    processes under this one; the leader is the rank the router long-polls (title
-    ``ray::DecodeRank.poll`` most of the time)."""
-    deadline, ranks = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        # NOTE: the fake ranks of tests/orchestrator share the class name; killed ones may
-        # take a moment to exit.
-        ranks = {pid: title for pid, title in descendants(os.getpid()).items()
-                 if title.startswith("ray::DecodeRank")}
-        polling = [pid for pid, title in ranks.items() if title == "ray::DecodeRank.poll"]
-        if len(ranks) == 2 and len(polling) == 1:
-            (follower,) = set(ranks) - set(polling)
-            return polling[0], follower
-        time.sleep(0.05)
-    raise AssertionError(f"want 2 decode ranks, one of them in poll(), within {timeout_s} s; "
-                         f"saw {ranks}")
-
-
 def live_orch_groups(ray) -> dict[str, str]:
     """Placement group id -> name, for every orch group of the cluster not yet removed."""
     return {pg_id: pg["name"] for pg_id, pg in ray.util.placement_group_table().items()
@@ -66,7 +47,7 @@ def live_orch_groups(ray) -> dict[str, str]:
 def test_killed_decode_rank_fails_its_request_and_shows_unhealthy(joined):
     before, _, err = joined.generate("hello there", max_tokens=8)
     assert err is None, err
-    _, follower = decode_rank_pids()
+    _, follower = joined.rank_pids("decode-0")  # the tp2 decode instance
     with grpc.insecure_channel(joined.address) as channel:
         call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
             text="hi", sampling=orch_pb2.SamplingParams(max_tokens=MAX_TOKENS,

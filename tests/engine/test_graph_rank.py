@@ -10,14 +10,16 @@ import torch
 from engine.graph import GraphConfig
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from rank.colocated import ColocatedRank
+from rank.colocated import ColocatedRole
 from rank.config import InstanceConfig, SchedulerConfig
+from rank.messages import Generate
+from rank.rank import Rank
 from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 from tests.engine.test_graph import backends, dense_ckpt  # noqa: F401 (fixtures)
 
 
-def _collect(rank: ColocatedRank, ids: list[str], timeout_s: float = 60.0) -> dict:
+def _collect(rank: Rank, ids: list[str], timeout_s: float = 60.0) -> dict:
     """request id -> tokens, polling until every request finished."""
     out, done = {i: [] for i in ids}, set()
     deadline = time.monotonic() + timeout_s
@@ -42,14 +44,14 @@ def test_colocated_rank_decodes_through_the_captured_forward(dense_ckpt, backend
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(dense_ckpt),
                          scheduler=scheduler,
                          graph=GraphConfig(enabled=True, batch_sizes=(2,), backend="counting"))
-    rank = ColocatedRank(cfg, 0)
+    rank = Rank(cfg, 0, ColocatedRole)
     host, port = rank.open_tp_store()
     rank.init_rank(host, port, [rank])
     rank.start()
     try:
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-            rank.generate(RequestSpec(f"r{i}", tuple(p),
-                                      SamplingParams(max_tokens=m, ignore_eos=True)))
+            rank.request(Generate(RequestSpec(f"r{i}", tuple(p),
+                                      SamplingParams(max_tokens=m, ignore_eos=True))))
         got = _collect(rank, ["r0", "r1"])
         assert [got["r0"], got["r1"]] == expected
         assert backends["counting"].calls >= 3  # decode steps ran captured (padded when 1)

@@ -1,4 +1,5 @@
-"""Fake rank actor classes with the real contract (orchestrator/deploy/cluster.py), for Ray tests.
+"""A fake rank actor class and fake roles with the real contract (orchestrator/deploy/cluster.py:
+``bring_up(cfg, roles=ROLES, rank_class=FakeRank)``), for Ray tests.
 
 They compute nothing: the leader scripts tokens like tests/orchestrator/fakes.py and records
 every bring-up call so tests can check the sequence.
@@ -10,13 +11,16 @@ import os
 import threading
 
 from kv_transfer import KVPeer
-from rank.messages import InstanceStatusInfo, Reservation, TokenEvent
+from rank.messages import (Abort, Admit, Generate, InstanceStatusInfo, Prefill, Reservation,
+                           Reserve, TokenEvent)
 from tests.orchestrator.fakes import expected_tokens
 
 
-class _FakeRank:
-    def __init__(self, cfg, rank: int) -> None:
-        self.cfg, self.rank = cfg, rank
+class FakeRank:
+    """``rank.rank.Rank``'s contract; ``role`` is a fake role class of this module."""
+
+    def __init__(self, cfg, rank: int, role: type) -> None:
+        self.cfg, self.rank, self.role = cfg, rank, role(self)
         self.log: list[tuple] = [("init", cfg.name, rank)]
         self._events: list[TokenEvent] = []
         self._cond = threading.Condition()
@@ -60,6 +64,11 @@ class _FakeRank:
             out, self._events = self._events, []
         return out
 
+    def request(self, request):
+        if isinstance(request, Abort):
+            return self.abort(request.request_id)
+        return self.role.handle(request)
+
     def abort(self, request_id: str) -> bool:
         self.log.append(("abort", request_id))
         return self._specs.pop(request_id, None) is not None
@@ -78,30 +87,44 @@ class _FakeRank:
         self.log.append(("shutdown",))
 
 
-class PrefillRank(_FakeRank):
-    def prefill(self, spec, reservation) -> None:
+class FakePrefill:
+    def __init__(self, rank: FakeRank) -> None:
+        self.rank = rank
+
+    def handle(self, request: Prefill) -> None:
+        spec, name = request.spec, self.rank.cfg.name
         first = expected_tokens(spec.prompt_token_ids, 1)[0]
-        self._emit(TokenEvent(spec.request_id, (first,), None, None, "prefill", self.cfg.name))
+        self.rank._emit(TokenEvent(spec.request_id, (first,), None, None, "prefill", name))
 
 
-class DecodeRank(_FakeRank):
-    def reserve(self, spec, prefill_tp=1, prefill_cp=1):
-        self._specs[spec.request_id] = spec
-        return Reservation(spec.request_id, self.cfg.name, (0,), self.cfg.scheduler.block_size,
-                           tuple(KVPeer(self.cfg.name, r, "127.0.0.1", 1)
-                                 for r in range(self.cfg.parallel.tp)))
+class FakeDecode:
+    def __init__(self, rank: FakeRank) -> None:
+        self.rank = rank
 
-    def admit(self, request_id: str, first_token_id: int) -> None:
-        spec = self._specs.pop(request_id)
-        rest = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens)[1:]
-        self._emit(TokenEvent(request_id, tuple(rest), "length", None, "decode", self.cfg.name))
+    def handle(self, request: Reserve | Admit):
+        cfg, specs = self.rank.cfg, self.rank._specs
+        match request:
+            case Reserve(spec):
+                specs[spec.request_id] = spec
+                return Reservation(spec.request_id, cfg.name, (0,), cfg.scheduler.block_size,
+                                   tuple(KVPeer(cfg.name, r, "127.0.0.1", 1)
+                                         for r in range(cfg.parallel.tp)))
+            case Admit(request_id):
+                spec = specs.pop(request_id)
+                rest = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens)[1:]
+                self.rank._emit(TokenEvent(request_id, tuple(rest), "length", None, "decode",
+                                           cfg.name))
 
 
-class ColocatedRank(_FakeRank):
-    def generate(self, spec) -> None:
+class FakeColocated:
+    def __init__(self, rank: FakeRank) -> None:
+        self.rank = rank
+
+    def handle(self, request: Generate) -> None:
+        spec = request.spec
         toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens)
-        self._emit(TokenEvent(spec.request_id, tuple(toks), "length", None, "colocated",
-                              self.cfg.name))
+        self.rank._emit(TokenEvent(spec.request_id, tuple(toks), "length", None, "colocated",
+                                   self.rank.cfg.name))
 
 
-CLASSES = {"prefill": PrefillRank, "decode": DecodeRank, "colocated": ColocatedRank}
+ROLES = {"prefill": FakePrefill, "decode": FakeDecode, "colocated": FakeColocated}

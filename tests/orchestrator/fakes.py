@@ -15,7 +15,8 @@ import asyncio
 import inspect
 
 from kv_transfer import KVPeer
-from rank.messages import InstanceStatusInfo, Rejection, Reservation, TokenEvent
+from rank.messages import (Abort, Admit, Generate, InstanceStatusInfo, Prefill, Rejection,
+                           Reservation, Reserve, TokenEvent)
 
 VOCAB = 129_280
 EOS = 1
@@ -113,6 +114,21 @@ class _Leader:
         """An error event of ``request_id`` from this instance."""
         self.events.put_nowait(TokenEvent(request_id, (), "error", error, self.role, self.name,
                                           retryable=retryable))
+
+    def request(self, request):
+        """``Rank.request``: one router request (rank.messages) to the fake's method of it."""
+        match request:
+            case Reserve(spec, prefill_tp, prefill_cp):
+                return self.reserve(spec, prefill_tp, prefill_cp)
+            case Prefill(spec, reservation):
+                return self.prefill(spec, reservation)
+            case Admit(request_id, first_token_id):
+                return self.admit(request_id, first_token_id)
+            case Generate(spec):
+                return self.generate(spec)
+            case Abort(request_id):
+                return self.abort(request_id)
+        raise TypeError(f"{self.name} does not take {request!r}")
 
     def abort(self, request_id: str) -> bool:
         self.calls.append(("abort", request_id))

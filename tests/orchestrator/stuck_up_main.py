@@ -19,14 +19,9 @@ class _Stuck:
         threading.Event().wait()
 
 
-class PrefillRank(_Stuck, fake_ranks.PrefillRank):
-    pass
-
-
-class DecodeRank(_Stuck, fake_ranks.DecodeRank):
+class StuckRank(_Stuck, fake_ranks.FakeRank):
     pass
 
 
 if __name__ == "__main__":
-    classes = dict(fake_ranks.CLASSES, prefill=PrefillRank, decode=DecodeRank)
-    sys.exit(run_up(load_config(sys.argv[1]), rank_classes=classes))
+    sys.exit(run_up(load_config(sys.argv[1]), roles=fake_ranks.ROLES, rank_class=StuckRank))

@@ -80,7 +80,7 @@ async def _all_free(router) -> list:
     """Leader statuses once every block is free and nothing runs (bounded)."""
     deadline = time.monotonic() + FREE_WITHIN_S
     while True:
-        statuses = await asyncio.gather(*(l.call("status") for l in router.flow.leaders))
+        statuses = await asyncio.gather(*(l.status() for l in router.flow.leaders))
         if not busy_instances(statuses) or time.monotonic() > deadline:
             return statuses
         await asyncio.sleep(0.2)

@@ -11,7 +11,7 @@ from orchestrator.deploy.cluster import BringUpError, bring_up
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.request import GenerateInput
 from engine.sampling_params import SamplingParams
-from tests.orchestrator.fake_ranks import CLASSES, DecodeRank
+from tests.orchestrator.fake_ranks import ROLES, FakeRank
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import MODEL
 
@@ -32,7 +32,7 @@ def _live_pgs(ray) -> list[str]:
 
 def test_bring_up_sequence_serving_and_teardown(ray_session):
     ray = ray_session
-    cluster = bring_up(_cfg(), rank_classes=CLASSES)
+    cluster = bring_up(_cfg(), roles=ROLES, rank_class=FakeRank)
     try:
         assert sorted(cluster.leaders()) == ["decode-0", "prefill-0"]
         assert sorted(_live_pgs(ray)) == ["orch-decode-0", "orch-prefill-0"]
@@ -50,7 +50,7 @@ def test_bring_up_sequence_serving_and_teardown(ray_session):
             router.start()
             inp = GenerateInput(None, prompt, SamplingParams(max_tokens=5))
             chunks = [c async for c in router.generate(inp)]
-            statuses = await asyncio.gather(*(l.call("status") for l in router.flow.leaders))
+            statuses = await asyncio.gather(*(l.status() for l in router.flow.leaders))
             await router.stop(drain_timeout_s=5)
             return chunks, statuses
 
@@ -65,7 +65,7 @@ def test_bring_up_sequence_serving_and_teardown(ray_session):
 
 def test_failed_rank_init_names_the_rank_and_tears_down(ray_session):
     with pytest.raises(BringUpError, match="decode-0 rank 1: init_rank failed.*simulated"):
-        bring_up(_cfg(max_num_seqs=13), rank_classes=CLASSES)
+        bring_up(_cfg(max_num_seqs=13), roles=ROLES, rank_class=FakeRank)
     assert _live_pgs(ray_session) == []
 
 
@@ -75,18 +75,18 @@ def test_unplaceable_instance_times_out_with_advice(ray_session):
         "prefill": {"num_kv_blocks": 16},
         "cluster": {"device": "cpu", "cpus_per_rank": 64, "startup_timeout_s": 1}})
     with pytest.raises(BringUpError, match="prefill-0: placement group .* not ready within 1 s"):
-        bring_up(cfg, rank_classes=CLASSES)
+        bring_up(cfg, roles=ROLES, rank_class=FakeRank)
     assert _live_pgs(ray_session) == []
 
 
-class InitFailsDecodeRank(DecodeRank):
+class InitFailsRank(FakeRank):
     def init_rank(self, host: str, port: int, peers: list, ep_store=None) -> None:
         raise RuntimeError("simulated init failure after a restart")
 
 
 def test_restart_instance_replaces_its_ranks_and_a_failed_restart_cleans_up(ray_session):
     ray = ray_session
-    cluster = bring_up(_cfg(), rank_classes=CLASSES)
+    cluster = bring_up(_cfg(), roles=ROLES, rank_class=FakeRank)
     try:
         old = cluster.ranks_of("decode-0")
         (new,) = cluster.restart_instance("decode-0", timeout_s=60)
@@ -99,7 +99,7 @@ def test_restart_instance_replaces_its_ranks_and_a_failed_restart_cleans_up(ray_
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(old[1].get_log.remote(), timeout=30)
         assert sorted(_live_pgs(ray)) == ["orch-decode-0", "orch-prefill-0"]
-        cluster.rank_classes = {**CLASSES, "decode": InitFailsDecodeRank}
+        cluster.rank_class = InitFailsRank  # NOTE: only decode-0 is restarted below
         with pytest.raises(BringUpError, match="decode-0 rank 0: init_rank failed.*simulated"):
             cluster.restart_instance("decode-0", timeout_s=60)
         assert cluster.ranks_of("decode-0") == [] and "decode-0" not in cluster.leaders()
@@ -114,7 +114,7 @@ def test_restart_instance_replaces_its_ranks_and_a_failed_restart_cleans_up(ray_
 
 def test_an_expert_parallel_role_restarts_all_its_instances_on_one_new_ep_store(ray_session):
     ray = ray_session
-    cluster = bring_up(_cfg(dp=2, tp=1, ep=True), rank_classes=CLASSES)
+    cluster = bring_up(_cfg(dp=2, tp=1, ep=True), roles=ROLES, rank_class=FakeRank)
     try:
         assert cluster.restart_group("decode-1") == ["decode-0", "decode-1"]
         assert cluster.restart_group("prefill-0") == ["prefill-0"]

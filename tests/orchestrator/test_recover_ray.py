@@ -23,7 +23,6 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.deploy.recovery import Recoverer
 from orchestrator.router.request import GenerateInput
 from orchestrator.tiny_model import write_tiny_checkpoint
-from tests.e2e.harness import descendants
 
 PROMPT = (5, 17, 3, 99, 42, 7, 8, 61, 23, 11, 2, 70, 31, 4, 9, 13, 50)
 RECOVER_WITHIN_S = 60.0
@@ -47,9 +46,10 @@ def _cfg(ckpt) -> OrchConfig:
         "router": {"request_timeout_s": 60}})
 
 
-def _rank_pids(cls: str) -> list[int]:
-    return sorted(pid for pid, title in descendants(os.getpid()).items()
-                  if title.startswith(f"ray::{cls}"))
+async def _rank_pids(cluster, name: str) -> list[int]:
+    """Process ids of instance ``name``'s ranks, rank order."""
+    infos = await asyncio.gather(*(r.process_info.remote() for r in cluster.ranks_of(name)))
+    return [info[2] for info in infos]
 
 
 def _wait_gone(pid: int, timeout_s: float = 20.0) -> None:
@@ -88,9 +88,9 @@ def test_killed_decode_rank_is_recovered_and_serves_the_same_tokens(ray_session,
             after, took = [], []
             try:
                 before = await _generate(router)
-                for cls, tp, name, sig in (("DecodeRank", 2, "decode-0", signal.SIGKILL),
-                                           ("PrefillRank", 1, "prefill-0", signal.SIGSTOP)):
-                    pids = _rank_pids(cls)
+                for tp, name, sig in ((2, "decode-0", signal.SIGKILL),
+                                      (1, "prefill-0", signal.SIGSTOP)):
+                    pids = await _rank_pids(cluster, name)
                     assert len(pids) == tp, pids
                     os.kill(pids[-1], sig)
                     t0 = time.monotonic()

@@ -26,7 +26,7 @@ from orchestrator.metrics import RouterMetrics
 from orchestrator.api.server import PortInUseError
 from orchestrator.tiny_model import tiny_config_dict
 from orchestrator.up import check_ports_free
-from tests.orchestrator.fake_ranks import CLASSES
+from tests.orchestrator.fake_ranks import ROLES, FakeRank
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import TOKENIZER
 from tests.ports import free_port as _free_port
@@ -90,7 +90,7 @@ def test_bring_up_reports_each_stage_and_instance(ray_session):
         "model": {"max_model_len": 256}, "cluster": {"device": "cpu", "cpus_per_rank": 0.1},
         "prefill": {"num_kv_blocks": 16}, "decode": {"tp": 2, "num_kv_blocks": 16}})
     lines: list[str] = []
-    cluster = bring_up(cfg, rank_classes=CLASSES, report=lines.append)
+    cluster = bring_up(cfg, roles=ROLES, rank_class=FakeRank, report=lines.append)
     cluster.teardown()
     expected = [
         r"placing 2 instances \(3 ranks, one placement group per instance\)",

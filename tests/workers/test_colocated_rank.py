@@ -1,4 +1,4 @@
-"""ColocatedRank in-process (TP=1, no Ray): continuous batching with chunked prefill gives
+"""A colocated rank in-process (TP=1, no Ray): continuous batching with chunked prefill gives
 each request the tokens it gets alone, and every block comes back."""
 
 from __future__ import annotations
@@ -8,11 +8,14 @@ import time
 import pytest
 import torch
 
-from rank.colocated import ColocatedRank
+from rank.colocated import ColocatedRole
+from rank.role import RankParts
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
 from rank.config import InstanceConfig, SchedulerConfig
+from rank.messages import Abort, Generate, Reserve
+from rank.rank import Rank
 from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 
@@ -23,12 +26,12 @@ def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3)
 
 
-def make_rank(ckpt, num_kv_blocks: int = 64) -> ColocatedRank:
+def make_rank(ckpt, num_kv_blocks: int = 64) -> Rank:
     scheduler = SchedulerConfig(block_size=4, num_kv_blocks=num_kv_blocks, chunk_size=8,
                                 max_num_batched_tokens=12, max_num_seqs=3)
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=scheduler)
-    rank = ColocatedRank(cfg, 0)
+    rank = Rank(cfg, 0, ColocatedRole)
     host, port = rank.open_tp_store()
     rank.init_rank(host, port, [rank])
     rank.start()
@@ -56,13 +59,13 @@ def test_batched_requests_match_solo_runs(ckpt):
     rank = make_rank(ckpt)
     try:
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-            rank.generate(RequestSpec(f"r{i}", tuple(p),
-                                      SamplingParams(max_tokens=m, ignore_eos=True)))
+            rank.request(Generate(RequestSpec(f"r{i}", tuple(p),
+                                      SamplingParams(max_tokens=m, ignore_eos=True))))
         got = collect(rank, [f"r{i}" for i in range(4)])
         for i, exp in enumerate(expected):
             assert got[f"r{i}"] == (exp, "length", None)
         st = rank.status()
-        assert st.free_blocks == st.total_blocks == 64 and rank.pool.num_live_sets == 0
+        assert st.free_blocks == st.total_blocks == 64 and rank.leader.pool.num_live_sets == 0
     finally:
         rank.shutdown()
 
@@ -70,13 +73,25 @@ def test_batched_requests_match_solo_runs(ckpt):
 def test_too_big_request_is_refused_and_abort_frees(ckpt):
     rank = make_rank(ckpt, num_kv_blocks=8)
     try:
-        rank.generate(RequestSpec("big", tuple(range(40)), SamplingParams(max_tokens=4)))
+        rank.request(Generate(RequestSpec("big", tuple(range(40)), SamplingParams(max_tokens=4))))
         (ev,) = collect(rank, ["big"]).values()
         assert ev[1] == "error" and "num_kv_blocks" in ev[2]
-        rank.generate(RequestSpec("long", tuple(range(10)),
-                                  SamplingParams(max_tokens=22, ignore_eos=True)))
-        assert rank.abort("long") and not rank.abort("long")
+        rank.request(Generate(RequestSpec("long", tuple(range(10)),
+                                  SamplingParams(max_tokens=22, ignore_eos=True))))
+        assert rank.request(Abort("long")) and not rank.request(Abort("long"))
         assert collect(rank, ["long"])["long"][1] == "abort"
-        assert rank.pool.num_free_blocks == 8 and rank.pool.num_live_sets == 0
+        assert rank.leader.pool.num_free_blocks == 8 and rank.leader.pool.num_live_sets == 0
     finally:
         rank.shutdown()
+
+
+def test_a_request_the_role_does_not_take_is_refused_by_name():
+    """Requests are dispatched by type: one meant for another role never reaches a method."""
+    cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir="",
+                         scheduler=SchedulerConfig(block_size=4, num_kv_blocks=8, chunk_size=8,
+                                                   max_num_batched_tokens=8, max_num_seqs=1))
+    role = ColocatedRole(RankParts(cfg, 0, runner=None, leader=None))
+    spec = RequestSpec("r", (1, 2), SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="colocated-0 is a colocated instance: it does not take "
+                                        "Reserve"):
+        role.handle(Reserve(spec))

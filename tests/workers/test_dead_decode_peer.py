@@ -12,7 +12,7 @@ import time
 
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVPeer
-from rank.messages import Reservation
+from rank.messages import Abort, Prefill, Reservation
 from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import ckpt, pd, run_pd, wait_all_free  # noqa: F401
 
@@ -40,9 +40,10 @@ def test_dead_decode_rank_costs_prefill_only_the_requests_bound_for_it(pd):
     for i in range(3):  # 30 tokens = 4 chunks each
         spec = RequestSpec(f"dead{i}", tuple(range(100 + i, 130 + i)),
                            SamplingParams(max_tokens=4))
-        prefill.prefill(spec, Reservation(spec.request_id, "decode-9", tuple(range(4)), 8, dead))
+        res = Reservation(spec.request_id, "decode-9", tuple(range(4)), 8, dead)
+        prefill.request(Prefill(spec, res))
     started = time.monotonic()
-    assert prefill.abort("dead2") is True
+    assert prefill.request(Abort("dead2")) is True
     assert time.monotonic() - started < 2.0
     _first_tokens(prefill, {"dead0", "dead1"})  # prefill ends them; decode-9 gets no KV
     live = RequestSpec("live", (5, 6, 7, 8, 9), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -50,4 +51,4 @@ def test_dead_decode_rank_costs_prefill_only_the_requests_bound_for_it(pd):
     assert reason == "length" and len(tokens) == 4
     wait_all_free(prefill, decode, timeout_s=5.0)
     assert time.monotonic() - t0 < CONNECT_TIMEOUT_S
-    assert not any(ok for pair, _, _, ok in prefill.status().transfers if "decode-9" in pair)
+    assert not any(r.ok for r in prefill.status().transfers if "decode-9" in r.pair)

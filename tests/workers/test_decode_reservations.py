@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
-from decode_worker.actor import DecodeRank
+from decode_worker.role import DecodeRole
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from rank.messages import Reservation, TokenEvent
+from rank.messages import Abort, Reservation, Reserve, TokenEvent
+from rank.rank import Rank
 from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import start
 
@@ -25,21 +26,21 @@ ORPHAN_TIMEOUT_S = 4 * COMPLETION_TIMEOUT_S  # docs/workers.md: 4 x completion_t
 def decode(tmp_path_factory):
     torch.set_num_threads(1)
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5)
-    rank = start(DecodeRank, ckpt, "decode", block_size=8, blocks=32,
+    rank = start(DecodeRole, ckpt, "decode", block_size=8, blocks=32,
                  completion_timeout_s=COMPLETION_TIMEOUT_S)
     yield rank
     rank.shutdown()
 
 
-def reserve(decode: DecodeRank, request_id: str) -> Reservation:
+def reserve(decode: Rank, request_id: str) -> Reservation:
     spec = RequestSpec(request_id, tuple(range(40, 60)), SamplingParams(max_tokens=12))
-    res = decode.reserve(spec, 1)
+    res = decode.request(Reserve(spec, 1))
     assert isinstance(res, Reservation), res
     assert decode.status().free_blocks == decode.status().total_blocks - len(res.block_ids)
     return res
 
 
-def final_event(decode: DecodeRank, request_id: str, timeout_s: float) -> TokenEvent:
+def final_event(decode: Rank, request_id: str, timeout_s: float) -> TokenEvent:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for ev in decode.poll(0.1):
@@ -48,15 +49,15 @@ def final_event(decode: DecodeRank, request_id: str, timeout_s: float) -> TokenE
     raise AssertionError(f"{request_id}: no final event within {timeout_s} s")
 
 
-def assert_all_free(decode: DecodeRank) -> None:
+def assert_all_free(decode: Rank) -> None:
     status = decode.status()
     assert status.free_blocks == status.total_blocks, status
-    assert decode.num_active() == 0 and decode.pool.num_live_sets == 0
+    assert decode.role.num_active() == 0 and decode.leader.pool.num_live_sets == 0
 
 
 def test_reservation_aborted_before_prefill_is_freed(decode):
     reserve(decode, "cut")
-    assert decode.abort("cut") is True
+    assert decode.request(Abort("cut")) is True
     assert final_event(decode, "cut", timeout_s=5).finish_reason == "abort"
     assert_all_free(decode)
 
@@ -79,16 +80,17 @@ def test_a_full_decode_refuses_a_reservation_until_blocks_are_freed(decode):
     def spec(rid: str) -> RequestSpec:  # 20 + 108 tokens = 16 blocks of 8: half the pool
         return RequestSpec(rid, tuple(range(40, 60)), SamplingParams(max_tokens=108))
 
-    first, second = decode.reserve(spec("full-a"), 1), decode.reserve(spec("full-b"), 1)
+    first = decode.request(Reserve(spec("full-a"), 1))
+    second = decode.request(Reserve(spec("full-b"), 1))
     assert isinstance(first, Reservation) and isinstance(second, Reservation)
     assert decode.status().free_blocks == 0
-    third = decode.reserve(spec("full-c"), 1)
+    third = decode.request(Reserve(spec("full-c"), 1))
     assert isinstance(third, Rejection) and third.retryable, third
     assert "0 of 32 blocks free, 16 needed" in third.reason
-    assert decode.abort("full-a") is True
-    third = decode.reserve(spec("full-c"), 1)
+    assert decode.request(Abort("full-a")) is True
+    third = decode.request(Reserve(spec("full-c"), 1))
     assert isinstance(third, Reservation), third
     assert not set(third.block_ids) & set(second.block_ids)
     for rid in ("full-b", "full-c"):
-        assert decode.abort(rid) is True
+        assert decode.request(Abort(rid)) is True
     assert_all_free(decode)

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from engine.sampling_params import SamplingParams
-from rank.colocated import ColocatedRank
+from rank.colocated import ColocatedRole
 from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
 from rank.dp_sync import DPGroupBroken, open_dp_sync
+from rank.messages import Generate
+from rank.rank import Rank
 from engine.request import RequestSpec
 
 VOCAB, TOKEN = 32, 7  # every row's argmax is TOKEN
@@ -85,7 +87,7 @@ def _client(port: int) -> dist.TCPStore:
 
 def _join(dp_rank: int, port: int, out: list) -> None:
     """Build leader ``dp_rank``: EP group, runner, DP sync (collective: one thread each)."""
-    rank = ColocatedRank(_cfg(dp_rank), 0)
+    rank = Rank(_cfg(dp_rank), 0, ColocatedRole)
     store = _client(port)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=CONNECT_S)  # rendezvous; a forward waits STEP_TIMEOUT_S
@@ -101,7 +103,7 @@ def _join(dp_rank: int, port: int, out: list) -> None:
 class Rounds:
     """Counts a leader's sync rounds; ``idle`` is set after ``ROUNDS_IDLE`` rounds."""
 
-    def __init__(self, rank: ColocatedRank) -> None:
+    def __init__(self, rank: Rank) -> None:
         self.count, self.idle = 0, threading.Event()
         agree = rank.dp_sync.any_work
 
@@ -139,7 +141,7 @@ def _spec(rid: str, prompt_len: int, max_tokens: int) -> RequestSpec:
                        SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def _collect(rank: ColocatedRank, ids: list[str], timeout_s: float = 20.0) -> dict:
+def _collect(rank: Rank, ids: list[str], timeout_s: float = 20.0) -> dict:
     """request id -> (tokens, finish reason, error) once each ended."""
     out = {rid: ([], None, None) for rid in ids}
     deadline = time.monotonic() + timeout_s
@@ -151,11 +153,11 @@ def _collect(rank: ColocatedRank, ids: list[str], timeout_s: float = 20.0) -> di
     return out
 
 
-def _wait_idle(*ranks: ColocatedRank) -> None:
+def _wait_idle(*ranks: Rank) -> None:
     """Until no request is active and every rank counted the same forwards (the idle one's
     last may still be returning), bounded."""
     deadline = time.monotonic() + 10
-    while any(r.num_active() for r in ranks) or \
+    while any(r.role.num_active() for r in ranks) or \
             len({len(r.runner.forwards) for r in ranks}) > 1:
         assert time.monotonic() < deadline, [r.runner.forwards for r in ranks]
         time.sleep(0.01)
@@ -164,18 +166,19 @@ def _wait_idle(*ranks: ColocatedRank) -> None:
 def test_an_idle_dp_rank_meets_every_forward_of_a_busy_one(leaders):
     busy, idle = leaders
     assert busy.runner.forwards == [] and idle.runner.forwards == []  # idle rounds: no forward
-    busy.generate(_spec("a", prompt_len=10, max_tokens=5))  # 3 prefill chunks + 4 decode steps
+    # 3 prefill chunks + 4 decode steps
+    busy.request(Generate(_spec("a", prompt_len=10, max_tokens=5)))
     assert _collect(busy, ["a"]) == {"a": ([TOKEN] * 5, "length", None)}
     _wait_idle(busy, idle)
     assert busy.runner.forwards == [4, 4, 2, 1, 1, 1, 1]
     assert idle.runner.forwards == [0] * 7
-    assert busy.broken is None and idle.broken is None
+    assert busy.leader.broken is None and idle.leader.broken is None
 
 
 def test_both_busy_then_one_finishes(leaders):
     first, second = leaders
-    first.generate(_spec("long", prompt_len=3, max_tokens=6))
-    second.generate(_spec("short", prompt_len=3, max_tokens=2))
+    first.request(Generate(_spec("long", prompt_len=3, max_tokens=6)))
+    second.request(Generate(_spec("short", prompt_len=3, max_tokens=2)))
     assert _collect(first, ["long"])["long"][1] == "length"
     assert _collect(second, ["short"])["short"][1] == "length"
     _wait_idle(first, second)
@@ -190,8 +193,8 @@ def test_each_chunk_rerun_of_a_failed_step_is_met(leaders, kind):
     forward: the culprit fails alone, the other request ends well."""
     busy, idle = leaders
     busy.runner.fault = ("bad", kind)
-    busy.generate(_spec("good", prompt_len=3, max_tokens=2))
-    busy.generate(_spec("bad", prompt_len=3, max_tokens=2))
+    busy.request(Generate(_spec("good", prompt_len=3, max_tokens=2)))
+    busy.request(Generate(_spec("bad", prompt_len=3, max_tokens=2)))
     got = _collect(busy, ["good", "bad"])
     assert got["good"] == ([TOKEN] * 2, "length", None)
     assert got["bad"][1] == "error" and "injected" in got["bad"][2]
@@ -200,7 +203,7 @@ def test_each_chunk_rerun_of_a_failed_step_is_met(leaders, kind):
     # refused step is an empty forward on the busy rank too
     assert busy.runner.forwards == ([6, 3, 3, 1] if kind == "after" else [0, 3, 0, 1])
     assert idle.runner.forwards == [0] * 4
-    assert busy.broken is None and idle.broken is None
+    assert busy.leader.broken is None and idle.leader.broken is None
 
 
 def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders):
@@ -210,13 +213,13 @@ def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders
     busy, gone = leaders
     gone.shutdown()
     started = time.monotonic()
-    busy.generate(_spec("a", prompt_len=3, max_tokens=4))
+    busy.request(Generate(_spec("a", prompt_len=3, max_tokens=4)))
     got = _collect(busy, ["a"])
     assert time.monotonic() - started < 3 * STEP_TIMEOUT_S
     tokens, finish, error = got["a"]
     assert finish == "error" and "EP group is broken" in error, error
-    assert busy.broken is not None and busy._loop_thread.is_alive()
-    assert busy.pool.num_free_blocks == busy.pool.num_blocks
+    assert busy.leader.broken is not None and busy.loop.is_alive()
+    assert busy.leader.pool.num_free_blocks == busy.leader.pool.num_blocks
 
 
 def test_a_dp_rank_lost_during_a_forward_breaks_the_group_not_the_request(leaders):
@@ -229,11 +232,11 @@ def test_a_dp_rank_lost_during_a_forward_breaks_the_group_not_the_request(leader
         raise RuntimeError("injected: this DP rank's ranks are gone")
 
     lost.runner.execute_empty = gone
-    busy.generate(_spec("a", prompt_len=3, max_tokens=4))
+    busy.request(Generate(_spec("a", prompt_len=3, max_tokens=4)))
     tokens, finish, error = _collect(busy, ["a"])["a"]
     assert finish == "error" and "EP group is broken" in error, error
-    assert busy.broken is not None and lost.broken is not None
-    assert busy._loop_thread.is_alive() and lost._loop_thread.is_alive()
+    assert busy.leader.broken is not None and lost.leader.broken is not None
+    assert busy.loop.is_alive() and lost.loop.is_alive()
 
 
 def test_the_sync_round_is_bounded():
@@ -268,7 +271,7 @@ def test_real_ep_ranks_brought_up_by_init_rank_step_in_lockstep(tmp_path):
     prompts = {"a": list(range(1000, 1009)), "b": list(range(1100, 1105))}
     solo = ModelRunner(ckpt, num_kv_blocks=8, block_size=16)
     want = {rid: generate_greedy(solo, p, 4, (0,))[0] for rid, p in prompts.items()}
-    ranks = [ColocatedRank(replace(_cfg(i), checkpoint_dir=str(ckpt)), 0) for i in range(2)]
+    ranks = [Rank(replace(_cfg(i), checkpoint_dir=str(ckpt)), 0, ColocatedRole) for i in range(2)]
     host, port = ranks[0].open_ep_store()
     threads = [threading.Thread(target=r.init_rank, args=("127.0.0.1", 0, [r], (host, port)))
                for r in ranks]
@@ -282,15 +285,15 @@ def test_real_ep_ranks_brought_up_by_init_rank_step_in_lockstep(tmp_path):
     for r in ranks:
         r.start()
     try:
-        ranks[0].generate(RequestSpec("a", tuple(prompts["a"]),
-                                      SamplingParams(max_tokens=4, ignore_eos=True)))
+        ranks[0].request(Generate(RequestSpec("a", tuple(prompts["a"]),
+                                      SamplingParams(max_tokens=4, ignore_eos=True))))
         assert _collect(ranks[0], ["a"])["a"] == (want["a"], "length", None)
         for r, rid in zip(ranks, ("b", "a")):
-            r.generate(RequestSpec(rid, tuple(prompts[rid]),
-                                   SamplingParams(max_tokens=4, ignore_eos=True)))
+            r.request(Generate(RequestSpec(rid, tuple(prompts[rid]),
+                                   SamplingParams(max_tokens=4, ignore_eos=True))))
         assert _collect(ranks[0], ["b"])["b"] == (want["b"], "length", None)
         assert _collect(ranks[1], ["a"])["a"] == (want["a"], "length", None)
-        assert all(r.broken is None for r in ranks)
+        assert all(r.leader.broken is None for r in ranks)
     finally:
         for r in ranks:
             r.shutdown()

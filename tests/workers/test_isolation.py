@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from decode_worker.actor import DecodeRank
+from decode_worker.role import DecodeRole
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.actor import PrefillRank
-from rank.colocated import ColocatedRank
-from rank.messages import Reservation
+from prefill_worker.role import PrefillRole
+from rank.colocated import ColocatedRole
+from rank.messages import Abort, Admit, Generate, Prefill, Reservation, Reserve
 from engine.request import RequestSpec
 from tests.engine.engine_drive import generate_greedy
 from tests.workers.test_pd_ranks import start, wait_all_free
@@ -82,7 +82,7 @@ def collect(rank, ids, first_only=False, timeout_s=30.0):
 
 @pytest.fixture
 def colocated(ckpt):
-    rank = start(ColocatedRank, ckpt, "colocated")
+    rank = start(ColocatedRole, ckpt, "colocated")
     yield rank
     rank.shutdown()
 
@@ -90,7 +90,8 @@ def colocated(ckpt):
 def test_tiny_temperature_is_greedy_in_a_busy_batch(colocated, expected):
     """temperature 1e-38 once turned the step's probabilities into NaN and failed its batch."""
     for rid in PROMPTS:
-        colocated.generate(spec(rid, **({"temperature": 1e-38, "seed": 3} if rid == "b" else {})))
+        sampling = {"temperature": 1e-38, "seed": 3} if rid == "b" else {}
+        colocated.request(Generate(spec(rid, **sampling)))
     got = collect(colocated, list(PROMPTS))
     assert got == {rid: (expected[rid], "length", None) for rid in PROMPTS}
     wait_all_free(colocated)
@@ -101,40 +102,40 @@ def test_tiny_temperature_is_greedy_in_a_busy_batch(colocated, expected):
 def test_a_failing_request_fails_alone(colocated, expected, fault, reason):
     inject(colocated, "c", fault)
     for rid in PROMPTS:
-        colocated.generate(spec(rid))
+        colocated.request(Generate(spec(rid)))
     got = collect(colocated, list(PROMPTS))
     toks, finish, error = got.pop("c")
     assert finish == "error" and reason in error and "colocated-0" in error, error
     assert got == {rid: (expected[rid], "length", None) for rid in got}
     wait_all_free(colocated)
-    colocated.generate(spec("a"))  # the loop lives on
+    colocated.request(Generate(spec("a")))  # the loop lives on
     assert collect(colocated, ["a"])["a"] == (expected["a"], "length", None)
 
 
 def test_pd_prefill_and_decode_faults_fail_only_their_request(ckpt, expected):
     """Prefill re-runs the chunks of a failed step alone (their KV may go out twice: decode
     counts it once); decode does the same with its batch."""
-    prefill = start(PrefillRank, ckpt, "prefill")
-    decode = start(DecodeRank, ckpt, "decode", block_size=8)
+    prefill = start(PrefillRole, ckpt, "prefill")
+    decode = start(DecodeRole, ckpt, "decode", block_size=8)
     try:
         inject(prefill, "b", "raise")
         inject(decode, "d", "raise")
         for rid in PROMPTS:
-            res = decode.reserve(spec(rid), 1)
+            res = decode.request(Reserve(spec(rid), 1))
             assert isinstance(res, Reservation), res
-            prefill.prefill(spec(rid), res)
+            prefill.request(Prefill(spec(rid), res))
         first = collect(prefill, list(PROMPTS), first_only=True)
         assert first["b"][1] == "error" and "injected fault: b" in first["b"][2], first["b"]
-        assert decode.abort("b")  # what the router does when prefill fails a request
+        assert decode.request(Abort("b"))  # what the router does when prefill fails a request
         for rid in ("a", "c", "d"):
             assert first[rid][2] is None, first[rid]
-            decode.admit(rid, first[rid][0][0])
+            decode.request(Admit(rid, first[rid][0][0]))
         rest = collect(decode, ["a", "c", "d"])
         assert rest["d"][1] == "error" and "injected fault: d" in rest["d"][2], rest["d"]
         for rid in ("a", "c"):
             assert first[rid][0] + rest[rid][0] == expected[rid] and rest[rid][1] == "length"
         wait_all_free(prefill, decode)
-        assert prefill.pool.num_live_sets == 0 and decode.pool.num_live_sets == 0
+        assert prefill.leader.pool.num_live_sets == 0 and decode.leader.pool.num_live_sets == 0
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -14,13 +14,14 @@ import time
 import pytest
 import torch
 
-from decode_worker.actor import DecodeRank
+from decode_worker.role import DecodeRole
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import TransferConfig
 from orchestrator.tiny_model import write_tiny_checkpoint
-from prefill_worker.actor import PrefillRank
+from prefill_worker.role import PrefillRole
 from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
-from rank.messages import InstanceOutOfService, Reservation
+from rank.messages import Abort, Admit, InstanceOutOfService, Prefill, Reservation, Reserve
+from rank.rank import Rank
 from engine.request import RequestSpec
 from tests.workers.test_pd_ranks import start
 
@@ -28,14 +29,14 @@ NUM_REQUESTS = 12
 PROMPT_TOKENS = 64
 
 
-class ProbedPrefillRank(PrefillRank):
-    """PrefillRank that also says its pid and whether its loop thread lives."""
+class ProbedRank(Rank):
+    """A rank that also says its pid and whether its loop thread lives."""
 
     def pid(self) -> int:
         return os.getpid()
 
     def loop_alive(self) -> bool:
-        return self._loop_thread is not None and self._loop_thread.is_alive()
+        return self.loop is not None and self.loop.is_alive()
 
     def execute_step(self, steps, step_inputs=None) -> None:
         self.step_threads = {*getattr(self, "step_threads", ()),
@@ -63,8 +64,8 @@ def prefill_tp2(ray_session, ckpt):
         parallel=ParallelConfig(tp=2, step_timeout_s=20),
         transfer=TransferConfig(connect_timeout_s=10, header_timeout_s=10,
                                 payload_timeout_s=10, completion_timeout_s=20))
-    actor = ray.remote(ProbedPrefillRank).options(num_cpus=0.1, max_concurrency=16)
-    ranks = [actor.remote(cfg, rank) for rank in range(2)]
+    actor = ray.remote(ProbedRank).options(num_cpus=0.1, max_concurrency=16)
+    ranks = [actor.remote(cfg, rank, PrefillRole) for rank in range(2)]
     try:
         host, port = ray.get(ranks[0].open_tp_store.remote(), timeout=60)
         ray.get([r.init_rank.remote(host, port, ranks) for r in ranks], timeout=120)
@@ -100,13 +101,14 @@ def test_status_answers_quickly_while_a_follower_hangs(ray_session, prefill_tp2)
 def test_dead_follower_ends_every_request_and_refuses_new_work(ray_session, prefill_tp2, ckpt):
     ray = ray_session
     leader, follower = prefill_tp2
-    decode = start(DecodeRank, ckpt, "decode", block_size=8, blocks=256)
+    decode = start(DecodeRole, ckpt, "decode", block_size=8, blocks=256)
     try:
         specs = [RequestSpec(f"r{i}", tuple(range(500 + i, 500 + i + PROMPT_TOKENS)),
                              SamplingParams(max_tokens=4)) for i in range(NUM_REQUESTS)]
-        reservations = [decode.reserve(s, 2) for s in specs]
+        reservations = [decode.request(Reserve(s, 2)) for s in specs]
         assert all(isinstance(r, Reservation) for r in reservations), reservations
-        ray.get([leader.prefill.remote(s, r) for s, r in zip(specs, reservations)], timeout=30)
+        ray.get([leader.request.remote(Prefill(s, r)) for s, r in zip(specs, reservations)],
+                timeout=30)
         events = ray.get(leader.poll.remote(30), timeout=40)  # the first request's first token
         assert events and events[0].error is None, events
         # every step reached the follower on its step channel thread, none as a Ray call
@@ -126,7 +128,7 @@ def test_dead_follower_ends_every_request_and_refuses_new_work(ray_session, pref
         assert status.broken.startswith("rank 1 is gone") and ray.get(leader.loop_alive.remote())
         with pytest.raises(InstanceOutOfService, match="prefill-0 is out of service: rank 1 "
                                                        "is gone.*orch restarts it"):
-            ray.get(leader.prefill.remote(specs[0], reservations[0]), timeout=10)
+            ray.get(leader.request.remote(Prefill(specs[0], reservations[0])), timeout=10)
         deadline = time.monotonic() + 10
         while (status.free_blocks < status.total_blocks or status.running or status.queue_depth
                ) and time.monotonic() < deadline:
@@ -134,8 +136,8 @@ def test_dead_follower_ends_every_request_and_refuses_new_work(ray_session, pref
             status = status_in(ray, leader, 4.0)
         assert (status.free_blocks, status.running, status.queue_depth) == (64, 0, 0), status
         for s in specs:  # the router aborts the decode side of every failed request
-            decode.abort(s.request_id)
-        assert decode.pool.num_free_blocks == 256 and decode.pool.num_live_sets == 0
+            decode.request(Abort(s.request_id))
+        assert decode.leader.pool.num_free_blocks == 256 and decode.leader.pool.num_live_sets == 0
     finally:
         decode.shutdown()
 
@@ -150,8 +152,8 @@ def test_dead_decode_follower_ends_reservations_and_refuses_reserve(ray_session,
         scheduler=SchedulerConfig(block_size=8, num_kv_blocks=32, chunk_size=1,
                                   max_num_batched_tokens=8, max_num_seqs=4),
         parallel=ParallelConfig(tp=2, step_timeout_s=20))
-    actor = ray.remote(DecodeRank).options(num_cpus=0.1, max_concurrency=16)
-    ranks = [actor.remote(cfg, rank) for rank in range(2)]
+    actor = ray.remote(Rank).options(num_cpus=0.1, max_concurrency=16)
+    ranks = [actor.remote(cfg, rank, DecodeRole) for rank in range(2)]
     leader = ranks[0]
     try:
         host, port = ray.get(leader.open_tp_store.remote(), timeout=60)
@@ -159,7 +161,8 @@ def test_dead_decode_follower_ends_reservations_and_refuses_reserve(ray_session,
         ray.get(leader.start.remote(), timeout=30)
         specs = [RequestSpec(f"d{i}", (5, 6, 7, 8), SamplingParams(max_tokens=4))
                  for i in range(3)]
-        assert all(isinstance(ray.get(leader.reserve.remote(s, 1), timeout=30), Reservation)
+        assert all(isinstance(ray.get(leader.request.remote(Reserve(s, 1)), timeout=30),
+                              Reservation)
                    for s in specs)
         ray.kill(ranks[1])
         killed = time.monotonic()
@@ -172,7 +175,8 @@ def test_dead_decode_follower_ends_reservations_and_refuses_reserve(ray_session,
                    in e.error for e in ended.values()), ended
         status = status_in(ray, leader, 4.0)
         assert (status.free_blocks, status.running) == (32, 0), status
-        for call in (leader.reserve.remote(specs[0], 1), leader.admit.remote("d0", 3)):
+        for call in (leader.request.remote(Reserve(specs[0], 1)),
+                     leader.request.remote(Admit("d0", 3))):
             with pytest.raises(InstanceOutOfService, match="decode-0 is out of service"):
                 ray.get(call, timeout=10)
     finally:

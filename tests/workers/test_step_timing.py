@@ -15,8 +15,8 @@ from orchestrator.tiny_model import write_tiny_checkpoint
 from orchestrator.api.convert import status_from_proto, status_to_proto
 from orchestrator.metrics import RouterMetrics
 from orchestrator.status import InstanceView
-from rank.colocated import ColocatedRank
-from rank.messages import InstanceStatusInfo
+from rank.colocated import ColocatedRole
+from rank.messages import Generate, InstanceStatusInfo
 from engine.request import RequestSpec
 from rank.step_timing import STEP_PHASES, StepTimer
 from tests.workers.test_pd_ranks import start
@@ -88,11 +88,11 @@ def ckpt(tmp_path_factory):
 
 
 def test_colocated_leader_reports_its_step_breakdown(ckpt):
-    rank = start(ColocatedRank, ckpt, "colocated", block_size=8, blocks=64)
+    rank = start(ColocatedRole, ckpt, "colocated", block_size=8, blocks=64)
     try:
         for i in range(2):
-            rank.generate(RequestSpec(f"t{i}", tuple(range(100 + i, 110 + i)),
-                                      SamplingParams(max_tokens=6, ignore_eos=True)))
+            rank.request(Generate(RequestSpec(f"t{i}", tuple(range(100 + i, 110 + i)),
+                                      SamplingParams(max_tokens=6, ignore_eos=True))))
         deadline = time.monotonic() + 30
         ended = set()
         while len(ended) < 2:

@@ -1,0 +1,114 @@
+"""What every prefill rank does with KV: right after each model step it queues its planned
+layers of the step's chunks to their decode peers (asynchronous: the next chunk computes while
+the bytes move), completion records after a request's last chunk, and keeps a per-pair record
+of what it sent (prefill_worker/transfer_log.py).
+
+The leader says where each chunk goes (:func:`chunk_transfers`, made once per step and carried
+to every rank as the step's inputs); each rank sends the layers the transfer plan gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_pool import slot_mapping
+from engine.scheduler import SchedulerOutput
+from kv_transfer import KVPeer, KVPoll, PrefillKVConnector
+from prefill_worker.transfer_log import TransferLog
+from rank.config import InstanceConfig
+from rank.kv_setup import make_layout
+from rank.messages import Reservation, TransferRecord
+
+
+@dataclass(frozen=True)
+class ChunkTransfer:
+    """KV of tokens ``[start, end)`` of one request, to go to its decode reservation.
+
+    Attributes:
+        request_id: the request.
+        peers: the decode ranks (from the reservation).
+        start, end: token positions.
+        src_slots: int64 ``[end - start]`` slots in this instance's cache.
+        dst_slots: int64 ``[end - start]`` slots in the decode instance's cache.
+        last: the chunk completes the prompt: send completion records after it.
+    """
+
+    request_id: str
+    peers: tuple[KVPeer, ...]
+    start: int
+    end: int
+    src_slots: object
+    dst_slots: object
+    last: bool
+
+
+def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
+                    block_size: int) -> list[ChunkTransfer]:
+    """Where each scheduled chunk's KV goes (``block_size``: this instance's)."""
+    plans = []
+    for c in out.chunks:
+        res = reservations[c.request.request_id]
+        plans.append(ChunkTransfer(
+            c.request.request_id, res.peers, c.start, c.end,
+            slot_mapping(c.request.blocks.block_ids, c.start, c.end, block_size),
+            slot_mapping(res.block_ids, c.start, c.end, res.block_size), c.completes))
+    return plans
+
+
+class KVSends:
+    """One prefill rank's KV connector and transfer log.
+
+    Args:
+        runner: the rank's model runner (its KV cache and spec).
+        cfg: the instance's config. rank: this rank.
+    """
+
+    def __init__(self, runner, cfg: InstanceConfig, rank: int) -> None:
+        self.name, self.rank = cfg.name, rank
+        self.bytes_per_token_layer = runner.kv_spec.bytes_per_token_per_layer
+        self.connector = PrefillKVConnector(
+            runner.kv_cache, make_layout(runner, cfg), cfg.name, rank, cfg.parallel.tp,
+            cfg.transfer, cp=cfg.parallel.cp)
+        self.log = TransferLog()
+
+    def queue(self, transfers: list[ChunkTransfer] | None) -> None:
+        """Queue this rank's planned layers of each chunk to its decode peers; completion
+        records after a request's last chunk."""
+        for t in transfers or ():
+            self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
+                                      t.dst_slots)
+            plan = self.connector.plan(len(t.peers))
+            tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
+            for send in plan.sends_from(self.rank):
+                pair = f"{self.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
+                       f"{send.decode_rank}"
+                self.log.add(t.request_id, pair,
+                             len(send.layers) * tokens * self.bytes_per_token_layer)
+            if t.last:
+                self.connector.finish(t.request_id, t.peers, t.end)
+
+    def idle(self, request_ids: list[str], timeout_s: float) -> dict[str, bool]:
+        """request id -> True when no send of it is queued or in flight on this rank (waits
+        up to ``timeout_s`` for each); an idle request's transfer record is closed."""
+        out = {}
+        for rid in request_ids:
+            status = self.connector.wait(rid, timeout_s)
+            out[rid] = not status.busy
+            if not status.busy:
+                self.log.close(rid, ok=status.state is not KVPoll.FAILED)
+        return out
+
+    def abort(self, request_id: str, peers: tuple[KVPeer, ...]) -> None:
+        """Cancel the request's queued sends and tell its decode peers."""
+        self.connector.abort(request_id, peers)
+
+    def bytes_sent(self) -> int:
+        """K + V payload bytes this rank has sent."""
+        return self.connector.stats.snapshot()["bytes"]
+
+    def take_log(self) -> tuple[TransferRecord, ...]:
+        """This rank's closed per-pair transfer records since the last call."""
+        return self.log.take()
+
+    def close(self) -> None:
+        self.connector.close()

@@ -1,0 +1,184 @@
+"""One leader step: schedule -> execute (all ranks) -> sample -> update, with a typed
+:class:`SchedulerOutput` between the stages and a :class:`StepResult` out of it.
+
+Isolation: a request can only ever fail itself. A row the sampler cannot sample fails its
+request alone (``StepResult.failed``). A step that raises for any reason but a rank failure
+is run again one chunk at a time: a chunk that fails alone fails its request, the others go on
+with the tokens a clean step gives them (each chunk recomputes the same KV into the same
+slots; on prefill a recomputed chunk's KV may be sent twice, which the decode side counts once:
+it marks (layer, token) cells, see kv_transfer/tracker.py).
+
+Lockstep (``ep`` with several DP ranks, rank/dp_sync.py): a role's step asks
+:meth:`LeaderStep.agree` before taking the leader's lock; when the round runs, :meth:`run`
+runs a forward on every rank even with nothing scheduled (an empty one), and each chunk re-run
+of a failed step opens a round of its own, so the other DP ranks meet every forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.error_text import first_line
+from engine.sampling import RowFailure, sample
+from engine.scheduler import Scheduler, SchedulerOutput
+from rank.dp_sync import DPGroupBroken, DPSync
+from rank.failures import RankFailure
+from rank.spmd import SPMDGroup
+
+log = logging.getLogger(__name__)
+
+# Makes a role's per-step inputs (every rank's ``after_step`` receives them) from the step.
+StepInputsFor = Callable[[SchedulerOutput], Any]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one leader step did.
+
+    Attributes:
+        output: what the scheduler scheduled (the step's chunks).
+        sampled: request id -> the token sampled for it this step (requests whose chunk
+            reached their last known token; may be empty).
+        failed: request id -> why that request failed this step (its row could not be
+            sampled, or its chunk failed alone); the role ends each with an error event.
+    """
+
+    output: SchedulerOutput
+    sampled: dict[str, int]
+    failed: dict[str, str]
+
+
+class LeaderStep:
+    """The step of one leader.
+
+    Args:
+        name: the instance's name (error messages).
+        scheduler: the leader's scheduler.
+        group: the instance's ranks (runs each step on all of them).
+        dp_sync: the role's DP sync (``ep`` with ``dp > 1``), else None.
+    """
+
+    def __init__(self, name: str, scheduler: Scheduler, group: SPMDGroup,
+                 dp_sync: DPSync | None) -> None:
+        self.name, self.scheduler, self.group, self.dp_sync = name, scheduler, group, dp_sync
+        self.timer = group.timer
+
+    def agree(self) -> bool:
+        """Before the role's step takes the lock: whether this iteration may run a forward.
+        True without a DP sync (:meth:`run` runs one only when it schedules something); with
+        one, True when any DP rank of the role has queued or running requests, and then
+        :meth:`run` runs a forward whatever it schedules.
+
+        Raises:
+            DPGroupBroken: another DP rank did not meet the round (a :class:`RankFailure`).
+        """
+        if self.dp_sync is None:
+            return True
+        # NOTE: read without the lock: a request queued right after this read runs in this
+        # round if some DP rank has work, else in the next (enqueue sets the wake event).
+        return self.dp_sync.any_work(bool(self.scheduler.running or self.scheduler.waiting))
+
+    def run(self, step_inputs_for: StepInputsFor | None = None) -> StepResult | None:
+        """schedule -> execute on all ranks -> sample -> update; None when nothing ran.
+        ``step_inputs_for(output)`` makes the role's per-step inputs that every rank's
+        ``after_step`` receives (prefill: the chunks' KV transfers). A step that raises is run
+        again chunk by chunk (module docstring). Caller holds the leader's lock and got True
+        from :meth:`agree`: in a lockstep round with nothing scheduled, an empty forward runs
+        on every rank (a result with no chunks).
+
+        Raises:
+            RankFailure: a rank died or hung, or another DP rank did not meet a round (the
+                loop takes the instance out of service).
+        """
+        with self.timer.phase("schedule"):
+            out = self.scheduler.schedule()
+        if not out:
+            if self.dp_sync is None:
+                return None
+            self._run_empty()
+            return StepResult(out, {}, {})
+        try:
+            return self._execute(out, step_inputs_for)
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            return self._execute_each(out, step_inputs_for, exc)
+
+    def _execute(self, out: SchedulerOutput,
+                 step_inputs_for: StepInputsFor | None) -> StepResult:
+        """execute ``out`` on all ranks -> sample -> update the counters."""
+        step_inputs = step_inputs_for(out) if step_inputs_for else None
+        logits = self.group.run_step(out.steps, step_inputs)
+        sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        rows = [i for i, c in enumerate(out.chunks) if c.completes]
+        if rows:
+            reqs = [out.chunks[i].request for i in rows]
+            # NOTE: every row samples on decode: no [B, V] copy then
+            picked = logits if len(rows) == logits.shape[0] else logits[rows]
+            with self.timer.phase("sample"):
+                tokens = sample(picked, [r.spec.sampling for r in reqs],
+                                [len(r.output_token_ids) for r in reqs])
+            for req, token in zip(reqs, tokens):
+                if isinstance(token, RowFailure):
+                    failed[req.request_id] = f"{self.name}: {token.reason}"
+                else:
+                    sampled[req.request_id] = token
+        with self.timer.phase("schedule"):
+            self.scheduler.update(out, sampled)
+        return StepResult(out, sampled, failed)
+
+    def _execute_each(self, out: SchedulerOutput, step_inputs_for: StepInputsFor | None,
+                      error: Exception) -> StepResult:
+        """After ``out`` raised ``error``: run each chunk alone; one that fails again fails
+        its request only.
+
+        Raises:
+            RankFailure: a rank died or hung meanwhile.
+        """
+        log.warning("%s: a step of %d request(s) failed (%s)%s", self.name,
+                    len(out.chunks), first_line(error),
+                    "; running each alone"
+                    if len(out.chunks) > 1 or self.dp_sync is not None else "")
+        # NOTE: with a DP sync even one chunk runs again: its round tells a broken EP group
+        # (DPGroupBroken: out of service, requests retryable) from a bad request
+        if len(out.chunks) == 1 and self.dp_sync is None:
+            return StepResult(out, {}, {out.chunks[0].request.request_id:
+                                        self._step_error(error)})
+        sampled: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        for chunk in out.chunks:
+            if self.dp_sync is not None:
+                # NOTE: under the lock, like the forward itself: one round per re-run forward
+                self.dp_sync.any_work(True)
+            try:
+                solo = self._execute(SchedulerOutput((chunk,)), step_inputs_for)
+            except RankFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this chunk fails alone: its request
+                failed[chunk.request.request_id] = self._step_error(exc)
+                continue
+            sampled.update(solo.sampled)
+            failed.update(solo.failed)
+        return StepResult(out, sampled, failed)
+
+    def _step_error(self, exc: Exception) -> str:
+        return f"{self.name}: the model step failed for this request: {first_line(exc)}"
+
+    def _run_empty(self) -> None:
+        """An empty forward on every rank (a lockstep round with nothing scheduled here).
+
+        Raises:
+            RankFailure: a rank died or hung; DPGroupBroken: the forward failed (with no
+                request in it, only the role's collectives can have failed).
+        """
+        try:
+            self.group.run_step([])
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - no request to blame: the EP group broke
+            raise DPGroupBroken(f"{self.name}: an empty lockstep forward failed: "
+                                f"{first_line(exc)}") from exc

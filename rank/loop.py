@@ -1,0 +1,82 @@
+"""The leader's loop thread: the role's step, again and again, until shutdown.
+
+An iteration that did work is followed by the next at once; an idle one waits for the
+leader's wake event (a new request, an admitted first token) or 5 ms. The loop never ends on
+an error: a :class:`~rank.failures.RankFailure` takes the instance out of service (the next
+iterations end every request with an error event), any other error of a step ends every
+request of the instance and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from rank.failures import RankFailure
+from rank.leader import Leader
+from rank.role import Role
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005
+
+
+class StepLoop:
+    """The loop thread of one leader.
+
+    Args:
+        name: the instance's name (thread name, log lines).
+        leader: the leader's state (wake event, out-of-service state, step timer).
+        role: the role whose ``step`` each iteration runs.
+    """
+
+    def __init__(self, name: str, leader: Leader, role: Role) -> None:
+        self.name, self.leader, self.role = name, leader, role
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (bounded by ``timeout_s``: a step in progress ends first)."""
+        self._stop.set()
+        self.leader.wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        wake = self.leader.wake
+        while not self._stop.is_set():
+            if not self._iterate():
+                wake.wait(IDLE_WAIT_S)
+                wake.clear()
+
+    def _iterate(self) -> bool:
+        """One loop iteration; never raises (an error ends requests, never the loop). True
+        when it did work."""
+        leader = self.leader
+        try:
+            if leader.broken is not None:
+                if self.role.num_active():
+                    self.role.fail_all(str(leader.out_of_service()))
+                return False
+            started = time.perf_counter()
+            try:
+                return self.role.step()
+            finally:
+                leader.step_timer.end_step(time.perf_counter() - started)
+        except RankFailure as exc:
+            leader.mark_broken(str(exc))
+            return True
+        except Exception as exc:  # noqa: BLE001 - not a rank's failure: the step's requests
+            log.exception("%s: step failed", self.name)
+            try:
+                self.role.fail_all(f"{self.name}: step failed: {exc}")
+            except Exception:  # noqa: BLE001
+                log.exception("%s: failing the requests of a failed step failed", self.name)
+            return False
