@@ -44,10 +44,11 @@ def assert_scheduler_empty(scheduler: Any) -> None:
 
 
 def rank_busy(rank: Any) -> str | None:
-    """Why an in-process leader rank is not idle (blocks held, requests active), or None."""
-    pool = rank.pool
+    """Why an in-process leader rank (a :class:`rank.rank.Rank`: ``.leader.pool`` and
+    ``.role.num_active()``) is not idle (blocks held, requests active), or None."""
+    pool = rank.leader.pool
     free, total, live = pool.num_free_blocks, pool.num_blocks, pool.num_live_sets
-    active = rank.num_active()
+    active = rank.role.num_active()
     if (free, live, active) == (total, 0, 0):
         return None
     return (f"{rank.cfg.name}: {free} of {total} blocks free, {live} block set(s) live, "

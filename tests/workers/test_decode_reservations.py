@@ -16,6 +16,7 @@ from orchestrator.tiny_model import write_tiny_checkpoint
 from rank.messages import Abort, Reservation, Reserve, TokenEvent
 from rank.rank import Rank
 from engine.request import RequestSpec
+from tests.leaks import assert_instances_idle, rank_busy
 from tests.workers.test_pd_ranks import start
 
 COMPLETION_TIMEOUT_S = 0.5
@@ -50,9 +51,8 @@ def final_event(decode: Rank, request_id: str, timeout_s: float) -> TokenEvent:
 
 
 def assert_all_free(decode: Rank) -> None:
-    status = decode.status()
-    assert status.free_blocks == status.total_blocks, status
-    assert decode.role.num_active() == 0 and decode.leader.pool.num_live_sets == 0
+    assert_instances_idle([decode.status()])
+    assert rank_busy(decode) is None, rank_busy(decode)
 
 
 def test_reservation_aborted_before_prefill_is_freed(decode):

@@ -27,6 +27,7 @@ from rank.dp_sync import DPGroupBroken, open_dp_sync
 from rank.messages import Generate
 from rank.rank import Rank
 from engine.request import RequestSpec
+from tests.leaks import assert_pool_empty
 
 VOCAB, TOKEN = 32, 7  # every row's argmax is TOKEN
 STEP_TIMEOUT_S = 1.5  # the sync and the fake EP collective
@@ -219,7 +220,7 @@ def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders
     tokens, finish, error = got["a"]
     assert finish == "error" and "EP group is broken" in error, error
     assert busy.leader.broken is not None and busy.loop.is_alive()
-    assert busy.leader.pool.num_free_blocks == busy.leader.pool.num_blocks
+    assert_pool_empty(busy.leader.pool)
 
 
 def test_a_dp_rank_lost_during_a_forward_breaks_the_group_not_the_request(leaders):

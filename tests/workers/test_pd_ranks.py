@@ -21,6 +21,7 @@ from engine.request import RequestSpec
 from prefill_worker.role import PrefillRole
 from rank.rank import Rank
 from tests.engine.engine_drive import generate_greedy
+from tests.leaks import wait_ranks_idle
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +83,8 @@ def run_pd(prefill, decode, spec):
 
 
 def wait_all_free(*ranks, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(r.leader.pool.num_free_blocks == r.leader.pool.num_blocks
-               and r.role.num_active() == 0
-               for r in ranks):
-            return
-        time.sleep(0.05)
-    raise AssertionError([(r.cfg.name, r.status()) for r in ranks])
+    """Every rank's blocks free and no request active (tests.leaks.wait_ranks_idle)."""
+    wait_ranks_idle(*ranks, timeout_s=timeout_s)
 
 
 def test_pd_matches_solo_greedy_and_frees_everything(pd, ckpt):
