@@ -25,7 +25,7 @@ from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
-from engine.model_config import load_model_config
+from engine.model_config import ModelConfig, load_model_config
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
@@ -124,7 +124,8 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
-                                   index_head_dim=cfg.index_head_dim)
+                                   index_head_dim=cfg.index_head_dim,
+                                   index_layers=_index_layers(cfg))
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
@@ -239,3 +240,10 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
+
+
+def _index_layers(cfg: ModelConfig) -> tuple[bool, ...]:
+    """``KVCacheSpec.index_layers`` of a model: the per-layer flags when only some layers have
+    an indexer (GLM-5.2's shared layers), else empty (every layer or none)."""
+    flags = cfg.indexer_layers
+    return flags if any(flags) and not all(flags) else ()

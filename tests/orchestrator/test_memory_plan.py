@@ -348,8 +348,8 @@ def test_too_many_step_tokens_suggests_how_many_fit_and_no_tp_that_does_not():
 
 
 @pytest.mark.parametrize("patch, words", [
-    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"},
-     "GlmMoeDsaForCausalLM (GLM-5, model_type 'glm_moe_dsa') is not supported"),
+    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+      "indexer_types": ["shared", "full", "full"]}, "the first 'full'"),
     ({"index_topk": 0}, "indexer {'index_n_heads': 16, 'index_head_dim': 32, 'index_topk': 0} "
                         "is invalid"),
     ({"index_topk": None}, "has a field of the wrong type"),
