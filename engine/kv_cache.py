@@ -26,6 +26,7 @@ block_size, width]`` (:meth:`KVCache.flat_buffers`). Device MLA kernels (FlashML
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -99,8 +100,12 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one token over all layers and their buffers."""
+        return self.bytes_per_token_of(range(self.num_layers))
+
+    def bytes_per_token_of(self, layers: Iterable[int]) -> int:
+        """Bytes of one token over ``layers``, each with the buffers it has."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(sum(self.layer_buffer_widths(i)) for i in range(self.num_layers)) * elem
+        return sum(sum(self.layer_buffer_widths(i)) for i in layers) * elem
 
     @property
     def bytes_per_token_per_layer(self) -> int:

@@ -127,6 +127,13 @@ class ModelConfig:
         return tuple(self.has_indexer(i) for i in range(self.num_hidden_layers))
 
     @property
+    def index_cache_layers(self) -> tuple[bool, ...]:
+        """``KVCacheSpec.index_layers`` of this model: :attr:`indexer_layers` when only some
+        layers have an indexer (GLM-5.2), else empty (every layer or none)."""
+        flags = self.indexer_layers
+        return flags if any(flags) and not all(flags) else ()
+
+    @property
     def qk_head_dim(self) -> int:
         """Per-head query/key width of the MHA form: nope + rope (192 for V3)."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -25,7 +25,7 @@ from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
-from engine.model_config import ModelConfig, load_model_config
+from engine.model_config import load_model_config
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
@@ -125,7 +125,7 @@ class ModelRunner:
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim,
-                                   index_layers=_index_layers(cfg))
+                                   index_layers=cfg.index_cache_layers)
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
@@ -241,9 +241,3 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
 
-
-def _index_layers(cfg: ModelConfig) -> tuple[bool, ...]:
-    """``KVCacheSpec.index_layers`` of a model: the per-layer flags when only some layers have
-    an indexer (GLM-5.2's shared layers), else empty (every layer or none)."""
-    flags = cfg.indexer_layers
-    return flags if any(flags) and not all(flags) else ()

@@ -89,7 +89,7 @@ class PrefillRank(LeaderRank):
     def after_step(self, step_inputs: list[ChunkTransfer] | None) -> None:
         """Queue this rank's planned layers of each chunk to its decode peers; completion
         records after a request's last chunk."""
-        per_token_layer = self.runner.kv_spec.bytes_per_token_per_layer
+        spec = self.runner.kv_spec
         for t in step_inputs or ():
             self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
                                       t.dst_slots)
@@ -99,7 +99,7 @@ class PrefillRank(LeaderRank):
                 pair = f"{self.cfg.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
                        f"{send.decode_rank}"
                 self.transfer_log.add(t.request_id, pair,
-                                      len(send.layers) * tokens * per_token_layer)
+                                      spec.bytes_per_token_of(send.layers) * tokens)
             if t.last:
                 self.connector.finish(t.request_id, t.peers, t.end)
 
