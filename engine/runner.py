@@ -240,4 +240,3 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
-
