@@ -1,4 +1,5 @@
-"""DeepSeek-V2/V3/V3.2 and GLM-5 decoder for serving: embed -> layers (MLA + dense/MoE MLP) -> norm -> lm_head.
+"""DeepSeek-V2/V3/V3.2 and GLM-5 decoder for serving: embed -> layers (MLA + dense/MoE MLP)
+-> norm -> lm_head.
 
 Parameter names equal the HF checkpoint's, so the loader maps names one to one. The parallel
 layout is applied from outside (:mod:`engine.layout`): modules are built with

@@ -1,4 +1,5 @@
-"""Model configuration of a DeepSeek-V2/V3/V3.2 or GLM-5 checkpoint, parsed from its HF ``config.json``.
+"""Model configuration of a DeepSeek-V2/V3/V3.2 or GLM-5 checkpoint, parsed from its HF
+``config.json``.
 
 Accepts both transformers 4.x configs (``rope_scaling`` dict + top-level ``rope_theta``) and
 5.x configs (``rope_parameters`` with ``rope_type`` and ``rope_theta``). Field meanings follow
@@ -313,8 +314,9 @@ def _indexer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
     kinds = tuple(kinds)
     if len(kinds) != layers or not set(kinds) <= set(INDEXER_KINDS) or kinds[0] != "full":
         raise UnsupportedModelError(
-            f"config.json indexer_types {list(kinds)} is invalid: give one of {list(INDEXER_KINDS)} "
-            f"per layer ({layers}), the first 'full' (a shared layer reuses an earlier selection)")
+            f"config.json indexer_types {list(kinds)} is invalid: give one of "
+            f"{list(INDEXER_KINDS)} per layer ({layers}), the first 'full' (a shared layer "
+            "reuses an earlier selection)")
     return kinds
 
 

@@ -2,7 +2,8 @@
 
 A data record carries, for its chunk's layers and tokens (:class:`~kv_transfer.chunk.KVChunk`),
 every buffer of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`) of the layers that
-have it (GLM-5.2's shared layers have no index_k: :attr:`~kv_transfer.layout.BufferSpec.layers`).
+have it (GLM-5.2's shared layers have no index_k:
+:attr:`~kv_transfer.layout.BufferSpec.layers`).
 The sender splits the buffers in two (the header's ``views`` and ``cuts``):
 
 - view buffers (``header.views``): one message per (buffer, layer having it, cut), a view of

@@ -1,6 +1,6 @@
 """Context-parallel prefill over 4 gloo ranks (fp32): the same logits and KV caches as one
-rank, one shot and chunked, DeepSeek-V3, V3.2 and GLM-5.2-style; layer-sharded attention weights stored 1/4
-per rank with unchanged logits; the load-balanced causal token split."""
+rank, one shot and chunked, DeepSeek-V3, V3.2 and GLM-5.2-style; layer-sharded attention
+weights stored 1/4 per rank with unchanged logits; the load-balanced causal token split."""
 
 from __future__ import annotations
 
