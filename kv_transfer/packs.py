@@ -76,8 +76,8 @@ def plan_views(layout, header: wire.Header, network: bool) -> wire.Header:
 def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
               slots: torch.Tensor) -> list[torch.Tensor]:
     """The cache rows of every view message, in wire order: per view buffer, per layer having
-    it (``layout``), per cut of ``header.cuts``, the rows of ``slots`` (this side's int64 ``[T]``, CPU) in that cut
-    (may be non-contiguous: a GQA head subset).
+    it (``layout``), per cut of ``header.cuts``, the rows of ``slots`` (this side's int64
+    ``[T]``, CPU) in that cut (may be non-contiguous: a GQA head subset).
 
     Raises:
         ValueError: a cut is not one run of ``slots`` (the sender broke the protocol).
