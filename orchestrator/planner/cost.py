@@ -85,15 +85,15 @@ def linear_params_per_token(m: ModelConfig) -> int:
         else h * heads * m.qk_head_dim
     attn = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) \
         + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
-    if m.uses_sparse_attention:
-        attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim \
-            + h * (m.index_head_dim + m.index_n_heads)
+    indexer = m.q_lora_rank * m.index_n_heads * m.index_head_dim \
+        + h * (m.index_head_dim + m.index_n_heads) if m.uses_sparse_attention else 0
     moe = num_moe_layers(m)
     experts = m.n_routed_experts or 0
     per_moe = 3 * h * m.moe_intermediate_size * (m.n_shared_experts + m.num_experts_per_tok) \
         + experts * h
     dense = 3 * h * m.intermediate_size
-    return m.num_hidden_layers * attn + moe * per_moe + (m.num_hidden_layers - moe) * dense
+    return m.num_hidden_layers * attn + sum(m.indexer_layers) * indexer + moe * per_moe \
+        + (m.num_hidden_layers - moe) * dense
 
 
 def attention_flops(m: ModelConfig, new: int, past: int) -> float:
@@ -109,7 +109,9 @@ def attention_flops(m: ModelConfig, new: int, past: int) -> float:
     k = m.index_topk
     capped = sum_min(past, new, k)
     absorbed = 2 * m.kv_lora_rank + m.qk_rope_head_dim
-    return 2.0 * layers * (heads * absorbed * capped + m.index_n_heads * m.index_head_dim * keys)
+    # NOTE: only indexer layers score (GLM-5.2's shared ones reuse a selection)
+    return 2.0 * (layers * heads * absorbed * capped
+                  + sum(m.indexer_layers) * m.index_n_heads * m.index_head_dim * keys)
 
 
 def sum_min(past: int, new: int, k: int) -> float:
@@ -121,10 +123,10 @@ def sum_min(past: int, new: int, k: int) -> float:
 
 
 def kv_bytes_per_token(m: ModelConfig, prec: Precision) -> float:
-    """KV cache bytes of one token over all layers (latent, k_pe, V3.2 index_k)."""
-    width = m.kv_lora_rank + m.qk_rope_head_dim + \
-        (m.index_head_dim if m.uses_sparse_attention else 0)
-    return m.num_hidden_layers * width * prec.kv
+    """KV cache bytes of one token over all layers (latent, k_pe, DSA index_k on the indexer
+    layers)."""
+    return (m.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + sum(m.indexer_layers) * m.index_head_dim) * prec.kv
 
 
 def allreduce_s(hw: Hardware, nbytes: float, n: int) -> float:
@@ -241,10 +243,10 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     rows = {r.kind: r.bytes for r in plan.rows}
     weights = plan.bytes_of("weights") - rows.get("embedding", 0) \
         - rows.get("routed experts", 0) * (1 - expert_active_share(m, step_tokens))
-    per_seq_kv = m.num_hidden_layers * prec.kv * (
-        min(context, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim)
-        + context * m.index_head_dim if m.uses_sparse_attention
-        else context * (m.kv_lora_rank + m.qk_rope_head_dim))
+    per_seq_kv = prec.kv * (
+        m.num_hidden_layers * min(context, m.index_topk) * (m.kv_lora_rank + m.qk_rope_head_dim)
+        + sum(m.indexer_layers) * context * m.index_head_dim if m.uses_sparse_attention
+        else m.num_hidden_layers * context * (m.kv_lora_rank + m.qk_rope_head_dim))
     seconds = batch * (2.0 * linear_params_per_token(m) / hw.linear_flops(m)
                        + (2.0 * m.hidden_size * m.vocab_size
                           + attention_flops(m, 1, int(context))) / hw.flops) / lay.tp
