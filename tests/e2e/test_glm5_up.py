@@ -2,13 +2,16 @@
 configs/glm5_1p1d.yaml` as P2 -> D1 and as P1 -> D2 (the KV transfer ships index_k of the full
 layers only) gives the same greedy tokens as colocated execution (the engine alone,
 tests/e2e/baseline.py) on the same tiny checkpoint, for 16 concurrent ShareGPT prompts, the
-longest past ``index_topk``; afterwards every block is free on every instance."""
+longest past ``index_topk``, and the same as transformers' GlmMoeDsaForCausalLM on the three
+longest; afterwards every block is free on every instance."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+from transformers import GlmMoeDsaForCausalLM
 
 from orchestrator.config.load import load_config
 from tests.e2e.baseline import engine_greedy, router_token_ids
@@ -31,6 +34,13 @@ def test_glm5_disaggregated_equals_colocated(tmp_path, prompts, joined_ray, pref
     assert err is None and responses[-1].stats.prompt_tokens > config["index_topk"], \
         "no prompt is longer than index_topk: attention would be dense"
     assert all(len(o) == MAX_TOKENS for o in outputs)
-    colocated = engine_greedy(checkpoint, router_token_ids(checkpoint, prompts), MAX_TOKENS)
+    ids = router_token_ids(checkpoint, prompts)
+    colocated = engine_greedy(checkpoint, ids, MAX_TOKENS)
     for i, (pd, co) in enumerate(zip(outputs, colocated)):
         assert pd == co, f"request {i}: PD {pd} != colocated {co}"
+    hf = GlmMoeDsaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for i in sorted(range(len(ids)), key=lambda j: len(ids[j]))[-3:]:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids[i]]), max_new_tokens=MAX_TOKENS,
+                              min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert outputs[i] == ref[0, len(ids[i]):].tolist(), f"request {i}: PD != transformers"
