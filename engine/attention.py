@@ -12,9 +12,10 @@ Names follow DeepSeek/HF checkpoints (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_wi
 - Decode sequences: the ``mla_decode`` kernel (absorbed form by default) over the cache
   through the step's block tables (``meta.decode``); the cache already holds the step's own
   token.
-- DeepSeek-V3.2 (``config.uses_sparse_attention``): the layer's :class:`Indexer` picks each
-  query's top ``index_topk`` causal tokens and both forms attend to those only
-  (:mod:`engine.sparse_attention`).
+- DSA (V3.2, GLM-5: ``config.uses_sparse_attention``): the layer's :class:`Indexer` picks
+  each query's top ``index_topk`` causal tokens and both forms attend to those only
+  (:mod:`engine.sparse_attention`); a GLM-5.2 shared layer (no indexer, no index_k cache)
+  reuses the last full layer's selection from the step's :class:`SharedSelection`.
 
 Context parallel (``meta.cp``, :mod:`engine.context_parallel`): the module sees only this
 rank's tokens, with all heads; the latents of the step's tokens are all-gathered before the
@@ -39,7 +40,12 @@ from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
 from engine.rotary import apply_rotary_interleaved, softmax_scale
-from engine.sparse_attention import select_decode_entries, select_prefill_entries
+from engine.sparse_attention import (SharedSelection, select_decode_entries,
+                                     select_prefill_entries)
+
+LATENT_NORM_EPS = 1e-6
+"""eps of ``q_a_layernorm`` / ``kv_a_layernorm``: fixed, not ``rms_norm_eps`` (DeepSeek's and
+transformers' MLA build both norms with the default 1e-6; GLM-5's rms_norm_eps is 1e-5)."""
 
 
 class MLAttention(nn.Module):
@@ -47,18 +53,20 @@ class MLAttention(nn.Module):
 
     Args:
         config: model config. num_heads: this rank's heads (``TPLayout.num_attention_heads``).
-        kernels: resolved kernels.
+        kernels: resolved kernels. layer_idx: the decoder layer (its indexer kind).
 
     Attributes:
         prefix_tile: cached-prefix tokens decompressed and attended at a time (chunked prefill).
         query_tile: queries scored and attended at a time by sparse (V3.2) prefill.
-        indexer: the V3.2 lightning indexer, None for V2/V3.
+        indexer: the DSA lightning indexer, None for V2/V3 and DSA shared layers.
+        sparse: True under DSA (attends to a top-k selection, its own or a shared one).
     """
 
     prefix_tile: int = 4096
     query_tile: int = 128
 
-    def __init__(self, config: ModelConfig, num_heads: int, kernels: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, num_heads: int, kernels: KernelSet,
+                 layer_idx: int = 0) -> None:
         super().__init__()
         self.kernels = kernels
         self.num_local_heads = h = num_heads
@@ -72,18 +80,20 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, h * d, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(config.q_lora_rank, h * d, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim,
                                             bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank,
                                    h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=False)
-        self.indexer = Indexer(config) if config.uses_sparse_attention else None
+        self.sparse = config.uses_sparse_attention
+        self.indexer = Indexer(config) if config.has_indexer(layer_idx) else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                meta: AttentionMetadata, caches: tuple[torch.Tensor, ...],
+                shared: SharedSelection | None = None) -> torch.Tensor:
         """Attention of one step.
 
         Args:
@@ -91,6 +101,8 @@ class MLAttention(nn.Module):
                 Under CP (``meta.cp``) T is this rank's local rows (``meta.cp.local_rows``).
             caches: this layer's K ``[num_blocks, block_size, L]``, V ``[.., R]`` and, with
                 an indexer, index_k ``[.., Di]`` (``KVCache.layer_buffers``).
+            shared: the step's selections (DSA: full layers put, shared layers get); a
+                private one when None.
 
         Returns:
             ``[T, hidden]`` partial (this rank's heads) o_proj output.
@@ -118,14 +130,15 @@ class MLAttention(nn.Module):
         self.kernels.reshape_and_cache(entries, caches, meta.slot_mapping)
 
         out = x.new_empty(t, h, self.v_head_dim)  # [T, H, V]
+        shared = SharedSelection() if shared is None else shared
         if meta.cp is not None:
-            self._prefill_cp(out, q_nope, q_pe, iq, entries, meta, caches)
-        elif meta.prefills and iq is not None:
-            self._prefill_sparse(out, q_nope, q_pe, iq, meta, caches)
+            self._prefill_cp(out, q_nope, q_pe, iq, entries, meta, caches, shared)
+        elif meta.prefills and self.sparse:
+            self._prefill_sparse(out, q_nope, q_pe, iq, meta, caches, shared)
         elif meta.prefills:
             self._prefill(out, q_nope, q_pe, c_kv, k_pe, meta, caches[0], caches[1])
         if meta.decode is not None:
-            self._decode(out, q_nope, q_pe, iq, meta, caches)
+            self._decode(out, q_nope, q_pe, iq, meta, caches, shared)
         return self.o_proj(out.view(t, h * self.v_head_dim))
 
     def _expand_kv(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -180,30 +193,37 @@ class MLAttention(nn.Module):
         return merge_attention(o, lse, o_pre, lse_pre)
 
     def _prefill_sparse(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                        iq: IndexerQuery, meta: AttentionMetadata,
-                        caches: tuple[torch.Tensor, ...]) -> None:
+                        iq: IndexerQuery | None, meta: AttentionMetadata,
+                        caches: tuple[torch.Tensor, ...], shared: SharedSelection) -> None:
         """Fill ``out [T, H, V]`` rows of the prefill sequences with the ``sparse_prefill``
         kernel over each query's top-k of prefix + chunk (the caches hold the chunk)."""
         for seq in meta.prefills:
             seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[seq.start:seq.end]))
             rows = torch.arange(seq.start, seq.end, device=out.device)
             self._attend_sparse(out, q_nope, q_pe, iq, caches, seq_slots, rows,
-                                meta.positions[seq.start:seq.end])
+                                meta.positions[seq.start:seq.end], (shared, seq.start))
 
     def _attend_sparse(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                       iq: IndexerQuery, caches: tuple[torch.Tensor, ...],
+                       iq: IndexerQuery | None, caches: tuple[torch.Tensor, ...],
                        seq_slots: torch.Tensor, rows: torch.Tensor,
-                       positions: torch.Tensor) -> None:
+                       positions: torch.Tensor, share: tuple[SharedSelection, int]) -> None:
         """``out[rows] =`` sparse attention of query rows ``rows [n]`` (at ``positions [n]``)
         over their top-k of ``seq_slots [S]`` (positions ``0..S-1``, cached), in tiles of
-        ``query_tile`` queries."""
-        indexer, w_uk, w_uv = self.indexer, *self._w_kvb()
-        index_k = caches[2].view(-1, caches[2].shape[-1])[seq_slots]  # [S, Di]
+        ``query_tile`` queries. ``share``: the step's selections and the first row's index
+        (the key of this layer's selections: put with an indexer, else got)."""
+        (shared, first), (w_uk, w_uv) = share, self._w_kvb()
+        index_k = None if self.indexer is None \
+            else caches[2].view(-1, caches[2].shape[-1])[seq_slots]  # [S, Di]
         for lo in range(0, rows.numel(), self.query_tile):
             tile = rows[lo:lo + self.query_tile]
-            slots, valid = select_prefill_entries(
-                iq.rows(tile), positions[lo:lo + self.query_tile], index_k, seq_slots,
-                indexer.topk, indexer.softmax_scale)
+            key = ("prefill", first, lo)
+            if index_k is None:
+                slots, valid = shared.get(key)
+            else:
+                slots, valid = select_prefill_entries(
+                    iq.rows(tile), positions[lo:lo + self.query_tile], index_k, seq_slots,
+                    self.indexer.topk, self.indexer.softmax_scale)
+                shared.put(key, (slots, valid))
             # NOTE: each query token is a row of its own with its own slot list.
             out[tile] = self.kernels.sparse_prefill(
                 q_nope[tile], q_pe[tile], caches[0], caches[1],
@@ -219,18 +239,19 @@ class MLAttention(nn.Module):
 
     def _prefill_cp(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                     iq: IndexerQuery | None, entries: tuple[torch.Tensor, ...],
-                    meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> None:
+                    meta: AttentionMetadata, caches: tuple[torch.Tensor, ...],
+                    shared: SharedSelection) -> None:
         """Fill ``out [t, H, V]`` (local rows) piece by piece: each piece of the chunk is a
         prefill of its own whose context is the prefix plus the chunk before it; entries are
         the step's gathered latents ``[T, ...]`` (the caches already hold them)."""
         for piece in meta.cp.pieces:
             seq, rows = piece.seq, piece.local_rows
             full = slice(seq.start + piece.lo, seq.start + piece.hi)
-            if iq is not None:
+            if self.sparse:
                 seq_slots = torch.cat((seq.prefix_slots, meta.slot_mapping[seq.start:full.stop]))
                 local = torch.arange(rows.start, rows.stop, device=out.device)
                 self._attend_sparse(out, q_nope, q_pe, iq, caches, seq_slots, local,
-                                    meta.positions[full])
+                                    meta.positions[full], (shared, rows.start))
                 continue
             c_kv, k_pe = (e[seq.start:full.stop] for e in entries[:2])
             self._attend_chunk(out, rows, torch.cat((q_nope[rows], q_pe[rows]), dim=-1),
@@ -244,17 +265,21 @@ class MLAttention(nn.Module):
 
     def _decode(self, out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                 iq: IndexerQuery | None, meta: AttentionMetadata,
-                caches: tuple[torch.Tensor, ...]) -> None:
+                caches: tuple[torch.Tensor, ...], shared: SharedSelection) -> None:
         """Fill ``out [T, H, V]`` rows of the decode sequences: the ``mla_decode`` kernel over
         every cached token through the block table (V3), or the ``sparse_decode`` kernel over
-        the indexer's top-k entries (V3.2)."""
+        the indexer's top-k entries (DSA; a shared layer's from ``shared``)."""
         dec = meta.decode
         rows = dec.token_index
-        if iq is None:
+        if not self.sparse:
             out[rows] = self.kernels.mla_decode(q_nope[rows], q_pe[rows], caches[0], caches[1],
                                                 dec, *self._w_kvb(), self.scale)
             return
-        sel = select_decode_entries(dec, iq.rows(rows), caches[2], self.indexer.topk,
-                                    self.indexer.softmax_scale)
+        if iq is None:
+            sel = shared.get("decode")
+        else:
+            sel = select_decode_entries(dec, iq.rows(rows), caches[2], self.indexer.topk,
+                                        self.indexer.softmax_scale)
+            shared.put("decode", sel)
         out[rows] = self.kernels.sparse_decode(q_nope[rows], q_pe[rows], caches[0], caches[1],
                                                sel, *self._w_kvb(), self.scale)

@@ -1,13 +1,15 @@
-"""DeepSeek-V3.2 lightning indexer (DSA): which cached tokens each query attends to.
+"""Lightning indexer of DSA (DeepSeek-V3.2, GLM-5): which cached tokens each query attends to.
 
-Maths as transformers 5.x ``DeepseekV32Indexer`` (the bf16/fp32 form of DeepSeek's FP8 kernel;
-its Hadamard rotation leaves dot products unchanged, so it is skipped):
-``q = rope_half(wq_b(q_latent))`` per indexer head, ``k = rope_half(k_norm(wk(x)))`` (one key
-per token, what the ``index_k`` cache holds), ``w = weights_proj(x) * n_heads^-0.5``;
+Maths as transformers 5.x ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer`` (the bf16/fp32 form of
+DeepSeek's FP8 kernel; its Hadamard rotation leaves dot products unchanged, so it is skipped):
+``q = rope(wq_b(q_latent))`` per indexer head, ``k = rope(k_norm(wk(x)))`` (one key per token,
+what the ``index_k`` cache holds), ``w = weights_proj(x) * n_heads^-0.5``;
 ``score[s, t] = sum_h w[s, h] * ReLU(q[s, h] . k[t] * index_head_dim^-0.5)`` (fp32); causal
-top-``index_topk`` per query. NOTE: rope here is NON-interleaved (MLA's is interleaved); a
-query with fewer causal tokens keeps them all (= dense MLA). Replicated over TP, so every rank
-selects the same tokens.
+top-``index_topk`` per query. NOTE: the rope form is ``ModelConfig.indexer_rope``: V3.2's is
+non-interleaved (half-split), GLM-5's interleaved like MLA's (HF writes its output
+de-interleaved, a permutation of q and k alike, so scores are the same; orch keeps the keys
+interleaved in ``index_k``). A query with fewer causal tokens keeps them all (= dense MLA).
+Replicated over TP, so every rank selects the same tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.rotary import apply_rotary_half
+from engine.rotary import apply_rotary_half, apply_rotary_interleaved
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,8 @@ class IndexerQuery:
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of one decoder layer (``config``: V3.2, ``index_*`` and
-    ``q_lora_rank`` set)."""
+    """The lightning indexer of one decoder layer (``config``: DSA, ``index_*`` and
+    ``q_lora_rank`` set; rope form ``config.indexer_rope``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -51,9 +53,11 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self._apply_rope = apply_rotary_interleaved if config.indexer_rope == "interleaved" \
+            else apply_rotary_half
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot = apply_rotary_half(x[..., : self.rope_dim], cos, sin)
+        rot = self._apply_rope(x[..., : self.rope_dim], cos, sin)
         return torch.cat((rot, x[..., self.rope_dim:]), dim=-1)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ shared key ``k_pe``. orch keeps them as separate tensors per layer, never one wi
 
 - K cache of layer i: ``[num_blocks, block_size, kv_lora_rank]`` (512 for V3)
 - V cache of layer i: ``[num_blocks, block_size, qk_rope_head_dim]`` (64 for V3)
-- index_k cache of layer i (V3.2 only, ``index_head_dim > 0``):
+- index_k cache of layer i (DSA only, ``index_head_dim > 0``, and only on layers with an
+  indexer: GLM-5.2's shared layers have none, :attr:`KVCacheSpec.index_layers`):
   ``[num_blocks, block_size, index_head_dim]`` (128 for V3.2), the lightning indexer's keys
   (:mod:`engine.indexer`).
 
@@ -25,6 +26,7 @@ block_size, width]`` (:meth:`KVCache.flat_buffers`). Device MLA kernels (FlashML
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +43,9 @@ class KVCacheSpec:
         qk_rope_head_dim: V width (k_pe), elements per token.
         dtype: element dtype of every cache buffer.
         rope_layout: "interleaved" (GPT-J pairs, DeepSeek/vLLM) for the k_pe cache.
-        index_head_dim: index_k width (V3.2 lightning indexer keys); 0 = no indexer cache (V3).
+        index_head_dim: index_k width (DSA lightning indexer keys); 0 = no indexer cache (V3).
+        index_layers: per layer, whether it has an index_k buffer (False on GLM-5.2's shared
+            layers); empty = every layer has one when ``index_head_dim`` > 0.
     """
 
     num_layers: int
@@ -52,6 +56,7 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float32
     rope_layout: str = "interleaved"
     index_head_dim: int = 0
+    index_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "kv_lora_rank",
@@ -61,24 +66,52 @@ class KVCacheSpec:
         if self.index_head_dim < 0:
             raise ValueError(f"KVCacheSpec.index_head_dim must be >= 0 (0: no indexer cache), "
                              f"got {self.index_head_dim}")
+        if self.index_layers and (len(self.index_layers) != self.num_layers
+                                  or not self.index_head_dim):
+            raise ValueError(f"KVCacheSpec.index_layers must give one flag per layer "
+                             f"({self.num_layers}) and needs index_head_dim > 0; got "
+                             f"{len(self.index_layers)} flags, index_head_dim "
+                             f"{self.index_head_dim}")
+
+    def has_index_k(self, layer: int) -> bool:
+        """True when layer ``layer`` has an index_k buffer."""
+        return bool(self.index_head_dim) and (not self.index_layers or self.index_layers[layer])
 
     @property
     def buffer_names(self) -> tuple[str, ...]:
-        """Names of the per-layer buffers, in cache order: ``("k", "v"[, "index_k"])``."""
+        """Names of every buffer kind, in cache order: ``("k", "v"[, "index_k"])`` (a layer has
+        these or a prefix of them: :meth:`layer_buffer_names`)."""
         return ("k", "v", "index_k") if self.index_head_dim else ("k", "v")
 
     @property
     def buffer_widths(self) -> tuple[int, ...]:
-        """Elements per token of each buffer, in :attr:`buffer_names` order."""
+        """Elements per token of each buffer kind, in :attr:`buffer_names` order."""
         widths = (self.kv_lora_rank, self.qk_rope_head_dim)
         return widths + (self.index_head_dim,) if self.index_head_dim else widths
+
+    def layer_buffer_names(self, layer: int) -> tuple[str, ...]:
+        """The buffers layer ``layer`` has, in cache order (no index_k on a shared layer)."""
+        return self.buffer_names[:3 if self.has_index_k(layer) else 2]
+
+    def layer_buffer_widths(self, layer: int) -> tuple[int, ...]:
+        """Elements per token of each of layer ``layer``'s buffers."""
+        return self.buffer_widths[:len(self.layer_buffer_names(layer))]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token over all layers and their buffers."""
+        return self.bytes_per_token_of(range(self.num_layers))
+
+    def bytes_per_token_of(self, layers: Iterable[int]) -> int:
+        """Bytes of one token over ``layers``, each with the buffers it has."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(sum(self.layer_buffer_widths(i)) for i in layers) * elem
 
     @property
     def bytes_per_token_per_layer(self) -> int:
         """Bytes of one token in one layer over all buffers (1,152 B for V3 in bf16, 1,408 B
-        for V3.2)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(self.buffer_widths) * elem
+        for V3.2), the mean over layers where they differ (GLM-5.2's shared layers)."""
+        return self.bytes_per_token // self.num_layers
 
 
 class KVCache:
@@ -88,7 +121,8 @@ class KVCache:
         spec: the :class:`KVCacheSpec` it was built from.
         k_caches: per layer ``[num_blocks, block_size, kv_lora_rank]``.
         v_caches: per layer ``[num_blocks, block_size, qk_rope_head_dim]``.
-        index_caches: per layer ``[num_blocks, block_size, index_head_dim]``; empty for V3.
+        index_caches: per layer ``[num_blocks, block_size, index_head_dim]``, None on a layer
+            without one (GLM-5.2 shared); empty for V3.
         scratch_block: with ``scratch_block=True``, the id (``spec.num_blocks``) of one extra
             physical block after the spec's blocks, which no block pool hands out (pools are
             sized from the spec): graph mode's padding rows write their KV there
@@ -106,16 +140,22 @@ class KVCache:
         self.device = torch.device(device)
         self.scratch_block = spec.num_blocks if scratch_block else None
         blocks = spec.num_blocks + int(scratch_block)
-        per_layer = [[torch.zeros(blocks, spec.block_size, width, dtype=spec.dtype,
-                                  device=self.device) for _ in range(spec.num_layers)]
-                     for width in spec.buffer_widths]
-        self.k_caches, self.v_caches = per_layer[0], per_layer[1]
-        self.index_caches: list[torch.Tensor] = per_layer[2] if spec.index_head_dim else []
+
+        def alloc(width: int) -> torch.Tensor:
+            return torch.zeros(blocks, spec.block_size, width, dtype=spec.dtype,
+                               device=self.device)
+
+        layers = range(spec.num_layers)
+        self.k_caches = [alloc(spec.kv_lora_rank) for _ in layers]
+        self.v_caches = [alloc(spec.qk_rope_head_dim) for _ in layers]
+        self.index_caches: list[torch.Tensor | None] = [
+            alloc(spec.index_head_dim) if spec.has_index_k(i) else None
+            for i in layers] if spec.index_head_dim else []
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """Layer ``layer``'s caches ``[num_blocks, block_size, width]`` in ``buffer_names``
-        order (K, V[, index_k]), each contiguous."""
-        index = (self.index_caches[layer],) if self.index_caches else ()
+        """Layer ``layer``'s caches ``[num_blocks, block_size, width]`` in
+        ``spec.layer_buffer_names(layer)`` order (K, V[, index_k]), each contiguous."""
+        index = (self.index_caches[layer],) if self.spec.has_index_k(layer) else ()
         return (self.k_caches[layer], self.v_caches[layer]) + index
 
     def flat_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:

@@ -1,4 +1,5 @@
-"""DeepSeek-V2/V3 decoder for serving: embed -> layers (MLA + dense/MoE MLP) -> norm -> lm_head.
+"""DeepSeek-V2/V3/V3.2 and GLM-5 decoder for serving: embed -> layers (MLA + dense/MoE MLP)
+-> norm -> lm_head.
 
 Parameter names equal the HF checkpoint's, so the loader maps names one to one. The parallel
 layout is applied from outside (:mod:`engine.layout`): modules are built with
@@ -26,6 +27,7 @@ from engine.norm import RMSNorm
 from engine.parallel import EPGroup, TPGroup
 from engine.quant.linear import QuantPlan, quantize_modules
 from engine.rotary import RotaryEmbedding
+from engine.sparse_attention import SharedSelection
 
 
 class DecoderLayer(nn.Module):
@@ -36,16 +38,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layout.num_attention_heads, kernels)
+        self.self_attn = MLAttention(config, layout.num_attention_heads, kernels, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoE(config, layout, tp, ep) if config.is_moe_layer(layer_idx) \
             else MLP(config.hidden_size, layout.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                meta: AttentionMetadata, caches: tuple[torch.Tensor, ...],
+                shared: SharedSelection | None = None) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; writes this layer's KV of the T tokens
-        (``caches``: ``KVCache.layer_buffers(i)``)."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, caches)
+        (``caches``: ``KVCache.layer_buffers(i)``); ``shared``: the step's DSA selections."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, meta, caches, shared)
         h = x + self.tp.all_reduce(attn)
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
@@ -103,10 +106,11 @@ class DeepseekForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, R/2]
         if self.prefetcher is not None:
             self.prefetcher.begin()
+        shared = SharedSelection()  # DSA: each full layer's selection, for the shared ones
         for i, layer in enumerate(self.model.layers):
             if self.prefetcher is not None:
                 self.prefetcher.before_layer(i)
-            x = layer(x, cos, sin, meta, kv_cache.layer_buffers(i))
+            x = layer(x, cos, sin, meta, kv_cache.layer_buffers(i), shared)
             if self.prefetcher is not None:
                 self.prefetcher.after_layer(i)
         last = x[meta.logits_index] if meta.cp is None else meta.cp.gather_last(x)

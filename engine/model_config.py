@@ -1,8 +1,13 @@
-"""Model configuration of a DeepSeek-V2/V3/V3.2 checkpoint, parsed from its HF ``config.json``.
+"""Model configuration of a DeepSeek-V2/V3/V3.2 or GLM-5 checkpoint, parsed from its HF
+``config.json``.
 
 Accepts both transformers 4.x configs (``rope_scaling`` dict + top-level ``rope_theta``) and
 5.x configs (``rope_parameters`` with ``rope_type`` and ``rope_theta``). Field meanings follow
-DeepSeek's released ``config.json`` (see /work/shared/REFERENCE.md "Config").
+DeepSeek's released ``config.json`` (see /work/shared/REFERENCE.md "Config"); GLM-5's
+(``GlmMoeDsaForCausalLM``) follow transformers' ``GlmMoeDsaConfig``: V3.2's DSA with the
+indexer's rope interleaved and, from GLM-5.2, "shared" layers (``indexer_types``, else derived
+from ``index_topk_pattern`` or ``index_topk_freq`` / ``index_skip_topk_offset``) that run no
+indexer and reuse the previous full layer's top-k.
 """
 
 from __future__ import annotations
@@ -15,19 +20,16 @@ from typing import Any
 from engine.quant.formats import QuantScheme, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV32ForCausalLM")
-DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
-GLM_DSA_REFUSAL = (
-    "GlmMoeDsaForCausalLM (GLM-5, model_type 'glm_moe_dsa') is not supported: its attention is "
-    "not DeepSeek-V3.2's DSA. Its lightning indexer ropes q and k in the INTERLEAVED form "
-    "(V3.2: non-interleaved half-split), and its 'shared' layers (config indexer_types / "
-    "index_topk_freq) run no indexer and reuse the previous full layer's top-k. Serve a "
-    "DeepseekV32ForCausalLM checkpoint, or add both to engine/indexer.py first")
+                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+GLM_DSA_ARCHITECTURE = "GlmMoeDsaForCausalLM"
+INDEXER_KINDS = ("full", "shared")
 # NOTE: transformers builds the model from model_type, orch from architectures: a config where
 # they disagree (a V3.2 model_type under a V3 architecture) would silently run dense attention.
 ARCHITECTURE_OF_MODEL_TYPE = {"deepseek_v2": "DeepseekV2ForCausalLM",
                               "deepseek_v3": "DeepseekV3ForCausalLM",
-                              "deepseek_v32": "DeepseekV32ForCausalLM"}
+                              "deepseek_v32": "DeepseekV32ForCausalLM",
+                              "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 SUPPORTED_SCORING = ("sigmoid", "softmax")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -62,12 +64,17 @@ class YarnScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a DeepSeek-V2/V3/V3.2 model (what the runtime needs, nothing more).
+    """Architecture of a DeepSeek-V2/V3/V3.2 or GLM-5 model (what the runtime needs, nothing
+    more).
 
     ``q_lora_rank`` None means a plain ``q_proj`` (V2-Lite). ``rope_scaling`` None means plain
     rope with ``rope_theta``. ``eos_token_ids`` is a tuple (config may give an int or a list).
     ``index_n_heads``, ``index_head_dim``, ``index_topk``: DeepSeek-V3.2's lightning indexer
     (64, 128, 2048 in the release); all 0 for V2/V3 (no indexer).
+    ``indexer_rope``: the indexer's rope form, "half" (V3.2: non-interleaved) or "interleaved"
+    (GLM-5). ``indexer_types``: per layer "full" (own indexer and ``index_k`` cache) or
+    "shared" (no indexer, reuses the top-k of the last full layer before it); empty without
+    an indexer.
     ``quantization`` None means float weights (else :mod:`engine.quant.formats`).
     """
 
@@ -102,12 +109,30 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    indexer_rope: str = "half"
+    indexer_types: tuple[str, ...] = ()
+    quantization: QuantScheme | None = None
 
     @property
     def uses_sparse_attention(self) -> bool:
-        """True for DeepSeek-V3.2 (DSA): every layer has a lightning indexer and index_k cache."""
+        """True for DSA (V3.2, GLM-5): every layer attends to its top-k tokens only."""
         return self.index_topk > 0
-    quantization: QuantScheme | None = None
+
+    def has_indexer(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` runs its own indexer (and has an ``index_k`` cache)."""
+        return self.uses_sparse_attention and self.indexer_types[layer_idx] == "full"
+
+    @property
+    def indexer_layers(self) -> tuple[bool, ...]:
+        """:meth:`has_indexer` of every layer (all False without DSA)."""
+        return tuple(self.has_indexer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def index_cache_layers(self) -> tuple[bool, ...]:
+        """``KVCacheSpec.index_layers`` of this model: :attr:`indexer_layers` when only some
+        layers have an indexer (GLM-5.2), else empty (every layer or none)."""
+        flags = self.indexer_layers
+        return flags if any(flags) and not all(flags) else ()
 
     @property
     def qk_head_dim(self) -> int:
@@ -131,8 +156,6 @@ class ModelConfig:
             KeyError: a required field is missing (its name is the key).
         """
         arch = (raw.get("architectures") or [None])[0]
-        if arch == "GlmMoeDsaForCausalLM" or raw.get("model_type") == "glm_moe_dsa":
-            raise UnsupportedModelError(GLM_DSA_REFUSAL)
         _check_choice(raw, "architectures", arch, SUPPORTED_ARCHITECTURES)
         _check_model_type(raw.get("model_type"), arch)
         is_v3 = arch != "DeepseekV2ForCausalLM"
@@ -145,6 +168,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(raw)
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        _check_mlp_layer_types(raw)
         return cls(
             hidden_size=int(raw["hidden_size"]),
             num_hidden_layers=int(raw["num_hidden_layers"]),
@@ -160,7 +184,7 @@ class ModelConfig:
             n_group=int(raw.get("n_group") or 1),
             topk_group=int(raw.get("topk_group") or 1),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", arch == GLM_DSA_ARCHITECTURE)),
             scoring_func=scoring,
             topk_method=topk_method,
             first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
@@ -241,16 +265,18 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, YarnScaling | None]:
     )
 
 
-def _parse_indexer(raw: dict[str, Any], arch: str) -> dict[str, int]:
-    """The V3.2 indexer fields (all 0 for other architectures).
+def _parse_indexer(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The DSA indexer fields (none for architectures without an indexer).
 
     Raises:
-        UnsupportedModelError: V3.2 without ``q_lora_rank`` (the indexer reads the q latent),
-            or an indexer narrower than ``qk_rope_head_dim`` (its rope dims).
+        UnsupportedModelError: DSA without ``q_lora_rank`` (the indexer reads the q latent),
+            an indexer narrower than ``qk_rope_head_dim`` (its rope dims), or bad
+            ``indexer_types`` (:func:`_indexer_types`).
     """
     if arch not in DSA_ARCHITECTURES:
         return {}
-    fields = {"index_n_heads": int(raw.get("index_n_heads", 64)),
+    glm = arch == GLM_DSA_ARCHITECTURE
+    fields = {"index_n_heads": int(raw.get("index_n_heads", 32 if glm else 64)),
               "index_head_dim": int(raw.get("index_head_dim", 128)),
               "index_topk": int(raw.get("index_topk", 2048))}
     if not raw.get("q_lora_rank"):
@@ -260,7 +286,53 @@ def _parse_indexer(raw: dict[str, Any], arch: str) -> dict[str, int]:
         raise UnsupportedModelError(
             f"config.json indexer {fields} is invalid: all must be positive and index_head_dim "
             f">= qk_rope_head_dim ({raw['qk_rope_head_dim']}), the indexer's rope dims")
-    return fields
+    layers = int(raw["num_hidden_layers"])
+    kinds = _indexer_types(raw, layers) if glm else ("full",) * layers
+    return {**fields, "indexer_rope": "interleaved" if glm else "half", "indexer_types": kinds}
+
+
+def _indexer_types(raw: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """GLM-5's per-layer indexer kinds, as transformers' ``GlmMoeDsaConfig``: ``indexer_types``,
+    else ``index_topk_pattern`` ("F"/"S" per layer), else layer i is full iff
+    ``max(i - offset + 1, 0) % freq == 0`` (``index_topk_freq`` 1, ``index_skip_topk_offset``
+    2 by default: every layer full).
+
+    Raises:
+        UnsupportedModelError: a kind other than full/shared, a length other than
+            ``num_hidden_layers``, or layer 0 shared (no earlier selection to reuse).
+    """
+    kinds = raw.get("indexer_types")
+    pattern = raw.get("index_topk_pattern")
+    if kinds is None and pattern is not None:
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] \
+            if isinstance(pattern, str) else list(pattern)
+    if kinds is None:
+        freq = max(int(raw.get("index_topk_freq", 1)), 1)
+        offset = int(raw.get("index_skip_topk_offset", 2))
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                 for i in range(layers)]
+    kinds = tuple(kinds)
+    if len(kinds) != layers or not set(kinds) <= set(INDEXER_KINDS) or kinds[0] != "full":
+        raise UnsupportedModelError(
+            f"config.json indexer_types {list(kinds)} is invalid: give one of "
+            f"{list(INDEXER_KINDS)} per layer ({layers}), the first 'full' (a shared layer "
+            "reuses an earlier selection)")
+    return kinds
+
+
+def _check_mlp_layer_types(raw: dict[str, Any]) -> None:
+    """Refuse a GLM-5 ``mlp_layer_types`` other than the first_k_dense_replace rule (dense
+    layers first, then sparse, :meth:`ModelConfig.is_moe_layer`)."""
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        return
+    n, dense = int(raw["num_hidden_layers"]), int(raw.get("first_k_dense_replace") or 0)
+    want = ["dense"] * min(dense, n) + ["sparse"] * max(n - dense, 0)
+    if list(types) != want or int(raw.get("moe_layer_freq") or 1) != 1:
+        raise UnsupportedModelError(
+            f"config.json mlp_layer_types {list(types)} is not supported: orch runs the first "
+            f"first_k_dense_replace ({dense}) layers dense and the rest MoE; set mlp_layer_types "
+            "to that pattern (or drop it)")
 
 
 def _float_or(value: Any, default: float) -> float:

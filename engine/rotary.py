@@ -4,7 +4,7 @@ Layout (REFERENCE.md "Rope layout"): DeepSeek checkpoints store the rope dims in
 pairs ``(x0, x1), (x2, x3), ...``, pair i rotated by frequency i (GPT-J style). NOTE: the result
 stays INTERLEAVED (as DeepSeek's inference code and vLLM), so the cached ``k_pe`` is
 interleaved where HF caches ``[evens | odds]``; it is ``KVCacheSpec.rope_layout``. The V3.2
-indexer uses the NON-interleaved form (:func:`apply_rotary_half`).
+indexer uses the NON-interleaved form (:func:`apply_rotary_half`), GLM-5's the interleaved one.
 
 Maths: YaRN (Peng et al. 2023) as DeepSeek-V3 ``inference/model.py`` and HF
 ``_compute_yarn_parameters``: inv_freq blends interpolated (``/factor``) and original

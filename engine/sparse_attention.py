@@ -18,6 +18,10 @@ is a row of its own), then attend over those latent entries:
 - Decode: the ``sparse_decode`` kernel (absorbed: :func:`engine.mla_ops.attend_selected_absorbed`)
   over the selected entries; the selection scores every position of the block table's padded
   slot list (:meth:`DecodeBatch.padded_slots`), so V3.2 decode is exactly the dense selection.
+
+GLM-5.2's shared layers (``ModelConfig.indexer_types``) select nothing: the step's
+:class:`SharedSelection` hands them the selections the last full layer made (slots are the same
+in every layer's cache, so a selection of slots is valid in all of them).
 """
 
 from __future__ import annotations
@@ -26,6 +30,31 @@ import torch
 
 from engine.forward_context import DecodeBatch, SlotSelection
 from engine.indexer import IndexerQuery, causal_topk, index_scores
+
+
+class SharedSelection:
+    """The top-k selections of one step, each kept by the layer that made it for the shared
+    layers after it (a new full layer replaces them). Keys: ``("prefill", first_row, tile)``
+    per query tile, ``"decode"`` for the decode batch; values are what the selection
+    functions return."""
+
+    def __init__(self) -> None:
+        self._made: dict[object, object] = {}
+
+    def put(self, key: object, selection: object) -> None:
+        """Keep ``selection`` under ``key`` (a full layer's, replacing the previous one's)."""
+        self._made[key] = selection
+
+    def get(self, key: object) -> object:
+        """The selection a full layer made under ``key``.
+
+        Raises:
+            RuntimeError: no full layer ran before (``indexer_types`` must start "full").
+        """
+        if key not in self._made:
+            raise RuntimeError(f"a shared DSA layer found no selection {key!r} of an earlier "
+                               "full layer this step: indexer_types must start with 'full'")
+        return self._made[key]
 
 
 def select_prefill_entries(iq: IndexerQuery, positions: torch.Tensor, index_k: torch.Tensor,

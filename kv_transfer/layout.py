@@ -1,13 +1,16 @@
 """KV layout of one instance: what the bytes of a cache slot mean, and its fingerprint.
 
-A layout names, per layer, the cache buffers (``k`` and ``v``; DeepSeek-V3.2 adds ``index_k``,
-the lightning indexer's keys), their per-token dims for the whole model, the dtype, block
-size, layer count, tp size, rope layout and model identity.
+A layout names, per layer, the cache buffers (``k`` and ``v``; DSA adds ``index_k``, the
+lightning indexer's keys, on the layers with an indexer: all of V3.2's, GLM-5.2's full layers
+only, :attr:`BufferSpec.layers`), their per-token dims for the whole model, the dtype, block
+size, layer count, tp size, rope layout and model identity. A record carries, for each of its
+layers, only the buffers that layer has.
 
 What must match between a prefill and a decode instance (``check_compatible``), and why:
 
 - ``model``: the bytes are activations of one model's weights.
-- ``kind`` (mla/gqa), ``buffers`` (names and per-token dims), ``num_kv_heads``: the shape of a
+- ``kind`` (mla/gqa), ``buffers`` (names, per-token dims and which layers have each),
+  ``num_kv_heads``: the shape of a
   token's bytes; a mismatch would scatter garbage (a V3 layout has two buffers, a V3.2 one
   three: the records would not even have the same number of messages).
 - ``dtype``: no conversion happens on the wire.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +77,17 @@ class BufferSpec:
         name: ``k``, ``v`` or ``index_k`` (``KVCacheSpec.buffer_names``).
         dims: per-token dims for the whole model: MLA ``(kv_lora_rank,)`` / ``(rope_dim,)`` /
             ``(index_head_dim,)``, GQA ``(num_kv_heads, head_dim)``.
+        layers: the layers that have it, ascending; None = every layer (GLM-5.2's
+            ``index_k``: the full indexer layers only).
     """
 
     name: str
     dims: tuple[int, ...]
+    layers: tuple[int, ...] | None = None
+
+    def in_layers(self, layers: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of ``layers`` that have this buffer, in their order."""
+        return layers if self.layers is None else tuple(i for i in layers if i in self.layers)
 
 
 @dataclass(frozen=True)
@@ -115,12 +126,21 @@ class KVLayout:
             raise ValueError("KVLayout num_layers, block_size and tp must be positive")
         if self.kind == "gqa":
             rank_heads(self.tp, self.num_kv_heads, 0)  # validates the head split
+        for b in self.buffers:
+            if b.layers is not None and (list(b.layers) != sorted(set(b.layers)) or not b.layers
+                                         or not 0 <= b.layers[0] <= b.layers[-1]
+                                         < self.num_layers):
+                raise ValueError(f"KVLayout buffer {b.name} layers {b.layers} must be distinct, "
+                                 f"ascending and within 0..{self.num_layers - 1}")
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model: str, tp: int) -> KVLayout:
-        """MLA layout of a :class:`KVCacheSpec` (K = latent, V = k_pe, index_k = V3.2 indexer
-        keys when ``spec.index_head_dim``) for an instance of ``tp``."""
-        buffers = tuple(BufferSpec(name, (width,))
+        """MLA layout of a :class:`KVCacheSpec` (K = latent, V = k_pe, index_k = DSA indexer
+        keys when ``spec.index_head_dim``, on ``spec.index_layers`` only when given) for an
+        instance of ``tp``."""
+        index_layers = tuple(i for i in range(spec.num_layers) if spec.has_index_k(i)) \
+            if spec.index_layers else None
+        buffers = tuple(BufferSpec(name, (width,), index_layers if name == "index_k" else None)
                         for name, width in zip(spec.buffer_names, spec.buffer_widths))
         return cls(model=model, kind="mla", buffers=buffers,
                    num_kv_heads=None, dtype=_dtype_name(spec.dtype), num_layers=spec.num_layers,
@@ -152,10 +172,20 @@ class KVLayout:
         """Per-token dims of ``buffer`` restricted to ``heads`` (all dims for MLA)."""
         return buffer.dims if heads is None else (len(heads),) + buffer.dims[1:]
 
+    def layer_buffers(self, layer: int) -> tuple[BufferSpec, ...]:
+        """The buffers layer ``layer`` has, in cache order (``KVCache.layer_buffers``)."""
+        return tuple(b for b in self.buffers if b.layers is None or layer in b.layers)
+
+    def token_layer_bytes(self, layers: tuple[int, ...], heads: range | None) -> int:
+        """Bytes of one token over ``layers``, each with the buffers it has, for ``heads``."""
+        return sum(len(b.in_layers(layers)) * math.prod(self.token_dims(b, heads))
+                   for b in self.buffers) * self.element_size
+
     def to_dict(self) -> dict:
         """Plain dict (msgpack/json safe); inverse of :meth:`from_dict`."""
         return {"model": self.model, "kind": self.kind,
-                "buffers": [[b.name, list(b.dims)] for b in self.buffers],
+                "buffers": [[b.name, list(b.dims)] + ([] if b.layers is None else [list(b.layers)])
+                            for b in self.buffers],
                 "num_kv_heads": self.num_kv_heads, "dtype": self.dtype,
                 "num_layers": self.num_layers, "block_size": self.block_size, "tp": self.tp,
                 "rope_layout": self.rope_layout}
@@ -164,8 +194,10 @@ class KVLayout:
     def from_dict(cls, data: dict) -> KVLayout:
         """Rebuild a layout sent by a peer. Raises ValueError/KeyError on a malformed dict."""
         fields = dict(data)
-        fields["buffers"] = tuple(BufferSpec(str(n), tuple(int(x) for x in d))
-                                  for n, d in data["buffers"])
+        fields["buffers"] = tuple(
+            BufferSpec(str(b[0]), tuple(int(x) for x in b[1]),
+                       tuple(int(x) for x in b[2]) if len(b) > 2 else None)
+            for b in data["buffers"])
         return cls(**fields)
 
     def fingerprint(self) -> str:
@@ -197,7 +229,8 @@ def _buffer_hint(prefill: KVLayout, decode: KVLayout) -> str:
     if has[0] == has[1]:
         return ""
     sparse, dense = ("prefill", "decode") if has[0] else ("decode", "prefill")
-    return (f" ({sparse} caches DeepSeek-V3.2 indexer keys (index_k, sparse attention), "
+    return (f" ({sparse} caches DeepSeek-V3.2 indexer keys (index_k, DSA sparse attention as "
+            f"GLM-5's), "
             f"{dense} does not: both must serve the same model)")
 
 

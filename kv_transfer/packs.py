@@ -1,10 +1,13 @@
 """How a data record's payload travels: cache views per run, and packs.
 
 A data record carries, for its chunk's layers and tokens (:class:`~kv_transfer.chunk.KVChunk`),
-every buffer of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`). The sender splits
-the buffers in two (the header's ``views`` and ``cuts``):
+every buffer of the layout (K, V[, index_k]; :mod:`~kv_transfer.payload`) of the layers that
+have it (GLM-5.2's shared layers have no index_k:
+:attr:`~kv_transfer.layout.BufferSpec.layers`).
+The sender splits the buffers in two (the header's ``views`` and ``cuts``):
 
-- view buffers (``header.views``): one message per (buffer, layer, cut), a view of the cache
+- view buffers (``header.views``): one message per (buffer, layer having it, cut), a view of
+  the cache
   rows on both sides (no copy). ``header.cuts`` are the token offsets where the source or
   the destination slots break their consecutive run (:func:`~kv_transfer.chunk.runs`), so
   every cut is one run on both sides. Network pairs only, for buffers whose runs average
@@ -13,7 +16,8 @@ the buffers in two (the header's ``views`` and ``cuts``):
   (buffer, layer)).
 - packed buffers (the others): cut into packs of at most :data:`PACK_BYTES`; a pack is a group
   of layers and a token range ``(layers, a, b)``, its bytes are, buffer after buffer, the
-  ``[len(layers), b - a, *D]`` rows of each packed buffer, gathered from the source slots into
+  ``[Ly, b - a, *D]`` rows of each packed buffer (``Ly``: those of the layers that have it),
+  gathered from the source slots into
   a staging buffer (or a shared-memory slot, :mod:`~kv_transfer.local`) and scattered into the
   destination slots. Both sides derive the same packs from the header alone.
 
@@ -63,17 +67,17 @@ def plan_views(layout, header: wire.Header, network: bool) -> wire.Header:
         return header
     found = runs(chunk.src_slots, chunk.dst_slots)
     sizes = token_bytes(layout, chunk)
-    messages = len(found) * len(chunk.layers)
+    # NOTE: a buffer's messages and bytes scale alike with its layer count: per layer here
     views = tuple(b for b, nb in enumerate(sizes) if len(found) == 1
-                  or chunk.n_tokens * len(chunk.layers) * nb >= MIN_RUN_BYTES * messages)
+                  or chunk.n_tokens * nb >= MIN_RUN_BYTES * len(found))
     return replace(header, views=views, cuts=tuple(r.start for r in found) if views else ())
 
 
-def cut_views(cache: object, header: wire.Header, heads: slice | None,
+def cut_views(cache: object, layout, header: wire.Header, heads: slice | None,
               slots: torch.Tensor) -> list[torch.Tensor]:
-    """The cache rows of every view message, in wire order: per view buffer, per layer, per
-    cut of ``header.cuts``, the rows of ``slots`` (this side's int64 ``[T]``, CPU) in that cut
-    (may be non-contiguous: a GQA head subset).
+    """The cache rows of every view message, in wire order: per view buffer, per layer having
+    it (``layout``), per cut of ``header.cuts``, the rows of ``slots`` (this side's int64
+    ``[T]``, CPU) in that cut (may be non-contiguous: a GQA head subset).
 
     Raises:
         ValueError: a cut is not one run of ``slots`` (the sender broke the protocol).
@@ -84,7 +88,8 @@ def cut_views(cache: object, header: wire.Header, heads: slice | None,
     firsts = [int(slots[a]) for a in header.cuts]
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     return [payload.flat(cache, buffer, layer, heads)[s:s + n]
-            for buffer in header.views for layer in header.chunk.layers
+            for buffer in header.views
+            for layer in layout.buffers[buffer].in_layers(header.chunk.layers)
             for s, n in zip(firsts, lengths)]
 
 
@@ -98,40 +103,57 @@ def packs(layout, header: wire.Header, limit: int | None = None) -> list[Pack]:
     """The packs of data record ``header``, in wire order (layer groups, then token ranges).
 
     ``limit``: bytes per pack (default :data:`PACK_BYTES`). Whole layers are grouped while a
-    group fits; a layer larger than ``limit`` is cut into token ranges.
+    group fits (a layer's bytes: its packed buffers, :meth:`KVLayout.layer_buffers`); a layer
+    larger than ``limit`` is cut into token ranges.
 
     Raises:
         ValueError: one token of one layer is larger than ``limit``.
     """
     limit = PACK_BYTES if limit is None else limit
-    per_token = sum(nb for b, nb in enumerate(token_bytes(layout, header.chunk))
-                    if b not in header.views)
-    if per_token == 0:
-        return []
-    if per_token > limit:
-        raise ValueError(f"one token of one layer is {per_token} B, more than a pack "
-                         f"({limit} B): raise kv_transfer.packs.PACK_BYTES")
-    n, layers = header.chunk.n_tokens, header.chunk.layers
-    if n * per_token <= limit:
-        step = limit // (n * per_token)
-        return [Pack(layers[i:i + step], 0, n, len(layers[i:i + step]) * n * per_token)
-                for i in range(0, len(layers), step)]
-    step = limit // per_token
-    return [Pack((layer,), a, min(a + step, n), (min(a + step, n) - a) * per_token)
-            for layer in layers for a in range(0, n, step)]
+    n, out, group, group_bytes = header.chunk.n_tokens, [], [], 0
+    for layer, per_token in zip(header.chunk.layers, _layer_token_bytes(layout, header)):
+        if per_token > limit:
+            raise ValueError(f"one token of one layer is {per_token} B, more than a pack "
+                             f"({limit} B): raise kv_transfer.packs.PACK_BYTES")
+        if per_token and (n * per_token > limit or group_bytes + n * per_token > limit) \
+                and group:
+            out.append(Pack(tuple(group), 0, n, group_bytes))
+            group, group_bytes = [], 0
+        if n * per_token > limit:
+            step = limit // per_token
+            out += [Pack((layer,), a, min(a + step, n), (min(a + step, n) - a) * per_token)
+                    for a in range(0, n, step)]
+        elif per_token:
+            group.append(layer)
+            group_bytes += n * per_token
+    if group:
+        out.append(Pack(tuple(group), 0, n, group_bytes))
+    return out
+
+
+def _layer_token_bytes(layout, header: wire.Header) -> list[int]:
+    """Packed bytes of one token of each of the record's layers (its buffers not sent as
+    views, for the record's heads)."""
+    sizes = token_bytes(layout, header.chunk)
+    return [sum(nb for b, (spec, nb) in enumerate(zip(layout.buffers, sizes))
+                if b not in header.views and spec.in_layers((layer,)))
+            for layer in header.chunk.layers]
 
 
 def _views(buf: torch.Tensor, layout, header: wire.Header,
-           pack: Pack) -> list[tuple[int, torch.Tensor, int]]:
+           pack: Pack) -> list[tuple[int, torch.Tensor, int, tuple[int, ...]]]:
     """``buf`` (uint8, at least ``pack.nbytes``) viewed as the pack's per-buffer tensors
-    ``[len(layers), b - a, *D]``: ``(buffer, tensor, bytes per token)`` per packed buffer."""
+    ``[Ly, b - a, *D]`` (``Ly``: the pack's layers that have the buffer): ``(buffer, tensor,
+    bytes per token, those layers)`` per packed buffer a layer of the pack has."""
     out, at, heads = [], 0, header.chunk.head_range()
     for buffer, (spec, nb) in enumerate(zip(layout.buffers, token_bytes(layout, header.chunk))):
-        if buffer in header.views:
+        layers = spec.in_layers(pack.layers)
+        if buffer in header.views or not layers:
             continue
-        size = len(pack.layers) * (pack.b - pack.a) * nb
-        shape = (len(pack.layers), pack.b - pack.a, *layout.token_dims(spec, heads))
-        out.append((buffer, payload.as_tensor(buf[at:at + size], shape, layout.torch_dtype), nb))
+        size = len(layers) * (pack.b - pack.a) * nb
+        shape = (len(layers), pack.b - pack.a, *layout.token_dims(spec, heads))
+        out.append((buffer, payload.as_tensor(buf[at:at + size], shape, layout.torch_dtype), nb,
+                    layers))
         at += size
     return out
 
@@ -140,8 +162,8 @@ def gather(cache: object, layout, header: wire.Header, heads: slice | None,
            src_slots: torch.Tensor, pack: Pack, out: torch.Tensor) -> None:
     """Copy the pack's rows from ``src_slots`` (int64 ``[T]``, cache device) into ``out``."""
     rows = src_slots[pack.a:pack.b]
-    for buffer, view, _ in _views(out, layout, header, pack):
-        payload.gather(cache, buffer, pack.layers, heads, rows, out=view)
+    for buffer, view, _, layers in _views(out, layout, header, pack):
+        payload.gather(cache, buffer, layers, heads, rows, out=view)
 
 
 def scatter(cache: object, layout, header: wire.Header, heads: slice | None,
@@ -154,11 +176,11 @@ def scatter(cache: object, layout, header: wire.Header, heads: slice | None,
     rows = dst_slots[pack.a:pack.b]
     firsts = rows.cpu()
     found = runs(firsts)
-    for buffer, view, nb in _views(src, layout, header, pack):
+    for buffer, view, nb, layers in _views(src, layout, header, pack):
         if rows.numel() * nb < RUN_COPY_BYTES * len(found):
-            payload.scatter(cache, buffer, pack.layers, heads, rows, view)
+            payload.scatter(cache, buffer, layers, heads, rows, view)
             continue
-        for i, layer in enumerate(pack.layers):
+        for i, layer in enumerate(layers):
             flat = payload.flat(cache, buffer, layer, heads)
             for r in found:
                 slot = int(firsts[r.start])

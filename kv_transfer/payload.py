@@ -5,7 +5,8 @@ dim, e.g. 512 for K / 64 for V / 128 for index_k; GQA: heads-in-pair x head_dim)
 
 The cache object is duck-typed: ``layer_buffers(layer)`` returns the layer's buffers
 ``[num_blocks, block_size, *dims]``, each contiguous, in the order of ``KVLayout.buffers``
-(``KVCache``: K, V[, index_k]); a buffer is named by its position ``buffer`` in that order.
+(``KVCache``: K, V[, index_k]; a layer without index_k, GLM-5.2's shared, gives K, V); a
+buffer is named by its position ``buffer`` in that order.
 Slot ``s`` (``engine.block_pool.slot_mapping``) is row ``s`` of a buffer viewed as token rows
 (:func:`flat`).
 """
@@ -37,8 +38,8 @@ def cache_slots(cache: object) -> tuple[int, torch.device]:
 
 
 def check_cache(cache: object, layout, heads: range | None) -> None:
-    """Check that ``cache`` holds the buffers ``layout`` names, with this rank's dims, each
-    one contiguous allocation.
+    """Check that every layer of ``cache`` holds the buffers ``layout`` gives that layer, with
+    this rank's dims, each one contiguous allocation.
 
     Args:
         layout: the rank's :class:`~kv_transfer.layout.KVLayout`.
@@ -48,15 +49,18 @@ def check_cache(cache: object, layout, heads: range | None) -> None:
         ValueError: buffer count or per-token dims differ (message names both), or a buffer
             is not contiguous.
     """
-    if not all(t.is_contiguous() for t in cache.layer_buffers(0)):
-        raise ValueError("the KV cache's buffers must each be contiguous [num_blocks, "
-                         "block_size, *dims] (engine.kv_cache.KVCache builds them so)")
-    got = [tuple(t.shape[2:]) for t in cache.layer_buffers(0)]
-    want = [layout.token_dims(spec, heads) for spec in layout.buffers]
-    if got != want:
-        names = [spec.name for spec in layout.buffers]
-        raise ValueError(f"the KV cache holds per-token buffers {got} but the layout names "
-                         f"{names} with dims {want}: build the layout from this cache's spec")
+    for layer in range(layout.num_layers):
+        bufs = cache.layer_buffers(layer)
+        if not all(t.is_contiguous() for t in bufs):
+            raise ValueError("the KV cache's buffers must each be contiguous [num_blocks, "
+                             "block_size, *dims] (engine.kv_cache.KVCache builds them so)")
+        got = [tuple(t.shape[2:]) for t in bufs]
+        want = [layout.token_dims(spec, heads) for spec in layout.layer_buffers(layer)]
+        if got != want:
+            names = [spec.name for spec in layout.layer_buffers(layer)]
+            raise ValueError(f"the KV cache holds per-token buffers {got} in layer {layer} but "
+                             f"the layout names {names} with dims {want}: build the layout "
+                             "from this cache's spec")
 
 
 class BufferPool:

@@ -161,7 +161,7 @@ class ReceiverChannel:
         finally:
             if allowed:
                 self._tracker.end_write(req, chunk, done)
-        nbytes = chunk.n_tokens * len(chunk.layers) * sum(packs.token_bytes(self._layout, chunk))
+        nbytes = chunk.n_tokens * self._layout.token_layer_bytes(chunk.layers, chunk.head_range())
         self._stats.add(wire_s=time.perf_counter() - t0 - scatter_s, scatter_s=scatter_s,
                         nbytes=nbytes if allowed else 0)
 
@@ -202,7 +202,7 @@ class ReceiverChannel:
         if not header.views:
             return 0.0
         try:
-            rows = packs.cut_views(self._cache, header,
+            rows = packs.cut_views(self._cache, self._layout, header,
                                    self._local_heads(header.chunk.head_range()),
                                    header.chunk.dst_slots)
         except ValueError as exc:

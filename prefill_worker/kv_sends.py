@@ -65,7 +65,7 @@ class KVSends:
 
     def __init__(self, runner, cfg: InstanceConfig, rank: int) -> None:
         self.name, self.rank = cfg.name, rank
-        self.bytes_per_token_layer = runner.kv_spec.bytes_per_token_per_layer
+        self.kv_spec = runner.kv_spec
         self.connector = PrefillKVConnector(
             runner.kv_cache, make_layout(runner, cfg), cfg.name, rank, cfg.parallel.tp,
             cfg.transfer, cp=cfg.parallel.cp)
@@ -83,7 +83,7 @@ class KVSends:
                 pair = f"{self.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
                        f"{send.decode_rank}"
                 self.log.add(t.request_id, pair,
-                             len(send.layers) * tokens * self.bytes_per_token_layer)
+                             self.kv_spec.bytes_per_token_of(send.layers) * tokens)
             if t.last:
                 self.connector.finish(t.request_id, t.peers, t.end)
 

@@ -183,10 +183,10 @@ def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
             other += nbytes
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch) / e
-    kv_per_token = runner.kv_spec.bytes_per_token_per_layer
+    kv_per_token = runner.kv_spec.bytes_per_token  # all layers
     embed_rows = embed // cfg.vocab_size * batch
     return int(other + expert * touched + embed_rows
-               + batch * context * kv_per_token * cfg.num_hidden_layers)
+               + batch * context * kv_per_token)
 
 
 def _sync(device: str) -> None:

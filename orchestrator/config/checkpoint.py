@@ -85,11 +85,11 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
     if not model.is_tiny:
         return None, f"{config} not found"
     try:
-        from orchestrator.tiny_model import tiny_config_dict  # lazy: engine optional
+        from orchestrator.tiny_model import TINY_ARCHS, tiny_config_dict  # lazy: engine optional
     except ImportError:
         return None, (f"tiny checkpoint not created yet at {config.parent} and the engine is "
                       "not installed; run `orch model init-tiny` then dry-run again")
-    return tiny_config_dict(deepseek_v32=model.tiny_arch == "deepseek_v32"), \
+    return tiny_config_dict(**TINY_ARCHS[model.tiny_arch]), \
         f"the built-in tiny config; not created yet at {config.parent}"
 
 

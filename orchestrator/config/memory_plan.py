@@ -258,7 +258,8 @@ def _indexer(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     shapes = {"wq_b": (heads * dim, m.q_lora_rank), "wk": (dim, h), "weights_proj": (heads, h)}
     per_layer = sum(_held(m, lay, f"{_LAYER}self_attn.indexer.{name}.weight", shape)
                     for name, shape in shapes.items())
-    return m.num_hidden_layers * per_layer, "whole (every TP rank)"
+    layers = sum(m.indexer_layers)  # NOTE: GLM-5.2's shared layers have no indexer
+    return layers * per_layer, f"whole (every TP rank), {layers} layers"
 
 
 def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -267,16 +268,16 @@ def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
              "self_attn.kv_a_layernorm.weight": m.kv_lora_rank}
     if m.q_lora_rank:
         layer["self_attn.q_a_layernorm.weight"] = m.q_lora_rank
-    if m.index_head_dim:  # V3.2's indexer k_norm
-        layer.update({"self_attn.indexer.k_norm.weight": m.index_head_dim,
-                      "self_attn.indexer.k_norm.bias": m.index_head_dim})
+    k_norm = 2 * _held(m, lay, _LAYER + "self_attn.indexer.k_norm.weight",
+                       (m.index_head_dim,)) if m.index_head_dim else 0  # weight and bias
     gate = {"mlp.gate.weight": (experts, h)}
     if m.topk_method == "noaux_tc":
         gate["mlp.gate.e_score_correction_bias"] = (experts,)
     norms = sum(_held(m, lay, _LAYER + name, (n,)) for name, n in layer.items())
     router = sum(_held(m, lay, _LAYER + name, shape) for name, shape in gate.items())
     final = _held(m, lay, "model.norm.weight", (h,))
-    return m.num_hidden_layers * norms + final + num_moe_layers(m) * router, "whole"
+    return m.num_hidden_layers * norms + sum(m.indexer_layers) * k_norm + final \
+        + num_moe_layers(m) * router, "whole"
 
 
 def _kv_tokens(lay: RoleLayout) -> int:
@@ -294,8 +295,9 @@ def _kv_rope(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 
 
 def _kv_index(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    return m.num_hidden_layers * _kv_tokens(lay) * m.index_head_dim, \
-        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.index_head_dim}"
+    layers = sum(m.indexer_layers)  # NOTE: GLM-5.2's shared layers have no index_k
+    return layers * _kv_tokens(lay) * m.index_head_dim, \
+        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.index_head_dim}, {layers} layers"
 
 
 def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:

@@ -17,16 +17,23 @@ from orchestrator.config.memory_plan import Precision, num_moe_layers
 
 
 def attention_params_per_layer(m: ModelConfig) -> int:
-    """Weights of one layer's attention linears (all heads; V3.2 indexer included)."""
+    """Weights of one layer's MLA linears (all heads; the DSA indexer is
+    :func:`indexer_params`, on the layers that have one)."""
     heads, h = m.num_attention_heads, m.hidden_size
     q = (h * m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim) if m.q_lora_rank \
         else h * heads * m.qk_head_dim
     attn = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) \
         + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * m.v_head_dim * h
-    if m.uses_sparse_attention:
-        attn += m.q_lora_rank * m.index_n_heads * m.index_head_dim \
-            + h * (m.index_head_dim + m.index_n_heads)
     return attn
+
+
+def indexer_params(m: ModelConfig) -> int:
+    """Weights of one DSA indexer (``wq_b``, ``wk``, ``weights_proj``); 0 without DSA."""
+    if not m.uses_sparse_attention:
+        return 0
+    h = m.hidden_size
+    return m.q_lora_rank * m.index_n_heads * m.index_head_dim + h * (m.index_head_dim
+                                                                     + m.index_n_heads)
 
 
 def dense_params_per_token(m: ModelConfig) -> int:
@@ -35,7 +42,9 @@ def dense_params_per_token(m: ModelConfig) -> int:
     moe = num_moe_layers(m)
     dense_mlp = (m.num_hidden_layers - moe) * 3 * m.hidden_size * m.intermediate_size
     gate = moe * (m.n_routed_experts or 0) * m.hidden_size
-    return m.num_hidden_layers * attention_params_per_layer(m) + dense_mlp + gate
+    # NOTE: only indexer layers have indexer weights (GLM-5.2's shared layers reuse a selection)
+    return (m.num_hidden_layers * attention_params_per_layer(m)
+            + sum(m.indexer_layers) * indexer_params(m) + dense_mlp + gate)
 
 
 def expert_params(m: ModelConfig) -> int:
@@ -71,7 +80,9 @@ def attention_flops(m: ModelConfig, new: int, past: int, absorbed: bool | None =
         return 2.0 * layers * heads * per_key * keys
     capped = sum_min(past, new, m.index_topk)
     width = 2 * m.kv_lora_rank + m.qk_rope_head_dim
-    return 2.0 * layers * (heads * width * capped + m.index_n_heads * m.index_head_dim * keys)
+    # NOTE: only indexer layers score every key (shared layers reuse the last selection)
+    return 2.0 * (layers * heads * width * capped
+                  + sum(m.indexer_layers) * m.index_n_heads * m.index_head_dim * keys)
 
 
 def sum_min(past: int, new: int, k: int) -> float:
@@ -83,21 +94,20 @@ def sum_min(past: int, new: int, k: int) -> float:
 
 
 def kv_bytes_per_token(m: ModelConfig, prec: Precision) -> float:
-    """KV cache bytes of one token over all layers (latent, k_pe, V3.2 index_k)."""
-    width = m.kv_lora_rank + m.qk_rope_head_dim + \
-        (m.index_head_dim if m.uses_sparse_attention else 0)
-    return m.num_hidden_layers * width * prec.kv
+    """KV cache bytes of one token over all layers (latent, k_pe; DSA index_k on the
+    indexer layers)."""
+    return (m.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + sum(m.indexer_layers) * m.index_head_dim) * prec.kv
 
 
 def kv_read_per_seq(m: ModelConfig, prec: Precision, context: float) -> float:
     """KV bytes one decode step reads for one sequence of ``context`` tokens (V3.2: the
     top-k latents and the indexer keys of the whole context)."""
     latent = m.kv_lora_rank + m.qk_rope_head_dim
-    if m.uses_sparse_attention:
-        per_layer = min(context, m.index_topk) * latent + context * m.index_head_dim
-    else:
-        per_layer = context * latent
-    return m.num_hidden_layers * prec.kv * per_layer
+    if not m.uses_sparse_attention:
+        return m.num_hidden_layers * prec.kv * context * latent
+    return prec.kv * (m.num_hidden_layers * min(context, m.index_topk) * latent
+                      + sum(m.indexer_layers) * context * m.index_head_dim)
 
 
 def expert_active_share(m: ModelConfig, tokens: float) -> float:

@@ -1,5 +1,5 @@
-"""Fixtures of the engine tests: tiny random DeepSeek-V3 (and V3.2) checkpoints, written once per
-session."""
+"""Fixtures of the engine tests: tiny random DeepSeek-V3 (V3.2, GLM-5) checkpoints, written once
+per session."""
 
 from __future__ import annotations
 
@@ -35,4 +35,25 @@ def tiny_dsa_ckpt(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("dsa") / "v32"
     assert main(["model", "init-tiny", "--arch", "deepseek_v32", "--seed", "3", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_ckpt(tmp_path_factory):
+    """GLM-5 (every layer a full indexer), ``orch model init-tiny --arch glm_moe_dsa --seed 5``."""
+    return _init_tiny(tmp_path_factory, "glm_moe_dsa")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_shared_ckpt(tmp_path_factory):
+    """GLM-5.2-style (layers 1 and 3 shared), ``orch model init-tiny --arch glm_moe_dsa_shared
+    --seed 5``."""
+    return _init_tiny(tmp_path_factory, "glm_moe_dsa_shared")
+
+
+def _init_tiny(tmp_path_factory, arch: str):
+    from orchestrator.cli import main  # noqa: PLC0415 (only these fixtures need the CLI)
+
+    out = tmp_path_factory.mktemp(arch) / arch
+    assert main(["model", "init-tiny", "--arch", arch, "--seed", "5", str(out)]) == 0
     return out

@@ -1,6 +1,6 @@
 """Context-parallel prefill over 4 gloo ranks (fp32): the same logits and KV caches as one
-rank, one shot and chunked, DeepSeek-V3 and V3.2; layer-sharded attention weights stored 1/4
-per rank with unchanged logits; the load-balanced causal token split."""
+rank, one shot and chunked, DeepSeek-V3, V3.2 and GLM-5.2-style; layer-sharded attention
+weights stored 1/4 per rank with unchanged logits; the load-balanced causal token split."""
 
 from __future__ import annotations
 
@@ -46,18 +46,20 @@ def _max_diff(got: dict, want: dict) -> tuple[float, float]:
     return logits, caches
 
 
-def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tmp_path):
+def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tiny_glm_shared_ckpt, tmp_path):
     """1K-token prompt in one shot and in chunks (V3; earlier keys in tiles of 100), as two
     batched requests, with layer sharding, with expert parallelism over the 4 CP ranks
-    (chunked), and a V3.2 prompt in 2 chunks (its indexer keys gathered too): every rank's
-    logits and whole KV cache equal one rank's."""
+    (chunked), a V3.2 prompt in 2 chunks (its indexer keys gathered too) and the same on
+    GLM-5.2-style shared indexer layers, layer-sharded: every rank's logits and whole KV cache
+    equal one rank's."""
     long, short = _prompt(1024, 0), _prompt(300, 1)
     plans = (CPPlan("one_shot", str(cp_ckpt), long, (1024,)),
              CPPlan("chunked", str(cp_ckpt), long, CHUNKS, prefix_tile=100),
              CPPlan("batched", str(cp_ckpt), long, (), batched=True),
              CPPlan("sharded", str(cp_ckpt), long, (1024,), SHARDED),
              CPPlan("ep", str(cp_ckpt), long, CHUNKS, ep=True),
-             CPPlan("dsa", str(tiny_dsa_ckpt), short, (173, 127)))
+             CPPlan("dsa", str(tiny_dsa_ckpt), short, (173, 127)),
+             CPPlan("glm_shared", str(tiny_glm_shared_ckpt), short, (173, 127), SHARDED))
     results = run_cp_ranks(CP, (free_port(), free_port()), plans, str(tmp_path))
     want = {plan.name: _one_rank(plan) for plan in plans if plan.name not in ("sharded", "ep")}
     want["sharded"], want["ep"] = want["one_shot"], want["chunked"]

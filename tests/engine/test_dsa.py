@@ -152,10 +152,7 @@ def test_config_v32_fields_and_refusals():
     assert not ModelConfig.from_dict(tiny_config_dict()).uses_sparse_attention
     with pytest.raises(UnsupportedModelError, match="needs q_lora_rank"):
         ModelConfig.from_dict(tiny_config_dict(deepseek_v32=True, q_lora_rank=None))
-    glm = {**tiny_config_dict(deepseek_v32=True), "architectures": ["GlmMoeDsaForCausalLM"],
-           "model_type": "glm_moe_dsa"}
-    with pytest.raises(UnsupportedModelError, match="INTERLEAVED.*'shared' layers"):
-        ModelConfig.from_dict(glm)
+    assert cfg.indexer_rope == "half" and cfg.indexer_layers == (True,) * 3
     # NOTE: V3.2's model_type under V3's architecture would load as dense V3 (indexer
     # weights skipped): refused, as is the converse
     for arch, model_type in (("DeepseekV3ForCausalLM", "deepseek_v32"),

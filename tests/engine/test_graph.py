@@ -136,8 +136,10 @@ def test_failing_capture_falls_back_to_eager_with_one_warning(dense_ckpt, backen
     _assert_pool_blocks_equal(eager, graph)
 
 
-def test_padded_decode_equals_eager_v32(tiny_dsa_ckpt, backends):
-    eager, graph = _runners(tiny_dsa_ckpt, "counting")
+@pytest.mark.parametrize("ckpt_name", ["tiny_dsa_ckpt", "tiny_glm_shared_ckpt"])
+def test_padded_decode_equals_eager_dsa(ckpt_name, backends, request):
+    """V3.2, and GLM-5.2-style shared indexer layers (the padding rows' selections reused)."""
+    eager, graph = _runners(request.getfixturevalue(ckpt_name), "counting")
     assert _decode_side_by_side(eager, graph, num_seqs=2, steps=3) <= 1e-5
     assert backends["counting"].calls == 3
     _assert_pool_blocks_equal(eager, graph)

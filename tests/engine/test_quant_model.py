@@ -260,3 +260,29 @@ def test_written_checkpoints_are_readable_by_other_users(tiny_ckpt, fp8_ckpt):
     for folder in (tiny_ckpt, fp8_ckpt):
         shards = list(Path(folder).glob("*.safetensors"))
         assert shards and all(p.stat().st_mode & 0o777 == 0o644 for p in shards), folder
+
+
+
+def test_glm_shared_indexer_w8a8_checkpoint_stays_close(tiny_glm_shared_ckpt, tmp_path):
+    """GLM-5.2-style (shared indexer layers hold no indexer weights): `orch model quantize`
+    writes W8A8, the engine loads it and stays close to the float model. NOTE: the median, not
+    the minimum: past index_topk a quantization error can flip which tokens a query selects
+    (a discontinuous top-k), moving that prompt's logits further (one of 16 here, cos 0.89)."""
+    runner = _runner(_quantize(tiny_glm_shared_ckpt, tmp_path / "w8a8", "w8a8"))
+    assert [layer.self_attn.indexer is None for layer in runner.model.model.layers] \
+        == [False, True, False, True]
+    quant, ref = _last_logits(runner), _last_logits(_runner(tiny_glm_shared_ckpt))
+    cos = F.cosine_similarity(quant, ref, dim=-1)  # [16]
+    assert cos.median() >= 0.99 and cos.min() >= 0.8, cos
+    assert (quant.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_glm_shared_indexer_fp8_kept_equals_dequantized(tiny_glm_shared_ckpt, tmp_path):
+    """The FP8-block GLM-5.2-style checkpoint: FP8 weights kept 1 byte give the logits of the
+    same weights dequantized at load."""
+    ckpt = _quantize(tiny_glm_shared_ckpt, tmp_path / "fp8", "fp8-block")
+    kept = _runner(ckpt, fp8_storage="fp8")
+    assert any(isinstance(m, Fp8BlockLinear) for m in kept.model.modules())
+    torch.testing.assert_close(_last_logits(kept),
+                               _last_logits(_runner(ckpt, fp8_storage="dequantize")),
+                               rtol=0, atol=1e-5)

@@ -273,9 +273,10 @@ def test_view_messages_are_the_cache_rows_of_each_cut_and_refuse_a_cut_that_spli
     slots = torch.tensor([9, 10, 2, 3])
     chunk = KVChunk("r", (1,), 0, 4, slots)
     header = dataclasses.replace(wire.data_header(chunk, 0, "f"), views=(0, 1), cuts=(0, 2))
-    got = packs.cut_views(cache, header, None, slots)
+    got = packs.cut_views(cache, KVLayout.from_spec(spec, "m", 1), header, None, slots)
     want = [cache.flat_buffers(1)[b][s:s + 2] for b in (0, 1) for s in (9, 2)]
     assert len(got) == 4 and all(g.data_ptr() == w.data_ptr() and torch.equal(g, w)
                                  for g, w in zip(got, want))
     with pytest.raises(ValueError, match="split no run"):
-        packs.cut_views(cache, dataclasses.replace(header, cuts=(0,)), None, slots)
+        packs.cut_views(cache, KVLayout.from_spec(spec, "m", 1),
+                        dataclasses.replace(header, cuts=(0,)), None, slots)

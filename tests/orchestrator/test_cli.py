@@ -134,7 +134,7 @@ def test_up_flags_override_the_router_section(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["a3_p2x16_d8x4.yaml", "a3_v32_p2x16_d8x4.yaml",
-                                  "gpu_p4x8_d8x4.yaml"])
+                                  "a3_glm5_p2x16_d8x4.yaml", "gpu_p4x8_d8x4.yaml"])
 def test_shipped_remote_configs_require_a_token(name, capsys):
     """A config that listens on every interface asks for a token (README, Security)."""
     config = Path(__file__).resolve().parents[2] / "configs" / name

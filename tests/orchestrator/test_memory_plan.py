@@ -73,7 +73,7 @@ def test_deepseek_v3_has_671b_parameters():
     assert params == pytest.approx(671e9, rel=0.005)  # DeepSeek's figure, without the MTP layer
 
 
-@pytest.mark.parametrize("arch", ["v3", "no_q_lora", "v2", "v32"])
+@pytest.mark.parametrize("arch", ["v3", "no_q_lora", "v2", "v32", "glm5", "glm5_shared"])
 @pytest.mark.parametrize("tp, dp, ep", [(1, 1, False), (2, 1, False), (4, 1, False),
                                         (2, 2, True), (1, 4, True)])
 def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
@@ -88,7 +88,11 @@ def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
 
     raw = {"v3": tiny_config_dict(), "no_q_lora": tiny_config_dict(q_lora_rank=None),
            "v2": tiny_config_dict(deepseek_v2=True),
-           "v32": tiny_config_dict(deepseek_v32=True)}[arch]
+           "v32": tiny_config_dict(deepseek_v32=True),
+           "glm5": tiny_config_dict(glm_moe_dsa=True),
+           "glm5_shared": tiny_config_dict(glm_moe_dsa=True, num_layers=4,
+                                           indexer_types=("full", "shared", "full", "shared"))
+           }[arch]
     model_config = ModelConfig.from_dict(raw)
     model = build_model(model_config, TPGroup(rank=tp - 1, size=tp), KERNELS.resolve("cpu"),
                         torch.float32, torch.device("meta"),
@@ -98,6 +102,13 @@ def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
     plan = plan_role(model_config, layout, Precision.of("float32"))
     assert sum(r.elements for r in plan.rows if r.group == "weights") == \
         sum(p.numel() for p in model.parameters())
+    # the KV rows hold what the engine's cache allocates: index_k on indexer layers only
+    from engine.kv_cache import KVCacheSpec
+
+    spec = KVCacheSpec(model_config.num_hidden_layers, 1, 1, model_config.kv_lora_rank,
+                       model_config.qk_rope_head_dim, index_head_dim=model_config.index_head_dim,
+                       index_layers=model_config.index_cache_layers)
+    assert sum(r.elements for r in plan.rows if r.group == "kv") * 4 == spec.bytes_per_token
 
 
 def test_a_change_in_the_engines_layout_table_changes_the_plan(monkeypatch):
@@ -348,8 +359,8 @@ def test_too_many_step_tokens_suggests_how_many_fit_and_no_tp_that_does_not():
 
 
 @pytest.mark.parametrize("patch, words", [
-    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa"},
-     "GlmMoeDsaForCausalLM (GLM-5, model_type 'glm_moe_dsa') is not supported"),
+    ({"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+      "indexer_types": ["shared", "full", "full"]}, "the first 'full'"),
     ({"index_topk": 0}, "indexer {'index_n_heads': 16, 'index_head_dim': 32, 'index_topk': 0} "
                         "is invalid"),
     ({"index_topk": None}, "has a field of the wrong type"),
