@@ -26,6 +26,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import load_model_config
+from engine.moe import MoE
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
@@ -116,6 +117,8 @@ class ModelRunner:
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep, empty=skip)
         layers = self.model.model.layers
+        if graph.enabled and self.ep.size > 1:  # NOTE: every step, so all EP ranks agree
+            _fixed_ep_dispatch(self.model, -(-max(graph.batch_sizes) // self.tp.size))
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
         self.prefetcher = None
         if sharded and self.cp.size > 1:
@@ -239,3 +242,12 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
+
+
+def _fixed_ep_dispatch(model: torch.nn.Module, capacity: int) -> None:
+    """Graph mode under EP: every MoE layer dispatches by the capture-safe fixed-capacity
+    all-to-all (:func:`engine.expert_parallel.ep_routed_fixed`) of ``capacity`` tokens per
+    rank, in captured and eager steps alike (all EP ranks must run the same collectives)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.ep_capacity = capacity

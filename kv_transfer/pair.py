@@ -152,6 +152,12 @@ class PairGroup:
             for work in works:
                 self.backend.wait(work, timeout_s)
 
+    def abort(self) -> None:
+        """Tear the failed group's communicator down (:meth:`PairBackend.abort`: NCCL/HCCL
+        ``abort()``, nothing for gloo), so a dead or hung peer fails only this pair and the
+        rank process lives on; the pair is remade on next use. Never raises."""
+        self.backend.abort(self.group)
+
     def _doorbell_key(self, n: int) -> str:
         return f"{self.prefix}/doorbell/{n}"
 

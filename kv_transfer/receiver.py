@@ -113,6 +113,8 @@ class ReceiverChannel:
                 self._receive(group, raw)
         except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
             log.warning("KV pair lost: %s", exc)
+            if self._group is not None:
+                self._group.abort()
             self._tracker.on_pair_lost(self.source, f"{self.source.sender} -> decode "
                                        f"{self._me}: pair lost: {exc}")
         finally:

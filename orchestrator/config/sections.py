@@ -210,6 +210,10 @@ class KVTransferSection(_Section):
     peer_timeout_s: float = Field(TransferConfig.peer_timeout_s, gt=0)
     retry_backoff_s: float = Field(TransferConfig.retry_backoff_s, gt=0)
     same_node: Literal["auto", "off"] = TransferConfig.same_node
+    # Device memory of ONE TP / EP / CP communicator in MB (10^6 bytes) for the memory plan;
+    # None = the backend's default (kv_transfer/backend.py COMM_SETTINGS: HCCL 2 x
+    # HCCL_BUFFSIZE = 400 MiB, NCCL ~80 MiB, gloo 0). Set it when you export HCCL_BUFFSIZE.
+    comm_buffer_mb: Optional[float] = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _transfer_rules(self) -> "KVTransferSection":
