@@ -11,6 +11,7 @@ a forward captured per batch-size bucket (:mod:`engine.graph`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +31,8 @@ from engine.moe import MoE
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,11 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_graphs(self) -> None:
         """Capture every graph bucket now (a step of padding rows only, written to the
-        scratch block). No-op with graph mode off."""
+        scratch block) and log which run eager (one line). No-op with graph mode off.
+
+        Raises:
+            engine.graph.GraphCaptureError: a bucket failed with ``graph.required``.
+        """
         if self.graphs is None:
             return
         # NOTE: a context over two blocks: with the padding step's one-block table the capture
@@ -173,6 +180,13 @@ class ModelRunner:
         warm = self._padding_step(context=self.kv_spec.block_size + 1)
         for bucket in self.graphs.config.batch_sizes:
             self._run_graph([], bucket, padding=warm)
+        status = self.graphs.status()
+        if status["eager"]:  # NOTE: one line at start-up, never a silent fallback
+            log.error("graph mode: decode buckets %s captured; buckets %s run EAGER (capture "
+                      "failed: %s)", status["captured"], sorted(status["eager"]),
+                      "; ".join(f"{b}: {why}" for b, why in status["eager"].items()))
+        else:
+            log.info("graph mode: every decode bucket captured: %s", status["captured"])
 
     def _run_graph(self, steps: list[SeqStep], bucket: int,
                    padding: SeqStep | None = None) -> torch.Tensor | None:
