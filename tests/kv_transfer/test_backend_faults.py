@@ -118,3 +118,14 @@ def test_sender_teardown_aborts_the_pair_and_fails_only_its_requests():
     channel._teardown(TransferError("peer died", pair=pair.name))
     assert pair.group.aborts == 1
     assert set(owner.failed) == {"a", "b"} and channel._pair is None
+
+
+def test_a_same_node_pair_signals_over_gloo_never_a_device_communicator():
+    """Two ranks on one GPU: NCCL refuses them, and the group only carries ready/ack."""
+    from kv_transfer.pair import group_backend
+
+    nccl = device_backend("nccl", FakeGroup)
+    assert group_backend(nccl, same_node=True).name == "gloo"
+    assert group_backend(nccl, same_node=False) is nccl
+    gloo = backend_for("cpu")
+    assert group_backend(gloo, same_node=True) is gloo
