@@ -194,8 +194,9 @@ class DecodeGraphs:
     """The captured forwards of one runner, one per bucket, captured on first use.
 
     ``capture_s``: bucket -> seconds its first (capturing) call took; ``failures``: bucket
-    -> why its capture failed (those run eager); ``failed``: the same buckets, as a set. Side effect: dynamo's process-wide ``recompile_limit`` is raised
-    to at least ``len(batch_sizes) + 2``.
+    -> why its capture failed (those run eager); ``failed``: the same buckets, as a set.
+    Side effect: dynamo's process-wide ``recompile_limit`` is raised to at least
+    ``len(batch_sizes) + 2``.
 
     Raises:
         KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
