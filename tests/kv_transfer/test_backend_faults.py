@@ -4,6 +4,7 @@ abort of a failed pair (kv_transfer/backend.py COMM_SETTINGS)."""
 
 import datetime
 import os
+import threading
 
 import pytest
 import torch
@@ -129,3 +130,25 @@ def test_a_same_node_pair_signals_over_gloo_never_a_device_communicator():
     assert group_backend(nccl, same_node=False) is nccl
     gloo = backend_for("cpu")
     assert group_backend(gloo, same_node=True) is gloo
+
+
+def test_a_silent_peer_s_receiver_aborts_its_group_a_closing_one_does_not():
+    """Decode side: a pair given up for a dead or hung prefill rank aborts its communicator
+    (a hung NCCL peer would otherwise hold the watchdog); a normal close only wakes it."""
+    from kv_transfer.receiver import ReceiverChannel
+
+    class Store:
+        def __init__(self):
+            self.keys = []
+
+        def set(self, key, value):
+            self.keys.append(key)
+
+    for abort in (True, False):
+        channel = ReceiverChannel.__new__(ReceiverChannel)  # NOTE: no thread: stop alone
+        channel._stop, channel._group = threading.Event(), _pair(device_backend("nccl",
+                                                                               FakeGroup))
+        store = Store()
+        channel.stop(store, abort=abort)
+        assert channel._group.group.aborts == int(abort)
+        assert channel._stop.is_set() and store.keys == ["p/doorbell/1"]  # woken either way
