@@ -32,7 +32,8 @@ class Sizes:
     """How big each check runs. prompt/steps: checks 1, 4, 6; batch x context: check 3
     (with its checkpoint's widths ``wide``); graph_steps: timed steps of check 4, whose
     checkpoint is the tiny one with ``graph_model`` (the dry run: one dense layer, a
-    cheaper CPU compile)."""
+    cheaper CPU compile); roofline_graph: check 3's step runs captured (a bucket of
+    ``batch``: the step as served, without eager launch overhead)."""
 
     prompt: int
     steps: int
@@ -42,16 +43,18 @@ class Sizes:
     graph_steps: int
     peer_timeout_s: float
     graph_model: dict
+    roofline_graph: bool
 
 
 DEVICE_SIZES = Sizes(prompt=300, steps=16, batch=32, context=4096, graph_steps=50,
                      peer_timeout_s=10.0,
                      wide=dict(hidden_size=1024, num_heads=16, kv_lora_rank=512,
                                n_routed_experts=64, num_layers=8, q_lora_rank=384),
-                     graph_model={})
+                     graph_model={}, roofline_graph=True)
 DRY_SIZES = Sizes(prompt=24, steps=4, batch=4, context=256, graph_steps=5, peer_timeout_s=3.0,
                   wide=dict(num_layers=2),
-                  graph_model=dict(num_layers=1, first_k_dense_replace=1, vocab_size=512))
+                  graph_model=dict(num_layers=1, first_k_dense_replace=1, vocab_size=512),
+                  roofline_graph=False)
 
 
 def _sync(device: str) -> None:
@@ -143,18 +146,22 @@ def _timed(device: str, fn, repeats: int) -> float:
 
 def mla_roofline(device: str, ckpt, sizes: Sizes, hbm_gb_s: float) -> dict:
     """Check 3: one decode step of ``batch`` sequences of ``context`` cached tokens (the KV
-    is whatever the cache holds: the step reads it all the same) vs bytes / HBM bandwidth.
+    is whatever the cache holds: the step reads it all the same; captured when
+    ``sizes.roofline_graph``, eager if that bucket's capture failed: ``graph`` says which)
+    vs bytes / HBM bandwidth.
     ``fraction_of_roofline`` = roofline time / measured time (1.0: at the roofline)."""
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     per = -(-(sizes.context + 1) // BLOCK)
-    runner = _runner(ckpt, device, sizes.batch * per, dtype)
+    graph = GraphConfig(enabled=sizes.roofline_graph, batch_sizes=(sizes.batch,), warmup=True)
+    runner = _runner(ckpt, device, sizes.batch * per, dtype, graph=graph)
     steps = [SeqStep(str(b), (7,), sizes.context, tuple(range(b * per, (b + 1) * per)))
              for b in range(sizes.batch)]
     best = _timed(device, lambda: runner.execute(steps), 5)
     roof = step_bytes(runner, sizes.batch, sizes.context) / (hbm_gb_s * 1e9)
     return {"batch": sizes.batch, "context": sizes.context, "step_ms": best * 1e3,
             "roofline_ms": roof * 1e3, "fraction_of_roofline": roof / best,
-            "hbm_gb_s": hbm_gb_s, "dtype": str(dtype)}
+            "hbm_gb_s": hbm_gb_s, "dtype": str(dtype),
+            "graph": runner.graphs.status() if runner.graphs is not None else "off"}
 
 
 def graph_decode(device: str, ckpt, sizes: Sizes) -> dict:
