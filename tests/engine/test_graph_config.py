@@ -91,3 +91,11 @@ def test_graph_with_ep_needs_a_bucket_for_every_batch(tmp_path):
     cfg = _load(tmp_path, "decode: {dp: 2, ep: true, max_num_seqs: 8,\n"
                           "         graph: {enabled: true, batch_sizes: [1, 8]}}\n")
     assert cfg.decode.graph.batch_sizes == [1, 8]
+
+
+def test_colocated_graph_with_ep_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="decode.graph with decode.ep in colocated mode.*"
+                                          "run disaggregated"):
+        _load(tmp_path, "mode: colocated\n"
+                        "decode: {dp: 2, ep: true, max_num_seqs: 8,\n"
+                        "         graph: {enabled: true, batch_sizes: [1, 8]}}\n")
