@@ -9,7 +9,10 @@ Backends come from a registry with lazy loaders: "compile" (cpu, inductor), "cud
 decode block table is ``[B, M]`` with M the longest sequence's blocks, so real CUDA graphs need
 a fixed width. Paged decode attention is one opaque op (:func:`opaque_mla_decode`), so a new
 context length never recompiles. A capture that raises turns that bucket eager with one
-warning; a request never fails because of graph mode.
+warning, kept in :attr:`DecodeGraphs.failures` (:meth:`DecodeGraphs.status` for a status
+field; the runner's warmup logs one summary line at start-up); with ``required`` it raises
+:class:`GraphCaptureError` instead (at start-up with ``warmup``). Otherwise a request never
+fails because of graph mode.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class GraphConfig:
         batch_sizes: the buckets, strictly increasing, each >= 1 (vLLM's cuda_graph_sizes).
         warmup: capture every bucket when the runner is built (else on first use).
         backend: a :data:`GRAPH_BACKENDS` name; None = the device type's default.
+        required: a bucket whose capture fails is an error (:class:`GraphCaptureError`),
+            not an eager fallback.
 
     Raises:
         ValueError: empty, non-increasing or non-positive ``batch_sizes``; unknown backend.
@@ -49,6 +54,7 @@ class GraphConfig:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     warmup: bool = False
     backend: str | None = None
+    required: bool = False
 
     def __post_init__(self) -> None:
         sizes = self.batch_sizes
@@ -63,6 +69,11 @@ class GraphConfig:
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket ``>= batch``, or None when ``batch`` exceeds every bucket."""
         return next((b for b in self.batch_sizes if b >= batch), None)
+
+
+class GraphCaptureError(RuntimeError):
+    """A bucket could not be captured while graph mode is ``required``; the message names
+    the bucket, the capture's error and what to change."""
 
 
 class GraphBackendRegistry:
@@ -182,9 +193,10 @@ def mark_context_dynamic(batch: DecodeBatch | None) -> None:
 class DecodeGraphs:
     """The captured forwards of one runner, one per bucket, captured on first use.
 
-    ``capture_s``: bucket -> seconds its first (capturing) call took; ``failed``: buckets
-    that fell back to eager. Side effect: dynamo's process-wide ``recompile_limit`` is raised
-    to at least ``len(batch_sizes) + 2``.
+    ``capture_s``: bucket -> seconds its first (capturing) call took; ``failures``: bucket
+    -> why its capture failed (those run eager); ``failed``: the same buckets, as a set.
+    Side effect: dynamo's process-wide ``recompile_limit`` is raised to at least
+    ``len(batch_sizes) + 2``.
 
     Raises:
         KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
@@ -202,6 +214,11 @@ class DecodeGraphs:
         self._graphs: dict[int, Callable] = {}
         self.capture_s: dict[int, float] = {}
         self.failed: set[int] = set()
+        self.failures: dict[int, str] = {}
+
+    def status(self) -> dict:
+        """``{"captured": [buckets], "eager": {bucket: reason}}`` (a status field)."""
+        return {"captured": sorted(self.capture_s), "eager": dict(sorted(self.failures.items()))}
 
     def bucket_for(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> int | None:
         """The bucket of a step, or None when it must run eager (not decode-only, more
@@ -223,9 +240,17 @@ class DecodeGraphs:
                 self._graphs[bucket] = self._capture(self._forward)
             out = self._graphs[bucket](*args)
         except Exception as exc:  # noqa: BLE001 (any capture error: that bucket runs eager)
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if self.config.required:
+                raise GraphCaptureError(
+                    f"graph mode is required but decode bucket {bucket} cannot be captured "
+                    f"({reason}); fix the capture, drop the bucket from "
+                    "decode.graph.batch_sizes, or set decode.graph.required false to run it "
+                    "eager") from exc
             self.failed.add(bucket)
-            log.warning("graph mode: bucket %d falls back to eager, its capture failed: %s: %s",
-                        bucket, type(exc).__name__, exc)
+            self.failures[bucket] = reason
+            log.warning("graph mode: bucket %d falls back to eager, its capture failed: %s",
+                        bucket, reason)
             return None
         if first:
             self.capture_s[bucket] = time.perf_counter() - start

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.expert_parallel import ep_routed
+from engine.expert_parallel import ep_routed, ep_routed_fixed
 from engine.layout import TPLayout
 from engine.model_config import ModelConfig
 from engine.parallel import EPGroup, TPGroup
@@ -121,6 +121,10 @@ class MoE(nn.Module):
         w_gate_up, w_down: the stacked float experts ``[E, 2I, H]`` / ``[E, H, I]`` once
             :meth:`stack_experts` ran (the experts' parameters are views of them); None
             before, or for quantized experts.
+        ep_capacity: None: EP dispatch with exact splits (one host sync per layer); an int:
+            the capture-safe fixed-capacity dispatch for steps of at most that many tokens
+            per rank (:func:`engine.expert_parallel.ep_routed_fixed`; set by the runner in
+            graph mode).
     """
 
     def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup) -> None:
@@ -132,6 +136,7 @@ class MoE(nn.Module):
                                       for j in layout.experts})
         self.w_gate_up: torch.Tensor | None = None
         self.w_down: torch.Tensor | None = None
+        self.ep_capacity: int | None = None
         self.shared_experts = None
         if config.n_shared_experts:
             self.shared_experts = MLP(config.hidden_size,
@@ -143,7 +148,9 @@ class MoE(nn.Module):
         complete on this TP rank's token slice and zero elsewhere
         (:mod:`engine.expert_parallel`); ``T`` may be 0 (an empty EP step)."""
         experts = list(self.experts.values())
-        if self.ep.size > 1:
+        if self.ep.size > 1 and self.ep_capacity is not None:
+            out = ep_routed_fixed(x, self.gate, experts, self.ep, self.tp, self.ep_capacity)
+        elif self.ep.size > 1:
             out = ep_routed(x, self.gate, experts, self.ep, self.tp)
         elif self.w_gate_up is not None and torch.compiler.is_compiling():
             out = _grouped_routed_op(x, *self.gate(x), self.w_gate_up, self.w_down)

@@ -11,6 +11,7 @@ a forward captured per batch-size bucket (:mod:`engine.graph`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,9 +27,12 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import load_model_config
+from engine.moe import MoE
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class ModelRunner:
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep, empty=skip)
         layers = self.model.model.layers
+        if graph.enabled and self.ep.size > 1:  # NOTE: every step, so all EP ranks agree
+            _fixed_ep_dispatch(self.model, -(-max(graph.batch_sizes) // self.tp.size))
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
         self.prefetcher = None
         if sharded and self.cp.size > 1:
@@ -163,7 +169,11 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_graphs(self) -> None:
         """Capture every graph bucket now (a step of padding rows only, written to the
-        scratch block). No-op with graph mode off."""
+        scratch block) and log which run eager (one line). No-op with graph mode off.
+
+        Raises:
+            engine.graph.GraphCaptureError: a bucket failed with ``graph.required``.
+        """
         if self.graphs is None:
             return
         # NOTE: a context over two blocks: with the padding step's one-block table the capture
@@ -171,6 +181,13 @@ class ModelRunner:
         warm = self._padding_step(context=self.kv_spec.block_size + 1)
         for bucket in self.graphs.config.batch_sizes:
             self._run_graph([], bucket, padding=warm)
+        status = self.graphs.status()
+        if status["eager"]:  # NOTE: one line at start-up, never a silent fallback
+            log.error("graph mode: decode buckets %s captured; buckets %s run EAGER (capture "
+                      "failed: %s)", status["captured"], sorted(status["eager"]),
+                      "; ".join(f"{b}: {why}" for b, why in status["eager"].items()))
+        else:
+            log.info("graph mode: every decode bucket captured: %s", status["captured"])
 
     def _run_graph(self, steps: list[SeqStep], bucket: int,
                    padding: SeqStep | None = None) -> torch.Tensor | None:
@@ -240,3 +257,12 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
+
+
+def _fixed_ep_dispatch(model: torch.nn.Module, capacity: int) -> None:
+    """Graph mode under EP: every MoE layer dispatches by the capture-safe fixed-capacity
+    all-to-all (:func:`engine.expert_parallel.ep_routed_fixed`) of ``capacity`` tokens per
+    rank, in captured and eager steps alike (all EP ranks must run the same collectives)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.ep_capacity = capacity

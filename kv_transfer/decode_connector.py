@@ -122,7 +122,7 @@ class DecodeKVConnector:
                 if self._receivers.get(key) is channel:
                     del self._receivers[key]
                     self._retired.append(channel)
-            channel.stop(self._rendezvous.store)
+            channel.stop(self._rendezvous.store, abort=True)
             self._tracker.on_pair_lost(channel.source, error)
 
     def _on_announce(self, announce: wire.Announce) -> tuple[dict, bytes]:

@@ -7,9 +7,11 @@ Two transports, the same calls on each side:
   ``PACK_DEPTH`` packs before it waits for the first.
 - same node (:class:`LocalSender` / :class:`LocalReceiver`): the pack is gathered straight
   into slot ``seq % PACK_DEPTH`` of the pair's shared segment (:mod:`~kv_transfer.local`); a
-  one-element "ready" message (the pack's sequence number) on the group rings the decode
-  side, which scatters from the slot and answers with an "ack" message; the sender reuses a
-  slot only after its ack.
+  one-element "ready" message (the pack's sequence number, a host tensor) on the group rings
+  the decode side, which scatters from the slot and answers with an "ack" message once the
+  scatter finished on the device; the sender reuses a slot only after its ack. A same-node
+  pair's group is gloo whatever the device (:func:`~kv_transfer.pair.group_backend`), so
+  two ranks on one GPU never need an NCCL communicator between them.
 
 Sender: ``take(nbytes)`` (a staging tensor; waits, bounded, while ``PACK_DEPTH`` packs are in
 flight), gather into it, ``post(...)`` (returns the pack's sequence number), and later
@@ -26,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kv_transfer import packs, payload
+from kv_transfer import local, packs, payload
 from kv_transfer.errors import WireError
 from kv_transfer.local import LocalBackend
 from kv_transfer.pair import PairGroup
@@ -85,9 +87,9 @@ class LocalSender:
     def post(self, buf: torch.Tensor, nbytes: int, what: str) -> int:
         self._local.sync(self._device)
         self._seq += 1
-        ack = torch.zeros(1, dtype=torch.int64, device=self._device)
+        ack = torch.zeros(1, dtype=torch.int64)
         self._acks.append((self._pair.post_recv(ack, what), ack))
-        msg = torch.tensor([self._seq], dtype=torch.int64, device=self._device)
+        msg = torch.tensor([self._seq], dtype=torch.int64)
         self._ready.append((self._seq, self._pair.post([msg], what)[0], msg))
         while len(self._ready) > 1 and self._ready[0][1].is_completed():
             self._ready.popleft()
@@ -131,12 +133,13 @@ class LocalReceiver:
                  timeout_s: float) -> None:
         self._pair, self._segment = pair, segment
         self._device, self._timeout_s = device, timeout_s
+        self._local = local.local_backend(device)
         self._acks: deque[tuple[object, torch.Tensor]] = deque()
         self._seq = 0
 
     def receive(self, sizes: list[int], what: str) -> Iterator[torch.Tensor]:
         """Each pack's bytes, a view of its slot (valid until the next pack is asked for)."""
-        ready = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in sizes]
+        ready = [torch.zeros(1, dtype=torch.int64) for _ in sizes]
         works = [self._pair.post_recv(t, what) for t in ready]
         for size, work, msg in zip(sizes, works, ready):
             self._pair.wait_sent([work], self._timeout_s, what)
@@ -149,7 +152,8 @@ class LocalReceiver:
             self._ack(what)
 
     def _ack(self, what: str) -> None:
-        ack = torch.tensor([self._seq], dtype=torch.int64, device=self._device)
+        self._local.sync(self._device)  # NOTE: the scatter out of the slot is done
+        ack = torch.tensor([self._seq], dtype=torch.int64)
         self._acks.append((self._pair.post([ack], what)[0], ack))
         while len(self._acks) > packs.PACK_DEPTH:
             self._pair.wait_sent([self._acks[0][0]], self._timeout_s, what)

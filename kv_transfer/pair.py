@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from engine.error_text import first_line
 from kv_transfer import local, packs, wire
-from kv_transfer.backend import PairBackend
+from kv_transfer.backend import PairBackend, backend_for
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import TransferError, TransferTimeout, WireError
 
@@ -152,6 +152,12 @@ class PairGroup:
             for work in works:
                 self.backend.wait(work, timeout_s)
 
+    def abort(self) -> None:
+        """Tear the failed group's communicator down (:meth:`PairBackend.abort`: NCCL/HCCL
+        ``abort()``, nothing for gloo), so a dead or hung peer fails only this pair and the
+        rank process lives on; the pair is remade on next use. Never raises."""
+        self.backend.abort(self.group)
+
     def _doorbell_key(self, n: int) -> str:
         return f"{self.prefix}/doorbell/{n}"
 
@@ -203,6 +209,7 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
         name = f"{where} gen {gen}"
         segment = _map_segment(ack.local, device, name)
         store.set(f"{prefix}/local", b"1" if segment is not None else b"0")
+        backend = group_backend(backend, segment is not None)
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), PREFILL,
                                    config.connect_timeout_s, host)
     except WireError as exc:
@@ -214,6 +221,13 @@ def connect(host: str, port: int, instance: str, rank: int, peer: str, layout: d
             "address is current", pair=where) from exc
     return PairGroup(name, group, store, prefix, gen, PREFILL, backend, ack.layout,
                      local=segment)
+
+
+def group_backend(backend: PairBackend, same_node: bool) -> PairBackend:
+    """The backend of a pair's group: gloo for a same-node pair (its group only carries the
+    8-byte ready/ack messages, :mod:`~kv_transfer.links`; NCCL refuses two ranks on one GPU,
+    and a device communicator would cost its buffers for nothing), else ``backend``."""
+    return backend_for("cpu") if same_node and backend.name != "gloo" else backend
 
 
 def _map_segment(handle: bytes, device: torch.device, name: str) -> torch.Tensor | None:
@@ -245,9 +259,10 @@ def accept(host: str, port: int, announce: wire.Announce, me: str, backend: Pair
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=_td(config.connect_timeout_s),
                               wait_for_workers=False)
+        mapped = store.get(f"{prefix}/local") == b"1"  # NOTE: set before the prefill's group
+        backend = group_backend(backend, mapped)
         group = backend.make_group(dist.PrefixStore(f"{prefix}/pg", store), DECODE,
                                    config.connect_timeout_s, host)
-        mapped = store.get(f"{prefix}/local") == b"1"  # NOTE: set before the group was built
         store.set_timeout(_td(_IDLE_WAIT_S))  # NOTE: this client's get() waits for doorbells
     except Exception as exc:
         raise TransferTimeout(f"{name}: group not built within {config.connect_timeout_s:g} s "

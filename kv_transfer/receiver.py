@@ -74,11 +74,15 @@ class ReceiverChannel:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self, store) -> None:
+    def stop(self, store, abort: bool = False) -> None:
         """Ask the thread to stop (it finishes the record in flight, bounded); ``store`` is
-        a client other than the receiver's, used to wake its doorbell wait."""
+        a client other than the receiver's, used to wake its doorbell wait. ``abort``: the
+        peer is dead or hung, so the group's communicator is aborted too
+        (:meth:`PairGroup.abort`: NCCL/HCCL; nothing for gloo)."""
         self._stop.set()
         group = self._group
+        if group is not None and abort:
+            group.abort()
         if group is not None:
             try:
                 group.wake(store)
@@ -113,6 +117,8 @@ class ReceiverChannel:
                 self._receive(group, raw)
         except Exception as exc:  # noqa: BLE001 - the pair is done; tell its requests
             log.warning("KV pair lost: %s", exc)
+            if self._group is not None:
+                self._group.abort()
             self._tracker.on_pair_lost(self.source, f"{self.source.sender} -> decode "
                                        f"{self._me}: pair lost: {exc}")
         finally:

@@ -300,5 +300,7 @@ class SenderChannel:
         rids = self._active | ({request_id} if request_id is not None else set())
         for rid in rids:
             self._owner.fail(rid, error)
+        if self._pair is not None:
+            self._pair.abort()
         self._drop_pair()
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from engine.layout import tp_layout
 from engine.model_config import ModelConfig, UnsupportedModelError
 from engine.quant.memory import bytes_per_param
+from kv_transfer.backend import COMM_SETTINGS
+from kv_transfer.plan import build_transfer_plan
 from orchestrator.config.checkpoint import model_config_dict
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
@@ -66,6 +68,34 @@ def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
     return list(layouts.values())
 
 
+def comm_buffer_bytes(cfg: OrchConfig) -> tuple[int, int]:
+    """Device bytes (one pair group, one TP / EP / CP communicator) hold: the dist backend's
+    :data:`kv_transfer.backend.COMM_SETTINGS`; ``kv_transfer.comm_buffer_mb`` (MB = 10^6)
+    overrides the second (HCCL: 2 x ``HCCL_BUFFSIZE``)."""
+    settings = COMM_SETTINGS[cfg.platform().dist_backend]
+    mb = cfg.kv_transfer.comm_buffer_mb
+    return settings.pair_buffer_bytes, \
+        settings.buffer_bytes if mb is None else round(mb * 1e6)
+
+
+def with_communicators(cfg: OrchConfig, model: ModelConfig,
+                       layouts: list[RoleLayout]) -> list[RoleLayout]:
+    """``layouts`` with their KV pair groups and communicator buffer size set: a prefill rank
+    pairs with ``len(sends_from(p))`` ranks of each decode instance, a decode rank with
+    ``len(recvs_to(d))`` of each prefill instance (the most over the role's ranks;
+    :func:`kv_transfer.build_transfer_plan`); colocated ranks have none."""
+    pair_buffer, buffer = comm_buffer_bytes(cfg)
+    by_role = {lay.role: lay for lay in layouts}
+    pairs: dict[str, int] = {}
+    if "prefill" in by_role and "decode" in by_role:
+        pre, dec = by_role["prefill"], by_role["decode"]
+        plan = build_transfer_plan(pre.tp, dec.tp, model.num_hidden_layers, prefill_cp=pre.cp)
+        pairs["prefill"] = dec.dp * max(len(plan.sends_from(p)) for p in range(pre.tp * pre.cp))
+        pairs["decode"] = pre.dp * max(len(plan.recvs_to(d)) for d in range(dec.tp))
+    return [replace(lay, pair_groups=pairs.get(lay.role, 0), pair_buffer_bytes=pair_buffer,
+                    comm_buffer_bytes=buffer) for lay in layouts]
+
+
 def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     """(the plan, or None with the reason why it could not be made; the config.json used).
 
@@ -91,7 +121,8 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     precision = Precision.of(cfg.model.dtype, bytes_per_param(
         model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
     try:
-        roles = tuple(plan_role(model, lay, precision) for lay in role_layouts(cfg))
+        layouts = with_communicators(cfg, model, role_layouts(cfg))
+        roles = tuple(plan_role(model, lay, precision) for lay in layouts)
         memory = device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -132,9 +163,11 @@ def _problems(plan: MemoryPlan) -> list[str]:
 
 def _rank_problem(plan: MemoryPlan, role: RolePlan) -> str:
     lay, need, have = role.layout, role.total_bytes, plan.memory.bytes
+    comm = role.bytes_of("communicators")
+    comm = f", communicators {_gb(comm)}" if comm else ""
     head = (f"{lay.role}: one rank needs {_gb(need)} GB (weights {_gb(role.bytes_of('weights'))}"
-            f", KV {_gb(role.bytes_of('kv'))}, workspace {_gb(role.bytes_of('workspace'))}) "
-            f"but the device has {_gb(have)} GB ({plan.memory.source}): exceeds it by "
+            f", KV {_gb(role.bytes_of('kv'))}, workspace {_gb(role.bytes_of('workspace'))}"
+            f"{comm}) but the device has {_gb(have)} GB ({plan.memory.source}): exceeds it by "
             f"{_gb(need - have)} GB ({need / have:.2f}x)")
     return f"{head}. To fit: {'; '.join(_fixes(plan, role))}"
 
@@ -233,8 +266,9 @@ def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
     for row in role.rows:
         lines.append(f"  {row.kind:<24}{row.elements:>17,}{row.bytes_per_element:>7.4g}"
                      f"{size(row.bytes)}  {row.split}")
-    for group in ("weights", "kv", "workspace"):
-        lines.append(f"  {group + ' (sum)':<48}{size(role.bytes_of(group))}")
+    for group in ("weights", "kv", "workspace", "communicators"):
+        if group != "communicators" or role.bytes_of(group):
+            lines.append(f"  {group + ' (sum)':<48}{size(role.bytes_of(group))}")
     total = f"  {'total':<48}{size(role.total_bytes)}"
     if device_bytes is not None:
         total += f"  of {_gb(device_bytes)} GB: {_headroom(role.total_bytes, device_bytes)}"

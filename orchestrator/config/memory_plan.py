@@ -10,7 +10,8 @@ weights with full shapes, and one rank's elements are
 :meth:`engine.layout.ShardRule.local_shape` under the role's :func:`engine.layout.tp_layout`.
 V3.2 indexer rows appear only for sparse-attention models; under CP layer sharding a rank
 counts only the layers it owns (``ceil(layers / cp)`` on CP rank 0) plus a prefetch pool of
-:data:`PREFETCH_POOL` layers.
+:data:`PREFETCH_POOL` layers. Communicator buffers (device memory each NCCL/HCCL group holds
+outside PyTorch's allocator) are one row: the rank's communicators x the backend's buffer.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class RoleLayout:
             max_num_seqs).
         max_num_seqs: most sequences one step samples (logits rows).
         max_model_len: longest sequence, tokens (the prefix chunked prefill decompresses).
+        pair_groups: KV pair groups one rank of the role is in (0: colocated).
+        pair_buffer_bytes: device memory one pair group holds (kv_transfer/backend.py
+            ``COMM_SETTINGS``).
+        comm_buffer_bytes: device memory one TP / EP / CP communicator holds (the backend's
+            default there, or ``kv_transfer.comm_buffer_mb``).
     """
 
     role: str
@@ -57,6 +63,15 @@ class RoleLayout:
     max_model_len: int
     cp: int = 1
     layer_sharding: tuple[str, ...] = ()
+    pair_groups: int = 0
+    pair_buffer_bytes: int = 0
+    comm_buffer_bytes: int = 0
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The rank's TP, EP and CP communicators (each when it spans more than one rank)."""
+        return tuple(name for name, on in (("TP", self.tp > 1), ("EP", self.ep_size > 1),
+                                           ("CP", self.cp > 1)) if on)
 
     @property
     def ranks(self) -> int:
@@ -83,6 +98,8 @@ class Precision:
         weight: embedding, lm_head, norms, router gate (kept at model precision).
         kv: KV cache elements.
         activation: workspace activations.
+        fp32: float32 workspace (logits).
+        byte: rows counted in bytes (communicator buffers).
     """
 
     linear: float
@@ -90,6 +107,7 @@ class Precision:
     kv: float
     activation: float
     fp32: float = 4.0
+    byte: float = 1.0
 
     @classmethod
     def of(cls, dtype: str, linear: float | None = None) -> "Precision":
@@ -106,11 +124,12 @@ class Kind:
 
     Attributes:
         name: what the row holds ("routed experts").
-        group: "weights", "kv" or "workspace".
+        group: "weights", "kv", "workspace" or "communicators".
         storage: the :class:`Precision` field giving its bytes per element.
         count: (model, layout) -> (elements per rank, how they are split, in words).
         sparse_only: a DeepSeek-V3.2 (DSA) row, left out of other models' plans.
         layer_sharded_only: a layer-sharding row, left out of layouts without it.
+        comm_only: a communicator row, left out when it counts no bytes.
     """
 
     name: str
@@ -119,6 +138,7 @@ class Kind:
     count: Callable[[ModelConfig, RoleLayout], tuple[int, str]]
     sparse_only: bool = False
     layer_sharded_only: bool = False
+    comm_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,7 +164,7 @@ class RolePlan:
     rows: tuple[PlanRow, ...]
 
     def bytes_of(self, group: str) -> int:
-        """Bytes of the rows of ``group`` ("weights", "kv", "workspace")."""
+        """Bytes of the rows of ``group`` ("weights", "kv", "workspace", "communicators")."""
         return sum(row.bytes for row in self.rows if row.group == group)
 
     @property
@@ -324,6 +344,17 @@ def _logits(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     return lay.max_num_seqs * m.vocab_size, f"{lay.max_num_seqs} seqs x full vocab, fp32"
 
 
+def _pair_buffers(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    return lay.pair_groups * lay.pair_buffer_bytes, \
+        f"{lay.pair_groups} KV pair group(s) x {lay.pair_buffer_bytes / 1e6:g} MB"
+
+
+def _collective_buffers(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    names = lay.collectives
+    return len(names) * lay.comm_buffer_bytes, \
+        f"{' + '.join(names) or 'none'} x {lay.comm_buffer_bytes / 1e6:g} MB"
+
+
 KINDS: tuple[Kind, ...] = (
     Kind("attention", "weights", "linear", _attention),
     Kind("attention: kv_b_proj", "weights", "weight", _attention_kv_b),
@@ -341,6 +372,9 @@ KINDS: tuple[Kind, ...] = (
     Kind("KV cache: index_k", "kv", "kv", _kv_index, sparse_only=True),
     Kind("workspace: activations", "workspace", "activation", _activations),
     Kind("workspace: logits", "workspace", "fp32", _logits),
+    Kind("comm: KV pair groups", "communicators", "byte", _pair_buffers, comm_only=True),
+    Kind("comm: TP/EP/CP groups", "communicators", "byte", _collective_buffers,
+         comm_only=True),
 )
 
 
@@ -358,6 +392,8 @@ def plan_role(model: ModelConfig, layout: RoleLayout, precision: Precision) -> R
         if kind.layer_sharded_only and not layout.layer_sharding:
             continue
         elements, split = kind.count(model, layout)
+        if kind.comm_only and not elements:
+            continue
         rows.append(PlanRow(kind.name, kind.group, elements,
                             getattr(precision, kind.storage), split))
     return RolePlan(layout, tuple(rows))

@@ -41,6 +41,13 @@ class OrchConfig(_Section):
             except ValueError as exc:
                 raise _cross_field(str(exc)) from None
             _check_graph_backend(self.decode.graph, platform.device_type)
+        if self.mode == "colocated" and self.decode.ep and self.decode.graph.enabled:
+            # NOTE: graph mode + EP dispatches every step by fixed slots of the largest
+            # bucket (engine/expert_parallel.py ep_routed_fixed); prefill chunks exceed them
+            raise _cross_field(
+                "decode.graph with decode.ep in colocated mode: prefill steps cannot use the "
+                "graph buckets' fixed-capacity EP dispatch; turn decode.graph.enabled or "
+                "decode.ep off, or run disaggregated")
         if self.mode == "colocated" and self.prefill.cp > 1:
             raise _cross_field(
                 f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "

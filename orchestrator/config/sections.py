@@ -110,6 +110,9 @@ class GraphSection(_Section):
     warmup: bool = False
     # Capture backend ("compile", "cudagraph", "npugraph"); "" = the device type's default.
     backend: str = ""
+    # A bucket that cannot be captured stops the instance (with warmup: at start-up) instead
+    # of running eager (which is logged, and listed in the runner's graph status).
+    required: bool = False
 
     @model_validator(mode="after")
     def _sizes_increase(self) -> "GraphSection":
@@ -127,7 +130,8 @@ class GraphSection(_Section):
         sizes = self.batch_sizes if max_num_seqs is None else \
             sorted({min(size, max_num_seqs) for size in self.batch_sizes})
         return GraphConfig(enabled=self.enabled, batch_sizes=tuple(sizes),
-                           warmup=self.warmup, backend=self.backend or None)
+                           warmup=self.warmup, backend=self.backend or None,
+                           required=self.required)
 
 
 class PrefillSection(_Section):
@@ -191,6 +195,13 @@ class DecodeSection(_Section):
     @model_validator(mode="after")
     def _ep_needs_ranks(self) -> "DecodeSection":
         _check_ep("decode", self.ep, self.dp, self.tp)
+        if self.ep and self.graph.enabled and max(self.graph.batch_sizes) < self.max_num_seqs:
+            # NOTE: graph mode + EP: every step uses the fixed-capacity dispatch of the
+            # largest bucket (engine/expert_parallel.py ep_routed_fixed)
+            raise _cross_field(
+                f"decode.graph with decode.ep: the largest bucket "
+                f"({max(self.graph.batch_sizes)}) must be >= decode.max_num_seqs "
+                f"({self.max_num_seqs}): add {self.max_num_seqs} to decode.graph.batch_sizes")
         return self
 
 
@@ -211,6 +222,10 @@ class KVTransferSection(_Section):
     peer_timeout_s: float = Field(TransferConfig.peer_timeout_s, gt=0)
     retry_backoff_s: float = Field(TransferConfig.retry_backoff_s, gt=0)
     same_node: Literal["auto", "off"] = TransferConfig.same_node
+    # Device memory of ONE TP / EP / CP communicator in MB (10^6 bytes) for the memory plan;
+    # None = the backend's default (kv_transfer/backend.py COMM_SETTINGS: HCCL 2 x
+    # HCCL_BUFFSIZE = 400 MiB, NCCL ~80 MiB, gloo 0). Set it when you export HCCL_BUFFSIZE.
+    comm_buffer_mb: Optional[float] = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _transfer_rules(self) -> "KVTransferSection":

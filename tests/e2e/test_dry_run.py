@@ -150,11 +150,12 @@ def test_dry_run_refuses_a_layout_that_does_not_fit(tmp_path):
     config.write_text(yaml.safe_dump(data))
     done = run_dry_run(config, tmp_path)
     assert done.returncode == 2, done.stdout
-    assert "  total                                               346.87  of 64.00 GB: " \
-        "EXCEEDS by 282.87 GB" in done.stdout.splitlines()
+    assert "  total                                               347.56  of 64.00 GB: " \
+        "EXCEEDS by 283.56 GB" in done.stdout.splitlines()
     assert done.stderr.startswith("orch up: the layout does not fit the device memory:\n"
-                                  "- decode: one rank needs 346.87 GB (weights 337.06, KV 9.79, "
-                                  "workspace 0.03) but the device has 64.00 GB (npu default: "
-                                  "Atlas A3 die): exceeds it by 282.87 GB (5.42x). To fit: set "
-                                  "decode.ep: true (60.79 GB per rank, 8 experts each)"), \
+                                  "- decode: one rank needs 347.56 GB (weights 337.06, KV 9.79, "
+                                  "workspace 0.03, communicators 0.69) but the device has "
+                                  "64.00 GB (npu default: Atlas A3 die): exceeds it by 283.56 "
+                                  "GB (5.43x). To fit: set decode.ep: true (61.90 GB per rank, "
+                                  "8 experts each)"), \
         done.stderr

@@ -175,3 +175,28 @@ def test_inductor_warmup_is_the_graph_real_steps_use(dense_ckpt, backends, monke
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert _decode_side_by_side(eager, graph, num_seqs=2, steps=2) <= 1e-5
     assert not graph.graphs.failed  # a recompile would have raised and fallen back
+
+
+def test_warmup_reports_a_bucket_that_cannot_be_captured(dense_ckpt, backends, caplog):
+    """A failed capture is listed in the graph status and named by one ERROR line at
+    start-up (warmup), not hidden."""
+    with caplog.at_level(logging.INFO):
+        _, graph = _runners(dense_ckpt, "failing", buckets=(1, 2), warmup=True)
+    assert graph.graphs.status() == {"captured": [], "eager": {
+        1: "RuntimeError: backend exploded", 2: "RuntimeError: backend exploded"}}
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "buckets [1, 2] run EAGER" in errors[0], errors
+
+
+def test_required_graph_mode_refuses_a_bucket_that_cannot_be_captured(dense_ckpt, backends):
+    with pytest.raises(graph_mod.GraphCaptureError, match=r"bucket 1 cannot be captured "
+                       r"\(RuntimeError: backend exploded\).*decode.graph.required false"):
+        _runners(dense_ckpt, "failing", buckets=(1, 2), warmup=True, required=True)
+
+
+def test_warmup_with_every_bucket_captured_says_so(dense_ckpt, backends, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.runner"):
+        _, graph = _runners(dense_ckpt, "counting", buckets=(1, 2), warmup=True)
+    assert graph.graphs.status() == {"captured": [1, 2], "eager": {}}
+    assert any("every decode bucket captured: [1, 2]" in r.getMessage()
+               for r in caplog.records)

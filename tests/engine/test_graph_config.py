@@ -74,3 +74,28 @@ def test_a_backend_without_the_device_is_refused_before_anything_starts(tmp_path
                         "decode: {graph: {enabled: true, backend: cudagraph}}\n")
     _load(tmp_path, "cluster: {device: cpu}\ndecode: {graph: {enabled: false, "
                     "backend: cudagraph}}\n")  # off: not checked
+
+
+def test_required_reaches_the_runners(tmp_path):
+    cfg = _load(tmp_path, "mode: colocated\n"
+                          "decode: {graph: {enabled: true, batch_sizes: [1, 4], required: true}}\n")
+    assert {inst.graph.required for inst in cfg.instances()} == {True}
+
+
+def test_graph_with_ep_needs_a_bucket_for_every_batch(tmp_path):
+    """Graph mode + EP: every step uses the fixed-capacity EP dispatch of the largest bucket."""
+    with pytest.raises(ConfigError, match=r"largest bucket \(4\) must be >= "
+                                          r"decode.max_num_seqs \(8\)"):
+        _load(tmp_path, "decode: {dp: 2, ep: true, max_num_seqs: 8,\n"
+                        "         graph: {enabled: true, batch_sizes: [1, 4]}}\n")
+    cfg = _load(tmp_path, "decode: {dp: 2, ep: true, max_num_seqs: 8,\n"
+                          "         graph: {enabled: true, batch_sizes: [1, 8]}}\n")
+    assert cfg.decode.graph.batch_sizes == [1, 8]
+
+
+def test_colocated_graph_with_ep_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="decode.graph with decode.ep in colocated mode.*"
+                                          "run disaggregated"):
+        _load(tmp_path, "mode: colocated\n"
+                        "decode: {dp: 2, ep: true, max_num_seqs: 8,\n"
+                        "         graph: {enabled: true, batch_sizes: [1, 8]}}\n")

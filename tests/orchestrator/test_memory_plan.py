@@ -16,6 +16,7 @@ from orchestrator.config.errors import ConfigError
 from orchestrator.config.devices import GB, device_memory
 from orchestrator.config.memory_check import (MemoryPlanError, UnservableModelError,
                                        build_memory_plan, check_memory)
+from kv_transfer.backend import COMM_SETTINGS
 from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
 from tests.e2e.harness import REPO
 
@@ -196,7 +197,11 @@ def test_a3_memory_table_matches_the_hand_computation(role, tp, blocks, seqs, st
     assert mine.bytes_of("weights") / GB == pytest.approx(weights, rel=0.01)
     activations = hand_activations(tp, step_tokens, prefix)
     assert rows["workspace: activations"] == pytest.approx(activations, rel=0.01)
-    total = weights + hand["kv"] + hand["logits"] + activations
+    # HCCL: 8 KV pair groups x 2 x 16 MiB (their own hccl_buffer_size) + TP and EP groups
+    # x 2 x HCCL_BUFFSIZE (200 MiB)
+    comm = (8 * 2 * 16 + 2 * 2 * 200) * 2**20 / GB
+    assert mine.bytes_of("communicators") / GB == pytest.approx(comm, rel=1e-9)
+    total = weights + hand["kv"] + hand["logits"] + activations + comm
     assert mine.total_bytes / GB == pytest.approx(total, rel=0.01)
     assert mine.total_bytes < 64 * GB
 
@@ -225,16 +230,50 @@ def test_a3_replica_only_layout_is_refused_saying_by_how_much():
         assert over, message
         assert float(over[2]) == pytest.approx(mine.total_bytes / GB - 64, abs=0.01)
         assert f"set {role}.ep: true" in message
-    assert "decode: one rank needs 346.87 GB" in message  # 337 GB of weights alone
+    assert "decode: one rank needs 347.56 GB" in message  # 337 GB of weights alone
+
+
+def _rows(plan, role):
+    (mine,) = [p for p in plan.roles if p.layout.role == role]
+    return {row.kind: row for row in mine.rows}
+
+
+@pytest.mark.parametrize("config, role, pairs, collectives", [
+    ("a3_p2x16_d8x4.yaml", "prefill", 8, "TP + EP"),  # P16 -> D4: one decode rank each x 8
+    ("a3_p2x16_d8x4.yaml", "decode", 8, "TP + EP"),  # 4 prefill ranks each x 2 instances
+    ("a3_v32_p2x16_d8x4.yaml", "prefill", 32, "EP + CP"),  # CP16: every rank sends all
+    ("gpu_p4x8_d8x4.yaml", "decode", 8, "TP + EP")])
+def test_communicator_rows_count_pair_groups_and_collectives(config, role, pairs, collectives):
+    plan, _ = build_memory_plan(load_config(REPO / "configs" / config))
+    rows = _rows(plan, role)
+    settings = COMM_SETTINGS[load_config(REPO / "configs" / config).platform().dist_backend]
+    pair_row, coll_row = rows["comm: KV pair groups"], rows["comm: TP/EP/CP groups"]
+    assert pair_row.bytes == pairs * settings.pair_buffer_bytes
+    assert pair_row.split.startswith(f"{pairs} KV pair group(s)")
+    assert coll_row.bytes == len(collectives.split(" + ")) * settings.buffer_bytes
+    assert coll_row.split.startswith(collectives)
+
+
+def test_comm_buffer_mb_overrides_the_collective_buffer_only():
+    plan, _ = build_memory_plan(load_config(A3, {"kv_transfer.comm_buffer_mb": 100}))
+    rows = _rows(plan, "decode")
+    assert rows["comm: TP/EP/CP groups"].bytes == 2 * 100 * 10**6
+    assert rows["comm: KV pair groups"].bytes == 8 * COMM_SETTINGS["hccl"].pair_buffer_bytes
+
+
+def test_gloo_layouts_have_no_communicator_rows():
+    plan, _ = build_memory_plan(load_config(REPO / "configs" / "1p1d.yaml"))
+    assert all(p.bytes_of("communicators") == 0 for p in plan.roles)
+    assert not any(r.group == "communicators" for p in plan.roles for r in p.rows)
 
 
 def test_suggested_ep_figure_is_the_plan_with_ep_on():
     off = load_config(A3, {"decode.ep": False})
-    with pytest.raises(MemoryPlanError, match=r"set decode.ep: true \(60.79 GB per rank, "
+    with pytest.raises(MemoryPlanError, match=r"set decode.ep: true \(61.90 GB per rank, "
                                               r"8 experts each\)"):
         check_memory(off)
     plan, _ = build_memory_plan(load_config(A3))
-    assert f"{plan.roles[1].total_bytes / GB:.2f}" == "60.79"
+    assert f"{plan.roles[1].total_bytes / GB:.2f}" == "61.90"
 
 
 def test_too_many_kv_blocks_suggests_how_many_fit():
@@ -314,7 +353,7 @@ def test_orch_up_refuses_before_anything_starts(tmp_path, capsys, monkeypatch):
     assert main(["up", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("orch up: the layout does not fit the device memory:\n- prefill: ")
-    assert "exceeds it by 282.87 GB" in err
+    assert "exceeds it by 283.56 GB" in err
 
 
 W8A8_CONFIG = {"quant_method": "compressed-tensors", "format": "int-quantized",
