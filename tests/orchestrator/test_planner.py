@@ -143,7 +143,7 @@ def test_plan_refuses_a_layout_that_does_not_fit_the_device():
     cfg = load_config(REPO / "configs" / "a3_p2x16_d8x4.yaml")  # ~61 GB a rank, 48 ranks
     wl, h100 = WorkloadSpec(64, 16), default_device("cuda")
     assert plan_config(cfg, wl, h100).point.output_tok_s > 0  # 80 GB a rank
-    with pytest.raises(ConfigError, match="one rank needs 60.79 GB of 40 GB"):
+    with pytest.raises(ConfigError, match="one rank needs 61.90 GB of 40 GB"):
         plan_config(cfg, wl, replace(h100, memory_gb=40))
     with pytest.raises(ConfigError, match="all ranks together need"):  # cpu: RAM is shared
         plan_config(cfg, wl, replace(h100, platform="cpu", memory_gb=100))
