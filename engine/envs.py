@@ -57,6 +57,13 @@ class EnvVar(Generic[T]):
         os.environ.pop(self.name, None)
 
 
+def set_library_env(values: dict[str, str]) -> None:
+    """Set variables a library reads when it builds its next object (NCCL / HCCL error
+    handling of a communicator, ``kv_transfer.backend.COMM_SETTINGS``): orch's choice, set
+    for this process whatever was there. Documented where the settings are."""
+    os.environ.update(values)
+
+
 def read_configured(name: str) -> str:
     """The value of a variable whose name is itself configuration (``router.auth.token_env``),
     "" when unset. Documented where that key is, not in :data:`ALL`."""

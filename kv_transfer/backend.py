@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engine import envs
 from engine.network import gloo_devices
 from kv_transfer.errors import TransferTimeout
 
@@ -136,7 +136,7 @@ def _td(seconds: float) -> datetime.timedelta:
 
 def apply_env(settings: CommSettings) -> None:
     """Set ``settings.env`` in this process (read by the next group's constructor)."""
-    os.environ.update(settings.env)
+    envs.set_library_env(settings.env)
 
 
 def _gloo() -> PairBackend:
