@@ -4,7 +4,10 @@ Protocol (DESIGN.md "One request"), decode side:
 
 1. :class:`~rank.messages.Reserve` ``(spec, prefill_tp, prefill_cp)``: take blocks for
    prompt + max_tokens BEFORE prefill computes and tell every rank's KV receiver to expect the
-   prompt's KV; or a :class:`~rank.messages.Rejection`.
+   prompt's KV; or a :class:`~rank.messages.Rejection`. With the prefix cache the reservation
+   reuses the cached blocks of the prompt's longest cached prefix (a conversation's earlier
+   turn: finished requests' prompt and output blocks stay cached) and says how many leading
+   tokens it holds (``Reservation.num_cached_tokens``): only the rest is expected and shipped.
 2. KV arrives on the receiver threads of every rank, straight into the reserved slots.
 3. :class:`~rank.messages.Admit` ``(request_id, first_token_id)``: prefill's first token; it
    returns at once (it never waits for a step in progress) and the loop applies it before its
@@ -66,8 +69,8 @@ class DecodeRole(Role):
         return KVPeer(self.cfg.name, self.rank, host, port)
 
     def expect_kv(self, request_id: str, num_tokens: int, prefill_tp: int,
-                  prefill_cp: int = 1) -> None:
-        self.connector.expect(request_id, num_tokens, prefill_tp, prefill_cp)
+                  prefill_cp: int = 1, first_token: int = 0) -> None:
+        self.connector.expect(request_id, num_tokens, prefill_tp, prefill_cp, first_token)
 
     def kv_status(self, request_ids: list[str]) -> dict[str, KVStatus]:
         """request id -> this rank's :class:`KVStatus` of its prompt KV. A request this rank
@@ -106,17 +109,20 @@ class DecodeRole(Role):
         leader.check_in_service()  # NOTE: before the lock, which a step may hold
         with leader.lock:
             leader.check_in_service()
-            need = leader.scheduler.blocks_for(spec)
-            refused = self._refusal(spec, need)
+            req = Request(spec)
+            refused = self._refusal(spec, leader.scheduler.blocks_for(spec))
+            if refused is None and leader.scheduler.allocate(req) is None:
+                refused = self._full(spec, leader.scheduler.blocks_for(spec))
             if refused is not None:
                 return refused
-            blocks = leader.pool.allocate(need)
+            blocks, held = req.blocks, req.num_cached_tokens
             self.reserved[spec.request_id] = ReservedRequest(
-                Request(spec, blocks=blocks), DecodeRequestState.WAITING_FOR_FIRST_TOKEN,
+                req, DecodeRequestState.WAITING_FOR_FIRST_TOKEN,
                 deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
+            # NOTE: the prefix cache's tokens [0, held) are not shipped: cells pre-marked
             leader.ranks.call_all(DecodeRole.expect_kv, spec.request_id,
-                                  spec.num_prompt_tokens, prefill_tp, prefill_cp)
+                                  spec.num_prompt_tokens, prefill_tp, prefill_cp, held)
         except RankFailure as exc:
             leader.mark_broken(str(exc))
             self._drop_reserved(spec.request_id)
@@ -125,7 +131,8 @@ class DecodeRole(Role):
             self._drop_reserved(spec.request_id)
             raise
         return Reservation(spec.request_id, self.cfg.name, blocks.block_ids,
-                           self.cfg.scheduler.block_size, self.peers_kv)
+                           self.cfg.scheduler.block_size, self.peers_kv,
+                           num_cached_tokens=held)
 
     def _refusal(self, spec: RequestSpec, need: int) -> Rejection | None:
         """Why ``spec`` (``need`` blocks) cannot be reserved now, or None; caller holds the
@@ -140,11 +147,13 @@ class DecodeRole(Role):
         if rid in self.reserved or leader.scheduler.find(rid):
             return Rejection(rid, f"request id {rid!r} is already on {self.cfg.name}: use a "
                              "fresh id", retryable=False)
-        if not leader.pool.can_allocate(need):
-            return Rejection(rid, f"{self.cfg.name} is full ({leader.pool.num_free_blocks} of "
-                             f"{leader.pool.num_blocks} blocks free, {need} needed)",
-                             retryable=True)
         return None
+
+    def _full(self, spec: RequestSpec, need: int) -> Rejection:
+        """The retryable refusal of a reservation that does not fit now."""
+        pool = self.leader.pool
+        return Rejection(spec.request_id, f"{self.cfg.name} is full ({pool.num_free_blocks} of "
+                         f"{pool.num_blocks} blocks free, {need} needed)", retryable=True)
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete, or fails

@@ -1,19 +1,32 @@
-"""Paged KV block allocator: check-then-commit, opaque block sets, exactly-once free.
+"""Paged KV block allocator with a prefix cache: check-then-commit, opaque block sets,
+reference counts, exactly-once free.
 
-The pool is the only owner of the free list: ``can_allocate(n)`` (no side effect), then
-``allocate(n)`` -> :class:`BlockSet`, returned with ``free(block_set)`` exactly once (a second
-free, or a set from another pool, raises). Slots follow vLLM's paged attention:
+The pool is the only owner of the free list: ``can_allocate(n, hashes)`` (no side effect), then
+``allocate(n, hashes)`` -> :class:`BlockSet`, returned with ``free(block_set)`` exactly once (a
+second free, or a set from another pool, raises). Slots follow vLLM's paged attention:
 ``slot = block_id * block_size + offset``.
+
+Prefix cache (on when the pool has a ``salt``; vLLM's automatic prefix caching): a full block
+whose KV is complete is registered under its chained hash (engine/prefix_hash.py,
+:meth:`BlockPool.cache_blocks`). ``allocate(n, hashes)`` hands the longest cached prefix of
+``hashes`` out again (its blocks' reference counts go up) and takes only the rest off the free
+list. A block nobody references goes back to the free list; a cached one stays findable there
+until an allocation needs a block and none uncached is free: then the least recently freed
+cached block is evicted (its hash forgotten). A referenced block is never handed out for other
+tokens, so nothing written or read by a request or a KV transfer is overwritten.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from engine.kv_events import KVCacheEvents
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -32,11 +45,13 @@ class BlockSet:
         set_id: unique per pool; used to detect double frees.
         block_ids: the physical block ids, in logical order (block table of the request).
         pool_id: id of the pool that issued it.
+        num_cached: leading blocks found in the prefix cache (their KV is already there).
     """
 
     set_id: int
     block_ids: tuple[int, ...]
     pool_id: int
+    num_cached: int = 0
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -48,31 +63,53 @@ _POOL_IDS = itertools.count()
 class BlockPool:
     """Fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each.
 
+    ``salt``: the prefix cache's hash root (engine/prefix_hash.py ``cache_salt``); None turns
+    the prefix cache off (``hashes`` are then ignored and nothing is cached).
+
     NOTE: thread-safe: the step loop and the actor's concurrent RPC threads (reserve, abort,
     status) allocate and free, some outside the rank's lock; KV transfer threads never
     touch it (they write into slots a reservation holds).
 
     Raises:
-        ValueError: if either argument is not positive.
+        ValueError: if either size is not positive.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, salt: int | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(
                 f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.salt = salt
         self._pool_id = next(_POOL_IDS)
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # free, not cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free, cached; LRU first
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}   # block id -> hash of its cached KV
+        self._block_of: dict[int, int] = {}  # hash -> block id
         self._live: dict[int, BlockSet] = {}
         self._next_set = itertools.count()
         self._lock = threading.Lock()
+        self._events = _EventLog(4 * num_blocks)
+        self._queried = self._hit = 0
+
+    @property
+    def caching(self) -> bool:
+        """The prefix cache is on."""
+        return self.salt is not None
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are reusable)."""
         with self._lock:
-            return len(self._free)
+            return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose KV is findable by hash (held or free)."""
+        with self._lock:
+            return len(self._hash_of)
 
     @property
     def num_live_sets(self) -> int:
@@ -80,20 +117,34 @@ class BlockPool:
         with self._lock:
             return len(self._live)
 
+    @property
+    def num_referenced_blocks(self) -> int:
+        """Blocks with a reference count above zero (0 when nothing leaks)."""
+        with self._lock:
+            return sum(1 for r in self._refs if r)
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        """True when ``allocate(num_blocks)`` would succeed now. No side effect."""
+    def cached_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` are cached now (0 with the cache off). No side effect."""
         with self._lock:
-            return num_blocks <= len(self._free)
+            return len(self._hits(hashes))
 
-    def allocate(self, num_blocks: int) -> BlockSet:
-        """Take ``num_blocks`` blocks off the free list.
+    def can_allocate(self, num_blocks: int, hashes: Sequence[int] = ()) -> bool:
+        """True when ``allocate(num_blocks, hashes)`` would succeed now. No side effect."""
+        with self._lock:
+            return self._fresh_needed(num_blocks, self._hits(hashes)) <= \
+                len(self._free) + len(self._evictable)
+
+    def allocate(self, num_blocks: int, hashes: Sequence[int] = ()) -> BlockSet:
+        """Take ``num_blocks`` blocks: the cached prefix of ``hashes`` (at most
+        ``num_blocks``) first, then blocks off the free list (evicting the least recently
+        freed cached ones when no uncached block is free).
 
         Raises:
-            NoFreeBlocksError: fewer than ``num_blocks`` blocks are free; nothing is taken.
+            NoFreeBlocksError: not enough blocks are free; nothing is taken.
             ValueError: ``num_blocks`` is negative or larger than the whole pool.
         """
         if num_blocks < 0 or num_blocks > self.num_blocks:
@@ -101,30 +152,155 @@ class BlockPool:
                 f"asked for {num_blocks} blocks; the pool has {self.num_blocks} in all"
             )
         with self._lock:
-            if num_blocks > len(self._free):
+            hits = self._hits(hashes)[:num_blocks]
+            free = len(self._free) + len(self._evictable)
+            if self._fresh_needed(num_blocks, hits) > free:
+                cached = f" ({len(hits)} of them cached)" if hits else ""
                 raise NoFreeBlocksError(
-                    f"asked for {num_blocks} KV blocks, {len(self._free)} free of "
+                    f"asked for {num_blocks} KV blocks{cached}, {free} free of "
                     f"{self.num_blocks}"
                 )
-            ids = tuple(self._free.popleft() for _ in range(num_blocks))
-            block_set = BlockSet(next(self._next_set), ids, self._pool_id)
+            for b in hits:
+                self._evictable.pop(b, None)
+                self._refs[b] += 1
+            fresh = [self._take_free() for _ in range(num_blocks - len(hits))]
+            block_set = BlockSet(next(self._next_set), tuple(hits) + tuple(fresh),
+                                 self._pool_id, num_cached=len(hits))
             self._live[block_set.set_id] = block_set
             return block_set
 
+    def cache_blocks(self, block_set: BlockSet, first: int, hashes: Sequence[int]) -> None:
+        """Register blocks ``first .. first + len(hashes) - 1`` of a live ``block_set`` under
+        ``hashes``: their KV is complete on every rank. A block already cached, or a hash
+        another block holds, is left as it is. No-op with the cache off.
+
+        Raises:
+            DoubleFreeError: the set is not live.
+        """
+        if not self.caching:
+            return
+        with self._lock:
+            self._check_live(block_set)
+            for b, h in zip(block_set.block_ids[first:], hashes):
+                if b in self._hash_of or h in self._block_of:
+                    continue
+                self._hash_of[b], self._block_of[h] = h, b
+                self._events.store(h)
+
     def free(self, block_set: BlockSet) -> None:
-        """Return a block set to the pool.
+        """Return a block set to the pool (its blocks' reference counts go down; a cached block
+        nobody holds stays findable until evicted).
 
         Raises:
             DoubleFreeError: the set was already freed (or never came from this pool).
         """
         with self._lock:
-            if block_set.pool_id != self._pool_id or block_set.set_id not in self._live:
-                raise DoubleFreeError(
-                    f"block set {block_set.set_id} ({len(block_set)} blocks) was already "
-                    "freed or belongs to another pool"
-                )
+            self._check_live(block_set)
             del self._live[block_set.set_id]
-            self._free.extend(block_set.block_ids)
+            # NOTE: tail blocks first: they are evicted before the prefix they extend
+            for b in reversed(block_set.block_ids):
+                self._refs[b] -= 1
+                if self._refs[b]:
+                    continue
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def note_lookup(self, queried_tokens: int, cached_tokens: int) -> None:
+        """Count one admission's prompt tokens looked up / found cached (hit rate)."""
+        with self._lock:
+            self._events.lookup(queried_tokens, cached_tokens)
+            self._queried += queried_tokens
+            self._hit += cached_tokens
+
+    def lookup_totals(self) -> tuple[int, int]:
+        """(prompt tokens looked up, found cached) since the pool was made."""
+        with self._lock:
+            return self._queried, self._hit
+
+    def take_events(self) -> KVCacheEvents | None:
+        """The cache's changes since the previous call (None with the cache off)."""
+        if not self.caching:
+            return None
+        with self._lock:
+            return self._events.take(self.block_size, self.salt, self._block_of)
+
+    def _hits(self, hashes: Sequence[int]) -> list[int]:
+        """Caller holds the lock: block ids of the cached prefix of ``hashes``."""
+        hits: list[int] = []
+        if not self.caching:
+            return hits
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def _fresh_needed(self, num_blocks: int, hits: list[int]) -> int:
+        """Caller holds the lock: free-list blocks an allocation with ``hits`` takes (a hit
+        nobody holds leaves the free list too)."""
+        hits = hits[:num_blocks]
+        return num_blocks - len(hits) + sum(1 for b in hits if not self._refs[b])
+
+    def _take_free(self) -> int:
+        """Caller holds the lock: one block off the free list, uncached ones first."""
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            h = self._hash_of.pop(b)
+            del self._block_of[h]
+            self._events.remove(h)
+        self._refs[b] = 1
+        return b
+
+    def _check_live(self, block_set: BlockSet) -> None:
+        if block_set.pool_id != self._pool_id or block_set.set_id not in self._live:
+            raise DoubleFreeError(
+                f"block set {block_set.set_id} ({len(block_set)} blocks) was already "
+                "freed or belongs to another pool"
+            )
+
+
+class _EventLog:
+    """The pool's pending KV events, net of each other (a hash stored then evicted within one
+    batch reads as evicted), at most ``limit`` hashes: past it, the next batch is a reset with
+    every cached hash."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.stored: dict[int, None] = {}
+        self.removed: dict[int, None] = {}
+        self.reset = True  # NOTE: the first batch tells the router to forget older entries
+        self.hits = self.queried = 0
+
+    def store(self, h: int) -> None:
+        self.removed.pop(h, None)
+        self.stored[h] = None
+        self._bound()
+
+    def remove(self, h: int) -> None:
+        self.stored.pop(h, None)
+        self.removed[h] = None
+        self._bound()
+
+    def lookup(self, queried: int, hits: int) -> None:
+        self.queried += queried
+        self.hits += hits
+
+    def take(self, block_size: int, salt: int, cached: dict[int, int]) -> KVCacheEvents:
+        stored = tuple(cached) if self.reset else tuple(self.stored)
+        out = KVCacheEvents(block_size, salt, stored, tuple(self.removed), self.reset,
+                            self.hits, self.queried)
+        self.stored, self.removed, self.reset = {}, {}, False
+        self.hits = self.queried = 0
+        return out
+
+    def _bound(self) -> None:
+        if len(self.stored) + len(self.removed) > self.limit:
+            self.stored, self.removed, self.reset = {}, {}, True
 
 
 def slot_mapping(block_ids: tuple[int, ...] | list[int], start: int, end: int,

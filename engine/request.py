@@ -42,12 +42,19 @@ class Request:
         output_token_ids: tokens generated so far (on decode, starts with prefill's token).
         num_computed_tokens: tokens whose KV is in this instance's cache.
         blocks: block table, or None while waiting for admission.
+        num_cached_tokens: leading prompt tokens whose KV the prefix cache had at admission
+            (never computed here).
+        block_hashes: chained hashes of its full blocks known so far (engine/prefix_hash.py).
+        num_hashed_blocks: leading blocks registered in the prefix cache.
     """
 
     spec: RequestSpec
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     blocks: BlockSet | None = None
+    num_cached_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
 
     @property
     def request_id(self) -> str:

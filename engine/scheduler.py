@@ -7,6 +7,13 @@ a request up to all its known tokens samples its next token. Roles differ only i
 first token; decode receives the request with its blocks reserved, its prompt KV and first
 token; colocated takes prompt + max_tokens blocks and runs to the end. NOTE: blocks are
 reserved for a request's whole life at admission, so nothing is preempted.
+
+Prefix cache (when the pool has one, engine/block_pool.py): admission reuses the cached blocks
+of the prompt's longest cached prefix and the request starts at that length
+(``num_cached_tokens``: neither computed nor written again); at most ``(prompt - 1) //
+block_size`` blocks, so the last prompt token is always computed and its logits sampled. After
+each step every block a request has filled is registered under its hash, prompt and output
+alike (a conversation's next turn finds the previous one).
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, BlockSet
+from engine.prefix_hash import block_hashes
 from engine.runner import SeqStep
 from engine.request import Request, RequestSpec
 
@@ -94,10 +102,53 @@ class Scheduler:
             spec.num_prompt_tokens
         return self.pool.blocks_needed(tokens)
 
+    def prefix_hashes(self, req: Request) -> list[int]:
+        """Hashes of the prompt blocks a prefix-cache hit may cover: the first
+        ``(prompt - 1) // block_size`` (the last prompt token is always computed); empty with
+        the cache off."""
+        if not self.pool.caching:
+            return []
+        return self._hashes(req, (req.num_prompt_tokens - 1) // self.pool.block_size)
+
+    def allocate(self, req: Request) -> BlockSet | None:
+        """Check-then-commit: give ``req`` its admission blocks (its cached prefix reused,
+        ``num_computed_tokens = num_cached_tokens`` = that prefix), or None when they do not
+        fit now. Caller holds the leader's lock."""
+        need, hashes = self.blocks_for(req.spec), self.prefix_hashes(req)
+        if not self.pool.can_allocate(need, hashes):
+            return None
+        req.blocks = self.pool.allocate(need, hashes)
+        req.num_cached_tokens = req.num_computed_tokens = \
+            req.blocks.num_cached * self.pool.block_size
+        if self.pool.caching:
+            self.pool.note_lookup(req.num_prompt_tokens, req.num_cached_tokens)
+        return req.blocks
+
+    def cache_computed(self, req: Request) -> None:
+        """Register every block ``req`` has filled with KV (``num_computed_tokens``) and not
+        registered yet in the prefix cache; no-op with the cache off."""
+        if not self.pool.caching or req.blocks is None:
+            return
+        first = max(req.num_hashed_blocks, req.blocks.num_cached)
+        full = min(req.num_computed_tokens // self.pool.block_size, len(req.blocks))
+        if full > first:
+            self.pool.cache_blocks(req.blocks, first, self._hashes(req, full)[first:full])
+            req.num_hashed_blocks = full
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """The hashes of ``req``'s first ``num_blocks`` blocks (kept on the request)."""
+        if len(req.block_hashes) < num_blocks:
+            bs = self.pool.block_size
+            req.block_hashes = block_hashes(req.token_range(0, num_blocks * bs), bs,
+                                            self.pool.salt, req.block_hashes)
+        return req.block_hashes[:num_blocks]
+
     def add(self, request: Request) -> None:
-        """Queue a request; one that already holds blocks (decode) runs from the next step."""
+        """Queue a request; one that already holds blocks (decode) runs from the next step
+        (its filled blocks are registered in the prefix cache now)."""
         if request.blocks is not None:
             self.running.append(request)
+            self.cache_computed(request)
         else:
             self.waiting.append(request)
 
@@ -127,12 +178,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
-            need = self.blocks_for(self.waiting[0].spec)
-            if not self.pool.can_allocate(need):
+            if self.allocate(self.waiting[0]) is None:
                 return  # FIFO: no overtaking, so a big request is not starved
-            req = self.waiting.popleft()
-            req.blocks = self.pool.allocate(need)
-            self.running.append(req)
+            self.running.append(self.waiting.popleft())
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (decodes are 1 token), FIFO, within budget."""
@@ -157,6 +205,7 @@ class Scheduler:
             chunk.request.num_computed_tokens = chunk.end
             if chunk.request.request_id in sampled:
                 chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
+            self.cache_computed(chunk.request)
 
     @property
     def num_outstanding_tokens(self) -> int:

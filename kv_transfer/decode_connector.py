@@ -70,14 +70,16 @@ class DecodeKVConnector:
         return self._host, self._rendezvous.port
 
     def expect(self, request_id: str, num_tokens: int, prefill_tp: int,
-               prefill_cp: int = 1) -> None:
-        """Receive every layer of tokens ``[0, num_tokens)`` of ``request_id`` from a prefill
-        instance of ``prefill_cp`` x ``prefill_tp`` ranks (the plan says which pairs send).
+               prefill_cp: int = 1, first_token: int = 0) -> None:
+        """Receive every layer of tokens ``[first_token, num_tokens)`` of ``request_id``
+        from a prefill instance of ``prefill_cp`` x ``prefill_tp`` ranks (the plan says which
+        pairs send); tokens before ``first_token`` are already in this cache (prefix cache).
 
         The completion deadline (``completion_timeout_s``) starts now.
-        Raises ValueError if the request is already expected.
+        Raises ValueError if the request is already expected, or ``first_token`` is not in
+        ``[0, num_tokens)``.
         """
-        self._tracker.expect(request_id, num_tokens, prefill_tp, prefill_cp)
+        self._tracker.expect(request_id, num_tokens, prefill_tp, prefill_cp, first_token)
 
     def poll(self, request_id: str) -> KVStatus:
         """The request's state on this rank: WAITING (no record yet), TRANSFERRING, SUCCESS

@@ -82,16 +82,21 @@ class RequestTracker:
         self._lock = threading.Lock()
 
     def expect(self, request_id: str, num_tokens: int, prefill_tp: int,
-               prefill_cp: int = 1) -> None:
-        """Start tracking; see ``DecodeKVConnector.expect``. Raises ValueError if known."""
+               prefill_cp: int = 1, first_token: int = 0) -> None:
+        """Start tracking; see ``DecodeKVConnector.expect`` (cells of tokens before
+        ``first_token`` count as received). Raises ValueError if known or out of range."""
         if min(num_tokens, prefill_tp, prefill_cp) <= 0:
             raise ValueError(f"expect({request_id!r}): num_tokens ({num_tokens}), prefill_tp "
                              f"({prefill_tp}) and prefill_cp ({prefill_cp}) must be positive")
+        if not 0 <= first_token < num_tokens:
+            raise ValueError(f"expect({request_id!r}): first_token ({first_token}) must be in "
+                             f"[0, num_tokens={num_tokens})")
         lay = self._layout
         plan = build_transfer_plan(prefill_tp, lay.tp, lay.num_layers, lay.kind,
                                    lay.num_kv_heads, prefill_cp)
         pairs = {pp.prefill_rank: pp for pp in plan.recvs_to(self._rank)}
         mask = torch.zeros(lay.num_layers, num_tokens, dtype=torch.bool)
+        mask[:, :first_token] = True  # NOTE: held already (prefix cache), never shipped
         deadline = time.monotonic() + self._config.completion_timeout_s
         req = TrackedRequest(num_tokens, deadline, pairs, mask)
         with self._lock:

@@ -14,7 +14,8 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
 - per instance, from the latest ``update_instances`` snapshot (instances absent from it
   disappear): gauges ``orch_instance_queue_depth``, ``orch_instance_running``,
   ``orch_instance_free_blocks``, ``orch_instance_total_blocks``,
-  ``orch_instance_outstanding_tokens``, ``orch_instance_info{instance,role,tp}`` (= 1), and
+  ``orch_instance_outstanding_tokens``, ``orch_instance_cached_blocks``,
+  ``orch_instance_prefix_hit_rate``, ``orch_instance_info{instance,role,tp}`` (= 1), and
   counters ``orch_instance_kv_sent_bytes_total``, ``orch_instance_kv_failures_total`` (the
   instance's own cumulative totals; a restart that resets them reads as a counter reset).
 - per instance leader step breakdown (rank/step_timing.py), from the same snapshot:
@@ -59,6 +60,8 @@ _INSTANCE_GAUGES = (
     ("free_blocks", "free KV cache blocks"),
     ("total_blocks", "KV cache blocks in the pool"),
     ("outstanding_tokens", "tokens the instance still has to process (prompt + output)"),
+    ("cached_blocks", "KV blocks findable in the instance's prefix cache"),
+    ("prefix_hit_rate", "prompt tokens found in the prefix cache / looked up, since start"),
 )
 
 

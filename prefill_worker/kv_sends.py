@@ -44,14 +44,26 @@ class ChunkTransfer:
 
 def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
                     block_size: int) -> list[ChunkTransfer]:
-    """Where each scheduled chunk's KV goes (``block_size``: this instance's)."""
+    """Where each scheduled chunk's KV goes (``block_size``: this instance's).
+
+    Only tokens the decode side does not hold are shipped (``Reservation.num_cached_tokens``,
+    its prefix cache): a chunk's range is cut to start there, and the first chunk computed
+    here also carries the tokens this instance found in its own prefix cache and the decode
+    side lacks (``[held, request.num_cached_tokens)``, read from cached blocks the request
+    holds). A chunk left with nothing to ship is skipped (never the last: decode holds at most
+    ``prompt - 1`` tokens).
+    """
     plans = []
     for c in out.chunks:
         res = reservations[c.request.request_id]
+        held = res.num_cached_tokens
+        start = held if c.start == c.request.num_cached_tokens else max(held, c.start)
+        if start >= c.end:
+            continue
         plans.append(ChunkTransfer(
-            c.request.request_id, res.peers, c.start, c.end,
-            slot_mapping(c.request.blocks.block_ids, c.start, c.end, block_size),
-            slot_mapping(res.block_ids, c.start, c.end, res.block_size), c.completes))
+            c.request.request_id, res.peers, start, c.end,
+            slot_mapping(c.request.blocks.block_ids, start, c.end, block_size),
+            slot_mapping(res.block_ids, start, c.end, res.block_size), c.completes))
     return plans
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.graph import GraphConfig
+from engine.prefix_hash import cache_salt
 from kv_transfer.config import TransferConfig
 
 
@@ -31,6 +32,8 @@ class SchedulerConfig:
             decode, which computes one token per running request).
         max_num_batched_tokens: most tokens computed in one step across requests.
         max_num_seqs: most requests running at once.
+        prefix_cache: keep full KV blocks findable by their tokens' hash and reuse them
+            (engine/block_pool.py); off: every prompt is computed from its first token.
 
     Raises:
         ValueError: a size < 1, or ``chunk_size > max_num_batched_tokens``.
@@ -41,6 +44,7 @@ class SchedulerConfig:
     chunk_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "chunk_size", "max_num_batched_tokens",
@@ -138,3 +142,11 @@ class InstanceConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+
+    @property
+    def cache_salt(self) -> int | None:
+        """The prefix cache's hash root for this instance's KV (what changes the KV of the
+        same tokens: checkpoint, dtype, weight storage), or None with the cache off."""
+        if not self.scheduler.prefix_cache:
+            return None
+        return cache_salt(self.checkpoint_dir, self.dtype, self.fp8_storage)

@@ -59,7 +59,7 @@ class Leader:
                  dp_sync: DPSync | None) -> None:
         sched = cfg.scheduler
         self.cfg, self.policy, self.source, self.ranks = cfg, policy, source, group
-        self.pool = BlockPool(sched.num_kv_blocks, sched.block_size)
+        self.pool = BlockPool(sched.num_kv_blocks, sched.block_size, salt=cfg.cache_salt)
         self.scheduler = Scheduler(self.pool, policy, chunk_size=sched.chunk_size,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs)
@@ -87,18 +87,21 @@ class Leader:
         self.emit(TokenEvent(request_id, (), reason, error, self.source, self.cfg.name,
                              retryable=retryable))
 
-    def poll(self, timeout_s: float) -> list[TokenEvent]:
-        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one."""
+    def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
+        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one.
+        With ``kv_events`` the prefix cache's changes since the last such poll come last, on
+        an event of no request (``TokenEvent.kv_events``)."""
         out: list[TokenEvent] = []
         try:
             out.append(self._events.get(timeout=max(0.0, timeout_s)))
-        except queue.Empty:
-            return out
-        while True:
-            try:
+            while True:
                 out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        except queue.Empty:
+            pass
+        kv = self.pool.take_events() if kv_events else None
+        if kv:
+            out.append(TokenEvent("", source=self.source, instance=self.cfg.name, kv_events=kv))
+        return out
 
     # ---- in service ---------------------------------------------------------------------
     def mark_broken(self, reason: str) -> None:
@@ -187,8 +190,9 @@ class Leader:
                 if req is None:  # aborted while the step ran
                     continue
                 reason = finish_reason(req, self.eos_token_ids)
+                cached = req.num_cached_tokens if len(req.output_token_ids) == 1 else 0
                 self.emit(TokenEvent(rid, (token,), reason, source=self.source,
-                                     instance=self.cfg.name))
+                                     instance=self.cfg.name, num_cached_tokens=cached))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
             return done
@@ -220,9 +224,11 @@ class Leader:
                role_fields: dict) -> InstanceStatusInfo:
         """The instance's snapshot: ``ranks`` (rank, node, device, pid) and the role's own
         :class:`InstanceStatusInfo` fields by name."""
+        queried, hits = self.pool.lookup_totals()
         return InstanceStatusInfo(
             name=self.cfg.name, role=self.cfg.role, tp=self.cfg.parallel.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,
             outstanding_tokens=self.scheduler.num_outstanding_tokens, broken=self.broken,
-            step_timings=self.step_timer.snapshot(), **role_fields)
+            step_timings=self.step_timer.snapshot(), cached_blocks=self.pool.num_cached_blocks,
+            prefix_hit_tokens=hits, prefix_queried_tokens=queried, **role_fields)

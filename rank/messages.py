@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.kv_events import KVCacheEvents
 from kv_transfer import KVPeer
 from rank.step_timing import StepTimings
 
@@ -48,6 +49,9 @@ class Reservation:
             ``RequestSpec.max_total_tokens`` tokens).
         block_size: tokens per block on the decode side.
         peers: one :class:`~kv_transfer.KVPeer` per decode rank, in rank order.
+        num_cached_tokens: leading prompt tokens whose KV the decode side already holds
+            (prefix cache, a multiple of ``block_size``): prefill ships only tokens
+            ``[num_cached_tokens, prompt)``.
     """
 
     request_id: str
@@ -55,6 +59,7 @@ class Reservation:
     block_ids: tuple[int, ...]
     block_size: int
     peers: tuple[KVPeer, ...]
+    num_cached_tokens: int = 0
 
     @property
     def decode_tp(self) -> int:
@@ -139,6 +144,11 @@ class TokenEvent:
         retryable: with ``finish_reason == "error"``: True when the instance failed (dead,
             unreachable, broken), not the request; the router may run the request again
             elsewhere if no token was streamed yet. False: the request's own fault, final.
+        num_cached_tokens: on the event of a request's first token (prefill or colocated):
+            prompt tokens the instance found in its prefix cache (not computed).
+        kv_events: the instance's prefix-cache changes since its previous batch
+            (:class:`engine.kv_events.KVCacheEvents`); an event that carries them has an empty
+            ``request_id`` and belongs to no request.
     """
 
     request_id: str
@@ -148,6 +158,8 @@ class TokenEvent:
     source: str = "decode"
     instance: str = ""
     retryable: bool = False
+    num_cached_tokens: int = 0
+    kv_events: KVCacheEvents | None = None
 
 
 @dataclass(frozen=True)
@@ -193,3 +205,14 @@ class InstanceStatusInfo:
     broken: str | None = None
     # Where the leader's step time goes (rank/step_timing.py).
     step_timings: StepTimings = StepTimings()
+    # Prefix cache: blocks findable by hash now; prompt tokens looked up / found cached since
+    # the instance started (hit rate = hit / queried).
+    cached_blocks: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found cached / looked up (0 before any lookup)."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens \
+            if self.prefix_queried_tokens else 0.0

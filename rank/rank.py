@@ -252,9 +252,10 @@ class Rank:
         """
         return self.role.handle(request)
 
-    def poll(self, timeout_s: float) -> list[TokenEvent]:
-        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one."""
-        return self.leader.poll(timeout_s)
+    def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
+        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one
+        (``kv_events``: see :meth:`rank.leader.Leader.poll`)."""
+        return self.leader.poll(timeout_s, kv_events)
 
     def status(self) -> InstanceStatusInfo:
         """Snapshot for ``orch status`` and metrics, within a few seconds whatever the ranks

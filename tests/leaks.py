@@ -11,8 +11,8 @@ What is checked where:
 - threads: KV transfer threads are named ``kv-...`` (pair senders and receivers, the
   rendezvous acceptor, connectors); rank threads ``<instance>-loop`` and ``<...>-steps``.
 
-The block pool has no per-block reference counts today (a prefix cache will add them: check
-them in :func:`assert_pool_empty` then).
+With the prefix cache, free blocks include cached ones nobody references: "all free" also
+means every block's reference count is back at zero.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def assert_pool_empty(pool: Any) -> None:
     free, total, live = pool.num_free_blocks, pool.num_blocks, pool.num_live_sets
     assert (free, live) == (total, 0), \
         f"KV blocks leak: {free} of {total} blocks free, {live} block set(s) still live"
+    refs = getattr(pool, "num_referenced_blocks", 0)
+    assert refs == 0, f"KV blocks leak: {refs} block(s) still referenced"
 
 
 def assert_scheduler_empty(scheduler: Any) -> None:

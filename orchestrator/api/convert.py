@@ -106,7 +106,8 @@ def chunk_to_proto(chunk: OutputChunk) -> pb.GenerateResponse:
         msg.stats.CopyFrom(pb.GenerateStats(
             prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
             ttft_s=s.ttft_s, tpot_s=s.tpot_s, e2e_s=s.e2e_s,
-            prefill_instance=s.prefill_instance, decode_instance=s.decode_instance))
+            prefill_instance=s.prefill_instance, decode_instance=s.decode_instance,
+            cached_tokens=s.cached_tokens))
     return msg
 
 
@@ -138,7 +139,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
             msg.MergeFrom(pb.InstanceStatus(
                 queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
                 total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
-                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures,
+                cached_blocks=s.cached_blocks, prefix_hit_tokens=s.prefix_hit_tokens,
+                prefix_queried_tokens=s.prefix_queried_tokens))
             msg.step_phases.extend(pb.StepPhase(phase=name, count=rec.count,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
@@ -161,7 +164,8 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
         kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures,
-        step_timings=_timings_from_proto(i.step_phases))
+        cached_blocks=i.cached_blocks, prefix_hit_tokens=i.prefix_hit_tokens,
+        prefix_queried_tokens=i.prefix_queried_tokens, step_timings=_timings_from_proto(i.step_phases))
 
 
 def _timings_from_proto(phases) -> StepTimings:

@@ -110,14 +110,16 @@ class OrchConfig(_Section):
         if role == "prefill":
             p = self.prefill
             return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
-                                   p.max_num_batched_tokens, p.max_num_seqs)
+                                   p.max_num_batched_tokens, p.max_num_seqs,
+                                   prefix_cache=p.prefix_cache)
         d = self.decode
         if role == "decode":
             return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1,
                                    max_num_batched_tokens=d.max_num_seqs,
-                                   max_num_seqs=d.max_num_seqs)
+                                   max_num_seqs=d.max_num_seqs, prefix_cache=d.prefix_cache)
         return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
-                               self.prefill.max_num_batched_tokens, d.max_num_seqs)
+                               self.prefill.max_num_batched_tokens, d.max_num_seqs,
+                               prefix_cache=d.prefix_cache)
 
     def _parallel(self, role: str) -> ParallelConfig:
         """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""

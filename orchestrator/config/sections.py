@@ -149,6 +149,8 @@ class PrefillSection(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
     max_num_seqs: int = Field(64, ge=1)
+    # Prefix cache: reuse the KV of full blocks already computed for the same tokens.
+    prefix_cache: bool = True
     # Expert parallelism: the routed experts split over all dp x tp ranks of the role.
     ep: bool = False
     # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
@@ -185,6 +187,9 @@ class DecodeSection(_Section):
     tp: int = Field(1, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    # Prefix cache (see PrefillSection): finished requests' blocks (a conversation's earlier
+    # turns) stay reusable, and prefill ships only the KV decode does not hold.
+    prefix_cache: bool = True
     # Expert parallelism (see PrefillSection).
     ep: bool = False
     # Extra Ray resources every decode rank's bundle asks for (see PrefillSection).
@@ -272,7 +277,8 @@ class RouterSection(_Section):
 
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
-    policy: Literal["round_robin", "least_outstanding_tokens"] = "least_outstanding_tokens"
+    policy: Literal["round_robin", "least_outstanding_tokens", "kv_aware"] = \
+        "least_outstanding_tokens"
     max_pending: int = Field(64, ge=0)
     request_timeout_s: float = Field(120.0, gt=0)
     metrics_host: str = "127.0.0.1"

@@ -13,6 +13,7 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import ColocatedFlow, DisaggregatedFlow, Flow
 from orchestrator.deploy.health import HealthMonitor, RestartWait
+from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.policies import make_policy
 from orchestrator.router.router import Router, RouterMetrics
@@ -35,15 +36,20 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
     for inst in cfg.instances():
         leaders[inst.role].append(LeaderClient(inst.name, inst.role, handles[inst.name],
                                                call_timeout_s=timeout))
+    index = KVIndex() if cfg.router.policy == "kv_aware" else None
+
     def policy(role: str):
-        return make_policy(cfg.router.policy, [l.name for l in leaders[role]], healthy)
+        return make_policy(cfg.router.policy, [l.name for l in leaders[role]], healthy, index)
 
     if cfg.mode == "colocated":
-        return ColocatedFlow(leaders["colocated"], policy("colocated"))
-    return DisaggregatedFlow(
-        leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
-        AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp,
-        prefill_cp=cfg.prefill.cp)
+        flow: Flow = ColocatedFlow(leaders["colocated"], policy("colocated"))
+    else:
+        flow = DisaggregatedFlow(
+            leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
+            AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp,
+            prefill_cp=cfg.prefill.cp)
+    flow.kv_index = index
+    return flow
 
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,

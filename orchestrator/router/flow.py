@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from rank.messages import (Abort, Admit, Generate, LeaderRequest, Prefill, Rejection,
                            Reservation, Reserve)
 from engine.request import RequestSpec
 from orchestrator.router.admission import AdmissionQueue
+from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.leader import LeaderClient, LeaderError
 from orchestrator.router.policies import Policy
 from orchestrator.router.request import InstanceFailure, RequestError
@@ -56,7 +57,13 @@ class Route:
 
 
 class Flow(ABC):
-    """One mode of serving a request. Methods run on the router's event loop."""
+    """One mode of serving a request. Methods run on the router's event loop.
+
+    ``kv_index``: the router's view of the instances' prefix caches (fed by the event pump,
+    read by ``kv_aware`` policies); None when no policy reads it.
+    """
+
+    kv_index: KVIndex | None = None
 
     def __init__(self, main: list[LeaderClient], policy: Policy) -> None:
         self.main = {leader.name: leader for leader in main}
@@ -76,14 +83,15 @@ class Flow(ABC):
     def pools(self) -> dict[str, Policy]:
         """Role -> the policy choosing among its instances; a placement needs one of each."""
 
-    def choices(self, policy: Policy, avoid: Collection[str], role: str) -> list[str]:
-        """``policy.order()`` (healthy instances only, see :class:`Policy`); those in ``avoid``
-        (they failed this request already) last.
+    def choices(self, policy: Policy, avoid: Collection[str], role: str,
+                prompt_token_ids: Sequence[int] = ()) -> list[str]:
+        """``policy.order(prompt_token_ids)`` (healthy instances only, see :class:`Policy`);
+        those in ``avoid`` (they failed this request already) last.
 
         Raises:
             RequestError: UNAVAILABLE when no instance of ``role`` is healthy.
         """
-        healthy = policy.order()
+        healthy = policy.order(prompt_token_ids)
         if not healthy:
             raise _none_healthy(policy, role)
         return [n for n in healthy if n not in avoid] + [n for n in healthy if n in avoid]
@@ -134,7 +142,7 @@ class ColocatedFlow(Flow):
 
     async def place(self, spec: RequestSpec, deadline: float,
                     avoid: Collection[str] = ()) -> Route:
-        name = self.choices(self.policy, avoid, "colocated")[0]
+        name = self.choices(self.policy, avoid, "colocated", spec.prompt_token_ids)[0]
         self.policy.acquire(name, spec.max_total_tokens)
         return Route(spec.request_id, main=name, main_load=spec.max_total_tokens)
 
@@ -182,7 +190,8 @@ class DisaggregatedFlow(Flow):
         route = Route(spec.request_id, main=decode, main_load=spec.max_total_tokens,
                       reservation=reservation)
         try:
-            route.prefill = self.choices(self.prefill_policy, avoid, "prefill")[0]
+            route.prefill = self.choices(self.prefill_policy, avoid, "prefill",
+                                         spec.prompt_token_ids)[0]
         except RequestError:
             await self.abort(route)
             self.release(route)
@@ -198,7 +207,7 @@ class DisaggregatedFlow(Flow):
         async with self.admission.ticket(spec.request_id) as ticket:
             while True:
                 full_reason, failures = "", []
-                for name in self.choices(self.policy, avoid, "decode"):
+                for name in self.choices(self.policy, avoid, "decode", spec.prompt_token_ids):
                     self.admission.check(spec.request_id)  # aborted: stop trying
                     try:
                         answer = await self._reserve_on(name, spec)

@@ -6,7 +6,9 @@ bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``poll`` and
 ``EventPump`` runs one asyncio task per leader that long-polls ``poll(timeout_s)`` and fans
 the :class:`TokenEvent` list out to per-attempt :class:`Inbox`es, keeping only the events of
 instances the attempt watches; when a leader cannot be polled, the inbox of every attempt
-watching it raises :class:`InstanceFailure`, so nothing waits forever.
+watching it raises :class:`InstanceFailure`, so nothing waits forever. An event carrying
+prefix-cache events (``TokenEvent.kv_events``, no request) goes to the router's
+:class:`KVIndex` instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.error_text import first_line
+from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.request import InstanceFailure, request_failed
 from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
 
@@ -86,9 +89,11 @@ class LeaderClient:
                                    lambda: self.handle.request.remote(request), timeout_s)
 
     async def poll(self, wait_s: float, *, timeout_s: float | None = None) -> list[TokenEvent]:
-        """``handle.poll.remote(wait_s)`` (events; the leader waits up to ``wait_s`` for one),
-        bounded by ``timeout_s``. Raises as :meth:`call`."""
-        return await self._bounded("poll", lambda: self.handle.poll.remote(wait_s), timeout_s)
+        """``handle.poll.remote(wait_s, kv_events=True)`` (events, the instance's prefix-cache
+        events last; the leader waits up to ``wait_s`` for one), bounded by ``timeout_s``.
+        Raises as :meth:`call`."""
+        return await self._bounded("poll", lambda: self.handle.poll.remote(
+            wait_s, True), timeout_s)
 
     async def status(self, *, timeout_s: float | None = None) -> InstanceStatusInfo:
         """``handle.status.remote()`` bounded by ``timeout_s``. Raises as :meth:`call`."""
@@ -189,11 +194,13 @@ class EventPump:
         leaders: every leader that produces events.
         poll_timeout_s: how long one ``poll`` may block in the leader (seconds).
         retry_s: pause after a failed poll before trying again (seconds).
+        kv_index: where instances' prefix-cache events go (None: dropped).
     """
 
     def __init__(self, leaders: list[LeaderClient], poll_timeout_s: float = 0.5,
-                 retry_s: float = 0.5) -> None:
+                 retry_s: float = 0.5, kv_index: KVIndex | None = None) -> None:
         self._leaders = leaders
+        self.kv_index = kv_index
         self._poll_timeout_s, self._retry_s = poll_timeout_s, retry_s
         self._inboxes: dict[str, Inbox] = {}  # attempt id -> its inbox
         self._sources: dict[str, set[str]] = {}  # attempt id -> instances it waits on
@@ -263,6 +270,10 @@ class EventPump:
                 log.info("polling %s works again", leader.name)
                 failing = False
             for event in events:
+                if event.kv_events is not None:
+                    if self.kv_index is not None:
+                        self.kv_index.apply(leader.name, event.kv_events)
+                    continue
                 # NOTE: an instance the attempt no longer watches (a failed attempt's, or
                 # prefill after the first token) cannot end it with a late event.
                 if leader.name not in self._sources.get(event.request_id, ()):

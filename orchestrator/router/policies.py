@@ -3,13 +3,17 @@
 A policy orders the HEALTHY instances of a role for a request, best first (empty: the request
 is refused UNAVAILABLE), and is told when the request's load ends. Load is tokens: a prefill
 instance carries the prompts it has not finished; a decode (or colocated) instance
-``prompt + max_tokens`` of each request it holds (the KV slots it may need).
+``prompt + max_tokens`` of each request it holds (the KV slots it may need). ``kv_aware`` also
+weighs the prompt's prefix each instance holds in its prefix cache (docs/prefix_cache.md).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Callable
+
+from orchestrator.router.kv_index import KVIndex
 
 
 class Policy(ABC):
@@ -27,10 +31,16 @@ class Policy(ABC):
         self.healthy = healthy
         self.outstanding = {name: 0 for name in instances}  # tokens in flight per instance
 
-    def order(self) -> list[str]:
-        """The healthy instances, best first (the router tries them in this order); empty
-        when none is healthy."""
-        return [name for name in self.preference() if self.healthy(name)]
+    def order(self, prompt_token_ids: Sequence[int] = ()) -> list[str]:
+        """The healthy instances, best first (the router tries them in this order) for a
+        request of ``prompt_token_ids`` (only :class:`KVAware` reads it); empty when none is
+        healthy."""
+        return [name for name in self.preference_for(prompt_token_ids) if self.healthy(name)]
+
+    def preference_for(self, prompt_token_ids: Sequence[int]) -> list[str]:
+        """All instances, best first for this prompt, health aside (default: the prompt
+        does not matter)."""
+        return self.preference()
 
     @abstractmethod
     def preference(self) -> list[str]:
@@ -75,19 +85,54 @@ class LeastOutstandingTokens(Policy):
             self.outstanding[name], (self.instances.index(name) - start) % n))
 
 
-POLICIES: dict[str, Callable[[list[str], Callable[[str], bool]], Policy]] = {
+class KVAware(LeastOutstandingTokens):
+    """Prefix-cache aware (NVIDIA Dynamo's KV router cost): each instance costs
+    ``overlap_weight x (prompt tokens it would compute) + outstanding tokens``, lowest first,
+    where the tokens it need not compute are the prompt's leading full blocks it holds in its
+    prefix cache, as its KV events reported them (:class:`KVIndex`). Ties (no cached prefix
+    anywhere) fall back to least outstanding tokens, rotating.
+
+    Args:
+        index: the router's view of every instance's cache (fed by the event pump).
+        overlap_weight: tokens of load one cached prompt token is worth (1.0: a cached token
+            saves as much as one token of queued work costs).
+    """
+
+    def __init__(self, instances: list[str],
+                 healthy: Callable[[str], bool] = lambda name: True,
+                 index: KVIndex | None = None, overlap_weight: float = 1.0) -> None:
+        super().__init__(instances, healthy)
+        self.index = index if index is not None else KVIndex()
+        self.overlap_weight = overlap_weight
+
+    def preference_for(self, prompt_token_ids: Sequence[int]) -> list[str]:
+        base = self.preference()  # NOTE: least outstanding, rotating: the tie order
+        if not prompt_token_ids:
+            return base
+        cached = self.index.cached_tokens(self.instances, prompt_token_ids)
+        n = len(prompt_token_ids)
+        return sorted(base, key=lambda name: (
+            self.overlap_weight * (n - cached[name]) + self.outstanding[name]))
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": RoundRobin,
     "least_outstanding_tokens": LeastOutstandingTokens,
+    "kv_aware": KVAware,
 }
 
 
 def make_policy(name: str, instances: list[str],
-                healthy: Callable[[str], bool] = lambda name: True) -> Policy:
-    """Build the policy registered as ``name`` over ``instances`` (``healthy``: see Policy).
+                healthy: Callable[[str], bool] = lambda name: True,
+                index: KVIndex | None = None) -> Policy:
+    """Build the policy registered as ``name`` over ``instances`` (``healthy``: see Policy;
+    ``index``: the router's :class:`KVIndex`, read by ``kv_aware``).
 
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}: use one of {sorted(POLICIES)}")
+    if name == "kv_aware":
+        return KVAware(instances, healthy, index)
     return POLICIES[name](instances, healthy)

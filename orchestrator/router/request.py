@@ -69,7 +69,8 @@ class RequestStats:
     """Final statistics of one request (seconds, tokens).
 
     ttft_s: acceptance -> first token; tpot_s: mean gap between output tokens after the first
-    (0 with one token); e2e_s: acceptance -> last message.
+    (0 with one token); e2e_s: acceptance -> last message; cached_tokens: prompt tokens found
+    in the prefix cache (not computed).
     """
 
     prompt_tokens: int
@@ -79,6 +80,7 @@ class RequestStats:
     e2e_s: float
     prefill_instance: str = ""
     decode_instance: str = ""
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,8 @@ class RequestState:
         spec: the accepted request (None while ACCEPTED).
         eos: token ids that end it (empty with ``ignore_eos``).
         completion_tokens: tokens streamed so far (never past max_tokens).
+        cached_tokens: prompt tokens the instance that computed the prompt found in its prefix
+            cache (from the first-token event).
         first_token_at, last_token_at: when the first / latest token came (None before).
         attempt_id: the current attempt's id "<request_id>@<n>" ("" before the first).
         route: the current attempt's route (None until placed).
@@ -75,6 +77,7 @@ class RequestState:
     spec: RequestSpec | None = None
     eos: frozenset[int] = frozenset()
     completion_tokens: int = 0
+    cached_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
     attempt_id: str = ""
@@ -133,6 +136,7 @@ class RequestState:
         if tokens:
             self.last_token_at = now
         self.completion_tokens += len(tokens)
+        self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
         if event.finish_reason is not None:
             return tokens, event.finish_reason
         if eos_at is not None:
@@ -229,7 +233,7 @@ class RequestState:
             completion_tokens=self.completion_tokens, ttft_s=self.ttft() or 0.0,
             tpot_s=self.tpot() or 0.0, e2e_s=now - self.start,
             prefill_instance=(self.route.prefill if self.route else "") or main,
-            decode_instance=main)
+            decode_instance=main, cached_tokens=self.cached_tokens)
 
     def _move(self, phase: Phase) -> None:
         if phase not in _NEXT.get(self.phase, ()):

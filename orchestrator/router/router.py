@@ -88,7 +88,8 @@ class Router:
         self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
         self.metrics = metrics or NoMetrics()
         self.availability = Availability(health)
-        self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s)
+        self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s,
+                              kv_index=flow.kv_index)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
         self._attempt_numbers = itertools.count(1)
         self._background: set[asyncio.Task] = set()

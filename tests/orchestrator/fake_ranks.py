@@ -58,7 +58,7 @@ class FakeRank:
             self._events.append(event)
             self._cond.notify_all()
 
-    def poll(self, timeout_s: float) -> list[TokenEvent]:
+    def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
         with self._cond:
             self._cond.wait_for(lambda: self._events, timeout=timeout_s)
             out, self._events = self._events, []

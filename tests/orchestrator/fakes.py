@@ -91,7 +91,7 @@ class _Leader:
         if method in self.errors:
             raise RuntimeError(self.errors[method])
 
-    async def poll(self, timeout_s: float) -> list[TokenEvent]:
+    async def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
         await self._enter("poll")
         if self.poll_error:
             self.poll_failures += 1

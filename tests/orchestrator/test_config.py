@@ -159,8 +159,8 @@ def _error(tmp_path, text: str) -> str:
     ("routr: {}", "routr: unknown key; allowed keys here: model, mode, prefill, decode"),
     ("prefill: {tp: two}", "prefill.tp: expected an integer, got 'two'"),
     ("kv_transfer: {connect_timeout_s: soon}", "kv_transfer.connect_timeout_s: expected a number"),
-    ("router: {policy: random}", "router.policy: must be one of 'round_robin' or "
-                                 "'least_outstanding_tokens', got 'random'"),
+    ("router: {policy: random}", "router.policy: must be one of 'round_robin', "
+                                 "'least_outstanding_tokens' or 'kv_aware', got 'random'"),
     ("kv_transfer: {backend: mpi}", "kv_transfer.backend: must be one of 'auto', 'hccl', "
                                     "'nccl' or 'gloo', got 'mpi'"),
     ("mode: both", "mode: must be one of 'disaggregated' or 'colocated'"),

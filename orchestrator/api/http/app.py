@@ -150,7 +150,8 @@ class OpenAIApp:
                 return Response(status_code=CLIENT_GONE)
             text, finish = whole
             return JSONResponse(shape.whole(gen.request_id, created, self.model, text, finish,
-                                            gen.prompt_tokens, gen.completion_tokens))
+                                            gen.prompt_tokens, gen.completion_tokens,
+                                            gen.cached_tokens))
         # NOTE: the first piece is awaited before the 200 goes out, so a refused request
         # (bad input, overload) still gets its HTTP status.
         first = await _unless_disconnected(request, anext(pieces))
@@ -171,7 +172,7 @@ class OpenAIApp:
                 piece, is_first = await anext(rest), False
             if include_usage:
                 yield sse.event(shape.usage_chunk(rid, created, self.model, gen.prompt_tokens,
-                                                  gen.completion_tokens))
+                                                  gen.completion_tokens, gen.cached_tokens))
         except RequestError as exc:
             yield sse.event(_error_json(exc))
         finally:

@@ -39,6 +39,7 @@ class Generation:
         request_id: the router's id of it (also the response id's suffix).
         prompt_tokens, completion_tokens: usage (completion counts every generated token,
             the ones a stop string cut off included, as OpenAI does).
+        cached_tokens: prompt tokens found in the prefix cache (from the last chunk's stats).
     """
 
     def __init__(self, router: Router, inp: GenerateInput, prompt_tokens: int,
@@ -46,6 +47,7 @@ class Generation:
         self.router, self.inp, self.stops = router, inp, stops
         self.request_id = inp.request_id
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+        self.cached_tokens = 0
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The choice's text as it is generated; the last piece has finish_reason "stop"
@@ -62,6 +64,7 @@ class Generation:
                 self.completion_tokens += len(chunk.token_ids)
                 if chunk.stats is not None:
                     self.prompt_tokens = chunk.stats.prompt_tokens
+                    self.cached_tokens = chunk.stats.cached_tokens
                 text, stopped = stop.feed(chunk.text)
                 if stopped:
                     yield Piece(text, "stop")

@@ -42,14 +42,15 @@ class Shape:
         return self._body(rid, created, model, [choice], streamed=True)
 
     def usage_chunk(self, rid: str, created: int, model: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
+                    completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last streamed chunk with ``stream_options.include_usage``."""
         body = self._body(rid, created, model, [], streamed=True)
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     def whole(self, rid: str, created: int, model: str, text: str, finish: str | None,
-              prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+              prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict[str, Any]:
         """The non-streamed body."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -57,7 +58,7 @@ class Shape:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         body = self._body(rid, created, model, [choice], streamed=False)
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     def _body(self, rid: str, created: int, model: str, choices: list,

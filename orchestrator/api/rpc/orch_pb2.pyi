@@ -41,7 +41,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "prefill_instance", "decode_instance")
+    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "prefill_instance", "decode_instance", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class GenerateStats(_message.Message):
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float
@@ -56,7 +57,8 @@ class GenerateStats(_message.Message):
     e2e_s: float
     prefill_instance: str
     decode_instance: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats")
@@ -101,7 +103,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load", "step_phases")
+    __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load", "step_phases", "cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +119,9 @@ class InstanceStatus(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     HAS_LOAD_FIELD_NUMBER: _ClassVar[int]
     STEP_PHASES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     tp: int
@@ -132,7 +137,10 @@ class InstanceStatus(_message.Message):
     detail: str
     has_load: bool
     step_phases: _containers.RepeatedCompositeFieldContainer[StepPhase]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_failures: _Optional[int] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., has_load: _Optional[bool] = ..., step_phases: _Optional[_Iterable[_Union[StepPhase, _Mapping]]] = ...) -> None: ...
+    cached_blocks: int
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_failures: _Optional[int] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., has_load: _Optional[bool] = ..., step_phases: _Optional[_Iterable[_Union[StepPhase, _Mapping]]] = ..., cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPhase(_message.Message):
     __slots__ = ("phase", "count", "total_s")
