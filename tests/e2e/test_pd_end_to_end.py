@@ -191,3 +191,32 @@ def test_sigterm_drains_requests_in_flight(pd_server, prompts):
         assert err is None and len(tokens) == max_tokens, f"in-flight request lost: {err}"
         assert responses[-1].finish_reason == "length"
         assert ended > signalled  # it was still in flight when the signal came
+
+
+def test_prefix_cache_second_turn_reuses_kv_on_both_sides(pd_server):
+    """The cache is on by default: a conversation's second turn (turn 1's prompt + output +
+    new tokens) computes only the uncached rest on prefill (final stats' cached_tokens) and
+    ships only what decode does not hold from turn 1 (prompt + output blocks); it equals the
+    same request run again; status and /metrics show the cache."""
+    def prefill_sent() -> int:
+        return sum(i.kv_bytes_sent for i in pd_server.status().instances if i.role == "prefill")
+
+    turn1 = list(range(7000, 7044))  # 44 tokens: 2 full blocks of 16
+    before = prefill_sent()
+    out1, resp1, err = pd_server.generate(token_ids=turn1, max_tokens=12, ignore_eos=True)
+    assert err is None and len(out1) == 12 and resp1[-1].stats.cached_tokens == 0
+    wait_idle(pd_server)
+    per_token = (prefill_sent() - before) / len(turn1)
+    turn2 = turn1 + out1 + [11, 12, 13, 14, 15]  # 61 tokens; decode holds KV of 55 -> 48
+    before = prefill_sent()
+    out2, resp2, err = pd_server.generate(token_ids=turn2, max_tokens=6, ignore_eos=True)
+    assert err is None and resp2[-1].stats.cached_tokens == 32  # prefill had turn 1's 2 blocks
+    wait_idle(pd_server)
+    assert prefill_sent() - before == (len(turn2) - 48) * per_token  # decode held 48
+    again, _, err = pd_server.generate(token_ids=turn2, max_tokens=6, ignore_eos=True)
+    assert err is None and again == out2
+    rows = {i.name: i for i in pd_server.status().instances}
+    assert all(rows[n].cached_blocks > 0 and rows[n].prefix_hit_tokens > 0 for n in rows)
+    metrics = pd_server.metrics()
+    assert metrics["orch_instance_prefix_hit_rate{instance=decode-0}"] > 0
+    wait_idle(pd_server)
