@@ -14,12 +14,15 @@ Runs, all in one process and session (ratios against the cache-off run of the sa
    the trace's ideal (every repeated leading block hit, the last prompt token always
    computed), TTFT p50 / mean;
 2. two instances (prefill dp 2), cache on: ``round_robin`` vs ``kv_aware`` (the router's
-   policy object and KV index, fed by the instances' KV events): hit rate and TTFT;
+   policy object and KV index, fed by the instances' KV events): hit rate and TTFT
+   (1 and 2 run interleaved tick by tick, all instances alive at once: ratios in one window);
 3. multi-turn PD (prefill + decode ranks): conversations of ``--turns`` turns, each turn =
    previous turn's prompt + its output + new user tokens; KV bytes prefill ships per request
    with the decode side's cache off vs on.
 
-Requests of one trace tick (same timestamp) are submitted together; ticks run one after
+The trace is sampled by conversation (``--every``: one conversation in N, over a longer
+stretch of the trace, so a conversation's later turns are in the sample as in the full trace:
+reuse comes from them). Requests of one trace tick (same timestamp) are submitted together; ticks run one after
 another (the time between ticks is not replayed). Not a test; run:
 ``PYTHONPATH=. python benchmarks/prefix_cache_bench.py`` (docs/prefix_cache.md has the table).
 """
@@ -27,11 +30,10 @@ another (the time between ticks is not replayed). Not a test; run:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ import torch
 from decode_worker.role import DecodeRole
 from engine.request import RequestSpec
 from engine.sampling_params import SamplingParams
+from orchestrator.bench.traces import read_mooncake
 from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.policies import make_policy
 from orchestrator.tiny_model import write_tiny_checkpoint
@@ -49,8 +52,10 @@ from rank.messages import Abort, Admit, Generate, Prefill, Reserve
 from rank.rank import Rank
 
 BLOCK = 16
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / \
-    "mooncake_conversation_trace.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+# NOTE: the nearest shared/data beside the repository or above it (a worktree sits deeper)
+TRACES = [p / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+          for p in list(ROOT.parents)[:3]]
 VOCAB = 129280
 
 
@@ -69,20 +74,23 @@ def block_tokens(hash_id: int) -> list[int]:
     return torch.randint(2, VOCAB, (BLOCK,), generator=gen).tolist()
 
 
-def load_trace(path: Path, n: int, max_blocks: int) -> tuple[list[TraceRequest], int]:
-    """The first ``n`` requests, scaled; and how many were cut to ``max_blocks`` blocks."""
+def load_trace(path: Path, n: int, max_blocks: int,
+               every: int) -> tuple[list[TraceRequest], int]:
+    """The first ``n`` requests of one conversation in ``every`` (a request's conversation:
+    its second prefix block, the first after the shared system prompt), scaled; and how many
+    were cut to ``max_blocks`` blocks."""
     out, cut = [], 0
-    with path.open() as f:
-        for line in f:
-            if len(out) == n:
-                break
-            row = json.loads(line)
-            length = max(1, -(-row["input_length"] // 32))
-            ids = row["hash_ids"][:max_blocks]
-            if length > max_blocks * BLOCK:
-                cut, length = cut + 1, max_blocks * BLOCK
-            tokens = [t for h in ids for t in block_tokens(h)][:length]
-            out.append(TraceRequest(row["timestamp"], tuple(tokens), tuple(ids)))
+    for row in read_mooncake(path):
+        if len(out) == n:
+            break
+        if row.hash_ids[min(1, len(row.hash_ids) - 1)] % every:
+            continue
+        length = max(1, -(-row.input_len // 32))
+        ids = row.hash_ids[:max_blocks]
+        if length > max_blocks * BLOCK:
+            cut, length = cut + 1, max_blocks * BLOCK
+        tokens = [t for h in ids for t in block_tokens(h)][:length]
+        out.append(TraceRequest(round(row.arrival_s * 1000), tuple(tokens), tuple(ids)))
     return out, cut
 
 
@@ -133,56 +141,66 @@ def wait_first(ranks: list[Rank], pending: dict[str, float], index: KVIndex | No
     return ttft
 
 
-def replay(ranks: list[Rank], reqs: list[TraceRequest], policy_name: str) -> dict:
-    """Submit tick by tick through ``policy_name`` over ``ranks``; hit rate and TTFTs."""
-    index = KVIndex()
-    names = [r.cfg.name for r in ranks]
-    policy = make_policy(policy_name, names, index=index)
-    by_name = dict(zip(names, ranks))
-    ttfts, i = [], 0
-    while i < len(reqs):
-        tick = [r for r in reqs[i:] if r.tick == reqs[i].tick]
+@dataclass
+class Setup:
+    """One configuration replayed: its instances, the router policy over them and its KV
+    index (fed by their events), and the TTFTs measured."""
+
+    ranks: list[Rank]
+    policy_name: str
+    index: KVIndex = field(default_factory=KVIndex)
+    ttfts: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.policy_name, [r.cfg.name for r in self.ranks],
+                                  index=self.index)
+
+    def run_tick(self, first: int, tick: list[TraceRequest]) -> None:
+        """Submit one tick's requests (ids from ``first``) and wait for their first tokens."""
+        by_name = {r.cfg.name: r for r in self.ranks}
         pending, placed = {}, []
         for j, r in enumerate(tick):
-            rid = f"q{i + j}"
-            name = policy.order(r.prompt)[0]
-            policy.acquire(name, len(r.prompt))
+            rid = f"q{first + j}"
+            name = self.policy.order(r.prompt)[0]
+            self.policy.acquire(name, len(r.prompt))
             placed.append((name, len(r.prompt)))
             by_name[name].request(Generate(RequestSpec(rid, r.prompt, SamplingParams(
                 max_tokens=1, ignore_eos=True))))
             pending[rid] = time.monotonic()
-        ttfts += wait_first(ranks, pending, index).values()
+        self.ttfts += wait_first(self.ranks, pending, self.index).values()
         for name, load in placed:
-            policy.release(name, load)
-        i += len(tick)
-    hits = sum(r.leader.pool.lookup_totals()[1] for r in ranks)
-    queried = sum(r.leader.pool.lookup_totals()[0] for r in ranks)
-    return {"hit": hits / queried, "ttft_p50": statistics.median(ttfts),
-            "ttft_mean": statistics.fmean(ttfts)}
+            self.policy.release(name, load)
+
+    def result(self) -> dict:
+        queried = sum(r.leader.pool.lookup_totals()[0] for r in self.ranks)
+        hits = sum(r.leader.pool.lookup_totals()[1] for r in self.ranks)
+        return {"hit": hits / max(queried, 1), "ttft_p50": statistics.median(self.ttfts),
+                "ttft_mean": statistics.fmean(self.ttfts)}
 
 
-def single(ckpt: Path, reqs: list[TraceRequest], blocks: int) -> dict[bool, dict]:
-    out = {}
-    for cache in (False, True):
-        rank = start(ckpt, ColocatedRole, "colocated-0", "colocated", blocks, cache)
-        try:
-            out[cache] = replay([rank], reqs, "least_outstanding_tokens")
-        finally:
-            rank.shutdown()
-    return out
+def replay(ckpt: Path, reqs: list[TraceRequest], blocks: int) -> dict[str, dict]:
+    """Every configuration over the same requests, INTERLEAVED tick by tick (each tick runs
+    on one configuration after the other), so a change of machine load hits all alike."""
+    def ranks(prefix: str, n: int, cache: bool) -> list[Rank]:
+        return [start(ckpt, ColocatedRole, f"{prefix}-{i}", "colocated", blocks, cache)
+                for i in range(n)]
 
-
-def dp2(ckpt: Path, reqs: list[TraceRequest], blocks: int) -> dict[str, dict]:
-    out = {}
-    for policy in ("round_robin", "kv_aware"):
-        ranks = [start(ckpt, ColocatedRole, f"prefill-{i}", "colocated", blocks, True)
-                 for i in range(2)]
-        try:
-            out[policy] = replay(ranks, reqs, policy)
-        finally:
-            for r in ranks:
-                r.shutdown()
-    return out
+    setups = {"1 instance, cache off": Setup(ranks("off", 1, False), "round_robin"),
+              "1 instance, cache on": Setup(ranks("on", 1, True), "round_robin"),
+              "dp 2, round_robin": Setup(ranks("rr", 2, True), "round_robin"),
+              "dp 2, kv_aware": Setup(ranks("kv", 2, True), "kv_aware")}
+    try:
+        i = 0
+        while i < len(reqs):
+            tick = [r for r in reqs[i:] if r.tick == reqs[i].tick]
+            for setup in setups.values():
+                setup.run_tick(i, tick)
+            i += len(tick)
+        return {name: setup.result() for name, setup in setups.items()}
+    finally:
+        for setup in setups.values():
+            for rank in setup.ranks:
+                rank.shutdown()
 
 
 def pd_turn(prefill: Rank, decode: Rank, spec: RequestSpec) -> list[int]:
@@ -234,35 +252,35 @@ def multiturn(ckpt: Path, reqs: list[TraceRequest], turns: int, out_len: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--max-blocks", type=int, default=24)
+    ap.add_argument("--trace", type=Path,
+                    default=next((p for p in TRACES if p.is_file()), TRACES[0]))
+    ap.add_argument("--requests", type=int, default=260)
+    ap.add_argument("--every", type=int, default=16)
+    ap.add_argument("--max-blocks", type=int, default=16)
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    reqs, cut = load_trace(args.trace, args.requests, args.max_blocks)
+    reqs, cut = load_trace(args.trace, args.requests, args.max_blocks, args.every)
     blocks = sum(len(r.prompt) // BLOCK + 1 for r in reqs) + 16  # holds the working set
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
-        one = single(ckpt, reqs, blocks)
-        two = dp2(ckpt, reqs, blocks)
+        runs = replay(ckpt, reqs, blocks)
         turns = multiturn(ckpt, reqs[:args.conversations], args.turns, out_len=8)
     ideal = ideal_hit_rate(reqs)
-    print(f"{len(reqs)} Mooncake conversation requests ({cut} cut to {args.max_blocks} "
-          f"blocks), prompt tokens {sum(len(r.prompt) for r in reqs)}, ideal hit rate "
+    print(f"{len(reqs)} Mooncake conversation requests (one conversation in {args.every}; "
+          f"{cut} cut to {args.max_blocks} blocks), prompt tokens {sum(len(r.prompt) for r in reqs)}, ideal hit rate "
           f"{ideal:.3f}")
     print("| run | hit rate | of ideal | TTFT p50 ms | TTFT mean ms | TTFT p50 ratio |")
     print("|---|---|---|---|---|---|")
-    base = one[False]["ttft_p50"]
-    rows = [("1 instance, cache off", one[False]), ("1 instance, cache on", one[True]),
-            ("dp 2, round_robin", two["round_robin"]), ("dp 2, kv_aware", two["kv_aware"])]
-    for name, r in rows:
+    base = runs["1 instance, cache off"]["ttft_p50"]
+    for name, r in runs.items():
         print(f"| {name} | {r['hit']:.3f} | {r['hit'] / ideal:.2f} | {1e3 * r['ttft_p50']:.1f} "
               f"| {1e3 * r['ttft_mean']:.1f} | {r['ttft_p50'] / base:.2f} |")
-    ratio = two["kv_aware"]["hit"] / max(two["round_robin"]["hit"], 1e-9)
-    print(f"\nkv_aware / round_robin hit rate: {ratio:.2f}x; TTFT p50 "
-          f"{two['kv_aware']['ttft_p50'] / two['round_robin']['ttft_p50']:.2f}x")
+    rr, kv = runs["dp 2, round_robin"], runs["dp 2, kv_aware"]
+    print(f"\nkv_aware / round_robin hit rate: {kv['hit'] / max(rr['hit'], 1e-9):.2f}x; TTFT "
+          f"p50 {kv['ttft_p50'] / rr['ttft_p50']:.2f}x, mean "
+          f"{kv['ttft_mean'] / rr['ttft_mean']:.2f}x")
     print(f"\nmulti-turn PD ({args.conversations} conversations x {args.turns} turns): KV bytes "
           f"shipped per request: decode cache off {turns[False]:.0f}, on {turns[True]:.0f} "
           f"({turns[True] / turns[False]:.2f}x)")

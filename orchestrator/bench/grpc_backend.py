@@ -44,6 +44,7 @@ async def _consume(stub, req: BenchRequest, rid: str, st: StreamState, cfg: Runn
                 st.finish = msg.finish_reason
                 if msg.HasField("stats") and msg.stats.prompt_tokens > 0:
                     st.input_len = msg.stats.prompt_tokens
+                    st.cached_tokens = msg.stats.cached_tokens
     except asyncio.CancelledError:
         call.cancel()
         raise

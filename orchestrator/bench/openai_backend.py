@@ -47,6 +47,8 @@ class OpenAIStream(StreamState):
         usage = data.get("usage")
         if usage:
             self.input_len = int(usage.get("prompt_tokens") or self.input_len)
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached_tokens = int(details.get("cached_tokens") or 0)
             self._settle(int(usage.get("completion_tokens") or 0))
 
     def _settle(self, total: int) -> None:

@@ -68,6 +68,7 @@ class RequestRecord:
             ...), "NO_FINISH" when the stream ended without a finish reason, "ABORTED_BY_SERVER"
             for finish_reason "abort"; None on success.
         error: the failure's message, or None.
+        cached_tokens: prompt tokens the server found in its prefix cache (final stats).
     """
 
     index: int
@@ -82,6 +83,7 @@ class RequestRecord:
     finish_reason: str | None
     error_code: str | None = None
     error: str | None = None
+    cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -128,6 +130,7 @@ class StreamState:
         self.finish: str | None = None
         self.code: str | None = None
         self.error: str | None = None
+        self.cached_tokens = 0
 
     def record(self, req: BenchRequest, end_s: float) -> RequestRecord:
         """The finished request (a stream without an ok finish is a failure)."""
@@ -139,7 +142,8 @@ class StreamState:
             index=req.index, warmup=req.warmup, input_len=self.input_len,
             output_len=req.output_len, scheduled_s=req.arrival_s, send_s=self.send_s,
             chunk_times_s=tuple(self.times), chunk_tokens=tuple(self.tokens), end_s=end_s,
-            finish_reason=self.finish, error_code=self.code, error=self.error)
+            finish_reason=self.finish, error_code=self.code, error=self.error,
+            cached_tokens=self.cached_tokens)
 
 
 # One request sent now and streamed to its end: (request, run clock origin t0, run id).

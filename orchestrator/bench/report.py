@@ -92,6 +92,8 @@ class BenchReport:
         slo_ttft_ms, slo_tpot_ms: the SLOs.
         requests: per timed request: index, input_len, output_tokens, ttft_ms, tpot_ms,
             e2e_ms, error_code.
+        prefix_hit_rate: prompt tokens the servers found in their prefix cache / prompt tokens,
+            over completed requests (final stats' cached_tokens).
     """
 
     label: str
@@ -110,6 +112,7 @@ class BenchReport:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     requests: list[dict] = field(default_factory=list)
+    prefix_hit_rate: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +177,9 @@ def summarize(run: RunResult, *, label: str = "", workload: str = "", num_capped
         input_tokens_per_s=sum(r.input_len for r in done) / dur,
         output_tokens_per_s=sum(r.num_output_tokens for r in done) / dur,
         goodput=good, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-        requests=[_row(r) for r in timed])
+        requests=[_row(r) for r in timed],
+        prefix_hit_rate=sum(r.cached_tokens for r in done) / max(
+            1, sum(r.input_len for r in done)))
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -207,7 +212,8 @@ def print_report(report: BenchReport, console=None) -> None:
     console.print(
         f"throughput: {report.request_throughput:.3f} req/s, "
         f"input {report.input_tokens_per_s:.1f} tok/s, "
-        f"output {report.output_tokens_per_s:.1f} tok/s"
+        f"output {report.output_tokens_per_s:.1f} tok/s, "
+        f"prefix cache hit rate {report.prefix_hit_rate:.3f}"
         + ("" if report.goodput is None else
            f", goodput {report.goodput:.3f} req/s (TTFT <= {_fmt(report.slo_ttft_ms, 0)} ms, "
            f"TPOT <= {_fmt(report.slo_tpot_ms, 0)} ms)"))

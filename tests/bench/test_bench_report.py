@@ -107,3 +107,17 @@ def test_cdf_plots_written(tmp_path):
     for p in paths:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_report_prefix_hit_rate_counts_cached_prompt_tokens():
+    from orchestrator.bench.records import RequestRecord, RunResult
+    from orchestrator.bench.report import summarize
+
+    def rec(i, input_len, cached):
+        return RequestRecord(index=i, warmup=False, input_len=input_len, output_len=1,
+                             scheduled_s=0.0, send_s=0.0, chunk_times_s=(0.1,),
+                             chunk_tokens=(1,), end_s=0.2, finish_reason="length",
+                             cached_tokens=cached)
+
+    report = summarize(RunResult((rec(0, 100, 0), rec(1, 100, 64), rec(2, 200, 96)), 1.0, 0.0))
+    assert report.prefix_hit_rate == (64 + 96) / 400

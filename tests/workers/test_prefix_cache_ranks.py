@@ -98,6 +98,33 @@ def test_cache_on_equals_cache_off_and_hf(ckpt, sampling):
             assert tokens == ref
 
 
+@pytest.fixture(scope="module")
+def v32_ckpt(tmp_path_factory):
+    from orchestrator.cli import main  # noqa: PLC0415 (only this fixture needs the CLI)
+
+    out = tmp_path_factory.mktemp("v32") / "v32"
+    assert main(["model", "init-tiny", "--arch", "deepseek_v32", "--seed", "3", str(out)]) == 0
+    return out
+
+
+def test_v32_index_keys_are_reused_with_the_blocks(v32_ckpt):
+    """DeepSeek-V3.2: the indexer's keys live in the same blocks; prompts past index_topk
+    (32) so the sparse selection reads cached keys; cache on == cache off."""
+    base = list(range(2000, 2048))
+    ps = [base, base[:40] + list(range(5000, 5010)), base[:33] + [7] * 20, base]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    got = {}
+    for on in (False, True):
+        rank = colocated(v32_ckpt, on)
+        try:
+            got[on] = [run_one(rank, f"r{i}", p, sampling) for i, p in enumerate(ps)]
+            assert_idle(rank)
+        finally:
+            rank.shutdown()
+    assert [t for t, _ in got[True]] == [t for t, _ in got[False]]
+    assert [c for _, c in got[True]] == [0, 40, 32, 44]
+
+
 def test_small_pool_many_prefixes_and_aborts_leave_nothing(ckpt):
     """12 blocks of 4 for 4 requests of up to 4 blocks: cached blocks are evicted all the time;
     outputs equal the cache off, an abort mid-run frees its blocks, refcounts end at zero."""
