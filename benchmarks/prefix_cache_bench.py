@@ -2,10 +2,10 @@
 
 The trace (``../shared/data/mooncake_conversation_trace.jsonl``, Kimi, Apache-2.0) gives each
 request its 512-token prefix blocks as ``hash_ids`` (equal leading ids = shared prefix). Scaled
-to the tiny model: one trace block -> one KV block of ``BLOCK`` = 16 tokens (lengths / 32), the
-block's token ids drawn from a generator seeded by its hash id, so shared blocks are shared
-tokens and the prefix structure is preserved exactly. Prompts longer than ``--max-blocks``
-blocks are cut (the report says how many). Each request asks for one token (TTFT is what the
+to the tiny model: one trace block -> ``TRACE_BLOCK`` = 64 tokens (lengths / 8; 4 KV blocks of
+``BLOCK`` = 16), the block's token ids drawn from a generator seeded by its hash id, so shared
+blocks are shared tokens and the prefix structure is preserved exactly. Prompts longer than
+``--max-blocks`` trace blocks are cut (the report says how many). Each request asks for one token (TTFT is what the
 cache changes; decode is unchanged).
 
 Runs, all in one process and session (ratios against the cache-off run of the same requests):
@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from decode_worker.role import DecodeRole
+from engine.prefix_hash import block_hashes
 from engine.request import RequestSpec
 from engine.sampling_params import SamplingParams
 from orchestrator.bench.traces import read_mooncake
@@ -52,6 +53,7 @@ from rank.messages import Abort, Admit, Generate, Prefill, Reserve
 from rank.rank import Rank
 
 BLOCK = 16
+TRACE_BLOCK = 64
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: the nearest shared/data beside the repository or above it (a worktree sits deeper)
 TRACES = [p / "shared" / "data" / "mooncake_conversation_trace.jsonl"
@@ -69,9 +71,9 @@ class TraceRequest:
 
 
 def block_tokens(hash_id: int) -> list[int]:
-    """The ``BLOCK`` token ids standing for trace block ``hash_id``."""
+    """The ``TRACE_BLOCK`` token ids standing for trace block ``hash_id``."""
     gen = torch.Generator().manual_seed(hash_id)
-    return torch.randint(2, VOCAB, (BLOCK,), generator=gen).tolist()
+    return torch.randint(2, VOCAB, (TRACE_BLOCK,), generator=gen).tolist()
 
 
 def load_trace(path: Path, n: int, max_blocks: int,
@@ -85,35 +87,35 @@ def load_trace(path: Path, n: int, max_blocks: int,
             break
         if row.hash_ids[min(1, len(row.hash_ids) - 1)] % every:
             continue
-        length = max(1, -(-row.input_len // 32))
+        length = max(1, -(-row.input_len * TRACE_BLOCK // 512))
         ids = row.hash_ids[:max_blocks]
-        if length > max_blocks * BLOCK:
-            cut, length = cut + 1, max_blocks * BLOCK
+        if length > max_blocks * TRACE_BLOCK:
+            cut, length = cut + 1, max_blocks * TRACE_BLOCK
         tokens = [t for h in ids for t in block_tokens(h)][:length]
         out.append(TraceRequest(round(row.arrival_s * 1000), tuple(tokens), tuple(ids)))
     return out, cut
 
 
-def ideal_hit_rate(reqs: list[TraceRequest]) -> float:
-    """Prompt tokens an unbounded cache would hit / all prompt tokens: the leading blocks whose
-    hash ids were all seen before, at most ``(prompt - 1) // BLOCK`` (the last token is always
-    computed)."""
-    seen: set[tuple[int, ...]] = set()
+def ideal_hit_rate(reqs: list[TraceRequest]) -> tuple[float, int]:
+    """Prompt tokens an unbounded cache would hit / all prompt tokens (the leading full KV
+    blocks seen before, at most ``(prompt - 1) // BLOCK``: the last token is always computed),
+    and the distinct full blocks (the working set)."""
+    seen: set[int] = set()
     hit = total = 0
     for r in reqs:
-        full = min((len(r.prompt) - 1) // BLOCK, len(r.hash_ids))
+        hashes = block_hashes(r.prompt, BLOCK)
         n = 0
-        while n < full and tuple(r.hash_ids[:n + 1]) in seen:
+        while n < (len(r.prompt) - 1) // BLOCK and hashes[n] in seen:
             n += 1
         hit, total = hit + n * BLOCK, total + len(r.prompt)
-        seen.update(tuple(r.hash_ids[:k + 1]) for k in range(len(r.prompt) // BLOCK))
-    return hit / total
+        seen.update(hashes)
+    return hit / total, len(seen)
 
 
 def start(ckpt: Path, role_cls, name: str, role: str, blocks: int, cache: bool) -> Rank:
     """One TP=1 rank (its own loop thread) of ``role``."""
-    sched = SchedulerConfig(block_size=BLOCK, num_kv_blocks=blocks, chunk_size=512,
-                            max_num_batched_tokens=512, max_num_seqs=16, prefix_cache=cache)
+    sched = SchedulerConfig(block_size=BLOCK, num_kv_blocks=blocks, chunk_size=2048,
+                            max_num_batched_tokens=2048, max_num_seqs=16, prefix_cache=cache)
     cfg = InstanceConfig(name=name, role=role, checkpoint_dir=str(ckpt), scheduler=sched)
     rank = Rank(cfg, 0, role_cls)
     host, port = rank.open_tp_store()
@@ -131,7 +133,7 @@ def wait_first(ranks: list[Rank], pending: dict[str, float], index: KVIndex | No
     while len(ttft) < len(pending):
         assert time.monotonic() < deadline, "requests did not finish within 600 s"
         for rank in ranks:
-            for ev in rank.poll(0.01, True):
+            for ev in rank.poll(0.002, True):
                 if ev.kv_events is not None:
                     if index is not None:
                         index.apply(ev.instance, ev.kv_events)
@@ -262,12 +264,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     reqs, cut = load_trace(args.trace, args.requests, args.max_blocks, args.every)
-    blocks = sum(len(r.prompt) // BLOCK + 1 for r in reqs) + 16  # holds the working set
+    ideal, distinct = ideal_hit_rate(reqs)
+    # NOTE: holds the working set (every distinct block) plus one tick's requests in flight
+    blocks = distinct + 8 * (args.max_blocks * TRACE_BLOCK // BLOCK + 1)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
         runs = replay(ckpt, reqs, blocks)
         turns = multiturn(ckpt, reqs[:args.conversations], args.turns, out_len=8)
-    ideal = ideal_hit_rate(reqs)
     print(f"{len(reqs)} Mooncake conversation requests (one conversation in {args.every}; "
           f"{cut} cut to {args.max_blocks} blocks), prompt tokens {sum(len(r.prompt) for r in reqs)}, ideal hit rate "
           f"{ideal:.3f}")

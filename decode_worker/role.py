@@ -135,8 +135,8 @@ class DecodeRole(Role):
                            num_cached_tokens=held)
 
     def _refusal(self, spec: RequestSpec, need: int) -> Rejection | None:
-        """Why ``spec`` (``need`` blocks) cannot be reserved now, or None; caller holds the
-        lock."""
+        """Why ``spec`` (``need`` blocks) is refused whatever the free blocks (too big, aborted,
+        id in use), or None; caller holds the lock (whether it fits now: ``_full``)."""
         leader, rid = self.leader, spec.request_id
         reason = leader.too_big(need)
         if reason is not None:
