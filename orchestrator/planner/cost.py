@@ -204,7 +204,25 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     terms.append(_roofline("routed experts", MOE,
                            2 * w.tokens * counts.routed_params_per_token(m) / ranks * imb,
                            gemm * masked, expert_bytes * active, hbm))
-    return terms, imb
+    return terms + _elementwise(m, prec, hw, w, ranks, imb), imb
+
+
+def _elementwise(m: ModelConfig, prec: Precision, hw: Hardware, w: Work, ranks: int,
+                 imb: float) -> list[Term]:
+    """The kernels between the GEMMs (:func:`.counts.elementwise_bytes_per_token`) at the
+    device's streaming rate, the tokens split over the DP rank's ``ranks`` like the GEMMs'
+    (NOTE: under TP the hidden-size norms are in fact repeated on every TP rank; counted
+    once); routed copies x the EP imbalance. None where the device does not model them."""
+    eff = hw.spec.kernels.elementwise_hbm
+    if eff <= 0:
+        return []
+    attn, moe, per_copy = counts.elementwise_bytes_per_token(
+        m, prec.activation, prec.linear <= 1, prefill=not w.decode)
+    bw = hw.spec.hbm_gb_s * GBPS * eff
+    copies = m.num_experts_per_tok * imb
+    return [Term("elementwise (attention)", ATTN, w.tokens / ranks * attn / bw, "memory"),
+            Term("elementwise (MoE)", MOE, w.tokens / ranks * (moe + copies * per_copy) / bw,
+                 "memory")]
 
 
 def _tp_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, w: Work, act: float) -> float:
