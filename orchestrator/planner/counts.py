@@ -47,6 +47,13 @@ def dense_params_per_token(m: ModelConfig) -> int:
             + sum(m.indexer_layers) * indexer_params(m) + dense_mlp + gate)
 
 
+def output_params_per_token(m: ModelConfig) -> int:
+    """The part of :func:`dense_params_per_token` after the core attention: every layer's
+    output projection (``heads x v_head_dim x hidden``) and each MoE layer's router gate."""
+    out = m.num_hidden_layers * m.num_attention_heads * m.v_head_dim * m.hidden_size
+    return out + num_moe_layers(m) * (m.n_routed_experts or 0) * m.hidden_size
+
+
 def expert_params(m: ModelConfig) -> int:
     """Weights of one expert (gate, up, down) of one layer."""
     return 3 * m.hidden_size * m.moe_intermediate_size

@@ -87,12 +87,20 @@ def test_normal_all_to_all_sends_once_per_destination_domain():
     assert four == pytest.approx(58 * tokens * distinct(4, 8) * 3 / 4 * b / 51e9)
 
 
-def test_overlap_is_the_per_phase_maximum_of_compute_and_communication():
-    terms = (Term("a", "attention", 3.0, "compute"), Term("m", "moe", 2.0, "compute"),
+def test_overlap_pairs_each_phase_with_the_other_micro_batchs_all_to_all():
+    terms = (Term("a0", "attention-0", 1.0, "compute"), Term("a1", "attention", 2.0, "compute"),
+             Term("s", "shared", 0.5, "compute"), Term("m", "moe", 2.0, "compute"),
              Term("d", "dispatch", 4.0, "link"), Term("c", "combine", 1.0, "link"),
-             Term("s", "serial", 0.5, "host"))
-    assert Cost(terms, overlap=True).total_s == pytest.approx(max(3, 4) + max(2, 1) + 0.5)
-    assert Cost(terms, overlap=False).total_s == pytest.approx(10.5)
+             Term("x", "serial", 0.5, "host"))
+    # DeepSeek's prefill: [A+S] | C, A | D, M | D, [M+S] | C, each per micro-batch (half)
+    assert Cost(terms, "prefill").total_s == pytest.approx(
+        (max(3.5, 1) + max(3, 4) + max(2, 4) + max(2.5, 1)) / 2 + 0.5)
+    # DeepSeek's decode: [S + A0] | D, M alone, A1 | C (both micro-batches: the totals)
+    assert Cost(terms, "decode").total_s == pytest.approx(max(1.5, 4) + 2 + max(2, 1) + 0.5)
+    assert Cost(terms).total_s == pytest.approx(11.0)
+    assert Cost(terms, "decode").overlap and not Cost(terms).overlap
+    with pytest.raises(ValueError, match="unknown overlap schedule"):
+        Cost(terms, "zigzag").total_s
 
 
 def _decode(opts: StepOptions, batch: float, device: str = "h800") -> Cost:
@@ -112,7 +120,7 @@ def test_mtp_verifies_1_plus_k_tokens_and_gains_1_plus_accepted():
     assert mtp.tokens_per_step == pytest.approx(1.8)
     by_name = {t.name: t.seconds for t in mtp.terms}
     plain_names = {t.name: t.seconds for t in plain.terms}
-    for name in ("linears", "routed experts", "all-to-all dispatch"):  # (1 + 1) x 256 tokens
+    for name in ("linears", "output linears", "routed experts", "all-to-all dispatch"):
         assert by_name[name] == pytest.approx(plain_names[name], rel=1e-9)
     assert by_name["MTP drafts"] > 0
 
@@ -187,8 +195,9 @@ def test_explain_prints_every_term_and_what_bounds_the_step(capsys):
     for word in ("linears [attention", "attention [attention", "routed experts [moe",
                  "all-to-all dispatch [dispatch", "all-to-all combine [combine",
                  "TP collectives [serial", "MTP drafts", "MTP: 1.7 tokens per step",
-                 "expert-load imbalance", "overlap (two micro-batches)",
-                 "elementwise (attention) [attention, memory]", "elementwise (MoE) [moe"):
+                 "expert-load imbalance", "overlap (two micro-batches, prefill schedule",
+                 "elementwise (attention) [attention-0, memory]", "elementwise (MoE) [moe",
+                 "output linears [attention", "shared experts [shared"):
         assert word in out, word
 
 
@@ -201,6 +210,10 @@ def test_validation_page_shows_the_tables_figures():
     for r in rows:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
         assert f"| {r['key']} |" in text
+    from orchestrator.planner.validation import CHECKS, markdown
+
+    assert markdown(rows) in text  # the tables as `--markdown` prints them
+    assert all(f"| {c.key} |" in text for c in CHECKS)
     devices = {r["device"] for r in rows if r["role"] != "seed"}
     assert {"h800", "h100", "a3"} <= devices  # NVIDIA and Huawei chips
 
