@@ -180,11 +180,18 @@ def row_cost(row: Published) -> tuple[Cost, float]:
 
 def seed_rows() -> list[tuple[str, float, float]]:
     """Seed 004 (configs/a3_v32_p2x16_d8x4.yaml, concurrency 29): (figure, published,
-    predicted) for TPOT (ms), output tokens/s and TTFT (s)."""
+    predicted) for TPOT (ms), output tokens/s and TTFT (s), under both load shapes the seed
+    may have run (it publishes none): arrivals spread out ("staggered") and the 29 requests
+    started together, as a closed-loop bench of equal-length requests does ("lock-step")."""
     cfg = load_config(REPO / "configs" / "a3_v32_p2x16_d8x4.yaml")
-    pt = plan_config(cfg, WorkloadSpec(65536, 3072, concurrency=29), named_device("a3")).point
-    return [("TPOT ms", 26.0, pt.tpot_s * 1e3), ("output tok/s", 850.0, pt.output_tok_s),
-            ("TTFT s", 24.0, pt.ttft_s)]
+    out = []
+    for name, together in (("staggered", False), ("lock-step", True)):
+        pt = plan_config(cfg, WorkloadSpec(65536, 3072, concurrency=29, together=together),
+                         named_device("a3")).point
+        out += [(f"{name} TPOT ms", 26.0, pt.tpot_s * 1e3),
+                (f"{name} output tok/s", 850.0, pt.output_tok_s),
+                (f"{name} TTFT s", 24.0, pt.ttft_s)]
+    return out
 
 
 def table() -> list[dict]:
@@ -234,8 +241,8 @@ def markdown(rows: list[dict]) -> str:
                        f"{r['ratio']:.2f} |")
         out.append("")
     out += ["### Seed 004 (configs/a3_v32_p2x16_d8x4.yaml, `--workload "
-            "in=65536,out=3072,concurrency=29`)", "", "| row | published | predicted | ratio |",
-            "|---|---|---|---|"]
+            "in=65536,out=3072,concurrency=29`, lock-step: `...,start=together`)", "",
+            "| row | published | predicted | ratio |", "|---|---|---|---|"]
     out += [f"| {r['key']} | {r['published']:.4g} | {r['predicted']:.3g} | {r['ratio']:.2f} |"
             for r in rows if r["role"] == "seed"]
     out += ["", "### Checks against DeepSeek's profiles (operator level, not in the error)", "",
@@ -269,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in CHECKS:
         print(f"check {row.key}: published {row.figure:.4g}, predicted {row_cost(row)[1]:.4g} "
               f"{row.unit}")
-    for r, row in zip(rows, list(ROWS) + [None] * 3):
-        print(f"{r['key']:<22} {r['device']:<5} published {r['published']:>9.4g}  predicted "
+    for r, row in zip(rows, list(ROWS) + [None] * 6):
+        print(f"{r['key']:<30} {r['device']:<5} published {r['published']:>9.4g}  predicted "
               f"{r['predicted']:>9.4g}  ratio {r['ratio']:.2f}  ({r['unit']})")
         if ns.explain and row is not None:
             print("\n".join(cost_lines(row_cost(row)[0], 1e3, "ms", "    ")))
