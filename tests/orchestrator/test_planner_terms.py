@@ -226,3 +226,17 @@ def test_validation_row_command_prints_the_rows_terms(capsys):
     row = next(r for r in ROWS if r.key == "cm384-decode")
     assert f"ratio {row_cost(row)[1] / row.figure:.2f}" in out
     assert "MTP: 1.7 tokens per step" in out and "all-to-all combine" in out
+
+
+def test_cache_hit_prefill_attends_over_the_cached_prefix():
+    from orchestrator.planner.validation import Published, row_cost
+
+    def attention_s(length: int, hit: float) -> float:
+        row = Published("x", "x", "h800", "prefill", 32, 32, length, 16384, 1.0, 8, "u",
+                        hit=hit)
+        return next(t.seconds for t in row_cost(row)[0].terms if t.name == "attention")
+
+    # 16384 computed tokens either way: 8 prompts computing 2048 tokens each, after a
+    # cached 2048-token prefix (keys 2048 * 2048 + 2048 * 2049 / 2) or after none
+    with_prefix, alone = 2048 * 2048 + 2048 * 2049 / 2, 2048 * 2049 / 2
+    assert attention_s(4096, 0.5) / attention_s(2048, 0.0) == pytest.approx(with_prefix / alone)
