@@ -3,18 +3,20 @@
 A forward pass of ``tokens`` tokens on one DP rank is a list of :class:`Term`:
 
 - kernels, each its roofline ``max(FLOPs / (peak x kernel efficiency), bytes / (HBM x
-  efficiency))``: the attention phase (MLA / indexer / dense-MLP linears and lm_head at the
-  linears' GEMM precision, the attention core) and the MoE phase (shared experts, routed
-  experts x the expert-load imbalance), split over the DP rank's ``tp x cp`` ranks;
+  efficiency))``: before the attention core (MLA / indexer / dense-MLP linears at the
+  linears' GEMM precision, the kernels between them), the attention core with the output
+  projection, router gate and lm_head, the shared experts, the routed experts x the
+  expert-load imbalance (and the kernels between them), split over the DP rank's
+  ``tp x cp`` ranks;
 - the EP all-to-all dispatch and combine (:mod:`.moe`);
 - serial terms: TP all-reduces (ring: ``2 (n-1)/n`` of the bytes) and the vocab-parallel
   collectives, context-parallel gathers, host dispatch, the step call, serving cost.
 
 Without overlap the step is the sum. With two micro-batches (:class:`.moe.StepOptions`) each
 kernel runs twice on half the tokens (weights read twice), compute-bound kernels under the
-prefill all-to-all lose the share of compute units its kernels hold, and a step is, per
-phase, the maximum of computation and communication: ``max(attention, dispatch) + max(MoE,
-combine)`` plus the serial terms. The linears run at the 8-bit peak when they are stored in one byte
+prefill all-to-all lose the share of compute units its kernels hold, and the phases add up
+as DeepSeek's prefill or decode schedule pairs them with the other micro-batch's
+all-to-all (:mod:`.overlap`). The linears run at the 8-bit peak when they are stored in one byte
 (FP8 where the device has it, else INT8), else at the bf16 peak.
 """
 
@@ -26,11 +28,12 @@ from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
 from orchestrator.planner import counts
 from orchestrator.planner.moe import StepOptions, alltoall_s, experts_per_rank, imbalance
+from orchestrator.planner.overlap import (ATTN, COMBINE, DECODE, DISPATCH, MOE, NONE, PRE,
+                                          PREFILL, SERIAL, SHARED, Phases, step_s)
 from orchestrator.planner.specs import DeviceSpec
 
 GBPS = 1e9
 TFLOPS = 1e12
-ATTN, MOE, DISPATCH, COMBINE, SERIAL = "attention", "moe", "dispatch", "combine", "serial"
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,17 @@ class Term:
 
 @dataclass(frozen=True)
 class Cost:
-    """Seconds by cause (module docstring); ``total_s`` per the overlap rule.
+    """Seconds by cause (module docstring); ``total_s`` per the overlap schedule.
 
     Attributes:
         terms: the terms, by name (one per name).
-        overlap: two micro-batches.
+        schedule: how the phases add up (:mod:`.overlap`: none, prefill, decode).
         tokens_per_step: tokens a sequence gains per step (MTP: 1 + accepted drafts).
         imbalance: busiest EP rank's routed tokens over the mean.
     """
 
     terms: tuple[Term, ...]
-    overlap: bool = False
+    schedule: str = NONE
     tokens_per_step: float = 1.0
     imbalance: float = 1.0
 
@@ -67,10 +70,18 @@ class Cost:
         return sum(t.seconds for t in self.terms if t.bound == bound)
 
     @property
+    def overlap(self) -> bool:
+        """Two micro-batches."""
+        return self.schedule != NONE
+
+    @property
+    def phases(self) -> Phases:
+        return Phases(*(self.phase_s(p) for p in (PRE, ATTN, SHARED, MOE, DISPATCH, COMBINE,
+                                                  SERIAL)))
+
+    @property
     def total_s(self) -> float:
-        a, m, d, c = (self.phase_s(p) for p in (ATTN, MOE, DISPATCH, COMBINE))
-        serial = self.phase_s(SERIAL)
-        return (max(a, d) + max(m, c) if self.overlap else a + m + d + c) + serial
+        return step_s(self.phases, self.schedule)
 
     @property
     def compute_s(self) -> float:
@@ -178,20 +189,24 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     gemm, hbm = hw.gemm_flops(prec), hw.hbm()
     moe_kinds = ("routed experts", "shared experts", "embedding")
     dense_bytes = plan.bytes_of("weights") - sum(rows.get(k, 0) for k in moe_kinds)
-    dense_flops = 2 * w.tokens * counts.dense_params_per_token(m) / ranks
+    dense = counts.dense_params_per_token(m)
+    out_share = counts.output_params_per_token(m) / dense
+    dense_flops = 2 * w.tokens * dense / ranks
     lm_flops = 2 * w.lm_rows * m.hidden_size * m.vocab_size / lay.tp
     lm_rate = hw.spec.bf16_tflops * TFLOPS * hw.spec.kernels.gemm_bf16
-    terms = [Term("linears", ATTN, max(dense_flops / gemm + lm_flops / lm_rate,
-                                       dense_bytes / hbm),
-                  "compute" if dense_flops / gemm + lm_flops / lm_rate >= dense_bytes / hbm
-                  else "memory"),
+    terms = [_roofline("linears", PRE, dense_flops * (1 - out_share), gemm,
+                       dense_bytes * (1 - out_share), hbm),
+             _roofline("output linears", ATTN, dense_flops * out_share, gemm,
+                       dense_bytes * out_share, hbm),
              _roofline("attention", ATTN, w.attn_flops / ranks, hw.attn_flops(w.decode),
                        w.kv_bytes, hw.hbm("attn_decode_hbm"))]
+    if lm_flops:
+        terms.append(Term("lm_head", ATTN, lm_flops / lm_rate, "compute"))
     if not m.n_routed_experts:
         return terms, 1.0
     group_tokens = w.tokens * (lay.dp if lay.ep else 1)
     imb = imbalance(m, lay.ep_size, group_tokens, opts) if lay.ep else 1.0
-    terms.append(_roofline("shared experts", MOE,
+    terms.append(_roofline("shared experts", SHARED,
                            2 * w.tokens * counts.shared_params_per_token(m) / ranks, gemm,
                            rows.get("shared experts", 0), hbm))
     active = counts.expert_active_share(m, group_tokens)
@@ -204,7 +219,25 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     terms.append(_roofline("routed experts", MOE,
                            2 * w.tokens * counts.routed_params_per_token(m) / ranks * imb,
                            gemm * masked, expert_bytes * active, hbm))
-    return terms, imb
+    return terms + _elementwise(m, prec, hw, w, ranks, imb), imb
+
+
+def _elementwise(m: ModelConfig, prec: Precision, hw: Hardware, w: Work, ranks: int,
+                 imb: float) -> list[Term]:
+    """The kernels between the GEMMs (:func:`.counts.elementwise_bytes_per_token`) at the
+    device's streaming rate, the tokens split over the DP rank's ``ranks`` like the GEMMs'
+    (NOTE: under TP the hidden-size norms are in fact repeated on every TP rank; counted
+    once); routed copies x the EP imbalance. None where the device does not model them."""
+    eff = hw.spec.kernels.elementwise_hbm
+    if eff <= 0:
+        return []
+    attn, moe, per_copy = counts.elementwise_bytes_per_token(
+        m, prec.activation, prec.linear <= 1, prefill=not w.decode)
+    bw = hw.spec.hbm_gb_s * GBPS * eff
+    copies = m.num_experts_per_tok * imb
+    return [Term("elementwise (attention)", PRE, w.tokens / ranks * attn / bw, "memory"),
+            Term("elementwise (MoE)", MOE, w.tokens / ranks * (moe + copies * per_copy) / bw,
+                 "memory")]
 
 
 def _tp_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, w: Work, act: float) -> float:
@@ -252,7 +285,8 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     terms += [Term("TP collectives", SERIAL, _tp_comm(m, lay, hw, w, prec.activation), "link"),
               Term("host", SERIAL, host_s(m, lay, hw, w.tokens) + step_call_s(lay, hw)
                    + serving_s(hw), "host")]
-    return Cost(tuple(terms), n == 2, 1.0, imb)
+    schedule = NONE if n == 1 else (DECODE if w.decode else PREFILL)
+    return Cost(tuple(terms), schedule, 1.0, imb)
 
 
 def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> float:
@@ -321,7 +355,8 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     if opts.mtp:
         base = forward_cost(m, plan, prec, hw, replace(opts, mtp=0),
                             Work(batch, 0.0, 0.0, batch, True))
-        per_layer = (base.phase_s(ATTN) + base.phase_s(MOE)) / m.num_hidden_layers
+        per_layer = sum(base.phase_s(p) for p in (PRE, ATTN, SHARED, MOE)) \
+            / m.num_hidden_layers
         cost = cost + Cost((Term("MTP drafts", SERIAL, opts.mtp * per_layer, "compute"),))
     return replace(cost, tokens_per_step=opts.tokens_per_step())
 

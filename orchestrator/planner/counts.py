@@ -47,6 +47,13 @@ def dense_params_per_token(m: ModelConfig) -> int:
             + sum(m.indexer_layers) * indexer_params(m) + dense_mlp + gate)
 
 
+def output_params_per_token(m: ModelConfig) -> int:
+    """The part of :func:`dense_params_per_token` after the core attention: every layer's
+    output projection (``heads x v_head_dim x hidden``) and each MoE layer's router gate."""
+    out = m.num_hidden_layers * m.num_attention_heads * m.v_head_dim * m.hidden_size
+    return out + num_moe_layers(m) * (m.n_routed_experts or 0) * m.hidden_size
+
+
 def expert_params(m: ModelConfig) -> int:
     """Weights of one expert (gate, up, down) of one layer."""
     return 3 * m.hidden_size * m.moe_intermediate_size
@@ -116,3 +123,49 @@ def expert_active_share(m: ModelConfig, tokens: float) -> float:
     if not experts:
         return 0.0
     return 1 - (1 - m.num_experts_per_tok / experts) ** tokens
+
+
+def elementwise_bytes_per_token(m: ModelConfig, act: float, eight_bit: bool,
+                                prefill: bool) -> tuple[float, float, float]:
+    """HBM bytes one token moves through the kernels between the GEMMs, summed over the
+    layers: (attention phase with the dense MLP layers, MoE phase less the routed copies,
+    per routed expert copy).
+
+    Counted per layer (``act`` bytes per activation value; an 8-bit GEMM input is first
+    quantized: read ``act``, write 1 byte per value):
+    - attention: fused residual add + RMSNorm (read and write hidden and residual, ``4h``),
+      the q_a / kv_a latent norms (read + write ``q_lora_rank + kv_lora_rank``), RoPE on
+      q_pe (all heads) and k_pe (read + write), quantizing the GEMM inputs (hidden, q
+      latent, attention output ``heads x v_head_dim``); prefill's MHA form also writes and
+      reads the per-head keys (``heads x (qk_nope + qk_head_dim)``: k_nope read, k = [k_nope,
+      k_pe] written);
+    - MoE layer: add + RMSNorm (``4h``), quantizing the hidden for the shared expert, router
+      logits (fp32, read + write per expert), the shared experts' SiLU x up (read ``2 I``,
+      write ``I``, plus quantizing ``I``), the weighted combine (read ``k`` outputs, write
+      one); per routed copy the same SiLU x up and quantization at ``moe_intermediate_size``;
+    - dense MLP layers: add + RMSNorm, quantizing the hidden, SiLU x up at
+      ``intermediate_size``.
+    The GEMMs' own activation reads and writes are not here (their rooflines count weights),
+    nor the all-to-all's packing (the EP library's op).
+    """
+    h, heads = m.hidden_size, m.num_attention_heads
+    quant = act + 1 if eight_bit else 0.0
+
+    def glu(inter: int) -> float:  # SiLU(gate) x up, then quantized for the down GEMM
+        return 3 * inter * act + inter * quant
+
+    lora = (m.q_lora_rank or 0) + m.kv_lora_rank
+    attn = (4 * h * act + 2 * lora * act + 2 * (heads + 1) * m.qk_rope_head_dim * act
+            + (h + (m.q_lora_rank or 0) + heads * m.v_head_dim) * quant)
+    if prefill:
+        attn += heads * (m.qk_nope_head_dim + m.qk_head_dim) * act
+    moe_layers = num_moe_layers(m)
+    dense_layers = m.num_hidden_layers - moe_layers
+    k, experts = m.num_experts_per_tok, m.n_routed_experts or 0
+    moe = (4 * h * act + h * quant + 2 * experts * 4 + m.n_shared_experts
+           * glu(m.moe_intermediate_size) + (k + 1) * h * act) if experts else 0.0
+    dense = 4 * h * act + h * quant + glu(m.intermediate_size)
+    per_copy = glu(m.moe_intermediate_size) if experts else 0.0
+    # NOTE: the dense MLP layers run in the attention phase (with the other linears)
+    return (m.num_hidden_layers * attn + dense_layers * dense, moe_layers * moe,
+            moe_layers * per_copy)

@@ -30,6 +30,9 @@ class Kernels:
         attn_prefill, attn_decode: attention FLOPs, of the bf16 peak.
         attn_decode_hbm: KV reads of decode attention, of ``hbm_gb_s``.
         link: collectives (TP all-reduce, logits gather, KV transfer), of the link peak.
+        elementwise_hbm: the kernels between the GEMMs (norms, RoPE, SiLU, quantization,
+            combine sums), of ``hbm_gb_s``; 0: not modelled apart (cpu: inside the measured
+            host dispatch).
     """
 
     gemm_fp8: float = 1.0
@@ -41,6 +44,7 @@ class Kernels:
     attn_decode: float = 1.0
     attn_decode_hbm: float = 1.0
     link: float = 1.0
+    elementwise_hbm: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ import pytest
 
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.planner.counts import elementwise_bytes_per_token
 from orchestrator.planner.cost import Cost, Hardware, Term, decode_step_cost
 from orchestrator.planner.load import parse_workload
 from orchestrator.planner.moe import (SCALE_BYTES, StepOptions, alltoall_s, distinct,
                                       experts_per_rank, imbalance)
-from orchestrator.planner.specs import named_device
+from orchestrator.planner.specs import DeviceSpec, named_device
 from tests.e2e.harness import REPO
 
 
@@ -86,12 +87,20 @@ def test_normal_all_to_all_sends_once_per_destination_domain():
     assert four == pytest.approx(58 * tokens * distinct(4, 8) * 3 / 4 * b / 51e9)
 
 
-def test_overlap_is_the_per_phase_maximum_of_compute_and_communication():
-    terms = (Term("a", "attention", 3.0, "compute"), Term("m", "moe", 2.0, "compute"),
+def test_overlap_pairs_each_phase_with_the_other_micro_batchs_all_to_all():
+    terms = (Term("a0", "attention-0", 1.0, "compute"), Term("a1", "attention", 2.0, "compute"),
+             Term("s", "shared", 0.5, "compute"), Term("m", "moe", 2.0, "compute"),
              Term("d", "dispatch", 4.0, "link"), Term("c", "combine", 1.0, "link"),
-             Term("s", "serial", 0.5, "host"))
-    assert Cost(terms, overlap=True).total_s == pytest.approx(max(3, 4) + max(2, 1) + 0.5)
-    assert Cost(terms, overlap=False).total_s == pytest.approx(10.5)
+             Term("x", "serial", 0.5, "host"))
+    # DeepSeek's prefill: [A+S] | C, A | D, M | D, [M+S] | C, each per micro-batch (half)
+    assert Cost(terms, "prefill").total_s == pytest.approx(
+        (max(3.5, 1) + max(3, 4) + max(2, 4) + max(2.5, 1)) / 2 + 0.5)
+    # DeepSeek's decode: [S + A0] | D, M alone, A1 | C (both micro-batches: the totals)
+    assert Cost(terms, "decode").total_s == pytest.approx(max(1.5, 4) + 2 + max(2, 1) + 0.5)
+    assert Cost(terms).total_s == pytest.approx(11.0)
+    assert Cost(terms, "decode").overlap and not Cost(terms).overlap
+    with pytest.raises(ValueError, match="unknown overlap schedule"):
+        Cost(terms, "zigzag").total_s
 
 
 def _decode(opts: StepOptions, batch: float, device: str = "h800") -> Cost:
@@ -111,7 +120,7 @@ def test_mtp_verifies_1_plus_k_tokens_and_gains_1_plus_accepted():
     assert mtp.tokens_per_step == pytest.approx(1.8)
     by_name = {t.name: t.seconds for t in mtp.terms}
     plain_names = {t.name: t.seconds for t in plain.terms}
-    for name in ("linears", "routed experts", "all-to-all dispatch"):  # (1 + 1) x 256 tokens
+    for name in ("linears", "output linears", "routed experts", "all-to-all dispatch"):
         assert by_name[name] == pytest.approx(plain_names[name], rel=1e-9)
     assert by_name["MTP drafts"] > 0
 
@@ -135,6 +144,48 @@ def test_workload_takes_the_step_options():
             parse_workload(bad)
 
 
+def _tiny() -> ModelConfig:
+    """3 layers (1 dense), hidden 8, 2 heads, latents 4 / 4, rope 2, nope 2, v 2, 4 experts
+    top-2 of intermediate 3, 1 shared, dense intermediate 5."""
+    return replace(_v3(), hidden_size=8, num_attention_heads=2, q_lora_rank=4,
+                   kv_lora_rank=4, qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=2,
+                   moe_intermediate_size=3, intermediate_size=5, n_routed_experts=4,
+                   num_experts_per_tok=2, n_shared_experts=1, num_hidden_layers=3,
+                   first_k_dense_replace=1)
+
+
+def test_elementwise_bytes_by_hand_on_a_tiny_model():
+    m = _tiny()  # bf16 activations (2 bytes), 8-bit GEMM inputs (quantize: read 2, write 1)
+    # attention layer: add+norm 4*8*2=64, latent norms 2*(4+4)*2=32, RoPE 2*(2+1)*2*2=24,
+    # quantize (8 + 4 + 2*2)*3=48 -> 168; dense MLP: 64 + 8*3 + SiLU-mul 9*5=45 -> 133
+    # MoE layer: 64 + 24 + router 2*4*4=32 + shared 9*3=27 + combine (2+1)*8*2=48 -> 195
+    assert elementwise_bytes_per_token(m, 2, True, prefill=False) == (3 * 168 + 133,
+                                                                      2 * 195, 2 * 27)
+    # prefill's MHA form also writes / reads per-head keys: 2*(2+4)*2 = 24 more a layer
+    assert elementwise_bytes_per_token(m, 2, True, prefill=True)[0] == 3 * 192 + 133
+    # bf16 GEMM inputs: no quantization; SiLU-mul 6 I
+    assert elementwise_bytes_per_token(m, 2, False, prefill=False) == (3 * 120 + 94,
+                                                                       2 * 162, 2 * 18)
+
+
+def test_elementwise_terms_stream_at_the_devices_rate_and_stay_off_on_cpu():
+    cost = _decode(StepOptions(overlap=False), 100)
+    by_name = {t.name: t for t in cost.terms}
+    # V3, 1 token: 61 x 173,824 B (attention layers) + 3 x 244,736 B (dense MLP layers)
+    assert by_name["elementwise (attention)"].seconds == pytest.approx(
+        100 * (61 * 173_824 + 3 * 244_736) / (3350e9 * 0.90))
+    moe, copy = elementwise_bytes_per_token(_v3(), 2, True, prefill=False)[1:]
+    assert by_name["elementwise (MoE)"].seconds == pytest.approx(
+        100 * (moe + 8 * cost.imbalance * copy) / (3350e9 * 0.90))
+    assert by_name["elementwise (MoE)"].bound == "memory"
+    cpu = DeviceSpec.from_dict("cpu", {**vars(named_device("h800")), "kernels": {}})
+    m, lay = _v3(), RoleLayout("decode", 144, 1, True, 1, 128, 512, 512, 8192)
+    plan = plan_role(replace(m, n_routed_experts=288), lay, Precision(1, 2, 2, 2))
+    names = {t.name for t in decode_step_cost(m, plan, Precision(1, 2, 2, 2), Hardware(cpu),
+                                              100, 4096).terms}
+    assert not any(n.startswith("elementwise") for n in names)
+
+
 def test_explain_prints_every_term_and_what_bounds_the_step(capsys):
     from orchestrator.cli import main
 
@@ -144,7 +195,9 @@ def test_explain_prints_every_term_and_what_bounds_the_step(capsys):
     for word in ("linears [attention", "attention [attention", "routed experts [moe",
                  "all-to-all dispatch [dispatch", "all-to-all combine [combine",
                  "TP collectives [serial", "MTP drafts", "MTP: 1.7 tokens per step",
-                 "expert-load imbalance", "overlap (two micro-batches)"):
+                 "expert-load imbalance", "overlap (two micro-batches, prefill schedule",
+                 "elementwise (attention) [attention-0, memory]", "elementwise (MoE) [moe",
+                 "output linears [attention", "shared experts [shared"):
         assert word in out, word
 
 
@@ -157,6 +210,10 @@ def test_validation_page_shows_the_tables_figures():
     for r in rows:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
         assert f"| {r['key']} |" in text
+    from orchestrator.planner.validation import CHECKS, markdown
+
+    assert markdown(rows) in text  # the tables as `--markdown` prints them
+    assert all(f"| {c.key} |" in text for c in CHECKS)
     devices = {r["device"] for r in rows if r["role"] != "seed"}
     assert {"h800", "h100", "a3"} <= devices  # NVIDIA and Huawei chips
 
@@ -169,3 +226,17 @@ def test_validation_row_command_prints_the_rows_terms(capsys):
     row = next(r for r in ROWS if r.key == "cm384-decode")
     assert f"ratio {row_cost(row)[1] / row.figure:.2f}" in out
     assert "MTP: 1.7 tokens per step" in out and "all-to-all combine" in out
+
+
+def test_cache_hit_prefill_attends_over_the_cached_prefix():
+    from orchestrator.planner.validation import Published, row_cost
+
+    def attention_s(length: int, hit: float) -> float:
+        row = Published("x", "x", "h800", "prefill", 32, 32, length, 16384, 1.0, 8, "u",
+                        hit=hit)
+        return next(t.seconds for t in row_cost(row)[0].terms if t.name == "attention")
+
+    # 16384 computed tokens either way: 8 prompts computing 2048 tokens each, after a
+    # cached 2048-token prefix (keys 2048 * 2048 + 2048 * 2049 / 2) or after none
+    with_prefix, alone = 2048 * 2048 + 2048 * 2049 / 2, 2048 * 2049 / 2
+    assert attention_s(4096, 0.5) / attention_s(2048, 0.0) == pytest.approx(with_prefix / alone)
