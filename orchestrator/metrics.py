@@ -129,6 +129,8 @@ class RouterMetrics:
                                 ["outcome"], registry=r)
         self.rejected = Counter("orch_rejected", "requests refused before running, by gRPC "
                                 "status code", ["code"], registry=r)
+        self.migrations = Counter("orch_migrations", "requests moved to another instance "
+                                  "after tokens streamed (docs/scaling.md)", registry=r)
         self.prompt_tokens = Counter("orch_prompt_tokens", "prompt tokens of finished "
                                      "requests", registry=r)
         self.generation_tokens = Counter("orch_generation_tokens", "generated tokens of "
@@ -175,6 +177,10 @@ class RouterMetrics:
     def request_rejected(self, code: str) -> None:
         """Record a request refused before it ran; ``code`` is the gRPC status name."""
         self.rejected.labels(code=code).inc()
+
+    def request_migrated(self) -> None:
+        """Record one migration: a request placed again with its streamed tokens."""
+        self.migrations.inc()
 
     def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
         """Replace the per-instance snapshot (call after each status poll) and observe the

@@ -29,6 +29,8 @@ from orchestrator.deploy.progress import Stopwatch, node_ips, plural, say
 from orchestrator.deploy.ray_connect import connect_ray
 from orchestrator.deploy.ray_watchdog import start_watchdog, stop_watchdog
 from orchestrator.deploy.recovery import Recoverer
+from orchestrator.deploy.scaling import Scaler
+from orchestrator.api.admin import AdminServicer
 from orchestrator.api.security import EdgeSecurity, load_security
 from orchestrator.api.server import OrchServer, PortInUseError
 from rank.rank import Rank
@@ -183,13 +185,14 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
         metrics.track_health(monitor)
     router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
                           health=monitor)
-    recoverer = Recoverer(cluster, {leader.name: leader for leader in router.flow.leaders},
-                          max_restarts=cfg.health.max_restarts,
+    clients = {leader.name: leader for leader in router.flow.leaders}  # NOTE: scaling edits it
+    recoverer = Recoverer(cluster, clients, max_restarts=cfg.health.max_restarts,
                           window_s=cfg.health.restart_window_s,
                           timeout_s=cfg.health.recover_timeout_s)
     board = build_board(cfg, router, monitor)
+    scaler = Scaler(cfg, cluster, router, monitor, clients)
     server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
-                        cfg.router.max_message_bytes)
+                        cfg.router.max_message_bytes, admin=AdminServicer(scaler))
     port = await server.start()
     http = None
     if cfg.router.http_port is not None:

@@ -98,6 +98,21 @@ class OrchConfig(_Section):
                                graph=graph[role])
                 for role in roles for i in range(self._section(role).dp)]
 
+    def instance_config(self, role: str, index: int) -> InstanceConfig:
+        """The config of instance ``{role}-{index}``, also past ``dp`` (an instance added live,
+        docs/scaling.md): as :meth:`instances` would make it with ``dp = index + 1``.
+
+        Raises:
+            ValueError: ``role`` is not a role of this mode, or ``index`` < 0.
+        """
+        roles = ["colocated"] if self.mode == "colocated" else ["prefill", "decode"]
+        if role not in roles or index < 0:
+            raise ValueError(f"no instance {role}-{index} in {self.mode} mode: roles {roles}")
+        section = "decode" if role == "colocated" else role
+        grown = self.model_copy(update={section: self._section(role).model_copy(
+            update={"dp": max(index + 1, self._section(role).dp)})})
+        return next(i for i in grown.instances() if i.name == f"{role}-{index}")
+
     def _section(self, role: str) -> PrefillSection | DecodeSection:
         """The section that sizes ``role``'s instances (colocated ones: ``decode``)."""
         return self.prefill if role == "prefill" else self.decode
