@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from orchestrator.config.autoscale import AutoscaleSection
 from orchestrator.config.schema import OrchConfig
+from orchestrator.deploy.autoscaler import Autoscaler, Decision, LatencyWindow, Signals
 from orchestrator.deploy.health import Health, HealthMonitor
 from orchestrator.deploy.placement import rank_bundle, role_resources
 from orchestrator.router.leader import LeaderClient
@@ -203,6 +205,13 @@ class Scaler:
             raise ScaleError(f"{name} is the last {health.role} instance: refusing to remove "
                              "it (a role keeps at least 1; stop `orch up` to stop serving)")
 
+    def newest(self, role: str) -> str:
+        """The instance a scale-down of ``role`` removes (its newest healthy one).
+
+        Raises:
+            ScaleError: none can be drained now."""
+        return self._newest(role, 1)[0]
+
     def _newest(self, role: str, count: int) -> list[str]:
         """The ``count`` newest healthy instances of ``role`` (highest index first)."""
         names = [h.name for h in self.monitor.snapshot()
@@ -233,3 +242,20 @@ def _ray_free_resources() -> dict[str, float]:
     import ray
 
     return dict(ray.available_resources())
+
+
+def build_autoscaler(cfg: AutoscaleSection, router: Router, scaler: Scaler,
+                     window: LatencyWindow, metrics: Any = None) -> Autoscaler:
+    """The autoscaler of a disaggregated deployment: latencies from ``window`` (fed by the
+    router's metrics), waiting requests from the admission queue, steps through ``scaler``;
+    each step counted in ``metrics.autoscale_decided`` when there is one."""
+    admission = getattr(router.flow, "admission", None)
+
+    def signals() -> Signals:
+        ttft, tpot = window.p90(cfg.min_requests)
+        return Signals(ttft, tpot, admission.waiting if admission else 0, scaler.counts())
+
+    def record(decision: Decision) -> None:
+        if metrics is not None and hasattr(metrics, "autoscale_decided"):
+            metrics.autoscale_decided(decision.role, decision.delta, decision.kind)
+    return Autoscaler(cfg, signals, scaler, scaler.newest, record)

@@ -20,10 +20,10 @@ import grpc
 import pytest
 
 from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
-from tests.e2e.harness import REPO, OrchProcess
+from tests.e2e.harness import REPO, OrchProcess, wait_idle
 
 REQUEST_TIMEOUT_S = 120.0  # a migration waits for the restart within it
-MAX_TOKENS = 400
+MAX_TOKENS = 96  # x 8 streams: every reservation fits decode-0 at once (64 blocks)
 MIN_STREAMED = 3  # tokens every stream has before the kill: mid-decode
 UNHEALTHY_WITHIN_S = 5.0  # health.probe_interval_s (1 s) + `orch status` start-up
 RECOVER_WITHIN_S = 90.0  # a restart: new actors import torch and load the model (loaded CI)
@@ -57,9 +57,10 @@ class Stream(threading.Thread):
         self.orch, self.text, self.sampling = orch, text, sampling
         self.tokens: list[int] = []
         self.error: grpc.RpcError | None = None
-        self.ended = 0.0
+        self.started = self.ended = 0.0
 
     def run(self) -> None:
+        self.started = time.monotonic()
         req = orch_pb2.GenerateRequest(text=self.text, sampling=orch_pb2.SamplingParams(
             max_tokens=MAX_TOKENS, ignore_eos=True, **self.sampling))
         with grpc.insecure_channel(self.orch.address) as channel:
@@ -90,6 +91,10 @@ def run_streams(orch: OrchProcess, sampling: list[dict], kill: bool) -> list[Str
     for stream in streams:
         stream.join(timeout=300)
     return streams
+
+
+def _span(streams: list[Stream]) -> float:
+    return max(s.ended for s in streams) - min(s.started for s in streams)
 
 
 def check_shows_unhealthy(orch: OrchProcess) -> None:
@@ -132,10 +137,77 @@ def test_killed_decode_rank_migrates_its_streams(joined, seeded):
     for c, k in zip(calm, killed):
         assert k.tokens == c.tokens, (c.text, c.tokens, k.tokens)
     assert joined.metrics()["orch_migrations_total"] - before >= STREAMS
-    print(f"migration ({'seeded' if seeded else 'greedy'}): {STREAMS} streams, "
-          f"longest e2e with the kill and restart "
-          f"{max(k.ended for k in killed) - min(c.ended for c in calm):.1f} s")
+    print(f"migration ({'seeded' if seeded else 'greedy'}): {STREAMS} streams of "
+          f"{MAX_TOKENS} tokens in {_span(calm):.1f} s undisturbed, {_span(killed):.1f} s with "
+          "the kill (the restart of decode-0 included)")
     wait_all_healthy(joined)
+
+
+def orch_scale(orch: OrchProcess, *targets: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "scale", str(orch.config),
+                           *targets], capture_output=True, text=True, timeout=300, cwd=REPO)
+    return done, time.monotonic() - started
+
+
+def test_scale_decode_1_2_1_under_load(joined, ray_session):
+    """`orch scale` adds decode-1 (it serves requests) and removes it again while requests
+    stream one after the other: none fails, each equals the undisturbed output, every block
+    is free after, decode-1's processes and placement group are gone; removing the last
+    instance is refused."""
+    wait_all_healthy(joined)
+    expected, _, err = joined.generate("steady load", max_tokens=24, ignore_eos=True)
+    assert err is None, err
+    stop, results = threading.Event(), []
+
+    def load() -> None:
+        while not stop.is_set():
+            tokens, responses, error = joined.generate("steady load", max_tokens=24,
+                                                       ignore_eos=True)
+            results.append((tokens, responses[-1].stats.decode_instance if responses else "",
+                            error))
+    senders = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+    for sender in senders:
+        sender.start()
+    try:
+        done, add_s = orch_scale(joined, "decode=+1")
+        assert done.returncode == 0, done
+        assert "added decode-1" in done.stdout and "decode=2" in done.stdout, done.stdout
+        new_pids = joined.rank_pids("decode-1")
+        assert len(new_pids) == 2
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while not any(decode == "decode-1" for _, decode, _ in list(results)):
+            assert time.monotonic() < deadline, "decode-1 never served a request"
+            time.sleep(0.1)
+        done, remove_s = orch_scale(joined, "decode=1")
+        assert done.returncode == 0, done
+        assert "removed decode-1" in done.stdout and "decode=1" in done.stdout, done.stdout
+    finally:
+        stop.set()
+        for sender in senders:
+            sender.join(timeout=120)
+    assert [e for _, _, e in results if e is not None] == []
+    assert all(tokens == expected for tokens, _, _ in results)
+    assert [i.name for i in joined.status().instances] == ["prefill-0", "decode-0"]
+    assert "orch-decode-1" not in live_orch_groups(ray_session).values()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in new_pids):
+        assert time.monotonic() < deadline, f"decode-1's ranks {new_pids} still run"
+        time.sleep(0.2)
+    wait_idle(joined)  # NOTE: every block free on every instance, nothing in flight
+    done, _ = orch_scale(joined, "decode=-1")
+    assert done.returncode == 2 and "at least 1" in done.stderr, done
+    print(f"scaling: `orch scale decode=+1` returned serving in {add_s:.1f} s; "
+          f"`orch scale decode=1` (drain + stop) in {remove_s:.1f} s; {len(results)} requests "
+          "served meanwhile, none failed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_sigint_exits_0_and_removes_the_placement_groups(joined, ray_session):
