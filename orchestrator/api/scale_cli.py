@@ -42,7 +42,7 @@ def add_scale_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="the YAML config `orch up` runs")
     p.add_argument("targets", nargs="+", metavar="ROLE=N",
                    help="prefill=3, decode=+1, decode=-1, ... (colocated=N in colocated mode)")
-    p.add_argument("--address", default=None,
+    p.add_argument("--address", dest="scale_address", default=None,
                    help="router host:port (default: router.host:router.port of CONFIG)")
     p.add_argument("--tls-ca", metavar="FILE", default=None,
                    help="PEM CA of a router with router.tls")
@@ -71,7 +71,7 @@ def run_scale(ns: argparse.Namespace) -> int:
         print(f"orch scale: {exc}", file=sys.stderr)
         return 2
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "") else cfg.router.host
-    address = ns.address or f"{host}:{cfg.router.port}"
+    address = ns.scale_address or f"{host}:{cfg.router.port}"
     started = time.monotonic()
     try:
         with OrchClient(address, tls_ca=ns.tls_ca, token=token) as client:

@@ -25,6 +25,8 @@ from tests.e2e.harness import REPO, OrchProcess, wait_idle
 REQUEST_TIMEOUT_S = 120.0  # a migration waits for the restart within it
 MAX_TOKENS = 96  # x 8 streams: every reservation fits decode-0 at once (64 blocks)
 MIN_STREAMED = 3  # tokens every stream has before the kill: mid-decode
+DRAIN_TIMEOUT_S = 1.0  # long streams on a removed decode migrate after it
+LONG = 200  # tokens of the streams a removal migrates
 UNHEALTHY_WITHIN_S = 5.0  # health.probe_interval_s (1 s) + `orch status` start-up
 RECOVER_WITHIN_S = 90.0  # a restart: new actors import torch and load the model (loaded CI)
 
@@ -33,7 +35,8 @@ RECOVER_WITHIN_S = 90.0  # a restart: new actors import torch and load the model
 def joined(ray_session, tmp_path_factory):
     overrides = {"cluster.address": ray_session.get_runtime_context().gcs_address,
                  "cluster.bind_host": "127.0.0.1",
-                 "router.request_timeout_s": REQUEST_TIMEOUT_S}
+                 "router.request_timeout_s": REQUEST_TIMEOUT_S,
+                 "router.drain_timeout_s": DRAIN_TIMEOUT_S}
     with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("joined"),
                      overrides) as orch:
         yield orch
@@ -52,9 +55,11 @@ PROMPTS = [f"stream {i}: tell me about the sea" for i in range(STREAMS)]
 class Stream(threading.Thread):
     """One streamed request on its own thread: its tokens, the error that ended it, when."""
 
-    def __init__(self, orch: OrchProcess, text: str, sampling: dict) -> None:
+    def __init__(self, orch: OrchProcess, text: str, sampling: dict,
+                 max_tokens: int = MAX_TOKENS) -> None:
         super().__init__(daemon=True)
         self.orch, self.text, self.sampling = orch, text, sampling
+        self.max_tokens = max_tokens
         self.tokens: list[int] = []
         self.error: grpc.RpcError | None = None
         self.started = self.ended = 0.0
@@ -62,7 +67,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         self.started = time.monotonic()
         req = orch_pb2.GenerateRequest(text=self.text, sampling=orch_pb2.SamplingParams(
-            max_tokens=MAX_TOKENS, ignore_eos=True, **self.sampling))
+            max_tokens=self.max_tokens, ignore_eos=True, **self.sampling))
         with grpc.insecure_channel(self.orch.address) as channel:
             try:
                 for resp in orch_pb2_grpc.OrchStub(channel).Generate(req, timeout=300):
@@ -153,11 +158,15 @@ def orch_scale(orch: OrchProcess, *targets: str) -> tuple[subprocess.CompletedPr
 def test_scale_decode_1_2_1_under_load(joined, ray_session):
     """`orch scale` adds decode-1 (it serves requests) and removes it again while requests
     stream one after the other: none fails, each equals the undisturbed output, every block
-    is free after, decode-1's processes and placement group are gone; removing the last
+    is free after, decode-1's processes and placement group are gone; long streams still on
+    decode-1 after router.drain_timeout_s migrate and complete equal; removing the last
     instance is refused."""
     wait_all_healthy(joined)
     expected, _, err = joined.generate("steady load", max_tokens=24, ignore_eos=True)
     assert err is None, err
+    calm_long = Stream(joined, "a long one", {}, LONG)
+    calm_long.run()
+    assert calm_long.error is None and len(calm_long.tokens) == LONG, calm_long.error
     stop, results = threading.Event(), []
 
     def load() -> None:
@@ -179,13 +188,25 @@ def test_scale_decode_1_2_1_under_load(joined, ray_session):
         while not any(decode == "decode-1" for _, decode, _ in list(results)):
             assert time.monotonic() < deadline, "decode-1 never served a request"
             time.sleep(0.1)
+        migrations = joined.metrics().get("orch_migrations_total", 0.0)
+        longs = [Stream(joined, "a long one", {}, LONG) for _ in range(4)]
+        for stream in longs:
+            stream.start()
+        while min(len(s.tokens) for s in longs) < MIN_STREAMED:
+            assert time.monotonic() < deadline + REQUEST_TIMEOUT_S, "long streams stuck"
+            time.sleep(0.02)
         done, remove_s = orch_scale(joined, "decode=1")
         assert done.returncode == 0, done
         assert "removed decode-1" in done.stdout and "decode=1" in done.stdout, done.stdout
+        for stream in longs:
+            stream.join(timeout=300)
     finally:
         stop.set()
         for sender in senders:
             sender.join(timeout=120)
+    assert [(s.error, s.tokens) for s in longs] == [(None, calm_long.tokens)] * 4
+    moved = joined.metrics()["orch_migrations_total"] - migrations
+    assert moved >= 1, "no long stream was on decode-1: nothing migrated"
     assert [e for _, _, e in results if e is not None] == []
     assert all(tokens == expected for tokens, _, _ in results)
     assert [i.name for i in joined.status().instances] == ["prefill-0", "decode-0"]
@@ -197,9 +218,12 @@ def test_scale_decode_1_2_1_under_load(joined, ray_session):
     wait_idle(joined)  # NOTE: every block free on every instance, nothing in flight
     done, _ = orch_scale(joined, "decode=-1")
     assert done.returncode == 2 and "at least 1" in done.stderr, done
+    longest = max(s.ended - s.started for s in longs)
     print(f"scaling: `orch scale decode=+1` returned serving in {add_s:.1f} s; "
-          f"`orch scale decode=1` (drain + stop) in {remove_s:.1f} s; {len(results)} requests "
-          "served meanwhile, none failed")
+          f"`orch scale decode=1` (drain {DRAIN_TIMEOUT_S:g} s, {moved:.0f} migrated, stop) in "
+          f"{remove_s:.1f} s; {len(results)} requests served meanwhile, none failed; a "
+          f"{LONG}-token stream: {calm_long.ended - calm_long.started:.1f} s alone, longest "
+          f"of 4 with the removal {longest:.1f} s")
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.api.client import OrchClient
 from orchestrator.api.rpc import orch_pb2 as pb
+from orchestrator.api.scale_cli import parse_targets
 from orchestrator.deploy.health import Health
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
@@ -202,3 +203,13 @@ def test_an_expert_parallel_role_is_not_half_resized():
         assert h.cluster.added == []
     finally:
         h.close()
+
+
+def test_scale_targets_absolute_and_relative():
+    current = {"prefill": 1, "decode": 2}
+    assert parse_targets(["prefill=3", "decode=-1"], current) == {"prefill": 3, "decode": 1}
+    assert parse_targets(["decode=+2"], current) == {"decode": 4}
+    for bad, says in (("decode=-2", "at least 1"), ("decode=0", "at least 1"),
+                      ("colocated=1", "ROLE=N"), ("decode", "ROLE=N"), ("decode=x", "ROLE=N")):
+        with pytest.raises(ValueError, match=says):
+            parse_targets([bad], current)
