@@ -15,6 +15,9 @@ import pytest
 from orchestrator.api.client import OrchClient
 from orchestrator.api.rpc import orch_pb2 as pb
 from orchestrator.api.scale_cli import parse_targets
+from orchestrator.config.autoscale import AutoscaleSection
+from orchestrator.deploy.autoscaler import LatencyWindow
+from orchestrator.deploy.scaling import build_autoscaler
 from orchestrator.deploy.health import Health
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
@@ -213,3 +216,27 @@ def test_scale_targets_absolute_and_relative():
                       ("colocated=1", "ROLE=N"), ("decode", "ROLE=N"), ("decode=x", "ROLE=N")):
         with pytest.raises(ValueError, match=says):
             parse_targets([bad], current)
+
+
+def test_the_autoscaler_steps_through_the_scaler(scaling):
+    """build_autoscaler's wiring: latencies from the window, counts and steps from the
+    scaler, each step recorded: a TPOT over target adds decode-1, then (load gone, cooldown
+    0) the idle step removes it again."""
+    h = scaling
+    cfg = AutoscaleSection(ttft_p90_s=10.0, tpot_p90_s=0.001, cooldown_s=0.0, min_requests=1,
+                           decode={"min": 1, "max": 2})
+    now = [0.0]
+    window, recorded = LatencyWindow(cfg.window_s, clock=lambda: now[0]), []
+
+    class Metrics:
+        def autoscale_decided(self, role, delta, kind):
+            recorded.append((role, delta, kind))
+    scaler = h.call_in_loop(lambda: build_autoscaler(cfg, h.router, h.scaler, window, Metrics()))
+    h.call_in_loop(lambda: window.add(0.5, 0.002))
+    assert h.run(scaler.step()).kind == "tpot"
+    assert h.cluster.added == ["decode-1"]
+    now[0] += cfg.window_s + 1  # NOTE: the slow sample leaves the window
+    h.call_in_loop(lambda: window.add(0.5, 0.0001))
+    assert h.run(scaler.step()).kind == "idle"
+    assert h.cluster.removed == ["decode-1"]
+    assert recorded == [("decode", 1, "tpot"), ("decode", -1, "idle")]
