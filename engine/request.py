@@ -14,13 +14,17 @@ class RequestSpec:
     """A validated, tokenized request as accepted by the router.
 
     ``prompt_token_ids``: at least one; ``sampling`` of a sampled request always carries a
-    seed here; ``arrival_time``: ``time.time()`` when the router accepted it, seconds.
+    seed here; ``arrival_time``: ``time.time()`` when the router accepted it, seconds;
+    ``num_resumed_tokens``: the last that many prompt tokens are output an earlier attempt
+    already streamed (a migrated request, see docs/scaling.md): its sampling counts them
+    (output token ``n`` of this spec is the request's token ``num_resumed_tokens + n``).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     arrival_time: float = 0.0
+    num_resumed_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +71,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.spec.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def sampling_step(self) -> int:
+        """Which output token of the whole request the next sample is (seeds its draw):
+        tokens streamed by earlier attempts plus those generated here."""
+        return self.spec.num_resumed_tokens + len(self.output_token_ids)
 
     def token_range(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids at positions ``[start, end)`` of prompt + output."""

@@ -1,4 +1,4 @@
-"""The `orch` command: up, status, generate, model init-tiny, bench, plan.
+"""The `orch` command: up, status, generate, scale, model init-tiny, bench, plan.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments, 3 (`orch status`) the
 router answered but some instance is not healthy.
@@ -282,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         if name == "generate":
             _add_generate_args(p)
+    from orchestrator.api import scale_cli  # NOTE: lazy, as plan's: `orch --help` stays fast
+    scale_cli.add_scale_parser(sub)
     model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
         dest="model_command", required=True)
     tiny = model.add_parser("init-tiny", help="write the built-in tiny checkpoint")

@@ -132,6 +132,11 @@ class RouterMetrics:
                                 ["outcome"], registry=r)
         self.rejected = Counter("orch_rejected", "requests refused before running, by gRPC "
                                 "status code", ["code"], registry=r)
+        self.migrations = Counter("orch_migrations", "requests moved to another instance "
+                                  "after tokens streamed (docs/scaling.md)", registry=r)
+        self.autoscale = Counter("orch_autoscale_decisions", "autoscaler steps by role, "
+                                 "direction (+1 / -1) and kind (waiting, tpot, ttft, idle)",
+                                 ["role", "direction", "kind"], registry=r)
         self.prompt_tokens = Counter("orch_prompt_tokens", "prompt tokens of finished "
                                      "requests", registry=r)
         self.generation_tokens = Counter("orch_generation_tokens", "generated tokens of "
@@ -178,6 +183,14 @@ class RouterMetrics:
     def request_rejected(self, code: str) -> None:
         """Record a request refused before it ran; ``code`` is the gRPC status name."""
         self.rejected.labels(code=code).inc()
+
+    def autoscale_decided(self, role: str, delta: int, kind: str) -> None:
+        """Record one autoscaler step (docs/scaling.md)."""
+        self.autoscale.labels(role=role, direction=f"{delta:+d}", kind=kind).inc()
+
+    def request_migrated(self) -> None:
+        """Record one migration: a request placed again with its streamed tokens."""
+        self.migrations.inc()
 
     def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
         """Replace the per-instance snapshot (call after each status poll) and observe the

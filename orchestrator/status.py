@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from rank.messages import InstanceStatusInfo
 from orchestrator.deploy.health import HealthMonitor
@@ -31,7 +31,8 @@ class InstanceView:
 
     Attributes:
         name, role, tp: from the deployment (known even when the instance does not answer).
-        health: "healthy", "unhealthy" or "recovering" (``orchestrator.deploy.health.Health``).
+        health: "healthy", "unhealthy", "recovering", "starting" or "draining"
+            (``orchestrator.deploy.health.Health``).
         detail: why it is not healthy, or why its status is missing ("" otherwise).
         status: the leader's snapshot; None when it was not asked or did not answer.
     """
@@ -58,24 +59,29 @@ class StatusBoard:
     """Bounded instance rows for ``GetStatus`` and the metrics reporter (router loop only).
 
     Args:
-        leaders: every instance leader.
-        tps: instance name -> tp.
+        leaders: every instance leader now (asked at every call: instances come and go).
+        tps: role -> tp of its instances.
         monitor: the :class:`orchestrator.deploy.health.HealthMonitor` of those instances.
         metrics: gets ``update_instances(statuses)`` with every set of answers (each answer's
             transfer records arrive once, so every status call must pass through here).
         status_timeout_s: bound of one leader's ``status()`` (seconds).
     """
 
-    def __init__(self, leaders: list[LeaderClient], tps: dict[str, int], monitor: HealthMonitor,
+    def __init__(self, leaders: Callable[[], list[LeaderClient]], tps: dict[str, int],
+                 monitor: HealthMonitor,
                  metrics: InstanceMetrics, status_timeout_s: float) -> None:
         self.leaders, self.tps, self.monitor = leaders, tps, monitor
         self.metrics, self.status_timeout_s = metrics, status_timeout_s
 
     async def views(self) -> list[InstanceView]:
-        """One row per instance, in leader order; returns within ``status_timeout_s`` (twice
-        that when a status call fails and the instance's ranks are pinged, below) plus
-        scheduling time, whatever the instances do."""
-        views = list(await asyncio.gather(*(self._view(l) for l in self.leaders)))
+        """One row per instance, in leader order, then those still starting; returns within
+        ``status_timeout_s`` (twice that when a status call fails and the instance's ranks are
+        pinged, below) plus scheduling time, whatever the instances do."""
+        leaders = self.leaders()
+        known = {leader.name for leader in leaders}
+        views = list(await asyncio.gather(*(self._view(l) for l in leaders)))
+        views += [InstanceView(h.name, h.role, self.tps[h.role], h.state.value, h.reason)
+                  for h in self.monitor.snapshot() if h.name not in known]
         self.metrics.update_instances([v.status for v in views if v.status is not None])
         return views
 
@@ -90,7 +96,7 @@ class StatusBoard:
 
     async def _view(self, leader: LeaderClient) -> InstanceView:
         health = self.monitor.get(leader.name)
-        row = dict(name=leader.name, role=leader.role, tp=self.tps[leader.name],
+        row = dict(name=leader.name, role=leader.role, tp=self.tps[leader.role],
                    health=health.state.value)
         if health.reason:
             return InstanceView(**row, detail=health.reason)

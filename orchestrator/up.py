@@ -29,6 +29,10 @@ from orchestrator.deploy.progress import Stopwatch, node_ips, plural, say
 from orchestrator.deploy.ray_connect import connect_ray
 from orchestrator.deploy.ray_watchdog import start_watchdog, stop_watchdog
 from orchestrator.deploy.recovery import Recoverer
+from orchestrator.deploy.autoscaler import LatencyWindow, WindowedMetrics
+from orchestrator.deploy.scaling import Scaler, build_autoscaler
+from orchestrator.router.router import NoMetrics
+from orchestrator.api.admin import AdminServicer
 from orchestrator.api.security import EdgeSecurity, load_security
 from orchestrator.api.server import OrchServer, PortInUseError
 from rank.rank import Rank
@@ -181,15 +185,18 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
                             restart_wait=lambda name: recoverer.restart_wait(name))
     if metrics is not None:
         metrics.track_health(monitor)
-    router = build_router(cfg, cluster.leaders(), model, tokenizer, metrics,
+    window = LatencyWindow(cfg.autoscale.window_s) if cfg.autoscale else None
+    router = build_router(cfg, cluster.leaders(), model, tokenizer,
+                          WindowedMetrics(metrics or NoMetrics(), window) if window else metrics,
                           health=monitor)
-    recoverer = Recoverer(cluster, {leader.name: leader for leader in router.flow.leaders},
-                          max_restarts=cfg.health.max_restarts,
+    clients = {leader.name: leader for leader in router.flow.leaders}  # NOTE: scaling edits it
+    recoverer = Recoverer(cluster, clients, max_restarts=cfg.health.max_restarts,
                           window_s=cfg.health.restart_window_s,
                           timeout_s=cfg.health.recover_timeout_s)
     board = build_board(cfg, router, monitor)
+    scaler = Scaler(cfg, cluster, router, monitor, clients)
     server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
-                        cfg.router.max_message_bytes)
+                        cfg.router.max_message_bytes, admin=AdminServicer(scaler))
     port = await server.start()
     http = None
     if cfg.router.http_port is not None:
@@ -202,6 +209,9 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
             await server.stop(grace_s=DRAIN_S)
             raise
     reporter = asyncio.create_task(board.report(period_s=1.0))
+    autoscaler = (asyncio.create_task(build_autoscaler(cfg.autoscale, router, scaler, window,
+                                                       metrics).run())
+                  if window else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -215,7 +225,9 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
           flush=True)
     await stop.wait()
     print("orch: stopping (draining in-flight requests)", flush=True)
-    reporter.cancel()
-    await asyncio.gather(reporter, return_exceptions=True)
+    for task in (reporter, autoscaler):
+        if task is not None:
+            task.cancel()
+    await asyncio.gather(*(t for t in (reporter, autoscaler) if t), return_exceptions=True)
     stops = [server.stop(grace_s=DRAIN_S)] + ([http.stop()] if http else [])
     await asyncio.gather(*stops)

@@ -121,7 +121,7 @@ class LeaderStep:
             picked = logits if len(rows) == logits.shape[0] else logits[rows]
             with self.timer.phase("sample"):
                 tokens = sample(picked, [r.spec.sampling for r in reqs],
-                                [len(r.output_token_ids) for r in reqs])
+                                [r.sampling_step for r in reqs])
             for req, token in zip(reqs, tokens):
                 if isinstance(token, RowFailure):
                     failed[req.request_id] = f"{self.name}: {token.reason}"

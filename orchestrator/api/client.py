@@ -84,6 +84,7 @@ class OrchClient:
                         else grpc.secure_channel(address, creds))
         self.metadata = bearer_metadata(token)
         self.stub = pb_grpc.OrchStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def close(self) -> None:
@@ -119,6 +120,13 @@ class OrchClient:
         """Abort a request; True when the router knew it."""
         return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s,
                                metadata=self.metadata).found
+
+    def scale(self, counts: dict[str, int], timeout_s: float | None = None) -> pb.ScaleResponse:
+        """Admin.Scale: bring each role to its instance count (returns once added instances
+        serve and removed ones are gone). Raises grpc.RpcError: FAILED_PRECONDITION for a
+        refusal (the details say why and what to do)."""
+        return self.admin.Scale(pb.ScaleRequest(counts=counts), timeout=timeout_s,
+                                metadata=self.metadata)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the health service says SERVING.

@@ -55,6 +55,12 @@ def load_security(router: RouterSection) -> EdgeSecurity:
                         token=_token(router.auth) if router.auth else None)
 
 
+def configured_token(router: RouterSection) -> str | None:
+    """The token ``router.auth`` points at (None without auth), for clients such as
+    `orch scale` that read the server's config. Raises ConfigError as :func:`load_security`."""
+    return _token(router.auth) if router.auth else None
+
+
 def _read(key: str, path: str) -> bytes:
     try:
         return Path(path).expanduser().read_bytes()

@@ -75,12 +75,14 @@ class OrchServer:
     ``board``: instance rows for GetStatus; its health monitor drives the health service.
     ``port`` 0 = any free port (``self.port``). ``max_message_bytes``: gRPC's receive limit,
     raised to the edge limit when lower (a request between the two gets INVALID_ARGUMENT from
-    the edge, one over it gRPC's RESOURCE_EXHAUSTED).
+    the edge, one over it gRPC's RESOURCE_EXHAUSTED). ``admin``: the Admin (scaling)
+    servicer, served behind the same token (None: no Admin service).
     """
 
     def __init__(self, router: Router, board: StatusBoard, host: str, port: int,
                  security: EdgeSecurity = EdgeSecurity(),
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 admin: pb_grpc.AdminServicer | None = None) -> None:
         self.router, self.monitor = router, board.monitor
         self.security = security
         self.health = health.aio.HealthServicer()
@@ -101,8 +103,11 @@ class OrchServer:
             ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
         pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if admin is not None:  # NOTE: the Admin servicer (orchestrator/api/admin.py)
+            pb_grpc.add_AdminServicer_to_server(admin, self.server)
+            services.append(pb.DESCRIPTOR.services_by_name["Admin"].full_name)
+        reflection.enable_server_reflection(tuple(services), self.server)
         self.address = f"{host}:{port}"
         self.port = 0
 

@@ -9,12 +9,13 @@ The YAML file maps one to one onto :class:`OrchConfig` (docs/config.md; sections
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import model_validator
 
 from engine.graph import GRAPH_BACKENDS, GraphConfig
 from engine.platform import AUTO, Platform, platform_for
+from orchestrator.config.autoscale import AutoscaleSection
 from orchestrator.config.sections import (ClusterSection, DecodeSection, GraphSection,
                                           HealthSection, KVTransferSection, ModelSection,
                                           PrefillSection, RouterSection, _cross_field, _Section)
@@ -31,6 +32,7 @@ class OrchConfig(_Section):
     kv_transfer: KVTransferSection = KVTransferSection()
     router: RouterSection = RouterSection()
     health: HealthSection = HealthSection()
+    autoscale: Optional[AutoscaleSection] = None  # off unless set (docs/scaling.md)
     cluster: ClusterSection = ClusterSection()
 
     @model_validator(mode="after")
@@ -48,6 +50,9 @@ class OrchConfig(_Section):
                 "decode.graph with decode.ep in colocated mode: prefill steps cannot use the "
                 "graph buckets' fixed-capacity EP dispatch; turn decode.graph.enabled or "
                 "decode.ep off, or run disaggregated")
+        if self.autoscale is not None and self.mode != "disaggregated":
+            raise _cross_field("autoscale moves P:D and needs mode: disaggregated; remove the "
+                               "autoscale section (scale colocated instances with `orch scale`)")
         if self.mode == "colocated" and self.prefill.cp > 1:
             raise _cross_field(
                 f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "
@@ -97,6 +102,21 @@ class OrchConfig(_Section):
                                parallel=replace(parallel[role], dp_rank=i), transfer=transfer,
                                graph=graph[role])
                 for role in roles for i in range(self._section(role).dp)]
+
+    def instance_config(self, role: str, index: int) -> InstanceConfig:
+        """The config of instance ``{role}-{index}``, also past ``dp`` (an instance added live,
+        docs/scaling.md): as :meth:`instances` would make it with ``dp = index + 1``.
+
+        Raises:
+            ValueError: ``role`` is not a role of this mode, or ``index`` < 0.
+        """
+        roles = ["colocated"] if self.mode == "colocated" else ["prefill", "decode"]
+        if role not in roles or index < 0:
+            raise ValueError(f"no instance {role}-{index} in {self.mode} mode: roles {roles}")
+        section = "decode" if role == "colocated" else role
+        grown = self.model_copy(update={section: self._section(role).model_copy(
+            update={"dp": max(index + 1, self._section(role).dp)})})
+        return next(i for i in grown.instances() if i.name == f"{role}-{index}")
 
     def _section(self, role: str) -> PrefillSection | DecodeSection:
         """The section that sizes ``role``'s instances (colocated ones: ``decode``)."""

@@ -283,6 +283,11 @@ class RouterSection(_Section):
     request_timeout_s: float = Field(120.0, gt=0)
     metrics_host: str = "127.0.0.1"
     max_attempts: int = Field(3, ge=1)
+    # Most times one request moves to another decode after tokens streamed (its decode
+    # failed or was drained); 0: such a request ends UNAVAILABLE (docs/scaling.md).
+    max_migrations: int = Field(3, ge=0)
+    # Seconds a removed instance's requests may run before they migrate (docs/scaling.md).
+    drain_timeout_s: float = Field(30.0, ge=0)
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # OpenAI-compatible HTTP API on router.host (docs/router.md, HTTP API); None = off.
     http_port: Optional[int] = Field(None, ge=0, le=65535)

@@ -61,7 +61,8 @@ def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
     healthy = health.is_healthy if health is not None else (lambda name: True)
     return Router(build_flow(cfg, handles, healthy), model, tokenizer,
                   cfg.router.request_timeout_s, metrics=metrics, poll_timeout_s=poll_timeout_s,
-                  max_attempts=cfg.router.max_attempts, health=health)
+                  max_attempts=cfg.router.max_attempts,
+                  max_migrations=cfg.router.max_migrations, health=health)
 
 
 def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
@@ -82,8 +83,8 @@ def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
 
 def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:
     """The status rows of ``router``'s instances (its metrics get every status answer)."""
-    return StatusBoard(router.flow.leaders,
-                       {inst.name: inst.parallel.tp for inst in cfg.instances()}, monitor,
+    return StatusBoard(lambda: router.flow.leaders,
+                       {inst.role: inst.parallel.tp for inst in cfg.instances()}, monitor,
                        router.metrics, cfg.health.status_timeout_s)
 
 

@@ -166,6 +166,67 @@ class Cluster:
         self._install(news)
         return news
 
+    def add_instance(self, inst: InstanceConfig, timeout_s: float) -> InstanceRanks:
+        """Bring up one more instance (live scaling): placement group, actors, TP store,
+        ``init_rank``, leader ``start()`` as at bring-up, within ``timeout_s``; listed in
+        ``instances`` once it started. Blocking (call it from a thread).
+
+        Raises:
+            ValueError: an instance of that name exists, or its role is expert-parallel
+                (one EP group spans the role: resize it as a whole, docs/scaling.md).
+            BringUpError: a step failed or ``timeout_s`` ran out (what was made is removed).
+        """
+        with self._lock:
+            if self._closed or self.cfg is None:
+                raise BringUpError(f"{inst.name}: not added: the cluster is shut down")
+            if any(i.cfg.name == inst.name for i in self.instances):
+                raise ValueError(f"instance {inst.name} exists already")
+        if inst.parallel.ep:
+            raise ValueError(f"{inst.name}: the {inst.role} role is expert-parallel: its "
+                             "instances form one EP group and are resized as a whole")
+        deadline = time.monotonic() + timeout_s
+        new = _placement_group(inst, self.cfg, timeout_s)
+        try:
+            _start_instances([new], self.rank_class, self.roles[inst.role], self.cfg.cluster,
+                             deadline)
+        except BaseException as exc:
+            _kill(new)
+            if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
+                raise BringUpError(f"{inst.name}: start failed: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+            raise
+        with self._lock:
+            if self._closed:
+                _kill(new)
+                raise BringUpError(f"{inst.name}: started while the cluster shut down; removed")
+            self.instances.append(new)
+        log.info("%s added on %s", inst.name, nodes_text([n for n, _ in new.nodes], node_ips()))
+        return new
+
+    def remove_instance(self, name: str, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop instance ``name`` (drained already: no request on it): leader ``drain`` +
+        ``shutdown`` (each bounded by ``timeout_s``), kill its ranks, remove its placement
+        group, forget it. Blocking (call it from a thread).
+
+        Raises:
+            KeyError: no instance of that name.
+        """
+        import ray
+
+        with self._lock:
+            inst = self._find(name)
+            self.instances.remove(inst)
+        if inst.started and inst.ranks:
+            for step, call in (("drain", lambda: inst.leader.drain.remote(timeout_s)),
+                               ("shutdown", lambda: inst.leader.shutdown.remote())):
+                try:
+                    ray.get(call(), timeout=timeout_s)
+                except Exception as exc:  # noqa: BLE001 -- removal goes on whatever happened
+                    log.warning("%s: leader %s did not complete: %s", name, step,
+                                first_line(getattr(exc, "cause", None) or exc))
+        _kill(inst)
+        log.info("%s removed: ranks killed, placement group removed", name)
+
     def _install(self, news: list[InstanceRanks]) -> None:
         """Put restarted instances in place of their empty entries (or kill them when the
         cluster shut down meanwhile).

@@ -48,6 +48,8 @@ class Health(str, enum.Enum):
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
     RECOVERING = "recovering"
+    STARTING = "starting"  # added live (`orch scale`): not chosen until it is up
+    DRAINING = "draining"  # being removed: not chosen, its requests finish or migrate
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,42 @@ class HealthMonitor:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
+    # ---- live scaling (orchestrator/deploy/scaling.py) ------------------------------------
+    def add_instance(self, name: str, role: str) -> None:
+        """Know ``name`` (a new instance being brought up): STARTING, not probed yet.
+
+        Raises:
+            ValueError: ``name`` is known already.
+        """
+        if name in self._states:
+            raise ValueError(f"instance {name} exists already")
+        self._wake[name] = asyncio.Event()
+        self._states[name] = InstanceHealth(name, role, Health.STARTING, "starting up")
+        self._notify(self._states[name])
+
+    def started(self, name: str) -> None:
+        """``name`` is up: HEALTHY, probed from now on (call after :meth:`add_instance`)."""
+        self._set(name, Health.HEALTHY, "")
+        if not self._stopping:
+            self._tasks.append(asyncio.create_task(self._watch(name), name=f"health-{name}"))
+
+    def draining(self, name: str, reason: str) -> None:
+        """``name`` is being removed: DRAINING (no new requests), no restart any more.
+
+        Raises:
+            KeyError: no instance ``name``.
+        """
+        recovery = self._recoveries.pop(name, None)
+        if recovery is not None:
+            recovery.cancel()
+        self._set(name, Health.DRAINING, reason)
+
+    def remove_instance(self, name: str) -> None:
+        """Forget ``name`` (removed, or its start failed): no probe, no state."""
+        self.draining(name, "removed")
+        self._wake.pop(name, asyncio.Event()).set()  # NOTE: its watch loop ends below
+        self._states.pop(name, None)
+
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
         """One probing task per instance (call from the running loop)."""
@@ -186,13 +224,15 @@ class HealthMonitor:
     # ---- failures ------------------------------------------------------------------------
     def report_failure(self, name: str, reason: str) -> None:
         """Someone saw ``name`` fail: a HEALTHY instance turns UNHEALTHY now (else no-op:
-        an instance being restarted may still fail through its old handles)."""
-        if self._states[name].state is Health.HEALTHY:
+        an instance being restarted may still fail through its old handles, or removed)."""
+        health = self._states.get(name)
+        if health is not None and health.state is Health.HEALTHY:
             self._turn_unhealthy(name, reason)
 
     def probe_soon(self, name: str) -> None:
         """Probe ``name`` now rather than at its next turn (a call to it just failed)."""
-        self._wake[name].set()
+        if name in self._wake:
+            self._wake[name].set()
 
     async def probe(self, name: str) -> str | None:
         """Ping every rank of ``name`` once (bounded); None when all answered, else why not.
@@ -224,7 +264,7 @@ class HealthMonitor:
         return None
 
     async def _watch(self, name: str) -> None:
-        while not self._stopping:
+        while not self._stopping and name in self._states:
             if self._states[name].state is Health.HEALTHY:
                 try:
                     failure = await self.probe(name)
@@ -233,11 +273,14 @@ class HealthMonitor:
                     failure = f"probe error {type(exc).__name__}: {exc}"
                 if failure is not None:
                     self.report_failure(name, failure)
+            wake = self._wake.get(name)
+            if wake is None:
+                return
             try:
-                await asyncio.wait_for(self._wake[name].wait(), self._interval_s)
+                await asyncio.wait_for(wake.wait(), self._interval_s)
             except asyncio.TimeoutError:
                 pass
-            self._wake[name].clear()
+            wake.clear()
 
     def _turn_unhealthy(self, name: str, reason: str) -> None:
         shown = reason if self._recover else f"{reason}; automatic recovery is off: restart " \
@@ -296,8 +339,10 @@ class HealthMonitor:
         old = self._states[name]
         new = InstanceHealth(name, old.role, state, reason, retry_at)
         self._states[name] = new
-        if new.state is old.state:
-            return
+        if new.state is not old.state:
+            self._notify(new)
+
+    def _notify(self, new: InstanceHealth) -> None:
         for listener in self._listeners:
             try:
                 listener(new)

@@ -129,6 +129,25 @@ class Flow(ABC):
         """End a request still being placed with ``error``; False when none is waiting."""
         return False
 
+    def add_leader(self, leader: LeaderClient) -> None:
+        """A new instance (live scaling) of ``leader.role``: placements may choose it."""
+        self._members(leader.role)[leader.name] = leader
+        self.pools[leader.role].add(leader.name)
+
+    def remove_leader(self, name: str) -> LeaderClient:
+        """Forget a drained instance (no load left on it); returns its leader.
+
+        Raises:
+            KeyError: no such instance. ValueError: it still carries load.
+        """
+        leader = self.leader(name)
+        self.pools[leader.role].remove(name)
+        return self._members(leader.role).pop(name)
+
+    def _members(self, role: str) -> dict[str, LeaderClient]:
+        """Name -> leader of ``role``'s instances."""
+        return self.main
+
     def close_waiting(self, error: RequestError) -> None:
         """End every placement, now and later, with ``error`` (shutdown)."""
 
@@ -272,6 +291,9 @@ class DisaggregatedFlow(Flow):
 
     def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
         return self.admission.cancel(request_id, error)
+
+    def _members(self, role: str) -> dict[str, LeaderClient]:
+        return self.prefill if role == "prefill" else self.main
 
     def close_waiting(self, error: RequestError) -> None:
         self.admission.close(error)

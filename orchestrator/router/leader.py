@@ -226,6 +226,22 @@ class EventPump:
                 log.warning("poll tasks still running after stop: %s", pending)
         self._tasks = []
 
+    def add_leader(self, leader: LeaderClient) -> None:
+        """Poll ``leader`` too (a new instance; call from the event loop)."""
+        self._leaders.append(leader)
+        if self._tasks and not self._stopping:
+            self._tasks.append(asyncio.create_task(self._run(leader), name=f"poll-{leader.name}"))
+
+    async def remove_leader(self, name: str) -> None:
+        """Stop polling instance ``name`` (removed; nothing watches it any more)."""
+        self._leaders = [leader for leader in self._leaders if leader.name != name]
+        tasks = [t for t in self._tasks if t.get_name() == f"poll-{name}"]
+        for task in tasks:
+            task.cancel()
+            self._tasks.remove(task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=self._poll_timeout_s + 5.0)
+
     def register(self, attempt_id: str, request_id: str, instances: set[str]) -> Inbox:
         """An inbox receiving ``attempt_id``'s events from ``instances`` from now on
         (``request_id``: the client's, for its errors)."""

@@ -54,6 +54,25 @@ class Policy(ABC):
         """That load left ``name`` (finished, aborted or failed); called exactly once."""
         self.outstanding[name] -= tokens
 
+    def add(self, name: str) -> None:
+        """A new instance of the role (live scaling): chosen from now on when healthy."""
+        if name not in self.outstanding:
+            self.instances.append(name)
+            self.outstanding[name] = 0
+
+    def remove(self, name: str) -> None:
+        """``name`` left the role (drained: no load left on it).
+
+        Raises:
+            ValueError: it still carries load, or it is the role's last instance.
+        """
+        if self.outstanding.get(name, 0):
+            raise ValueError(f"{name} still carries {self.outstanding[name]} tokens of load")
+        if self.instances == [name]:
+            raise ValueError(f"{name} is the last instance of its role")
+        self.instances.remove(name)
+        del self.outstanding[name]
+
 
 class RoundRobin(Policy):
     """Each call starts one instance further along; ignores load."""

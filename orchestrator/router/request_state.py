@@ -41,8 +41,7 @@ _NEXT: dict[Phase, frozenset[Phase]] = {
     Phase.ACCEPTED: _ENDS | {Phase.PLACING},
     Phase.PLACING: _ENDS | {Phase.PLACING, Phase.PREFILLING},  # PLACING: a failed attempt
     Phase.PREFILLING: _ENDS | {Phase.PLACING, Phase.DECODING},
-    # NOTE: migration (prompt + streamed tokens placed again) would add PLACING here.
-    Phase.DECODING: _ENDS,
+    Phase.DECODING: _ENDS | {Phase.PLACING},  # PLACING: migration (prompt + streamed tokens)
 }
 
 
@@ -60,12 +59,16 @@ class RequestState:
         completion_tokens: tokens streamed so far (never past max_tokens).
         cached_tokens: prompt tokens the instance that computed the prompt found in its prefix
             cache (from the first-token event).
+        output_token_ids: those tokens (a migrated attempt's prompt ends with them).
         first_token_at, last_token_at: when the first / latest token came (None before).
         attempt_id: the current attempt's id "<request_id>@<n>" ("" before the first).
         route: the current attempt's route (None until placed).
         calls: the current attempt's leader calls running beside its stream, by name
             ("launch", "handover"); the stream's wait raises their failures.
-        failures: one line per failed attempt; avoid: the instances that failed it.
+        failures: one line per failed attempt or migration; avoid: the instances that
+            failed it. retries / migrations: how many failed before / after tokens streamed.
+        placing_since: when the current placement's deadline started (acceptance, or the
+            last migration).
         aborted: an Abort arrived; every later step checks it.
         error: ends the request at its next wait (the router shutting down).
         woken: done once ``aborted`` or ``error`` is set (the stream's wait watches it).
@@ -78,6 +81,7 @@ class RequestState:
     eos: frozenset[int] = frozenset()
     completion_tokens: int = 0
     cached_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
     attempt_id: str = ""
@@ -85,6 +89,9 @@ class RequestState:
     calls: dict[str, asyncio.Task] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     avoid: set[str] = field(default_factory=set)
+    retries: int = 0
+    migrations: int = 0
+    placing_since: float = 0.0
     aborted: bool = False
     error: RequestError | None = None
     woken: asyncio.Future = field(
@@ -104,15 +111,23 @@ class RequestState:
 
     def accepted(self, spec: RequestSpec, eos_token_ids: tuple[int, ...], now: float) -> None:
         """Validated and tokenized at ``now``: ``spec`` is what every attempt runs."""
-        self.spec, self.start = spec, now
+        self.spec, self.start, self.placing_since = spec, now, now
         self.eos = frozenset() if spec.sampling.ignore_eos else frozenset(eos_token_ids)
 
     def new_attempt(self, number: int) -> RequestSpec:
-        """PLACING under attempt id "<request_id>@<number>"; returns the spec under that id."""
+        """PLACING under attempt id "<request_id>@<number>"; returns the spec under that id:
+        after tokens streamed, the prompt plus those tokens, the rest of max_tokens, and
+        ``num_resumed_tokens`` so seeded sampling goes on with the same sequence."""
         self._move(Phase.PLACING)
         self.attempt_id = f"{self.request_id}@{number}"
         self.route, self.calls = None, {}
-        return replace(self.spec, request_id=self.attempt_id)
+        done = len(self.output_token_ids)
+        if not done:
+            return replace(self.spec, request_id=self.attempt_id)
+        sampling = replace(self.spec.sampling, max_tokens=self.spec.sampling.max_tokens - done)
+        return replace(self.spec, request_id=self.attempt_id,
+                       prompt_token_ids=self.spec.prompt_token_ids + tuple(self.output_token_ids),
+                       sampling=sampling, num_resumed_tokens=done)
 
     def placed(self, route: Route) -> None:
         """PREFILLING: the attempt holds ``route``."""
@@ -137,6 +152,7 @@ class RequestState:
             self.last_token_at = now
         self.completion_tokens += len(tokens)
         self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
+        self.output_token_ids.extend(tokens)
         if event.finish_reason is not None:
             return tokens, event.finish_reason
         if eos_at is not None:
@@ -183,13 +199,35 @@ class RequestState:
         Raises:
             RequestError: UNAVAILABLE naming every failure, when it was attempt ``max_attempts``.
         """
+        self.retries += 1
         self.failures.append(f"attempt {len(self.failures) + 1}: {exc.message}")
         self.avoid.add(exc.instance)
-        if len(self.failures) >= max_attempts:
+        if self.retries >= max_attempts:
             raise RequestError(
                 "UNAVAILABLE", f"request {self.request_id} failed on {len(self.failures)} "
                 f"attempt(s) (router.max_attempts={max_attempts}): {'; '.join(self.failures)}: "
                 "retry later; `orch status` shows the instances")
+
+    def migrate(self, exc: InstanceFailure, max_migrations: int, now: float) -> None:
+        """Its main instance failed (or was drained) after tokens streamed: the next attempt
+        runs prompt + streamed tokens elsewhere (``exc.instance`` tried last), its placement
+        deadline counted from ``now``.
+
+        Raises:
+            RequestError: UNAVAILABLE naming every failure, past ``max_migrations``.
+        """
+        self.failures.append(f"attempt {len(self.failures) + 1} (after "
+                             f"{self.completion_tokens} token(s)): {exc.message}")
+        self.avoid.add(exc.instance)
+        if self.migrations >= max_migrations:
+            raise RequestError(
+                "UNAVAILABLE", f"request {self.request_id} failed after "
+                f"{self.completion_tokens} token(s) were streamed and {self.migrations} "
+                f"migration(s) (router.max_migrations={max_migrations}): "
+                f"{'; '.join(self.failures)}: retry the request; `orch status` shows the "
+                "instances")
+        self.migrations += 1
+        self.placing_since = now
 
     def abort(self) -> None:
         """Mark it aborted and wake its wait (a later step ends it with "abort")."""

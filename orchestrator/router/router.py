@@ -6,7 +6,8 @@ router-unique id "<request_id>@<n>": workers and the pump never see the client's
 reused id or a failed attempt's late events cannot reach another attempt. Failures are
 exceptions (a failed leader call beside the stream, a failed instance, a worker's error): an
 instance failure before the first token places the request again (``max_attempts``), after
-it the request ends UNAVAILABLE. An attempt the workers did not end themselves is aborted on
+it the request migrates: prompt + streamed tokens placed again, the stream goes on
+(``max_migrations``). An attempt the workers did not end themselves is aborted on
 every instance it touched. gRPC lives in api/server.py; this module speaks dataclasses only.
 """
 
@@ -26,7 +27,7 @@ from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.availability import Availability, HealthView
 from orchestrator.router.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.router.flow import Flow, Route
-from orchestrator.router.leader import EventPump
+from orchestrator.router.leader import EventPump, LeaderClient
 from orchestrator.router.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.router.request_state import Phase, RequestState
 from orchestrator.router.validate import validate_request
@@ -49,6 +50,8 @@ class RouterMetrics(Protocol):
 
     def update_instances(self, statuses: list[InstanceStatusInfo]) -> None: ...
 
+    def request_migrated(self) -> None: ...
+
 
 class NoMetrics:
     """The default: report nothing."""
@@ -61,6 +64,9 @@ class NoMetrics:
         pass
 
     def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
+        pass
+
+    def request_migrated(self) -> None:
         pass
 
 
@@ -76,6 +82,8 @@ class Router:
         poll_timeout_s: how long one leader poll may block (seconds).
         max_attempts: most placements of one request that ran on an instance
             (`router.max_attempts`).
+        max_migrations: most moves of one request after tokens streamed
+            (`router.max_migrations`).
         health: the health monitor: a placement waits while every instance of a role is
             being restarted (None: it never waits; see :class:`Availability`).
     """
@@ -83,9 +91,10 @@ class Router:
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
                  poll_timeout_s: float = 0.5, max_attempts: int = 3,
-                 health: HealthView | None = None) -> None:
+                 health: HealthView | None = None, max_migrations: int = 3) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
         self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
+        self.max_migrations = max_migrations
         self.metrics = metrics or NoMetrics()
         self.availability = Availability(health)
         self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s,
@@ -143,6 +152,53 @@ class Router:
         log.info("%s failed (%s): %d request(s) still waiting on it were told", name, reason,
                  told)
 
+    def add_instance(self, leader: LeaderClient) -> None:
+        """Serve on a new instance too (live scaling; it is up): polled from now on, chosen
+        once the health monitor says it is healthy."""
+        self.flow.add_leader(leader)
+        self.pump.add_leader(leader)
+
+    async def drain_instance(self, name: str, timeout_s: float) -> int:
+        """Wait until no request holds load on ``name`` (the caller has taken it out of
+        service already, so no new one goes there), at most ``timeout_s`` seconds; then move
+        the rest away: before their first token they are placed again, after it they
+        migrate. Returns how many requests had to be moved.
+
+        Raises:
+            KeyError: ``name`` is no instance of this router.
+            RuntimeError: load still on it ``SHUTDOWN_ABORT_S`` after moving them away.
+        """
+        leader = self.flow.leader(name)
+        if await self._unloaded(name, timeout_s):
+            return 0
+        reason = f"{name} is being removed (drained for router.drain_timeout_s={timeout_s:g} s)"
+        moved = self.pump.fail_instance(name, reason)
+        leader.abandon_calls(reason)
+        if not await self._unloaded(name, SHUTDOWN_ABORT_S):
+            raise RuntimeError(f"{name}: requests still hold load on it "
+                               f"{SHUTDOWN_ABORT_S:g} s after they were moved away")
+        return moved
+
+    async def remove_instance(self, name: str) -> None:
+        """Forget a drained instance (:meth:`drain_instance`): no placement, no polling.
+
+        Raises:
+            KeyError: no such instance. ValueError: load left on it, or the role's last.
+        """
+        self.flow.remove_leader(name)
+        await self.pump.remove_leader(name)
+
+    async def _unloaded(self, name: str, timeout_s: float) -> bool:
+        """Whether no request holds load on ``name`` within ``timeout_s`` seconds."""
+        policy = next(p for p in self.flow.pools.values() if name in p.outstanding)
+        deadline = time.monotonic() + timeout_s
+        while policy.outstanding[name] > 0 or any(
+                name in req.instances for req in self._requests.values()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request the router knows, at whatever step it is (tokenizing, waiting
         for blocks, reserving, launching, streaming): each later step checks the mark, the
@@ -163,18 +219,20 @@ class Router:
         Raises:
             RequestError: bad input (INVALID_ARGUMENT), no capacity (RESOURCE_EXHAUSTED),
                 a stuck request (DEADLINE_EXCEEDED), failed instances on every attempt or
-                after the first token (UNAVAILABLE), a worker's error for this request
+                on every migration (UNAVAILABLE), a worker's error for this request
                 (INTERNAL), or shutting down (UNAVAILABLE).
         """
         req = self._open(inp.request_id or uuid.uuid4().hex)
         try:
             await self._accept(req, inp)
+            # NOTE: one detokenizer for every attempt: a migrated stream's text goes on
+            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             while not req.ended:
                 if req.aborted:
                     yield self._last_chunk(req, (), "", "abort")
                     return
                 try:
-                    async with aclosing(self._attempt(req)) as chunks:
+                    async with aclosing(self._attempt(req, detok)) as chunks:
                         async for chunk in chunks:
                             yield chunk
                 except InstanceFailure as exc:
@@ -185,7 +243,8 @@ class Router:
         finally:
             self._close(req)
 
-    async def _attempt(self, req: RequestState) -> AsyncIterator[OutputChunk]:
+    async def _attempt(self, req: RequestState, detok: IncrementalDetokenizer | None
+                       ) -> AsyncIterator[OutputChunk]:
         """One placement under a fresh attempt id: place -> launch -> stream to the finish
         (its chunk ends the request). Returns without a chunk when aborted before launch.
 
@@ -204,7 +263,6 @@ class Router:
             if req.aborted:  # NOTE: placed after the abort came: never launched, freed below
                 return
             req.calls["launch"] = self._spawn(self.flow.launch(spec, route))
-            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             while not req.ended:
                 event = await req.next_event(inbox, self.request_timeout_s)
                 chunk, by_workers = await self._on_event(req, event, detok)
@@ -214,16 +272,18 @@ class Router:
             self._release(route, abort=not by_workers)
 
     def _attempt_failed(self, req: RequestState, exc: InstanceFailure) -> None:
-        """Before the first token: remember the failure, the caller places again.
+        """Remember the failure, the caller places again: before the first token of the
+        attempt as a retry, after it as a migration (prompt + streamed tokens).
 
         Raises:
-            RequestError: UNAVAILABLE after the first token, or past ``max_attempts``.
+            RequestError: UNAVAILABLE past ``max_attempts`` or ``max_migrations``.
         """
         if req.phase is Phase.DECODING:
-            # NOTE: migration (prompt + streamed tokens placed again) would go here.
-            raise RequestError("UNAVAILABLE", f"{exc.message}; {req.completion_tokens} "
-                               "token(s) were already streamed, so it is not run again: "
-                               "retry the request") from None
+            req.migrate(exc, self.max_migrations, time.monotonic())
+            self.metrics.request_migrated()
+            log.info("request %s: %s; migrating it with %d streamed token(s) (migration %d)",
+                     req.request_id, exc.message, req.completion_tokens, req.migrations)
+            return
         req.attempt_failed(exc, self.max_attempts)
         log.debug("request %s: %s; placing it again", req.request_id, exc.message)
 
@@ -231,7 +291,7 @@ class Router:
         """flow.place within the request's deadline, once every role has a healthy
         instance (while all of a role's are being restarted it waits: no attempt is spent);
         None when aborted meanwhile."""
-        deadline = req.start + self.request_timeout_s
+        deadline = req.placing_since + self.request_timeout_s
         try:
             await self.availability.wait(self.flow.pools, deadline, req.woken, req.avoid)
             if req.aborted:

@@ -33,6 +33,16 @@ def expected_tokens(prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool =
     return out
 
 
+def scripted(spec) -> list[int]:
+    """The tokens a fake emits for ``spec``: the script of its original prompt, from output
+    token ``spec.num_resumed_tokens`` on (a migrated request goes on where it stopped, as a
+    model would, its prompt ending with the streamed tokens)."""
+    done = spec.num_resumed_tokens
+    prompt = spec.prompt_token_ids[:len(spec.prompt_token_ids) - done]
+    return expected_tokens(prompt, done + spec.sampling.max_tokens,
+                           spec.sampling.ignore_eos)[done:]
+
+
 class Remote:
     """Ray-handle look-alike around an in-process object."""
 
@@ -175,8 +185,7 @@ class FakeDecode(_Leader):
         if self.error_after_admit:
             self.emit(request_id, (), "error", error=self.error_after_admit)
             return
-        toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens,
-                               spec.sampling.ignore_eos)
+        toks = scripted(spec)
         assert toks[0] == first_token_id
         rest = toks[1:]
         for i in range(0, len(rest), 2):  # two tokens per event
@@ -200,11 +209,13 @@ class FakePrefill(_Leader):
 
     def __init__(self, name="prefill-0") -> None:
         super().__init__(name, "prefill")
+        self.specs: dict[str, object] = {}  # attempt id -> the spec it was asked to prefill
 
     async def prefill(self, spec, reservation) -> None:
         self.calls.append(("prefill", spec.request_id, reservation.decode_instance))
+        self.specs[spec.request_id] = spec
         await self._enter("prefill")
-        first = expected_tokens(spec.prompt_token_ids, 1)[0]
+        first = scripted(spec)[0]
         done = "length" if spec.sampling.max_tokens == 1 else None
         self.emit(spec.request_id, (first,), done, source="prefill")
 
@@ -216,8 +227,7 @@ class FakeColocated(_Leader):
 
     def generate(self, spec) -> None:
         self.calls.append(("generate", spec.request_id))
-        toks = expected_tokens(spec.prompt_token_ids, spec.sampling.max_tokens,
-                               spec.sampling.ignore_eos)
+        toks = scripted(spec)
         if not self.report_finish:
             toks = toks + [5, 6]
         for i, tok in enumerate(toks):

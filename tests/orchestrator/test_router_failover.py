@@ -1,6 +1,7 @@
 """Failover through a real grpc.aio server over fake leaders (two of a role where it matters):
 before the first token a failed instance costs an attempt, not the request; after it the
-request ends UNAVAILABLE at once; a request no longer depends on prefill after its first
+request migrates (prompt + streamed tokens placed again, the stream goes on; UNAVAILABLE
+past router.max_migrations); a request no longer depends on prefill after its first
 token; the request's own error is never retried."""
 
 from __future__ import annotations
@@ -133,24 +134,94 @@ def test_prefill_failure_after_the_first_token_does_not_end_the_request():
         h.close()
 
 
-def test_decode_failure_after_the_first_token_is_unavailable_at_once(two_decodes):
-    h = two_decodes
+def _stream_until_decode_fails(h: Harness, request_id: str, max_tokens: int, **kwargs):
+    """Stream a request until decode-0 was admitted, then fail decode-0; every chunk (or
+    the error) the stream gives after that."""
     entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("admit"))
     with OrchClient(h.address) as client:
-        stream = client.generate(token_ids=list(PROMPT), request_id="d", max_tokens=6)
+        stream = client.generate(token_ids=list(PROMPT), request_id=request_id,
+                                 max_tokens=max_tokens, **kwargs)
         first = next(stream)
         h.run(entered.wait())
         h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))
-        with pytest.raises(grpc.RpcError) as err:
-            list(stream)
-    assert len(first.token_ids) == 1
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    details = err.value.details()
-    assert "on decode-0: decode-0 failed: process gone" in details, details
-    assert "1 token(s) were already streamed" in details
-    assert [c for c in _calls(h, "decode-1") if c[0] == "reserve"] == []  # not run again
-    h.call_in_loop(release.set)
+        try:
+            rest = list(stream)
+        finally:
+            h.call_in_loop(release.set)
+    return [first, *rest]
+
+
+def test_decode_failure_after_the_first_token_migrates_the_stream(two_decodes):
+    """Prompt + streamed token placed again on decode-1; the stream goes on, no token
+    repeated or lost."""
+    h = two_decodes
+    chunks = _stream_until_decode_fails(h, "d", 6)
+    assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 6)
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].stats.completion_tokens == 6
+    assert chunks[-1].stats.prompt_tokens == len(PROMPT)
+    assert chunks[-1].stats.decode_instance == "decode-1"
+    first = expected_tokens(PROMPT, 1)
+    assert [c for c in _calls(h, "prefill-0") if c[0] == "prefill"] == [
+        ("prefill", "d@1", "decode-0"), ("prefill", "d@2", "decode-1")]
+    spec = h.call_in_loop(lambda: h.fakes["prefill-0"].specs["d@2"])
+    assert spec.prompt_token_ids == PROMPT + tuple(first)
+    assert spec.num_resumed_tokens == 1 and spec.sampling.max_tokens == 5
+    assert h.metrics.migrated == 1
     assert _all_released(h)
+
+
+def test_migration_keeps_the_seed(two_decodes):
+    h = two_decodes
+    chunks = _stream_until_decode_fails(h, "s", 4, temperature=0.8, seed=7)
+    assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 4)
+    spec = h.call_in_loop(lambda: h.fakes["prefill-0"].specs["s@2"])
+    assert spec.sampling.seed == 7 and spec.num_resumed_tokens == 1
+    assert _all_released(h)
+
+
+def test_decode_failure_after_the_first_token_without_migration_is_unavailable():
+    h = Harness(decode_dp=2, max_migrations=0)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            _stream_until_decode_fails(h, "d", 6)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = err.value.details()
+        assert "on decode-0: decode-0 failed: process gone" in details, details
+        assert "after 1 token(s)" in details and "router.max_migrations=0" in details
+        assert [c for c in _calls(h, "decode-1") if c[0] == "reserve"] == []  # not run again
+        assert _all_released(h)
+    finally:
+        h.close()
+
+
+def test_migrations_past_the_limit_name_each_failure():
+    """Both decodes fail after tokens streamed: max_migrations=1 allows one move, then
+    UNAVAILABLE naming both failures."""
+    h = Harness(decode_dp=2, max_migrations=1)
+    try:
+        holds = {n: h.call_in_loop(lambda n=n: h.fakes[n].hold("admit"))
+                 for n in ("decode-0", "decode-1")}
+        with OrchClient(h.address) as client:
+            stream = client.generate(token_ids=list(PROMPT), request_id="m", max_tokens=6)
+            got = list(next(stream).token_ids)
+            for name in ("decode-0", "decode-1"):
+                h.run(holds[name][0].wait())
+                h.call_in_loop(lambda n=name: h.router.instance_failed(n, f"{n} gone"))
+                if name == "decode-0":
+                    got += next(stream).token_ids  # the migrated attempt's prefill token
+            with pytest.raises(grpc.RpcError) as err:
+                list(stream)
+        for _, release in holds.values():
+            h.call_in_loop(release.set)
+        assert got == expected_tokens(PROMPT, 2)
+        details = err.value.details()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode-0 gone" in details and "decode-1 gone" in details, details
+        assert "after 2 token(s)" in details and "router.max_migrations=1" in details
+        assert _all_released(h)
+    finally:
+        h.close()
 
 
 def test_the_requests_own_error_is_not_retried(two_prefills):

@@ -95,3 +95,25 @@ def test_a_request_the_role_does_not_take_is_refused_by_name():
     with pytest.raises(TypeError, match="colocated-0 is a colocated instance: it does not take "
                                         "Reserve"):
         role.handle(Reserve(spec))
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=8, ignore_eos=True),
+    SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=11)])
+def test_a_resumed_request_goes_on_with_the_same_tokens(ckpt, sampling):
+    """Migration's contract on the worker side: prompt + the first k outputs as the prompt,
+    ``num_resumed_tokens=k`` and the rest of max_tokens give the rest of the same output
+    (greedy, and seeded sampling: the draw of output n is seeded (seed, n) either way)."""
+    prompt, k = tuple(range(1000, 1013)), 3
+    rank = make_rank(ckpt)
+    try:
+        rank.request(Generate(RequestSpec("whole", prompt, sampling)))
+        whole, finish, _ = collect(rank, ["whole"])["whole"]
+        assert finish == "length" and len(whole) == 8
+        rest_sampling = SamplingParams(**{**sampling.__dict__, "max_tokens": 8 - k})
+        rank.request(Generate(RequestSpec("rest", prompt + tuple(whole[:k]), rest_sampling,
+                                          num_resumed_tokens=k)))
+        rest, finish, _ = collect(rank, ["rest"])["rest"]
+        assert finish == "length" and whole[:k] + rest == whole
+    finally:
+        rank.shutdown()

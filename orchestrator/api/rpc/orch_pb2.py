@@ -24,37 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1forchestrator/api/rpc/orch.proto\x12\x07orch.v1\"\x87\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x11.orch.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.orch.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"\xba\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x1a \x01(\x05\"\x85\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.orch.v1.GenerateStats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"H\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\xa1\x03\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\"\n\x05ranks\x18\x04 \x03(\x0b\x32\x13.orch.v1.RankStatus\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x03\x12\x13\n\x0bkv_failures\x18\x0b \x01(\x03\x12\x0e\n\x06health\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\r \x01(\t\x12\x10\n\x08has_load\x18\x0e \x01(\x08\x12\'\n\x0bstep_phases\x18\x0f \x03(\x0b\x32\x12.orch.v1.StepPhase\x12\x15\n\rcached_blocks\x18\x1a \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x1b \x01(\x03\x12\x1d\n\x15prefix_queried_tokens\x18\x1c \x01(\x03\":\n\tStepPhase\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"a\n\x11GetStatusResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.orch.v1.InstanceStatus\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\r\n\x05model\x18\x03 \x01(\t2\xc5\x01\n\x04Orch\x12\x41\n\x08Generate\x12\x18.orch.v1.GenerateRequest\x1a\x19.orch.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.orch.v1.AbortRequest\x1a\x16.orch.v1.AbortResponse\x12\x42\n\tGetStatus\x12\x19.orch.v1.GetStatusRequest\x1a\x1a.orch.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1forchestrator/api/rpc/orch.proto\x12\x07orch.v1\"p\n\x0cScaleRequest\x12\x31\n\x06\x63ounts\x18\x01 \x03(\x0b\x32!.orch.v1.ScaleRequest.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\"\n\x12\x41\x64\x64InstanceRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"%\n\x15RemoveInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xaa\x01\n\rScaleResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x16\n\x0emoved_requests\x18\x03 \x01(\r\x12\x32\n\x06\x63ounts\x18\x04 \x03(\x0b\x32\".orch.v1.ScaleResponse.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x87\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x11.orch.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.orch.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"\xba\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x1a \x01(\x05\"\x85\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.orch.v1.GenerateStats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"H\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\xa1\x03\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\"\n\x05ranks\x18\x04 \x03(\x0b\x32\x13.orch.v1.RankStatus\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x03\x12\x13\n\x0bkv_failures\x18\x0b \x01(\x03\x12\x0e\n\x06health\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\r \x01(\t\x12\x10\n\x08has_load\x18\x0e \x01(\x08\x12\'\n\x0bstep_phases\x18\x0f \x03(\x0b\x32\x12.orch.v1.StepPhase\x12\x15\n\rcached_blocks\x18\x1a \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x1b \x01(\x03\x12\x1d\n\x15prefix_queried_tokens\x18\x1c \x01(\x03\":\n\tStepPhase\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"a\n\x11GetStatusResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.orch.v1.InstanceStatus\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\r\n\x05model\x18\x03 \x01(\t2\xc5\x01\n\x04Orch\x12\x41\n\x08Generate\x12\x18.orch.v1.GenerateRequest\x1a\x19.orch.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.orch.v1.AbortRequest\x1a\x16.orch.v1.AbortResponse\x12\x42\n\tGetStatus\x12\x19.orch.v1.GetStatusRequest\x1a\x1a.orch.v1.GetStatusResponse2\xcd\x01\n\x05\x41\x64min\x12\x36\n\x05Scale\x12\x15.orch.v1.ScaleRequest\x1a\x16.orch.v1.ScaleResponse\x12\x42\n\x0b\x41\x64\x64Instance\x12\x1b.orch.v1.AddInstanceRequest\x1a\x16.orch.v1.ScaleResponse\x12H\n\x0eRemoveInstance\x12\x1e.orch.v1.RemoveInstanceRequest\x1a\x16.orch.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'orchestrator.api.rpc.orch_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=45
-  _globals['_SAMPLINGPARAMS']._serialized_end=180
-  _globals['_TOKENIDS']._serialized_start=182
-  _globals['_TOKENIDS']._serialized_end=205
-  _globals['_GENERATEREQUEST']._serialized_start=208
-  _globals['_GENERATEREQUEST']._serialized_end=354
-  _globals['_GENERATESTATS']._serialized_start=357
-  _globals['_GENERATESTATS']._serialized_end=543
-  _globals['_GENERATERESPONSE']._serialized_start=546
-  _globals['_GENERATERESPONSE']._serialized_end=679
-  _globals['_ABORTREQUEST']._serialized_start=681
-  _globals['_ABORTREQUEST']._serialized_end=715
-  _globals['_ABORTRESPONSE']._serialized_start=717
-  _globals['_ABORTRESPONSE']._serialized_end=747
-  _globals['_GETSTATUSREQUEST']._serialized_start=749
-  _globals['_GETSTATUSREQUEST']._serialized_end=767
-  _globals['_RANKSTATUS']._serialized_start=769
-  _globals['_RANKSTATUS']._serialized_end=841
-  _globals['_INSTANCESTATUS']._serialized_start=844
-  _globals['_INSTANCESTATUS']._serialized_end=1261
-  _globals['_STEPPHASE']._serialized_start=1263
-  _globals['_STEPPHASE']._serialized_end=1321
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1323
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1420
-  _globals['_ORCH']._serialized_start=1423
-  _globals['_ORCH']._serialized_end=1620
+  _globals['_SCALEREQUEST_COUNTSENTRY']._loaded_options = None
+  _globals['_SCALEREQUEST_COUNTSENTRY']._serialized_options = b'8\001'
+  _globals['_SCALERESPONSE_COUNTSENTRY']._loaded_options = None
+  _globals['_SCALERESPONSE_COUNTSENTRY']._serialized_options = b'8\001'
+  _globals['_SCALEREQUEST']._serialized_start=44
+  _globals['_SCALEREQUEST']._serialized_end=156
+  _globals['_SCALEREQUEST_COUNTSENTRY']._serialized_start=111
+  _globals['_SCALEREQUEST_COUNTSENTRY']._serialized_end=156
+  _globals['_ADDINSTANCEREQUEST']._serialized_start=158
+  _globals['_ADDINSTANCEREQUEST']._serialized_end=192
+  _globals['_REMOVEINSTANCEREQUEST']._serialized_start=194
+  _globals['_REMOVEINSTANCEREQUEST']._serialized_end=231
+  _globals['_SCALERESPONSE']._serialized_start=234
+  _globals['_SCALERESPONSE']._serialized_end=404
+  _globals['_SCALERESPONSE_COUNTSENTRY']._serialized_start=111
+  _globals['_SCALERESPONSE_COUNTSENTRY']._serialized_end=156
+  _globals['_SAMPLINGPARAMS']._serialized_start=407
+  _globals['_SAMPLINGPARAMS']._serialized_end=542
+  _globals['_TOKENIDS']._serialized_start=544
+  _globals['_TOKENIDS']._serialized_end=567
+  _globals['_GENERATEREQUEST']._serialized_start=570
+  _globals['_GENERATEREQUEST']._serialized_end=716
+  _globals['_GENERATESTATS']._serialized_start=719
+  _globals['_GENERATESTATS']._serialized_end=905
+  _globals['_GENERATERESPONSE']._serialized_start=908
+  _globals['_GENERATERESPONSE']._serialized_end=1041
+  _globals['_ABORTREQUEST']._serialized_start=1043
+  _globals['_ABORTREQUEST']._serialized_end=1077
+  _globals['_ABORTRESPONSE']._serialized_start=1079
+  _globals['_ABORTRESPONSE']._serialized_end=1109
+  _globals['_GETSTATUSREQUEST']._serialized_start=1111
+  _globals['_GETSTATUSREQUEST']._serialized_end=1129
+  _globals['_RANKSTATUS']._serialized_start=1131
+  _globals['_RANKSTATUS']._serialized_end=1203
+  _globals['_INSTANCESTATUS']._serialized_start=1206
+  _globals['_INSTANCESTATUS']._serialized_end=1623
+  _globals['_STEPPHASE']._serialized_start=1625
+  _globals['_STEPPHASE']._serialized_end=1683
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1685
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1782
+  _globals['_ORCH']._serialized_start=1785
+  _globals['_ORCH']._serialized_end=1982
+  _globals['_ADMIN']._serialized_start=1985
+  _globals['_ADMIN']._serialized_end=2190
 # @@protoc_insertion_point(module_scope)

@@ -186,3 +186,175 @@ class Orch:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Live scaling (docs/scaling.md); behind the router's token like Orch. Refusals (the last
+    instance of a role, an expert-parallel role, resources the cluster lacks) are
+    FAILED_PRECONDITION with what to do; a bad role or count is INVALID_ARGUMENT.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Scale = channel.unary_unary(
+                '/orch.v1.Admin/Scale',
+                request_serializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+        self.AddInstance = channel.unary_unary(
+                '/orch.v1.Admin/AddInstance',
+                request_serializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.AddInstanceRequest.SerializeToString,
+                response_deserializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+        self.RemoveInstance = channel.unary_unary(
+                '/orch.v1.Admin/RemoveInstance',
+                request_serializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.RemoveInstanceRequest.SerializeToString,
+                response_deserializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Live scaling (docs/scaling.md); behind the router's token like Orch. Refusals (the last
+    instance of a role, an expert-parallel role, resources the cluster lacks) are
+    FAILED_PRECONDITION with what to do; a bad role or count is INVALID_ARGUMENT.
+    """
+
+    def Scale(self, request, context):
+        """Bring each role named to its instance count: adds run together and return once the new
+        instances serve; removals drain one after the other.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddInstance(self, request, context):
+        """One more instance of a role; returns once it serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveInstance(self, request, context):
+        """Drain one instance (its requests finish, or move after router.drain_timeout_s), then
+        stop its ranks and free its placement group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleRequest.FromString,
+                    response_serializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.SerializeToString,
+            ),
+            'AddInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddInstance,
+                    request_deserializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.AddInstanceRequest.FromString,
+                    response_serializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.SerializeToString,
+            ),
+            'RemoveInstance': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveInstance,
+                    request_deserializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.RemoveInstanceRequest.FromString,
+                    response_serializer=orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'orch.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('orch.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Live scaling (docs/scaling.md); behind the router's token like Orch. Refusals (the last
+    instance of a role, an expert-parallel role, resources the cluster lacks) are
+    FAILED_PRECONDITION with what to do; a bad role or count is INVALID_ARGUMENT.
+    """
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orch.v1.Admin/Scale',
+            orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleRequest.SerializeToString,
+            orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orch.v1.Admin/AddInstance',
+            orchestrator_dot_api_dot_rpc_dot_orch__pb2.AddInstanceRequest.SerializeToString,
+            orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveInstance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orch.v1.Admin/RemoveInstance',
+            orchestrator_dot_api_dot_rpc_dot_orch__pb2.RemoveInstanceRequest.SerializeToString,
+            orchestrator_dot_api_dot_rpc_dot_orch__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

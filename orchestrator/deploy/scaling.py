@@ -1,0 +1,261 @@
+"""Live scaling: add and remove instances while serving (docs/scaling.md).
+
+Add: the new instance is STARTING in the health monitor (`orch status` shows it), then
+placement group, rank actors, TP store, model load and leader start exactly as at bring-up
+(:meth:`Cluster.add_instance`, on a worker thread), then the router polls it and places
+requests on it once HEALTHY. Several adds may run at once (each gets its own name).
+
+Remove: the instance turns DRAINING (no new request goes there), its requests finish or, after
+``router.drain_timeout_s``, move away (before their first token they are placed again, after
+it they migrate), then the router forgets it and its leader drains and shuts down, its ranks
+are killed and its placement group removed (:meth:`Cluster.remove_instance`).
+
+Refused, with what to do: the last instance of a role; an instance that is being restarted or
+is still starting; an expert-parallel role (its DP ranks form one EP group, resized only as a
+whole: change ``dp`` and restart `orch up`); what the cluster's free resources cannot hold
+(naming the missing resources).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from orchestrator.config.autoscale import AutoscaleSection
+from orchestrator.config.schema import OrchConfig
+from orchestrator.deploy.autoscaler import Autoscaler, Decision, LatencyWindow, Signals
+from orchestrator.deploy.health import Health, HealthMonitor
+from orchestrator.deploy.placement import rank_bundle, role_resources
+from orchestrator.router.leader import LeaderClient
+from orchestrator.router.router import Router
+
+log = logging.getLogger(__name__)
+
+
+class ScaleError(ValueError):
+    """A scaling request that cannot be done; the message says why and what to do."""
+
+
+class Scalable(Protocol):
+    """What the scaler needs of the cluster (:class:`~orchestrator.deploy.cluster.Cluster`)."""
+
+    def add_instance(self, inst: Any, timeout_s: float) -> Any:
+        """Blocking; the started instance (``.leader``: its leader handle)."""
+
+    def remove_instance(self, name: str) -> None:
+        """Blocking; drain + shutdown its leader, kill its ranks, remove its group."""
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    """What one scaling call did: instances added and removed (names), requests moved."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    moved_requests: int = 0
+
+
+def missing_resources(need: dict[str, float], free: dict[str, float]) -> list[str]:
+    """``"CPU: needs 1, 0.5 free"`` for each resource ``need`` asks more of than ``free``."""
+    return [f"{key}: needs {amount:g}, {free.get(key, 0.0):g} free"
+            for key, amount in sorted(need.items()) if amount > free.get(key, 0.0) + 1e-9]
+
+
+class Scaler:
+    """Adds and removes instances on the router's event loop.
+
+    Args:
+        cfg: the deployment (new instances are made from its role sections).
+        cluster: brings instances up and down (blocking calls, run on threads).
+        router: routes to the instances.
+        monitor: their health (STARTING / DRAINING while scaling).
+        leaders: the name -> client map the recoverer restarts through (kept up to date).
+        free_resources: the cluster's free Ray resources now (default: ``ray``'s).
+    """
+
+    def __init__(self, cfg: OrchConfig, cluster: Scalable, router: Router,
+                 monitor: HealthMonitor, leaders: dict[str, LeaderClient],
+                 free_resources: Callable[[], dict[str, float]] | None = None) -> None:
+        self.cfg, self.cluster, self.router, self.monitor = cfg, cluster, router, monitor
+        self.leaders = leaders
+        self._free = free_resources or _ray_free_resources
+        self._pending: dict[str, dict[str, float]] = {}  # starting instance -> its resources
+        self._removing: set[str] = set()
+
+    def counts(self) -> dict[str, int]:
+        """Role -> its instances (starting ones included, removing ones not)."""
+        out = {role: 0 for role in self.router.flow.pools}
+        for health in self.monitor.snapshot():
+            if health.name not in self._removing:
+                out[health.role] += 1
+        return out
+
+    async def scale(self, targets: dict[str, int]) -> ScaleResult:
+        """Bring each role of ``targets`` (role -> instance count) to its count: adds run
+        together, removals one after the other (newest instance first).
+
+        Raises:
+            ScaleError: a refusal (see the module docstring); nothing was changed by it.
+        """
+        current = self.counts()
+        for role, count in targets.items():
+            if role not in current:
+                raise ScaleError(f"no role {role!r} here: roles {sorted(current)}")
+            if count < 1:
+                raise ScaleError(f"{role}: {count} instances asked; a role keeps at least 1")
+        adds = [role for role, count in targets.items() for _ in range(count - current[role])]
+        removes = [name for role, count in targets.items()
+                   for name in self._newest(role, current[role] - count)]
+        self._check_can_add(adds)
+        added = await asyncio.gather(*(self.add(role) for role in adds))
+        moved = 0
+        for name in removes:
+            moved += await self.remove(name)
+        return ScaleResult(tuple(added), tuple(removes), moved)
+
+    async def add(self, role: str) -> str:
+        """Start one more ``role`` instance; returns its name once it serves.
+
+        Raises:
+            ScaleError: refused, or its start failed (what was made is removed).
+        """
+        self._check_can_add([role])
+        name = f"{role}-{self._next_index(role)}"
+        inst = self.cfg.instance_config(role, int(name.rsplit("-", 1)[1]))
+        self._pending[name] = self._resources(role)
+        self.monitor.add_instance(name, role)
+        started = time.monotonic()
+        try:
+            ranks = await asyncio.to_thread(self.cluster.add_instance, inst,
+                                            self.cfg.cluster.startup_timeout_s)
+        except Exception as exc:
+            self.monitor.remove_instance(name)
+            raise ScaleError(f"{name} did not start: {exc}") from exc
+        finally:
+            self._pending.pop(name, None)
+        leader = LeaderClient(name, role, ranks.leader, self.cfg.router.request_timeout_s)
+        self.leaders[name] = leader
+        self.router.add_instance(leader)
+        self.monitor.started(name)
+        log.info("%s added: serving %.1f s after the scale call", name,
+                 time.monotonic() - started)
+        return name
+
+    async def remove(self, name: str) -> int:
+        """Drain ``name`` and stop it; returns how many of its requests had to move away.
+
+        Raises:
+            ScaleError: no such instance, the last of its role, or not removable now.
+        """
+        self._check_can_remove(name)
+        self._removing.add(name)
+        try:
+            self.monitor.draining(name, "draining: being removed (`orch scale`)")
+            started = time.monotonic()
+            moved = await self.router.drain_instance(name, self.cfg.router.drain_timeout_s)
+            await self.router.remove_instance(name)
+            self.leaders.pop(name, None)
+            self.monitor.remove_instance(name)
+            await asyncio.to_thread(self.cluster.remove_instance, name)
+        finally:
+            self._removing.discard(name)
+        log.info("%s removed after %.1f s of draining (%d request(s) moved away)", name,
+                 time.monotonic() - started, moved)
+        return moved
+
+    def _check_can_add(self, roles: list[str]) -> None:
+        """Raises ScaleError: an EP role, or more than the cluster's free resources."""
+        need: dict[str, float] = {}
+        for role in roles:
+            if role == "prefill" and self.cfg.prefill.ep or role != "prefill" and \
+                    self.cfg.decode.ep:
+                raise ScaleError(
+                    f"{role} is expert-parallel: its instances form one EP group, resized "
+                    f"only as a whole; change {_section(role)}.dp in the config and restart "
+                    "`orch up` (live resizing of an EP role is not supported)")
+            for key, amount in self._resources(role).items():
+                need[key] = need.get(key, 0.0) + amount
+        if not need:
+            return
+        free = dict(self._free())
+        for pending in self._pending.values():  # NOTE: starting ones may not hold theirs yet
+            for key, amount in pending.items():
+                free[key] = free.get(key, 0.0) - amount
+        missing = missing_resources(need, free)
+        if missing:
+            raise ScaleError(f"the cluster cannot place {len(roles)} more instance(s) of "
+                             f"{sorted(set(roles))}: {'; '.join(missing)}: add nodes "
+                             "(`ray start --address`) or lower cluster.cpus_per_rank")
+
+    def _check_can_remove(self, name: str) -> None:
+        """Raises ScaleError: unknown, removing already, not healthy now, or the last one."""
+        try:
+            health = self.monitor.get(name)
+        except KeyError:
+            raise ScaleError(f"no instance {name!r}; `orch status` lists them") from None
+        if name in self._removing:
+            raise ScaleError(f"{name} is being removed already")
+        if health.state is not Health.HEALTHY:
+            raise ScaleError(f"{name} is {health.state.value} ({health.reason}): remove it once "
+                             "it is healthy, or remove another instance of its role")
+        if self.counts()[health.role] <= 1:
+            raise ScaleError(f"{name} is the last {health.role} instance: refusing to remove "
+                             "it (a role keeps at least 1; stop `orch up` to stop serving)")
+
+    def newest(self, role: str) -> str:
+        """The instance a scale-down of ``role`` removes (its newest healthy one).
+
+        Raises:
+            ScaleError: none can be drained now."""
+        return self._newest(role, 1)[0]
+
+    def _newest(self, role: str, count: int) -> list[str]:
+        """The ``count`` newest healthy instances of ``role`` (highest index first)."""
+        names = [h.name for h in self.monitor.snapshot()
+                 if h.role == role and h.state is Health.HEALTHY and h.name not in self._removing]
+        names.sort(key=lambda n: int(n.rsplit("-", 1)[1]), reverse=True)
+        if count > 0 and len(names) < count:
+            raise ScaleError(f"{role}: {count} instance(s) to remove but only {len(names)} "
+                             "healthy ones can be drained now (`orch status`); try again")
+        return names[:max(count, 0)]
+
+    def _next_index(self, role: str) -> int:
+        used = [int(h.name.rsplit("-", 1)[1]) for h in self.monitor.snapshot()
+                if h.role == role]
+        return max(used, default=-1) + 1
+
+    def _resources(self, role: str) -> dict[str, float]:
+        inst = self.cfg.instance_config(role, 0)
+        bundle = rank_bundle(inst.parallel.device, self.cfg.cluster,
+                             role_resources(self.cfg, role))
+        return {key: amount * inst.parallel.ranks for key, amount in bundle.items()}
+
+
+def _section(role: str) -> str:
+    return "prefill" if role == "prefill" else "decode"
+
+
+def _ray_free_resources() -> dict[str, float]:
+    import ray
+
+    return dict(ray.available_resources())
+
+
+def build_autoscaler(cfg: AutoscaleSection, router: Router, scaler: Scaler,
+                     window: LatencyWindow, metrics: Any = None) -> Autoscaler:
+    """The autoscaler of a disaggregated deployment: latencies from ``window`` (fed by the
+    router's metrics), waiting requests from the admission queue, steps through ``scaler``;
+    each step counted in ``metrics.autoscale_decided`` when there is one."""
+    admission = getattr(router.flow, "admission", None)
+
+    def signals() -> Signals:
+        ttft, tpot = window.p90(cfg.min_requests)
+        return Signals(ttft, tpot, admission.waiting if admission else 0, scaler.counts())
+
+    def record(decision: Decision) -> None:
+        if metrics is not None and hasattr(metrics, "autoscale_decided"):
+            metrics.autoscale_decided(decision.role, decision.delta, decision.kind)
+    return Autoscaler(cfg, signals, scaler, scaler.newest, record)
