@@ -9,7 +9,7 @@ and token ids against the model in ``orchestrator.router.validate``.
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
-from rank.messages import InstanceStatusInfo
+from rank.messages import InstanceStatusInfo, KVTailStats
 from rank.step_timing import PhaseTiming, StepTimings
 from orchestrator.router.limits import check_request_id
 from orchestrator.router.request import GenerateInput, OutputChunk, RequestError, RequestStats
@@ -138,7 +138,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
             msg.MergeFrom(pb.InstanceStatus(
                 queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
                 total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
-                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures,
+                kv_tail=pb.KVTail(count=s.kv_tail.count, sum_s=s.kv_tail.sum_s,
+                                  max_s=s.kv_tail.max_s, last_s=s.kv_tail.last_s)))
             msg.step_phases.extend(pb.StepPhase(phase=name, count=rec.count,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
@@ -161,7 +163,9 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
         kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures,
-        step_timings=_timings_from_proto(i.step_phases))
+        step_timings=_timings_from_proto(i.step_phases),
+        kv_tail=KVTailStats(i.kv_tail.count, i.kv_tail.sum_s, i.kv_tail.max_s,
+                            i.kv_tail.last_s))
 
 
 def _timings_from_proto(phases) -> StepTimings:
