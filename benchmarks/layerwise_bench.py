@@ -1,9 +1,11 @@
 """KV pushed layer by layer during the prefill forward vs after the forward (same run).
 
-Two prefill -> decode pairs of rank actors in this process (no Ray; tp1 -> tp1, KV over a
-gloo pair group: ``same_node="off"``), one with ``TransferConfig.layerwise`` on, one with it
-off (the baseline: a chunk's KV is queued after its whole forward), on the tiny model
-(``--layers``). Requests alternate between the two pairs, one at a time, ``--reps`` per case:
+Two prefill -> decode pairs of rank actors (no Ray; tp1 -> tp1, KV over a gloo pair group:
+``same_node="off"``), prefill ranks in this process, each decode rank in a process of its own
+(driven over a pipe: its receive and scatter never share this process's interpreter lock with
+the prefill forward), one pair with ``TransferConfig.layerwise`` on, one with it off (the
+baseline: a chunk's KV is queued after its whole forward), on the tiny model (``--layers``).
+Requests alternate between the two pairs, one at a time, ``--reps`` per case:
 
 - one:  a ``--tokens`` prompt (default 2048) in one chunk;
 - four: a ``4 x --tokens`` prompt in four chunks.
@@ -26,6 +28,7 @@ import tempfile
 import time
 
 import torch
+import torch.multiprocessing as mp
 
 from decode_worker.role import DecodeRole
 from engine.request import RequestSpec
@@ -56,6 +59,58 @@ def start(ckpt: str, role_cls, role: str, name: str, chunk: int, max_len: int,
     return rank
 
 
+class RemoteDecode:
+    """A decode rank in a spawned process, with the calls the bench makes of a rank."""
+
+    def __init__(self, *start_args) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_decode, args=(child, start_args), daemon=True)
+        self._proc.start()
+        self._call("ready")
+
+    def _call(self, what: str, *args):
+        self._conn.send((what, args))
+        if not self._conn.poll(120):
+            raise TimeoutError(f"decode process: no answer to {what} within 120 s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"decode process: {what} failed: {value}")
+        return value
+
+    def request(self, msg):
+        return self._call("request", msg)
+
+    def poll(self, timeout_s: float):
+        return self._call("poll", timeout_s)
+
+    def kv_tail(self):
+        return self._call("kv_tail")
+
+    def shutdown(self) -> None:
+        self._call("stop")
+        self._proc.join(30)
+
+
+def _serve_decode(conn, start_args) -> None:
+    torch.set_num_threads(1)
+    rank = start(*start_args)
+    calls = {"ready": lambda: None, "request": rank.request, "poll": rank.poll,
+             "kv_tail": lambda: rank.role.kv_tail}
+    try:
+        while True:
+            what, args = conn.recv()
+            if what == "stop":
+                conn.send((True, None))
+                return
+            try:
+                conn.send((True, calls[what](*args)))
+            except Exception as exc:  # noqa: BLE001 - reported to the bench
+                conn.send((False, f"{type(exc).__name__}: {exc}"))
+    finally:
+        rank.shutdown()
+
+
 def events_of(rank: Rank, rid: str, stop, timeout_s: float = 120.0) -> list[tuple[float, object]]:
     """(arrival time, event) of ``rid`` until ``stop(event)``; bounded."""
     got, deadline = [], time.monotonic() + timeout_s
@@ -68,14 +123,14 @@ def events_of(rank: Rank, rid: str, stop, timeout_s: float = 120.0) -> list[tupl
     raise TimeoutError(f"{rid}: no final event within {timeout_s} s")
 
 
-def one_request(prefill: Rank, decode: Rank, rid: str, prompt_len: int,
+def one_request(prefill: Rank, decode: RemoteDecode, rid: str, prompt_len: int,
                 output_len: int) -> dict[str, float]:
     """Run one request through the pair; its figures (seconds)."""
     prompt = tuple(1000 + (i * 7919) % 100_000 for i in range(prompt_len))
     spec = RequestSpec(rid, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True))
     res = decode.request(Reserve(spec, 1))
     assert isinstance(res, Reservation), res
-    before = decode.role.kv_tail
+    before = decode.kv_tail()
     t0 = time.perf_counter()
     prefill.request(Prefill(spec, res))
     ((t1, first),) = events_of(prefill, rid, lambda e: True)
@@ -85,7 +140,7 @@ def one_request(prefill: Rank, decode: Rank, rid: str, prompt_len: int,
     assert evs[-1][1].error is None, evs[-1][1].error
     t2, t_end = evs[0][0], evs[-1][0]
     n_after = sum(len(e.token_ids) for _, e in evs) - len(evs[0][1].token_ids)
-    tail = decode.role.kv_tail
+    tail = decode.kv_tail()
     assert tail.count == before.count + 1, "kv_tail_s was not measured"
     return {"tail_s": tail.last_s, "first_second_s": t2 - t1,
             "tpot_s": (t_end - t2) / max(1, n_after), "prefill_tok_s": prompt_len / (t1 - t0)}
@@ -99,7 +154,8 @@ def bench(args) -> dict[tuple[str, str], list[dict[str, float]]]:
     max_len = 4 * args.tokens + args.output_len + BLOCK
     pairs = {m: (start(ckpt, PrefillRole, "prefill", f"prefill-{m}", args.tokens, max_len,
                        m == "layerwise"),
-                 start(ckpt, DecodeRole, "decode", f"decode-{m}", 1, max_len, m == "layerwise"))
+                 RemoteDecode(ckpt, DecodeRole, "decode", f"decode-{m}", 1, max_len,
+                              m == "layerwise"))
              for m in MODES}
     cases = {"one": args.tokens, "four": 4 * args.tokens}
     out: dict[tuple[str, str], list[dict[str, float]]] = {}
