@@ -33,7 +33,8 @@ from engine.scheduler import DECODE
 from kv_transfer import DecodeKVConnector, KVPeer, KVPoll, KVStatus
 from rank.failures import RankFailure
 from rank.kv_setup import make_layout, stretch_completion
-from rank.messages import Abort, Admit, LeaderRequest, Rejection, Reservation, Reserve
+from rank.messages import (Abort, Admit, KVTailStats, LeaderRequest, Rejection, Reservation,
+                           Reserve)
 from rank.role import RankParts, Role, not_taken
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class DecodeRole(Role):
         self.first_tokens: queue.SimpleQueue[tuple[str, int, float]] = queue.SimpleQueue()
         self.peers_kv: tuple[KVPeer, ...] = ()
         self.kv_failures = 0  # requests failed for missing or broken KV
+        self.kv_tail = KVTailStats()  # leader: kv_tail_s of the requests that joined the batch
 
     # ---- every rank ---------------------------------------------------------------------
     def kv_peer(self) -> KVPeer:
@@ -237,6 +239,9 @@ class DecodeRole(Role):
         errors = [s.error for s in per_rank if s.state is KVPoll.FAILED]
         complete = all(s.state is KVPoll.SUCCESS for s in per_rank)
         if complete and entry.state is DecodeRequestState.WAITING_FOR_KV:
+            tails = [s.tail_s for s in per_rank if s.tail_s is not None]
+            if len(tails) == len(per_rank):
+                self.kv_tail = self.kv_tail.add(max(tails))
             self._join_batch(request_id)
         elif errors or now > entry.deadline:
             self._fail_reserved(request_id, errors[0] if errors else self._deadline_error(entry),
@@ -321,4 +326,4 @@ class DecodeRole(Role):
         return self.leader.num_scheduled() + len(self.reserved)
 
     def status_fields(self, timeout_s: float | None) -> dict:
-        return {"kv_failures": self.kv_failures}
+        return {"kv_failures": self.kv_failures, "kv_tail": self.kv_tail}

@@ -90,6 +90,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=False)
         self.sparse = config.uses_sparse_attention
         self.indexer = Indexer(config) if config.has_indexer(layer_idx) else None
+        self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, caches: tuple[torch.Tensor, ...],
@@ -128,6 +129,7 @@ class MLAttention(nn.Module):
         if meta.cp is not None:  # T local rows -> the step's latents, all of them
             entries = self._gather_latents(entries, meta.cp)
         self.kernels.reshape_and_cache(entries, caches, meta.slot_mapping)
+        meta.kv_written(self.layer_idx)
 
         out = x.new_empty(t, h, self.v_head_dim)  # [T, H, V]
         shared = SharedSelection() if shared is None else shared

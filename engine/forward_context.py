@@ -10,6 +10,7 @@ passes it down explicitly; nothing is global.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
 import torch
@@ -74,6 +75,10 @@ class AttentionMetadata:
         cp: this rank's share of a context-parallel step (:mod:`engine.context_parallel`),
             None without CP. With it, every row above is of the FULL step while the model's
             activations hold only ``cp.local_rows``.
+        on_kv_written: called with the layer index right after that layer's KV write of
+            the step (every buffer: K, V, index keys; on a device, enqueued on the current
+            stream, not finished), on the forward's thread; None: nothing is called. The
+            prefill worker sends each layer's KV from here (prefill_worker/kv_sends.py).
     """
 
     positions: torch.Tensor
@@ -82,10 +87,16 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     logits_index: torch.Tensor
     cp: CPStep | None = None
+    on_kv_written: Callable[[int], None] | None = None
 
     def with_cp(self, cp: CPStep) -> AttentionMetadata:
         """This metadata with ``cp`` set."""
         return replace(self, cp=cp)
+
+    def kv_written(self, layer: int) -> None:
+        """Layer ``layer`` wrote its KV of the step: tell :attr:`on_kv_written`."""
+        if self.on_kv_written is not None:
+            self.on_kv_written(layer)
 
 
 class BlockTableCache:

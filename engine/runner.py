@@ -12,7 +12,7 @@ a forward captured per batch-size bucket (:mod:`engine.graph`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -140,12 +140,15 @@ class ModelRunner:
             self.warmup_graphs()
 
     @torch.inference_mode()
-    def execute(self, steps: list[SeqStep]) -> torch.Tensor:
+    def execute(self, steps: list[SeqStep],
+                on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run one step over ``steps`` (any mix of prefill chunks and decode tokens).
 
         Writes the KV of every computed token into the cache at its slot (under CP: every
         rank's cache gets every token of the step, each rank having computed its
-        ``cp_token_slices`` of each chunk).
+        ``cp_token_slices`` of each chunk). ``on_kv_written(layer)``: called right after
+        each layer's KV write (``AttentionMetadata.on_kv_written``); a step with it runs
+        eager.
 
         Returns:
             ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order.
@@ -158,13 +161,14 @@ class ModelRunner:
             raise ValueError("execute() needs at least one SeqStep")
         for s in steps:
             self._check_step(s)
-        bucket = None if self.graphs is None else self.graphs.bucket_for(
-            [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps])
+        bucket = None if self.graphs is None or on_kv_written is not None else \
+            self.graphs.bucket_for([len(s.token_ids) for s in steps],
+                                   [s.num_computed_tokens for s in steps])
         if bucket is not None:
             logits = self._run_graph(steps, bucket)
             if logits is not None:
                 return logits
-        return self._forward(steps)
+        return self._forward(steps, on_kv_written)
 
     @torch.inference_mode()
     def warmup_graphs(self) -> None:
@@ -207,9 +211,12 @@ class ModelRunner:
         return SeqStep("<graph-padding>", (0,), context,
                        (self.kv_cache.scratch_block,) * blocks)
 
-    def _forward(self, steps: list[SeqStep]) -> torch.Tensor:
+    def _forward(self, steps: list[SeqStep],
+                 on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
         """The eager forward of ``steps`` (checked): ``[B, vocab]`` fp32 logits."""
         input_ids, meta = self._inputs(steps)
+        if on_kv_written is not None:
+            meta = replace(meta, on_kv_written=on_kv_written)
         return self.model(input_ids, meta, self.kv_cache)
 
     def _inputs(self, steps: list[SeqStep], num_real: int | None = None

@@ -38,6 +38,10 @@ class TransferConfig:
         same_node: ``auto``: a pair whose two ranks run on one node moves bytes through a
             shared segment (:mod:`~kv_transfer.local`; cpu caches: ``/dev/shm``) instead of
             its process group; ``off``: always the process group.
+        layerwise: prefill side: each layer's KV of a chunk is queued right after the
+            layer's cache write, while the next layers compute (docs/kv_transfer.md
+            "Layer by layer"); False: a chunk's layers are queued after its whole forward
+            (the baseline the layer-by-layer figures are measured against).
     """
 
     connect_timeout_s: float = 30.0
@@ -49,6 +53,7 @@ class TransferConfig:
     peer_timeout_s: float = 10.0
     retry_backoff_s: float = 1.0
     same_node: str = "auto"
+    layerwise: bool = True
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "header_timeout_s", "payload_timeout_s",

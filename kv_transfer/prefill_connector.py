@@ -155,7 +155,8 @@ class PrefillKVConnector:
         return self._plans[decode_tp]
 
     def send_chunk(self, request_id: str, peers: Sequence[KVPeer], token_start: int,
-                   token_end: int, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+                   token_end: int, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                   layers: Sequence[int] | None = None, written: object | None = None) -> None:
         """Queue this rank's planned layers of tokens ``[token_start, token_end)`` (with CP:
         of its pieces of them, :meth:`TransferPlan.token_ranges`).
 
@@ -163,8 +164,14 @@ class PrefillKVConnector:
             src_slots: int64 ``[T]`` slots of those tokens in this rank's cache; the blocks
                 must stay allocated while :meth:`poll` says TRANSFERRING.
             dst_slots: int64 ``[T]`` slots of the same tokens in the decode cache.
+            layers: only these of the planned layers (one layer just written, layer by
+                layer); None: every planned layer.
+            written: on a device, the event after which those layers may be read
+                (:func:`~kv_transfer.layer_ready.mark_written`); None on CPU or when the
+                forward that wrote them has finished.
 
-        Ignored after ``abort``.
+        Ignored after ``abort``; with ``layers``, also once the request failed (its next
+        layers go nowhere).
 
         Raises:
             ValueError: slot counts differ from the token range.
@@ -175,6 +182,8 @@ class PrefillKVConnector:
                              f"with {src_slots.numel()} src and {dst_slots.numel()} dst slots")
         if request_id in self._aborted:
             return  # NOTE: a chunk that raced with abort(): nothing more goes out
+        if layers is not None and self._progress.failure(request_id) is not None:
+            return  # NOTE: finish() still queues its done records (each becomes an abort)
         src = src_slots.to(device=self._device, dtype=torch.int64)
         dst = dst_slots.to(device="cpu", dtype=torch.int64)
         planned = self._planned(peers)
@@ -182,21 +191,27 @@ class PrefillKVConnector:
             return
         ranges = self.plan(len(peers)).token_ranges(self._rank, token_start, token_end)
         for pp, peer in planned:
+            mine = pp.layers if layers is None else tuple(x for x in pp.layers if x in layers)
+            if not mine:
+                continue
             heads = None if pp.heads is None else (pp.heads.start, pp.heads.stop)
             for a, b in ranges:
                 cells = slice(a - token_start, b - token_start)
-                chunk = KVChunk(request_id, pp.layers, a, b, dst[cells], heads, src[cells])
+                chunk = KVChunk(request_id, mine, a, b, dst[cells], heads, src[cells])
                 self._enqueue(SendTask(wire.data_header(chunk, self._rank, self._fingerprint),
-                                       peer))
+                                       peer, written))
 
-    def finish(self, request_id: str, peers: Sequence[KVPeer], num_tokens: int) -> None:
+    def finish(self, request_id: str, peers: Sequence[KVPeer], num_tokens: int,
+               forward_end: float = 0.0) -> None:
         """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank; the
-        request is SUCCESS once they and every data record left. Ignored after ``abort``."""
+        request is SUCCESS once they and every data record left. ``forward_end``:
+        ``time.time()`` at the end of the forward of the last chunk (the decode side's
+        ``kv_tail_s`` starts there; 0.0: not measured). Ignored after ``abort``."""
         if request_id in self._aborted:
             return
         for _, peer in self._planned(peers):
-            self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens),
-                                   peer))
+            self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens,
+                                                forward_end=forward_end), peer))
         self._progress.end(request_id, KVStatus(KVPoll.SUCCESS))
 
     def abort(self, request_id: str, peers: Sequence[KVPeer],

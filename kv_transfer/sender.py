@@ -29,6 +29,7 @@ from kv_transfer import links, local, payload, wire
 from kv_transfer.backend import PairBackend
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import LayoutMismatchError, TransferError
+from kv_transfer.layer_ready import CopyStream
 from kv_transfer.layout import KVLayout
 from kv_transfer.peer import KVPeer
 from kv_transfer.send_record import InFlight, post_data, wait_sent
@@ -46,10 +47,12 @@ class _Cancelled(Exception):
 @dataclass(frozen=True)
 class SendTask:
     """One queued record: ``header`` (a data record's ``chunk`` holds its source slots), to
-    the decode rank ``peer``."""
+    the decode rank ``peer``; ``written``: on a device, the event after which its layers'
+    KV may be read (:func:`~kv_transfer.layer_ready.mark_written`), else None."""
 
     header: wire.Header
     peer: KVPeer
+    written: object | None = None
 
 
 class SendOwner(abc.ABC):
@@ -90,6 +93,7 @@ class SenderChannel:
         self._backend, self._config, self._stats = backend, config, stats
         self._owner = owner
         self._device = payload.cache_slots(cache)[1]
+        self._copies = CopyStream(self._device)
         self._link: links.NetSender | links.LocalSender | None = None  # of the current pair
         self._queue: deque[SendTask] = deque()
         self._cond = threading.Condition()
@@ -202,8 +206,9 @@ class SenderChannel:
             return None
         self._active.add(rid)
         if header.kind == wire.DATA:
-            return post_data(self._cache, self._layout, self._rank, self._pair, self._link,
-                             header, self._stats)
+            with self._copies.after(task.written):
+                return post_data(self._cache, self._layout, self._rank, self._pair,
+                                 self._link, header, self._stats)
         what = f"{header.kind} record of request {rid}"
         self._pair.post_doorbell(wire.encode_header(header), what)  # done/abort: doorbell only
         self._active.discard(rid)

@@ -46,6 +46,9 @@ class KVStatus:
         state: see :class:`KVPoll`.
         error: why, for FAILED (names the pair and the cause) and ABORTED (the reason given
             to ``abort``); else None.
+        tail_s: decode side, SUCCESS: seconds from the end of the prefill forward that
+            computed the last chunk to the moment this rank held every cell (``kv_tail_s``);
+            None when not measured.
 
     NOTE: on the prefill side only TRANSFERRING means bytes may still be read from the
     request's source slots: every other state is idle, whatever the outcome.
@@ -53,6 +56,7 @@ class KVStatus:
 
     state: KVPoll
     error: str | None = None
+    tail_s: float | None = None
 
     @property
     def busy(self) -> bool:

@@ -58,10 +58,33 @@ class TrackedRequest:
     released: bool = False
     writers: int = 0                                 # scatters and in-place receives now
     lock: threading.Condition = field(default_factory=threading.Condition)
+    forward_end: float = 0.0     # newest done record's Header.forward_end (time.time())
+    cells_at: float | None = None  # time.time() when the last (layer, token) cell arrived
+    cells_left: int = -1           # cells of mask still False (-1: not counted yet)
 
     def complete(self) -> bool:
         return (self.error is None and self.done_from == set(self.pairs)
                 and bool(self.mask.all()))
+
+    def mark(self, layers: list[int], start: int, end: int) -> None:
+        """Caller holds ``lock``: cells ``layers x [start, end)`` arrived (the first time the
+        mask is full, its moment is kept)."""
+        if self.cells_left < 0:
+            self.cells_left = int((~self.mask).sum())
+        new = int((~self.mask[layers, start:end]).sum())
+        self.mask[layers, start:end] = True
+        self.cells_left -= new
+        if new and not self.cells_left:
+            self.cells_at = time.time()
+
+    def tail_s(self) -> float | None:
+        """``kv_tail_s``: seconds from the end of the prefill forward of the last chunk to the
+        arrival of the last cell (0 when it came first); None when a cell is missing or the
+        prefill side did not say when its forward ended.
+        NOTE: two clocks when prefill and decode run on different hosts."""
+        if self.cells_at is None or self.forward_end <= 0.0:
+            return None
+        return max(0.0, self.cells_at - self.forward_end)
 
     def missing(self) -> str:
         parts = []
@@ -145,7 +168,7 @@ class RequestTracker:
         with req.lock:
             req.writers -= 1
             if done:
-                req.mask[list(chunk.layers), chunk.token_start:chunk.token_end] = True
+                req.mark(list(chunk.layers), chunk.token_start, chunk.token_end)
             req.lock.notify_all()
 
     def on_done(self, source: PairGeneration, header: wire.Header) -> None:
@@ -164,6 +187,7 @@ class RequestTracker:
                     f"{header.num_tokens} tokens, expected {req.num_tokens}")
             else:
                 req.done_from.add(header.prefill_rank)
+                req.forward_end = max(req.forward_end, header.forward_end)
 
     def on_abort(self, source: PairGeneration, header: wire.Header) -> None:
         self.fail(header.request_id, f"{source.sender} aborted the transfer: {header.error}")
@@ -192,7 +216,7 @@ class RequestTracker:
                             "completed, failed or was aborted)")
         with req.lock:
             if self._active(req) and req.complete():
-                return KVStatus(KVPoll.SUCCESS)
+                return KVStatus(KVPoll.SUCCESS, tail_s=req.tail_s())
             if req.error is not None or req.released:
                 return KVStatus(KVPoll.FAILED, req.error)
             return KVStatus(KVPoll.TRANSFERRING if req.sources else KVPoll.WAITING)

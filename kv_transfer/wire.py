@@ -49,6 +49,9 @@ class Header:
             packs (data; :mod:`kv_transfer.packs`).
         cuts: token offsets (from 0, ascending) where the view messages' runs start (data
             with views): each a run of consecutive slots on both sides.
+        forward_end: wall-clock seconds (``time.time()``) when the prefill forward that
+            computed the last chunk ended (done; 0.0: not given). The decode side's
+            ``kv_tail_s`` is measured from it.
     """
 
     kind: str
@@ -60,6 +63,7 @@ class Header:
     error: str = ""
     views: tuple[int, ...] = ()
     cuts: tuple[int, ...] = ()
+    forward_end: float = 0.0
 
 
 def data_header(chunk: KVChunk, prefill_rank: int, fingerprint: str) -> Header:
@@ -79,7 +83,8 @@ def encode_header(header: Header) -> bytes:
         "t0": 0 if c is None else c.token_start, "t1": 0 if c is None else c.token_end,
         "slots": b"" if c is None else c.dst_slots.to(torch.int64).contiguous().numpy().tobytes(),
         "ntok": header.num_tokens, "err": header.error,
-        "views": list(header.views), "cuts": list(header.cuts)}, use_bin_type=True)
+        "views": list(header.views), "cuts": list(header.cuts),
+        "fwd": header.forward_end}, use_bin_type=True)
 
 
 def decode_header(raw: bytes) -> Header:
@@ -103,7 +108,8 @@ def decode_header(raw: bytes) -> Header:
         header = Header(kind=m["kind"], request_id=str(m["rid"]), prefill_rank=int(m["prank"]),
                         fingerprint=str(m["fp"]), chunk=chunk, num_tokens=int(m["ntok"]),
                         error=str(m["err"]), views=tuple(int(x) for x in m["views"]),
-                        cuts=tuple(int(x) for x in m["cuts"]))
+                        cuts=tuple(int(x) for x in m["cuts"]),
+                        forward_end=float(m.get("fwd", 0.0)))
     except WireError:
         raise
     except Exception as exc:  # malformed msgpack / missing key / wrong type

@@ -150,6 +150,11 @@ def format_status(instances: list) -> str:
                      f"{v.detail}".rstrip())
         for rank, node, device, pid in (s.ranks if s else ()):
             lines.append(f"    rank {rank}: node {node[:12]} device {device} pid {pid}")
+        if s and s.kv_tail.count:
+            t = s.kv_tail
+            lines.append(f"    kv_tail_s (prefill forward end -> every cell here): "
+                         f"{t.count} requests, mean {t.sum_s / t.count * 1e3:.2f} ms, max "
+                         f"{t.max_s * 1e3:.2f} ms, last {t.last_s * 1e3:.2f} ms")
     return "\n".join(lines)
 
 

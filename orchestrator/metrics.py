@@ -28,6 +28,9 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
   counts automatic restarts, ``unhealthy`` failures seen); per role gauges
   ``orch_role_healthy_instances{role}`` and ``orch_role_instances{role}`` (fewer healthy than
   instances: reduced capacity; 0 healthy: the role cannot serve).
+- per decode instance, from the same snapshot: summary ``orch_kv_tail_seconds{instance}``
+  (count and sum of the requests' ``kv_tail_s``: end of the prefill forward of the last chunk
+  -> decode holds every cell) and gauge ``orch_kv_tail_max_seconds{instance}``.
 - per KV pair (``observe_transfer``): ``orch_kv_transfer_bytes_total{pair}``,
   ``orch_kv_transfer_seconds{pair}`` (histogram of successful transfers),
   ``orch_kv_transfer_failures_total{pair}``.
@@ -91,6 +94,22 @@ class _InstanceCollector(Collector):
             fails.add_metric([s.name], float(s.kv_failures))
         yield from (info, sent, fails)
         yield from _step_families(snap)
+        yield from _kv_tail_families(snap)
+
+
+def _kv_tail_families(snap: tuple[InstanceStatusInfo, ...]) -> Iterable:
+    """``orch_kv_tail_seconds`` and ``orch_kv_tail_max_seconds`` of the decode instances of
+    ``snap`` (:class:`rank.messages.KVTailStats`)."""
+    tail = SummaryMetricFamily("orch_kv_tail_seconds", "KV still in flight after the prefill "
+                               "forward: end of the forward of a request's last chunk -> "
+                               "decode holds every cell, seconds", labels=["instance"])
+    worst = GaugeMetricFamily("orch_kv_tail_max_seconds", "longest kv_tail_seconds of the "
+                              "instance so far", labels=["instance"])
+    for s in snap:
+        if s.role == "decode":
+            tail.add_metric([s.name], count_value=s.kv_tail.count, sum_value=s.kv_tail.sum_s)
+            worst.add_metric([s.name], s.kv_tail.max_s)
+    yield from (tail, worst)
 
 
 def _step_families(snap: tuple[InstanceStatusInfo, ...]) -> Iterable:

@@ -1,7 +1,9 @@
-"""What every prefill rank does with KV: right after each model step it queues its planned
-layers of the step's chunks to their decode peers (asynchronous: the next chunk computes while
-the bytes move), completion records after a request's last chunk, and keeps a per-pair record
-of what it sent (prefill_worker/transfer_log.py).
+"""What every prefill rank does with KV: it queues its planned layers of the step's chunks to
+their decode peers, layer by layer while the forward runs (:class:`LayerSends`, called right
+after each layer's KV write: layer ``l`` moves while layer ``l + 1`` computes), or all at once
+right after the model step (``TransferConfig.layerwise`` off); completion records after a
+request's last chunk; and a per-pair record of what it sent (prefill_worker/transfer_log.py).
+Sending is asynchronous either way (the connector's sender threads).
 
 The leader says where each chunk goes (:func:`chunk_transfers`, made once per step and carried
 to every rank as the step's inputs); each rank sends the layers the transfer plan gives it.
@@ -9,11 +11,13 @@ to every rank as the step's inputs); each rank sends the layers the transfer pla
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.block_pool import slot_mapping
 from engine.scheduler import SchedulerOutput
 from kv_transfer import KVPeer, KVPoll, PrefillKVConnector
+from kv_transfer.layer_ready import mark_written
 from prefill_worker.transfer_log import TransferLog
 from rank.config import InstanceConfig
 from rank.kv_setup import make_layout
@@ -67,28 +71,70 @@ def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
     return plans
 
 
+class LayerSends:
+    """The forward's hook of one step (``AttentionMetadata.on_kv_written``): called with
+    layer ``l`` right after ``l``'s KV write, it queues layer ``l`` of every chunk of the step
+    (this rank's share of the plan) to the sender threads and returns; on a device the
+    copies wait for an event recorded here (:mod:`kv_transfer.layer_ready`).
+
+    A request aborted or failed meanwhile gets nothing more from the next layer on (the
+    connector drops it). ``layers_queued``: layers this hook was called for.
+    """
+
+    def __init__(self, connector: PrefillKVConnector, transfers: list[ChunkTransfer],
+                 device) -> None:
+        self.connector, self.device, self.layers_queued = connector, device, 0
+        # NOTE: source slots moved to the cache's device once per step, not once per layer
+        self.transfers = [(t, t.src_slots.to(device)) for t in transfers]
+
+    def __call__(self, layer: int) -> None:
+        written = mark_written(self.device)
+        for t, src in self.transfers:
+            self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, src,
+                                      t.dst_slots, layers=(layer,), written=written)
+        self.layers_queued += 1
+
+
 class KVSends:
     """One prefill rank's KV connector and transfer log.
 
     Args:
         runner: the rank's model runner (its KV cache and spec).
-        cfg: the instance's config. rank: this rank.
+        cfg: the instance's config (``transfer.layerwise``: send layer by layer).
+        rank: this rank.
     """
 
     def __init__(self, runner, cfg: InstanceConfig, rank: int) -> None:
         self.name, self.rank = cfg.name, rank
         self.kv_spec = runner.kv_spec
+        self.device = runner.kv_cache.device
+        self.layerwise = cfg.transfer.layerwise
         self.connector = PrefillKVConnector(
             runner.kv_cache, make_layout(runner, cfg), cfg.name, rank, cfg.parallel.tp,
             cfg.transfer, cp=cfg.parallel.cp)
         self.log = TransferLog()
+        self._layer_sends: LayerSends | None = None  # of the step in progress
+
+    def layer_hook(self, transfers: list[ChunkTransfer] | None) -> LayerSends | None:
+        """The forward's per-layer hook for a step with ``transfers`` (None: layer by layer
+        is off, or the step has nothing to send). Called before the step, on its thread."""
+        self._layer_sends = None
+        if self.layerwise and transfers:
+            self._layer_sends = LayerSends(self.connector, transfers, self.device)
+        return self._layer_sends
 
     def queue(self, transfers: list[ChunkTransfer] | None) -> None:
-        """Queue this rank's planned layers of each chunk to its decode peers; completion
-        records after a request's last chunk."""
+        """After the step: queue this rank's planned layers of each chunk that the forward
+        did not send layer by layer; completion records after a request's last chunk."""
+        forward_end = time.time()
+        hook, self._layer_sends = self._layer_sends, None
+        # NOTE: a forward that called the hook for fewer layers than the model has (a hook
+        # from another step) leaves nothing unsent: the whole chunk goes now
+        sent = hook is not None and hook.layers_queued >= self.kv_spec.num_layers
         for t in transfers or ():
-            self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
-                                      t.dst_slots)
+            if not sent:
+                self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
+                                          t.dst_slots)
             plan = self.connector.plan(len(t.peers))
             tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
             for send in plan.sends_from(self.rank):
@@ -97,7 +143,7 @@ class KVSends:
                 self.log.add(t.request_id, pair,
                              self.kv_spec.bytes_per_token_of(send.layers) * tokens)
             if t.last:
-                self.connector.finish(t.request_id, t.peers, t.end)
+                self.connector.finish(t.request_id, t.peers, t.end, forward_end)
 
     def idle(self, request_ids: list[str], timeout_s: float) -> dict[str, bool]:
         """request id -> True when no send of it is queued or in flight on this rank (waits

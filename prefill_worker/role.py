@@ -4,9 +4,9 @@ Protocol (DESIGN.md "One request"), prefill side:
 
 1. :class:`~rank.messages.Prefill` ``(spec, reservation)``: queue the request; blocks for its
    prompt are taken on this instance when the scheduler admits it.
-2. Each step computes a chunk of each running prompt on every rank; right after the model
-   step, every rank queues its planned layers of those tokens to its decode peers
-   (prefill_worker/kv_sends.py).
+2. Each step computes a chunk of each running prompt on every rank; as each layer writes its
+   KV (or, with ``transfer.layerwise`` off, right after the model step), every rank queues
+   its planned layers of those tokens to its decode peers (prefill_worker/kv_sends.py).
 3. The step that completes the prompt samples the first token (TTFT), which goes straight to
    the router; every rank sends its completion records; the request leaves the scheduler but
    its blocks stay until every rank's sends for it are done ("draining"), then are freed once.
@@ -32,7 +32,7 @@ from engine.block_pool import BlockSet
 from engine.request import RequestSpec
 from engine.scheduler import PREFILL, SchedulerOutput
 from kv_transfer import KVPeer
-from prefill_worker.kv_sends import ChunkTransfer, KVSends, chunk_transfers
+from prefill_worker.kv_sends import ChunkTransfer, KVSends, LayerSends, chunk_transfers
 from rank.failures import RankFailure
 from rank.messages import Abort, LeaderRequest, Prefill, Reservation, TransferRecord
 from rank.role import RankParts, Role, not_taken
@@ -59,6 +59,9 @@ class PrefillRole(Role):
         self.kv_aborts: list[tuple[str, tuple[KVPeer, ...]]] = []
 
     # ---- every rank ---------------------------------------------------------------------
+    def layer_hook(self, step_inputs: list[ChunkTransfer] | None) -> LayerSends | None:
+        return self.sends.layer_hook(step_inputs)
+
     def after_step(self, step_inputs: list[ChunkTransfer] | None) -> None:
         self.sends.queue(step_inputs)
 
@@ -109,6 +112,11 @@ class PrefillRole(Role):
                 freed once they are idle).
         """
         leader = self.leader
+        # NOTE: read without the lock, which a step in progress holds: its forward's next
+        # layers send nothing more of the request (layer by layer) once every rank knows
+        early = self.reservations.get(request_id)
+        if early is not None:
+            self._abort_everywhere(request_id, early.peers)
         with leader.lock:
             res = self.reservations.pop(request_id, None)
             req = leader.scheduler.remove(request_id, free=False)
@@ -118,7 +126,8 @@ class PrefillRole(Role):
                 return False
         idle = False
         try:
-            self._abort_everywhere(request_id, res.peers if res is not None else ())
+            if early is None:
+                self._abort_everywhere(request_id, res.peers if res is not None else ())
             idle = self._sends_idle_everywhere(request_id)
         finally:
             with leader.lock:

@@ -180,6 +180,35 @@ class TransferRecord:
 
 
 @dataclass(frozen=True)
+class KVTailStats:
+    """``kv_tail_s`` of the requests a decode instance took into its batch since it started:
+    seconds from the end of the prefill forward that computed a request's last chunk to the
+    moment every decode rank held every (layer, token) cell of its prompt (the KV still in
+    flight after the forward; docs/kv_transfer.md "Layer by layer"). Requests whose prefill
+    side did not say when its forward ended are not counted.
+
+    Attributes:
+        count: requests measured. sum_s: their tails summed. max_s: the longest.
+        last_s: the newest one's.
+    """
+
+    count: int = 0
+    sum_s: float = 0.0
+    max_s: float = 0.0
+    last_s: float = 0.0
+
+    def add(self, tail_s: float) -> KVTailStats:
+        """These stats with one more request's tail (seconds)."""
+        return KVTailStats(self.count + 1, self.sum_s + tail_s, max(self.max_s, tail_s),
+                           tail_s)
+
+    def mean_since(self, before: KVTailStats) -> float | None:
+        """Mean tail (seconds) of the requests measured after ``before``; None for none."""
+        n = self.count - before.count
+        return (self.sum_s - before.sum_s) / n if n > 0 else None
+
+
+@dataclass(frozen=True)
 class InstanceStatusInfo:
     """Snapshot of one instance for ``orch status`` and metrics.
 
@@ -216,3 +245,5 @@ class InstanceStatusInfo:
         """Prompt tokens found cached / looked up (0 before any lookup)."""
         return self.prefix_hit_tokens / self.prefix_queried_tokens \
             if self.prefix_queried_tokens else 0.0
+    # KV still in flight after the prefill forward (decode).
+    kv_tail: KVTailStats = KVTailStats()

@@ -194,8 +194,10 @@ class Rank:
                                f"failed: {exc}") from exc
 
     # ---- every rank: the SPMD step and rank-to-rank calls -------------------------------
-    def forward(self, steps: list) -> torch.Tensor | None:
+    def forward(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None:
         """This rank's model forward of one step: ``[B, V]`` logits, None for no steps.
+        The role's :meth:`Role.layer_hook` of ``step_inputs`` (the leader's, as
+        ``after_step`` gets them) is called after each layer's KV write.
 
         With ``ep`` an empty step is an empty forward (``execute_empty``), so this rank meets
         the all-to-alls of the role's other DP ranks; and a step the runner refuses
@@ -210,8 +212,10 @@ class Rank:
             if ep:
                 self.runner.execute_empty()
             return None
+        hook = self.role.layer_hook(step_inputs)
         try:
-            return self.runner.execute(steps)
+            return self.runner.execute(steps) if hook is None else \
+                self.runner.execute(steps, hook)
         except ValueError:
             if ep:
                 self.runner.execute_empty()
@@ -224,7 +228,7 @@ class Rank:
     def execute_step(self, steps: list, step_inputs: Any = None) -> None:
         """Follower side of one step (on the step channel's thread): run the model on
         ``steps``, then the role's ``after_step`` with the leader's ``step_inputs``."""
-        self.forward(steps)
+        self.forward(steps, step_inputs)
         self.after_step(step_inputs)
 
     def role_call(self, fn: Callable[..., T], *args: Any) -> T:

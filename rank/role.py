@@ -19,6 +19,7 @@ progress).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -66,6 +67,14 @@ class Role(ABC):
         lock, on a follower on its step channel thread. ``step_inputs`` is what the leader's
         role made for the step (prefill: the chunks' KV transfers), None when it made none.
         May queue work on this rank's own role state (KV sends); never the scheduler."""
+
+    def layer_hook(self, step_inputs: Any) -> Callable[[int], None] | None:
+        """Before this rank's model step, on the thread that runs it: what the forward calls
+        with each layer's index right after that layer's KV write
+        (``AttentionMetadata.on_kv_written``), or None (the default: nothing). The hook runs
+        on the forward's thread while the step computes; it may queue work on this rank's
+        own role state (prefill: the layer's KV sends), never block on other ranks."""
+        return None
 
     def close(self) -> None:
         """End of ``Rank.shutdown``, every rank, once the loop thread stopped: release what the

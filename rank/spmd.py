@@ -31,7 +31,7 @@ T = TypeVar("T")
 class LocalRank(Protocol):
     """What the group needs of the leader's own rank (``rank.rank.Rank``)."""
 
-    def forward(self, steps: list) -> torch.Tensor | None: ...
+    def forward(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None: ...
 
     def after_step(self, step_inputs: Any) -> None: ...
 
@@ -76,7 +76,7 @@ class SPMDGroup:
                 channel.run(steps, step_inputs, deadline, timeout_s)
         try:
             with timer.phase("forward"):
-                logits = self.local.forward(steps)
+                logits = self.local.forward(steps, step_inputs)
             with timer.phase("after_step"):
                 self.local.after_step(step_inputs)
         except Exception:

@@ -9,7 +9,7 @@ and token ids against the model in ``orchestrator.router.validate``.
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
-from rank.messages import InstanceStatusInfo
+from rank.messages import InstanceStatusInfo, KVTailStats
 from rank.step_timing import PhaseTiming, StepTimings
 from orchestrator.router.limits import check_request_id
 from orchestrator.router.request import GenerateInput, OutputChunk, RequestError, RequestStats
@@ -141,7 +141,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
                 total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
                 kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures,
                 cached_blocks=s.cached_blocks, prefix_hit_tokens=s.prefix_hit_tokens,
-                prefix_queried_tokens=s.prefix_queried_tokens))
+                prefix_queried_tokens=s.prefix_queried_tokens,
+                kv_tail=pb.KVTail(count=s.kv_tail.count, sum_s=s.kv_tail.sum_s,
+                                  max_s=s.kv_tail.max_s, last_s=s.kv_tail.last_s)))
             msg.step_phases.extend(pb.StepPhase(phase=name, count=rec.count,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
@@ -165,7 +167,10 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
         kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures,
         cached_blocks=i.cached_blocks, prefix_hit_tokens=i.prefix_hit_tokens,
-        prefix_queried_tokens=i.prefix_queried_tokens, step_timings=_timings_from_proto(i.step_phases))
+        prefix_queried_tokens=i.prefix_queried_tokens,
+        step_timings=_timings_from_proto(i.step_phases),
+        kv_tail=KVTailStats(i.kv_tail.count, i.kv_tail.sum_s, i.kv_tail.max_s,
+                            i.kv_tail.last_s))
 
 
 def _timings_from_proto(phases) -> StepTimings:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.api.client import resolve_token
-from orchestrator.bench.report import print_report, summarize
+from orchestrator.bench.report import print_kv_tail, print_report, summarize
 from orchestrator.bench.runner import run_benchmark
 from orchestrator.bench.records import RunnerConfig
 from orchestrator.bench.workloads import (DEFAULT_TRACES, WorkloadConfig, default_trace,
@@ -66,11 +67,14 @@ def replay(args: argparse.Namespace) -> int:
                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     print_report(report)
     if before is not None:
-        from orchestrator.bench.step_breakdown import print_step_breakdown
+        from orchestrator.bench.step_breakdown import kv_tail_of_run, print_step_breakdown
 
         after = _step_timings(runner_cfg)
         if after is not None:
-            print_step_breakdown(before, after)
+            print_step_breakdown({n: s.step_timings for n, s in before.items()},
+                                 {n: s.step_timings for n, s in after.items()})
+            report = replace(report, kv_tail=kv_tail_of_run(before, after))
+            print_kv_tail(report)
     if args.output is not None:
         report.to_json(args.output)
     if args.plot is not None:
@@ -81,8 +85,8 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def _step_timings(cfg) -> dict | None:
-    """The leaders' step timings (gRPC backend), None when the router does not say (the
-    breakdown is then not printed; the run goes on).
+    """The leaders' statuses (gRPC backend: step timings, kv_tail_s), None when the router
+    does not say (the breakdown is then not printed; the run goes on).
 
     Raises:
         OSError: the router is unreachable (ConnectionError) or --tls-ca is unreadable.
@@ -91,9 +95,9 @@ def _step_timings(cfg) -> dict | None:
         return None
     import grpc
 
-    from orchestrator.bench.step_breakdown import read_step_timings
+    from orchestrator.bench.step_breakdown import read_statuses
 
     try:
-        return asyncio.run(read_step_timings(cfg))
+        return asyncio.run(read_statuses(cfg))
     except grpc.aio.AioRpcError:
         return None

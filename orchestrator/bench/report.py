@@ -94,6 +94,10 @@ class BenchReport:
             e2e_ms, error_code.
         prefix_hit_rate: prompt tokens the servers found in their prefix cache / prompt tokens,
             over completed requests (final stats' cached_tokens).
+        kv_tail: decode instance -> the run's ``kv_tail_s`` (end of the prefill forward of
+            a request's last chunk -> decode holds every cell): ``{"requests", "mean_ms",
+            "max_ms"}``, from the leaders' status before and after the run (gRPC backend;
+            ``orchestrator.bench.step_breakdown.kv_tail_of_run``); empty when not read.
     """
 
     label: str
@@ -113,6 +117,7 @@ class BenchReport:
     slo_tpot_ms: float | None = None
     requests: list[dict] = field(default_factory=list)
     prefix_hit_rate: float = 0.0
+    kv_tail: dict[str, dict] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -217,3 +222,16 @@ def print_report(report: BenchReport, console=None) -> None:
         + ("" if report.goodput is None else
            f", goodput {report.goodput:.3f} req/s (TTFT <= {_fmt(report.slo_ttft_ms, 0)} ms, "
            f"TPOT <= {_fmt(report.slo_tpot_ms, 0)} ms)"))
+
+
+def print_kv_tail(report: BenchReport, console=None) -> None:
+    """One line per decode instance of ``report.kv_tail`` (nothing when empty)."""
+    if not report.kv_tail:
+        return
+    from rich.console import Console
+
+    console = console or Console()
+    console.print("kv_tail_s (prefill forward end -> decode holds every cell): " + ", ".join(
+        f"{name} {t['requests']} requests mean {t['mean_ms']:.2f} ms (max so far "
+        f"{t['max_ms']:.2f} ms)" for name, t in sorted(report.kv_tail.items())),
+        markup=False, highlight=False, soft_wrap=True)

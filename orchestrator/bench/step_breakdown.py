@@ -3,6 +3,8 @@
 Each leader keeps running sums per step phase (rank/step_timing.py); the bench reads
 them before and after the timed requests and prints the difference: per instance, mean
 milliseconds per step of each phase and the share of the step spent outside the model forward.
+Decode leaders keep the same kind of sums of ``kv_tail_s`` (:class:`rank.messages.KVTailStats`):
+the run's mean goes into the report (:func:`kv_tail_of_run`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from orchestrator.bench.grpc_backend import connect
 from orchestrator.api.client import bearer_metadata
 from orchestrator.api.convert import status_from_proto
 from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
+from rank.messages import InstanceStatusInfo, KVTailStats
 from rank.step_timing import StepTimings
 
 
-async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
-    """instance name -> its leader's step timings now (instances without load are absent).
+async def read_statuses(cfg: RunnerConfig) -> dict[str, InstanceStatusInfo]:
+    """instance name -> its leader's status now (instances without load are absent).
 
     Raises:
         ConnectionError: the router is not reachable within ``cfg.connect_timeout_s``.
@@ -29,8 +32,30 @@ async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
             metadata=bearer_metadata(cfg.token))
     finally:
         await channel.close()
-    return {v.name: v.status.step_timings for v in status_from_proto(resp)
-            if v.status is not None}
+    return {v.name: v.status for v in status_from_proto(resp) if v.status is not None}
+
+
+async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
+    """instance name -> its leader's step timings now (as :func:`read_statuses`)."""
+    return {name: s.step_timings for name, s in (await read_statuses(cfg)).items()}
+
+
+def kv_tail_of_run(before: dict[str, InstanceStatusInfo],
+                   after: dict[str, InstanceStatusInfo]) -> dict[str, dict]:
+    """decode instance -> its ``kv_tail_s`` over the requests between ``before`` and
+    ``after``: ``{"requests", "mean_ms", "max_ms"}`` (``max_ms``: since the instance
+    started); instances that measured none are absent."""
+    out = {}
+    for name, s in after.items():
+        old = before[name].kv_tail if name in before else KVTailStats()
+        mean = s.kv_tail.mean_since(old)
+        if mean is None and s.kv_tail.count and s.kv_tail.count < old.count:
+            mean = s.kv_tail.mean_since(KVTailStats())  # NOTE: a restarted leader
+            old = KVTailStats()
+        if mean is not None:
+            out[name] = {"requests": s.kv_tail.count - old.count, "mean_ms": mean * 1e3,
+                         "max_ms": s.kv_tail.max_s * 1e3}
+    return out
 
 
 def print_step_breakdown(before: dict[str, StepTimings], after: dict[str, StepTimings],

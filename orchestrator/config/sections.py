@@ -227,6 +227,7 @@ class KVTransferSection(_Section):
     peer_timeout_s: float = Field(TransferConfig.peer_timeout_s, gt=0)
     retry_backoff_s: float = Field(TransferConfig.retry_backoff_s, gt=0)
     same_node: Literal["auto", "off"] = TransferConfig.same_node
+    layerwise: bool = TransferConfig.layerwise
     # Device memory of ONE TP / EP / CP communicator in MB (10^6 bytes) for the memory plan;
     # None = the backend's default (kv_transfer/backend.py COMM_SETTINGS: HCCL 2 x
     # HCCL_BUFFSIZE = 400 MiB, NCCL ~80 MiB, gloo 0). Set it when you export HCCL_BUFFSIZE.
@@ -248,7 +249,8 @@ class KVTransferSection(_Section):
                               payload_timeout_s=self.payload_timeout_s,
                               completion_timeout_s=self.completion_timeout_s,
                               heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s,
-                              retry_backoff_s=self.retry_backoff_s, same_node=self.same_node)
+                              retry_backoff_s=self.retry_backoff_s, same_node=self.same_node,
+                              layerwise=self.layerwise)
 
 
 class TLSSection(_Section):

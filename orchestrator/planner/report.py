@@ -17,6 +17,7 @@ from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_tran
 from orchestrator.planner.counts import kv_bytes_per_token
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
+from orchestrator.planner.kv_tail import kv_tail_s
 from orchestrator.planner.specs import DeviceSpec, default_device, named_device
 
 
@@ -31,6 +32,9 @@ class Plan:
         step_cost: one decode step at the operating point's batch.
         transfer: the KV of one request to decode (None colocated).
         best_split: (prefill dp, decode dp, output tok/s) of the best split of the same ranks.
+        kv_tail_s: the part of ``transfer`` left after the prefill forward (layer by layer
+            or after each chunk's forward, ``kv_transfer.layerwise``;
+            :func:`orchestrator.planner.kv_tail.kv_tail_s`): what the second token waits for.
     """
 
     cfg: OrchConfig
@@ -45,6 +49,7 @@ class Plan:
     transfer: Cost | None
     point: OperatingPoint
     best_split: tuple[int, int, float] | None
+    kv_tail_s: float = 0.0
 
 
 def resolve_device(cfg: OrchConfig, key: str | None, recalibrate: bool = False) -> DeviceSpec:
@@ -103,14 +108,16 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
         step = decode_step_cost(m, dec, prec, hw, batch, context, opts)
         return step.total_s / step.tokens_per_step
 
+    tail = 0.0 if transfer is None else kv_tail_s(
+        transfer.total_s, p_cost.total_s, -(-wl.input_len // cfg.prefill.chunk_size),
+        m.num_hidden_layers, cfg.kv_transfer.layerwise)
     shape = Roles(p_cost.total_s, calls, per_token_s,
-                  pre.layout.dp, dec.layout.dp, slots, colocated,
-                  transfer.total_s if transfer else 0.0)
+                  pre.layout.dp, dec.layout.dp, slots, colocated, tail)
     point = operating_point(shape, wl)
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context, opts)
     best = None if colocated else _best_split(shape, pre, dec, wl)
     return Plan(cfg, memory, device, wl, pre, dec, slots, p_cost, step, transfer, point,
-                best)
+                best, tail)
 
 
 def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
@@ -196,8 +203,10 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
         lines += cost_lines(plan.step_cost, 1e3, "ms", "    ")
     if plan.transfer is not None:
         nbytes = wl.input_len * kv_bytes_per_token(plan.memory.model, plan.memory.precision)
+        how = "layer by layer" if plan.cfg.kv_transfer.layerwise else "after each chunk"
         lines.append(f"kv transfer per request: {plan.transfer.total_s:.3g} s "
-                     f"({_gb(nbytes)} GB)")
+                     f"({_gb(nbytes)} GB); {plan.kv_tail_s:.3g} s of it after the prefill "
+                     f"forward ({how})")
     lines.append(predicted_line(pt))
     if plan.best_split is not None:
         dp_p, dp_d, tok_s = plan.best_split

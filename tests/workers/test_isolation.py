@@ -51,13 +51,13 @@ def inject(rank, culprit: str, fault: str) -> None:
     ``nan`` poisons its logits row."""
     clean = rank.runner.execute
 
-    def execute(steps):
+    def execute(steps, *hook):  # hook: the prefill's per-layer KV sends (layer by layer)
         ids = [s.request_id for s in steps]
         if culprit not in ids:
-            return clean(steps)
+            return clean(steps, *hook)
         if fault == "raise":
             raise RuntimeError(f"injected fault: {culprit} is in the batch")
-        logits = clean(steps).clone()  # an inference tensor: not writable in place
+        logits = clean(steps, *hook).clone()  # an inference tensor: not writable in place
         logits[ids.index(culprit)] = float("nan")
         return logits
 
