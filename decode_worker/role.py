@@ -185,7 +185,7 @@ class DecodeRole(Role):
         with leader.lock:
             result = leader.step()
             if result is not None:
-                leader.finish_sampled(result.sampled)
+                leader.finish_sampled(result.sampled, accepted=result.accepted)
                 for rid, error in result.failed.items():
                     leader.fail_request(rid, error)
         return result is not None or settled

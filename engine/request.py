@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockSet
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import DraftInput
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,15 @@ class Request:
         output_token_ids: tokens generated so far (on decode, starts with prefill's token).
         num_computed_tokens: tokens whose KV is in this instance's cache.
         blocks: block table, or None while waiting for admission.
+        draft: speculative decoding: what the MTP module drafts from at the next step (set
+            after each step that sampled), None otherwise.
     """
 
     spec: RequestSpec
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     blocks: BlockSet | None = None
+    draft: DraftInput | None = None
 
     @property
     def request_id(self) -> str:

@@ -31,6 +31,9 @@ class SchedulerConfig:
             decode, which computes one token per running request).
         max_num_batched_tokens: most tokens computed in one step across requests.
         max_num_seqs: most requests running at once.
+        num_speculative_tokens: MTP drafts per decoding request per step (0: speculative
+            decoding off); every role of a speculative deployment builds the MTP module
+            (prefill runs it over prompts, engine/spec_forward.py).
 
     Raises:
         ValueError: a size < 1, or ``chunk_size > max_num_batched_tokens``.
@@ -41,6 +44,7 @@ class SchedulerConfig:
     chunk_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "chunk_size", "max_num_batched_tokens",
