@@ -149,7 +149,8 @@ class ModelRunner:
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim,
-                                   index_layers=cfg.index_cache_layers)
+                                   index_layers=cfg.index_cache_layers,
+                                   mtp_layers=int(num_speculative_tokens > 0))
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \

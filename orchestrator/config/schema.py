@@ -113,7 +113,7 @@ class OrchConfig(_Section):
                                    p.max_num_batched_tokens, p.max_num_seqs, k)
         d = self.decode
         if role == "decode":  # NOTE: a drafting request computes 1 + k tokens per step
-            return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1,
+            return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1 + k,
                                    max_num_batched_tokens=d.max_num_seqs * (1 + k),
                                    max_num_seqs=d.max_num_seqs, num_speculative_tokens=k)
         return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
