@@ -43,6 +43,8 @@ KINDS = ("mla", "gqa")
 # Fields that must match for two instances to exchange KV bytes (see module docstring).
 COMPATIBLE_FIELDS = ("model", "kind", "buffers", "num_kv_heads", "dtype", "num_layers",
                      "rope_layout", "mtp_layers")
+# NOTE: mtp_layers is in the dict (and the fingerprint) only when nonzero: layouts without
+# MTP keep the fingerprint they had before it existed.
 
 
 def rank_heads(tp: int, num_kv_heads: int, rank: int) -> range:
@@ -192,7 +194,8 @@ class KVLayout:
                             for b in self.buffers],
                 "num_kv_heads": self.num_kv_heads, "dtype": self.dtype,
                 "num_layers": self.num_layers, "block_size": self.block_size, "tp": self.tp,
-                "rope_layout": self.rope_layout, "mtp_layers": self.mtp_layers}
+                "rope_layout": self.rope_layout} | (
+                    {"mtp_layers": self.mtp_layers} if self.mtp_layers else {})
 
     @classmethod
     def from_dict(cls, data: dict) -> KVLayout:
@@ -207,7 +210,7 @@ class KVLayout:
     def fingerprint(self) -> str:
         """Stable 16-hex-digit hash of the fields that must match (``COMPATIBLE_FIELDS``)."""
         full = self.to_dict()
-        canon = json.dumps({k: full[k] for k in COMPATIBLE_FIELDS}, sort_keys=True)
+        canon = json.dumps({k: full[k] for k in COMPATIBLE_FIELDS if k in full}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def check_compatible(self, other: KVLayout) -> None:
@@ -217,8 +220,8 @@ class KVLayout:
         Example message: ``"KV layouts differ: dtype: prefill float32 vs decode bfloat16"``.
         """
         prefill, decode = self.to_dict(), other.to_dict()
-        diffs = [f"{k}: prefill {_show(prefill[k])} vs decode {_show(decode[k])}"
-                 for k in COMPATIBLE_FIELDS if prefill[k] != decode[k]]
+        diffs = [f"{k}: prefill {_show(prefill.get(k, 0))} vs decode {_show(decode.get(k, 0))}"
+                 for k in COMPATIBLE_FIELDS if prefill.get(k, 0) != decode.get(k, 0)]
         if diffs:
             raise LayoutMismatchError(
                 "KV layouts differ: " + "; ".join(diffs) + _buffer_hint(self, other)
