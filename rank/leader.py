@@ -226,7 +226,9 @@ class Leader:
                role_fields: dict) -> InstanceStatusInfo:
         """The instance's snapshot: ``ranks`` (rank, node, device, pid) and the role's own
         :class:`InstanceStatusInfo` fields by name."""
+        rate, mean_len = self._step.spec_stats.snapshot()
         return InstanceStatusInfo(
+            spec_acceptance_rate=rate, spec_mean_accepted_length=mean_len,
             name=self.cfg.name, role=self.cfg.role, tp=self.cfg.parallel.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,

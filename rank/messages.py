@@ -193,3 +193,7 @@ class InstanceStatusInfo:
     broken: str | None = None
     # Where the leader's step time goes (rank/step_timing.py).
     step_timings: StepTimings = StepTimings()
+    # MTP speculative decoding since start: drafts kept / drafts made, and tokens emitted per
+    # verify step (1 + kept drafts); both 0 without drafts (rank/spec_verify.py).
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0

@@ -89,6 +89,7 @@ def test_spec_greedy_equals_plain_greedy_with_oracle_drafts(ckpt, expected, monk
         rate, mean_len = stats.snapshot()
         assert 0 < rate < 1 and 1 < mean_len <= 1 + k
         st = rank.status()
+        assert (st.spec_acceptance_rate, st.spec_mean_accepted_length) == (rate, mean_len)
         assert st.free_blocks == st.total_blocks == 64 and rank.leader.pool.num_live_sets == 0
     finally:
         rank.shutdown()
