@@ -144,6 +144,9 @@ def format_status(instances: list) -> str:
                  s.outstanding_tokens) if s else ("-",) * 4)
         lines.append(f"{v.name:<14}{v.role:<11}{v.tp:>3}  {v.health:<11}{load[0]:>6}"
                      f"{load[1]:>9}{load[2]:>19}{load[3]:>9}  {v.detail}".rstrip())
+        if s and s.spec_mean_accepted_length:
+            lines.append(f"    MTP: acceptance {s.spec_acceptance_rate:.2f}, "
+                         f"{s.spec_mean_accepted_length:.2f} tokens per verify step")
         for rank, node, device, pid in (s.ranks if s else ()):
             lines.append(f"    rank {rank}: node {node[:12]} device {device} pid {pid}")
     return "\n".join(lines)

@@ -138,7 +138,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
             msg.MergeFrom(pb.InstanceStatus(
                 queue_depth=s.queue_depth, running=s.running, free_blocks=s.free_blocks,
                 total_blocks=s.total_blocks, outstanding_tokens=s.outstanding_tokens,
-                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures))
+                kv_bytes_sent=s.kv_bytes_sent, kv_failures=s.kv_failures,
+                spec_acceptance_rate=s.spec_acceptance_rate,
+                spec_mean_accepted_length=s.spec_mean_accepted_length))
             msg.step_phases.extend(pb.StepPhase(phase=name, count=rec.count,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
@@ -161,7 +163,9 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         queue_depth=i.queue_depth, running=i.running, free_blocks=i.free_blocks,
         total_blocks=i.total_blocks, outstanding_tokens=i.outstanding_tokens,
         kv_bytes_sent=i.kv_bytes_sent, kv_failures=i.kv_failures,
-        step_timings=_timings_from_proto(i.step_phases))
+        step_timings=_timings_from_proto(i.step_phases),
+        spec_acceptance_rate=i.spec_acceptance_rate,
+        spec_mean_accepted_length=i.spec_mean_accepted_length)
 
 
 def _timings_from_proto(phases) -> StepTimings:
