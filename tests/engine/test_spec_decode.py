@@ -15,7 +15,7 @@ from engine.runner import ModelRunner, SeqStep
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import target_probs, verify
 from orchestrator.tiny_model import write_tiny_checkpoint
-from tests.engine.engine_drive import blocks_for
+from tests.engine.engine_drive import blocks_for, generate_greedy
 from tests.engine.spec_drive import generate_spec_greedy
 
 BLOCK = 16
@@ -145,3 +145,20 @@ def test_greedy_verify_keeps_longest_matching_prefix():
     assert verify(logits, (3, 0, 6), greedy, 0) == [3, 1]
     assert verify(logits, (7, 1, 6), greedy, 0) == [3]
     assert verify(logits[:1], (), greedy, 0) == [3]
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8-block"])
+def test_quantized_mtp_checkpoint_spec_greedy_equals_plain(mtp_ckpt, tmp_path, scheme):
+    """`orch model quantize` quantizes the MTP module's linears like the others' and the
+    speculative runner loads them (W8A8: int8 modules; FP8: dequantized at load)."""
+    from engine.quant.writer import quantize_checkpoint  # noqa: PLC0415 (this test only)
+
+    dst = quantize_checkpoint(mtp_ckpt, tmp_path / scheme, scheme)
+    prompt = list(range(500, 517))
+    plain = ModelRunner(dst, num_kv_blocks=8, block_size=BLOCK)
+    ref, _ = generate_greedy(plain, prompt, 12, blocks_for(0, 30, BLOCK), chunk=8)
+    spec = ModelRunner(dst, num_kv_blocks=8, block_size=BLOCK, num_speculative_tokens=1)
+    n = spec.model_config.num_hidden_layers
+    assert spec.model.mtp is not None and n + 1 == len(spec.model.model.layers)
+    ours, _ = generate_spec_greedy(spec, prompt, 12, blocks_for(0, 31, BLOCK), chunk=8, k=1)
+    assert ours == ref
