@@ -196,7 +196,7 @@ class DecodeRole(Role):
         with leader.lock:
             result = leader.step()
             if result is not None:
-                leader.finish_sampled(result.sampled)
+                leader.finish_sampled(result.sampled, accepted=result.accepted)
                 for rid, error in result.failed.items():
                     leader.fail_request(rid, error)
         return result is not None or settled
@@ -261,12 +261,17 @@ class DecodeRole(Role):
                 "are freed")
 
     def _join_batch(self, request_id: str) -> None:
-        """Hand a request whose KV is complete to the scheduler (its KV counts as computed)."""
+        """Hand a request whose KV is complete to the scheduler (its KV counts as computed).
+
+        NOTE: with MTP the last prompt token counts as not computed: the first step computes
+        it again with the first token (same KV), which gives the MTP module's row there (its
+        next token is now known) and the hidden state the first draft starts from."""
         self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
         with self.leader.lock:
             entry = self.reserved.pop(request_id, None)
             if entry is not None:  # else aborted meanwhile (and freed there)
-                entry.request.num_computed_tokens = entry.request.num_prompt_tokens
+                back = 1 if self.leader.scheduler.num_speculative_tokens else 0
+                entry.request.num_computed_tokens = entry.request.num_prompt_tokens - back
                 self.leader.scheduler.add(entry.request)
 
     # ---- leader: failures ---------------------------------------------------------------

@@ -46,6 +46,8 @@ class KVCacheSpec:
         index_head_dim: index_k width (DSA lightning indexer keys); 0 = no indexer cache (V3).
         index_layers: per layer, whether it has an index_k buffer (False on GLM-5.2's shared
             layers); empty = every layer has one when ``index_head_dim`` > 0.
+        mtp_layers: the last ``mtp_layers`` of ``num_layers`` are the MTP module's caches
+            (speculative decoding, :mod:`engine.spec_forward`); 0: none.
     """
 
     num_layers: int
@@ -57,6 +59,7 @@ class KVCacheSpec:
     rope_layout: str = "interleaved"
     index_head_dim: int = 0
     index_layers: tuple[bool, ...] = ()
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "kv_lora_rank",

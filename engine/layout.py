@@ -12,6 +12,7 @@ parameter (``L.`` = ``model.layers.{i}.``)   split           TP size must divide
 ===========================================  ==============  =====================
 ``model.embed_tokens``, ``lm_head``          vocab (dim 0)   - (last shard padded)
 every norm, ``q_a_proj``, ``kv_a_proj...``   replicated      -
+MTP ``L.{enorm,hnorm,eh_proj,shared_head}``  replicated      -
 ``L.self_attn.{q_proj,q_b_proj,kv_b_proj}``  column (dim 0)  num_attention_heads
 ``L.self_attn.o_proj``                       row (dim 1)     num_attention_heads
 ``L.self_attn.indexer.*`` (V3.2)             replicated      -
@@ -167,6 +168,7 @@ RULES: tuple[ShardRule, ...] = (
     ShardRule(_L + r"mlp\.shared_experts\.down_proj\.weight", ROW, _MOE_INTER),
     ShardRule(r"model\.norm\.weight", REPLICATED),
     ShardRule(r"lm_head\.weight", VOCAB),
+    ShardRule(_L + r"(enorm|hnorm|eh_proj|shared_head\.norm)\.weight", REPLICATED),  # MTP
 )
 
 _COMPILED = tuple((re.compile(rule.pattern), rule) for rule in RULES)

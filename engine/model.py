@@ -53,6 +53,38 @@ class DecoderLayer(nn.Module):
         return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
+class SharedHead(nn.Module):
+    """MTP's ``shared_head.norm`` (the checkpoint's ``shared_head.head`` is the main lm_head)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module (report sec. 2.2; maths in
+    :mod:`engine.spec_forward`): ``enorm``, ``hnorm``, ``eh_proj``, a decoder block under the
+    decoder layer's own names, ``shared_head.norm``. Built as ``model.layers[N]``
+    (``N = num_hidden_layers``) so each weight keeps its checkpoint name."""
+
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup,
+                 kernels: KernelSet) -> None:
+        super().__init__(config, config.num_hidden_layers, layout, tp, ep, kernels)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(h, eps)
+
+    def forward_mtp(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, meta: AttentionMetadata,
+                    caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``embeds [T, hidden]`` (embedding of t_{i+1}), ``hidden [T, hidden]`` (h_i, the main
+        model's normed last hidden state or, chained, a previous ``g``) -> ``g [T, hidden]``
+        before ``shared_head.norm``; writes the module's KV of the T positions."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self(x, cos, sin, meta, caches, SharedSelection())
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding of rows ``tp.rank * n .. + n - 1`` of the vocabulary (``n`` = ``local_vocab``);
     ids elsewhere embed to zero here and the TP all-reduce fills them in."""
@@ -76,11 +108,13 @@ class DeepseekModel(nn.Module):
     """The ``model.*`` part of the checkpoint."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup,
-                 kernels: KernelSet) -> None:
+                 kernels: KernelSet, mtp: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, i, layout, tp, ep, kernels)
                                     for i in range(config.num_hidden_layers))
+        if mtp:  # NOTE: layers[num_hidden_layers]; the decoder loop stops before it
+            self.layers.append(MTPLayer(config, layout, tp, ep, kernels))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -88,49 +122,67 @@ class DeepseekForCausalLM(nn.Module):
     """Full model; :meth:`forward` runs one step and returns last-token logits."""
 
     def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup, ep: EPGroup,
-                 kernels: KernelSet) -> None:
+                 kernels: KernelSet, mtp: bool = False) -> None:
         super().__init__()
         self.config, self.layout, self.tp = config, layout, tp
-        self.model = DeepseekModel(config, layout, tp, ep, kernels)
+        self.model = DeepseekModel(config, layout, tp, ep, kernels, mtp)
         self.lm_head = nn.Linear(config.hidden_size, layout.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.prefetcher: LayerPrefetcher | None = None  # layer sharding (runner sets it)
 
+    @property
+    def mtp(self) -> MTPLayer | None:
+        """The MTP module (``model.layers[num_hidden_layers]``), None when not built."""
+        layers = self.model.layers
+        return layers[-1] if len(layers) > self.config.num_hidden_layers else None
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+                kv_cache: KVCache, return_hidden: bool = False) -> torch.Tensor:
         """One step: ``input_ids [T]`` int64 (under CP only ``meta.cp.local_rows``) ->
         ``[B, vocab]`` fp32 logits at each sequence's last token; layer i writes
-        ``kv_cache.layer_buffers(i)``."""
+        ``kv_cache.layer_buffers(i)``. ``return_hidden`` (no CP): ``[T, hidden]`` normed
+        last hidden states of every row instead (what lm_head and MTP read)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         positions = meta.positions if meta.cp is None else meta.positions[meta.cp.local_rows]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, R/2]
         if self.prefetcher is not None:
             self.prefetcher.begin()
         shared = SharedSelection()  # DSA: each full layer's selection, for the shared ones
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.layers[:self.config.num_hidden_layers]):
             if self.prefetcher is not None:
                 self.prefetcher.before_layer(i)
             x = layer(x, cos, sin, meta, kv_cache.layer_buffers(i), shared)
             if self.prefetcher is not None:
                 self.prefetcher.after_layer(i)
+        if return_hidden:
+            return self.model.norm(x)
         last = x[meta.logits_index] if meta.cp is None else meta.cp.gather_last(x)
-        x = self.model.norm(last)  # [B, hidden]
-        logits = self.tp.all_gather(self.lm_head(x).float())  # [B, tp * local vocab]
+        return self.compute_logits(self.model.norm(last))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [R, hidden]`` (normed) -> ``[R, vocab]`` fp32 logits (vocab-parallel)."""
+        logits = self.tp.all_gather(self.lm_head(hidden).float())  # [R, tp * local vocab]
         return logits[:, :self.config.vocab_size]
 
     def forward_empty(self) -> None:
         """A zero-token step's collectives: every MoE layer's EP exchange, in layer order
         (attention and the TP all-reduces are skipped: the whole TP group is idle)."""
         x = self.lm_head.weight.new_empty(0, self.config.hidden_size)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:self.config.num_hidden_layers]:
             if isinstance(layer.mlp, MoE):
                 layer.mlp(x)
+
+    def mtp_forward_empty(self) -> None:
+        """The MTP module's zero-token collectives (its MoE's EP exchange), for lockstep."""
+        if self.mtp is not None and isinstance(self.mtp.mlp, MoE):
+            self.mtp.mlp(self.lm_head.weight.new_empty(0, self.config.hidden_size))
 
 
 def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: torch.dtype,
                 device: torch.device, quant: QuantPlan | None = None, *,
                 ep: EPGroup | None = None,
-                empty: frozenset[str] = frozenset()) -> DeepseekForCausalLM:
+                empty: frozenset[str] = frozenset(),
+                mtp: bool = False) -> DeepseekForCausalLM:
     """An UNINITIALIZED model (storage allocated, values garbage) for the loader to fill, with
     rank ``tp.rank``'s share of every split weight and, under EP (``ep`` of size > 1), only
     EP rank ``ep.rank``'s routed experts (:func:`engine.layout.tp_layout`).
@@ -140,6 +192,7 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     (faster decode GEMM on CPU); float MLPs/experts get fused storage
     (:func:`engine.moe.fuse_weights`). ``quant``: a quantized checkpoint's plan.
     ``empty``: parameters left unallocated (:func:`engine.layer_sharding.unowned_params`).
+    ``mtp``: also build the checkpoint's MTP module as ``model.layers[num_hidden_layers]``.
 
     Raises:
         ValueError: ``tp.size`` does not divide a size the layout splits, or ``ep.size`` does
@@ -149,7 +202,7 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     ep = ep or EPGroup()
     layout = tp_layout(config, tp.size, ep.size, ep.rank)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(config, layout, tp, ep, kernels)
+        model = DeepseekForCausalLM(config, layout, tp, ep, kernels, mtp)
     model = model.to(dtype)
     for module in model.modules():
         if isinstance(module, MoEGate) and module.e_score_correction_bias is not None:

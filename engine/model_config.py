@@ -76,6 +76,8 @@ class ModelConfig:
     "shared" (no indexer, reuses the top-k of the last full layer before it); empty without
     an indexer.
     ``quantization`` None means float weights (else :mod:`engine.quant.formats`).
+    ``num_nextn_predict_layers``: MTP modules the checkpoint ships (1 for V3; weights under
+    ``model.layers.{num_hidden_layers}.*``, :mod:`engine.mtp`).
     """
 
     hidden_size: int
@@ -112,6 +114,7 @@ class ModelConfig:
     indexer_rope: str = "half"
     indexer_types: tuple[str, ...] = ()
     quantization: QuantScheme | None = None
+    num_nextn_predict_layers: int = 0
 
     @property
     def uses_sparse_attention(self) -> bool:
@@ -200,6 +203,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **_parse_indexer(raw, arch),
             quantization=parse_quantization_config(raw.get("quantization_config")),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import BlockSet
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import DraftInput
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Request:
             (never computed here).
         block_hashes: chained hashes of its full blocks known so far (engine/prefix_hash.py).
         num_hashed_blocks: leading blocks registered in the prefix cache.
+        draft: speculative decoding: what the MTP module drafts from at the next step (set
+            after each step that sampled), None otherwise.
     """
 
     spec: RequestSpec
@@ -59,6 +62,7 @@ class Request:
     num_cached_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    draft: DraftInput | None = None
 
     @property
     def request_id(self) -> str:

@@ -26,11 +26,13 @@ from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_weights
 from engine.model import build_model
-from engine.model_config import load_model_config
+from engine.model_config import ModelConfig, load_model_config
 from engine.moe import MoE
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
+from engine.spec_decode import DraftInput, SpecOutput
+from engine.spec_forward import SpecForward
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,22 @@ class SeqStep:
         token_ids: tokens to compute this step (a prefill chunk, or 1 decode token).
         num_computed_tokens: tokens of this request already in the KV cache (positions
             ``0..n-1``); this step computes positions ``n .. n + len(token_ids) - 1``.
-        block_ids: the request's block table, covering ``n + len(token_ids)`` tokens.
+        block_ids: the request's block table, covering ``n + len(token_ids)`` tokens
+            (``+ num_drafts`` when drafting).
+        draft: speculative decoding: what the MTP module drafts from (the step then computes
+            ``token_ids`` plus its drafts, :mod:`engine.spec_forward`); None otherwise.
+        num_drafts: drafts to make this step (at most ``num_speculative_tokens``).
+        next_token_id: the token after ``token_ids`` when already known (a prompt chunk
+            that is not the last): the MTP module then runs over every row of the chunk.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     num_computed_tokens: int
     block_ids: tuple[int, ...]
+    draft: DraftInput | None = None
+    num_drafts: int = 0
+    next_token_id: int | None = None
 
 
 class ModelRunner:
@@ -77,6 +88,9 @@ class ModelRunner:
             ``i`` weight only CP rank ``i % cp`` stores; broadcast one layer ahead of use.
         graph: graph mode of the decode forward (:class:`engine.graph.GraphConfig`); with it
             the KV cache gets one scratch block (``kv_cache.scratch_block``) for padding rows.
+        num_speculative_tokens: k > 0 builds the checkpoint's MTP module and its KV cache
+            (the cache's last layer) and makes :meth:`execute` a speculative step returning
+            :class:`engine.spec_decode.SpecOutput` (:mod:`engine.spec_forward`); 0: off.
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
@@ -88,7 +102,8 @@ class ModelRunner:
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
         ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names; graph mode with
-            cp > 1.
+            cp > 1; speculative decoding without an MTP module in the checkpoint, with
+            sparse attention or with cp > 1.
         KeyError: graph mode on a device its backend has no implementation for.
     """
 
@@ -99,7 +114,7 @@ class ModelRunner:
                  kernels: KernelSet | None = None, ep: EPGroup | None = None,
                  fp8_storage: str = "dequantize", cp: CPGroup | None = None,
                  layer_sharding: tuple[str, ...] = (),
-                 graph: GraphConfig | None = None) -> None:
+                 graph: GraphConfig | None = None, num_speculative_tokens: int = 0) -> None:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
         graph = graph or GraphConfig()
         _check_cp(self.tp, self.cp, graph)
@@ -117,8 +132,9 @@ class ModelRunner:
         sharded = tuple(layer_sharding)
         check_layer_sharding(sharded, cfg)
         skip = unowned_params(cfg.num_hidden_layers, sharded, self.cp)
+        _check_spec(cfg, self.cp, num_speculative_tokens)
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
-                                 ep=self.ep, empty=skip)
+                                 ep=self.ep, empty=skip, mtp=num_speculative_tokens > 0)
         layers = self.model.model.layers
         if graph.enabled and self.ep.size > 1:  # NOTE: every step, so all EP ranks agree
             _fixed_ep_dispatch(self.model, -(-max(graph.batch_sizes) // self.tp.size))
@@ -127,21 +143,26 @@ class ModelRunner:
         if sharded and self.cp.size > 1:
             self.prefetcher = LayerPrefetcher(layers, sharded, self.cp, dtype, self.device)
         self.model.prefetcher = self.prefetcher
-        self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers, num_blocks=num_kv_blocks,
+        # NOTE: with MTP its cache is one more layer, shipped and fingerprinted with the rest
+        self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers
+                                   + int(num_speculative_tokens > 0), num_blocks=num_kv_blocks,
                                    block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim,
-                                   index_layers=cfg.index_cache_layers)
+                                   index_layers=cfg.index_cache_layers,
+                                   mtp_layers=int(num_speculative_tokens > 0))
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
             if graph.enabled else None
+        self.spec = SpecForward(self.model, self.kv_cache, num_speculative_tokens,
+                                self._inputs, self.ep.size) if num_speculative_tokens else None
         if graph.enabled and graph.warmup:
             self.warmup_graphs()
 
     @torch.inference_mode()
-    def execute(self, steps: list[SeqStep],
-                on_kv_written: Callable[[int], None] | None = None) -> torch.Tensor:
+    def execute(self, steps: list[SeqStep], on_kv_written: Callable[[int], None] | None = None
+                ) -> torch.Tensor | SpecOutput:
         """Run one step over ``steps`` (any mix of prefill chunks and decode tokens).
 
         Writes the KV of every computed token into the cache at its slot (under CP: every
@@ -151,7 +172,8 @@ class ModelRunner:
         eager.
 
         Returns:
-            ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order.
+            ``[B, vocab]`` fp32 logits at the last token of each step, in ``steps`` order;
+            with speculative decoding on, a :class:`SpecOutput` instead.
 
         Raises:
             ValueError: an empty step list or step, a block table too short or naming
@@ -161,6 +183,8 @@ class ModelRunner:
             raise ValueError("execute() needs at least one SeqStep")
         for s in steps:
             self._check_step(s)
+        if self.spec is not None:  # NOTE: drafted steps run eager (graphs: 1-token rows)
+            return self.spec.run(steps, on_kv_written)
         bucket = None if self.graphs is None or on_kv_written is not None else \
             self.graphs.bucket_for([len(s.token_ids) for s in steps],
                                    [s.num_computed_tokens for s in steps])
@@ -246,10 +270,12 @@ class ModelRunner:
         Touches no KV cache."""
         if self.ep.size > 1:
             self.model.forward_empty()
+            if self.spec is not None:
+                self.spec.run_empty()
 
     def _check_step(self, s: SeqStep) -> None:
         limit = self.model_config.max_position_embeddings
-        if s.num_computed_tokens + len(s.token_ids) > limit:
+        if s.num_computed_tokens + len(s.token_ids) + s.num_drafts > limit:
             raise ValueError(
                 f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)} "
                 f"tokens; the model's max_position_embeddings is {limit}: shorten the prompt "
@@ -264,6 +290,24 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     if cp.size > 1 and tp.size > 1:
         raise ValueError(f"cp={cp.size} with tp={tp.size}: a context-parallel prefill "
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
+
+
+def _check_spec(config: ModelConfig, cp: CPGroup, k: int) -> None:
+    """Raise ValueError, naming the fix, when speculative decoding with ``k`` drafts cannot
+    run on ``config`` here."""
+    if k <= 0:
+        return
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError("speculative decoding (method mtp) needs a checkpoint with an MTP "
+                         "module (config.json num_nextn_predict_layers >= 1, weights under "
+                         f"model.layers.{config.num_hidden_layers}.*); this one has none: "
+                         "remove decode.speculative or use a checkpoint that ships MTP")
+    if config.uses_sparse_attention:
+        raise ValueError("MTP speculative decoding with sparse attention (DeepSeek-V3.2, "
+                         "GLM-5) is not supported yet: remove decode.speculative")
+    if cp.size > 1:
+        raise ValueError(f"MTP with cp={cp.size}: context-parallel prefill does not run the "
+                         "MTP module; set cp to 1 or remove decode.speculative")
 
 
 def _fixed_ep_dispatch(model: torch.nn.Module, capacity: int) -> None:

@@ -47,11 +47,13 @@ COLOCATED = RolePolicy(reserve_output_blocks=True, stop_after_first_token=False)
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens ``[start, end)`` of one request computed this step."""
+    """Tokens ``[start, end)`` of one request computed this step, plus ``num_drafts`` MTP
+    drafts after them (speculative decoding; they are verified in the same step)."""
 
     request: Request
     start: int
     end: int
+    num_drafts: int = 0
 
     @property
     def completes(self) -> bool:
@@ -64,10 +66,13 @@ class SchedulerOutput:
     """One step's plan: the chunks to compute, in batch order."""
 
     chunks: tuple[ScheduledChunk, ...]
+    speculative: bool = False
 
     @property
     def steps(self) -> list[SeqStep]:
         """The model runner's input for this step."""
+        if self.speculative:
+            return [_spec_step(c) for c in self.chunks]
         return [SeqStep(c.request.request_id, c.request.token_range(c.start, c.end), c.start,
                         c.request.blocks.block_ids) for c in self.chunks]
 
@@ -79,15 +84,28 @@ class SchedulerOutput:
         return bool(self.chunks)
 
 
+def _spec_step(c: ScheduledChunk) -> SeqStep:
+    """A speculative step's :class:`SeqStep`: the draft input of a drafting chunk, the next
+    token of a prompt chunk that has one (:mod:`engine.spec_forward`)."""
+    req = c.request
+    nxt = req.token_range(c.end, c.end + 1)[0] if c.end < req.num_tokens else None
+    return SeqStep(req.request_id, req.token_range(c.start, c.end), c.start,
+                   req.blocks.block_ids, draft=req.draft if c.num_drafts else None,
+                   num_drafts=c.num_drafts, next_token_id=nxt)
+
+
 class Scheduler:
     """Chunked-prefill, continuous-batching scheduler of one instance (leader only).
 
     ``chunk_size``: most tokens of one request per step; ``max_num_batched_tokens``: per step;
-    ``max_num_seqs``: requests running at once.
+    ``max_num_seqs``: requests running at once; ``num_speculative_tokens``: k MTP drafts per
+    decoding request per step (0: off); its KV then needs k more slots than it keeps.
     """
 
     def __init__(self, pool: BlockPool, policy: RolePolicy, *, chunk_size: int,
-                 max_num_batched_tokens: int, max_num_seqs: int) -> None:
+                 max_num_batched_tokens: int, max_num_seqs: int,
+                 num_speculative_tokens: int = 0) -> None:
+        self.num_speculative_tokens = num_speculative_tokens
         self.pool = pool
         self.policy = policy
         self.chunk_size = chunk_size
@@ -100,7 +118,9 @@ class Scheduler:
         """Blocks a request takes at admission under this role."""
         tokens = spec.max_total_tokens if self.policy.reserve_output_blocks else \
             spec.num_prompt_tokens
-        return self.pool.blocks_needed(tokens)
+        # NOTE: verify rows of drafts past the kept tokens are written, then overwritten
+        extra = self.num_speculative_tokens if self.policy.reserve_output_blocks else 0
+        return self.pool.blocks_needed(tokens + extra)
 
     def prefix_hashes(self, req: Request) -> list[int]:
         """Hashes of the prompt blocks a prefix-cache hit may cover: the first
@@ -193,18 +213,32 @@ class Scheduler:
             n = min(todo, self.chunk_size, budget)
             if n <= 0:
                 continue
+            drafts = self._num_drafts(req, todo, budget)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens,
-                                         req.num_computed_tokens + n))
-            budget -= n
-        return SchedulerOutput(tuple(chunks))
+                                         req.num_computed_tokens + n, drafts))
+            budget -= n + drafts
+        return SchedulerOutput(tuple(chunks), self.num_speculative_tokens > 0)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def _num_drafts(self, req: Request, todo: int, budget: int) -> int:
+        """Drafts a decoding request makes this step: up to k, never past ``max_tokens``."""
+        if not self.num_speculative_tokens or todo != 1 or req.draft is None:
+            return 0
+        left = req.spec.sampling.max_tokens - len(req.output_token_ids) - 1
+        return max(0, min(self.num_speculative_tokens, left, budget - 1))
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, tuple[int, ...]] | None = None) -> None:
         """Advance counters after ``output`` ran; ``sampled`` (request id -> token id, for
-        the chunks that ``completes``) appends each token to its request."""
+        the chunks that ``completes``) appends each token to its request, after the drafts
+        ``accepted`` for it (speculative decoding: their KV is kept, the rest rolled back)."""
+        accepted = accepted or {}
         for chunk in output.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            if chunk.request.request_id in sampled:
-                chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
+            rid = chunk.request.request_id
+            kept = accepted.get(rid, ())
+            chunk.request.num_computed_tokens = chunk.end + len(kept)
+            chunk.request.output_token_ids.extend(kept)
+            if rid in sampled:
+                chunk.request.output_token_ids.append(sampled[rid])
             self.cache_computed(chunk.request)
 
     @property

@@ -42,7 +42,9 @@ from kv_transfer.errors import LayoutMismatchError
 KINDS = ("mla", "gqa")
 # Fields that must match for two instances to exchange KV bytes (see module docstring).
 COMPATIBLE_FIELDS = ("model", "kind", "buffers", "num_kv_heads", "dtype", "num_layers",
-                     "rope_layout")
+                     "rope_layout", "mtp_layers")
+# NOTE: mtp_layers is in the dict (and the fingerprint) only when nonzero: layouts without
+# MTP keep the fingerprint they had before it existed.
 
 
 def rank_heads(tp: int, num_kv_heads: int, rank: int) -> range:
@@ -105,6 +107,8 @@ class KVLayout:
         block_size: tokens per block (may differ between instances).
         tp: tensor-parallel size of the instance (may differ between instances).
         rope_layout: ``interleaved`` or ``deinterleaved`` k_pe.
+        mtp_layers: how many of the last layers are MTP module caches (speculative
+            decoding; 0: none).
     """
 
     model: str
@@ -116,6 +120,7 @@ class KVLayout:
     block_size: int
     tp: int
     rope_layout: str
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -144,7 +149,8 @@ class KVLayout:
                         for name, width in zip(spec.buffer_names, spec.buffer_widths))
         return cls(model=model, kind="mla", buffers=buffers,
                    num_kv_heads=None, dtype=_dtype_name(spec.dtype), num_layers=spec.num_layers,
-                   block_size=spec.block_size, tp=tp, rope_layout=spec.rope_layout)
+                   block_size=spec.block_size, tp=tp, rope_layout=spec.rope_layout,
+                   mtp_layers=spec.mtp_layers)
 
     @classmethod
     def gqa(cls, model: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -188,7 +194,8 @@ class KVLayout:
                             for b in self.buffers],
                 "num_kv_heads": self.num_kv_heads, "dtype": self.dtype,
                 "num_layers": self.num_layers, "block_size": self.block_size, "tp": self.tp,
-                "rope_layout": self.rope_layout}
+                "rope_layout": self.rope_layout} | (
+                    {"mtp_layers": self.mtp_layers} if self.mtp_layers else {})
 
     @classmethod
     def from_dict(cls, data: dict) -> KVLayout:
@@ -203,7 +210,7 @@ class KVLayout:
     def fingerprint(self) -> str:
         """Stable 16-hex-digit hash of the fields that must match (``COMPATIBLE_FIELDS``)."""
         full = self.to_dict()
-        canon = json.dumps({k: full[k] for k in COMPATIBLE_FIELDS}, sort_keys=True)
+        canon = json.dumps({k: full[k] for k in COMPATIBLE_FIELDS if k in full}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def check_compatible(self, other: KVLayout) -> None:
@@ -213,11 +220,12 @@ class KVLayout:
         Example message: ``"KV layouts differ: dtype: prefill float32 vs decode bfloat16"``.
         """
         prefill, decode = self.to_dict(), other.to_dict()
-        diffs = [f"{k}: prefill {_show(prefill[k])} vs decode {_show(decode[k])}"
-                 for k in COMPATIBLE_FIELDS if prefill[k] != decode[k]]
+        diffs = [f"{k}: prefill {_show(prefill.get(k, 0))} vs decode {_show(decode.get(k, 0))}"
+                 for k in COMPATIBLE_FIELDS if prefill.get(k, 0) != decode.get(k, 0)]
         if diffs:
             raise LayoutMismatchError(
                 "KV layouts differ: " + "; ".join(diffs) + _buffer_hint(self, other)
+                + _mtp_hint(self, other)
                 + ". Prefill and decode must serve the same model with the same KV cache "
                 "dtype, dims, layer count and rope layout: fix the instance configs.")
 
@@ -232,6 +240,15 @@ def _buffer_hint(prefill: KVLayout, decode: KVLayout) -> str:
     return (f" ({sparse} caches DeepSeek-V3.2 indexer keys (index_k, DSA sparse attention as "
             f"GLM-5's), "
             f"{dense} does not: both must serve the same model)")
+
+
+def _mtp_hint(prefill: KVLayout, decode: KVLayout) -> str:
+    """A sentence for the MTP-vs-none case: one side caches the MTP module's KV."""
+    if prefill.mtp_layers == decode.mtp_layers:
+        return ""
+    with_mtp, without = ("prefill", "decode") if prefill.mtp_layers else ("decode", "prefill")
+    return (f" ({with_mtp} runs MTP speculative decoding and caches the MTP module's KV, "
+            f"{without} does not: give both the same decode.speculative setting)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -148,6 +148,9 @@ def format_status(instances: list) -> str:
         lines.append(f"{v.name:<14}{v.role:<11}{v.tp:>3}  {v.health:<11}{load[0]:>6}"
                      f"{load[1]:>9}{load[2]:>19}{load[3]:>9}{load[4]:>8}{load[5]:>7}  "
                      f"{v.detail}".rstrip())
+        if s and s.spec_mean_accepted_length:
+            lines.append(f"    MTP: acceptance {s.spec_acceptance_rate:.2f}, "
+                         f"{s.spec_mean_accepted_length:.2f} tokens per verify step")
         for rank, node, device, pid in (s.ranks if s else ()):
             lines.append(f"    rank {rank}: node {node[:12]} device {device} pid {pid}")
         if s and s.kv_tail.count:

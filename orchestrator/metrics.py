@@ -15,7 +15,9 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
   disappear): gauges ``orch_instance_queue_depth``, ``orch_instance_running``,
   ``orch_instance_free_blocks``, ``orch_instance_total_blocks``,
   ``orch_instance_outstanding_tokens``, ``orch_instance_cached_blocks``,
-  ``orch_instance_prefix_hit_rate``, ``orch_instance_info{instance,role,tp}`` (= 1), and
+  ``orch_instance_prefix_hit_rate``, ``orch_instance_spec_acceptance_rate``,
+  ``orch_instance_spec_mean_accepted_length`` (MTP speculative decoding),
+  ``orch_instance_info{instance,role,tp}`` (= 1), and
   counters ``orch_instance_kv_sent_bytes_total``, ``orch_instance_kv_failures_total`` (the
   instance's own cumulative totals; a restart that resets them reads as a counter reset).
 - per instance leader step breakdown (rank/step_timing.py), from the same snapshot:
@@ -65,6 +67,8 @@ _INSTANCE_GAUGES = (
     ("outstanding_tokens", "tokens the instance still has to process (prompt + output)"),
     ("cached_blocks", "KV blocks findable in the instance's prefix cache"),
     ("prefix_hit_rate", "prompt tokens found in the prefix cache / looked up, since start"),
+    ("spec_acceptance_rate", "MTP drafts kept / drafts made since start (0: no drafts)"),
+    ("spec_mean_accepted_length", "tokens emitted per MTP verify step (1 + kept drafts)"),
 )
 
 

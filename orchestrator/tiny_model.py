@@ -34,7 +34,7 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
                      index_topk: int = 32, index_n_heads: int = 16,
                      index_head_dim: int = 32, max_position_embeddings: int = 4096,
                      glm_moe_dsa: bool = False,
-                     indexer_types: tuple[str, ...] | None = None) -> dict:
+                     indexer_types: tuple[str, ...] | None = None, mtp_layers: int = 0) -> dict:
     """The config.json contents, ``rope_style`` "4.x" or "5.x".
 
     ``deepseek_v2`` switches to a DeepSeek-V2 config: softmax scoring, group_limited_greedy,
@@ -46,6 +46,7 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
     interleaved rope, GLM's shapes in small (v_head_dim 48 > qk_nope_head_dim 32), one
     expert group, rms_norm_eps 1e-5, plain rope with theta 1e6; ``indexer_types`` ("full" /
     "shared" per layer) makes it GLM-5.2-style (shared layers: no indexer).
+    ``mtp_layers``: ``num_nextn_predict_layers`` (1: the checkpoint ships an MTP module).
     """
     rope = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -63,7 +64,7 @@ def tiny_config_dict(*, q_lora_rank: int | None = 48, yarn: bool = True, num_lay
         "vocab_size": vocab_size, "rms_norm_eps": 1e-6, "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": False,
         "bos_token_id": 0, "eos_token_id": 1, "attention_bias": False,
-        "num_nextn_predict_layers": 0, "torch_dtype": "float32",
+        "num_nextn_predict_layers": mtp_layers, "torch_dtype": "float32",
     }
     if deepseek_v2:
         cfg.update({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
@@ -111,21 +112,30 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
 
 
 def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under the checkpoint's per-expert names, generated in sorted name order."""
+    """Random weights under the checkpoint's per-expert names, generated in sorted name order.
+
+    With ``num_nextn_predict_layers`` (not under DSA) the MTP module's weights
+    (``model.layers.{N}.*``) come from a second generator after the rest, so the main
+    weights are the same with or without it."""
+    mtp = config.num_nextn_predict_layers > 0 and not config.uses_sparse_attention
     model = build_model(config, TPGroup(), KERNELS.resolve("cpu"), torch.float32,
-                        torch.device("meta"))
+                        torch.device("meta"), mtp=mtp)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    gen = torch.Generator().manual_seed(seed)
-    return {n: _random_tensor(n, shapes[n], gen).contiguous() for n in sorted(shapes)}
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    gen, gen_mtp = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    main = {n: _random_tensor(n, shapes[n], gen).contiguous()
+            for n in sorted(shapes) if not n.startswith(prefix)}
+    return main | {n: _random_tensor(n, shapes[n], gen_mtp).contiguous()
+                   for n in sorted(shapes) if n.startswith(prefix)}
 
 
 def _fuse_experts(state: dict[str, torch.Tensor], config: ModelConfig) -> dict:
     """5.x names: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``."""
     out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
-    for i in range(config.num_hidden_layers):
-        if not config.is_moe_layer(i):
-            continue
+    for i in range(config.num_hidden_layers + 1):  # NOTE: + the MTP layer, when written
         pre = f"model.layers.{i}.mlp.experts"
+        if not config.is_moe_layer(i) or f"{pre}.0.down_proj.weight" not in state:
+            continue
         e = range(config.n_routed_experts)
         out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat(
             (state[f"{pre}.{j}.gate_proj.weight"], state[f"{pre}.{j}.up_proj.weight"])) for j in e])
@@ -143,7 +153,7 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
         config_kwargs: forwarded to :func:`tiny_config_dict` (q_lora_rank, yarn, num_layers,
             first_k_dense_replace, hidden_size, num_heads, kv_lora_rank, n_routed_experts,
             vocab_size, rope_style, deepseek_v2, deepseek_v32, index_topk, index_n_heads,
-            index_head_dim, max_position_embeddings, glm_moe_dsa, indexer_types).
+            index_head_dim, max_position_embeddings, glm_moe_dsa, indexer_types, mtp_layers).
 
     Returns:
         the checkpoint directory.
@@ -167,11 +177,12 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
     return out
 
 
-TINY_ARCHS = {"deepseek_v3": {}, "deepseek_v32": {"deepseek_v32": True},
+TINY_ARCHS = {"deepseek_v3": {"mtp_layers": 1}, "deepseek_v32": {"deepseek_v32": True},
               "glm_moe_dsa": {"glm_moe_dsa": True},
               "glm_moe_dsa_shared": {"glm_moe_dsa": True, "num_layers": 4,
                                      "indexer_types": ("full", "shared", "full", "shared")}}
-"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; ``glm_moe_dsa_shared``:
+"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; ``deepseek_v3`` ships an
+MTP module; ``glm_moe_dsa_shared``:
 GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
 :func:`tiny_config_dict` arguments."""
 

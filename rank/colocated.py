@@ -58,7 +58,7 @@ class ColocatedRole(Role):
             result = leader.step()
             if result is None:
                 return False
-            leader.finish_sampled(result.sampled)
+            leader.finish_sampled(result.sampled, accepted=result.accepted)
             for rid, error in result.failed.items():
                 leader.fail_request(rid, error)
             return True

@@ -34,6 +34,9 @@ class SchedulerConfig:
         max_num_seqs: most requests running at once.
         prefix_cache: keep full KV blocks findable by their tokens' hash and reuse them
             (engine/block_pool.py); off: every prompt is computed from its first token.
+        num_speculative_tokens: MTP drafts per decoding request per step (0: speculative
+            decoding off); every role of a speculative deployment builds the MTP module
+            (prefill runs it over prompts, engine/spec_forward.py).
 
     Raises:
         ValueError: a size < 1, or ``chunk_size > max_num_batched_tokens``.
@@ -45,6 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     prefix_cache: bool = True
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "chunk_size", "max_num_batched_tokens",

@@ -62,7 +62,8 @@ class Leader:
         self.pool = BlockPool(sched.num_kv_blocks, sched.block_size, salt=cfg.cache_salt)
         self.scheduler = Scheduler(self.pool, policy, chunk_size=sched.chunk_size,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
-                                   max_num_seqs=sched.max_num_seqs)
+                                   max_num_seqs=sched.max_num_seqs,
+                                   num_speculative_tokens=sched.num_speculative_tokens)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_timer = group.timer
         self.lock = threading.RLock()
@@ -70,7 +71,8 @@ class Leader:
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
         self.broken: str | None = None
-        self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync)
+        self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync,
+                                self.eos_token_ids)
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
         # be on its way (actor calls run on several threads), and must not start afterwards.
@@ -179,10 +181,13 @@ class Leader:
         """
         return self._step.run(step_inputs_for)
 
-    def finish_sampled(self, sampled: dict[str, int], *, free: bool = True) -> list[Request]:
-        """Emit one event per sampled token; remove finished requests (and, on prefill, every
-        request: it leaves after its first token), freeing their blocks when ``free``.
-        Returns those removed. Caller holds the lock; timed as the step's ``emit`` phase."""
+    def finish_sampled(self, sampled: dict[str, int], *, free: bool = True,
+                       accepted: dict[str, tuple[int, ...]] | None = None) -> list[Request]:
+        """Emit one event per sampled token (after the drafts ``accepted`` for it, in the same
+        event); remove finished requests (and, on prefill, every request: it leaves after its
+        first token), freeing their blocks when ``free``. Returns those removed. Caller
+        holds the lock; timed as the step's ``emit`` phase."""
+        accepted = accepted or {}
         with self.step_timer.phase("emit"):
             done: list[Request] = []
             for rid, token in sampled.items():
@@ -190,8 +195,10 @@ class Leader:
                 if req is None:  # aborted while the step ran
                     continue
                 reason = finish_reason(req, self.eos_token_ids)
-                cached = req.num_cached_tokens if len(req.output_token_ids) == 1 else 0
-                self.emit(TokenEvent(rid, (token,), reason, source=self.source,
+                kept = accepted.get(rid, ())
+                cached = req.num_cached_tokens \
+                    if len(req.output_token_ids) == 1 + len(kept) else 0
+                self.emit(TokenEvent(rid, (*kept, token), reason, source=self.source,
                                      instance=self.cfg.name, num_cached_tokens=cached))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
@@ -225,7 +232,9 @@ class Leader:
         """The instance's snapshot: ``ranks`` (rank, node, device, pid) and the role's own
         :class:`InstanceStatusInfo` fields by name."""
         queried, hits = self.pool.lookup_totals()
+        rate, mean_len = self._step.spec_stats.snapshot()
         return InstanceStatusInfo(
+            spec_acceptance_rate=rate, spec_mean_accepted_length=mean_len,
             name=self.cfg.name, role=self.cfg.role, tp=self.cfg.parallel.tp, ranks=ranks,
             queue_depth=len(self.scheduler.waiting), running=len(self.scheduler.running),
             free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_blocks,

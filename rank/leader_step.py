@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.error_text import first_line
 from engine.sampling import RowFailure, sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import SpecOutput
+from rank.spec_verify import SpecStats, verify_step
 from rank.dp_sync import DPGroupBroken, DPSync
 from rank.failures import RankFailure
 from rank.spmd import SPMDGroup
@@ -44,11 +46,14 @@ class StepResult:
             reached their last known token; may be empty).
         failed: request id -> why that request failed this step (its row could not be
             sampled, or its chunk failed alone); the role ends each with an error event.
+        accepted: speculative decoding: request id -> the drafts it kept this step, which
+            come before its ``sampled`` token (absent: none).
     """
 
     output: SchedulerOutput
     sampled: dict[str, int]
     failed: dict[str, str]
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 class LeaderStep:
@@ -62,9 +67,11 @@ class LeaderStep:
     """
 
     def __init__(self, name: str, scheduler: Scheduler, group: SPMDGroup,
-                 dp_sync: DPSync | None) -> None:
+                 dp_sync: DPSync | None, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.name, self.scheduler, self.group, self.dp_sync = name, scheduler, group, dp_sync
         self.timer = group.timer
+        self.eos_token_ids = eos_token_ids
+        self.spec_stats = SpecStats()  # speculative decoding: drafts made and kept
 
     def agree(self) -> bool:
         """Before the role's step takes the lock: whether this iteration may run a forward.
@@ -112,6 +119,13 @@ class LeaderStep:
         """execute ``out`` on all ranks -> sample -> update the counters."""
         step_inputs = step_inputs_for(out) if step_inputs_for else None
         logits = self.group.run_step(out.steps, step_inputs)
+        if isinstance(logits, SpecOutput):
+            with self.timer.phase("sample"):
+                verified = verify_step(self.name, out, logits, self.eos_token_ids,
+                                       self.spec_stats)
+            with self.timer.phase("schedule"):
+                self.scheduler.update(out, verified.sampled, verified.accepted)
+            return StepResult(out, verified.sampled, verified.failed, verified.accepted)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
         rows = [i for i, c in enumerate(out.chunks) if c.completes]
@@ -150,12 +164,14 @@ class LeaderStep:
                                         self._step_error(error)})
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
+        accepted: dict[str, tuple[int, ...]] = {}
         for chunk in out.chunks:
             if self.dp_sync is not None:
                 # NOTE: under the lock, like the forward itself: one round per re-run forward
                 self.dp_sync.any_work(True)
             try:
-                solo = self._execute(SchedulerOutput((chunk,)), step_inputs_for)
+                solo = self._execute(SchedulerOutput((chunk,), out.speculative),
+                                     step_inputs_for)
             except RankFailure:
                 raise
             except Exception as exc:  # noqa: BLE001 - this chunk fails alone: its request
@@ -163,7 +179,8 @@ class LeaderStep:
                 continue
             sampled.update(solo.sampled)
             failed.update(solo.failed)
-        return StepResult(out, sampled, failed)
+            accepted.update(solo.accepted)
+        return StepResult(out, sampled, failed, accepted)
 
     def _step_error(self, exc: Exception) -> str:
         return f"{self.name}: the model step failed for this request: {first_line(exc)}"

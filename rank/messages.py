@@ -239,11 +239,15 @@ class InstanceStatusInfo:
     cached_blocks: int = 0
     prefix_hit_tokens: int = 0
     prefix_queried_tokens: int = 0
+    # KV still in flight after the prefill forward (decode).
+    kv_tail: KVTailStats = KVTailStats()
+    # MTP speculative decoding since start: drafts kept / drafts made, and tokens emitted per
+    # verify step (1 + kept drafts); both 0 without drafts (rank/spec_verify.py).
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
         """Prompt tokens found cached / looked up (0 before any lookup)."""
         return self.prefix_hit_tokens / self.prefix_queried_tokens \
             if self.prefix_queried_tokens else 0.0
-    # KV still in flight after the prefill forward (decode).
-    kv_tail: KVTailStats = KVTailStats()

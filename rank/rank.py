@@ -152,7 +152,9 @@ class Rank:
                                       block_size=self.cfg.scheduler.block_size,
                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
                                       ep=ep, fp8_storage=self.cfg.fp8_storage, cp=cp,
-                                      layer_sharding=par.layer_sharding, graph=self.cfg.graph)
+                                      layer_sharding=par.layer_sharding, graph=self.cfg.graph,
+                                      num_speculative_tokens=(
+                                          self.cfg.scheduler.num_speculative_tokens))
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)

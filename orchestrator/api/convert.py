@@ -143,7 +143,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
                 cached_blocks=s.cached_blocks, prefix_hit_tokens=s.prefix_hit_tokens,
                 prefix_queried_tokens=s.prefix_queried_tokens,
                 kv_tail=pb.KVTail(count=s.kv_tail.count, sum_s=s.kv_tail.sum_s,
-                                  max_s=s.kv_tail.max_s, last_s=s.kv_tail.last_s)))
+                                  max_s=s.kv_tail.max_s, last_s=s.kv_tail.last_s),
+                spec_acceptance_rate=s.spec_acceptance_rate,
+                spec_mean_accepted_length=s.spec_mean_accepted_length))
             msg.step_phases.extend(pb.StepPhase(phase=name, count=rec.count,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
@@ -170,7 +172,9 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         prefix_queried_tokens=i.prefix_queried_tokens,
         step_timings=_timings_from_proto(i.step_phases),
         kv_tail=KVTailStats(i.kv_tail.count, i.kv_tail.sum_s, i.kv_tail.max_s,
-                            i.kv_tail.last_s))
+                            i.kv_tail.last_s),
+        spec_acceptance_rate=i.spec_acceptance_rate,
+        spec_mean_accepted_length=i.spec_mean_accepted_length)
 
 
 def _timings_from_proto(phases) -> StepTimings:

@@ -126,20 +126,21 @@ class OrchConfig(_Section):
         """Scheduler sizes of ``role``: prefill's from ``prefill``, decode's from ``decode``
         (one token per request per step), colocated ones from both (chunking from
         ``prefill``, batch and KV size from ``decode``)."""
-        block = self.kv_transfer.block_size
+        block, k = self.kv_transfer.block_size, self.decode.num_speculative_tokens
         if role == "prefill":
             p = self.prefill
             return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
-                                   p.max_num_batched_tokens, p.max_num_seqs,
+                                   p.max_num_batched_tokens, p.max_num_seqs, k,
                                    prefix_cache=p.prefix_cache)
         d = self.decode
-        if role == "decode":
-            return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1,
-                                   max_num_batched_tokens=d.max_num_seqs,
-                                   max_num_seqs=d.max_num_seqs, prefix_cache=d.prefix_cache)
+        if role == "decode":  # NOTE: a drafting request computes 1 + k tokens per step
+            return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1 + k,
+                                   max_num_batched_tokens=d.max_num_seqs * (1 + k),
+                                   max_num_seqs=d.max_num_seqs, num_speculative_tokens=k,
+                                   prefix_cache=d.prefix_cache)
         return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
-                               self.prefill.max_num_batched_tokens, d.max_num_seqs,
-                               prefix_cache=d.prefix_cache)
+                               self.prefill.max_num_batched_tokens + d.max_num_seqs * k,
+                               d.max_num_seqs, k, prefix_cache=d.prefix_cache)
 
     def _parallel(self, role: str) -> ParallelConfig:
         """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""

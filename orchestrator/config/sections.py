@@ -179,6 +179,17 @@ class PrefillSection(_Section):
         return self
 
 
+class SpeculativeSection(_Section):
+    """Speculative decoding (engine/spec_forward.py): ``method`` "mtp" drafts with the
+    checkpoint's multi-token-prediction module (``num_nextn_predict_layers`` >= 1);
+    ``num_speculative_tokens`` drafts per request per step, verified in one forward (1 matches
+    the released weights; more reuse the module on its own output). Prefill instances run the
+    MTP module over prompts and ship its KV with the rest."""
+
+    method: Literal["mtp"] = "mtp"
+    num_speculative_tokens: int = Field(1, ge=1, le=8)
+
+
 class DecodeSection(_Section):
     """Decode instances (and, in colocated mode, the colocated instances); ``ep`` as in
     :class:`PrefillSection`."""
@@ -196,6 +207,13 @@ class DecodeSection(_Section):
     ray_resources: dict[str, float] = Field(default_factory=dict)
     # Graph mode of the decode forward (decode and colocated instances).
     graph: GraphSection = GraphSection()
+    # Speculative decoding (MTP); None: off.
+    speculative: Optional[SpeculativeSection] = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per request per step (0: speculative decoding off)."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
 
     @model_validator(mode="after")
     def _ep_needs_ranks(self) -> "DecodeSection":

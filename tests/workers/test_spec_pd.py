@@ -1,0 +1,93 @@
+"""MTP speculative decoding through prefill/decode disaggregation, in-process (TP=1, no Ray):
+prefill runs the MTP module over the prompt and ships its KV as one more layer; decode's
+greedy output with drafts equals a solo greedy run without them; a prefill with MTP and a
+decode without it are refused by the layout fingerprint with a message naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decode_worker.role import DecodeRole
+from engine.request import RequestSpec
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from kv_transfer.config import TransferConfig
+from orchestrator.tiny_model import write_tiny_checkpoint
+from prefill_worker.role import PrefillRole
+from rank.config import InstanceConfig, SchedulerConfig
+from rank.messages import Admit, Prefill, Reservation, Reserve
+from rank.rank import Rank
+from tests.engine.engine_drive import generate_greedy
+from tests.workers.test_pd_ranks import run_pd, wait_all_free, wait_events
+from tests.workers.test_spec_colocated import oracle_drafts
+
+PROMPTS = [list(range(3000 + i, 3000 + i + n)) for i, n in enumerate((3, 21, 1))]
+MAX_TOKENS = [7, 9, 5]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    torch.set_num_threads(1)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mtp_pd"), seed=6, mtp_layers=1)
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    solo = ModelRunner(ckpt, num_kv_blocks=16, block_size=16)
+    return [generate_greedy(solo, p, m, tuple(range(4)))[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
+
+
+def start(ckpt, role_cls, role: str, k: int, block_size: int) -> Rank:
+    scheduler = SchedulerConfig(block_size=block_size, num_kv_blocks=64,
+                                chunk_size=8 if role == "prefill" else 1 + k,
+                                max_num_batched_tokens=16, max_num_seqs=4,
+                                num_speculative_tokens=k)
+    transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
+                              completion_timeout_s=10)
+    cfg = InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
+                         scheduler=scheduler, transfer=transfer)
+    rank = Rank(cfg, 0, role_cls)
+    host, port = rank.open_tp_store()
+    rank.init_rank(host, port, [rank])
+    rank.start()
+    return rank
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_pd_spec_greedy_matches_solo(ckpt, expected, monkeypatch, oracle):
+    if oracle:
+        monkeypatch.setattr("tests.workers.test_spec_colocated.PROMPTS", PROMPTS)
+        oracle_drafts(monkeypatch, expected)
+    prefill = start(ckpt, PrefillRole, "prefill", 2, 4)
+    decode = start(ckpt, DecodeRole, "decode", 2, 8)
+    try:
+        assert prefill.runner.kv_spec.mtp_layers == 1
+        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+            spec = RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=m, ignore_eos=True))
+            assert run_pd(prefill, decode, spec) == (expected[i], "length")
+        wait_all_free(prefill, decode)
+        stats = decode.leader._step.spec_stats
+        assert stats.drafted > 0
+        if oracle:
+            assert 0 < stats.accepted < stats.drafted
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_prefill_with_mtp_and_decode_without_is_refused(ckpt):
+    prefill = start(ckpt, PrefillRole, "prefill", 1, 4)
+    decode = start(ckpt, DecodeRole, "decode", 0, 8)
+    try:
+        spec = RequestSpec("x", tuple(range(5)), SamplingParams(max_tokens=3, ignore_eos=True))
+        res = decode.request(Reserve(spec, 1))
+        assert isinstance(res, Reservation), res
+        prefill.request(Prefill(spec, res))
+        (first,) = wait_events(prefill, "x", lambda e: True)
+        decode.request(Admit("x", first.token_ids[0]))
+        events = wait_events(decode, "x", lambda e: e.finish_reason is not None, timeout_s=30)
+        assert "mtp_layers" in events[-1].error and "decode.speculative" in events[-1].error
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
