@@ -130,8 +130,8 @@ class OrchConfig(_Section):
         if role == "prefill":
             p = self.prefill
             return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
-                                   p.max_num_batched_tokens, p.max_num_seqs, k,
-                                   prefix_cache=p.prefix_cache)
+                                   p.max_num_batched_tokens, p.max_num_seqs,
+                                   num_speculative_tokens=k, prefix_cache=p.prefix_cache)
         d = self.decode
         if role == "decode":  # NOTE: a drafting request computes 1 + k tokens per step
             return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1 + k,
@@ -140,7 +140,8 @@ class OrchConfig(_Section):
                                    prefix_cache=d.prefix_cache)
         return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
                                self.prefill.max_num_batched_tokens + d.max_num_seqs * k,
-                               d.max_num_seqs, k, prefix_cache=d.prefix_cache)
+                               d.max_num_seqs, num_speculative_tokens=k,
+                               prefix_cache=d.prefix_cache)
 
     def _parallel(self, role: str) -> ParallelConfig:
         """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""
