@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockSet
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 @dataclass(frozen=True)
@@ -42,12 +46,18 @@ class Request:
         output_token_ids: tokens generated so far (on decode, starts with prefill's token).
         num_computed_tokens: tokens whose KV is in this instance's cache.
         blocks: block table, or None while waiting for admission.
+        grammar: the request's grammar matcher on this instance (made on first use, replaying
+            ``output_token_ids``), or None.
+        output_logprobs: with ``sampling.logprobs`` set, one entry per token this instance
+            sampled (the latest is what its token event carries).
     """
 
     spec: RequestSpec
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     blocks: BlockSet | None = None
+    grammar: GrammarState | None = None
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:

@@ -20,7 +20,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from pathlib import Path
+
 from engine.block_pool import BlockPool
+from engine.logits_process import LogitsStage
 from engine.request import Request, RequestSpec
 from engine.scheduler import RolePolicy, Scheduler, finish_reason
 from rank.config import InstanceConfig
@@ -70,7 +73,10 @@ class Leader:
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
         self.broken: str | None = None
-        self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync)
+        tokenizer_json = Path(cfg.checkpoint_dir) / "tokenizer.json"
+        stage = LogitsStage(self.eos_token_ids,
+                            str(tokenizer_json) if tokenizer_json.is_file() else None)
+        self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync, stage)
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
         # be on its way (actor calls run on several threads), and must not start afterwards.
@@ -187,8 +193,9 @@ class Leader:
                 if req is None:  # aborted while the step ran
                     continue
                 reason = finish_reason(req, self.eos_token_ids)
+                logprobs = (req.output_logprobs[-1],) if req.output_logprobs else ()
                 self.emit(TokenEvent(rid, (token,), reason, source=self.source,
-                                     instance=self.cfg.name))
+                                     instance=self.cfg.name, logprobs=logprobs))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
             return done

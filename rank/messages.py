@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.sampling_params import TokenLogprobs
 from kv_transfer import KVPeer
 from rank.step_timing import StepTimings
 
@@ -139,6 +140,7 @@ class TokenEvent:
         retryable: with ``finish_reason == "error"``: True when the instance failed (dead,
             unreachable, broken), not the request; the router may run the request again
             elsewhere if no token was streamed yet. False: the request's own fault, final.
+        logprobs: with ``sampling.logprobs`` set, one entry per token of ``token_ids``.
     """
 
     request_id: str
@@ -148,6 +150,7 @@ class TokenEvent:
     source: str = "decode"
     instance: str = ""
     retryable: bool = False
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
