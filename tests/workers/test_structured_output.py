@@ -53,6 +53,11 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rank(ckpt):
+    yield from colocated_rank(ckpt)
+
+
+def colocated_rank(ckpt):
+    """A colocated rank in-process (TP 1, no Ray) that batches N requests."""
     scheduler = SchedulerConfig(block_size=16, num_kv_blocks=512, chunk_size=256,
                                 max_num_batched_tokens=256, max_num_seqs=N)
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
@@ -65,8 +70,9 @@ def rank(ckpt):
     r.shutdown()
 
 
-def run_all(rank, specs, timeout_s=240.0):
-    """request id -> (tokens, finish reason, error)."""
+def run_all(rank, specs, timeout_s=240.0, collect_logprobs=False):
+    """request id -> (tokens (``collect_logprobs``: (token, its TokenLogprobs)), finish
+    reason, error)."""
     for spec in specs:
         rank.request(Generate(spec))
     out = {s.request_id: ([], None, None) for s in specs}
@@ -75,7 +81,9 @@ def run_all(rank, specs, timeout_s=240.0):
         assert time.monotonic() < deadline, "requests did not finish"
         for ev in rank.poll(0.2):
             toks, _, _ = out[ev.request_id]
-            out[ev.request_id] = (toks + list(ev.token_ids), ev.finish_reason, ev.error)
+            new = list(zip(ev.token_ids, ev.logprobs, strict=True)) if collect_logprobs \
+                else list(ev.token_ids)
+            out[ev.request_id] = (toks + new, ev.finish_reason, ev.error)
     return out
 
 
