@@ -119,6 +119,9 @@ class SamplingParams:
                 t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids >= 0, "
                              f"got {list(self.stop_token_ids)[:8]}")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot go with a grammar (a complete grammar allows "
+                             "only EOS): drop one of them")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
                              f"{self.logprobs}")

@@ -46,6 +46,10 @@ class Tokenizer:
         """Text -> token ids (no special tokens added)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one token of the vocabulary, else None."""
+        return self._tok.token_to_id(text)
+
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (logprob entries)."""
         return self._tok.decode([token_id], skip_special_tokens=False)

@@ -118,7 +118,7 @@ class OpenAIApp:
             raise RequestError("INVALID_ARGUMENT", f"{self.model} has no chat template "
                                                    "(tokenizer_config.json chat_template): use "
                                                    "/v1/completions")
-        plan = await self.off_loop.run(plan_chat, self.chat_template, req)
+        plan = await self.off_loop.run(plan_chat, self.chat_template, req, self._token_id)
         gens = await start_generation(self.router, plan.prompt, None, req, req.token_budget,
                                       plan.grammar)
         return await self._respond(request, gens, req, CHAT,
@@ -195,6 +195,10 @@ class OpenAIApp:
             for s in streams:
                 await s.aclose()
         yield sse.DONE
+
+    def _token_id(self, text: str) -> int | None:
+        tok = self.router.tokenizer
+        return tok.token_id(text) if tok is not None else None
 
     def _token_text(self, token_id: int) -> str:
         tok = self.router.tokenizer

@@ -5,6 +5,7 @@ rendered through the checkpoint's chat template, the grammar the output must fol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.sampling_params import GrammarSpec
@@ -32,8 +33,10 @@ class ChatPlan:
     parse_tools: bool
 
 
-def plan_chat(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
-    """:class:`ChatPlan` of ``req`` (blocking: the template renders here).
+def plan_chat(template: ChatTemplate, req: ChatCompletionRequest,
+              token_id: Callable[[str], int | None]) -> ChatPlan:
+    """:class:`ChatPlan` of ``req`` (blocking: the template renders here); ``token_id``: a
+    text's token id when it is one token of the vocabulary (tool-call markers), else None.
 
     Raises:
         RequestError: INVALID_ARGUMENT: the template refuses the messages, thinking is asked of
@@ -55,12 +58,12 @@ def plan_chat(template: ChatTemplate, req: ChatCompletionRequest) -> ChatPlan:
                                                    "omit it")
         extra["thinking"] = thinking
     prompt = template.render(messages, **extra)
-    return ChatPlan(prompt, _grammar(template, req, tools, choice),
+    return ChatPlan(prompt, _grammar(template, req, tools, choice, token_id),
                     prompt.rstrip().endswith(THINK_START), use_tools)
 
 
 def _grammar(template: ChatTemplate, req: ChatCompletionRequest, tools: list,
-             choice: str | dict) -> GrammarSpec | None:
+             choice: str | dict, token_id: Callable[[str], int | None]) -> GrammarSpec | None:
     schema = req.response_schema()
     if schema is not None:
         return GrammarSpec("json_schema", schema)
@@ -69,4 +72,4 @@ def _grammar(template: ChatTemplate, req: ChatCompletionRequest, tools: list,
         return None
     parallel = req.parallel_tool_calls is not False
     return GrammarSpec("lark", tool_call_grammar(must, template.reads(V3_ARGS_OPEN.strip()),
-                                                 parallel))
+                                                 parallel, token_id))

@@ -12,6 +12,7 @@ call in the format the template itself uses for earlier calls: V3's
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.api.http.deepseek_output import (CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END,
@@ -66,26 +67,42 @@ def chosen_tools(tools: list[dict[str, Any]], choice: str | dict[str, Any]
     return named
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], v3_format: bool, parallel: bool) -> str:
+def _lark_seq(parts: list[str], token_id: Callable[[str], int | None]) -> str:
+    """Lark for ``parts`` in a row: a marker that is one token of the vocabulary as that token
+    (``<[id]>``: llguidance matches special tokens by id, never by their text), the rest as
+    string literals."""
+    out = []
+    for part in parts:
+        tid = token_id(part) if part in MARKERS else None
+        out.append(f"<[{tid}]>" if tid is not None else json.dumps(part, ensure_ascii=False))
+    return " ".join(out)
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], v3_format: bool, parallel: bool,
+                      token_id: Callable[[str], int | None]) -> str:
     """llguidance Lark: one call (``parallel``: one or more) to one of ``tools``, its
-    arguments valid against the tool's ``parameters`` schema, then the end of the output."""
-    names = []
-    rules = []
+    arguments valid against the tool's ``parameters`` schema, then the end of the output.
+    ``token_id``: a text's token id when it is one token of the vocabulary, else None."""
+    names, rules = [], []
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        schema = json.dumps(fn.get("parameters") or {"type": "object"}, ensure_ascii=False)
-        head = f"function{SEP}{fn['name']}{V3_ARGS_OPEN}" if v3_format else f"{fn['name']}{SEP}"
-        tail = V3_ARGS_CLOSE if v3_format else ""
-        rules.append(f"fn_{i}: {_lark_string(head)} args_{i} {_lark_string(tail)}"
-                     if tail else f"fn_{i}: {_lark_string(head)} args_{i}")
+        # NOTE: compact JSON, as for response_format (engine/grammar.py): no whitespace runs
+        schema = json.dumps({**(fn.get("parameters") or {"type": "object"}),
+                             "x-guidance": {"whitespace_flexible": False}}, ensure_ascii=False)
+        if v3_format:
+            head = _lark_seq(["function", SEP, fn["name"] + V3_ARGS_OPEN], token_id)
+            rules.append(f"fn_{i}: {head} args_{i} {_lark_seq([V3_ARGS_CLOSE], token_id)}")
+        else:
+            rules.append(f"fn_{i}: {_lark_seq([fn['name'], SEP], token_id)} args_{i}")
         rules.append(f"args_{i}: %json {schema}")
         names.append(f"fn_{i}")
     repeat = "+" if parallel else ""
     return "\n".join([
-        f"start: {_lark_string(CALLS_BEGIN)} call{repeat} {_lark_string(CALLS_END)}",
-        f"call: {_lark_string(CALL_BEGIN)} ({' | '.join(names)}) {_lark_string(CALL_END)}",
+        f"start: {_lark_seq([CALLS_BEGIN], token_id)} call{repeat} "
+        f"{_lark_seq([CALLS_END], token_id)}",
+        f"call: {_lark_seq([CALL_BEGIN], token_id)} ({' | '.join(names)}) "
+        f"{_lark_seq([CALL_END], token_id)}",
         *rules])
