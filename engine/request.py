@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_pool import BlockSet
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.spec_decode import DraftInput
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class Request:
         num_hashed_blocks: leading blocks registered in the prefix cache.
         draft: speculative decoding: what the MTP module drafts from at the next step (set
             after each step that sampled), None otherwise.
+        grammar: the request's grammar matcher on this instance (made on first use, replaying
+            ``output_token_ids``), or None.
+        output_logprobs: with ``sampling.logprobs`` set, one entry per token this instance
+            sampled (the latest is what its token event carries).
     """
 
     spec: RequestSpec
@@ -63,6 +71,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     draft: DraftInput | None = None
+    grammar: GrammarState | None = None
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -81,6 +91,21 @@ class Request:
         """Which output token of the whole request the next sample is (seeds its draw):
         tokens streamed by earlier attempts plus those generated here."""
         return self.spec.num_resumed_tokens + len(self.output_token_ids)
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every output token of the whole request so far: what earlier attempts streamed
+        (the prompt's last ``num_resumed_tokens``) then what this instance generated; the
+        penalties and the grammar read this, so a migrated request keeps their state."""
+        n = self.spec.num_resumed_tokens
+        return [*self.spec.prompt_token_ids[-n:], *self.output_token_ids] if n else \
+            self.output_token_ids
+
+    @property
+    def original_prompt_token_ids(self) -> tuple[int, ...]:
+        """The client's prompt (without the tokens a migrated attempt resumes from)."""
+        n = self.spec.num_resumed_tokens
+        return self.spec.prompt_token_ids[:-n] if n else self.spec.prompt_token_ids
 
     def token_range(self, start: int, end: int) -> tuple[int, ...]:
         """Token ids at positions ``[start, end)`` of prompt + output."""

@@ -5,8 +5,9 @@ probabilities, then one categorical draw; the order of vLLM and HF ``generate``.
 token ``n`` of a request is drawn with a CPU generator seeded ``(seed, n)``, so a seed gives
 the same tokens whatever shares the batch and whichever side samples (prefill samples token
 0); unseeded requests get a seed where they are accepted (``sampling_params.fill_seed``).
-Each row is sampled on its own: non-finite logits or probabilities, or a draw that raises,
-give a :class:`RowFailure` and only that request fails.
+Each row is sampled on its own: NaN or +inf logits (or -inf everywhere), non-finite
+probabilities, or a draw that raises, give a :class:`RowFailure` and only that request fails;
+-inf is a masked token (:mod:`engine.logits_process`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # reduction instead of a [B, V] mask (0.1 ms vs 2.5 ms at [8, 129280], one CPU thread);
     # finite logits would need |x| ~ 1e33 to overflow the fp32 sum.
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [B]
+    for row in [r for r, ok in enumerate(finite) if not ok]:
+        finite[row] = _finite_after_mask(logits[row])
     greedy_ids = greedy_argmax(logits).tolist()  # [B]
     out: list[int | RowFailure] = []
     for row, (p, step) in enumerate(zip(params, steps)):
@@ -99,6 +102,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         else:
             out.append(_sample_row(logits[row], p, step))
     return out
+
+
+def _finite_after_mask(row: torch.Tensor) -> bool:
+    """``row [V]`` holds no NaN and no +inf, and some finite logit (-inf: a token the logits
+    stage masked, :mod:`engine.logits_process`)."""
+    return not bool(torch.isnan(row).any()) and bool(torch.isfinite(row.max()))
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, step: int) -> int | RowFailure:

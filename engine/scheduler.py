@@ -252,12 +252,15 @@ def finish_reason(req: Request, eos_token_ids: frozenset[int]) -> str | None:
     """Why ``req`` stops after its latest token, or None to keep going.
 
     "length" once ``max_tokens`` tokens exist; "stop" when the latest token is an EOS id and the
-    request does not ``ignore_eos``.
+    request does not ``ignore_eos``, or one of its ``stop_token_ids``.
     """
     if not req.output_token_ids:
         return None
     if len(req.output_token_ids) >= req.spec.sampling.max_tokens:
         return "length"
-    if not req.spec.sampling.ignore_eos and req.output_token_ids[-1] in eos_token_ids:
+    last = req.output_token_ids[-1]
+    if not req.spec.sampling.ignore_eos and last in eos_token_ids:
+        return "stop"
+    if last in req.spec.sampling.stop_token_ids:
         return "stop"
     return None

@@ -17,6 +17,7 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import replace
 
 from engine import envs
 from orchestrator.deploy.assemble import build_board, build_http_server, build_monitor, build_router
@@ -115,7 +116,8 @@ def _run_cluster(cfg: OrchConfig, roles: dict[str, type] | None, rank_class: typ
                  security: EdgeSecurity, metrics) -> None:
     """:func:`run_up` after the checks: read the model, start Ray and the ranks, serve."""
     checkpoint = ensure_checkpoint(cfg.model)
-    model = read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len)
+    model = replace(read_model_info(checkpoint, cfg.model.path, cfg.model.max_model_len),
+                    num_speculative_tokens=cfg.decode.num_speculative_tokens)
     tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None
     if tokenizer is None:
         log.warning("%s has no tokenizer.json: only token-id prompts will work", checkpoint)

@@ -20,7 +20,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from pathlib import Path
+
 from engine.block_pool import BlockPool
+from engine.logits_process import LogitsStage
 from engine.request import Request, RequestSpec
 from engine.scheduler import RolePolicy, Scheduler, finish_reason
 from rank.config import InstanceConfig
@@ -71,7 +74,10 @@ class Leader:
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
         self.broken: str | None = None
-        self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync,
+        tokenizer_json = Path(cfg.checkpoint_dir) / "tokenizer.json"
+        stage = LogitsStage(self.eos_token_ids,
+                            str(tokenizer_json) if tokenizer_json.is_file() else None)
+        self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync, stage,
                                 self.eos_token_ids)
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
@@ -198,8 +204,12 @@ class Leader:
                 kept = accepted.get(rid, ())
                 cached = req.num_cached_tokens \
                     if len(req.output_token_ids) == 1 + len(kept) else 0
+                # NOTE: requests with logprobs never draft (router/validate.py refuses them
+                # under speculative decoding), so one entry goes with one token
+                logprobs = (req.output_logprobs[-1],) if req.output_logprobs else ()
                 self.emit(TokenEvent(rid, (*kept, token), reason, source=self.source,
-                                     instance=self.cfg.name, num_cached_tokens=cached))
+                                     instance=self.cfg.name, num_cached_tokens=cached,
+                                     logprobs=logprobs))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
             return done

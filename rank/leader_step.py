@@ -21,8 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.error_text import first_line
+from engine.logits_process import LogitsStage
+from engine.logprobs import token_logprobs
 from engine.sampling import RowFailure, sample
+from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import SpecOutput
 from rank.spec_verify import SpecStats, verify_step
@@ -64,11 +69,15 @@ class LeaderStep:
         scheduler: the leader's scheduler.
         group: the instance's ranks (runs each step on all of them).
         dp_sync: the role's DP sync (``ep`` with ``dp > 1``), else None.
+        logits_stage: per-request processing before sampling (penalties, min_tokens,
+            grammar; :mod:`engine.logits_process`), or None (no request may ask for any).
     """
 
     def __init__(self, name: str, scheduler: Scheduler, group: SPMDGroup,
-                 dp_sync: DPSync | None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 dp_sync: DPSync | None, logits_stage: LogitsStage | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.name, self.scheduler, self.group, self.dp_sync = name, scheduler, group, dp_sync
+        self.logits_stage = logits_stage
         self.timer = group.timer
         self.eos_token_ids = eos_token_ids
         self.spec_stats = SpecStats()  # speculative decoding: drafts made and kept
@@ -134,8 +143,7 @@ class LeaderStep:
             # NOTE: every row samples on decode: no [B, V] copy then
             picked = logits if len(rows) == logits.shape[0] else logits[rows]
             with self.timer.phase("sample"):
-                tokens = sample(picked, [r.spec.sampling for r in reqs],
-                                [r.sampling_step for r in reqs])
+                tokens = self._sample(picked, reqs)
             for req, token in zip(reqs, tokens):
                 if isinstance(token, RowFailure):
                     failed[req.request_id] = f"{self.name}: {token.reason}"
@@ -144,6 +152,28 @@ class LeaderStep:
         with self.timer.phase("schedule"):
             self.scheduler.update(out, sampled)
         return StepResult(out, sampled, failed)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | RowFailure]:
+        """Process (requests that ask), sample, and record logprobs (requests that ask) of
+        ``logits [B, V]``, row b for ``reqs[b]``."""
+        params = [r.spec.sampling for r in reqs]
+        failures: dict[int, str] = {}
+        if any(p.processed for p in params):
+            if self.logits_stage is None:
+                raise ValueError(f"{self.name} has no logits stage for penalties / grammars")
+            logits = logits.float()
+            # NOTE: in place on the step's logits (an inference tensor): no copy, so rows of
+            # requests without processing cost nothing
+            with torch.inference_mode():
+                failures = self.logits_stage.apply(logits, reqs)
+        tokens = sample(logits, params, [r.sampling_step for r in reqs])
+        for row, why in failures.items():
+            tokens[row] = RowFailure(why)
+        for row, (req, token) in enumerate(zip(reqs, tokens)):
+            if req.spec.sampling.logprobs is not None and isinstance(token, int):
+                req.output_logprobs.append(
+                    token_logprobs(logits[row].float(), token, req.spec.sampling))
+        return tokens
 
     def _execute_each(self, out: SchedulerOutput, step_inputs_for: StepInputsFor | None,
                       error: Exception) -> StepResult:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.kv_events import KVCacheEvents
+from engine.sampling_params import TokenLogprobs
 from kv_transfer import KVPeer
 from rank.step_timing import StepTimings
 
@@ -149,6 +150,7 @@ class TokenEvent:
         kv_events: the instance's prefix-cache changes since its previous batch
             (:class:`engine.kv_events.KVCacheEvents`); an event that carries them has an empty
             ``request_id`` and belongs to no request.
+        logprobs: with ``sampling.logprobs`` set, one entry per token of ``token_ids``.
     """
 
     request_id: str
@@ -160,6 +162,7 @@ class TokenEvent:
     retryable: bool = False
     num_cached_tokens: int = 0
     kv_events: KVCacheEvents | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

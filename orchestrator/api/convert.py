@@ -1,14 +1,17 @@
 """The one place protobuf meets the dataclasses (rank.messages, orchestrator.router.request).
 
 Proto conventions kept here only: ``top_p`` 0 means 1.0 (off); ``temperature`` 0 is greedy;
-``top_k`` 0 is off; ``seed`` is optional. On the way in, every client-supplied field is
+``top_k`` 0 is off; ``repetition_penalty`` 0 means 1.0 (off); ``seed`` and ``logprobs`` are
+optional. On the way in, every client-supplied field is
 checked: request_id (``orchestrator.router.limits``), sampling (``SamplingParams``); prompt lengths
 and token ids against the model in ``orchestrator.router.validate``.
 """
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from typing import Any
+
+from engine.sampling_params import GrammarSpec, SamplingParams, TokenLogprobs
 from rank.messages import InstanceStatusInfo, KVTailStats
 from rank.step_timing import PhaseTiming, StepTimings
 from orchestrator.router.limits import check_request_id
@@ -23,16 +26,33 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     Raises:
         RequestError: INVALID_ARGUMENT with SamplingParams' own message (allowed range).
     """
-    return build_sampling(max_tokens=msg.max_tokens, temperature=msg.temperature,
-                          top_k=msg.top_k, top_p=msg.top_p if msg.top_p != 0 else 1.0,
-                          seed=msg.seed if msg.HasField("seed") else None,
-                          ignore_eos=msg.ignore_eos)
+    return build_sampling(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None, ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0, min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=_grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None)
+
+
+def _grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("INVALID_ARGUMENT", "sampling.grammar is set but empty: set one of "
+                                               "json_schema, regex, lark")
+    try:
+        return GrammarSpec(kind, getattr(msg, kind))
+    except ValueError as exc:
+        raise RequestError("INVALID_ARGUMENT", f"sampling.grammar: {exc}") from None
 
 
 def build_sampling(max_tokens: int, temperature: float, top_k: int, top_p: float,
-                   seed: int | None, ignore_eos: bool) -> SamplingParams:
+                   seed: int | None, ignore_eos: bool, **processing: Any) -> SamplingParams:
     """:class:`SamplingParams` from a client's values (gRPC's and the OpenAI HTTP API's), so
-    both edges refuse a bad value with the same message.
+    both edges refuse a bad value with the same message. ``processing``: the other
+    SamplingParams fields (penalties, min_tokens, stop_token_ids, logprobs, grammar).
 
     Raises:
         RequestError: INVALID_ARGUMENT: ``max_tokens`` 0 (unset), or SamplingParams' own
@@ -43,18 +63,25 @@ def build_sampling(max_tokens: int, temperature: float, top_k: int, top_p: float
                                                "tokens to generate (>= 1)")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+                              top_p=top_p, seed=seed, ignore_eos=ignore_eos, **processing)
     except ValueError as exc:
         raise RequestError("INVALID_ARGUMENT", f"sampling: {exc}") from None
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     """:class:`SamplingParams` -> proto (client side)."""
-    msg = pb.SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature,
-                            top_k=params.top_k, top_p=params.top_p,
-                            ignore_eos=params.ignore_eos)
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids))
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    if params.grammar is not None:
+        msg.grammar.CopyFrom(pb.Grammar(**{params.grammar.kind: params.grammar.source}))
     return msg
 
 
@@ -101,6 +128,10 @@ def chunk_to_proto(chunk: OutputChunk) -> pb.GenerateResponse:
     """:class:`OutputChunk` -> proto response message."""
     msg = pb.GenerateResponse(request_id=chunk.request_id, token_ids=list(chunk.token_ids),
                               text=chunk.text, finish_reason=chunk.finish_reason or "")
+    msg.logprobs.extend(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                        top=[pb.TopLogprob(token_id=t, logprob=v)
+                                             for t, v in lp.top])
+                        for lp in chunk.logprobs)
     if chunk.stats is not None:
         s = chunk.stats
         msg.stats.CopyFrom(pb.GenerateStats(
@@ -121,8 +152,12 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> OutputChunk:
                              tpot_s=s.tpot_s, e2e_s=s.e2e_s,
                              prefill_instance=s.prefill_instance,
                              decode_instance=s.decode_instance)
+    logprobs = tuple(TokenLogprobs(lp.token_id, lp.logprob,
+                                   tuple((t.token_id, t.logprob) for t in lp.top))
+                     for lp in msg.logprobs)
     return OutputChunk(request_id=msg.request_id, token_ids=tuple(msg.token_ids),
-                       text=msg.text, finish_reason=msg.finish_reason or None, stats=stats)
+                       text=msg.text, finish_reason=msg.finish_reason or None, stats=stats,
+                       logprobs=logprobs)
 
 
 def status_to_proto(views: list[InstanceView], in_flight: int,

@@ -22,7 +22,8 @@ class ModelInfo:
 
     ``name``: the configured model path (or "tiny"); token ids lie in ``[0, vocab_size)``;
     ``eos_token_ids`` end a request unless ``ignore_eos``; ``max_model_len``: limit on
-    prompt + max_tokens, tokens.
+    prompt + max_tokens, tokens; ``num_speculative_tokens``: the deployment's MTP drafts per
+    step (``decode.speculative``; 0 off).
     """
 
     name: str
@@ -30,6 +31,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     num_layers: int
     max_model_len: int
+    num_speculative_tokens: int = 0
 
 
 def ensure_checkpoint(model: ModelSection) -> Path:

@@ -31,6 +31,7 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"no tokenizer.json in {path}: copy the model's tokenizer.json there, or send "
                 "token ids instead of text")
+        self.file = file
         self._tok = HFTokenizer.from_file(str(file))
 
     @property
@@ -44,6 +45,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Text -> token ids (no special tokens added)."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one token of the vocabulary, else None."""
+        return self._tok.token_to_id(text)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprob entries)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text, special tokens skipped."""

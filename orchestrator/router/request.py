@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 class RequestError(Exception):
@@ -92,3 +92,4 @@ class OutputChunk:
     text: str = ""
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked

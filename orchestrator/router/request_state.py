@@ -112,7 +112,8 @@ class RequestState:
     def accepted(self, spec: RequestSpec, eos_token_ids: tuple[int, ...], now: float) -> None:
         """Validated and tokenized at ``now``: ``spec`` is what every attempt runs."""
         self.spec, self.start, self.placing_since = spec, now, now
-        self.eos = frozenset() if spec.sampling.ignore_eos else frozenset(eos_token_ids)
+        eos = frozenset() if spec.sampling.ignore_eos else frozenset(eos_token_ids)
+        self.eos = eos | frozenset(spec.sampling.stop_token_ids)
 
     def new_attempt(self, number: int) -> RequestSpec:
         """PLACING under attempt id "<request_id>@<number>"; returns the spec under that id:

@@ -25,6 +25,7 @@ from engine.request import RequestSpec
 from engine.sampling_params import fill_seed
 from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.availability import Availability, HealthView
+from engine.grammar import GrammarCompiler
 from orchestrator.router.detokenizer import IncrementalDetokenizer, Tokenizer
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump, LeaderClient
@@ -93,6 +94,9 @@ class Router:
                  poll_timeout_s: float = 0.5, max_attempts: int = 3,
                  health: HealthView | None = None, max_migrations: int = 3) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
+        # NOTE: grammars are checked here, before a request is accepted (a bad one is a 400)
+        self.grammars = GrammarCompiler(tokenizer.file, model.vocab_size,
+                                        model.eos_token_ids) if tokenizer else None
         self.request_timeout_s, self.max_attempts = request_timeout_s, max_attempts
         self.max_migrations = max_migrations
         self.metrics = metrics or NoMetrics()
@@ -310,8 +314,9 @@ class Router:
         if tokens and req.phase is Phase.PREFILLING:
             self._first_token(req, tokens[0], finished=finish is not None)
         text = detok.add(tokens) if detok else ""
+        logprobs = event.logprobs[:len(tokens)] if event else ()
         if finish is None:
-            return OutputChunk(req.request_id, tokens, text), False
+            return OutputChunk(req.request_id, tokens, text, logprobs=logprobs), False
         if detok:
             text += detok.flush()
         handover = req.calls.pop("handover", None)
@@ -320,7 +325,7 @@ class Router:
         # NOTE: a finish the router made (EOS / max_tokens the leader did not report, an
         # abort) leaves the request running on the workers: the attempt aborts it.
         by_workers = event is not None and event.finish_reason in ("stop", "length")
-        return self._last_chunk(req, tokens, text, finish), by_workers
+        return self._last_chunk(req, tokens, text, finish, logprobs), by_workers
 
     def _first_token(self, req: RequestState, token_id: int, finished: bool) -> None:
         """DECODING: from now on the request depends on its main instance only; the token
@@ -331,12 +336,13 @@ class Router:
             self.flow.on_first_token(req.route, token_id, finished))
 
     def _last_chunk(self, req: RequestState, tokens: tuple[int, ...], text: str,
-                    finish: str) -> OutputChunk:
+                    finish: str, logprobs: tuple = ()) -> OutputChunk:
         """End the request with ``finish`` ("stop" / "length": FINISHED, "abort": ABORTED)
         and make its last chunk, with the stats."""
         self._end(req, Phase.FINISHED if finish in ("stop", "length") else Phase.ABORTED,
                   finish)
-        return OutputChunk(req.request_id, tokens, text, finish, req.stats(time.monotonic()))
+        return OutputChunk(req.request_id, tokens, text, finish, req.stats(time.monotonic()),
+                           logprobs)
 
     def _open(self, request_id: str) -> RequestState:
         """Know the request from now on (an Abort finds it even while it is tokenized).
@@ -362,7 +368,8 @@ class Router:
 
     async def _accept(self, req: RequestState, inp: GenerateInput) -> None:
         """Validate + tokenize (off the loop: a long prompt takes seconds) + seed."""
-        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer)
+        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer,
+                                      self.grammars)
         req.accepted(RequestSpec(request_id=req.request_id, prompt_token_ids=ids,
                                  sampling=fill_seed(inp.sampling), arrival_time=time.time()),
                      self.model.eos_token_ids, time.monotonic())

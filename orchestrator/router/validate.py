@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from engine.grammar import GrammarCompiler
+from engine.sampling_params import SamplingParams
 from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.request import GenerateInput, RequestError
@@ -11,12 +13,12 @@ def _invalid(message: str) -> RequestError:
     return RequestError("INVALID_ARGUMENT", message)
 
 
-def validate_request(inp: GenerateInput, model: ModelInfo,
-                     tokenizer: Tokenizer | None) -> tuple[int, ...]:
+def validate_request(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer | None,
+                     grammars: GrammarCompiler | None = None) -> tuple[int, ...]:
     """Tokenize and check one request; returns the prompt token ids.
 
     Checks: a non-empty prompt; every id in [0, vocab_size); prompt + max_tokens <=
-    max_model_len. Sampling ranges were checked when ``inp.sampling`` was built.
+    max_model_len; :func:`check_sampling`. Ranges were checked when ``inp.sampling`` was built.
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the problem and the fix.
@@ -41,9 +43,37 @@ def validate_request(inp: GenerateInput, model: ModelInfo,
     if bad is not None:
         raise _invalid(f"token id {bad} is out of range [0, {model.vocab_size}) for "
                        f"{model.name}: send ids from this model's tokenizer")
+    check_sampling(inp.sampling, model, grammars)
     max_tokens = inp.sampling.max_tokens
     if len(ids) + max_tokens > model.max_model_len:
         raise _invalid(f"prompt has {len(ids)} tokens + max_tokens {max_tokens} > "
                        f"max_model_len {model.max_model_len}: shorten the prompt, lower "
                        "max_tokens or raise model.max_model_len")
     return ids
+
+
+def check_sampling(sampling: SamplingParams, model: ModelInfo,
+                   grammars: GrammarCompiler | None) -> None:
+    """``stop_token_ids`` in [0, vocab_size); a grammar that llguidance accepts; no logits
+    processing or logprobs under MTP speculative decoding.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the problem (llguidance's message for grammars).
+    """
+    if model.num_speculative_tokens and (sampling.processed or sampling.logprobs is not None):
+        # NOTE: the MTP verify step samples without the logits stage (engine/spec_decode.py)
+        raise _invalid("penalties, min_tokens, grammars (response_format, tools) and logprobs "
+                       "are not served with MTP speculative decoding yet: drop them, or serve "
+                       "without decode.speculative")
+    bad = next((t for t in sampling.stop_token_ids if t >= model.vocab_size), None)
+    if bad is not None:
+        raise _invalid(f"stop_token_ids: {bad} is out of range [0, {model.vocab_size}) for "
+                       f"{model.name}")
+    if sampling.grammar is None:
+        return
+    if grammars is None:
+        raise _invalid("this model has no tokenizer.json: grammars (response_format, regex, "
+                       "tools) need one")
+    why = grammars.check(sampling.grammar)
+    if why is not None:
+        raise _invalid(f"the {sampling.grammar.kind} grammar cannot be used: {why}")

@@ -1,20 +1,25 @@
 """The OpenAI HTTP API of `orch up configs/1p1d.yaml` (router.http_port set) through the
 official `openai` client: completions and chat, streamed and not, equal the gRPC output of the
-same prompt (greedy); 400 / 404 carry gRPC's message; with decode full and no admission queue
+same prompt (greedy); 400 / 404 carry gRPC's message; JSON-schema outputs all validate,
+regex outputs match, a required tool call round-trips, logprobs and n choices; with decode full and no admission queue
 the requests beyond what fits get 429; streaming clients that go away free every block."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from orchestrator.config.load import load_config
 from orchestrator.api.http.chat_template import ChatTemplate
+from orchestrator.api.rpc import orch_pb2
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 from tests.ports import free_port
 from tests.e2e.test_pd_end_to_end import decode_seconds
@@ -137,6 +142,102 @@ def test_client_gone_mid_stream_frees_every_block(orch):
     assert all(c.choices[0].finish_reason is None for c in got)
     # NOTE: a request nobody stopped would hold decode for still_running_s more.
     wait_idle(orch, timeout_s=still_running_s / 2)
+
+
+SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["user", "tags"],
+     "properties": {"user": {"type": "object", "additionalProperties": False,
+                             "required": ["name", "age"],
+                             "properties": {"name": {"type": "string", "maxLength": 6},
+                                            "age": {"type": "integer", "minimum": 0,
+                                                    "maximum": 120}}},
+                    "tags": {"type": "array", "maxItems": 2,
+                             "items": {"enum": ["a", "b", "c"]}}}},
+    {"type": "object", "additionalProperties": False, "required": ["color", "ok"],
+     "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}}},
+]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+CHOICES_PER_REQUEST = 10
+
+
+def test_json_schema_outputs_all_validate_through_pd(orch):
+    """50 sampled outputs per schema (5 requests of n=10, one seed each) all validate."""
+    client, user = _client(orch), [{"role": "user", "content": "Give me JSON."}]
+    for schema in SCHEMAS:
+        for seed in range(5):
+            got = client.chat.completions.create(
+                model="tiny", messages=user, max_tokens=64, n=CHOICES_PER_REQUEST, seed=seed,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": schema, "strict": True}})
+            assert len(got.choices) == CHOICES_PER_REQUEST
+            for choice in got.choices:
+                assert choice.finish_reason == "stop", choice
+                jsonschema.validate(json.loads(choice.message.content), schema)
+    wait_idle(orch)
+
+
+def test_regex_grammar_over_grpc(orch):
+    for seed in range(4):
+        tokens, responses, err = orch.generate(
+            "code:", max_tokens=32, temperature=1.0, seed=seed,
+            grammar=orch_pb2.Grammar(regex=r"[A-Z]{2}-[0-9]{2,4}"))
+        assert err is None and responses[-1].finish_reason == "stop", err
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{2,4}", "".join(r.text for r in responses))
+
+
+def test_required_tool_call_round_trip_with_the_official_client(orch):
+    client = _client(orch)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    got = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=64, temperature=1.0, seed=1)
+    (call,) = got.choices[0].message.tool_calls
+    assert got.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments),
+                        WEATHER["function"]["parameters"])
+    streamed = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], max_tokens=64, temperature=1.0,
+        seed=1, parallel_tool_calls=False, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    args, finish = "", None
+    for chunk in streamed:
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            assert delta.index == 0
+            args += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and json.loads(args) == json.loads(call.function.arguments)
+    messages += [got.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    after = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER],
+                                           max_tokens=8, temperature=0)
+    assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    wait_idle(orch)
+
+
+def test_logprobs_and_n_choices_with_the_official_client(orch):
+    client, user = _client(orch), [{"role": "user", "content": "hello"}]
+    got = client.chat.completions.create(model="tiny", messages=user, max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    entries = got.choices[0].logprobs.content
+    assert len(entries) == got.usage.completion_tokens == 6
+    assert "".join(e.token for e in entries) == got.choices[0].message.content
+    for e in entries:  # greedy: the token is the most likely one
+        assert e.top_logprobs[0].token == e.token and e.logprob <= 0
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+    # choice i of a seeded request is the request with seed + i
+    many = client.completions.create(model="tiny", prompt="hi", max_tokens=6, n=3, seed=40,
+                                     temperature=1.0, logprobs=1)
+    for i, choice in enumerate(many.choices):
+        one = client.completions.create(model="tiny", prompt="hi", max_tokens=6, seed=40 + i,
+                                        temperature=1.0)
+        assert choice.index == i and choice.text == one.choices[0].text
+        assert len(choice.logprobs.token_logprobs) == 6
+    assert many.usage.completion_tokens == 18
+    wait_idle(orch)
 
 
 def test_sigint_stops_both_servers(orch):

@@ -1,6 +1,7 @@
 """A text prompt too long for max_model_len is refused from its byte length, before the
 (possibly seconds-long) tokenization."""
 
+import dataclasses
 import time
 
 import pytest
@@ -34,3 +35,17 @@ def test_bound_never_refuses_a_text_that_fits():
                                            sampling=SamplingParams(max_tokens=4)),
                            MODEL, TOKENIZER)
     assert len(ids) >= 2
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_tokens=4, presence_penalty=0.5),
+                                      SamplingParams(max_tokens=4, min_tokens=2),
+                                      SamplingParams(max_tokens=4, logprobs=1)])
+def test_logits_processing_is_refused_under_speculative_decoding(sampling):
+    # the MTP verify step samples without the logits stage: refused, not silently dropped
+    inp = GenerateInput(text=None, token_ids=[1, 2, 3], sampling=sampling)
+    assert validate_request(inp, MODEL, TOKENIZER) == (1, 2, 3)
+    mtp = dataclasses.replace(MODEL, num_speculative_tokens=1)
+    with pytest.raises(RequestError, match="not served with MTP speculative decoding"):
+        validate_request(inp, mtp, TOKENIZER)
+    plain = GenerateInput(text=None, token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+    assert validate_request(plain, mtp, TOKENIZER) == (1, 2, 3)

@@ -23,7 +23,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from orchestrator.api.http import sse
+from orchestrator.api.http.chat_request import plan_chat
 from orchestrator.api.http.chat_template import ChatTemplate
+from orchestrator.api.http.choices import Choice
+from orchestrator.api.http.deepseek_output import OutputStream
 from orchestrator.api.http.generation import Generation, Piece, start_generation
 from orchestrator.api.http.off_loop import MAX_CHAT_MESSAGES, OffLoop, parse_body
 from orchestrator.api.http.openai_schema import (ChatCompletionRequest, CompletionRequest,
@@ -106,8 +109,8 @@ class OpenAIApp:
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, CompletionRequest)
         text, ids = req.prompt_parts()
-        gen = await start_generation(self.router, text, ids, req, req.max_tokens)
-        return await self._respond(request, gen, req, COMPLETION)
+        gens = await start_generation(self.router, text, ids, req, req.max_tokens)
+        return await self._respond(request, gens, req, COMPLETION, lambda: None)
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
@@ -115,9 +118,11 @@ class OpenAIApp:
             raise RequestError("INVALID_ARGUMENT", f"{self.model} has no chat template "
                                                    "(tokenizer_config.json chat_template): use "
                                                    "/v1/completions")
-        text = await self.off_loop.run(_render, self.chat_template, req.messages)
-        gen = await start_generation(self.router, text, None, req, req.token_budget)
-        return await self._respond(request, gen, req, CHAT)
+        plan = await self.off_loop.run(plan_chat, self.chat_template, req, self._token_id)
+        gens = await start_generation(self.router, plan.prompt, None, req, req.token_budget,
+                                      plan.grammar)
+        return await self._respond(request, gens, req, CHAT,
+                                   lambda: OutputStream(plan.in_reasoning, plan.parse_tools))
 
     async def _parse(self, request: Request, kind: type[T]) -> T:
         """Auth, size, message count, JSON, schema, model name, supported fields (in that
@@ -141,55 +146,107 @@ class OpenAIApp:
         raise RequestError("UNAUTHENTICATED", f"{why}: send the header 'Authorization: Bearer "
                                               "<token>' (the OpenAI client's api_key)")
 
-    async def _respond(self, request: Request, gen: Generation, req: GenerationRequest,
-                       shape: Shape) -> Response:
-        created, pieces = now(), gen.pieces()
+    async def _respond(self, request: Request, gens: list[Generation],
+                       req: GenerationRequest, shape: Shape,
+                       parser: Callable[[], OutputStream | None]) -> Response:
+        created = now()
+        choices = [Choice(i, shape.chat, self._token_text, parser())
+                   for i in range(len(gens))]
+        lp = req.top_logprobs_count is not None
         if not req.stream:
-            whole = await _unless_disconnected(request, _collect(pieces))
-            if whole is None:
+            done = await _unless_disconnected(request, asyncio.gather(
+                *(_collect(g.pieces(), c) for g, c in zip(gens, choices))))
+            if done is None:
                 return Response(status_code=CLIENT_GONE)
-            text, finish = whole
-            return JSONResponse(shape.whole(gen.request_id, created, self.model, text, finish,
-                                            gen.prompt_tokens, gen.completion_tokens,
-                                            gen.cached_tokens))
-        # NOTE: the first piece is awaited before the 200 goes out, so a refused request
-        # (bad input, overload) still gets its HTTP status.
-        first = await _unless_disconnected(request, anext(pieces))
-        if first is None:
+            return JSONResponse(shape.whole(gens[0].request_id, created, self.model,
+                                            [c.whole(lp) for c in choices],
+                                            gens[0].prompt_tokens,
+                                            sum(g.completion_tokens for g in gens),
+                                            gens[0].cached_tokens))
+        streams = [g.pieces() for g in gens]
+        # NOTE: each choice's first piece is awaited before the 200 goes out, so a refused
+        # request (bad input, overload) still gets its HTTP status.
+        firsts = await _unless_disconnected(request, asyncio.gather(
+            *(anext(s) for s in streams)))
+        if firsts is None:
+            for s in streams:
+                await s.aclose()
             return Response(status_code=CLIENT_GONE)
-        return StreamingResponse(self._events(gen, shape, created, first, pieces,
-                                              req.include_usage), media_type=sse.MEDIA_TYPE)
+        return StreamingResponse(self._events(gens, shape, created, choices, firsts, streams,
+                                              req), media_type=sse.MEDIA_TYPE)
 
-    async def _events(self, gen: Generation, shape: Shape, created: int, first: Piece,
-                      rest: AsyncIterator[Piece], include_usage: bool) -> AsyncIterator[bytes]:
-        rid, piece, is_first = gen.request_id, first, True
+    async def _events(self, gens: list[Generation], shape: Shape, created: int,
+                      choices: list[Choice], firsts: list[Piece],
+                      streams: list[AsyncIterator[Piece]],
+                      req: GenerationRequest) -> AsyncIterator[bytes]:
+        rid, lp = gens[0].request_id, req.top_logprobs_count is not None
+        merged = _merge(firsts, streams)
         try:
-            while True:
-                yield sse.event(shape.chunk(rid, created, self.model, piece.text,
-                                            piece.finish_reason, is_first))
-                if piece.finish_reason is not None:
-                    break
-                piece, is_first = await anext(rest), False
-            if include_usage:
-                yield sse.event(shape.usage_chunk(rid, created, self.model, gen.prompt_tokens,
-                                                  gen.completion_tokens, gen.cached_tokens))
+            async for index, piece in merged:
+                for choice in choices[index].chunks(piece, lp):
+                    yield sse.event(shape.chunk(rid, created, self.model, choice))
+            if req.include_usage:
+                yield sse.event(shape.usage_chunk(rid, created, self.model,
+                                                  gens[0].prompt_tokens,
+                                                  sum(g.completion_tokens for g in gens),
+                                                  gens[0].cached_tokens))
         except RequestError as exc:
             yield sse.event(_error_json(exc))
         finally:
-            await rest.aclose()
+            await merged.aclose()
+            for s in streams:
+                await s.aclose()
         yield sse.DONE
 
+    def _token_id(self, text: str) -> int | None:
+        tok = self.router.tokenizer
+        return tok.token_id(text) if tok is not None else None
 
-def _render(template: ChatTemplate, messages: list) -> str:
-    return template.render([m.for_template() for m in messages])
+    def _token_text(self, token_id: int) -> str:
+        tok = self.router.tokenizer
+        return tok.token_text(token_id) if tok is not None else f"<{token_id}>"
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str | None]:
-    text, finish = [], None
+async def _merge(firsts: list[Piece], streams: list[AsyncIterator[Piece]]
+                 ) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice index, piece) of every stream as they come, each stream's first piece first;
+    a stream's error ends the merge with that error."""
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, first: Piece, stream: AsyncIterator[Piece]) -> None:
+        try:
+            await queue.put((index, first))
+            if first.finish_reason is None:
+                async for piece in stream:
+                    await queue.put((index, piece))
+                    if piece.finish_reason is not None:
+                        break
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts,
+                                                                              streams))]
+    try:
+        live = len(tasks)
+        while live:
+            index, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(pieces: AsyncIterator[Piece], choice: Choice) -> None:
     async for piece in pieces:
-        text.append(piece.text)
-        finish = piece.finish_reason
-    return "".join(text), finish
+        choice.add(piece)
 
 
 async def _read_body(request: Request, limit: int, max_model_len: int) -> bytes:

@@ -64,7 +64,12 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile ({exc}): fix "
                                     "chat_template in tokenizer_config.json") from None
+        self.source = source
         self.special_tokens = dict(special_tokens)
+
+    def reads(self, word: str) -> bool:
+        """The template's text holds ``word`` (a variable it reads, a format it writes)."""
+        return word in self.source
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> "ChatTemplate":
@@ -90,9 +95,11 @@ class ChatTemplate:
                                     "there, or use /v1/completions")
         return cls(source, {k: _token_text(config.get(k)) for k in SPECIAL_TOKEN_KEYS})
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               **extra: Any) -> str:
         """The prompt text of ``messages`` (``{"role", "content", ...}`` in order);
-        ``add_generation_prompt`` ends with the assistant's turn header.
+        ``add_generation_prompt`` ends with the assistant's turn header; ``extra``: more
+        variables the template reads (``tools``, ``thinking``).
 
         Raises:
             RequestError: INVALID_ARGUMENT when the template refuses the conversation (its
@@ -103,7 +110,7 @@ class ChatTemplate:
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **self.special_tokens, **extra)
         except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
             raise RequestError("INVALID_ARGUMENT", f"the model's chat template refused these "
                                                    f"messages: {exc}") from None

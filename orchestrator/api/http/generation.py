@@ -1,5 +1,7 @@
 """One OpenAI request on the router: the same ``Router.generate`` the gRPC servicer calls,
-with OpenAI's sampling defaults and stop strings on top.
+with OpenAI's sampling defaults and stop strings on top; ``n`` choices are ``n`` router
+requests of the same tokenized prompt (its KV is computed once per choice unless the
+instances' prefix cache holds it).
 
 The prompt is tokenized here (off the loop, with the checkpoint's tokenizer) so its token
 count gives chat's default ``max_tokens`` (the rest of ``max_model_len``) and ``usage`` when a
@@ -14,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from engine.sampling_params import GrammarSpec, TokenLogprobs
 from orchestrator.api.convert import build_sampling
 from orchestrator.api.http.openai_schema import GenerationRequest
 from orchestrator.api.http.stop_text import StopText
@@ -26,10 +29,12 @@ OPENAI_TOP_P = 1.0
 
 @dataclass(frozen=True)
 class Piece:
-    """New text of the choice; the last piece has the finish reason."""
+    """New text of the choice (and, when asked, the logprobs of the tokens it came from);
+    the last piece has the finish reason."""
 
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Generation:
@@ -67,20 +72,22 @@ class Generation:
                     self.cached_tokens = chunk.stats.cached_tokens
                 text, stopped = stop.feed(chunk.text)
                 if stopped:
-                    yield Piece(text, "stop")
+                    yield Piece(text, "stop", chunk.logprobs)
                     return
                 if chunk.finish_reason is not None:
-                    yield Piece(text + stop.flush(), chunk.finish_reason)
+                    yield Piece(text + stop.flush(), chunk.finish_reason, chunk.logprobs)
                     return
-                if text:
-                    yield Piece(text)
+                if text or chunk.logprobs:
+                    yield Piece(text, None, chunk.logprobs)
         finally:
             await stream.aclose()
 
 
 async def start_generation(router: Router, text: str | None, token_ids: tuple[int, ...] | None,
-                           req: GenerationRequest, max_tokens: int | None) -> Generation:
-    """A :class:`Generation` of one prompt (exactly one of ``text`` / ``token_ids``).
+                           req: GenerationRequest, max_tokens: int | None,
+                           grammar: GrammarSpec | None = None) -> list[Generation]:
+    """``req.n`` :class:`Generation` s of one prompt (exactly one of ``text`` /
+    ``token_ids``), tokenized once; choice i of a seeded request is seeded ``seed + i``.
 
     ``max_tokens`` None fills the context (``max_model_len`` minus the prompt).
 
@@ -92,14 +99,23 @@ async def start_generation(router: Router, text: str | None, token_ids: tuple[in
     prompt_tokens = len(token_ids) if token_ids is not None else 0
     if max_tokens is None:
         max_tokens = max(router.model.max_model_len - prompt_tokens, 1)
-    sampling = build_sampling(
-        max_tokens=max_tokens,
-        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
-        top_k=req.top_k or 0, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
-        seed=req.seed, ignore_eos=bool(req.ignore_eos))
-    inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
-                        sampling=sampling, request_id=uuid.uuid4().hex)
-    return Generation(router, inp, prompt_tokens, req.stop_strings())
+    gens = []
+    for i in range(req.choices):
+        sampling = build_sampling(
+            max_tokens=max_tokens,
+            temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+            top_k=req.top_k or 0, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
+            seed=None if req.seed is None else req.seed + i, ignore_eos=bool(req.ignore_eos),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None
+            else req.repetition_penalty,
+            min_tokens=req.min_tokens or 0, stop_token_ids=tuple(req.stop_token_ids or ()),
+            logprobs=req.top_logprobs_count, grammar=grammar)
+        inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
+                            sampling=sampling, request_id=uuid.uuid4().hex)
+        gens.append(Generation(router, inp, prompt_tokens, req.stop_strings()))
+    return gens
 
 
 async def _tokenize(router: Router, text: str) -> tuple[int, ...] | None:

@@ -1,18 +1,16 @@
 """OpenAI request bodies (pydantic) and response bodies (plain dicts), as the official client
 sends and reads them.
 
-Supported: ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``, ``top_p``,
-``seed``, ``stop`` (strings), ``stream`` with ``stream_options.include_usage``, ``n`` = 1, and
-two vLLM extensions the bench uses: ``top_k`` and ``ignore_eos``. A completion prompt is one
-string or one list of token ids. Unknown fields are ignored (as OpenAI-compatible servers do);
-known ones orch cannot honour (``n`` > 1, ``logprobs``, ``echo``, penalties, ``logit_bias``,
-several prompts) are refused with a 400 saying so. Types are strict, as OpenAI's are (``"stream":
-"yes"`` or ``"max_tokens": true`` is a 400, an integer where a number goes is fine), and every
-optional field may be ``null`` (its default), as OpenAI's schema allows and many clients send.
+Every field a body may carry is listed here (docs/router.md has the table): a field orch does
+not know is a 400 naming it (never silently dropped), and so is a known one it cannot honour
+(``echo``, ``best_of``, ``suffix``, ``logit_bias``, audio, ...; :data:`REFUSED`). Types are
+strict, as OpenAI's are (``"stream": "yes"`` or ``"max_tokens": true`` is a 400, an integer
+where a number goes is fine), and every optional field may be ``null`` (its default).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -21,31 +19,65 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orchestrator.router.request import RequestError
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16
+MAX_TOOLS = 128
+# Known OpenAI fields orch refuses, with what to do instead.
+REFUSED = {
+    "logit_bias": "omit it", "echo": "omit it (send the prompt again yourself)",
+    "best_of": "use n and pick yourself", "suffix": "omit it (no fill-in-the-middle)",
+    "functions": "use tools", "function_call": "use tool_choice",
+    "audio": "omit it (text only)", "modalities": "omit it (text only)",
+    "prediction": "omit it", "service_tier": "omit it", "store": "omit it",
+    "metadata": "omit it", "reasoning_effort": "use chat_template_kwargs.thinking",
+    "web_search_options": "omit it", "verbosity": "omit it",
+}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(_Strict):
     """Fields both endpoints share. None means "the OpenAI default"."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None  # OpenAI's default: 1
     top_p: float | None = None  # OpenAI's default: 1
-    top_k: int | None = None  # 0: off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None  # 1
-    ignore_eos: bool | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own records: not used
+    # vLLM's extensions
+    top_k: int | None = None  # 0: off
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    # refused (REFUSED says what to do); typed loosely so the refusal names them
+    logit_bias: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     def stop_strings(self) -> tuple[str, ...]:
         """The non-empty stop strings (at most MAX_STOP_STRINGS)."""
@@ -57,18 +89,25 @@ class GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what orch cannot do (INVALID_ARGUMENT naming it)."""
-        if self.n not in (None, 1):
-            raise RequestError("INVALID_ARGUMENT", f"n={self.n} is not supported: orch returns "
-                                                   "one choice per request; send n=1 (or omit "
-                                                   "it) and repeat the request for more")
-        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-            if getattr(self, name):
+        for name, what in REFUSED.items():
+            value = getattr(self, name, None)
+            if value is not None and value is not False and value != {} and value != []:
                 raise RequestError("INVALID_ARGUMENT", f"{name} is not supported by orch: "
-                                                       "omit it (or send 0)")
+                                                       f"{what} (docs/router.md lists every "
+                                                       "field)")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives per token, or None when logprobs are off (per endpoint)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(GenerationRequest):
@@ -76,15 +115,10 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = None
-    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise RequestError("INVALID_ARGUMENT", "logprobs is not supported by orch: omit it")
-        if self.echo:
-            raise RequestError("INVALID_ARGUMENT", "echo is not supported by orch: omit it")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) \
                 and len(self.prompt) != 1:
             raise RequestError("INVALID_ARGUMENT", f"prompt is a list of {len(self.prompt)} "
@@ -98,15 +132,19 @@ class CompletionRequest(GenerationRequest):
             return str(self.prompt[0]), None
         return None, tuple(int(t) for t in self.prompt)
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One message; fields beyond role/content (name, tool_calls, ...) reach the template."""
+    """One message; fields beyond role/content (name, tool_calls, tool_call_id,
+    reasoning_content) reach the template."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -121,19 +159,69 @@ class ChatMessage(BaseModel):
         return out
 
 
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments always follow the schema when a grammar applies
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatTemplateKwargs(_Strict):
+    thinking: bool | None = None  # DeepSeek-V3.1+ templates: reasoning on / off
+
+
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise RequestError("INVALID_ARGUMENT", "logprobs is not supported by orch: omit "
-                                                   "logprobs and top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("INVALID_ARGUMENT", "top_logprobs needs logprobs: true")
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or
+                                                             rf.json_schema.schema_ is None):
+            raise RequestError("INVALID_ARGUMENT", "response_format json_schema needs "
+                                                   "json_schema.schema")
+        if rf is not None and rf.type != "text" and self.tool_grammar_needed:
+            raise RequestError("INVALID_ARGUMENT", "response_format and tool_choice "
+                                                   "required/named both constrain the output: "
+                                                   "send one of them")
 
     @property
     def token_budget(self) -> int | None:
@@ -141,13 +229,47 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    @property
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def tool_choice_value(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" with tools, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, str):
+            return self.tool_choice
+        return self.tool_choice.model_dump()
+
+    @property
+    def tool_grammar_needed(self) -> bool:
+        return self.tool_choice_value not in ("auto", "none")
+
+    def response_schema(self) -> str | None:
+        """The JSON Schema (as text) the output must follow, or None."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return json.dumps({"type": "object"})
+        return json.dumps(rf.json_schema.schema_)
+
 
 def validation_message(exc: ValidationError) -> str:
     """A pydantic error as one line naming each bad field."""
     parts = []
     for err in exc.errors()[:5]:
         where = ".".join(str(p) for p in err["loc"]) or "body"
-        parts.append(f"{where}: {err['msg']}")
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{where}: is not a field orch knows: remove it (docs/router.md "
+                         "lists every supported field)")
+        else:
+            parts.append(f"{where}: {err['msg']}")
     return "invalid request body: " + "; ".join(parts)
 
 

@@ -1,9 +1,10 @@
 """Response bodies of the two generation endpoints: one shape object per endpoint, so the
-request handling is written once (``orchestrator.api.http.generation``).
+request handling is written once (``orchestrator.api.http.app``).
 
-Streamed chunks carry the new text; the chunk with ``finish_reason`` ends the choice; with
-``stream_options.include_usage`` a last chunk has no choices and the ``usage``. Not streamed:
-one body with the whole text and the usage.
+Streamed chunks carry one choice's delta (``index`` says which); the chunk with
+``finish_reason`` ends that choice; with ``stream_options.include_usage`` a last chunk has no
+choices and the ``usage``. Not streamed: one body with every choice and the usage (the prompt
+counted once, the completion tokens of every choice summed).
 """
 
 from __future__ import annotations
@@ -30,15 +31,9 @@ class Shape:
     chunk_object: str
     chat: bool
 
-    def chunk(self, rid: str, created: int, model: str, text: str, finish: str | None,
-              first: bool) -> dict[str, Any]:
-        """One streamed chunk (the first chat chunk also names the role)."""
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first \
-                else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def chunk(self, rid: str, created: int, model: str,
+              choice: dict[str, Any]) -> dict[str, Any]:
+        """One streamed chunk of one choice (see :mod:`orchestrator.api.http.choices`)."""
         return self._body(rid, created, model, [choice], streamed=True)
 
     def usage_chunk(self, rid: str, created: int, model: str, prompt_tokens: int,
@@ -48,16 +43,11 @@ class Shape:
         body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def whole(self, rid: str, created: int, model: str, text: str, finish: str | None,
+    def whole(self, rid: str, created: int, model: str, choices: list[dict[str, Any]],
               prompt_tokens: int, completion_tokens: int,
               cached_tokens: int = 0) -> dict[str, Any]:
         """The non-streamed body."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        body = self._body(rid, created, model, [choice], streamed=False)
+        body = self._body(rid, created, model, choices, streamed=False)
         body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 

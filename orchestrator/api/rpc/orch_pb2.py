@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1forchestrator/api/rpc/orch.proto\x12\x07orch.v1\"p\n\x0cScaleRequest\x12\x31\n\x06\x63ounts\x18\x01 \x03(\x0b\x32!.orch.v1.ScaleRequest.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\"\n\x12\x41\x64\x64InstanceRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"%\n\x15RemoveInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xaa\x01\n\rScaleResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x16\n\x0emoved_requests\x18\x03 \x01(\r\x12\x32\n\x06\x63ounts\x18\x04 \x03(\x0b\x32\".orch.v1.ScaleResponse.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x87\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x42\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x11.orch.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.orch.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"\xba\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x1a \x01(\x05\"\x85\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.orch.v1.GenerateStats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"H\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\x84\x04\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\"\n\x05ranks\x18\x04 \x03(\x0b\x32\x13.orch.v1.RankStatus\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x03\x12\x13\n\x0bkv_failures\x18\x0b \x01(\x03\x12\x0e\n\x06health\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\r \x01(\t\x12\x10\n\x08has_load\x18\x0e \x01(\x08\x12\'\n\x0bstep_phases\x18\x0f \x03(\x0b\x32\x12.orch.v1.StepPhase\x12\x15\n\rcached_blocks\x18\x1a \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x1b \x01(\x03\x12\x1d\n\x15prefix_queried_tokens\x18\x1c \x01(\x03\x12 \n\x07kv_tail\x18\x1d \x01(\x0b\x32\x0f.orch.v1.KVTail\x12\x1c\n\x14spec_acceptance_rate\x18\x1e \x01(\x01\x12!\n\x19spec_mean_accepted_length\x18\x1f \x01(\x01\"E\n\x06KVTail\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x12\r\n\x05sum_s\x18\x02 \x01(\x01\x12\r\n\x05max_s\x18\x03 \x01(\x01\x12\x0e\n\x06last_s\x18\x04 \x01(\x01\":\n\tStepPhase\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"a\n\x11GetStatusResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.orch.v1.InstanceStatus\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\r\n\x05model\x18\x03 \x01(\t2\xc5\x01\n\x04Orch\x12\x41\n\x08Generate\x12\x18.orch.v1.GenerateRequest\x1a\x19.orch.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.orch.v1.AbortRequest\x1a\x16.orch.v1.AbortResponse\x12\x42\n\tGetStatus\x12\x19.orch.v1.GetStatusRequest\x1a\x1a.orch.v1.GetStatusResponse2\xcd\x01\n\x05\x41\x64min\x12\x36\n\x05Scale\x12\x15.orch.v1.ScaleRequest\x1a\x16.orch.v1.ScaleResponse\x12\x42\n\x0b\x41\x64\x64Instance\x12\x1b.orch.v1.AddInstanceRequest\x1a\x16.orch.v1.ScaleResponse\x12H\n\x0eRemoveInstance\x12\x1e.orch.v1.RemoveInstanceRequest\x1a\x16.orch.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1forchestrator/api/rpc/orch.proto\x12\x07orch.v1\"p\n\x0cScaleRequest\x12\x31\n\x06\x63ounts\x18\x01 \x03(\x0b\x32!.orch.v1.ScaleRequest.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\"\n\x12\x41\x64\x64InstanceRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"%\n\x15RemoveInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xaa\x01\n\rScaleResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x16\n\x0emoved_requests\x18\x03 \x01(\r\x12\x32\n\x06\x63ounts\x18\x04 \x03(\x0b\x32\".orch.v1.ScaleResponse.CountsEntry\x1a-\n\x0b\x43ountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xcb\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12!\n\x07grammar\x18\r \x01(\x0b\x32\x10.orch.v1.GrammarB\x07\n\x05_seedB\x0b\n\t_logprobs\"I\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"S\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.orch.v1.TopLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x92\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x11.orch.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.orch.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x08\n\x06prompt\"\xba\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x06 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x1a \x01(\x05\"\xae\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.orch.v1.GenerateStats\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.orch.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"H\n\nRankStatus\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\"\x84\x04\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\n\n\x02tp\x18\x03 \x01(\x05\x12\"\n\x05ranks\x18\x04 \x03(\x0b\x32\x13.orch.v1.RankStatus\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x07 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x08 \x01(\x05\x12\x1a\n\x12outstanding_tokens\x18\t \x01(\x03\x12\x15\n\rkv_bytes_sent\x18\n \x01(\x03\x12\x13\n\x0bkv_failures\x18\x0b \x01(\x03\x12\x0e\n\x06health\x18\x0c \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\r \x01(\t\x12\x10\n\x08has_load\x18\x0e \x01(\x08\x12\'\n\x0bstep_phases\x18\x0f \x03(\x0b\x32\x12.orch.v1.StepPhase\x12\x15\n\rcached_blocks\x18\x1a \x01(\x05\x12\x19\n\x11prefix_hit_tokens\x18\x1b \x01(\x03\x12\x1d\n\x15prefix_queried_tokens\x18\x1c \x01(\x03\x12 \n\x07kv_tail\x18\x1d \x01(\x0b\x32\x0f.orch.v1.KVTail\x12\x1c\n\x14spec_acceptance_rate\x18\x1e \x01(\x01\x12!\n\x19spec_mean_accepted_length\x18\x1f \x01(\x01\"E\n\x06KVTail\x12\r\n\x05\x63ount\x18\x01 \x01(\x03\x12\r\n\x05sum_s\x18\x02 \x01(\x01\x12\r\n\x05max_s\x18\x03 \x01(\x01\x12\x0e\n\x06last_s\x18\x04 \x01(\x01\":\n\tStepPhase\x12\r\n\x05phase\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"a\n\x11GetStatusResponse\x12*\n\tinstances\x18\x01 \x03(\x0b\x32\x17.orch.v1.InstanceStatus\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\r\n\x05model\x18\x03 \x01(\t2\xc5\x01\n\x04Orch\x12\x41\n\x08Generate\x12\x18.orch.v1.GenerateRequest\x1a\x19.orch.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.orch.v1.AbortRequest\x1a\x16.orch.v1.AbortResponse\x12\x42\n\tGetStatus\x12\x19.orch.v1.GetStatusRequest\x1a\x1a.orch.v1.GetStatusResponse2\xcd\x01\n\x05\x41\x64min\x12\x36\n\x05Scale\x12\x15.orch.v1.ScaleRequest\x1a\x16.orch.v1.ScaleResponse\x12\x42\n\x0b\x41\x64\x64Instance\x12\x1b.orch.v1.AddInstanceRequest\x1a\x16.orch.v1.ScaleResponse\x12H\n\x0eRemoveInstance\x12\x1e.orch.v1.RemoveInstanceRequest\x1a\x16.orch.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,33 +48,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCALERESPONSE_COUNTSENTRY']._serialized_start=111
   _globals['_SCALERESPONSE_COUNTSENTRY']._serialized_end=156
   _globals['_SAMPLINGPARAMS']._serialized_start=407
-  _globals['_SAMPLINGPARAMS']._serialized_end=542
-  _globals['_TOKENIDS']._serialized_start=544
-  _globals['_TOKENIDS']._serialized_end=567
-  _globals['_GENERATEREQUEST']._serialized_start=570
-  _globals['_GENERATEREQUEST']._serialized_end=716
-  _globals['_GENERATESTATS']._serialized_start=719
-  _globals['_GENERATESTATS']._serialized_end=905
-  _globals['_GENERATERESPONSE']._serialized_start=908
-  _globals['_GENERATERESPONSE']._serialized_end=1041
-  _globals['_ABORTREQUEST']._serialized_start=1043
-  _globals['_ABORTREQUEST']._serialized_end=1077
-  _globals['_ABORTRESPONSE']._serialized_start=1079
-  _globals['_ABORTRESPONSE']._serialized_end=1109
-  _globals['_GETSTATUSREQUEST']._serialized_start=1111
-  _globals['_GETSTATUSREQUEST']._serialized_end=1129
-  _globals['_RANKSTATUS']._serialized_start=1131
-  _globals['_RANKSTATUS']._serialized_end=1203
-  _globals['_INSTANCESTATUS']._serialized_start=1206
-  _globals['_INSTANCESTATUS']._serialized_end=1722
-  _globals['_KVTAIL']._serialized_start=1724
-  _globals['_KVTAIL']._serialized_end=1793
-  _globals['_STEPPHASE']._serialized_start=1795
-  _globals['_STEPPHASE']._serialized_end=1853
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1855
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1952
-  _globals['_ORCH']._serialized_start=1955
-  _globals['_ORCH']._serialized_end=2152
-  _globals['_ADMIN']._serialized_start=2155
-  _globals['_ADMIN']._serialized_end=2360
+  _globals['_SAMPLINGPARAMS']._serialized_end=738
+  _globals['_GRAMMAR']._serialized_start=740
+  _globals['_GRAMMAR']._serialized_end=813
+  _globals['_TOPLOGPROB']._serialized_start=815
+  _globals['_TOPLOGPROB']._serialized_end=862
+  _globals['_TOKENLOGPROB']._serialized_start=864
+  _globals['_TOKENLOGPROB']._serialized_end=947
+  _globals['_TOKENIDS']._serialized_start=949
+  _globals['_TOKENIDS']._serialized_end=972
+  _globals['_GENERATEREQUEST']._serialized_start=975
+  _globals['_GENERATEREQUEST']._serialized_end=1121
+  _globals['_GENERATESTATS']._serialized_start=1124
+  _globals['_GENERATESTATS']._serialized_end=1310
+  _globals['_GENERATERESPONSE']._serialized_start=1313
+  _globals['_GENERATERESPONSE']._serialized_end=1487
+  _globals['_ABORTREQUEST']._serialized_start=1489
+  _globals['_ABORTREQUEST']._serialized_end=1523
+  _globals['_ABORTRESPONSE']._serialized_start=1525
+  _globals['_ABORTRESPONSE']._serialized_end=1555
+  _globals['_GETSTATUSREQUEST']._serialized_start=1557
+  _globals['_GETSTATUSREQUEST']._serialized_end=1575
+  _globals['_RANKSTATUS']._serialized_start=1577
+  _globals['_RANKSTATUS']._serialized_end=1649
+  _globals['_INSTANCESTATUS']._serialized_start=1652
+  _globals['_INSTANCESTATUS']._serialized_end=2168
+  _globals['_KVTAIL']._serialized_start=2170
+  _globals['_KVTAIL']._serialized_end=2239
+  _globals['_STEPPHASE']._serialized_start=2241
+  _globals['_STEPPHASE']._serialized_end=2299
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2301
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2398
+  _globals['_ORCH']._serialized_start=2401
+  _globals['_ORCH']._serialized_end=2598
+  _globals['_ADMIN']._serialized_start=2601
+  _globals['_ADMIN']._serialized_end=2806
 # @@protoc_insertion_point(module_scope)
