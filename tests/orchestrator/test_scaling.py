@@ -76,6 +76,7 @@ def test_decode_1_2_1_under_load_fails_nothing_and_frees_everything(scaling):
         assert _wait_for(lambda: any(d == "decode-1" for _, d, _ in load.results))
         reply = _scale(h, decode=1)
         assert list(reply.removed) == ["decode-1"] and reply.counts["decode"] == 1
+        assert reply.moved_requests == 0  # NOTE: drained: its requests finished there
         settled = len(load.results)
         assert _wait_for(lambda: len(load.results) >= settled + 4)
     finally:
