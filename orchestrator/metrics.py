@@ -237,8 +237,12 @@ class RouterMetrics:
         self.health_transitions.labels(instance=health.name, state=health.state.value).inc()
 
     def _set_healthy(self, health: InstanceHealth) -> None:
-        self.healthy.labels(instance=health.name, role=health.role).set(
-            1.0 if health.state is Health.HEALTHY else 0.0)
+        if self._monitor is not None and health.name not in {
+                h.name for h in self._monitor.snapshot()}:  # NOTE: removed (`orch scale`)
+            self.healthy.remove(health.name, health.role)
+        else:
+            self.healthy.labels(instance=health.name, role=health.role).set(
+                1.0 if health.state is Health.HEALTHY else 0.0)
         for role, (healthy, total) in (self._monitor.capacity() if self._monitor else {}).items():
             self.role_healthy.labels(role=role).set(healthy)
             self.role_instances.labels(role=role).set(total)

@@ -193,10 +193,15 @@ class HealthMonitor:
         self._set(name, Health.DRAINING, reason)
 
     def remove_instance(self, name: str) -> None:
-        """Forget ``name`` (removed, or its start failed): no probe, no state."""
-        self.draining(name, "removed")
-        self._wake.pop(name, asyncio.Event()).set()  # NOTE: its watch loop ends below
-        self._states.pop(name, None)
+        """Forget ``name`` (removed, or its start failed): no probe, no state; listeners
+        hear of it once more (DRAINING, "removed") with it gone from :meth:`snapshot`."""
+        recovery = self._recoveries.pop(name, None)
+        if recovery is not None:
+            recovery.cancel()
+        self._wake.pop(name, asyncio.Event()).set()  # NOTE: its watch loop ends
+        old = self._states.pop(name, None)
+        if old is not None:
+            self._notify(InstanceHealth(name, old.role, Health.DRAINING, "removed"))
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:

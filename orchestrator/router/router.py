@@ -294,16 +294,21 @@ class Router:
     async def _place(self, req: RequestState, spec: RequestSpec) -> Route | None:
         """flow.place within the request's deadline, once every role has a healthy
         instance (while all of a role's are being restarted it waits: no attempt is spent);
-        None when aborted meanwhile."""
+        None when aborted meanwhile. A migration's placement error also names the failures
+        that made it move."""
         deadline = req.placing_since + self.request_timeout_s
         try:
             await self.availability.wait(self.flow.pools, deadline, req.woken, req.avoid)
             if req.aborted:
                 return None
             return await self.flow.place(spec, deadline, req.avoid)
-        except RequestError:
+        except RequestError as exc:
             if req.aborted:
                 return None
+            if req.migrations:  # NOTE: the client saw tokens: say why it was moving
+                raise RequestError(exc.code, f"{exc.message}; it was being migrated after "
+                                   f"{req.completion_tokens} streamed token(s): "
+                                   f"{'; '.join(req.failures)}") from None
             raise
 
     async def _on_event(self, req: RequestState, event: TokenEvent | None,

@@ -63,6 +63,7 @@ class Stream(threading.Thread):
         self.tokens: list[int] = []
         self.error: grpc.RpcError | None = None
         self.started = self.ended = 0.0
+        self.max_gap = 0.0  # longest wait between two responses, seconds
 
     def run(self) -> None:
         self.started = time.monotonic()
@@ -70,8 +71,12 @@ class Stream(threading.Thread):
             max_tokens=self.max_tokens, ignore_eos=True, **self.sampling))
         with grpc.insecure_channel(self.orch.address) as channel:
             try:
+                last = None
                 for resp in orch_pb2_grpc.OrchStub(channel).Generate(req, timeout=300):
                     self.tokens.extend(resp.token_ids)
+                    now = time.monotonic()
+                    self.max_gap = max(self.max_gap, now - last) if last else 0.0
+                    last = now
             except grpc.RpcError as err:
                 self.error = err
         self.ended = time.monotonic()
@@ -144,7 +149,9 @@ def test_killed_decode_rank_migrates_its_streams(joined, seeded):
     assert joined.metrics()["orch_migrations_total"] - before >= STREAMS
     print(f"migration ({'seeded' if seeded else 'greedy'}): {STREAMS} streams of "
           f"{MAX_TOKENS} tokens in {_span(calm):.1f} s undisturbed, {_span(killed):.1f} s with "
-          "the kill (the restart of decode-0 included)")
+          f"the kill; longest gap between tokens {max(s.max_gap for s in calm):.2f} s "
+          f"undisturbed, {max(s.max_gap for s in killed):.2f} s with the kill (the restart of "
+          "decode-0 included)")
     wait_all_healthy(joined)
 
 
@@ -222,8 +229,9 @@ def test_scale_decode_1_2_1_under_load(joined, ray_session):
     print(f"scaling: `orch scale decode=+1` returned serving in {add_s:.1f} s; "
           f"`orch scale decode=1` (drain {DRAIN_TIMEOUT_S:g} s, {moved:.0f} migrated, stop) in "
           f"{remove_s:.1f} s; {len(results)} requests served meanwhile, none failed; a "
-          f"{LONG}-token stream: {calm_long.ended - calm_long.started:.1f} s alone, longest "
-          f"of 4 with the removal {longest:.1f} s")
+          f"{LONG}-token stream: {calm_long.ended - calm_long.started:.1f} s alone (longest "
+          f"gap between tokens {calm_long.max_gap:.2f} s), longest of 4 with the removal "
+          f"{longest:.1f} s (longest gap {max(s.max_gap for s in longs):.2f} s: the migration)")
 
 
 def _alive(pid: int) -> bool:

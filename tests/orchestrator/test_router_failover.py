@@ -134,16 +134,20 @@ def test_prefill_failure_after_the_first_token_does_not_end_the_request():
         h.close()
 
 
-def _stream_until_decode_fails(h: Harness, request_id: str, max_tokens: int, **kwargs):
-    """Stream a request until decode-0 was admitted, then fail decode-0; every chunk (or
-    the error) the stream gives after that."""
+def _stream_until_decode_fails(h: Harness, request_id: str, max_tokens: int, fail=None,
+                               **kwargs):
+    """Stream a request until decode-0 was admitted, then fail decode-0 (``fail()``, else
+    ``instance_failed``); every chunk (or the error) the stream gives after that."""
     entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("admit"))
     with OrchClient(h.address) as client:
         stream = client.generate(token_ids=list(PROMPT), request_id=request_id,
                                  max_tokens=max_tokens, **kwargs)
         first = next(stream)
         h.run(entered.wait())
-        h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))
+        if fail is None:
+            h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))
+        else:
+            fail()
         try:
             rest = list(stream)
         finally:
@@ -190,6 +194,24 @@ def test_decode_failure_after_the_first_token_without_migration_is_unavailable()
         assert "on decode-0: decode-0 failed: process gone" in details, details
         assert "after 1 token(s)" in details and "router.max_migrations=0" in details
         assert [c for c in _calls(h, "decode-1") if c[0] == "reserve"] == []  # not run again
+        assert _all_released(h)
+    finally:
+        h.close()
+
+
+def test_a_migration_that_finds_no_blocks_says_why_it_moved():
+    h = Harness(decode_dp=2, request_timeout_s=1.0)
+    try:
+        h.call_in_loop(lambda: setattr(h.fakes["decode-1"], "capacity", 0))  # full
+        with pytest.raises(grpc.RpcError) as err:
+            _stream_until_decode_fails(h, "f", 6, fail=lambda: (
+                h.set_healthy(lambda name: name != "decode-0"),  # NOTE: as the monitor says
+                h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        details = err.value.details()
+        assert "waited router.request_timeout_s for decode KV blocks" in details, details
+        assert "it was being migrated after 1 streamed token(s)" in details, details
+        assert "on decode-0: decode-0 failed: process gone" in details, details
         assert _all_released(h)
     finally:
         h.close()

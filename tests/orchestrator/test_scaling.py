@@ -76,6 +76,7 @@ def test_decode_1_2_1_under_load_fails_nothing_and_frees_everything(scaling):
         assert _wait_for(lambda: any(d == "decode-1" for _, d, _ in load.results))
         reply = _scale(h, decode=1)
         assert list(reply.removed) == ["decode-1"] and reply.counts["decode"] == 1
+        assert reply.moved_requests == 0  # NOTE: drained: its requests finished there
         settled = len(load.results)
         assert _wait_for(lambda: len(load.results) >= settled + 4)
     finally:
@@ -240,3 +241,22 @@ def test_the_autoscaler_steps_through_the_scaler(scaling):
     assert h.run(scaler.step()).kind == "idle"
     assert h.cluster.removed == ["decode-1"]
     assert recorded == [("decode", 1, "tpot"), ("decode", -1, "idle")]
+
+
+def test_the_health_gauge_follows_added_and_removed_instances(scaling):
+    from orchestrator.metrics import RouterMetrics
+
+    h = scaling
+    metrics = RouterMetrics()
+    h.call_in_loop(lambda: metrics.track_health(h.monitor))
+
+    def gauge():
+        return {s.labels["instance"]: s.value for f in metrics.registry.collect()
+                if f.name == "orch_instance_healthy" for s in f.samples}
+    _scale(h, decode=2)
+    assert gauge() == {"prefill-0": 1.0, "decode-0": 1.0, "decode-1": 1.0}
+    _scale(h, decode=1)
+    assert gauge() == {"prefill-0": 1.0, "decode-0": 1.0}
+    roles = {s.labels["role"]: s.value for f in metrics.registry.collect()
+             if f.name == "orch_role_instances" for s in f.samples}
+    assert roles == {"prefill": 1.0, "decode": 1.0}
