@@ -105,10 +105,11 @@ class _Leader:
             out.append(self.events.get_nowait())
         return out
 
-    def emit(self, request_id, tokens, finish=None, source=None, error=None):
+    def emit(self, request_id, tokens, finish=None, source=None, error=None, cached=0):
         if not self.silent:
             self.events.put_nowait(TokenEvent(request_id, tuple(tokens), finish, error,
-                                              source or self.role, self.name))
+                                              source or self.role, self.name,
+                                              num_cached_tokens=cached))
 
     def emit_error(self, request_id, error: str, retryable: bool = False) -> None:
         """An error event of ``request_id`` from this instance."""
@@ -196,17 +197,19 @@ class FakeDecode(_Leader):
 
 
 class FakePrefill(_Leader):
-    """Emits the first scripted token right after ``prefill``."""
+    """Emits the first scripted token right after ``prefill`` (reporting ``cached_tokens``
+    prompt tokens found in its prefix cache)."""
 
     def __init__(self, name="prefill-0") -> None:
         super().__init__(name, "prefill")
+        self.cached_tokens = 0
 
     async def prefill(self, spec, reservation) -> None:
         self.calls.append(("prefill", spec.request_id, reservation.decode_instance))
         await self._enter("prefill")
         first = expected_tokens(spec.prompt_token_ids, 1)[0]
         done = "length" if spec.sampling.max_tokens == 1 else None
-        self.emit(spec.request_id, (first,), done, source="prefill")
+        self.emit(spec.request_id, (first,), done, source="prefill", cached=self.cached_tokens)
 
 
 class FakeColocated(_Leader):
