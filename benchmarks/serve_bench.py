@@ -69,7 +69,9 @@ def deployments(args: argparse.Namespace) -> dict[str, Deployment]:
     prefill chunk is ``args.pd_prefill_chunk`` when set)."""
     top = max(args.levels)
     blocks = top * math.ceil((args.input_len + args.output_len) / 16) + 16
-    sched = {"max_num_seqs": max(top, 8), "num_kv_blocks": blocks}
+    # NOTE: prefix cache off: every round replays the same prompts, which would then be
+    # cached from the second round on (benchmarks/prefix_cache_bench.py measures the cache)
+    sched = {"max_num_seqs": max(top, 8), "num_kv_blocks": blocks, "prefix_cache": False}
     common = {"router": {"max_pending": 2 * top, "metrics_port": None},
               "model": {"max_model_len": args.input_len + args.output_len}}
     chunk = getattr(args, "pd_prefill_chunk", None)

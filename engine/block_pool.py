@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_events import KVCacheEvents
+from engine.kv_events import KVCacheEvents, KVEventLog
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -91,7 +91,7 @@ class BlockPool:
         self._live: dict[int, BlockSet] = {}
         self._next_set = itertools.count()
         self._lock = threading.Lock()
-        self._events = _EventLog(4 * num_blocks)
+        self._events = KVEventLog(4 * num_blocks)
         self._queried = self._hit = 0
 
     @property
@@ -262,45 +262,6 @@ class BlockPool:
                 f"block set {block_set.set_id} ({len(block_set)} blocks) was already "
                 "freed or belongs to another pool"
             )
-
-
-class _EventLog:
-    """The pool's pending KV events, net of each other (a hash stored then evicted within one
-    batch reads as evicted), at most ``limit`` hashes: past it, the next batch is a reset with
-    every cached hash."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.stored: dict[int, None] = {}
-        self.removed: dict[int, None] = {}
-        self.reset = True  # NOTE: the first batch tells the router to forget older entries
-        self.hits = self.queried = 0
-
-    def store(self, h: int) -> None:
-        self.removed.pop(h, None)
-        self.stored[h] = None
-        self._bound()
-
-    def remove(self, h: int) -> None:
-        self.stored.pop(h, None)
-        self.removed[h] = None
-        self._bound()
-
-    def lookup(self, queried: int, hits: int) -> None:
-        self.queried += queried
-        self.hits += hits
-
-    def take(self, block_size: int, salt: int, cached: dict[int, int]) -> KVCacheEvents:
-        stored = tuple(cached) if self.reset else tuple(self.stored)
-        out = KVCacheEvents(block_size, salt, stored, tuple(self.removed), self.reset,
-                            self.hits, self.queried)
-        self.stored, self.removed, self.reset = {}, {}, False
-        self.hits = self.queried = 0
-        return out
-
-    def _bound(self) -> None:
-        if len(self.stored) + len(self.removed) > self.limit:
-            self.stored, self.removed, self.reset = {}, {}, True
 
 
 def slot_mapping(block_ids: tuple[int, ...] | list[int], start: int, end: int,

@@ -39,3 +39,44 @@ class KVCacheEvents:
 
     def __bool__(self) -> bool:
         return bool(self.stored or self.removed or self.reset or self.queried_tokens)
+
+
+class KVEventLog:
+    """A block pool's pending KV events, net of each other (a hash stored then evicted within
+    one batch reads as evicted), at most ``limit`` hashes: past it, the next batch is a reset
+    with every cached hash. Not thread-safe: the pool calls it under its lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.stored: dict[int, None] = {}
+        self.removed: dict[int, None] = {}
+        self.reset = True  # NOTE: the first batch tells the router to forget older entries
+        self.hits = self.queried = 0
+
+    def store(self, h: int) -> None:
+        if not self.reset:  # NOTE: a pending reset's batch is a snapshot: nothing to add
+            self.removed.pop(h, None)
+            self.stored[h] = None
+            self._bound()
+
+    def remove(self, h: int) -> None:
+        if not self.reset:
+            self.stored.pop(h, None)
+            self.removed[h] = None
+            self._bound()
+
+    def lookup(self, queried: int, hits: int) -> None:
+        self.queried += queried
+        self.hits += hits
+
+    def take(self, block_size: int, salt: int, cached: dict[int, int]) -> KVCacheEvents:
+        stored = tuple(cached) if self.reset else tuple(self.stored)
+        out = KVCacheEvents(block_size, salt, stored, tuple(self.removed), self.reset,
+                            self.hits, self.queried)
+        self.stored, self.removed, self.reset = {}, {}, False
+        self.hits = self.queried = 0
+        return out
+
+    def _bound(self) -> None:
+        if len(self.stored) + len(self.removed) > self.limit:
+            self.stored, self.removed, self.reset = {}, {}, True

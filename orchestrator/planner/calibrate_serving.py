@@ -107,8 +107,11 @@ def _start_colocated(ckpt: Path) -> object:
     from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
     from rank.rank import Rank
 
+    # NOTE: prefix cache off: the same prompt is sent again and again, and the plan models
+    # every prompt token computed
     sched = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=PROMPT,
-                            max_num_batched_tokens=4 * PROMPT, max_num_seqs=8)
+                            max_num_batched_tokens=4 * PROMPT, max_num_seqs=8,
+                            prefix_cache=False)
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=sched, parallel=ParallelConfig(tp=1))
     rank = ray.remote(Rank).options(
@@ -128,9 +131,10 @@ def _config(ckpt: Path, disaggregated: bool):
     tp 2) or a tp-1 colocated instance; 0.1 CPU a rank, KV on loopback."""
     from orchestrator.config.schema import OrchConfig
 
-    blocks = {"num_kv_blocks": 16, "max_num_seqs": 8}
+    blocks = {"num_kv_blocks": 16, "max_num_seqs": 8, "prefix_cache": False}  # as above
     prefill = {"dp": 1, "tp": 1, "chunk_size": 256, "max_num_batched_tokens": 256, **blocks} \
-        if disaggregated else {"chunk_size": PROMPT, "max_num_batched_tokens": 4 * PROMPT}
+        if disaggregated else {"chunk_size": PROMPT, "max_num_batched_tokens": 4 * PROMPT,
+                               "prefix_cache": False}
     return OrchConfig.model_validate({
         "model": {"path": str(ckpt), "dtype": "float32", "max_model_len": 256},
         "mode": "disaggregated" if disaggregated else "colocated", "prefill": prefill,

@@ -2,7 +2,8 @@
 q_b_proj and o_proj layer-sharded, decode tp 1; each CP rank ships only the KV of the chunk
 pieces it computed) gives the same greedy tokens as colocated execution (the engine alone in
 chunks of 64, tests/e2e/baseline.py) on long ShareGPT prompts (several hundred tokens, several
-chunks each); afterwards every block is free."""
+chunks each), and with the prefix cache on a second turn and a repeated prompt; afterwards every
+block is free."""
 
 from __future__ import annotations
 
@@ -36,13 +37,27 @@ def test_cp_prefill_equals_colocated_on_long_prompts(tmp_path, shared_data, join
     with OrchProcess(REPO / "configs" / "cp_1p1d.yaml", tmp_path, joined_ray) as orch:
         outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
         wait_idle(orch)
+        checkpoint = load_config(orch.config).model.checkpoint_dir()
+        token_ids = router_token_ids(checkpoint, prompts)
+        # NOTE: prefix cache (pools of 64 blocks: the 6 prompts above evicted each other):
+        # the shortest prompt again (cached on both sides after it), its second turn (decode
+        # holds its prompt + output blocks, prefill its prompt's: the CP ranks ship a range
+        # their chunk split did not make), the prompt once more (both sides hit)
+        s = min(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+        turn2 = (*token_ids[s], *outputs[s], 11, 12, 13)
+        again = [token_ids[s], turn2, token_ids[s]]
+        reused = [orch.generate(token_ids=ids, max_tokens=MAX_TOKENS) for ids in again]
+        wait_idle(orch)
         prefill = [i for i in orch.status().instances if i.role == "prefill"]
-    checkpoint = load_config(orch.config).model.checkpoint_dir()
-    token_ids = router_token_ids(checkpoint, prompts)
     lengths = [len(ids) for ids in token_ids]
-    colocated = engine_greedy(checkpoint, token_ids, MAX_TOKENS)
+    colocated = engine_greedy(checkpoint, [*token_ids, turn2], MAX_TOKENS)
     assert all(len(o) == MAX_TOKENS for o in outputs)
     for i, (cp, co) in enumerate(zip(outputs, colocated)):
         assert cp == co, f"request {i} ({lengths[i]} tokens): CP prefill {cp} != colocated {co}"
+    for (tokens, responses, err), co, hit in zip(reused, [colocated[s], colocated[-1],
+                                                          colocated[s]], (False, True, True)):
+        assert err is None and tokens == co
+        held = 16 * ((len(token_ids[s]) - 1) // 16)  # full blocks, the last token computed
+        assert not hit or responses[-1].stats.cached_tokens >= held
     assert len(prefill) == 1 and len(prefill[0].ranks) == 2, "one prefill instance of 2 ranks"
     assert min(lengths) > 200 and max(lengths) > 400, f"prompts must be long: {lengths}"

@@ -3,7 +3,8 @@ concurrent gRPC requests from ShareGPT prompts, greedy; outputs equal the coloca
 afterwards every block is free on every instance and nothing is in flight. On the same server:
 bad input, client cancel and the Abort RPC (both free every block well before the request
 would have ended), seeded sampling through the sync and async clients and `orch generate`,
-and last SIGTERM with requests in flight (they finish, orch exits 0)."""
+a second conversation turn served from both sides' prefix caches (on by default), and last
+SIGTERM with requests in flight (they finish, orch exits 0)."""
 
 from __future__ import annotations
 
@@ -168,31 +169,6 @@ def test_seeded_sampling_is_reproducible_through_every_client(pd_server):
         assert f"[length] prompt 5 tok, completion {max_tokens} tok" in done.stderr
 
 
-def test_sigterm_drains_requests_in_flight(pd_server, prompts):
-    """Runs last: it stops the module's server."""
-    num, max_tokens = 3, 40
-    started = [threading.Event() for _ in range(num)]
-    results: list[tuple] = [()] * num
-
-    def one(i: int) -> None:
-        out = pd_server.generate(prompts[2 + i], max_tokens=max_tokens, started=started[i])
-        results[i] = (*out, time.monotonic())
-
-    workers = [threading.Thread(target=one, args=(i,)) for i in range(num)]
-    for worker in workers:
-        worker.start()
-    assert all(event.wait(timeout=120) for event in started), "requests never started"
-    signalled = time.monotonic()
-    pd_server.proc.send_signal(signal.SIGTERM)
-    assert pd_server.proc.wait(timeout=90) == 0
-    for worker in workers:
-        worker.join(timeout=60)
-    for tokens, responses, err, ended in results:
-        assert err is None and len(tokens) == max_tokens, f"in-flight request lost: {err}"
-        assert responses[-1].finish_reason == "length"
-        assert ended > signalled  # it was still in flight when the signal came
-
-
 def test_prefix_cache_second_turn_reuses_kv_on_both_sides(pd_server):
     """The cache is on by default: a conversation's second turn (turn 1's prompt + output +
     new tokens) computes only the uncached rest on prefill (final stats' cached_tokens) and
@@ -220,3 +196,28 @@ def test_prefix_cache_second_turn_reuses_kv_on_both_sides(pd_server):
     metrics = pd_server.metrics()
     assert metrics["orch_instance_prefix_hit_rate{instance=decode-0}"] > 0
     wait_idle(pd_server)
+
+
+def test_sigterm_drains_requests_in_flight(pd_server, prompts):
+    """Runs last: it stops the module's server."""
+    num, max_tokens = 3, 40
+    started = [threading.Event() for _ in range(num)]
+    results: list[tuple] = [()] * num
+
+    def one(i: int) -> None:
+        out = pd_server.generate(prompts[2 + i], max_tokens=max_tokens, started=started[i])
+        results[i] = (*out, time.monotonic())
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(num)]
+    for worker in workers:
+        worker.start()
+    assert all(event.wait(timeout=120) for event in started), "requests never started"
+    signalled = time.monotonic()
+    pd_server.proc.send_signal(signal.SIGTERM)
+    assert pd_server.proc.wait(timeout=90) == 0
+    for worker in workers:
+        worker.join(timeout=60)
+    for tokens, responses, err, ended in results:
+        assert err is None and len(tokens) == max_tokens, f"in-flight request lost: {err}"
+        assert responses[-1].finish_reason == "length"
+        assert ended > signalled  # it was still in flight when the signal came

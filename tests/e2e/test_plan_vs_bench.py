@@ -36,8 +36,11 @@ FIGURES = ("layer_overhead_us", "step_serving_us", "first_token_us", "pd_first_t
 
 def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
     ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
+    # NOTE: the prefix cache off: the benches repeat the same synthetic prompts, and the plan
+    # models every prompt token computed (docs/prefix_cache.md, not done yet)
     overrides = {"cluster.address": ray_session.get_runtime_context().gcs_address,
-                 "cluster.bind_host": "127.0.0.1"}
+                 "cluster.bind_host": "127.0.0.1", "prefill.prefix_cache": False,
+                 "decode.prefix_cache": False}
     paths = {name: REPO / "configs" / f"{name}.yaml" for name in CONFIGS}
     procs = {name: OrchProcess(path, tmp_path, overrides) for name, path in paths.items()}
     rows, figures = [], []

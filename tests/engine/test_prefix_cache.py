@@ -118,3 +118,15 @@ def test_cache_off_computes_everything():
     b = Request(_spec("b", range(12)))
     assert _run(sched, b) == [(0, 12)] and b.num_cached_tokens == 0
     assert_scheduler_empty(sched)
+
+
+def test_events_past_their_bound_become_a_reset_with_every_cached_hash():
+    pool = BlockPool(2, 4, salt=SALT)  # at most 8 pending hashes
+    pool.take_events()
+    for i in range(6):  # 6 x (2 stored + up to 2 evicted) > 8
+        h = block_hashes(list(range(100 * i, 100 * i + 8)), 4, SALT)
+        a = pool.allocate(2)
+        pool.cache_blocks(a, 0, h)
+        pool.free(a)
+    ev = pool.take_events()
+    assert ev.reset and set(ev.stored) == set(h) and ev.removed == ()

@@ -145,3 +145,15 @@ def test_release_waits_for_a_write_in_progress():
     releaser.join(5)
     assert log == ["written", "released"]
     assert not tr.begin_write(req), "a released request must not be written again"
+
+
+def test_tokens_the_decode_cache_holds_are_not_expected():
+    """Prefix cache: tokens before ``first_token`` are already there; the rest completes it."""
+    tr = _tracker()
+    tr.expect("r", 10, prefill_tp=1, first_token=8)
+    assert _deliver(tr, _data("r", 0, (0, 1, 2), 8, 10))
+    tr.on_done(SOURCE, _done("r", 0, 10))
+    assert tr.poll("r") == SUCCESS
+    for bad in (-1, 10):
+        with pytest.raises(ValueError, match="first_token"):
+            tr.expect(f"x{bad}", 10, prefill_tp=1, first_token=bad)

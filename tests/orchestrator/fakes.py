@@ -115,10 +115,11 @@ class _Leader:
             out.append(self.events.get_nowait())
         return out
 
-    def emit(self, request_id, tokens, finish=None, source=None, error=None):
+    def emit(self, request_id, tokens, finish=None, source=None, error=None, cached=0):
         if not self.silent:
             self.events.put_nowait(TokenEvent(request_id, tuple(tokens), finish, error,
-                                              source or self.role, self.name))
+                                              source or self.role, self.name,
+                                              num_cached_tokens=cached))
 
     def emit_error(self, request_id, error: str, retryable: bool = False) -> None:
         """An error event of ``request_id`` from this instance."""
@@ -205,11 +206,13 @@ class FakeDecode(_Leader):
 
 
 class FakePrefill(_Leader):
-    """Emits the first scripted token right after ``prefill``."""
+    """Emits the first scripted token right after ``prefill`` (reporting ``cached_tokens``
+    prompt tokens found in its prefix cache)."""
 
     def __init__(self, name="prefill-0") -> None:
         super().__init__(name, "prefill")
         self.specs: dict[str, object] = {}  # attempt id -> the spec it was asked to prefill
+        self.cached_tokens = 0
 
     async def prefill(self, spec, reservation) -> None:
         self.calls.append(("prefill", spec.request_id, reservation.decode_instance))
@@ -217,7 +220,7 @@ class FakePrefill(_Leader):
         await self._enter("prefill")
         first = scripted(spec)[0]
         done = "length" if spec.sampling.max_tokens == 1 else None
-        self.emit(spec.request_id, (first,), done, source="prefill")
+        self.emit(spec.request_id, (first,), done, source="prefill", cached=self.cached_tokens)
 
 
 class FakeColocated(_Leader):

@@ -297,3 +297,16 @@ def test_no_healthy_instance_is_503_with_retry_after(h):
     assert int(resp.headers["retry-after"]) >= 1
     health = httpx.get(h.url[:-3] + "/health", timeout=10)
     assert health.status_code == 503 and int(health.headers["retry-after"]) >= 1
+
+
+def test_usage_reports_the_prefix_cache_s_cached_tokens(h):
+    """The prefill instance's cached prompt tokens reach OpenAI's usage, streamed or not."""
+    h.fakes["prefill-0"].cached_tokens = 16
+    body = {"model": "fake", "prompt": "hi there", "max_tokens": 2}
+    resp = httpx.post(h.url + "/completions", json=body, timeout=10)
+    assert resp.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}, resp.text
+    stream = h.client().completions.create(**body, stream=True,
+                                           stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens == 16
+    assert _nothing_left(h)

@@ -6,6 +6,8 @@ every block free and every reference count at zero."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM
@@ -17,7 +19,7 @@ from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.role import PrefillRole
 from rank.colocated import ColocatedRole
 from rank.config import InstanceConfig, SchedulerConfig
-from rank.messages import Abort, Generate, Reservation, Reserve
+from rank.messages import Abort, Generate, Prefill, Reservation, Reserve
 from rank.rank import Rank
 from tests.leaks import wait_ranks_idle
 from tests.workers.test_colocated_rank import collect
@@ -209,4 +211,48 @@ def test_decode_cache_beyond_prefill_cache_ships_cached_prefill_tokens(ckpt, pd_
         pool.free(pool.allocate(pool.num_blocks))
     assert pool.num_cached_blocks == 0 and prefill.leader.pool.num_cached_blocks >= 3
     assert run_pd(prefill, decode, RequestSpec("b", tuple(BASE), sampling))[0] == want
+    wait_ranks_idle(prefill, decode)
+
+
+def test_abort_mid_transfer_into_a_reservation_with_cached_blocks(ckpt, pd_cached):
+    """Turn 2 reuses turn 1's blocks on both sides; aborted after its first prefill chunk
+    (its KV in flight): both sides end with every reference count at zero, turn 1's blocks
+    still cached, and turn 2 run again equals colocated."""
+    prefill, decode = pd_cached
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    out1, _ = run_pd(prefill, decode, RequestSpec("t1", tuple(BASE), sampling))
+    turn2 = (*BASE, *out1, *range(6000, 6030))  # 49 tokens: prefill computes 12.. in chunks of 8
+    wait_ranks_idle(prefill, decode)
+    first_chunk_ran, resume = threading.Event(), threading.Event()
+    step = prefill.role.step
+
+    def step_then_hold() -> bool:
+        busy = step()
+        if busy and not first_chunk_ran.is_set():
+            first_chunk_ran.set()
+            resume.wait(10)
+        return busy
+
+    prefill.role.step = step_then_hold
+    spec = RequestSpec("ab", turn2, sampling)
+    res = decode.request(Reserve(spec, 1))
+    assert res.num_cached_tokens == 16
+    prefill.request(Prefill(spec, res))
+    try:
+        assert first_chunk_ran.wait(10)
+        assert prefill.request(Abort("ab")) is True
+    finally:
+        resume.set()
+        prefill.role.step = step
+    assert decode.request(Abort("ab"))
+    wait_ranks_idle(prefill, decode)
+    for rank in (prefill, decode):
+        assert rank.leader.pool.num_referenced_blocks == 0
+    assert decode.leader.pool.num_cached_blocks >= 4  # turn 1: 18 tokens of KV -> 4 blocks
+    solo = colocated(ckpt, prefix_cache=False)
+    try:
+        want, _ = run_one(solo, "c", turn2, sampling)
+    finally:
+        solo.shutdown()
+    assert run_pd(prefill, decode, RequestSpec("again", turn2, sampling)) == (want, "length")
     wait_ranks_idle(prefill, decode)
