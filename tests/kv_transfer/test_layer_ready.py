@@ -117,7 +117,7 @@ def test_per_layer_records_run_after_their_event_and_land_whole(monkeypatch):
         # NOTE: layers queued while the wire is busy (here: the pair's connect) go as one
         # record, after the newest of their events
         order = [events.index(w) for w, _ in seen]
-        assert order == sorted(set(order)) and order[0] == 0 and order[-1] == 2, order
+        assert order == sorted(set(order)) and order[-1] == 2, order
         assert all(name.startswith("kv-send-") for _, name in seen)  # on the sender thread
         for layer in range(3):
             assert torch.equal(d_cache.flat_k(layer)[dst], p_cache.flat_k(layer)[src])
