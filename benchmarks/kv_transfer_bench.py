@@ -27,7 +27,10 @@ repetition runs baseline then kvx back to back: the figure least moved by other 
 the kvx run's gather (prefill) / scatter (decode) seconds (0 when every message was sent /
 received in place).
 
-Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 4096 16384]
+``--layerwise``: the kvx paths send each chunk as one record per layer (what a prefill rank
+queues layer by layer during its forward, docs/kv_transfer.md "Layer by layer").
+
+Run: PYTHONPATH=$PWD python benchmarks/kv_transfer_bench.py [--tokens 4096 16384] [--layerwise]
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def prefill_main(args, port_q, addr_q, out_q) -> None:
             row = {"raw": raw_s, "memcpy": memcpy_s}
             for path, conn in conns.items():
                 row[path] = send(conn, group, peers[path], f"r{path}{case}{tokens}-{rep}",
-                                 chunks, src, dst)
+                                 chunks, src, dst, args.layerwise)
             results.append((case, tokens, rep, row))
         check[case] = torch.cat([cache.read(LAYERS - 1, src[-64:])[0],
                                  cache.read(0, src[:64])[1]], 1)
@@ -223,13 +226,16 @@ def memcpy_time(bufs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return time.perf_counter() - t0
 
 
-def send(conn, group, peers, rid: str, chunks, src, dst) -> tuple[float, float]:
-    """Prefill side of one timed request: (seconds to complete on decode, gather seconds)."""
+def send(conn, group, peers, rid: str, chunks, src, dst,
+         layerwise: bool = False) -> tuple[float, float]:
+    """Prefill side of one timed request: (seconds to complete on decode, gather seconds).
+    ``layerwise``: one record per layer of each chunk, as the prefill forward queues them."""
     before = conn.stats.snapshot()["gather_s"]
     wait_signal(group, 0)
     t0 = time.perf_counter()
     for a, b in chunks:
-        conn.send_chunk(rid, peers, a, b, src[a:b], dst[a:b])
+        for layers in ([(i,) for i in range(LAYERS)] if layerwise else [None]):
+            conn.send_chunk(rid, peers, a, b, src[a:b], dst[a:b], layers=layers)
     conn.finish(rid, peers, chunks[-1][1])
     wait_signal(group, 0)
     kvx_s = time.perf_counter() - t0
@@ -248,6 +254,8 @@ def main() -> None:
                         help="kv_transfer.packs.PACK_BYTES, MiB")
     parser.add_argument("--cases", nargs="+", default=["contiguous", "random"],
                         choices=["contiguous", "random"], help="block-table cases")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="kvx sends one record per layer of each chunk (layer by layer)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     port_q, addr_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -274,6 +282,7 @@ def report(args, results, scatter_s) -> None:
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     print(f"DeepSeek-V3 shape: {LAYERS} layers x ({KV_LORA} + {ROPE}) x {elem} B per token, "
           f"chunk {args.chunk} tokens, packs {args.pack_mib:g} MiB, "
+          f"{'one record per layer of a chunk' if args.layerwise else 'one record per chunk'}, "
           f"P1 -> D1 on this node, best of {args.reps}; "
           "net = process group (gloo loopback) vs raw gloo, local = shared memory vs memcpy")
     print(f"{'path':>5} {'case':>10} {'tokens':>7} {'MiB':>8} {'base':>6} {'base GB/s':>9} "

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kv_transfer import pair as pairs
 from kv_transfer import links, local, payload, wire
@@ -138,16 +138,55 @@ class SenderChannel:
         self._pair = None
 
     def _next(self, block: bool) -> SendTask | None:
-        """Next queued task; None when stopping, or (``block=False``) when the queue is empty.
-        Posts the pair's heartbeats meanwhile."""
+        """Next queued task (with the data records that extend it, :meth:`_extend`); None
+        when stopping, or (``block=False``) when the queue is empty. Posts the pair's
+        heartbeats meanwhile."""
         wait_s = min(self._config.poll_interval_s * 10, self._config.heartbeat_s)
         while True:
             self._beat()
             with self._cond:
                 if not block or self._queue or self._stop.is_set():
-                    return self._queue.popleft() if self._queue and not self._stop.is_set() \
-                        else None
+                    if not self._queue or self._stop.is_set():
+                        return None
+                    task, absorbed = self._extend(self._queue.popleft())
+                    break
                 self._cond.wait(wait_s)
+        for t in absorbed:  # NOTE: ``task`` carries their bytes and stays pending for them
+            self._owner.finished(t.header)
+        return task
+
+    def _extend(self, task: SendTask) -> tuple[SendTask, list[SendTask]]:
+        """Caller holds ``_cond``. ``task`` with the queued data records of the same request,
+        token range and heads whose layers follow its own, taken out of the queue: one record
+        instead of one per layer when the wire is behind (layer by layer), so a backlog goes
+        out in records as large as whole chunks. Scanning a request stops at its first
+        ``done`` or ``abort`` record (order within a request is kept). Returns the record to
+        send and the tasks it absorbed; on a device it waits for the newest absorbed
+        layer's event (one compute stream: the earlier layers were written before)."""
+        head = task.header
+        if head.kind != wire.DATA or not self._queue:
+            return task, []
+        c, layers, written = head.chunk, list(head.chunk.layers), task.written
+        absorbed, keep, closed = [], deque(), False
+        for t in self._queue:
+            h = t.header
+            if closed or h.request_id != head.request_id:
+                keep.append(t)
+                continue
+            closed = h.kind != wire.DATA
+            d = h.chunk
+            if not closed and t.peer == task.peer and (d.token_start, d.token_end, d.heads) \
+                    == (c.token_start, c.token_end, c.heads) and d.layers[0] == layers[-1] + 1:
+                layers.extend(d.layers)
+                written = t.written if t.written is not None else written
+                absorbed.append(t)
+            else:
+                keep.append(t)
+        if not absorbed:
+            return task, []
+        self._queue = keep
+        chunk = replace(c, layers=tuple(layers))
+        return SendTask(replace(head, chunk=chunk), task.peer, written), absorbed
 
     def _beat(self) -> None:
         """Post a heartbeat on the pair if one is due; a failed one tears the pair down."""

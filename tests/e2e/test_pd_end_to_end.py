@@ -43,6 +43,19 @@ def test_disaggregated_equals_colocated(pd_server, prompts, colocated_outputs):
     for i, (pd, co) in enumerate(zip(outputs, colocated_outputs)):
         assert pd == co, f"request {i}: PD {pd} != colocated {co}"
     wait_idle(pd_server)
+    # kv_tail_s (layer by layer, issue 27): every request measured, in GetStatus, `orch
+    # status` and /metrics (the status poller refreshes the latter)
+    (decode,) = [i for i in pd_server.status().instances if i.role == "decode"]
+    assert decode.kv_tail.count >= len(prompts) and decode.kv_tail.max_s < 30
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--address",
+                           pd_server.address, "--timeout", "10"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0 and "kv_tail_s (prefill forward end" in done.stdout, done
+    deadline = time.monotonic() + 30
+    key = f"orch_kv_tail_seconds_count{{instance={decode.name}}}"
+    while pd_server.metrics().get(key, 0) < len(prompts):
+        assert time.monotonic() < deadline, pd_server.metrics()
+        time.sleep(0.5)
 
 
 def test_stream_carries_text_and_final_stats(pd_server, prompts):

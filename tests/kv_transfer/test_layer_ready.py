@@ -2,19 +2,21 @@
 forward's hook records an event on the compute stream right after a layer's write, and a
 sender thread runs that layer's copies on its own stream, which waits for the event first;
 the compute stream never waits. Then the connector's per-layer records, end to end in one
-process: every record's copies run after its event, and the bytes equal the source."""
+process: every record's copies run after its event, and the bytes equal the source; and the
+rule by which a backlog of layers leaves as one record."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 
 import torch
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
-from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, PrefillKVConnector,
-                         TransferConfig)
+from kv_transfer import (DecodeKVConnector, KVChunk, KVLayout, KVPeer, KVPoll,
+                         PrefillKVConnector, TransferConfig, wire)
 from kv_transfer import layer_ready, sender
 from kv_transfer.layer_ready import CopyStream, mark_written
 
@@ -112,12 +114,42 @@ def test_per_layer_records_run_after_their_event_and_land_whole(monkeypatch):
         pre.finish("r", peers, 12, forward_end=1.0)
         assert pre.wait("r", 20).state is KVPoll.SUCCESS
         assert wait_settled(dec, "r").state is KVPoll.SUCCESS
-        assert [w for w, _ in seen] == events  # one record per layer, each after its event
+        # NOTE: layers queued while the wire is busy (here: the pair's connect) go as one
+        # record, after the newest of their events
+        order = [events.index(w) for w, _ in seen]
+        assert order == sorted(set(order)) and order[-1] == 2, order
         assert all(name.startswith("kv-send-") for _, name in seen)  # on the sender thread
         for layer in range(3):
             assert torch.equal(d_cache.flat_k(layer)[dst], p_cache.flat_k(layer)[src])
             assert torch.equal(d_cache.flat_v(layer)[dst], p_cache.flat_v(layer)[src])
-        assert dec.stats.snapshot()["transfers"] == 3
+        assert dec.stats.snapshot()["transfers"] == len(seen)
     finally:
         pre.close()
         dec.close()
+
+
+def _task(rid: str, layers: tuple[int, ...], start: int = 0, written=None, kind=wire.DATA):
+    peer = KVPeer("d0", 0, "127.0.0.1", 1)
+    if kind != wire.DATA:
+        return sender.SendTask(wire.Header(kind=kind, request_id=rid, prefill_rank=0,
+                                           fingerprint="f", num_tokens=8), peer)
+    chunk = KVChunk(rid, layers, start, start + 4, torch.arange(4), None, torch.arange(4))
+    return sender.SendTask(wire.data_header(chunk, 0, "f"), peer, written)
+
+
+def test_a_backlog_of_layers_goes_as_one_record_and_keeps_each_requests_order():
+    """What a sender thread takes when layers queued faster than the wire moved them: the
+    following layers of the same chunk join the record (waiting for the newest event);
+    another request's records, another token range and anything after a done stay queued."""
+    channel = sender.SenderChannel.__new__(sender.SenderChannel)  # NOTE: no thread: the rule
+    queued = [_task("a", (1,), written="e1"), _task("b", (0,)), _task("a", (0,), start=4),
+              _task("a", (2,), written="e2"), _task("a", (0,), kind=wire.DONE),
+              _task("a", (3,), written="e3")]
+    channel._queue = deque(queued)
+    task, absorbed = channel._extend(_task("a", (0,), written="e0"))
+    assert task.header.chunk.layers == (0, 1, 2) and task.written == "e2"
+    assert absorbed == [queued[0], queued[3]]
+    assert list(channel._queue) == [queued[1], queued[2], queued[4], queued[5]]
+    channel._queue = deque([_task("a", (2,))])
+    alone = _task("a", (0,))
+    assert channel._extend(alone) == (alone, [])  # not the next layer: nothing joins

@@ -157,3 +157,30 @@ def test_tokens_the_decode_cache_holds_are_not_expected():
     for bad in (-1, 10):
         with pytest.raises(ValueError, match="first_token"):
             tr.expect(f"x{bad}", 10, prefill_tp=1, first_token=bad)
+
+
+def test_kv_tail_runs_from_the_prefill_forward_end_to_the_last_cell():
+    """kv_tail_s (issue 27): the newest done record's forward end -> the moment the last
+    (layer, token) cell arrived (a cell sent twice counts once); 0 when the cells came
+    first; not measured without a forward end."""
+    tr = _tracker(layers=2)
+    tr.expect("r", 4, prefill_tp=1)
+    assert _deliver(tr, _data("r", 0, (0,), 0, 4))
+    assert _deliver(tr, _data("r", 0, (0,), 0, 4))  # a re-run chunk's layer: counted once
+    t_forward = time.time()
+    time.sleep(0.05)
+    assert _deliver(tr, _data("r", 0, (1,), 0, 4))  # the last cell, 50 ms after the forward
+    done = wire.Header(kind=wire.DONE, request_id="r", prefill_rank=0, fingerprint="f",
+                       num_tokens=4, forward_end=t_forward)
+    tr.on_done(SOURCE, wire.decode_header(wire.encode_header(done)))  # travels on the wire
+    got = tr.poll("r")
+    assert got.state is KVPoll.SUCCESS and 0.05 <= got.tail_s < 0.5, got
+    tr.expect("early", 4, prefill_tp=1)
+    assert _deliver(tr, _data("early", 0, (0, 1), 0, 4))
+    tr.on_done(SOURCE, wire.Header(kind=wire.DONE, request_id="early", prefill_rank=0,
+                                   fingerprint="f", num_tokens=4, forward_end=time.time() + 1))
+    assert tr.poll("early").tail_s == 0.0  # every cell before the forward ended
+    tr.expect("old", 4, prefill_tp=1)
+    assert _deliver(tr, _data("old", 0, (0, 1), 0, 4))
+    tr.on_done(SOURCE, _done("old", 0, 4))
+    assert tr.poll("old") == SUCCESS  # no forward end given: not measured
