@@ -76,10 +76,15 @@ class SpecForward:
         return SpecOutput(logits, tuple(drafts), kept)
 
     def run_empty(self) -> None:
-        """A zero-token step's MTP collectives (k + 1 MTP forwards; the caller runs the main
-        model's). No-op without EP."""
-        for _ in range(self.k + 1):
+        """A zero-token step's collectives in :meth:`run`'s order: k MTP forwards, the main
+        model's, one MTP forward (NOTE: the order matters: each exchange meets the other
+        ranks' exchange of the same layer). No-op without EP."""
+        if self.ep_size == 1:
+            return
+        for _ in range(self.k):
             self._empty()
+        self.model.forward_empty()
+        self._empty()
 
     def _draft(self, steps: list) -> list[tuple[int, ...]]:
         """Per step its drafts (k forwards of the MTP module; module docstring, 1.)."""
