@@ -5,8 +5,10 @@ First trains the tiny model on CPU (benchmarks/mtp_train.py: a chain language, a
 -> draft / verify step -> rejection of wrong drafts -> token events, no Ray): greedy requests
 of ``--prompt`` tokens from held-out chain sequences, ``--max-tokens`` N each. TPOT is the
 decode time per output token, ``(wall(N) - wall(1)) / (N - 1)`` with ``wall(n)`` the time the
-batch takes to finish with ``max_tokens`` n; each wall time is the best of ``--repeats`` runs,
-the runs of every configuration alternating so that machine load hits them alike. Checks that
+batch takes to finish with ``max_tokens`` n, in wall time and in this process's CPU time (on a
+shared machine the CPU figure is the one other processes barely move); each is the best of
+``--repeats`` runs, the runs of every configuration alternating so that machine load hits
+them alike. Checks that
 greedy output with MTP equals output without, token for token. Not a test; run:
 ``PYTHONPATH=. python benchmarks/mtp_bench.py``.
 """
@@ -43,14 +45,15 @@ def start_rank(ckpt: Path, k: int, batch: int) -> Rank:
 
 
 def run_batch(rank: Rank, prompts: list[list[int]], max_tokens: int, tag: str
-              ) -> tuple[list[list[int]], float]:
-    """Serve ``prompts`` at once; (tokens per request, wall seconds until all finished).
+              ) -> tuple[list[list[int]], float, float]:
+    """Serve ``prompts`` at once; (tokens per request, wall seconds until all finished, CPU
+    seconds of this process meanwhile).
 
     NOTE: nobody polls events while the batch runs (a polling thread takes the GIL from the
     leader's loop after every token event and would be measured too): the wait sleeps in
     1 ms steps, then the events are read."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for rid, prompt in zip(ids, prompts):
         rank.request(Generate(RequestSpec(rid, tuple(prompt), SamplingParams(
             max_tokens=max_tokens, ignore_eos=True))))
@@ -58,12 +61,12 @@ def run_batch(rank: Rank, prompts: list[list[int]], max_tokens: int, tag: str
     while rank.role.num_active():
         assert time.monotonic() < deadline, "the benchmark's requests did not finish"
         time.sleep(0.001)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = {rid: [] for rid in ids}
     for ev in rank.poll(0.0):
         assert ev.error is None, ev.error
         tokens[ev.request_id].extend(ev.token_ids)
-    return [tokens[r] for r in ids], wall
+    return [tokens[r] for r in ids], wall, cpu
 
 
 def bench(ckpt: Path, batches: tuple[int, ...], ks: tuple[int, ...], prompt_len: int,
@@ -77,20 +80,25 @@ def bench(ckpt: Path, batches: tuple[int, ...], ks: tuple[int, ...], prompt_len:
         try:
             for rank in ranks.values():  # warm-up
                 run_batch(rank, prompts[:1], 4, "warm")
-            best = {(k, n): float("inf") for k in ks for n in (1, max_tokens)}
+            best = {(k, n, c): float("inf") for k in ks for n in (1, max_tokens)
+                    for c in (0, 1)}
             outputs = {}
             for rep in range(repeats):
                 for k, rank in ranks.items():
                     for n in (1, max_tokens):
-                        out, wall = run_batch(rank, prompts, n, f"b{batch}r{rep}n{n}")
-                        best[k, n] = min(best[k, n], wall)
+                        out, wall, cpu = run_batch(rank, prompts, n, f"b{batch}r{rep}n{n}")
+                        best[k, n, 0] = min(best[k, n, 0], wall)
+                        best[k, n, 1] = min(best[k, n, 1], cpu)
                         outputs[k] = out
-            # NOTE: TPOT = decode time per output token: (wall(N) - wall(1)) / (N - 1)
-            tpot = {k: (best[k, max_tokens] - best[k, 1]) / (max_tokens - 1) for k in ks}
+            # NOTE: TPOT = decode time per output token: (t(N) - t(1)) / (N - 1), wall and
+            # process CPU time (the latter barely moved by other processes on the machine)
+            tpot = {(k, c): (best[k, max_tokens, c] - best[k, 1, c]) / (max_tokens - 1)
+                    for k in ks for c in (0, 1)}
             for k, rank in ranks.items():
                 st = rank.status()
-                rows.append(dict(batch=batch, k=k, tpot_ms=tpot[k] * 1e3,
-                                 ratio=tpot[k] / tpot[ks[0]],
+                rows.append(dict(batch=batch, k=k, tpot_ms=tpot[k, 0] * 1e3,
+                                 ratio=tpot[k, 0] / tpot[ks[0], 0],
+                                 cpu_ms=tpot[k, 1] * 1e3, cpu_ratio=tpot[k, 1] / tpot[ks[0], 1],
                                  accept=st.spec_acceptance_rate,
                                  per_step=st.spec_mean_accepted_length or 1.0,
                                  same=outputs[k] == outputs[ks[0]]))
@@ -125,11 +133,12 @@ def main() -> None:
                   f"layers + MTP, vocab {ns.vocab}, fp32, 1 thread)")
         rows = bench(ckpt, tuple(ns.batches), tuple(ns.ks), ns.prompt, ns.max_tokens,
                      ns.repeats, ns.vocab)
-    print(f"{'batch':>5} {'k':>2} {'TPOT ms':>8} {'vs k=0':>7} {'accept':>7} "
-          f"{'tok/step':>9} {'same tokens':>12}")
+    print(f"{'batch':>5} {'k':>2} {'TPOT ms':>8} {'vs k=0':>7} {'CPU ms':>7} {'vs k=0':>7} "
+          f"{'accept':>7} {'tok/step':>9} {'same tokens':>12}")
     for r in rows:
         print(f"{r['batch']:>5} {r['k']:>2} {r['tpot_ms']:>8.2f} {r['ratio']:>7.2f} "
-              f"{r['accept']:>7.2f} {r['per_step']:>9.2f} {str(r['same']):>12}")
+              f"{r['cpu_ms']:>7.2f} {r['cpu_ratio']:>7.2f} {r['accept']:>7.2f} "
+              f"{r['per_step']:>9.2f} {str(r['same']):>12}")
 
 
 if __name__ == "__main__":
