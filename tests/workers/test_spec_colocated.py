@@ -152,3 +152,32 @@ def test_ep_dp_ranks_with_mtp_step_in_lockstep(ckpt, expected):
     finally:
         for r in ranks:
             r.shutdown()
+
+
+def test_sampled_requests_speculate_and_a_seed_fixes_their_tokens(ckpt):
+    """Sampled requests go through rejection sampling on the leader: full length, and the
+    same seed gives the same tokens whatever shares the batch."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.95,
+                            seed=11)
+    runs = []
+    for batch in (1, 3):
+        rank = make_rank(ckpt, 2)
+        try:
+            for i in range(batch):
+                rank.request(Generate(RequestSpec(f"s{i}", tuple(PROMPTS[1]), params)))
+            got = collect(rank, [f"s{i}" for i in range(batch)])
+            assert all(len(v[0]) == 10 and v[1] == "length" for v in got.values())
+            runs.append(got["s0"][0])
+            assert rank.leader.pool.num_live_sets == 0
+        finally:
+            rank.shutdown()
+    assert runs[0] == runs[1]
+
+
+def test_cut_at_stop_keeps_tokens_up_to_the_first_eos():
+    from engine.spec_decode import cut_at_stop  # noqa: PLC0415 (this test only)
+
+    eos = frozenset({1})
+    assert cut_at_stop([5, 1, 7], eos, SamplingParams()) == [5, 1]
+    assert cut_at_stop([5, 6, 7], eos, SamplingParams()) == [5, 6, 7]
+    assert cut_at_stop([5, 1, 7], eos, SamplingParams(ignore_eos=True)) == [5, 1, 7]
