@@ -81,8 +81,8 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def _step_timings(cfg) -> dict | None:
-    """The leaders' step timings (gRPC backend), None when the router does not say (the
-    breakdown is then not printed; the run goes on).
+    """The leaders' statuses (step timings, MTP acceptance; gRPC backend), None when the
+    router does not say (the breakdown is then not printed; the run goes on).
 
     Raises:
         OSError: the router is unreachable (ConnectionError) or --tls-ca is unreadable.

@@ -2,7 +2,9 @@
 
 Each leader keeps running sums per step phase (rank/step_timing.py); the bench reads
 them before and after the timed requests and prints the difference: per instance, mean
-milliseconds per step of each phase and the share of the step spent outside the model forward.
+milliseconds per step of each phase and the share of the step spent outside the model forward,
+and, for instances that speculate (MTP), their acceptance rate and tokens per verify step
+(since the instance started).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from orchestrator.bench.grpc_backend import connect
 from orchestrator.api.client import bearer_metadata
 from orchestrator.api.convert import status_from_proto
 from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
+from rank.messages import InstanceStatusInfo
 from rank.step_timing import StepTimings
 
 
-async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
-    """instance name -> its leader's step timings now (instances without load are absent).
+async def read_step_timings(cfg: RunnerConfig) -> dict[str, InstanceStatusInfo]:
+    """instance name -> its leader's status now, step timings included (instances without load
+    are absent).
 
     Raises:
         ConnectionError: the router is not reachable within ``cfg.connect_timeout_s``.
@@ -29,19 +33,23 @@ async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
             metadata=bearer_metadata(cfg.token))
     finally:
         await channel.close()
-    return {v.name: v.status.step_timings for v in status_from_proto(resp)
-            if v.status is not None}
+    return {v.name: v.status for v in status_from_proto(resp) if v.status is not None}
 
 
-def print_step_breakdown(before: dict[str, StepTimings], after: dict[str, StepTimings],
-                         console=None) -> None:
-    """One line per instance: its steps between ``before`` and ``after`` (rich ``console``,
-    default stdout)."""
+def print_step_breakdown(before: dict[str, InstanceStatusInfo],
+                         after: dict[str, InstanceStatusInfo], console=None) -> None:
+    """One line per instance: its steps between ``before`` and ``after``, plus a line of MTP
+    acceptance for one that speculates (rich ``console``, default stdout)."""
     from rich.console import Console
 
     console = console or Console()
     console.print("step time per leader (ms per step; outside forward = 1 - forward/step):")
     for name in sorted(after):
-        run = after[name].since(before.get(name, StepTimings()))
+        old = before.get(name)
+        run = after[name].step_timings.since(old.step_timings if old else StepTimings())
         console.print(f"  {name}: {run.format()}", markup=False, highlight=False,
                       soft_wrap=True)
+        if after[name].spec_mean_accepted_length:
+            console.print(f"  {name}: MTP acceptance {after[name].spec_acceptance_rate:.2f}, "
+                          f"{after[name].spec_mean_accepted_length:.2f} tokens per verify "
+                          "step (since start)", markup=False, highlight=False)
