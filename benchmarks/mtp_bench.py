@@ -1,7 +1,8 @@
 """MTP speculative decoding: acceptance rate, tokens per decode step and TPOT with and
 without MTP, at batch 1 and 8, on a tiny model whose main and MTP heads learned something.
 
-First trains the tiny model on CPU (benchmarks/mtp_train.py: a chain language, a few minutes), then serves it in-process through the real leader path (a colocated rank: scheduler
+First trains the tiny model on CPU (benchmarks/mtp_train.py: a chain language, a few
+minutes), then serves it in-process through the real leader path (a colocated rank: scheduler
 -> draft / verify step -> rejection of wrong drafts -> token events, no Ray): greedy requests
 of ``--prompt`` tokens from held-out chain sequences, ``--max-tokens`` N each. TPOT is the
 decode time per output token, ``(wall(N) - wall(1)) / (N - 1)`` with ``wall(n)`` the time the
