@@ -44,7 +44,7 @@ from orchestrator.bench.report import summarize
 from orchestrator.bench.runner import run_benchmark
 from orchestrator.bench.records import RunnerConfig
 from orchestrator.bench.serve import serving
-from orchestrator.bench.step_breakdown import print_step_breakdown, read_step_timings
+from orchestrator.bench.step_breakdown import print_step_breakdown, read_statuses
 from orchestrator.bench.workloads import WorkloadConfig, load_workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def compare_level(args: argparse.Namespace, level: int, sides: dict[str, str]) -
 
 def _timings(address: str) -> dict:
     """instance name -> its leader's step timings now (orchestrator/bench/step_breakdown.py)."""
-    return asyncio.run(read_step_timings(RunnerConfig(address=address, progress=False)))
+    return asyncio.run(read_statuses(RunnerConfig(address=address, progress=False)))
 
 
 def summarize_level(level: int, base: str, runs: dict[str, list[dict]]) -> dict:

@@ -268,10 +268,10 @@ class ModelRunner:
         dispatch and combine, with nothing to send), so that the other ranks' step can
         complete. A DP rank with no work in a lockstep step calls this; no-op without EP.
         Touches no KV cache."""
-        if self.ep.size > 1:
+        if self.ep.size > 1 and self.spec is not None:
+            self.spec.run_empty()
+        elif self.ep.size > 1:
             self.model.forward_empty()
-            if self.spec is not None:
-                self.spec.run_empty()
 
     def _check_step(self, s: SeqStep) -> None:
         limit = self.model_config.max_position_embeddings

@@ -68,7 +68,7 @@ class SpecForward:
         layer's (layer-by-layer KV sends, prefill_worker/kv_sends.py)."""
         drafts = self._draft(steps)
         main = [replace(s, token_ids=s.token_ids + d) for s, d in zip(steps, drafts)]
-        input_ids, meta = self.inputs(main)
+        input_ids, meta = self.inputs([row for s in main for row in _as_rows(s)])
         if on_kv_written is not None:
             meta = replace(meta, on_kv_written=on_kv_written)
         hidden = self.model(input_ids, meta, self.kv_cache, return_hidden=True)  # [T, H]
@@ -83,10 +83,15 @@ class SpecForward:
         return SpecOutput(logits, tuple(drafts), kept)
 
     def run_empty(self) -> None:
-        """A zero-token step's MTP collectives (k + 1 MTP forwards; the caller runs the main
-        model's). No-op without EP."""
-        for _ in range(self.k + 1):
+        """A zero-token step's collectives in :meth:`run`'s order: k MTP forwards, the main
+        model's, one MTP forward (NOTE: the order matters: each exchange meets the other
+        ranks' exchange of the same layer). No-op without EP."""
+        if self.ep_size == 1:
+            return
+        for _ in range(self.k):
             self._empty()
+        self.model.forward_empty()
+        self._empty()
 
     def _draft(self, steps: list) -> list[tuple[int, ...]]:
         """Per step its drafts (k forwards of the MTP module; module docstring, 1.)."""
@@ -98,12 +103,15 @@ class SpecForward:
             if not live:
                 self._empty()
                 continue
-            if j == 0:
+            if j == 0:  # NOTE: one 1-token row per position (batched paged decode attention)
                 ins: list[DraftInput] = [steps[i].draft for i in live]
                 g = self._mtp([t for d in ins for t in d.token_ids],
                               torch.cat([d.hidden for d in ins]),
-                              [len(d.token_ids) for d in ins], [d.start for d in ins],
-                              [steps[i].block_ids for i in live])
+                              [1] * sum(len(d.token_ids) for d in ins),
+                              [d.start + r for d in ins for r in range(len(d.token_ids))],
+                              [steps[i].block_ids for i, d in zip(live, ins)
+                               for _ in d.token_ids])
+                g = g[[end - 1 for end in accumulate(len(d.token_ids) for d in ins)]]
             else:
                 g = self._mtp([drafts[i][-1] for i in live],
                               torch.stack([last[i] for i in live]), [1] * len(live),
@@ -156,3 +164,13 @@ class SpecForward:
     def _empty(self) -> None:
         if self.ep_size > 1:
             self.model.mtp_forward_empty()
+
+
+def _as_rows(step):
+    """A drafting step as one 1-token step per position (each a decode row of the batched
+    paged attention, attending up to its own position; the step's KV is written before
+    attention reads it), any other step as it is."""
+    if step.draft is None or len(step.token_ids) == 1:
+        return [step]
+    return [replace(step, token_ids=(t,), num_computed_tokens=step.num_computed_tokens + j,
+                    draft=None, num_drafts=0) for j, t in enumerate(step.token_ids)]

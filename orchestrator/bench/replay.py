@@ -71,8 +71,7 @@ def replay(args: argparse.Namespace) -> int:
 
         after = _step_timings(runner_cfg)
         if after is not None:
-            print_step_breakdown({n: s.step_timings for n, s in before.items()},
-                                 {n: s.step_timings for n, s in after.items()})
+            print_step_breakdown(before, after)
             report = replace(report, kv_tail=kv_tail_of_run(before, after))
             print_kv_tail(report)
     if args.output is not None:
@@ -85,7 +84,7 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def _step_timings(cfg) -> dict | None:
-    """The leaders' statuses (gRPC backend: step timings, kv_tail_s), None when the router
+    """The leaders' statuses (gRPC backend: step timings, kv_tail_s, MTP acceptance), None when the router
     does not say (the breakdown is then not printed; the run goes on).
 
     Raises:

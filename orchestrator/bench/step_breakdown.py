@@ -2,8 +2,9 @@
 
 Each leader keeps running sums per step phase (rank/step_timing.py); the bench reads
 them before and after the timed requests and prints the difference: per instance, mean
-milliseconds per step of each phase and the share of the step spent outside the model forward.
-Decode leaders keep the same kind of sums of ``kv_tail_s`` (:class:`rank.messages.KVTailStats`):
+milliseconds per step of each phase and the share of the step spent outside the model forward,
+and, for instances that speculate (MTP), their acceptance rate and tokens per verify step
+(since the instance started). Decode leaders keep the same kind of sums of ``kv_tail_s`` (:class:`rank.messages.KVTailStats`):
 the run's mean goes into the report (:func:`kv_tail_of_run`).
 """
 
@@ -35,11 +36,6 @@ async def read_statuses(cfg: RunnerConfig) -> dict[str, InstanceStatusInfo]:
     return {v.name: v.status for v in status_from_proto(resp) if v.status is not None}
 
 
-async def read_step_timings(cfg: RunnerConfig) -> dict[str, StepTimings]:
-    """instance name -> its leader's step timings now (as :func:`read_statuses`)."""
-    return {name: s.step_timings for name, s in (await read_statuses(cfg)).items()}
-
-
 def kv_tail_of_run(before: dict[str, InstanceStatusInfo],
                    after: dict[str, InstanceStatusInfo]) -> dict[str, dict]:
     """decode instance -> its ``kv_tail_s`` over the requests between ``before`` and
@@ -58,15 +54,20 @@ def kv_tail_of_run(before: dict[str, InstanceStatusInfo],
     return out
 
 
-def print_step_breakdown(before: dict[str, StepTimings], after: dict[str, StepTimings],
-                         console=None) -> None:
-    """One line per instance: its steps between ``before`` and ``after`` (rich ``console``,
-    default stdout)."""
+def print_step_breakdown(before: dict[str, InstanceStatusInfo],
+                         after: dict[str, InstanceStatusInfo], console=None) -> None:
+    """One line per instance: its steps between ``before`` and ``after``, plus a line of MTP
+    acceptance for one that speculates (rich ``console``, default stdout)."""
     from rich.console import Console
 
     console = console or Console()
     console.print("step time per leader (ms per step; outside forward = 1 - forward/step):")
     for name in sorted(after):
-        run = after[name].since(before.get(name, StepTimings()))
+        old = before.get(name)
+        run = after[name].step_timings.since(old.step_timings if old else StepTimings())
         console.print(f"  {name}: {run.format()}", markup=False, highlight=False,
                       soft_wrap=True)
+        if after[name].spec_mean_accepted_length:
+            console.print(f"  {name}: MTP acceptance {after[name].spec_acceptance_rate:.2f}, "
+                          f"{after[name].spec_mean_accepted_length:.2f} tokens per verify "
+                          "step (since start)", markup=False, highlight=False)

@@ -64,7 +64,7 @@ def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
             cp=inst.parallel.cp, layer_sharding=inst.parallel.layer_sharding,
             num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
             step_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
-            max_model_len=cfg.model.max_model_len)
+            max_model_len=cfg.model.max_model_len, mtp=s.num_speculative_tokens > 0)
     return list(layouts.values())
 
 

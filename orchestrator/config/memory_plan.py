@@ -50,6 +50,8 @@ class RoleLayout:
             ``COMM_SETTINGS``).
         comm_buffer_bytes: device memory one TP / EP / CP communicator holds (the backend's
             default there, or ``kv_transfer.comm_buffer_mb``).
+        mtp: the ranks hold the checkpoint's MTP module and its KV cache (speculative
+            decoding, ``decode.speculative``).
     """
 
     role: str
@@ -66,6 +68,7 @@ class RoleLayout:
     pair_groups: int = 0
     pair_buffer_bytes: int = 0
     comm_buffer_bytes: int = 0
+    mtp: bool = False
 
     @property
     def collectives(self) -> tuple[str, ...]:
@@ -129,7 +132,7 @@ class Kind:
         count: (model, layout) -> (elements per rank, how they are split, in words).
         sparse_only: a DeepSeek-V3.2 (DSA) row, left out of other models' plans.
         layer_sharded_only: a layer-sharding row, left out of layouts without it.
-        comm_only: a communicator row, left out when it counts no bytes.
+        comm_only: a row left out when it counts no bytes (communicators, MTP).
     """
 
     name: str
@@ -355,6 +358,30 @@ def _collective_buffers(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
         f"{' + '.join(names) or 'none'} x {lay.comm_buffer_bytes / 1e6:g} MB"
 
 
+def _mtp_module(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    """The MTP module: one decoder layer (index ``num_hidden_layers``) + eh_proj + 3 norms."""
+    if not lay.mtp:
+        return 0, ""
+    n, h = m.num_hidden_layers, m.hidden_size
+    layer = sum(_attention_linears(m, lay).values())
+    if m.is_moe_layer(n):
+        width = m.n_shared_experts * m.moe_intermediate_size
+        layer += _mlp(m, lay, f"{_LAYER}mlp.shared_experts.", width) + len(_tp(m, lay).experts) \
+            * _mlp(m, lay, f"{_LAYER}mlp.experts.0.", m.moe_intermediate_size) \
+            + (m.n_routed_experts or 0) * (h + 1)
+    else:
+        layer += _mlp(m, lay, f"{_LAYER}mlp.", m.intermediate_size)
+    return layer + 2 * h * h + 5 * h + m.kv_lora_rank + (m.q_lora_rank or 0), \
+        "one decoder layer + eh_proj [h, 2h] + norms"
+
+
+def _kv_mtp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+    if not lay.mtp:
+        return 0, ""
+    return _kv_tokens(lay) * (m.kv_lora_rank + m.qk_rope_head_dim), \
+        "c_kv + k_pe of the MTP layer"
+
+
 KINDS: tuple[Kind, ...] = (
     Kind("attention", "weights", "linear", _attention),
     Kind("attention: kv_b_proj", "weights", "weight", _attention_kv_b),
@@ -370,6 +397,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("KV cache: c_kv latent", "kv", "kv", _kv_latent),
     Kind("KV cache: k_pe", "kv", "kv", _kv_rope),
     Kind("KV cache: index_k", "kv", "kv", _kv_index, sparse_only=True),
+    Kind("MTP module (speculative)", "weights", "linear", _mtp_module, comm_only=True),
+    Kind("KV cache: MTP layer", "kv", "kv", _kv_mtp, comm_only=True),
     Kind("workspace: activations", "workspace", "activation", _activations),
     Kind("workspace: logits", "workspace", "fp32", _logits),
     Kind("comm: KV pair groups", "communicators", "byte", _pair_buffers, comm_only=True),

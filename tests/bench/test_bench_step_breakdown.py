@@ -38,3 +38,23 @@ def test_bench_prints_the_leaders_breakdown_over_the_run(capsys):
     assert fake.calls == 5
     assert ("decode-0: 30 steps, 10.00 ms/step: forward 8.00, sample 1.00, other 1.00 ms; "
             "outside forward 20.0%") in out
+
+
+class SpecFakeOrch(TimedFakeOrch):
+    """As TimedFakeOrch, and its decode instance speculates (MTP)."""
+
+    async def GetStatus(self, request, context):
+        resp = await super().GetStatus(request, context)
+        resp.instances[0].spec_acceptance_rate = 0.8
+        resp.instances[0].spec_mean_accepted_length = 1.8
+        return resp
+
+
+def test_bench_prints_mtp_acceptance_of_a_speculating_instance(capsys):
+    with FakeServer(SpecFakeOrch()) as server:
+        rc = main(["--address", server.address, "--workload", "synthetic", "--num-requests",
+                   "2", "--warmup", "0", "--input-len", "8", "--output-len", "2",
+                   "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode-0: MTP acceptance 0.80, 1.80 tokens per verify step (since start)" in out

@@ -16,9 +16,10 @@ from engine.parallel import TPGroup
 from orchestrator.tiny_model import tiny_config_dict
 
 # Between them: q_a/q_b and plain q_proj, dense and MoE layers, V3 router bias and V2
-# (softmax, no bias, 2 shared experts), V3.2's replicated lightning indexer.
+# (softmax, no bias, 2 shared experts), V3.2's replicated lightning indexer, V3's MTP module.
 CONFIGS = {
     "v3": tiny_config_dict(),
+    "v3_mtp": tiny_config_dict(mtp_layers=1),
     "no_q_lora": tiny_config_dict(q_lora_rank=None, yarn=False),
     "v2": tiny_config_dict(deepseek_v2=True),
     "v32": tiny_config_dict(deepseek_v32=True),
@@ -27,8 +28,9 @@ CONFIGS = {
 
 def _params(raw: dict, tp: TPGroup) -> dict[str, tuple[int, ...]]:
     """Parameter name -> local shape of rank ``tp.rank``, built on the meta device."""
-    model = build_model(ModelConfig.from_dict(raw), tp, KERNELS.resolve("cpu"), torch.float32,
-                        torch.device("meta"))
+    cfg = ModelConfig.from_dict(raw)
+    model = build_model(cfg, tp, KERNELS.resolve("cpu"), torch.float32, torch.device("meta"),
+                        mtp=cfg.num_nextn_predict_layers > 0 and not cfg.uses_sparse_attention)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 

@@ -107,8 +107,14 @@ def test_tiny_checkpoint_is_deterministic(tiny_ckpt, tmp_path, capsys):
 
     again = init_tiny_main(tmp_path / "again", seed=0)
     assert str(again) in capsys.readouterr().out
+    ref = write_tiny_checkpoint(tmp_path / "ref", seed=0, mtp_layers=1)  # init-tiny writes MTP
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert (again / name).read_bytes() == (tiny_ckpt / name).read_bytes(), name
+        assert (again / name).read_bytes() == (ref / name).read_bytes(), name
+    # NOTE: the MTP weights come from their own generator: the main weights are unchanged
+    plain = load_file(tiny_ckpt / "model.safetensors")
+    with_mtp = load_file(ref / "model.safetensors")
+    assert plain.keys() < with_mtp.keys() and all(torch.equal(v, with_mtp[k])
+                                                  for k, v in plain.items())
     other = load_file(write_tiny_checkpoint(tmp_path / "s1", seed=1) / "model.safetensors")
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert not torch.equal(other[bias], load_file(again / "model.safetensors")[bias])
