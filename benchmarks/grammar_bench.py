@@ -30,8 +30,8 @@ from rank.config import InstanceConfig, SchedulerConfig
 from rank.messages import Generate
 from rank.rank import Rank
 
-# NOTE: longer than any run's tokens can write: the grammar requests never end early
-REGEX = "[a-z ]{4000}"
+# NOTE: min_tokens = max_tokens keeps EOS masked: the grammar requests never end early
+REGEX = "[a-z ]*"
 
 
 def start_rank(ckpt: Path, batch: int) -> Rank:
@@ -71,7 +71,8 @@ def specs_for(batch: int, grammar: int, tokens: int, tag: str) -> list[RequestSp
     for i in range(batch):
         prompt = tuple(range(1000 + 13 * i, 1016 + 13 * i))
         if i < grammar:
-            params = SamplingParams(max_tokens=tokens, grammar=GrammarSpec("regex", REGEX))
+            params = SamplingParams(max_tokens=tokens, min_tokens=tokens,
+                                    grammar=GrammarSpec("regex", REGEX))
         else:
             params = SamplingParams(max_tokens=tokens, ignore_eos=True)
         out.append(RequestSpec(f"{tag}-{'g' if i < grammar else 'p'}{i}", prompt, params))

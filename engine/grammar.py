@@ -123,6 +123,12 @@ class GrammarState:
         next (only EOS once the grammar is complete); ids past its end are not allowed."""
         return self.matcher.compute_logit_bias()[:self.vocab_size]
 
+    def fill_bitmask(self, address: int, nbytes: int) -> None:
+        """Write the next token's mask as bits (bit ``t % 32`` of int32 word ``t // 32``: 1 =
+        allowed) into ``nbytes`` bytes at ``address`` (``(V + 31) // 32`` int32 words). Drops
+        the GIL (runs beside the model's forward, :mod:`engine.logits_process`)."""
+        self.matcher.unsafe_compute_mask_ptr(address, nbytes)
+
     def accepts_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (drafts after the consumed output) the grammar accepts in a
         row; the state does not change."""

@@ -20,8 +20,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from pathlib import Path
-
 from engine.block_pool import BlockPool
 from engine.logits_process import LogitsStage
 from engine.request import Request, RequestSpec
@@ -73,9 +71,7 @@ class Leader:
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
         self.broken: str | None = None
-        tokenizer_json = Path(cfg.checkpoint_dir) / "tokenizer.json"
-        stage = LogitsStage(self.eos_token_ids,
-                            str(tokenizer_json) if tokenizer_json.is_file() else None)
+        stage = LogitsStage(self.eos_token_ids, cfg.checkpoint_dir)
         self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync, stage)
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still

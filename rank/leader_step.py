@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.error_text import first_line
-from engine.logits_process import LogitsStage
+from engine.logits_process import LogitsStage, MaskJob
 from engine.logprobs import token_logprobs
 from engine.sampling import RowFailure, sample
 from engine.request import Request
@@ -119,16 +119,18 @@ class LeaderStep:
                  step_inputs_for: StepInputsFor | None) -> StepResult:
         """execute ``out`` on all ranks -> sample -> update the counters."""
         step_inputs = step_inputs_for(out) if step_inputs_for else None
+        rows = [i for i, c in enumerate(out.chunks) if c.completes]
+        reqs = [out.chunks[i].request for i in rows]
+        # NOTE: grammar masks are computed while the forward runs
+        job, early = self.logits_stage.begin(reqs) if self.logits_stage else (None, {})
         logits = self.group.run_step(out.steps, step_inputs)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
-        rows = [i for i, c in enumerate(out.chunks) if c.completes]
         if rows:
-            reqs = [out.chunks[i].request for i in rows]
             # NOTE: every row samples on decode: no [B, V] copy then
             picked = logits if len(rows) == logits.shape[0] else logits[rows]
             with self.timer.phase("sample"):
-                tokens = self._sample(picked, reqs)
+                tokens = self._sample(picked, reqs, job, early)
             for req, token in zip(reqs, tokens):
                 if isinstance(token, RowFailure):
                     failed[req.request_id] = f"{self.name}: {token.reason}"
@@ -138,11 +140,13 @@ class LeaderStep:
             self.scheduler.update(out, sampled)
         return StepResult(out, sampled, failed)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | RowFailure]:
-        """Process (requests that ask), sample, and record logprobs (requests that ask) of
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], job: MaskJob | None,
+                early: dict[int, str]) -> list[int | RowFailure]:
+        """Process (requests that ask; ``job``: their grammar masks, ``early``: rows whose
+        grammar already failed), sample, and record logprobs (requests that ask) of
         ``logits [B, V]``, row b for ``reqs[b]``."""
         params = [r.spec.sampling for r in reqs]
-        failures: dict[int, str] = {}
+        failures = dict(early)
         if any(p.processed for p in params):
             if self.logits_stage is None:
                 raise ValueError(f"{self.name} has no logits stage for penalties / grammars")
@@ -150,7 +154,7 @@ class LeaderStep:
             # NOTE: in place on the step's logits (an inference tensor): no copy, so rows of
             # requests without processing cost nothing
             with torch.inference_mode():
-                failures = self.logits_stage.apply(logits, reqs)
+                failures.update(self.logits_stage.apply(logits, reqs, job))
         tokens = sample(logits, params, [len(r.output_token_ids) for r in reqs])
         for row, why in failures.items():
             tokens[row] = RowFailure(why)
