@@ -63,6 +63,10 @@ class LogitsStage:
         self.grammars: GrammarCompiler | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
+    def close(self) -> None:
+        """Stop the mask worker (a mask in progress finishes; nothing waits for it)."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
     def begin(self, reqs: Sequence[Request]) -> tuple[MaskJob | None, dict[int, str]]:
         """Start the grammar masks of ``reqs`` (row b = ``reqs[b]``); returns the job (None:
         no grammar row) and row -> why that row's grammar failed (it fails its request)."""

@@ -78,6 +78,10 @@ class Leader:
         # be on its way (actor calls run on several threads), and must not start afterwards.
         self._tombstones: OrderedDict[str, float] = OrderedDict()
 
+    def close(self) -> None:
+        """Release the step's threads (the rank is shutting down)."""
+        self._step.close()
+
     # ---- events -------------------------------------------------------------------------
     def emit(self, event: TokenEvent) -> None:
         self._events.put(event)

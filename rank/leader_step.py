@@ -74,6 +74,11 @@ class LeaderStep:
         self.logits_stage = logits_stage
         self.timer = group.timer
 
+    def close(self) -> None:
+        """Release the logits stage's worker thread."""
+        if self.logits_stage is not None:
+            self.logits_stage.close()
+
     def agree(self) -> bool:
         """Before the role's step takes the lock: whether this iteration may run a forward.
         True without a DP sync (:meth:`run` runs one only when it schedules something); with
