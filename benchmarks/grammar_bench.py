@@ -8,7 +8,8 @@ tiny checkpoint, TP 1, one thread), decode of ``--batch`` requests, in one sessi
 Reported per run: the plain requests' mean time per output token (TPOT: first to last token of
 each, over its tokens after the first), the leader's ``forward`` (the grammar masks are
 computed beside it on a worker thread) and ``sample`` phases per step (where the masks are
-applied), and the ratios mixed / plain. The plain requests' outputs must be equal in
+applied), the process's CPU time per step (all its threads: the work itself, which other
+load on the machine does not move), and the ratios mixed / plain. The plain requests' outputs must be equal in
 both runs (the grammar rows never touch theirs). Not a test; run:
 ``PYTHONPATH=. .venv/bin/python benchmarks/grammar_bench.py`` (about a minute).
 """
@@ -84,13 +85,14 @@ def measure(rank: Rank, batch: int, grammar: int, tokens: int, tag: str):
     """(plain requests' outputs by index, their mean TPOT s, {phase: mean s per step} of the
     leader's "forward" and "sample" phases)."""
     timings = rank.leader.step_timer
-    before = timings.snapshot()
+    before, cpu0 = timings.snapshot(), time.process_time()
     got = run(rank, specs_for(batch, grammar, tokens, tag))
-    after = timings.snapshot()
+    after, cpu = timings.snapshot(), time.process_time() - cpu0
     steps = after.step.count - before.step.count
     phases = {name: (after.phases[name].total_s - (before.phases[name].total_s
                                                    if name in before.phases else 0.0)) / steps
               for name in ("forward", "sample")}
+    phases["cpu"] = cpu / steps
     plain = {rid.split("-p")[1]: v for rid, v in got.items() if "-p" in rid}
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for _, t in plain.values()]
     return {k: v[0] for k, v in plain.items()}, statistics.mean(tpots), phases
@@ -121,16 +123,18 @@ def main() -> None:
     same = all(plain_out[k] == v for k, v in mixed_out.items())
     print(f"batch {ns.batch}, {ns.grammar} with a regex grammar in 'mixed', {ns.tokens} tokens, "
           f"tiny checkpoint, 1 thread, best of {ns.repeats} alternated runs")
-    print("| run | plain requests' TPOT ms | forward ms/step | sample ms/step |")
-    print("|---|---|---|---|")
+    print("| run | plain requests' TPOT ms | forward ms/step | sample ms/step | "
+          "process CPU ms/step |")
+    print("|---|---|---|---|---|")
     for name, tpot, ph in ((f"plain ({ns.batch} plain)", plain_tpot, plain_ph),
                            (f"mixed ({ns.batch - ns.grammar} plain + {ns.grammar} grammar)",
                             mixed_tpot, mixed_ph)):
         print(f"| {name} | {tpot * 1e3:.2f} | {ph['forward'] * 1e3:.2f} | "
-              f"{ph['sample'] * 1e3:.2f} |")
+              f"{ph['sample'] * 1e3:.2f} | {ph['cpu'] * 1e3:.2f} |")
     print(f"| ratio mixed / plain | {mixed_tpot / plain_tpot:.3f} | "
           f"{mixed_ph['forward'] / plain_ph['forward']:.3f} | "
-          f"{mixed_ph['sample'] / plain_ph['sample']:.3f} |")
+          f"{mixed_ph['sample'] / plain_ph['sample']:.3f} | "
+          f"{mixed_ph['cpu'] / plain_ph['cpu']:.3f} |")
     print(f"plain requests' tokens equal in both runs: {same}")
 
 

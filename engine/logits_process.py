@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from pathlib import Path
 
@@ -37,6 +37,11 @@ class MaskJob:
 
     def __init__(self, rows: list[int], future: Future) -> None:
         self.rows, self.future = rows, future
+
+    def settle(self) -> None:
+        """Wait until the worker is done with the matchers (the step failed before
+        :meth:`LogitsStage.apply`: the next step must not touch them while it still runs)."""
+        wait([self.future])
 
     def bias(self) -> torch.Tensor:
         """``[len(rows), V]`` fp32: -inf where the grammar forbids the token, else 0 (waits)."""

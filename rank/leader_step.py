@@ -128,7 +128,12 @@ class LeaderStep:
         reqs = [out.chunks[i].request for i in rows]
         # NOTE: grammar masks are computed while the forward runs
         job, early = self.logits_stage.begin(reqs) if self.logits_stage else (None, {})
-        logits = self.group.run_step(out.steps, step_inputs)
+        try:
+            logits = self.group.run_step(out.steps, step_inputs)
+        except BaseException:
+            if job is not None:
+                job.settle()
+            raise
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
         if rows:
