@@ -99,8 +99,8 @@ class GrammarState:
     """One request's matcher and how many of its output tokens it has consumed.
 
     Interface for every sampler stage that masks (plain decode, and speculative drafts):
-    :meth:`catch_up` with the request's output so far, then :meth:`allowed` gives the mask of
-    the next token; drafts are checked with :meth:`accepts_prefix` (no state change).
+    :meth:`catch_up` with the request's output so far, then :meth:`fill_bitmask` gives the
+    mask of the next token; drafts are checked with :meth:`accepts_prefix` (no state change).
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
@@ -118,10 +118,11 @@ class GrammarState:
             return f"the output left its grammar: {self.matcher.get_error()}"
         return None
 
-    def allowed(self) -> bytes:
-        """One byte per token id (at most ``V``): non-zero where the grammar allows that token
-        next (only EOS once the grammar is complete); ids past its end are not allowed."""
-        return self.matcher.compute_logit_bias()[:self.vocab_size]
+    def fill_bitmask(self, address: int, nbytes: int) -> None:
+        """Write the next token's mask as bits (bit ``t % 32`` of int32 word ``t // 32``: 1 =
+        allowed) into ``nbytes`` bytes at ``address`` (``(V + 31) // 32`` int32 words). Drops
+        the GIL (runs beside the model's forward, :mod:`engine.logits_process`)."""
+        self.matcher.unsafe_compute_mask_ptr(address, nbytes)
 
     def accepts_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (drafts after the consumed output) the grammar accepts in a

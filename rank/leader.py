@@ -20,8 +20,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from pathlib import Path
-
 from engine.block_pool import BlockPool
 from engine.logits_process import LogitsStage
 from engine.request import Request, RequestSpec
@@ -74,15 +72,17 @@ class Leader:
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
         self.broken: str | None = None
-        tokenizer_json = Path(cfg.checkpoint_dir) / "tokenizer.json"
-        stage = LogitsStage(self.eos_token_ids,
-                            str(tokenizer_json) if tokenizer_json.is_file() else None)
+        stage = LogitsStage(self.eos_token_ids, cfg.checkpoint_dir)
         self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync, stage,
                                 self.eos_token_ids)
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
         # be on its way (actor calls run on several threads), and must not start afterwards.
         self._tombstones: OrderedDict[str, float] = OrderedDict()
+
+    def close(self) -> None:
+        """Release the step's threads (the rank is shutting down)."""
+        self._step.close()
 
     # ---- events -------------------------------------------------------------------------
     def emit(self, event: TokenEvent) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.error_text import first_line
-from engine.logits_process import LogitsStage
+from engine.logits_process import LogitsStage, MaskJob
 from engine.logprobs import token_logprobs
 from engine.sampling import RowFailure, sample
 from engine.request import Request
@@ -82,6 +82,11 @@ class LeaderStep:
         self.eos_token_ids = eos_token_ids
         self.spec_stats = SpecStats()  # speculative decoding: drafts made and kept
 
+    def close(self) -> None:
+        """Release the logits stage's worker thread."""
+        if self.logits_stage is not None:
+            self.logits_stage.close()
+
     def agree(self) -> bool:
         """Before the role's step takes the lock: whether this iteration may run a forward.
         True without a DP sync (:meth:`run` runs one only when it schedules something); with
@@ -127,8 +132,18 @@ class LeaderStep:
                  step_inputs_for: StepInputsFor | None) -> StepResult:
         """execute ``out`` on all ranks -> sample -> update the counters."""
         step_inputs = step_inputs_for(out) if step_inputs_for else None
-        logits = self.group.run_step(out.steps, step_inputs)
+        rows = [i for i, c in enumerate(out.chunks) if c.completes]
+        reqs = [out.chunks[i].request for i in rows]
+        # NOTE: grammar masks are computed while the forward runs
+        job, early = self.logits_stage.begin(reqs) if self.logits_stage else (None, {})
+        try:
+            logits = self.group.run_step(out.steps, step_inputs)
+        except BaseException:
+            if job is not None:
+                job.settle()
+            raise
         if isinstance(logits, SpecOutput):
+            # NOTE: no grammar under MTP (router/validate.py refuses it): job is None
             with self.timer.phase("sample"):
                 verified = verify_step(self.name, out, logits, self.eos_token_ids,
                                        self.spec_stats)
@@ -137,13 +152,11 @@ class LeaderStep:
             return StepResult(out, verified.sampled, verified.failed, verified.accepted)
         sampled: dict[str, int] = {}
         failed: dict[str, str] = {}
-        rows = [i for i, c in enumerate(out.chunks) if c.completes]
         if rows:
-            reqs = [out.chunks[i].request for i in rows]
             # NOTE: every row samples on decode: no [B, V] copy then
             picked = logits if len(rows) == logits.shape[0] else logits[rows]
             with self.timer.phase("sample"):
-                tokens = self._sample(picked, reqs)
+                tokens = self._sample(picked, reqs, job, early)
             for req, token in zip(reqs, tokens):
                 if isinstance(token, RowFailure):
                     failed[req.request_id] = f"{self.name}: {token.reason}"
@@ -153,11 +166,13 @@ class LeaderStep:
             self.scheduler.update(out, sampled)
         return StepResult(out, sampled, failed)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int | RowFailure]:
-        """Process (requests that ask), sample, and record logprobs (requests that ask) of
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], job: MaskJob | None,
+                early: dict[int, str]) -> list[int | RowFailure]:
+        """Process (requests that ask; ``job``: their grammar masks, ``early``: rows whose
+        grammar already failed), sample, and record logprobs (requests that ask) of
         ``logits [B, V]``, row b for ``reqs[b]``."""
         params = [r.spec.sampling for r in reqs]
-        failures: dict[int, str] = {}
+        failures = dict(early)
         if any(p.processed for p in params):
             if self.logits_stage is None:
                 raise ValueError(f"{self.name} has no logits stage for penalties / grammars")
@@ -165,7 +180,7 @@ class LeaderStep:
             # NOTE: in place on the step's logits (an inference tensor): no copy, so rows of
             # requests without processing cost nothing
             with torch.inference_mode():
-                failures = self.logits_stage.apply(logits, reqs)
+                failures.update(self.logits_stage.apply(logits, reqs, job))
         tokens = sample(logits, params, [r.sampling_step for r in reqs])
         for row, why in failures.items():
             tokens[row] = RowFailure(why)

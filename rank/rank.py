@@ -302,6 +302,8 @@ class Rank:
         """Stop the loop and release the role's resources (connectors) on this rank."""
         if self.loop is not None:
             self.loop.stop()
+        if self.leader is not None:
+            self.leader.close()
         for channel in (self._step_leader, self._step_follower):
             if channel is not None:
                 channel.close()
