@@ -136,9 +136,11 @@ def test_abort_in_mid_forward_stops_at_the_next_layer_and_frees_everything(ckpt)
     prefill = start(ckpt, PrefillRole, "prefill", "prefill-0")
     decode = start(ckpt, DecodeRole, "decode", "decode-0")
     aborted: list[bool] = []
+    started = threading.Event()
 
     def abort_after_layer_0(layer: int) -> None:
-        if layer == 0:  # NOTE: the abort runs while layer 1 computes (its thread waits)
+        if layer == 0 and not started.is_set():  # NOTE: runs while layer 1 computes
+            started.set()
             t = threading.Thread(target=lambda: aborted.append(
                 prefill.request(Abort("gone"))), daemon=True)
             t.start()
