@@ -128,8 +128,8 @@ class KVSends:
         did not send layer by layer; completion records after a request's last chunk."""
         forward_end = time.time()
         hook, self._layer_sends = self._layer_sends, None
-        # NOTE: a forward that called the hook for fewer layers than the model has (a hook
-        # from another step) leaves nothing unsent: the whole chunk goes now
+        # NOTE: a forward that did not call the hook for every layer (one that ignores it)
+        # leaves nothing unsent: the whole chunk goes now (decode counts a cell once)
         sent = hook is not None and hook.layers_queued >= self.kv_spec.num_layers
         for t in transfers or ():
             if not sent:

@@ -11,8 +11,10 @@ Protocol (DESIGN.md "One request"), prefill side:
    the router; every rank sends its completion records; the request leaves the scheduler but
    its blocks stay until every rank's sends for it are done ("draining"), then are freed once.
 
-Abort: the request leaves the queue; every rank cancels its queued sends and says so to the
-decode side; ``Abort`` returns only when no send into the reservation is still in flight.
+Abort: every rank cancels its queued sends and says so to the decode side (first, without the
+leader lock: a forward in progress sends nothing more of it from its next layer on), then the
+request leaves the queue; ``Abort`` returns only when no send into the reservation is still in
+flight.
 A request that fails (its chunk or its sampling, see rank/leader_step.py) ends the same way,
 from the loop: error event, sends aborted on every rank, blocks freed once idle.
 
