@@ -77,7 +77,7 @@ class ModelConfig:
     an indexer.
     ``quantization`` None means float weights (else :mod:`engine.quant.formats`).
     ``num_nextn_predict_layers``: MTP modules the checkpoint ships (1 for V3; weights under
-    ``model.layers.{num_hidden_layers}.*``, :mod:`engine.mtp`).
+    ``model.layers.{num_hidden_layers}.*``, :class:`engine.model.MTPLayer`).
     """
 
     hidden_size: int
