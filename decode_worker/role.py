@@ -10,7 +10,7 @@ Protocol (DESIGN.md "One request"), decode side:
    returns at once (it never waits for a step in progress) and the loop applies it before its
    next step; once every rank has every layer, the request joins the running batch with
    ``num_computed_tokens = prompt``.
-4. Tokens stream out through ``poll``; at the end the blocks are freed exactly once.
+4. Tokens stream out on the leader's event stream; at the end the blocks are freed exactly once.
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
 dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
@@ -143,7 +143,7 @@ class DecodeRole(Role):
         if not leader.pool.can_allocate(need):
             return Rejection(rid, f"{self.cfg.name} is full ({leader.pool.num_free_blocks} of "
                              f"{leader.pool.num_blocks} blocks free, {need} needed)",
-                             retryable=True)
+                             retryable=True, blocks_needed=need)
         return None
 
     def admit(self, request_id: str, first_token_id: int) -> None:

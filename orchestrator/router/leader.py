@@ -2,23 +2,28 @@
 
 ``LeaderClient`` wraps one leader handle (a Ray actor handle of a ``rank.rank.Rank``, or an
 in-process fake whose methods also have ``.remote(...)`` returning an awaitable) with typed,
-bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``poll`` and ``status``.
-``EventPump`` runs one asyncio task per leader that long-polls ``poll(timeout_s)`` and fans
-the :class:`TokenEvent` list out to per-attempt :class:`Inbox`es, keeping only the events of
-instances the attempt watches; when a leader cannot be polled, the inbox of every attempt
-watching it raises :class:`InstanceFailure`, so nothing waits forever.
+bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``open_events`` and
+``status``. ``EventPump`` runs one asyncio task per leader that follows the leader's token
+stream (orchestrator/router/event_stream.py: one frame per leader step, no Ray call per step)
+and fans its token events out to per-attempt :class:`Inbox`es, keeping only the
+events of instances the attempt watches; each decode frame's free KV blocks go to
+``on_capacity`` (the admission queue). When a leader's stream is lost, the inbox of every
+attempt watching it raises :class:`InstanceFailure`, so nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from engine.error_text import first_line
 from orchestrator.router.request import InstanceFailure, request_failed
+from orchestrator.router.event_stream import (EventFrame, EventSubscription, StreamAddress,
+                                              StreamBroken)
 from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,7 @@ class LeaderClient:
         self.name, self.role, self.handle = name, role, handle
         self.call_timeout_s = call_timeout_s
         self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
+        self._rebound: asyncio.Future[None] | None = None  # done at the next rebind
 
     def abandon_calls(self, reason: str) -> None:
         """The instance is known dead or hung: every call in flight fails now with a
@@ -71,8 +77,16 @@ class LeaderClient:
     def rebind(self, handle: Any) -> None:
         """Send every later call (the EventPump's polls too) to ``handle``: the instance's
         new leader after a restart (``orchestrator/deploy/recovery.py``). Calls already sent finish
-        or fail on the old one."""
+        or fail on the old one; the event pump follows the new leader's stream."""
         self.handle = handle
+        if self._rebound is not None and not self._rebound.done():
+            self._rebound.set_result(None)
+
+    def rebound(self) -> asyncio.Future[None]:
+        """Done at the next :meth:`rebind` (call on the router loop)."""
+        if self._rebound is None or self._rebound.done():
+            self._rebound = asyncio.get_running_loop().create_future()
+        return self._rebound
 
     async def call(self, request: LeaderRequest, *, timeout_s: float | None = None) -> Any:
         """``await handle.request.remote(request)`` bounded by ``timeout_s``; errors name the
@@ -85,10 +99,11 @@ class LeaderClient:
         return await self._bounded(type(request).__name__.lower(),
                                    lambda: self.handle.request.remote(request), timeout_s)
 
-    async def poll(self, wait_s: float, *, timeout_s: float | None = None) -> list[TokenEvent]:
-        """``handle.poll.remote(wait_s)`` (events; the leader waits up to ``wait_s`` for one),
-        bounded by ``timeout_s``. Raises as :meth:`call`."""
-        return await self._bounded("poll", lambda: self.handle.poll.remote(wait_s), timeout_s)
+    async def open_events(self, subscriber: str) -> StreamAddress:
+        """``handle.open_events.remote(subscriber)``: where this router follows the leader's
+        token stream. Raises as :meth:`call`."""
+        return await self._bounded("open_events",
+                                   lambda: self.handle.open_events.remote(subscriber), None)
 
     async def status(self, *, timeout_s: float | None = None) -> InstanceStatusInfo:
         """``handle.status.remote()`` bounded by ``timeout_s``. Raises as :meth:`call`."""
@@ -183,40 +198,41 @@ class Inbox:
 
 
 class EventPump:
-    """Fans leader events out to per-attempt :class:`Inbox`es; one polling task per leader.
+    """Fans leader events out to per-attempt :class:`Inbox`es; one stream task per leader.
 
     Args:
         leaders: every leader that produces events.
-        poll_timeout_s: how long one ``poll`` may block in the leader (seconds).
-        retry_s: pause after a failed poll before trying again (seconds).
+        retry_s: pause after a lost stream before subscribing again (seconds).
+        on_capacity: ``(instance, free_blocks)`` for every frame of a decode leader.
+        subscriber: this router's id at the leaders (default: a fresh one).
     """
 
-    def __init__(self, leaders: list[LeaderClient], poll_timeout_s: float = 0.5,
-                 retry_s: float = 0.5) -> None:
+    def __init__(self, leaders: list[LeaderClient], retry_s: float = 0.5,
+                 on_capacity: Callable[[str, int], None] | None = None,
+                 subscriber: str | None = None) -> None:
         self._leaders = leaders
-        self._poll_timeout_s, self._retry_s = poll_timeout_s, retry_s
+        self._retry_s = retry_s
+        self._on_capacity = on_capacity
+        self.subscriber = subscriber or f"router-{uuid.uuid4().hex[:12]}"
         self._inboxes: dict[str, Inbox] = {}  # attempt id -> its inbox
         self._sources: dict[str, set[str]] = {}  # attempt id -> instances it waits on
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
     def start(self) -> None:
-        """Start one polling task per leader (call from the event loop)."""
-        self._tasks = [asyncio.create_task(self._run(leader), name=f"poll-{leader.name}")
+        """Start one stream task per leader (call from the event loop)."""
+        self._tasks = [asyncio.create_task(self._run(leader), name=f"events-{leader.name}")
                        for leader in self._leaders]
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the polling tasks (bounded wait)."""
+        """Stop the stream tasks (bounded wait)."""
         self._stopping = True
-        # NOTE: on Python < 3.12 asyncio.wait_for can swallow a cancel that races with a
-        # completing poll; the _stopping flag ends the loop in that case, and the bounded
-        # wait below keeps stop() from hanging on it anyway.
         for task in self._tasks:
             task.cancel()
         if self._tasks:
             _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
             if pending:
-                log.warning("poll tasks still running after stop: %s", pending)
+                log.warning("event stream tasks still running after stop: %s", pending)
         self._tasks = []
 
     def register(self, attempt_id: str, request_id: str, instances: set[str]) -> Inbox:
@@ -247,25 +263,49 @@ class EventPump:
         self._sources.pop(attempt_id, None)
 
     async def _run(self, leader: LeaderClient) -> None:
-        bound = self._poll_timeout_s + leader.call_timeout_s
-        failing = False  # NOTE: one warning per run of failed polls, the rest at debug
+        """Follow ``leader``'s stream; a lost one fails its watchers, then we subscribe again
+        (through ``leader.handle``: a rebind switches to the new leader at once)."""
+        sub = EventSubscription(leader.name, leader.role, self.subscriber,
+                                lambda subscriber: _open(leader, subscriber))
+        failing = False  # NOTE: one warning per run of failures, the rest at debug
         while not self._stopping:
+            rebound = leader.rebound()
+            follow = asyncio.ensure_future(self._follow(leader, sub))
             try:
-                events = await leader.poll(self._poll_timeout_s, timeout_s=bound)
-            except LeaderError as exc:
-                log.log(logging.DEBUG if failing else logging.WARNING,
-                        "polling %s failed: %s", leader.name, exc)
+                await asyncio.wait({follow, rebound}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not follow.done():
+                    follow.cancel()
+                    await asyncio.wait({follow})
+            if follow.cancelled():
+                continue  # rebound: the new leader's stream
+            try:
+                follow.result()
+                failing = False
+            except StreamBroken as exc:
+                log.log(logging.DEBUG if failing else logging.WARNING, "%s", exc)
                 failing = True
                 self.fail_instance(leader.name, str(exc))
                 await asyncio.sleep(self._retry_s)
+
+    async def _follow(self, leader: LeaderClient, sub: EventSubscription) -> None:
+        async for frame in sub.frames():
+            self._dispatch(leader, frame)
+
+    def _dispatch(self, leader: LeaderClient, frame: EventFrame) -> None:
+        for event in frame.events:
+            # NOTE: an instance the attempt no longer watches (a failed attempt's, or
+            # prefill after the first token) cannot end it with a late event.
+            if leader.name not in self._sources.get(event.request_id, ()):
+                log.debug("dropped event of %s from %s", event.request_id, leader.name)
                 continue
-            if failing:
-                log.info("polling %s works again", leader.name)
-                failing = False
-            for event in events:
-                # NOTE: an instance the attempt no longer watches (a failed attempt's, or
-                # prefill after the first token) cannot end it with a late event.
-                if leader.name not in self._sources.get(event.request_id, ()):
-                    log.debug("dropped event of %s from %s", event.request_id, leader.name)
-                    continue
-                self._inboxes[event.request_id].put(event)
+            self._inboxes[event.request_id].put(event)
+        if self._on_capacity is not None and leader.role == "decode":
+            self._on_capacity(leader.name, frame.free_blocks)
+
+
+async def _open(leader: LeaderClient, subscriber: str) -> StreamAddress:
+    try:
+        return await leader.open_events(subscriber)
+    except LeaderError as exc:
+        raise StreamBroken(str(exc)) from exc
