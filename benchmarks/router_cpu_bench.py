@@ -9,6 +9,8 @@ ignored), ``c`` at a time, per level:
 - ``queue``: 64 in flight, decode KV for 32 (``num_kv_blocks``), so 32 wait in the router's
   admission queue the whole run.
 
+One ``orch up`` serves every level (decode KV sized for exactly 32 requests).
+
 Counted: user + system CPU seconds (``/proc/<pid>/stat``) of the ``orch up`` process and every
 descendant (router, Ray's gcs / raylet / dashboard, idle Ray workers) except the rank processes
 (``GetStatus`` names their pids), from the first timed request to the last token; divided by
@@ -39,8 +41,8 @@ from orchestrator.bench.serve import _config_on_free_ports, _stop, _wait_serving
 REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 BLOCK = 16
-# level -> (requests in flight, decode sequences the KV blocks are sized for)
-LEVELS = {"c4": (4, 32), "c32": (32, 32), "queue": (64, 32)}
+LEVELS = {"c4": 4, "c32": 32, "queue": 64}  # level -> requests in flight
+ROOM = 32  # requests decode KV is sized for
 
 
 def _config(args: argparse.Namespace, room: int, inflight: int, directory: Path) -> Path:
@@ -114,29 +116,35 @@ async def _rank_pids(address: str) -> set[int]:
     return {pid for v in views if v.status for _, _, _, pid in v.status.ranks}
 
 
-def run_level(args: argparse.Namespace, level: str, out: Path) -> tuple[float, int, float]:
-    """(CPU ms per output token, output tokens, seconds) of one level."""
-    inflight, room = LEVELS[level]
+def run_levels(args: argparse.Namespace) -> list[tuple[str, float, int, float]]:
+    """(level, CPU ms per output token, output tokens, seconds) of each level."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg, port = _config_on_free_ports(_config(args, room, inflight, Path(tmp)), Path(tmp))
+        cfg, port = _config_on_free_ports(_config(args, ROOM, max(LEVELS.values()), Path(tmp)),
+                                          Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(args.repo)}
-        log_path = out / f"router_cpu_{level}.up.log"
+        log_path = args.out / "router_cpu.up.log"
         with log_path.open("w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", str(cfg)],
                                     stdout=log, stderr=subprocess.STDOUT, cwd=args.repo,
                                     env=env, start_new_session=True)
         try:
-            _wait_serving(proc, port, 300, f"orch up ({level})", log_path)
+            _wait_serving(proc, port, 600, "orch up", log_path)
             address = f"127.0.0.1:{port}"
             ranks = asyncio.run(_rank_pids(address))
             asyncio.run(_warm(address, args))
-            before, t0 = _tree_cpu(proc.pid, ranks), time.perf_counter()
-            tokens = asyncio.run(_drive(address, args, inflight))
-            seconds = time.perf_counter() - t0
-            after = _tree_cpu(proc.pid, ranks)
+            return [(level, *_measure(proc.pid, ranks, address, args, LEVELS[level]))
+                    for level in args.levels]
         finally:
             _stop(proc)
-    cpu = sum(after.values()) - sum(before.get(pid, 0.0) for pid in after)
+
+
+def _measure(pid: int, ranks: set[int], address: str, args: argparse.Namespace,
+             inflight: int) -> tuple[float, int, float]:
+    before, t0 = _tree_cpu(pid, ranks), time.perf_counter()
+    tokens = asyncio.run(_drive(address, args, inflight))
+    seconds = time.perf_counter() - t0
+    after = _tree_cpu(pid, ranks)
+    cpu = sum(after.values()) - sum(before.get(p, 0.0) for p in after)
     return 1e3 * cpu / max(tokens, 1), tokens, seconds
 
 
@@ -163,9 +171,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"| level | in flight | CPU ms / output token | output tokens | s |  ({args.repo})")
     print("|---|---|---|---|---|")
-    for level in args.levels:
-        ms, tokens, seconds = run_level(args, level, args.out)
-        print(f"| {level} | {LEVELS[level][0]} | {ms:.3f} | {tokens} | {seconds:.1f} |",
+    for level, ms, tokens, seconds in run_levels(args):
+        print(f"| {level} | {LEVELS[level]} | {ms:.3f} | {tokens} | {seconds:.1f} |",
               flush=True)
     return 0
 

@@ -9,6 +9,9 @@ blocks cover what the decode said they need (``Rejection.blocks_needed``). The f
 fits nowhere stops the walk: no later request overtakes it. A granted waiter tries that one
 instance; rejected again (the report was stale, another router took the blocks) it keeps its
 place and waits for the next report, which the decode sends whenever its free blocks change.
+A grant that was not used (the request left: aborted, timed out) gives its blocks back to the
+estimate. Liveness guard: a head that got no grant for ``HEAD_RECHECK_S`` (a report lost with a
+restarting instance) tries the first instance once; the waiters behind it cost nothing.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from dataclasses import dataclass, field
 
 from orchestrator.router.request import RequestError
 
+HEAD_RECHECK_S = 5.0
+
 
 @dataclass(eq=False)
 class _Waiter:
     request_id: str
     need: int = 1  # blocks the decode asked for (1 until one said)
+    charged: str | None = None  # instance whose estimate this grant took ``need`` from
     granted: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -103,9 +109,14 @@ class AdmissionQueue:
             self._placing.discard(request_id)
             self._ended.pop(request_id, None)
             if ticket.waiter is not None:
-                self._queue.remove(ticket.waiter)
-                ticket.waiter.granted.cancel()  # NOTE: marks it; nobody awaits it any more
-                self._grant()
+                self._leave(ticket.waiter, ticket.reserved)
+
+    def _leave(self, waiter: _Waiter, reserved: bool) -> None:
+        self._queue.remove(waiter)
+        waiter.granted.cancel()  # NOTE: marks it; nobody awaits it any more
+        if waiter.charged in self._free and not reserved:
+            self._free[waiter.charged] += waiter.need  # an unused grant
+        self._grant()
 
     def _grant(self) -> None:
         """From the head: each idle waiter gets the first instance its need fits (by the
@@ -119,7 +130,8 @@ class AdmissionQueue:
                         None)
             if name is None:
                 return
-            if name in self._free:
+            waiter.charged = name if name in self._free else None
+            if waiter.charged:
                 self._free[name] -= waiter.need
             waiter.granted.set_result(name)
 
@@ -142,6 +154,7 @@ class Ticket:
     def __init__(self, queue: AdmissionQueue, request_id: str) -> None:
         self._queue, self.request_id = queue, request_id
         self.waiter: _Waiter | None = None
+        self.reserved = False  # set by the caller once a reservation used the grant
 
     async def wait(self, deadline: float, reason: str, need: int | None = None) -> str:
         """Wait for a decode instance that reported room for ``need`` blocks (None: what the
@@ -158,18 +171,31 @@ class Ticket:
             self.waiter = queue._enter(self.request_id, reason)
         elif self.waiter.granted.done():
             self.waiter.granted = asyncio.get_running_loop().create_future()
+            self.waiter.charged = None  # NOTE: refused or failed: the estimate says so now
         if need is not None:
             self.waiter.need = max(1, need)
         queue._grant()
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise asyncio.TimeoutError
-            return await asyncio.wait_for(asyncio.shield(self.waiter.granted), left)
-        except asyncio.TimeoutError:
-            queue.check(self.request_id)
-            raise RequestError(
-                "RESOURCE_EXHAUSTED",
-                f"request {self.request_id} waited router.request_timeout_s for decode KV "
-                f"blocks ({reason}): retry later, or raise decode.num_kv_blocks / decode.dp / "
-                "router.request_timeout_s") from None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                return await asyncio.wait_for(asyncio.shield(self.waiter.granted),
+                                              min(left, HEAD_RECHECK_S))
+            except asyncio.TimeoutError:
+                queue.check(self.request_id)
+                if left > HEAD_RECHECK_S:
+                    self._recheck()
+                    continue
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"request {self.request_id} waited router.request_timeout_s for decode KV "
+                    f"blocks ({reason}): retry later, or raise decode.num_kv_blocks / decode.dp"
+                    " / router.request_timeout_s") from None
+
+    def _recheck(self) -> None:
+        """The liveness guard (module docstring): the head tries the first instance."""
+        queue, waiter = self._queue, self.waiter
+        order = queue.order()
+        if queue._queue and queue._queue[0] is waiter and order and not waiter.granted.done():
+            waiter.granted.set_result(order[0])

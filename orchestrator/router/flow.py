@@ -210,6 +210,7 @@ class DisaggregatedFlow(Flow):
             while True:
                 got, full_reason, need = await self._try_reserve(spec, names)
                 if got is not None:
+                    ticket.reserved = True
                     return got
                 if direct and not full_reason:
                     raise RequestError("UNAVAILABLE", "no decode instance could reserve: "

@@ -170,7 +170,9 @@ class Inbox:
         self._rearm()
 
     def take(self) -> TokenEvent | None:
-        """The next token event; None when nothing waits.
+        """The next token event, merged with the token events of the same instance queued
+        right behind it (a router that fell behind streams fewer, larger chunks; an error
+        stays for the next take); None when nothing waits.
 
         Raises:
             InstanceFailure: an instance failed (dead, unreachable, broken).
@@ -179,13 +181,33 @@ class Inbox:
         if not self._items:
             return None
         item = self._items.popleft()
-        self._rearm()
         if isinstance(item, InstanceFailure):
+            self._rearm()
             raise item
         if item.finish_reason == "error":
+            self._rearm()
             raise request_failed(self.request_id, item.instance, item.error or "",
                                  item.retryable)
+        item = self._merge(item)
+        self._rearm()
         return item
+
+    def _merge(self, first: TokenEvent) -> TokenEvent:
+        """``first`` and the queued token events behind it from its instance, up to the first
+        that ends the request, as one event."""
+        tokens = None
+        last = first
+        while (last.finish_reason is None and self._items
+               and isinstance(self._items[0], TokenEvent)
+               and self._items[0].instance == first.instance
+               and self._items[0].finish_reason != "error"):
+            last = self._items.popleft()
+            tokens = (tokens or list(first.token_ids))
+            tokens.extend(last.token_ids)
+        if tokens is None:
+            return first
+        return TokenEvent(first.request_id, tuple(tokens), last.finish_reason, None,
+                          first.source, first.instance, last.retryable)
 
     def _add(self, item: TokenEvent | InstanceFailure) -> None:
         self._items.append(item)

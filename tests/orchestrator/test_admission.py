@@ -10,6 +10,7 @@ import time
 import pytest
 
 from orchestrator.api.client import OrchClient
+from orchestrator.router import admission
 from orchestrator.router.admission import AdmissionQueue
 from orchestrator.router.request import RequestError
 from tests.orchestrator.fakes import expected_tokens
@@ -208,3 +209,62 @@ def test_waiting_requests_are_admitted_in_arrival_order_when_blocks_free():
     assert [c[1] for c in reserves_while_waiting] == ["r0@1", "r1@2"]
     reserved = [c[1] for c in decode.calls if c[0] == "reserve"]
     assert reserved == ["r0@1", "r1@2", "r1@2", "r2@3", "r3@4", "r4@5"]
+
+
+def test_a_report_from_an_instance_not_yet_healthy_is_granted_once_it_is():
+    """A restarted decode reports its room before the health monitor calls it healthy: the
+    grant waits for the health change (Flow.health_changed -> regrant), not a later report."""
+    async def go():
+        queue, granted = _queue(), []
+        healthy = ["decode-1"]
+        queue.order = lambda: list(healthy)
+        wait = asyncio.create_task(_take(queue, "r", 2, granted))
+        await _settle()
+        queue.report("decode-0", 8)  # not healthy yet
+        await _settle()
+        before = list(granted)
+        healthy.append("decode-0")
+        queue.regrant()
+        await asyncio.wait_for(wait, PROMPT_S)
+        return before, granted
+
+    before, granted = asyncio.run(go())
+    assert before == [] and granted == [("r", "decode-0")]
+
+
+def test_a_grant_the_request_did_not_use_gives_its_blocks_back():
+    async def go():
+        queue, granted = _queue(), []
+
+        async def leaves():  # granted, then aborted before it reserved
+            async with queue.ticket("gone") as ticket:
+                await ticket.wait(time.monotonic() + FAR, "full", 3)
+
+        gone = asyncio.create_task(leaves())
+        await _settle()
+        stays = asyncio.create_task(_take(queue, "stays", 3, granted))
+        await _settle()
+        queue.report("decode-0", 3)  # room for one: "gone" is granted it
+        await gone
+        await asyncio.wait_for(stays, PROMPT_S)  # no new report: the unused grant came back
+        return granted
+
+    assert asyncio.run(go()) == [("stays", "decode-0")]
+
+
+def test_a_head_that_hears_no_report_tries_once_and_those_behind_it_do_not(monkeypatch):
+    monkeypatch.setattr(admission, "HEAD_RECHECK_S", 0.2)
+
+    async def go():
+        queue, granted, hold = _queue(), [], asyncio.Event()
+        head = asyncio.create_task(_take(queue, "head", 1, granted, hold))
+        await _settle()
+        behind = asyncio.create_task(_take(queue, "behind", 1, granted))
+        await asyncio.sleep(0.6)  # the head is granted and still trying
+        first = list(granted)
+        behind.cancel()
+        hold.set()
+        await head
+        return first
+
+    assert asyncio.run(go()) == [("head", "decode-0")]
