@@ -69,8 +69,23 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def _tree_cpu(root: int, skip: set[int]) -> dict[int, float]:
-    """pid -> CPU seconds of ``root`` and its descendants, without ``skip``."""
+def _name(pid: int) -> str:
+    """What a process of the tree is: "orch up", "raylet", "gcs_server", ... ."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    text = b" ".join(argv).decode(errors="replace")
+    if "orchestrator.cli" in text:
+        return "orch up"
+    for known in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env"):
+        if known in text:
+            return known
+    return argv[0].decode(errors="replace").split("/")[-1] or "?"
+
+
+def _tree_cpu(root: int, skip: set[int]) -> dict[int, tuple[str, float]]:
+    """pid -> (name, CPU seconds) of ``root`` and its descendants, without ``skip``."""
     tree, out, todo = _children(), {}, [root]
     while todo:
         pid = todo.pop()
@@ -81,7 +96,7 @@ def _tree_cpu(root: int, skip: set[int]) -> dict[int, float]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[pid] = (int(fields[11]) + int(fields[12])) / TICK
+        out[pid] = (_name(pid), (int(fields[11]) + int(fields[12])) / TICK)
     return out
 
 
@@ -117,7 +132,8 @@ async def _rank_pids(address: str) -> set[int]:
 
 
 def run_levels(args: argparse.Namespace) -> list[tuple[str, float, int, float]]:
-    """(level, CPU ms per output token, output tokens, seconds) of each level."""
+    """(level, CPU ms per output token, output tokens, seconds, by process name) of each
+    level."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg, port = _config_on_free_ports(_config(args, ROOM, max(LEVELS.values()), Path(tmp)),
                                           Path(tmp))
@@ -139,13 +155,17 @@ def run_levels(args: argparse.Namespace) -> list[tuple[str, float, int, float]]:
 
 
 def _measure(pid: int, ranks: set[int], address: str, args: argparse.Namespace,
-             inflight: int) -> tuple[float, int, float]:
+             inflight: int) -> tuple[float, int, float, dict[str, float]]:
+    """(CPU ms per token, tokens, seconds, process name -> CPU ms per token)."""
     before, t0 = _tree_cpu(pid, ranks), time.perf_counter()
     tokens = asyncio.run(_drive(address, args, inflight))
     seconds = time.perf_counter() - t0
     after = _tree_cpu(pid, ranks)
-    cpu = sum(after.values()) - sum(before.get(p, 0.0) for p in after)
-    return 1e3 * cpu / max(tokens, 1), tokens, seconds
+    by_name: dict[str, float] = {}
+    for p, (name, cpu) in after.items():
+        spent = cpu - before.get(p, (name, 0.0))[1]
+        by_name[name] = by_name.get(name, 0.0) + 1e3 * spent / max(tokens, 1)
+    return sum(by_name.values()), tokens, seconds, by_name
 
 
 async def _warm(address: str, args: argparse.Namespace) -> None:
@@ -169,10 +189,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"| level | in flight | CPU ms / output token | output tokens | s |  ({args.repo})")
-    print("|---|---|---|---|---|")
-    for level, ms, tokens, seconds in run_levels(args):
-        print(f"| {level} | {LEVELS[level]} | {ms:.3f} | {tokens} | {seconds:.1f} |",
+    print(f"| level | in flight | CPU ms / output token | output tokens | s | largest (ms / token)"
+          f" |  ({args.repo})")
+    print("|---|---|---|---|---|---|")
+    for level, ms, tokens, seconds, by_name in run_levels(args):
+        top = ", ".join(f"{n} {v:.3f}" for n, v in sorted(by_name.items(),
+                                                          key=lambda kv: -kv[1])[:4])
+        print(f"| {level} | {LEVELS[level]} | {ms:.3f} | {tokens} | {seconds:.1f} | {top} |",
               flush=True)
     return 0
 

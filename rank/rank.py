@@ -6,8 +6,8 @@ the leader the loop thread, the DP sync and the :class:`~rank.leader.Leader` sta
 (driven by orchestrator/deploy/cluster.py): ``Rank(cfg, rank, role_cls)`` -> leader
 ``open_tp_store()`` (and, with ``ep``, the role's first leader ``open_ep_store()``) -> every
 rank ``init_rank(host, port, peers, ep_store)`` (collective: rendezvous, model load, the role
-built) -> leader ``start()`` -> ``open_events`` / ``request`` / ``status`` ... -> ``drain(timeout_s)`` ->
-``shutdown()``. Only the leader schedules: each step goes to every rank (rank/spmd.py).
+built) -> leader ``start()`` -> ``open_events`` / ``request`` / ``status`` ... ->
+``drain(timeout_s)`` -> ``shutdown()``. Only the leader schedules: each step goes to every rank (rank/spmd.py).
 
 Failures: the loop thread (rank/loop.py) never ends on an error. A follower that is dead or
 hung (:class:`RankFailure`) takes the instance out of service (rank/leader.py): the loop ends

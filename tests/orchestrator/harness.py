@@ -80,7 +80,8 @@ class Harness:
             on_unhealthy=(lambda name, why: self.router.instance_failed(name, why))
             if wired else None,
             recover=(lambda name: self.recover(self, name)) if wired else None)
-        self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics, health=self.monitor)
+        self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
+                                   health=self.monitor)
         self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
                                  "127.0.0.1", 0, self.security)
         port = await self.server.start()
