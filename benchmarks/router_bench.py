@@ -173,22 +173,36 @@ async def _serve_router(leader: tuple[str, int], port: int, tokenizer: bool, rea
 
 
 # ---- clients ----------------------------------------------------------------------------
-def client_main(address: str, streams: int, max_tokens: int, until: float, counts) -> None:
-    asyncio.run(_clients(address, streams, max_tokens, until, counts))
+def client_main(address: str, streams: int, max_tokens: int, until, counts, ready,
+                go) -> None:
+    asyncio.run(_clients(address, streams, max_tokens, until, counts, ready, go))
 
 
-async def _clients(address: str, streams: int, max_tokens: int, until: float, counts) -> None:
+async def _clients(address: str, streams: int, max_tokens: int, until, counts, ready,
+                   go) -> None:
+    """``streams`` request loops once ``go`` is set (after every client process is ready),
+    until ``until.value`` (time.time())."""
     from orchestrator.api.client import AsyncOrchClient
 
     client = AsyncOrchClient(address)
+    await client.status()  # connected
+    ready.set()
+    await asyncio.to_thread(go.wait)
 
     async def loop(i: int) -> None:
-        while time.time() < until:
-            async for chunk in client.generate(token_ids=[5, 6, 7, 8], max_tokens=max_tokens,
-                                               ignore_eos=True, timeout_s=120):
-                counts[i] += len(chunk.token_ids)
-    await asyncio.gather(*(loop(i) for i in range(streams)), return_exceptions=True)
+        while time.time() < until.value:
+            try:
+                async for chunk in client.generate(token_ids=[5, 6, 7, 8],
+                                                   max_tokens=max_tokens, ignore_eos=True,
+                                                   timeout_s=120):
+                    counts[i] += len(chunk.token_ids)
+            except Exception as exc:  # noqa: BLE001 - counted, the stream goes on
+                errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+    errors: list[str] = []
+    await asyncio.gather(*(loop(i) for i in range(streams)))
     await client.close()
+    if errors:
+        print(f"client: {len(errors)} request(s) failed, e.g. {errors[0]}", flush=True)
 
 
 def _cpu_s(pid: int) -> float:
@@ -218,18 +232,22 @@ def run(args: argparse.Namespace) -> tuple[float, float]:
     procs.append(router)
     try:
         router_ready.wait(60)
-        warm_end = time.time() + args.warmup
-        until = warm_end + args.seconds
         per = -(-args.streams // args.client_procs)
         counts = [ctx.Array("q", per, lock=False) for _ in range(args.client_procs)]
+        readies, go, until = [ctx.Event() for _ in counts], ctx.Event(), ctx.Value("d", 0.0)
         clients = [ctx.Process(target=client_main, args=(f"127.0.0.1:{port}", per,
-                                                         args.max_tokens, until + 1, c),
-                               daemon=True) for c in counts]
+                                                         args.max_tokens, until, c, r, go),
+                               daemon=True) for c, r in zip(counts, readies)]
         for c in clients:
             c.start()
+        for r in readies:
+            r.wait(120)
+        warm_end = time.time() + args.warmup
+        until.value = warm_end + args.seconds + 1
+        go.set()
         time.sleep(max(0.0, warm_end - time.time()))
         tok0, cpu0, t0 = sum(sum(c) for c in counts), _cpu_s(router.pid), time.perf_counter()
-        time.sleep(max(0.0, until - time.time()))
+        time.sleep(args.seconds)
         tok1, cpu1, t1 = sum(sum(c) for c in counts), _cpu_s(router.pid), time.perf_counter()
         for c in clients:
             c.join(150)
