@@ -73,7 +73,8 @@ class Leader:
         # without the lock (the loop ends whatever a racing RPC still queued).
         self.broken: str | None = None
         self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync)
-        # NOTE: events go to the stream once a router subscribed, else to the poll queue
+        # NOTE: events wait in _events; the loop moves them to the stream once a router
+        # subscribed, else ``poll`` takes them
         self.stream = EventStream(cfg.name, cfg.parallel.bind_host or "127.0.0.1")
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
@@ -82,11 +83,12 @@ class Leader:
 
     # ---- events -------------------------------------------------------------------------
     def emit(self, event: TokenEvent) -> None:
-        """Queue ``event`` for the routers (the loop's next :meth:`flush_events`)."""
-        if self.stream.subscribed:
-            self.stream.add(event)
-        else:
-            self._events.put(event)
+        """Queue ``event`` for the routers (the loop's next :meth:`flush_events`).
+
+        NOTE: one queue for every thread, whether a router subscribed or not, so the order
+        of emission is the order on the stream (a subscription racing an emit reorders
+        nothing)."""
+        self._events.put(event)
 
     def open_events(self, subscriber: str) -> tuple[str, int, bytes, str]:
         """A router subscribes (Ray call): events from now on, and those no ``poll`` took,
@@ -100,8 +102,11 @@ class Leader:
         KV blocks to every subscribed router (nothing when neither changed)."""
         if not self.stream.subscribed:
             return
-        while not self._events.empty():  # NOTE: emitted while the first router subscribed
-            self.stream.add(self._events.get_nowait())
+        while True:
+            try:
+                self.stream.add(self._events.get_nowait())
+            except queue.Empty:
+                break
         self.stream.flush(self.pool.num_free_blocks)
 
     def emit_end(self, request_id: str, reason: str, error: str | None = None,

@@ -139,3 +139,37 @@ def test_free_blocks_alone_make_a_frame_once_per_change():
         stream.close()
     assert made == [True, False, True]
     assert frames == [[0, 5, []], [1, 4, []]]
+
+
+def test_events_emitted_around_a_subscription_keep_their_order():
+    """A leader's emit racing the first router's subscription (the first request of a fresh
+    deployment): what went to the poll queue before is not overtaken by what came after."""
+    import queue
+    import types
+
+    from rank.leader import Leader
+
+    leader = object.__new__(Leader)  # NOTE: only the event path's state
+    leader.stream = EventStream("decode-0", "127.0.0.1")
+    leader._events = queue.Queue()
+    leader.wake = threading.Event()
+    leader.pool = types.SimpleNamespace(num_free_blocks=3)
+    try:
+        leader.emit(TokenEvent("r", (1,), instance="decode-0"))  # before the subscription
+        sub = _subscription(leader.stream)
+        sub._open_events = _opener(leader)
+        leader.open_events("router-a")
+        leader.emit(TokenEvent("r", (2,), instance="decode-0"))
+        leader.flush_events()
+        leader.emit(TokenEvent("r", (3,), "length", instance="decode-0"))
+        leader.flush_events()
+        _, got = asyncio.run(_collect(sub, 3))
+    finally:
+        leader.stream.close()
+    assert got == [1, 2, 3]
+
+
+def _opener(leader):
+    async def open_events(sub: str):
+        return leader.open_events(sub)
+    return open_events
