@@ -13,7 +13,7 @@ Protocol (DESIGN.md "One request"), decode side:
    returns at once (it never waits for a step in progress) and the loop applies it before its
    next step; once every rank has every layer, the request joins the running batch with
    ``num_computed_tokens = prompt``.
-4. Tokens stream out through ``poll``; at the end the blocks are freed exactly once.
+4. Tokens stream out on the leader's event stream; at the end the blocks are freed exactly once.
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
 dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
@@ -155,7 +155,8 @@ class DecodeRole(Role):
         """The retryable refusal of a reservation that does not fit now."""
         pool = self.leader.pool
         return Rejection(spec.request_id, f"{self.cfg.name} is full ({pool.num_free_blocks} of "
-                         f"{pool.num_blocks} blocks free, {need} needed)", retryable=True)
+                         f"{pool.num_blocks} blocks free, {need} needed)", retryable=True,
+                         blocks_needed=need)
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete, or fails

@@ -1,5 +1,6 @@
-"""What rank 0 of every role keeps: the scheduler and block pool, the event queue the router
-long-polls, tombstones, whether the instance is in service, and its step.
+"""What rank 0 of every role keeps: the scheduler and block pool, the token stream to the routers
+(rank/event_stream.py; a ``poll`` queue until a router subscribes), tombstones, whether the
+instance is in service, and its step.
 
 A role (rank/role.py) composes this object: it queues requests with :meth:`Leader.enqueue`,
 runs :meth:`Leader.step` (rank/leader_step.py) under :attr:`Leader.lock` from its own step,
@@ -26,6 +27,7 @@ from engine.request import Request, RequestSpec
 from engine.scheduler import RolePolicy, Scheduler, finish_reason
 from rank.config import InstanceConfig
 from rank.dp_sync import DPSync
+from rank.event_stream import EventStream
 from rank.leader_step import LeaderStep, StepInputsFor, StepResult
 from rank.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from rank.spmd import SPMDGroup
@@ -75,18 +77,50 @@ class Leader:
         stage = LogitsStage(self.eos_token_ids, cfg.checkpoint_dir)
         self._step = LeaderStep(cfg.name, self.scheduler, group, dp_sync, stage,
                                 self.eos_token_ids)
+        # NOTE: events wait in _events; the loop moves them to the stream once a router
+        # subscribed, else ``poll`` takes them
+        self.stream = EventStream(cfg.name, cfg.parallel.bind_host or "127.0.0.1")
         self._events: queue.Queue[TokenEvent] = queue.Queue()
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
         # be on its way (actor calls run on several threads), and must not start afterwards.
         self._tombstones: OrderedDict[str, float] = OrderedDict()
 
     def close(self) -> None:
-        """Release the step's threads (the rank is shutting down)."""
+        """Release the step's threads and the event stream (the rank is shutting down)."""
         self._step.close()
+        self.stream.close()
 
     # ---- events -------------------------------------------------------------------------
     def emit(self, event: TokenEvent) -> None:
+        """Queue ``event`` for the routers (the loop's next :meth:`flush_events`).
+
+        NOTE: one queue for every thread, whether a router subscribed or not, so the order
+        of emission is the order on the stream (a subscription racing an emit reorders
+        nothing)."""
         self._events.put(event)
+
+    def open_events(self, subscriber: str) -> tuple[str, int, bytes, str]:
+        """A router subscribes (Ray call): events from now on, and those no ``poll`` took,
+        go to the stream; (host, port, token, epoch) of it."""
+        address = self.stream.open(subscriber)
+        self.wake.set()
+        return address
+
+    def flush_events(self) -> None:
+        """The loop thread, after each iteration: one frame of the queued events and the free
+        KV blocks to every subscribed router (nothing when neither changed)."""
+        if not self.stream.subscribed:
+            return
+        while True:
+            try:
+                self.stream.add(self._events.get_nowait())
+            except queue.Empty:
+                break
+        kv = self.pool.take_events()  # NOTE: the prefix cache's changes ride the same frame
+        if kv:
+            self.stream.add(TokenEvent("", source=self.source, instance=self.cfg.name,
+                                       kv_events=kv))
+        self.stream.flush(self.pool.num_free_blocks)
 
     def emit_end(self, request_id: str, reason: str, error: str | None = None,
                  retryable: bool = False) -> None:
@@ -94,11 +128,13 @@ class Leader:
         "error" (with ``error``; ``retryable``: the instance failed, not the request)."""
         self.emit(TokenEvent(request_id, (), reason, error, self.source, self.cfg.name,
                              retryable=retryable))
+        self.wake.set()  # NOTE: an actor thread's event goes out at the loop's next flush
 
     def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
-        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one.
-        With ``kv_events`` the prefix cache's changes since the last such poll come last, on
-        an event of no request (``TokenEvent.kv_events``)."""
+        """Events since the last poll while no router subscribed (tests drive a leader this
+        way); waits up to ``timeout_s`` for one. With ``kv_events`` the prefix cache's changes
+        since they were last taken come last, on an event of no request
+        (``TokenEvent.kv_events``)."""
         out: list[TokenEvent] = []
         try:
             out.append(self._events.get(timeout=max(0.0, timeout_s)))

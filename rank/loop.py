@@ -1,5 +1,6 @@
 """The leader's loop thread: the role's step, again and again, until shutdown.
 
+After each iteration the leader flushes its events (one frame per router, rank/event_stream.py).
 An iteration that did work is followed by the next at once; an idle one waits for the
 leader's wake event (a new request, an admitted first token) or 5 ms. The loop never ends on
 an error: a :class:`~rank.failures.RankFailure` takes the instance out of service (the next
@@ -52,9 +53,18 @@ class StepLoop:
     def _run(self) -> None:
         wake = self.leader.wake
         while not self._stop.is_set():
-            if not self._iterate():
+            worked = self._iterate()
+            self._flush()
+            if not worked:
                 wake.wait(IDLE_WAIT_S)
                 wake.clear()
+
+    def _flush(self) -> None:
+        """The iteration's events to the routers; never raises."""
+        try:
+            self.leader.flush_events()
+        except Exception:  # noqa: BLE001 - the loop lives on
+            log.exception("%s: sending events failed", self.name)
 
     def _iterate(self) -> bool:
         """One loop iteration; never raises (an error ends requests, never the loop). True

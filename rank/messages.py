@@ -9,7 +9,8 @@ rank's role): a decode leader takes :class:`Reserve` (answers :class:`Reservatio
 :class:`Rejection`) and :class:`Admit`; a prefill leader :class:`Prefill`; a colocated leader
 :class:`Generate`; every leader :class:`Abort` (answers whether the request was there; on
 prefill only once no KV send into its reservation is in flight, so decode may free its
-blocks). Events come back through ``Rank.poll(timeout_s) -> list[TokenEvent]``, and
+blocks). Events come back over each leader's token stream (``Rank.open_events(subscriber)``,
+rank/event_stream.py; ``Rank.poll`` while no router subscribed), and
 ``Rank.status() -> InstanceStatusInfo`` is the snapshot.
 
 A leader whose instance lost a rank (dead or hung) is out of service: ``Reserve``, ``Admit``,
@@ -76,11 +77,14 @@ class Rejection:
         reason: human-readable cause with what to do.
         retryable: True when the instance is only full for now (back-pressure), False when the
             request can never fit (it needs more blocks than the instance has).
+        blocks_needed: with ``retryable``, the KV blocks the request needs there (the
+            router's admission queue waits until the instance reports that many free).
     """
 
     request_id: str
     reason: str
     retryable: bool = True
+    blocks_needed: int = 0
 
 
 @dataclass(frozen=True)

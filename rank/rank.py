@@ -6,8 +6,8 @@ the leader the loop thread, the DP sync and the :class:`~rank.leader.Leader` sta
 (driven by orchestrator/deploy/cluster.py): ``Rank(cfg, rank, role_cls)`` -> leader
 ``open_tp_store()`` (and, with ``ep``, the role's first leader ``open_ep_store()``) -> every
 rank ``init_rank(host, port, peers, ep_store)`` (collective: rendezvous, model load, the role
-built) -> leader ``start()`` -> ``request``/``poll``/``status`` ... -> ``drain(timeout_s)`` ->
-``shutdown()``. Only the leader schedules: each step goes to every rank (rank/spmd.py).
+built) -> leader ``start()`` -> ``open_events`` / ``request`` / ``status`` ... ->
+``drain(timeout_s)`` -> ``shutdown()``. Only the leader schedules: each step goes to every rank (rank/spmd.py).
 
 Failures: the loop thread (rank/loop.py) never ends on an error. A follower that is dead or
 hung (:class:`RankFailure`) takes the instance out of service (rank/leader.py): the loop ends
@@ -259,9 +259,15 @@ class Rank:
         return self.role.handle(request)
 
     def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
-        """Router long-poll: events since the last poll; waits up to ``timeout_s`` for one
-        (``kv_events``: see :meth:`rank.leader.Leader.poll`)."""
+        """Events since the last poll, while no router subscribed (tests drive a rank this
+        way); waits up to ``timeout_s`` for one (``kv_events``: see
+        :meth:`rank.leader.Leader.poll`)."""
         return self.leader.poll(timeout_s, kv_events)
+
+    def open_events(self, subscriber: str) -> tuple[str, int, bytes, str]:
+        """Leader: where router ``subscriber`` follows the token stream (rank/event_stream.py);
+        (host, port, token, epoch)."""
+        return self.leader.open_events(subscriber)
 
     def status(self) -> InstanceStatusInfo:
         """Snapshot for ``orch status`` and metrics, within a few seconds whatever the ranks

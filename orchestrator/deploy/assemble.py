@@ -54,13 +54,13 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
                  tokenizer: Tokenizer | None, metrics: RouterMetrics | None = None,
-                 poll_timeout_s: float = 0.5, health: HealthMonitor | None = None) -> Router:
+                 health: HealthMonitor | None = None) -> Router:
     """A router over ``handles`` configured by ``cfg.router`` (call from the event loop);
     ``health``: its policies choose only instances the monitor says are healthy, and its
     placements wait while it restarts every instance of a role (None: all healthy, always)."""
     healthy = health.is_healthy if health is not None else (lambda name: True)
     return Router(build_flow(cfg, handles, healthy), model, tokenizer,
-                  cfg.router.request_timeout_s, metrics=metrics, poll_timeout_s=poll_timeout_s,
+                  cfg.router.request_timeout_s, metrics=metrics,
                   max_attempts=cfg.router.max_attempts,
                   max_migrations=cfg.router.max_migrations, health=health)
 

@@ -1,56 +1,102 @@
-"""Bounded admission queue: requests waiting for a decode instance to have KV blocks.
+"""Admission queue: requests waiting for decode KV blocks, first come first served, no polling.
 
-A request whose reservation was rejected as retryable (decode full for now) takes a ticket and
-waits; at most ``max_pending`` requests wait at once, each at most until its deadline. Waiters
-wake when any request ends (:meth:`AdmissionQueue.notify`) or every ``retry_s`` seconds (blocks
-may free without the router seeing it), then try to reserve again.
+A request that found every decode instance full (a retryable :class:`~rank.messages.Rejection`),
+or that arrived while others wait, takes its place at the tail of one FIFO; at most
+``max_pending`` wait, each until its deadline. Nothing is retried on a timer: decode leaders
+report their free KV blocks with every event frame (rank/event_stream.py), and each report
+(:meth:`AdmissionQueue.report`) grants waiters, from the head, an instance whose reported free
+blocks cover what the decode said they need (``Rejection.blocks_needed``). The first waiter that
+fits nowhere stops the walk: no later request overtakes it. A granted waiter tries that one
+instance; rejected again (the report was stale, another router took the blocks) it keeps its
+place and waits for the next report, which the decode sends whenever its free blocks change.
+A grant that was not used (the request left: aborted, timed out) gives its blocks back to the
+estimate. Liveness guard: a head that got no grant for ``HEAD_RECHECK_S`` (a report lost with a
+restarting instance) tries the first instance once; the waiters behind it cost nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from dataclasses import dataclass, field
 
 from orchestrator.router.request import RequestError
 
+HEAD_RECHECK_S = 5.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    request_id: str
+    need: int = 1  # blocks the decode asked for (1 until one said)
+    charged: str | None = None  # instance whose estimate this grant took ``need`` from
+    granted: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
 
 class AdmissionQueue:
-    """At most ``max_pending`` waiting requests (0 = reject at once when decode is full);
-    ``retry_s``: longest sleep between two reservation attempts, seconds."""
+    """At most ``max_pending`` waiting requests (0 = reject at once when decode is full).
 
-    def __init__(self, max_pending: int, retry_s: float = 0.2) -> None:
-        self.max_pending, self.retry_s = max_pending, retry_s
-        self.waiting = 0
-        self._changed = asyncio.Event()
-        self._placing: set[str] = set()  # requests holding a ticket (queued or not)
+    ``order``: the decode instances a grant may name, in the policy's order (healthy ones);
+    the flow sets it.
+    """
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.order: Callable[[], list[str]] = lambda: []
+        self._queue: deque[_Waiter] = deque()  # arrival order
+        self._free: dict[str, int] = {}  # instance -> reported free blocks, less grants since
         self._ended: dict[str, RequestError] = {}  # request id -> why it must stop waiting
+        self._placing: set[str] = set()  # requests holding a ticket (queued or not)
         self._closed: RequestError | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue (granted ones trying an instance included)."""
+        return len(self._queue)
+
+    def report(self, instance: str, free_blocks: int) -> None:
+        """``instance`` has ``free_blocks`` free now (its event frame): grant what fits."""
+        self._free[instance] = free_blocks
+        self._grant()
+
+    def full(self, instance: str, need: int) -> None:
+        """``instance`` refused ``need`` blocks: no grant there until it reports again."""
+        self._free[instance] = min(self._free.get(instance, need - 1), need - 1)
+
+    def lost(self, instance: str) -> None:
+        """A call to ``instance`` failed: no grant there until it reports again."""
+        self._free[instance] = 0
+
+    def regrant(self) -> None:
+        """The instances ``order`` names changed (health): grant what fits now."""
+        self._grant()
 
     def cancel(self, request_id: str, error: RequestError) -> bool:
         """End the wait of ``request_id`` with ``error``; False when it holds no ticket."""
         if request_id not in self._placing:
             return False
         self._ended[request_id] = error
-        self.notify()
+        for waiter in self._queue:
+            if waiter.request_id == request_id and not waiter.granted.done():
+                waiter.granted.set_exception(error)
         return True
 
     def close(self, error: RequestError) -> None:
         """End every wait, now and later, with ``error`` (router shutting down)."""
         self._closed = error
-        self.notify()
+        for waiter in self._queue:
+            if not waiter.granted.done():
+                waiter.granted.set_exception(error)
 
     def check(self, request_id: str) -> None:
         """Raise the error that ended this request's wait, if any."""
         error = self._closed or self._ended.get(request_id)
         if error is not None:
             raise error
-
-    def notify(self) -> None:
-        """Capacity may have freed: wake every waiter to retry."""
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     @asynccontextmanager
     async def ticket(self, request_id: str) -> AsyncIterator["Ticket"]:
@@ -62,18 +108,44 @@ class AdmissionQueue:
         finally:
             self._placing.discard(request_id)
             self._ended.pop(request_id, None)
-            if ticket.queued:
-                self.waiting -= 1
+            if ticket.waiter is not None:
+                self._leave(ticket.waiter, ticket.reserved)
 
-    def _enter(self, request_id: str, reason: str) -> None:
-        if self.waiting >= self.max_pending:
+    def _leave(self, waiter: _Waiter, reserved: bool) -> None:
+        self._queue.remove(waiter)
+        waiter.granted.cancel()  # NOTE: marks it; nobody awaits it any more
+        if waiter.charged in self._free and not reserved:
+            self._free[waiter.charged] += waiter.need  # an unused grant
+        self._grant()
+
+    def _grant(self) -> None:
+        """From the head: each idle waiter gets the first instance its need fits (by the
+        reports); stop at the first that fits nowhere."""
+        order = None
+        for waiter in self._queue:
+            if waiter.granted.done():  # trying an instance, or ended
+                continue
+            order = self.order() if order is None else order
+            name = next((n for n in order if self._free.get(n, waiter.need) >= waiter.need),
+                        None)
+            if name is None:
+                return
+            waiter.charged = name if name in self._free else None
+            if waiter.charged:
+                self._free[name] -= waiter.need
+            waiter.granted.set_result(name)
+
+    def _enter(self, request_id: str, reason: str) -> _Waiter:
+        if len(self._queue) >= self.max_pending:
             raise RequestError(
                 "RESOURCE_EXHAUSTED",
                 f"request {request_id}: every decode instance is full ({reason}) and the "
-                f"admission queue is full ({self.waiting} waiting, router.max_pending="
+                f"admission queue is full ({len(self._queue)} waiting, router.max_pending="
                 f"{self.max_pending}): retry later, or raise router.max_pending / "
                 "decode.num_kv_blocks / decode.dp")
-        self.waiting += 1
+        waiter = _Waiter(request_id)
+        self._queue.append(waiter)
+        return waiter
 
 
 class Ticket:
@@ -81,29 +153,49 @@ class Ticket:
 
     def __init__(self, queue: AdmissionQueue, request_id: str) -> None:
         self._queue, self.request_id = queue, request_id
-        self.queued = False
+        self.waiter: _Waiter | None = None
+        self.reserved = False  # set by the caller once a reservation used the grant
 
-    async def wait(self, deadline: float, reason: str) -> None:
-        """Wait until capacity may have freed, at most until ``deadline`` (time.monotonic()).
+    async def wait(self, deadline: float, reason: str, need: int | None = None) -> str:
+        """Wait for a decode instance that reported room for ``need`` blocks (None: what the
+        last rejection said, else 1), at most until ``deadline`` (time.monotonic()); the
+        first call takes the place at the tail, later ones keep it. Returns the instance.
 
         Raises:
             RequestError: RESOURCE_EXHAUSTED when the queue is full or the deadline passed;
                 the cancel/close error when the wait was ended.
         """
-        self._queue.check(self.request_id)
-        if not self.queued:
-            self._queue._enter(self.request_id, reason)
-            self.queued = True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RequestError(
-                "RESOURCE_EXHAUSTED",
-                f"request {self.request_id} waited router.request_timeout_s for decode KV "
-                f"blocks ({reason}): retry later, or raise decode.num_kv_blocks / decode.dp / "
-                "router.request_timeout_s")
-        changed = self._queue._changed
-        try:
-            await asyncio.wait_for(changed.wait(), min(left, self._queue.retry_s))
-        except asyncio.TimeoutError:
-            pass
-        self._queue.check(self.request_id)
+        queue = self._queue
+        queue.check(self.request_id)
+        if self.waiter is None:
+            self.waiter = queue._enter(self.request_id, reason)
+        elif self.waiter.granted.done():
+            self.waiter.granted = asyncio.get_running_loop().create_future()
+            self.waiter.charged = None  # NOTE: refused or failed: the estimate says so now
+        if need is not None:
+            self.waiter.need = max(1, need)
+        queue._grant()
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                return await asyncio.wait_for(asyncio.shield(self.waiter.granted),
+                                              min(left, HEAD_RECHECK_S))
+            except asyncio.TimeoutError:
+                queue.check(self.request_id)
+                if left > HEAD_RECHECK_S:
+                    self._recheck()
+                    continue
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED",
+                    f"request {self.request_id} waited router.request_timeout_s for decode KV "
+                    f"blocks ({reason}): retry later, or raise decode.num_kv_blocks / decode.dp"
+                    " / router.request_timeout_s") from None
+
+    def _recheck(self) -> None:
+        """The liveness guard (module docstring): the head tries the first instance."""
+        queue, waiter = self._queue, self.waiter
+        order = queue.order()
+        if queue._queue and queue._queue[0] is waiter and order and not waiter.granted.done():
+            waiter.granted.set_result(order[0])

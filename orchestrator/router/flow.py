@@ -6,7 +6,7 @@ Legal combinations, written once:
 mode            place                               launch                       first token
 =============== =================================== ============================ ============
 disaggregated   decode.reserve -> Reservation       prefill.prefill(spec, res)   decode.admit
-                (retryable Rejection: admission       (first token from prefill,   (or abort if
+                (retryable Rejection: FIFO admission  (first token from prefill,   (or abort if
                 queue; final one: INVALID_ARGUMENT)   the rest from decode)        it finished)
 colocated       choose an instance                  colocated.generate(spec)     nothing
 =============== =================================== ============================ ============
@@ -107,7 +107,7 @@ class Flow(ABC):
 
     @abstractmethod
     async def launch(self, spec: RequestSpec, route: Route) -> None:
-        """Start computing; events follow through the leaders' poll().
+        """Start computing; events follow on the leaders' event streams.
 
         Raises:
             InstanceFailure: the instance could not be called.
@@ -124,6 +124,12 @@ class Flow(ABC):
         """The request ended: give back its policy load (called exactly once)."""
         self.policy.release(route.main, route.main_load)
         route.main_load = 0
+
+    def capacity(self, instance: str, free_blocks: int) -> None:
+        """A decode leader's event frame reported ``free_blocks`` free KV blocks."""
+
+    def health_changed(self) -> None:
+        """An instance turned healthy or unhealthy (the health monitor's listener)."""
 
     def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
         """End a request still being placed with ``error``; False when none is waiting."""
@@ -153,7 +159,7 @@ class Flow(ABC):
 
 
 class ColocatedFlow(Flow):
-    """Prefill and decode in the same instance: ``generate(spec)`` then events from poll()."""
+    """Prefill and decode in the same instance: ``generate(spec)``, then its events."""
 
     @property
     def pools(self) -> dict[str, Policy]:
@@ -191,6 +197,7 @@ class DisaggregatedFlow(Flow):
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
+        admission.order = decode_policy.order
         self._aborts: set[asyncio.Task] = set()  # aborts of reserves that failed
 
     @property
@@ -221,31 +228,56 @@ class DisaggregatedFlow(Flow):
 
     async def _reserve(self, spec: RequestSpec, deadline: float,
                        avoid: Collection[str]) -> tuple[str, Reservation]:
-        """Reserve on the first decode that can; wait in the admission queue while all are
-        full. A decode whose call fails is skipped (UNAVAILABLE when every one failed)."""
+        """Reserve on the first decode that can; while all are full, or others already wait,
+        wait in the admission queue (FIFO) for a decode that reports room. A decode whose call
+        fails is skipped (UNAVAILABLE when every one failed)."""
         async with self.admission.ticket(spec.request_id) as ticket:
+            # NOTE: behind earlier waiters a request tries nothing: it would overtake them
+            direct = not self.admission.waiting
+            names = self.choices(self.policy, avoid, "decode", spec.prompt_token_ids) \
+                if direct else []
             while True:
-                full_reason, failures = "", []
-                for name in self.choices(self.policy, avoid, "decode", spec.prompt_token_ids):
-                    self.admission.check(spec.request_id)  # aborted: stop trying
-                    try:
-                        answer = await self._reserve_on(name, spec)
-                    except InstanceFailure as exc:
-                        # NOTE: debug: the instance's failure is logged once, not per request
-                        log.debug("reserve of %s: %s; trying the next decode instance",
-                                  spec.request_id, exc.message)
-                        failures.append(exc.message)
-                        continue
-                    if isinstance(answer, Reservation):
-                        return name, answer
-                    if not answer.retryable:
-                        raise RequestError("INVALID_ARGUMENT", f"{name}: {answer.reason}")
-                    full_reason = answer.reason
-                if not full_reason:
+                got, full_reason, need = await self._try_reserve(spec, names)
+                if got is not None:
+                    ticket.reserved = True
+                    return got
+                if direct and not full_reason:
                     raise RequestError("UNAVAILABLE", "no decode instance could reserve: "
-                                       f"{'; '.join(failures)}: retry later; `orch status` "
-                                       "shows the instances")
-                await ticket.wait(deadline, full_reason)
+                                       f"{need}: retry later; `orch status` shows the "
+                                       "instances")
+                why = full_reason or f"{self.admission.waiting} request(s) wait ahead"
+                names = [await ticket.wait(deadline, why, need or None)]
+                direct = False
+
+    async def _try_reserve(self, spec: RequestSpec, names: list[str]
+                           ) -> tuple[tuple[str, Reservation] | None, str, object]:
+        """Reserve on the first of ``names`` that can: ((name, reservation) or None, why the
+        last one was full ("" when none said so), the blocks it needs (or, with no full one,
+        the failures)).
+
+        Raises:
+            RequestError: INVALID_ARGUMENT when a decode says it can never fit; the abort
+                error when the request was cancelled.
+        """
+        full_reason, need, failures = "", 0, []
+        for name in names:
+            self.admission.check(spec.request_id)  # aborted: stop trying
+            try:
+                answer = await self._reserve_on(name, spec)
+            except InstanceFailure as exc:
+                # NOTE: debug: the instance's failure is logged once, not per request
+                log.debug("reserve of %s: %s; trying the next decode instance",
+                          spec.request_id, exc.message)
+                self.admission.lost(name)
+                failures.append(exc.message)
+                continue
+            if isinstance(answer, Reservation):
+                return (name, answer), "", 0
+            if not answer.retryable:
+                raise RequestError("INVALID_ARGUMENT", f"{name}: {answer.reason}")
+            full_reason, need = answer.reason, answer.blocks_needed
+            self.admission.full(name, max(1, need))
+        return None, full_reason, need if full_reason else "; ".join(failures)
 
     async def _reserve_on(self, name: str, spec: RequestSpec) -> Reservation | Rejection:
         """One reserve call; the policy load stays charged only on success."""
@@ -275,7 +307,6 @@ class DisaggregatedFlow(Flow):
         decode = self.main[route.main]
         if finished:  # NOTE: max_tokens == 1 or EOS: the reservation is no longer needed
             await _abort_quietly(decode, route.request_id)
-            self.admission.notify()
             return
         await _call_or_fail(decode, Admit(route.request_id, token_id))
 
@@ -287,7 +318,13 @@ class DisaggregatedFlow(Flow):
     def release(self, route: Route) -> None:
         self._release_prefill(route)
         super().release(route)
-        self.admission.notify()
+
+    def capacity(self, instance: str, free_blocks: int) -> None:
+        self.admission.report(instance, free_blocks)
+
+    def health_changed(self) -> None:
+        # NOTE: a restarted decode may report its room before the monitor calls it healthy
+        self.admission.regrant()
 
     def cancel_waiting(self, request_id: str, error: RequestError) -> bool:
         return self.admission.cancel(request_id, error)

@@ -2,11 +2,13 @@
 
 ``LeaderClient`` wraps one leader handle (a Ray actor handle of a ``rank.rank.Rank``, or an
 in-process fake whose methods also have ``.remote(...)`` returning an awaitable) with typed,
-bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``poll`` and ``status``.
-``EventPump`` runs one asyncio task per leader that long-polls ``poll(timeout_s)`` and fans
-the :class:`TokenEvent` list out to per-attempt :class:`Inbox`es, keeping only the events of
-instances the attempt watches; when a leader cannot be polled, the inbox of every attempt
-watching it raises :class:`InstanceFailure`, so nothing waits forever. An event carrying
+bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``open_events`` and
+``status``. ``EventPump`` runs one asyncio task per leader that follows the leader's token
+stream (orchestrator/router/event_stream.py: one frame per leader step, no Ray call per step)
+and fans its token events out to per-attempt :class:`Inbox`es, keeping only the
+events of instances the attempt watches; each decode frame's free KV blocks go to
+``on_capacity`` (the admission queue). When a leader's stream is lost, the inbox of every
+attempt watching it raises :class:`InstanceFailure`, so nothing waits forever. An event carrying
 prefix-cache events (``TokenEvent.kv_events``, no request) goes to the router's
 :class:`KVIndex` instead.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +25,8 @@ from typing import Any
 from engine.error_text import first_line
 from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.request import InstanceFailure, request_failed
+from orchestrator.router.event_stream import (EventFrame, EventSubscription, StreamAddress,
+                                              StreamBroken)
 from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,7 @@ class LeaderClient:
         self.name, self.role, self.handle = name, role, handle
         self.call_timeout_s = call_timeout_s
         self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
+        self._rebound: asyncio.Future[None] | None = None  # done at the next rebind
 
     def abandon_calls(self, reason: str) -> None:
         """The instance is known dead or hung: every call in flight fails now with a
@@ -74,8 +80,16 @@ class LeaderClient:
     def rebind(self, handle: Any) -> None:
         """Send every later call (the EventPump's polls too) to ``handle``: the instance's
         new leader after a restart (``orchestrator/deploy/recovery.py``). Calls already sent finish
-        or fail on the old one."""
+        or fail on the old one; the event pump follows the new leader's stream."""
         self.handle = handle
+        if self._rebound is not None and not self._rebound.done():
+            self._rebound.set_result(None)
+
+    def rebound(self) -> asyncio.Future[None]:
+        """Done at the next :meth:`rebind` (call on the router loop)."""
+        if self._rebound is None or self._rebound.done():
+            self._rebound = asyncio.get_running_loop().create_future()
+        return self._rebound
 
     async def call(self, request: LeaderRequest, *, timeout_s: float | None = None) -> Any:
         """``await handle.request.remote(request)`` bounded by ``timeout_s``; errors name the
@@ -88,12 +102,11 @@ class LeaderClient:
         return await self._bounded(type(request).__name__.lower(),
                                    lambda: self.handle.request.remote(request), timeout_s)
 
-    async def poll(self, wait_s: float, *, timeout_s: float | None = None) -> list[TokenEvent]:
-        """``handle.poll.remote(wait_s, kv_events=True)`` (events, the instance's prefix-cache
-        events last; the leader waits up to ``wait_s`` for one), bounded by ``timeout_s``.
-        Raises as :meth:`call`."""
-        return await self._bounded("poll", lambda: self.handle.poll.remote(
-            wait_s, True), timeout_s)
+    async def open_events(self, subscriber: str) -> StreamAddress:
+        """``handle.open_events.remote(subscriber)``: where this router follows the leader's
+        token stream. Raises as :meth:`call`."""
+        return await self._bounded("open_events",
+                                   lambda: self.handle.open_events.remote(subscriber), None)
 
     async def status(self, *, timeout_s: float | None = None) -> InstanceStatusInfo:
         """``handle.status.remote()`` bounded by ``timeout_s``. Raises as :meth:`call`."""
@@ -160,7 +173,9 @@ class Inbox:
         self._rearm()
 
     def take(self) -> TokenEvent | None:
-        """The next token event; None when nothing waits.
+        """The next token event, merged with the token events of the same instance queued
+        right behind it (a router that fell behind streams fewer, larger chunks; an error
+        stays for the next take); None when nothing waits.
 
         Raises:
             InstanceFailure: an instance failed (dead, unreachable, broken).
@@ -169,13 +184,33 @@ class Inbox:
         if not self._items:
             return None
         item = self._items.popleft()
-        self._rearm()
         if isinstance(item, InstanceFailure):
+            self._rearm()
             raise item
         if item.finish_reason == "error":
+            self._rearm()
             raise request_failed(self.request_id, item.instance, item.error or "",
                                  item.retryable)
+        item = self._merge(item)
+        self._rearm()
         return item
+
+    def _merge(self, first: TokenEvent) -> TokenEvent:
+        """``first`` and the queued token events behind it from its instance, up to the first
+        that ends the request, as one event."""
+        tokens = None
+        last = first
+        while (last.finish_reason is None and self._items
+               and isinstance(self._items[0], TokenEvent)
+               and self._items[0].instance == first.instance
+               and self._items[0].finish_reason != "error"):
+            last = self._items.popleft()
+            tokens = (tokens or list(first.token_ids))
+            tokens.extend(last.token_ids)
+        if tokens is None:
+            return first
+        return TokenEvent(first.request_id, tuple(tokens), last.finish_reason, None,
+                          first.source, first.instance, last.retryable)
 
     def _add(self, item: TokenEvent | InstanceFailure) -> None:
         self._items.append(item)
@@ -188,59 +223,61 @@ class Inbox:
 
 
 class EventPump:
-    """Fans leader events out to per-attempt :class:`Inbox`es; one polling task per leader.
+    """Fans leader events out to per-attempt :class:`Inbox`es; one stream task per leader.
 
     Args:
         leaders: every leader that produces events.
-        poll_timeout_s: how long one ``poll`` may block in the leader (seconds).
-        retry_s: pause after a failed poll before trying again (seconds).
+        retry_s: pause after a lost stream before subscribing again (seconds).
+        on_capacity: ``(instance, free_blocks)`` for every frame of a decode leader.
+        subscriber: this router's id at the leaders (default: a fresh one).
         kv_index: where instances' prefix-cache events go (None: dropped).
     """
 
-    def __init__(self, leaders: list[LeaderClient], poll_timeout_s: float = 0.5,
-                 retry_s: float = 0.5, kv_index: KVIndex | None = None) -> None:
+    def __init__(self, leaders: list[LeaderClient], retry_s: float = 0.5,
+                 on_capacity: Callable[[str, int], None] | None = None,
+                 subscriber: str | None = None, kv_index: KVIndex | None = None) -> None:
         self._leaders = leaders
+        self._retry_s = retry_s
+        self._on_capacity = on_capacity
         self.kv_index = kv_index
-        self._poll_timeout_s, self._retry_s = poll_timeout_s, retry_s
+        self.subscriber = subscriber or f"router-{uuid.uuid4().hex[:12]}"
         self._inboxes: dict[str, Inbox] = {}  # attempt id -> its inbox
         self._sources: dict[str, set[str]] = {}  # attempt id -> instances it waits on
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
 
     def start(self) -> None:
-        """Start one polling task per leader (call from the event loop)."""
-        self._tasks = [asyncio.create_task(self._run(leader), name=f"poll-{leader.name}")
+        """Start one stream task per leader (call from the event loop)."""
+        self._tasks = [asyncio.create_task(self._run(leader), name=f"events-{leader.name}")
                        for leader in self._leaders]
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the polling tasks (bounded wait)."""
+        """Stop the stream tasks (bounded wait)."""
         self._stopping = True
-        # NOTE: on Python < 3.12 asyncio.wait_for can swallow a cancel that races with a
-        # completing poll; the _stopping flag ends the loop in that case, and the bounded
-        # wait below keeps stop() from hanging on it anyway.
         for task in self._tasks:
             task.cancel()
         if self._tasks:
             _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
             if pending:
-                log.warning("poll tasks still running after stop: %s", pending)
+                log.warning("event stream tasks still running after stop: %s", pending)
         self._tasks = []
 
     def add_leader(self, leader: LeaderClient) -> None:
-        """Poll ``leader`` too (a new instance; call from the event loop)."""
+        """Follow ``leader``'s stream too (a new instance; call from the event loop)."""
         self._leaders.append(leader)
         if self._tasks and not self._stopping:
-            self._tasks.append(asyncio.create_task(self._run(leader), name=f"poll-{leader.name}"))
+            self._tasks.append(asyncio.create_task(self._run(leader),
+                                                   name=f"events-{leader.name}"))
 
     async def remove_leader(self, name: str) -> None:
-        """Stop polling instance ``name`` (removed; nothing watches it any more)."""
+        """Stop following instance ``name`` (removed; nothing watches it any more)."""
         self._leaders = [leader for leader in self._leaders if leader.name != name]
-        tasks = [t for t in self._tasks if t.get_name() == f"poll-{name}"]
+        tasks = [t for t in self._tasks if t.get_name() == f"events-{name}"]
         for task in tasks:
             task.cancel()
             self._tasks.remove(task)
         if tasks:
-            await asyncio.wait(tasks, timeout=self._poll_timeout_s + 5.0)
+            await asyncio.wait(tasks, timeout=self._retry_s + 5.0)
 
     def register(self, attempt_id: str, request_id: str, instances: set[str]) -> Inbox:
         """An inbox receiving ``attempt_id``'s events from ``instances`` from now on
@@ -270,29 +307,53 @@ class EventPump:
         self._sources.pop(attempt_id, None)
 
     async def _run(self, leader: LeaderClient) -> None:
-        bound = self._poll_timeout_s + leader.call_timeout_s
-        failing = False  # NOTE: one warning per run of failed polls, the rest at debug
+        """Follow ``leader``'s stream; a lost one fails its watchers, then we subscribe again
+        (through ``leader.handle``: a rebind switches to the new leader at once)."""
+        sub = EventSubscription(leader.name, leader.role, self.subscriber,
+                                lambda subscriber: _open(leader, subscriber))
+        failing = False  # NOTE: one warning per run of failures, the rest at debug
         while not self._stopping:
+            rebound = leader.rebound()
+            follow = asyncio.ensure_future(self._follow(leader, sub))
             try:
-                events = await leader.poll(self._poll_timeout_s, timeout_s=bound)
-            except LeaderError as exc:
-                log.log(logging.DEBUG if failing else logging.WARNING,
-                        "polling %s failed: %s", leader.name, exc)
+                await asyncio.wait({follow, rebound}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not follow.done():
+                    follow.cancel()
+                    await asyncio.wait({follow})
+            if follow.cancelled():
+                continue  # rebound: the new leader's stream
+            try:
+                follow.result()
+                failing = False
+            except StreamBroken as exc:
+                log.log(logging.DEBUG if failing else logging.WARNING, "%s", exc)
                 failing = True
                 self.fail_instance(leader.name, str(exc))
                 await asyncio.sleep(self._retry_s)
+
+    async def _follow(self, leader: LeaderClient, sub: EventSubscription) -> None:
+        async for frame in sub.frames():
+            self._dispatch(leader, frame)
+
+    def _dispatch(self, leader: LeaderClient, frame: EventFrame) -> None:
+        for event in frame.events:
+            if event.kv_events is not None:
+                if self.kv_index is not None:
+                    self.kv_index.apply(leader.name, event.kv_events)
                 continue
-            if failing:
-                log.info("polling %s works again", leader.name)
-                failing = False
-            for event in events:
-                if event.kv_events is not None:
-                    if self.kv_index is not None:
-                        self.kv_index.apply(leader.name, event.kv_events)
-                    continue
-                # NOTE: an instance the attempt no longer watches (a failed attempt's, or
-                # prefill after the first token) cannot end it with a late event.
-                if leader.name not in self._sources.get(event.request_id, ()):
-                    log.debug("dropped event of %s from %s", event.request_id, leader.name)
-                    continue
-                self._inboxes[event.request_id].put(event)
+            # NOTE: an instance the attempt no longer watches (a failed attempt's, or
+            # prefill after the first token) cannot end it with a late event.
+            if leader.name not in self._sources.get(event.request_id, ()):
+                log.debug("dropped event of %s from %s", event.request_id, leader.name)
+                continue
+            self._inboxes[event.request_id].put(event)
+        if self._on_capacity is not None and leader.role == "decode":
+            self._on_capacity(leader.name, frame.free_blocks)
+
+
+async def _open(leader: LeaderClient, subscriber: str) -> StreamAddress:
+    try:
+        return await leader.open_events(subscriber)
+    except LeaderError as exc:
+        raise StreamBroken(str(exc)) from exc

@@ -80,7 +80,6 @@ class Router:
         tokenizer: for text prompts and streamed text (None: token ids only, no text).
         request_timeout_s: bound of every wait of one request (reservation queue, next event).
         metrics: a :class:`RouterMetrics` (default: none).
-        poll_timeout_s: how long one leader poll may block (seconds).
         max_attempts: most placements of one request that ran on an instance
             (`router.max_attempts`).
         max_migrations: most moves of one request after tokens streamed
@@ -91,8 +90,8 @@ class Router:
 
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
-                 poll_timeout_s: float = 0.5, max_attempts: int = 3,
-                 health: HealthView | None = None, max_migrations: int = 3) -> None:
+                 max_attempts: int = 3, health: HealthView | None = None,
+                 max_migrations: int = 3) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
         # NOTE: grammars are checked here, before a request is accepted (a bad one is a 400)
         self.grammars = GrammarCompiler(tokenizer.file, model.vocab_size,
@@ -101,8 +100,9 @@ class Router:
         self.max_migrations = max_migrations
         self.metrics = metrics or NoMetrics()
         self.availability = Availability(health)
-        self.pump = EventPump(flow.leaders, poll_timeout_s=poll_timeout_s,
-                              kv_index=flow.kv_index)
+        if health is not None:
+            health.add_listener(lambda _health: flow.health_changed())
+        self.pump = EventPump(flow.leaders, on_capacity=flow.capacity, kv_index=flow.kv_index)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
         self._attempt_numbers = itertools.count(1)
         self._background: set[asyncio.Task] = set()
@@ -115,11 +115,11 @@ class Router:
         return len(self._requests)
 
     def start(self) -> None:
-        """Start polling the leaders (call from the running loop)."""
+        """Start following the leaders' event streams (call from the running loop)."""
         self.pump.start()
 
     async def stop(self, drain_timeout_s: float) -> None:
-        """Refuse new requests, wait (bounded) for in-flight ones, then stop polling."""
+        """Refuse new requests, wait (bounded) for in-flight ones, then stop the event streams."""
         self._accepting = False
         # NOTE: requests still waiting for an instance or KV blocks have nothing computed:
         # end them now.

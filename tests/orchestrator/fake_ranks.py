@@ -11,6 +11,7 @@ import os
 import threading
 
 from kv_transfer import KVPeer
+from rank.event_stream import EventStream
 from rank.messages import (Abort, Admit, Generate, InstanceStatusInfo, Prefill, Reservation,
                            Reserve, TokenEvent)
 from tests.orchestrator.fakes import expected_tokens
@@ -25,6 +26,7 @@ class FakeRank:
         self._events: list[TokenEvent] = []
         self._cond = threading.Condition()
         self._specs = {}
+        self.stream = EventStream(cfg.name, "127.0.0.1")  # the real leader end
 
     def node_info(self) -> tuple[str, str]:
         import ray
@@ -54,9 +56,18 @@ class FakeRank:
         return self.log
 
     def _emit(self, event: TokenEvent) -> None:
+        if self.stream.subscribed:
+            self.stream.add(event)
+            self.stream.flush(self.cfg.scheduler.num_kv_blocks - len(self._specs))
+            return
         with self._cond:
             self._events.append(event)
             self._cond.notify_all()
+
+    def open_events(self, subscriber: str):
+        address = self.stream.open(subscriber)
+        self.stream.flush(self.cfg.scheduler.num_kv_blocks - len(self._specs))
+        return address
 
     def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
         with self._cond:
@@ -85,6 +96,7 @@ class FakeRank:
 
     def shutdown(self) -> None:
         self.log.append(("shutdown",))
+        self.stream.close()
 
 
 class FakePrefill:

@@ -15,6 +15,7 @@ import asyncio
 import inspect
 
 from kv_transfer import KVPeer
+from rank.event_stream import EventStream
 from rank.messages import (Abort, Admit, Generate, InstanceStatusInfo, Prefill, Rejection,
                            Reservation, Reserve, TokenEvent)
 
@@ -70,24 +71,40 @@ class _Leader:
     def __init__(self, name: str, role: str) -> None:
         self.name, self.role = name, role
         self.calls: list[tuple] = []
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.poll_error: str | None = None  # poll raises this
-        self.poll_failures = 0  # polls that raised poll_error
+        self.stream = EventStream(name, "127.0.0.1")  # the real leader end of the token path
+        self._poll_error: str | None = None
+        self.poll_failures = 0  # subscriptions refused because of poll_error
         self.silent = False  # never emits anything
         self.errors: dict[str, str] = {}  # method -> its calls raise RuntimeError(message)
         self.dead: str | None = None  # every call raises this (see die)
         self._holds: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
 
     def hold(self, method: str) -> tuple[asyncio.Event, asyncio.Event]:
-        """Calls of ``method`` wait from now on: returns (entered: set when one waits,
-        release: set it to let them all go on)."""
+        """Calls of ``method`` wait from now on (``"events"``: the events sent from now on): returns
+        (entered: set when one waits, release: set it to let them all go on)."""
         entered, release = asyncio.Event(), asyncio.Event()
         self._holds[method] = (entered, release)
         return entered, release
 
+    @property
+    def poll_error(self) -> str | None:
+        """Set: the event stream breaks and every new subscription raises this (a leader
+        whose events cannot be followed)."""
+        return self._poll_error
+
+    @poll_error.setter
+    def poll_error(self, reason: str | None) -> None:
+        self._poll_error = reason
+        if reason:  # NOTE: like a leader process gone: a later subscription meets a new one
+            self.stream.close()
+
     def die(self, reason: str = "ActorDiedError: the actor died unexpectedly") -> None:
-        """Like a killed rank process: from now on every call (polls, probes) raises."""
+        """Like a killed rank process: from now on every call (streams, probes) raises."""
         self.dead = self.poll_error = reason
+
+    def free_blocks(self) -> int:
+        """What the leader reports with each event frame."""
+        return 8
 
     async def _enter(self, method: str) -> None:
         """At the start of ``method``: raise when dead, wait while held, raise its injected
@@ -101,30 +118,39 @@ class _Leader:
         if method in self.errors:
             raise RuntimeError(self.errors[method])
 
-    async def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
-        await self._enter("poll")
+    def open_events(self, subscriber: str):
         if self.poll_error:
             self.poll_failures += 1
             raise RuntimeError(self.poll_error)
-        try:
-            first = await asyncio.wait_for(self.events.get(), timeout_s)
-        except asyncio.TimeoutError:
-            return []
-        out = [first]
-        while not self.events.empty():
-            out.append(self.events.get_nowait())
-        return out
+        if self.stream.closed:
+            self.stream = EventStream(self.name, "127.0.0.1")
+        address = self.stream.open(subscriber)
+        self.stream.flush(self.free_blocks())  # NOTE: what was emitted before, as a leader's loop
+        return address
+
+    def _publish(self, event: TokenEvent) -> None:
+        """Send ``event`` on the stream now; while ``hold("events")`` is not released, once it
+        is (in order)."""
+        self.stream.add(event)
+        hold = self._holds.get("events")
+        if hold is None or hold[1].is_set():
+            self.stream.flush(self.free_blocks())
+            return
+        if not hold[0].is_set():
+            hold[0].set()
+            release = asyncio.ensure_future(hold[1].wait())
+            release.add_done_callback(lambda _: self.stream.flush(self.free_blocks()))
 
     def emit(self, request_id, tokens, finish=None, source=None, error=None, cached=0):
         if not self.silent:
-            self.events.put_nowait(TokenEvent(request_id, tuple(tokens), finish, error,
-                                              source or self.role, self.name,
-                                              num_cached_tokens=cached))
+            self._publish(TokenEvent(request_id, tuple(tokens), finish, error,
+                                     source or self.role, self.name,
+                                     num_cached_tokens=cached))
 
     def emit_error(self, request_id, error: str, retryable: bool = False) -> None:
         """An error event of ``request_id`` from this instance."""
-        self.events.put_nowait(TokenEvent(request_id, (), "error", error, self.role, self.name,
-                                          retryable=retryable))
+        self._publish(TokenEvent(request_id, (), "error", error, self.role, self.name,
+                                 retryable=retryable))
 
     def request(self, request):
         """``Rank.request``: one router request (rank.messages) to the fake's method of it."""
@@ -165,6 +191,9 @@ class FakeDecode(_Leader):
         self.reserved: dict[str, object] = {}
         self.error_after_admit: str | None = None
 
+    def free_blocks(self) -> int:
+        return self.capacity - len(self.reserved)
+
     async def reserve(self, spec, prefill_tp=1, prefill_cp=1):
         self.calls.append(("reserve", spec.request_id))
         await self._enter("reserve")
@@ -172,7 +201,7 @@ class FakeDecode(_Leader):
             return Rejection(spec.request_id, "needs 999 blocks, instance has 8: shorten it",
                              retryable=False)
         if len(self.reserved) >= self.capacity:
-            return Rejection(spec.request_id, "no free blocks", retryable=True)
+            return Rejection(spec.request_id, "no free blocks", retryable=True, blocks_needed=1)
         self.reserved[spec.request_id] = spec
         return Reservation(spec.request_id, self.name, (0,), 16,
                            (KVPeer(self.name, 0, "127.0.0.1", 1),))
@@ -193,8 +222,10 @@ class FakeDecode(_Leader):
             last = i + 2 >= len(rest)
             finish = ("stop" if rest[-1] == EOS and not spec.sampling.ignore_eos
                       else "length") if last else None
+            if last:
+                del self.reserved[request_id]  # NOTE: its last frame reports the block free
             self.emit(request_id, rest[i:i + 2], finish)
-        del self.reserved[request_id]
+        self.reserved.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
         """Like the real decode: an abort that found the request says so with an event."""
@@ -202,6 +233,8 @@ class FakeDecode(_Leader):
         found = self.reserved.pop(request_id, None) is not None
         if found:
             self.emit(request_id, (), "abort")
+        else:
+            self.stream.flush(self.free_blocks())  # NOTE: a reservation freed silently
         return found
 
 

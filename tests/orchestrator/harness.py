@@ -120,7 +120,7 @@ class Harness:
             if wired else None,
             recover=(lambda name: self.recover(self, name)) if wired else None)
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,
-                                   poll_timeout_s=0.05, health=self.monitor)
+                                   health=self.monitor)
         admin = None
         if self.cluster is not None:
             self.scaler = Scaler(self.cfg, self.cluster, self.router, self.monitor,

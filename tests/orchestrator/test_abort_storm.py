@@ -87,7 +87,7 @@ async def _all_free(router) -> list:
 
 
 async def _storm(cfg: OrchConfig, leaders: dict, model, tokenizer):
-    router = build_router(cfg, leaders, model, tokenizer, poll_timeout_s=0.2)
+    router = build_router(cfg, leaders, model, tokenizer)
     monitor = build_monitor(cfg, lambda name: [leaders[name]])
     server = OrchServer(router, build_board(cfg, router, monitor), "127.0.0.1", 0)
     client = AsyncOrchClient(f"127.0.0.1:{await server.start()}")

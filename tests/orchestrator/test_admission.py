@@ -1,89 +1,270 @@
-"""Admission queue: notify, cancel and close wake waiters at once, not at the next poll.
-
-Every queue here polls every ``POLL_S`` seconds; a waiter that is not woken would sleep that
-long, so each test bounds the wake-up far below it.
-"""
+"""Admission queue: FIFO grants on decode capacity reports, no polling; cancel and close end
+waits at once. The last test runs it through a real grpc.aio server over fake leaders."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
+from orchestrator.api.client import OrchClient
+from orchestrator.router import admission
 from orchestrator.router.admission import AdmissionQueue
 from orchestrator.router.request import RequestError
+from tests.orchestrator.fakes import expected_tokens
+from tests.orchestrator.harness import Harness
 
-POLL_S = 30.0  # AdmissionQueue.retry_s: the fallback poll interval
-PROMPT_S = 2.0  # "promptly": well under POLL_S, generous for a loaded machine
+PROMPT_S = 2.0  # "promptly", generous for a loaded machine
+FAR = 60.0  # a deadline no test reaches
 
 
-async def _wait_once(queue: AdmissionQueue, request_id: str) -> float:
-    """Take a ticket and wait once; seconds from the start of the wait to its end."""
+def _queue(max_pending: int = 8) -> AdmissionQueue:
+    queue = AdmissionQueue(max_pending)
+    queue.order = lambda: ["decode-0", "decode-1"]
+    for name in queue.order():  # NOTE: full; an instance that never reported counts as room
+        queue.report(name, 0)
+    return queue
+
+
+async def _take(queue: AdmissionQueue, request_id: str, need: int, granted: list,
+                hold: asyncio.Event | None = None) -> None:
+    """Wait for a grant, record (request id, instance), keep the place until ``hold``."""
     async with queue.ticket(request_id) as ticket:
-        start = time.monotonic()
-        await ticket.wait(time.monotonic() + 2 * POLL_S, "decode full")
-        return time.monotonic() - start
+        granted.append((request_id, await ticket.wait(time.monotonic() + FAR, "full", need)))
+        if hold is not None:
+            await hold.wait()
 
 
-async def _until_waiting(queue: AdmissionQueue, n: int) -> None:
-    while queue.waiting < n:
-        await asyncio.sleep(0.01)
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
 
 
-def test_notify_wakes_every_waiter_promptly():
+def test_grants_follow_arrival_order_and_nobody_passes_a_head_that_does_not_fit():
     async def go():
-        queue = AdmissionQueue(max_pending=3, retry_s=POLL_S)
-        waits = [asyncio.create_task(_wait_once(queue, f"r{i}")) for i in range(3)]
-        await asyncio.wait_for(_until_waiting(queue, 3), PROMPT_S)
-        await asyncio.sleep(0.05)  # every waiter is inside its wait, not before it
-        queue.notify()
-        return await asyncio.wait_for(asyncio.gather(*waits), PROMPT_S)
+        queue, granted, done = _queue(), [], asyncio.Event()
+        tasks = []
+        for rid, need in (("a", 4), ("b", 1), ("c", 2)):
+            tasks.append(asyncio.create_task(_take(queue, rid, need, granted, done)))
+            await _settle()  # arrival order a, b, c
+        queue.report("decode-0", 3)  # b would fit, but a waits ahead of it
+        await _settle()
+        before = list(granted)
+        queue.report("decode-0", 5)  # a (4) fits, then b (1); c (2) does not
+        await _settle()
+        middle = list(granted)
+        queue.report("decode-1", 2)  # c fits on the other instance
+        await _settle()
+        done.set()
+        await asyncio.gather(*tasks)
+        return before, middle, granted, queue.waiting
 
-    waited = asyncio.run(go())
-    assert all(w < PROMPT_S for w in waited), waited
+    before, middle, granted, waiting = asyncio.run(go())
+    assert before == []
+    assert middle == [("a", "decode-0"), ("b", "decode-0")]
+    assert granted == middle + [("c", "decode-1")]
+    assert waiting == 0
 
 
-def test_notify_before_a_wait_does_not_wake_it():
-    """A notify only wakes the waits already waiting (the next wait is for the next change)."""
+def test_a_refused_grant_keeps_its_place_until_the_next_report():
+    """The granted request found the blocks taken (stale report): it stays at the head, the
+    instance is not granted again before it reports, and the next report serves it first."""
     async def go():
-        queue = AdmissionQueue(max_pending=1, retry_s=0.3)
-        queue.notify()
-        return await _wait_once(queue, "r")
+        queue, order = _queue(), []
 
-    assert asyncio.run(go()) >= 0.25
+        async def first():
+            async with queue.ticket("a") as ticket:
+                name = await ticket.wait(time.monotonic() + FAR, "full", 2)
+                queue.full(name, 2)  # the reserve was refused
+                order.append(("a", await ticket.wait(time.monotonic() + FAR, "full", 2)))
+
+        a = asyncio.create_task(first())
+        await _settle()
+        b = asyncio.create_task(_take(queue, "b", 2, order))
+        await _settle()
+        queue.report("decode-0", 2)  # a is granted and refused
+        await _settle()
+        stale = list(order)
+        queue.report("decode-0", 4)  # a first, then b
+        await asyncio.gather(a, b)
+        return stale, order
+
+    stale, order = asyncio.run(go())
+    assert stale == []
+    assert order == [("a", "decode-0"), ("b", "decode-0")]
 
 
-def test_cancel_ends_only_that_wait_promptly_with_its_error():
+def test_without_a_report_a_wait_ends_at_its_deadline():
     async def go():
-        queue = AdmissionQueue(max_pending=2, retry_s=POLL_S)
-        cancelled = asyncio.create_task(_wait_once(queue, "gone"))
-        other = asyncio.create_task(_wait_once(queue, "stays"))
-        await asyncio.wait_for(_until_waiting(queue, 2), PROMPT_S)
-        await asyncio.sleep(0.05)
+        queue = _queue()
+        async with queue.ticket("r") as ticket:
+            start = time.monotonic()
+            with pytest.raises(RequestError) as err:
+                await ticket.wait(start + 0.3, "decode-0 is full", 1)
+            return time.monotonic() - start, err.value
+
+    waited, err = asyncio.run(go())
+    assert 0.25 <= waited < PROMPT_S
+    assert err.code == "RESOURCE_EXHAUSTED" and "decode-0 is full" in err.message
+
+
+def test_cancel_ends_only_that_wait_promptly_and_the_next_in_line_moves_up():
+    async def go():
+        queue, granted = _queue(), []
+        gone = asyncio.create_task(_take(queue, "gone", 4, granted))
+        await _settle()
+        stays = asyncio.create_task(_take(queue, "stays", 1, granted))
+        await _settle()
+        queue.report("decode-0", 1)  # gone (4) blocks stays (1)
+        await _settle()
+        assert granted == []
         assert queue.cancel("gone", RequestError("CANCELLED", "aborted by the client"))
         assert not queue.cancel("unknown", RequestError("CANCELLED", "x"))
         with pytest.raises(RequestError, match="aborted by the client"):
-            await asyncio.wait_for(cancelled, PROMPT_S)
-        waited = await asyncio.wait_for(other, PROMPT_S)  # the notify woke it to retry
-        return waited, queue.waiting
+            await asyncio.wait_for(gone, PROMPT_S)
+        await asyncio.wait_for(stays, PROMPT_S)  # its turn came with the cancel
+        return granted, queue.waiting
 
-    waited, waiting = asyncio.run(go())
-    assert waited < PROMPT_S and waiting == 0
+    granted, waiting = asyncio.run(go())
+    assert granted == [("stays", "decode-0")] and waiting == 0
 
 
 def test_close_ends_every_wait_promptly_and_every_later_one():
     async def go():
-        queue = AdmissionQueue(max_pending=2, retry_s=POLL_S)
-        waits = [asyncio.create_task(_wait_once(queue, f"r{i}")) for i in range(2)]
-        await asyncio.wait_for(_until_waiting(queue, 2), PROMPT_S)
-        await asyncio.sleep(0.05)
+        queue = _queue()
+        waits = [asyncio.create_task(_take(queue, f"r{i}", 1, [])) for i in range(2)]
+        await _settle()
         queue.close(RequestError("UNAVAILABLE", "router stopping"))
         done = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), PROMPT_S)
         with pytest.raises(RequestError, match="router stopping"):
-            await _wait_once(queue, "late")
+            await _take(queue, "late", 1, [])
         return done, queue.waiting
 
     done, waiting = asyncio.run(go())
     assert [(e.code, e.message) for e in done] == [("UNAVAILABLE", "router stopping")] * 2
     assert waiting == 0
+
+
+def test_the_queue_is_bounded_by_max_pending():
+    async def go():
+        queue = _queue(max_pending=1)
+        first = asyncio.create_task(_take(queue, "a", 1, []))
+        await _settle()
+        with pytest.raises(RequestError) as err:
+            await _take(queue, "b", 1, [])
+        first.cancel()
+        return err.value
+
+    err = asyncio.run(go())
+    assert err.code == "RESOURCE_EXHAUSTED" and "router.max_pending=1" in err.message
+
+
+def test_waiting_requests_are_admitted_in_arrival_order_when_blocks_free():
+    """End to end over fake leaders (decode: one request at a time): requests that arrive
+    while decode is full get their first tokens in arrival order, and waiting costs no
+    calls: one reserve per request, plus one refused for the first that found it full."""
+    h = Harness(decode_capacity=1, max_pending=8, request_timeout_s=20.0)
+    try:
+        decode = h.fakes["decode-0"]
+        entered, release = h.call_in_loop(lambda: decode.hold("admit"))
+        results: dict[str, list] = {}
+        firsts: list[str] = []
+        lock = threading.Lock()
+
+        def run(rid: str) -> None:
+            with OrchClient(h.address) as client:
+                chunks = []
+                for chunk in client.generate(token_ids=[3, 4, 5], request_id=rid,
+                                             max_tokens=4):
+                    if not chunks:
+                        with lock:
+                            firsts.append(rid)
+                    chunks.append(chunk)
+                results[rid] = chunks
+
+        threads = [threading.Thread(target=run, args=("r0",), daemon=True)]
+        threads[0].start()
+        h.run(entered.wait())  # r0 holds the only slot
+        for i in range(1, 5):
+            threads.append(threading.Thread(target=run, args=(f"r{i}",), daemon=True))
+            threads[-1].start()
+            deadline = time.monotonic() + 5
+            while h.call_in_loop(lambda: h.router.flow.admission.waiting) < i:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        time.sleep(0.3)  # a polling queue would retry now
+        reserves_while_waiting = [c for c in decode.calls if c[0] == "reserve"]
+        h.call_in_loop(release.set)
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive()
+    finally:
+        h.close()
+    order = [f"r{i}" for i in range(5)]
+    assert firsts == order
+    for rid in order:
+        assert [t for c in results[rid] for t in c.token_ids] == expected_tokens((3, 4, 5), 4)
+    assert [c[1] for c in reserves_while_waiting] == ["r0@1", "r1@2"]
+    reserved = [c[1] for c in decode.calls if c[0] == "reserve"]
+    assert reserved == ["r0@1", "r1@2", "r1@2", "r2@3", "r3@4", "r4@5"]
+
+
+def test_a_report_from_an_instance_not_yet_healthy_is_granted_once_it_is():
+    """A restarted decode reports its room before the health monitor calls it healthy: the
+    grant waits for the health change (Flow.health_changed -> regrant), not a later report."""
+    async def go():
+        queue, granted = _queue(), []
+        healthy = ["decode-1"]
+        queue.order = lambda: list(healthy)
+        wait = asyncio.create_task(_take(queue, "r", 2, granted))
+        await _settle()
+        queue.report("decode-0", 8)  # not healthy yet
+        await _settle()
+        before = list(granted)
+        healthy.append("decode-0")
+        queue.regrant()
+        await asyncio.wait_for(wait, PROMPT_S)
+        return before, granted
+
+    before, granted = asyncio.run(go())
+    assert before == [] and granted == [("r", "decode-0")]
+
+
+def test_a_grant_the_request_did_not_use_gives_its_blocks_back():
+    async def go():
+        queue, granted = _queue(), []
+
+        async def leaves():  # granted, then aborted before it reserved
+            async with queue.ticket("gone") as ticket:
+                await ticket.wait(time.monotonic() + FAR, "full", 3)
+
+        gone = asyncio.create_task(leaves())
+        await _settle()
+        stays = asyncio.create_task(_take(queue, "stays", 3, granted))
+        await _settle()
+        queue.report("decode-0", 3)  # room for one: "gone" is granted it
+        await gone
+        await asyncio.wait_for(stays, PROMPT_S)  # no new report: the unused grant came back
+        return granted
+
+    assert asyncio.run(go()) == [("stays", "decode-0")]
+
+
+def test_a_head_that_hears_no_report_tries_once_and_those_behind_it_do_not(monkeypatch):
+    monkeypatch.setattr(admission, "HEAD_RECHECK_S", 0.2)
+
+    async def go():
+        queue, granted, hold = _queue(), [], asyncio.Event()
+        head = asyncio.create_task(_take(queue, "head", 1, granted, hold))
+        await _settle()
+        behind = asyncio.create_task(_take(queue, "behind", 1, granted))
+        await asyncio.sleep(0.6)  # the head is granted and still trying
+        first = list(granted)
+        behind.cancel()
+        hold.set()
+        await head
+        return first
+
+    assert asyncio.run(go()) == [("head", "decode-0")]

@@ -46,7 +46,7 @@ def test_bring_up_sequence_serving_and_teardown(ray_session):
         prompt = (11, 12, 13)
 
         async def one_request():
-            router = build_router(_cfg(), cluster.leaders(), MODEL, None, poll_timeout_s=0.2)
+            router = build_router(_cfg(), cluster.leaders(), MODEL, None)
             router.start()
             inp = GenerateInput(None, prompt, SamplingParams(max_tokens=5))
             chunks = [c async for c in router.generate(inp)]

@@ -81,7 +81,7 @@ def test_killed_decode_rank_is_recovered_and_serves_the_same_tokens(ray_session,
     try:
         async def scenario() -> tuple[list[int], list[list[int]], list[float]]:
             router = build_router(cfg, cluster.leaders(), read_model_info(ckpt, "tiny", 128),
-                                  None, poll_timeout_s=0.2)
+                                  None)
             router.start()
             leaders = {leader.name: leader for leader in router.flow.leaders}
             recoverer = Recoverer(cluster, leaders, timeout_s=RECOVER_WITHIN_S)

@@ -231,9 +231,9 @@ def test_client_cancel_aborts_on_both_sides(harness):
     assert harness.metrics.finished[-1][0] == "cancelled"
 
 
-def test_failing_leader_poll_gives_unavailable_not_a_hang(harness):
-    """The only prefill cannot be polled: each attempt fails at the next failed poll (0.5 s
-    apart), then UNAVAILABLE names every attempt's failure."""
+def test_failing_leader_stream_gives_unavailable_not_a_hang(harness):
+    """The only prefill's event stream cannot be opened: each attempt fails at the next failed
+    subscription (0.5 s apart), then UNAVAILABLE names every attempt's failure."""
     fake = harness.fakes["prefill-0"]
     harness.call_in_loop(lambda: setattr(fake, "poll_error", "rank 0 died"))
     assert _wait_for(lambda: fake.poll_failures > 0)  # no poll in flight can still answer
@@ -244,7 +244,8 @@ def test_failing_leader_poll_gives_unavailable_not_a_hang(harness):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     details = err.value.details()
     assert "failed on 3 attempt(s) (router.max_attempts=3)" in details, details
-    assert details.count("on prefill-0: prefill-0.poll failed: RuntimeError: rank 0 died") == 3
+    assert details.count("on prefill-0: prefill-0: opening its event stream failed: "
+                         "prefill-0.open_events failed: RuntimeError: rank 0 died") == 3
     assert _wait_for(lambda: len([c for c in _calls(harness, "decode-0") if c[0] == "abort"]) == 3)
     assert harness.call_in_loop(lambda: dict(harness.fakes["decode-0"].reserved)) == {}
 
@@ -304,8 +305,7 @@ def test_least_outstanding_tokens_spreads_over_decode_instances():
         fakes = {"prefill-0": FakePrefill(), "decode-0": FakeDecode("decode-0"),
                  "decode-1": FakeDecode("decode-1")}
         fakes["prefill-0"].silent = True  # requests stay in flight
-        router = build_router(cfg, {n: Remote(f) for n, f in fakes.items()}, MODEL, None,
-                              poll_timeout_s=0.05)
+        router = build_router(cfg, {n: Remote(f) for n, f in fakes.items()}, MODEL, None)
         router.start()
         gens = [router.generate(GenerateInput(None, (5,) * n, SamplingParams(max_tokens=4)))
                 for n in (50, 10, 10)]

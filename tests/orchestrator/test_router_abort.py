@@ -140,8 +140,7 @@ def test_reused_id_does_not_get_the_previous_requests_late_abort(harness):
     reservation with an abort, whose "abort" event reaches the pump after the request ended.
     The client reuses the id at once; the late event must not end the new request."""
     decode = harness.fakes["decode-0"]
-    entered, release = harness.call_in_loop(lambda: decode.hold("poll"))
-    harness.run(entered.wait())  # every decode event waits in the fake until released
+    entered, release = harness.call_in_loop(lambda: decode.hold("events"))
     with OrchClient(harness.address) as client:
         one = list(client.generate(token_ids=[5, 6, 7], request_id="same", max_tokens=1))
         assert one[-1].finish_reason == "length"

@@ -182,3 +182,25 @@ def test_the_wait_ends_on_abort_shutdown_and_its_deadline():
         assert err.value.code == "DEADLINE_EXCEEDED"
         assert "['decode-0', 'prefill-0']" in err.value.message
     _run(go())
+
+
+def test_inbox_merges_queued_tokens_of_one_instance_up_to_an_end_or_an_error():
+    async def go():
+        inbox = Inbox("r")
+        for event in (TokenEvent("r@1", (1,), instance="decode-0"),
+                      TokenEvent("r@1", (2, 3), instance="decode-0"),
+                      TokenEvent("r@1", (4,), "length", instance="decode-0"),
+                      TokenEvent("r@1", (5,), instance="decode-0")):
+            inbox.put(event)
+        merged, rest = inbox.take(), inbox.take()
+        inbox.put(TokenEvent("r@1", (6,), instance="decode-0"))
+        inbox.put(TokenEvent("r@1", (), "error", "boom", instance="decode-0"))
+        before_error = inbox.take()
+        with pytest.raises(RequestError, match="boom"):
+            inbox.take()
+        return merged, rest, before_error, inbox.take()
+
+    merged, rest, before_error, empty = asyncio.run(go())
+    assert (merged.token_ids, merged.finish_reason) == ((1, 2, 3, 4), "length")
+    assert (rest.token_ids, rest.finish_reason) == ((5,), None)
+    assert before_error.token_ids == (6,) and empty is None

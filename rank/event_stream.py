@@ -1,0 +1,253 @@
+"""The leader's token path to the router: one TCP stream per router, no Ray call per step.
+
+The loop thread gathers the step's token events (:meth:`EventStream.add`)
+and, once per loop iteration, closes them into one frame (:meth:`EventStream.flush`) that also
+carries the leader's free KV blocks (the router's admission queue wakes on them). A sender thread
+per connected router writes the frames; the loop thread only appends to a list, so a slow or gone
+router never stalls a step.
+
+Wire: frames are an 8-byte big-endian length and a msgpack body. A router opens a stream with
+the hello ``[token, subscriber, resume_seq]`` (``token`` from :meth:`EventStream.open`, over Ray);
+the leader answers ``[epoch, first_seq]`` and then sends frames ``[seq, free_blocks, events]``,
+``events`` a list of ``[request_id, token_ids, finish_reason, error, retryable]``; seq counts from
+0 per subscriber without gaps. A router whose connection breaks connects again with
+``resume_seq`` = the seq after the last frame it applied, and gets every later frame exactly once.
+
+Bounds (NOTE: what happens when a router falls behind):
+- at most :data:`MAX_UNSENT` frames wait unsent per subscriber; beyond that each flush merges its
+  events into the newest unsent frame (coalesced: every token still arrives, in order, in fewer
+  frames), so a stalled router costs memory in tokens, never a step;
+- the last :data:`RETAIN` sent frames are kept for a resume; a resume from before them is
+  answered ``[epoch, -1]`` (gap) and the router treats the instance as failed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import struct
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgpack
+
+from rank.messages import TokenEvent
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("!Q")
+MAX_UNSENT = 256  # frames waiting per subscriber before flushes coalesce
+RETAIN = 4096  # sent frames kept per subscriber for a resume
+HELLO_TIMEOUT_S = 5.0  # a connection says its hello within this, else it is closed
+SEND_TIMEOUT_S = 30.0  # one frame's send; past it the connection is dropped (router may resume)
+MAX_FRAME_BYTES = 1 << 30
+
+
+def pack_frame(body: object) -> bytes:
+    """Length-prefixed msgpack of ``body``."""
+    data = msgpack.packb(body, use_bin_type=True)
+    return _LEN.pack(len(data)) + data
+
+
+def event_row(event: TokenEvent) -> list:
+    """``event`` as it travels: [request_id, token_ids, finish_reason, error, retryable]."""
+    return [event.request_id, list(event.token_ids), event.finish_reason, event.error,
+            event.retryable]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed by the peer")
+        buf += chunk
+    return bytes(buf)
+
+
+@dataclass
+class _Outbox:
+    """One subscriber's frames: ``frames[i]`` has seq ``first_seq + i``; those from ``cursor``
+    on are unsent on the current connection. Guarded by the stream's condition."""
+
+    first_seq: int = 0
+    frames: deque = field(default_factory=deque)  # [seq, free_blocks, rows]
+    sent: int = 0  # frames[:sent] went out on some connection
+    conn: socket.socket | None = None
+    cursor: int = 0  # next seq the current connection sends
+
+    @property
+    def next_seq(self) -> int:
+        return self.first_seq + len(self.frames)
+
+
+class EventStream:
+    """Leader end of the token path (see the module docstring).
+
+    Args:
+        name: the instance's name (thread names, logs).
+        host: the address to listen on (the instance's ``bind_host``).
+    """
+
+    def __init__(self, name: str, host: str) -> None:
+        self.name, self.host = name, host
+        self.token = secrets.token_bytes(16)
+        self.epoch = secrets.token_hex(8)  # this leader's life: a resume needs the same one
+        self._cond = threading.Condition()
+        self._outboxes: dict[str, _Outbox] = {}
+        self._pending: list[list] = []  # rows added since the last flush
+        self._last_free: int | None = None
+        self._listener: socket.socket | None = None
+        self._closed = False
+
+    # ---- bring-up (Ray control plane) -------------------------------------------------
+    def open(self, subscriber: str) -> tuple[str, int, bytes, str]:
+        """Listen (first call), create ``subscriber``'s outbox; (host, port, token, epoch)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the event stream is closed")
+            if self._listener is None:
+                self._listener = socket.create_server((self.host, 0), backlog=64)
+                threading.Thread(target=self._accept_loop, name=f"{self.name}-events",
+                                 daemon=True).start()
+            self._outboxes.setdefault(subscriber, _Outbox())
+            self._last_free = None  # NOTE: the next flush reports capacity to it
+            port = self._listener.getsockname()[1]
+        return self.host, port, self.token, self.epoch
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether any router opened a stream (events then go here, not to ``poll``)."""
+        return bool(self._outboxes)
+
+    # ---- loop thread ------------------------------------------------------------------
+    def add(self, event: TokenEvent) -> None:
+        """Queue ``event`` for the next frame (any thread; never blocks on the network)."""
+        row = event_row(event)
+        with self._cond:
+            self._pending.append(row)
+
+    def flush(self, free_blocks: int) -> bool:
+        """Close the queued events into one frame per subscriber, with ``free_blocks``; also
+        when only ``free_blocks`` changed. True when a frame was made."""
+        with self._cond:
+            if not self._outboxes or (not self._pending and free_blocks == self._last_free):
+                return False
+            rows, self._pending = self._pending, []
+            self._last_free = free_blocks
+            for box in self._outboxes.values():
+                self._append(box, free_blocks, rows)
+            self._cond.notify_all()
+        return True
+
+    def _append(self, box: _Outbox, free_blocks: int, rows: list) -> None:
+        if len(box.frames) - box.sent >= MAX_UNSENT:
+            last = box.frames[-1]  # NOTE: unsent, so no connection saw it: safe to grow
+            last[1] = free_blocks
+            last[2].extend(rows)
+            return
+        box.frames.append([box.next_seq, free_blocks, list(rows)])  # NOTE: own list: may grow
+        while box.sent > RETAIN:
+            box.frames.popleft()
+            box.first_seq += 1
+            box.sent -= 1
+
+    # ---- connections ------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name=f"{self.name}-events-out").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One router connection: hello, then frames until it breaks or the stream closes."""
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HELLO_TIMEOUT_S)
+            (size,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+            if size > 4096:
+                raise ConnectionError("hello too long")
+            token, subscriber, resume = msgpack.unpackb(_recv_exact(conn, size), raw=False)
+            if not hmac.compare_digest(bytes(token), self.token):
+                raise ConnectionError("wrong token")
+            box = self._attach(conn, subscriber, int(resume))
+            if box is None:
+                return
+            conn.settimeout(SEND_TIMEOUT_S)
+            self._send_loop(conn, box)
+        except (OSError, ValueError, TypeError, msgpack.UnpackException) as exc:
+            log.debug("%s: an event connection ended: %s", self.name, exc)
+        finally:
+            self._detach(conn)
+            conn.close()
+
+    def _attach(self, conn: socket.socket, subscriber: str, resume: int) -> _Outbox | None:
+        """Make ``conn`` the subscriber's connection from seq ``resume``; None (after telling
+        the router) when that seq is no longer kept."""
+        with self._cond:
+            box = self._outboxes.get(subscriber)
+            if box is None or resume < box.first_seq or resume > box.next_seq:
+                conn.sendall(pack_frame([self.epoch, -1]))
+                return None
+            old, box.conn, box.cursor = box.conn, conn, resume
+            self._cond.notify_all()
+        if old is not None:
+            _shut(old)
+        conn.sendall(pack_frame([self.epoch, resume]))
+        return box
+
+    def _send_loop(self, conn: socket.socket, box: _Outbox) -> None:
+        while True:
+            with self._cond:
+                while box.conn is conn and box.cursor >= box.next_seq and not self._closed:
+                    self._cond.wait()
+                if box.conn is not conn or self._closed:
+                    return
+                start = box.cursor - box.first_seq
+                batch = [box.frames[i] for i in range(max(start, 0), len(box.frames))]
+                box.cursor = box.next_seq
+                box.sent = max(box.sent, len(box.frames))
+                data = b"".join(pack_frame(frame) for frame in batch)
+            conn.sendall(data)
+
+    def _detach(self, conn: socket.socket) -> None:
+        with self._cond:
+            for box in self._outboxes.values():
+                if box.conn is conn:
+                    box.conn = None
+
+    def break_connections(self) -> None:
+        """Close every router connection now (they may resume); tests and shutdown."""
+        with self._cond:
+            conns = [box.conn for box in self._outboxes.values() if box.conn is not None]
+        for conn in conns:
+            _shut(conn)
+
+    def close(self) -> None:
+        """Stop listening and close every connection; later :meth:`open` calls raise."""
+        with self._cond:
+            self._closed = True
+            listener, self._listener = self._listener, None
+            self._cond.notify_all()
+        if listener is not None:
+            _shut(listener)
+            listener.close()
+        self.break_connections()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
