@@ -20,6 +20,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from engine.error_text import first_line
@@ -198,19 +199,20 @@ class Inbox:
     def _merge(self, first: TokenEvent) -> TokenEvent:
         """``first`` and the queued token events behind it from its instance, up to the first
         that ends the request, as one event."""
-        tokens = None
-        last = first
-        while (last.finish_reason is None and self._items
+        merged = [first]
+        while (merged[-1].finish_reason is None and self._items
                and isinstance(self._items[0], TokenEvent)
                and self._items[0].instance == first.instance
                and self._items[0].finish_reason != "error"):
-            last = self._items.popleft()
-            tokens = (tokens or list(first.token_ids))
-            tokens.extend(last.token_ids)
-        if tokens is None:
+            merged.append(self._items.popleft())
+        if len(merged) == 1:
             return first
-        return TokenEvent(first.request_id, tuple(tokens), last.finish_reason, None,
-                          first.source, first.instance, last.retryable)
+        last = merged[-1]
+        # NOTE: every per-token field is concatenated, every per-request one kept
+        return replace(first, token_ids=tuple(t for e in merged for t in e.token_ids),
+                       finish_reason=last.finish_reason, retryable=last.retryable,
+                       logprobs=tuple(lp for e in merged for lp in e.logprobs),
+                       num_cached_tokens=max(e.num_cached_tokens for e in merged))
 
     def _add(self, item: TokenEvent | InstanceFailure) -> None:
         self._items.append(item)

@@ -153,7 +153,7 @@ def test_events_emitted_around_a_subscription_keep_their_order():
     leader.stream = EventStream("decode-0", "127.0.0.1")
     leader._events = queue.Queue()
     leader.wake = threading.Event()
-    leader.pool = types.SimpleNamespace(num_free_blocks=3)
+    leader.pool = types.SimpleNamespace(num_free_blocks=3, take_events=lambda: None)
     try:
         leader.emit(TokenEvent("r", (1,), instance="decode-0"))  # before the subscription
         sub = _subscription(leader.stream)

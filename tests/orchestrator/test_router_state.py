@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from engine.request import RequestSpec
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from orchestrator.router.flow import Route
 from orchestrator.router.leader import Inbox
 from orchestrator.router.request import InstanceFailure, RequestError
@@ -204,3 +204,18 @@ def test_inbox_merges_queued_tokens_of_one_instance_up_to_an_end_or_an_error():
     assert (merged.token_ids, merged.finish_reason) == ((1, 2, 3, 4), "length")
     assert (rest.token_ids, rest.finish_reason) == ((5,), None)
     assert before_error.token_ids == (6,) and empty is None
+
+
+def test_merged_token_events_keep_logprobs_and_cached_tokens():
+    """A router that fell behind merges queued events of one instance: every token's logprob
+    and the first event's cached prompt tokens survive the merge."""
+    async def go():
+        inbox = Inbox("r")
+        lp = [TokenLogprobs(t, -0.5 * t, ()) for t in (4, 5, 6)]
+        inbox.put(TokenEvent("r@1", (4,), instance="decode-0", num_cached_tokens=16,
+                             logprobs=(lp[0],)))
+        inbox.put(TokenEvent("r@1", (5, 6), instance="decode-0", logprobs=tuple(lp[1:])))
+        merged = inbox.take()
+        assert merged.token_ids == (4, 5, 6) and merged.logprobs == tuple(lp)
+        assert merged.num_cached_tokens == 16
+    _run(go())
