@@ -9,7 +9,7 @@ router never stalls a step.
 Wire: frames are an 8-byte big-endian length and a msgpack body. A router opens a stream with
 the hello ``[token, subscriber, resume_seq]`` (``token`` from :meth:`EventStream.open`, over Ray);
 the leader answers ``[epoch, first_seq]`` and then sends frames ``[seq, free_blocks, events]``,
-``events`` a list of ``[request_id, token_ids, finish_reason, error, retryable]``; seq counts from
+``events`` a list of :func:`event_row` rows; seq counts from
 0 per subscriber without gaps. A router whose connection breaks connects again with
 ``resume_seq`` = the seq after the last frame it applied, and gets every later frame exactly once.
 
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from engine.kv_events import KVCacheEvents
+from engine.sampling_params import TokenLogprobs
 from rank.messages import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,27 @@ def pack_frame(body: object) -> bytes:
 
 
 def event_row(event: TokenEvent) -> list:
-    """``event`` as it travels: [request_id, token_ids, finish_reason, error, retryable]."""
+    """``event`` as it travels: [request_id, token_ids, finish_reason, error, retryable,
+    num_cached_tokens, logprobs, kv_events] (logprobs ``[[token_id, logprob, [[id, lp]..]]..]``;
+    kv_events ``[block_size, salt, stored, removed, reset, hits, queried]`` or None)."""
+    kv = event.kv_events
     return [event.request_id, list(event.token_ids), event.finish_reason, event.error,
-            event.retryable]
+            event.retryable, event.num_cached_tokens,
+            [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs],
+            None if kv is None else [kv.block_size, kv.salt, list(kv.stored), list(kv.removed),
+                                     kv.reset, kv.hits_tokens, kv.queried_tokens]]
+
+
+def event_from_row(row: list, source: str, instance: str) -> TokenEvent:
+    """:func:`event_row`'s inverse, for events of ``instance`` (role ``source``)."""
+    rid, tokens, finish, error, retryable, cached, logprobs, kv = row
+    return TokenEvent(
+        rid, tuple(tokens), finish, error, source, instance, retryable,
+        num_cached_tokens=cached,
+        logprobs=tuple(TokenLogprobs(t, lp, tuple((a, b) for a, b in top))
+                       for t, lp, top in logprobs),
+        kv_events=None if kv is None else KVCacheEvents(
+            kv[0], kv[1], tuple(kv[2]), tuple(kv[3]), kv[4], kv[5], kv[6]))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

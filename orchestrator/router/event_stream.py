@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from rank.event_stream import event_from_row
 from rank.messages import TokenEvent
 
 _LEN = struct.Struct("!Q")
@@ -100,8 +101,7 @@ class EventSubscription:
                                        f"{self.next_seq} expected")
                 self.next_seq = seq + 1
                 yield EventFrame(seq, free_blocks, tuple(
-                    TokenEvent(rid, tuple(tokens), finish, error, self.source, self.name,
-                               retryable) for rid, tokens, finish, error, retryable in rows))
+                    event_from_row(row, self.source, self.name) for row in rows))
         finally:
             writer.close()
 

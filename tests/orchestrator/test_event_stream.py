@@ -173,3 +173,24 @@ def _opener(leader):
     async def open_events(sub: str):
         return leader.open_events(sub)
     return open_events
+
+
+def test_every_event_field_the_router_reads_survives_the_wire():
+    """Logprobs, the prefix-cache count and KV events travel in the frame rows, msgpack and
+    back (a field left out of the row would reach the router as its default)."""
+    import msgpack
+
+    from engine.kv_events import KVCacheEvents
+    from engine.sampling_params import TokenLogprobs
+    from rank.event_stream import event_from_row, event_row
+
+    kv = KVCacheEvents(16, 2**62 + 5, stored=(1, 2), removed=(3,), reset=True, hits_tokens=32,
+                       queried_tokens=48)
+    events = [TokenEvent("r@1", (7, 8), None, None, "decode", "decode-0", num_cached_tokens=16,
+                         logprobs=(TokenLogprobs(7, -0.25, ((7, -0.25), (9, -1.5))),
+                                   TokenLogprobs(8, -2.0, ()))),
+              TokenEvent("", source="decode", instance="decode-0", kv_events=kv),
+              TokenEvent("r@2", (), "error", "boom", "decode", "decode-0", retryable=True)]
+    for event in events:
+        row = msgpack.unpackb(msgpack.packb(event_row(event), use_bin_type=True), raw=False)
+        assert event_from_row(row, "decode", "decode-0") == event
