@@ -28,10 +28,12 @@ def parse_targets(args: list[str], current: dict[str, int]) -> dict[str, int]:
         if role not in current or not value.lstrip("+-").isdigit():
             raise ValueError(f"{arg!r}: write ROLE=N, ROLE=+N or ROLE=-N with ROLE one of "
                              f"{sorted(current)}")
+        if role in out:
+            raise ValueError(f"{arg!r}: {role} is named twice; give each role once")
         count = current[role] + int(value) if value[0] in "+-" else int(value)
         if count < 1:
-            raise ValueError(f"{arg!r}: {role} would have {count} instances; a role keeps "
-                             "at least 1")
+            raise ValueError(f"{arg!r}: {role} has {current[role]} instance(s) now, so this "
+                             f"leaves {count}; a role keeps at least 1")
         out[role] = count
     return out
 
@@ -44,6 +46,8 @@ def add_scale_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill=3, decode=+1, decode=-1, ... (colocated=N in colocated mode)")
     p.add_argument("--address", dest="scale_address", default=None,
                    help="router host:port (default: router.host:router.port of CONFIG)")
+    p.add_argument("--port", dest="scale_port", type=int, default=None,
+                   help="router port on 127.0.0.1 (an `orch up --port` deployment)")
     p.add_argument("--tls-ca", metavar="FILE", default=None,
                    help="PEM CA of a router with router.tls")
     p.add_argument("--token-file", metavar="FILE", default=None,
@@ -71,7 +75,8 @@ def run_scale(ns: argparse.Namespace) -> int:
         print(f"orch scale: {exc}", file=sys.stderr)
         return 2
     host = "127.0.0.1" if cfg.router.host in ("0.0.0.0", "") else cfg.router.host
-    address = ns.scale_address or f"{host}:{cfg.router.port}"
+    address = ns.scale_address or (f"127.0.0.1:{ns.scale_port}" if ns.scale_port else
+                                   f"{host}:{cfg.router.port}")
     started = time.monotonic()
     try:
         with OrchClient(address, tls_ca=ns.tls_ca, token=token) as client:

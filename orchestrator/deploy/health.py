@@ -192,6 +192,13 @@ class HealthMonitor:
             recovery.cancel()
         self._set(name, Health.DRAINING, reason)
 
+    def undrain(self, name: str) -> None:
+        """A removal of ``name`` that failed: DRAINING -> HEALTHY (its probes never stopped;
+        a failure they saw meanwhile stands)."""
+        state = self._states.get(name)
+        if state is not None and state.state is Health.DRAINING:
+            self._set(name, Health.HEALTHY, "")
+
     def remove_instance(self, name: str) -> None:
         """Forget ``name`` (removed, or its start failed): no probe, no state; listeners
         hear of it once more (DRAINING, "removed") with it gone from :meth:`snapshot`."""

@@ -155,8 +155,13 @@ class Scaler:
         try:
             self.monitor.draining(name, "draining: being removed (`orch scale`)")
             started = time.monotonic()
-            moved = await self.router.drain_instance(name, self.cfg.router.drain_timeout_s)
-            await self.router.remove_instance(name)
+            try:
+                moved = await self.router.drain_instance(name, self.cfg.router.drain_timeout_s)
+                await self.router.remove_instance(name)
+            except BaseException:
+                # NOTE: not removed: it serves again rather than staying "draining" for good
+                self.monitor.undrain(name)
+                raise
             self.leaders.pop(name, None)
             self.monitor.remove_instance(name)
             await asyncio.to_thread(self.cluster.remove_instance, name)
@@ -204,6 +209,18 @@ class Scaler:
         if self.counts()[health.role] <= 1:
             raise ScaleError(f"{name} is the last {health.role} instance: refusing to remove "
                              "it (a role keeps at least 1; stop `orch up` to stop serving)")
+        if not self._others_serving(health.role, name):
+            raise ScaleError(f"{name} is the only {health.role} instance serving now (the "
+                             "others are starting or not healthy): remove it once another "
+                             "one serves (`orch status`)")
+
+    def _others_serving(self, role: str, name: str) -> int:
+        """Healthy instances of ``role`` other than ``name`` that the router routes to and no
+        scale call is starting or removing."""
+        return sum(1 for h in self.monitor.snapshot()
+                   if h.role == role and h.name != name and h.state is Health.HEALTHY
+                   and h.name not in self._removing and h.name not in self._pending
+                   and h.name in self.leaders)
 
     def newest(self, role: str) -> str:
         """The instance a scale-down of ``role`` removes (its newest healthy one).

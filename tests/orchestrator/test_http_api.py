@@ -142,6 +142,8 @@ def test_stop_string_is_trimmed_and_ends_the_request(h, stream):
      "frobnicate: is not a field orch knows"),
     ({"model": "fake", "prompt": "hi", "stream_options": {"x": 1}}, 400,
      "stream_options.x: is not a field orch knows"),
+    ({"model": "fake", "messages": [{"role": "user", "content": "hi", "zzz": 1}]}, 400,
+     "messages.0.zzz: is not a field orch knows"),
     ({"model": "fake"}, 400, "prompt: Field required"),
     ({"model": "fake", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "top_logprobs needs logprobs: true"),

@@ -260,3 +260,35 @@ def test_the_health_gauge_follows_added_and_removed_instances(scaling):
     roles = {s.labels["role"]: s.value for f in metrics.registry.collect()
              if f.name == "orch_role_instances" for s in f.samples}
     assert roles == {"prefill": 1.0, "decode": 1.0}
+
+
+def test_remove_while_the_only_other_instance_starts_is_refused_and_changes_nothing(scaling):
+    """decode=2 is starting decode-1 when decode=1 arrives: removing decode-0 would leave no
+    decode serving, so it is refused; decode-0 keeps serving (not stuck in draining)."""
+    h = scaling
+    h.cluster.hold = threading.Event()
+    replies = []
+    first = threading.Thread(target=lambda: replies.append(_scale(h, decode=2)))
+    first.start()
+    try:
+        assert _wait_for(lambda: "decode-1" in h.call_in_loop(
+            lambda: [x.name for x in h.monitor.snapshot()]))
+        with OrchClient(h.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.scale({"decode": 1}, timeout_s=20)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "only decode instance serving" in err.value.details()
+        with OrchClient(h.address) as client:
+            assert {r.name: r.health for r in client.status()[0]}["decode-0"] == "healthy"
+            chunks = list(client.generate(token_ids=list(PROMPT), max_tokens=3))
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 3)
+    finally:
+        h.cluster.hold.set()
+        first.join(10)
+    assert [list(r.added) for r in replies] == [["decode-1"]]
+
+
+def test_parse_targets_refuses_a_role_named_twice():
+    with pytest.raises(ValueError, match="named twice"):
+        parse_targets(["decode=2", "decode=+1"], {"prefill": 1, "decode": 1})
+    with pytest.raises(ValueError, match="has 1 instance"):
+        parse_targets(["decode=-5"], {"prefill": 1, "decode": 1})

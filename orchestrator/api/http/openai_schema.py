@@ -142,13 +142,18 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One message; fields beyond role/content (name, tool_calls, tool_call_id,
-    reasoning_content) reach the template."""
+class ChatMessage(_Strict):
+    """One message; the fields beyond role/content (name, tool_calls, tool_call_id,
+    reasoning_content) reach the template; any other field is a 400 naming it. ``refusal``
+    (null in replayed assistant turns) is accepted and dropped."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    refusal: None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as the template reads it: content as one string, or None (kept: an
