@@ -165,7 +165,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     import grpc
 
     sampling = dict(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                    top_k=ns.top_k, seed=ns.seed, ignore_eos=ns.ignore_eos)
+                    top_k=ns.top_k, seed=ns.seed, ignore_eos=ns.ignore_eos,
+                    stop=tuple(ns.stop or ()))
     if ns.token_ids:
         try:
             prompt = dict(token_ids=[int(t) for t in ns.prompt.replace(",", " ").split()])
@@ -328,6 +329,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop string (repeat for several): the text ends before it")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,13 +25,15 @@ from orchestrator.status import InstanceView
 
 
 def _request(prompt: str | None, token_ids: list[int] | None, request_id: str,
-             **sampling: object) -> pb.GenerateRequest:
-    """Build the proto request; ``sampling`` are SamplingParams fields (max_tokens, ...)."""
+             stop: Sequence[str] = (), n: int = 1, **sampling: object) -> pb.GenerateRequest:
+    """Build the proto request; ``stop``: stop strings; ``n``: choices (chunks carry their
+    ``index``); ``sampling`` are SamplingParams fields (max_tokens, ...)."""
     if (prompt is None) == (token_ids is None):
         raise ValueError("pass exactly one of prompt (text) or token_ids")
     inp = GenerateInput(text=prompt, token_ids=None if token_ids is None else tuple(token_ids),
-                        sampling=SamplingParams(**sampling), request_id=request_id)
-    return convert.generate_input_to_proto(inp)
+                        sampling=SamplingParams(**sampling), request_id=request_id,
+                        stop=tuple(stop))
+    return convert.generate_input_to_proto(inp, n)
 
 
 def credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
@@ -99,7 +101,9 @@ class OrchClient:
     def generate(self, prompt: str | None = None, token_ids: list[int] | None = None,
                  request_id: str = "", timeout_s: float | None = None,
                  **sampling: object) -> Iterator[OutputChunk]:
-        """Stream one request's chunks (the last has finish_reason and stats)."""
+        """Stream one request's chunks (the last has finish_reason and stats; with ``n`` > 1
+        each choice's, told apart by ``OutputChunk.index``). ``sampling``: SamplingParams
+        fields, ``stop`` (stop strings) and ``n``."""
         call = self.stub.Generate(_request(prompt, token_ids, request_id, **sampling),
                                   timeout=timeout_s, metadata=self.metadata)
         for msg in call:
@@ -168,7 +172,8 @@ class AsyncOrchClient:
     async def generate(self, prompt: str | None = None, token_ids: list[int] | None = None,
                        request_id: str = "", timeout_s: float | None = None,
                        **sampling: object) -> AsyncIterator[OutputChunk]:
-        """Stream one request's chunks (cancelling the iteration cancels the request)."""
+        """Stream one request's chunks (cancelling the iteration cancels the request);
+        ``sampling`` as :meth:`OrchClient.generate`."""
         call = self.stub.Generate(_request(prompt, token_ids, request_id, **sampling),
                                   timeout=timeout_s, metadata=self.metadata)
         try:

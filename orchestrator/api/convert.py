@@ -2,7 +2,8 @@
 
 Proto conventions kept here only: ``top_p`` 0 means 1.0 (off); ``temperature`` 0 is greedy;
 ``top_k`` 0 is off; ``repetition_penalty`` 0 means 1.0 (off); ``seed`` and ``logprobs`` are
-optional. On the way in, every client-supplied field is
+optional; ``n`` 0 means 1; ``sampling.stop`` travels as ``GenerateInput.stop`` (the router
+applies it, not the engine). On the way in, every client-supplied field is
 checked: request_id (``orchestrator.router.limits``), sampling (``SamplingParams``); prompt lengths
 and token ids against the model in ``orchestrator.router.validate``.
 """
@@ -14,6 +15,7 @@ from typing import Any
 from engine.sampling_params import GrammarSpec, SamplingParams, TokenLogprobs
 from rank.messages import InstanceStatusInfo, KVTailStats
 from rank.step_timing import PhaseTiming, StepTimings
+from orchestrator.router.fan_out import choice_inputs
 from orchestrator.router.limits import check_request_id
 from orchestrator.router.request import GenerateInput, OutputChunk, RequestError, RequestStats
 from orchestrator.api.rpc import orch_pb2 as pb
@@ -100,7 +102,17 @@ def generate_input_from_proto(msg: pb.GenerateRequest) -> GenerateInput:
     text = msg.text if which == "text" else None
     ids = tuple(msg.token_ids.ids) if which == "token_ids" else None
     return GenerateInput(text=text, token_ids=ids, sampling=sampling_from_proto(msg.sampling),
-                         request_id=msg.request_id)
+                         request_id=msg.request_id, stop=tuple(msg.sampling.stop))
+
+
+def choices_from_proto(msg: pb.GenerateRequest) -> list[GenerateInput]:
+    """Proto request -> its ``n`` router requests (``orchestrator.router.fan_out``).
+
+    Raises:
+        RequestError: INVALID_ARGUMENT as :func:`generate_input_from_proto`, or ``n`` over
+            ``fan_out.MAX_CHOICES``.
+    """
+    return choice_inputs(generate_input_from_proto(msg), msg.n or 1)
 
 
 def abort_id_from_proto(msg: pb.AbortRequest) -> str:
@@ -113,10 +125,11 @@ def abort_id_from_proto(msg: pb.AbortRequest) -> str:
     return msg.request_id
 
 
-def generate_input_to_proto(inp: GenerateInput) -> pb.GenerateRequest:
-    """:class:`GenerateInput` -> proto (client side)."""
+def generate_input_to_proto(inp: GenerateInput, n: int = 1) -> pb.GenerateRequest:
+    """:class:`GenerateInput` (+ ``n`` choices) -> proto (client side)."""
     msg = pb.GenerateRequest(sampling=sampling_to_proto(inp.sampling),
-                             request_id=inp.request_id)
+                             request_id=inp.request_id, n=n)
+    msg.sampling.stop.extend(inp.stop)
     if inp.token_ids is not None:
         msg.token_ids.ids.extend(inp.token_ids)
     else:
@@ -127,7 +140,8 @@ def generate_input_to_proto(inp: GenerateInput) -> pb.GenerateRequest:
 def chunk_to_proto(chunk: OutputChunk) -> pb.GenerateResponse:
     """:class:`OutputChunk` -> proto response message."""
     msg = pb.GenerateResponse(request_id=chunk.request_id, token_ids=list(chunk.token_ids),
-                              text=chunk.text, finish_reason=chunk.finish_reason or "")
+                              text=chunk.text, finish_reason=chunk.finish_reason or "",
+                              index=chunk.index)
     msg.logprobs.extend(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                         top=[pb.TopLogprob(token_id=t, logprob=v)
                                              for t, v in lp.top])
@@ -158,7 +172,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> OutputChunk:
                      for lp in msg.logprobs)
     return OutputChunk(request_id=msg.request_id, token_ids=tuple(msg.token_ids),
                        text=msg.text, finish_reason=msg.finish_reason or None, stats=stats,
-                       logprobs=logprobs)
+                       logprobs=logprobs, index=msg.index)
 
 
 def status_to_proto(views: list[InstanceView], in_flight: int,

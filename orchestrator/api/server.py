@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from orchestrator.api import convert
 from orchestrator.deploy.health import InstanceHealth
 from orchestrator.api.interceptors import RequestGuard, TokenAuth
+from orchestrator.router.fan_out import merge_streams
 from orchestrator.router.limits import DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes
 from orchestrator.router.request import RequestError
 from orchestrator.router.router import Router
@@ -43,9 +46,16 @@ class OrchServicer(pb_grpc.OrchServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            inp = convert.generate_input_from_proto(request)
-            async for chunk in self.router.generate(inp):
-                yield convert.chunk_to_proto(chunk)
+            inputs = convert.choices_from_proto(request)
+            if len(inputs) == 1:
+                async for chunk in self.router.generate(inputs[0]):
+                    yield convert.chunk_to_proto(chunk)
+                return
+            # NOTE: n choices on one stream; leaving (an error, a cancel) closes them all
+            streams = [self.router.generate(inp) for inp in inputs]
+            async with aclosing(merge_streams(streams)) as merged:
+                async for index, chunk in merged:
+                    yield convert.chunk_to_proto(replace(chunk, index=index))
         except RequestError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         except Exception as exc:  # noqa: BLE001 -- a bug must still end the stream clearly

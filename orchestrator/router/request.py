@@ -55,13 +55,15 @@ class GenerateInput:
     """A client request as received.
 
     Exactly one of ``text`` / ``token_ids`` is set; ``sampling`` is range-checked already;
-    ``request_id`` "" asks for a router-made id.
+    ``request_id`` "" asks for a router-made id; ``stop``: stop strings (the router cuts the
+    text before the first one found, ``orchestrator.router.stop_text``).
     """
 
     text: str | None
     token_ids: tuple[int, ...] | None
     sampling: SamplingParams
     request_id: str = ""
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class OutputChunk:
-    """One streamed message: new tokens and their text; the last one has finish + stats."""
+    """One streamed message: new tokens and their text; the last one has finish + stats.
+    ``index``: the choice it belongs to (``n`` > 1, ``orchestrator.router.fan_out``)."""
 
     request_id: str
     token_ids: tuple[int, ...] = ()
@@ -93,3 +96,4 @@ class OutputChunk:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id, when the request asked
+    index: int = 0

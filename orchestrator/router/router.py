@@ -26,9 +26,10 @@ from engine.sampling_params import fill_seed
 from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.availability import Availability, HealthView
 from engine.grammar import GrammarCompiler
-from orchestrator.router.detokenizer import IncrementalDetokenizer, Tokenizer
+from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump, LeaderClient
+from orchestrator.router.output_text import OutputText
 from orchestrator.router.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.router.request_state import Phase, RequestState
 from orchestrator.router.validate import validate_request
@@ -229,14 +230,14 @@ class Router:
         req = self._open(inp.request_id or uuid.uuid4().hex)
         try:
             await self._accept(req, inp)
-            # NOTE: one detokenizer for every attempt: a migrated stream's text goes on
-            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            # NOTE: one text stream for every attempt: a migrated stream's text goes on
+            out = OutputText(self.tokenizer, inp.stop)
             while not req.ended:
                 if req.aborted:
                     yield self._last_chunk(req, (), "", "abort")
                     return
                 try:
-                    async with aclosing(self._attempt(req, detok)) as chunks:
+                    async with aclosing(self._attempt(req, out)) as chunks:
                         async for chunk in chunks:
                             yield chunk
                 except InstanceFailure as exc:
@@ -247,7 +248,7 @@ class Router:
         finally:
             self._close(req)
 
-    async def _attempt(self, req: RequestState, detok: IncrementalDetokenizer | None
+    async def _attempt(self, req: RequestState, out: OutputText
                        ) -> AsyncIterator[OutputChunk]:
         """One placement under a fresh attempt id: place -> launch -> stream to the finish
         (its chunk ends the request). Returns without a chunk when aborted before launch.
@@ -269,7 +270,7 @@ class Router:
             req.calls["launch"] = self._spawn(self.flow.launch(spec, route))
             while not req.ended:
                 event = await req.next_event(inbox, self.request_timeout_s)
-                chunk, by_workers = await self._on_event(req, event, detok)
+                chunk, by_workers = await self._on_event(req, event, out)
                 yield chunk
         finally:
             self.pump.unregister(req.attempt_id)
@@ -312,18 +313,22 @@ class Router:
             raise
 
     async def _on_event(self, req: RequestState, event: TokenEvent | None,
-                        detok: IncrementalDetokenizer | None) -> tuple[OutputChunk, bool]:
-        """The chunk ``event`` makes (None: aborted: the last chunk, "abort"), and whether
-        the workers ended the request themselves (nothing left to abort on them)."""
+                        out: OutputText) -> tuple[OutputChunk, bool]:
+        """The chunk ``event`` makes (None: aborted: the last chunk, "abort"; a stop string
+        found: the last chunk, "stop", its text cut before it), and whether the workers
+        ended the request themselves (nothing left to abort on them)."""
         tokens, finish = req.take(event, time.monotonic()) if event else ((), "abort")
+        text, stopped = out.add(tokens)
+        if finish is not None and not stopped:
+            rest, stopped = out.finish()
+            text += rest
+        if stopped and finish != "abort":
+            finish = "stop"
         if tokens and req.phase is Phase.PREFILLING:
             self._first_token(req, tokens[0], finished=finish is not None)
-        text = detok.add(tokens) if detok else ""
         logprobs = event.logprobs[:len(tokens)] if event else ()
         if finish is None:
             return OutputChunk(req.request_id, tokens, text, logprobs=logprobs), False
-        if detok:
-            text += detok.flush()
         handover = req.calls.pop("handover", None)
         if handover is not None:  # NOTE: frees the reservation before the load is given back
             await asyncio.wait({handover})

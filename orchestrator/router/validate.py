@@ -7,6 +7,7 @@ from engine.sampling_params import SamplingParams
 from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.request import GenerateInput, RequestError
+from orchestrator.router.stop_text import MAX_STOP_STRINGS
 
 
 def _invalid(message: str) -> RequestError:
@@ -18,7 +19,7 @@ def validate_request(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer 
     """Tokenize and check one request; returns the prompt token ids.
 
     Checks: a non-empty prompt; every id in [0, vocab_size); prompt + max_tokens <=
-    max_model_len; :func:`check_sampling`. Ranges were checked when ``inp.sampling`` was built.
+    max_model_len; :func:`check_sampling`; :func:`check_stops`. Ranges were checked when ``inp.sampling`` was built.
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the problem and the fix.
@@ -44,6 +45,7 @@ def validate_request(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer 
         raise _invalid(f"token id {bad} is out of range [0, {model.vocab_size}) for "
                        f"{model.name}: send ids from this model's tokenizer")
     check_sampling(inp.sampling, model, grammars)
+    check_stops(inp.stop, tokenizer)
     max_tokens = inp.sampling.max_tokens
     if len(ids) + max_tokens > model.max_model_len:
         raise _invalid(f"prompt has {len(ids)} tokens + max_tokens {max_tokens} > "
@@ -77,3 +79,21 @@ def check_sampling(sampling: SamplingParams, model: ModelInfo,
     why = grammars.check(sampling.grammar)
     if why is not None:
         raise _invalid(f"the {sampling.grammar.kind} grammar cannot be used: {why}")
+
+
+def check_stops(stops: tuple[str, ...], tokenizer: Tokenizer | None) -> None:
+    """At most ``MAX_STOP_STRINGS`` non-empty stop strings, and a tokenizer to make text.
+
+    Raises:
+        RequestError: INVALID_ARGUMENT naming the problem.
+    """
+    if not stops:
+        return
+    if len(stops) > MAX_STOP_STRINGS:
+        raise _invalid(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    if any(not s for s in stops):
+        raise _invalid(f"stop[{stops.index('')}] is empty: drop it (an empty stop string "
+                       "would end every request at once)")
+    if tokenizer is None:
+        raise _invalid("this model has no tokenizer.json: stop strings need one; use "
+                       "stop_token_ids instead")

@@ -1,7 +1,8 @@
 """The OpenAI HTTP API of `orch up configs/1p1d.yaml` (router.http_port set) through the
 official `openai` client: completions and chat, streamed and not, equal the gRPC output of the
 same prompt (greedy); 400 / 404 carry gRPC's message; JSON-schema outputs all validate,
-regex outputs match, a required tool call round-trips, logprobs and n choices; with decode full and no admission queue
+regex outputs match, a required tool call round-trips, logprobs and n choices (gRPC's n and
+stop strings give the same text); with decode full and no admission queue
 the requests beyond what fits get 429; streaming clients that go away free every block."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 
+from orchestrator.api.client import OrchClient
 from orchestrator.config.load import load_config
 from orchestrator.api.http.chat_template import ChatTemplate
 from orchestrator.api.rpc import orch_pb2
@@ -237,7 +239,24 @@ def test_logprobs_and_n_choices_with_the_official_client(orch):
         assert choice.index == i and choice.text == one.choices[0].text
         assert len(choice.logprobs.token_logprobs) == 6
     assert many.usage.completion_tokens == 18
+    _grpc_n_and_stop_equal_http(orch, [c.text for c in many.choices])
     wait_idle(orch)
+
+
+def _grpc_n_and_stop_equal_http(orch, texts: list[str]) -> None:
+    """gRPC's n (one stream, choices told apart by index) and stop strings give HTTP's text."""
+    with OrchClient(orch.address) as client:
+        chunks = list(client.generate("hi", max_tokens=6, n=3, seed=40, temperature=1.0))
+        for i, text in enumerate(texts):
+            mine = [c for c in chunks if c.index == i]
+            assert "".join(c.text for c in mine) == text and mine[-1].finish_reason
+        cut = max(texts, key=len)
+        assert len(cut) >= 2, texts
+        stop = cut[len(cut) // 2:len(cut) // 2 + 2]
+        chunks = list(client.generate("hi", max_tokens=6, seed=40 + texts.index(cut),
+                                      temperature=1.0, stop=[stop]))
+    assert "".join(c.text for c in chunks) == cut[:cut.find(stop)]
+    assert chunks[-1].finish_reason == "stop"
 
 
 def test_sigint_stops_both_servers(orch):

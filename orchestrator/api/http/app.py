@@ -32,6 +32,7 @@ from orchestrator.api.http.off_loop import MAX_CHAT_MESSAGES, OffLoop, parse_bod
 from orchestrator.api.http.openai_schema import (ChatCompletionRequest, CompletionRequest,
                                              GenerationRequest, error_body, model_list, now)
 from orchestrator.api.http.responses import CHAT, COMPLETION, Shape
+from orchestrator.router.fan_out import merge_streams
 from orchestrator.router.limits import check_request_size, max_request_bytes
 from orchestrator.router.request import RequestError
 from orchestrator.router.router import Router
@@ -180,7 +181,7 @@ class OpenAIApp:
                       streams: list[AsyncIterator[Piece]],
                       req: GenerationRequest) -> AsyncIterator[bytes]:
         rid, lp = gens[0].request_id, req.top_logprobs_count is not None
-        merged = _merge(firsts, streams)
+        merged = merge_streams([_then(f, s) for f, s in zip(firsts, streams)])
         try:
             async for index, piece in merged:
                 for choice in choices[index].chunks(piece, lp):
@@ -207,41 +208,12 @@ class OpenAIApp:
         return tok.token_text(token_id) if tok is not None else f"<{token_id}>"
 
 
-async def _merge(firsts: list[Piece], streams: list[AsyncIterator[Piece]]
-                 ) -> AsyncIterator[tuple[int, Piece]]:
-    """(choice index, piece) of every stream as they come, each stream's first piece first;
-    a stream's error ends the merge with that error."""
-    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, first: Piece, stream: AsyncIterator[Piece]) -> None:
-        try:
-            await queue.put((index, first))
-            if first.finish_reason is None:
-                async for piece in stream:
-                    await queue.put((index, piece))
-                    if piece.finish_reason is not None:
-                        break
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, exc))
-            return
-        await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts,
-                                                                              streams))]
-    try:
-        live = len(tasks)
-        while live:
-            index, item = await queue.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+async def _then(first: Piece, stream: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """``first`` (already awaited), then the rest of ``stream``."""
+    yield first
+    if first.finish_reason is None:
+        async for piece in stream:
+            yield piece
 
 
 async def _collect(pieces: AsyncIterator[Piece], choice: Choice) -> None:

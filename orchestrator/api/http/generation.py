@@ -1,7 +1,7 @@
-"""One OpenAI request on the router: the same ``Router.generate`` the gRPC servicer calls,
-with OpenAI's sampling defaults and stop strings on top; ``n`` choices are ``n`` router
-requests of the same tokenized prompt (its KV is computed once per choice unless the
-instances' prefix cache holds it).
+"""One OpenAI request on the router: the same ``Router.generate`` the gRPC servicer calls
+(which applies the stop strings), with OpenAI's sampling defaults on top; ``n`` choices are
+``n`` router requests of the same tokenized prompt (``orchestrator.router.fan_out``, as gRPC's;
+its KV is computed once per choice unless the instances' prefix cache holds it).
 
 The prompt is tokenized here (off the loop, with the checkpoint's tokenizer) so its token
 count gives chat's default ``max_tokens`` (the rest of ``max_model_len``) and ``usage`` when a
@@ -19,7 +19,7 @@ from typing import AsyncIterator
 from engine.sampling_params import GrammarSpec, TokenLogprobs
 from orchestrator.api.convert import build_sampling
 from orchestrator.api.http.openai_schema import GenerationRequest
-from orchestrator.api.http.stop_text import StopText
+from orchestrator.router.fan_out import choice_inputs
 from orchestrator.router.request import GenerateInput
 from orchestrator.router.router import Router
 
@@ -47,22 +47,19 @@ class Generation:
         cached_tokens: prompt tokens found in the prefix cache (from the last chunk's stats).
     """
 
-    def __init__(self, router: Router, inp: GenerateInput, prompt_tokens: int,
-                 stops: tuple[str, ...]) -> None:
-        self.router, self.inp, self.stops = router, inp, stops
+    def __init__(self, router: Router, inp: GenerateInput, prompt_tokens: int) -> None:
+        self.router, self.inp = router, inp
         self.request_id = inp.request_id
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.cached_tokens = 0
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The choice's text as it is generated; the last piece has finish_reason "stop"
-        (EOS or a stop string), "length" or "abort". Leaving early (a stop string, the client
-        gone) closes the router's stream, which aborts the request on every instance.
+        (EOS or a stop string), "length" or "abort". Leaving early (the client gone) closes the router's stream, which aborts the request on every instance.
 
         Raises:
             RequestError: the router's (bad input, overload, failures; see Router.generate).
         """
-        stop = StopText(self.stops)
         stream = self.router.generate(self.inp)
         try:
             async for chunk in stream:
@@ -70,15 +67,11 @@ class Generation:
                 if chunk.stats is not None:
                     self.prompt_tokens = chunk.stats.prompt_tokens
                     self.cached_tokens = chunk.stats.cached_tokens
-                text, stopped = stop.feed(chunk.text)
-                if stopped:
-                    yield Piece(text, "stop", chunk.logprobs)
-                    return
                 if chunk.finish_reason is not None:
-                    yield Piece(text + stop.flush(), chunk.finish_reason, chunk.logprobs)
+                    yield Piece(chunk.text, chunk.finish_reason, chunk.logprobs)
                     return
-                if text or chunk.logprobs:
-                    yield Piece(text, None, chunk.logprobs)
+                if chunk.text or chunk.logprobs:
+                    yield Piece(chunk.text, None, chunk.logprobs)
         finally:
             await stream.aclose()
 
@@ -99,23 +92,21 @@ async def start_generation(router: Router, text: str | None, token_ids: tuple[in
     prompt_tokens = len(token_ids) if token_ids is not None else 0
     if max_tokens is None:
         max_tokens = max(router.model.max_model_len - prompt_tokens, 1)
-    gens = []
-    for i in range(req.choices):
-        sampling = build_sampling(
-            max_tokens=max_tokens,
-            temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
-            top_k=req.top_k or 0, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
-            seed=None if req.seed is None else req.seed + i, ignore_eos=bool(req.ignore_eos),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None
-            else req.repetition_penalty,
-            min_tokens=req.min_tokens or 0, stop_token_ids=tuple(req.stop_token_ids or ()),
-            logprobs=req.top_logprobs_count, grammar=grammar)
-        inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
-                            sampling=sampling, request_id=uuid.uuid4().hex)
-        gens.append(Generation(router, inp, prompt_tokens, req.stop_strings()))
-    return gens
+    sampling = build_sampling(
+        max_tokens=max_tokens,
+        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+        top_k=req.top_k or 0, top_p=OPENAI_TOP_P if req.top_p is None else req.top_p,
+        seed=req.seed, ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_tokens=req.min_tokens or 0, stop_token_ids=tuple(req.stop_token_ids or ()),
+        logprobs=req.top_logprobs_count, grammar=grammar)
+    inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
+                        sampling=sampling, request_id=uuid.uuid4().hex,
+                        stop=req.stop_strings())
+    return [Generation(router, choice, prompt_tokens)
+            for choice in choice_inputs(inp, req.choices)]
 
 
 async def _tokenize(router: Router, text: str) -> tuple[int, ...] | None:

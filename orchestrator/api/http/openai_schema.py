@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator.router.fan_out import MAX_CHOICES as MAX_N
+from orchestrator.router.stop_text import MAX_STOP_STRINGS
 from orchestrator.router.request import RequestError
 
-MAX_STOP_STRINGS = 16
-MAX_N = 16
 MAX_TOOLS = 128
 # Known OpenAI fields orch refuses, with what to do instead.
 REFUSED = {

@@ -1,11 +1,13 @@
-"""Stop strings over streamed text, trimmed like OpenAI: the stop string and everything after
-it are never sent.
+"""Stop strings over a request's streamed text, trimmed like OpenAI: the stop string and
+everything after it are never sent (the router applies them to gRPC and HTTP requests alike).
 
 Text that could still be the start of a stop string is held back (at most the longest stop
 string's length minus one characters) until the next piece shows it is not.
 """
 
 from __future__ import annotations
+
+MAX_STOP_STRINGS = 16
 
 
 class StopText:
