@@ -243,6 +243,7 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
              f"{source}; device {_gb(mem.bytes)} GB: {mem.source})"]
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
+        lines.append(_prefix_cache_line(cfg, role.layout))
     if mem.shared:
         ranks = sum(p.layout.ranks for p in plan.roles)
         lines.append(f"all {ranks} rank(s) together: {_gb(plan.all_ranks_bytes)} GB of "
@@ -273,6 +274,17 @@ def _role_table(role: RolePlan, device_bytes: int | None) -> list[str]:
     if device_bytes is not None:
         total += f"  of {_gb(device_bytes)} GB: {_headroom(role.total_bytes, device_bytes)}"
     return lines + [total]
+
+
+def _prefix_cache_line(cfg: OrchConfig, lay: RoleLayout) -> str:
+    """The KV pool as the prefix cache (docs/prefix_cache.md): nothing extra is allocated."""
+    section = lay.section
+    if not getattr(cfg, section).prefix_cache:
+        return f"  prefix cache: off ({section}.prefix_cache: false)"
+    return (f"  prefix cache: in the KV pool (no extra memory): up to {lay.num_kv_blocks} "
+            f"blocks ({lay.num_kv_blocks * lay.block_size:,} tokens) per DP rank of finished "
+            "requests stay findable while no request holds them, least recently freed evicted "
+            f"first; {section}.prefix_cache: false turns it off")
 
 
 def _headroom(need: int, have: int) -> str:

@@ -318,16 +318,24 @@ def request_calls(colocated: bool) -> int:
 
 
 def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
-                 prompt: int, chunk: int, opts: StepOptions = StepOptions()) -> Cost:
-    """One prompt of ``prompt`` tokens on one prefill DP rank, in chunks of ``chunk`` tokens
-    (each a forward pass over the prefix before it).
+                 prompt: int, chunk: int, opts: StepOptions = StepOptions(),
+                 cached: int = 0) -> Cost:
+    """One prompt of ``prompt`` tokens on one prefill DP rank whose first ``cached`` tokens
+    are in the prefix cache: the rest in chunks of ``chunk`` tokens, each a forward pass over
+    the prefix before it (the cached one included: its attention reads that KV).
 
     With ``cp`` (context parallel, seed 004's DSA-CP) each of the DP rank's ``cp`` ranks
     computes ``1 / cp`` of the tokens with all heads and the K/V latents of each chunk are
     all-gathered; layer-sharded weights' broadcasts are taken as hidden behind compute.
+
+    Raises:
+        ValueError: ``cached`` outside [0, prompt - 1] (the last prompt token is computed).
     """
+    if not 0 <= cached < prompt:
+        raise ValueError(f"prefill_cost: cached ({cached}) must be in [0, prompt - 1 = "
+                         f"{prompt - 1}]")
     lay = plan.layout
-    total, past = None, 0
+    total, past = None, cached
     while past < prompt:
         new = min(chunk, prompt - past)
         w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False)
@@ -335,8 +343,9 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
         total = step if total is None else total + step
         past += new
     if lay.cp > 1:
-        chunks = -(-prompt // chunk)
-        gather = (lay.cp - 1) / lay.cp * prompt * counts.kv_bytes_per_token(m, prec) \
+        computed = prompt - cached
+        chunks = -(-computed // chunk)
+        gather = (lay.cp - 1) / lay.cp * computed * counts.kv_bytes_per_token(m, prec) \
             / hw.link(lay.ranks) + m.num_hidden_layers * hw.latency_s * chunks
         total = total + Cost((Term("CP gathers", SERIAL, gather, "link"),))
     return total
@@ -363,9 +372,9 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
 
 def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,
                      group: int) -> Cost:
-    """Shipping one prompt's KV to a decode DP rank: every decode rank receives all of it
-    over its link (inter-domain once the ``group`` of both roles' ranks spans domains), one
-    message per layer."""
+    """Shipping ``prompt`` tokens' KV (what decode does not hold already) to a decode DP
+    rank: every decode rank receives all of it over its link (inter-domain once the
+    ``group`` of both roles' ranks spans domains), one message per layer."""
     nbytes = prompt * counts.kv_bytes_per_token(m, prec)
     return Cost((Term("KV transfer", SERIAL,
                       nbytes / hw.link(group) + m.num_hidden_layers * hw.latency_s, "link"),))

@@ -35,7 +35,9 @@ from orchestrator.planner.moe import StepOptions
 class WorkloadSpec:
     """Mean request shape and load. ``rate`` (req/s) and ``concurrency`` exclusive; neither:
     closed loop filling the decode slots; ``together`` (with ``concurrency``): the closed
-    loop runs in lock-step; ``options``: how the engine runs a step (MTP, overlap, EPLB)."""
+    loop runs in lock-step; ``options``: how the engine runs a step (MTP, overlap, EPLB);
+    ``hit``: share of prompt tokens the prefix cache holds on both sides (prefill computes
+    and ships only the rest)."""
 
     input_len: int
     output_len: int
@@ -43,14 +45,15 @@ class WorkloadSpec:
     concurrency: int | None = None
     together: bool = False  # closed loop in lock-step (module docstring)
     options: StepOptions = field(default_factory=StepOptions)
+    hit: float = 0.0  # prefix-cache hit rate: share of prompt tokens cached (prefix_hits.py)
 
 
 WORKLOAD_HELP = ("in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start=together]]"
-                 "[,mtp=DRAFTS,accept=P][,overlap=0|1][,eplb=0|1][,skew=CV]"
+                 "[,hit=P][,mtp=DRAFTS,accept=P][,overlap=0|1][,eplb=0|1][,skew=CV]"
                  "[,redundant=SLOTS]")
 _KEYS = {"in": int, "out": int, "rate": float, "concurrency": int, "start": str,
          "mtp": int, "accept": float, "overlap": int, "eplb": int, "skew": float,
-         "redundant": int}
+         "redundant": int, "hit": float}
 
 
 def _options(values: dict, text: str) -> StepOptions:
@@ -81,8 +84,8 @@ def parse_workload(text: str) -> WorkloadSpec:
 
     Raises:
         ValueError: an unknown or repeated key, a missing in/out, a bad number (rate not a
-            finite number > 0, a length or concurrency < 1) or start, both rate and
-            concurrency, start without concurrency, a bad step option.
+            finite number > 0, a length or concurrency < 1, hit outside [0, 1]) or start,
+            both rate and concurrency, start without concurrency, a bad step option.
     """
     keys = _KEYS
     values: dict[str, float | str] = {}
@@ -110,8 +113,12 @@ def parse_workload(text: str) -> WorkloadSpec:
     if "rate" in values and "concurrency" in values:
         raise ValueError("--workload: give rate= (open loop) or concurrency= (closed loop), "
                          "not both")
+    hit = values.get("hit", 0.0)
+    if not 0.0 <= hit <= 1.0:
+        raise ValueError(f"--workload {text!r}: hit= is the share of prompt tokens the prefix "
+                         "cache holds, in [0, 1]")
     spec = WorkloadSpec(int(values["in"]), int(values["out"]), values.get("rate"),
-                        values.get("concurrency"), start == "together", options)
+                        values.get("concurrency"), start == "together", options, hit)
     rate_ok = spec.rate is None or (math.isfinite(spec.rate) and spec.rate > 0)
     if min(spec.input_len, spec.output_len) < 1 or not rate_ok \
             or (spec.concurrency is not None and spec.concurrency < 1):

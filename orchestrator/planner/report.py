@@ -18,6 +18,7 @@ from orchestrator.planner.counts import kv_bytes_per_token
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
 from orchestrator.planner.kv_tail import kv_tail_s
+from orchestrator.planner.prefix_hits import cached_tokens
 from orchestrator.planner.specs import DeviceSpec, default_device, named_device
 
 
@@ -35,6 +36,9 @@ class Plan:
         kv_tail_s: the part of ``transfer`` left after the prefill forward (layer by layer
             or after each chunk's forward, ``kv_transfer.layerwise``;
             :func:`orchestrator.planner.kv_tail.kv_tail_s`): what the second token waits for.
+        cached, shipped: prompt tokens a request finds in prefill's prefix cache (not
+            computed) and the prompt tokens whose KV it ships (decode holds the rest;
+            colocated: 0) at the workload's hit rate.
     """
 
     cfg: OrchConfig
@@ -50,6 +54,8 @@ class Plan:
     point: OperatingPoint
     best_split: tuple[int, int, float] | None
     kv_tail_s: float = 0.0
+    cached: int = 0
+    shipped: int = 0
 
 
 def resolve_device(cfg: OrchConfig, key: str | None, recalibrate: bool = False) -> DeviceSpec:
@@ -98,10 +104,14 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
                           "a DP rank's KV cache: raise num_kv_blocks or shorten the workload")
     hw, opts = Hardware(device), wl.options
     m, prec = memory.model, memory.precision
-    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size, opts)
+    cached = cached_tokens(wl.input_len, wl.hit, pre.layout.block_size)
+    shipped = 0 if colocated else \
+        wl.input_len - cached_tokens(wl.input_len, wl.hit, dec.layout.block_size)
+    p_cost = prefill_cost(m, pre, prec, hw, wl.input_len, cfg.prefill.chunk_size, opts,
+                          cached)
     context = wl.input_len + wl.output_len / 2
     transfer = None if colocated else kv_transfer_cost(
-        m, prec, hw, wl.input_len, pre.layout.ranks + dec.layout.ranks)
+        m, prec, hw, shipped, pre.layout.ranks + dec.layout.ranks)
     first = device.first_token_us if colocated else device.pd_first_token_us
     calls = (request_calls(colocated) * device.control_call_us + first) * 1e-6
     def per_token_s(batch: float) -> float:
@@ -109,7 +119,7 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
         return step.total_s / step.tokens_per_step
 
     tail = 0.0 if transfer is None else kv_tail_s(
-        transfer.total_s, p_cost.total_s, -(-wl.input_len // cfg.prefill.chunk_size),
+        transfer.total_s, p_cost.total_s, -(-(wl.input_len - cached) // cfg.prefill.chunk_size),
         m.num_hidden_layers, cfg.kv_transfer.layerwise)
     shape = Roles(p_cost.total_s, calls, per_token_s,
                   pre.layout.dp, dec.layout.dp, slots, colocated, tail)
@@ -117,7 +127,7 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     step = decode_step_cost(m, dec, prec, hw, point.decode_batch, context, opts)
     best = None if colocated else _best_split(shape, pre, dec, wl)
     return Plan(cfg, memory, device, wl, pre, dec, slots, p_cost, step, transfer, point,
-                best, tail)
+                best, tail, cached, shipped)
 
 
 def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
@@ -175,7 +185,8 @@ def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens:
 
 def _options_text(plan: Plan) -> str:
     o = plan.workload.options
-    mtp = f"; MTP {o.mtp} draft(s) at accept {o.accept:g}" if o.mtp else ""
+    mtp = f"; prefix-cache hit {plan.workload.hit:.3g}" if plan.workload.hit else ""
+    mtp += f"; MTP {o.mtp} draft(s) at accept {o.accept:g}" if o.mtp else ""
     if not (plan.prefill.layout.ep or plan.decode.layout.ep):
         return mtp
     return f"{mtp}; EPLB {'on' if o.eplb else f'off (skew {o.skew:g})'}"
@@ -196,13 +207,13 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
         lines.append(_role_line("decode", plan.decode, plan.device, plan.slots,
                                 wl.input_len + wl.output_len))
     if explain:
-        lines += cost_lines(plan.prefill_cost, 1, "s", "    ")
+        lines += _hit_lines(plan) + cost_lines(plan.prefill_cost, 1, "s", "    ")
     lines.append(f"  decode step at batch {pt.decode_batch:.3g} per DP rank: "
                  f"{_cost(plan.step_cost, 1e3, 'ms')}")
     if explain:
         lines += cost_lines(plan.step_cost, 1e3, "ms", "    ")
     if plan.transfer is not None:
-        nbytes = wl.input_len * kv_bytes_per_token(plan.memory.model, plan.memory.precision)
+        nbytes = plan.shipped * kv_bytes_per_token(plan.memory.model, plan.memory.precision)
         how = "layer by layer" if plan.cfg.kv_transfer.layerwise else "after each chunk"
         lines.append(f"kv transfer per request: {plan.transfer.total_s:.3g} s "
                      f"({_gb(nbytes)} GB); {plan.kv_tail_s:.3g} s of it after the prefill "
@@ -213,6 +224,20 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
         lines.append(f"best P:D on the same ranks: prefill dp {dp_p} : decode dp {dp_d} -> "
                      f"{tok_s:.4g} output tok/s at capacity")
     return lines
+
+
+def _hit_lines(plan: Plan) -> list[str]:
+    """``--explain``'s prefix-cache term: what the hit rate leaves to compute and ship."""
+    wl = plan.workload
+    if not wl.hit:
+        return []
+    block = plan.prefill.layout.block_size
+    ship = "" if plan.transfer is None else \
+        f"; KV transfer ships {plan.shipped} (decode holds the rest)"
+    return [f"    prefix cache: hit {wl.hit:.3g} of {wl.input_len} prompt tokens -> "
+            f"{plan.cached} cached ({block}-token blocks, the last token always computed); "
+            f"prefill computes {wl.input_len - plan.cached}, attending over the cached "
+            f"prefix too{ship}"]
 
 
 def predicted_line(pt: OperatingPoint) -> str:
