@@ -27,9 +27,12 @@ import logging
 import queue
 import time
 
+import torch
+
 from decode_worker.request_state import DecodeRequestState, ReservedRequest
 from engine.request import Request, RequestSpec
 from engine.scheduler import DECODE
+from engine.spec_decode import DraftInput
 from kv_transfer import DecodeKVConnector, KVPeer, KVPoll, KVStatus
 from rank.failures import RankFailure
 from rank.kv_setup import make_layout, stretch_completion
@@ -57,6 +60,8 @@ class DecodeRole(Role):
             parts.runner.kv_cache, make_layout(parts.runner, self.cfg), self.cfg.name,
             self.rank, stretch_completion(self.cfg.transfer, ORPHAN_FACTOR),
             host=self.cfg.parallel.bind_host)
+        self.device, self.hidden_size = parts.runner.device, \
+            parts.runner.model_config.hidden_size
         # leader: holds blocks, not in the batch yet (under the leader's lock)
         self.reserved: dict[str, ReservedRequest] = {}
         # (request id, first token, completion deadline) admitted, not yet applied
@@ -243,7 +248,8 @@ class DecodeRole(Role):
             tails = [s.tail_s for s in per_rank if s.tail_s is not None]
             if len(tails) == len(per_rank):
                 self.kv_tail = self.kv_tail.add(max(tails))
-            self._join_batch(request_id)
+            hidden = next((s.draft_hidden for s in per_rank if s.draft_hidden), b"")
+            self._join_batch(request_id, hidden)
         elif errors or now > entry.deadline:
             self._fail_reserved(request_id, errors[0] if errors else self._deadline_error(entry),
                                 kv_failed=bool(errors) or not complete)
@@ -261,19 +267,40 @@ class DecodeRole(Role):
                 f"{ORPHAN_FACTOR * timeout} s of the reservation (router gone?); its blocks "
                 "are freed")
 
-    def _join_batch(self, request_id: str) -> None:
+    def _join_batch(self, request_id: str, draft_hidden: bytes = b"") -> None:
         """Hand a request whose KV is complete to the scheduler (its KV counts as computed).
 
-        NOTE: with MTP the last prompt token counts as not computed: the first step computes
-        it again with the first token (same KV), which gives the MTP module's row there (its
-        next token is now known) and the hidden state the first draft starts from."""
+        With MTP, ``draft_hidden`` (the done records' fp32 hidden state at the last prompt
+        position P - 1) becomes the request's :class:`DraftInput`: its first step runs the
+        MTP module at P - 1 (writing that row of the MTP cache, as every decode step does
+        for the rows it drafts from) and verifies the drafts with the first token. Without
+        it (a prefill that sent none) the last prompt token counts as not computed: the first
+        step computes it again with the first token (same KV) and drafting starts a step
+        later."""
         self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
         with self.leader.lock:
             entry = self.reserved.pop(request_id, None)
             if entry is not None:  # else aborted meanwhile (and freed there)
-                back = 1 if self.leader.scheduler.num_speculative_tokens else 0
-                entry.request.num_computed_tokens = entry.request.num_prompt_tokens - back
-                self.leader.scheduler.add(entry.request)
+                req = entry.request
+                req.num_computed_tokens = req.num_prompt_tokens
+                if self.leader.scheduler.num_speculative_tokens:
+                    req.draft = self._first_draft(req, draft_hidden)
+                    if req.draft is None:  # NOTE: recomputed with the first token
+                        req.num_computed_tokens -= 1
+                self.leader.scheduler.add(req)
+
+    def _first_draft(self, req: Request, draft_hidden: bytes) -> DraftInput | None:
+        """The first step's :class:`DraftInput` from prefill's hidden state (None: none came,
+        or not one hidden state's worth of bytes)."""
+        if len(draft_hidden) != 4 * self.hidden_size:
+            if draft_hidden:
+                log.warning("%s: %s: draft hidden state of %d bytes, expected %d: ignored",
+                            self.cfg.name, req.request_id, len(draft_hidden),
+                            4 * self.hidden_size)
+            return None
+        hidden = torch.frombuffer(bytearray(draft_hidden), dtype=torch.float32)  # [hidden]
+        return DraftInput(hidden.view(1, -1).to(self.device), req.num_prompt_tokens - 1,
+                          (req.output_token_ids[-1],))
 
     # ---- leader: failures ---------------------------------------------------------------
     def _drop_reserved(self, request_id: str) -> Request | None:

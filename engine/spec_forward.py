@@ -18,7 +18,9 @@ no rank-to-rank traffic beyond the model's own):
    of the others; logits at every row of a speculating sequence, at the last row otherwise.
 3. MTP over prompt rows (1 forward): for a prefill chunk, every row whose next token is known
    (all of them when the prompt goes on, all but the last otherwise), so the MTP KV cache of
-   the prompt is complete before the first draft and travels with the rest (PD).
+   the prompt is complete before the first draft and travels with the rest (PD); the last
+   prompt row is the first draft's (1., from ``h`` at that row: on PD the decode side gets
+   it from the completion records, ``kv_transfer.wire.Header.draft_hidden``).
 
 Under expert parallelism each of the k + 2 forwards runs on every rank every step, empty
 (only the MoE exchange) where a rank has no rows (DP lockstep). Drafted steps run eager

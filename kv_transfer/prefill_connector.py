@@ -202,16 +202,19 @@ class PrefillKVConnector:
                                        peer, written))
 
     def finish(self, request_id: str, peers: Sequence[KVPeer], num_tokens: int,
-               forward_end: float = 0.0) -> None:
+               forward_end: float = 0.0, draft_hidden: bytes = b"") -> None:
         """Queue ``done`` records (all ``num_tokens`` sent) to every planned decode rank; the
         request is SUCCESS once they and every data record left. ``forward_end``:
         ``time.time()`` at the end of the forward of the last chunk (the decode side's
-        ``kv_tail_s`` starts there; 0.0: not measured). Ignored after ``abort``."""
+        ``kv_tail_s`` starts there; 0.0: not measured). ``draft_hidden``: MTP, fp32 bytes of
+        the last prompt position's hidden state (``wire.Header.draft_hidden``). Ignored after
+        ``abort``."""
         if request_id in self._aborted:
             return
         for _, peer in self._planned(peers):
             self._enqueue(SendTask(self._record(wire.DONE, request_id, num_tokens=num_tokens,
-                                                forward_end=forward_end), peer))
+                                                forward_end=forward_end,
+                                                draft_hidden=draft_hidden), peer))
         self._progress.end(request_id, KVStatus(KVPoll.SUCCESS))
 
     def abort(self, request_id: str, peers: Sequence[KVPeer],

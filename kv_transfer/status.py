@@ -49,6 +49,8 @@ class KVStatus:
         tail_s: decode side, SUCCESS: seconds from the end of the prefill forward that
             computed the last chunk to the moment this rank held every cell (``kv_tail_s``);
             None when not measured.
+        draft_hidden: decode side, SUCCESS: the ``done`` records' ``draft_hidden`` (MTP: fp32
+            bytes of the last prompt position's hidden state; b"" when none came).
 
     NOTE: on the prefill side only TRANSFERRING means bytes may still be read from the
     request's source slots: every other state is idle, whatever the outcome.
@@ -57,6 +59,7 @@ class KVStatus:
     state: KVPoll
     error: str | None = None
     tail_s: float | None = None
+    draft_hidden: bytes = b""
 
     @property
     def busy(self) -> bool:

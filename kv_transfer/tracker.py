@@ -61,6 +61,7 @@ class TrackedRequest:
     forward_end: float = 0.0     # newest done record's Header.forward_end (time.time())
     cells_at: float | None = None  # time.time() when the last (layer, token) cell arrived
     cells_left: int = -1           # cells of mask still False (-1: not counted yet)
+    draft_hidden: bytes = b""      # a done record's Header.draft_hidden (MTP)
 
     def complete(self) -> bool:
         return (self.error is None and self.done_from == set(self.pairs)
@@ -188,6 +189,7 @@ class RequestTracker:
             else:
                 req.done_from.add(header.prefill_rank)
                 req.forward_end = max(req.forward_end, header.forward_end)
+                req.draft_hidden = header.draft_hidden or req.draft_hidden
 
     def on_abort(self, source: PairGeneration, header: wire.Header) -> None:
         self.fail(header.request_id, f"{source.sender} aborted the transfer: {header.error}")
@@ -216,7 +218,8 @@ class RequestTracker:
                             "completed, failed or was aborted)")
         with req.lock:
             if self._active(req) and req.complete():
-                return KVStatus(KVPoll.SUCCESS, tail_s=req.tail_s())
+                return KVStatus(KVPoll.SUCCESS, tail_s=req.tail_s(),
+                                draft_hidden=req.draft_hidden)
             if req.error is not None or req.released:
                 return KVStatus(KVPoll.FAILED, req.error)
             return KVStatus(KVPoll.TRANSFERRING if req.sources else KVPoll.WAITING)

@@ -26,7 +26,7 @@ import torch
 from kv_transfer.chunk import KVChunk
 from kv_transfer.errors import WireError
 
-VERSION = 6
+VERSION = 7
 DATA, DONE, ABORT = "data", "done", "abort"
 RECORD_KINDS = (DATA, DONE, ABORT)
 
@@ -52,6 +52,9 @@ class Header:
         forward_end: wall-clock seconds (``time.time()``) when the prefill forward that
             computed the last chunk ended (done; 0.0: not given). The decode side's
             ``kv_tail_s`` is measured from it.
+        draft_hidden: done, MTP speculative decoding: ``[hidden]`` fp32 little-endian bytes
+            of the main model's normed last hidden state at the last prompt position (what
+            the decode side's first MTP draft starts from); b"" without MTP.
     """
 
     kind: str
@@ -64,6 +67,7 @@ class Header:
     views: tuple[int, ...] = ()
     cuts: tuple[int, ...] = ()
     forward_end: float = 0.0
+    draft_hidden: bytes = b""
 
 
 def data_header(chunk: KVChunk, prefill_rank: int, fingerprint: str) -> Header:
@@ -84,7 +88,7 @@ def encode_header(header: Header) -> bytes:
         "slots": b"" if c is None else c.dst_slots.to(torch.int64).contiguous().numpy().tobytes(),
         "ntok": header.num_tokens, "err": header.error,
         "views": list(header.views), "cuts": list(header.cuts),
-        "fwd": header.forward_end}, use_bin_type=True)
+        "fwd": header.forward_end, "dh": header.draft_hidden}, use_bin_type=True)
 
 
 def decode_header(raw: bytes) -> Header:
@@ -109,7 +113,8 @@ def decode_header(raw: bytes) -> Header:
                         fingerprint=str(m["fp"]), chunk=chunk, num_tokens=int(m["ntok"]),
                         error=str(m["err"]), views=tuple(int(x) for x in m["views"]),
                         cuts=tuple(int(x) for x in m["cuts"]),
-                        forward_end=float(m.get("fwd", 0.0)))
+                        forward_end=float(m.get("fwd", 0.0)),
+                        draft_hidden=bytes(m.get("dh", b"")))
     except WireError:
         raise
     except Exception as exc:  # malformed msgpack / missing key / wrong type
@@ -128,6 +133,9 @@ def _slots(raw: bytes) -> torch.Tensor:
 def _validate(h: Header) -> None:
     if h.kind not in RECORD_KINDS:
         raise WireError(f"unknown record kind {h.kind!r}; expected one of {RECORD_KINDS}")
+    if len(h.draft_hidden) % 4:
+        raise WireError(f"done record of {h.request_id!r} has {len(h.draft_hidden)} bytes of "
+                        "draft hidden state, not a multiple of 4 (fp32)")
     c = h.chunk
     if c is None:
         return

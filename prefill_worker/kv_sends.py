@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import slot_mapping
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode import SpecOutput
 from kv_transfer import KVPeer, KVPoll, PrefillKVConnector
 from kv_transfer.layer_ready import mark_written
 from prefill_worker.transfer_log import TransferLog
@@ -35,6 +36,7 @@ class ChunkTransfer:
         src_slots: int64 ``[end - start]`` slots in this instance's cache.
         dst_slots: int64 ``[end - start]`` slots in the decode instance's cache.
         last: the chunk completes the prompt: send completion records after it.
+        row: the chunk's index in the step (``SchedulerOutput.chunks``, ``SpecOutput.hidden``).
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class ChunkTransfer:
     src_slots: object
     dst_slots: object
     last: bool
+    row: int = 0
 
 
 def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
@@ -58,7 +61,7 @@ def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
     ``prompt - 1`` tokens).
     """
     plans = []
-    for c in out.chunks:
+    for row, c in enumerate(out.chunks):
         res = reservations[c.request.request_id]
         held = res.num_cached_tokens
         start = held if c.start == c.request.num_cached_tokens else max(held, c.start)
@@ -67,8 +70,17 @@ def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
         plans.append(ChunkTransfer(
             c.request.request_id, res.peers, start, c.end,
             slot_mapping(c.request.blocks.block_ids, start, c.end, block_size),
-            slot_mapping(res.block_ids, start, c.end, res.block_size), c.completes))
+            slot_mapping(res.block_ids, start, c.end, res.block_size), c.completes, row))
     return plans
+
+
+def draft_hidden(output: object, row: int) -> bytes:
+    """MTP: fp32 bytes of ``output.hidden[row][-1]`` (``[hidden]``, the main model's normed
+    hidden state at the last row of chunk ``row``: the last prompt position, what the decode
+    side's first MTP draft starts from); b"" when ``output`` is not a :class:`SpecOutput`."""
+    if not isinstance(output, SpecOutput):
+        return b""
+    return output.hidden[row][-1].float().cpu().contiguous().numpy().tobytes()
 
 
 class LayerSends:
@@ -123,9 +135,11 @@ class KVSends:
             self._layer_sends = LayerSends(self.connector, transfers, self.device)
         return self._layer_sends
 
-    def queue(self, transfers: list[ChunkTransfer] | None) -> None:
+    def queue(self, transfers: list[ChunkTransfer] | None, output: object = None) -> None:
         """After the step: queue this rank's planned layers of each chunk that the forward
-        did not send layer by layer; completion records after a request's last chunk."""
+        did not send layer by layer; completion records after a request's last chunk, with
+        MTP (``output`` a :class:`SpecOutput`) carrying the last prompt position's hidden
+        state (:func:`draft_hidden`)."""
         forward_end = time.time()
         hook, self._layer_sends = self._layer_sends, None
         # NOTE: a forward that did not call the hook for every layer (one that ignores it)
@@ -143,7 +157,8 @@ class KVSends:
                 self.log.add(t.request_id, pair,
                              self.kv_spec.bytes_per_token_of(send.layers) * tokens)
             if t.last:
-                self.connector.finish(t.request_id, t.peers, t.end, forward_end)
+                self.connector.finish(t.request_id, t.peers, t.end, forward_end,
+                                      draft_hidden(output, t.row))
 
     def idle(self, request_ids: list[str], timeout_s: float) -> dict[str, bool]:
         """request id -> True when no send of it is queued or in flight on this rank (waits

@@ -64,8 +64,8 @@ class PrefillRole(Role):
     def layer_hook(self, step_inputs: list[ChunkTransfer] | None) -> LayerSends | None:
         return self.sends.layer_hook(step_inputs)
 
-    def after_step(self, step_inputs: list[ChunkTransfer] | None) -> None:
-        self.sends.queue(step_inputs)
+    def after_step(self, step_inputs: list[ChunkTransfer] | None, output=None) -> None:
+        self.sends.queue(step_inputs, output)
 
     def sends_idle(self, request_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool]:
         """request id -> True when no send of it is queued or in flight on this rank (waits

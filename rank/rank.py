@@ -223,15 +223,14 @@ class Rank:
                 self.runner.execute_empty()
             raise
 
-    def after_step(self, step_inputs: Any) -> None:
-        """The role's :meth:`Role.after_step` of this rank."""
-        self.role.after_step(step_inputs)
+    def after_step(self, step_inputs: Any, output: Any = None) -> None:
+        """The role's :meth:`Role.after_step` of this rank (``output``: its forward's)."""
+        self.role.after_step(step_inputs, output)
 
     def execute_step(self, steps: list, step_inputs: Any = None) -> None:
         """Follower side of one step (on the step channel's thread): run the model on
         ``steps``, then the role's ``after_step`` with the leader's ``step_inputs``."""
-        self.forward(steps, step_inputs)
-        self.after_step(step_inputs)
+        self.after_step(step_inputs, self.forward(steps, step_inputs))
 
     def role_call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(role, *args)``: a rank-to-rank call (``SPMDGroup.call_all``); ``fn`` is a

@@ -62,10 +62,11 @@ class Role(ABC):
     policy: ClassVar[RolePolicy]
 
     # ---- every rank ---------------------------------------------------------------------
-    def after_step(self, step_inputs: Any) -> None:
+    def after_step(self, step_inputs: Any, output: Any = None) -> None:
         """Right after this rank's model step: on the leader from the loop thread under the
         lock, on a follower on its step channel thread. ``step_inputs`` is what the leader's
-        role made for the step (prefill: the chunks' KV transfers), None when it made none.
+        role made for the step (prefill: the chunks' KV transfers), None when it made none;
+        ``output``: this rank's forward result (logits, a ``SpecOutput`` with MTP, or None).
         May queue work on this rank's own role state (KV sends); never the scheduler."""
 
     def layer_hook(self, step_inputs: Any) -> Callable[[int], None] | None:

@@ -33,7 +33,7 @@ class LocalRank(Protocol):
 
     def forward(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None: ...
 
-    def after_step(self, step_inputs: Any) -> None: ...
+    def after_step(self, step_inputs: Any, output: Any = None) -> None: ...
 
     def role_call(self, fn: Callable[..., T], *args: Any) -> T: ...
 
@@ -78,7 +78,7 @@ class SPMDGroup:
             with timer.phase("forward"):
                 logits = self.local.forward(steps, step_inputs)
             with timer.phase("after_step"):
-                self.local.after_step(step_inputs)
+                self.local.after_step(step_inputs, logits)
         except Exception:
             # NOTE: a dead follower breaks the leader's collectives too: its own error wins.
             if channel is not None:

@@ -26,6 +26,11 @@ def test_done_and_abort_round_trip():
     done = wire.Header(kind=wire.DONE, request_id="r", prefill_rank=0, fingerprint="f",
                        num_tokens=77)
     assert wire.decode_header(wire.encode_header(done)) == done
+    hidden = torch.tensor([0.5, -3.25, 1e-8], dtype=torch.float32)
+    mtp = replace(done, draft_hidden=hidden.numpy().tobytes())
+    back = wire.decode_header(wire.encode_header(mtp))
+    assert torch.equal(torch.frombuffer(bytearray(back.draft_hidden), dtype=torch.float32),
+                       hidden)
     abort = wire.Header(kind=wire.ABORT, request_id="r", prefill_rank=1, fingerprint="f",
                         error="client cancelled")
     back = wire.decode_header(wire.encode_header(abort))
@@ -49,6 +54,7 @@ def _raw(**over):
     ({"views": [0], "cuts": []}, "has cuts"),
     ({"views": [0], "cuts": [1]}, "has cuts"),
     ({"views": [0], "cuts": [0, 2]}, "has cuts"),  # 2 tokens: a cut at 2 is past the end
+    ({"dh": b"\x00" * 6}, "multiple of 4"),
 ])
 def test_malformed_headers_are_rejected(over, match):
     with pytest.raises(WireError, match=match):

@@ -1,9 +1,14 @@
 """MTP speculative decoding through prefill/decode disaggregation, in-process (TP=1, no Ray):
-prefill runs the MTP module over the prompt and ships its KV as one more layer; decode's
-greedy output with drafts equals a solo greedy run without them; a prefill with MTP and a
-decode without it are refused by the layout fingerprint with a message naming the setting."""
+prefill runs the MTP module over the prompt and ships its KV as one more layer, and the last
+prompt position's hidden state with its done records; decode's first step drafts from it
+and verifies (it computes position P, not P - 1 again); decode's greedy output with drafts
+equals a solo greedy run without them, also when no hidden state comes (the fallback: the
+first step recomputes P - 1); a prefill with MTP and a decode without it are refused by the
+layout fingerprint with a message naming the setting."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import pytest
 import torch
@@ -17,10 +22,11 @@ from orchestrator.tiny_model import write_tiny_checkpoint
 from prefill_worker.role import PrefillRole
 from rank.config import InstanceConfig, SchedulerConfig
 from rank.messages import Admit, Prefill, Reservation, Reserve
+from rank.leader_step import verify_step
 from rank.rank import Rank
 from tests.engine.engine_drive import generate_greedy
 from tests.workers.test_pd_ranks import run_pd, wait_all_free, wait_events
-from tests.workers.test_spec_colocated import oracle_drafts
+from tests.workers.test_spec_colocated import make_rank, oracle_drafts, run_all
 
 PROMPTS = [list(range(3000 + i, 3000 + i + n)) for i, n in enumerate((3, 21, 1))]
 MAX_TOKENS = [7, 9, 5]
@@ -54,11 +60,30 @@ def start(ckpt, role_cls, role: str, k: int, block_size: int) -> Rank:
     return rank
 
 
-@pytest.mark.parametrize("oracle", [False, True])
-def test_pd_spec_greedy_matches_solo(ckpt, expected, monkeypatch, oracle):
-    if oracle:
-        monkeypatch.setattr("tests.workers.test_spec_colocated.PROMPTS", PROMPTS)
-        oracle_drafts(monkeypatch, expected)
+Seen = dict[tuple[str, str], list[tuple[int, tuple[int, ...]]]]
+
+
+def verify_steps(monkeypatch) -> Seen:
+    """(instance, request id) -> (first position, drafts) of each of its verify steps."""
+    seen: Seen = defaultdict(list)
+
+    def spy(name, out, spec, *args):
+        for i, chunk in enumerate(out.chunks):
+            if chunk.completes:
+                seen[name, chunk.request.request_id].append((chunk.start, spec.drafts[i]))
+        return verify_step(name, out, spec, *args)
+
+    monkeypatch.setattr("rank.leader_step.verify_step", spy)
+    return seen
+
+
+@pytest.mark.parametrize("shipped", [True, False])
+def test_pd_spec_greedy_matches_solo_with_oracle_drafts(ckpt, expected, monkeypatch, shipped):
+    monkeypatch.setattr("tests.workers.test_spec_colocated.PROMPTS", PROMPTS)
+    oracle_drafts(monkeypatch, expected)
+    if not shipped:  # a prefill that sends no hidden state: decode recomputes P - 1
+        monkeypatch.setattr("prefill_worker.kv_sends.draft_hidden", lambda output, row: b"")
+    seen = verify_steps(monkeypatch)
     prefill = start(ckpt, PrefillRole, "prefill", 2, 4)
     decode = start(ckpt, DecodeRole, "decode", 2, 8)
     try:
@@ -67,13 +92,47 @@ def test_pd_spec_greedy_matches_solo(ckpt, expected, monkeypatch, oracle):
             spec = RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=m, ignore_eos=True))
             assert run_pd(prefill, decode, spec) == (expected[i], "length")
         wait_all_free(prefill, decode)
+        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+            first, drafts = seen["decode-0", f"r{i}"][0]
+            # NOTE: the first step verifies min(k, m - 2) drafts (never past max_tokens)
+            assert (first, len(drafts)) == ((len(p), min(2, m - 2)) if shipped
+                                            else (len(p) - 1, 0))
         stats = decode.leader._step.spec_stats
-        assert stats.drafted > 0
-        if oracle:
-            assert 0 < stats.accepted < stats.drafted
+        assert 0 < stats.accepted < stats.drafted
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_pd_first_drafts_equal_colocated_and_output_equals_solo(ckpt, expected, monkeypatch):
+    """Decode's first step drafts from the shipped hidden state exactly what a colocated
+    instance drafts at the same position (its step after the prompt), and keeps greedy's
+    tokens."""
+    seen = verify_steps(monkeypatch)
+    prefill = start(ckpt, PrefillRole, "prefill", 2, 4)
+    decode = start(ckpt, DecodeRole, "decode", 2, 8)
+    try:
+        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+            spec = RequestSpec(f"r{i}", tuple(p), SamplingParams(max_tokens=m, ignore_eos=True))
+            assert run_pd(prefill, decode, spec) == (expected[i], "length")
+        wait_all_free(prefill, decode)
+        assert decode.leader._step.spec_stats.drafted > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    monkeypatch.setattr("tests.workers.test_spec_colocated.PROMPTS", PROMPTS)
+    monkeypatch.setattr("tests.workers.test_spec_colocated.MAX_TOKENS", MAX_TOKENS)
+    colocated = make_rank(ckpt, 2)
+    try:
+        got = run_all(colocated)
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == \
+            [(e, "length", None) for e in expected]
+    finally:
+        colocated.shutdown()
+    for i, p in enumerate(PROMPTS):
+        pd_first = seen["decode-0", f"r{i}"][0]
+        assert pd_first[0] == len(p) and len(pd_first[1]) == 2
+        assert dict(seen["colocated-0", f"r{i}"])[len(p)] == pd_first[1]
 
 
 def test_prefill_with_mtp_and_decode_without_is_refused(ckpt):
