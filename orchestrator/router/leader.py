@@ -256,12 +256,10 @@ class EventPump:
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the stream tasks (bounded wait)."""
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
-            if pending:
-                log.warning("event stream tasks still running after stop: %s", pending)
+        await asyncio.gather(*(cancel_task(t, timeout_s) for t in self._tasks))
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            log.warning("event stream tasks still running after stop: %s", pending)
         self._tasks = []
 
     def add_leader(self, leader: LeaderClient) -> None:
@@ -276,10 +274,8 @@ class EventPump:
         self._leaders = [leader for leader in self._leaders if leader.name != name]
         tasks = [t for t in self._tasks if t.get_name() == f"events-{name}"]
         for task in tasks:
-            task.cancel()
             self._tasks.remove(task)
-        if tasks:
-            await asyncio.wait(tasks, timeout=self._retry_s + 5.0)
+        await asyncio.gather(*(cancel_task(t, self._retry_s + 5.0) for t in tasks))
 
     def register(self, attempt_id: str, request_id: str, instances: set[str]) -> Inbox:
         """An inbox receiving ``attempt_id``'s events from ``instances`` from now on
@@ -320,9 +316,7 @@ class EventPump:
             try:
                 await asyncio.wait({follow, rebound}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                if not follow.done():
-                    follow.cancel()
-                    await asyncio.wait({follow})
+                await cancel_task(follow, timeout_s=5.0)
             if follow.cancelled():
                 continue  # rebound: the new leader's stream
             try:
@@ -352,6 +346,24 @@ class EventPump:
             self._inboxes[event.request_id].put(event)
         if self._on_capacity is not None and leader.role == "decode":
             self._on_capacity(leader.name, frame.free_blocks)
+
+
+async def cancel_task(task: asyncio.Future, timeout_s: float) -> None:
+    """Cancel ``task`` and wait (at most ``timeout_s``) until it ends.
+
+    NOTE: the cancel is repeated while it runs on: in Python 3.11 ``asyncio.wait_for`` swallows
+    a cancel that races its inner future's completion, and the stream loop then reads on."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    cancelled = False
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        try:
+            await asyncio.wait({task}, timeout=0.05)
+        except asyncio.CancelledError:
+            cancelled = True  # NOTE: the caller is cancelled too: end ``task`` first
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _open(leader: LeaderClient, subscriber: str) -> StreamAddress:

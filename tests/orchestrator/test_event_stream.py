@@ -194,3 +194,27 @@ def test_every_event_field_the_router_reads_survives_the_wire():
     for event in events:
         row = msgpack.unpackb(msgpack.packb(event_row(event), use_bin_type=True), raw=False)
         assert event_from_row(row, "decode", "decode-0") == event
+
+
+def test_a_task_that_swallows_a_cancel_is_cancelled_again():
+    """The pump's stop cancels until the stream task ends (Python 3.11's wait_for can swallow
+    a cancel that races its inner future; the stream loop would read on)."""
+    from orchestrator.router.leader import cancel_task
+
+    async def go():
+        swallowed = []
+
+        async def stubborn():
+            while True:
+                try:
+                    await asyncio.sleep(10)
+                except asyncio.CancelledError:
+                    if swallowed:
+                        raise
+                    swallowed.append(1)  # the first cancel is lost, as in the race
+
+        task = asyncio.ensure_future(stubborn())
+        await asyncio.sleep(0)
+        await cancel_task(task, timeout_s=2.0)
+        assert task.cancelled() and swallowed == [1]
+    asyncio.run(go())
