@@ -53,9 +53,7 @@ def start(ckpt: str, role_cls, role: str, name: str, chunk: int, max_len: int,
     cfg = InstanceConfig(name=name, role=role, checkpoint_dir=ckpt, scheduler=scheduler,
                          transfer=transfer)
     rank = Rank(cfg, 0, role_cls)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

@@ -39,9 +39,7 @@ def start_rank(ckpt: Path, k: int, batch: int) -> Rank:
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=scheduler)
     rank = Rank(cfg, 0, ColocatedRole)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

@@ -118,9 +118,7 @@ def start(ckpt: Path, role_cls, name: str, role: str, blocks: int, cache: bool) 
                             max_num_batched_tokens=2048, max_num_seqs=16, prefix_cache=cache)
     cfg = InstanceConfig(name=name, role=role, checkpoint_dir=str(ckpt), scheduler=sched)
     rank = Rank(cfg, 0, role_cls)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

@@ -248,6 +248,17 @@ class Rank:
         self.loop = StepLoop(self.cfg.name, self.leader, self.role)
         self.loop.start()
 
+    def start_alone(self) -> None:
+        """An instance of this one rank (tp 1, in this process: tests and benchmarks): its TP
+        store, :meth:`init_rank` with itself as the only peer, then :meth:`start`.
+
+        Raises:
+            as :meth:`init_rank` and :meth:`start`.
+        """
+        host, port = self.open_tp_store()
+        self.init_rank(host, port, [self])
+        self.start()
+
     def request(self, request: LeaderRequest) -> Any:
         """Leader: one router request (rank/messages.py), handled by the role; its answer.
 

@@ -45,9 +45,7 @@ def test_colocated_rank_decodes_through_the_captured_forward(dense_ckpt, backend
                          scheduler=scheduler,
                          graph=GraphConfig(enabled=True, batch_sizes=(2,), backend="counting"))
     rank = Rank(cfg, 0, ColocatedRole)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     try:
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             rank.request(Generate(RequestSpec(f"r{i}", tuple(p),

@@ -37,9 +37,7 @@ def start(ckpt, role_cls, role: str, name: str, layerwise: bool = True) -> Rank:
     cfg = InstanceConfig(name=name, role=role, checkpoint_dir=str(ckpt), scheduler=scheduler,
                          transfer=transfer)
     rank = Rank(cfg, 0, role_cls)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

@@ -39,9 +39,7 @@ def start(role_cls, ckpt, role, **kw):
     cfg = InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
                          scheduler=scheduler, transfer=transfer)
     rank = Rank(cfg, 0, role_cls)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

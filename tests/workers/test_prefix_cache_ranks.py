@@ -44,9 +44,7 @@ def colocated(ckpt, prefix_cache: bool, blocks: int = 64) -> Rank:
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=sched)
     rank = Rank(cfg, 0, ColocatedRole)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

@@ -54,9 +54,7 @@ def start(ckpt, role_cls, role: str, k: int, block_size: int) -> Rank:
     cfg = InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
                          scheduler=scheduler, transfer=transfer)
     rank = Rank(cfg, 0, role_cls)
-    host, port = rank.open_tp_store()
-    rank.init_rank(host, port, [rank])
-    rank.start()
+    rank.start_alone()
     return rank
 
 

@@ -63,9 +63,7 @@ def colocated_rank(ckpt):
     cfg = InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
                          scheduler=scheduler)
     r = Rank(cfg, 0, ColocatedRole)
-    host, port = r.open_tp_store()
-    r.init_rank(host, port, [r])
-    r.start()
+    r.start_alone()
     yield r
     r.shutdown()
 
