@@ -47,14 +47,14 @@ def assert_scheduler_empty(scheduler: Any) -> None:
 
 def rank_busy(rank: Any) -> str | None:
     """Why an in-process leader rank (a :class:`rank.rank.Rank`: ``.leader.pool`` and
-    ``.role.num_active()``) is not idle (blocks held, requests active), or None."""
+    ``.role.num_active()``) is not idle (blocks held or referenced, requests active), or None."""
     pool = rank.leader.pool
     free, total, live = pool.num_free_blocks, pool.num_blocks, pool.num_live_sets
-    active = rank.role.num_active()
-    if (free, live, active) == (total, 0, 0):
+    refs, active = pool.num_referenced_blocks, rank.role.num_active()
+    if (free, live, refs, active) == (total, 0, 0, 0):
         return None
     return (f"{rank.cfg.name}: {free} of {total} blocks free, {live} block set(s) live, "
-            f"{active} request(s) active")
+            f"{refs} block(s) referenced, {active} request(s) active")
 
 
 def wait_ranks_idle(*ranks: Any, timeout_s: float = 10.0) -> None:
