@@ -167,17 +167,20 @@ def overlap_on(lay: RoleLayout, hw: Hardware, opts: StepOptions) -> bool:
 class Work:
     """What one forward pass of a DP rank does: ``tokens`` through the linears,
     ``attn_flops`` attention-core FLOPs reading ``kv_bytes``, ``lm_rows`` rows through
-    lm_head; ``decode``: decode kernels (attention efficiency, low-latency all-to-all)."""
+    lm_head; ``decode``: decode kernels (attention efficiency, low-latency all-to-all);
+    ``prefix_flops``: prefill's re-expansion of the prefix latents to per-head K/V
+    (:func:`.counts.prefix_up_flops`), at the linears' rate."""
 
     tokens: float
     attn_flops: float
     kv_bytes: float
     lm_rows: float
     decode: bool
+    prefix_flops: float = 0.0
 
     def half(self) -> "Work":
         return Work(self.tokens / 2, self.attn_flops / 2, self.kv_bytes / 2,
-                    self.lm_rows / 2, self.decode)
+                    self.lm_rows / 2, self.decode, self.prefix_flops / 2)
 
 
 def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
@@ -194,7 +197,8 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     dense_flops = 2 * w.tokens * dense / ranks
     lm_flops = 2 * w.lm_rows * m.hidden_size * m.vocab_size / lay.tp
     lm_rate = hw.spec.bf16_tflops * TFLOPS * hw.spec.kernels.gemm_bf16
-    terms = [_roofline("linears", PRE, dense_flops * (1 - out_share), gemm,
+    terms = [_roofline("linears", PRE, dense_flops * (1 - out_share) + w.prefix_flops / ranks,
+                       gemm,
                        dense_bytes * (1 - out_share), hbm),
              _roofline("output linears", ATTN, dense_flops * out_share, gemm,
                        dense_bytes * out_share, hbm),
@@ -338,7 +342,8 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     total, past = None, cached
     while past < prompt:
         new = min(chunk, prompt - past)
-        w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False)
+        w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False,
+                 counts.prefix_up_flops(m, past))
         step = forward_cost(m, plan, prec, hw, opts, w)
         total = step if total is None else total + step
         past += new

@@ -170,7 +170,9 @@ def row_cost(row: Published) -> tuple[Cost, float]:
         new = round(row.length * (1 - row.hit))
         prompts = row.tokens / new
         attn = prompts * counts.attention_flops(m, new, row.length - new, absorbed=False)
-        cost = forward_cost(m, plan, prec, hw, opts, Work(row.tokens, attn, 0.0, 0.0, False))
+        up = prompts * counts.prefix_up_flops(m, row.length - new)
+        cost = forward_cost(m, plan, prec, hw, opts,
+                            Work(row.tokens, attn, 0.0, 0.0, False, up))
         return cost, row.tokens / cost.total_s / (1 - row.hit) * row.per
     cost = decode_step_cost(m, plan, prec, hw, row.tokens, row.length, opts)
     if row.unit.startswith("ms per step"):
