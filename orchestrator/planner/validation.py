@@ -99,8 +99,8 @@ ROWS = (
               setting="EP144 on 18 nodes, 32 redundant, 2 routed per GPU (source); average KV "
               "length per output token 4,989 (source, as quoted); 20-22 tok/s per user at "
               "1,850 tok/s per GPU -> ~88 sequences per GPU (Little); MTP accept 0.85 "
-              "(DeepSeek-V3 report: second-token acceptance 85-90 %); a 24 h fleet average (LMSYS's "
-              "table reads this deployment as batch 128 at KV 4,989)"),
+              "(DeepSeek-V3 report: second-token acceptance 85-90 %); a 24 h fleet average "
+              "(LMSYS's table reads this deployment as batch 128 at KV 4,989)"),
     *(Published(f"lmsys-prefill-{n // 1024}k", LMSYS, "h100", "prefill", 32, 32, n, 16384,
                 fig, 8, "input tok/s per node",
                 setting=f"prefill-only run on 4 nodes (EP32), {n}-token prompts: {fig:,} tok/s "
