@@ -117,7 +117,7 @@ class Hardware:
         """FLOP/s of the linears: 1-byte weights at the FP8 peak (else INT8: W8A8), else the
         bf16 peak (cpu: the measured rate at the model dtype)."""
         s, k = self.spec, self.spec.kernels
-        if prec.linear <= 1:
+        if eight_bit(prec):
             if s.fp8_tflops > 0:
                 return s.fp8_tflops * TFLOPS * k.gemm_fp8
             return s.int8_tflops * TFLOPS * k.gemm_int8
@@ -140,6 +140,12 @@ class Hardware:
         gb_s = self.spec.intra_domain_gb_s if group <= self.spec.domain_ranks \
             else self.spec.inter_domain_gb_s
         return gb_s * GBPS * self.spec.kernels.link
+
+
+def eight_bit(prec: Precision) -> bool:
+    """Linears stored in one byte (FP8 / INT8; their block scales add a few bytes per
+    thousand weights: ~1.0002 bytes per weight, :func:`engine.quant.memory.bytes_per_param`)."""
+    return prec.linear < 1.5
 
 
 def _roofline(name: str, phase: str, flops: float, rate: float, nbytes: float,
@@ -236,7 +242,7 @@ def _elementwise(m: ModelConfig, prec: Precision, hw: Hardware, w: Work, ranks: 
     if eff <= 0:
         return []
     attn, moe, per_copy = counts.elementwise_bytes_per_token(
-        m, prec.activation, prec.linear <= 1, prefill=not w.decode)
+        m, prec.activation, eight_bit(prec), prefill=not w.decode)
     bw = hw.spec.hbm_gb_s * GBPS * eff
     copies = m.num_experts_per_tok * imb
     return [Term("elementwise (attention)", PRE, w.tokens / ranks * attn / bw, "memory"),
@@ -283,7 +289,7 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
              for t in kernels]
     if lay.ep:
         d, c = alltoall_s(m, hw.spec, part.tokens / (lay.tp * lay.cp), lay.ep_size,
-                          w.decode, prec.linear <= 1, hw.spec.kernels.link)
+                          w.decode, eight_bit(prec), hw.spec.kernels.link)
         terms += [Term("all-to-all dispatch", DISPATCH, d * n, "link"),
                   Term("all-to-all combine", COMBINE, c * n, "link")]
     terms += [Term("TP collectives", SERIAL, _tp_comm(m, lay, hw, w, prec.activation), "link"),

@@ -124,19 +124,20 @@ ROWS = (
               "60 % acceptance (source); EP72, 288 slots (source)"),
     Published("cm384-prefill", CM384, "a3", "prefill", 32, 0, 4096, 16384, 6_688, 2,
               "input tok/s per NPU",
-              setting="INT8 (W8A8), 4K prompts (source); EP32 over 16 NPUs as recalled, "
-              "unverified; 16K tokens per die per forward assumed; as recalled (unverified) "
-              "the paper's perfect-EPLB figure (its default-EPLB one 5,655), next to the "
-              "LMSYS figures above"),
+              setting="INT8 (W8A8), 4K prompts, 16K tokens per NPU, perfect EPLB (the "
+              "paper's Table 2, as two secondary summaries reproduce it; its default-EPLB "
+              "figure 5,655); 6 prefill instances on 96 NPUs: 16 NPUs = 32 dies, EP32; "
+              "16K tokens per die assumed"),
     Published("cm384-decode", CM384, "a3", "decode", 320, 64, 4096, 48, 1_943, 2,
               "output tok/s per NPU", mtp=1, accept=0.7,
-              setting="INT8, EP320 on 160 NPUs, TPOT < 50 ms, 4K KV (source); Little: "
-              "1,943 x 0.05 s = 97 sequences per NPU -> 48 per die; MTP accept ~0.7 and 64 "
-              "redundant slots as recalled, unverified"),
+              setting="INT8, EP320 on 160 NPUs, 4K KV, batch 96 per NPU (48 per die), "
+              "TPOT 49.4 ms, MTP one draft token at 70 % acceptance (the paper's Table 3 and "
+              "setup, as secondary summaries reproduce them); 64 redundant slots (320 - 256) "
+              "as recalled, unverified"),
     Published("cm384-decode-15ms", CM384, "a3", "decode", 320, 64, 4096, 4, 538, 2,
               "output tok/s per NPU", mtp=1, accept=0.7,
-              setting="538 tok/s per NPU under a 15 ms TPOT bound (source); Little: 538 x "
-              "0.015 s = 8 sequences per NPU -> 4 per die; the rest as cm384-decode"),
+              setting="538 tok/s per NPU under a 15 ms TPOT bound at batch 8 per NPU (4 per "
+              "die) (source); the rest as cm384-decode"),
 )
 
 # Operator-level checks, not in the error: DeepSeek's own profiles (balanced routing, one
