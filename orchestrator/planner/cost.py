@@ -117,7 +117,7 @@ class Hardware:
         """FLOP/s of the linears: 1-byte weights at the FP8 peak (else INT8: W8A8), else the
         bf16 peak (cpu: the measured rate at the model dtype)."""
         s, k = self.spec, self.spec.kernels
-        if prec.linear <= 1:
+        if eight_bit(prec):
             if s.fp8_tflops > 0:
                 return s.fp8_tflops * TFLOPS * k.gemm_fp8
             return s.int8_tflops * TFLOPS * k.gemm_int8
@@ -140,6 +140,12 @@ class Hardware:
         gb_s = self.spec.intra_domain_gb_s if group <= self.spec.domain_ranks \
             else self.spec.inter_domain_gb_s
         return gb_s * GBPS * self.spec.kernels.link
+
+
+def eight_bit(prec: Precision) -> bool:
+    """Linears stored in one byte (FP8 / INT8; their block scales add a few bytes per
+    thousand weights: ~1.0002 bytes per weight, :func:`engine.quant.memory.bytes_per_param`)."""
+    return prec.linear < 1.5
 
 
 def _roofline(name: str, phase: str, flops: float, rate: float, nbytes: float,
@@ -167,17 +173,20 @@ def overlap_on(lay: RoleLayout, hw: Hardware, opts: StepOptions) -> bool:
 class Work:
     """What one forward pass of a DP rank does: ``tokens`` through the linears,
     ``attn_flops`` attention-core FLOPs reading ``kv_bytes``, ``lm_rows`` rows through
-    lm_head; ``decode``: decode kernels (attention efficiency, low-latency all-to-all)."""
+    lm_head; ``decode``: decode kernels (attention efficiency, low-latency all-to-all);
+    ``prefix_flops``: prefill's re-expansion of the prefix latents to per-head K/V
+    (:func:`.counts.prefix_up_flops`), at the linears' rate."""
 
     tokens: float
     attn_flops: float
     kv_bytes: float
     lm_rows: float
     decode: bool
+    prefix_flops: float = 0.0
 
     def half(self) -> "Work":
         return Work(self.tokens / 2, self.attn_flops / 2, self.kv_bytes / 2,
-                    self.lm_rows / 2, self.decode)
+                    self.lm_rows / 2, self.decode, self.prefix_flops / 2)
 
 
 def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
@@ -194,7 +203,8 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     dense_flops = 2 * w.tokens * dense / ranks
     lm_flops = 2 * w.lm_rows * m.hidden_size * m.vocab_size / lay.tp
     lm_rate = hw.spec.bf16_tflops * TFLOPS * hw.spec.kernels.gemm_bf16
-    terms = [_roofline("linears", PRE, dense_flops * (1 - out_share), gemm,
+    terms = [_roofline("linears", PRE, dense_flops * (1 - out_share) + w.prefix_flops / ranks,
+                       gemm,
                        dense_bytes * (1 - out_share), hbm),
              _roofline("output linears", ATTN, dense_flops * out_share, gemm,
                        dense_bytes * out_share, hbm),
@@ -232,7 +242,7 @@ def _elementwise(m: ModelConfig, prec: Precision, hw: Hardware, w: Work, ranks: 
     if eff <= 0:
         return []
     attn, moe, per_copy = counts.elementwise_bytes_per_token(
-        m, prec.activation, prec.linear <= 1, prefill=not w.decode)
+        m, prec.activation, eight_bit(prec), prefill=not w.decode)
     bw = hw.spec.hbm_gb_s * GBPS * eff
     copies = m.num_experts_per_tok * imb
     return [Term("elementwise (attention)", PRE, w.tokens / ranks * attn / bw, "memory"),
@@ -279,7 +289,7 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
              for t in kernels]
     if lay.ep:
         d, c = alltoall_s(m, hw.spec, part.tokens / (lay.tp * lay.cp), lay.ep_size,
-                          w.decode, prec.linear <= 1, hw.spec.kernels.link)
+                          w.decode, eight_bit(prec), hw.spec.kernels.link)
         terms += [Term("all-to-all dispatch", DISPATCH, d * n, "link"),
                   Term("all-to-all combine", COMBINE, c * n, "link")]
     terms += [Term("TP collectives", SERIAL, _tp_comm(m, lay, hw, w, prec.activation), "link"),
@@ -338,7 +348,8 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     total, past = None, cached
     while past < prompt:
         new = min(chunk, prompt - past)
-        w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False)
+        w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False,
+                 counts.prefix_up_flops(m, past))
         step = forward_cost(m, plan, prec, hw, opts, w)
         total = step if total is None else total + step
         past += new

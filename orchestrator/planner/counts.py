@@ -92,6 +92,17 @@ def attention_flops(m: ModelConfig, new: int, past: int, absorbed: bool | None =
                   + sum(m.indexer_layers) * m.index_n_heads * m.index_head_dim * keys)
 
 
+def prefix_up_flops(m: ModelConfig, past: int) -> float:
+    """FLOPs of expanding ``past`` cached latents to per-head keys and values (``kv_b_proj``,
+    all layers) for a prefill chunk in MHA form that attends over them: a chunk after a
+    cached or earlier-chunk prefix re-expands it (its K/V are not kept, only the latents).
+    0 for sparse (V3.2) attention, which attends in absorbed form."""
+    if m.uses_sparse_attention or past <= 0:
+        return 0.0
+    return 2.0 * m.num_hidden_layers * past * m.kv_lora_rank * m.num_attention_heads \
+        * (m.qk_nope_head_dim + m.v_head_dim)
+
+
 def sum_min(past: int, new: int, k: int) -> float:
     """sum over t in past+1 .. past+new of min(t, k)."""
     lo, hi = past + 1, past + new
@@ -144,7 +155,13 @@ def elementwise_bytes_per_token(m: ModelConfig, act: float, eight_bit: bool,
       write ``I``, plus quantizing ``I``), the weighted combine (read ``k`` outputs, write
       one); per routed copy the same SiLU x up and quantization at ``moe_intermediate_size``;
     - dense MLP layers: add + RMSNorm, quantizing the hidden, SiLU x up at
-      ``intermediate_size``.
+      ``intermediate_size``;
+    - prefill only, per routed copy: the received copy moved into the grouped GEMM's
+      expert-contiguous layout (read + write ``h`` values at the dispatch's width: 1 byte +
+      a 4-byte scale per 128 when 8-bit, else ``act``); the prefill all-to-all (DeepEP's
+      normal kernels) delivers tokens by source rank, DeepGEMM's contiguous layout wants
+      them by expert (SGLang's ``ep_scatter``); decode's low-latency kernels write the
+      masked layout directly.
     The GEMMs' own activation reads and writes are not here (their rooflines count weights),
     nor the all-to-all's packing (the EP library's op).
     """
@@ -166,6 +183,8 @@ def elementwise_bytes_per_token(m: ModelConfig, act: float, eight_bit: bool,
            * glu(m.moe_intermediate_size) + (k + 1) * h * act) if experts else 0.0
     dense = 4 * h * act + h * quant + glu(m.intermediate_size)
     per_copy = glu(m.moe_intermediate_size) if experts else 0.0
+    if prefill and experts:
+        per_copy += 2 * h * ((1 + 4 / 128) if eight_bit else act)  # expert-contiguous layout
     # NOTE: the dense MLP layers run in the attention phase (with the other linears)
     return (m.num_hidden_layers * attn + dense_layers * dense, moe_layers * moe,
             moe_layers * per_copy)

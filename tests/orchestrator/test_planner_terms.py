@@ -31,8 +31,13 @@ def test_gemm_rate_follows_the_stored_precision_and_the_devices_8_bit_path():
     h800, a3 = Hardware(named_device("h800")), Hardware(named_device("a3"))
     assert h800.gemm_flops(fp8) == pytest.approx(1979e12 * 0.56)  # DeepGEMM FP8
     assert h800.gemm_flops(bf16) == pytest.approx(989e12 * 0.56)
-    assert a3.gemm_flops(fp8) == pytest.approx(752e12 * 0.56)  # no FP8: W8A8 INT8
-    assert a3.attn_flops(decode=True) == pytest.approx(376e12 * 0.868)  # AMLA
+    assert a3.gemm_flops(fp8) == pytest.approx(752e12 * 0.80)  # no FP8: W8A8 INT8
+    assert a3.attn_flops(decode=True) == pytest.approx(376e12 * 0.654)  # CloudMatrix MLA
+    assert a3.hbm("attn_decode_hbm") == pytest.approx(1600e9 * 0.841)
+    # an FP8 checkpoint kept 1 byte carries block scales (~1.0002 bytes a weight): 8-bit path
+    stored = Precision(1.0002, 2, 2, 2)
+    assert a3.gemm_flops(stored) == a3.gemm_flops(fp8)
+    assert h800.gemm_flops(stored) == h800.gemm_flops(fp8)
     assert h800.hbm("attn_decode_hbm") == pytest.approx(3350e9 * 0.90)  # FlashMLA
 
 
@@ -166,6 +171,34 @@ def test_elementwise_bytes_by_hand_on_a_tiny_model():
     # bf16 GEMM inputs: no quantization; SiLU-mul 6 I
     assert elementwise_bytes_per_token(m, 2, False, prefill=False) == (3 * 120 + 94,
                                                                        2 * 162, 2 * 18)
+    # prefill also moves each received copy into the expert-contiguous layout: read + write
+    # 8 values at 1 byte + a 4-byte scale per 128 (8-bit), or at 2 bytes (bf16)
+    assert elementwise_bytes_per_token(m, 2, True, prefill=True)[2] == pytest.approx(
+        2 * (27 + 2 * 8 * (1 + 4 / 128)))
+    assert elementwise_bytes_per_token(m, 2, False, prefill=True)[2] == 2 * (18 + 2 * 8 * 2)
+
+
+def test_prefill_re_expands_the_prefix_latents_to_per_head_keys_and_values():
+    from orchestrator.planner.counts import prefix_up_flops
+    from orchestrator.planner.cost import Work, forward_cost
+
+    m = _tiny()  # 3 layers x 2 x past 5 x kv_lora 4 x 2 heads x (qk_nope 2 + v 2)
+    assert prefix_up_flops(m, 5) == 2 * 3 * 5 * 4 * 2 * 4
+    assert prefix_up_flops(m, 0) == 0.0
+    v32 = ModelConfig.from_dict(json.loads(
+        (REPO / "configs" / "models" / "deepseek-v32" / "config.json").read_text()))
+    assert prefix_up_flops(v32, 4096) == 0.0  # sparse attention runs absorbed
+    # the linears term of a forward grows by those FLOPs at the linears' rate (compute-bound)
+    m, lay = _v3(), RoleLayout("prefill", 32, 1, True, 1, 128, 16384, 16384, 8192)
+    prec, hw = Precision(1, 2, 2, 2), Hardware(named_device("h800"))
+    plan = plan_role(replace(m, n_routed_experts=288), lay, prec)
+
+    def linears_s(extra: float) -> float:
+        cost = forward_cost(m, plan, prec, hw, StepOptions(overlap=False, redundant=32),
+                            Work(16384, 0.0, 0.0, 0.0, False, extra))
+        return next(t.seconds for t in cost.terms if t.name == "linears")
+
+    assert linears_s(1e15) - linears_s(0.0) == pytest.approx(1e15 / hw.gemm_flops(prec))
 
 
 def test_elementwise_terms_stream_at_the_devices_rate_and_stay_off_on_cpu():
