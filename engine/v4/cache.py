@@ -1,0 +1,87 @@
+"""A contiguous per-request DeepSeek-V4 cache, laid out by :mod:`engine.v4.kv_spec`.
+
+NOTE: this is the engine-side reference layout (one request, tensors grown by concatenation);
+the paged pool reads the same :class:`~engine.v4.kv_spec.LayerKVSpec` to size its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.v4.kv_spec import LayerKVSpec, layer_specs
+from engine.v4.config import V4Config
+
+
+@dataclass
+class CompressorState:
+    """One compressor's state (the attention's, or the indexer's at ``index_head_dim``).
+
+    Attributes:
+        entries: ``[E, d]`` compressed entries emitted so far (rope applied).
+        buffer_kv, buffer_gate: ``[n, coff * d]`` projections of the ``n < ratio`` tokens
+            since the last full group (gate includes ``position_bias``); None when empty.
+        overlap_kv, overlap_gate: ``[ratio, d]`` first half (Ca) of the last full group (CSA
+            only), None before the first group.
+    """
+
+    entries: torch.Tensor
+    buffer_kv: torch.Tensor | None = None
+    buffer_gate: torch.Tensor | None = None
+    overlap_kv: torch.Tensor | None = None
+    overlap_gate: torch.Tensor | None = None
+
+    @property
+    def num_entries(self) -> int:
+        return self.entries.shape[0]
+
+
+@dataclass
+class LayerCache:
+    """One layer's cache for one request.
+
+    Attributes:
+        spec: the layer kind's spec. window: ``[w, head_dim]`` raw K=V of the last
+            ``w <= sliding_window - 1`` tokens. compressor / indexer: states or None.
+    """
+
+    spec: LayerKVSpec
+    window: torch.Tensor
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+@dataclass
+class V4Cache:
+    """All layers' caches of one request; ``num_tokens`` tokens already processed."""
+
+    layers: list[LayerCache]
+    num_tokens: int = 0
+
+    @classmethod
+    def empty(cls, config: V4Config, dtype: torch.dtype, device: torch.device) -> V4Cache:
+        """A cache with no tokens, one :class:`LayerCache` per layer."""
+        layers = []
+        for spec in layer_specs(config):
+            def state(width: int) -> CompressorState:
+                return CompressorState(torch.zeros(0, width, dtype=dtype, device=device))
+            layers.append(LayerCache(
+                spec, torch.zeros(0, spec.head_dim, dtype=dtype, device=device),
+                state(spec.head_dim) if spec.compress_ratio else None,
+                state(spec.index_head_dim) if spec.index_head_dim else None))
+        return cls(layers)
+
+    def elements(self) -> int:
+        """Elements held now, summed over layers and tensors (compare with
+        :meth:`LayerKVSpec.elements`)."""
+        total = 0
+        for layer in self.layers:
+            total += layer.window.numel()
+            for state in (layer.compressor, layer.indexer):
+                if state is None:
+                    continue
+                total += sum(t.numel() for t in (state.entries, state.buffer_kv,
+                                                 state.buffer_gate, state.overlap_kv,
+                                                 state.overlap_gate) if t is not None)
+        return total
