@@ -56,7 +56,8 @@ _HALF_SCALE = re.compile(r"(attn_sink|\.ape|gate\.bias|hc_\w*base)$")
 def _random(name: str, shape: tuple[int, ...], gen: torch.Generator, vocab: int,
             n_experts: int) -> torch.Tensor:
     if name.endswith("tid2eid"):
-        return torch.rand(vocab, n_experts, generator=gen).argsort(-1)[:, :shape[1]].int()
+        first = torch.randint(0, n_experts, (vocab, 1), generator=gen)
+        return ((first + torch.arange(shape[1])) % n_experts).int()  # k distinct experts
     if _HALF_SCALE.search(name):
         return 0.5 * torch.randn(shape, generator=gen)
     if name.endswith("norm.weight") or re.search(r"hc_\w*scale$", name):
