@@ -65,7 +65,8 @@ def test_prefill_logits_match_hf(models, n):
 
 def test_chunked_prefill_at_group_edges_equals_whole(models):
     """Two chunks split at every offset around the CSA (4) and HCA (16) group edges, and
-    3-token chunks (3 is prime to 4 and 16: every edge split): the logits of every position equal one whole-prompt call (and HF)."""
+    3-token chunks (3 is coprime to 4 and 16: every edge gets split): the logits of every
+    position equal one whole-prompt call (and HF)."""
     hf, ours = models
     ids = _prompt(40, seed=1)
     ref = _hf_logits(hf, ids)
