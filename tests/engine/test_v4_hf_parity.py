@@ -12,6 +12,7 @@ import torch
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import kv_specs, layer_specs
 from engine.v4.loader import load_v4
+from engine.v4.state_io import export_request, import_request
 
 TOL = 1e-4
 
@@ -117,3 +118,21 @@ def test_cache_holds_what_the_kind_specs_say(models):
     csa, hca = specs["compressed_sparse_attention"], specs["heavily_compressed_attention"]
     assert cache.layers[1].indexer.num_entries == 50 // csa.compress_ratio
     assert cache.layers[2].compressor.num_entries == 50 // hca.compress_ratio
+
+
+def test_shipped_state_resumes_decode_exactly(models):
+    """Prefill 23 tokens (inside a CSA and an HCA group), ship the per-layer tensors the
+    specs name, decode 6 tokens on the receiving cache: the same logits bit for bit as
+    decoding on the sender's cache; a missing tensor is refused."""
+    _, ours = models
+    ids = _prompt(29, seed=4)
+    sender = ours.new_cache()
+    ours(ids[:23], sender)
+    shipped = export_request(sender)
+    receiver = import_request(ours.config, [{k: v.clone() for k, v in layer.items()}
+                                            for layer in shipped], 23)
+    for i in range(23, 29):
+        assert torch.equal(ours(ids[i:i + 1], receiver), ours(ids[i:i + 1], sender))
+    del shipped[1]["indexer_overlap_gate"]
+    with pytest.raises(ValueError, match="compressed_sparse_attention"):
+        import_request(ours.config, shipped, 23)
