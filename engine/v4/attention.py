@@ -54,27 +54,41 @@ class V4Attention(nn.Module):
                               config.index_head_dim, ratio, config.index_topk, self.eps)
             self.compressor = SparseCompressor(config.hidden_size, d, ratio, self.eps, indexer)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
-                rotary: V4Rotary) -> torch.Tensor:
-        """``x [T, hidden]`` of consecutive positions ``[T]`` -> ``[T, hidden]``; appends the
-        T tokens to ``cache`` (window, compressor state). ``rotary``: this layer's rope."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                lengths: list[int], rotary: V4Rotary) -> torch.Tensor:
+        """``x [T, hidden]``: ``lengths[r]`` consecutive tokens of request r after each other,
+        at ``positions [T]`` -> ``[T, hidden]``; appends each request's tokens to its
+        ``caches[r]`` (window, compressor state). ``rotary``: this layer's rope."""
         # T tokens, H heads, D head_dim, K keys (window + compressed)
         cos, sin = rotary.cos_sin(positions, x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(x))  # [T, q_lora]
         q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
         q = rotate_trailing(unweighted_rms_norm(q, self.eps), cos, sin)  # [T, H, D]
         kv = rotate_trailing(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
-        keys = torch.cat((cache.window, kv))  # [w + T, D]
+        outs, start = [], 0
+        for cache, n in zip(caches, lengths, strict=True):
+            seg = slice(start, start + n)
+            keys, mask = self._keys(x[seg], kv[seg], q_residual[seg], positions[seg], cache,
+                                    rotary)
+            outs.append(self._attend(q[seg], keys, mask))  # [n, H, D]
+            start += n
+        out = rotate_trailing(torch.cat(outs), cos, -sin)  # NOTE: undo the rope V carried
+        grouped = out.reshape(out.shape[0], self.o_groups, -1)  # [T, g, H*D/g]
+        w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, r_o, H*D/g]
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+
+    def _keys(self, x: torch.Tensor, kv: torch.Tensor, q_residual: torch.Tensor,
+              positions: torch.Tensor, cache: LayerCache, rotary: V4Rotary
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One request's keys ``[K, D]`` (window, then compressed entries) and ``[n, K]``
+        additive mask; appends the request's n tokens to ``cache``."""
+        keys = torch.cat((cache.window, kv))  # [w + n, D]
         mask = self._window_mask(positions, keys.shape[0])
         cache.window = keys[max(keys.shape[0] - (self.sliding_window - 1), 0):]
         if self.compressor is not None:
             entries, entry_mask = self._compressed(x, q_residual, positions, cache, rotary)
             keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=-1)
-        out = self._attend(q, keys, mask)  # [T, H, D]
-        out = rotate_trailing(out, cos, -sin)  # NOTE: undo the rope V carried (K = V)
-        grouped = out.reshape(out.shape[0], self.o_groups, -1)  # [T, g, H*D/g]
-        w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, r_o, H*D/g]
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
+        return keys, mask
 
     def _window_mask(self, positions: torch.Tensor, num_keys: int) -> torch.Tensor:
         """``[T, w + T]`` additive mask: key s visible to query p iff p - W < s <= p."""

@@ -35,10 +35,11 @@ class V4DecoderLayer(nn.Module):
         self.mlp = V4MoE(config, layer)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                cache: LayerCache, rotary: V4Rotary) -> torch.Tensor:
-        """``streams [T, N, hidden]`` -> same shape; appends the T tokens to ``cache``."""
+                caches: list[LayerCache], lengths: list[int], rotary: V4Rotary) -> torch.Tensor:
+        """``streams [T, N, hidden]`` -> same shape; appends each request's tokens to its
+        cache (see :meth:`V4Attention.forward`)."""
         x, post, comb = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(x), positions, cache, rotary)
+        out = self.self_attn(self.input_layernorm(x), positions, caches, lengths, rotary)
         streams = HyperConnection.merge(streams, out, post, comb)
         x, post, comb = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x), input_ids)
@@ -75,17 +76,28 @@ class DeepseekV4ForCausalLM(nn.Module):
         weight = self.lm_head.weight
         return V4Cache.empty(self.config, weight.dtype, weight.device)
 
-    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: V4Cache) -> torch.Tensor:
-        """Logits ``[T, vocab]`` (fp32) of the next ``input_ids [T]`` (positions
+        """Logits ``[T, vocab]`` (fp32) of one request's next ``input_ids [T]`` (positions
         ``cache.num_tokens ...``); the tokens are appended to ``cache``. Prefill in chunks of
         any size, then decode with T = 1, give the same logits as one whole-prompt call."""
-        positions = torch.arange(input_ids.shape[0], device=input_ids.device) + cache.num_tokens
+        return self.forward_batch(input_ids, [cache], [input_ids.shape[0]])
+
+    @torch.no_grad()
+    def forward_batch(self, input_ids: torch.Tensor, caches: list[V4Cache],
+                      lengths: list[int]) -> torch.Tensor:
+        """Several requests in one step: ``input_ids [T]`` holds ``lengths[r]`` tokens of
+        request r (a prefill chunk or one decode token) after each other; logits ``[T, vocab]``.
+        Per-token work (projections, mHC, MoE, head) runs on all T tokens at once; attention
+        runs per request over its own cache."""
+        device = input_ids.device
+        positions = torch.cat([torch.arange(n, device=device) + c.num_tokens
+                               for c, n in zip(caches, lengths, strict=True)])
         x = self.model.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for layer, layer_cache in zip(self.model.layers, cache.layers, strict=True):
-            streams = layer(streams, input_ids, positions, layer_cache,
-                            self.rotary[layer.rope_kind])
-        cache.num_tokens += input_ids.shape[0]
+        for i, layer in enumerate(self.model.layers):
+            streams = layer(streams, input_ids, positions, [c.layers[i] for c in caches],
+                            lengths, self.rotary[layer.rope_kind])
+        for cache, n in zip(caches, lengths, strict=True):
+            cache.num_tokens += n
         hidden = self.model.norm(self.model.hc_head(streams))
         return self.lm_head(hidden).float()

@@ -136,3 +136,19 @@ def test_shipped_state_resumes_decode_exactly(models):
     del shipped[1]["indexer_overlap_gate"]
     with pytest.raises(ValueError, match="compressed_sparse_attention"):
         import_request(ours.config, shipped, 23)
+
+
+def test_batched_step_equals_requests_alone(models):
+    """One step over three requests (a decode token, a 9-token chunk crossing CSA and HCA
+    edges, a first 5-token chunk) gives each request's logits of running it alone."""
+    _, ours = models
+    ids = [_prompt(30, seed=s) for s in (5, 6, 7)]
+    alone, batched = [ours.new_cache() for _ in ids], [ours.new_cache() for _ in ids]
+    for caches in (alone, batched):
+        ours(ids[0][:20], caches[0])
+        ours(ids[1][:12], caches[1])
+    parts = [ids[0][20:21], ids[1][12:21], ids[2][:5]]
+    want = torch.cat([ours(p, c) for p, c in zip(parts, alone, strict=True)])
+    got = ours.forward_batch(torch.cat(parts), batched, [len(p) for p in parts])
+    assert (got - want).abs().max().item() < 1e-5
+    assert [c.num_tokens for c in batched] == [21, 21, 5]
