@@ -60,7 +60,7 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """DeepSeek-V4 for one request at a time over a :class:`engine.v4.cache.V4Cache`."""
+    """DeepSeek-V4 over per-request :class:`engine.v4.cache.V4Cache` objects."""
 
     def __init__(self, config: V4Config) -> None:
         super().__init__()
