@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.model_config import CheckpointError, YarnScaling
+from engine.rotary import yarn_get_mscale
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
@@ -166,15 +167,19 @@ def _ropes(raw: dict) -> tuple[V4Rope, V4Rope]:
     ``rope_parameters`` {"main", "compress"} as written."""
     params = raw.get("rope_parameters") or {}
     if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        return _rope(params["main"], None), _rope(params["compress"], None)
+        # NOTE: as written, a YaRN without attention_factor gets transformers' mscale ratio
+        return _rope(params["main"], None, None), _rope(params["compress"], None, None)
     flat = {**(raw.get("rope_scaling") or {}), **params}
     main = V4Rope(theta=float(flat.get("rope_theta", raw.get("rope_theta", 10000.0))),
                   yarn=None)
-    compress = _rope(flat, float(raw.get("compress_rope_theta", 160000.0)))
+    compress = _rope(flat, float(raw.get("compress_rope_theta", 160000.0)), 1.0)
     return main, compress
 
 
-def _rope(params: dict, theta: float | None) -> V4Rope:
+def _rope(params: dict, theta: float | None, attention_factor: float | None) -> V4Rope:
+    """One rope; ``theta`` overrides the dict's, ``attention_factor`` None: the dict's, else
+    transformers' ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (or
+    ``mscale(factor)`` without both)."""
     kind = params.get("rope_type", params.get("type", "default"))
     base = theta if theta is not None else float(params.get("rope_theta", 10000.0))
     if kind == "default":
@@ -188,5 +193,10 @@ def _rope(params: dict, theta: float | None) -> V4Rope:
                        beta_slow=float(params.get("beta_slow") or 1),
                        mscale=float(params.get("mscale") or 1.0),
                        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
-    return V4Rope(theta=base, yarn=yarn,
-                  attention_factor=float(params.get("attention_factor", 1.0)))
+    if params.get("attention_factor") is not None:
+        attention_factor = float(params["attention_factor"])
+    elif attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (yarn_get_mscale(yarn.factor, m) / yarn_get_mscale(yarn.factor, m_all)
+                            if m and m_all else yarn_get_mscale(yarn.factor))
+    return V4Rope(theta=base, yarn=yarn, attention_factor=attention_factor)

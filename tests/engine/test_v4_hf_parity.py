@@ -13,6 +13,7 @@ from engine.v4.config import V4Config
 from engine.v4.kv_spec import kv_specs, layer_specs
 from engine.v4.loader import load_v4
 from engine.v4.state_io import export_request, import_request
+from orchestrator.tiny_model_v4 import tiny_v4_config_dict
 
 TOL = 1e-4
 
@@ -52,6 +53,48 @@ def test_config_reads_fields_as_transformers(tiny_v4_ckpt):
         assert cfg.qk_rope_head_dim == hf.qk_rope_head_dim == 8
         assert cfg.compress_rope.theta == hf.rope_parameters["compress"]["rope_theta"]
         assert cfg.compress_rope.yarn.factor == hf.rope_parameters["compress"]["factor"]
+
+
+def test_ropes_match_transformers():
+    """Both ropes' inverse frequencies and cos / sin factor equal transformers' (flat YaRN:
+    factor 1.0 forced; nested YaRN without attention_factor: the mscale ratio)."""
+    from transformers import DeepseekV4Config  # noqa: PLC0415
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: PLC0415
+        DeepseekV4RotaryEmbedding,
+    )
+
+    from engine.v4.rope import V4Rotary  # noqa: PLC0415
+
+    flat = tiny_v4_config_dict()
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0,
+            "rope_theta": 160000.0, "partial_rotary_factor": 0.25}
+    nested = {k: v for k, v in flat.items() if k != "rope_scaling"} | {"rope_parameters": {
+        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "compress": yarn}}
+    for raw in (flat, nested):
+        hf = DeepseekV4RotaryEmbedding(DeepseekV4Config(**raw))
+        cfg = V4Config.from_dict(raw)
+        for kind, rope in (("main", cfg.main_rope), ("compress", cfg.compress_rope)):
+            ours = V4Rotary(rope, cfg.qk_rope_head_dim)
+            assert torch.allclose(ours.inv_freq, getattr(hf, f"{kind}_inv_freq"), rtol=1e-6)
+            assert ours.attention_factor == pytest.approx(
+                getattr(hf, f"{kind}_attention_scaling"))
+    assert V4Config.from_dict(nested).compress_rope.attention_factor != 1.0
+
+
+def test_loads_transformers_named_checkpoint(models, tmp_path):
+    """The weights as transformers names them (our parameter names, fused experts) load to
+    the same model as DeepSeek's names."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    _, ours = models
+    save_file({k: v.contiguous() for k, v in ours.state_dict().items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(tiny_v4_config_dict()))
+    again = load_v4(tmp_path)
+    ids = _prompt(9, seed=8)
+    assert torch.equal(again(ids, again.new_cache()), ours(ids, ours.new_cache()))
 
 
 @pytest.mark.parametrize("n", [5, 23, 32, 45])
