@@ -48,7 +48,8 @@ class Compressor(nn.Module):
         if state.buffer_kv is not None:
             kv, gate = torch.cat((state.buffer_kv, kv)), torch.cat((state.buffer_gate, gate))
         usable = kv.shape[0] // self.ratio * self.ratio
-        state.buffer_kv, state.buffer_gate = kv[usable:], gate[usable:]
+        # NOTE: clones, so the state does not keep the whole chunk's projections alive
+        state.buffer_kv, state.buffer_gate = kv[usable:].clone(), gate[usable:].clone()
         if usable == 0:
             return state.entries
         n, r, d = usable // self.ratio, self.ratio, self.head_dim
