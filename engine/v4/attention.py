@@ -82,10 +82,8 @@ class V4Attention(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One request's keys ``[K, D]`` (window, then compressed entries) and ``[n, K]``
         additive mask; appends the request's n tokens to ``cache``."""
-        keys = torch.cat((cache.window, kv))  # [w + n, D]
+        keys = cache.extend_window(kv)  # [w + n, D]
         mask = self._window_mask(positions, keys.shape[0])
-        # NOTE: a clone, so the window does not keep the whole chunk's kv alive
-        cache.window = keys[max(keys.shape[0] - (self.sliding_window - 1), 0):].clone()
         if self.compressor is not None:
             entries, entry_mask = self._compressed(x, q_residual, positions, cache, rotary)
             keys, mask = torch.cat((keys, entries)), torch.cat((mask, entry_mask), dim=-1)

@@ -36,6 +36,11 @@ class CompressorState:
     def num_entries(self) -> int:
         return self.entries.shape[0]
 
+    def append_entries(self, new: torch.Tensor) -> torch.Tensor:
+        """Append ``new [n, d]`` entries; return all ``[E, d]``."""
+        self.entries = torch.cat((self.entries, new))
+        return self.entries
+
 
 @dataclass
 class LayerCache:
@@ -50,6 +55,14 @@ class LayerCache:
     window: torch.Tensor
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+
+    def extend_window(self, kv: torch.Tensor) -> torch.Tensor:
+        """Keys of the step: the window then the step's ``kv [T, D]`` -> ``[w + T, D]``; keep
+        the last ``sliding_window - 1`` of them."""
+        keys = torch.cat((self.window, kv))
+        # NOTE: a clone, so the window does not keep the whole chunk's kv alive
+        self.window = keys[max(keys.shape[0] - (self.spec.sliding_window - 1), 0):].clone()
+        return keys
 
 
 @dataclass
@@ -71,6 +84,13 @@ class V4Cache:
                 state(spec.head_dim) if spec.compress_ratio else None,
                 state(spec.index_head_dim) if spec.index_head_dim else None))
         return cls(layers)
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for tokens up to ``num_tokens`` before a step (contiguous: nothing)."""
+
+    def advance(self, num_new: int) -> None:
+        """After a step: ``num_new`` more tokens are in the cache."""
+        self.num_tokens += num_new
 
     def elements(self) -> int:
         """Elements held now, summed over layers and tensors (compare with

@@ -62,8 +62,7 @@ class Compressor(nn.Module):
         first = state.num_entries * r
         positions = torch.arange(n, device=x.device) * r + first
         cos, sin = rotary.cos_sin(positions, pooled.dtype)
-        state.entries = torch.cat((state.entries, rotate_trailing(pooled, cos, sin)))
-        return state.entries
+        return state.append_entries(rotate_trailing(pooled, cos, sin))
 
     def _pair_groups(self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,6 +90,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         Per-token work (projections, mHC, MoE, head) runs on all T tokens at once; attention
         runs per request over its own cache."""
         device = input_ids.device
+        for cache, n in zip(caches, lengths, strict=True):
+            cache.reserve(cache.num_tokens + n)
         positions = torch.cat([torch.arange(n, device=device) + c.num_tokens
                                for c, n in zip(caches, lengths, strict=True)])
         x = self.model.embed_tokens(input_ids)
@@ -98,6 +100,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = layer(streams, input_ids, positions, [c.layers[i] for c in caches],
                             lengths, self.rotary[layer.rope_kind])
         for cache, n in zip(caches, lengths, strict=True):
-            cache.num_tokens += n
+            cache.advance(n)
         hidden = self.model.norm(self.model.hc_head(streams))
         return self.lm_head(hidden).float()
