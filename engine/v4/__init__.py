@@ -7,6 +7,6 @@ compression and the lightning indexer), :mod:`.attention` (shared-KV MQA over a 
 plus compressed entries), :mod:`.hyper_connection` (mHC streams), :mod:`.moe` (sqrtsoftplus and
 hash routing, clipped SwiGLU), :mod:`.model` (the decoder), :mod:`.loader` (DeepSeek's and
 HF's tensor names), :mod:`.state_io` (a request's cache as the named tensors PD ships) and
-:mod:`.block_table` (a request's paged blocks per KV group). docs/engine.md "DeepSeek-V4"
-describes the maths.
+:mod:`.block_table` (a request's paged blocks per KV group), :mod:`.paged_cache` (the rows
+stored at those blocks). docs/engine.md "DeepSeek-V4" describes the maths.
 """

@@ -9,9 +9,8 @@ grow) and ``state/<kind>`` (the compressors' open-group state, a fixed size per 
 block of one row). Each group has its own :class:`engine.block_pool.BlockPool` (block sizes in
 rows), so a block id means the same rows in every layer of its group.
 
-NOTE: this is the accounting the scheduler, reservation and transfer plan need; the model
-still computes over :class:`engine.v4.cache.V4Cache` (the next step stores those tensors at
-these blocks' slots).
+NOTE: this is the accounting the scheduler, reservation and transfer plan need;
+:mod:`engine.v4.paged_cache` stores the rows at these blocks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A contiguous per-request DeepSeek-V4 cache, laid out by :mod:`engine.v4.kv_spec`.
 
-NOTE: this is the engine-side reference layout (one request, tensors grown by concatenation);
-the paged pool reads the same :class:`~engine.v4.kv_spec.LayerKVSpec` to size its blocks.
+NOTE: the reference layout (tensors grown by concatenation); :mod:`engine.v4.paged_cache`
+gives the same interface over paged storage sized from the same
+:class:`~engine.v4.kv_spec.LayerKVSpec`.
 """
 
 from __future__ import annotations
