@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="deepseek_v3",
                       help="model_type: deepseek_v3 (default), deepseek_v32 (sparse attention), "
-                      "glm_moe_dsa (GLM-5) or glm_moe_dsa_shared (GLM-5.2: shared indexer layers)")
+                      "glm_moe_dsa (GLM-5), glm_moe_dsa_shared (GLM-5.2: shared indexer layers) or "
+                      "deepseek_v4 (sliding window + compressed attention, mHC)")
     tiny.set_defaults(func=_cmd_init_tiny)
     quant = model.add_parser("quantize", help="write an FP8-block or int8 W8A8 checkpoint "
                              "from a float one (docs/quantization.md)")

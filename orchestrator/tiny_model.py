@@ -180,11 +180,12 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
 TINY_ARCHS = {"deepseek_v3": {"mtp_layers": 1}, "deepseek_v32": {"deepseek_v32": True},
               "glm_moe_dsa": {"glm_moe_dsa": True},
               "glm_moe_dsa_shared": {"glm_moe_dsa": True, "num_layers": 4,
-                                     "indexer_types": ("full", "shared", "full", "shared")}}
+                                     "indexer_types": ("full", "shared", "full", "shared")},
+              "deepseek_v4": {}}
 """``orch model init-tiny --arch`` choices (HF ``model_type`` names; ``deepseek_v3`` ships an
 MTP module; ``glm_moe_dsa_shared``:
-GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
-:func:`tiny_config_dict` arguments."""
+GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2; ``deepseek_v4``:
+:mod:`orchestrator.tiny_model_v4`) -> their :func:`tiny_config_dict` arguments."""
 
 
 def init_tiny_main(out_dir: str | Path, seed: int = 0, arch: str = "deepseek_v3") -> Path:
@@ -202,7 +203,12 @@ def init_tiny_main(out_dir: str | Path, seed: int = 0, arch: str = "deepseek_v3"
         raise ValueError(f"{out} is {'not empty' if out.is_dir() else 'a file'}: init-tiny "
                          "writes config.json, model.safetensors and the tokenizer files into a "
                          "new or empty folder; pick one (or remove this one first)")
-    path = write_tiny_checkpoint(out_dir, seed=seed, **TINY_ARCHS[arch])
+    if arch == "deepseek_v4":
+        from orchestrator.tiny_model_v4 import write_tiny_v4_checkpoint  # noqa: PLC0415
+
+        path = write_tiny_v4_checkpoint(out_dir, seed=seed)
+    else:
+        path = write_tiny_checkpoint(out_dir, seed=seed, **TINY_ARCHS[arch])
     size = sum(p.stat().st_size for p in path.iterdir()) / 2**20
     print(f"wrote tiny {arch} checkpoint (seed {seed}, {size:.1f} MiB) to {path}")
     return path

@@ -57,3 +57,10 @@ def _init_tiny(tmp_path_factory, arch: str):
     out = tmp_path_factory.mktemp(arch) / arch
     assert main(["model", "init-tiny", "--arch", arch, "--seed", "5", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_ckpt(tmp_path_factory):
+    """DeepSeek-V4 (sliding, CSA, HCA, CSA layers; window 8, ratios 4 and 16), ``orch model
+    init-tiny --arch deepseek_v4 --seed 5``."""
+    return _init_tiny(tmp_path_factory, "deepseek_v4")

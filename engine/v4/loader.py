@@ -1,0 +1,134 @@
+"""Load a DeepSeek-V4 checkpoint directory into :class:`engine.v4.model.DeepseekV4ForCausalLM`.
+
+Two namings are read (per tensor, whichever the files hold): transformers' (the model's own
+parameter names, experts fused ``gate_up_proj`` / ``down_proj``) and DeepSeek's released one
+(``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...,
+the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.*`` (the MTP
+layer) is never read. TP / EP sharding: not yet (the whole model on one device).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model_config import CheckpointError
+from engine.v4.config import V4Config
+from engine.v4.model import DeepseekV4ForCausalLM
+
+# transformers name (after ``model.layers.{i}.``) -> DeepSeek name, first match wins
+_LAYER_NAMES = [
+    (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
+    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
+    (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
+    (r"self_attn\.", "attn."), (r"mlp\.", "ffn."),
+    (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
+    (r"attn_hc\.", "hc_attn_"), (r"ffn_hc\.", "hc_ffn_")
+]
+_LEAF_NAMES = [
+    (r"compressor\.(indexer\.)?kv_norm\.", r"compressor.\1norm."),
+    (r"compressor\.(.*)kv_proj\.", r"compressor.\1wkv."),
+    (r"compressor\.(.*)gate_proj\.", r"compressor.\1wgate."),
+    (r"attn\.sinks$", "attn.attn_sink"), (r"position_bias$", "ape"),
+    (r"q_a_proj\.", "wq_a."), (r"q_a_norm\.", "q_norm."),
+    (r"attn\.q_b_proj\.", "attn.wq_b."), (r"attn\.kv_proj\.", "attn.wkv."),
+    (r"o_a_proj\.", "wo_a."), (r"o_b_proj\.", "wo_b."),
+    (r"gate\.e_score_correction_bias$", "gate.bias"),
+    (r"shared_experts\.gate_proj\.", "shared_experts.w1."),
+    (r"shared_experts\.up_proj\.", "shared_experts.w3."),
+    (r"shared_experts\.down_proj\.", "shared_experts.w2."),
+]
+_TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+              "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
+              "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def deepseek_name(name: str) -> str:
+    """DeepSeek's released name of the model tensor ``name`` (fused experts excluded)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(name)
+    rest = match.group(2)
+    for pattern, repl in _LAYER_NAMES:
+        if re.match(pattern, rest):
+            rest = re.sub(pattern, repl, rest, count=1)
+            break
+    for pattern, repl in _LEAF_NAMES:
+        rest = re.sub(pattern, repl, rest)
+    if rest.startswith("hc_"):
+        rest = rest.replace(".", "", 1)  # hc_attn_.fn -> hc_attn_fn
+    return f"layers.{match.group(1)}.{rest}"
+
+
+def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu") -> DeepseekV4ForCausalLM:
+    """Build the model of ``checkpoint_dir/config.json`` and load its weights.
+
+    Raises:
+        CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`.
+    """
+    raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(V4Config.from_dict(raw)).to(dtype)
+    load_v4_weights(model, checkpoint_dir)
+    return model.eval()
+
+
+def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) -> None:
+    """Copy every model tensor from the checkpoint (either naming, see module doc).
+
+    Raises:
+        CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
+            names both); a shape other than the model's.
+    """
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
+    where = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where.update({key: path for key in f.keys()})
+    for name, target in model.state_dict().items():
+        value = _read(name, where)
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(value.shape)}; "
+                                  f"the config implies {tuple(target.shape)}")
+        target.copy_(value)
+
+
+def _read(name: str, where: dict[str, Path]) -> torch.Tensor:
+    """The tensor of model name ``name``: as named, DeepSeek-named, or per-expert stacked."""
+    fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    if name not in where and fused is not None:
+        prefix = deepseek_name(fused.group(1) + ".0.x").rsplit(".0.", 1)[0]
+        parts = ("w1", "w3") if fused.group(2) == "gate_up_proj" else ("w2",)
+        experts = []
+        for j in range(_count(prefix, where)):
+            experts.append(torch.cat([_get(f"{prefix}.{j}.{w}.weight", where) for w in parts]))
+        return torch.stack(experts)
+    if name in where:
+        return _get(name, where)
+    native = deepseek_name(name)
+    if native not in where:
+        raise CheckpointError(f"tensor {name} (DeepSeek name {native}) is not in the "
+                              "checkpoint: config.json and weights disagree")
+    return _get(native, where)
+
+
+def _count(prefix: str, where: dict[str, Path]) -> int:
+    count = sum(1 for key in where if key.startswith(prefix + ".") and key.endswith(".w2.weight"))
+    if count == 0:
+        raise CheckpointError(f"no experts under {prefix} in the checkpoint")
+    return count
+
+
+def _get(key: str, where: dict[str, Path]) -> torch.Tensor:
+    with safe_open(str(where[key]), framework="pt") as f:
+        return f.get_tensor(key)

@@ -1,0 +1,81 @@
+"""A request's V4 cache as named tensors, one dict per layer, checked against the layer kind's
+:class:`~engine.v4.kv_spec.LayerKVSpec`: what a prefill instance ships to a decode instance
+(the window, the compressed entries, the indexer keys and the compressors' open-group state),
+not the whole prompt's KV.
+
+NOTE: names are :class:`~engine.v4.kv_spec.CachedTensor` names; a tensor with zero rows (no
+open group, no entry yet) is shipped empty, so the receiver never guesses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.v4.cache import CompressorState, LayerCache, V4Cache
+from engine.v4.config import V4Config
+from engine.v4.kv_spec import LayerKVSpec, layer_specs
+
+
+def export_request(cache: V4Cache) -> list[dict[str, torch.Tensor]]:
+    """Layer i's tensors ``{name: [rows, width]}`` (rows as ``spec.rows(t, num_tokens)``)."""
+    out = []
+    for layer in cache.layers:
+        tensors = {"window_kv": layer.window}
+        for prefix, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+            if state is None:
+                continue
+            entries = "compressed_kv" if prefix == "compressor" else "index_keys"
+            tensors[entries] = state.entries
+            width = state.entries.shape[1]
+            coff = 2 if layer.spec.overlap else 1
+            for part in ("kv", "gate"):
+                buffer = getattr(state, f"buffer_{part}")
+                tensors[f"{prefix}_buffer_{part}"] = (
+                    buffer if buffer is not None else state.entries.new_zeros(0, coff * width))
+                if layer.spec.overlap:
+                    overlap = getattr(state, f"overlap_{part}")
+                    tensors[f"{prefix}_overlap_{part}"] = (
+                        overlap if overlap is not None else state.entries.new_zeros(0, width))
+        _check(layer.spec, tensors, cache.num_tokens)
+        out.append(tensors)
+    return out
+
+
+def import_request(config: V4Config, layers: list[dict[str, torch.Tensor]],
+                   num_tokens: int) -> V4Cache:
+    """The :class:`V4Cache` of :func:`export_request`'s output after ``num_tokens`` tokens.
+
+    Raises:
+        ValueError: a layer's tensors are not exactly its spec's names and shapes.
+    """
+    specs = layer_specs(config)
+    if len(layers) != len(specs):
+        raise ValueError(f"{len(layers)} layers shipped; the model has {len(specs)}")
+    caches = []
+    for spec, tensors in zip(specs, layers, strict=True):
+        _check(spec, tensors, num_tokens)
+        caches.append(LayerCache(spec, tensors["window_kv"],
+                                 _state(tensors, "compressor", "compressed_kv"),
+                                 _state(tensors, "indexer", "index_keys")))
+    return V4Cache(caches, num_tokens)
+
+
+def _state(tensors: dict[str, torch.Tensor], prefix: str, entries: str
+           ) -> CompressorState | None:
+    if entries not in tensors:
+        return None
+
+    def opt(name: str) -> torch.Tensor | None:
+        t = tensors.get(f"{prefix}_{name}")
+        return t if t is not None and t.shape[0] else None
+
+    return CompressorState(tensors[entries], opt("buffer_kv"), opt("buffer_gate"),
+                           opt("overlap_kv"), opt("overlap_gate"))
+
+
+def _check(spec: LayerKVSpec, tensors: dict[str, torch.Tensor], num_tokens: int) -> None:
+    """Raise ValueError unless ``tensors`` has exactly the spec's names and shapes."""
+    want = {t.name: (spec.rows(t, num_tokens), t.width) for t in spec.tensors()}
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    if got != want:
+        raise ValueError(f"{spec.kind} layer after {num_tokens} tokens holds {want}; got {got}")
