@@ -114,10 +114,10 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
 def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under the checkpoint's per-expert names, generated in sorted name order.
 
-    With ``num_nextn_predict_layers`` (not under DSA) the MTP module's weights
-    (``model.layers.{N}.*``) come from a second generator after the rest, so the main
-    weights are the same with or without it."""
-    mtp = config.num_nextn_predict_layers > 0 and not config.uses_sparse_attention
+    With ``num_nextn_predict_layers`` the MTP module's weights (``model.layers.{N}.*``, its
+    own indexer under DSA) come from a second generator after the rest, so the main weights
+    are the same with or without it."""
+    mtp = config.num_nextn_predict_layers > 0
     model = build_model(config, TPGroup(), KERNELS.resolve("cpu"), torch.float32,
                         torch.device("meta"), mtp=mtp)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -177,13 +177,13 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
     return out
 
 
-TINY_ARCHS = {"deepseek_v3": {"mtp_layers": 1}, "deepseek_v32": {"deepseek_v32": True},
+TINY_ARCHS = {"deepseek_v3": {"mtp_layers": 1},
+              "deepseek_v32": {"deepseek_v32": True, "mtp_layers": 1},
               "glm_moe_dsa": {"glm_moe_dsa": True},
               "glm_moe_dsa_shared": {"glm_moe_dsa": True, "num_layers": 4,
                                      "indexer_types": ("full", "shared", "full", "shared")}}
-"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; ``deepseek_v3`` ships an
-MTP module; ``glm_moe_dsa_shared``:
-GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
+"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; every one ships an MTP
+module, GLM-5's always; ``glm_moe_dsa_shared``: GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
 :func:`tiny_config_dict` arguments."""
 
 
