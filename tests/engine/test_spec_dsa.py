@@ -13,9 +13,8 @@ from transformers import DeepseekV32ForCausalLM
 
 from engine.forward_context import build_attention_metadata
 from engine.runner import ModelRunner, SeqStep
-from engine.spec_forward import SpecForward
 from tests.engine.engine_drive import blocks_for, generate_greedy
-from tests.engine.spec_drive import generate_spec_greedy
+from tests.engine.spec_drive import generate_spec_greedy, oracle_drafts_of
 from tests.engine.test_spec_decode import _hf_block_output, _rms
 
 BLOCK = 16
@@ -75,25 +74,12 @@ def test_v32_mtp_forward_matches_hf_sparse_block(tiny_dsa_ckpt):
     assert (torch.cat(ours) - ref).abs().max() < 1e-4
 
 
-def _oracle(monkeypatch, seq: list[int]) -> None:
-    """Drafts from the known answer ``seq`` (prompt + output), wrong where position % 4 == 0;
-    the MTP forwards still run (its caches are written as in real use)."""
-    real = SpecForward._draft
-
-    def drafts(self, steps):
-        out = real(self, steps)
-        return [tuple(seq[q] if q % 4 else (seq[q] + 1) % 129280
-                      for q in range(s.num_computed_tokens + 1, s.num_computed_tokens + 1 + len(d)))
-                for s, d in zip(steps, out)]
-
-    monkeypatch.setattr(SpecForward, "_draft", drafts)
-
-
 @pytest.mark.parametrize("oracle", [False, True])
 def test_spec_greedy_equals_plain_greedy(case, monkeypatch, oracle):
     ckpt, expected = case
     if oracle:
-        _oracle(monkeypatch, PROMPT + expected)
+        # NOTE: wrong every 4th position: steps of 3 tokens meet the mistakes in every row
+        oracle_drafts_of(monkeypatch, {"r": PROMPT + expected}, wrong_every=4)
     runner = ModelRunner(ckpt, num_kv_blocks=8, block_size=BLOCK, num_speculative_tokens=2)
     ours, kept = generate_spec_greedy(runner, PROMPT, NEW, blocks_for(0, 64, BLOCK), chunk=20,
                                       k=2)

@@ -15,10 +15,10 @@ import torch
 
 from engine.request import RequestSpec
 from engine.sampling_params import GrammarSpec, SamplingParams
-from engine.spec_forward import SpecForward
 from orchestrator.tiny_model import write_tiny_checkpoint
-from tests.workers.test_spec_colocated import make_rank
 from rank.messages import Generate
+from tests.engine.spec_drive import oracle_drafts_of
+from tests.workers.test_spec_colocated import make_rank
 from tests.workers.test_structured_output import REGEX, SCHEMAS
 
 PROMPT = tuple(range(1000, 1017))
@@ -75,19 +75,6 @@ def plain(ckpt):
         rank.shutdown()
 
 
-def _oracle(monkeypatch, seqs: dict[str, list[int]]) -> None:
-    real = SpecForward._draft
-
-    def drafts(self, steps):
-        out = real(self, steps)  # NOTE: the MTP forwards still run and write their cache
-        return [tuple(seqs[s.request_id][q] if q % 3 else (seqs[s.request_id][q] + 1) % 129280
-                      for q in range(s.num_computed_tokens + 1,
-                                     s.num_computed_tokens + 1 + len(d)))
-                for s, d in zip(steps, out)]
-
-    monkeypatch.setattr(SpecForward, "_draft", drafts)
-
-
 def _same(got, want) -> None:
     (toks, finish, error), (ref, ref_finish, ref_error) = got, want
     assert (finish, error) == (ref_finish, ref_error) and error is None
@@ -101,7 +88,7 @@ def _same(got, want) -> None:
 
 def test_processed_greedy_with_mtp_equals_without(ckpt, plain, monkeypatch):
     specs, ref = plain
-    _oracle(monkeypatch, {s.request_id: [*s.prompt_token_ids, *(t for t, _ in ref[
+    oracle_drafts_of(monkeypatch, {s.request_id: [*s.prompt_token_ids, *(t for t, _ in ref[
         s.request_id][0])] + [0] * 4 for s in specs})
     rank = make_rank(ckpt, 2)
     try:
