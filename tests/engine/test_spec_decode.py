@@ -203,3 +203,27 @@ def test_a_step_without_drafts_still_caches_its_mtp_rows(mtp_ckpt):
         k_cache = runner.kv_cache.layer_buffers(n)[0]
         caches.append(k_cache.view(-1, k_cache.shape[-1])[:len(prompt)].clone())
     assert bool(caches[0][-1].any()) and torch.equal(caches[0], caches[1])
+
+
+def test_a_decoding_chunk_out_of_draft_budget_keeps_its_draft_input():
+    """The scheduler hands a decoding chunk whose drafts did not fit the token budget its
+    draft input all the same (the MTP module caches those rows), but no stale one."""
+    from engine.block_pool import BlockPool  # noqa: PLC0415 (this test only)
+    from engine.request import Request, RequestSpec  # noqa: PLC0415
+    from engine.scheduler import COLOCATED, Scheduler  # noqa: PLC0415
+    from engine.spec_decode import DraftInput  # noqa: PLC0415
+
+    s = Scheduler(BlockPool(64, 4), COLOCATED, chunk_size=8, max_num_batched_tokens=4,
+                  max_num_seqs=2, num_speculative_tokens=2)
+    reqs = [Request(RequestSpec(r, (100,), SamplingParams(max_tokens=8))) for r in "ab"]
+    for req in reqs:
+        s.add(req)
+    out = s.schedule()
+    s.update(out, {"a": 7, "b": 7})
+    for req in reqs:
+        req.draft = DraftInput(torch.zeros(1, 4), 0, (7,))
+    a, b = s.schedule().steps
+    assert (a.num_drafts, b.num_drafts) == (2, 0)  # NOTE: 1 + 2 drafts + 1 = the budget
+    assert a.draft is reqs[0].draft and b.draft is reqs[1].draft
+    reqs[1].draft = DraftInput(torch.zeros(1, 4), 5, (7,))  # not this position's
+    assert s.schedule().steps[1].draft is None

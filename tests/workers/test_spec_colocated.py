@@ -167,3 +167,6 @@ def test_cut_at_stop_keeps_tokens_up_to_the_first_eos():
     assert cut_at_stop([5, 1, 7], eos, SamplingParams()) == [5, 1]
     assert cut_at_stop([5, 6, 7], eos, SamplingParams()) == [5, 6, 7]
     assert cut_at_stop([5, 1, 7], eos, SamplingParams(ignore_eos=True)) == [5, 1, 7]
+    # NOTE: a kept draft in stop_token_ids stops too (engine.scheduler.finish_reason)
+    stop = SamplingParams(ignore_eos=True, stop_token_ids=(6,))
+    assert cut_at_stop([5, 6, 7], eos, stop) == [5, 6]
