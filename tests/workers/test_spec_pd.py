@@ -185,3 +185,27 @@ def test_pd_v32_ships_the_mtp_layers_index_k(tmp_path):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_pd_grammar_and_penalties_under_mtp_equal_plain(ckpt):
+    """A regex-constrained, penalized greedy request through P -> D with MTP (prefill samples
+    token 0 through the verify path, decode's matcher catches up on it) gives the tokens a
+    colocated instance without MTP gives."""
+    from engine.sampling_params import GrammarSpec  # noqa: PLC0415 (this test only)
+    from tests.workers.test_spec_logits import run_all  # noqa: PLC0415
+
+    params = SamplingParams(max_tokens=12, grammar=GrammarSpec("regex", r"[a-z]{2,5}-[0-9]{1,3}"),
+                            repetition_penalty=1.5, presence_penalty=0.4)
+    spec = RequestSpec("g", tuple(range(3100, 3113)), params)
+    plain = make_rank(ckpt, 0)
+    try:
+        want = run_all(plain, [spec])["g"]
+    finally:
+        plain.shutdown()
+    prefill = start(ckpt, PrefillRole, "prefill", 2, 4)
+    decode = start(ckpt, DecodeRole, "decode", 2, 8)
+    try:
+        assert run_pd(prefill, decode, spec) == ([t for t, _ in want[0]], want[1])
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
