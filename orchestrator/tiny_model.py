@@ -177,13 +177,13 @@ def write_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0, fused_experts: 
     return out
 
 
-TINY_ARCHS = {"deepseek_v3": {"mtp_layers": 1},
-              "deepseek_v32": {"deepseek_v32": True, "mtp_layers": 1},
+TINY_ARCHS = {"deepseek_v3": {"mtp_layers": 1}, "deepseek_v32": {"deepseek_v32": True},
               "glm_moe_dsa": {"glm_moe_dsa": True},
               "glm_moe_dsa_shared": {"glm_moe_dsa": True, "num_layers": 4,
                                      "indexer_types": ("full", "shared", "full", "shared")}}
-"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; every one ships an MTP
-module, GLM-5's always; ``glm_moe_dsa_shared``: GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
+"""``orch model init-tiny --arch`` choices (HF ``model_type`` names; ``deepseek_v3`` ships an
+MTP module; ``glm_moe_dsa_shared``:
+GLM-5.2-style, layers 1 and 3 reuse the top-k of layers 0 and 2) -> their
 :func:`tiny_config_dict` arguments."""
 
 

@@ -13,14 +13,22 @@ from transformers import DeepseekV32ForCausalLM
 
 from engine.forward_context import build_attention_metadata
 from engine.runner import ModelRunner, SeqStep
+from orchestrator.tiny_model import write_tiny_checkpoint
 from tests.engine.engine_drive import blocks_for, generate_greedy
 from tests.engine.spec_drive import generate_spec_greedy, oracle_drafts_of
 from tests.engine.test_spec_decode import _hf_block_output, _rms
 
 BLOCK = 16
-CKPTS = ["tiny_dsa_ckpt", "tiny_glm_ckpt", "tiny_glm_shared_ckpt"]
+CKPTS = ["v32_mtp_ckpt", "tiny_glm_ckpt", "tiny_glm_shared_ckpt"]
 PROMPT = torch.randint(0, 129280, (45,), generator=torch.Generator().manual_seed(7)).tolist()
 NEW = 10
+
+
+@pytest.fixture(scope="module")
+def v32_mtp_ckpt(tmp_path_factory):
+    """DeepSeek-V3.2 (tiny_dsa_ckpt's shapes) with an MTP module (GLM-5's tiny ones ship one)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("v32_mtp"), seed=3, deepseek_v32=True,
+                                 mtp_layers=1)
 
 
 @pytest.fixture(scope="module", params=CKPTS)
@@ -46,13 +54,13 @@ def test_mtp_layer_has_its_own_indexer_and_index_k(case):
     assert not bool(index_k[len(PROMPT):].any())
 
 
-def test_v32_mtp_forward_matches_hf_sparse_block(tiny_dsa_ckpt):
+def test_v32_mtp_forward_matches_hf_sparse_block(v32_mtp_ckpt):
     """g = Block(eh_proj([enorm(Emb t_{i+1}); hnorm(h_i)])) with transformers' V3.2 decoder
     layer (its indexer and top-k sparse attention) as the block, prefill and decode rows."""
-    runner = ModelRunner(tiny_dsa_ckpt, num_kv_blocks=8, block_size=BLOCK,
+    runner = ModelRunner(v32_mtp_ckpt, num_kv_blocks=8, block_size=BLOCK,
                          num_speculative_tokens=1)
     n, prompt = runner.model_config.num_hidden_layers, PROMPT
-    w = load_file(str(tiny_dsa_ckpt / "model.safetensors"))
+    w = load_file(str(v32_mtp_ckpt / "model.safetensors"))
     p = f"model.layers.{n}."
     table = blocks_for(0, 64, BLOCK)
     with torch.inference_mode():
@@ -69,7 +77,7 @@ def test_v32_mtp_forward_matches_hf_sparse_block(tiny_dsa_ckpt):
             ours.append(runner.model.mtp.forward_mtp(emb, h[ctx:ctx + rows], cos, sin, mmeta,
                                                      runner.kv_cache.layer_buffers(n)))
     dense = runner.model_config.first_k_dense_replace
-    ref = _hf_block_output(tiny_dsa_ckpt, x, n, DeepseekV32ForCausalLM,
+    ref = _hf_block_output(v32_mtp_ckpt, x, n, DeepseekV32ForCausalLM,
                            mlp_layer_types=["dense"] * dense + ["sparse"] * (n + 1 - dense))
     assert (torch.cat(ours) - ref).abs().max() < 1e-4
 
