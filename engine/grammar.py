@@ -18,6 +18,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import llguidance
+import numpy as np
 
 from engine.sampling_params import GrammarSpec
 
@@ -123,6 +124,20 @@ class GrammarState:
         allowed) into ``nbytes`` bytes at ``address`` (``(V + 31) // 32`` int32 words). Drops
         the GIL (runs beside the model's forward, :mod:`engine.logits_process`)."""
         self.matcher.unsafe_compute_mask_ptr(address, nbytes)
+
+    def draft_bitmasks(self, drafts: list[int], words: int) -> np.ndarray:
+        """``[m, words]`` int32 next-token masks (as :meth:`fill_bitmask`) after each of the
+        first m drafts, m = how many in a row the grammar accepts: row i is the mask once
+        ``drafts[:i + 1]`` follow the consumed output. The drafts are consumed, then rolled
+        back: the state does not change."""
+        m = self.accepts_prefix(drafts)
+        bits = np.zeros((m, words), dtype=np.int32)
+        for i in range(m):
+            self.matcher.consume_token(drafts[i])
+            self.fill_bitmask(bits[i].ctypes.data, words * 4)
+        if m:
+            self.matcher.rollback(m)
+        return bits
 
     def accepts_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (drafts after the consumed output) the grammar accepts in a

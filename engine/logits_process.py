@@ -112,15 +112,7 @@ class LogitsStage:
         that row cannot be sampled (its request fails)."""
         failures: dict[int, str] = {}
         for row, req in enumerate(reqs):
-            p = req.spec.sampling
-            out = req.generated_token_ids  # NOTE: a migrated request's streamed tokens too
-            if p.penalized:
-                apply_penalties(logits[row], req.original_prompt_token_ids, out,
-                                p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
-            if len(out) < p.min_tokens:
-                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids)
-                          if t < logits.shape[1]]
-                logits[row, banned] = float("-inf")
+            self._penalize(logits[row], req, req.generated_token_ids)
         if job is not None:
             try:
                 bias = job.bias()  # [G, V]
@@ -132,6 +124,48 @@ class LogitsStage:
                                  for r in job.rows})
         return failures
 
+    def _penalize(self, x: torch.Tensor, req: Request, out: Sequence[int]) -> None:
+        """Penalties and ``min_tokens`` of ``req`` on its row ``x [V]`` in place, ``out``
+        its output so far (a migrated request's streamed tokens too)."""
+        p = req.spec.sampling
+        if p.penalized:
+            apply_penalties(x, req.original_prompt_token_ids, out, p.repetition_penalty,
+                            p.frequency_penalty, p.presence_penalty)
+        if len(out) < p.min_tokens:
+            banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < x.shape[0]]
+            x[banned] = float("-inf")
+
+    def apply_drafts(self, logits: torch.Tensor, req: Request, drafts: Sequence[int],
+                     job: MaskJob | None, row: int) -> str | None:
+        """Process the rows of one speculating request in place: ``logits [j + 1, V]`` fp32,
+        row ``i`` verifying ``drafts[i]`` (j drafts), each row as plain decoding processes
+        the request's next row once ``drafts[:i]`` are its output too: penalties count them,
+        ``min_tokens`` counts them, the grammar mask is the matcher's after consuming them
+        (llguidance consumes, then rolls back). Rows after a draft the grammar refuses keep
+        no mask: that draft's own row forbids it, so verification never reaches them.
+
+        Args:
+            job: the step's grammar masks (:meth:`begin`), row 0's among them when ``row``
+                (this request's index in the step's sampled requests) is in ``job.rows``.
+
+        Returns:
+            why the request cannot be sampled (its grammar failed), else None.
+        """
+        out = list(req.generated_token_ids)
+        for i in range(logits.shape[0]):
+            self._penalize(logits[i], req, out + list(drafts[:i]))
+        if job is None or row not in job.rows:
+            return None
+        try:
+            logits[0] += job.bias()[job.rows.index(row)]
+            words = (self.vocab_size + 31) // 32
+            rest = _unpack_bias(req.grammar.draft_bitmasks(list(drafts), words),
+                                self.vocab_size)  # [m, V]
+            logits[1:1 + rest.shape[0]] += rest
+        except Exception as exc:  # noqa: BLE001 - the grammar request fails, not the batch
+            return f"the grammar mask failed: {type(exc).__name__}: {exc}"
+        return None
+
 
 def _mask_bias(states: list[GrammarState], vocab: int) -> torch.Tensor:
     """``[G, V]`` fp32, -inf where state g's grammar forbids the token, else 0 (worker
@@ -140,7 +174,13 @@ def _mask_bias(states: list[GrammarState], vocab: int) -> torch.Tensor:
     bits = torch.zeros((len(states), words), dtype=torch.int32)
     for g, state in enumerate(states):
         state.fill_bitmask(bits[g].data_ptr(), words * 4)
-    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+    return _unpack_bias(bits.numpy(), vocab)
+
+
+def _unpack_bias(bits: np.ndarray, vocab: int) -> torch.Tensor:
+    """``bits [G, W]`` int32 (bit ``t % 32`` of word ``t // 32``: 1 = allowed) -> ``[G, V]``
+    fp32: 0 where allowed, -inf elsewhere."""
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
     # NOTE: log(1) = 0, log(0) = -inf: ~10x faster than a masked fill of a dense mask
     with np.errstate(divide="ignore"):
         return torch.from_numpy(np.log(allowed[:, :vocab].astype(np.float32)))

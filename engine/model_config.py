@@ -122,7 +122,11 @@ class ModelConfig:
         return self.index_topk > 0
 
     def has_indexer(self, layer_idx: int) -> bool:
-        """True when layer ``layer_idx`` runs its own indexer (and has an ``index_k`` cache)."""
+        """True when layer ``layer_idx`` runs its own indexer (and has an ``index_k`` cache).
+        The MTP layer (``layer_idx >= num_hidden_layers``) of a DSA checkpoint always has one
+        (its weights ship ``self_attn.indexer.*``; vLLM's V3.2 / GLM-5 MTP block keeps it)."""
+        if layer_idx >= self.num_hidden_layers:
+            return self.uses_sparse_attention
         return self.uses_sparse_attention and self.indexer_types[layer_idx] == "full"
 
     @property
@@ -130,11 +134,11 @@ class ModelConfig:
         """:meth:`has_indexer` of every layer (all False without DSA)."""
         return tuple(self.has_indexer(i) for i in range(self.num_hidden_layers))
 
-    @property
-    def index_cache_layers(self) -> tuple[bool, ...]:
-        """``KVCacheSpec.index_layers`` of this model: :attr:`indexer_layers` when only some
-        layers have an indexer (GLM-5.2), else empty (every layer or none)."""
-        flags = self.indexer_layers
+    def index_cache_layers(self, mtp_layers: int = 0) -> tuple[bool, ...]:
+        """``KVCacheSpec.index_layers`` of this model with ``mtp_layers`` MTP caches after the
+        decoder layers: one flag per layer when only some have an indexer (GLM-5.2), else
+        empty (every layer or none; an MTP layer has one under DSA, :meth:`has_indexer`)."""
+        flags = tuple(self.has_indexer(i) for i in range(self.num_hidden_layers + mtp_layers))
         return flags if any(flags) and not all(flags) else ()
 
     @property

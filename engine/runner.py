@@ -144,13 +144,13 @@ class ModelRunner:
             self.prefetcher = LayerPrefetcher(layers, sharded, self.cp, dtype, self.device)
         self.model.prefetcher = self.prefetcher
         # NOTE: with MTP its cache is one more layer, shipped and fingerprinted with the rest
-        self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers
-                                   + int(num_speculative_tokens > 0), num_blocks=num_kv_blocks,
-                                   block_size=block_size, kv_lora_rank=cfg.kv_lora_rank,
+        mtp = int(num_speculative_tokens > 0)
+        self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers + mtp,
+                                   num_blocks=num_kv_blocks, block_size=block_size,
+                                   kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim,
-                                   index_layers=cfg.index_cache_layers,
-                                   mtp_layers=int(num_speculative_tokens > 0))
+                                   index_layers=cfg.index_cache_layers(mtp), mtp_layers=mtp)
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
@@ -302,9 +302,6 @@ def _check_spec(config: ModelConfig, cp: CPGroup, k: int) -> None:
                          "module (config.json num_nextn_predict_layers >= 1, weights under "
                          f"model.layers.{config.num_hidden_layers}.*); this one has none: "
                          "remove decode.speculative or use a checkpoint that ships MTP")
-    if config.uses_sparse_attention:
-        raise ValueError("MTP speculative decoding with sparse attention (DeepSeek-V3.2, "
-                         "GLM-5) is not supported yet: remove decode.speculative")
     if cp.size > 1:
         raise ValueError(f"MTP with cp={cp.size}: context-parallel prefill does not run the "
                          "MTP module; set cp to 1 or remove decode.speculative")

@@ -86,11 +86,15 @@ class SchedulerOutput:
 
 def _spec_step(c: ScheduledChunk) -> SeqStep:
     """A speculative step's :class:`SeqStep`: the draft input of a drafting chunk, the next
-    token of a prompt chunk that has one (:mod:`engine.spec_forward`)."""
+    token of a prompt chunk that has one (:mod:`engine.spec_forward`); a decoding chunk
+    without drafts keeps its draft input (the MTP module still caches those rows)."""
     req = c.request
     nxt = req.token_range(c.end, c.end + 1)[0] if c.end < req.num_tokens else None
+    d = req.draft
+    decoding = c.end - c.start == 1 and nxt is None and d is not None \
+        and d.start + len(d.token_ids) == c.start  # NOTE: its last token is this chunk's
     return SeqStep(req.request_id, req.token_range(c.start, c.end), c.start,
-                   req.blocks.block_ids, draft=req.draft if c.num_drafts else None,
+                   req.blocks.block_ids, draft=d if decoding else None,
                    num_drafts=c.num_drafts, next_token_id=nxt)
 
 

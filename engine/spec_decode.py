@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import RowFailure, _filter_top_k_top_p, _generator, greedy_argmax
+from engine.sampling import (RowFailure, _filter_top_k_top_p, _finite_after_mask, _generator,
+                             greedy_argmax)
 from engine.sampling_params import SamplingParams
 
 
@@ -78,7 +79,8 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams
     """The tokens one speculating sequence emits this step (module docstring).
 
     Args:
-        logits: ``[j + 1, vocab]`` main-model logits at the sequence's rows.
+        logits: ``[j + 1, vocab]`` main-model logits at the sequence's rows, processed per
+            row when the request asks (``LogitsStage.apply_drafts``; -inf: masked tokens).
         drafts: the j draft tokens (row i verifies ``drafts[i]``).
         params: the request's sampling parameters. step: tokens it generated so far.
 
@@ -87,7 +89,8 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...], params: SamplingParams
         :class:`RowFailure` (non-finite logits or probabilities).
     """
     logits = logits.float()
-    if not bool(torch.isfinite(logits.sum())):
+    if not bool(torch.isfinite(logits.sum())) and \
+            not all(_finite_after_mask(row) for row in logits):
         return RowFailure("the model produced non-finite logits (inf/NaN) for this request")
     if params.greedy:
         best = greedy_argmax(logits).tolist()  # [j + 1]
@@ -134,12 +137,12 @@ def _rejection_sample(logits: torch.Tensor, drafts: tuple[int, ...], params: Sam
 
 def cut_at_stop(tokens: list[int], eos_token_ids: frozenset[int],
                 params: SamplingParams) -> list[int]:
-    """``tokens`` up to and including the first EOS id (unless ``ignore_eos``): what a
-    request keeps of one step's tokens."""
-    if params.ignore_eos:
-        return tokens
+    """``tokens`` up to and including the first that stops the request (an EOS id unless
+    ``ignore_eos``, or one of ``stop_token_ids``, as ``engine.scheduler.finish_reason``):
+    what a request keeps of one step's tokens."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
     for i, token in enumerate(tokens):
-        if token in eos_token_ids:
+        if token in stops:
             return tokens[:i + 1]
     return tokens
 

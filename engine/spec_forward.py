@@ -11,8 +11,9 @@ no rank-to-rank traffic beyond the model's own):
 
 1. Draft (k forwards of the MTP module): for each sequence with a :class:`DraftInput` (the
    rows of its last step whose next token is now known, ``h`` kept by the leader), the MTP
-   module runs over those rows, writing its KV, and its last row gives draft 1; drafts
-   2..k chain on the module's own output ``g`` at the next positions (vLLM / SGLang reuse).
+   module runs over those rows, writing its KV (also for a step that makes no draft, e.g.
+   out of token budget, so the next draft reads a complete MTP cache), and its last row
+   gives draft 1; drafts 2..k chain on the module's own output ``g`` at the next positions (vLLM / SGLang reuse).
    Drafts are the argmax (deterministic: every rank drafts the same tokens).
 2. Main forward over ``[t_n, d_1 .. d_j]`` of each speculating sequence and the usual tokens
    of the others; logits at every row of a speculating sequence, at the last row otherwise.
@@ -99,9 +100,10 @@ class SpecForward:
         """Per step its drafts (k forwards of the MTP module; module docstring, 1.)."""
         drafts: list[list[int]] = [[] for _ in steps]
         last: dict[int, torch.Tensor] = {}  # step -> its latest MTP output g [H]
-        todo = [i for i, s in enumerate(steps) if s.draft is not None and s.num_drafts > 0]
+        # NOTE: a step with a draft input but no drafts (budget) still writes its MTP rows
+        todo = [i for i, s in enumerate(steps) if s.draft is not None]
         for j in range(self.k):
-            live = [i for i in todo if steps[i].num_drafts > j]
+            live = [i for i in todo if steps[i].num_drafts > j or j == 0]
             if not live:
                 self._empty()
                 continue
@@ -122,7 +124,8 @@ class SpecForward:
             ids = greedy_argmax(self.model.compute_logits(self.mtp.shared_head.norm(g))).tolist()
             for i, g_row, token in zip(live, g, ids):
                 last[i] = g_row
-                drafts[i].append(int(token))
+                if steps[i].num_drafts > j:
+                    drafts[i].append(int(token))
         return [tuple(d) for d in drafts]
 
     def _prompt_rows(self, steps: list, hidden: torch.Tensor, ends: list[int]) -> None:

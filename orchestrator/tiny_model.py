@@ -114,10 +114,10 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
 def tiny_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random weights under the checkpoint's per-expert names, generated in sorted name order.
 
-    With ``num_nextn_predict_layers`` (not under DSA) the MTP module's weights
-    (``model.layers.{N}.*``) come from a second generator after the rest, so the main
-    weights are the same with or without it."""
-    mtp = config.num_nextn_predict_layers > 0 and not config.uses_sparse_attention
+    With ``num_nextn_predict_layers`` the MTP module's weights (``model.layers.{N}.*``, its
+    own indexer under DSA) come from a second generator after the rest, so the main weights
+    are the same with or without it."""
+    mtp = config.num_nextn_predict_layers > 0
     model = build_model(config, TPGroup(), KERNELS.resolve("cpu"), torch.float32,
                         torch.device("meta"), mtp=mtp)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -240,9 +240,9 @@ class Leader:
                 kept = accepted.get(rid, ())
                 cached = req.num_cached_tokens \
                     if len(req.output_token_ids) == 1 + len(kept) else 0
-                # NOTE: requests with logprobs never draft (router/validate.py refuses them
-                # under speculative decoding), so one entry goes with one token
-                logprobs = (req.output_logprobs[-1],) if req.output_logprobs else ()
+                # NOTE: one entry per token, the kept drafts' too (rank/spec_verify.py)
+                logprobs = tuple(req.output_logprobs[-1 - len(kept):]) \
+                    if req.output_logprobs else ()
                 self.emit(TokenEvent(rid, (*kept, token), reason, source=self.source,
                                      instance=self.cfg.name, num_cached_tokens=cached,
                                      logprobs=logprobs))

@@ -143,10 +143,9 @@ class LeaderStep:
                 job.settle()
             raise
         if isinstance(logits, SpecOutput):
-            # NOTE: no grammar under MTP (router/validate.py refuses it): job is None
             with self.timer.phase("sample"):
                 verified = verify_step(self.name, out, logits, self.eos_token_ids,
-                                       self.spec_stats)
+                                       self.spec_stats, self.logits_stage, job, early)
             with self.timer.phase("schedule"):
                 self.scheduler.update(out, verified.sampled, verified.accepted)
             return StepResult(out, verified.sampled, verified.failed, verified.accepted)

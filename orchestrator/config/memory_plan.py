@@ -276,13 +276,19 @@ def _lm_head(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     return _held(m, lay, "lm_head.weight", (m.vocab_size, m.hidden_size)), f"vocab /{lay.tp}"
 
 
-def _indexer(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
+def _indexer_layer(m: ModelConfig, lay: RoleLayout) -> int:
+    """Elements of one layer's lightning indexer linears (0 without DSA)."""
+    if not m.uses_sparse_attention:
+        return 0
     heads, dim, h = m.index_n_heads, m.index_head_dim, m.hidden_size
     shapes = {"wq_b": (heads * dim, m.q_lora_rank), "wk": (dim, h), "weights_proj": (heads, h)}
-    per_layer = sum(_held(m, lay, f"{_LAYER}self_attn.indexer.{name}.weight", shape)
-                    for name, shape in shapes.items())
+    return sum(_held(m, lay, f"{_LAYER}self_attn.indexer.{name}.weight", shape)
+               for name, shape in shapes.items())
+
+
+def _indexer(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     layers = sum(m.indexer_layers)  # NOTE: GLM-5.2's shared layers have no indexer
-    return layers * per_layer, f"whole (every TP rank), {layers} layers"
+    return layers * _indexer_layer(m, lay), f"whole (every TP rank), {layers} layers"
 
 
 def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -368,9 +374,11 @@ def _mtp_module(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
         width = m.n_shared_experts * m.moe_intermediate_size
         layer += _mlp(m, lay, f"{_LAYER}mlp.shared_experts.", width) + len(_tp(m, lay).experts) \
             * _mlp(m, lay, f"{_LAYER}mlp.experts.0.", m.moe_intermediate_size) \
-            + (m.n_routed_experts or 0) * (h + 1)
+            + (m.n_routed_experts or 0) * (h + int(m.topk_method == "noaux_tc"))
     else:
         layer += _mlp(m, lay, f"{_LAYER}mlp.", m.intermediate_size)
+    # NOTE: under DSA the MTP layer has its own indexer (linears + k_norm weight and bias)
+    layer += _indexer_layer(m, lay) + (2 * m.index_head_dim if m.uses_sparse_attention else 0)
     return layer + 2 * h * h + 5 * h + m.kv_lora_rank + (m.q_lora_rank or 0), \
         "one decoder layer + eh_proj [h, 2h] + norms"
 
@@ -378,8 +386,9 @@ def _mtp_module(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 def _kv_mtp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     if not lay.mtp:
         return 0, ""
-    return _kv_tokens(lay) * (m.kv_lora_rank + m.qk_rope_head_dim), \
-        "c_kv + k_pe of the MTP layer"
+    index_k = m.index_head_dim if m.uses_sparse_attention else 0
+    return _kv_tokens(lay) * (m.kv_lora_rank + m.qk_rope_head_dim + index_k), \
+        "c_kv + k_pe" + (" + index_k" if index_k else "") + " of the MTP layer"
 
 
 KINDS: tuple[Kind, ...] = (

@@ -56,17 +56,11 @@ def validate_request(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer 
 
 def check_sampling(sampling: SamplingParams, model: ModelInfo,
                    grammars: GrammarCompiler | None) -> None:
-    """``stop_token_ids`` in [0, vocab_size); a grammar that llguidance accepts; no logits
-    processing or logprobs under MTP speculative decoding.
+    """``stop_token_ids`` in [0, vocab_size); a grammar that llguidance accepts.
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the problem (llguidance's message for grammars).
     """
-    if model.num_speculative_tokens and (sampling.processed or sampling.logprobs is not None):
-        # NOTE: the MTP verify step samples without the logits stage (engine/spec_decode.py)
-        raise _invalid("penalties, min_tokens, grammars (response_format, tools) and logprobs "
-                       "are not served with MTP speculative decoding yet: drop them, or serve "
-                       "without decode.speculative")
     bad = next((t for t in sampling.stop_token_ids if t >= model.vocab_size), None)
     if bad is not None:
         raise _invalid(f"stop_token_ids: {bad} is out of range [0, {model.vocab_size}) for "

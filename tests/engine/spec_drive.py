@@ -6,6 +6,7 @@ from __future__ import annotations
 from engine.runner import ModelRunner, SeqStep
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import DraftInput, verify
+from engine.spec_forward import SpecForward
 
 
 def generate_spec_greedy(runner: ModelRunner, prompt: list[int], max_new: int,
@@ -33,3 +34,21 @@ def generate_spec_greedy(runner: ModelRunner, prompt: list[int], max_new: int,
         tokens.extend(new)
         done += len(new)
     return tokens[:max_new], kept
+
+
+def oracle_drafts_of(monkeypatch, seqs: dict[str, list[int]], wrong_every: int = 3) -> None:
+    """Drafts of request ``rid`` from ``seqs[rid]`` (prompt + the known answer), wrong
+    wherever ``position % wrong_every == 0``; the MTP forwards still run."""
+    real = SpecForward._draft
+
+    def drafts(self, steps):
+        out = real(self, steps)
+        fixed = []
+        for s, d in zip(steps, out):
+            seq = seqs[s.request_id]
+            fixed.append(tuple(seq[p] if p % wrong_every else (seq[p] + 1) % 129280
+                               for p in range(s.num_computed_tokens + 1,
+                                              s.num_computed_tokens + 1 + len(d))))
+        return fixed
+
+    monkeypatch.setattr(SpecForward, "_draft", drafts)

@@ -30,11 +30,13 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _hf_block_output(ckpt, x: torch.Tensor, n_layers: int) -> torch.Tensor:
-    """HF's decoder layer ``n_layers`` (the MTP block's weights) over ``x [T, H]`` at
-    positions 0..T-1, causal: the model runs with its input replaced there."""
-    hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
-                                               num_hidden_layers=n_layers + 1).eval()
+def _hf_block_output(ckpt, x: torch.Tensor, n_layers: int,
+                     hf_class: type = DeepseekV3ForCausalLM, **config) -> torch.Tensor:
+    """HF's decoder layer ``n_layers`` (the MTP block's weights) of ``hf_class`` (``config``:
+    more overrides) over ``x [T, H]`` at positions 0..T-1, causal: the model runs with its
+    input replaced there."""
+    hf = hf_class.from_pretrained(ckpt, dtype=torch.float32, num_hidden_layers=n_layers + 1,
+                                  **config).eval()
     block, seen = hf.model.layers[n_layers], {}
 
     def swap_input(_mod, args, kwargs):
@@ -48,7 +50,7 @@ def _hf_block_output(ckpt, x: torch.Tensor, n_layers: int) -> torch.Tensor:
     block.register_forward_pre_hook(swap_input, with_kwargs=True)
     block.register_forward_hook(keep_output, with_kwargs=True)
     with torch.no_grad():
-        hf(torch.zeros(1, x.shape[0], dtype=torch.long))
+        hf(torch.zeros(1, x.shape[0], dtype=torch.long), use_cache=False)
     return seen["g"][0]
 
 
@@ -178,3 +180,50 @@ def test_graph_mode_runner_speculates_eagerly(mtp_ckpt):
     ours, _ = generate_spec_greedy(spec, prompt, 10, blocks_for(0, 26, BLOCK), k=2)
     assert ours == ref
     assert spec.graphs.status()["captured"] == []
+
+
+def test_a_step_without_drafts_still_caches_its_mtp_rows(mtp_ckpt):
+    """A decoding step with a draft input but no draft to make (``num_drafts`` 0: the step's
+    token budget ran out) still runs the MTP module over those rows: its MTP cache equals a
+    drafting step's, so the next draft reads no hole."""
+    from engine.spec_decode import DraftInput  # noqa: PLC0415 (this test only)
+
+    prompt, table = list(range(300, 311)), blocks_for(0, 32, BLOCK)
+    caches = []
+    for drafts in (0, 1):
+        runner = ModelRunner(mtp_ckpt, num_kv_blocks=8, block_size=BLOCK,
+                             num_speculative_tokens=1)
+        n = runner.model_config.num_hidden_layers
+        out = runner.execute([SeqStep("r", tuple(prompt), 0, table)])
+        token = int(out.logits[-1].argmax())
+        draft = DraftInput(out.hidden[0][-1:], len(prompt) - 1, (token,))
+        out = runner.execute([SeqStep("r", (token,), len(prompt), table, draft=draft,
+                                      num_drafts=drafts)])
+        assert len(out.drafts[0]) == drafts
+        k_cache = runner.kv_cache.layer_buffers(n)[0]
+        caches.append(k_cache.view(-1, k_cache.shape[-1])[:len(prompt)].clone())
+    assert bool(caches[0][-1].any()) and torch.equal(caches[0], caches[1])
+
+
+def test_a_decoding_chunk_out_of_draft_budget_keeps_its_draft_input():
+    """The scheduler hands a decoding chunk whose drafts did not fit the token budget its
+    draft input all the same (the MTP module caches those rows), but no stale one."""
+    from engine.block_pool import BlockPool  # noqa: PLC0415 (this test only)
+    from engine.request import Request, RequestSpec  # noqa: PLC0415
+    from engine.scheduler import COLOCATED, Scheduler  # noqa: PLC0415
+    from engine.spec_decode import DraftInput  # noqa: PLC0415
+
+    s = Scheduler(BlockPool(64, 4), COLOCATED, chunk_size=8, max_num_batched_tokens=4,
+                  max_num_seqs=2, num_speculative_tokens=2)
+    reqs = [Request(RequestSpec(r, (100,), SamplingParams(max_tokens=8))) for r in "ab"]
+    for req in reqs:
+        s.add(req)
+    out = s.schedule()
+    s.update(out, {"a": 7, "b": 7})
+    for req in reqs:
+        req.draft = DraftInput(torch.zeros(1, 4), 0, (7,))
+    a, b = s.schedule().steps
+    assert (a.num_drafts, b.num_drafts) == (2, 0)  # NOTE: 1 + 2 drafts + 1 = the budget
+    assert a.draft is reqs[0].draft and b.draft is reqs[1].draft
+    reqs[1].draft = DraftInput(torch.zeros(1, 4), 5, (7,))  # not this position's
+    assert s.schedule().steps[1].draft is None

@@ -79,7 +79,8 @@ def test_deepseek_v3_has_671b_parameters():
                                         (2, 2, True), (1, 4, True)])
 def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
     """Every parameter the engine builds for one rank (last TP rank, EP rank 0), on the meta
-    device: the plan's weight rows hold the same number of elements."""
+    device: the plan's weight rows hold the same number of elements (with the MTP module, its
+    own indexer under DSA, in the tp 2 layouts)."""
     import torch
 
     from engine.kernels import KERNELS
@@ -94,21 +95,21 @@ def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
            "glm5_shared": tiny_config_dict(glm_moe_dsa=True, num_layers=4,
                                            indexer_types=("full", "shared", "full", "shared"))
            }[arch]
-    model_config = ModelConfig.from_dict(raw)
+    model_config, mtp = ModelConfig.from_dict(raw), tp == 2
     model = build_model(model_config, TPGroup(rank=tp - 1, size=tp), KERNELS.resolve("cpu"),
                         torch.float32, torch.device("meta"),
-                        ep=EPGroup(0, dp * tp) if ep else None)
+                        ep=EPGroup(0, dp * tp) if ep else None, mtp=mtp)
     layout = RoleLayout("decode", dp=dp, tp=tp, ep=ep, num_kv_blocks=1, block_size=1,
-                        step_tokens=1, max_num_seqs=1, max_model_len=1)
+                        step_tokens=1, max_num_seqs=1, max_model_len=1, mtp=mtp)
     plan = plan_role(model_config, layout, Precision.of("float32"))
     assert sum(r.elements for r in plan.rows if r.group == "weights") == \
         sum(p.numel() for p in model.parameters())
     # the KV rows hold what the engine's cache allocates: index_k on indexer layers only
     from engine.kv_cache import KVCacheSpec
 
-    spec = KVCacheSpec(model_config.num_hidden_layers, 1, 1, model_config.kv_lora_rank,
+    spec = KVCacheSpec(model_config.num_hidden_layers + mtp, 1, 1, model_config.kv_lora_rank,
                        model_config.qk_rope_head_dim, index_head_dim=model_config.index_head_dim,
-                       index_layers=model_config.index_cache_layers)
+                       index_layers=model_config.index_cache_layers(mtp))
     assert sum(r.elements for r in plan.rows if r.group == "kv") * 4 == spec.bytes_per_token
 
 

@@ -40,12 +40,8 @@ def test_bound_never_refuses_a_text_that_fits():
 @pytest.mark.parametrize("sampling", [SamplingParams(max_tokens=4, presence_penalty=0.5),
                                       SamplingParams(max_tokens=4, min_tokens=2),
                                       SamplingParams(max_tokens=4, logprobs=1)])
-def test_logits_processing_is_refused_under_speculative_decoding(sampling):
-    # the MTP verify step samples without the logits stage: refused, not silently dropped
+def test_logits_processing_is_served_under_speculative_decoding(sampling):
+    # the MTP verify step processes each row (rank/spec_verify.py): accepted as without MTP
     inp = GenerateInput(text=None, token_ids=[1, 2, 3], sampling=sampling)
-    assert validate_request(inp, MODEL, TOKENIZER) == (1, 2, 3)
     mtp = dataclasses.replace(MODEL, num_speculative_tokens=1)
-    with pytest.raises(RequestError, match="not served with MTP speculative decoding"):
-        validate_request(inp, mtp, TOKENIZER)
-    plain = GenerateInput(text=None, token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
-    assert validate_request(plain, mtp, TOKENIZER) == (1, 2, 3)
+    assert validate_request(inp, MODEL, TOKENIZER) == validate_request(inp, mtp, TOKENIZER)

@@ -11,13 +11,13 @@ import torch
 from engine.request import RequestSpec
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.spec_forward import SpecForward
 from orchestrator.tiny_model import write_tiny_checkpoint
 from rank.colocated import ColocatedRole
 from rank.config import InstanceConfig, SchedulerConfig
 from rank.messages import Generate
 from rank.rank import Rank
 from tests.engine.engine_drive import generate_greedy
+from tests.engine.spec_drive import oracle_drafts_of
 from tests.workers.test_colocated_rank import collect
 
 PROMPTS = [list(range(1000, 1000 + n)) for n in (5, 23, 1, 17)]
@@ -59,19 +59,7 @@ def oracle_drafts(monkeypatch, expected) -> None:
     """Drafts from the known greedy answer, wrong wherever ``position % 3 == 0`` (the MTP
     forwards still run, so its KV cache is written as in real use)."""
     seqs = {f"r{i}": p + e for i, (p, e) in enumerate(zip(PROMPTS, expected))}
-    real = SpecForward._draft
-
-    def drafts(self, steps):
-        out = real(self, steps)
-        fixed = []
-        for s, d in zip(steps, out):
-            seq = seqs[s.request_id]
-            fixed.append(tuple(seq[p] if p % 3 else (seq[p] + 1) % 129280
-                               for p in range(s.num_computed_tokens + 1,
-                                              s.num_computed_tokens + 1 + len(d))))
-        return fixed
-
-    monkeypatch.setattr(SpecForward, "_draft", drafts)
+    oracle_drafts_of(monkeypatch, seqs)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -179,3 +167,6 @@ def test_cut_at_stop_keeps_tokens_up_to_the_first_eos():
     assert cut_at_stop([5, 1, 7], eos, SamplingParams()) == [5, 1]
     assert cut_at_stop([5, 6, 7], eos, SamplingParams()) == [5, 6, 7]
     assert cut_at_stop([5, 1, 7], eos, SamplingParams(ignore_eos=True)) == [5, 1, 7]
+    # NOTE: a kept draft in stop_token_ids stops too (engine.scheduler.finish_reason)
+    stop = SamplingParams(ignore_eos=True, stop_token_ids=(6,))
+    assert cut_at_stop([5, 6, 7], eos, stop) == [5, 6]

@@ -148,3 +148,64 @@ def test_prefill_with_mtp_and_decode_without_is_refused(ckpt):
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_pd_v32_ships_the_mtp_layers_index_k(tmp_path):
+    """DeepSeek-V3.2 (index_topk 32 < the 40-token prompt): the MTP layer's own index_k ships
+    with its K and V, so decode's first drafts equal a solo runner's at the same position and
+    the output equals plain greedy."""
+    from engine.runner import SeqStep  # noqa: PLC0415 (this test only)
+    from engine.spec_decode import DraftInput  # noqa: PLC0415
+
+    v32 = write_tiny_checkpoint(tmp_path / "v32", seed=2, deepseek_v32=True, mtp_layers=1)
+    prompt, table = list(range(4000, 4040)), tuple(range(8))
+    solo = ModelRunner(v32, num_kv_blocks=8, block_size=8, num_speculative_tokens=2)
+    out = solo.execute([SeqStep("s", tuple(prompt), 0, table)])
+    t0 = int(out.logits[-1].argmax())
+    first = solo.execute([SeqStep("s", (t0,), len(prompt), table, num_drafts=2,
+                                  draft=DraftInput(out.hidden[0][-1:], len(prompt) - 1, (t0,)))])
+    plain = ModelRunner(v32, num_kv_blocks=8, block_size=8)
+    expected = generate_greedy(plain, prompt, 6, table)[0]
+    prefill, decode = start(v32, PrefillRole, "prefill", 2, 4), start(v32, DecodeRole, "decode",
+                                                                        2, 8)
+    try:
+        assert decode.runner.kv_spec.has_index_k(decode.runner.kv_spec.num_layers - 1)
+        seen = {}
+        real = decode.runner.execute
+
+        def spy(steps, *args, **kwargs):
+            result = real(steps, *args, **kwargs)
+            seen.setdefault("first", result.drafts[0])
+            return result
+
+        decode.runner.execute = spy
+        spec = RequestSpec("v", tuple(prompt), SamplingParams(max_tokens=6, ignore_eos=True))
+        assert run_pd(prefill, decode, spec) == (expected, "length")
+        assert seen["first"] == first.drafts[0] and len(seen["first"]) == 2
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_pd_grammar_and_penalties_under_mtp_equal_plain(ckpt):
+    """A regex-constrained, penalized greedy request through P -> D with MTP (prefill samples
+    token 0 through the verify path, decode's matcher catches up on it) gives the tokens a
+    colocated instance without MTP gives."""
+    from engine.sampling_params import GrammarSpec  # noqa: PLC0415 (this test only)
+    from tests.workers.test_spec_logits import run_all  # noqa: PLC0415
+
+    params = SamplingParams(max_tokens=12, grammar=GrammarSpec("regex", r"[a-z]{2,5}-[0-9]{1,3}"),
+                            repetition_penalty=1.5, presence_penalty=0.4)
+    spec = RequestSpec("g", tuple(range(3100, 3113)), params)
+    plain = make_rank(ckpt, 0)
+    try:
+        want = run_all(plain, [spec])["g"]
+    finally:
+        plain.shutdown()
+    prefill = start(ckpt, PrefillRole, "prefill", 2, 4)
+    decode = start(ckpt, DecodeRole, "decode", 2, 8)
+    try:
+        assert run_pd(prefill, decode, spec) == ([t for t, _ in want[0]], want[1])
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
