@@ -29,9 +29,10 @@ def _queue(max_pending: int = 8) -> AdmissionQueue:
 
 
 async def _take(queue: AdmissionQueue, request_id: str, need: int, granted: list,
-                hold: asyncio.Event | None = None) -> None:
-    """Wait for a grant, record (request id, instance), keep the place until ``hold``."""
-    async with queue.ticket(request_id) as ticket:
+                hold: asyncio.Event | None = None, priority: bool = False) -> None:
+    """Wait for a grant, record (request id, instance), keep the place until ``hold``
+    (``priority``: a migrating request)."""
+    async with queue.ticket(request_id, priority) as ticket:
         granted.append((request_id, await ticket.wait(time.monotonic() + FAR, "full", need)))
         if hold is not None:
             await hold.wait()
@@ -40,6 +41,29 @@ async def _take(queue: AdmissionQueue, request_id: str, need: int, granted: list
 async def _settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+def test_a_migrating_request_goes_ahead_of_new_arrivals_behind_earlier_migrating_ones():
+    async def go():
+        queue, granted, done = _queue(), [], asyncio.Event()
+        tasks = []
+        for rid, priority in (("new-a", False), ("new-b", False), ("moved-1", True),
+                              ("moved-2", True)):
+            tasks.append(asyncio.create_task(_take(queue, rid, 2, granted, done, priority)))
+            await _settle()  # arrival order as listed
+        ahead = (queue.ahead_of(True), queue.ahead_of(False))
+        queue.report("decode-0", 5)  # room for two requests of 2 blocks
+        await _settle()
+        first = list(granted)
+        queue.report("decode-1", 4)
+        await _settle()
+        done.set()
+        await asyncio.gather(*tasks)
+        return ahead, first, granted
+    ahead, first, granted = asyncio.run(go())
+    assert ahead == (2, 4)
+    assert first == [("moved-1", "decode-0"), ("moved-2", "decode-0")]
+    assert [rid for rid, _ in granted] == ["moved-1", "moved-2", "new-a", "new-b"]
 
 
 def test_grants_follow_arrival_order_and_nobody_passes_a_head_that_does_not_fit():
