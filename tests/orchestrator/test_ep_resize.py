@@ -152,3 +152,19 @@ def test_a_new_group_that_does_not_start_leaves_the_old_one_serving(ep):
         chunks = list(client.generate(token_ids=list(PROMPT), max_tokens=3))
     assert [t for c in chunks for t in c.token_ids] == expected_tokens(PROMPT, 3)
     assert h.cluster.removed == []
+
+
+def test_while_two_groups_run_a_restart_takes_only_its_own_group():
+    from orchestrator.deploy.cluster import Cluster, InstanceRanks
+
+    h = _ep_harness()
+    try:
+        cfg = h.scaler.cfg
+        olds = [InstanceRanks(i, None) for i in cfg.instances() if i.role == "decode"]
+        news = [InstanceRanks(i, None, group="decode@decode-2")
+                for i in group_configs(cfg, "decode", 4, 2)]
+        cluster = Cluster([*olds, *news], started_ray=False, cfg=cfg)
+    finally:
+        h.close()
+    assert cluster.restart_group("decode-1") == ["decode-0", "decode-1"]
+    assert cluster.restart_group("decode-3") == NEW

@@ -186,7 +186,7 @@ def test_scale_while_a_restart_is_in_progress(scaling):
 
 def test_what_the_cluster_cannot_place_is_refused_naming_it(scaling):
     h = scaling
-    need = h.call_in_loop(lambda: h.scaler._resources("decode"))["CPU"]
+    need = h.call_in_loop(lambda: h.scaler.resources("decode"))["CPU"]
     h.cluster.free = {"CPU": need * 1.5}
     with pytest.raises(grpc.RpcError) as err:
         _scale(h, decode=3)
