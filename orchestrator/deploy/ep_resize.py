@@ -29,17 +29,41 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rank.config import InstanceConfig
+from orchestrator.config.layout_check import check_tp_layout
 from orchestrator.config.schema import OrchConfig
-from orchestrator.deploy.health import Health
+from orchestrator.deploy.health import Health, HealthMonitor
+from orchestrator.deploy.scale_result import Scalable, ScaleError, ScaleResult
 from orchestrator.router.leader import LeaderClient
-
-if TYPE_CHECKING:
-    from orchestrator.deploy.scaling import Scaler, ScaleResult
+from orchestrator.router.router import Router
 
 log = logging.getLogger(__name__)
+
+
+class GroupScaler(Protocol):
+    """What a resize needs of the scaler (:class:`~orchestrator.deploy.scaling.Scaler`):
+    its deployment, cluster, router, health monitor and leaders map; the instances it is
+    starting (name -> resources), removing, and the roles it is resizing."""
+
+    cfg: OrchConfig
+    cluster: Scalable
+    router: Router
+    monitor: HealthMonitor
+    leaders: dict[str, LeaderClient]
+    pending: dict[str, dict[str, float]]
+    removing: set[str]
+    resizing: set[str]
+
+    def resources(self, role: str) -> dict[str, float]:
+        """Ray resources of one ``role`` instance."""
+
+    def check_fits(self, need: dict[str, float], what: str) -> None:
+        """Raises ScaleError naming what the cluster's free resources lack for ``need``."""
+
+    def next_index(self, role: str) -> int:
+        """The index of the next ``role`` instance (one past the highest in use)."""
 
 
 def is_ep(cfg: OrchConfig, role: str) -> bool:
@@ -61,8 +85,6 @@ def group_configs(cfg: OrchConfig, role: str, count: int, first: int) -> list[In
             size that does not divide the model's routed experts (the load-time check,
             orchestrator/config/layout_check.py).
     """
-    from orchestrator.config.layout_check import check_tp_layout
-
     section = section_name(role)
     sized = cfg.model_copy(update={section: getattr(cfg, section).model_copy(
         update={"dp": count})})
@@ -71,7 +93,7 @@ def group_configs(cfg: OrchConfig, role: str, count: int, first: int) -> list[In
     return [replace(inst, name=f"{role}-{first + n}") for n, inst in enumerate(insts)]
 
 
-async def resize_group(scaler: "Scaler", role: str, count: int) -> "ScaleResult":
+async def resize_group(scaler: GroupScaler, role: str, count: int) -> ScaleResult:
     """Replace the EP group of ``role`` by one of ``count`` instances (module docstring);
     returns once the new group serves and the old one is gone.
 
@@ -79,8 +101,6 @@ async def resize_group(scaler: "Scaler", role: str, count: int) -> "ScaleResult"
         ScaleError: refused (nothing changed), or the new group did not start (the old one
             serves on).
     """
-    from orchestrator.deploy.scaling import ScaleError, ScaleResult
-
     olds = [h.name for h in scaler.monitor.snapshot() if h.role == role]
     _check_can_resize(scaler, role, olds, count)
     try:
@@ -102,11 +122,9 @@ async def resize_group(scaler: "Scaler", role: str, count: int) -> "ScaleResult"
     return ScaleResult(tuple(news), tuple(olds), moved)
 
 
-def _check_can_resize(scaler: "Scaler", role: str, olds: list[str], count: int) -> None:
+def _check_can_resize(scaler: GroupScaler, role: str, olds: list[str], count: int) -> None:
     """Raises ScaleError: resized already, an instance not healthy or being changed, or the
     new group does not fit beside the old one."""
-    from orchestrator.deploy.scaling import ScaleError
-
     if role in scaler.resizing:
         raise ScaleError(f"{role} is being resized already; try again once that call returns")
     busy = [h for h in scaler.monitor.snapshot() if h.role == role and (
@@ -122,14 +140,13 @@ def _check_can_resize(scaler: "Scaler", role: str, olds: list[str], count: int) 
                       "group starts before the old one stops)")
 
 
-async def _start_group(scaler: "Scaler", role: str, insts: list[InstanceConfig]) -> list[str]:
+async def _start_group(scaler: GroupScaler, role: str,
+                       insts: list[InstanceConfig]) -> list[str]:
     """Bring the new group up (STARTING, then routed to and HEALTHY); its names.
 
     Raises:
         ScaleError: it did not start (what was made is removed).
     """
-    from orchestrator.deploy.scaling import ScaleError
-
     names = [inst.name for inst in insts]
     for name in names:
         scaler.monitor.add_instance(name, role)
@@ -154,7 +171,7 @@ async def _start_group(scaler: "Scaler", role: str, insts: list[InstanceConfig])
     return names
 
 
-async def _retire(scaler: "Scaler", olds: list[str], why: str) -> int:
+async def _retire(scaler: GroupScaler, olds: list[str], why: str) -> int:
     """Drain the old group's instances together, then stop them together; returns how many
     of their requests moved away."""
     scaler.removing.update(olds)

@@ -24,54 +24,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from orchestrator.config.autoscale import AutoscaleSection
 from orchestrator.config.schema import OrchConfig
+from orchestrator.deploy.autoscale_plan import PlannerPredictor, planner_device
 from orchestrator.deploy.autoscaler import Autoscaler, Decision, LatencyWindow, Predict, Signals
 from orchestrator.deploy.ep_resize import is_ep, resize_group
+from orchestrator.deploy.scale_result import (Scalable, ScaleError, ScaleResult,
+                                              missing_resources)
 from orchestrator.deploy.health import Health, HealthMonitor
 from orchestrator.deploy.placement import rank_bundle, role_resources
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.router import Router
 
 log = logging.getLogger(__name__)
-
-
-class ScaleError(ValueError):
-    """A scaling request that cannot be done; the message says why and what to do."""
-
-
-class Scalable(Protocol):
-    """What the scaler needs of the cluster (:class:`~orchestrator.deploy.cluster.Cluster`)."""
-
-    def add_instance(self, inst: Any, timeout_s: float) -> Any:
-        """Blocking; the started instance (``.leader``: its leader handle)."""
-
-    def remove_instance(self, name: str) -> None:
-        """Blocking; drain + shutdown its leader, kill its ranks, remove its group."""
-
-    def add_group(self, insts: list[Any], timeout_s: float) -> list[Any]:
-        """Blocking; a whole new EP group (each: ``.leader``), in ``insts`` order."""
-
-    def remove_group(self, names: list[str]) -> None:
-        """Blocking; stop those instances together (an old EP group)."""
-
-
-@dataclass(frozen=True)
-class ScaleResult:
-    """What one scaling call did: instances added and removed (names), requests moved."""
-
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    moved_requests: int = 0
-
-
-def missing_resources(need: dict[str, float], free: dict[str, float]) -> list[str]:
-    """``"CPU: needs 1, 0.5 free"`` for each resource ``need`` asks more of than ``free``."""
-    return [f"{key}: needs {amount:g}, {free.get(key, 0.0):g} free"
-            for key, amount in sorted(need.items()) if amount > free.get(key, 0.0) + 1e-9]
 
 
 class Scaler:
@@ -294,8 +261,6 @@ def build_autoscaler(cfg: AutoscaleSection, router: Router, scaler: Scaler,
     P:D (``predict``; default: :class:`~.autoscale_plan.PlannerPredictor` of the deployment
     on the measured workload); each step counted in ``metrics.autoscale_decided`` and its
     prediction set in ``metrics.autoscale_predicted`` when there are those."""
-    from orchestrator.deploy.autoscale_plan import PlannerPredictor, planner_device
-
     admission = getattr(router.flow, "admission", None)
     if predict is None:
         predict = PlannerPredictor(scaler.cfg, window, planner_device(scaler.cfg),
