@@ -21,6 +21,9 @@ so orch never half-resizes it; `orch scale CONFIG decode=N` of such a role
    together, kills their ranks and removes their placement groups.
 
 A new group that fails to start is removed and the old one serves on, unchanged.
+
+:func:`start_instances` and :func:`retire` (steps 2-3 and 4-5 for any instances) are also
+how the scaler adds and removes one instance of a role without ``ep``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 from rank.config import InstanceConfig
 from orchestrator.config.layout_check import check_tp_layout
@@ -111,10 +114,15 @@ async def resize_group(scaler: GroupScaler, role: str, count: int) -> ScaleResul
     scaler.resizing.add(role)
     try:
         started = time.monotonic()
-        news = await _start_group(scaler, role, insts)
+        news = await start_instances(
+            scaler, role, insts,
+            lambda: scaler.cluster.add_group(insts, scaler.cfg.cluster.startup_timeout_s),
+            f"the new {role} EP group ({', '.join(i.name for i in insts)}) did not start",
+            "; the running group serves on unchanged")
         log.info("%s: the new EP group (%s) serves %.1f s after the scale call", role,
                  ", ".join(news), time.monotonic() - started)
-        moved = await _retire(scaler, olds, f"its EP group is replaced by one of {count}")
+        moved = await retire(scaler, olds, f"its EP group is replaced by one of {count}",
+                             lambda: scaler.cluster.remove_group(olds))
     finally:
         scaler.resizing.discard(role)
     log.info("%s resized %d -> %d as a whole in %.1f s (%d request(s) moved away)", role,
@@ -140,25 +148,25 @@ def _check_can_resize(scaler: GroupScaler, role: str, olds: list[str], count: in
                       "group starts before the old one stops)")
 
 
-async def _start_group(scaler: GroupScaler, role: str,
-                       insts: list[InstanceConfig]) -> list[str]:
-    """Bring the new group up (STARTING, then routed to and HEALTHY); its names.
+async def start_instances(scaler: GroupScaler, role: str, insts: list[InstanceConfig],
+                          start: Callable[[], list[Any]], failed: str, then: str = "") -> list[str]:
+    """Bring new ``role`` instances up: STARTING in the health monitor, ``start()`` on a
+    thread (blocking; the started instances, each with ``.leader``, in ``insts`` order), then
+    routed to and HEALTHY; their names.
 
     Raises:
-        ScaleError: it did not start (what was made is removed).
+        ScaleError: ``"{failed}: {why}{then}"`` when ``start`` raised (it removed what it made).
     """
     names = [inst.name for inst in insts]
     for name in names:
         scaler.monitor.add_instance(name, role)
         scaler.pending[name] = scaler.resources(role)
     try:
-        ranks = await asyncio.to_thread(scaler.cluster.add_group, insts,
-                                        scaler.cfg.cluster.startup_timeout_s)
+        ranks = await asyncio.to_thread(start)
     except Exception as exc:
         for name in names:
             scaler.monitor.remove_instance(name)
-        raise ScaleError(f"the new {role} EP group ({', '.join(names)}) did not start: {exc}; "
-                         "the running group serves on unchanged") from exc
+        raise ScaleError(f"{failed}: {exc}{then}") from exc
     finally:
         for name in names:
             scaler.pending.pop(name, None)
@@ -171,9 +179,11 @@ async def _start_group(scaler: GroupScaler, role: str,
     return names
 
 
-async def _retire(scaler: GroupScaler, olds: list[str], why: str) -> int:
-    """Drain the old group's instances together, then stop them together; returns how many
-    of their requests moved away."""
+async def retire(scaler: GroupScaler, olds: list[str], why: str,
+                 stop: Callable[[], None]) -> int:
+    """Drain instances ``olds`` together (DRAINING: ``why``; their requests finish, or move
+    after ``router.drain_timeout_s``), the router and monitor forget them, then ``stop()``
+    (blocking, on a thread) stops them; returns how many of their requests moved away."""
     scaler.removing.update(olds)
     try:
         for name in olds:  # NOTE: from now on every new request goes to the new group
@@ -190,7 +200,7 @@ async def _retire(scaler: GroupScaler, olds: list[str], why: str) -> int:
         for name in olds:
             scaler.leaders.pop(name, None)
             scaler.monitor.remove_instance(name)
-        await asyncio.to_thread(scaler.cluster.remove_group, olds)
+        await asyncio.to_thread(stop)
     finally:
         scaler.removing.difference_update(olds)
     return sum(moved)

@@ -30,7 +30,7 @@ from orchestrator.config.autoscale import AutoscaleSection
 from orchestrator.config.schema import OrchConfig
 from orchestrator.deploy.autoscale_plan import PlannerPredictor, planner_device
 from orchestrator.deploy.autoscaler import Autoscaler, Decision, LatencyWindow, Predict, Signals
-from orchestrator.deploy.ep_resize import is_ep, resize_group
+from orchestrator.deploy.ep_resize import is_ep, resize_group, retire, start_instances
 from orchestrator.deploy.scale_result import (Scalable, ScaleError, ScaleResult,
                                               missing_resources)
 from orchestrator.deploy.health import Health, HealthMonitor
@@ -112,21 +112,9 @@ class Scaler:
         self._check_can_add([role])
         name = f"{role}-{self.next_index(role)}"
         inst = self.cfg.instance_config(role, int(name.rsplit("-", 1)[1]))
-        self.pending[name] = self.resources(role)
-        self.monitor.add_instance(name, role)
         started = time.monotonic()
-        try:
-            ranks = await asyncio.to_thread(self.cluster.add_instance, inst,
-                                            self.cfg.cluster.startup_timeout_s)
-        except Exception as exc:
-            self.monitor.remove_instance(name)
-            raise ScaleError(f"{name} did not start: {exc}") from exc
-        finally:
-            self.pending.pop(name, None)
-        leader = LeaderClient(name, role, ranks.leader, self.cfg.router.request_timeout_s)
-        self.leaders[name] = leader
-        self.router.add_instance(leader)
-        self.monitor.started(name)
+        await start_instances(self, role, [inst], lambda: [self.cluster.add_instance(
+            inst, self.cfg.cluster.startup_timeout_s)], f"{name} did not start")
         log.info("%s added: serving %.1f s after the scale call", name,
                  time.monotonic() - started)
         return name
@@ -138,22 +126,9 @@ class Scaler:
             ScaleError: no such instance, the last of its role, or not removable now.
         """
         self._check_can_remove(name)
-        self.removing.add(name)
-        try:
-            self.monitor.draining(name, "draining: being removed (`orch scale`)")
-            started = time.monotonic()
-            try:
-                moved = await self.router.drain_instance(name, self.cfg.router.drain_timeout_s)
-                await self.router.remove_instance(name)
-            except BaseException:
-                # NOTE: not removed: it serves again rather than staying "draining" for good
-                self.monitor.undrain(name)
-                raise
-            self.leaders.pop(name, None)
-            self.monitor.remove_instance(name)
-            await asyncio.to_thread(self.cluster.remove_instance, name)
-        finally:
-            self.removing.discard(name)
+        started = time.monotonic()
+        moved = await retire(self, [name], "being removed",
+                             lambda: self.cluster.remove_instance(name))
         log.info("%s removed after %.1f s of draining (%d request(s) moved away)", name,
                  time.monotonic() - started, moved)
         return moved
