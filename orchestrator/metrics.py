@@ -160,6 +160,9 @@ class RouterMetrics:
         self.autoscale = Counter("orch_autoscale_decisions", "autoscaler steps by role, "
                                  "direction (+1 / -1) and kind (waiting, tpot, ttft, idle)",
                                  ["role", "direction", "kind"], registry=r)
+        self.autoscale_prediction = Gauge("orch_autoscale_predicted_seconds", "the planner's "
+                                          "TTFT / TPOT of the P:D the autoscaler's last step "
+                                          "went to (docs/scaling.md)", ["measure"], registry=r)
         self.prompt_tokens = Counter("orch_prompt_tokens", "prompt tokens of finished "
                                      "requests", registry=r)
         self.generation_tokens = Counter("orch_generation_tokens", "generated tokens of "
@@ -210,6 +213,11 @@ class RouterMetrics:
     def autoscale_decided(self, role: str, delta: int, kind: str) -> None:
         """Record one autoscaler step (docs/scaling.md)."""
         self.autoscale.labels(role=role, direction=f"{delta:+d}", kind=kind).inc()
+
+    def autoscale_predicted(self, ttft_s: float, tpot_s: float) -> None:
+        """The planner's TTFT / TPOT (seconds) of the P:D of the last autoscaler step."""
+        self.autoscale_prediction.labels(measure="ttft").set(ttft_s)
+        self.autoscale_prediction.labels(measure="tpot").set(tpot_s)
 
     def request_migrated(self) -> None:
         """Record one migration: a request placed again with its streamed tokens."""

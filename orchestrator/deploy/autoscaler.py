@@ -17,8 +17,15 @@ nothing waiting                                            under its targets -1
 
 Never outside a role's ``min``/``max``, never two steps within ``cooldown_s`` (no flapping),
 latencies judged only over at least ``min_requests`` requests. Every decision is logged with
-its reason and counted in the ``orch_autoscale_decisions`` metric. The planner's prediction of
-a candidate P:D is not consulted (docs/scaling.md).
+its reason and counted in the ``orch_autoscale_decisions`` metric.
+
+The planner (``predict``: orchestrator/deploy/autoscale_plan.py) predicts TTFT and TPOT of
+each candidate P:D (the counts after the step) for the workload measured in the window; the
+prediction goes into the decision's reason and the ``orch_autoscale_predicted_seconds``
+metric, and it chooses: among latency steps up (TTFT and TPOT both over) the one whose
+predicted worst overshoot (predicted / target) is the smallest; a step down only when the
+planner predicts both targets still met after it (else hold). Without a prediction (no
+calibrated device, too few requests) the table alone decides.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Protocol
 
 from orchestrator.config.autoscale import AutoscaleSection
@@ -47,18 +54,46 @@ class Signals:
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """The planner's figures of one P:D (instances per role) for the measured workload."""
+
+    prefill: int
+    decode: int
+    ttft_s: float
+    tpot_s: float
+
+    def text(self) -> str:
+        return (f"planner: P:D {self.prefill}:{self.decode} predicts TTFT {self.ttft_s:.3g} s, "
+                f"TPOT {self.tpot_s * 1e3:.3g} ms")
+
+    def worst(self, cfg: AutoscaleSection) -> float:
+        """The larger of predicted / target for TTFT and TPOT (<= 1: both met)."""
+        return max(self.ttft_s / cfg.ttft_p90_s, self.tpot_s / cfg.tpot_p90_s)
+
+
+@dataclass(frozen=True)
 class Decision:
     """One step: ``role`` by ``delta`` (+1 / -1), and why (``kind``: "waiting", "tpot",
-    "ttft" or "idle", the metric's label; ``reason``: the log line)."""
+    "ttft" or "idle", the metric's label; ``reason``: the log line; ``prediction``: the
+    planner's figures of the P:D after the step, None without)."""
 
     role: str
     delta: int
     kind: str
     reason: str
+    prediction: Prediction | None = None
 
 
 def decide(cfg: AutoscaleSection, s: Signals) -> Decision | None:
     """The step :class:`Signals` ``s`` call for under ``cfg`` (module table), or None."""
+    options = candidates(cfg, s)
+    return options[0] if options else None
+
+
+def candidates(cfg: AutoscaleSection, s: Signals) -> list[Decision]:
+    """The steps :class:`Signals` ``s`` allow under ``cfg``, the table's choice first: the
+    steps up within their role's ``max`` (largest overshoot first), else the steps down
+    within ``min`` (most room first), else none."""
     bounds = {"prefill": cfg.prefill, "decode": cfg.decode}
     ups: list[tuple[float, Decision]] = []
     if s.waiting > cfg.max_waiting:
@@ -71,38 +106,83 @@ def decide(cfg: AutoscaleSection, s: Signals) -> Decision | None:
     if s.ttft_p90 is not None and s.ttft_p90 > cfg.ttft_p90_s:
         ups.append((s.ttft_p90 / cfg.ttft_p90_s, Decision(
             "prefill", 1, "ttft", f"TTFT p90 {s.ttft_p90:.3f} s over its target {cfg.ttft_p90_s:.3f} s")))
-    for _, up in sorted(ups, key=lambda pair: -pair[0]):
-        if s.counts.get(up.role, 0) < bounds[up.role].max:
-            return up
-    if ups or s.waiting or s.ttft_p90 is None or s.tpot_p90 is None:
-        return None  # NOTE: short of a bound, or too few requests to judge: hold
+    if ups:
+        return [up for _, up in sorted(ups, key=lambda pair: -pair[0])
+                if s.counts.get(up.role, 0) < bounds[up.role].max]
+    if s.waiting or s.ttft_p90 is None or s.tpot_p90 is None:
+        return []  # NOTE: too few requests to judge: hold
     room = {"prefill": s.ttft_p90 / cfg.ttft_p90_s, "decode": s.tpot_p90 / cfg.tpot_p90_s}
-    for role in sorted(room, key=room.get):
-        if room[role] < cfg.scale_down_fraction and s.counts.get(role, 0) > bounds[role].min:
-            return Decision(role, -1, "idle", f"{'TTFT' if role == 'prefill' else 'TPOT'} p90 at "
-                                      f"{room[role]:.0%} of its target (scale down under "
-                                      f"{cfg.scale_down_fraction:.0%}), nothing waits")
-    return None
+    return [Decision(role, -1, "idle", f"{'TTFT' if role == 'prefill' else 'TPOT'} p90 at "
+                                       f"{room[role]:.0%} of its target (scale down under "
+                                       f"{cfg.scale_down_fraction:.0%}), nothing waits")
+            for role in sorted(room, key=room.get)
+            if room[role] < cfg.scale_down_fraction and s.counts.get(role, 0) > bounds[role].min]
+
+
+Predict = Callable[[dict[str, int]], "Prediction | None"]
+
+
+def choose(cfg: AutoscaleSection, s: Signals, predict: Predict | None) -> Decision | None:
+    """The step to take: :func:`decide`'s without ``predict`` (or when it predicts nothing),
+    else as the module docstring says; the chosen step carries its prediction."""
+    options = candidates(cfg, s)
+    if not options or predict is None:
+        return options[0] if options else None
+    scored = [replace(d, prediction=predict({**s.counts, d.role: s.counts[d.role] + d.delta}))
+              for d in options]
+    if all(d.prediction is None for d in scored):
+        return options[0]
+    if scored[0].delta < 0:
+        met = [d for d in scored if d.prediction is None or d.prediction.worst(cfg) <= 1.0]
+        if not met:
+            log.info("autoscale: hold: %s; but %s", scored[0].reason,
+                     "; ".join(f"{d.role} -1: {d.prediction.text()}" for d in scored))
+            return None
+        best = met[0]
+    elif scored[0].kind == "waiting":
+        best = scored[0]  # NOTE: waiting for KV blocks is decode's, whatever latencies say
+    else:
+        best = min(scored, key=lambda d: d.prediction.worst(cfg) if d.prediction else math.inf)
+    return best if best.prediction is None else replace(
+        best, reason=f"{best.reason}; {best.prediction.text()}")
 
 
 class LatencyWindow:
-    """TTFT / TPOT of the requests that finished in the last ``window_s`` seconds."""
+    """TTFT / TPOT (seconds) and prompt / completion tokens of the requests that finished in
+    the last ``window_s`` seconds."""
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s, self.clock = window_s, clock
-        self._samples: deque[tuple[float, float, float]] = deque()  # (at, ttft, tpot)
+        # NOTE: (at, ttft, tpot, prompt tokens, completion tokens)
+        self._samples: deque[tuple[float, float, float, int, int]] = deque()
 
-    def add(self, ttft_s: float, tpot_s: float) -> None:
-        self._samples.append((self.clock(), ttft_s, tpot_s))
+    def add(self, ttft_s: float, tpot_s: float, prompt_tokens: int = 0,
+            completion_tokens: int = 0) -> None:
+        self._samples.append((self.clock(), ttft_s, tpot_s, prompt_tokens, completion_tokens))
 
-    def p90(self, min_requests: int) -> tuple[float | None, float | None]:
-        """(TTFT p90, TPOT p90) over the window; None with fewer than ``min_requests``."""
+    def _recent(self) -> deque:
         cutoff = self.clock() - self.window_s
         while self._samples and self._samples[0][0] < cutoff:
             self._samples.popleft()
-        if len(self._samples) < min_requests:
+        return self._samples
+
+    def p90(self, min_requests: int) -> tuple[float | None, float | None]:
+        """(TTFT p90, TPOT p90) over the window; None with fewer than ``min_requests``."""
+        samples = self._recent()
+        if len(samples) < min_requests:
             return None, None
-        return (_p90([t for _, t, _ in self._samples]), _p90([t for _, _, t in self._samples]))
+        return _p90([x[1] for x in samples]), _p90([x[2] for x in samples])
+
+    def shape(self, min_requests: int) -> tuple[int, int, float] | None:
+        """The measured workload: (mean prompt tokens, mean completion tokens, finished
+        requests per second over the window), each length at least 1; None with fewer
+        than ``min_requests``."""
+        samples = self._recent()
+        if len(samples) < min_requests:
+            return None
+        n = len(samples)
+        return (max(1, round(sum(x[3] for x in samples) / n)),
+                max(1, round(sum(x[4] for x in samples) / n)), n / self.window_s)
 
 
 def _p90(values: list[float]) -> float:
@@ -121,7 +201,7 @@ class WindowedMetrics:
     def request_finished(self, outcome: str, ttft_s: float | None, tpot_s: float | None,
                          e2e_s: float, prompt_tokens: int, completion_tokens: int) -> None:
         if ttft_s is not None and tpot_s is not None and outcome in ("stop", "length"):
-            self.window.add(ttft_s, tpot_s)
+            self.window.add(ttft_s, tpot_s, prompt_tokens, completion_tokens)
         self._inner.request_finished(outcome, ttft_s, tpot_s, e2e_s, prompt_tokens,
                                      completion_tokens)
 
@@ -147,13 +227,17 @@ class Autoscaler:
         newest: role -> the instance a scale-down removes.
         record: called ``(decision)`` for every applied step (the metric).
         clock: monotonic seconds (tests pass a fake).
+        predict: the planner's figures of a P:D (counts -> :class:`Prediction` or None);
+            None: the decision table alone.
     """
 
     def __init__(self, cfg: AutoscaleSection, signals: Callable[[], Signals], steps: Steps,
                  newest: Callable[[str], str], record: Callable[[Decision], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 predict: Predict | None = None) -> None:
         self.cfg, self.signals, self.steps = cfg, signals, steps
         self.newest, self.record, self.clock = newest, record, clock
+        self.predict = predict
         self.last_change: float | None = None
 
     async def step(self) -> Decision | None:
@@ -161,7 +245,7 @@ class Autoscaler:
         now = self.clock()
         if self.last_change is not None and now - self.last_change < self.cfg.cooldown_s:
             return None
-        decision = decide(self.cfg, self.signals())
+        decision = choose(self.cfg, self.signals(), self.predict)
         if decision is None:
             return None
         log.info("autoscale: %s %+d: %s", decision.role, decision.delta, decision.reason)

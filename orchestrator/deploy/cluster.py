@@ -68,6 +68,7 @@ class InstanceRanks:
     ranks: list[Any] = field(default_factory=list)
     nodes: list[tuple[str, str]] = field(default_factory=list)  # (node id, device) per rank
     started: bool = False  # the leader's start() returned: there is work to drain
+    group: str = ""  # the EP group (expert-parallel role) it belongs to: "" the first one
 
     @property
     def leader(self) -> Any:
@@ -109,17 +110,19 @@ class Cluster:
             return list(self._find(name).ranks)
 
     def restart_group(self, name: str) -> list[str]:
-        """The instances restarted together with ``name``: every instance of its role when the
-        role is expert-parallel (one EP group spans them all), else ``name`` alone.
+        """The instances restarted together with ``name``: every instance of its EP group when
+        the role is expert-parallel (one EP group spans the role's instances; while the role
+        is resized two groups run, :meth:`add_group`), else ``name`` alone.
 
         Raises:
             KeyError: no instance of that name.
         """
         with self._lock:
-            cfg = self._find(name).cfg
-            if not cfg.parallel.ep:
+            inst = self._find(name)
+            if not inst.cfg.parallel.ep:
                 return [name]
-            return [i.cfg.name for i in self.instances if i.cfg.role == cfg.role]
+            return [i.cfg.name for i in self.instances
+                    if i.cfg.role == inst.cfg.role and i.group == inst.group]
 
     def restart_instance(self, name: str, timeout_s: float) -> list[InstanceRanks]:
         """Replace instance ``name`` (and every instance of :meth:`restart_group`) by new rank
@@ -154,6 +157,7 @@ class Cluster:
             for old in olds:
                 news.append(_placement_group(old.cfg, self.cfg,
                                              max(deadline - time.monotonic(), 0.01)))
+                news[-1].group = old.group
             _start_instances(news, self.rank_class, self.roles[olds[0].cfg.role],
                              self.cfg.cluster, deadline)
         except BaseException as exc:
@@ -184,24 +188,70 @@ class Cluster:
         if inst.parallel.ep:
             raise ValueError(f"{inst.name}: the {inst.role} role is expert-parallel: its "
                              "instances form one EP group and are resized as a whole")
-        deadline = time.monotonic() + timeout_s
-        new = _placement_group(inst, self.cfg, timeout_s)
+        return self._start_new([inst], timeout_s, "")[0]
+
+    def add_group(self, insts: list[InstanceConfig], timeout_s: float) -> list[InstanceRanks]:
+        """Bring up a whole new EP group of an expert-parallel role beside its running one
+        (live resizing, docs/scaling.md): ``insts`` are its DP ranks (``dp_rank`` 0..dp-1,
+        ``dp`` = their count, names not in use), each with its own placement group and rank
+        actors; their own EP store (opened by the new DP rank 0), EP group and DP sync; TP
+        stores, ``init_rank``, leader ``start()`` as at bring-up, all within ``timeout_s``.
+        Listed in ``instances`` once every one started (:meth:`restart_group` keeps the
+        groups apart). Blocking (call it from a thread).
+
+        Raises:
+            ValueError: a name in use, not one role, not expert-parallel, or the DP ranks
+                are not 0..len(insts)-1 of dp = len(insts).
+            BringUpError: a step failed or ``timeout_s`` ran out (what was made is removed).
+        """
+        roles = {i.role for i in insts}
+        if len(roles) != 1 or not all(i.parallel.ep for i in insts) or \
+                [(i.parallel.dp_rank, i.parallel.dp) for i in insts] != \
+                [(n, len(insts)) for n in range(len(insts))]:
+            raise ValueError("add_group: the DP ranks 0..dp-1 (dp = their count) of one "
+                             f"expert-parallel role; got {[i.name for i in insts]}")
+        with self._lock:
+            if self._closed or self.cfg is None:
+                raise BringUpError(f"{insts[0].name}..: not added: the cluster is shut down")
+            if any(i.cfg.name == new.name for i in self.instances for new in insts):
+                raise ValueError(f"add_group: a name of {[i.name for i in insts]} is in use")
+        return self._start_new(insts, timeout_s, f"{insts[0].role}@{insts[0].name}")
+
+    def _start_new(self, insts: list[InstanceConfig], timeout_s: float,
+                   group: str) -> list[InstanceRanks]:
+        """Placement groups, then steps 2-5 for new instances of one role (one EP group when
+        the role is expert-parallel); listed in ``instances`` once all started.
+
+        Raises:
+            BringUpError: a step failed, ``timeout_s`` ran out or the cluster shut down
+                meanwhile (what was made is removed).
+        """
+        names = ", ".join(i.name for i in insts)
+        deadline, news = time.monotonic() + timeout_s, []
         try:
-            _start_instances([new], self.rank_class, self.roles[inst.role], self.cfg.cluster,
-                             deadline)
+            for inst in insts:
+                news.append(_placement_group(inst, self.cfg,
+                                             max(deadline - time.monotonic(), 0.01)))
+                news[-1].group = group
+            _start_instances(news, self.rank_class, self.roles[insts[0].role],
+                             self.cfg.cluster, deadline)
         except BaseException as exc:
-            _kill(new)
+            for new in news:
+                _kill(new)
             if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
-                raise BringUpError(f"{inst.name}: start failed: {type(exc).__name__}: "
+                raise BringUpError(f"{names}: start failed: {type(exc).__name__}: "
                                    f"{exc}") from exc
             raise
         with self._lock:
             if self._closed:
-                _kill(new)
-                raise BringUpError(f"{inst.name}: started while the cluster shut down; removed")
-            self.instances.append(new)
-        log.info("%s added on %s", inst.name, nodes_text([n for n, _ in new.nodes], node_ips()))
-        return new
+                for new in news:
+                    _kill(new)
+                raise BringUpError(f"{names}: started while the cluster shut down; removed")
+            self.instances.extend(news)
+        for new in news:
+            log.info("%s added on %s", new.cfg.name,
+                     nodes_text([n for n, _ in new.nodes], node_ips()))
+        return news
 
     def remove_instance(self, name: str, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Stop instance ``name`` (drained already: no request on it): leader ``drain`` +
@@ -211,21 +261,26 @@ class Cluster:
         Raises:
             KeyError: no instance of that name.
         """
-        import ray
+        self.remove_group([name], timeout_s)
 
+    def remove_group(self, names: list[str], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop instances ``names`` together (drained already; an old EP group once its
+        replacement serves): every leader's ``drain``, then every ``shutdown`` (each bounded
+        by ``timeout_s``; an EP group's DP ranks stop together, none waits for a lockstep
+        round of one already gone), kill their ranks, remove their placement groups, forget
+        them. Blocking (call it from a thread).
+
+        Raises:
+            KeyError: no instance of one of those names (nothing is stopped then).
+        """
         with self._lock:
-            inst = self._find(name)
-            self.instances.remove(inst)
-        if inst.started and inst.ranks:
-            for step, call in (("drain", lambda: inst.leader.drain.remote(timeout_s)),
-                               ("shutdown", lambda: inst.leader.shutdown.remote())):
-                try:
-                    ray.get(call(), timeout=timeout_s)
-                except Exception as exc:  # noqa: BLE001 -- removal goes on whatever happened
-                    log.warning("%s: leader %s did not complete: %s", name, step,
-                                first_line(getattr(exc, "cause", None) or exc))
-        _kill(inst)
-        log.info("%s removed: ranks killed, placement group removed", name)
+            insts = [self._find(name) for name in names]
+            for inst in insts:
+                self.instances.remove(inst)
+        _stop_leaders([i for i in insts if i.started and i.ranks], timeout_s)
+        for inst in insts:
+            _kill(inst)
+            log.info("%s removed: ranks killed, placement group removed", inst.cfg.name)
 
     def _install(self, news: list[InstanceRanks]) -> None:
         """Put restarted instances in place of their empty entries (or kill them when the
@@ -268,22 +323,33 @@ class Cluster:
             instances, self.instances, self._closed = self.instances, [], True
         if instances:
             self.report(f"stopping {plural(len(instances), 'instance')}")
-        leaders = [inst.leader for inst in instances if inst.started]
-        stages = (("drain", lambda leader: leader.drain.remote(timeout_s)),
-                  ("shutdown", lambda leader: leader.shutdown.remote()))
-        for step, call in stages:
-            try:
-                ray.get([call(leader) for leader in leaders], timeout=timeout_s)
-            except Exception as exc:  # noqa: BLE001 -- tear-down goes on whatever happened
-                worker_error = getattr(exc, "cause", None) or exc  # RayTaskError wraps it
-                log.warning("leader %s did not complete: %s", step, first_line(worker_error))
-                log.debug("leader %s failure detail", step, exc_info=exc)
+        _stop_leaders([inst for inst in instances if inst.started], timeout_s)
         for inst in instances:
             _kill(inst)
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
             self.report(f"stopped the ranks and the embedded Ray in {watch}")
+
+
+def _stop_leaders(insts: list[InstanceRanks], timeout_s: float) -> None:
+    """Every leader's ``drain``, then every leader's ``shutdown``, each stage bounded by
+    ``timeout_s``; failures are logged (stopping goes on whatever happened)."""
+    import ray
+
+    leaders = [inst.leader for inst in insts]
+    stages = (("drain", lambda leader: leader.drain.remote(timeout_s)),
+              ("shutdown", lambda leader: leader.shutdown.remote()))
+    for step, call in stages:
+        if not leaders:
+            return
+        try:
+            ray.get([call(leader) for leader in leaders], timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 -- stopping goes on whatever happened
+            worker_error = getattr(exc, "cause", None) or exc  # RayTaskError wraps it
+            log.warning("%s: leader %s did not complete: %s",
+                        ", ".join(i.cfg.name for i in insts), step, first_line(worker_error))
+            log.debug("leader %s failure detail", step, exc_info=exc)
 
 
 def load_roles() -> dict[str, type]:

@@ -10,10 +10,13 @@ Remove: the instance turns DRAINING (no new request goes there), its requests fi
 it they migrate), then the router forgets it and its leader drains and shuts down, its ranks
 are killed and its placement group removed (:meth:`Cluster.remove_instance`).
 
+An expert-parallel role (its DP ranks form one EP group) is resized only as a whole: a new
+group of the asked size beside the old one, routing switched, the old one drained
+(orchestrator/deploy/ep_resize.py); adding or removing one of its instances is refused.
+
 Refused, with what to do: the last instance of a role; an instance that is being restarted or
-is still starting; an expert-parallel role (its DP ranks form one EP group, resized only as a
-whole: change ``dp`` and restart `orch up`); what the cluster's free resources cannot hold
-(naming the missing resources).
+is still starting; one instance of an expert-parallel role; what the cluster's free resources
+cannot hold (naming the missing resources).
 """
 
 from __future__ import annotations
@@ -21,47 +24,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from orchestrator.config.autoscale import AutoscaleSection
 from orchestrator.config.schema import OrchConfig
-from orchestrator.deploy.autoscaler import Autoscaler, Decision, LatencyWindow, Signals
+from orchestrator.deploy.autoscale_plan import PlannerPredictor, planner_device
+from orchestrator.deploy.autoscaler import Autoscaler, Decision, LatencyWindow, Predict, Signals
+from orchestrator.deploy.ep_resize import is_ep, resize_group, retire, start_instances
+from orchestrator.deploy.scale_result import (Scalable, ScaleError, ScaleResult,
+                                              missing_resources)
 from orchestrator.deploy.health import Health, HealthMonitor
 from orchestrator.deploy.placement import rank_bundle, role_resources
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.router import Router
 
 log = logging.getLogger(__name__)
-
-
-class ScaleError(ValueError):
-    """A scaling request that cannot be done; the message says why and what to do."""
-
-
-class Scalable(Protocol):
-    """What the scaler needs of the cluster (:class:`~orchestrator.deploy.cluster.Cluster`)."""
-
-    def add_instance(self, inst: Any, timeout_s: float) -> Any:
-        """Blocking; the started instance (``.leader``: its leader handle)."""
-
-    def remove_instance(self, name: str) -> None:
-        """Blocking; drain + shutdown its leader, kill its ranks, remove its group."""
-
-
-@dataclass(frozen=True)
-class ScaleResult:
-    """What one scaling call did: instances added and removed (names), requests moved."""
-
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    moved_requests: int = 0
-
-
-def missing_resources(need: dict[str, float], free: dict[str, float]) -> list[str]:
-    """``"CPU: needs 1, 0.5 free"`` for each resource ``need`` asks more of than ``free``."""
-    return [f"{key}: needs {amount:g}, {free.get(key, 0.0):g} free"
-            for key, amount in sorted(need.items()) if amount > free.get(key, 0.0) + 1e-9]
 
 
 class Scaler:
@@ -82,20 +59,22 @@ class Scaler:
         self.cfg, self.cluster, self.router, self.monitor = cfg, cluster, router, monitor
         self.leaders = leaders
         self._free = free_resources or _ray_free_resources
-        self._pending: dict[str, dict[str, float]] = {}  # starting instance -> its resources
-        self._removing: set[str] = set()
+        self.pending: dict[str, dict[str, float]] = {}  # starting instance -> its resources
+        self.removing: set[str] = set()  # instances being drained and removed
+        self.resizing: set[str] = set()  # expert-parallel roles being resized
 
     def counts(self) -> dict[str, int]:
         """Role -> its instances (starting ones included, removing ones not)."""
         out = {role: 0 for role in self.router.flow.pools}
         for health in self.monitor.snapshot():
-            if health.name not in self._removing:
+            if health.name not in self.removing:
                 out[health.role] += 1
         return out
 
     async def scale(self, targets: dict[str, int]) -> ScaleResult:
         """Bring each role of ``targets`` (role -> instance count) to its count: adds run
-        together, removals one after the other (newest instance first).
+        together, removals one after the other (newest instance first); an expert-parallel
+        role is resized as a whole after them (:func:`~.ep_resize.resize_group`).
 
         Raises:
             ScaleError: a refusal (see the module docstring); nothing was changed by it.
@@ -106,14 +85,22 @@ class Scaler:
                 raise ScaleError(f"no role {role!r} here: roles {sorted(current)}")
             if count < 1:
                 raise ScaleError(f"{role}: {count} instances asked; a role keeps at least 1")
-        adds = [role for role, count in targets.items() for _ in range(count - current[role])]
-        removes = [name for role, count in targets.items()
+        groups = {role: count for role, count in targets.items()
+                  if is_ep(self.cfg, role) and count != current[role]}
+        singles = {role: count for role, count in targets.items() if role not in groups}
+        adds = [role for role, count in singles.items() for _ in range(count - current[role])]
+        removes = [name for role, count in singles.items()
                    for name in self._newest(role, current[role] - count)]
         self._check_can_add(adds)
-        added = await asyncio.gather(*(self.add(role) for role in adds))
+        added = list(await asyncio.gather(*(self.add(role) for role in adds)))
         moved = 0
         for name in removes:
             moved += await self.remove(name)
+        for role, count in groups.items():
+            done = await resize_group(self, role, count)
+            added += done.added
+            removes += done.removed
+            moved += done.moved_requests
         return ScaleResult(tuple(added), tuple(removes), moved)
 
     async def add(self, role: str) -> str:
@@ -123,23 +110,11 @@ class Scaler:
             ScaleError: refused, or its start failed (what was made is removed).
         """
         self._check_can_add([role])
-        name = f"{role}-{self._next_index(role)}"
+        name = f"{role}-{self.next_index(role)}"
         inst = self.cfg.instance_config(role, int(name.rsplit("-", 1)[1]))
-        self._pending[name] = self._resources(role)
-        self.monitor.add_instance(name, role)
         started = time.monotonic()
-        try:
-            ranks = await asyncio.to_thread(self.cluster.add_instance, inst,
-                                            self.cfg.cluster.startup_timeout_s)
-        except Exception as exc:
-            self.monitor.remove_instance(name)
-            raise ScaleError(f"{name} did not start: {exc}") from exc
-        finally:
-            self._pending.pop(name, None)
-        leader = LeaderClient(name, role, ranks.leader, self.cfg.router.request_timeout_s)
-        self.leaders[name] = leader
-        self.router.add_instance(leader)
-        self.monitor.started(name)
+        await start_instances(self, role, [inst], lambda: [self.cluster.add_instance(
+            inst, self.cfg.cluster.startup_timeout_s)], f"{name} did not start")
         log.info("%s added: serving %.1f s after the scale call", name,
                  time.monotonic() - started)
         return name
@@ -151,49 +126,40 @@ class Scaler:
             ScaleError: no such instance, the last of its role, or not removable now.
         """
         self._check_can_remove(name)
-        self._removing.add(name)
-        try:
-            self.monitor.draining(name, "draining: being removed (`orch scale`)")
-            started = time.monotonic()
-            try:
-                moved = await self.router.drain_instance(name, self.cfg.router.drain_timeout_s)
-                await self.router.remove_instance(name)
-            except BaseException:
-                # NOTE: not removed: it serves again rather than staying "draining" for good
-                self.monitor.undrain(name)
-                raise
-            self.leaders.pop(name, None)
-            self.monitor.remove_instance(name)
-            await asyncio.to_thread(self.cluster.remove_instance, name)
-        finally:
-            self._removing.discard(name)
+        started = time.monotonic()
+        moved = await retire(self, [name], "being removed",
+                             lambda: self.cluster.remove_instance(name))
         log.info("%s removed after %.1f s of draining (%d request(s) moved away)", name,
                  time.monotonic() - started, moved)
         return moved
 
     def _check_can_add(self, roles: list[str]) -> None:
-        """Raises ScaleError: an EP role, or more than the cluster's free resources."""
+        """Raises ScaleError: one instance of an EP role, or more than the cluster's free
+        resources."""
         need: dict[str, float] = {}
         for role in roles:
-            if role == "prefill" and self.cfg.prefill.ep or role != "prefill" and \
-                    self.cfg.decode.ep:
+            if is_ep(self.cfg, role):
                 raise ScaleError(
                     f"{role} is expert-parallel: its instances form one EP group, resized "
-                    f"only as a whole; change {_section(role)}.dp in the config and restart "
-                    "`orch up` (live resizing of an EP role is not supported)")
-            for key, amount in self._resources(role).items():
+                    f"only as a whole: `orch scale CONFIG {role}=N` (Scale) brings up a "
+                    "new group of N beside it, switches routing to it and drains the old one")
+            for key, amount in self.resources(role).items():
                 need[key] = need.get(key, 0.0) + amount
+        self.check_fits(need, f"{len(roles)} more instance(s) of {sorted(set(roles))}")
+
+    def check_fits(self, need: dict[str, float], what: str) -> None:
+        """Raises ScaleError naming each resource of ``need`` that the cluster's free
+        resources (less what starting instances will take) cannot give ``what``."""
         if not need:
             return
         free = dict(self._free())
-        for pending in self._pending.values():  # NOTE: starting ones may not hold theirs yet
+        for pending in self.pending.values():  # NOTE: starting ones may not hold theirs yet
             for key, amount in pending.items():
                 free[key] = free.get(key, 0.0) - amount
         missing = missing_resources(need, free)
         if missing:
-            raise ScaleError(f"the cluster cannot place {len(roles)} more instance(s) of "
-                             f"{sorted(set(roles))}: {'; '.join(missing)}: add nodes "
-                             "(`ray start --address`) or lower cluster.cpus_per_rank")
+            raise ScaleError(f"the cluster cannot place {what}: {'; '.join(missing)}: add "
+                             "nodes (`ray start --address`) or lower cluster.cpus_per_rank")
 
     def _check_can_remove(self, name: str) -> None:
         """Raises ScaleError: unknown, removing already, not healthy now, or the last one."""
@@ -201,8 +167,12 @@ class Scaler:
             health = self.monitor.get(name)
         except KeyError:
             raise ScaleError(f"no instance {name!r}; `orch status` lists them") from None
-        if name in self._removing:
+        if name in self.removing:
             raise ScaleError(f"{name} is being removed already")
+        if is_ep(self.cfg, health.role):
+            raise ScaleError(f"{name} is one DP rank of the expert-parallel {health.role} "
+                             "role: removing it alone would break its EP group; resize the "
+                             f"role as a whole: `orch scale CONFIG {health.role}=N`")
         if health.state is not Health.HEALTHY:
             raise ScaleError(f"{name} is {health.state.value} ({health.reason}): remove it once "
                              "it is healthy, or remove another instance of its role")
@@ -219,7 +189,7 @@ class Scaler:
         scale call is starting or removing."""
         return sum(1 for h in self.monitor.snapshot()
                    if h.role == role and h.name != name and h.state is Health.HEALTHY
-                   and h.name not in self._removing and h.name not in self._pending
+                   and h.name not in self.removing and h.name not in self.pending
                    and h.name in self.leaders)
 
     def newest(self, role: str) -> str:
@@ -232,27 +202,23 @@ class Scaler:
     def _newest(self, role: str, count: int) -> list[str]:
         """The ``count`` newest healthy instances of ``role`` (highest index first)."""
         names = [h.name for h in self.monitor.snapshot()
-                 if h.role == role and h.state is Health.HEALTHY and h.name not in self._removing]
+                 if h.role == role and h.state is Health.HEALTHY and h.name not in self.removing]
         names.sort(key=lambda n: int(n.rsplit("-", 1)[1]), reverse=True)
         if count > 0 and len(names) < count:
             raise ScaleError(f"{role}: {count} instance(s) to remove but only {len(names)} "
                              "healthy ones can be drained now (`orch status`); try again")
         return names[:max(count, 0)]
 
-    def _next_index(self, role: str) -> int:
+    def next_index(self, role: str) -> int:
         used = [int(h.name.rsplit("-", 1)[1]) for h in self.monitor.snapshot()
                 if h.role == role]
         return max(used, default=-1) + 1
 
-    def _resources(self, role: str) -> dict[str, float]:
+    def resources(self, role: str) -> dict[str, float]:
         inst = self.cfg.instance_config(role, 0)
         bundle = rank_bundle(inst.parallel.device, self.cfg.cluster,
                              role_resources(self.cfg, role))
         return {key: amount * inst.parallel.ranks for key, amount in bundle.items()}
-
-
-def _section(role: str) -> str:
-    return "prefill" if role == "prefill" else "decode"
 
 
 def _ray_free_resources() -> dict[str, float]:
@@ -262,11 +228,18 @@ def _ray_free_resources() -> dict[str, float]:
 
 
 def build_autoscaler(cfg: AutoscaleSection, router: Router, scaler: Scaler,
-                     window: LatencyWindow, metrics: Any = None) -> Autoscaler:
+                     window: LatencyWindow, metrics: Any = None,
+                     predict: Predict | None = None) -> Autoscaler:
     """The autoscaler of a disaggregated deployment: latencies from ``window`` (fed by the
-    router's metrics), waiting requests from the admission queue, steps through ``scaler``;
-    each step counted in ``metrics.autoscale_decided`` when there is one."""
+    router's metrics), waiting requests from the admission queue, steps through ``scaler``
+    (an expert-parallel role resized as a whole), the planner's prediction of each candidate
+    P:D (``predict``; default: :class:`~.autoscale_plan.PlannerPredictor` of the deployment
+    on the measured workload); each step counted in ``metrics.autoscale_decided`` and its
+    prediction set in ``metrics.autoscale_predicted`` when there are those."""
     admission = getattr(router.flow, "admission", None)
+    if predict is None:
+        predict = PlannerPredictor(scaler.cfg, window, planner_device(scaler.cfg),
+                                   cfg.min_requests)
 
     def signals() -> Signals:
         ttft, tpot = window.p90(cfg.min_requests)
@@ -275,4 +248,24 @@ def build_autoscaler(cfg: AutoscaleSection, router: Router, scaler: Scaler,
     def record(decision: Decision) -> None:
         if metrics is not None and hasattr(metrics, "autoscale_decided"):
             metrics.autoscale_decided(decision.role, decision.delta, decision.kind)
-    return Autoscaler(cfg, signals, scaler, scaler.newest, record)
+        if decision.prediction and hasattr(metrics, "autoscale_predicted"):
+            metrics.autoscale_predicted(decision.prediction.ttft_s, decision.prediction.tpot_s)
+    return Autoscaler(cfg, signals, _RoleSteps(scaler), scaler.newest, record,
+                      predict=predict)
+
+
+class _RoleSteps:
+    """The autoscaler's one-instance steps, each as a :meth:`Scaler.scale` of its role to
+    one more / fewer (so an expert-parallel role is resized as a whole)."""
+
+    def __init__(self, scaler: Scaler) -> None:
+        self.scaler = scaler
+
+    async def add(self, role: str) -> str:
+        result = await self.scaler.scale({role: self.scaler.counts()[role] + 1})
+        return ", ".join(result.added)
+
+    async def remove(self, name: str) -> int:
+        role = self.scaler.monitor.get(name).role
+        result = await self.scaler.scale({role: self.scaler.counts()[role] - 1})
+        return result.moved_requests

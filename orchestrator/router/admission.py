@@ -12,6 +12,10 @@ place and waits for the next report, which the decode sends whenever its free bl
 A grant that was not used (the request left: aborted, timed out) gives its blocks back to the
 estimate. Liveness guard: a head that got no grant for ``HEAD_RECHECK_S`` (a report lost with a
 restarting instance) tries the first instance once; the waiters behind it cost nothing.
+
+Priority: a migrating request (``RequestSpec.num_resumed_tokens > 0``: its client has tokens
+already, docs/scaling.md) takes its place ahead of every new arrival, behind earlier migrating
+ones (FIFO among them), and tries the decode instances at once when only new arrivals wait.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ HEAD_RECHECK_S = 5.0
 @dataclass(eq=False)
 class _Waiter:
     request_id: str
+    priority: bool = False  # migrating: ahead of every new arrival
     need: int = 1  # blocks the decode asked for (1 until one said)
     charged: str | None = None  # instance whose estimate this grant took ``need`` from
     granted: asyncio.Future = field(
@@ -57,6 +62,11 @@ class AdmissionQueue:
     def waiting(self) -> int:
         """Requests in the queue (granted ones trying an instance included)."""
         return len(self._queue)
+
+    def ahead_of(self, priority: bool) -> int:
+        """Waiters a request entering now would queue behind: every one for a new arrival,
+        the migrating ones for a migrating request (``priority``)."""
+        return sum(1 for w in self._queue if w.priority) if priority else len(self._queue)
 
     def report(self, instance: str, free_blocks: int) -> None:
         """``instance`` has ``free_blocks`` free now (its event frame): grant what fits."""
@@ -99,9 +109,11 @@ class AdmissionQueue:
             raise error
 
     @asynccontextmanager
-    async def ticket(self, request_id: str) -> AsyncIterator["Ticket"]:
-        """A ticket for one request's reservation attempts; leaves the queue on exit."""
-        ticket = Ticket(self, request_id)
+    async def ticket(self, request_id: str, priority: bool = False
+                     ) -> AsyncIterator["Ticket"]:
+        """A ticket for one request's reservation attempts (``priority``: a migrating
+        request, queued ahead of new arrivals); leaves the queue on exit."""
+        ticket = Ticket(self, request_id, priority)
         self._placing.add(request_id)
         try:
             yield ticket
@@ -135,7 +147,7 @@ class AdmissionQueue:
                 self._free[name] -= waiter.need
             waiter.granted.set_result(name)
 
-    def _enter(self, request_id: str, reason: str) -> _Waiter:
+    def _enter(self, request_id: str, reason: str, priority: bool = False) -> _Waiter:
         if len(self._queue) >= self.max_pending:
             raise RequestError(
                 "RESOURCE_EXHAUSTED",
@@ -143,23 +155,27 @@ class AdmissionQueue:
                 f"admission queue is full ({len(self._queue)} waiting, router.max_pending="
                 f"{self.max_pending}): retry later, or raise router.max_pending / "
                 "decode.num_kv_blocks / decode.dp")
-        waiter = _Waiter(request_id)
-        self._queue.append(waiter)
+        waiter = _Waiter(request_id, priority)
+        if priority:  # NOTE: behind the migrating ones, ahead of every new arrival
+            self._queue.insert(self.ahead_of(True), waiter)
+        else:
+            self._queue.append(waiter)
         return waiter
 
 
 class Ticket:
     """One request's place in the admission queue (taken on its first wait)."""
 
-    def __init__(self, queue: AdmissionQueue, request_id: str) -> None:
-        self._queue, self.request_id = queue, request_id
+    def __init__(self, queue: AdmissionQueue, request_id: str, priority: bool = False) -> None:
+        self._queue, self.request_id, self.priority = queue, request_id, priority
         self.waiter: _Waiter | None = None
         self.reserved = False  # set by the caller once a reservation used the grant
 
     async def wait(self, deadline: float, reason: str, need: int | None = None) -> str:
         """Wait for a decode instance that reported room for ``need`` blocks (None: what the
         last rejection said, else 1), at most until ``deadline`` (time.monotonic()); the
-        first call takes the place at the tail, later ones keep it. Returns the instance.
+        first call takes the place at the tail (a migrating request's: behind the migrating
+        ones), later ones keep it. Returns the instance.
 
         Raises:
             RequestError: RESOURCE_EXHAUSTED when the queue is full or the deadline passed;
@@ -168,7 +184,7 @@ class Ticket:
         queue = self._queue
         queue.check(self.request_id)
         if self.waiter is None:
-            self.waiter = queue._enter(self.request_id, reason)
+            self.waiter = queue._enter(self.request_id, reason, self.priority)
         elif self.waiter.granted.done():
             self.waiter.granted = asyncio.get_running_loop().create_future()
             self.waiter.charged = None  # NOTE: refused or failed: the estimate says so now

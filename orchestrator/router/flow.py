@@ -231,9 +231,10 @@ class DisaggregatedFlow(Flow):
         """Reserve on the first decode that can; while all are full, or others already wait,
         wait in the admission queue (FIFO) for a decode that reports room. A decode whose call
         fails is skipped (UNAVAILABLE when every one failed)."""
-        async with self.admission.ticket(spec.request_id) as ticket:
+        migrating = spec.num_resumed_tokens > 0  # NOTE: queued ahead of new arrivals
+        async with self.admission.ticket(spec.request_id, migrating) as ticket:
             # NOTE: behind earlier waiters a request tries nothing: it would overtake them
-            direct = not self.admission.waiting
+            direct = not self.admission.ahead_of(migrating)
             names = self.choices(self.policy, avoid, "decode", spec.prompt_token_ids) \
                 if direct else []
             while True:

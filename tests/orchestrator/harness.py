@@ -47,7 +47,8 @@ class FakeCluster:
     """Starts and stops fake instances for the scaler (its blocking calls run on threads).
 
     ``hold``: a started instance waits for this event before it is up (None: at once);
-    ``free``: the Ray resources the scaler sees free; ``added`` / ``removed``: names, in order.
+    ``free``: the Ray resources the scaler sees free; ``added`` / ``removed``: names, in order;
+    ``groups``: the names of each EP group started (``add_group``).
     """
 
     def __init__(self, harness: "Harness") -> None:
@@ -56,6 +57,7 @@ class FakeCluster:
         self.free = {"CPU": 64.0}
         self.added: list[str] = []
         self.removed: list[str] = []
+        self.groups: list[list[str]] = []
 
     def add_instance(self, inst, timeout_s: float):
         if self.hold is not None:
@@ -70,6 +72,15 @@ class FakeCluster:
     def remove_instance(self, name: str) -> None:
         self.removed.append(name)
         self.harness.handles.pop(name)
+
+    def add_group(self, insts, timeout_s: float):
+        """A new EP group: its instances started together (``groups``: their names)."""
+        self.groups.append([inst.name for inst in insts])
+        return [self.add_instance(inst, timeout_s) for inst in insts]
+
+    def remove_group(self, names) -> None:
+        for name in names:
+            self.remove_instance(name)
 
 
 class Harness:

@@ -15,6 +15,7 @@ from orchestrator.router.admission import AdmissionQueue
 from orchestrator.router.request import RequestError
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
+from tests.orchestrator.test_router import _wait_for
 
 PROMPT_S = 2.0  # "promptly", generous for a loaded machine
 FAR = 60.0  # a deadline no test reaches
@@ -29,9 +30,10 @@ def _queue(max_pending: int = 8) -> AdmissionQueue:
 
 
 async def _take(queue: AdmissionQueue, request_id: str, need: int, granted: list,
-                hold: asyncio.Event | None = None) -> None:
-    """Wait for a grant, record (request id, instance), keep the place until ``hold``."""
-    async with queue.ticket(request_id) as ticket:
+                hold: asyncio.Event | None = None, priority: bool = False) -> None:
+    """Wait for a grant, record (request id, instance), keep the place until ``hold``
+    (``priority``: a migrating request)."""
+    async with queue.ticket(request_id, priority) as ticket:
         granted.append((request_id, await ticket.wait(time.monotonic() + FAR, "full", need)))
         if hold is not None:
             await hold.wait()
@@ -40,6 +42,29 @@ async def _take(queue: AdmissionQueue, request_id: str, need: int, granted: list
 async def _settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+def test_a_migrating_request_goes_ahead_of_new_arrivals_behind_earlier_migrating_ones():
+    async def go():
+        queue, granted, done = _queue(), [], asyncio.Event()
+        tasks = []
+        for rid, priority in (("new-a", False), ("new-b", False), ("moved-1", True),
+                              ("moved-2", True)):
+            tasks.append(asyncio.create_task(_take(queue, rid, 2, granted, done, priority)))
+            await _settle()  # arrival order as listed
+        ahead = (queue.ahead_of(True), queue.ahead_of(False))
+        queue.report("decode-0", 5)  # room for two requests of 2 blocks
+        await _settle()
+        first = list(granted)
+        queue.report("decode-1", 4)
+        await _settle()
+        done.set()
+        await asyncio.gather(*tasks)
+        return ahead, first, granted
+    ahead, first, granted = asyncio.run(go())
+    assert ahead == (2, 4)
+    assert first == [("moved-1", "decode-0"), ("moved-2", "decode-0")]
+    assert [rid for rid, _ in granted] == ["moved-1", "moved-2", "new-a", "new-b"]
 
 
 def test_grants_follow_arrival_order_and_nobody_passes_a_head_that_does_not_fit():
@@ -268,3 +293,42 @@ def test_a_head_that_hears_no_report_tries_once_and_those_behind_it_do_not(monke
         return first
 
     assert asyncio.run(go()) == [("head", "decode-0")]
+
+
+def test_a_migrating_stream_gets_the_freed_decode_before_a_new_arrival():
+    """decode-0 holds stream m, decode-1 is full and new request n waits for blocks; decode-0
+    fails: m (1 token streamed) queues ahead of n, so when decode-1 reports room m is admitted
+    there first and both complete."""
+    h = Harness(decode_dp=2, request_timeout_s=30.0, max_pending=8)
+    try:
+        d0, d1 = h.fakes["decode-0"], h.fakes["decode-1"]
+        h.call_in_loop(lambda: setattr(d1, "capacity", 0))
+        entered, release = h.call_in_loop(lambda: d0.hold("admit"))
+        queue = h.router.flow.admission
+        outputs: dict[str, list[int]] = {}
+
+        def run(rid: str) -> None:
+            with OrchClient(h.address) as client:
+                outputs[rid] = [t for c in client.generate(token_ids=[3, 4, 5], request_id=rid,
+                                                           max_tokens=4) for t in c.token_ids]
+        streams = [threading.Thread(target=run, args=("m",), daemon=True)]
+        streams[0].start()
+        h.run(entered.wait())  # m streamed its first token and sits on decode-0
+        h.call_in_loop(lambda: setattr(d0, "capacity", 1))  # decode-0 full too
+        streams.append(threading.Thread(target=run, args=("n",), daemon=True))
+        streams[1].start()
+        assert _wait_for(lambda: h.call_in_loop(lambda: queue.waiting) == 1)
+        h.set_healthy(lambda name: name != "decode-0")
+        h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))
+        assert _wait_for(lambda: h.call_in_loop(lambda: queue.waiting) == 2)
+        order = h.call_in_loop(lambda: [w.request_id for w in queue._queue])
+        h.call_in_loop(lambda: setattr(d1, "capacity", 1))
+        h.call_in_loop(lambda: d1.stream.flush(d1.free_blocks()))  # decode-1 reports room
+        for t in streams:
+            t.join(20)
+        h.call_in_loop(release.set)
+    finally:
+        h.close()
+    assert order[0].startswith("m") and order[1].startswith("n"), order
+    assert [c[1] for c in d1.calls if c[0] == "admit"][0].startswith("m")
+    assert outputs == {rid: expected_tokens((3, 4, 5), 4) for rid in ("m", "n")}

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from orchestrator.config.autoscale import AutoscaleSection
-from orchestrator.deploy.autoscaler import Autoscaler, LatencyWindow, Signals, decide
+from orchestrator.deploy.autoscaler import (Autoscaler, LatencyWindow, Prediction, Signals,
+                                           choose, decide)
 
 INTERVAL_S = 10.0
 
@@ -120,3 +121,69 @@ def test_latency_window_p90_over_the_window_only():
         window.add(i * 0.1, i * 0.01)
     assert window.p90(min_requests=5) == pytest.approx((0.9, 0.09))
     assert window.p90(min_requests=11) == (None, None)
+
+
+def _table(predictions: dict[tuple[int, int], tuple[float, float]]):
+    """A planner stand-in: P:D -> (TTFT s, TPOT s), hand-made; every call recorded."""
+    asked = []
+
+    def predict(counts):
+        asked.append((counts["prefill"], counts["decode"]))
+        key = (counts["prefill"], counts["decode"])
+        return Prediction(*key, *predictions[key]) if key in predictions else None
+    return predict, asked
+
+
+def test_the_planner_picks_the_step_up_with_the_smaller_predicted_overshoot():
+    # TTFT 1.5x over (prefill +1 first by the table), TPOT 1.2x over
+    signals = Signals(1.5, 0.06, 0, {"prefill": 1, "decode": 1})
+    predict, asked = _table({(2, 1): (0.8, 0.09), (1, 2): (1.1, 0.03)})
+    got = choose(section(), signals, predict)
+    assert decide(section(), signals).role == "prefill"
+    assert sorted(asked) == [(1, 2), (2, 1)]
+    assert (got.role, got.delta, got.kind) == ("decode", 1, "tpot")
+    assert got.prediction == Prediction(1, 2, 1.1, 0.03)
+    assert got.reason == ("TPOT p90 60.0 ms over its target 50.0 ms; planner: P:D 1:2 "
+                          "predicts TTFT 1.1 s, TPOT 30 ms")
+
+
+def test_the_planner_holds_a_step_down_that_would_miss_a_target():
+    signals = Signals(0.3, 0.01, 0, {"prefill": 2, "decode": 2})  # both under half the target
+    table = {(2, 1): (0.4, 0.07), (1, 2): (1.4, 0.01)}  # either step down misses a target
+    assert choose(section(), signals, _table(table)[0]) is None
+    table[(2, 1)] = (0.4, 0.04)
+    got = choose(section(), signals, _table(table)[0])
+    assert (got.role, got.delta) == ("decode", -1)
+    assert got.reason.endswith("planner: P:D 2:1 predicts TTFT 0.4 s, TPOT 40 ms")
+
+
+def test_without_a_prediction_the_table_decides_and_waiting_stays_first():
+    signals = Signals(1.5, 0.06, 0, {"prefill": 1, "decode": 1})
+    assert choose(section(), signals, _table({})[0]) == decide(section(), signals)
+    waiting = Signals(1.5, 0.06, 2, {"prefill": 1, "decode": 1})
+    predict, _ = _table({(2, 1): (0.5, 0.01), (1, 2): (1.4, 0.06)})
+    assert choose(section(), waiting, predict).kind == "waiting"
+
+
+def test_the_step_logs_and_records_the_prediction(caplog):
+    system = FakeSystem()
+    system.load = 3.0  # TPOT 60 ms over 50, TTFT 0.6 s under 1 s
+    recorded = []
+    predict, _ = _table({(1, 2): (0.6, 0.03)})
+    scaler = Autoscaler(section(), system.signals, system, lambda role: f"{role}-x",
+                        record=recorded.append, clock=lambda: system.now, predict=predict)
+    with caplog.at_level("INFO", logger="orchestrator.deploy.autoscaler"):
+        asyncio.run(scaler.step())
+    assert system.counts == {"prefill": 1, "decode": 2}
+    assert recorded[0].prediction == Prediction(1, 2, 0.6, 0.03)
+    assert "decode +1: TPOT p90 60.0 ms over its target 50.0 ms; planner: P:D 1:2 predicts " \
+           "TTFT 0.6 s, TPOT 30 ms" in caplog.text
+
+
+def test_latency_window_shape_is_the_measured_workload():
+    now = [0.0]
+    window = LatencyWindow(20.0, clock=lambda: now[0])
+    for prompt, completion in ((100, 10), (300, 30)):
+        window.add(0.1, 0.01, prompt, completion)
+    assert window.shape(min_requests=2) == (200, 20, pytest.approx(0.1))
+    assert window.shape(min_requests=3) is None

@@ -128,3 +128,30 @@ def test_an_expert_parallel_role_restarts_all_its_instances_on_one_new_ep_store(
         assert sorted(_live_pgs(ray)) == ["orch-decode-0", "orch-decode-1", "orch-prefill-0"]
     finally:
         cluster.teardown()
+
+
+def test_an_ep_role_gets_a_whole_new_group_beside_the_old_one_then_the_old_one_goes(ray_session):
+    """Cluster.add_group: the new group's DP rank 0 opens its own EP store and every new rank
+    joins it; restarts keep the two groups apart; remove_group stops the old one."""
+    from orchestrator.deploy.ep_resize import group_configs
+
+    ray = ray_session
+    cfg = _cfg(dp=2, tp=1, ep=True)
+    cluster = bring_up(cfg, roles=ROLES, rank_class=FakeRank)
+    names = ["decode-2", "decode-3", "decode-4", "decode-5"]
+    try:
+        news = cluster.add_group(group_configs(cfg, "decode", 4, 2), timeout_s=60)
+        assert [n.cfg.name for n in news] == names
+        logs = ray.get([n.leader.get_log.remote() for n in news], timeout=30)
+        assert [("open_ep_store",) in log for log in logs] == [True, False, False, False]
+        assert {log[-2][-2:] for log in logs} == {("127.0.0.1", 29600)}  # joined: its store
+        assert cluster.restart_group("decode-4") == names
+        assert cluster.restart_group("decode-1") == ["decode-0", "decode-1"]
+        with pytest.raises(ValueError, match="in use"):
+            cluster.add_group(group_configs(cfg, "decode", 2, 4), timeout_s=5)
+        cluster.remove_group(["decode-0", "decode-1"])
+        assert sorted(cluster.leaders()) == [*names, "prefill-0"]
+        assert sorted(_live_pgs(ray)) == [*(f"orch-{n}" for n in names), "orch-prefill-0"]
+    finally:
+        cluster.teardown()
+    assert _live_pgs(ray) == []

@@ -1,8 +1,8 @@
 """Live scaling through the Admin gRPC service over fake leaders and a fake cluster
 (tests/orchestrator/harness.py ``FakeCluster``): decode 1 -> 2 -> 1 under steady load with no
 failed request and nothing left held; drain then migration past router.drain_timeout_s; adds
-that overlap; the refusals (last instance, EP role, missing resources, an instance being
-restarted)."""
+that overlap; the refusals (last instance, missing resources, an instance being restarted).
+Expert-parallel roles: tests/orchestrator/test_ep_resize.py."""
 
 from __future__ import annotations
 
@@ -186,27 +186,13 @@ def test_scale_while_a_restart_is_in_progress(scaling):
 
 def test_what_the_cluster_cannot_place_is_refused_naming_it(scaling):
     h = scaling
-    need = h.call_in_loop(lambda: h.scaler._resources("decode"))["CPU"]
+    need = h.call_in_loop(lambda: h.scaler.resources("decode"))["CPU"]
     h.cluster.free = {"CPU": need * 1.5}
     with pytest.raises(grpc.RpcError) as err:
         _scale(h, decode=3)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"CPU: needs {2 * need:g}, {need * 1.5:g} free" in err.value.details()
     assert h.cluster.added == []
-
-
-def test_an_expert_parallel_role_is_not_half_resized():
-    h = Harness(scaling=True, decode_dp=2)
-    try:
-        h.scaler.cfg = h.cfg.model_copy(update={"decode": h.cfg.decode.model_copy(
-            update={"ep": True})})
-        with pytest.raises(grpc.RpcError) as err:
-            _scale(h, decode=3)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "expert-parallel" in err.value.details() and "as a whole" in err.value.details()
-        assert h.cluster.added == []
-    finally:
-        h.close()
 
 
 def test_scale_targets_absolute_and_relative():
@@ -232,7 +218,8 @@ def test_the_autoscaler_steps_through_the_scaler(scaling):
     class Metrics:
         def autoscale_decided(self, role, delta, kind):
             recorded.append((role, delta, kind))
-    scaler = h.call_in_loop(lambda: build_autoscaler(cfg, h.router, h.scaler, window, Metrics()))
+    scaler = h.call_in_loop(lambda: build_autoscaler(cfg, h.router, h.scaler, window, Metrics(),
+                                                     predict=lambda counts: None))
     h.call_in_loop(lambda: window.add(0.5, 0.002))
     assert h.run(scaler.step()).kind == "tpot"
     assert h.cluster.added == ["decode-1"]
