@@ -171,6 +171,7 @@ async def _serve_router(leader: tuple[str, int], ports: tuple[int, int | None],
     cfg = OrchConfig.model_validate({
         "mode": "colocated", "cluster": {"device": "cpu"}, "model": {"max_model_len": 8192},
         "decode": {"num_kv_blocks": 1 << 16},
+        "health": {"probe_timeout_s": 60},  # NOTE: a starved box must not fail the leader
         "router": {"request_timeout_s": 120, "max_pending": 4096, "port": port,
                    "http_port": http_port}})
     model = ModelInfo(name="bench", vocab_size=129_280, eos_token_ids=(1,), num_layers=4,
@@ -285,8 +286,9 @@ def _start_routers(ctx, args, leader_addr, ports, replicas: int) -> list:
             args.tokenizer or args.api == "http", ready, args.profile if i == 0 else "", i,
             replicas > 1), daemon=True)
         proc.start()
-        ready.wait(60)
         routers.append(proc)
+        if not ready.wait(120):
+            raise RuntimeError(f"router replica {i} did not start within 120 s")
     return routers
 
 
@@ -313,8 +315,8 @@ def run(args: argparse.Namespace, replicas: int) -> tuple[float, float]:
                                daemon=True) for c, r in zip(counts, readies)]
         for c in clients:
             c.start()
-        for r in readies:
-            r.wait(120)
+        if not all(r.wait(120) for r in readies):
+            raise RuntimeError("a client process did not connect within 120 s")
         warm_end = time.time() + args.warmup
         until.value = warm_end + args.seconds + 1
         go.set()
@@ -359,7 +361,7 @@ def main() -> int:
         first = first or tok_s
         print(f"| {args.api} | {replicas} | {args.streams} | {args.step_ms:g} | "
               f"{'yes' if args.tokenizer or args.api == 'http' else 'no'} | {tok_s:,.0f} | "
-              f"{ms * 1e3:.1f} | {tok_s / first:.2f} |", flush=True)
+              f"{ms * 1e3:.1f} | {tok_s / max(first, 1e-9):.2f} |", flush=True)
     return 0
 
 
