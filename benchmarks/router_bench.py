@@ -102,7 +102,9 @@ def leader_main(address: tuple[str, int], step_s: float, ready) -> None:
                 if done:
                     del active[rid]
         stream.flush(1 << 20)
-        time.sleep(max(0.0, step_s - (time.perf_counter() - start)))
+        # NOTE: never sleep(0): the control threads waiting on ``lock`` (Generate, Abort)
+        # would starve behind a step that overran on a loaded machine
+        time.sleep(max(0.001, step_s - (time.perf_counter() - start)))
 
 
 class PipeHandle:
