@@ -1,5 +1,6 @@
 """`orch up`: checkpoint, Ray instances, router, gRPC server and (``router.http_port``) the
-OpenAI HTTP API on the same router, until SIGINT/SIGTERM.
+OpenAI HTTP API on the same router, until SIGINT/SIGTERM. With ``router.replicas: N`` the
+router here is replica 0 and N-1 more serve the same ports (orchestrator/deploy/replicas.py).
 
 Start-up prints one line per stage and instance (:mod:`orchestrator.deploy.progress`); SIGINT or
 SIGTERM during it stops what was started and ends the command (exit 130 from the CLI).
@@ -36,6 +37,8 @@ from orchestrator.router.router import NoMetrics
 from orchestrator.api.admin import AdminServicer
 from orchestrator.api.security import EdgeSecurity, load_security
 from orchestrator.api.server import OrchServer, PortInUseError
+from orchestrator.deploy.replicas import NoLiveScaling, ReplicaSet
+from orchestrator.router.peers import Peers
 from rank.rank import Rank
 
 log = logging.getLogger(__name__)
@@ -197,19 +200,28 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
                           timeout_s=cfg.health.recover_timeout_s)
     board = build_board(cfg, router, monitor)
     scaler = Scaler(cfg, cluster, router, monitor, clients)
+    shared = cfg.router.replicas > 1  # NOTE: every replica binds the ports with SO_REUSEPORT
+    peers = Peers()
     server = OrchServer(router, board, cfg.router.host, cfg.router.port, security,
-                        cfg.router.max_message_bytes, admin=AdminServicer(scaler))
+                        cfg.router.max_message_bytes,
+                        admin=NoLiveScaling() if shared else AdminServicer(scaler), peers=peers,
+                        reuse_port=shared)
     port = await server.start()
-    http = None
-    if cfg.router.http_port is not None:
-        http = build_http_server(cfg, router, checkpoint, security.token,
-                                 ready=lambda: server.serving, grace_s=DRAIN_S,
-                                 retry_after=monitor.retry_after_s)
-        try:
+    http, http_port = None, None
+    replicas = ReplicaSet(router, monitor, cluster.leaders, peers) if shared else None
+    try:
+        if cfg.router.http_port is not None:
+            http = build_http_server(cfg, router, checkpoint, security.token,
+                                     ready=lambda: server.serving, grace_s=DRAIN_S,
+                                     retry_after=monitor.retry_after_s, reuse_port=shared)
             http_port = await http.start()
-        except BaseException:
-            await server.stop(grace_s=DRAIN_S)
-            raise
+        if replicas is not None:
+            bound = cfg.router.model_copy(update={"port": port, "http_port": http_port})
+            await replicas.start(cfg.model_copy(update={"router": bound}), model, checkpoint,
+                                 security, metrics is not None, DRAIN_S)
+    except BaseException:
+        await _stop_servers(server, http, replicas)
+        raise
     reporter = asyncio.create_task(board.report(period_s=1.0))
     autoscaler = (asyncio.create_task(build_autoscaler(cfg.autoscale, router, scaler, window,
                                                        metrics).run())
@@ -222,14 +234,22 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
                   if metrics else "")
     http_at = (f"; OpenAI API on http{'s' if cfg.router.tls else ''}://{cfg.router.host}:"
                f"{http_port}/v1" if http else "")
+    replicas_at = f", {cfg.router.replicas} router replicas" if shared else ""
     print(f"orch serving {model.name} on {cfg.router.host}:{port}, {security.describe()} "
-          f"({len(cluster.instances)} instance(s)){metrics_at}{http_at}; Ctrl-C to stop",
-          flush=True)
+          f"({len(cluster.instances)} instance(s){replicas_at}){metrics_at}{http_at}; "
+          "Ctrl-C to stop", flush=True)
     await stop.wait()
     print("orch: stopping (draining in-flight requests)", flush=True)
     for task in (reporter, autoscaler):
         if task is not None:
             task.cancel()
     await asyncio.gather(*(t for t in (reporter, autoscaler) if t), return_exceptions=True)
+    await _stop_servers(server, http, replicas)
+
+
+async def _stop_servers(server: OrchServer, http, replicas: ReplicaSet | None) -> None:
+    """Drain and stop every router replica's servers together (each bounded by DRAIN_S)."""
     stops = [server.stop(grace_s=DRAIN_S)] + ([http.stop()] if http else [])
+    if replicas is not None:
+        stops.append(replicas.stop(DRAIN_S))
     await asyncio.gather(*stops)

@@ -23,6 +23,7 @@ from orchestrator.deploy.health import InstanceHealth
 from orchestrator.api.interceptors import RequestGuard, TokenAuth
 from orchestrator.router.fan_out import merge_streams
 from orchestrator.router.limits import DEFAULT_MAX_MESSAGE_BYTES, max_request_bytes
+from orchestrator.router.peers import Peers
 from orchestrator.router.request import RequestError
 from orchestrator.router.router import Router
 from orchestrator.api.rpc import orch_pb2 as pb
@@ -41,8 +42,8 @@ class PortInUseError(RuntimeError):
 class OrchServicer(pb_grpc.OrchServicer):
     """Maps the Orch RPCs onto a :class:`Router` and its :class:`StatusBoard`."""
 
-    def __init__(self, router: Router, board: StatusBoard) -> None:
-        self.router, self.board = router, board
+    def __init__(self, router: Router, board: StatusBoard, peers: Peers | None = None) -> None:
+        self.router, self.board, self.peers = router, board, peers
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -71,7 +72,10 @@ class OrchServicer(pb_grpc.OrchServicer):
             request_id = convert.abort_id_from_proto(request)
         except RequestError as exc:
             await context.abort(grpc.StatusCode[exc.code], exc.message)
-        return pb.AbortResponse(found=await self.router.abort(request_id))
+        found = await self.router.abort(request_id)
+        if not found and self.peers is not None:  # NOTE: placed by another router replica
+            found = await self.peers.abort(request_id)
+        return pb.AbortResponse(found=found)
 
     async def GetStatus(self, request: pb.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
@@ -86,13 +90,16 @@ class OrchServer:
     ``port`` 0 = any free port (``self.port``). ``max_message_bytes``: gRPC's receive limit,
     raised to the edge limit when lower (a request between the two gets INVALID_ARGUMENT from
     the edge, one over it gRPC's RESOURCE_EXHAUSTED). ``admin``: the Admin (scaling)
-    servicer, served behind the same token (None: no Admin service).
+    servicer, served behind the same token (None: no Admin service). ``peers``: the other
+    router replicas (an Abort this router does not know is asked of them). ``reuse_port``:
+    share ``port`` with the other replicas (SO_REUSEPORT; every one must set it).
     """
 
     def __init__(self, router: Router, board: StatusBoard, host: str, port: int,
                  security: EdgeSecurity = EdgeSecurity(),
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 admin: pb_grpc.AdminServicer | None = None) -> None:
+                 admin: pb_grpc.AdminServicer | None = None, peers: Peers | None = None,
+                 reuse_port: bool = False) -> None:
         self.router, self.monitor = router, board.monitor
         self.security = security
         self.health = health.aio.HealthServicer()
@@ -105,13 +112,14 @@ class OrchServer:
         if security.token is not None:
             interceptors.insert(0, TokenAuth(security.token))
         # NOTE: gRPC enables SO_REUSEPORT by default, which lets a second `orch up` bind the
-        # same port and silently share clients with this one. gRPC's receive limit stays
+        # same port and silently share clients with this one: only router replicas set it
+        # (check_ports_free refuses a port another `orch up` listens on). gRPC's receive limit stays
         # above the edge's, so the edge (INVALID_ARGUMENT), not gRPC (RESOURCE_EXHAUSTED),
         # refuses what the model cannot use.
         self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
             ("grpc.max_receive_message_length", max(max_message_bytes, limit + 1))])
-        pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board), self.server)
+        pb_grpc.add_OrchServicer_to_server(OrchServicer(router, board, peers), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         services = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if admin is not None:  # NOTE: the Admin servicer (orchestrator/api/admin.py)

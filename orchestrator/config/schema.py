@@ -53,6 +53,9 @@ class OrchConfig(_Section):
         if self.autoscale is not None and self.mode != "disaggregated":
             raise _cross_field("autoscale moves P:D and needs mode: disaggregated; remove the "
                                "autoscale section (scale colocated instances with `orch scale`)")
+        if self.autoscale is not None and self.router.replicas > 1:
+            raise _cross_field("autoscale changes instances live, which router replicas do not "
+                               "follow: set router.replicas to 1 or remove the autoscale section")
         if self.mode == "colocated" and self.prefill.cp > 1:
             raise _cross_field(
                 f"prefill.cp ({self.prefill.cp}) is for disaggregated prefill instances; "

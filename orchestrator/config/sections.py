@@ -315,6 +315,9 @@ class RouterSection(_Section):
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=4 * 1024 * 1024)
     tls: Optional[TLSSection] = None
     auth: Optional[AuthSection] = None
+    # Router processes serving router.port / router.http_port together (SO_REUSEPORT); the
+    # first also serves Admin, metrics and health probing (docs/router.md, Router replicas).
+    replicas: int = Field(1, ge=1, le=64)
 
 
 class HealthSection(_Section):

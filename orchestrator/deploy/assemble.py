@@ -54,15 +54,16 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
                  tokenizer: Tokenizer | None, metrics: RouterMetrics | None = None,
-                 health: HealthMonitor | None = None) -> Router:
+                 health: HealthMonitor | None = None, replica: int = 0) -> Router:
     """A router over ``handles`` configured by ``cfg.router`` (call from the event loop);
     ``health``: its policies choose only instances the monitor says are healthy, and its
-    placements wait while it restarts every instance of a role (None: all healthy, always)."""
+    placements wait while it restarts every instance of a role (None: all healthy, always);
+    ``replica``: its index among ``router.replicas``."""
     healthy = health.is_healthy if health is not None else (lambda name: True)
     return Router(build_flow(cfg, handles, healthy), model, tokenizer,
                   cfg.router.request_timeout_s, metrics=metrics,
                   max_attempts=cfg.router.max_attempts,
-                  max_migrations=cfg.router.max_migrations, health=health)
+                  max_migrations=cfg.router.max_migrations, health=health, replica=replica)
 
 
 def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
@@ -90,11 +91,11 @@ def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> Stat
 
 def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: str | None,
                       ready: Callable[[], bool], grace_s: float,
-                      retry_after: Callable[[], float] = lambda: 1.0):
+                      retry_after: Callable[[], float] = lambda: 1.0, reuse_port: bool = False):
     """The OpenAI HTTP API over ``router`` on ``router.host:router.http_port`` (TLS from
     ``router.tls``); ``ready`` drives its /health, ``retry_after`` its 503s' Retry-After.
     Chat uses the checkpoint's chat template; without one, chat completions answer 400 and a
-    warning says why."""
+    warning says why. ``reuse_port``: share the port with the other router replicas."""
     from orchestrator.api.http.app import OpenAIApp  # lazy: only when router.http_port is set
     from orchestrator.api.http.chat_template import ChatTemplate, ChatTemplateError
     from orchestrator.api.http.server import HttpServer
@@ -106,4 +107,4 @@ def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: 
         template = None
     app = OpenAIApp(router, template, token, ready, retry_after)
     return HttpServer(app.asgi(), cfg.router.host, cfg.router.http_port, cfg.router.tls,
-                      grace_s=grace_s)
+                      grace_s=grace_s, reuse_port=reuse_port)

@@ -49,12 +49,17 @@ class EventSubscription:
         name: instance name; source: its events' ``TokenEvent.source``.
         subscriber: this router's id (the leader keeps one outbox per id).
         open_events: ``async (subscriber) -> StreamAddress``, the Ray call (raises on failure).
+        keep: ``(row) -> bool`` on each event row (rank/event_stream.py ``event_row``): rows it
+            refuses are skipped before they are decoded (router replicas: every replica gets
+            every event and keeps its own requests'). None: keep all.
     """
 
     def __init__(self, name: str, source: str, subscriber: str,
-                 open_events: Callable[[str], Awaitable[StreamAddress]]) -> None:
+                 open_events: Callable[[str], Awaitable[StreamAddress]],
+                 keep: Callable[[list], bool] | None = None) -> None:
         self.name, self.source, self.subscriber = name, source, subscriber
         self._open_events = open_events
+        self._keep = keep
         self._epoch: str | None = None
         self.next_seq = 0  # the seq of the next frame to apply
 
@@ -100,8 +105,10 @@ class EventSubscription:
                     raise StreamBroken(f"{self.name}: event frame {seq} came, "
                                        f"{self.next_seq} expected")
                 self.next_seq = seq + 1
+                keep = self._keep
                 yield EventFrame(seq, free_blocks, tuple(
-                    event_from_row(row, self.source, self.name) for row in rows))
+                    event_from_row(row, self.source, self.name) for row in rows
+                    if keep is None or keep(row)))
         finally:
             writer.close()
 

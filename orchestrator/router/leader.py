@@ -308,7 +308,7 @@ class EventPump:
         """Follow ``leader``'s stream; a lost one fails its watchers, then we subscribe again
         (through ``leader.handle``: a rebind switches to the new leader at once)."""
         sub = EventSubscription(leader.name, leader.role, self.subscriber,
-                                lambda subscriber: _open(leader, subscriber))
+                                lambda subscriber: _open(leader, subscriber), keep=self._wanted)
         failing = False  # NOTE: one warning per run of failures, the rest at debug
         while not self._stopping:
             rebound = leader.rebound()
@@ -331,6 +331,11 @@ class EventPump:
     async def _follow(self, leader: LeaderClient, sub: EventSubscription) -> None:
         async for frame in sub.frames():
             self._dispatch(leader, frame)
+
+    def _wanted(self, row: list) -> bool:
+        """Whether an event row (rank/event_stream.py ``event_row``: [request_id, ...,
+        kv_events]) is for this router: an attempt of its own, or prefix-cache events."""
+        return row[0] in self._sources or row[7] is not None
 
     def _dispatch(self, leader: LeaderClient, frame: EventFrame) -> None:
         for event in frame.events:

@@ -115,7 +115,7 @@ class RequestState:
         eos = frozenset() if spec.sampling.ignore_eos else frozenset(eos_token_ids)
         self.eos = eos | frozenset(spec.sampling.stop_token_ids)
 
-    def new_attempt(self, number: int) -> RequestSpec:
+    def new_attempt(self, number: int | str) -> RequestSpec:
         """PLACING under attempt id "<request_id>@<number>"; returns the spec under that id:
         after tokens streamed, the prompt plus those tokens, the rest of max_tokens, and
         ``num_resumed_tokens`` so seeded sampling goes on with the same sequence."""

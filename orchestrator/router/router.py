@@ -87,12 +87,14 @@ class Router:
             (`router.max_migrations`).
         health: the health monitor: a placement waits while every instance of a role is
             being restarted (None: it never waits; see :class:`Availability`).
+        replica: this router's index among ``router.replicas`` (attempt ids stay unique
+            across replicas: replica k > 0 numbers its attempts "<request_id>@k.n").
     """
 
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
                  max_attempts: int = 3, health: HealthView | None = None,
-                 max_migrations: int = 3) -> None:
+                 max_migrations: int = 3, replica: int = 0) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
         # NOTE: grammars are checked here, before a request is accepted (a bad one is a 400)
         self.grammars = GrammarCompiler(tokenizer.file, model.vocab_size,
@@ -105,7 +107,9 @@ class Router:
             health.add_listener(lambda _health: flow.health_changed())
         self.pump = EventPump(flow.leaders, on_capacity=flow.capacity, kv_index=flow.kv_index)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
-        self._attempt_numbers = itertools.count(1)
+        numbers = itertools.count(1)
+        self._attempt_numbers = (numbers if not replica
+                                 else (f"{replica}.{n}" for n in numbers))
         self._background: set[asyncio.Task] = set()
         self._accepting = True
         self._idle = asyncio.Event()

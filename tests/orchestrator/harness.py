@@ -90,13 +90,15 @@ class Harness:
     unhealthy instance; with it the monitor also fails the router's requests on an instance
     the moment it turns unhealthy, as `orch up` wires them (None: neither).
     ``probe_interval_s``: seconds between two of the monitor's own probes of an instance.
+    ``peers``: the server's :class:`Peers` (router replicas: an Abort it does not know goes
+    there).
     """
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
                  security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
-                 max_migrations=3, drain_timeout_s=30.0, scaling=False) -> None:
-        self.security, self.recover = security, recover
+                 max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None) -> None:
+        self.security, self.recover, self.peers = security, recover, peers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -139,7 +141,7 @@ class Harness:
                                  free_resources=lambda: dict(self.cluster.free))
             admin = AdminServicer(self.scaler)
         self.server = OrchServer(self.router, build_board(self.cfg, self.router, self.monitor),
-                                 "127.0.0.1", 0, self.security, admin=admin)
+                                 "127.0.0.1", 0, self.security, admin=admin, peers=self.peers)
         port = await self.server.start()
         self.address = f"127.0.0.1:{port}"
 

@@ -394,3 +394,13 @@ def test_cp_prefill_with_ep_splits_experts_over_every_cp_rank(tmp_path):
     prefill = [i.parallel for i in cfg.instances() if i.role == "prefill"]
     assert [(p.ranks, p.ep_size) for p in prefill] == [(2, 4), (2, 4)]
     assert [p.ep_rank(r) for p in prefill for r in range(p.ranks)] == [0, 1, 2, 3]
+
+
+def test_router_replicas_default_to_one_and_refuse_autoscale():
+    assert OrchConfig().router.replicas == 1
+    assert OrchConfig.model_validate({"router": {"replicas": 4}}).router.replicas == 4
+    with pytest.raises(ValidationError, match="router.replicas to 1"):
+        OrchConfig.model_validate({"router": {"replicas": 2},
+                                   "autoscale": {"ttft_p90_s": 1.0, "tpot_p90_s": 0.1}})
+    with pytest.raises(ValidationError):
+        OrchConfig.model_validate({"router": {"replicas": 0}})

@@ -74,6 +74,40 @@ def test_tokens_arrive_in_order_and_once_across_reconnects():
     assert seqs == list(range(len(seqs)))
 
 
+def test_every_router_replica_gets_every_event_in_order_across_reconnects():
+    """router.replicas: each replica subscribes under its own id and receives every frame
+    (it keeps its own requests' events), in order and once, while connections break."""
+    stream = EventStream("decode-0", "127.0.0.1")
+    total = 1200
+
+    def leader():
+        _publish(stream, 0, 10)
+        for start in range(10, total, 199):
+            time.sleep(0.01)
+            stream.break_connections()
+            _publish(stream, start, min(199, total - start))
+
+    async def go():
+        subs = [_subscription(stream, name) for name in ("router-a", "router-b")]
+        for name in ("router-a", "router-b"):
+            stream.open(name)  # NOTE: both outboxes exist before the first frame
+        collects = [asyncio.create_task(_collect(sub, total)) for sub in subs]
+        await asyncio.sleep(0.05)
+        thread = threading.Thread(target=leader, daemon=True)
+        thread.start()
+        results = await asyncio.gather(*collects)
+        thread.join(5)
+        return results
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        stream.close()
+    for seqs, got in results:
+        assert got == list(range(total))
+        assert seqs == list(range(len(seqs)))
+
+
 def test_a_router_that_does_not_read_never_blocks_the_leader_and_loses_no_token():
     stream = EventStream("decode-0", "127.0.0.1")
     try:

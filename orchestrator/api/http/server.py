@@ -33,11 +33,12 @@ class HttpServer:
     """One uvicorn server for ASGI ``app`` on ``host:port`` (port 0: any free one).
 
     ``tls``: PEM certificate and key files, or None; ``grace_s``: seconds :meth:`stop` lets
-    running requests finish before cancelling them.
+    running requests finish before cancelling them; ``reuse_port``: share the port with the
+    other router replicas (SO_REUSEPORT; every one must set it).
     """
 
     def __init__(self, app, host: str, port: int, tls: TLSSection | None = None,
-                 grace_s: float = 30.0) -> None:
+                 grace_s: float = 30.0, reuse_port: bool = False) -> None:
         ssl = {} if tls is None else {
             "ssl_certfile": str(Path(tls.cert_file).expanduser()),
             "ssl_keyfile": str(Path(tls.key_file).expanduser())}
@@ -45,6 +46,7 @@ class HttpServer:
                                      log_config=None, access_log=False,
                                      timeout_graceful_shutdown=grace_s, **ssl)
         self.host, self.port, self.grace_s = host, port, grace_s
+        self.reuse_port = reuse_port
         self.server = _EmbeddedServer(self.config)
         self._task: asyncio.Task | None = None
 
@@ -57,6 +59,8 @@ class HttpServer:
         self.config.load()  # NOTE: TLS files are read here, so a bad one fails start()
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as exc:
