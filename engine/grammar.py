@@ -75,7 +75,14 @@ class GrammarCompiler:
             return f"the {spec.kind} is not valid JSON: {exc}"
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             text, self.tokenizer, limits=PARSER_LIMITS)
-        return messages[0] if is_error else None
+        if is_error:
+            return messages[0]
+        first = self.start(spec).matcher  # a copy: computing its mask changes nothing cached
+        allowed = {i for i, bias in enumerate(first.compute_logit_bias()) if bias}
+        if first.is_error() or not allowed - set(self.eos_token_ids):
+            return (f"the {spec.kind} allows no output at all (e.g. a schema that only refers "
+                    "to itself): give it at least one value it accepts")
+        return None
 
     def start(self, spec: GrammarSpec) -> GrammarState:
         """A fresh matcher for ``spec`` (a copy of a cached one when ``spec`` was seen lately).

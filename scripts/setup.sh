@@ -9,15 +9,17 @@ START=$SECONDS
 
 # pip_install STEP ARGS...: pip install ARGS into .venv, a progress line every 5 s.
 pip_install() {
-  local step=$1 began=$SECONDS pid last
+  local step=$1 began=$SECONDS pid last from
   shift
+  from=$(($(wc -l <.venv/setup.log) + 1))  # this step's lines start here
   echo "setup: $step"
   .venv/bin/python -m pip install --progress-bar off "$@" >>.venv/setup.log 2>&1 &
   pid=$!
   while kill -0 "$pid" 2>/dev/null; do
     sleep 5
     kill -0 "$pid" 2>/dev/null || break
-    last=$(grep -E '^(Collecting|Downloading|Installing|Building|Processing)' .venv/setup.log \
+    last=$(tail -n "+$from" .venv/setup.log \
+           | grep -E '^(Collecting|Downloading|Installing|Building|Processing)' \
            | tail -1 | cut -c1-70 || true)
     echo "setup:   ... $((SECONDS - began)) s${last:+ ($last)}"
   done

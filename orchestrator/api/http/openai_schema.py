@@ -80,15 +80,26 @@ class GenerationRequest(_Strict):
     verbosity: Any = None
 
     def stop_strings(self) -> tuple[str, ...]:
-        """The non-empty stop strings (at most MAX_STOP_STRINGS)."""
+        """The stop strings (at most MAX_STOP_STRINGS).
+
+        Raises:
+            RequestError: too many, or an empty one (it would stop at once; gRPC refuses it too).
+        """
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stops) > MAX_STOP_STRINGS:
             raise RequestError("INVALID_ARGUMENT", f"stop has {len(stops)} strings; at most "
                                                    f"{MAX_STOP_STRINGS} are allowed")
-        return tuple(s for s in stops if s)
+        for i, stop in enumerate(stops):
+            if not stop:
+                where = "stop" if isinstance(self.stop, str) else f"stop[{i}]"
+                raise RequestError("INVALID_ARGUMENT", f"{where} is empty: drop it")
+        return tuple(stops)
 
     def check_supported(self) -> None:
         """Refuse what orch cannot do (INVALID_ARGUMENT naming it)."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("INVALID_ARGUMENT", "stream_options is only allowed when stream "
+                                                   "is true: set stream or drop stream_options")
         for name, what in REFUSED.items():
             value = getattr(self, name, None)
             if value is not None and value is not False and value != {} and value != []:
