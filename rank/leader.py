@@ -20,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from engine.block_pool import BlockPool
 from engine.logits_process import LogitsStage
@@ -31,6 +32,7 @@ from rank.event_stream import EventStream
 from rank.leader_step import LeaderStep, StepInputsFor, StepResult
 from rank.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from rank.spmd import SPMDGroup
+from rank.step_timing import FirstTokenClock, with_flush
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class Leader:
                                    num_speculative_tokens=sched.num_speculative_tokens)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_timer = group.timer
+        self.first_token = FirstTokenClock()  # NOTE: followed on prefill / colocated only
         self.lock = threading.RLock()
         self.wake = threading.Event()
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
@@ -113,9 +116,12 @@ class Leader:
             return
         while True:
             try:
-                self.stream.add(self._events.get_nowait())
+                event = self._events.get_nowait()
             except queue.Empty:
                 break
+            if event.ttft_phases:
+                event = replace(event, ttft_phases=with_flush(event.ttft_phases))
+            self.stream.add(event)
         kv = self.pool.take_events()  # NOTE: the prefix cache's changes ride the same frame
         if kv:
             self.stream.add(TokenEvent("", source=self.source, instance=self.cfg.name,
@@ -203,6 +209,8 @@ class Leader:
             self.emit_end(spec.request_id, "error", reason)
             return False
         self.scheduler.add(Request(spec))
+        if self.source != "decode":
+            self.first_token.arrived(spec.request_id)
         self.wake.set()
         return True
 
@@ -221,14 +229,20 @@ class Leader:
         Raises:
             RankFailure: a rank died or hung, or another DP rank did not meet a round.
         """
-        return self._step.run(step_inputs_for)
+        started = time.perf_counter()
+        result = self._step.run(step_inputs_for)
+        if result is not None and self.source != "decode":
+            self.first_token.stepped([c.request.request_id for c in result.output.chunks],
+                                     started, self.step_timer.pending())
+        return result
 
     def finish_sampled(self, sampled: dict[str, int], *, free: bool = True,
                        accepted: dict[str, tuple[int, ...]] | None = None) -> list[Request]:
         """Emit one event per sampled token (after the drafts ``accepted`` for it, in the same
-        event); remove finished requests (and, on prefill, every request: it leaves after its
-        first token), freeing their blocks when ``free``. Returns those removed. Caller
-        holds the lock; timed as the step's ``emit`` phase."""
+        event) and flush them to the routers at once; remove finished requests (and, on
+        prefill, every request: it leaves after its first token), freeing their blocks when
+        ``free``. Returns those removed. Caller (the loop thread) holds the lock; timed as the
+        step's ``emit`` phase."""
         accepted = accepted or {}
         with self.step_timer.phase("emit"):
             done: list[Request] = []
@@ -243,9 +257,11 @@ class Leader:
                 # NOTE: requests with logprobs never draft (router/validate.py refuses them
                 # under speculative decoding), so one entry goes with one token
                 logprobs = (req.output_logprobs[-1],) if req.output_logprobs else ()
+                first = self.first_token.phases_at_emit(rid) \
+                    if len(req.output_token_ids) == 1 + len(kept) else ()
                 self.emit(TokenEvent(rid, (*kept, token), reason, source=self.source,
                                      instance=self.cfg.name, num_cached_tokens=cached,
-                                     logprobs=logprobs))
+                                     logprobs=logprobs, ttft_phases=first))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
             return done

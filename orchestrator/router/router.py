@@ -54,6 +54,8 @@ class RouterMetrics(Protocol):
 
     def request_migrated(self) -> None: ...
 
+    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None: ...
+
 
 class NoMetrics:
     """The default: report nothing."""
@@ -69,6 +71,9 @@ class NoMetrics:
         pass
 
     def request_migrated(self) -> None:
+        pass
+
+    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None:
         pass
 
 
@@ -270,7 +275,8 @@ class Router:
             req.calls["launch"] = self._spawn(self.flow.launch(spec, route))
             while not req.ended:
                 event = await req.next_event(inbox, self.request_timeout_s)
-                chunk, by_workers = await self._on_event(req, event, out)
+                chunk, by_workers = await self._on_event(req, event, out,
+                                                         inbox.first_token_at)
                 yield chunk
         finally:
             self.pump.unregister(req.attempt_id)
@@ -312,11 +318,12 @@ class Router:
                                    f"{'; '.join(req.failures)}") from None
             raise
 
-    async def _on_event(self, req: RequestState, event: TokenEvent | None,
-                        out: OutputText) -> tuple[OutputChunk, bool]:
+    async def _on_event(self, req: RequestState, event: TokenEvent | None, out: OutputText,
+                        arrived: float | None) -> tuple[OutputChunk, bool]:
         """The chunk ``event`` makes (None: aborted: the last chunk, "abort"; a stop string
         found: the last chunk, "stop", its text cut before it), and whether the workers
-        ended the request themselves (nothing left to abort on them)."""
+        ended the request themselves (nothing left to abort on them). ``arrived``: when the
+        attempt's first token event reached the router (monotonic)."""
         tokens, finish = req.take(event, time.monotonic()) if event else ((), "abort")
         text, stopped = out.add(tokens)
         if finish is not None and not stopped:
@@ -325,6 +332,8 @@ class Router:
         if stopped and finish != "abort":
             finish = "stop"
         if tokens and req.phase is Phase.PREFILLING:
+            now = time.monotonic()
+            self.metrics.first_token(req.first_token_phases(event, arrived or now, now))
             self._first_token(req, tokens[0], finished=finish is not None)
         logprobs = event.logprobs[:len(tokens)] if event else ()
         if finish is None:
@@ -372,7 +381,8 @@ class Router:
         if refusal is not None:
             self.metrics.request_rejected(refusal.code)
             raise refusal
-        req = self._requests[request_id] = RequestState(request_id, time.monotonic())
+        now = time.monotonic()
+        req = self._requests[request_id] = RequestState(request_id, now, opened_at=now)
         self._idle.clear()
         return req
 
