@@ -32,6 +32,7 @@ from rank.event_stream import EventStream
 from rank.leader_step import LeaderStep, StepInputsFor, StepResult
 from rank.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from rank.spmd import SPMDGroup
+from rank.step_lock import StepLock
 from rank.step_timing import FirstTokenClock, with_flush
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Leader:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_timer = group.timer
         self.first_token = FirstTokenClock()  # NOTE: followed on prefill / colocated only
-        self.lock = threading.RLock()
+        self.lock = StepLock()
         self.wake = threading.Event()
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
@@ -221,6 +222,7 @@ class Leader:
         Raises:
             DPGroupBroken: another DP rank did not meet the round.
         """
+        self.lock.give_way()  # NOTE: a request's call waiting for the lock goes first
         return self._step.agree()
 
     def step(self, step_inputs_for: StepInputsFor | None = None) -> StepResult | None:
@@ -264,6 +266,12 @@ class Leader:
                                      logprobs=logprobs, ttft_phases=first))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
+            # NOTE: out now, not after the role's bookkeeping (prefill: asking every rank
+            # whether its sends are idle), which the loop's own flush waits for
+            try:
+                self.flush_events()
+            except Exception:  # noqa: BLE001 - the loop's flush sends them again
+                log.exception("%s: sending events failed", self.cfg.name)
             return done
 
     # ---- failures -----------------------------------------------------------------------
