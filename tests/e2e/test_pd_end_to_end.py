@@ -227,7 +227,8 @@ def _timed_first_token(stub, token_ids: list[int]) -> tuple[float, dict[str, flo
 
 def test_ttft_phases_add_up_to_the_clients_ttft(pd_server):
     """Issue 36: the router's TTFT breakdown (its phases around the prefill leader's, carried
-    on the first token's event) covers what the client measured, within 15 % or 5 ms."""
+    on the first token's event) covers what the client measured, within 15 % or 10 ms (the
+    median of 5 requests: the rest is the gRPC hops, which a busy machine stretches)."""
     from orchestrator.router.request import TTFT_PHASES
 
     before = pd_server.metrics().get("orch_ttft_phase_seconds_count{phase=forward}", 0.0)
@@ -235,15 +236,15 @@ def test_ttft_phases_add_up_to_the_clients_ttft(pd_server):
     with grpc.insecure_channel(pd_server.address) as channel:
         grpc.channel_ready_future(channel).result(timeout=30)
         stub = orch_pb2_grpc.OrchStub(channel)
-        runs = [_timed_first_token(stub, [n] + prompt) for n in range(3)]  # NOTE: no cache hit
+        runs = [_timed_first_token(stub, [n] + prompt) for n in range(5)]  # NOTE: no cache hit
     for client_s, phases in runs:
         assert set(phases) == set(TTFT_PHASES), phases
         assert phases["forward"] > 0 and phases["transport"] > -1e-3, phases
         assert all(v >= 0 for k, v in phases.items() if k != "transport"), phases
-    gaps = sorted(abs(sum(p.values()) - c) - max(0.15 * c, 0.005) for c, p in runs)
-    assert gaps[1] <= 0, f"phases vs client TTFT (s): {runs}"  # NOTE: the median request
+    gaps = sorted(abs(sum(p.values()) - c) - max(0.15 * c, 0.010) for c, p in runs)
+    assert gaps[2] <= 0, f"phases vs client TTFT (s): {runs}"  # NOTE: the median request
     after = pd_server.metrics()["orch_ttft_phase_seconds_count{phase=forward}"]
-    assert after - before == 3
+    assert after - before == 5
 
 
 def test_sigterm_drains_requests_in_flight(pd_server, prompts):
