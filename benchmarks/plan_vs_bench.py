@@ -1,8 +1,8 @@
 """`orch plan` vs `orch bench` on this CPU machine (issue 17's check; in CI as
 tests/e2e/test_plan_vs_bench.py), with ``--reps`` and, with ``--concurrency 1 4``, a loaded
 closed loop (planned in lock-step, ``start=together``, as the bench runs equal requests):
-for configs/colocated.yaml and configs/1p1d.yaml (64-token prompts, 16 output tokens), the
-predicted and measured median TTFT / TPOT and the error
+for configs/colocated.yaml and configs/hetero_tp_1p1d.yaml (64-token prompts, 16 output tokens),
+the predicted and measured median TTFT / TPOT and the error
 (orchestrator/planner/versus.py). Starts its own Ray; the calibration's served instances are
 brought up once on it, each config once; the cpu device is measured with the config up,
 right before its benches. Run (~1-2 min):
@@ -27,7 +27,7 @@ from orchestrator.planner.versus import bench_ms, compare
 from tests.e2e.harness import OrchProcess
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ("colocated", "1p1d")
+CONFIGS = ("colocated", "hetero_tp_1p1d")  # NOTE: the planner calibrates a P1 -> D2 pair
 IN, OUT, REQUESTS = 64, 16, 4
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}})
     try:
-        ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
+        ckpt = ensure_checkpoint(load_config(REPO / "configs" / "hetero_tp_1p1d.yaml").model)
         overrides = {"cluster.address": ray.get_runtime_context().gcs_address,
                      "cluster.bind_host": "127.0.0.1"}
         with tempfile.TemporaryDirectory() as tmp, ServedInstances(ckpt) as served:

@@ -8,6 +8,9 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
 
 - ``orch_ttft_seconds``, ``orch_tpot_seconds``, ``orch_e2e_seconds``: histograms (router
   clock: accepted -> first token; mean per output token after the first; accepted -> end).
+- ``orch_ttft_phase_seconds{phase}``: histogram of each phase of the way to the first token
+  (``RequestState.first_token_phases``: tokenize, placement, transport, the leader's queue,
+  forward, step_other, sample, flush, then router_out), one observation per phase per request.
 - ``orch_requests_total{outcome}``: finished requests by outcome ("stop", "length", "abort",
   "error"); ``orch_rejected_total{code}``: requests refused before running, by gRPC code.
 - ``orch_prompt_tokens_total``, ``orch_generation_tokens_total``.
@@ -149,6 +152,10 @@ class RouterMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("orch_tpot_seconds", "mean time per output token after the "
                               "first, seconds", buckets=TPOT_BUCKETS, registry=r)
+        self.ttft_phase = Histogram("orch_ttft_phase_seconds", "time to first token by phase "
+                                    "(tokenize, placement, transport, queue, forward, "
+                                    "step_other, sample, flush, router_out), seconds",
+                                    ["phase"], buckets=TRANSFER_BUCKETS, registry=r)
         self.e2e = Histogram("orch_e2e_seconds", "request latency, accepted to finished, "
                              "seconds", buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("orch_requests", "finished requests by outcome",
@@ -205,6 +212,12 @@ class RouterMetrics:
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+
+    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None:
+        """Record one request's way to its first token, (phase, seconds) in order (a
+        negative duration, clocks of two processes disagreeing, counts as 0)."""
+        for phase, seconds in phases:
+            self.ttft_phase.labels(phase=phase).observe(max(0.0, seconds))
 
     def request_rejected(self, code: str) -> None:
         """Record a request refused before it ran; ``code`` is the gRPC status name."""

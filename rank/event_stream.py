@@ -56,26 +56,29 @@ def pack_frame(body: object) -> bytes:
 
 def event_row(event: TokenEvent) -> list:
     """``event`` as it travels: [request_id, token_ids, finish_reason, error, retryable,
-    num_cached_tokens, logprobs, kv_events] (logprobs ``[[token_id, logprob, [[id, lp]..]]..]``;
-    kv_events ``[block_size, salt, stored, removed, reset, hits, queried]`` or None)."""
+    num_cached_tokens, logprobs, kv_events, ttft_phases] (logprobs
+    ``[[token_id, logprob, [[id, lp]..]]..]``; kv_events ``[block_size, salt, stored, removed,
+    reset, hits, queried]`` or None; ttft_phases ``[[phase, seconds]..]``)."""
     kv = event.kv_events
     return [event.request_id, list(event.token_ids), event.finish_reason, event.error,
             event.retryable, event.num_cached_tokens,
             [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in event.logprobs],
             None if kv is None else [kv.block_size, kv.salt, list(kv.stored), list(kv.removed),
-                                     kv.reset, kv.hits_tokens, kv.queried_tokens]]
+                                     kv.reset, kv.hits_tokens, kv.queried_tokens],
+            [list(p) for p in event.ttft_phases]]
 
 
 def event_from_row(row: list, source: str, instance: str) -> TokenEvent:
     """:func:`event_row`'s inverse, for events of ``instance`` (role ``source``)."""
-    rid, tokens, finish, error, retryable, cached, logprobs, kv = row
+    rid, tokens, finish, error, retryable, cached, logprobs, kv, phases = row
     return TokenEvent(
         rid, tuple(tokens), finish, error, source, instance, retryable,
         num_cached_tokens=cached,
         logprobs=tuple(TokenLogprobs(t, lp, tuple((a, b) for a, b in top))
                        for t, lp, top in logprobs),
         kv_events=None if kv is None else KVCacheEvents(
-            kv[0], kv[1], tuple(kv[2]), tuple(kv[3]), kv[4], kv[5], kv[6]))
+            kv[0], kv[1], tuple(kv[2]), tuple(kv[3]), kv[4], kv[5], kv[6]),
+        ttft_phases=tuple((p, s) for p, s in phases))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from engine.block_pool import BlockPool
 from engine.logits_process import LogitsStage
@@ -31,6 +32,8 @@ from rank.event_stream import EventStream
 from rank.leader_step import LeaderStep, StepInputsFor, StepResult
 from rank.messages import InstanceOutOfService, InstanceStatusInfo, TokenEvent
 from rank.spmd import SPMDGroup
+from rank.step_lock import StepLock
+from rank.step_timing import FirstTokenClock, with_flush
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ class Leader:
                                    num_speculative_tokens=sched.num_speculative_tokens)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_timer = group.timer
-        self.lock = threading.RLock()
+        self.first_token = FirstTokenClock()  # NOTE: followed on prefill / colocated only
+        self.lock = StepLock()
         self.wake = threading.Event()
         # NOTE: why the instance is out of service (a rank is dead or hung), set once; read
         # without the lock (the loop ends whatever a racing RPC still queued).
@@ -113,9 +117,12 @@ class Leader:
             return
         while True:
             try:
-                self.stream.add(self._events.get_nowait())
+                event = self._events.get_nowait()
             except queue.Empty:
                 break
+            if event.ttft_phases:
+                event = replace(event, ttft_phases=with_flush(event.ttft_phases))
+            self.stream.add(event)
         kv = self.pool.take_events()  # NOTE: the prefix cache's changes ride the same frame
         if kv:
             self.stream.add(TokenEvent("", source=self.source, instance=self.cfg.name,
@@ -203,6 +210,8 @@ class Leader:
             self.emit_end(spec.request_id, "error", reason)
             return False
         self.scheduler.add(Request(spec))
+        if self.source != "decode":
+            self.first_token.arrived(spec.request_id)
         self.wake.set()
         return True
 
@@ -213,6 +222,7 @@ class Leader:
         Raises:
             DPGroupBroken: another DP rank did not meet the round.
         """
+        self.lock.give_way()  # NOTE: a request's call waiting for the lock goes first
         return self._step.agree()
 
     def step(self, step_inputs_for: StepInputsFor | None = None) -> StepResult | None:
@@ -221,14 +231,20 @@ class Leader:
         Raises:
             RankFailure: a rank died or hung, or another DP rank did not meet a round.
         """
-        return self._step.run(step_inputs_for)
+        started = time.perf_counter()
+        result = self._step.run(step_inputs_for)
+        if result is not None and self.source != "decode":
+            self.first_token.stepped([c.request.request_id for c in result.output.chunks],
+                                     started, self.step_timer.pending())
+        return result
 
     def finish_sampled(self, sampled: dict[str, int], *, free: bool = True,
                        accepted: dict[str, tuple[int, ...]] | None = None) -> list[Request]:
         """Emit one event per sampled token (after the drafts ``accepted`` for it, in the same
-        event); remove finished requests (and, on prefill, every request: it leaves after its
-        first token), freeing their blocks when ``free``. Returns those removed. Caller
-        holds the lock; timed as the step's ``emit`` phase."""
+        event) and flush them to the routers at once; remove finished requests (and, on
+        prefill, every request: it leaves after its first token), freeing their blocks when
+        ``free``. Returns those removed. Caller (the loop thread) holds the lock; timed as the
+        step's ``emit`` phase."""
         accepted = accepted or {}
         with self.step_timer.phase("emit"):
             done: list[Request] = []
@@ -243,11 +259,19 @@ class Leader:
                 # NOTE: one entry per token, the kept drafts' too (rank/spec_verify.py)
                 logprobs = tuple(req.output_logprobs[-1 - len(kept):]) \
                     if req.output_logprobs else ()
+                first = self.first_token.phases_at_emit(rid) \
+                    if len(req.output_token_ids) == 1 + len(kept) else ()
                 self.emit(TokenEvent(rid, (*kept, token), reason, source=self.source,
                                      instance=self.cfg.name, num_cached_tokens=cached,
-                                     logprobs=logprobs))
+                                     logprobs=logprobs, ttft_phases=first))
                 if reason is not None or self.policy.stop_after_first_token:
                     done.append(self.scheduler.remove(rid, free=free))
+            # NOTE: out now, not after the role's bookkeeping (prefill: asking every rank
+            # whether its sends are idle), which the loop's own flush waits for
+            try:
+                self.flush_events()
+            except Exception:  # noqa: BLE001 - the loop's flush sends them again
+                log.exception("%s: sending events failed", self.cfg.name)
             return done
 
     # ---- failures -----------------------------------------------------------------------

@@ -155,6 +155,9 @@ class TokenEvent:
             (:class:`engine.kv_events.KVCacheEvents`); an event that carries them has an empty
             ``request_id`` and belongs to no request.
         logprobs: with ``sampling.logprobs`` set, one entry per token of ``token_ids``.
+        ttft_phases: on the event of a request's first token (prefill or colocated): where
+            its time went on the leader, (phase, seconds) in order
+            (:class:`rank.step_timing.FirstTokenClock`); () otherwise.
     """
 
     request_id: str
@@ -167,6 +170,7 @@ class TokenEvent:
     num_cached_tokens: int = 0
     kv_events: KVCacheEvents | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    ttft_phases: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from rank.failures import RankFailure, RankHung
 from rank.leader import Leader
 from rank.loop import StepLoop
 from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
+from rank.priority import raise_priority
 from rank.role import RankParts, Role
 from rank.spmd import SPMDGroup
 from rank.step_channel import (StepChannelFollower, StepChannelLeader, connect_follower,
@@ -80,6 +81,7 @@ class Rank:
             # NOTE: keep Gloo's sockets on loopback too (it otherwise resolves the hostname).
             envs.GLOO_SOCKET_IFNAME.set_default("lo")
         torch.set_num_threads(envs.ORCH_TORCH_THREADS.get())
+        raise_priority()  # NOTE: Ray starts workers at nice 15 (rank/priority.py)
 
     def __repr__(self) -> str:
         # NOTE: Ray shows this as the actor's name (log prefixes, `ray list actors`,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -168,7 +168,95 @@ class StepTimer:
             for phase, secs in pending:
                 self._phases.setdefault(phase, _Record()).add(secs)
 
+    def pending(self) -> dict[str, float]:
+        """This iteration's seconds per phase so far (the loop thread, before ``end_step``)."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for phase, secs in self._pending:
+                out[phase] = out.get(phase, 0.0) + secs
+        return out
+
     def snapshot(self) -> StepTimings:
         with self._lock:
             return StepTimings(self._step.freeze(),
                                {p: r.freeze() for p, r in self._phases.items()})
+
+
+# The first token's way through a leader, in order (rank clock, seconds): see FirstTokenClock.
+FIRST_TOKEN_PHASES = ("queue", "forward", "step_other", "sample", "flush")
+MAX_TRACKED = 4096  # requests waiting for their first token that one leader follows
+
+
+class FirstTokenClock:
+    """Per request, where its time went on this leader from arrival to the first token's
+    frame (prefill and colocated leaders; the loop thread and actor threads call it).
+
+    The phases (seconds, :data:`FIRST_TOKEN_PHASES`) are consecutive and cover the span
+    arrival -> frame handed to the event stream:
+
+    - ``queue``: :meth:`arrived` (enqueued) -> start of the first step that schedules it;
+    - ``forward``: the forward phases (fan-out, forward, follower wait, after_step) of the
+      steps that carried its chunks;
+    - ``step_other``: the rest of those steps and the gaps between them (scheduling, other
+      requests' chunks in between: a prompt split into several chunks waits here);
+    - ``sample``: the sampling of the step that completed its prompt;
+    - ``flush``: its token event emitted -> the frame holding it handed to the stream.
+
+    They travel with the first token's event (``TokenEvent.ttft_phases``): a duration
+    measured on one clock, so no clock is shared across processes.
+    """
+
+    _FORWARD = ("fanout", "forward", "follower_wait", "after_step")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arrived: OrderedDict[str, float] = OrderedDict()
+        self._run: dict[str, list[float]] = {}  # rid -> [first step start, forward, sample]
+
+    def arrived(self, request_id: str) -> None:
+        """``request_id`` was queued now (the oldest tracked is dropped past MAX_TRACKED)."""
+        with self._lock:
+            self._arrived[request_id] = time.perf_counter()
+            while len(self._arrived) > MAX_TRACKED:
+                rid, _ = self._arrived.popitem(last=False)
+                self._run.pop(rid, None)
+
+    def stepped(self, request_ids: list[str], started: float, timings: dict[str, float]
+                ) -> None:
+        """A step that began at ``started`` (perf_counter) carried ``request_ids``' chunks;
+        ``timings``: that step's seconds per step phase (:meth:`StepTimer.pending`)."""
+        fwd = sum(timings.get(p, 0.0) for p in self._FORWARD)
+        with self._lock:
+            for rid in request_ids:
+                if rid not in self._arrived:
+                    continue
+                run = self._run.setdefault(rid, [started, 0.0, 0.0])
+                run[1] += fwd
+                run[2] = timings.get("sample", 0.0)
+
+    def phases_at_emit(self, request_id: str) -> tuple[tuple[str, float], ...]:
+        """The request's first token is emitted now: its phases so far, ``flush`` 0 (set
+        by :meth:`flushed`); () for a request not followed (or no longer)."""
+        now = time.perf_counter()
+        with self._lock:
+            arrived = self._arrived.pop(request_id, None)
+            run = self._run.pop(request_id, None)
+        if arrived is None or run is None:
+            return ()
+        first, fwd, smp = run
+        other = max(0.0, now - first - fwd - smp)
+        return (("queue", first - arrived), ("forward", fwd), ("step_other", other),
+                ("sample", smp), ("flush", now))
+
+    def forget(self, request_id: str) -> None:
+        """The request left before its first token (abort, error)."""
+        with self._lock:
+            self._arrived.pop(request_id, None)
+            self._run.pop(request_id, None)
+
+
+def with_flush(phases: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    """``phases`` from :meth:`FirstTokenClock.phases_at_emit` with ``flush`` turned from the
+    emit time into the seconds until now (the frame is handed to the stream)."""
+    now = time.perf_counter()
+    return tuple((p, now - s) if p == "flush" else (p, s) for p, s in phases)

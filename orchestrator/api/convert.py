@@ -152,7 +152,7 @@ def chunk_to_proto(chunk: OutputChunk) -> pb.GenerateResponse:
             prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
             ttft_s=s.ttft_s, tpot_s=s.tpot_s, e2e_s=s.e2e_s,
             prefill_instance=s.prefill_instance, decode_instance=s.decode_instance,
-            cached_tokens=s.cached_tokens))
+            cached_tokens=s.cached_tokens, ttft_phases=s.ttft_phases))
     return msg
 
 
@@ -166,7 +166,8 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> OutputChunk:
                              tpot_s=s.tpot_s, e2e_s=s.e2e_s,
                              prefill_instance=s.prefill_instance,
                              decode_instance=s.decode_instance,
-                             cached_tokens=s.cached_tokens)
+                             cached_tokens=s.cached_tokens,
+                             ttft_phases=dict(s.ttft_phases))
     logprobs = tuple(TokenLogprobs(lp.token_id, lp.logprob,
                                    tuple((t.token_id, t.logprob) for t in lp.top))
                      for lp in msg.logprobs)

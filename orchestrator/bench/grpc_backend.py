@@ -45,6 +45,7 @@ async def _consume(stub, req: BenchRequest, rid: str, st: StreamState, cfg: Runn
                 if msg.HasField("stats") and msg.stats.prompt_tokens > 0:
                     st.input_len = msg.stats.prompt_tokens
                     st.cached_tokens = msg.stats.cached_tokens
+                    st.ttft_phases = dict(msg.stats.ttft_phases)
     except asyncio.CancelledError:
         call.cancel()
         raise

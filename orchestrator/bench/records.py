@@ -4,7 +4,7 @@ Times are ``time.perf_counter()`` seconds from the run's origin."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal
 
 from orchestrator.bench.workloads import BenchRequest
@@ -69,6 +69,8 @@ class RequestRecord:
             for finish_reason "abort"; None on success.
         error: the failure's message, or None.
         cached_tokens: prompt tokens the server found in its prefix cache (final stats).
+        ttft_phases: the server's TTFT breakdown, phase -> seconds (final stats; empty from a
+            server or backend that sends none).
     """
 
     index: int
@@ -84,6 +86,7 @@ class RequestRecord:
     error_code: str | None = None
     error: str | None = None
     cached_tokens: int = 0
+    ttft_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -131,6 +134,7 @@ class StreamState:
         self.code: str | None = None
         self.error: str | None = None
         self.cached_tokens = 0
+        self.ttft_phases: dict[str, float] = {}
 
     def record(self, req: BenchRequest, end_s: float) -> RequestRecord:
         """The finished request (a stream without an ok finish is a failure)."""
@@ -143,7 +147,7 @@ class StreamState:
             output_len=req.output_len, scheduled_s=req.arrival_s, send_s=self.send_s,
             chunk_times_s=tuple(self.times), chunk_tokens=tuple(self.tokens), end_s=end_s,
             finish_reason=self.finish, error_code=self.code, error=self.error,
-            cached_tokens=self.cached_tokens)
+            cached_tokens=self.cached_tokens, ttft_phases=self.ttft_phases)
 
 
 # One request sent now and streamed to its end: (request, run clock origin t0, run id).

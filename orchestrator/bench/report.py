@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.bench.records import RequestRecord, RunResult
+from orchestrator.bench.ttft_breakdown import format_ttft_breakdown, ttft_breakdown
 
 PERCENTILES = (50, 90, 99)
 
@@ -98,6 +99,9 @@ class BenchReport:
             a request's last chunk -> decode holds every cell): ``{"requests", "mean_ms",
             "max_ms"}``, from the leaders' status before and after the run (gRPC backend;
             ``orchestrator.bench.step_breakdown.kv_tail_of_run``); empty when not read.
+        ttft_phases: the server's TTFT breakdown over completed requests, phase -> p50 ms
+            (``orchestrator.bench.step_breakdown.ttft_breakdown``); empty when the server
+            sent none (OpenAI backend).
     """
 
     label: str
@@ -118,6 +122,7 @@ class BenchReport:
     requests: list[dict] = field(default_factory=list)
     prefix_hit_rate: float = 0.0
     kv_tail: dict[str, dict] = field(default_factory=dict)
+    ttft_phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +189,8 @@ def summarize(run: RunResult, *, label: str = "", workload: str = "", num_capped
         goodput=good, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
         requests=[_row(r) for r in timed],
         prefix_hit_rate=sum(r.cached_tokens for r in done) / max(
-            1, sum(r.input_len for r in done)))
+            1, sum(r.input_len for r in done)),
+        ttft_phases=ttft_breakdown(done))
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -222,6 +228,9 @@ def print_report(report: BenchReport, console=None) -> None:
         + ("" if report.goodput is None else
            f", goodput {report.goodput:.3f} req/s (TTFT <= {_fmt(report.slo_ttft_ms, 0)} ms, "
            f"TPOT <= {_fmt(report.slo_tpot_ms, 0)} ms)"))
+    if report.ttft_phases:
+        console.print(format_ttft_breakdown(report.ttft_phases, report.ttft.p50_ms),
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 def print_kv_tail(report: BenchReport, console=None) -> None:

@@ -3,8 +3,9 @@ disaggregated, as a client of the router sees it.
 
 :class:`ServedInstances` keeps two instances of the tiny model up as Ray actors, made as
 ``orch up`` makes them: a tp-1 colocated :class:`rank.rank.Rank` and a
-disaggregated pair (prefill tp 1, decode tp 2, KV over gloo: configs/1p1d.yaml's layout,
-brought up by :func:`orchestrator.deploy.cluster.bring_up`), and one
+disaggregated pair (prefill tp 1, decode tp 2, KV over gloo:
+configs/hetero_tp_1p1d.yaml's layout, brought up by
+:func:`orchestrator.deploy.cluster.bring_up`), and one
 :class:`orchestrator.router.router.Router` over each (``orchestrator.deploy.assemble.build_router``, on an
 event loop thread of this process): requests go through the router's placement, its calls
 and its EventPump as in ``orch up``; gRPC and the client are not on the way.
@@ -127,8 +128,8 @@ def _start_colocated(ckpt: Path) -> object:
 
 
 def _config(ckpt: Path, disaggregated: bool):
-    """The served instances' layout on ``ckpt``: configs/1p1d.yaml's (prefill tp 1, decode
-    tp 2) or a tp-1 colocated instance; 0.1 CPU a rank, KV on loopback."""
+    """The served instances' layout on ``ckpt``: configs/hetero_tp_1p1d.yaml's (prefill tp 1,
+    decode tp 2) or a tp-1 colocated instance; 0.1 CPU a rank, KV on loopback."""
     from orchestrator.config.schema import OrchConfig
 
     blocks = {"num_kv_blocks": 16, "max_num_seqs": 8, "prefix_cache": False}  # as above

@@ -16,6 +16,7 @@ prefix-cache events (``TokenEvent.kv_events``, no request) goes to the router's
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 import uuid
 from collections import deque
@@ -156,10 +157,13 @@ class Inbox:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self._items: deque[TokenEvent | InstanceFailure] = deque()
+        self.first_token_at: float | None = None  # monotonic: the first token event came
         # NOTE: done while an item waits; a fresh future once every item is taken.
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def put(self, event: TokenEvent) -> None:
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self._add(event)
 
     def fail(self, instance: str, error: str) -> None:

@@ -6,9 +6,14 @@ into an :class:`rank.messages.RequestSpec`. ``OutputChunk`` is one streamed resp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
+from rank.step_timing import FIRST_TOKEN_PHASES
+
+# The way to the first token, in order: the router's phases around the leader's
+# (``RequestState.first_token_phases``); what ``RequestStats.ttft_phases`` holds.
+TTFT_PHASES = ("tokenize", "placement", "transport", *FIRST_TOKEN_PHASES, "router_out")
 
 
 class RequestError(Exception):
@@ -72,7 +77,9 @@ class RequestStats:
 
     ttft_s: acceptance -> first token; tpot_s: mean gap between output tokens after the first
     (0 with one token); e2e_s: acceptance -> last message; cached_tokens: prompt tokens found
-    in the prefix cache (not computed).
+    in the prefix cache (not computed); ttft_phases: phase -> seconds of the way to the first
+    token, from the router opening the request (``RequestState.first_token_phases``; empty
+    without a token).
     """
 
     prompt_tokens: int
@@ -83,6 +90,7 @@ class RequestStats:
     prefill_instance: str = ""
     decode_instance: str = ""
     cached_tokens: int = 0
+    ttft_phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

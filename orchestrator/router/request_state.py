@@ -69,6 +69,9 @@ class RequestState:
             failed it. retries / migrations: how many failed before / after tokens streamed.
         placing_since: when the current placement's deadline started (acceptance, or the
             last migration).
+        opened_at, placed_at: when it was opened / its current attempt was placed.
+        ttft_phases: where its time to the first token went, (phase, seconds) in order
+            (:meth:`first_token_phases`); () before the first token.
         aborted: an Abort arrived; every later step checks it.
         error: ends the request at its next wait (the router shutting down).
         woken: done once ``aborted`` or ``error`` is set (the stream's wait watches it).
@@ -92,6 +95,9 @@ class RequestState:
     retries: int = 0
     migrations: int = 0
     placing_since: float = 0.0
+    opened_at: float = 0.0
+    placed_at: float = 0.0
+    ttft_phases: tuple[tuple[str, float], ...] = ()
     aborted: bool = False
     error: RequestError | None = None
     woken: asyncio.Future = field(
@@ -133,7 +139,7 @@ class RequestState:
     def placed(self, route: Route) -> None:
         """PREFILLING: the attempt holds ``route``."""
         self._move(Phase.PREFILLING)
-        self.route = route
+        self.route, self.placed_at = route, time.monotonic()
 
     def decoding(self) -> None:
         """DECODING: the first token is out."""
@@ -192,6 +198,25 @@ class RequestState:
                     "router.request_timeout_s")
             await asyncio.wait({inbox.ready, self.woken, *self.calls.values()}, timeout=left,
                                return_when=asyncio.FIRST_COMPLETED)
+
+    def first_token_phases(self, event: TokenEvent, arrived: float, now: float
+                           ) -> tuple[tuple[str, float], ...]:
+        """The first token (``event``, which reached the router at ``arrived``) is handed to
+        the client at ``now`` (monotonic): (phase, seconds) in order, stored in
+        :attr:`ttft_phases`. Router phases: ``tokenize`` (opened -> validated and tokenized),
+        ``placement`` (-> placed: instance choice, decode reserve), ``transport`` (placed ->
+        the event at the router, less the leader's own phases: the launch call reaching the
+        leader and the event's way back), then the leader's
+        (:class:`rank.step_timing.FirstTokenClock`), then ``router_out`` (the event at the
+        router -> the chunk handed to the server). Without the leader's phases (an older
+        worker), ``transport`` is the whole placed -> event span."""
+        rank = event.ttft_phases
+        self.ttft_phases = (
+            ("tokenize", self.start - self.opened_at),
+            ("placement", self.placed_at - self.start),
+            ("transport", arrived - self.placed_at - sum(s for _, s in rank)),
+            *rank, ("router_out", now - arrived))
+        return self.ttft_phases
 
     def attempt_failed(self, exc: InstanceFailure, max_attempts: int) -> None:
         """Remember a failed attempt (before the first token); the next one avoids
@@ -272,7 +297,8 @@ class RequestState:
             completion_tokens=self.completion_tokens, ttft_s=self.ttft() or 0.0,
             tpot_s=self.tpot() or 0.0, e2e_s=now - self.start,
             prefill_instance=(self.route.prefill if self.route else "") or main,
-            decode_instance=main, cached_tokens=self.cached_tokens)
+            decode_instance=main, cached_tokens=self.cached_tokens,
+            ttft_phases=dict(self.ttft_phases))
 
     def _move(self, phase: Phase) -> None:
         if phase not in _NEXT.get(self.phase, ()):

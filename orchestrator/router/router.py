@@ -38,6 +38,8 @@ from rank.messages import InstanceStatusInfo, TokenEvent
 log = logging.getLogger(__name__)
 # Seconds the aborted leftovers of a drain get to end before the router stops anyway.
 SHUTDOWN_ABORT_S = 10.0
+# Text prompts up to this many characters are tokenized on the router loop (well under 1 ms).
+INLINE_TEXT_CHARS = 2048
 
 
 class RouterMetrics(Protocol):
@@ -54,6 +56,8 @@ class RouterMetrics(Protocol):
 
     def request_migrated(self) -> None: ...
 
+    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None: ...
+
 
 class NoMetrics:
     """The default: report nothing."""
@@ -69,6 +73,9 @@ class NoMetrics:
         pass
 
     def request_migrated(self) -> None:
+        pass
+
+    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None:
         pass
 
 
@@ -274,7 +281,8 @@ class Router:
             req.calls["launch"] = self._spawn(self.flow.launch(spec, route))
             while not req.ended:
                 event = await req.next_event(inbox, self.request_timeout_s)
-                chunk, by_workers = await self._on_event(req, event, out)
+                chunk, by_workers = await self._on_event(req, event, out,
+                                                         inbox.first_token_at)
                 yield chunk
         finally:
             self.pump.unregister(req.attempt_id)
@@ -316,11 +324,12 @@ class Router:
                                    f"{'; '.join(req.failures)}") from None
             raise
 
-    async def _on_event(self, req: RequestState, event: TokenEvent | None,
-                        out: OutputText) -> tuple[OutputChunk, bool]:
+    async def _on_event(self, req: RequestState, event: TokenEvent | None, out: OutputText,
+                        arrived: float | None) -> tuple[OutputChunk, bool]:
         """The chunk ``event`` makes (None: aborted: the last chunk, "abort"; a stop string
         found: the last chunk, "stop", its text cut before it), and whether the workers
-        ended the request themselves (nothing left to abort on them)."""
+        ended the request themselves (nothing left to abort on them). ``arrived``: when the
+        attempt's first token event reached the router (monotonic)."""
         tokens, finish = req.take(event, time.monotonic()) if event else ((), "abort")
         text, stopped = out.add(tokens)
         if finish is not None and not stopped:
@@ -329,6 +338,8 @@ class Router:
         if stopped and finish != "abort":
             finish = "stop"
         if tokens and req.phase is Phase.PREFILLING:
+            now = time.monotonic()
+            self.metrics.first_token(req.first_token_phases(event, arrived or now, now))
             self._first_token(req, tokens[0], finished=finish is not None)
         logprobs = event.logprobs[:len(tokens)] if event else ()
         if finish is None:
@@ -376,14 +387,20 @@ class Router:
         if refusal is not None:
             self.metrics.request_rejected(refusal.code)
             raise refusal
-        req = self._requests[request_id] = RequestState(request_id, time.monotonic())
+        now = time.monotonic()
+        req = self._requests[request_id] = RequestState(request_id, now, opened_at=now)
         self._idle.clear()
         return req
 
     async def _accept(self, req: RequestState, inp: GenerateInput) -> None:
-        """Validate + tokenize (off the loop: a long prompt takes seconds) + seed."""
-        ids = await asyncio.to_thread(validate_request, inp, self.model, self.tokenizer,
-                                      self.grammars)
+        """Validate + tokenize + seed; off the loop (a long prompt takes seconds, a grammar
+        compiles) unless the prompt is token ids or short text without a grammar: a thread
+        hop costs more than that on a busy machine (the first token waits for it)."""
+        args = (validate_request, inp, self.model, self.tokenizer, self.grammars)
+        if inp.sampling.grammar is None and len(inp.text or "") <= INLINE_TEXT_CHARS:
+            ids = args[0](*args[1:])
+        else:
+            ids = await asyncio.to_thread(*args)
         req.accepted(RequestSpec(request_id=req.request_id, prompt_token_ids=ids,
                                  sampling=fill_seed(inp.sampling), arrival_time=time.time()),
                      self.model.eos_token_ids, time.monotonic())

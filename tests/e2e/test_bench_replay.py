@@ -1,5 +1,5 @@
 """`orch bench` replays 30 requests of the Azure conversation trace (lengths scaled to the tiny
-model) through `orch up configs/1p1d.yaml`; the report's counts match the trace (read here
+model) through `orch up configs/hetero_tp_1p1d.yaml`; the report's counts match the trace (read here
 straight from the CSV) and the router's Prometheus counters."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_azure_replay_counts_match_trace_and_metrics(tmp_path, shared_data, join
     azure = shared_data(AZURE)
     expected, num_capped = trace_lengths(azure)
     report_path = tmp_path / "report.json"
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path, joined_ray) as orch:
+    with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path, joined_ray) as orch:
         subprocess.run(
             [sys.executable, "-m", "orchestrator.cli", "bench", "--address", orch.address,
              "--workload", "azure", "--trace", str(azure), "--num-requests", str(N),
@@ -58,7 +58,7 @@ def test_azure_replay_counts_match_trace_and_metrics(tmp_path, shared_data, join
     from engine.model_config import load_model_config
     from orchestrator.config.load import load_config
 
-    model = load_model_config(load_config(REPO / "configs" / "1p1d.yaml").model.checkpoint_dir())
+    model = load_model_config(load_config(REPO / "configs" / "hetero_tp_1p1d.yaml").model.checkpoint_dir())
     per_token = model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 4
     for rank in (0, 1):
         pair = f"orch_kv_transfer_bytes_total{{pair=prefill-0:0->decode-0:{rank}}}"

@@ -17,7 +17,7 @@ def _orch_groups(ray) -> list[str]:
 def test_embedded_ray_ignores_a_running_cluster_and_ray_address(ray_session, tmp_path,
                                                                  monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", ray_session.get_runtime_context().gcs_address)
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path) as orch:
+    with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path) as orch:
         tokens, _, err = orch.generate("Hello there", max_tokens=MAX_TOKENS)
         assert err is None and len(tokens) == MAX_TOKENS, err
         assert not _orch_groups(ray_session), "orch placed its ranks in the other cluster"

@@ -21,7 +21,7 @@ MAX_LINES = 40  # start-up (~15), serving, the fault (< 10), shutdown (~5)
 def test_killed_ranks_leave_a_short_plain_log_leaves_a_short_plain_log(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
     # NOTE: no automatic restart, so the dead instance stays dead (and retried) to the end.
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path,
+    with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path,
                      {"health.max_restarts": 0}) as orch:
         started, result = threading.Event(), {}
         stream = threading.Thread(target=lambda: result.update(out=orch.generate(

@@ -34,7 +34,7 @@ def test_prefill_and_decode_on_different_nodes(two_node_cluster, tmp_path, promp
     overrides = {"cluster.address": two_node_cluster.address, "cluster.bind_host": "127.0.0.1",
                  "prefill.ray_resources": {"prefill_node": 0.01},
                  "decode.ray_resources": {"decode_node": 0.01}}
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path, overrides) as orch:
+    with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path, overrides) as orch:
         status = orch.status()
         nodes = {i.role: {r.node_id for r in i.ranks} for i in status.instances}
         assert len(nodes["prefill"]) == 1 and len(nodes["decode"]) == 1

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP API of `orch up configs/1p1d.yaml` (router.http_port set) through the
+"""The OpenAI HTTP API of `orch up configs/hetero_tp_1p1d.yaml` (router.http_port set) through the
 official `openai` client: completions and chat, streamed and not, equal the gRPC output of the
 same prompt (greedy); 400 / 404 carry gRPC's message; JSON-schema outputs all validate,
 regex outputs match, a required tool call round-trips, logprobs and n choices (gRPC's n and
@@ -35,7 +35,7 @@ BURST, BURST_PROMPT, BURST_TOKENS = 5, "hi " * 120, 380  # ~500 tokens: 2 fit de
 def orch(tmp_path_factory, joined_ray):
     # NOTE: max_pending 0: a request that finds decode full is refused at once (429).
     overrides = {"router.http_port": free_port(), "router.max_pending": 0, **joined_ray}
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("openai"),
+    with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path_factory.mktemp("openai"),
                      overrides) as proc:
         proc.base_url = f"http://127.0.0.1:{overrides['router.http_port']}/v1"
         _wait_http_ready(proc.base_url)

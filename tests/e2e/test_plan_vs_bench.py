@@ -1,5 +1,5 @@
 """`orch plan` on this CPU machine predicts what `orch bench` measures (issue 17): for
-configs/colocated.yaml and configs/1p1d.yaml, median TTFT and TPOT within 30 % (64-token
+configs/colocated.yaml and configs/hetero_tp_1p1d.yaml, median TTFT and TPOT within 30 % (64-token
 prompts, 16 output tokens, one request in flight).
 
 The only timing assertion of the suite (the issue asks for it), so made as steady as it can
@@ -27,7 +27,7 @@ from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.versus import bench_ms, compare
 from tests.e2e.harness import REPO, OrchProcess
 
-CONFIGS = ("colocated", "1p1d")
+CONFIGS = ("colocated", "hetero_tp_1p1d")  # NOTE: the planner calibrates a P1 -> D2 pair
 WORKLOAD = WorkloadSpec(64, 16, concurrency=1)
 REPS, REQUESTS = 3, 4
 FIGURES = ("layer_overhead_us", "step_serving_us", "first_token_us", "pd_first_token_us",
@@ -35,7 +35,7 @@ FIGURES = ("layer_overhead_us", "step_serving_us", "first_token_us", "pd_first_t
 
 
 def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
-    ckpt = ensure_checkpoint(load_config(REPO / "configs" / "1p1d.yaml").model)
+    ckpt = ensure_checkpoint(load_config(REPO / "configs" / "hetero_tp_1p1d.yaml").model)
     # NOTE: the prefix cache off: the benches repeat the same synthetic prompts, and the plan
     # models every prompt token computed (docs/prefix_cache.md, not done yet)
     overrides = {"cluster.address": ray_session.get_runtime_context().gcs_address,
@@ -52,7 +52,7 @@ def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
             served = stack.enter_context(ServedInstances(ckpt))
             for up in ups:
                 up.result()
-        for orch in procs.values():  # NOTE: both before measuring either: 1p1d's first
+        for orch in procs.values():  # NOTE: both before measuring either: hetero_tp_1p1d's first
             bench_ms(orch.address, WORKLOAD, 1, warmup=2)  # requests connect its KV pairs
         for name, orch in procs.items():
             # NOTE: measured with the deployment up and warm, right before its benches: the

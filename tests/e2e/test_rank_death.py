@@ -1,4 +1,4 @@
-"""`orch up configs/1p1d.yaml` joined to a Ray cluster the tests started (the session Ray).
+"""`orch up configs/hetero_tp_1p1d.yaml` joined to a Ray cluster the tests started (the session Ray).
 
 A decode rank process killed with SIGKILL while 8 requests stream (greedy, then seeded
 sampling): `orch status` shows the instance out of service, naming the dead rank (exit code 3);
@@ -37,7 +37,7 @@ def joined(ray_session, tmp_path_factory):
                  "cluster.bind_host": "127.0.0.1",
                  "router.request_timeout_s": REQUEST_TIMEOUT_S,
                  "router.drain_timeout_s": DRAIN_TIMEOUT_S}
-    with OrchProcess(REPO / "configs" / "1p1d.yaml", tmp_path_factory.mktemp("joined"),
+    with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path_factory.mktemp("joined"),
                      overrides) as orch:
         yield orch
 

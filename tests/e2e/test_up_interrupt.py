@@ -62,7 +62,7 @@ def _ignore_sigint() -> None:
 def test_sigint_during_start_up_exits_cleanly(stage, process, ignored, tmp_path):
     log = tmp_path / "up.log"
     env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
-    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "1p1d.yaml"),
+    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "hetero_tp_1p1d.yaml"),
            "--port", str(free_port()), "--metrics-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -96,7 +96,7 @@ def test_kill_9_of_orch_up_leaves_no_ray_process_behind(tmp_path):
     watchdog, orchestrator/deploy/ray_watchdog.py), not minutes."""
     log = tmp_path / "up.log"
     env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
-    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "1p1d.yaml"),
+    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "hetero_tp_1p1d.yaml"),
            "--port", str(free_port()), "--metrics-port", str(free_port())]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -28,6 +28,7 @@ class RecordingMetrics:
     def __init__(self) -> None:
         self.finished, self.rejected, self.instances = [], [], []
         self.migrated = 0
+        self.first_tokens: list[dict[str, float]] = []
 
     def request_finished(self, outcome, ttft_s, tpot_s, e2e_s, prompt_tokens,
                          completion_tokens) -> None:
@@ -41,6 +42,9 @@ class RecordingMetrics:
 
     def request_migrated(self) -> None:
         self.migrated += 1
+
+    def first_token(self, phases) -> None:
+        self.first_tokens.append(dict(phases))
 
 
 class FakeCluster:

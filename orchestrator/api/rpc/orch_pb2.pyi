@@ -131,7 +131,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "prefill_instance", "decode_instance", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_s", "tpot_s", "e2e_s", "prefill_instance", "decode_instance", "cached_tokens", "ttft_phases")
+    class TtftPhasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +147,7 @@ class GenerateStats(_message.Message):
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_PHASES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     ttft_s: float
@@ -148,7 +156,8 @@ class GenerateStats(_message.Message):
     prefill_instance: str
     decode_instance: str
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    ttft_phases: _containers.ScalarMap[str, float]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., ttft_phases: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats", "logprobs", "index")
