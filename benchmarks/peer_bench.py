@@ -82,7 +82,14 @@ def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path) ->
     sides = {}
     for name, base in (("orch-colocated", "colocated.yaml"), ("orch-pd", "1p1d.yaml")):
         cfg, http_port = orch_config(base, args, checkpoint, name)
-        stack.enter_context(serving(cfg, args.out, args.startup_timeout))
+        for attempt in (1, 2):
+            try:
+                stack.enter_context(serving(cfg, args.out, args.startup_timeout))
+                break
+            except RuntimeError as exc:  # NOTE: Ray's start can time out on a loaded machine
+                if attempt == 2:
+                    raise
+                print(f"peer_bench: {name} did not start ({exc}); trying once more", flush=True)
         sides[name] = f"http://127.0.0.1:{http_port}/v1"
     if args.skip_vllm:
         return sides
