@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.context_parallel import build_cp_step
+from engine.decode_step_cache import DecodeStepCache
 from engine.forward_context import AttentionMetadata, BlockTableCache, build_attention_metadata
 from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque_mla_decode
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
@@ -153,6 +154,8 @@ class ModelRunner:
                                    index_layers=cfg.index_cache_layers(mtp), mtp_layers=mtp)
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
+        # NOTE: decode-only steps' metadata, updated in place step to step
+        self._decode_cache = DecodeStepCache(block_size, self.device)
         self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
             if graph.enabled else None
         self.spec = SpecForward(self.model, self.kv_cache, num_speculative_tokens,
@@ -247,14 +250,22 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, AttentionMetadata]:
         """The model inputs of ``steps``: ``[T]`` int64 token ids (this CP rank's rows under
         CP) and the step's attention metadata. ``num_real``: steps after the first
-        ``num_real`` are graph padding rows (their tables are not cached or checked)."""
+        ``num_real`` are graph padding rows (their tables are not cached or checked). A
+        decode-only step without padding rows reuses the previous one's metadata
+        (:mod:`engine.decode_step_cache`)."""
         real = steps[:num_real]  # NOTE: graph padding rows (after them) use the scratch block
-        tables = [*self._block_tables.tensors([s.request_id for s in real],
-                                              [s.block_ids for s in real]),
+        ids = [s.request_id for s in real]
+        tables = [*self._block_tables.tensors(ids, [s.block_ids for s in real]),
                   *(s.block_ids for s in steps[len(real):])]
-        meta = build_attention_metadata(
-            [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
-            tables, self.kv_spec.block_size, self.device, prefill_only=self.cp.size > 1)
+        if len(real) == len(steps) and self.cp.size == 1 and all(
+                len(s.token_ids) == 1 and s.num_computed_tokens > 0 for s in steps):
+            meta = self._decode_cache.build(ids, [s.num_computed_tokens for s in steps],
+                                            [s.block_ids for s in steps])
+        else:
+            self._decode_cache.reset()
+            meta = build_attention_metadata(
+                [len(s.token_ids) for s in steps], [s.num_computed_tokens for s in steps],
+                tables, self.kv_spec.block_size, self.device, prefill_only=self.cp.size > 1)
         input_ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
                                  device=self.device)
         if self.cp.size > 1:

