@@ -217,6 +217,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/peer_bench"))
     args = ap.parse_args()
     os.environ["ORCH_TORCH_THREADS"] = str(args.threads)  # NOTE: orch up and Ray inherit it
+    os.environ["ORCH_RANK_NICE"] = "0"  # NOTE: vLLM's engine runs at nice 0, Ray's workers at 15
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = write_tiny_checkpoint(args.out / "tiny-0", seed=0)

@@ -7,7 +7,7 @@ and its TTFT breakdown (docs/performance.md, "TTFT breakdown and the first token
     PYTHONPATH=$PWD .venv/bin/python benchmarks/ttft_bench.py --out /tmp/ttft [--rounds 2]
 
 Both configs get 256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3
-requests at once) and ``ORCH_TORCH_THREADS=1``. The reports go to ``--out`` as JSON.
+requests at once), ``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> int:
     from tests.e2e.harness import OrchProcess
 
     args.out.mkdir(parents=True, exist_ok=True)
-    os.environ.update(ORCH_TORCH_THREADS="1", RAY_ADDRESS="")
+    os.environ.update(ORCH_TORCH_THREADS="1", ORCH_RANK_NICE="0", RAY_ADDRESS="")
     ray.init(address="local", num_cpus=8, include_dashboard=False)
     over = {"cluster.address": ray.get_runtime_context().gcs_address,
             "cluster.bind_host": "127.0.0.1", "decode.num_kv_blocks": 256,

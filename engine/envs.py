@@ -77,6 +77,13 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _nice(raw: str) -> int | None:
+    value = int(raw)
+    if not -20 <= value <= 19:
+        raise ValueError(f"must be a nice value in [-20, 19], got {value}")
+    return value
+
+
 def _log_level(raw: str) -> str:
     value = raw.upper()
     if value not in LOG_LEVELS:
@@ -98,6 +105,10 @@ ORCH_DEVICE: EnvVar[str] = EnvVar(
 ORCH_TORCH_THREADS: EnvVar[int] = EnvVar(
     "ORCH_TORCH_THREADS", _positive_int, 1,
     "torch intra-op threads of each rank process (torch.set_num_threads)")
+ORCH_RANK_NICE: EnvVar[int | None] = EnvVar(
+    "ORCH_RANK_NICE", _nice, None,
+    "nice value every rank process sets for its threads at start (e.g. 0: Ray starts workers "
+    "at 15); unset: keep Ray's")
 GLOO_SOCKET_IFNAME: EnvVar[str] = EnvVar(
     "GLOO_SOCKET_IFNAME", str, "",
     "network interfaces (comma separated) of Gloo's sockets, TP and KV pair groups alike; "
@@ -133,6 +144,7 @@ GRPC_VERBOSITY: EnvVar[str] = EnvVar(
     "handshake, e.g. a plaintext client, prints a line: anyone who reaches the port could "
     "fill the log)")
 
-ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, GLOO_SOCKET_IFNAME,
+ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, ORCH_RANK_NICE,
+                           GLOO_SOCKET_IFNAME,
                            ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX, RAY_ADDRESS,
                            RAY_AUTH_MODE, GRPC_VERBOSITY)

@@ -1,5 +1,6 @@
-"""rank/priority.py: a rank started at Ray's nice 15 sets every thread back to nice 0 (issue 36);
-without the right to, it keeps the value and says so."""
+"""rank/priority.py: with ORCH_RANK_NICE=0 a rank started at Ray's nice 15 sets every thread
+back to nice 0 (issue 36); without the right to, it keeps the value and says so; unset, it
+changes nothing."""
 
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ done.set(); t.join(10)
 """
 
 
-def test_every_thread_goes_back_to_nice_0_when_allowed():
-    out = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def run_child(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
+
+
+def test_every_thread_goes_back_to_nice_0_when_asked_and_allowed():
+    out = run_child(ORCH_RANK_NICE="0")
     assert out.returncode == 0, out.stderr
     ok, main, other, later = json.loads(out.stdout)
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -38,3 +44,10 @@ def test_every_thread_goes_back_to_nice_0_when_allowed():
     else:
         assert (ok, main, other) == (False, base + 15, base + 15)
         assert "could not set nice 0" in out.stderr
+
+
+def test_unset_keeps_rays_nice_value():
+    out = run_child(ORCH_RANK_NICE="")
+    assert out.returncode == 0, out.stderr
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert json.loads(out.stdout) == [True, base + 15, base + 15, base + 15]
