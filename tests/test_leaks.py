@@ -50,7 +50,7 @@ class _Rank:
 def test_rank_with_an_active_request_is_not_idle():
     rank = _Rank(BlockPool(2, 4), active=1)
     with pytest.raises(AssertionError, match="decode-0: 2 of 2 blocks free, 0 block set"
-                                             r"\(s\) live, 1 request\(s\) active"):
+                                             r"\(s\) live, 0 block\(s\) referenced, 1 request\(s\) active"):
         wait_ranks_idle(rank, timeout_s=0.05)
     rank.active = 0
     wait_ranks_idle(rank, timeout_s=0.05)

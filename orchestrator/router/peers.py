@@ -198,6 +198,9 @@ class ForwardedMetrics:
     def request_migrated(self) -> None:
         self._send("request_migrated")
 
+    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None:
+        self._send("first_token", [list(p) for p in phases])
+
     def update_instances(self, statuses: list) -> None:
         pass
 
@@ -214,7 +217,7 @@ class ForwardedMetrics:
 
 def metrics_op(metrics: Any) -> Callable[[str, list], None]:
     """The first replica's ``"metrics"`` op: apply a forwarded report to ``metrics``."""
-    allowed = {"request_finished", "request_rejected", "request_migrated"}
+    allowed = {"request_finished", "request_rejected", "request_migrated", "first_token"}
 
     def apply(method: str, args: list) -> None:
         if method not in allowed:

@@ -38,8 +38,6 @@ from rank.messages import InstanceStatusInfo, TokenEvent
 log = logging.getLogger(__name__)
 # Seconds the aborted leftovers of a drain get to end before the router stops anyway.
 SHUTDOWN_ABORT_S = 10.0
-# Text prompts up to this many characters are tokenized on the router loop (well under 1 ms).
-INLINE_TEXT_CHARS = 2048
 
 
 class RouterMetrics(Protocol):
@@ -394,10 +392,11 @@ class Router:
 
     async def _accept(self, req: RequestState, inp: GenerateInput) -> None:
         """Validate + tokenize + seed; off the loop (a long prompt takes seconds, a grammar
-        compiles) unless the prompt is token ids or short text without a grammar: a thread
-        hop costs more than that on a busy machine (the first token waits for it)."""
+        compiles, a tokenizer may stall: the loop must still take aborts) unless the prompt is
+        token ids without a grammar: a thread hop costs more than checking those on a busy
+        machine (the first token waits for it)."""
         args = (validate_request, inp, self.model, self.tokenizer, self.grammars)
-        if inp.sampling.grammar is None and len(inp.text or "") <= INLINE_TEXT_CHARS:
+        if inp.sampling.grammar is None and not inp.text:
             ids = args[0](*args[1:])
         else:
             ids = await asyncio.to_thread(*args)

@@ -183,9 +183,14 @@ def test_queue_full_is_resource_exhausted():
             # the waiter is admitted as soon as the holder is aborted
             rid0 = _calls(h, "decode-0")[0][1]
             assert client.abort(_client_id(rid0))
-            reserved = lambda: set(h.call_in_loop(lambda: dict(h.fakes["decode-0"].reserved)))
-            assert _wait_for(lambda: len(reserved()) == 1 and rid0 not in reserved())
-            (rid1,) = reserved()
+            seen: list[set] = []
+
+            def waiter_reserved() -> bool:  # NOTE: read once: the fake's dict moves on
+                now = set(h.call_in_loop(lambda: dict(h.fakes["decode-0"].reserved)))
+                seen.append(now)
+                return len(now) == 1 and rid0 not in now
+            assert _wait_for(waiter_reserved)
+            (rid1,) = seen[-1]
             assert client.abort(_client_id(rid1))
             for t in threads:
                 t.join(5)
