@@ -263,6 +263,17 @@ def _tp_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, w: Work, act: float)
     return seconds
 
 
+def sp_tp_s(m: ModelConfig, hw: Hardware, tokens: float, n: int, act: float,
+            batches: int = 1) -> float:
+    """Prefill's SP-TP-SP collectives (:func:`.counts.sp_tp_bytes`) over ``n`` ranks for
+    ``tokens`` tokens per rank in ``batches`` micro-batches, s: per layer the gather and the
+    all-to-all at the collective link rate plus a latency each per micro-batch. Taken as
+    serial: the source overlaps the MoE all-to-all with the other micro-batch, and does not
+    say these are (an assumption, docs/planner.md)."""
+    gathered, a2a = counts.sp_tp_bytes(m, tokens, n, act)
+    return m.num_hidden_layers * ((gathered + a2a) / hw.link(n) + 2 * batches * hw.latency_s)
+
+
 def forward_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                  opts: StepOptions, w: Work) -> Cost:
     """One forward pass of one DP rank (module docstring): kernels, all-to-alls, TP
@@ -292,6 +303,9 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                           w.decode, eight_bit(prec), hw.spec.kernels.link)
         terms += [Term("all-to-all dispatch", DISPATCH, d * n, "link"),
                   Term("all-to-all combine", COMBINE, c * n, "link")]
+    if opts.attn_tp > 1 and not w.decode:
+        terms.append(Term("SP-TP-SP collectives", SERIAL,
+                          sp_tp_s(m, hw, w.tokens, opts.attn_tp, prec.activation, n), "link"))
     terms += [Term("TP collectives", SERIAL, _tp_comm(m, lay, hw, w, prec.activation), "link"),
               Term("host", SERIAL, host_s(m, lay, hw, w.tokens) + step_call_s(lay, hw)
                    + serving_s(hw), "host")]

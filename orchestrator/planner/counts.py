@@ -103,6 +103,24 @@ def prefix_up_flops(m: ModelConfig, past: int) -> float:
         * (m.qk_nope_head_dim + m.v_head_dim)
 
 
+def sp_tp_bytes(m: ModelConfig, tokens: float, n: int, act: float) -> tuple[float, float]:
+    """Bytes one rank moves per layer for prefill's SP-TP-SP attention (CloudMatrix-Infer,
+    arXiv:2506.12708 sec. 4 "hybrid parallelism"): the down projections and o_proj run on
+    the rank's own ``tokens`` (sequence parallel), the attention core by heads over ``n``
+    ranks (tensor parallel), joined by one all-gather of the latents (q latent, KV latent,
+    k_pe: every rank receives the other ``n - 1`` ranks' ``tokens``) and one all-to-all of
+    the attention output back to the tokens' ranks (``(n - 1) / n`` of the rank's heads x
+    ``n x tokens`` rows leave it). ``act`` bytes per value. Returns (gathered, all-to-all)
+    bytes per layer; (0, 0) for n <= 1. Example: V3 (1536 + 512 + 64 latent values,
+    128 heads x 128 v values), 8192 tokens, n 32, bf16: 31 x 8192 x 4224 B = 1.07 GB
+    gathered, 31/32 x 8192 x 32768 B = 260 MB all-to-all."""
+    if n <= 1:
+        return 0.0, 0.0
+    latent = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+    out = m.num_attention_heads * m.v_head_dim
+    return (n - 1) * tokens * latent * act, (n - 1) / n * tokens * out * act
+
+
 def sum_min(past: int, new: int, k: int) -> float:
     """sum over t in past+1 .. past+new of min(t, k)."""
     lo, hi = past + 1, past + new

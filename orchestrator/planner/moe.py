@@ -45,6 +45,9 @@ class StepOptions:
         eplb: expert-parallel load balancer on (replicas placed to even the expected loads).
         skew: coefficient of variation of the experts' popularity (used with eplb off).
         redundant: redundant expert slots (None: the fewest that make the EP size divide).
+        attn_tp: prefill's attention core by heads over this many ranks of the DP group,
+            the rest sequence-parallel (CloudMatrix-Infer's SP-TP-SP); 1: each rank its own
+            prompts (DP attention).
     """
 
     overlap: bool | None = None
@@ -53,6 +56,7 @@ class StepOptions:
     eplb: bool = True
     skew: float = 0.5
     redundant: int | None = None
+    attn_tp: int = 1
 
     def tokens_per_step(self) -> float:
         """Tokens a sequence gains per decode step: 1 + expected accepted drafts."""

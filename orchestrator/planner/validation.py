@@ -61,6 +61,7 @@ class Published:
         linear_bytes: bytes per linear weight (1: FP8 / INT8 W8A8).
         fleet: the figure is a production fleet's 24 h average (capacity x an unknown
             utilization), not a measurement at full load.
+        attn_tp: prefill's attention core by heads over this many ranks (SP-TP-SP).
         setting: what of the setting is the source's and what is assumed.
     """
 
@@ -80,6 +81,7 @@ class Published:
     hit: float = 0.0
     linear_bytes: float = 1.0
     fleet: bool = False
+    attn_tp: int = 1
     setting: str = ""
 
 
@@ -122,12 +124,16 @@ ROWS = (
               setting="simulated MTP: 128 sequences per device at KV 4,000 (the source runs "
               "2x the batch at half the KV and slows attention to DeepSeek's profiled time), "
               "60 % acceptance (source); EP72, 288 slots (source)"),
-    Published("cm384-prefill", CM384, "a3", "prefill", 32, 0, 4096, 16384, 6_688, 2,
-              "input tok/s per NPU",
-              setting="INT8 (W8A8), 4K prompts, 16K tokens per NPU, perfect EPLB (the "
-              "paper's Table 2, as two secondary summaries reproduce it; its default-EPLB "
-              "figure 5,655); 6 prefill instances on 96 NPUs: 16 NPUs = 32 dies, EP32; "
-              "16K tokens per die assumed"),
+    Published("cm384-prefill", CM384, "a3", "prefill", 32, 0, 4096, 8192, 6_688, 2,
+              "input tok/s per NPU", attn_tp=32,
+              setting="INT8 (W8A8), 4K prompts, a batch of 16,384 tokens per accelerator "
+              "(NPU: 8,192 per die), perfect EPLB (the paper's Table 2, as two secondary "
+              "summaries reproduce it; its default-EPLB figure 5,655); 6 prefill instances "
+              "on 96 NPUs: 16 NPUs = 32 dies, EP32; MLA as SP-TP-SP over the instance's 32 "
+              "dies (down projections and o_proj sequence-parallel, the attention core by "
+              "heads, one all-gather and one all-to-all a layer: the paper's sec. 4 and "
+              "Fig. 16-17, as a secondary summary reproduces them; their dtype (bf16) and "
+              "that they are not overlapped are assumed)"),
     Published("cm384-decode", CM384, "a3", "decode", 320, 64, 4096, 48, 1_943, 2,
               "output tok/s per NPU", mtp=1, accept=0.7,
               setting="INT8, EP320 on 160 NPUs, 4K KV, batch 96 per NPU (48 per die), "
@@ -181,7 +187,8 @@ def row_cost(row: Published) -> tuple[Cost, float]:
     slots = experts_per_rank(m, row.ranks, row.redundant) * row.ranks
     plan = plan_role(replace(m, n_routed_experts=slots), lay, prec)
     hw = Hardware(named_device(row.device))
-    opts = StepOptions(mtp=row.mtp, accept=row.accept, redundant=row.redundant)
+    opts = StepOptions(mtp=row.mtp, accept=row.accept, redundant=row.redundant,
+                       attn_tp=row.attn_tp)
     if row.role == "prefill":
         # NOTE: with cache hits each prompt computes its last (1 - hit) share, attending over
         # the cached prefix too
