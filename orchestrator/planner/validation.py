@@ -62,6 +62,9 @@ class Published:
         fleet: the figure is a production fleet's 24 h average (capacity x an unknown
             utilization), not a measurement at full load.
         attn_tp: prefill's attention core by heads over this many ranks (SP-TP-SP).
+        capacity: fleet rows: the same operator's full-load figure at that layout in the
+            row's unit (DeepSeek's profile as LMSYS estimates it), 0 if none; published /
+            capacity is the utilization the sources themselves imply.
         setting: what of the setting is the source's and what is assumed.
     """
 
@@ -82,6 +85,7 @@ class Published:
     linear_bytes: float = 1.0
     fleet: bool = False
     attn_tp: int = 1
+    capacity: float = 0.0
     setting: str = ""
 
 
@@ -91,13 +95,13 @@ PROFILE = ("DeepSeek profile-data README (github.com/deepseek-ai/profile-data): 
 
 ROWS = (
     Published("day6-prefill", DAY6, "h800", "prefill", 32, 32, 4096, 16384, 73_700, 8,
-              "input tok/s per node", hit=0.563, fleet=True,
+              "input tok/s per node", hit=0.563, fleet=True, capacity=62_713 / (1 - 0.563),
               setting="EP32 on 4 nodes, 32 redundant experts, 9 routed per GPU, 73.7k "
               "including cache hits, 56.3 % of input tokens hit the on-disk KV cache (source); "
               "4K prompts, 16K tokens per GPU per forward: " + PROFILE + "; a 24 h fleet "
               "average (nodes scaled with load, not always busy)"),
     Published("day6-decode", DAY6, "h800", "decode", 144, 32, 4989, 88, 14_800, 8,
-              "output tok/s per node", mtp=1, accept=0.85, fleet=True,
+              "output tok/s per node", mtp=1, accept=0.85, fleet=True, capacity=18_598,
               setting="EP144 on 18 nodes, 32 redundant, 2 routed per GPU (source); average KV "
               "length per output token 4,989 (source, as quoted); 20-22 tok/s per user at "
               "1,850 tok/s per GPU -> ~88 sequences per GPU (Little); MTP accept 0.85 "
@@ -236,37 +240,47 @@ def table() -> list[dict]:
 
 
 def summary(rows: list[dict]) -> str:
-    """Median and worst |ratio - 1| over the independent throughput rows (not the seed), all
-    of them and without the fleet averages."""
-    def stats(sel: list[dict]) -> str:
-        errs = [abs(r["ratio"] - 1) for r in sel]
-        return (f"median |predicted/published - 1| {statistics.median(errs):.0%}, worst "
-                f"{max(errs):.0%} over {len(errs)} throughputs")
+    """Median and worst |ratio - 1| over the goal set: the independent capacity rows (not the
+    seed, not the fleet averages); the fleet averages as the utilization they imply."""
+    errs = [abs(r["ratio"] - 1) for r in rows if r["role"] != "seed" and not r["fleet"]]
+    fleet = ", ".join(f"{r['key']} {1 / r['ratio']:.2f}" for r in rows if r["fleet"])
+    return (f"median |predicted/published - 1| {statistics.median(errs):.0%}, worst "
+            f"{max(errs):.0%} over {len(errs)} capacity throughputs; fleet averages (not "
+            f"capacity, not in the goal set), published / predicted capacity: {fleet}")
 
-    indep = [r for r in rows if r["role"] != "seed"]
-    return (f"{stats(indep)}; without the fleet averages: "
-            f"{stats([r for r in indep if not r['fleet']])}")
+
+def _row_table(rows: list[dict], role: str, fleet: bool) -> list[str]:
+    """Markdown rows of one role's capacity rows, or of the fleet averages."""
+    out = []
+    for r, row in ((r, next(x for x in ROWS if x.key == r["key"])) for r in rows
+                   if r["role"] == role and r["fleet"] == fleet):
+        work = (f"{row.length}-token prompts, {row.tokens} computed tokens per rank per "
+                f"forward" if role == "prefill" else
+                f"{row.tokens} sequences per rank at {row.length} context"
+                + (f", MTP {row.mtp} at accept {row.accept}" if row.mtp else ""))
+        cells = [row.key, row.source, f"{row.device}, EP {row.ranks} (DP attention), "
+                 f"{row.redundant} redundant", f"{work}; {row.setting}",
+                 f"{row.figure:,.0f} {row.unit}", f"{r['predicted']:,.0f}"]
+        cells += ([f"{1 / r['ratio']:.2f}", f"{row.capacity:,.0f}",
+                   f"{row.figure / row.capacity:.2f}"] if fleet else [f"{r['ratio']:.2f}"])
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def markdown(rows: list[dict]) -> str:
-    """The docs/planner.md tables: prefill rows, decode rows, seed 004, the summary."""
+    """The docs/planner.md tables: prefill rows, decode rows, the fleet averages, seed 004,
+    the profile checks, the summary."""
     head = ("| row | source | device, layout | workload | published | predicted | ratio |\n"
             "|---|---|---|---|---|---|---|")
     out = []
     for role, title in (("prefill", "Prefill (input tokens/s)"),
                         ("decode", "Decode (output tokens/s)")):
-        out += [f"### {title}", "", head]
-        for r, row in ((r, next(x for x in ROWS if x.key == r["key"])) for r in rows
-                       if r["role"] == role):
-            work = (f"{row.length}-token prompts, {row.tokens} computed tokens per rank per "
-                    f"forward" if role == "prefill" else
-                    f"{row.tokens} sequences per rank at {row.length} context"
-                    + (f", MTP {row.mtp} at accept {row.accept}" if row.mtp else ""))
-            out.append(f"| {row.key} | {row.source} | {row.device}, EP {row.ranks} (DP "
-                       f"attention), {row.redundant} redundant | {work}; {row.setting} | "
-                       f"{row.figure:,.0f} {row.unit} | {r['predicted']:,.0f} | "
-                       f"{r['ratio']:.2f} |")
-        out.append("")
+        out += [f"### {title}", "", head, *_row_table(rows, role, False), ""]
+    out += ["### Fleet averages (DeepSeek Day 6; not capacity figures, not in the goal set)",
+            "", "| row | source | device, layout | workload | published | predicted capacity "
+            "| published / predicted | DeepSeek's profile at that layout | published / "
+            "profile |", "|---|---|---|---|---|---|---|---|---|",
+            *_row_table(rows, "prefill", True), *_row_table(rows, "decode", True), ""]
     out += ["### Seed 004 (configs/a3_v32_p2x16_d8x4.yaml, `--workload "
             "in=65536,out=3072,concurrency=29`, lock-step: `...,start=together`)", "",
             "| row | published | predicted | ratio |", "|---|---|---|---|"]
