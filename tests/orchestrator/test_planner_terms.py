@@ -12,8 +12,8 @@ import pytest
 
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
-from orchestrator.planner.counts import elementwise_bytes_per_token
-from orchestrator.planner.cost import Cost, Hardware, Term, decode_step_cost
+from orchestrator.planner.counts import elementwise_bytes_per_token, sp_tp_bytes
+from orchestrator.planner.cost import Cost, Hardware, Term, decode_step_cost, sp_tp_s
 from orchestrator.planner.load import parse_workload
 from orchestrator.planner.moe import (SCALE_BYTES, StepOptions, alltoall_s, distinct,
                                       experts_per_rank, imbalance)
@@ -249,6 +249,13 @@ def test_validation_page_shows_the_tables_figures():
     assert all(f"| {c.key} |" in text for c in CHECKS)
     devices = {r["device"] for r in rows if r["role"] != "seed"}
     assert {"h800", "h100", "a3"} <= devices  # NVIDIA and Huawei chips
+    # the goal set is the capacity rows; the fleet averages are shown as the utilization
+    # they imply (published / predicted), not counted in the error
+    capacity = [r for r in rows if r["role"] != "seed" and not r["fleet"]]
+    assert f"over {len(capacity)} capacity throughputs" in summary(rows)
+    for r in rows:
+        if r["fleet"]:
+            assert f"{r['key']} {1 / r['ratio']:.2f}" in summary(rows)
 
 
 def test_validation_row_command_prints_the_rows_terms(capsys):
@@ -273,3 +280,35 @@ def test_cache_hit_prefill_attends_over_the_cached_prefix():
     # cached 2048-token prefix (keys 2048 * 2048 + 2048 * 2049 / 2) or after none
     with_prefix, alone = 2048 * 2048 + 2048 * 2049 / 2, 2048 * 2049 / 2
     assert attention_s(4096, 0.5) / attention_s(2048, 0.0) == pytest.approx(with_prefix / alone)
+
+
+def test_sp_tp_sp_collectives_by_hand():
+    """CloudMatrix-Infer's prefill MLA (SP-TP-SP): one all-gather of the latents and one
+    all-to-all of the attention output per layer, a serial term of prefill only."""
+    from orchestrator.planner.validation import Published, row_cost
+
+    m = _v3()
+    gathered, a2a = sp_tp_bytes(m, 8192, 32, 2)
+    # the other 31 ranks' 8192 tokens x (q latent 1536 + KV latent 512 + k_pe 64) in bf16
+    assert gathered == 31 * 8192 * 2112 * 2 == 1_072_693_248
+    # 31/32 of (32 x 8192 rows x 4 of 128 heads x 128 v values) in bf16 leaves the rank
+    assert a2a == 31 * 8192 * 4 * 128 * 2 == 260_046_848
+    assert sp_tp_bytes(m, 8192, 1, 2) == (0.0, 0.0)
+    a3 = Hardware(named_device("a3"))
+    # 61 layers, each both collectives at the UB link x 0.70 and a 20 us latency each per
+    # micro-batch
+    per_layer = (gathered + a2a) / (196e9 * 0.70) + 2 * 2 * 20e-6
+    assert sp_tp_s(m, a3, 8192, 32, 2, batches=2) == pytest.approx(61 * per_layer)
+    row = Published("x", "x", "a3", "prefill", 32, 0, 4096, 8192, 1.0, 2, "u", attn_tp=32)
+    cost = row_cost(row)[0]
+    term = next(t for t in cost.terms if t.name == "SP-TP-SP collectives")
+    assert term.phase == "serial" and term.bound == "link"
+    assert term.seconds == pytest.approx(sp_tp_s(m, a3, 8192, 32, 2, 2 if cost.overlap else 1))
+    plain = row_cost(replace(row, attn_tp=1))[0]
+    assert all(t.name != "SP-TP-SP collectives" for t in plain.terms)
+    assert cost.total_s - plain.total_s == pytest.approx(term.seconds, rel=1e-3)
+    lay = RoleLayout("decode", 32, 1, True, 1, 128, 8, 8, 5120)
+    prec = Precision(1, 2, 2, 2)
+    dec = decode_step_cost(m, plan_role(m, lay, prec), prec, a3, 8, 4096,
+                           StepOptions(attn_tp=32))
+    assert all(t.name != "SP-TP-SP collectives" for t in dec.terms)  # prefill only
