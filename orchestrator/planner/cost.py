@@ -305,7 +305,8 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                   Term("all-to-all combine", COMBINE, c * n, "link")]
     if opts.attn_tp > 1 and not w.decode:
         terms.append(Term("SP-TP-SP collectives", SERIAL,
-                          sp_tp_s(m, hw, w.tokens, opts.attn_tp, prec.activation, n), "link"))
+                          sp_tp_s(m, hw, w.tokens / (lay.tp * lay.cp), opts.attn_tp,
+                                  prec.activation, n), "link"))
     terms += [Term("TP collectives", SERIAL, _tp_comm(m, lay, hw, w, prec.activation), "link"),
               Term("host", SERIAL, host_s(m, lay, hw, w.tokens) + step_call_s(lay, hw)
                    + serving_s(hw), "host")]

@@ -139,12 +139,12 @@ def test_auto_overlap_takes_two_micro_batches_only_where_they_pay():
 
 def test_workload_takes_the_step_options():
     wl = parse_workload("in=4096,out=512,mtp=1,accept=0.8,overlap=0,eplb=0,skew=0.3,"
-                        "redundant=32")
+                        "redundant=32,sptp=16")
     assert wl.options == StepOptions(overlap=False, mtp=1, accept=0.8, eplb=False, skew=0.3,
-                                     redundant=32)
+                                     redundant=32, attn_tp=16)
     assert parse_workload("in=8,out=2").options == StepOptions()
     for bad in ("in=8,out=2,accept=0.5", "in=8,out=2,mtp=1,accept=2", "in=8,out=2,overlap=2",
-                "in=8,out=2,mtp=-1", "in=8,out=2,eplb=yes"):
+                "in=8,out=2,mtp=-1", "in=8,out=2,eplb=yes", "in=8,out=2,sptp=0"):
         with pytest.raises(ValueError):
             parse_workload(bad)
 
