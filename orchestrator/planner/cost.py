@@ -388,12 +388,31 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
              batch * counts.kv_read_per_seq(m, prec, context), batch * q, True)
     cost = forward_cost(m, plan, prec, hw, opts, w)
     if opts.mtp:
-        base = forward_cost(m, plan, prec, hw, replace(opts, mtp=0),
-                            Work(batch, 0.0, 0.0, batch, True))
-        per_layer = sum(base.phase_s(p) for p in (PRE, ATTN, SHARED, MOE)) \
-            / m.num_hidden_layers
-        cost = cost + Cost((Term("MTP drafts", SERIAL, opts.mtp * per_layer, "compute"),))
+        cost = cost + Cost(_mtp_draft_terms(m, plan, prec, hw, batch, opts))
     return replace(cost, tokens_per_step=opts.tokens_per_step())
+
+
+def _mtp_draft_terms(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
+                     batch: float, opts: StepOptions) -> tuple[Term, ...]:
+    """The MTP module run ``opts.mtp`` times on ``batch`` rows (DeepSeek-V3 report sec. 2.2:
+    a projection ``eh_proj`` [h, 2h], one Transformer block, the shared output head):
+    ``MTP drafts``, the block as one decoder layer of a plain step of the batch (its kernels
+    and, an MoE layer, its dispatch and combine); ``MTP draft head``, the output head over
+    the whole vocabulary (FLOPs at the bf16 GEMM rate, the rank's lm_head weights read,
+    like the step's own) and ``eh_proj`` (model precision), each a roofline."""
+    base = forward_cost(m, plan, prec, hw, replace(opts, mtp=0),
+                        Work(batch, 0.0, 0.0, batch, True))
+    block = sum(base.phase_s(p) for p in (PRE, ATTN, SHARED, MOE)) / m.num_hidden_layers
+    if m.n_routed_experts:
+        block += (base.phase_s(DISPATCH) + base.phase_s(COMBINE)) / num_moe_layers(m)
+    h, tp = m.hidden_size, plan.layout.tp
+    lm_bytes = sum(r.bytes for r in plan.rows if r.kind == "lm_head")
+    flops = 2 * batch * h * (m.vocab_size / tp + 2 * h)
+    head = _roofline("MTP draft head", SERIAL, flops,
+                     hw.spec.bf16_tflops * TFLOPS * hw.spec.kernels.gemm_bf16,
+                     lm_bytes + 2 * h * h * prec.weight, hw.hbm())
+    return (Term("MTP drafts", SERIAL, opts.mtp * block, "compute"),
+            replace(head, seconds=opts.mtp * head.seconds))
 
 
 def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,

@@ -13,7 +13,8 @@ import pytest
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
 from orchestrator.planner.counts import elementwise_bytes_per_token, sp_tp_bytes
-from orchestrator.planner.cost import Cost, Hardware, Term, decode_step_cost, sp_tp_s
+from orchestrator.planner.cost import (Cost, Hardware, Term, Work, decode_step_cost,
+                                       forward_cost, sp_tp_s)
 from orchestrator.planner.load import parse_workload
 from orchestrator.planner.moe import (SCALE_BYTES, StepOptions, alltoall_s, distinct,
                                       experts_per_rank, imbalance)
@@ -128,6 +129,34 @@ def test_mtp_verifies_1_plus_k_tokens_and_gains_1_plus_accepted():
     for name in ("linears", "output linears", "routed experts", "all-to-all dispatch"):
         assert by_name[name] == pytest.approx(plain_names[name], rel=1e-9)
     assert by_name["MTP drafts"] > 0
+
+
+def test_mtp_draft_runs_the_module_its_all_to_all_and_the_whole_output_head():
+    """DeepSeek-V3's MTP module (report sec. 2.2): eh_proj [h, 2h], one Transformer block,
+    the shared output head; per draft, on the batch."""
+    two, one = _decode(StepOptions(mtp=2, accept=0.8, overlap=False), 64), \
+        _decode(StepOptions(mtp=1, accept=0.8, overlap=False), 64)
+    terms = {t.name: t for t in one.terms}
+    head = terms["MTP draft head"]
+    # 129280 x 7168 bf16 lm_head + 2 x 7168 x 7168 bf16 eh_proj read at 3350 GB/s x 0.67;
+    # FLOPs 2 x 64 x 7168 x (129280 + 2 x 7168) at 989 TFLOPS x 0.56: memory-bound
+    nbytes = 129280 * 7168 * 2 + 2 * 7168 * 7168 * 2
+    flops = 2 * 64 * 7168 * (129280 + 2 * 7168)
+    assert head.bound == "memory" and flops / (989e12 * 0.56) < nbytes / (3350e9 * 0.67)
+    assert head.seconds == pytest.approx(nbytes / (3350e9 * 0.67))
+    # the block: a plain step's kernels over 61 layers plus its all-to-all over 58 MoE layers
+    m = _v3()
+    lay = RoleLayout("decode", 144, 1, True, 1, 128, 512, 512, 8192)
+    prec = Precision(1, 2, 2, 2)
+    plan = plan_role(replace(m, n_routed_experts=experts_per_rank(m, 144) * 144), lay, prec)
+    base = forward_cost(m, plan, prec, Hardware(named_device("h800")),
+                        StepOptions(overlap=False), Work(64, 0.0, 0.0, 64, True))
+    block = sum(t.seconds for t in base.terms if t.phase in ("attention-0", "attention",
+                                                             "shared", "moe")) / 61 \
+        + sum(t.seconds for t in base.terms if t.phase in ("dispatch", "combine")) / 58
+    assert terms["MTP drafts"].seconds == pytest.approx(block)
+    two_terms = {t.name: t.seconds for t in two.terms}
+    assert two_terms["MTP draft head"] == pytest.approx(2 * head.seconds)  # per draft
 
 
 def test_auto_overlap_takes_two_micro_batches_only_where_they_pay():
