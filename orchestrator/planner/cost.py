@@ -10,7 +10,8 @@ A forward pass of ``tokens`` tokens on one DP rank is a list of :class:`Term`:
   ``tp x cp`` ranks;
 - the EP all-to-all dispatch and combine (:mod:`.moe`);
 - serial terms: TP all-reduces (ring: ``2 (n-1)/n`` of the bytes) and the vocab-parallel
-  collectives, context-parallel gathers, host dispatch, the step call, serving cost.
+  collectives, context-parallel gathers, prefill's SP-TP-SP collectives, host dispatch,
+  the step call, serving cost, the MTP draft module (its block and its output head).
 
 Without overlap the step is the sum. With two micro-batches (:class:`.moe.StepOptions`) each
 kernel runs twice on half the tokens (weights read twice), compute-bound kernels under the
