@@ -34,7 +34,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         return 2
     if ns.dry_run:
         return _dry_run(cfg)
-    from orchestrator.deploy.cluster import BringUpError
+    from orchestrator.deploy.rank_actors import BringUpError
     from orchestrator.api.server import PortInUseError
     from orchestrator.up import run_up
 

@@ -5,7 +5,8 @@ instance/rank, tears everything down and raises :class:`BringUpError`):
 
 1. one placement group per instance (STRICT_PACK, one bundle per rank), wait until ready;
 2. create the rank actors ``Rank(cfg: InstanceConfig, rank, role_cls)`` in their bundles
-   (``role_cls``: the role class of ``cfg.role``, :data:`ROLES`), check ``node_info()`` on
+   (``role_cls``: the role class of ``cfg.role``,
+   :data:`orchestrator.deploy.rank_actors.ROLES`), check ``node_info()`` on
    each (constructor errors surface here);
 3. ``host, port = leader.open_tp_store()``; for a role with ``ep``, its first instance's
    leader also opens the role's EP store (``open_ep_store()``);
@@ -26,53 +27,23 @@ expert-parallel role, for all its instances together (one EP group spans them:
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.error_text import first_line
 from rank.config import InstanceConfig
 from rank.rank import Rank
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.sections import ClusterSection
-from orchestrator.deploy.health import PROBE_GROUP
-from orchestrator.deploy.placement import STRATEGY, rank_bundle, role_resources
 from orchestrator.deploy.progress import Report, Stopwatch, node_ips, nodes_text, plural, say
+from orchestrator.deploy.rank_actors import (
+    SHUTDOWN_TIMEOUT_S, BringUpError, InstanceRanks, create_ranks, get_one, get_ranks,
+    kill_instance, load_roles, open_ep_stores, placement_group_for, start_instances,
+    stop_leaders)
 
 log = logging.getLogger(__name__)
-
-# NOTE: the rank package never imports the workers: the role class of an instance is picked
-# here by ``InstanceConfig.role`` and handed to its ranks (pickled by reference).
-ROLES = {
-    "prefill": "prefill_worker.role:PrefillRole",
-    "decode": "decode_worker.role:DecodeRole",
-    "colocated": "rank.colocated:ColocatedRole",
-}
-ACTOR_CONCURRENCY = 16  # NOTE: poll() blocks a thread while reserve/abort/status still answer
-SHUTDOWN_TIMEOUT_S = 30.0
-
-
-class BringUpError(RuntimeError):
-    """The cluster could not be brought up; the message names the instance/rank and the fix."""
-
-
-@dataclass
-class InstanceRanks:
-    """One running instance: its config, placement group and rank actors (rank order)."""
-
-    cfg: InstanceConfig
-    pg: Any
-    ranks: list[Any] = field(default_factory=list)
-    nodes: list[tuple[str, str]] = field(default_factory=list)  # (node id, device) per rank
-    started: bool = False  # the leader's start() returned: there is work to drain
-    group: str = ""  # the EP group (expert-parallel role) it belongs to: "" the first one
-
-    @property
-    def leader(self) -> Any:
-        return self.ranks[0]
 
 
 @dataclass
@@ -151,18 +122,18 @@ class Cluster:
                 self.instances[self.instances.index(old)] = InstanceRanks(old.cfg, None)
         deadline = time.monotonic() + timeout_s
         for old in olds:
-            _kill(old)
+            kill_instance(old)
         news = []
         try:
             for old in olds:
-                news.append(_placement_group(old.cfg, self.cfg,
+                news.append(placement_group_for(old.cfg, self.cfg,
                                              max(deadline - time.monotonic(), 0.01)))
                 news[-1].group = old.group
-            _start_instances(news, self.rank_class, self.roles[olds[0].cfg.role],
+            start_instances(news, self.rank_class, self.roles[olds[0].cfg.role],
                              self.cfg.cluster, deadline)
         except BaseException as exc:
             for new in news:
-                _kill(new)
+                kill_instance(new)
             if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
                 raise BringUpError(f"{name}: restart failed: {type(exc).__name__}: "
                                    f"{exc}") from exc
@@ -230,14 +201,14 @@ class Cluster:
         deadline, news = time.monotonic() + timeout_s, []
         try:
             for inst in insts:
-                news.append(_placement_group(inst, self.cfg,
+                news.append(placement_group_for(inst, self.cfg,
                                              max(deadline - time.monotonic(), 0.01)))
                 news[-1].group = group
-            _start_instances(news, self.rank_class, self.roles[insts[0].role],
+            start_instances(news, self.rank_class, self.roles[insts[0].role],
                              self.cfg.cluster, deadline)
         except BaseException as exc:
             for new in news:
-                _kill(new)
+                kill_instance(new)
             if isinstance(exc, Exception) and not isinstance(exc, BringUpError):
                 raise BringUpError(f"{names}: start failed: {type(exc).__name__}: "
                                    f"{exc}") from exc
@@ -245,7 +216,7 @@ class Cluster:
         with self._lock:
             if self._closed:
                 for new in news:
-                    _kill(new)
+                    kill_instance(new)
                 raise BringUpError(f"{names}: started while the cluster shut down; removed")
             self.instances.extend(news)
         for new in news:
@@ -277,9 +248,9 @@ class Cluster:
             insts = [self._find(name) for name in names]
             for inst in insts:
                 self.instances.remove(inst)
-        _stop_leaders([i for i in insts if i.started and i.ranks], timeout_s)
+        stop_leaders([i for i in insts if i.started and i.ranks], timeout_s)
         for inst in insts:
-            _kill(inst)
+            kill_instance(inst)
             log.info("%s removed: ranks killed, placement group removed", inst.cfg.name)
 
     def _install(self, news: list[InstanceRanks]) -> None:
@@ -292,7 +263,7 @@ class Cluster:
         with self._lock:
             if self._closed:
                 for new in news:
-                    _kill(new)
+                    kill_instance(new)
                 raise BringUpError(f"{', '.join(n.cfg.name for n in news)}: restarted while the "
                                    "cluster shut down; removed")
             for new in news:
@@ -323,46 +294,13 @@ class Cluster:
             instances, self.instances, self._closed = self.instances, [], True
         if instances:
             self.report(f"stopping {plural(len(instances), 'instance')}")
-        _stop_leaders([inst for inst in instances if inst.started], timeout_s)
+        stop_leaders([inst for inst in instances if inst.started], timeout_s)
         for inst in instances:
-            _kill(inst)
+            kill_instance(inst)
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
             self.report(f"stopped the ranks and the embedded Ray in {watch}")
-
-
-def _stop_leaders(insts: list[InstanceRanks], timeout_s: float) -> None:
-    """Every leader's ``drain``, then every leader's ``shutdown``, each stage bounded by
-    ``timeout_s``; failures are logged (stopping goes on whatever happened)."""
-    import ray
-
-    leaders = [inst.leader for inst in insts]
-    stages = (("drain", lambda leader: leader.drain.remote(timeout_s)),
-              ("shutdown", lambda leader: leader.shutdown.remote()))
-    for step, call in stages:
-        if not leaders:
-            return
-        try:
-            ray.get([call(leader) for leader in leaders], timeout=timeout_s)
-        except Exception as exc:  # noqa: BLE001 -- stopping goes on whatever happened
-            worker_error = getattr(exc, "cause", None) or exc  # RayTaskError wraps it
-            log.warning("%s: leader %s did not complete: %s",
-                        ", ".join(i.cfg.name for i in insts), step, first_line(worker_error))
-            log.debug("leader %s failure detail", step, exc_info=exc)
-
-
-def load_roles() -> dict[str, type]:
-    """Role name -> role class (:data:`ROLES`, imported lazily; clear error when absent)."""
-    roles = {}
-    for role, target in ROLES.items():
-        module, name = target.split(":")
-        try:
-            roles[role] = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise BringUpError(f"cannot import {target} ({exc}): this build lacks the "
-                               f"{role} worker; install the full orch package") from None
-    return roles
 
 
 def bring_up(cfg: OrchConfig, roles: dict[str, type] | None = None, rank_class: type = Rank,
@@ -403,7 +341,7 @@ def _place(cluster: Cluster, cfg: OrchConfig, timeout: float) -> None:
     cluster.report(f"placing {plural(len(instances), 'instance')} "
                    f"({plural(ranks, 'rank')}, one placement group per instance)")
     for inst_cfg in instances:
-        cluster.instances.append(_placement_group(inst_cfg, cfg, timeout))
+        cluster.instances.append(placement_group_for(inst_cfg, cfg, timeout))
 
 
 def _spawn(cluster: Cluster, res: ClusterSection, timeout: float) -> dict[str, str]:
@@ -415,10 +353,10 @@ def _spawn(cluster: Cluster, res: ClusterSection, timeout: float) -> dict[str, s
                    "machine)")
     watch = Stopwatch()
     for inst in cluster.instances:
-        _create_ranks(inst, cluster.rank_class, cluster.roles[inst.cfg.role], res)
+        create_ranks(inst, cluster.rank_class, cluster.roles[inst.cfg.role], res)
     ips = {}
     for inst in cluster.instances:
-        inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
+        inst.nodes = get_ranks(inst, [r.node_info.remote() for r in inst.ranks],
                                 "node_info", timeout)
         ips = ips or node_ips()
         processes = plural(len(inst.ranks), "rank process", "rank processes")
@@ -432,146 +370,18 @@ def _init_and_start(cluster: Cluster, timeout: float, watch: Stopwatch,
     """TP rendezvous and model load on every rank, then each leader's loop; one line per
     instance once it serves (``watch``: since bring-up began; ``ips``: node id -> IP)."""
     cluster.report("loading the model on every rank and joining the TP groups")
-    stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", timeout)
+    stores = [get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", timeout)
               for inst in cluster.instances]
-    ep_stores = _open_ep_stores(cluster.instances, timeout)
+    ep_stores = open_ep_stores(cluster.instances, timeout)
     inits = [[r.init_rank.remote(host, port, inst.ranks, ep_stores.get(inst.cfg.role))
               for r in inst.ranks]
              for inst, (host, port) in zip(cluster.instances, stores)]
     for inst, refs in zip(cluster.instances, inits):
-        _get_ranks(inst, refs, "init_rank", timeout)
-        _get_one(inst, inst.leader.start.remote(), "start", timeout)
+        get_ranks(inst, refs, "init_rank", timeout)
+        get_one(inst, inst.leader.start.remote(), "start", timeout)
         inst.started = True
         where = nodes_text([node for node, _ in inst.nodes], ips)
         cluster.report(f"{inst.cfg.name}: {plural(len(inst.ranks), 'rank')} on {where} ready "
                        f"in {watch}")
 
 
-def _open_ep_stores(instances: list[InstanceRanks], timeout: float) -> dict[str, tuple]:
-    """Role -> (host, port) of its EP store, opened by the leader of the role's first
-    instance (EP rank 0), for every role with ``ep``.
-
-    Raises:
-        BringUpError: that leader did not open it within ``timeout``.
-    """
-    stores: dict[str, tuple] = {}
-    for inst in instances:
-        if inst.cfg.parallel.ep and inst.cfg.parallel.dp_rank == 0:
-            stores[inst.cfg.role] = _get_one(inst, inst.leader.open_ep_store.remote(),
-                                             "open_ep_store", timeout)
-    return stores
-
-
-def _start_instances(insts: list[InstanceRanks], cls: type, role: type, res: ClusterSection,
-                     deadline: float) -> None:
-    """Steps 2-5 of the module docstring for instances (of one role) whose placement groups
-    are ready, each step bounded by what is left until ``deadline`` (monotonic seconds).
-
-    Raises:
-        BringUpError: a step failed or did not finish in time.
-    """
-    def left() -> float:
-        return max(deadline - time.monotonic(), 0.01)
-
-    for inst in insts:
-        _create_ranks(inst, cls, role, res)
-    for inst in insts:
-        inst.nodes = _get_ranks(inst, [r.node_info.remote() for r in inst.ranks], "node_info",
-                                left())
-    stores = [_get_one(inst, inst.leader.open_tp_store.remote(), "open_tp_store", left())
-              for inst in insts]
-    ep_stores = _open_ep_stores(insts, left())
-    inits = [[r.init_rank.remote(host, port, inst.ranks, ep_stores.get(inst.cfg.role))
-              for r in inst.ranks] for inst, (host, port) in zip(insts, stores)]
-    for inst, refs in zip(insts, inits):
-        _get_ranks(inst, refs, "init_rank", left())
-    for inst in insts:
-        _get_one(inst, inst.leader.start.remote(), "start", left())
-        inst.started = True
-
-
-def _kill(inst: InstanceRanks) -> None:
-    """Kill the instance's rank actors and remove its placement group (errors logged)."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in inst.ranks:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception as exc:  # noqa: BLE001 -- already gone
-            log.debug("%s: kill: %s", inst.cfg.name, exc)
-    if inst.pg is not None:
-        try:
-            remove_placement_group(inst.pg)
-        except Exception as exc:  # noqa: BLE001 -- already removed
-            log.debug("%s: remove placement group: %s", inst.cfg.name, exc)
-
-
-def _placement_group(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -> InstanceRanks:
-    import ray
-    from ray.util.placement_group import placement_group
-
-    bundle = rank_bundle(inst.parallel.device, cfg.cluster, role_resources(cfg, inst.role))
-    pg = placement_group([dict(bundle) for _ in range(inst.parallel.ranks)], strategy=STRATEGY,
-                         name=f"orch-{inst.name}")
-    try:
-        ray.get(pg.ready(), timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        ray.util.remove_placement_group(pg)
-        raise BringUpError(
-            f"{inst.name}: placement group of {inst.parallel.ranks} x {bundle} ({STRATEGY}: all "
-            f"on one node) not ready within {timeout:g} s: no node has those resources free (see "
-            "`ray status`); lower cluster.cpus_per_rank or the tp (cp), or add nodes") from None
-    return InstanceRanks(cfg=inst, pg=pg)
-
-
-def rank_actor(cls: type) -> Any:
-    """``cls`` as a Ray actor class of a rank: ``ACTOR_CONCURRENCY`` threads for its calls,
-    plus one thread of its own for the health probe (``health.PROBE_GROUP``), so a ping
-    answers while every call thread waits for the step lock."""
-    import ray
-
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY,
-                      concurrency_groups={PROBE_GROUP: 1})(cls)
-
-
-def _create_ranks(inst: InstanceRanks, cls: type, role: type, res: ClusterSection) -> None:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    share = res.accelerators_per_rank
-    accel = {"cuda": {"num_gpus": share},
-             "npu": {"resources": {"NPU": share}}}.get(inst.cfg.parallel.device, {})
-    remote_cls = rank_actor(cls)
-    for rank in range(inst.cfg.parallel.ranks):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=inst.pg,
-                                                    placement_group_bundle_index=rank)
-        options = dict(num_cpus=res.cpus_per_rank, scheduling_strategy=strategy, **accel)
-        inst.ranks.append(remote_cls.options(**options).remote(inst.cfg, rank, role))
-
-
-def _get_one(inst: InstanceRanks, ref: Any, step: str, timeout: float) -> Any:
-    return _get_ranks(inst, [ref], step, timeout)[0]
-
-
-def _get_ranks(inst: InstanceRanks, refs: list[Any], step: str, timeout: float) -> list[Any]:
-    """``ray.get`` each rank's ``step`` result; failures name the instance and rank."""
-    import time
-
-    import ray
-
-    out, deadline = [], time.monotonic() + timeout
-    for rank, ref in enumerate(refs):
-        try:
-            out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.01)))
-        except ray.exceptions.GetTimeoutError:
-            raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} did not finish within "
-                               f"cluster.startup_timeout_s={timeout:g} s; see that rank's log "
-                               "(worker-*.err in the rank log folder `orch up` printed), or "
-                               "raise the timeout") from None
-        except ray.exceptions.RayError as exc:
-            cause = getattr(exc, "cause", None) or exc  # the worker's own exception
-            raise BringUpError(f"{inst.cfg.name} rank {rank}: {step} failed: "
-                               f"{type(cause).__name__}: {cause} (traceback in that rank's "
-                               "log: worker-*.err in the rank log folder `orch up` "
-                               "printed)") from None
-    return out

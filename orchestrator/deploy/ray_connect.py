@@ -11,7 +11,7 @@ import logging
 import os
 
 from engine import envs
-from orchestrator.deploy.cluster import BringUpError
+from orchestrator.deploy.rank_actors import BringUpError
 from orchestrator.config.schema import OrchConfig
 
 

@@ -245,7 +245,7 @@ def measure_cpu(ckpt: Path | None = None,
         TimeoutError, orchestrator.router.request.RequestError: a served calibration request did
             not complete within 60 s or failed.
         ray.exceptions.GetTimeoutError: a Ray call took over 60 s.
-        orchestrator.deploy.cluster.BringUpError: the served instances did not come up.
+        orchestrator.deploy.rank_actors.BringUpError: the served instances did not come up.
     """
     if ckpt is None:
         import tempfile

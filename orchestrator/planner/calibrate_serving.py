@@ -103,7 +103,7 @@ def _start_colocated(ckpt: Path) -> object:
     """
     import ray
 
-    from orchestrator.deploy.cluster import ACTOR_CONCURRENCY
+    from orchestrator.deploy.rank_actors import ACTOR_CONCURRENCY
     from rank.colocated import ColocatedRole
     from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
     from rank.rank import Rank
@@ -169,7 +169,7 @@ class ServedInstances:
     share one bring-up (~10-25 s: four rank processes, each importing torch).
 
     Raises (``__enter__``):
-        orchestrator.deploy.cluster.BringUpError, ray.exceptions.GetTimeoutError: a rank did not
+        orchestrator.deploy.rank_actors.BringUpError, ray.exceptions.GetTimeoutError: a rank did not
             come up; TimeoutError, RequestError: a warm-up request did not complete.
     """
 

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from orchestrator.deploy.assemble import build_router
-from orchestrator.deploy.cluster import BringUpError, bring_up
+from orchestrator.deploy.cluster import bring_up
+from orchestrator.deploy.rank_actors import BringUpError
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.request import GenerateInput
 from engine.sampling_params import SamplingParams

@@ -141,7 +141,8 @@ def test_a_new_group_that_does_not_start_leaves_the_old_one_serving(ep):
 
 
 def test_while_two_groups_run_a_restart_takes_only_its_own_group():
-    from orchestrator.deploy.cluster import Cluster, InstanceRanks
+    from orchestrator.deploy.cluster import Cluster
+    from orchestrator.deploy.rank_actors import InstanceRanks
 
     h = _ep_harness()
     try:

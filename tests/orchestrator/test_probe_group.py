@@ -9,7 +9,7 @@ import threading
 import time
 
 from orchestrator.deploy import health
-from orchestrator.deploy.cluster import ACTOR_CONCURRENCY, rank_actor
+from orchestrator.deploy.rank_actors import ACTOR_CONCURRENCY, rank_actor
 
 
 class BusyRank:

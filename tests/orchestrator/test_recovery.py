@@ -8,7 +8,7 @@ import logging
 import threading
 from types import SimpleNamespace
 
-from orchestrator.deploy.cluster import BringUpError
+from orchestrator.deploy.rank_actors import BringUpError
 from orchestrator.router.leader import LeaderClient
 from orchestrator.deploy.recovery import Recoverer
 
