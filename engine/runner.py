@@ -295,6 +295,32 @@ class ModelRunner:
                 "or max_tokens")
 
 
+def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
+                 **kwargs) -> ModelRunner:
+    """The runner of ``checkpoint_dir``'s architecture: :class:`engine.v4.runner.V4Runner` for
+    DeepSeek-V4 (its serving layout checked; ``prefix_cache``: the scheduler pool caches
+    prefixes, which V4 does not support), else :class:`ModelRunner` (``kwargs`` as its).
+
+    Raises:
+        ValueError: a layout V4 does not support (the message lists each and its fix).
+    """
+    from engine.v4.runner import V4Runner, is_v4_checkpoint  # noqa: PLC0415
+
+    if not is_v4_checkpoint(checkpoint_dir):
+        return ModelRunner(checkpoint_dir, **kwargs)
+    size = lambda group: group.size if group is not None else 1  # noqa: E731
+    graph = kwargs.get("graph")
+    return V4Runner(checkpoint_dir, num_kv_blocks=kwargs["num_kv_blocks"],
+                    block_size=kwargs["block_size"],
+                    dtype=kwargs.get("dtype", torch.float32),
+                    device=kwargs.get("device") or "cpu", tp=size(kwargs.get("tp")),
+                    ep=size(kwargs.get("ep")), cp=size(kwargs.get("cp")),
+                    graph=graph is not None and graph.enabled,
+                    num_speculative_tokens=kwargs.get("num_speculative_tokens", 0),
+                    layer_sharding=tuple(kwargs.get("layer_sharding", ())),
+                    prefix_cache=prefix_cache)
+
+
 def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
     """Raise ValueError, naming the fix, for a layout context parallel does not support."""
     if cp.size > 1 and graph.enabled:
