@@ -2,7 +2,7 @@
 at load average ~15, far over the e2e budget). DeepSeek-V4 end to end: `orch up
 configs/v4_colocated.yaml` (the tiny V4 checkpoint, colocated, one rank) serves held-back
 prompts concurrently and its greedy tokens equal transformers' ``DeepseekV4ForCausalLM``
-(argmax of a full forward per token) on the prompt ids the router computes; afterwards every
+(greedy `generate`) on the prompt ids the router computes; afterwards every
 block is free.
 
     .venv/bin/python -m pytest -q tests/e2e/manual_v4_up.py
@@ -29,13 +29,10 @@ def _hf_greedy(checkpoint, prompts: list[tuple[int, ...]]) -> list[list[int]]:
 
     hf = DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
                                                attn_implementation="eager").eval()
-    out = []
-    with torch.no_grad():  # NOTE: argmax of a full forward per token (EOS ignored, as served)
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(NEW):
-                ids.append(int(hf(torch.tensor(ids)[None]).logits[0, -1].argmax()))
-            out.append(ids[len(prompt):])
+    hf.generation_config.eos_token_id = None  # NOTE: served with ignore_eos
+    with torch.no_grad():
+        out = [hf.generate(torch.tensor(p)[None], max_new_tokens=NEW, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     return out
 
 
