@@ -1,6 +1,7 @@
-"""MANUAL run (not collected by CI: a new bring-up; 110 s measured on the shared 2-core machine
-at load average ~6 with the tiny checkpoint already made, 7 min at ~15; over the e2e budget). DeepSeek-V4 end to end: `orch up
-configs/v4_colocated.yaml` (the tiny V4 checkpoint, colocated, one rank) serves held-back
+"""MANUAL run (not collected by CI: a new bring-up; 110 s measured on the shared 2-core
+machine at load average ~6 with the tiny checkpoint already made, 7 min at ~15; over the e2e
+budget). DeepSeek-V4 end to end: `orch up configs/v4_colocated.yaml` (the tiny V4
+checkpoint, colocated, one rank) serves held-back
 prompts concurrently and its greedy tokens equal transformers' ``DeepseekV4ForCausalLM``
 (greedy `generate`) on the prompt ids the router computes; afterwards every
 block is free.
