@@ -29,6 +29,7 @@ from engine.v4.config import V4Config
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
+from engine.v4.state_io import export_request
 
 V4_MODEL_TYPE, V4_ARCHITECTURE = "deepseek_v4", "DeepseekV4ForCausalLM"
 
@@ -187,6 +188,28 @@ class V4Runner:
                              f"{'nothing' if cache is None else cache.num_tokens} tokens "
                              "(V4 has no prefix cache and no KV import yet)")
         return cache
+
+    def export_request(self, request_id: str) -> list[dict[str, torch.Tensor]]:
+        """The request's cache as the per-layer tensors PD would ship
+        (:func:`engine.v4.state_io.export_request`).
+
+        Raises:
+            KeyError: no cache for ``request_id`` here.
+        """
+        return export_request(self.caches[request_id])
+
+    def import_request(self, request_id: str, block_ids: tuple[int, ...],
+                       layers: list[dict[str, torch.Tensor]], num_tokens: int) -> None:
+        """Start ``request_id``'s cache from shipped tensors after ``num_tokens`` tokens (its
+        next step has ``num_computed_tokens == num_tokens``); ``block_ids``: its scheduler
+        block set, whose free ends it (as a first step's does).
+
+        Raises:
+            ValueError: the tensors are not the specs' (:meth:`PagedKV.import_request`).
+        """
+        self._apply_releases()
+        self.caches[request_id] = self.kv.import_request(layers, num_tokens)
+        self._owner[block_ids[0]] = request_id
 
     @property
     def kv_cache(self):

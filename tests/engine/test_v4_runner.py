@@ -122,6 +122,24 @@ def test_window_blocks_are_freed_during_decode(tiny_v4_ckpt):
     assert BLOCKS - runner.pools["window"].num_free_blocks <= 3
 
 
+def test_request_shipped_between_runners_continues_as_colocated(tiny_v4_ckpt, hf_greedy):
+    """What PD will do: one runner prefills ``c`` (35 tokens, chunks of 8) and samples its
+    first token; another imports the exported tensors and decodes the other 31: transformers'
+    32 tokens."""
+    from engine.runner import SeqStep  # noqa: PLC0415
+
+    prefill, decode = (build_runner(tiny_v4_ckpt, num_kv_blocks=BLOCKS, block_size=BLOCK)
+                       for _ in range(2))
+    prompt, table = _prompt(PROMPTS["c"], 2), tuple(range(5))
+    for start in range(0, len(prompt), 8):
+        logits = prefill.execute([SeqStep("c", prompt[start:start + 8], start, table)])
+    out = [int(logits[0].argmax())]
+    decode.import_request("c", table, prefill.export_request("c"), len(prompt))
+    for n in range(len(prompt), len(prompt) + NEW["c"] - 1):
+        out.append(int(decode.execute([SeqStep("c", (out[-1],), n, table)])[0].argmax()))
+    assert out == hf_greedy["c"]
+
+
 def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
     with pytest.raises(ValueError, match="tp=2.*MTP.*prefix cache"):
         build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK,
