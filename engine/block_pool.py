@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +93,9 @@ class BlockPool:
         self._lock = threading.Lock()
         self._events = KVEventLog(4 * num_blocks)
         self._queried = self._hit = 0
+        # NOTE: called with each freed set (after the free, outside the lock); DeepSeek-V4's
+        # runner frees its per-group blocks with it (engine/v4/runner.py)
+        self.on_free: Callable[[BlockSet], None] | None = None
 
     @property
     def caching(self) -> bool:
@@ -206,6 +209,8 @@ class BlockPool:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
+        if self.on_free is not None:
+            self.on_free(block_set)
 
     def note_lookup(self, queried_tokens: int, cached_tokens: int) -> None:
         """Count one admission's prompt tokens looked up / found cached (hit rate)."""

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from engine.quant.load import quant_plan
 from engine.platform import detect_platform
 from engine.spec_decode import DraftInput, SpecOutput
 from engine.spec_forward import SpecForward
+
+if TYPE_CHECKING:
+    from engine.v4.runner import V4Runner
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +297,34 @@ class ModelRunner:
                 f"request {s.request_id} reaches {s.num_computed_tokens + len(s.token_ids)} "
                 f"tokens; the model's max_position_embeddings is {limit}: shorten the prompt "
                 "or max_tokens")
+
+
+def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
+                 **kwargs) -> ModelRunner | V4Runner:
+    """The runner of ``checkpoint_dir``'s architecture: :class:`engine.v4.runner.V4Runner` for
+    DeepSeek-V4 (its serving layout checked; ``prefix_cache``: the scheduler pool caches
+    prefixes, which V4 does not support), else :class:`ModelRunner` (``kwargs`` as its).
+
+    Raises:
+        ValueError: a layout V4 does not support (the message lists each and its fix).
+    """
+    from engine.v4.runner import V4Runner, is_v4_checkpoint  # noqa: PLC0415 (V3 never needs it)
+
+    if not is_v4_checkpoint(checkpoint_dir):
+        return ModelRunner(checkpoint_dir, **kwargs)
+    graph = kwargs.get("graph")
+    return V4Runner(checkpoint_dir, num_kv_blocks=kwargs["num_kv_blocks"],
+                    block_size=kwargs["block_size"], dtype=kwargs.get("dtype", torch.float32),
+                    device=kwargs.get("device") or "cpu", tp=_size(kwargs.get("tp")),
+                    ep=_size(kwargs.get("ep")), cp=_size(kwargs.get("cp")),
+                    graph=graph is not None and graph.enabled,
+                    num_speculative_tokens=kwargs.get("num_speculative_tokens", 0),
+                    layer_sharding=tuple(kwargs.get("layer_sharding", ())),
+                    prefix_cache=prefix_cache)
+
+
+def _size(group: TPGroup | EPGroup | CPGroup | None) -> int:
+    return 1 if group is None else group.size
 
 
 def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:

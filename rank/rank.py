@@ -135,7 +135,7 @@ class Rank:
             RuntimeError: rendezvous or model load failed (message names instance and rank).
         """
         from engine.parallel import init_cp_group, init_tp_group
-        from engine.runner import ModelRunner
+        from engine.runner import build_runner
 
         self.peers = list(peers)
         par = self.cfg.parallel
@@ -149,14 +149,16 @@ class Rank:
             # NOTE: Ray gives each rank actor one accelerator and hides the others
             # (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so it is always index 0.
             device = "cpu" if par.device == "cpu" else f"{par.device}:0"
-            self.runner = ModelRunner(self.cfg.checkpoint_dir,
-                                      num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
-                                      block_size=self.cfg.scheduler.block_size,
-                                      dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
-                                      ep=ep, fp8_storage=self.cfg.fp8_storage, cp=cp,
-                                      layer_sharding=par.layer_sharding, graph=self.cfg.graph,
-                                      num_speculative_tokens=(
-                                          self.cfg.scheduler.num_speculative_tokens))
+            # NOTE: DeepSeek-V4 checkpoints get engine.v4's runner (engine.runner.build_runner)
+            self.runner = build_runner(self.cfg.checkpoint_dir,
+                                       num_kv_blocks=self.cfg.scheduler.num_kv_blocks,
+                                       block_size=self.cfg.scheduler.block_size,
+                                       dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
+                                       ep=ep, fp8_storage=self.cfg.fp8_storage, cp=cp,
+                                       layer_sharding=par.layer_sharding, graph=self.cfg.graph,
+                                       num_speculative_tokens=(
+                                           self.cfg.scheduler.num_speculative_tokens),
+                                       prefix_cache=self.cfg.scheduler.prefix_cache)
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)
@@ -175,6 +177,8 @@ class Rank:
                               self.cfg.parallel.step_timeout_s)
             self.leader = Leader(self.cfg, self.role_cls.policy, self.role_cls.source,
                                  self.runner.model_config.eos_token_ids, group, self.dp_sync)
+            if hasattr(self.runner, "release"):  # NOTE: V4: its blocks follow the pool's
+                self.leader.pool.on_free = self.runner.release
         self.role = self.role_cls(RankParts(self.cfg, self.rank, self.runner, self.leader))
 
     def _join_step_channel(self, host: str, port: int) -> None:

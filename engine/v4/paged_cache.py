@@ -21,6 +21,7 @@ from engine.v4.block_table import KVGroup, RequestBlocks, kv_groups
 from engine.v4.cache import CompressorState, V4Cache
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import LayerKVSpec, layer_specs
+from engine.v4.state_io import import_request
 
 
 class PagedKV:
@@ -52,6 +53,34 @@ class PagedKV:
         cache = PagedV4Cache([], blocks=blocks)
         for layer, spec in enumerate(self.specs):
             cache.layers.append(PagedLayerCache(self, cache, layer, spec))
+        return cache
+
+    def import_request(self, layers: list[dict[str, torch.Tensor]], num_tokens: int
+                       ) -> PagedV4Cache:
+        """A request cache after ``num_tokens`` tokens rebuilt from the per-layer tensors
+        :func:`engine.v4.state_io.export_request` gives (what a decode instance receives):
+        only the blocks those rows need are taken (the window's kept tokens, the entries,
+        the state), as :meth:`PagedV4Cache.reserve` would hold them after ``num_tokens``.
+
+        Raises:
+            ValueError: a layer's tensors are not exactly its spec's names and shapes.
+            NoFreeBlocksError: a group's pool is short (nothing taken).
+        """
+        shipped = import_request(self.config, layers, num_tokens)
+        cache = self.new_request()
+        cache.blocks.num_tokens = num_tokens  # NOTE: window blocks from the first kept token
+        cache.reserve(num_tokens)
+        cache.num_tokens = num_tokens
+        for paged, layer in zip(cache.layers, shipped.layers, strict=True):
+            rows = layer.window.shape[0]
+            paged.storage[paged._window_slots(num_tokens - rows, num_tokens)] = layer.window
+            for mine, theirs in ((paged.compressor, layer.compressor),
+                                 (paged.indexer, layer.indexer)):
+                if mine is None:
+                    continue
+                mine.append_entries(theirs.entries)
+                for name in ("buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate"):
+                    setattr(mine, name, getattr(theirs, name))
         return cache
 
 

@@ -91,6 +91,11 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
     except ImportError:
         return None, (f"tiny checkpoint not created yet at {config.parent} and the engine is "
                       "not installed; run `orch model init-tiny` then dry-run again")
+    if model.tiny_arch == "deepseek_v4":
+        from orchestrator.tiny_model_v4 import tiny_v4_config_dict  # noqa: PLC0415
+
+        return tiny_v4_config_dict(), \
+            f"the built-in tiny config; not created yet at {config.parent}"
     return tiny_config_dict(**TINY_ARCHS[model.tiny_arch]), \
         f"the built-in tiny config; not created yet at {config.parent}"
 

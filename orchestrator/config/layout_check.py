@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from orchestrator.config.checkpoint import model_config_dict
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
+from orchestrator.config.v4_check import check_v4_layout, is_v4
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     raw, source = model_config_dict(cfg.model)
     if raw is None:
         return f"tp layout: not checked ({source})"
+    if is_v4(raw):
+        return check_v4_layout(cfg, source)
     try:
         from engine.layout import tp_layout  # lazy: torch
         from engine.model_config import ModelConfig, UnsupportedModelError

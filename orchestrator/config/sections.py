@@ -32,7 +32,7 @@ class ModelSection(_Section):
 
     path: str = Field("tiny", min_length=1)
     tiny_arch: Literal["deepseek_v3", "deepseek_v32", "glm_moe_dsa",
-                       "glm_moe_dsa_shared"] = "deepseek_v3"
+                       "glm_moe_dsa_shared", "deepseek_v4"] = "deepseek_v3"
     tiny_seed: int = Field(0, ge=0)
     tiny_dir: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

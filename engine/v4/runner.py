@@ -1,0 +1,227 @@
+"""The model runner of a DeepSeek-V4 checkpoint: :class:`V4Runner`, the interface of
+:class:`engine.runner.ModelRunner` (``execute(steps)`` -> ``[B, vocab]`` logits) over
+:mod:`engine.v4` and its paged caches per KV group.
+
+The caller's scheduler keeps its one block pool (``num_kv_blocks`` blocks of ``block_size``
+tokens) as the admission budget: a request is admitted when its blocks fit, as for V3. The
+rows themselves live in the V4 groups' pools (:func:`serving_pools`), taken as each request
+grows (:meth:`engine.v4.block_table.RequestBlocks.grow`) and, for the sliding window, given
+back as decode advances. A request's V4 blocks go back when the scheduler frees its block set
+(:meth:`V4Runner.release`, wired to the scheduler pool's free, applied before the next step).
+
+Not supported yet (refused by :func:`check_v4_serving`): TP > 1, EP, CP, layer sharding,
+graph mode, MTP, the prefix cache, per-layer KV streaming (PD).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool, BlockSet
+from engine.v4.block_table import kv_groups
+from engine.v4.config import V4Config
+from engine.v4.kv_spec import PER_REQUEST
+from engine.v4.loader import load_v4
+from engine.v4.paged_cache import PagedKV, PagedV4Cache
+from engine.v4.state_io import export_request
+
+V4_MODEL_TYPE, V4_ARCHITECTURE = "deepseek_v4", "DeepseekV4ForCausalLM"
+
+
+def is_v4_config(raw: dict) -> bool:
+    """True when a parsed config.json is DeepSeek-V4 (``model_type`` or ``architectures``)."""
+    return raw.get("model_type") == V4_MODEL_TYPE or \
+        (raw.get("architectures") or [None])[0] == V4_ARCHITECTURE
+
+
+def is_v4_checkpoint(checkpoint_dir: str | Path) -> bool:
+    """True when ``checkpoint_dir/config.json`` is DeepSeek-V4 (False when it is missing)."""
+    path = Path(checkpoint_dir) / "config.json"
+    return path.is_file() and is_v4_config(json.loads(path.read_text()))
+
+
+def v4_unsupported(*, tp: int = 1, ep: int = 1, cp: int = 1, graph: bool = False,
+                   num_speculative_tokens: int = 0, layer_sharding: tuple[str, ...] = (),
+                   prefix_cache: bool = False) -> list[str]:
+    """What of a serving layout DeepSeek-V4 does not support yet, each with its fix (empty:
+    all supported)."""
+    out = []
+    for on, what in ((tp > 1, f"tp={tp} (V4 runs tp 1: set tp to 1)"),
+                     (ep > 1, "expert parallelism (set ep false)"),
+                     (cp > 1, f"cp={cp} (set cp to 1)"),
+                     (bool(layer_sharding), "layer_sharding (remove it)"),
+                     (graph, "graph mode (set decode.graph.enabled false)"),
+                     (num_speculative_tokens > 0, "MTP (remove decode.speculative)"),
+                     (prefix_cache, "the prefix cache (set prefix_cache false)")):
+        if on:
+            out.append(what)
+    return out
+
+
+def check_v4_serving(**layout: object) -> None:
+    """Raise ValueError naming every unsupported part of ``layout`` (:func:`v4_unsupported`)."""
+    bad = v4_unsupported(**layout)
+    if bad:
+        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served colocated on one rank "
+                         "per instance for now; not supported yet: " + "; ".join(bad))
+
+
+@dataclass(frozen=True)
+class V4ServedConfig:
+    """What the rank reads off ``runner.model_config``: EOS ids, context limit, layers."""
+
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    num_hidden_layers: int
+
+
+def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
+                  ) -> dict[str, BlockPool]:
+    """One :class:`BlockPool` per KV group (:func:`engine.v4.block_table.kv_groups`) of
+    ``num_kv_blocks`` blocks: ``block_size`` rows (state groups: 1 row).
+
+    NOTE: never short while the scheduler's pool of ``num_kv_blocks`` blocks admits: a request
+    holding ``b`` scheduler blocks (>= 1, covering all its tokens) holds at most ``b`` blocks of
+    each group (window and entries rows <= tokens; state 1 block).
+    """
+    return {g.name: BlockPool(num_kv_blocks, 1 if g.per == PER_REQUEST else block_size)
+            for g in kv_groups(config)}
+
+
+class V4Runner:
+    """Model + paged V4 caches of one rank (tp 1), keyed by request id.
+
+    Args:
+        checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
+        num_kv_blocks, block_size: the scheduler pool's size; each V4 group's pool gets as
+            many blocks (:func:`serving_pools`).
+        dtype, device: weights, activations and cache.
+        layout: the rest of the serving layout (``tp``, ``ep``, ``cp``, ``graph``,
+            ``num_speculative_tokens``, ``layer_sharding``), checked by
+            :func:`check_v4_serving`.
+
+    Raises:
+        ValueError: an unsupported layout. CheckpointError: from :func:`load_v4`.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 **layout: object) -> None:
+        check_v4_serving(**layout)
+        self.device = torch.device(device)
+        self.model = load_v4(checkpoint_dir, dtype, self.device).eval()
+        raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+        eos = raw.get("eos_token_id")
+        config = self.model.config
+        self.model_config = V4ServedConfig(
+            () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
+            config.max_position_embeddings, config.num_hidden_layers)
+        self.pools = serving_pools(config, num_kv_blocks, block_size)
+        self.kv = PagedKV(config, self.pools, dtype, self.device)
+        self.caches: dict[str, PagedV4Cache] = {}
+        self._owner: dict[int, str] = {}  # first scheduler block id -> request id
+        self._released: list[int] = []  # first block ids of freed scheduler block sets
+        self._lock = threading.Lock()
+
+    def release(self, block_set: BlockSet) -> None:
+        """The scheduler pool freed ``block_set``: its request's V4 blocks go back before the
+        next step (any thread; the step's thread frees them)."""
+        with self._lock:
+            self._released.append(block_set.block_ids[0])
+
+    def _apply_releases(self) -> None:
+        with self._lock:
+            released, self._released = self._released, []
+        for first in released:
+            rid = self._owner.pop(first, None)
+            if rid is not None:
+                self.caches.pop(rid).free()
+
+    @torch.inference_mode()
+    def execute(self, steps: list, on_kv_written: Callable[[int], None] | None = None
+                ) -> torch.Tensor:
+        """One step over ``steps`` (:class:`engine.runner.SeqStep`; prefill chunks and
+        decode tokens in any mix): ``[B, vocab]`` fp32 logits at each step's last token.
+
+        A step with ``num_computed_tokens == 0`` starts its request's cache; its
+        ``block_ids[0]`` names the scheduler block set whose free ends it.
+
+        Raises:
+            ValueError: no steps; ``on_kv_written`` given (V4 streams no per-layer KV); a
+                step past ``max_position_embeddings``; a step not continuing its request's
+                cache (unknown request, or ``num_computed_tokens`` != cached tokens).
+        """
+        if not steps:
+            raise ValueError("execute() needs at least one SeqStep")
+        if on_kv_written is not None:
+            raise ValueError("DeepSeek-V4 does not stream per-layer KV (PD is not wired for "
+                             "V4 yet): serve it colocated")
+        self._apply_releases()
+        caches = [self._cache_of(s) for s in steps]
+        lengths = [len(s.token_ids) for s in steps]
+        ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
+                           device=self.device)
+        logits = self.model.forward_batch(ids, caches, lengths)
+        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return logits[last]
+
+    def _cache_of(self, s) -> PagedV4Cache:
+        limit = self.model_config.max_position_embeddings
+        if s.num_computed_tokens + len(s.token_ids) > limit:
+            raise ValueError(f"request {s.request_id} reaches "
+                             f"{s.num_computed_tokens + len(s.token_ids)} tokens; the model's "
+                             f"max_position_embeddings is {limit}: shorten the prompt or "
+                             "max_tokens")
+        cache = self.caches.get(s.request_id)
+        if cache is None and s.num_computed_tokens == 0:
+            cache = self.caches[s.request_id] = self.kv.new_request()
+            self._owner[s.block_ids[0]] = s.request_id
+        if cache is None or cache.num_tokens != s.num_computed_tokens:
+            raise ValueError(f"request {s.request_id}: step at token {s.num_computed_tokens} "
+                             f"but its V4 cache holds "
+                             f"{'nothing' if cache is None else cache.num_tokens} tokens "
+                             "(V4 has no prefix cache and no KV import yet)")
+        return cache
+
+    def export_request(self, request_id: str) -> list[dict[str, torch.Tensor]]:
+        """The request's cache as the per-layer tensors PD would ship
+        (:func:`engine.v4.state_io.export_request`).
+
+        Raises:
+            KeyError: no cache for ``request_id`` here.
+        """
+        return export_request(self.caches[request_id])
+
+    def import_request(self, request_id: str, block_ids: tuple[int, ...],
+                       layers: list[dict[str, torch.Tensor]], num_tokens: int) -> None:
+        """Start ``request_id``'s cache from shipped tensors after ``num_tokens`` tokens (its
+        next step has ``num_computed_tokens == num_tokens``); ``block_ids``: its scheduler
+        block set, whose free ends it (as a first step's does).
+
+        Raises:
+            ValueError: the tensors are not the specs' (:meth:`PagedKV.import_request`).
+        """
+        self._apply_releases()
+        self.caches[request_id] = self.kv.import_request(layers, num_tokens)
+        self._owner[block_ids[0]] = request_id
+
+    @property
+    def kv_cache(self):
+        """Raises ValueError: V4's KV does not go through the KV transfer yet (PD roles)."""
+        raise ValueError("DeepSeek-V4 through prefill/decode disaggregation is not wired yet "
+                         "(no KV layout for the transfer): serve it with mode: colocated")
+
+    kv_spec = kv_cache
+
+    def execute_empty(self) -> None:
+        """No-op: V4 runs without expert parallelism (nothing to meet)."""
+
+    def num_live_requests(self) -> int:
+        """Requests holding V4 blocks (released ones count until the next step)."""
+        return len(self.caches)

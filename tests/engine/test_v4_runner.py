@@ -1,0 +1,154 @@
+"""The rank's runner serving DeepSeek-V4 (engine/v4/runner.py) through an in-process
+colocated rank (no Ray; chunked prefill, continuous batching): greedy tokens equal transformers'
+``DeepseekV4ForCausalLM.generate`` (EOS off, as served), and every V4 block goes back
+when the scheduler frees the request's block set."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine.block_pool import BlockPool
+from engine.request import RequestSpec
+from engine.runner import ModelRunner, build_runner
+from engine.sampling_params import SamplingParams
+from engine.v4.runner import V4Runner
+
+BLOCK, BLOCKS = 16, 24
+# NOTE: prompt lengths around the window (8) and the ratios (4, 16); "b" arrives late
+PROMPTS = {"a": 21, "b": 6, "c": 35}
+NEW = {"a": 32, "b": 8, "c": 32}  # NOTE: transformers' reference costs ~0.3 s a token here
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 129000, (n,), generator=torch.Generator().manual_seed(seed))
+                 .tolist())
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_v4_ckpt):
+    from transformers import DeepseekV4ForCausalLM  # noqa: PLC0415 (reference only)
+
+    hf = DeepseekV4ForCausalLM.from_pretrained(tiny_v4_ckpt, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # NOTE: served with ignore_eos
+    out = {}
+    with torch.no_grad():
+        for seed, (rid, n) in enumerate(PROMPTS.items()):
+            ids = torch.tensor(_prompt(n, seed))[None]
+            out[rid] = hf.generate(ids, max_new_tokens=NEW[rid], do_sample=False,
+                                   pad_token_id=0)[0, n:].tolist()
+    return out
+
+
+def _rank(ckpt, num_kv_blocks: int = BLOCKS):
+    """A colocated V4 rank in this process (no Ray): chunks of 8 (prompts split inside
+    compression groups), 20 tokens per step (decode tokens share steps with chunks)."""
+    from rank.colocated import ColocatedRole  # noqa: PLC0415
+    from rank.config import InstanceConfig, SchedulerConfig  # noqa: PLC0415
+    from rank.rank import Rank  # noqa: PLC0415
+
+    scheduler = SchedulerConfig(block_size=BLOCK, num_kv_blocks=num_kv_blocks, chunk_size=8,
+                                max_num_batched_tokens=20, max_num_seqs=4, prefix_cache=False)
+    rank = Rank(InstanceConfig(name="colocated-0", role="colocated", checkpoint_dir=str(ckpt),
+                               scheduler=scheduler), 0, ColocatedRole)
+    rank.start_alone()
+    return rank
+
+
+def _collect(rank, out: dict[str, tuple], until: str | None = None,
+             timeout_s: float = 120.0) -> dict[str, tuple]:
+    """Poll events into ``out`` (request id -> (tokens, finish reason, error)) until every
+    request finished, or (``until``) that one has a token."""
+    deadline = time.monotonic() + timeout_s
+    while (not out[until][0]) if until else any(v[1] is None for v in out.values()):
+        assert time.monotonic() < deadline, f"not finished: {out}"
+        for ev in rank.poll(0.2):
+            toks, _, _ = out[ev.request_id]
+            out[ev.request_id] = (toks + list(ev.token_ids), ev.finish_reason, ev.error)
+    return out
+
+
+def _generate(rid: str, n: int, seed: int, max_tokens: int):
+    from rank.messages import Generate  # noqa: PLC0415
+
+    return Generate(RequestSpec(rid, _prompt(n, seed),
+                                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+
+
+def test_rank_serves_v4_batched_equal_to_hf(tiny_v4_ckpt, hf_greedy):
+    """Through the colocated rank (rank.py builds the V4 runner, its pool frees V4 blocks):
+    ``a`` and ``c`` at once, ``b`` once ``a``'s first token is out; then an abort; every V4
+    block back at the end."""
+    from rank.messages import Abort  # noqa: PLC0415
+
+    rank = _rank(tiny_v4_ckpt)
+    try:
+        runner = rank.runner
+        assert isinstance(runner, V4Runner)
+        out = {rid: ([], None, None) for rid in PROMPTS}
+        for seed, (rid, n) in enumerate(PROMPTS.items()):
+            if rid == "b":
+                _collect(rank, out, until="a")
+            rank.request(_generate(rid, n, seed, NEW[rid]))
+        assert _collect(rank, out) == {rid: (hf_greedy[rid], "length", None)
+                                       for rid in PROMPTS}
+        rank.request(_generate("x", 30, 9, max_tokens=60))
+        assert rank.request(Abort("x"))
+        assert _collect(rank, {"x": ([], None, None)})["x"][1] == "abort"
+        rank.request(_generate("y", 3, 8, max_tokens=1))  # NOTE: its step applies x's release
+        _collect(rank, {"y": ([], None, None)})
+        assert runner.num_live_requests() == 1  # y's, released before the next step
+        runner._apply_releases()
+        assert all(p.num_free_blocks == p.num_blocks for p in runner.pools.values())
+        assert rank.leader.pool.num_live_sets == 0
+    finally:
+        rank.shutdown()
+
+
+def test_window_blocks_are_freed_during_decode(tiny_v4_ckpt):
+    """20 prompt tokens + 16 decoded, blocks of 4 (window 8: 7 kept + 1 written): the window
+    never holds more than 3 blocks, the 9 the context spans are never all taken."""
+    from engine.runner import SeqStep  # noqa: PLC0415
+
+    runner = build_runner(tiny_v4_ckpt, num_kv_blocks=BLOCKS, block_size=4)
+    table = tuple(range(9))  # the scheduler's blocks: 36 tokens
+    logits = runner.execute([SeqStep("r", _prompt(20, 0), 0, table)])
+    for n in range(20, 36):
+        logits = runner.execute([SeqStep("r", (int(logits[0].argmax()),), n, table)])
+        assert runner.caches["r"].blocks.held()["window"] <= 3
+    assert BLOCKS - runner.pools["window"].num_free_blocks <= 3
+
+
+def test_request_shipped_between_runners_continues_as_colocated(tiny_v4_ckpt, hf_greedy):
+    """What PD will do: one runner prefills ``c`` (35 tokens, chunks of 8) and samples its
+    first token; another imports the exported tensors and decodes the other 31: transformers'
+    32 tokens."""
+    from engine.runner import SeqStep  # noqa: PLC0415
+
+    prefill, decode = (build_runner(tiny_v4_ckpt, num_kv_blocks=BLOCKS, block_size=BLOCK)
+                       for _ in range(2))
+    prompt, table = _prompt(PROMPTS["c"], 2), tuple(range(5))
+    for start in range(0, len(prompt), 8):
+        logits = prefill.execute([SeqStep("c", prompt[start:start + 8], start, table)])
+    out = [int(logits[0].argmax())]
+    decode.import_request("c", table, prefill.export_request("c"), len(prompt))
+    for n in range(len(prompt), len(prompt) + NEW["c"] - 1):
+        out.append(int(decode.execute([SeqStep("c", (out[-1],), n, table)])[0].argmax()))
+    assert out == hf_greedy["c"]
+
+
+def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
+    with pytest.raises(ValueError, match="tp=2.*MTP.*prefix cache"):
+        build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK,
+                     tp=type("G", (), {"size": 2})(), num_speculative_tokens=1,
+                     prefix_cache=True)
+    runner = build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK)
+    with pytest.raises(ValueError, match="colocated"):
+        runner.kv_cache  # noqa: B018 (a PD role's first use)
+
+
+def test_v3_checkpoint_still_gets_model_runner(tiny_ckpt):
+    assert isinstance(build_runner(tiny_ckpt, num_kv_blocks=2, block_size=BLOCK), ModelRunner)
