@@ -12,7 +12,9 @@ context length never recompiles. A capture that raises turns that bucket eager w
 warning, kept in :attr:`DecodeGraphs.failures` (:meth:`DecodeGraphs.status` for a status
 field; the runner's warmup logs one summary line at start-up); with ``required`` it raises
 :class:`GraphCaptureError` instead (at start-up with ``warmup``). Otherwise a request never
-fails because of graph mode.
+fails because of graph mode. With speculative decoding the buckets count one-token rows
+(:meth:`GraphConfig.in_tokens`) and the verify and MTP draft forwards are captured
+(:mod:`engine.spec_forward`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ logits. Under context parallel (``cp``, prefill) each rank computes its share of
 tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The
 runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
 block tables and the block pool. With graph mode (``graph.enabled``) decode-only steps run
-a forward captured per batch-size bucket (:mod:`engine.graph`).
+a forward captured per batch-size bucket (:mod:`engine.graph`; speculative steps: per
+token-count bucket).
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_graphs(self) -> None:
         """Capture every graph bucket now (a step of padding rows only, written to the
-        scratch block) and log which run eager (one line). No-op with graph mode off.
+        scratch block; speculative: the verify and the draft forwards) and log which run
+        eager (one line per captured forward). No-op with graph mode off.
 
         Raises:
             engine.graph.GraphCaptureError: a bucket failed with ``graph.required``.

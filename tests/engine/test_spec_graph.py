@@ -39,6 +39,15 @@ def mtp_moe_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mtp_v32_ckpt(tmp_path_factory):
+    """DeepSeek-V3.2, 2 layers + the MTP layer (its own indexer), top-8 selection: the
+    contexts here exceed it."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("spec_graph_v32"), seed=3,
+                                 num_layers=2, vocab_size=512, mtp_layers=1, deepseek_v32=True,
+                                 index_topk=8)
+
+
+@pytest.fixture(scope="module")
 def mtp_dense_ckpt(tmp_path_factory):
     """1 dense layer + a dense MTP layer, small vocabulary: cheap to compile."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("spec_graph_dense"), seed=6,
@@ -63,16 +72,18 @@ def _spec(ckpt, prompts, k: int, graph: GraphConfig | None = None):
     return runner, tokens, kept
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_captured_verify_and_draft_equal_eager_and_mtp_off(mtp_moe_ckpt, counting,
-                                                           monkeypatch, k):
+@pytest.mark.parametrize("ckpt_name, k", [("mtp_moe_ckpt", 1), ("mtp_moe_ckpt", 2),
+                                         ("mtp_v32_ckpt", 2)])
+def test_captured_verify_and_draft_equal_eager_and_mtp_off(ckpt_name, k, counting,
+                                                           monkeypatch, request):
     """Three sequences decoded together (acceptance from oracle drafts, some wrong), buckets
     (1, 4) sequences = (1 + k, 4 + 4k) tokens: every verify and draft forward is captured,
-    padded, and the padding writes no pool block."""
-    ref = _plain(mtp_moe_ckpt, PROMPTS)
+    padded, and the padding writes no pool block; V3.2 too (padding rows' selections)."""
+    ckpt = request.getfixturevalue(ckpt_name)
+    ref = _plain(ckpt, PROMPTS)
     oracle_drafts_of(monkeypatch, {f"r{i}": p + r for i, (p, r) in enumerate(zip(PROMPTS, ref))})
-    eager, want, _ = _spec(mtp_moe_ckpt, PROMPTS, k)
-    graph, got, kept = _spec(mtp_moe_ckpt, PROMPTS, k, GraphConfig(
+    eager, want, _ = _spec(ckpt, PROMPTS, k)
+    graph, got, kept = _spec(ckpt, PROMPTS, k, GraphConfig(
         enabled=True, batch_sizes=(1, 4), backend="counting"))
     assert got == want == ref
     assert any(n > 0 for steps in kept for n in steps)  # some drafts were kept
