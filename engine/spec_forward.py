@@ -213,8 +213,8 @@ class SpecForward:
     def warmup_graphs(self, padding) -> DecodeGraphs | None:
         """Capture every draft bucket now over ``padding`` rows only (a ``SeqStep`` writing
         the scratch block); returns :attr:`draft_graphs`."""
+        empty = self.model.lm_head.weight.new_empty(0, self.model.config.hidden_size)
         for bucket in self.draft_graphs.config.batch_sizes if self.draft_graphs else ():
-            empty = self.model.lm_head.weight.new_empty(0, self.model.config.hidden_size)
             self._mtp_captured([], empty, [], [], bucket, padding)
         return self.draft_graphs
 
