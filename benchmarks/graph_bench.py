@@ -6,7 +6,10 @@ Two runners on the same checkpoint in one process, one eager and one with graph 
 (context 64 to 79); the figure is the best step of ``--rounds`` alternating rounds of
 ``--steps`` steps per runner (benchmarks/timing.py) after the capturing step, whose time
 (compile time of the bucket) is printed too. After the timed steps, one more step on both
-checks the graph runner's logits against eager's (max |diff| printed). Not a test; run:
+checks the graph runner's logits against eager's (max |diff| printed). With
+``--speculative K`` both runners speculate (the checkpoint gets an MTP module): each step
+drafts K tokens per sequence (from a fixed hidden state) and verifies them, the graph
+runner through its verify and draft buckets of ``batch * (1 + K)`` tokens. Not a test; run:
 ``PYTHONPATH=. TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/graph_bench.py``.
 """
 
@@ -19,57 +22,68 @@ import torch
 
 from engine.graph import GraphConfig
 from engine.runner import ModelRunner, SeqStep
+from engine.spec_decode import DraftInput, SpecOutput
 from orchestrator.tiny_model import write_tiny_checkpoint
 from timing import best_time  # benchmarks/timing.py (scripts run as files)
 
 BLOCK, PROMPT, WINDOW = 16, 64, 16
+HIDDEN = 64  # the tiny checkpoint's hidden_size (the drafts' fixed hidden state)
 
 
-def _steps(batch: int, pos: int, blocks_per: int, prompt: bool) -> list[SeqStep]:
-    """One decode token per sequence at position ``pos`` (or the whole prompt)."""
+def _steps(batch: int, pos: int, blocks_per: int, prompt: bool, k: int = 0
+           ) -> list[SeqStep]:
+    """One decode token per sequence at position ``pos`` (or the whole prompt); with ``k``
+    drafts each from a fixed hidden state at ``pos - 1``."""
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(2, 129280, (batch, PROMPT), generator=gen).tolist()
     tables = [tuple(range(b * blocks_per, (b + 1) * blocks_per)) for b in range(batch)]
     if prompt:
         return [SeqStep(str(b), tuple(ids[b]), 0, tables[b]) for b in range(batch)]
-    return [SeqStep(str(b), (7,), pos, tables[b]) for b in range(batch)]
+    draft = DraftInput(torch.randn(1, HIDDEN, generator=gen), pos - 1, (7,)) if k else None
+    return [SeqStep(str(b), (7,), pos, tables[b], draft=draft, num_drafts=k)
+            for b in range(batch)]
 
 
-def _stepper(runner: ModelRunner, batch: int, blocks_per: int):
+def _stepper(runner: ModelRunner, batch: int, blocks_per: int, k: int):
     """One decode step of ``runner`` per call, positions cycling over PROMPT .. PROMPT +
     WINDOW - 1 (token 7 everywhere, so every runner's cache ends up identical)."""
     calls = [0]
 
     def one() -> None:
-        runner.execute(_steps(batch, PROMPT + calls[0] % WINDOW, blocks_per, prompt=False))
+        runner.execute(_steps(batch, PROMPT + calls[0] % WINDOW, blocks_per, False, k))
         calls[0] += 1
 
     return one
 
 
-def bench(ckpt: str, batches: list[int], steps: int,
-          rounds: int) -> list[tuple[int, float, float, float, float]]:
-    """Per batch: (batch, eager step s, graph step s, capture s, max |logit diff|)."""
-    blocks_per = -(-(PROMPT + WINDOW + 1) // BLOCK)
+def _logits(out) -> torch.Tensor:
+    return out.logits if isinstance(out, SpecOutput) else out
+
+
+def bench(ckpt: str, batches: list[int], steps: int, rounds: int,
+          k: int = 0) -> list[tuple[int, float, float, float, float]]:
+    """Per batch: (batch, eager step s, graph step s, capture s, max |logit diff|); ``k``:
+    speculative decoding with k drafts (capture s: the verify bucket's)."""
+    blocks_per = -(-(PROMPT + WINDOW + 1 + k) // BLOCK)
     blocks = max(batches) * blocks_per
-    eager = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK)
-    graph = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK,
+    eager = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK, num_speculative_tokens=k)
+    graph = ModelRunner(ckpt, num_kv_blocks=blocks, block_size=BLOCK, num_speculative_tokens=k,
                         graph=GraphConfig(enabled=True, batch_sizes=tuple(batches)))
     rows = []
     for batch in batches:
         for r in (eager, graph):
             r.execute(_steps(batch, 0, blocks_per, prompt=True))
-        graph.execute(_steps(batch, PROMPT, blocks_per, prompt=False))  # captures
-        runs = [_stepper(r, batch, blocks_per) for r in (eager, graph)]
+        graph.execute(_steps(batch, PROMPT, blocks_per, False, k))  # captures
+        runs = [_stepper(r, batch, blocks_per, k) for r in (eager, graph)]
         t_eager = t_graph = float("inf")
         for _ in range(rounds):  # NOTE: alternating rounds: load changes hit both alike
             t_eager = min(t_eager, best_time(runs[0], steps))
             t_graph = min(t_graph, best_time(runs[1], steps))
-        check = _steps(batch, PROMPT + WINDOW, blocks_per, prompt=False)
-        diff = (graph.execute(check) - eager.execute(check)).abs().max().item()
+        check = _steps(batch, PROMPT + WINDOW, blocks_per, False, k)
+        diff = (_logits(graph.execute(check)) - _logits(eager.execute(check))).abs().max()
         # NOTE: a bucket whose capture failed runs eager (capture time reported as nan)
-        rows.append((batch, t_eager, t_graph, graph.graphs.capture_s.get(batch, float("nan")),
-                     diff))
+        rows.append((batch, t_eager, t_graph,
+                     graph.graphs.capture_s.get(batch * (1 + k), float("nan")), diff.item()))
     return rows
 
 
@@ -82,14 +96,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--dense-layers", type=int, default=1,
                         help="first_k_dense_replace (= --layers: no MoE layer)")
+    parser.add_argument("--speculative", type=int, default=0,
+                        help="K > 0: MTP speculative decoding with K drafts per step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = str(write_tiny_checkpoint(tmp, seed=0, num_layers=args.layers,
-                                         first_k_dense_replace=args.dense_layers))
-        rows = bench(ckpt, args.batches, args.steps, args.rounds)
+                                         first_k_dense_replace=args.dense_layers,
+                                         mtp_layers=int(args.speculative > 0)))
+        rows = bench(ckpt, args.batches, args.steps, args.rounds, args.speculative)
     print(f"tiny model, {args.layers} layers ({args.dense_layers} dense), context {PROMPT}, "
-          f"{args.threads} thread(s), best of {args.rounds} x {args.steps} steps")
+          f"{args.threads} thread(s), best of {args.rounds} x {args.steps} steps, "
+          f"{args.speculative} MTP drafts")
     print("batch | eager step ms | graph step ms | graph/eager | capture s | max |diff|")
     for batch, t_e, t_g, cap, diff in rows:  # capture nan: the bucket fell back to eager
         print(f"{batch:5d} | {t_e * 1e3:13.2f} | {t_g * 1e3:13.2f} | {t_g / t_e:11.2f} | "

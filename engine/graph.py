@@ -12,7 +12,9 @@ context length never recompiles. A capture that raises turns that bucket eager w
 warning, kept in :attr:`DecodeGraphs.failures` (:meth:`DecodeGraphs.status` for a status
 field; the runner's warmup logs one summary line at start-up); with ``required`` it raises
 :class:`GraphCaptureError` instead (at start-up with ``warmup``). Otherwise a request never
-fails because of graph mode.
+fails because of graph mode. With speculative decoding the buckets count one-token rows
+(:meth:`GraphConfig.in_tokens`) and the verify and MTP draft forwards are captured
+(:mod:`engine.spec_forward`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class GraphConfig:
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket ``>= batch``, or None when ``batch`` exceeds every bucket."""
         return next((b for b in self.batch_sizes if b >= batch), None)
+
+    def in_tokens(self, tokens_per_seq: int) -> GraphConfig:
+        """This config with each bucket ``b`` as ``b * tokens_per_seq`` rows: a speculative
+        step computes ``1 + k`` one-token rows per sequence, so its buckets count tokens
+        (vLLM and SGLang capture speculative steps by token count too)."""
+        return dataclasses.replace(
+            self, batch_sizes=tuple(b * tokens_per_seq for b in self.batch_sizes))
 
 
 class GraphCaptureError(RuntimeError):
@@ -191,7 +200,8 @@ def mark_context_dynamic(batch: DecodeBatch | None) -> None:
 
 
 class DecodeGraphs:
-    """The captured forwards of one runner, one per bucket, captured on first use.
+    """The captured forwards of one runner, one per bucket, captured on first use; ``name``
+    says which forward in logs and errors ("decode"; speculative: "verify", "draft").
 
     ``capture_s``: bucket -> seconds its first (capturing) call took; ``failures``: bucket
     -> why its capture failed (those run eager); ``failed``: the same buckets, as a set.
@@ -202,8 +212,9 @@ class DecodeGraphs:
         KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
     """
 
-    def __init__(self, forward: Callable, config: GraphConfig, device_type: str) -> None:
-        self.config = config
+    def __init__(self, forward: Callable, config: GraphConfig, device_type: str,
+                 name: str = "decode") -> None:
+        self.config, self.name = config, name
         self._forward = forward
         self._capture = GRAPH_BACKENDS.get(device_type, config.backend)
         # NOTE: every bucket compiles the same code objects once more; dynamo's per-code
@@ -243,17 +254,17 @@ class DecodeGraphs:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if self.config.required:
                 raise GraphCaptureError(
-                    f"graph mode is required but decode bucket {bucket} cannot be captured "
+                    f"graph mode is required but {self.name} bucket {bucket} cannot be captured "
                     f"({reason}); fix the capture, drop the bucket from "
                     "decode.graph.batch_sizes, or set decode.graph.required false to run it "
                     "eager") from exc
             self.failed.add(bucket)
             self.failures[bucket] = reason
-            log.warning("graph mode: bucket %d falls back to eager, its capture failed: %s",
-                        bucket, reason)
+            log.warning("graph mode: %s bucket %d falls back to eager, its capture failed: %s",
+                        self.name, bucket, reason)
             return None
         if first:
             self.capture_s[bucket] = time.perf_counter() - start
-            log.info("graph mode: captured decode bucket %d in %.2f s", bucket,
+            log.info("graph mode: captured %s bucket %d in %.2f s", self.name, bucket,
                      self.capture_s[bucket])
         return out

@@ -159,6 +159,17 @@ class DeepseekForCausalLM(nn.Module):
         last = x[meta.logits_index] if meta.cp is None else meta.cp.gather_last(x)
         return self.compute_logits(self.model.norm(last))
 
+    def forward_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                    meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """One MTP forward: ``input_ids [T]`` int64 (t_{i+1} per row), ``hidden [T, hidden]``
+        (h_i, or a chained ``g``; under CP T is ``meta.cp.local_rows``) -> ``g [T, hidden]``
+        before ``shared_head.norm``; writes the module's cache (``kv_cache``'s last layer)."""
+        embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
+        positions = meta.positions if meta.cp is None else meta.positions[meta.cp.local_rows]
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        return self.mtp.forward_mtp(embeds, hidden.to(embeds.dtype), cos, sin, meta,
+                                    kv_cache.layer_buffers(self.config.num_hidden_layers))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [R, hidden]`` (normed) -> ``[R, vocab]`` fp32 logits (vocab-parallel)."""
         logits = self.tp.all_gather(self.lm_head(hidden).float())  # [R, tp * local vocab]

@@ -6,7 +6,8 @@ logits. Under context parallel (``cp``, prefill) each rank computes its share of
 tokens and every rank's cache ends up holding all of them (:mod:`engine.context_parallel`). The
 runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
 block tables and the block pool. With graph mode (``graph.enabled``) decode-only steps run
-a forward captured per batch-size bucket (:mod:`engine.graph`).
+a forward captured per batch-size bucket (:mod:`engine.graph`; speculative steps: per
+token-count bucket).
 """
 
 from __future__ import annotations
@@ -95,20 +96,21 @@ class ModelRunner:
             the KV cache gets one scratch block (``kv_cache.scratch_block``) for padding rows.
         num_speculative_tokens: k > 0 builds the checkpoint's MTP module and its KV cache
             (the cache's last layer) and makes :meth:`execute` a speculative step returning
-            :class:`engine.spec_decode.SpecOutput` (:mod:`engine.spec_forward`); 0: off.
+            :class:`engine.spec_decode.SpecOutput` (:mod:`engine.spec_forward`; graph
+            buckets then count tokens: ``b * (1 + k)``); 0: off.
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
         prefetcher: the layer-sharding :class:`LayerPrefetcher` (``prefetcher.stats``: time
             blocked on weight broadcasts), None without layer sharding under cp > 1.
-        graphs: the captured decode forwards (:class:`engine.graph.DecodeGraphs`), None with
-            graph mode off.
+        graphs: the captured decode forwards (:class:`engine.graph.DecodeGraphs`; with
+            speculative decoding the verify forward's, buckets in tokens, and
+            ``spec.draft_graphs`` the MTP module's), None with graph mode off.
 
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
         ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names; graph mode with
-            cp > 1; speculative decoding without an MTP module in the checkpoint, with
-            sparse attention or with cp > 1.
+            cp > 1; speculative decoding without an MTP module in the checkpoint.
         KeyError: graph mode on a device its backend has no implementation for.
     """
 
@@ -137,12 +139,14 @@ class ModelRunner:
         sharded = tuple(layer_sharding)
         check_layer_sharding(sharded, cfg)
         skip = unowned_params(cfg.num_hidden_layers, sharded, self.cp)
-        _check_spec(cfg, self.cp, num_speculative_tokens)
+        _check_spec(cfg, num_speculative_tokens)
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep, empty=skip, mtp=num_speculative_tokens > 0)
         layers = self.model.model.layers
+        # NOTE: a speculative step computes 1 + k one-token rows per sequence: token buckets
+        token_graph = graph.in_tokens(1 + num_speculative_tokens)
         if graph.enabled and self.ep.size > 1:  # NOTE: every step, so all EP ranks agree
-            _fixed_ep_dispatch(self.model, -(-max(graph.batch_sizes) // self.tp.size))
+            _fixed_ep_dispatch(self.model, -(-max(token_graph.batch_sizes) // self.tp.size))
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
         self.prefetcher = None
         if sharded and self.cp.size > 1:
@@ -160,10 +164,12 @@ class ModelRunner:
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         # NOTE: decode-only steps' metadata, updated in place step to step
         self._decode_cache = DecodeStepCache(block_size, self.device)
-        self.graphs = DecodeGraphs(self.model.forward, graph, self.device.type) \
+        self.graphs = DecodeGraphs(self.model.forward, token_graph, self.device.type,
+                                   "verify" if num_speculative_tokens else "decode") \
             if graph.enabled else None
-        self.spec = SpecForward(self.model, self.kv_cache, num_speculative_tokens,
-                                self._inputs, self.ep.size) if num_speculative_tokens else None
+        self.spec = None if not num_speculative_tokens else SpecForward(
+            self.model, self.kv_cache, num_speculative_tokens, self._inputs, self.ep.size,
+            self._captured, self._padding_step, token_graph)
         if graph.enabled and graph.warmup:
             self.warmup_graphs()
 
@@ -190,21 +196,26 @@ class ModelRunner:
             raise ValueError("execute() needs at least one SeqStep")
         for s in steps:
             self._check_step(s)
-        if self.spec is not None:  # NOTE: drafted steps run eager (graphs: 1-token rows)
+        if self.spec is not None:
             return self.spec.run(steps, on_kv_written)
-        bucket = None if self.graphs is None or on_kv_written is not None else \
-            self.graphs.bucket_for([len(s.token_ids) for s in steps],
-                                   [s.num_computed_tokens for s in steps])
-        if bucket is not None:
-            logits = self._run_graph(steps, bucket)
-            if logits is not None:
-                return logits
-        return self._forward(steps, on_kv_written)
+        logits = None if on_kv_written is not None else self._captured(steps)
+        return logits if logits is not None else self._forward(steps, on_kv_written)
+
+    def _captured(self, steps: list[SeqStep]) -> torch.Tensor | None:
+        """The captured forward's output for a decode-only step of one-token rows (``[B,
+        vocab]`` logits; speculative: ``[B, hidden]`` normed hidden states), or None when
+        the step runs eager (graph mode off, no bucket fits, or its capture failed)."""
+        if self.graphs is None:
+            return None
+        bucket = self.graphs.bucket_for([len(s.token_ids) for s in steps],
+                                        [s.num_computed_tokens for s in steps])
+        return None if bucket is None else self._run_graph(steps, bucket)
 
     @torch.inference_mode()
     def warmup_graphs(self) -> None:
         """Capture every graph bucket now (a step of padding rows only, written to the
-        scratch block) and log which run eager (one line). No-op with graph mode off.
+        scratch block; speculative: the verify and the draft forwards) and log which run
+        eager (one line per captured forward). No-op with graph mode off.
 
         Raises:
             engine.graph.GraphCaptureError: a bucket failed with ``graph.required``.
@@ -216,13 +227,18 @@ class ModelRunner:
         warm = self._padding_step(context=self.kv_spec.block_size + 1)
         for bucket in self.graphs.config.batch_sizes:
             self._run_graph([], bucket, padding=warm)
-        status = self.graphs.status()
-        if status["eager"]:  # NOTE: one line at start-up, never a silent fallback
-            log.error("graph mode: decode buckets %s captured; buckets %s run EAGER (capture "
-                      "failed: %s)", status["captured"], sorted(status["eager"]),
-                      "; ".join(f"{b}: {why}" for b, why in status["eager"].items()))
-        else:
-            log.info("graph mode: every decode bucket captured: %s", status["captured"])
+        captured = [self.graphs]
+        if self.spec is not None:
+            captured.append(self.spec.warmup_graphs(warm))
+        for graphs in captured:  # NOTE: one line each at start-up, never a silent fallback
+            status = graphs.status()
+            if status["eager"]:
+                log.error("graph mode: %s buckets %s captured; buckets %s run EAGER (capture "
+                          "failed: %s)", graphs.name, status["captured"], sorted(status["eager"]),
+                          "; ".join(f"{b}: {why}" for b, why in status["eager"].items()))
+            else:
+                log.info("graph mode: every %s bucket captured: %s", graphs.name,
+                         status["captured"])
 
     def _run_graph(self, steps: list[SeqStep], bucket: int,
                    padding: SeqStep | None = None) -> torch.Tensor | None:
@@ -232,8 +248,8 @@ class ModelRunner:
         padded = steps + [padding or self._padding_step()] * (bucket - len(steps))
         input_ids, meta = self._inputs(padded, num_real=len(steps))
         mark_context_dynamic(meta.decode)
-        logits = self.graphs.run(bucket, input_ids, meta, self.kv_cache)
-        return None if logits is None else logits[:len(steps)]
+        out = self.graphs.run(bucket, input_ids, meta, self.kv_cache, self.spec is not None)
+        return None if out is None else out[:len(steps)]
 
     def _padding_step(self, context: int = 1) -> SeqStep:
         """A dummy decode sequence (one token after ``context`` cached ones) whose table is
@@ -337,7 +353,7 @@ def _check_cp(tp: TPGroup, cp: CPGroup, graph: GraphConfig) -> None:
                          "instance runs tp=1 (its ranks are the CP group); set tp to 1")
 
 
-def _check_spec(config: ModelConfig, cp: CPGroup, k: int) -> None:
+def _check_spec(config: ModelConfig, k: int) -> None:
     """Raise ValueError, naming the fix, when speculative decoding with ``k`` drafts cannot
     run on ``config`` here."""
     if k <= 0:
@@ -347,9 +363,6 @@ def _check_spec(config: ModelConfig, cp: CPGroup, k: int) -> None:
                          "module (config.json num_nextn_predict_layers >= 1, weights under "
                          f"model.layers.{config.num_hidden_layers}.*); this one has none: "
                          "remove decode.speculative or use a checkpoint that ships MTP")
-    if cp.size > 1:
-        raise ValueError(f"MTP with cp={cp.size}: context-parallel prefill does not run the "
-                         "MTP module; set cp to 1 or remove decode.speculative")
 
 
 def _fixed_ep_dispatch(model: torch.nn.Module, capacity: int) -> None:

@@ -20,7 +20,8 @@ class CPPlan:
     """What every rank runs: ``prompt`` prefilled in ``chunks`` (token counts), or as two
     batched requests (``batched``, :func:`prefill_two`), with ``layer_sharding``, with expert
     parallelism over the CP ranks when ``ep``, attending to earlier keys in tiles of
-    ``prefix_tile``; results go to ``{out_dir}/{name}_rank{i}.pt``."""
+    ``prefix_tile``, with the MTP module (``mtp``: speculative decoding's prefill side);
+    results go to ``{out_dir}/{name}_rank{i}.pt``."""
 
     name: str
     ckpt: str
@@ -30,6 +31,7 @@ class CPPlan:
     ep: bool = False
     batched: bool = False
     prefix_tile: int = 4096
+    mtp: bool = False
 
 
 def blocks_for(num_tokens: int, first: int = 0) -> tuple[int, ...]:
@@ -64,15 +66,20 @@ def prefill_two(runner, prompt: tuple[int, ...]) -> torch.Tensor:
 
 
 def prefill(runner, prompt: tuple[int, ...], chunks: tuple[int, ...]) -> torch.Tensor:
-    """Logits ``[vocab]`` after the prompt ran in ``chunks``."""
+    """Logits ``[vocab]`` after the prompt ran in ``chunks`` (a speculative runner: the
+    logits then the last prompt row's kept hidden state, ``[vocab + hidden]``)."""
     from engine.runner import SeqStep
+    from engine.spec_decode import SpecOutput
 
-    done, blocks, logits = 0, blocks_for(len(prompt)), None
+    done, blocks, out = 0, blocks_for(len(prompt)), None
     for n in chunks:
-        logits = runner.execute([SeqStep("r", prompt[done:done + n], done, blocks)])[0]
+        nxt = prompt[done + n] if done + n < len(prompt) else None
+        out = runner.execute([SeqStep("r", prompt[done:done + n], done, blocks,
+                                      next_token_id=nxt)])
         done += n
     assert done == len(prompt), "chunks must cover the prompt"
-    return logits
+    return torch.cat((out.logits[-1], out.hidden[0][-1])) if isinstance(out, SpecOutput) \
+        else out[0]
 
 
 def sharded_bytes(model: torch.nn.Module, names: tuple[str, ...]) -> int:
@@ -102,7 +109,8 @@ def rank_main(index: int, size: int, ports: tuple[int, int], plans: tuple[CPPlan
             MLAttention.prefix_tile = plan.prefix_tile
             runner = ModelRunner(plan.ckpt, num_kv_blocks=num_blocks(plan),
                                  block_size=BLOCK, cp=cp, layer_sharding=plan.layer_sharding,
-                                 ep=ep if plan.ep else EPGroup())
+                                 ep=ep if plan.ep else EPGroup(),
+                                 num_speculative_tokens=int(plan.mtp))
             logits = run_plan(runner, plan)
             stats = vars(runner.prefetcher.stats) if runner.prefetcher is not None else None
             torch.save({"logits": logits, "caches": caches_of(runner), "stats": stats,

@@ -13,27 +13,52 @@ def generate_spec_greedy(runner: ModelRunner, prompt: list[int], max_new: int,
                          block_ids: tuple[int, ...], chunk: int | None = None,
                          k: int = 1, request_id: str = "r") -> tuple[list[int], list[int]]:
     """Greedy tokens of a speculating runner, and the drafts kept per verify step."""
-    chunk = chunk or len(prompt)
+    tokens, kept = generate_spec_greedy_batch(runner, [prompt], max_new, [block_ids], chunk,
+                                              k, [request_id])
+    return tokens[0], kept[0]
+
+
+def generate_spec_greedy_batch(runner: ModelRunner, prompts: list[list[int]], max_new: int,
+                               tables: list[tuple[int, ...]], chunk: int | None = None,
+                               k: int = 1, request_ids: list[str] | None = None
+                               ) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of each prompt (each prefilled alone, in ``chunk``-token steps), decoded
+    together: draft -> verify steps over every unfinished request; and per request the drafts
+    kept per verify step."""
+    ids = request_ids or [f"r{i}" for i in range(len(prompts))]
+    tokens, drafts, done = [], [], []
+    for rid, prompt, table in zip(ids, prompts, tables):
+        hidden, first = _prefill(runner, rid, prompt, table, chunk or len(prompt))
+        tokens.append([first])
+        drafts.append(DraftInput(hidden, len(prompt) - 1, (first,)))
+        done.append(len(prompt))
+    kept: list[list[int]] = [[] for _ in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new)
+    while live := [i for i, t in enumerate(tokens) if len(t) < max_new]:
+        out = runner.execute([SeqStep(ids[i], (tokens[i][-1],), done[i], tables[i],
+                                      draft=drafts[i],
+                                      num_drafts=min(k, max_new - len(tokens[i]) - 1))
+                              for i in live])
+        for b, i in enumerate(live):
+            new = verify(out.logits[out.rows(b)], out.drafts[b], greedy, len(tokens[i]))
+            kept[i].append(len(new) - 1)
+            drafts[i] = DraftInput(out.hidden[b][:len(new)], done[i], tuple(new))
+            tokens[i].extend(new)
+            done[i] += len(new)
+    return [t[:max_new] for t in tokens], kept
+
+
+def _prefill(runner: ModelRunner, request_id: str, prompt: list[int],
+             block_ids: tuple[int, ...], chunk: int):
+    """Chunked prefill of one prompt: the last row's hidden state ``[1, H]`` and the greedy
+    first token."""
     done, out = 0, None
     while done < len(prompt):
         piece = tuple(prompt[done:done + chunk])
         nxt = prompt[done + len(piece)] if done + len(piece) < len(prompt) else None
         out = runner.execute([SeqStep(request_id, piece, done, block_ids, next_token_id=nxt)])
         done += len(piece)
-    tokens = [int(out.logits[-1].argmax())]
-    draft = DraftInput(out.hidden[0][-1:], done - 1, (tokens[-1],))
-    kept = []
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_new)
-    while len(tokens) < max_new:
-        n = min(k, max_new - len(tokens) - 1)
-        out = runner.execute([SeqStep(request_id, (tokens[-1],), done, block_ids,
-                                      draft=draft, num_drafts=n)])
-        new = verify(out.logits, out.drafts[0], greedy, len(tokens))
-        kept.append(len(new) - 1)
-        draft = DraftInput(out.hidden[0][:len(new)], done, tuple(new))
-        tokens.extend(new)
-        done += len(new)
-    return tokens[:max_new], kept
+    return out.hidden[0][-1:], int(out.logits[-1].argmax())
 
 
 def oracle_drafts_of(monkeypatch, seqs: dict[str, list[int]], wrong_every: int = 3) -> None:

@@ -1,5 +1,6 @@
 """Context-parallel prefill over 4 gloo ranks (fp32): the same logits and KV caches as one
-rank, one shot and chunked, DeepSeek-V3, V3.2 and GLM-5.2-style; layer-sharded attention
+rank, one shot and chunked, DeepSeek-V3, V3.2 and GLM-5.2-style, with the MTP module;
+layer-sharded attention
 weights stored 1/4 per rank with unchanged logits; the load-balanced causal token split."""
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ def cp_ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cp"), seed=5, num_layers=4)
 
 
+@pytest.fixture(scope="module")
+def cp_mtp_ckpt(tmp_path_factory):
+    """2 layers (1 dense, 1 MoE) and an MoE MTP module."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cp_mtp"), seed=5, num_layers=2,
+                                 mtp_layers=1)
+
+
 def _prompt(n: int, seed: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed))
                  .tolist())
 
 
 def _one_rank(plan: CPPlan) -> dict:
-    runner = ModelRunner(plan.ckpt, num_kv_blocks=num_blocks(plan), block_size=BLOCK)
+    runner = ModelRunner(plan.ckpt, num_kv_blocks=num_blocks(plan), block_size=BLOCK,
+                         num_speculative_tokens=int(plan.mtp))
     return {"logits": run_plan(runner, plan), "caches": caches_of(runner),
             "sharded_bytes": sharded_bytes(runner.model, SHARDED)}
 
@@ -46,12 +55,15 @@ def _max_diff(got: dict, want: dict) -> tuple[float, float]:
     return logits, caches
 
 
-def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tiny_glm_shared_ckpt, tmp_path):
+def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tiny_glm_shared_ckpt, cp_mtp_ckpt,
+                                     tmp_path):
     """1K-token prompt in one shot and in chunks (V3; earlier keys in tiles of 100), as two
     batched requests, with layer sharding, with expert parallelism over the 4 CP ranks
     (chunked), a V3.2 prompt in 2 chunks (its indexer keys gathered too) and the same on
-    GLM-5.2-style shared indexer layers, layer-sharded: every rank's logits and whole KV cache
-    equal one rank's."""
+    GLM-5.2-style shared indexer layers, layer-sharded, and with the MTP module over the
+    prompt (3 chunks, the last leaving ranks without rows; EP; its cache is one more layer;
+    the kept hidden state too): every
+    rank's logits and whole KV cache equal one rank's."""
     long, short = _prompt(1024, 0), _prompt(300, 1)
     plans = (CPPlan("one_shot", str(cp_ckpt), long, (1024,)),
              CPPlan("chunked", str(cp_ckpt), long, CHUNKS, prefix_tile=100),
@@ -59,7 +71,8 @@ def test_cp4_prefill_equals_one_rank(cp_ckpt, tiny_dsa_ckpt, tiny_glm_shared_ckp
              CPPlan("sharded", str(cp_ckpt), long, (1024,), SHARDED),
              CPPlan("ep", str(cp_ckpt), long, CHUNKS, ep=True),
              CPPlan("dsa", str(tiny_dsa_ckpt), short, (173, 127)),
-             CPPlan("glm_shared", str(tiny_glm_shared_ckpt), short, (173, 127), SHARDED))
+             CPPlan("glm_shared", str(tiny_glm_shared_ckpt), short, (173, 127), SHARDED),
+             CPPlan("mtp", str(cp_mtp_ckpt), short, (171, 127, 2), ep=True, mtp=True))
     results = run_cp_ranks(CP, (free_port(), free_port()), plans, str(tmp_path))
     want = {plan.name: _one_rank(plan) for plan in plans if plan.name not in ("sharded", "ep")}
     want["sharded"], want["ep"] = want["one_shot"], want["chunked"]

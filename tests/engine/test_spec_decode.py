@@ -166,22 +166,6 @@ def test_quantized_mtp_checkpoint_spec_greedy_equals_plain(mtp_ckpt, tmp_path, s
     assert ours == ref
 
 
-def test_graph_mode_runner_speculates_eagerly(mtp_ckpt):
-    """With graph mode on, speculative steps run eager (the captured 1-token decode forward is
-    not used) and stay exact; the graph-mode kernels (opaque paged decode) serve the MTP
-    module's 1-row steps too."""
-    from engine.graph import GraphConfig  # noqa: PLC0415 (this test only)
-
-    prompt = list(range(700, 713))
-    plain = ModelRunner(mtp_ckpt, num_kv_blocks=8, block_size=BLOCK)
-    ref, _ = generate_greedy(plain, prompt, 10, blocks_for(0, 26, BLOCK))
-    spec = ModelRunner(mtp_ckpt, num_kv_blocks=8, block_size=BLOCK, num_speculative_tokens=2,
-                       graph=GraphConfig(enabled=True, batch_sizes=(1, 2)))
-    ours, _ = generate_spec_greedy(spec, prompt, 10, blocks_for(0, 26, BLOCK), k=2)
-    assert ours == ref
-    assert spec.graphs.status()["captured"] == []
-
-
 def test_a_step_without_drafts_still_caches_its_mtp_rows(mtp_ckpt):
     """A decoding step with a draft input but no draft to make (``num_drafts`` 0: the step's
     token budget ran out) still runs the MTP module over those rows: its MTP cache equals a
