@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from rank.messages import InstanceStatusInfo
@@ -29,7 +30,7 @@ def status_from_row(row: list) -> InstanceStatusInfo:
     Raises:
         TypeError, ValueError: ``row`` does not have the status's shape.
     """
-    return _decode(InstanceStatusInfo, row)
+    return _decoder(InstanceStatusInfo)(row)
 
 
 def _encode(value: Any) -> Any:
@@ -43,25 +44,32 @@ def _encode(value: Any) -> Any:
 
 
 @functools.cache
-def _hints(cls: type) -> tuple[tuple[str, Any], ...]:
-    """(field name, resolved type) of dataclass ``cls``, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
-
-
-def _decode(kind: Any, value: Any) -> Any:
-    if value is None:
-        return None
+def _decoder(kind: Any) -> Callable[[Any], Any]:
+    """A function that rebuilds a value of type ``kind`` from its row; built once per type
+    (NOTE: a status arrives about once a second per instance and per router: decoding walks
+    no type hints per value)."""
     if dataclasses.is_dataclass(kind):
-        return kind(**{name: _decode(hint, v) for (name, hint), v in zip(_hints(kind), value)})
+        hints = typing.get_type_hints(kind)
+        fields = [(f.name, _decoder(hints[f.name])) for f in dataclasses.fields(kind)]
+        return lambda row: kind(**{name: dec(v) for (name, dec), v in zip(fields, row)})
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
-        return _decode(inner[0], value) if len(inner) == 1 else value
+        dec = _decoder(inner[0]) if len(inner) == 1 else _plain
+        return lambda v: None if v is None else dec(v)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        item = _decoder(args[0])
+        return tuple if item is _plain else (lambda v: tuple(item(x) for x in v))
+    if origin is tuple and args:
+        items = [_decoder(a) for a in args]
+        return lambda v: tuple(dec(x) for dec, x in zip(items, v))
     if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v) for v in value)
-        return tuple(_decode(a, v) for a, v in zip(args, value)) if args else tuple(value)
+        return tuple
     if origin is dict:
-        return {k: _decode(args[1], v) for k, v in value.items()}
+        value = _decoder(args[1])
+        return dict if value is _plain else (lambda v: {k: value(x) for k, x in v.items()})
+    return _plain
+
+
+def _plain(value: Any) -> Any:
     return value
