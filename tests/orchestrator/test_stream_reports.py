@@ -147,3 +147,31 @@ def test_an_idle_stream_beats_and_carries_the_status():
         await frames.aclose()
         stream.close()
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_the_leader_reports_its_status_and_that_its_ranks_live_only_when_all_answered():
+    import threading
+    import types
+
+    from rank.status_report import StatusReporter
+
+    stream = EventStream("decode-0", "127.0.0.1")
+    alive: list[float] = []
+    leader = types.SimpleNamespace(stream=stream, wake=threading.Event(),
+                                   ranks_alive=alive.append)
+    answers = [TimeoutError("rank 1 did not answer"), _status()]
+
+    def status() -> InstanceStatusInfo:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+    reporter = StatusReporter("decode-0", leader, status)
+    try:
+        reporter.report_once()  # NOTE: a hung follower: no report, no proof of life
+        assert alive == [] and stream._status is None
+        reporter.report_once()
+        assert len(alive) == 1 and status_from_row(stream._status) == _status()
+        assert leader.wake.is_set()
+    finally:
+        stream.close()
