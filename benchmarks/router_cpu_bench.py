@@ -78,7 +78,8 @@ def _name(pid: int) -> str:
     text = b" ".join(argv).decode(errors="replace")
     if "orchestrator.cli" in text:
         return "orch up"
-    for known in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env"):
+    for known in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env",
+                  "ray_watchdog", "autoscaler", "default_worker"):
         if known in text:
             return known
     return argv[0].decode(errors="replace").split("/")[-1] or "?"
@@ -189,14 +190,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"| level | in flight | CPU ms / output token | output tokens | s | largest (ms / token)"
-          f" |  ({args.repo})")
-    print("|---|---|---|---|---|---|")
+    print(f"| level | in flight | CPU ms / output token | output tokens | s | by process "
+          f"(ms / token) | load average |  ({args.repo})")
+    print("|---|---|---|---|---|---|---|")
     for level, ms, tokens, seconds, by_name in run_levels(args):
         top = ", ".join(f"{n} {v:.3f}" for n, v in sorted(by_name.items(),
-                                                          key=lambda kv: -kv[1])[:4])
-        print(f"| {level} | {LEVELS[level]} | {ms:.3f} | {tokens} | {seconds:.1f} | {top} |",
-              flush=True)
+                                                          key=lambda kv: -kv[1]) if v >= 5e-4)
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        print(f"| {level} | {LEVELS[level]} | {ms:.3f} | {tokens} | {seconds:.1f} | {top} | "
+              f"{load} |", flush=True)
     return 0
 
 

@@ -7,6 +7,10 @@ unhealthy one is not asked: a hung rank would only make the answer late). A lead
 status says it is broken, or whose status call fails while a ping of its ranks fails too, is
 reported to the monitor, and the row shows the monitor's state after that: the monitor is the
 one source of an instance's health.
+
+The 1 s refresh (:meth:`StatusBoard.report`, the metrics) reads the statuses the leaders report
+on their token streams (orchestrator/router/reports.py) and calls over Ray only a leader whose
+report is missing or stale; ``GetStatus`` (:meth:`StatusBoard.views`) asks every leader afresh.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from typing import Callable, Protocol
 from rank.messages import InstanceStatusInfo
 from orchestrator.deploy.health import HealthMonitor
 from orchestrator.router.leader import LeaderClient, LeaderError
+from orchestrator.router.reports import InstanceReports
 
 log = logging.getLogger(__name__)
+# A status report older than this many report periods is stale: the leader is asked over Ray.
+REPORT_STALE = 2.5
 # NOTE: the InstanceStatusInfo field in which a leader says it is out of service ("" = fine);
 # read with getattr so that leaders without it count as fine.
 
@@ -65,21 +72,25 @@ class StatusBoard:
         metrics: gets ``update_instances(statuses)`` with every set of answers (each answer's
             transfer records arrive once, so every status call must pass through here).
         status_timeout_s: bound of one leader's ``status()`` (seconds).
+        reports: the leaders' own status reports (None: every refresh calls every leader).
     """
 
     def __init__(self, leaders: Callable[[], list[LeaderClient]], tps: dict[str, int],
                  monitor: HealthMonitor,
-                 metrics: InstanceMetrics, status_timeout_s: float) -> None:
+                 metrics: InstanceMetrics, status_timeout_s: float,
+                 reports: InstanceReports | None = None) -> None:
         self.leaders, self.tps, self.monitor = leaders, tps, monitor
         self.metrics, self.status_timeout_s = metrics, status_timeout_s
+        self.reports = reports
 
-    async def views(self) -> list[InstanceView]:
+    async def views(self, reported: bool = False) -> list[InstanceView]:
         """One row per instance, in leader order, then those still starting; returns within
         ``status_timeout_s`` (twice that when a status call fails and the instance's ranks are
-        pinged, below) plus scheduling time, whatever the instances do."""
+        pinged, below) plus scheduling time, whatever the instances do. ``reported``: a
+        leader's report younger than ``REPORT_STALE`` report periods stands for its answer."""
         leaders = self.leaders()
         known = {leader.name for leader in leaders}
-        views = list(await asyncio.gather(*(self._view(l) for l in leaders)))
+        views = list(await asyncio.gather(*(self._view(l, reported) for l in leaders)))
         views += [InstanceView(h.name, h.role, self.tps[h.role], h.state.value, h.reason)
                   for h in self.monitor.snapshot() if h.name not in known]
         self.metrics.update_instances([v.status for v in views if v.status is not None])
@@ -89,19 +100,20 @@ class StatusBoard:
         """Forever: refresh the metrics (and broken-leader reports) every ``period_s``."""
         while True:
             try:
-                await self.views()
+                await self.views(reported=True)
             except Exception:  # noqa: BLE001 -- the reporter must outlive any one failure
                 log.exception("instance status report failed")
             await asyncio.sleep(period_s)
 
-    async def _view(self, leader: LeaderClient) -> InstanceView:
+    async def _view(self, leader: LeaderClient, reported: bool) -> InstanceView:
         health = self.monitor.get(leader.name)
         row = dict(name=leader.name, role=leader.role, tp=self.tps[leader.role],
                    health=health.state.value)
         if health.reason:
             return InstanceView(**row, detail=health.reason)
+        status = self._reported(leader.name) if reported else None
         try:
-            status = await leader.status(timeout_s=self.status_timeout_s)
+            status = status or await leader.status(timeout_s=self.status_timeout_s)
         except LeaderError as exc:
             return InstanceView(**{**row, **await self._unanswered(leader.name, exc)})
         if status.broken:
@@ -110,6 +122,12 @@ class StatusBoard:
             return InstanceView(**{**row, "health": health.state.value}, detail=health.reason,
                                 status=status)
         return InstanceView(**row, status=status)
+
+    def _reported(self, name: str) -> InstanceStatusInfo | None:
+        """``name``'s latest status report if it is recent, else None."""
+        if self.reports is None or self.reports.status_s is None:
+            return None
+        return self.reports.take_status(name, REPORT_STALE * self.reports.status_s)
 
     async def _unanswered(self, name: str, exc: LeaderError) -> dict[str, str]:
         """Health and detail of ``name`` whose status call failed: its ranks are pinged at

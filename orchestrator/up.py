@@ -21,7 +21,8 @@ import sys
 from dataclasses import replace
 
 from engine import envs
-from orchestrator.deploy.assemble import build_board, build_http_server, build_monitor, build_router
+from orchestrator.deploy.assemble import (build_board, build_http_server, build_monitor,
+                                          build_reports, build_router)
 from orchestrator.config.checkpoint import ensure_checkpoint, read_model_info
 from orchestrator.deploy.cluster import Cluster, bring_up
 from orchestrator.config.schema import OrchConfig
@@ -183,7 +184,10 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
                  security: EdgeSecurity, checkpoint, metrics) -> None:
     # NOTE: the monitor tells the router (built next) about failures and has the recoverer
     # (built on the router's leader clients, which it rebinds) restart the instance.
-    monitor = build_monitor(cfg, cluster.ranks_of,
+    # NOTE: the leaders' own reports on their streams (the router's pump fills them): the
+    # monitor pings only instances not heard alive lately, the board shows their statuses.
+    reports = build_reports(cfg)
+    monitor = build_monitor(cfg, cluster.ranks_of, reports=reports,
                             on_unhealthy=lambda name, why: router.instance_failed(name, why),
                             recover=(lambda name: recoverer.recover(name))
                             if cfg.health.max_restarts else None,
@@ -193,7 +197,7 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     window = LatencyWindow(cfg.autoscale.window_s) if cfg.autoscale else None
     router = build_router(cfg, cluster.leaders(), model, tokenizer,
                           WindowedMetrics(metrics or NoMetrics(), window) if window else metrics,
-                          health=monitor)
+                          health=monitor, reports=reports)
     clients = {leader.name: leader for leader in router.flow.leaders}  # NOTE: scaling edits it
     recoverer = Recoverer(cluster, clients, max_restarts=cfg.health.max_restarts,
                           window_s=cfg.health.restart_window_s,

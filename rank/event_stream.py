@@ -8,9 +8,15 @@ router never stalls a step.
 
 Wire: frames are an 8-byte big-endian length and a msgpack body. A router opens a stream with
 the hello ``[token, subscriber, resume_seq]`` (``token`` from :meth:`EventStream.open`, over Ray);
-the leader answers ``[epoch, first_seq]`` and then sends frames ``[seq, free_blocks, events]``,
-``events`` a list of :func:`event_row` rows; seq counts from
-0 per subscriber without gaps. A router whose connection breaks connects again with
+the leader answers ``[epoch, first_seq]`` and then sends frames ``[seq, free_blocks, events,
+ranks_age_s, status]``, ``events`` a list of :func:`event_row` rows, ``ranks_age_s`` the seconds
+since every rank of the instance was last known alive (None: not known), ``status`` a
+rank/status_row.py row or None; seq counts from 0 per subscriber without gaps.
+
+Reports (the router's health monitor and status board read them instead of calling the ranks
+over Ray): a subscriber that asks for a heartbeat (``beat_s``) gets a frame at least every
+``beat_s`` seconds while the loop runs, events or not; a status set with :meth:`EventStream.set_status`
+rides the next frame. A router whose connection breaks connects again with
 ``resume_seq`` = the seq after the last frame it applied, and gets every later frame exactly once.
 
 Bounds (NOTE: what happens when a router falls behind):
@@ -29,6 +35,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,7 +104,7 @@ class _Outbox:
     on are unsent on the current connection. Guarded by the stream's condition."""
 
     first_seq: int = 0
-    frames: deque = field(default_factory=deque)  # [seq, free_blocks, rows]
+    frames: deque = field(default_factory=deque)  # [seq, free_blocks, rows, age, status]
     sent: int = 0  # frames[:sent] went out on some connection
     conn: socket.socket | None = None
     cursor: int = 0  # next seq the current connection sends
@@ -123,13 +130,19 @@ class EventStream:
         self._outboxes: dict[str, _Outbox] = {}
         self._pending: list[list] = []  # rows added since the last flush
         self._last_free: int | None = None
+        self._beat_s: float | None = None  # the shortest heartbeat a subscriber asked for
+        self._last_frame_at = 0.0  # time.monotonic() of the last frame made
+        self._status: list | None = None  # a status row for the next frame
         self._listener: socket.socket | None = None
         self._closed = False
 
     # ---- bring-up (Ray control plane) -------------------------------------------------
-    def open(self, subscriber: str) -> tuple[str, int, bytes, str]:
-        """Listen (first call), create ``subscriber``'s outbox; (host, port, token, epoch)."""
+    def open(self, subscriber: str, beat_s: float | None = None) -> tuple[str, int, bytes, str]:
+        """Listen (first call), create ``subscriber``'s outbox; (host, port, token, epoch).
+        ``beat_s``: a frame at least this often (seconds), for every subscriber."""
         with self._cond:
+            if beat_s is not None:
+                self._beat_s = min(beat_s, self._beat_s or beat_s)
             if self._closed:
                 raise RuntimeError(f"{self.name}: the event stream is closed")
             if self._listener is None:
@@ -157,26 +170,39 @@ class EventStream:
         with self._cond:
             self._pending.append(row)
 
-    def flush(self, free_blocks: int) -> bool:
-        """Close the queued events into one frame per subscriber, with ``free_blocks``; also
-        when only ``free_blocks`` changed. True when a frame was made."""
+    def set_status(self, row: list) -> None:
+        """Send status ``row`` (rank/status_row.py) with the next frame (any thread)."""
         with self._cond:
-            if not self._outboxes or (not self._pending and free_blocks == self._last_free):
+            self._status = row
+
+    def flush(self, free_blocks: int, ranks_age_s: float | None = None) -> bool:
+        """Close the queued events into one frame per subscriber, with ``free_blocks`` and
+        ``ranks_age_s`` (see the module docstring); also when only ``free_blocks`` changed, a
+        status waits, or a heartbeat is due. True when a frame was made."""
+        now = time.monotonic()
+        with self._cond:
+            beat = self._beat_s is not None and now - self._last_frame_at >= self._beat_s
+            if not self._outboxes or (not self._pending and free_blocks == self._last_free
+                                      and self._status is None and not beat):
                 return False
             rows, self._pending = self._pending, []
-            self._last_free = free_blocks
+            status, self._status = self._status, None
+            self._last_free, self._last_frame_at = free_blocks, now
             for box in self._outboxes.values():
-                self._append(box, free_blocks, rows)
+                self._append(box, [free_blocks, rows, ranks_age_s, status])
             self._cond.notify_all()
         return True
 
-    def _append(self, box: _Outbox, free_blocks: int, rows: list) -> None:
+    def _append(self, box: _Outbox, body: list) -> None:
+        """``body`` ([free_blocks, rows, ranks_age_s, status]) as ``box``'s next frame."""
         if len(box.frames) - box.sent >= MAX_UNSENT:
             last = box.frames[-1]  # NOTE: unsent, so no connection saw it: safe to grow
-            last[1] = free_blocks
-            last[2].extend(rows)
+            # NOTE: the newest report wins (a status it replaces loses its transfer records)
+            last[1], last[3], last[4] = body[0], body[2], body[3] or last[4]
+            last[2].extend(body[1])
             return
-        box.frames.append([box.next_seq, free_blocks, list(rows)])  # NOTE: own list: may grow
+        # NOTE: its own list of rows: it may grow
+        box.frames.append([box.next_seq, body[0], list(body[1]), body[2], body[3]])
         while box.sent > RETAIN:
             box.frames.popleft()
             box.first_seq += 1

@@ -88,6 +88,9 @@ class Leader:
         # NOTE: aborts that found nothing: a reserve/prefill/generate of the same id can still
         # be on its way (actor calls run on several threads), and must not start afterwards.
         self._tombstones: OrderedDict[str, float] = OrderedDict()
+        # NOTE: time.monotonic() when every rank was last known alive (a step ran on all of
+        # them, or they all answered a status); a leader without followers is its own proof
+        self._ranks_seen_at: float | None = None
 
     def close(self) -> None:
         """Release the step's threads and the event stream (the rank is shutting down)."""
@@ -103,10 +106,12 @@ class Leader:
         nothing)."""
         self._events.put(event)
 
-    def open_events(self, subscriber: str) -> tuple[str, int, bytes, str]:
+    def open_events(self, subscriber: str, beat_s: float | None = None
+                    ) -> tuple[str, int, bytes, str]:
         """A router subscribes (Ray call): events from now on, and those no ``poll`` took,
-        go to the stream; (host, port, token, epoch) of it."""
-        address = self.stream.open(subscriber)
+        go to the stream, with a frame at least every ``beat_s`` seconds when given (its
+        health monitor's proof of life); (host, port, token, epoch) of it."""
+        address = self.stream.open(subscriber, beat_s)
         self.wake.set()
         return address
 
@@ -127,7 +132,19 @@ class Leader:
         if kv:
             self.stream.add(TokenEvent("", source=self.source, instance=self.cfg.name,
                                        kv_events=kv))
-        self.stream.flush(self.pool.num_free_blocks)
+        self.stream.flush(self.pool.num_free_blocks, self.ranks_age_s())
+
+    def ranks_alive(self, at: float) -> None:
+        """Every rank was alive at ``at`` (``time.monotonic()``)."""
+        self._ranks_seen_at = max(at, self._ranks_seen_at or at)
+
+    def ranks_age_s(self) -> float | None:
+        """Seconds since every rank was last known alive (0 without followers); None when not
+        known (rides each event frame: the router's monitor skips pings while it is young)."""
+        if not self.ranks.followers:
+            return 0.0
+        seen = self._ranks_seen_at
+        return None if seen is None else max(0.0, time.monotonic() - seen)
 
     def emit_end(self, request_id: str, reason: str, error: str | None = None,
                  retryable: bool = False) -> None:
@@ -231,8 +248,10 @@ class Leader:
         Raises:
             RankFailure: a rank died or hung, or another DP rank did not meet a round.
         """
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.monotonic()
         result = self._step.run(step_inputs_for)
+        if result is not None:  # NOTE: its forward's collectives met every rank
+            self.ranks_alive(began)
         if result is not None and self.source != "decode":
             self.first_token.stepped([c.request.request_id for c in result.output.chunks],
                                      started, self.step_timer.pending())

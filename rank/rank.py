@@ -37,6 +37,7 @@ from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
 from rank.priority import raise_priority
 from rank.role import RankParts, Role
 from rank.spmd import SPMDGroup
+from rank.status_report import StatusReporter
 from rank.step_channel import (StepChannelFollower, StepChannelLeader, connect_follower,
                                open_leader)
 from rank.step_timing import StepTimer
@@ -72,6 +73,7 @@ class Rank:
         self._step_leader: StepChannelLeader | None = None  # leader with followers
         self._step_follower: StepChannelFollower | None = None  # a follower
         self.step_timer = StepTimer()  # leader: where step time goes
+        self._reporter: StatusReporter | None = None  # leader, once a router asks for reports
         if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
 
@@ -280,10 +282,17 @@ class Rank:
         :meth:`rank.leader.Leader.poll`)."""
         return self.leader.poll(timeout_s, kv_events)
 
-    def open_events(self, subscriber: str) -> tuple[str, int, bytes, str]:
+    def open_events(self, subscriber: str, beat_s: float | None = None,
+                    status_s: float | None = None) -> tuple[str, int, bytes, str]:
         """Leader: where router ``subscriber`` follows the token stream (rank/event_stream.py);
-        (host, port, token, epoch)."""
-        return self.leader.open_events(subscriber)
+        (host, port, token, epoch). ``beat_s``: a frame at least this often (seconds);
+        ``status_s``: a :meth:`status` report on the stream this often (rank/status_report.py)."""
+        address = self.leader.open_events(subscriber, beat_s)
+        if status_s is not None:
+            if self._reporter is None:
+                self._reporter = StatusReporter(self.cfg.name, self.leader, self.status)
+            self._reporter.every(status_s)
+        return address
 
     def status(self) -> InstanceStatusInfo:
         """Snapshot for ``orch status`` and metrics, within a few seconds whatever the ranks
@@ -322,6 +331,8 @@ class Rank:
 
     def shutdown(self) -> None:
         """Stop the loop and release the role's resources (connectors) on this rank."""
+        if self._reporter is not None:
+            self._reporter.stop()
         if self.loop is not None:
             self.loop.stop()
         if self.leader is not None:

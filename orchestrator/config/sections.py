@@ -324,8 +324,9 @@ class HealthSection(_Section):
     """How the router watches every rank (seconds); see docs/reliability.md.
 
     Every ``probe_interval_s`` each rank of each instance is pinged, each ping bounded by
-    ``probe_timeout_s``: a dead rank marks its instance unhealthy at once, a silent one after
-    ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``.
+    ``probe_timeout_s``, unless the instance's leader reported on its token stream that every
+    rank lived within the interval (it beats every ``probe_interval_s / 2``): a dead rank marks
+    its instance unhealthy at once, a silent one after ``probe_timeout_s``. ``status_timeout_s`` bounds each instance's answer to ``orch status``.
     An unhealthy instance is restarted (new rank actors) within ``recover_timeout_s``, at most
     ``max_restarts`` times per ``restart_window_s`` (0 turns automatic restarts off); a failed
     or budget-deferred restart is tried again after ``restart_backoff_s``, doubling up to

@@ -16,6 +16,7 @@ from orchestrator.deploy.health import HealthMonitor, RestartWait
 from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.policies import make_policy
+from orchestrator.router.reports import InstanceReports
 from orchestrator.router.router import Router, RouterMetrics
 from orchestrator.status import StatusBoard
 
@@ -54,24 +55,36 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
 
 def build_router(cfg: OrchConfig, handles: dict[str, Any], model: ModelInfo,
                  tokenizer: Tokenizer | None, metrics: RouterMetrics | None = None,
-                 health: HealthMonitor | None = None, replica: int = 0) -> Router:
+                 health: HealthMonitor | None = None, replica: int = 0,
+                 reports: InstanceReports | None = None) -> Router:
     """A router over ``handles`` configured by ``cfg.router`` (call from the event loop);
     ``health``: its policies choose only instances the monitor says are healthy, and its
     placements wait while it restarts every instance of a role (None: all healthy, always);
-    ``replica``: its index among ``router.replicas``."""
+    ``replica``: its index among ``router.replicas``; ``reports``: where the leaders' own
+    reports go (:func:`build_reports`; None: none asked for)."""
     healthy = health.is_healthy if health is not None else (lambda name: True)
     return Router(build_flow(cfg, handles, healthy), model, tokenizer,
                   cfg.router.request_timeout_s, metrics=metrics,
                   max_attempts=cfg.router.max_attempts,
-                  max_migrations=cfg.router.max_migrations, health=health, replica=replica)
+                  max_migrations=cfg.router.max_migrations, health=health, replica=replica,
+                  reports=reports)
+
+
+def build_reports(cfg: OrchConfig) -> InstanceReports:
+    """The leaders' reports a router asks for: a heartbeat twice per ``health.probe_interval_s``
+    (so a live instance is always heard within one interval and never pinged), a status each
+    second (the status board's refresh)."""
+    return InstanceReports(beat_s=cfg.health.probe_interval_s / 2)
 
 
 def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
                   on_unhealthy: Callable[[str, str], None] | None = None,
                   recover: Callable[[str], Awaitable[bool]] | None = None,
-                  restart_wait: RestartWait | None = None) -> HealthMonitor:
+                  restart_wait: RestartWait | None = None,
+                  reports: InstanceReports | None = None) -> HealthMonitor:
     """A health monitor of every instance of ``cfg``, timed by ``cfg.health`` (see
-    :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy``, ``recover``, ``restart_wait``)."""
+    :class:`HealthMonitor` for ``ranks_of``, ``on_unhealthy``, ``recover``, ``restart_wait``,
+    ``reports``)."""
     h = cfg.health
     # NOTE: the Recoverer bounds a restart by recover_timeout_s itself and then gives up on
     # it a few seconds later; the monitor's own bound only catches a recover that hangs.
@@ -79,14 +92,15 @@ def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
                          h.probe_interval_s, h.probe_timeout_s, on_unhealthy=on_unhealthy,
                          recover=recover, recover_timeout_s=h.recover_timeout_s + RECOVER_GRACE_S,
                          backoff_s=h.restart_backoff_s, backoff_max_s=h.restart_backoff_max_s,
-                         restart_wait=restart_wait)
+                         restart_wait=restart_wait, reports=reports)
 
 
 def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:
-    """The status rows of ``router``'s instances (its metrics get every status answer)."""
+    """The status rows of ``router``'s instances (its metrics get every status answer; its
+    1 s refresh reads the leaders' reports that ``router``'s streams bring)."""
     return StatusBoard(lambda: router.flow.leaders,
                        {inst.role: inst.parallel.tp for inst in cfg.instances()}, monitor,
-                       router.metrics, cfg.health.status_timeout_s)
+                       router.metrics, cfg.health.status_timeout_s, router.pump.reports)
 
 
 def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: str | None,

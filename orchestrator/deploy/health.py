@@ -1,7 +1,11 @@
 """Health of every instance (DP rank) as the router sees it: probes, states, recovery.
 
 One asyncio task per instance pings every rank of it (``node_info``, a cheap actor method)
-every ``health.probe_interval_s`` seconds, each ping bounded by ``health.probe_timeout_s``:
+every ``health.probe_interval_s`` seconds, each ping bounded by ``health.probe_timeout_s``,
+unless the instance's own reports (orchestrator/router/reports.py: its leader's token stream
+says every rank was alive within the interval) make the ping moot: a serving instance costs no
+Ray call, and one that falls silent (dead, hung, a lost stream) is pinged one interval after it
+was last heard, so the bounds below hold as with pings alone:
 
 - a rank whose actor is gone (``RayActorError``) turns the instance UNHEALTHY at once;
 - a rank that does not answer within the bound (hung, e.g. SIGSTOP) turns it UNHEALTHY then;
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from engine.error_text import first_line
+from orchestrator.router.reports import InstanceReports
 
 log = logging.getLogger(__name__)
 # NOTE: the probe's Ray concurrency group (one thread of its own on every rank actor, see
@@ -88,6 +93,9 @@ class HealthMonitor:
             cap (seconds); it doubles with every failed try in a row.
         restart_wait: asked before each try (the restart budget,
             :meth:`Recoverer.restart_wait`); None: a restart may always run.
+        reports: the instances' own liveness reports (a probe is skipped while every rank of
+            the instance was heard alive within ``probe_interval_s``; a lost stream is probed
+            at once); None: every instance is pinged every interval.
     """
 
     def __init__(self, roles: dict[str, str], ranks_of: Callable[[str], list[Any]],
@@ -95,8 +103,12 @@ class HealthMonitor:
                  on_unhealthy: Callable[[str, str], None] | None = None,
                  recover: Callable[[str], Awaitable[bool]] | None = None,
                  recover_timeout_s: float = 600.0, backoff_s: float = 5.0,
-                 backoff_max_s: float = 300.0, restart_wait: RestartWait | None = None) -> None:
+                 backoff_max_s: float = 300.0, restart_wait: RestartWait | None = None,
+                 reports: InstanceReports | None = None) -> None:
         self._ranks_of = ranks_of
+        self._reports = reports
+        if reports is not None:
+            reports.on_lost = self.probe_soon
         self._interval_s, self._timeout_s = probe_interval_s, probe_timeout_s
         self._on_unhealthy, self._recover = on_unhealthy, recover
         self._recover_timeout_s = recover_timeout_s
@@ -276,8 +288,11 @@ class HealthMonitor:
         return None
 
     async def _watch(self, name: str) -> None:
+        asked = False  # NOTE: probe_soon: ping even when the reports say it lives
         while not self._stopping and name in self._states:
-            if self._states[name].state is Health.HEALTHY:
+            pause = self._interval_s
+            heard = 0.0 if asked else self._heard_for(name)
+            if self._states[name].state is Health.HEALTHY and heard <= 0.0:
                 try:
                     failure = await self.probe(name)
                 except Exception as exc:  # noqa: BLE001 -- the watch loop must not die
@@ -285,14 +300,23 @@ class HealthMonitor:
                     failure = f"probe error {type(exc).__name__}: {exc}"
                 if failure is not None:
                     self.report_failure(name, failure)
+            elif heard > 0.0:
+                pause = heard  # NOTE: ping once the last report is an interval old
             wake = self._wake.get(name)
             if wake is None:
                 return
             try:
-                await asyncio.wait_for(wake.wait(), self._interval_s)
+                await asyncio.wait_for(wake.wait(), pause)
             except asyncio.TimeoutError:
                 pass
+            asked = wake.is_set()
             wake.clear()
+
+    def _heard_for(self, name: str) -> float:
+        """Seconds until ``name``'s last report of live ranks is ``probe_interval_s`` old
+        (<= 0: ping it now)."""
+        at = None if self._reports is None else self._reports.alive_at(name)
+        return -1.0 if at is None else at + self._interval_s - time.monotonic()
 
     def _turn_unhealthy(self, name: str, reason: str) -> None:
         shown = reason if self._recover else f"{reason}; automatic recovery is off: restart " \

@@ -167,11 +167,17 @@ def placement_group_for(inst: InstanceConfig, cfg: OrchConfig, timeout: float) -
 def rank_actor(cls: type) -> Any:
     """``cls`` as a Ray actor class of a rank: ``ACTOR_CONCURRENCY`` threads for its calls,
     plus one thread of its own for the health probe (``health.PROBE_GROUP``), so a ping
-    answers while every call thread waits for the step lock."""
+    answers while every call thread waits for the step lock.
+
+    NOTE: ``enable_task_events=False`` (Ray's actor option): no task event per call is
+    recorded and sent to the GCS each second (they feed Ray's dashboard and ``ray list
+    tasks``, which orch does not use); every router call, status snapshot and rank-to-rank
+    call would otherwise cost GCS CPU, per rank at cluster scale.
+    """
     import ray
 
-    return ray.remote(max_concurrency=ACTOR_CONCURRENCY,
-                      concurrency_groups={PROBE_GROUP: 1})(cls)
+    return ray.remote(max_concurrency=ACTOR_CONCURRENCY, concurrency_groups={PROBE_GROUP: 1},
+                      enable_task_events=False)(cls)
 
 
 def create_ranks(inst: InstanceRanks, cls: type, role: type, res: ClusterSection) -> None:

@@ -45,24 +45,38 @@ def stop_watchdog(watchdog: subprocess.Popen, timeout_s: float = 10.0) -> None:
         watchdog.kill()
 
 
-def _processes() -> dict[int, tuple[int, int, str]]:
-    """Every process: pid -> (parent pid, start time, command line)."""
+def _processes(known: dict[int, tuple[int, int, str]] | None = None
+               ) -> dict[int, tuple[int, int, str]]:
+    """Every process: pid -> (parent pid, start time, command line). Entries of ``known``
+    (an earlier answer) are reused for pids still there: only new pids' files are read.
+
+    NOTE: a poll reads two files of each new process and lists /proc, no more: reading every
+    process's files each poll cost ~2 % of a core on a quiet host (counted against the
+    router, benchmarks/router_cpu_bench.py). A pid reused between two polls keeps its old
+    entry; :func:`_alive` checks start times before anything is signalled.
+    """
+    known = known or {}
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid in known:
+            out[pid] = known[pid]
             continue
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            stat = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:  # ended meanwhile
             continue
-        out[int(entry.name)] = (int(stat[1]), int(stat[19]), argv.decode(errors="replace"))
+        out[pid] = (int(stat[1]), int(stat[19]), argv.decode(errors="replace"))
     return out
 
 
-def _ray_descendants(root: int, existing: set[Process]) -> set[Process]:
-    """Ray processes under ``root`` that are not in ``existing`` (nor this watchdog)."""
-    procs = _processes()
+def _ray_descendants(root: int, existing: set[Process],
+                     procs: dict[int, tuple[int, int, str]]) -> set[Process]:
+    """Ray processes under ``root`` among ``procs`` (:func:`_processes`) that are not in
+    ``existing`` (nor this watchdog)."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
@@ -95,13 +109,15 @@ def _stop(noted: set[Process]) -> None:
 
 def main(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    existing = {(pid, start) for pid, (_, start, _) in _processes().items()}
+    procs = _processes()
+    existing = {(pid, start) for pid, (_, start, _) in procs.items()}
     noted: set[Process] = set()
     while True:
         ready, _, _ = select.select([sys.stdin.buffer], [], [], POLL_S)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             break  # the life line ended: orch up exited
-        noted |= _ray_descendants(parent, existing)
+        procs = _processes(procs)
+        noted |= _ray_descendants(parent, existing, procs)
     _stop(noted)
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import msgpack
 
 from rank.event_stream import event_from_row
-from rank.messages import TokenEvent
+from rank.messages import InstanceStatusInfo, TokenEvent
+from rank.status_row import status_from_row
 
 _LEN = struct.Struct("!Q")
 CONNECT_TIMEOUT_S = 5.0  # connect + hello answer
@@ -35,11 +36,16 @@ class StreamBroken(RuntimeError):
 @dataclass(frozen=True)
 class EventFrame:
     """One leader flush: ``seq`` (per subscriber, from 0, no gaps), the leader's free KV
-    blocks then, and the events of the flush in emission order."""
+    blocks then, and the events of the flush in emission order; ``ranks_age_s``: seconds
+    since every rank of the instance was last known alive when the leader made the frame
+    (None: not known, or a leader that does not say); ``status``: the leader's status report,
+    if one rode this frame (rank/status_report.py)."""
 
     seq: int
     free_blocks: int
     events: tuple[TokenEvent, ...]
+    ranks_age_s: float | None = None
+    status: InstanceStatusInfo | None = None
 
 
 class EventSubscription:
@@ -48,7 +54,8 @@ class EventSubscription:
     Args:
         name: instance name; source: its events' ``TokenEvent.source``.
         subscriber: this router's id (the leader keeps one outbox per id).
-        open_events: ``async (subscriber) -> StreamAddress``, the Ray call (raises on failure).
+        open_events: ``async (subscriber) -> StreamAddress``, the Ray call (raises on failure;
+            it may ask the leader for heartbeats and status reports, rank/event_stream.py).
         keep: ``(row) -> bool`` on each event row (rank/event_stream.py ``event_row``): rows it
             refuses are skipped before they are decoded (router replicas: every replica gets
             every event and keeps its own requests'). None: keep all.
@@ -100,15 +107,17 @@ class EventSubscription:
                 raise StreamBroken(f"{self.name}: its event stream lost frames (resume at "
                                    f"{self.next_seq} refused)")
             while True:
-                seq, free_blocks, rows = await _read(reader)
+                seq, free_blocks, rows, *report = await _read(reader)
                 if seq != self.next_seq:
                     raise StreamBroken(f"{self.name}: event frame {seq} came, "
                                        f"{self.next_seq} expected")
                 self.next_seq = seq + 1
                 keep = self._keep
+                age, status = (report + [None, None])[:2]  # NOTE: a leader that sends none
                 yield EventFrame(seq, free_blocks, tuple(
                     event_from_row(row, self.source, self.name) for row in rows
-                    if keep is None or keep(row)))
+                    if keep is None or keep(row)), age,
+                    None if status is None else status_from_row(status))
         finally:
             writer.close()
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.error_text import first_line
 from orchestrator.router.kv_index import KVIndex
+from orchestrator.router.reports import InstanceReports
 from orchestrator.router.request import InstanceFailure, request_failed
 from orchestrator.router.event_stream import (EventFrame, EventSubscription, StreamAddress,
                                               StreamBroken)
@@ -104,11 +105,15 @@ class LeaderClient:
         return await self._bounded(type(request).__name__.lower(),
                                    lambda: self.handle.request.remote(request), timeout_s)
 
-    async def open_events(self, subscriber: str) -> StreamAddress:
+    async def open_events(self, subscriber: str, reports: InstanceReports | None = None
+                          ) -> StreamAddress:
         """``handle.open_events.remote(subscriber)``: where this router follows the leader's
-        token stream. Raises as :meth:`call`."""
-        return await self._bounded("open_events",
-                                   lambda: self.handle.open_events.remote(subscriber), None)
+        token stream, asking for the heartbeat and status periods of ``reports`` when given.
+        Raises as :meth:`call`."""
+        periods = {} if reports is None else {"beat_s": reports.beat_s,
+                                              "status_s": reports.status_s}
+        return await self._bounded(
+            "open_events", lambda: self.handle.open_events.remote(subscriber, **periods), None)
 
     async def status(self, *, timeout_s: float | None = None) -> InstanceStatusInfo:
         """``handle.status.remote()`` bounded by ``timeout_s``. Raises as :meth:`call`."""
@@ -237,15 +242,18 @@ class EventPump:
         on_capacity: ``(instance, free_blocks)`` for every frame of a decode leader.
         subscriber: this router's id at the leaders (default: a fresh one).
         kv_index: where instances' prefix-cache events go (None: dropped).
+        reports: where the leaders' liveness and status reports go (None: not asked for).
     """
 
     def __init__(self, leaders: list[LeaderClient], retry_s: float = 0.5,
                  on_capacity: Callable[[str, int], None] | None = None,
-                 subscriber: str | None = None, kv_index: KVIndex | None = None) -> None:
+                 subscriber: str | None = None, kv_index: KVIndex | None = None,
+                 reports: InstanceReports | None = None) -> None:
         self._leaders = leaders
         self._retry_s = retry_s
         self._on_capacity = on_capacity
         self.kv_index = kv_index
+        self.reports = reports
         self.subscriber = subscriber or f"router-{uuid.uuid4().hex[:12]}"
         self._inboxes: dict[str, Inbox] = {}  # attempt id -> its inbox
         self._sources: dict[str, set[str]] = {}  # attempt id -> instances it waits on
@@ -312,7 +320,8 @@ class EventPump:
         """Follow ``leader``'s stream; a lost one fails its watchers, then we subscribe again
         (through ``leader.handle``: a rebind switches to the new leader at once)."""
         sub = EventSubscription(leader.name, leader.role, self.subscriber,
-                                lambda subscriber: _open(leader, subscriber), keep=self._wanted)
+                                lambda subscriber: _open(leader, subscriber, self.reports),
+                                keep=self._wanted)
         failing = False  # NOTE: one warning per run of failures, the rest at debug
         while not self._stopping:
             rebound = leader.rebound()
@@ -330,6 +339,8 @@ class EventPump:
                 log.log(logging.DEBUG if failing else logging.WARNING, "%s", exc)
                 failing = True
                 self.fail_instance(leader.name, str(exc))
+                if self.reports is not None:
+                    self.reports.lost(leader.name)
                 await asyncio.sleep(self._retry_s)
 
     async def _follow(self, leader: LeaderClient, sub: EventSubscription) -> None:
@@ -355,6 +366,8 @@ class EventPump:
             self._inboxes[event.request_id].put(event)
         if self._on_capacity is not None and leader.role == "decode":
             self._on_capacity(leader.name, frame.free_blocks)
+        if self.reports is not None:
+            self.reports.heard(leader.name, frame.ranks_age_s, frame.status)
 
 
 async def cancel_task(task: asyncio.Future, timeout_s: float) -> None:
@@ -375,8 +388,9 @@ async def cancel_task(task: asyncio.Future, timeout_s: float) -> None:
         raise asyncio.CancelledError
 
 
-async def _open(leader: LeaderClient, subscriber: str) -> StreamAddress:
+async def _open(leader: LeaderClient, subscriber: str,
+                reports: InstanceReports | None) -> StreamAddress:
     try:
-        return await leader.open_events(subscriber)
+        return await leader.open_events(subscriber, reports)
     except LeaderError as exc:
         raise StreamBroken(str(exc)) from exc

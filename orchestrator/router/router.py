@@ -29,6 +29,7 @@ from engine.grammar import GrammarCompiler
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump, LeaderClient
+from orchestrator.router.reports import InstanceReports
 from orchestrator.router.output_text import OutputText
 from orchestrator.router.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.router.request_state import Phase, RequestState
@@ -94,12 +95,15 @@ class Router:
             being restarted (None: it never waits; see :class:`Availability`).
         replica: this router's index among ``router.replicas`` (attempt ids stay unique
             across replicas: replica k > 0 numbers its attempts "<request_id>@k.n").
+        reports: where the leaders' own liveness and status reports go (their streams ask for
+            them; orchestrator/router/reports.py); None: not asked for.
     """
 
     def __init__(self, flow: Flow, model: ModelInfo, tokenizer: Tokenizer | None,
                  request_timeout_s: float, metrics: RouterMetrics | None = None,
                  max_attempts: int = 3, health: HealthView | None = None,
-                 max_migrations: int = 3, replica: int = 0) -> None:
+                 max_migrations: int = 3, replica: int = 0,
+                 reports: InstanceReports | None = None) -> None:
         self.flow, self.model, self.tokenizer = flow, model, tokenizer
         # NOTE: grammars are checked here, before a request is accepted (a bad one is a 400)
         self.grammars = GrammarCompiler(tokenizer.file, model.vocab_size,
@@ -110,7 +114,8 @@ class Router:
         self.availability = Availability(health)
         if health is not None:
             health.add_listener(lambda _health: flow.health_changed())
-        self.pump = EventPump(flow.leaders, on_capacity=flow.capacity, kv_index=flow.kv_index)
+        self.pump = EventPump(flow.leaders, on_capacity=flow.capacity, kv_index=flow.kv_index,
+                              reports=reports)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
         numbers = itertools.count(1)
         self._attempt_numbers = (numbers if not replica

@@ -64,8 +64,8 @@ class FakeRank:
             self._events.append(event)
             self._cond.notify_all()
 
-    def open_events(self, subscriber: str):
-        address = self.stream.open(subscriber)
+    def open_events(self, subscriber: str, beat_s=None, status_s=None):
+        address = self.stream.open(subscriber, beat_s)  # NOTE: no loop here: beats on emits only
         self.stream.flush(self.cfg.scheduler.num_kv_blocks - len(self._specs))
         return address
 

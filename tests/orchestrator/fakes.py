@@ -118,7 +118,7 @@ class _Leader:
         if method in self.errors:
             raise RuntimeError(self.errors[method])
 
-    def open_events(self, subscriber: str):
+    def open_events(self, subscriber: str, beat_s=None, status_s=None):
         if self.poll_error:
             self.poll_failures += 1
             raise RuntimeError(self.poll_error)

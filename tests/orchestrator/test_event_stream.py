@@ -172,7 +172,7 @@ def test_free_blocks_alone_make_a_frame_once_per_change():
     finally:
         stream.close()
     assert made == [True, False, True]
-    assert frames == [[0, 5, []], [1, 4, []]]
+    assert frames == [[0, 5, [], None, None], [1, 4, [], None, None]]  # no report asked
 
 
 def test_events_emitted_around_a_subscription_keep_their_order():
@@ -188,6 +188,7 @@ def test_events_emitted_around_a_subscription_keep_their_order():
     leader._events = queue.Queue()
     leader.wake = threading.Event()
     leader.pool = types.SimpleNamespace(num_free_blocks=3, take_events=lambda: None)
+    leader.ranks = types.SimpleNamespace(followers=[])  # NOTE: no followers: ranks_age_s 0
     try:
         leader.emit(TokenEvent("r", (1,), instance="decode-0"))  # before the subscription
         sub = _subscription(leader.stream)
