@@ -21,6 +21,22 @@ class OutputText:
         text ends just before it; nothing more may be sent)."""
         return self.stop.feed(self.detok.add(token_ids) if self.detok else "")
 
+    def add_until_stop(self, token_ids: tuple[int, ...]) -> tuple[str, bool, int]:
+        """:meth:`add` one token at a time when a stop string may end the request inside
+        ``token_ids`` (several tokens in one event: MTP's accepted drafts, or events merged
+        behind a slow consumer); returns (text, stopped, how many of ``token_ids`` were
+        taken: all, or up to and including the one that completed the stop string), so the
+        ids sent end where one token per event would have ended them."""
+        if len(token_ids) <= 1 or not self.stop.stops:
+            return *self.add(token_ids), len(token_ids)
+        text = ""
+        for taken, token_id in enumerate(token_ids, start=1):
+            piece, stopped = self.add((token_id,))
+            text += piece
+            if stopped:
+                return text, True, taken
+        return text, False, len(token_ids)
+
     def finish(self) -> tuple[str, bool]:
         """The rest of the text when the request ends (held-back bytes and characters), and
         whether a stop string was found in it."""

@@ -168,6 +168,13 @@ class RequestState:
             return tokens, "length"
         return tokens, None
 
+    def untake(self, count: int) -> None:
+        """Forget the last ``count`` tokens :meth:`take` counted (a stop string ended the
+        request before them: they are never sent)."""
+        if count > 0:
+            self.completion_tokens -= count
+            del self.output_token_ids[-count:]
+
     async def next_event(self, inbox: Inbox, timeout_s: float) -> TokenEvent | None:
         """The current attempt's next token event; None once aborted. Waits at most
         ``timeout_s`` seconds on the inbox, the wake-up and the side calls.

@@ -334,7 +334,10 @@ class Router:
         ended the request themselves (nothing left to abort on them). ``arrived``: when the
         attempt's first token event reached the router (monotonic)."""
         tokens, finish = req.take(event, time.monotonic()) if event else ((), "abort")
-        text, stopped = out.add(tokens)
+        text, stopped, taken = out.add_until_stop(tokens)
+        if taken < len(tokens):  # NOTE: a stop string inside a multi-token event
+            req.untake(len(tokens) - taken)
+            tokens, finish = tokens[:taken], "stop"
         if finish is not None and not stopped:
             rest, stopped = out.finish()
             text += rest

@@ -72,6 +72,26 @@ def test_output_text_finds_a_stop_string_fed_one_token_at_a_time():
     assert stop not in TOKENIZER.decode(toks[:i]) and stop in TOKENIZER.decode(toks[:i + 1])
 
 
+def test_a_stop_string_inside_a_multi_token_event_cuts_the_ids_there(h):
+    """The fake decode sends two tokens per event (as MTP's accepted drafts do): a stop string
+    completed by an event's first token ends the ids (and the count) at that token, as one
+    token per event would."""
+    toks, full = _full()
+    for i in range(3, len(toks) - 2, 2):  # NOTE: toks[i], i odd, opens a decode event
+        upto = TOKENIZER.decode(toks[:i + 1])
+        stop = upto[-3:]
+        if (full.startswith(upto) and len(stop) == 3 and stop not in TOKENIZER.decode(toks[:i])
+                and full.find(stop) == len(upto) - 3):
+            break
+    else:
+        raise AssertionError("no token that both opens an event and completes a stop string")
+    text, chunks = _run(h, stop=[stop])
+    assert text == full[:full.find(stop)]
+    assert [t for c in chunks for t in c.token_ids] == toks[:i + 1]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.completion_tokens == i + 1
+    assert _nothing_left(h)
+
+
 def test_stop_string_in_the_first_token_ends_the_request_on_its_instances(h):
     toks, full = _full()
     first = TOKENIZER.decode(toks[:1])
