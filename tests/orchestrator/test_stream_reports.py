@@ -41,17 +41,19 @@ def test_a_status_row_survives_the_wire():
     assert status_from_row(wire) == status
 
 
-def _monitor(reports: InstanceReports, rank: FakeRank) -> HealthMonitor:
-    return HealthMonitor({"decode-0": "decode"}, lambda name: [rank], INTERVAL_S, 0.3,
-                         reports=reports)
+def _started() -> tuple[InstanceReports, FakeRank, HealthMonitor]:
+    """A started monitor of decode-0 (one fake rank) that has just heard from it."""
+    reports, rank = InstanceReports(beat_s=INTERVAL_S / 2), FakeRank()
+    monitor = HealthMonitor({"decode-0": "decode"}, lambda name: [rank], INTERVAL_S, 0.3,
+                            reports=reports)
+    reports.heard("decode-0", 0.0, None)
+    monitor.start()
+    return reports, rank, monitor
 
 
 def test_an_instance_heard_alive_is_not_pinged_and_a_silent_one_is():
     async def scenario():
-        reports, rank = InstanceReports(beat_s=INTERVAL_S / 2), FakeRank()
-        monitor = _monitor(reports, rank)
-        reports.heard("decode-0", 0.0, None)
-        monitor.start()
+        reports, rank, monitor = _started()
         for _ in range(10):  # NOTE: heard every half interval for 1 s: never pinged
             await asyncio.sleep(INTERVAL_S / 2)
             reports.heard("decode-0", 0.0, None)
@@ -72,10 +74,7 @@ def test_an_instance_heard_alive_is_not_pinged_and_a_silent_one_is():
 
 def test_a_lost_stream_is_pinged_at_once():
     async def scenario():
-        reports, rank = InstanceReports(beat_s=INTERVAL_S / 2), FakeRank()
-        monitor = _monitor(reports, rank)
-        reports.heard("decode-0", 0.0, None)
-        monitor.start()
+        reports, rank, monitor = _started()
         await asyncio.sleep(0.05)
         assert rank.pings == 0
         rank.mode = "dead"
