@@ -44,6 +44,7 @@ import msgpack
 from engine.kv_events import KVCacheEvents
 from engine.sampling_params import TokenLogprobs
 from rank.messages import TokenEvent
+from rank.status_row import merge_rows
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class EventStream:
     def set_status(self, row: list) -> None:
         """Send status ``row`` (rank/status_row.py) with the next frame (any thread)."""
         with self._cond:
-            self._status = row
+            self._status = merge_rows(self._status, row)  # NOTE: one not sent yet keeps its records
 
     def flush(self, free_blocks: int, ranks_age_s: float | None = None) -> bool:
         """Close the queued events into one frame per subscriber, with ``free_blocks`` and
@@ -197,8 +198,7 @@ class EventStream:
         """``body`` ([free_blocks, rows, ranks_age_s, status]) as ``box``'s next frame."""
         if len(box.frames) - box.sent >= MAX_UNSENT:
             last = box.frames[-1]  # NOTE: unsent, so no connection saw it: safe to grow
-            # NOTE: the newest report wins (a status it replaces loses its transfer records)
-            last[1], last[3], last[4] = body[0], body[2], body[3] or last[4]
+            last[1], last[3], last[4] = body[0], body[2], merge_rows(last[4], body[3])
             last[2].extend(body[1])
             return
         # NOTE: its own list of rows: it may grow

@@ -33,6 +33,19 @@ def status_from_row(row: list) -> InstanceStatusInfo:
     return _decoder(InstanceStatusInfo)(row)
 
 
+def merge_rows(old: list | None, new: list | None) -> list | None:
+    """One status row standing for two reports where only ``new`` will be sent (``old`` was
+    not): ``new`` with ``old``'s KV transfer records before its own. A leader hands each
+    record out once, so dropping ``old`` would lose its records from the router's metrics."""
+    if old is None or new is None:
+        return new if new is not None else old
+    before = status_from_row(old).transfers
+    if not before:
+        return new
+    status = status_from_row(new)
+    return status_row(dataclasses.replace(status, transfers=before + status.transfers))
+
+
 def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return [_encode(getattr(value, f.name)) for f in dataclasses.fields(value)]

@@ -174,3 +174,16 @@ def test_the_leader_reports_its_status_and_that_its_ranks_live_only_when_all_ans
         assert leader.wake.is_set()
     finally:
         stream.close()
+
+
+def test_a_status_replaced_before_it_was_sent_keeps_its_transfer_records():
+    from rank.status_row import merge_rows
+
+    first, second = (TransferRecord(f"prefill-0:0->decode-0:{r}", 8, 0.1, True) for r in (0, 1))
+    stream = EventStream("decode-0", "127.0.0.1")
+    stream.set_status(status_row(_status(transfers=(first,))))  # NOTE: no flush in between
+    stream.set_status(status_row(_status(transfers=(second,))))
+    assert status_from_row(stream._status).transfers == (first, second)
+    assert merge_rows(status_row(_status()), status_row(_status(transfers=(second,)))) == \
+        status_row(_status(transfers=(second,)))
+    stream.close()
