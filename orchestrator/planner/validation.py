@@ -164,8 +164,8 @@ CHECKS = (
               "requests per GPU, two micro-batches) as a reader tabulated it "
               "(zdszero.github.io, deepseek_profile.html): 61 layers ~87.3 ms", "h800",
               "decode", 128, 0, 4096, 128, 87.3, 1, "ms per step (61 layers)", mtp=1,
-              accept=0.85, balanced=True, setting="end to end 96 ms (the MTP module's terms left out of "
-              "the prediction); 128 tokens per micro-batch "
+              accept=0.85, balanced=True, setting="end to end 96 ms (the MTP module's terms "
+              "left out of the prediction); 128 tokens per micro-batch "
               "(its dispatch 187 us ~ DeepEP's EP128 192 us for 128 tokens): MTP 1 taken"),
     Published("profile-prefill", "LMSYS's throughput estimate from DeepSeek's profile-data "
               "prefill trace (EP32, 4,096-token prompts, 16,384 tokens per GPU): 62,713 "
