@@ -19,7 +19,9 @@ and the EP all-to-all as the EP libraries move it.
   domain once per distinct rank; the slower of the two paths counts. Decode ("low-latency"
   kernels): one copy per routed expert at the EP size's measured bandwidth. Either takes at
   least the link latency. Without the library's figures (cpu): every copy over the plain
-  links.
+  links. What reaches the busiest rank (decode's copies, prefill's forwarding inside a
+  domain) is scaled by its load's excess over the uniform routing the figures were measured
+  on (:func:`receive_excess`).
 """
 
 from __future__ import annotations
