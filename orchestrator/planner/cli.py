@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "start=together: the N in lock-step, as a closed-loop bench of equal "
                    "requests runs; mtp/accept: multi-token prediction; overlap: two "
                    "micro-batches, default on for EP on an accelerator; eplb: expert load "
-                   "balancer, default 1; docs/planner.md)")
+                   "balancer, default 1; drift: the per-rank load spread EPLB leaves, "
+                   "default 0.0425, 0 for perfect balance; docs/planner.md)")
     p.add_argument("--trace", type=Path, default=None,
                    help="a trace file instead: mean lengths, its arrival rate and (mooncake) "
                    "the prefix-cache hit rate of its hash_ids with the prefill KV pools as "

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
 from orchestrator.planner import counts
-from orchestrator.planner.moe import StepOptions, alltoall_s, experts_per_rank, imbalance
+from orchestrator.planner.moe import (StepOptions, alltoall_s, experts_per_rank, imbalance,
+                                      receive_excess)
 from orchestrator.planner.overlap import (ATTN, COMBINE, DECODE, DISPATCH, MOE, NONE, PRE,
                                           PREFILL, SERIAL, SHARED, Phases, step_s)
 from orchestrator.planner.specs import DeviceSpec
@@ -300,8 +301,9 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     terms = [replace(t, seconds=t.seconds * n * (slow if t.bound == "compute" else 1.0))
              for t in kernels]
     if lay.ep:
+        excess = receive_excess(m, lay.ep_size, part.tokens * lay.dp, opts, a2a is not None)
         d, c = alltoall_s(m, hw.spec, part.tokens / (lay.tp * lay.cp), lay.ep_size,
-                          w.decode, eight_bit(prec), hw.spec.kernels.link)
+                          w.decode, eight_bit(prec), hw.spec.kernels.link, excess)
         terms += [Term("all-to-all dispatch", DISPATCH, d * n, "link"),
                   Term("all-to-all combine", COMBINE, c * n, "link")]
     if opts.attn_tp > 1 and not w.decode:

@@ -50,31 +50,32 @@ class WorkloadSpec:
 
 WORKLOAD_HELP = ("in=TOKENS,out=TOKENS[,rate=REQ_PER_S | ,concurrency=N[,start=together]]"
                  "[,hit=P][,mtp=DRAFTS,accept=P][,overlap=0|1][,eplb=0|1][,skew=CV]"
-                 "[,redundant=SLOTS][,sptp=RANKS]")
+                 "[,drift=CV][,redundant=SLOTS][,sptp=RANKS]")
 _KEYS = {"in": int, "out": int, "rate": float, "concurrency": int, "start": str,
          "mtp": int, "accept": float, "overlap": int, "eplb": int, "skew": float,
-         "redundant": int, "hit": float, "sptp": int}
+         "drift": float, "redundant": int, "hit": float, "sptp": int}
 
 
 def _options(values: dict, text: str) -> StepOptions:
     """The step options among the parsed ``values`` (removed from it).
 
     Raises:
-        ValueError: accept outside [0, 1] or given without mtp, mtp / redundant / skew < 0,
+        ValueError: accept outside [0, 1] or given without mtp, mtp / redundant / skew /
+            drift < 0,
             overlap or eplb not 0 or 1, sptp < 1.
     """
-    opts = {k: values.pop(k) for k in ("mtp", "accept", "overlap", "eplb", "skew",
+    opts = {k: values.pop(k) for k in ("mtp", "accept", "overlap", "eplb", "skew", "drift",
                                        "redundant") if k in values}
     if "sptp" in values:
         opts["attn_tp"] = values.pop("sptp")
     bad = [k for k in ("overlap", "eplb") if opts.get(k, 0) not in (0, 1)]
     bad += ["sptp"] if opts.get("attn_tp", 1) < 1 else []
-    bad += [k for k in ("mtp", "redundant", "skew") if opts.get(k, 0) < 0]
+    bad += [k for k in ("mtp", "redundant", "skew", "drift") if opts.get(k, 0) < 0]
     if not 0 <= opts.get("accept", 0) <= 1 or ("accept" in opts and not opts.get("mtp")):
         bad.append("accept")
     if bad:
         raise ValueError(f"--workload {text!r}: bad {', '.join(bad)}: overlap and eplb are 0 "
-                         "or 1, mtp/redundant/skew >= 0, sptp >= 1, accept in [0, 1] with "
+                         "or 1, mtp/redundant/skew/drift >= 0, sptp >= 1, accept in [0, 1] with "
                          "mtp >= 1")
     for k in ("overlap", "eplb"):
         if k in opts:

@@ -189,7 +189,7 @@ def _options_text(plan: Plan) -> str:
     mtp += f"; MTP {o.mtp} draft(s) at accept {o.accept:g}" if o.mtp else ""
     if not (plan.prefill.layout.ep or plan.decode.layout.ep):
         return mtp
-    return f"{mtp}; EPLB {'on' if o.eplb else f'off (skew {o.skew:g})'}"
+    return f"{mtp}; EPLB {f'on (drift {o.drift:g})' if o.eplb else f'off (skew {o.skew:g})'}"
 
 
 def format_plan(plan: Plan, explain: bool = False) -> list[str]:

@@ -62,6 +62,9 @@ class Published:
         fleet: the figure is a production fleet's 24 h average (capacity x an unknown
             utilization), not a measurement at full load.
         attn_tp: prefill's attention core by heads over this many ranks (SP-TP-SP).
+        balanced: the source simulates perfectly balanced routing (uniform, group-limited),
+            so no drift from EPLB's statistics (:data:`.moe.EPLB_DRIFT`); else real routing
+            with EPLB.
         capacity: fleet rows: the same operator's full-load figure at that layout in the
             row's unit (DeepSeek's profile as LMSYS estimates it), 0 if none; published /
             capacity is the utilization the sources themselves imply.
@@ -85,10 +88,14 @@ class Published:
     linear_bytes: float = 1.0
     fleet: bool = False
     attn_tp: int = 1
+    balanced: bool = False
     capacity: float = 0.0
     setting: str = ""
 
 
+LMSYS_RUN = ("32 redundant, 16,384 tokens a rank: the source's reproduction commands "
+             "(github.com/sgl-project/sglang issue 6017, prefill server: "
+             "--ep-num-redundant-experts 32, --chunked-prefill-size 524288 over dp 32)")
 PROFILE = ("DeepSeek profile-data README (github.com/deepseek-ai/profile-data): prefill "
            "profiled at EP32, 4K prompts, 16K tokens per GPU, 'in line with the actual online "
            "deployment'")
@@ -112,13 +119,13 @@ ROWS = (
                 setting=f"prefill-only run on 4 nodes (EP32), {n}-token prompts: {fig:,} tok/s "
                 "per node; TBO lets a device take 16,384 tokens per batch (source); EPLB "
                 "from a distribution matching the data (source), so the routing imbalance "
-                "EPLB leaves is in the figure; 32 redundant assumed (the source's example of "
-                "288 slots)") for n, fig in ((1024, 57_674), (2048, 54_543), (4096, 50_302))),
+                "EPLB leaves is in the figure; " + LMSYS_RUN) for n, fig in
+      ((1024, 57_674), (2048, 54_543), (4096, 50_302))),
     Published("lmsys-prefill-4k-perfect", LMSYS, "h100", "prefill", 32, 32, 4096, 16384,
-              59_337, 8, "input tok/s per node",
+              59_337, 8, "input tok/s per node", balanced=True,
               setting="16,384 tokens per device, 4,096-token prompts, simulated perfect EPLB "
               "('random expert selection following group-limited routing semantics') "
-              "(source, 'Overall Throughput' table); 32 redundant assumed"),
+              "(source, 'Overall Throughput' table); " + LMSYS_RUN),
     Published("lmsys-decode", LMSYS, "h100", "decode", 72, 32, 2000, 256, 22_282, 8,
               "output tok/s per node",
               setting="9 decode nodes EP72, batch 256 per device, KV length 2,000, no MTP "
@@ -129,7 +136,7 @@ ROWS = (
               "2x the batch at half the KV and slows attention to DeepSeek's profiled time), "
               "60 % acceptance (source); EP72, 288 slots (source)"),
     Published("cm384-prefill", CM384, "a3", "prefill", 32, 0, 4096, 8192, 6_688, 2,
-              "input tok/s per NPU", attn_tp=32,
+              "input tok/s per NPU", attn_tp=32, balanced=True,
               setting="INT8 (W8A8), 4K prompts, a batch of 16,384 tokens per accelerator "
               "(NPU: 8,192 per die), perfect EPLB (the paper's Table 2, as two secondary "
               "summaries reproduce it; its default-EPLB figure 5,655); 6 prefill instances "
@@ -157,19 +164,19 @@ CHECKS = (
               "requests per GPU, two micro-batches) as a reader tabulated it "
               "(zdszero.github.io, deepseek_profile.html): 61 layers ~87.3 ms", "h800",
               "decode", 128, 0, 4096, 128, 87.3, 1, "ms per step (61 layers)", mtp=1,
-              accept=0.85, setting="end to end 96 ms (the MTP module's terms left out of "
-              "the prediction); 128 tokens per micro-batch "
+              accept=0.85, balanced=True, setting="end to end 96 ms (the MTP module's terms "
+              "left out of the prediction); 128 tokens per micro-batch "
               "(its dispatch 187 us ~ DeepEP's EP128 192 us for 128 tokens): MTP 1 taken"),
     Published("profile-prefill", "LMSYS's throughput estimate from DeepSeek's profile-data "
               "prefill trace (EP32, 4,096-token prompts, 16,384 tokens per GPU): 62,713 "
               "tok/s per node (" + LMSYS + ", 'Overall Throughput' table)", "h800", "prefill",
-              32, 32, 4096, 16384, 62_713 / 8, 1, "input tok/s per GPU",
+              32, 32, 4096, 16384, 62_713 / 8, 1, "input tok/s per GPU", balanced=True,
               setting="'we simulate an absolutely balanced MoE routing strategy for "
               "profiling' (profile-data README)"),
     Published("profile-decode-rate", "LMSYS's throughput estimate from DeepSeek's profile-data "
               "decode trace: 18,598 tok/s per node at batch 128, KV 4,096, 16 nodes (" + LMSYS
               + ", decode table)", "h800", "decode", 128, 0, 4096, 128, 18_598 / 8, 1,
-              "output tok/s per GPU", mtp=1, accept=0.6,
+              "output tok/s per GPU", mtp=1, accept=0.6, balanced=True,
               setting="MTP 1 at LMSYS's conservative 60 % acceptance (the same source's "
               "simulated-MTP assumption)"),
 )
@@ -193,7 +200,7 @@ def row_cost(row: Published) -> tuple[Cost, float]:
     plan = plan_role(replace(m, n_routed_experts=slots), lay, prec)
     hw = Hardware(named_device(row.device))
     opts = StepOptions(mtp=row.mtp, accept=row.accept, redundant=row.redundant,
-                       attn_tp=row.attn_tp)
+                       attn_tp=row.attn_tp, **({"drift": 0.0} if row.balanced else {}))
     if row.role == "prefill":
         # NOTE: with cache hits each prompt computes its last (1 - hit) share, attending over
         # the cached prefix too

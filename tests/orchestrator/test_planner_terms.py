@@ -16,8 +16,9 @@ from orchestrator.planner.counts import elementwise_bytes_per_token, sp_tp_bytes
 from orchestrator.planner.cost import (Cost, Hardware, Term, Work, decode_step_cost,
                                        forward_cost, sp_tp_s)
 from orchestrator.planner.load import parse_workload
-from orchestrator.planner.moe import (SCALE_BYTES, StepOptions, alltoall_s, distinct,
-                                      experts_per_rank, imbalance)
+from orchestrator.planner.moe import (EPLB_DRIFT, SCALE_BYTES, StepOptions, alltoall_s,
+                                      distinct, expected_max, experts_per_rank, imbalance,
+                                      receive_excess)
 from orchestrator.planner.specs import DeviceSpec, named_device
 from tests.e2e.harness import REPO
 
@@ -60,12 +61,52 @@ def test_redundant_experts_let_any_ep_size_hold_every_expert():
 
 def test_imbalance_is_the_busiest_ranks_sampling_noise_plus_skew_without_eplb():
     m = _v3()  # top-8
-    on = imbalance(m, 2, 1, StepOptions())  # 8 copies over 2 ranks: mean 4
-    assert on == pytest.approx(1 + math.sqrt(2 * math.log(2)) * math.sqrt(1 / 4))
+    z2 = 0.5895  # Phi^-1((2 - 0.375) / (2 + 0.25)) = Phi^-1(0.7222) (exact E[max of 2]: 0.564)
+    assert expected_max(2) == pytest.approx(z2, abs=1e-4)
+    assert expected_max(32) == pytest.approx(2.0667, abs=1e-4)  # Phi^-1(31.625 / 32.25)
+    assert expected_max(1) == 0.0
+    on = imbalance(m, 2, 1, StepOptions(drift=0.0))  # 8 copies over 2 ranks: mean 4
+    assert on == pytest.approx(1 + z2 * math.sqrt(1 / 4), abs=1e-4)
     off = imbalance(m, 2, 1, StepOptions(eplb=False, skew=0.5))  # 128 experts a rank
-    assert off == pytest.approx(1 + math.sqrt(2 * math.log(2)) * math.sqrt(1 / 4 + 0.25 / 128))
+    assert off == pytest.approx(1 + z2 * math.sqrt(1 / 4 + 0.25 / 128), abs=1e-4)
     assert imbalance(m, 1, 100, StepOptions()) == 1.0
-    assert imbalance(m, 32, 1e6, StepOptions()) < 1.01  # big prefill batches even out
+    assert imbalance(m, 32, 1e6, StepOptions(drift=0.0)) < 1.01  # uniform routing evens out
+
+
+def test_eplb_leaves_the_drift_trt_llm_measured():
+    """TensorRT-LLM blog 4, Table 1: EP32, 288 slots, offline EPLB: mean 1024 routed tokens a
+    rank, (max - mean) / mean 0.109; the drift is solved at that setting."""
+    m = _v3()
+    assert EPLB_DRIFT == pytest.approx(math.sqrt((0.109 / 2.0667) ** 2 - 1 / 1024), abs=1e-4)
+    trt = imbalance(m, 32, 128 * 32, StepOptions())  # 128 tokens a rank x top-8: mean 1024
+    assert trt == pytest.approx(1.109, abs=1e-3)
+    # a prefill batch (16K tokens a rank): the sampling noise is gone, the drift is not
+    big = imbalance(m, 32, 16384 * 32, StepOptions())
+    assert big == pytest.approx(1 + 2.0667 * math.sqrt(1 / 131072 + 0.0425 ** 2), abs=1e-4)
+    assert big > 1.08
+
+
+def test_all_to_all_waits_for_the_busiest_receiver_beyond_the_libraries_figures():
+    m, h800 = _v3(), named_device("h800")
+    uniform = 1 + 2.0667 * math.sqrt(1 / 1024)  # DeepEP's tests route uniformly at random
+    real = 1 + 2.0667 * math.sqrt(1 / 1024 + 0.0425 ** 2)
+    excess = receive_excess(m, 32, 128 * 32, StepOptions(), measured=True)
+    assert excess == pytest.approx(real / uniform, abs=1e-4)  # ~1.042
+    assert receive_excess(m, 32, 128 * 32, StepOptions(drift=0.0), measured=True) == 1.0
+    assert receive_excess(m, 32, 128 * 32, StepOptions(), measured=False) == pytest.approx(
+        real, abs=1e-4)  # plain links: no figure holds any of it
+    base = alltoall_s(m, h800, 128, 32, decode=True, eight_bit=True, link_eff=0.7)
+    hot = alltoall_s(m, h800, 128, 32, decode=True, eight_bit=True, link_eff=0.7, excess=1.2)
+    assert hot == pytest.approx((base[0] * 1.2, base[1] * 1.2))  # each copy to its rank
+    # prefill: the forwarding inside a node waits for the busiest rank; the inter-node path
+    # carries a node's load (taken as balanced)
+    one = alltoall_s(m, h800, 4096, 8, decode=False, eight_bit=True, link_eff=0.7)
+    one_hot = alltoall_s(m, h800, 4096, 8, decode=False, eight_bit=True, link_eff=0.7,
+                         excess=1.2)
+    assert one_hot[0] == pytest.approx(one[0] * 1.2)
+    four = alltoall_s(m, h800, 4096, 32, decode=False, eight_bit=True, link_eff=0.7)
+    assert alltoall_s(m, h800, 4096, 32, decode=False, eight_bit=True, link_eff=0.7,
+                      excess=1.2) == four  # RDMA-bound: 2.70 copies / 51 GB/s > 4.6 / 153
 
 
 def test_low_latency_all_to_all_is_deepeps_table_per_expert_copy():
@@ -168,12 +209,13 @@ def test_auto_overlap_takes_two_micro_batches_only_where_they_pay():
 
 def test_workload_takes_the_step_options():
     wl = parse_workload("in=4096,out=512,mtp=1,accept=0.8,overlap=0,eplb=0,skew=0.3,"
-                        "redundant=32,sptp=16")
+                        "redundant=32,sptp=16,drift=0")
     assert wl.options == StepOptions(overlap=False, mtp=1, accept=0.8, eplb=False, skew=0.3,
-                                     redundant=32, attn_tp=16)
+                                     redundant=32, attn_tp=16, drift=0.0)
     assert parse_workload("in=8,out=2").options == StepOptions()
     for bad in ("in=8,out=2,accept=0.5", "in=8,out=2,mtp=1,accept=2", "in=8,out=2,overlap=2",
-                "in=8,out=2,mtp=-1", "in=8,out=2,eplb=yes", "in=8,out=2,sptp=0"):
+                "in=8,out=2,mtp=-1", "in=8,out=2,eplb=yes", "in=8,out=2,sptp=0",
+                "in=8,out=2,drift=-0.1"):
         with pytest.raises(ValueError):
             parse_workload(bad)
 
