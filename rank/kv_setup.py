@@ -20,8 +20,12 @@ def model_identity(checkpoint_dir: str) -> str:
 
 
 def make_layout(runner, cfg: InstanceConfig):
-    """The rank's :class:`kv_transfer.KVLayout` (what the handshake fingerprints)."""
+    """The rank's :class:`kv_transfer.KVLayout` (what the handshake fingerprints); a runner
+    with its own (DeepSeek-V4's staging rows, ``transfer_layout``) gives it."""
     from kv_transfer.layout import KVLayout
+
+    if hasattr(runner, "transfer_layout"):
+        return runner.transfer_layout(model_identity(cfg.checkpoint_dir), cfg.parallel.tp)
 
     return KVLayout.from_spec(runner.kv_spec, model_identity(cfg.checkpoint_dir),
                               cfg.parallel.tp)
