@@ -35,8 +35,8 @@ from engine.v4.config import V4Config
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
-from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, row_width,
-                               staged_rows, unpack)
+from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
+                               tiers, unpack)
 from engine.v4.state_io import export_request
 
 V4_MODEL_TYPE, V4_ARCHITECTURE = "deepseek_v4", "DeepseekV4ForCausalLM"
@@ -136,7 +136,7 @@ class V4Runner:
         self.pools = serving_pools(config, num_kv_blocks, block_size)
         self.dtype = dtype
         self.staging_spec = StagingSpec(config.num_hidden_layers, num_kv_blocks, block_size,
-                                        row_width(config), dtype)
+                                        tiers(config), dtype)
         self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
         self.caches: dict[str, PagedV4Cache] = {}
@@ -230,8 +230,9 @@ class V4Runner:
     @property
     def kv_cache(self) -> StagingCache:
         """The staging cache the KV transfer reads (prefill) or writes (decode), made on first
-        use (a PD role's; colocated serving never allocates it): per layer ``[num_kv_blocks,
-        block_size, row_width]``, indexed by the scheduler's slots."""
+        use (a PD role's; colocated serving never allocates it): per layer one
+        ``[num_kv_blocks, block_size, width]`` buffer per tier it has
+        (:func:`engine.v4.staging.tiers`), indexed by the scheduler's slots."""
         if self._staging is None:
             self._staging = StagingCache(self.staging_spec, self.device)
         return self._staging
@@ -242,14 +243,17 @@ class V4Runner:
         return self.staging_spec
 
     def transfer_layout(self, model: str, tp: int):
-        """The :class:`kv_transfer.KVLayout` of the staging rows: one buffer per layer, the V4
-        specs in ``layer_specs`` (so a prefill and a decode of different V4 specs are refused
+        """The :class:`kv_transfer.KVLayout` of the staging rows: one buffer per tier (on the
+        layers having it), the V4 specs in ``layer_specs`` (so a prefill and a decode of different V4 specs are refused
         at the pair handshake, naming it)."""
         from kv_transfer.layout import BufferSpec, KVLayout  # noqa: PLC0415 (PD only)
 
         spec = self.staging_spec
         return KVLayout(model=model, kind="mla",
-                        buffers=(BufferSpec(spec.buffer_names[0], (spec.width,)),),
+                        buffers=tuple(
+                            BufferSpec(name, (width,),
+                                       None if len(layers) == spec.num_layers else layers)
+                            for name, (width, layers) in zip(spec.buffer_names, spec.tiers)),
                         num_kv_heads=None, dtype=str(spec.dtype).removeprefix("torch."),
                         num_layers=spec.num_layers, block_size=spec.block_size, tp=tp,
                         rope_layout="interleaved", layer_specs=layout_text(self.model.config))
@@ -268,8 +272,9 @@ class V4Runner:
         """
         cache = self.caches[request_id]
         rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype)
-        if rows.shape[1] != slots.numel():
-            raise ValueError(f"{request_id}: {rows.shape[1]} staging rows, {slots.numel()} slots")
+        if rows[0].shape[0] != slots.numel():
+            raise ValueError(f"{request_id}: {rows[0].shape[0]} staging rows, "
+                             f"{slots.numel()} slots")
         self.kv_cache.write(slots, rows)
 
     def admit_staged(self, request_id: str, block_ids: tuple[int, ...], slots,

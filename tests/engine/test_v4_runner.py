@@ -149,7 +149,8 @@ def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
                      prefix_cache=True)
     runner = build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK)
     assert runner._staging is None  # NOTE: PD's staging cache: only a PD role's use makes it
-    assert runner.kv_cache.layer_buffers(0)[0].shape == (4, BLOCK, runner.kv_spec.width)
+    assert [b.shape for b in runner.kv_cache.layer_buffers(0)] == [
+        (4, BLOCK, w) for w in runner.kv_spec.layer_widths(0)]
     with pytest.raises(ValueError, match="transfer.layerwise false"):
         runner.execute([SeqStep("r", (1, 2), 0, (0,))], on_kv_written=lambda layer: None)
 
