@@ -9,6 +9,7 @@ them."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -68,12 +69,17 @@ def _solo_greedy(ckpt, prompt: tuple[int, ...], new: int) -> list[int]:
     return out
 
 
-def _v4_free(rank) -> None:
-    """Every V4 group pool of ``rank``'s runner is free (releases applied)."""
-    runner = rank.runner
-    runner._apply_releases()
-    held = {name: p.num_blocks - p.num_free_blocks for name, p in runner.pools.items()}
-    assert not any(held.values()) and not runner.caches, (held, list(runner.caches))
+def _v4_free(rank, timeout_s: float = 5.0) -> None:
+    """Every V4 group pool of ``rank``'s runner is free (releases applied) within
+    ``timeout_s`` (the loop may still be finishing a request's last step)."""
+    runner, deadline = rank.runner, time.monotonic() + timeout_s
+    while True:
+        runner._apply_releases()
+        held = {name: p.num_blocks - p.num_free_blocks for name, p in runner.pools.items()}
+        if not any(held.values()) and not runner.caches:
+            return
+        assert time.monotonic() < deadline, (held, list(runner.caches))
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +177,61 @@ def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
         **mine.__dict__, "layer_specs": ""})
     with pytest.raises(LayoutMismatchError, match="prefill serves DeepSeek-V4"):
         mine.check_compatible(v3)
+
+
+def _run_until_decode_ends(prefill, decode, spec):
+    """Reserve, prefill, admit; the decode side's events of ``spec`` until its final one."""
+    from rank.messages import Admit  # noqa: PLC0415
+    from tests.workers.test_pd_ranks import wait_events  # noqa: PLC0415
+
+    res = decode.request(Reserve(spec, 1))
+    prefill.request(Prefill(spec, res))
+    (first,) = wait_events(prefill, spec.request_id, lambda e: True)
+    decode.request(Admit(spec.request_id, first.token_ids[0]))
+    return wait_events(decode, spec.request_id, lambda e: e.finish_reason is not None)
+
+
+def test_v4_rebuild_that_fails_fails_the_request_and_frees_it(pd):
+    """Decode cannot rebuild the shipped state (here: the runner raises): the request ends
+    with a retryable error naming it, every block free on both sides."""
+    prefill, decode = pd
+    admit = decode.runner.admit_staged
+
+    def broken(*args, **kwargs):
+        raise ValueError("staged rows are not the specs'")
+
+    decode.runner.admit_staged = broken
+    try:
+        spec = RequestSpec("bad", _prompt(13, 3), SamplingParams(max_tokens=5, ignore_eos=True))
+        (end,) = _run_until_decode_ends(prefill, decode, spec)
+    finally:
+        decode.runner.admit_staged = admit
+    assert end.finish_reason == "error" and end.retryable, end
+    assert "could not be rebuilt" in end.error and "not the specs'" in end.error
+    wait_all_free(prefill, decode)
+    for rank in (prefill, decode):
+        _v4_free(rank)
+
+
+def test_v4_abort_during_the_rebuild_frees_the_rebuilt_cache_once(pd):
+    """An abort that lands while decode rebuilds the cache (here: right before the runner's
+    import) frees the scheduler blocks at once and the rebuilt V4 blocks once."""
+    prefill, decode = pd
+    admit, rebuilt = decode.runner.admit_staged, threading.Event()
+
+    def abort_then_admit(request_id, *args):
+        assert decode.role.abort(request_id)
+        admit(request_id, *args)
+        rebuilt.set()
+
+    decode.runner.admit_staged = abort_then_admit
+    try:
+        spec = RequestSpec("race", _prompt(21, 4), SamplingParams(max_tokens=5, ignore_eos=True))
+        (end,) = _run_until_decode_ends(prefill, decode, spec)
+    finally:
+        decode.runner.admit_staged = admit
+    assert end.finish_reason == "abort", end
+    assert rebuilt.wait(10)  # NOTE: the abort's event comes before the rebuild ends
+    wait_all_free(prefill, decode)
+    for rank in (prefill, decode):
+        _v4_free(rank)
