@@ -18,7 +18,7 @@ from decode_worker.role import DecodeRole
 from engine.request import RequestSpec
 from engine.runner import SeqStep, build_runner
 from engine.sampling_params import SamplingParams
-from engine.v4.staging import staged_rows
+from engine.v4.staging import kind_widths, staged_rows
 from kv_transfer.errors import LayoutMismatchError
 from prefill_worker.role import PrefillRole
 from rank.messages import Abort, Prefill, Reserve
@@ -103,6 +103,8 @@ def test_v4_pd_equals_colocated_and_frees_everything(pd, v4_ckpt):
     runner = prefill.runner
     rows = sum(staged_rows(runner.model.config, n) for n in PROMPTS.values())
     per_row = runner.kv_spec.bytes_per_token_of(range(runner.kv_spec.num_layers))
+    widths = kind_widths(runner.model.config)  # NOTE: benchmarks/v4_kv_bytes.py's row bytes
+    assert per_row == sum(widths[k] for k in runner.model.config.layer_types) * 4  # fp32
     assert prefill.status().kv_bytes_sent == rows * per_row
     assert all(staged_rows(runner.model.config, n) <= n for n in range(1, 300))
 
