@@ -136,7 +136,7 @@ class V4Runner:
         self.pools = serving_pools(config, num_kv_blocks, block_size)
         self.dtype = dtype
         self.staging_spec = StagingSpec(config.num_hidden_layers, num_kv_blocks, block_size,
-                                        tiers(config), dtype)
+                                        tiers(config), dtype, layout_text(config))
         self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
         self.caches: dict[str, PagedV4Cache] = {}
@@ -239,24 +239,9 @@ class V4Runner:
 
     @property
     def kv_spec(self) -> StagingSpec:
-        """The staging cache's shape (byte counts of the transfer log)."""
+        """The staging cache's shape (the transfer layout, :func:`rank.kv_setup.make_layout`,
+        and the transfer log's byte counts)."""
         return self.staging_spec
-
-    def transfer_layout(self, model: str, tp: int):
-        """The :class:`kv_transfer.KVLayout` of the staging rows: one buffer per tier (on the
-        layers having it), the V4 specs in ``layer_specs`` (so a prefill and a decode of different V4 specs are refused
-        at the pair handshake, naming it)."""
-        from kv_transfer.layout import BufferSpec, KVLayout  # noqa: PLC0415 (PD only)
-
-        spec = self.staging_spec
-        return KVLayout(model=model, kind="mla",
-                        buffers=tuple(
-                            BufferSpec(name, (width,),
-                                       None if len(layers) == spec.num_layers else layers)
-                            for name, (width, layers) in zip(spec.buffer_names, spec.tiers)),
-                        num_kv_heads=None, dtype=str(spec.dtype).removeprefix("torch."),
-                        num_layers=spec.num_layers, block_size=spec.block_size, tp=tp,
-                        rope_layout="interleaved", layer_specs=layout_text(self.model.config))
 
     def staged_rows(self, num_tokens: int) -> int:
         """Staging rows a request of ``num_tokens`` prompt tokens ships per layer

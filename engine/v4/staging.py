@@ -138,6 +138,7 @@ class StagingSpec:
     Attributes:
         num_layers: V4 decoder layers. num_blocks, block_size: the scheduler pool's.
         tiers: :func:`tiers` (buffer widths and their layers). dtype: the runner's.
+        layer_specs: :func:`layout_text` (the transfer layout's fingerprinted V4 specs).
     """
 
     num_layers: int
@@ -145,6 +146,7 @@ class StagingSpec:
     block_size: int
     tiers: tuple[tuple[int, tuple[int, ...]], ...]
     dtype: torch.dtype
+    layer_specs: str = ""
 
     @property
     def buffer_names(self) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from prefill_worker.role import PrefillRole
 from rank.messages import Abort, Prefill, Reserve
 from kv_transfer.config import TransferConfig
 from rank.config import InstanceConfig, SchedulerConfig
+from rank.kv_setup import staged_layout
 from rank.rank import Rank
 from tests.workers.test_pd_ranks import run_pd, wait_all_free
 
@@ -170,13 +171,12 @@ def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     cfg["sliding_window"] = 16
     (other / "config.json").write_text(json.dumps(cfg))
-    mine = pd[0].runner.transfer_layout("m", 1)
-    theirs = build_runner(other, num_kv_blocks=4, block_size=4).transfer_layout("m", 1)
+    mine = staged_layout(pd[0].runner.kv_spec, "m", 1)
+    theirs = staged_layout(build_runner(other, num_kv_blocks=4, block_size=4).kv_spec, "m", 1)
     assert mine.fingerprint() != theirs.fingerprint()
     with pytest.raises(LayoutMismatchError, match="layer_specs.*different per-layer KV specs"):
         mine.check_compatible(theirs)
-    v3 = pd[0].runner.transfer_layout("m", 1).__class__(**{
-        **mine.__dict__, "layer_specs": ""})
+    v3 = mine.__class__(**{**mine.__dict__, "layer_specs": ""})
     with pytest.raises(LayoutMismatchError, match="prefill serves DeepSeek-V4"):
         mine.check_compatible(v3)
 
