@@ -15,6 +15,11 @@ Protocol (DESIGN.md "One request"), decode side:
    ``num_computed_tokens = prompt``.
 4. Tokens stream out on the leader's event stream; at the end the blocks are freed exactly once.
 
+DeepSeek-V4 (a runner with ``admit_staged``): the receivers expect ``staged_rows(prompt)``
+rows (the request's state, staged by prefill after its last chunk) in the reservation's first
+slots; joining the batch rebuilds the request's V4 cache from them on every rank first (a
+rebuild that fails fails the request, its blocks freed once).
+
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
 dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
 every request ends with an error event and only the leader's receiver is told (nothing
@@ -30,6 +35,7 @@ import time
 import torch
 
 from decode_worker.request_state import DecodeRequestState, ReservedRequest
+from engine.block_pool import slot_mapping
 from engine.request import Request, RequestSpec
 from engine.scheduler import DECODE
 from engine.spec_decode import DraftInput
@@ -62,6 +68,8 @@ class DecodeRole(Role):
             host=self.cfg.parallel.bind_host)
         self.device, self.hidden_size = parts.runner.device, \
             parts.runner.model_config.hidden_size
+        self.runner = parts.runner
+        self.staged_rows = getattr(parts.runner, "staged_rows", None)  # DeepSeek-V4
         # leader: holds blocks, not in the batch yet (under the leader's lock)
         self.reserved: dict[str, ReservedRequest] = {}
         # (request id, first token, completion deadline) admitted, not yet applied
@@ -86,6 +94,23 @@ class DecodeRole(Role):
 
     def release_kv(self, request_id: str) -> None:
         self.connector.release(request_id)
+
+    def discard_staged(self, request_id: str) -> None:
+        """DeepSeek-V4: free the request's rebuilt cache if it still has one (an abort that
+        raced the rebuild); no-op otherwise."""
+        self.runner.discard(request_id)
+
+    def admit_staged(self, request_id: str, block_ids: tuple[int, ...],
+                     num_tokens: int) -> None:
+        """DeepSeek-V4: rebuild the request's cache from the staging rows the transfer wrote
+        into its first slots (:meth:`engine.v4.runner.V4Runner.admit_staged`).
+
+        Raises:
+            ValueError / NoFreeBlocksError: from the runner (the rows are not the specs').
+        """
+        slots = slot_mapping(block_ids, 0, self.staged_rows(num_tokens),
+                             self.cfg.scheduler.block_size)
+        self.runner.admit_staged(request_id, block_ids, slots, num_tokens)
 
     def close(self) -> None:
         self.connector.close()
@@ -128,8 +153,10 @@ class DecodeRole(Role):
                 deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
             # NOTE: the prefix cache's tokens [0, held) are not shipped: cells pre-marked
-            leader.ranks.call_all(DecodeRole.expect_kv, spec.request_id,
-                                  spec.num_prompt_tokens, prefill_tp, prefill_cp, held)
+            rows = spec.num_prompt_tokens if self.staged_rows is None else \
+                self.staged_rows(spec.num_prompt_tokens)
+            leader.ranks.call_all(DecodeRole.expect_kv, spec.request_id, rows, prefill_tp,
+                                  prefill_cp, held)
         except RankFailure as exc:
             leader.mark_broken(str(exc))
             self._drop_reserved(spec.request_id)
@@ -276,8 +303,11 @@ class DecodeRole(Role):
         for the rows it drafts from) and verifies the drafts with the first token. Without
         it (a prefill that sent none) the last prompt token counts as not computed: the first
         step computes it again with the first token (same KV) and drafting starts a step
-        later."""
+        later. DeepSeek-V4: every rank rebuilds the request's cache from its staging rows
+        first; a rebuild that raises fails the request (blocks freed once)."""
         self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
+        if self.staged_rows is not None and not self._admit_staged(request_id):
+            return
         with self.leader.lock:
             entry = self.reserved.pop(request_id, None)
             if entry is not None:  # else aborted meanwhile (and freed there)
@@ -288,6 +318,29 @@ class DecodeRole(Role):
                     if req.draft is None:  # NOTE: recomputed with the first token
                         req.num_computed_tokens -= 1
                 self.leader.scheduler.add(req)
+        if entry is None and self.staged_rows is not None:
+            # NOTE: aborted while its V4 cache was rebuilt: the abort's free may have come
+            # before the cache had an owner, so it is dropped here (idempotent)
+            self.leader.ranks.call_all(DecodeRole.discard_staged, request_id)
+
+    def _admit_staged(self, request_id: str) -> bool:
+        """V4: :meth:`admit_staged` on every rank; False (request failed) when one raised."""
+        with self.leader.lock:
+            entry = self.reserved.get(request_id)
+        if entry is None:  # aborted meanwhile (and freed there)
+            return False
+        req = entry.request
+        try:
+            self.leader.ranks.call_all(DecodeRole.admit_staged, request_id,
+                                       req.blocks.block_ids, req.num_prompt_tokens)
+        except RankFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - that request fails, the loop goes on
+            log.exception("%s: rebuilding the V4 cache of %s failed", self.cfg.name, request_id)
+            self._fail_reserved(request_id, f"{self.cfg.name}: the DeepSeek-V4 state shipped "
+                                f"for {request_id} could not be rebuilt: {exc}", kv_failed=True)
+            return False
+        return True
 
     def _first_draft(self, req: Request, draft_hidden: bytes) -> DraftInput | None:
         """The first step's :class:`DraftInput` from prefill's hidden state (None: none came,

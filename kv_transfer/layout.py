@@ -17,6 +17,8 @@ What must match between a prefill and a decode instance (``check_compatible``), 
 - ``num_layers``: every layer is moved.
 - ``rope_layout``: interleaved vs de-interleaved k_pe (REFERENCE.md "Rope layout") give
   different bytes for the same key.
+- ``layer_specs`` (DeepSeek-V4 only): the per-layer-kind KV specs the staging rows pack
+  (:func:`engine.v4.staging.layout_text`): the rows mean nothing under other specs.
 
 What may differ: ``tp`` (the transfer plan maps ranks and regroups GQA heads) and
 ``block_size`` (every transfer carries one destination slot per token). So the
@@ -42,9 +44,9 @@ from kv_transfer.errors import LayoutMismatchError
 KINDS = ("mla", "gqa")
 # Fields that must match for two instances to exchange KV bytes (see module docstring).
 COMPATIBLE_FIELDS = ("model", "kind", "buffers", "num_kv_heads", "dtype", "num_layers",
-                     "rope_layout", "mtp_layers")
-# NOTE: mtp_layers is in the dict (and the fingerprint) only when nonzero: layouts without
-# MTP keep the fingerprint they had before it existed.
+                     "rope_layout", "mtp_layers", "layer_specs")
+# NOTE: mtp_layers and layer_specs are in the dict (and the fingerprint) only when set:
+# layouts without MTP / DeepSeek-V4 keep the fingerprint they had before those existed.
 
 
 def rank_heads(tp: int, num_kv_heads: int, rank: int) -> range:
@@ -109,6 +111,8 @@ class KVLayout:
         rope_layout: ``interleaved`` or ``deinterleaved`` k_pe.
         mtp_layers: how many of the last layers are MTP module caches (speculative
             decoding; 0: none).
+        layer_specs: DeepSeek-V4: the canonical text of its per-layer KV specs
+            (:func:`engine.v4.staging.layout_text`); "" for every other model.
     """
 
     model: str
@@ -121,6 +125,7 @@ class KVLayout:
     tp: int
     rope_layout: str
     mtp_layers: int = 0
+    layer_specs: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -195,7 +200,8 @@ class KVLayout:
                 "num_kv_heads": self.num_kv_heads, "dtype": self.dtype,
                 "num_layers": self.num_layers, "block_size": self.block_size, "tp": self.tp,
                 "rope_layout": self.rope_layout} | (
-                    {"mtp_layers": self.mtp_layers} if self.mtp_layers else {})
+                    {"mtp_layers": self.mtp_layers} if self.mtp_layers else {}) | (
+                    {"layer_specs": self.layer_specs} if self.layer_specs else {})
 
     @classmethod
     def from_dict(cls, data: dict) -> KVLayout:
@@ -225,7 +231,7 @@ class KVLayout:
         if diffs:
             raise LayoutMismatchError(
                 "KV layouts differ: " + "; ".join(diffs) + _buffer_hint(self, other)
-                + _mtp_hint(self, other)
+                + _mtp_hint(self, other) + _v4_hint(self, other)
                 + ". Prefill and decode must serve the same model with the same KV cache "
                 "dtype, dims, layer count and rope layout: fix the instance configs.")
 
@@ -249,6 +255,18 @@ def _mtp_hint(prefill: KVLayout, decode: KVLayout) -> str:
     with_mtp, without = ("prefill", "decode") if prefill.mtp_layers else ("decode", "prefill")
     return (f" ({with_mtp} runs MTP speculative decoding and caches the MTP module's KV, "
             f"{without} does not: give both the same decode.speculative setting)")
+
+
+def _v4_hint(prefill: KVLayout, decode: KVLayout) -> str:
+    """A sentence for a DeepSeek-V4 side whose per-layer specs differ from the other's."""
+    if prefill.layer_specs == decode.layer_specs:
+        return ""
+    if prefill.layer_specs and decode.layer_specs:
+        return (" (both serve DeepSeek-V4 but with different per-layer KV specs: window, "
+                "compress ratios, layer_types or widths differ: load the same config.json)")
+    v4, other = ("prefill", "decode") if prefill.layer_specs else ("decode", "prefill")
+    return (f" ({v4} serves DeepSeek-V4 (per-layer staged state), {other} does not: both "
+            "must serve the same model)")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

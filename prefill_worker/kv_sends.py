@@ -7,6 +7,10 @@ Sending is asynchronous either way (the connector's sender threads).
 
 The leader says where each chunk goes (:func:`chunk_transfers`, made once per step and carried
 to every rank as the step's inputs); each rank sends the layers the transfer plan gives it.
+
+DeepSeek-V4 (a runner with ``stage_request``): nothing ships per chunk; after the last chunk
+the request's state is staged into ``staged_rows(prompt)`` rows of its prompt slots and those
+rows ship (:func:`staged_transfers`; docs/kv_transfer.md "DeepSeek-V4").
 """
 
 from __future__ import annotations
@@ -74,6 +78,24 @@ def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
     return plans
 
 
+def staged_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
+                     block_size: int, staged_rows) -> list[ChunkTransfer]:
+    """DeepSeek-V4: one transfer per chunk that completes its prompt, of the request's staging
+    rows ``[0, staged_rows(prompt))`` (``staged_rows``: the runner's; rows <= prompt tokens, so
+    they fit the request's blocks on both sides); other chunks ship nothing."""
+    plans = []
+    for row, c in enumerate(out.chunks):
+        if not c.completes:
+            continue
+        res = reservations[c.request.request_id]
+        rows = staged_rows(c.end)
+        plans.append(ChunkTransfer(
+            c.request.request_id, res.peers, 0, rows,
+            slot_mapping(c.request.blocks.block_ids, 0, rows, block_size),
+            slot_mapping(res.block_ids, 0, rows, res.block_size), True, row))
+    return plans
+
+
 def draft_hidden(output: object, row: int) -> bytes:
     """MTP: fp32 bytes of ``output.hidden[row][-1]`` (``[hidden]``, the main model's normed
     hidden state at the last row of chunk ``row``: the last prompt position, what the decode
@@ -120,7 +142,9 @@ class KVSends:
         self.name, self.rank = cfg.name, rank
         self.kv_spec = runner.kv_spec
         self.device = runner.kv_cache.device
-        self.layerwise = cfg.transfer.layerwise
+        # NOTE: DeepSeek-V4 stages its state after the last chunk (no per-layer stream)
+        self.stage = getattr(runner, "stage_request", None)
+        self.layerwise = cfg.transfer.layerwise and self.stage is None
         self.connector = PrefillKVConnector(
             runner.kv_cache, make_layout(runner, cfg), cfg.name, rank, cfg.parallel.tp,
             cfg.transfer, cp=cfg.parallel.cp)
@@ -146,6 +170,8 @@ class KVSends:
         # leaves nothing unsent: the whole chunk goes now (decode counts a cell once)
         sent = hook is not None and hook.layers_queued >= self.kv_spec.num_layers
         for t in transfers or ():
+            if self.stage is not None:
+                self.stage(t.request_id, t.src_slots)
             if not sent:
                 self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
                                           t.dst_slots)

@@ -34,7 +34,8 @@ from engine.block_pool import BlockSet
 from engine.request import RequestSpec
 from engine.scheduler import PREFILL, SchedulerOutput
 from kv_transfer import KVPeer
-from prefill_worker.kv_sends import ChunkTransfer, KVSends, LayerSends, chunk_transfers
+from prefill_worker.kv_sends import (ChunkTransfer, KVSends, LayerSends, chunk_transfers,
+                                     staged_transfers)
 from rank.failures import RankFailure
 from rank.messages import Abort, LeaderRequest, Prefill, Reservation, TransferRecord
 from rank.role import RankParts, Role, not_taken
@@ -54,6 +55,7 @@ class PrefillRole(Role):
         self.cfg = parts.cfg
         self.sends = KVSends(parts.runner, parts.cfg, parts.rank)
         self.leader = parts.leader
+        self.staged_rows = getattr(parts.runner, "staged_rows", None)  # DeepSeek-V4
         # leader: the request tables (under the leader's lock)
         self.reservations: dict[str, Reservation] = {}
         self.draining: dict[str, BlockSet] = {}  # first token out, sends still running
@@ -159,7 +161,11 @@ class PrefillRole(Role):
         return result is not None or drained or aborted
 
     def _chunk_transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
-        """The step inputs of a prefill step: where each scheduled chunk's KV goes."""
+        """The step inputs of a prefill step: where each scheduled chunk's KV goes (V4: the
+        staging rows of each completed prompt)."""
+        if self.staged_rows is not None:
+            return staged_transfers(out, self.reservations, self.cfg.scheduler.block_size,
+                                    self.staged_rows)
         return chunk_transfers(out, self.reservations, self.cfg.scheduler.block_size)
 
     def fail(self, request_id: str, error: str, retryable: bool = False) -> None:

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from engine.v4.staging import StagingSpec
 from kv_transfer.config import TransferConfig
 from rank.config import InstanceConfig
 
@@ -20,11 +21,29 @@ def model_identity(checkpoint_dir: str) -> str:
 
 
 def make_layout(runner, cfg: InstanceConfig):
-    """The rank's :class:`kv_transfer.KVLayout` (what the handshake fingerprints)."""
+    """The rank's :class:`kv_transfer.KVLayout` (what the handshake fingerprints): of its
+    ``KVCacheSpec``, or of DeepSeek-V4's staging rows (:func:`staged_layout`)."""
     from kv_transfer.layout import KVLayout
 
-    return KVLayout.from_spec(runner.kv_spec, model_identity(cfg.checkpoint_dir),
-                              cfg.parallel.tp)
+    model, tp = model_identity(cfg.checkpoint_dir), cfg.parallel.tp
+    if isinstance(runner.kv_spec, StagingSpec):
+        return staged_layout(runner.kv_spec, model, tp)
+    return KVLayout.from_spec(runner.kv_spec, model, tp)
+
+
+def staged_layout(spec: StagingSpec, model: str, tp: int):
+    """The :class:`kv_transfer.KVLayout` of DeepSeek-V4 staging rows: one buffer per tier
+    (``BufferSpec.layers``: the layers having it, when not all), the V4 specs in
+    ``layer_specs`` (a prefill and a decode of other V4 specs are refused at the pair
+    handshake, naming it); docs/kv_transfer.md "DeepSeek-V4: staged per-layer state"."""
+    from kv_transfer.layout import BufferSpec, KVLayout
+
+    buffers = tuple(BufferSpec(name, (width,), None if len(layers) == spec.num_layers else layers)
+                    for name, (width, layers) in zip(spec.buffer_names, spec.tiers))
+    return KVLayout(model=model, kind="mla", buffers=buffers, num_kv_heads=None,
+                    dtype=str(spec.dtype).removeprefix("torch."), num_layers=spec.num_layers,
+                    block_size=spec.block_size, tp=tp, rope_layout="interleaved",
+                    layer_specs=spec.layer_specs)
 
 
 def stretch_completion(transfer: TransferConfig, factor: float) -> TransferConfig:

@@ -9,8 +9,14 @@ grows (:meth:`engine.v4.block_table.RequestBlocks.grow`) and, for the sliding wi
 back as decode advances. A request's V4 blocks go back when the scheduler frees its block set
 (:meth:`V4Runner.release`, wired to the scheduler pool's free, applied before the next step).
 
+PD (tp 1 each side): a PD role's first use of :attr:`V4Runner.kv_cache` makes the staging
+cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last chunk
+(:meth:`V4Runner.stage_request`), the transfer moves those rows, decode rebuilds the request's
+paged cache from them (:meth:`V4Runner.admit_staged`).
+
 Not supported yet (refused by :func:`check_v4_serving`): TP > 1, EP, CP, layer sharding,
-graph mode, MTP, the prefix cache, per-layer KV streaming (PD).
+graph mode, MTP, the prefix cache, per-layer KV streaming (the state ships after the last
+chunk).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from engine.v4.config import V4Config
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
+from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
+                               tiers, unpack)
 from engine.v4.state_io import export_request
 
 V4_MODEL_TYPE, V4_ARCHITECTURE = "deepseek_v4", "DeepseekV4ForCausalLM"
@@ -68,17 +76,20 @@ def check_v4_serving(**layout: object) -> None:
     """Raise ValueError naming every unsupported part of ``layout`` (:func:`v4_unsupported`)."""
     bad = v4_unsupported(**layout)
     if bad:
-        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served colocated on one rank "
-                         "per instance for now; not supported yet: " + "; ".join(bad))
+        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served on one rank per "
+                         "instance for now (colocated, or PD tp 1 -> tp 1); not supported yet: "
+                         + "; ".join(bad))
 
 
 @dataclass(frozen=True)
 class V4ServedConfig:
-    """What the rank reads off ``runner.model_config``: EOS ids, context limit, layers."""
+    """What the rank reads off ``runner.model_config``: EOS ids, context limit, layers,
+    hidden size (the decode role's MTP input check reads it)."""
 
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
     num_hidden_layers: int
+    hidden_size: int
 
 
 def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
@@ -121,8 +132,12 @@ class V4Runner:
         config = self.model.config
         self.model_config = V4ServedConfig(
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
-            config.max_position_embeddings, config.num_hidden_layers)
+            config.max_position_embeddings, config.num_hidden_layers, config.hidden_size)
         self.pools = serving_pools(config, num_kv_blocks, block_size)
+        self.dtype = dtype
+        self.staging_spec = StagingSpec(config.num_hidden_layers, num_kv_blocks, block_size,
+                                        tiers(config), dtype, layout_text(config))
+        self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
         self.caches: dict[str, PagedV4Cache] = {}
         self._owner: dict[int, str] = {}  # first scheduler block id -> request id
@@ -153,15 +168,16 @@ class V4Runner:
         ``block_ids[0]`` names the scheduler block set whose free ends it.
 
         Raises:
-            ValueError: no steps; ``on_kv_written`` given (V4 streams no per-layer KV); a
+            ValueError: no steps; ``on_kv_written`` given (V4 streams no per-layer KV: its
+                state ships after the last chunk, :meth:`stage_request`); a
                 step past ``max_position_embeddings``; a step not continuing its request's
                 cache (unknown request, or ``num_computed_tokens`` != cached tokens).
         """
         if not steps:
             raise ValueError("execute() needs at least one SeqStep")
         if on_kv_written is not None:
-            raise ValueError("DeepSeek-V4 does not stream per-layer KV (PD is not wired for "
-                             "V4 yet): serve it colocated")
+            raise ValueError("DeepSeek-V4 does not stream per-layer KV (its state ships after "
+                             "the last chunk): set transfer.layerwise false")
         self._apply_releases()
         caches = [self._cache_of(s) for s in steps]
         lengths = [len(s.token_ids) for s in steps]
@@ -186,7 +202,7 @@ class V4Runner:
             raise ValueError(f"request {s.request_id}: step at token {s.num_computed_tokens} "
                              f"but its V4 cache holds "
                              f"{'nothing' if cache is None else cache.num_tokens} tokens "
-                             "(V4 has no prefix cache and no KV import yet)")
+                             "(V4 has no prefix cache)")
         return cache
 
     def export_request(self, request_id: str) -> list[dict[str, torch.Tensor]]:
@@ -212,12 +228,64 @@ class V4Runner:
         self._owner[block_ids[0]] = request_id
 
     @property
-    def kv_cache(self):
-        """Raises ValueError: V4's KV does not go through the KV transfer yet (PD roles)."""
-        raise ValueError("DeepSeek-V4 through prefill/decode disaggregation is not wired yet "
-                         "(no KV layout for the transfer): serve it with mode: colocated")
+    def kv_cache(self) -> StagingCache:
+        """The staging cache the KV transfer reads (prefill) or writes (decode), made on first
+        use (a PD role's; colocated serving never allocates it): per layer one
+        ``[num_kv_blocks, block_size, width]`` buffer per tier it has
+        (:func:`engine.v4.staging.tiers`), indexed by the scheduler's slots."""
+        if self._staging is None:
+            self._staging = StagingCache(self.staging_spec, self.device)
+        return self._staging
 
-    kv_spec = kv_cache
+    @property
+    def kv_spec(self) -> StagingSpec:
+        """The staging cache's shape (the transfer layout, :func:`rank.kv_setup.make_layout`,
+        and the transfer log's byte counts)."""
+        return self.staging_spec
+
+    def staged_rows(self, num_tokens: int) -> int:
+        """Staging rows a request of ``num_tokens`` prompt tokens ships per layer
+        (:func:`engine.v4.staging.staged_rows`, <= ``num_tokens``)."""
+        return staged_rows(self.model.config, num_tokens)
+
+    def stage_request(self, request_id: str, slots) -> None:
+        """Prefill: write the request's state (its cache after its last chunk) into the
+        staging cache at ``slots`` (int64 ``[staged_rows(n)]``).
+
+        Raises:
+            KeyError: no cache for ``request_id``. ValueError: ``slots`` is not one per row.
+        """
+        cache = self.caches[request_id]
+        rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype)
+        if rows[0].shape[0] != slots.numel():
+            raise ValueError(f"{request_id}: {rows[0].shape[0]} staging rows, "
+                             f"{slots.numel()} slots")
+        self.kv_cache.write(slots, rows)
+
+    def admit_staged(self, request_id: str, block_ids: tuple[int, ...], slots,
+                     num_tokens: int) -> None:
+        """Decode: rebuild the request's paged cache from the staging rows at ``slots`` (int64
+        ``[staged_rows(num_tokens)]``, what the transfer wrote) after ``num_tokens`` tokens
+        (:meth:`import_request`).
+
+        Raises:
+            ValueError: the rows are not the specs' (:func:`engine.v4.staging.unpack`).
+            NoFreeBlocksError: a V4 group's pool is short (nothing taken).
+        """
+        rows = self.kv_cache.read(slots)
+        self.import_request(request_id, block_ids, unpack(self.model.config, rows, num_tokens),
+                            num_tokens)
+
+    def discard(self, request_id: str) -> None:
+        """Free ``request_id``'s cache now if it has one (once; a later release of its block
+        set finds no owner): a decode request aborted while its cache was rebuilt."""
+        self._apply_releases()
+        cache = self.caches.pop(request_id, None)
+        if cache is None:
+            return
+        for first in [f for f, rid in self._owner.items() if rid == request_id]:
+            del self._owner[first]
+        cache.free()
 
     def execute_empty(self) -> None:
         """No-op: V4 runs without expert parallelism (nothing to meet)."""

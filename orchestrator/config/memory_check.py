@@ -231,13 +231,15 @@ def _gb(n: float) -> str:
 def describe_memory(cfg: OrchConfig) -> list[str]:
     """Report lines for ``orch up --dry-run``: per role, a table of what one rank holds by
     kind (elements, bytes per element, GB, how it is split) with totals against the device.
+    No lines when there is no plan: :func:`check_memory`'s one line says why (the dry run
+    prints both, so the reason appears once).
 
     Raises:
         ConfigError: see :func:`build_memory_plan`.
     """
     plan, source = build_memory_plan(cfg)
     if plan is None:
-        return [f"memory plan: not computed ({source})"]
+        return []
     mem = plan.memory
     quant = plan.model.quantization
     stored = "" if quant is None else \

@@ -1,5 +1,5 @@
 """DeepSeek-V4 serving layouts at config load: what :mod:`engine.v4.runner` serves today
-(colocated, one rank per instance, no prefix cache) and a :class:`ConfigError` naming every
+(one rank per instance, colocated or PD tp 1 -> tp 1, no prefix cache) and a :class:`ConfigError` naming every
 key to change otherwise, before anything starts (the rank would refuse the same at load,
 :func:`engine.v4.runner.check_v4_serving`)."""
 
@@ -18,24 +18,32 @@ def is_v4(raw: dict) -> bool:
 def check_v4_layout(cfg: OrchConfig, source: str) -> str:
     """The tp-layout report line of a V4 model.
 
+    Colocated: sized by ``decode`` like every colocated config (``prefill`` gives only the
+    chunking, ``chunk_size`` / ``max_num_batched_tokens``; its other keys are not read, as in
+    configs/colocated.yaml). Disaggregated: both sections are checked.
+
     Raises:
-        ConfigError: the config asks for what V4 serving does not support yet: PD
-            (``mode: disaggregated``), ``decode.tp`` > 1, ``decode.ep``, graph mode, MTP,
-            the prefix cache; the message names each key and its fix.
+        ConfigError: the config asks for what V4 serving does not support yet: ``tp`` > 1,
+            ``ep``, prefill ``cp`` > 1 or ``layer_sharding``, graph mode, MTP, the prefix
+            cache (either role); the message names each key and its fix.
     """
     d = cfg.decode
-    bad = []
-    if cfg.mode != "colocated":
-        bad.append("mode: disaggregated (V4 through PD is not wired yet; set mode: colocated)")
-    for on, what in ((d.tp > 1, f"decode.tp={d.tp} (set 1)"), (d.ep, "decode.ep (set false)"),
-                     (d.graph.enabled, "decode.graph.enabled (set false)"),
-                     (d.num_speculative_tokens > 0, "decode.speculative (remove it; no MTP)"),
-                     (d.prefix_cache, "decode.prefix_cache (set false; V4 has no prefix "
-                                      "cache)")):
-        if on:
-            bad.append(what)
+    bad = [what for on, what in (
+        (d.tp > 1, f"decode.tp={d.tp} (set 1)"), (d.ep, "decode.ep (set false)"),
+        (d.graph.enabled, "decode.graph.enabled (set false)"),
+        (d.num_speculative_tokens > 0, "decode.speculative (remove it; no MTP)"),
+        (d.prefix_cache, "decode.prefix_cache (set false; V4 has no prefix cache)")) if on]
+    if cfg.mode == "disaggregated":
+        p = cfg.prefill
+        bad += [what for on, what in (
+            (p.tp > 1, f"prefill.tp={p.tp} (set 1)"), (p.ep, "prefill.ep (set false)"),
+            (p.cp > 1, f"prefill.cp={p.cp} (set 1)"),
+            (bool(p.layer_sharding), "prefill.layer_sharding (remove it)"),
+            (p.prefix_cache, "prefill.prefix_cache (set false; V4 has no prefix cache)")) if on]
     if bad:
-        raise ConfigError(f"model is DeepSeek-V4 ({source}), served colocated on one rank per "
-                          "instance for now; not supported yet: " + "; ".join(bad)
-                          + " (docs/engine.md \"DeepSeek-V4\")")
+        raise ConfigError(f"model is DeepSeek-V4 ({source}), served on one rank per instance "
+                          "for now (colocated, or PD prefill tp 1 -> decode tp 1); not "
+                          "supported yet: " + "; ".join(bad) + " (docs/engine.md \"DeepSeek-V4\")")
+    if cfg.mode == "disaggregated":
+        return f"tp layout: DeepSeek-V4, prefill.tp=1 -> decode.tp=1 disaggregated ({source})"
     return f"tp layout: DeepSeek-V4, decode.tp=1 colocated ({source})"

@@ -141,13 +141,18 @@ def test_request_shipped_between_runners_continues_as_colocated(tiny_v4_ckpt, hf
 
 
 def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
+    from engine.runner import SeqStep  # noqa: PLC0415
+
     with pytest.raises(ValueError, match="tp=2.*MTP.*prefix cache"):
         build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK,
                      tp=type("G", (), {"size": 2})(), num_speculative_tokens=1,
                      prefix_cache=True)
     runner = build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK)
-    with pytest.raises(ValueError, match="colocated"):
-        runner.kv_cache  # noqa: B018 (a PD role's first use)
+    assert runner._staging is None  # NOTE: PD's staging cache: only a PD role's use makes it
+    assert [b.shape for b in runner.kv_cache.layer_buffers(0)] == [
+        (4, BLOCK, w) for w in runner.kv_spec.layer_widths(0)]
+    with pytest.raises(ValueError, match="transfer.layerwise false"):
+        runner.execute([SeqStep("r", (1, 2), 0, (0,))], on_kv_written=lambda layer: None)
 
 
 def test_v3_checkpoint_still_gets_model_runner(tiny_ckpt):

@@ -11,6 +11,7 @@ from orchestrator.config.memory_check import check_memory
 from tests.e2e.harness import REPO
 
 CONFIG = REPO / "configs" / "v4_colocated.yaml"
+PD_CONFIG = REPO / "configs" / "v4_1p1d.yaml"
 
 
 def test_shipped_v4_config_loads(tmp_path, monkeypatch):
@@ -23,8 +24,37 @@ def test_shipped_v4_config_loads(tmp_path, monkeypatch):
 def test_unsupported_v4_layouts_are_refused_at_load(tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, {"mode": "disaggregated", "decode.tp": 2,
-                             "decode.prefix_cache": True, "decode.speculative": {}})
-    for key in ("mode: disaggregated", "decode.tp=2", "decode.prefix_cache",
-                "decode.speculative"):
+        load_config(CONFIG, {"decode.tp": 2, "decode.prefix_cache": True,
+                             "decode.speculative": {}})
+    for key in ("decode.tp=2", "decode.prefix_cache", "decode.speculative"):
         assert key in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(PD_CONFIG, {"prefill.tp": 2, "prefill.prefix_cache": True,
+                                "decode.tp": 2})
+    for key in ("prefill.tp=2", "prefill.prefix_cache", "decode.tp=2"):
+        assert key in str(err.value)
+
+
+def test_v4_pd_config_loads_and_colocated_prefill_keys_are_chunking_only(tmp_path,
+                                                                         monkeypatch):
+    """configs/v4_1p1d.yaml loads (PD tp 1 -> tp 1); in colocated mode the prefill section
+    gives only the chunking, as for every colocated config (configs/colocated.yaml): its
+    tp / prefix_cache are not read, so they are not refused there."""
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    cfg = load_config(PD_CONFIG)
+    assert cfg.mode == "disaggregated" and cfg.model.tiny_arch == "deepseek_v4"
+    colocated = load_config(CONFIG, {"prefill.tp": 2, "prefill.prefix_cache": True,
+                                     "prefill.chunk_size": 32})
+    (inst,) = colocated.instances()
+    assert inst.parallel.tp == 1 and inst.scheduler.chunk_size == 32
+    assert not inst.scheduler.prefix_cache
+
+
+def test_v4_dry_run_says_the_memory_caveat_once(tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import main  # noqa: PLC0415
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    for config in (CONFIG, PD_CONFIG):
+        assert main(["up", str(config), "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert out.count("not memory-planned") == 1, out

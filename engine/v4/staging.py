@@ -1,0 +1,204 @@
+"""A DeepSeek-V4 request's shipped state as fixed-width rows: what the KV transfer moves
+between a prefill and a decode instance (docs/kv_transfer.md "DeepSeek-V4").
+
+The transfer moves ``[layers, rows, width]`` slot rows of a paged cache (one buffer per
+layer, :mod:`kv_transfer.payload`). A V4 request's state after ``n`` tokens is, per layer,
+the tensors :func:`engine.v4.state_io.export_request` gives (window, compressed entries,
+indexer keys, compressor / indexer open-group state), of different widths and row counts.
+Here each layer's tensors are laid end to end in spec order (:meth:`LayerKVSpec.tensors`),
+flattened, zero-padded and cut into rows of its kind's width (:func:`kind_widths`: the sum of
+the kind's tensor widths): the layer's ``staged_rows`` rows. Every layer ships the same row
+count (the most any kind needs, :func:`staged_rows`), so one record per layer carries the same
+token range, as for MLA; a narrower kind (HCA, sliding) ships narrower rows.
+
+Bound: every tensor holds at most ``n`` rows after ``n`` tokens (window ``min(n, W - 1)``,
+entries ``n // r``, open group ``n % r``, overlap ``r`` once ``n >= r``), so a layer holds at
+most ``n x`` its kind's width elements and ``staged_rows(n) <= n``: the rows fit in the
+request's prompt blocks on both sides (the scheduler's slots carry them; no second pool).
+
+Buffers (:func:`tiers`): the kinds' widths sorted ascending cut a row into nested column
+tiers: tier 0 (the narrowest kind's width) on every layer, tier ``j`` (the next width minus
+the previous) on the layers of kinds at least that wide. So a layer's buffers are always the
+first ones of the layout (what the transfer's buffer numbering assumes, as for GLM-5.2's
+``index_k``), and each buffer is one contiguous ``[num_blocks, block_size, tier width]``
+tensor per layer having it.
+
+The staging cache (:class:`StagingCache`) is allocated only by a PD role
+(:attr:`engine.v4.runner.V4Runner.kv_cache`); colocated serving never touches it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine.v4.config import V4Config
+from engine.v4.kv_spec import kv_specs, layer_specs
+
+STAGING_BUFFER = "v4_state"
+
+
+def kind_widths(config: V4Config) -> dict[str, int]:
+    """Per layer kind, the elements of one of its staging rows: the sum of its tensor widths
+    (one token's worth of every tensor of that kind)."""
+    return {kind: sum(t.width for t in spec.tensors())
+            for kind, spec in kv_specs(config).items()}
+
+
+def tiers(config: V4Config) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The staging buffers as (width, layers having it), in layout order: the kinds' distinct
+    widths ascending, each tier the increment over the previous one, on every layer whose
+    kind is at least that wide (module docstring)."""
+    widths = kind_widths(config)
+    cuts = sorted(set(widths.values()))
+    out, below = [], 0
+    for cut in cuts:
+        layers = tuple(i for i, kind in enumerate(config.layer_types) if widths[kind] >= cut)
+        out.append((cut - below, layers))
+        below = cut
+    return tuple(out)
+
+
+def staged_rows(config: V4Config, num_tokens: int) -> int:
+    """Rows every layer ships for a request after ``num_tokens`` (>= 1) tokens: the most any
+    kind needs, at least 1, at most ``num_tokens`` (module docstring)."""
+    widths = kind_widths(config)
+    need = max(math.ceil(spec.elements(num_tokens) / widths[kind])
+               for kind, spec in kv_specs(config).items())
+    return max(1, need)
+
+
+def layout_text(config: V4Config) -> str:
+    """The V4 KV specs as a canonical string (the transfer layout's ``layer_specs``: two
+    instances exchange rows only when it is equal): tier widths, window, per kind its ratio
+    and tensors (name, width), and the layer schedule."""
+    kinds = {kind: [spec.compress_ratio, [[t.name, t.width] for t in spec.tensors()]]
+             for kind, spec in sorted(kv_specs(config).items())}
+    return json.dumps({"tiers": [w for w, _ in tiers(config)],
+                       "sliding_window": config.sliding_window,
+                       "kinds": kinds, "layer_types": list(config.layer_types)},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def pack(config: V4Config, layers: list[dict[str, torch.Tensor]], num_tokens: int,
+         dtype: torch.dtype) -> list[torch.Tensor]:
+    """Per layer ``[staged_rows(num_tokens), kind width]`` in ``dtype``: its tensors
+    (:func:`~engine.v4.state_io.export_request`'s dicts) in spec order, flattened,
+    zero-padded.
+
+    Raises:
+        ValueError: a layer lacks a tensor its spec names.
+    """
+    rows, widths = staged_rows(config, num_tokens), kind_widths(config)
+    out = []
+    for i, (spec, tensors) in enumerate(zip(layer_specs(config), layers, strict=True)):
+        missing = [t.name for t in spec.tensors() if t.name not in tensors]
+        if missing:
+            raise ValueError(f"layer {i} ({spec.kind}) lacks {missing} to stage")
+        flat = torch.cat([tensors[t.name].reshape(-1).to(dtype) for t in spec.tensors()])
+        row = flat.new_zeros(rows * widths[spec.kind])
+        row[:flat.numel()] = flat
+        out.append(row.view(rows, widths[spec.kind]))
+    return out
+
+
+def unpack(config: V4Config, rows: list[torch.Tensor], num_tokens: int
+           ) -> list[dict[str, torch.Tensor]]:
+    """Inverse of :func:`pack`: per layer ``[staged_rows(num_tokens), kind width]`` -> per
+    layer ``{name: [spec.rows(t, num_tokens), width]}`` (views into ``rows``).
+
+    Raises:
+        ValueError: a layer's rows are not ``[staged_rows(num_tokens), kind width]``.
+    """
+    specs, widths = layer_specs(config), kind_widths(config)
+    want_rows = staged_rows(config, num_tokens)
+    out = []
+    for i, (spec, layer) in enumerate(zip(specs, rows, strict=True)):
+        want = (want_rows, widths[spec.kind])
+        if tuple(layer.shape) != want:
+            raise ValueError(f"layer {i}: staged rows {tuple(layer.shape)} for {num_tokens} "
+                             f"tokens; the V4 specs give {want}")
+        flat, tensors, at = layer.reshape(-1), {}, 0
+        for t in spec.tensors():
+            count = spec.rows(t, num_tokens) * t.width
+            tensors[t.name] = flat[at:at + count].view(-1, t.width)
+            at += count
+        out.append(tensors)
+    return out
+
+
+@dataclass(frozen=True)
+class StagingSpec:
+    """Shape of a :class:`StagingCache` (what the transfer's layout and byte counts read).
+
+    Attributes:
+        num_layers: V4 decoder layers. num_blocks, block_size: the scheduler pool's.
+        tiers: :func:`tiers` (buffer widths and their layers). dtype: the runner's.
+        layer_specs: :func:`layout_text` (the transfer layout's fingerprinted V4 specs).
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    tiers: tuple[tuple[int, tuple[int, ...]], ...]
+    dtype: torch.dtype
+    layer_specs: str = ""
+
+    @property
+    def buffer_names(self) -> tuple[str, ...]:
+        """``v4_state0``, ``v4_state1``, ...: one per tier."""
+        return tuple(f"{STAGING_BUFFER}{j}" for j in range(len(self.tiers)))
+
+    def layer_widths(self, layer: int) -> tuple[int, ...]:
+        """Widths of layer ``layer``'s buffers (its tiers), in layout order."""
+        return tuple(w for w, layers in self.tiers if layer in layers)
+
+    def bytes_per_token_of(self, layers: Iterable[int]) -> int:
+        """Bytes of one staging row over ``layers``."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(sum(self.layer_widths(i)) for i in layers) * elem
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Mean bytes of one staging row per layer."""
+        return self.bytes_per_token_of(range(self.num_layers)) // self.num_layers
+
+
+class StagingCache:
+    """Per layer one contiguous ``[num_blocks, block_size, tier width]`` buffer per tier it
+    has (the transfer's ``layer_buffers`` interface); slot ``s`` is row ``s`` of each
+    buffer's flat view, a layer's row is its tiers' columns side by side."""
+
+    def __init__(self, spec: StagingSpec, device: torch.device | str = "cpu") -> None:
+        self.spec, self.device = spec, torch.device(device)
+        self.buffers = [tuple(torch.zeros(spec.num_blocks, spec.block_size, width,
+                                          dtype=spec.dtype, device=self.device)
+                              for width in spec.layer_widths(layer))
+                        for layer in range(spec.num_layers)]
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``layer``'s buffers ``[num_blocks, block_size, width]``, tier order."""
+        return self.buffers[layer]
+
+    def write(self, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """Store per layer ``rows[i] [S, its width]`` at ``slots`` (int64 ``[S]``)."""
+        slots = slots.to(self.device)
+        for bufs, layer_rows in zip(self.buffers, rows, strict=True):
+            for buf, part in zip(bufs, _columns(layer_rows, bufs), strict=True):
+                buf.view(-1, buf.shape[-1]).index_copy_(0, slots, part)
+
+    def read(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Per layer ``[S, its width]`` copies of the rows at ``slots`` (int64 ``[S]``)."""
+        slots = slots.to(self.device)
+        return [torch.cat([buf.view(-1, buf.shape[-1]).index_select(0, slots)
+                           for buf in bufs], dim=1) for bufs in self.buffers]
+
+
+def _columns(rows: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``rows [S, sum of widths]`` cut into each buffer's columns (contiguous copies)."""
+    return [part.contiguous()
+            for part in rows.split([b.shape[-1] for b in bufs], dim=1)]

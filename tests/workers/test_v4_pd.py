@@ -1,0 +1,239 @@
+"""DeepSeek-V4 through prefill/decode disaggregation, P1 -> D1 in one process (no Ray), driven
+as the router drives it (reserve -> prefill -> first token -> admit -> decode): the greedy
+tokens equal a colocated V4 runner's (which equal transformers', tests/engine/
+test_v4_runner.py) for prompts shorter than the window, longer than it and ending inside a
+compression group; every block (scheduler pools, V4 group pools) is free afterwards on both
+sides; an abort mid-transfer frees everything; a layout of other V4 specs is refused naming
+them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from decode_worker.role import DecodeRole
+from engine.request import RequestSpec
+from engine.runner import SeqStep, build_runner
+from engine.sampling_params import SamplingParams
+from engine.v4.staging import kind_widths, staged_rows
+from kv_transfer.errors import LayoutMismatchError
+from prefill_worker.role import PrefillRole
+from rank.messages import Abort, Prefill, Reserve
+from kv_transfer.config import TransferConfig
+from rank.config import InstanceConfig, SchedulerConfig
+from rank.kv_setup import staged_layout
+from rank.rank import Rank
+from tests.workers.test_pd_ranks import run_pd, wait_all_free
+
+# NOTE: the tiny V4 model: window 8, ratios 4 (CSA) and 16 (HCA); chunks of 8 split groups
+PROMPTS = {"short": 5, "window": 12, "long": 23, "groups": 33}
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def v4_ckpt(tmp_path_factory):
+    from orchestrator.cli import main  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("v4") / "deepseek_v4"
+    assert main(["model", "init-tiny", "--arch", "deepseek_v4", "--seed", "5", str(out)]) == 0
+    return out
+
+
+def start(role_cls, ckpt, role: str, block_size: int = 4):
+    """An in-process V4 rank of ``role``: chunks of 8, 16 tokens a step, no prefix cache."""
+    scheduler = SchedulerConfig(block_size=block_size, num_kv_blocks=64, chunk_size=8,
+                                max_num_batched_tokens=16, max_num_seqs=4, prefix_cache=False)
+    transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
+                              completion_timeout_s=20)
+    rank = Rank(InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
+                               scheduler=scheduler, transfer=transfer), 0, role_cls)
+    rank.start_alone()
+    return rank
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 129000, (n,), generator=torch.Generator().manual_seed(seed))
+                 .tolist())
+
+
+def _solo_greedy(ckpt, prompt: tuple[int, ...], new: int) -> list[int]:
+    """Greedy tokens of a colocated V4 runner: whole prompt, then ``new - 1`` decode steps."""
+    runner = build_runner(ckpt, num_kv_blocks=16, block_size=16)
+    table = tuple(range(16))
+    out = [int(runner.execute([SeqStep("r", prompt, 0, table)])[0].argmax())]
+    for n in range(len(prompt), len(prompt) + new - 1):
+        out.append(int(runner.execute([SeqStep("r", (out[-1],), n, table)])[0].argmax()))
+    return out
+
+
+def _v4_free(rank, timeout_s: float = 5.0) -> None:
+    """Every V4 group pool of ``rank``'s runner is free (releases applied) within
+    ``timeout_s`` (the loop may still be finishing a request's last step)."""
+    runner, deadline = rank.runner, time.monotonic() + timeout_s
+    while True:
+        runner._apply_releases()
+        held = {name: p.num_blocks - p.num_free_blocks for name, p in runner.pools.items()}
+        if not any(held.values()) and not runner.caches:
+            return
+        assert time.monotonic() < deadline, (held, list(runner.caches))
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def pd(v4_ckpt):
+    prefill = start(PrefillRole, v4_ckpt, "prefill")
+    decode = start(DecodeRole, v4_ckpt, "decode", block_size=8)
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_v4_pd_equals_colocated_and_frees_everything(pd, v4_ckpt):
+    prefill, decode = pd
+    for seed, (rid, n) in enumerate(PROMPTS.items()):
+        prompt = _prompt(n, seed)
+        spec = RequestSpec(rid, prompt, SamplingParams(max_tokens=NEW, ignore_eos=True))
+        assert run_pd(prefill, decode, spec) == (_solo_greedy(v4_ckpt, prompt, NEW), "length")
+    wait_all_free(prefill, decode)
+    for rank in (prefill, decode):
+        _v4_free(rank)
+    runner = prefill.runner
+    rows = sum(staged_rows(runner.model.config, n) for n in PROMPTS.values())
+    per_row = runner.kv_spec.bytes_per_token_of(range(runner.kv_spec.num_layers))
+    widths = kind_widths(runner.model.config)  # NOTE: benchmarks/v4_kv_bytes.py's row bytes
+    assert per_row == sum(widths[k] for k in runner.model.config.layer_types) * 4  # fp32
+    assert prefill.status().kv_bytes_sent == rows * per_row
+    assert all(staged_rows(runner.model.config, n) <= n for n in range(1, 300))
+
+
+@pytest.mark.parametrize("when", ["first_chunk", "staged"])
+def test_v4_abort_mid_transfer_frees_everything(pd, when):
+    """Abort after the first of four prefill chunks ran (nothing staged yet), or once the last
+    chunk's staged rows are queued (records queued or in flight): both sides' scheduler and
+    V4 pools end free."""
+    prefill, decode = pd
+    held, resume = threading.Event(), threading.Event()
+    queue, step = prefill.role.sends.queue, prefill.role.step
+
+    def hold() -> None:
+        held.set()
+        resume.wait(10)
+
+    def queue_then_hold(transfers, output=None):  # every rank, after the forward
+        queue(transfers, output)
+        if transfers and not held.is_set():
+            hold()
+
+    def step_then_hold() -> bool:  # the leader's loop, after the step's bookkeeping
+        busy = step()
+        if busy and not held.is_set():
+            hold()
+        return busy
+
+    if when == "staged":
+        prefill.role.sends.queue = queue_then_hold
+    else:
+        prefill.role.step = step_then_hold  # the loop looks up role.step every iteration
+    spec = RequestSpec("ab-" + when, _prompt(30, 7),
+                       SamplingParams(max_tokens=40, ignore_eos=True))
+    try:
+        res = decode.request(Reserve(spec, 1))
+        prefill.request(Prefill(spec, res))
+        assert held.wait(30)
+        if when == "first_chunk":
+            assert prefill.leader.scheduler.find(spec.request_id).num_computed_tokens == 8
+        abort = threading.Thread(target=lambda: prefill.request(Abort(spec.request_id)))
+        abort.start()
+        resume.set()
+        abort.join(30)
+        assert not abort.is_alive()
+    finally:
+        resume.set()
+        prefill.role.sends.queue, prefill.role.step = queue, step
+    assert decode.request(Abort(spec.request_id))
+    wait_all_free(prefill, decode)
+    for rank in (prefill, decode):
+        _v4_free(rank)
+
+
+def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
+    """The layout fingerprint carries the V4 specs: another sliding window is refused with
+    a message naming layer_specs."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    other = tmp_path / "v4w"
+    shutil.copytree(v4_ckpt, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["sliding_window"] = 16
+    (other / "config.json").write_text(json.dumps(cfg))
+    mine = staged_layout(pd[0].runner.kv_spec, "m", 1)
+    theirs = staged_layout(build_runner(other, num_kv_blocks=4, block_size=4).kv_spec, "m", 1)
+    assert mine.fingerprint() != theirs.fingerprint()
+    with pytest.raises(LayoutMismatchError, match="layer_specs.*different per-layer KV specs"):
+        mine.check_compatible(theirs)
+    v3 = mine.__class__(**{**mine.__dict__, "layer_specs": ""})
+    with pytest.raises(LayoutMismatchError, match="prefill serves DeepSeek-V4"):
+        mine.check_compatible(v3)
+
+
+def _run_until_decode_ends(prefill, decode, spec):
+    """Reserve, prefill, admit; the decode side's events of ``spec`` until its final one."""
+    from rank.messages import Admit  # noqa: PLC0415
+    from tests.workers.test_pd_ranks import wait_events  # noqa: PLC0415
+
+    res = decode.request(Reserve(spec, 1))
+    prefill.request(Prefill(spec, res))
+    (first,) = wait_events(prefill, spec.request_id, lambda e: True)
+    decode.request(Admit(spec.request_id, first.token_ids[0]))
+    return wait_events(decode, spec.request_id, lambda e: e.finish_reason is not None)
+
+
+def test_v4_rebuild_that_fails_fails_the_request_and_frees_it(pd):
+    """Decode cannot rebuild the shipped state (here: the runner raises): the request ends
+    with a retryable error naming it, every block free on both sides."""
+    prefill, decode = pd
+    admit = decode.runner.admit_staged
+
+    def broken(*args, **kwargs):
+        raise ValueError("staged rows are not the specs'")
+
+    decode.runner.admit_staged = broken
+    try:
+        spec = RequestSpec("bad", _prompt(13, 3), SamplingParams(max_tokens=5, ignore_eos=True))
+        (end,) = _run_until_decode_ends(prefill, decode, spec)
+    finally:
+        decode.runner.admit_staged = admit
+    assert end.finish_reason == "error" and end.retryable, end
+    assert "could not be rebuilt" in end.error and "not the specs'" in end.error
+    wait_all_free(prefill, decode)
+    for rank in (prefill, decode):
+        _v4_free(rank)
+
+
+def test_v4_abort_during_the_rebuild_frees_the_rebuilt_cache_once(pd):
+    """An abort that lands while decode rebuilds the cache (here: right before the runner's
+    import) frees the scheduler blocks at once and the rebuilt V4 blocks once."""
+    prefill, decode = pd
+    admit, rebuilt = decode.runner.admit_staged, threading.Event()
+
+    def abort_then_admit(request_id, *args):
+        assert decode.role.abort(request_id)
+        admit(request_id, *args)
+        rebuilt.set()
+
+    decode.runner.admit_staged = abort_then_admit
+    try:
+        spec = RequestSpec("race", _prompt(21, 4), SamplingParams(max_tokens=5, ignore_eos=True))
+        (end,) = _run_until_decode_ends(prefill, decode, spec)
+    finally:
+        decode.runner.admit_staged = admit
+    assert end.finish_reason == "abort", end
+    assert rebuilt.wait(10)  # NOTE: the abort's event comes before the rebuild ends
+    wait_all_free(prefill, decode)
+    for rank in (prefill, decode):
+        _v4_free(rank)
