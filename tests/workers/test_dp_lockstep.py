@@ -30,7 +30,7 @@ from engine.request import RequestSpec
 from tests.leaks import assert_pool_empty
 
 VOCAB, TOKEN = 32, 7  # every row's argmax is TOKEN
-STEP_TIMEOUT_S = 1.5  # the sync and the fake EP collective
+STEP_TIMEOUT_S = 3.0  # the sync and the fake EP collective (1.5 timed out a healthy step at load ~5)
 ROUNDS_IDLE = 20
 # NOTE: also how long Gloo keeps a timed-out op (and the process's exit waits for it)
 CONNECT_S = 5.0
