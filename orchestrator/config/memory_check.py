@@ -28,6 +28,10 @@ from orchestrator.config.memory_plan import DTYPE_BYTES, Precision, RoleLayout, 
 from orchestrator.config.memory_plan_v4 import V4Precision, plan_role_v4, request_line
 
 
+# NOTE: KV rows sized by max_num_seqs, not by num_kv_blocks (V4's compressor state)
+PER_SEQ_KV = ("KV: compressor state",)
+
+
 class MemoryPlanError(ConfigError):
     """The layout does not fit the device memory; the message says by how much and what to
     change."""
@@ -216,8 +220,9 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     if lay.role != "decode" and most_tokens is not None and most_tokens < lay.step_tokens:
         fixes.append(f"lower {key}.max_num_batched_tokens from {lay.step_tokens} to <= "
                      f"{most_tokens}")
-    per_block = role.bytes_of("kv") / lay.num_kv_blocks
-    room = have - (role.total_bytes - role.bytes_of("kv"))
+    pool = sum(r.bytes for r in role.rows if r.group == "kv" and r.kind not in PER_SEQ_KV)
+    per_block = pool / lay.num_kv_blocks
+    room = have - (role.total_bytes - pool)
     least = -(-lay.max_model_len // lay.block_size)
     if room >= least * per_block:
         fixes.append(f"lower {key}.num_kv_blocks from {lay.num_kv_blocks} to <= "

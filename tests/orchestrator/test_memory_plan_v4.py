@@ -5,12 +5,16 @@ the released DeepSeek-V4-Flash config.json, checked by hand and against the engi
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 import torch
 
 from engine.v4.config import V4Config
 from engine.v4.model import DeepseekV4ForCausalLM
 from orchestrator.cli import main
+from orchestrator.config.load import load_config
+from orchestrator.config.memory_check import MemoryPlanError, check_memory
 from orchestrator.config.memory_plan import RoleLayout
 from orchestrator.config.memory_plan_v4 import (FP4_BYTES, V4Precision, kv_bytes_per_request,
                                                 kv_elements_per_request, plan_role_v4)
@@ -97,3 +101,20 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
     assert "memory plan: fits" in out
     assert "not supported yet: mode: disaggregated" in err
+
+
+def test_a3_v4_too_many_blocks_suggests_how_many_fit():
+    """The most blocks that fit, the compressor state (per sequence, not per block: 1.5 GB at
+    256 sequences) kept out of the per-block bytes."""
+    seqs = {"decode.max_num_seqs": 256}
+
+    def load(blocks: int):
+        return load_config(A3_V4, {**seqs, "decode.num_kv_blocks": blocks}, planning=True)
+
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(load(4608))
+    most = int(re.search(r"lower decode.num_kv_blocks from 4608 to <= (\d+)",
+                         str(err.value)).group(1))
+    assert check_memory(load(most)).startswith("memory plan: fits")
+    with pytest.raises(MemoryPlanError):
+        check_memory(load(most + 1))
