@@ -28,7 +28,8 @@ def _cmd_up(ns: argparse.Namespace) -> int:
              "router.metrics_host": ns.metrics_host, "router.metrics_port": ns.metrics_port,
              "router.http_port": ns.http_port}
     try:
-        cfg = load_config(ns.config, {k: v for k, v in flags.items() if v is not None})
+        cfg = load_config(ns.config, {k: v for k, v in flags.items() if v is not None},
+                          planning=ns.dry_run)
     except ConfigError as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 2
@@ -53,10 +54,11 @@ def _cmd_up(ns: argparse.Namespace) -> int:
 
 
 def _dry_run(cfg: OrchConfig) -> int:
-    """Print the `orch up --dry-run` report; 2 when the memory plan does not fit."""
+    """Print the `orch up --dry-run` report; 2 when the memory plan does not fit, or (after
+    the plan) when DeepSeek-V4 serving refuses the layout."""
     from orchestrator.config.errors import ConfigError
     from orchestrator.config.memory_check import check_memory
-    from orchestrator.deploy.placement import dry_run_report
+    from orchestrator.deploy.placement import dry_run_report, v4_refusal
     from orchestrator.planner.report import dry_run_lines
 
     try:
@@ -64,6 +66,9 @@ def _dry_run(cfg: OrchConfig) -> int:
         print(check_memory(cfg))
         for line in dry_run_lines(cfg):
             print(line)
+        refusal = v4_refusal(cfg)  # NOTE: a V4 layout serving refuses: planned, then refused
+        if refusal is not None:
+            raise refusal
     except ConfigError as exc:
         print(f"orch up: {exc}", file=sys.stderr)
         return 2

@@ -78,6 +78,12 @@ class V4Config:
     num_nextn_predict_layers: int
     max_position_embeddings: int
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """True for every layer (the MTP layer's too): all route their tokens to experts, by
+        ``tid2eid`` on ``hash_moe`` layers, by top-k on ``moe`` ones (``ModelConfig``'s name
+        and meaning, so the planner's MoE terms read both)."""
+        return 0 <= layer < self.num_hidden_layers + self.num_nextn_predict_layers
+
     def compress_ratio(self, layer: int) -> int:
         """Tokens per compressed entry of ``layer`` (0: sliding window only)."""
         kind = self.layer_types[layer]

@@ -11,7 +11,9 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.config.errors import ConfigError, validation_error_message, yaml_error_message
+from orchestrator.config.checkpoint import model_config_dict
 from orchestrator.config.layout_check import check_tp_layout
+from orchestrator.config.v4_check import is_v4
 from orchestrator.config.schema import OrchConfig
 
 
@@ -35,12 +37,15 @@ def _resolve_config_json(data: dict, folder: Path) -> None:
         model["config_json"] = str(folder / value)
 
 
-def load_config(path: str | Path, overrides: dict[str, object] | None = None) -> OrchConfig:
+def load_config(path: str | Path, overrides: dict[str, object] | None = None,
+                planning: bool = False) -> OrchConfig:
     """Read and validate a YAML config file, and each role's tp against the model
     (:func:`orchestrator.config.layout_check.check_tp_layout`, when the model's config is at hand).
 
     ``overrides``: dotted key path -> value (``{"router.port": 9000}``) replacing the file's
-    values before validation (the `orch up --port` flags).
+    values before validation (the `orch up --port` flags). ``planning``: the config is only
+    planned (`orch up --dry-run`, `orch plan`), so a DeepSeek-V4 layout that V4 serving
+    refuses still loads (the dry run prints that refusal after the plan).
 
     Raises:
         ConfigError: the file is missing or unreadable, is not YAML, or does not validate, or
@@ -72,5 +77,11 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None) ->
     try:
         check_tp_layout(cfg)
     except ConfigError as exc:
-        raise ConfigError(f"invalid config {path}:\n- {exc}") from None
+        if not (planning and _is_v4(cfg)):
+            raise ConfigError(f"invalid config {path}:\n- {exc}") from None
     return cfg
+
+
+def _is_v4(cfg: OrchConfig) -> bool:
+    raw, _ = model_config_dict(cfg.model)
+    return raw is not None and is_v4(raw)

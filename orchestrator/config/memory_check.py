@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
-from engine.layout import tp_layout
-from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.model_config import CheckpointError, ModelConfig, UnsupportedModelError
+from engine.v4.config import V4Config
 from engine.quant.memory import bytes_per_param
 from kv_transfer.backend import COMM_SETTINGS
 from kv_transfer.plan import build_transfer_plan
@@ -24,6 +25,11 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.devices import GB, DeviceMemory, device_memory
 from orchestrator.config.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePlan, plan_role
+from orchestrator.config.memory_plan_v4 import V4Precision, plan_role_v4, request_line
+
+
+# NOTE: KV rows sized by max_num_seqs, not by num_kv_blocks (V4's compressor state)
+PER_SEQ_KV = ("KV: compressor state",)
 
 
 class MemoryPlanError(ConfigError):
@@ -38,13 +44,19 @@ class UnservableModelError(ConfigError):
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The plan of every role of a config, and the memory it is checked against."""
+    """The plan of every role of a config, and the memory it is checked against.
 
-    model: ModelConfig
+    Attributes:
+        model: the parsed config.json (DeepSeek-V4: :class:`engine.v4.config.V4Config`).
+        plan_fn: plans one role of ``model`` (:func:`plan_role` / :func:`plan_role_v4`).
+    """
+
+    model: ModelConfig | V4Config
     source: str
     precision: Precision
     roles: tuple[RolePlan, ...]
     memory: DeviceMemory
+    plan_fn: Callable[..., RolePlan] = plan_role
 
     @property
     def all_ranks_bytes(self) -> int:
@@ -109,8 +121,8 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     raw, source = model_config_dict(cfg.model)
     if raw is None:
         return None, source
-    if is_v4(raw):  # NOTE: the memory plan reads V3's MLA sizes; V4's per-kind KV: not yet
-        return None, f"DeepSeek-V4 is not memory-planned yet ({source})"
+    if is_v4(raw):
+        return _v4_memory_plan(cfg, raw, source), source
     try:
         model = ModelConfig.from_dict(raw)
     except UnsupportedModelError as exc:
@@ -130,6 +142,22 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return MemoryPlan(model, source, precision, roles, memory), source
+
+
+def _v4_memory_plan(cfg: OrchConfig, raw: dict, source: str) -> MemoryPlan:
+    """:func:`build_memory_plan` of a DeepSeek-V4 config.json (:mod:`.memory_plan_v4`)."""
+    try:
+        model = V4Config.from_dict(raw)
+    except CheckpointError as exc:
+        raise UnservableModelError(f"{source}: {exc}") from None
+    precision = V4Precision.for_checkpoint(raw, cfg.model.dtype, cfg.model.fp8_storage)
+    try:
+        layouts = with_communicators(cfg, model, role_layouts(cfg))
+        roles = tuple(plan_role_v4(model, lay, precision) for lay in layouts)
+        memory = device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return MemoryPlan(model, source, precision, roles, memory, plan_role_v4)
 
 
 def check_memory(cfg: OrchConfig) -> str:
@@ -181,7 +209,7 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     key = lay.section
     experts = plan.model.n_routed_experts or 0
     if not lay.ep and experts and experts % lay.ranks == 0:
-        on = plan_role(plan.model, replace(lay, ep=True), plan.precision).total_bytes
+        on = plan.plan_fn(plan.model, replace(lay, ep=True), plan.precision).total_bytes
         fixes.append(f"set {key}.ep: true ({_gb(on)} GB per rank, "
                      f"{experts // lay.ranks} experts each)")
     wider = _wider_tp(plan, role) if lay.cp == 1 else None  # NOTE: CP needs tp 1
@@ -192,8 +220,9 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     if lay.role != "decode" and most_tokens is not None and most_tokens < lay.step_tokens:
         fixes.append(f"lower {key}.max_num_batched_tokens from {lay.step_tokens} to <= "
                      f"{most_tokens}")
-    per_block = role.bytes_of("kv") / lay.num_kv_blocks
-    room = have - (role.total_bytes - role.bytes_of("kv"))
+    pool = sum(r.bytes for r in role.rows if r.group == "kv" and r.kind not in PER_SEQ_KV)
+    per_block = pool / lay.num_kv_blocks
+    room = have - (role.total_bytes - pool)
     least = -(-lay.max_model_len // lay.block_size)
     if room >= least * per_block:
         fixes.append(f"lower {key}.num_kv_blocks from {lay.num_kv_blocks} to <= "
@@ -206,20 +235,20 @@ def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
     """The most step tokens with which ``role`` fits, everything else unchanged (None: it
     does not fit even with one)."""
     lay, have = role.layout, plan.memory.bytes
-    base = plan_role(plan.model, replace(lay, step_tokens=0), plan.precision).total_bytes
-    per_token = plan_role(plan.model, replace(lay, step_tokens=1), plan.precision).total_bytes \
-        - base
+    base = plan.plan_fn(plan.model, replace(lay, step_tokens=0), plan.precision).total_bytes
+    per_token = plan.plan_fn(plan.model, replace(lay, step_tokens=1),
+                             plan.precision).total_bytes - base
     if per_token <= 0 or base + per_token > have:
         return None
     return (have - base) // per_token
 
 
 def _wider_tp(plan: MemoryPlan, role: RolePlan) -> RolePlan | None:
-    """The plan with tp doubled, when the model can be split that way (and ep still divides)."""
-    lay = role.layout
+    """The plan with tp doubled, when the model can be split that way (and ep still divides;
+    the plan functions raise ValueError otherwise)."""
     try:
-        tp_layout(plan.model, lay.tp * 2, lay.ep_size * 2 if lay.ep else 1)
-        return plan_role(plan.model, replace(lay, tp=lay.tp * 2), plan.precision)
+        return plan.plan_fn(plan.model, replace(role.layout, tp=role.layout.tp * 2),
+                            plan.precision)
     except ValueError:
         return None
 
@@ -241,13 +270,19 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
     if plan is None:
         return []
     mem = plan.memory
-    quant = plan.model.quantization
+    quant = None if isinstance(plan.model, V4Config) else plan.model.quantization
     stored = "" if quant is None else \
         f", linear weights {quant.method} checkpoint stored at {plan.precision.linear:.4g} B/el"
+    if isinstance(plan.precision, V4Precision):
+        stored = (f", DeepSeek-V4: linears {plan.precision.linear:.4g} B/el, routed experts "
+                  f"{plan.precision.expert:.4g} B/el")
     lines = [f"memory plan per rank ({cfg.model.dtype}{stored}; GB = 10^9 bytes; model "
              f"{source}; device {_gb(mem.bytes)} GB: {mem.source})"]
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
+        if isinstance(plan.model, V4Config):
+            lines.append(request_line(plan.model, role.layout.max_model_len,
+                                      plan.precision.kv))
         lines.append(_prefix_cache_line(cfg, role.layout))
     if mem.shared:
         ranks = sum(p.layout.ranks for p in plan.roles)

@@ -176,7 +176,8 @@ class RolePlan:
 
 
 def num_moe_layers(m: ModelConfig) -> int:
-    """Decoder layers with routed experts (the rest have a dense MLP)."""
+    """Decoder layers with routed experts (the rest have a dense MLP; DeepSeek-V4's
+    ``V4Config.is_moe_layer`` says every layer routes)."""
     return sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
 
 

@@ -10,7 +10,9 @@ per rank; 0.5: two ranks share one, e.g. prefill and decode on one development G
 from __future__ import annotations
 
 from rank.config import InstanceConfig
-from orchestrator.config.checkpoint import layer_count_for_plan
+from orchestrator.config.checkpoint import layer_count_for_plan, model_config_dict
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.v4_check import is_v4
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.sections import ClusterSection
 from orchestrator.config.layout_check import check_tp_layout
@@ -119,11 +121,37 @@ def dry_run_report(cfg: OrchConfig) -> str:
     lines = [f"model: {cfg.model.path} -> {cfg.model.checkpoint_dir()} ({cfg.model.dtype}, "
              f"max_model_len {cfg.model.max_model_len})"]
     lines += describe_placement(cfg, instances)
-    lines.append(check_tp_layout(cfg))
+    lines.append(_tp_line(cfg))
     lines += describe_memory(cfg)
     lines += describe_transfer_plans(cfg, instances)
     lines.append(_describe_router(cfg))
     return "\n".join(lines)
+
+
+def _tp_line(cfg: OrchConfig) -> str:
+    """:func:`check_tp_layout`'s line; for a DeepSeek-V4 layout V4 serving refuses, a line
+    saying so, so the dry run still plans it (``orch up --dry-run`` prints the refusal after
+    the plan: :func:`v4_refusal`)."""
+    try:
+        return check_tp_layout(cfg)
+    except ConfigError:
+        if v4_refusal(cfg) is None:
+            raise
+        return ("tp layout: DeepSeek-V4 serving refuses this layout today (the reason "
+                "follows the plan); planned as written")
+
+
+def v4_refusal(cfg: OrchConfig) -> ConfigError | None:
+    """The error V4 serving refuses ``cfg`` with (orchestrator/config/v4_check.py), or None
+    (not V4, or a layout it serves)."""
+    raw, _ = model_config_dict(cfg.model)
+    if raw is None or not is_v4(raw):
+        return None
+    try:
+        check_tp_layout(cfg)
+    except ConfigError as exc:
+        return exc
+    return None
 
 
 def _describe_router(cfg: OrchConfig) -> str:

@@ -97,7 +97,7 @@ def run(ns: argparse.Namespace) -> int:
     from orchestrator.planner.report import format_plan, plan_config, resolve_device
 
     try:
-        cfg = load_config(ns.config)
+        cfg = load_config(ns.config, planning=True)
         if (ns.workload is None) == (ns.trace is None):
             raise ValueError("give one of --workload in=..,out=.. or --trace FILE")
         if ns.workload is not None:

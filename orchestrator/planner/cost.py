@@ -26,8 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.model_config import ModelConfig
+from engine.v4.config import V4Config
 from orchestrator.config.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
-from orchestrator.planner import counts
+from orchestrator.config.memory_plan_v4 import V4Precision
+from orchestrator.planner import counts, counts_v4
 from orchestrator.planner.moe import (StepOptions, alltoall_s, experts_per_rank, imbalance,
                                       receive_excess)
 from orchestrator.planner.overlap import (ATTN, COMBINE, DECODE, DISPATCH, MOE, NONE, PRE,
@@ -144,6 +146,18 @@ class Hardware:
         return gb_s * GBPS * self.spec.kernels.link
 
 
+def counts_for(m: ModelConfig | V4Config):
+    """The per-token counts of ``m``'s family: :mod:`.counts_v4` for DeepSeek-V4, else
+    :mod:`.counts` (same function names and units)."""
+    return counts_v4 if isinstance(m, V4Config) else counts
+
+
+def expert_bytes_per_el(prec: Precision) -> float:
+    """Bytes per routed-expert weight: DeepSeek-V4's own (FP4 in the release), else the
+    linears'."""
+    return prec.expert if isinstance(prec, V4Precision) else prec.linear
+
+
 def eight_bit(prec: Precision) -> bool:
     """Linears stored in one byte (FP8 / INT8; their block scales add a few bytes per
     thousand weights: ~1.0002 bytes per weight, :func:`engine.quant.memory.bytes_per_param`)."""
@@ -194,14 +208,15 @@ class Work:
 def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
              opts: StepOptions, w: Work) -> tuple[list[Term], float]:
     """The kernel terms of one pass and the EP imbalance they ran with."""
+    c = counts_for(m)
     lay = plan.layout
     ranks = lay.tp * lay.cp
     rows = {r.kind: r.bytes for r in plan.rows}
     gemm, hbm = hw.gemm_flops(prec), hw.hbm()
     moe_kinds = ("routed experts", "shared experts", "embedding")
     dense_bytes = plan.bytes_of("weights") - sum(rows.get(k, 0) for k in moe_kinds)
-    dense = counts.dense_params_per_token(m)
-    out_share = counts.output_params_per_token(m) / dense
+    dense = c.dense_params_per_token(m)
+    out_share = c.output_params_per_token(m) / dense
     dense_flops = 2 * w.tokens * dense / ranks
     lm_flops = 2 * w.lm_rows * m.hidden_size * m.vocab_size / lay.tp
     lm_rate = hw.spec.bf16_tflops * TFLOPS * hw.spec.kernels.gemm_bf16
@@ -219,17 +234,17 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     group_tokens = w.tokens * (lay.dp if lay.ep else 1)
     imb = imbalance(m, lay.ep_size, group_tokens, opts) if lay.ep else 1.0
     terms.append(_roofline("shared experts", SHARED,
-                           2 * w.tokens * counts.shared_params_per_token(m) / ranks, gemm,
+                           2 * w.tokens * c.shared_params_per_token(m) / ranks, gemm,
                            rows.get("shared experts", 0), hbm))
-    active = counts.expert_active_share(m, group_tokens)
+    active = c.expert_active_share(m, group_tokens)
     if lay.ep:
         held = experts_per_rank(m, lay.ep_size, opts.redundant)
-        expert_bytes = num_moe_layers(m) * held * counts.expert_params(m) * prec.linear
+        expert_bytes = num_moe_layers(m) * held * c.expert_params(m) * expert_bytes_per_el(prec)
     else:
         expert_bytes = rows.get("routed experts", 0)
     masked = hw.spec.kernels.gemm_masked if w.decode else 1.0
     terms.append(_roofline("routed experts", MOE,
-                           2 * w.tokens * counts.routed_params_per_token(m) / ranks * imb,
+                           2 * w.tokens * c.routed_params_per_token(m) / ranks * imb,
                            gemm * masked, expert_bytes * active, hbm))
     return terms + _elementwise(m, prec, hw, w, ranks, imb), imb
 
@@ -240,10 +255,11 @@ def _elementwise(m: ModelConfig, prec: Precision, hw: Hardware, w: Work, ranks: 
     device's streaming rate, the tokens split over the DP rank's ``ranks`` like the GEMMs'
     (NOTE: under TP the hidden-size norms are in fact repeated on every TP rank; counted
     once); routed copies x the EP imbalance. None where the device does not model them."""
+    c = counts_for(m)
     eff = hw.spec.kernels.elementwise_hbm
     if eff <= 0:
         return []
-    attn, moe, per_copy = counts.elementwise_bytes_per_token(
+    attn, moe, per_copy = c.elementwise_bytes_per_token(
         m, prec.activation, eight_bit(prec), prefill=not w.decode)
     bw = hw.spec.hbm_gb_s * GBPS * eff
     copies = m.num_experts_per_tok * imb
@@ -253,12 +269,14 @@ def _elementwise(m: ModelConfig, prec: Precision, hw: Hardware, w: Work, ranks: 
 
 
 def _tp_comm(m: ModelConfig, lay: RoleLayout, hw: Hardware, w: Work, act: float) -> float:
-    """TP all-reduces (two per layer, one for the vocab-parallel embedding) and, decoding,
-    the all-gather of the sampled rows' fp32 logits."""
+    """TP all-reduces (:func:`.counts.tp_allreduces_per_layer` per layer, one for the
+    vocab-parallel embedding) and, decoding, the all-gather of the sampled rows' fp32
+    logits."""
     if lay.tp <= 1:
         return 0.0
     hidden = w.tokens / lay.cp * m.hidden_size * act
-    seconds = (2 * m.num_hidden_layers + 1) * allreduce_s(hw, hidden, lay.tp)
+    per_layer = counts_for(m).tp_allreduces_per_layer(lay.ep)
+    seconds = (per_layer * m.num_hidden_layers + 1) * allreduce_s(hw, hidden, lay.tp)
     if w.decode:
         gather = w.lm_rows * m.vocab_size * 4 * (lay.tp - 1) / lay.tp
         seconds += gather / hw.link(lay.tp) + hw.latency_s
@@ -272,7 +290,8 @@ def sp_tp_s(m: ModelConfig, hw: Hardware, tokens: float, n: int, act: float,
     all-to-all at the collective link rate plus a latency each per micro-batch. Taken as
     serial: the source overlaps the MoE all-to-all with the other micro-batch, and does not
     say these are (an assumption, docs/planner.md)."""
-    gathered, a2a = counts.sp_tp_bytes(m, tokens, n, act)
+    c = counts_for(m)
+    gathered, a2a = c.sp_tp_bytes(m, tokens, n, act)
     return m.num_hidden_layers * ((gathered + a2a) / hw.link(n) + 2 * batches * hw.latency_s)
 
 
@@ -320,9 +339,10 @@ def _forward(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
 def host_s(m: ModelConfig, lay: RoleLayout, hw: Hardware, tokens: float) -> float:
     """Host dispatch of one step of ``tokens`` tokens on one DP rank (with ``ep`` every DP
     rank's tokens reach the experts): per layer, plus per routed expert the rank runs."""
+    c = counts_for(m)
     step_tokens = tokens * (lay.dp if lay.ep else 1)
     local = (m.n_routed_experts or 0) / lay.ep_size
-    experts = num_moe_layers(m) * local * counts.expert_active_share(m, step_tokens)
+    experts = num_moe_layers(m) * local * c.expert_active_share(m, step_tokens)
     return 1e-6 * (m.num_hidden_layers * hw.spec.layer_overhead_us
                    + experts * hw.spec.expert_overhead_us)
 
@@ -359,6 +379,7 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     Raises:
         ValueError: ``cached`` outside [0, prompt - 1] (the last prompt token is computed).
     """
+    c = counts_for(m)
     if not 0 <= cached < prompt:
         raise ValueError(f"prefill_cost: cached ({cached}) must be in [0, prompt - 1 = "
                          f"{prompt - 1}]")
@@ -366,15 +387,15 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     total, past = None, cached
     while past < prompt:
         new = min(chunk, prompt - past)
-        w = Work(new, counts.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False,
-                 counts.prefix_up_flops(m, past))
+        w = Work(new, c.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False,
+                 c.prefix_up_flops(m, past))
         step = forward_cost(m, plan, prec, hw, opts, w)
         total = step if total is None else total + step
         past += new
     if lay.cp > 1:
         computed = prompt - cached
         chunks = -(-computed // chunk)
-        gather = (lay.cp - 1) / lay.cp * computed * counts.kv_bytes_per_token(m, prec) \
+        gather = (lay.cp - 1) / lay.cp * computed * c.kv_bytes_per_token(m, prec) \
             / hw.link(lay.ranks) + m.num_hidden_layers * hw.latency_s * chunks
         total = total + Cost((Term("CP gathers", SERIAL, gather, "link"),))
     return total
@@ -386,9 +407,10 @@ def decode_step_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardwa
     (with ``ep`` every DP rank steps together with the same batch). With MTP each sequence
     verifies ``1 + mtp`` tokens (absorbed attention over the same KV) and the draft module
     (one layer-like block) runs ``mtp`` times on the batch."""
+    c = counts_for(m)
     q = 1 + opts.mtp
-    w = Work(batch * q, batch * counts.attention_flops(m, q, int(context), absorbed=True),
-             batch * counts.kv_read_per_seq(m, prec, context), batch * q, True)
+    w = Work(batch * q, batch * c.attention_flops(m, q, int(context), absorbed=True),
+             batch * c.kv_read_per_seq(m, prec, context), batch * q, True)
     cost = forward_cost(m, plan, prec, hw, opts, w)
     if opts.mtp:
         cost = cost + Cost(_mtp_draft_terms(m, plan, prec, hw, batch, opts))
@@ -423,6 +445,7 @@ def kv_transfer_cost(m: ModelConfig, prec: Precision, hw: Hardware, prompt: int,
     """Shipping ``prompt`` tokens' KV (what decode does not hold already) to a decode DP
     rank: every decode rank receives all of it over its link (inter-domain once the
     ``group`` of both roles' ranks spans domains), one message per layer."""
-    nbytes = prompt * counts.kv_bytes_per_token(m, prec)
+    c = counts_for(m)
+    nbytes = c.kv_bytes_per_request(m, prec, prompt)
     return Cost((Term("KV transfer", SERIAL,
                       nbytes / hw.link(group) + m.num_hidden_layers * hw.latency_s, "link"),))

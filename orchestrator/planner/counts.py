@@ -136,6 +136,19 @@ def kv_bytes_per_token(m: ModelConfig, prec: Precision) -> float:
             + sum(m.indexer_layers) * m.index_head_dim) * prec.kv
 
 
+def tp_allreduces_per_layer(ep: bool) -> int:
+    """TP all-reduces of the hidden state per decoder layer: after o_proj and after the MLP
+    (with EP the routed experts' combine is the all-to-all's, the TP-split shared experts'
+    still needs one)."""
+    return 2
+
+
+def kv_bytes_per_request(m: ModelConfig, prec: Precision, num_tokens: int) -> float:
+    """KV bytes of a request after ``num_tokens`` tokens (what PD ships): ``num_tokens`` x
+    :func:`kv_bytes_per_token` (every token keeps its latent in every layer)."""
+    return num_tokens * kv_bytes_per_token(m, prec)
+
+
 def kv_read_per_seq(m: ModelConfig, prec: Precision, context: float) -> float:
     """KV bytes one decode step reads for one sequence of ``context`` tokens (V3.2: the
     top-k latents and the indexer keys of the whole context)."""

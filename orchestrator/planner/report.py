@@ -12,9 +12,8 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.memory_check import MemoryPlan, build_memory_plan
 from orchestrator.config.memory_plan import RolePlan
-from orchestrator.planner.cost import (Cost, Hardware, decode_step_cost, kv_transfer_cost,
-                                       prefill_cost, request_calls)
-from orchestrator.planner.counts import kv_bytes_per_token
+from orchestrator.planner.cost import (Cost, Hardware, counts_for, decode_step_cost,
+                                       kv_transfer_cost, prefill_cost, request_calls)
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
 from orchestrator.planner.kv_tail import kv_tail_s
@@ -213,7 +212,8 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
     if explain:
         lines += cost_lines(plan.step_cost, 1e3, "ms", "    ")
     if plan.transfer is not None:
-        nbytes = plan.shipped * kv_bytes_per_token(plan.memory.model, plan.memory.precision)
+        nbytes = counts_for(plan.memory.model).kv_bytes_per_request(
+            plan.memory.model, plan.memory.precision, plan.shipped)
         how = "layer by layer" if plan.cfg.kv_transfer.layerwise else "after each chunk"
         lines.append(f"kv transfer per request: {plan.transfer.total_s:.3g} s "
                      f"({_gb(nbytes)} GB); {plan.kv_tail_s:.3g} s of it after the prefill "

@@ -1,0 +1,261 @@
+"""Per-rank memory plan of DeepSeek-V4: the :mod:`.memory_plan` table (same :class:`RolePlan`
+rows, groups and report) for a :class:`engine.v4.config.V4Config`.
+
+Weights by kind, each row's elements from the config's shapes (engine/v4 module docstrings)
+under V4's split rules, written once here (:data:`SPLITS`): attention (q_a, q_b, kv_proj, the
+sinks and norms), the compressors and CSA's lightning indexer, mHC and the shared expert are
+whole on every TP rank (one shared K=V head: nothing splits by heads; transformers'
+``base_model_tp_plan`` replicates them too); the grouped output projection splits over TP
+(``o_a_proj`` by its ``o_groups x o_lora_rank`` output rows, ``o_b_proj`` by the same input
+columns, then an all-reduce); routed experts split by intermediate over TP, or whole over EP
+(hash-routed layers too: ``tid2eid`` picks experts, the experts are the same kind).
+
+KV: the pools :func:`engine.v4.runner.serving_pools` allocates, one per KV group of
+:func:`engine.v4.block_table.kv_groups` (the window's raw K=V, per compressed kind its entries
+with the indexer keys), each ``num_kv_blocks x block_size`` rows of the group's
+``row_elements``; the compressors' open-group state lives in each request's objects (at most
+``max_num_seqs`` requests). Every width comes from :mod:`engine.v4.kv_spec`. What ONE request
+holds is :func:`kv_bytes_per_request` (the spec's rows at ``n`` tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.v4.block_table import kv_groups
+from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
+from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
+from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RoleLayout, RolePlan
+
+FP4_BYTES = 0.5 + 1 / 32  # NOTE: e2m1 pairs + one e8m0 scale per 32 (DeepSeek's expert_dtype fp4)
+FP8_BLOCK_BYTES = 1 + 1 / (128 * 128)  # e4m3 + one ue8m0 scale per 128 x 128 block
+ID_BYTES = 8  # tid2eid expert ids, int64 as engine/v4/moe.py registers them
+
+SPLITS = {"attention": "whole", "grouped output projection": "/tp", "compressors + indexer":
+          "whole", "mHC": "whole", "shared expert": "whole", "routed experts": "/tp or EP",
+          "embedding": "vocab /tp", "lm_head": "vocab /tp"}
+
+
+@dataclass(frozen=True)
+class V4Precision(Precision):
+    """:class:`Precision` plus ``expert``: bytes per routed-expert weight (FP4 in the release)."""
+
+    expert: float = 2.0
+
+    @classmethod
+    def for_checkpoint(cls, raw: dict, dtype: str, fp8_storage: str) -> "V4Precision":
+        """The release stores linears FP8 (``quantization_config``) and routed experts FP4
+        (``expert_dtype``); kept so with ``model.fp8_storage: fp8``, else at ``dtype``."""
+        size = DTYPE_BYTES[dtype]
+        keep = fp8_storage == "fp8"
+        fp8 = keep and (raw.get("quantization_config") or {}).get("quant_method") == "fp8"
+        linear = FP8_BLOCK_BYTES if fp8 else size
+        expert = FP4_BYTES if keep and raw.get("expert_dtype") == "fp4" else linear
+        return cls(linear=linear, weight=size, kv=size, activation=size, expert=expert)
+
+
+def _tp_divides(n: int, tp: int, what: str) -> int:
+    if n % tp:
+        raise ValueError(f"tp {tp} does not divide DeepSeek-V4's {what} ({n}): pick a tp that "
+                         "divides it")
+    return n // tp
+
+
+def attention_layer(m: V4Config) -> int:
+    """One layer's q_a, q_b, kv_proj (+ q_a_norm, kv_norm, sinks): whole on every rank."""
+    h, heads, d = m.hidden_size, m.num_attention_heads, m.head_dim
+    return h * m.q_lora_rank + m.q_lora_rank * heads * d + h * d + m.q_lora_rank + d + heads
+
+
+def output_layer(m: V4Config, tp: int) -> int:
+    """One layer's ``o_a_proj [g * o_lora, H * D / g]`` + ``o_b_proj [hidden, g * o_lora]`` on
+    one of ``tp`` ranks (both split along ``g * o_lora``)."""
+    rows = _tp_divides(m.o_groups * m.o_lora_rank, tp, "o_groups x o_lora_rank")
+    return rows * (m.num_attention_heads * m.head_dim // m.o_groups) + m.hidden_size * rows
+
+
+def compressor_layer(m: V4Config, kind: str) -> int:
+    """One layer's compressor (``kv_proj``, ``gate_proj [coff * D, hidden]``, ``position_bias
+    [ratio, coff * D]``, ``kv_norm``) and, CSA, its indexer (its own compressor at
+    ``index_head_dim`` + ``q_b_proj`` + ``weights_proj``); 0 for sliding layers."""
+    if kind == SLIDING:
+        return 0
+    ratio, h = dict(m.compress_rates)[kind], m.hidden_size
+
+    def one(width: int, coff: int) -> int:
+        return 2 * coff * width * h + ratio * coff * width + width
+
+    if kind == HCA:
+        return one(m.head_dim, 1)
+    c_i, n_i = m.index_head_dim, m.index_n_heads
+    return one(m.head_dim, 2) + one(c_i, 2) + m.q_lora_rank * n_i * c_i + h * n_i
+
+
+def hc_block(m: V4Config) -> int:
+    """One mHC (``fn [(2 + N) N, N h]``, ``base``, ``scale [3]``)."""
+    n = m.hc_mult
+    return (2 + n) * n * (n * m.hidden_size + 1) + 3
+
+
+def expert(m: V4Config, tp: int) -> int:
+    """One routed expert (gate_up ``[2I, h]``, down ``[h, I]``) with its intermediate / tp."""
+    return 3 * m.hidden_size * _tp_divides(m.moe_intermediate_size, tp,
+                                           "moe_intermediate_size")
+
+
+def experts_held(m: V4Config, lay: RoleLayout) -> int:
+    """Routed experts one rank holds per layer (EP: ``n / ep_size`` whole)."""
+    if not lay.ep:
+        return m.n_routed_experts
+    return _tp_divides(m.n_routed_experts, lay.ep_size, "n_routed_experts over EP")
+
+
+def router_layer(m: V4Config, layer: int) -> int:
+    """Gate weight ``[E, h]`` (+ ``e_score_correction_bias [E]`` on top-k layers; hash
+    layers' ``tid2eid`` is its own row, :data:`ID_BYTES` each)."""
+    gate = m.n_routed_experts * m.hidden_size
+    return gate if m.mlp_layer_types[layer] == HASH_MOE else gate + m.n_routed_experts
+
+
+def decoder_layer(m: V4Config, layer: int, kind: str, lay: RoleLayout) -> dict[str, int]:
+    """One decoder layer's weights on one rank by plan row."""
+    h = m.hidden_size
+    return {"attention": attention_layer(m), "grouped output projection": output_layer(m, lay.tp),
+            "compressors + indexer": compressor_layer(m, kind), "mHC": 2 * hc_block(m),
+            "shared expert": expert(m, 1),
+            "routed experts": experts_held(m, lay) * expert(m, 1 if lay.ep else lay.tp),
+            "norms + router": 2 * h + router_layer(m, layer),
+            "hash router tid2eid": m.vocab_size * m.num_experts_per_tok
+            if m.mlp_layer_types[layer] == HASH_MOE else 0}
+
+
+def _weights(m: V4Config, lay: RoleLayout) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for layer, kind in enumerate(m.layer_types):
+        for name, n in decoder_layer(m, layer, kind, lay).items():
+            out[name] = out.get(name, 0) + n
+    vocab = _tp_divides(m.vocab_size, lay.tp, "vocab_size") * m.hidden_size
+    out["embedding"], out["lm_head"] = vocab, 0 if m.tie_word_embeddings else vocab
+    out["norms + router"] += m.hidden_size + m.hc_mult * (m.hc_mult * m.hidden_size + 1) + 1
+    if lay.mtp:  # NOTE: one sliding layer (mtp.0) + e_proj, h_proj, enorm, hnorm, norm, hc head
+        mtp = sum(decoder_layer(m, m.num_hidden_layers - 1, SLIDING, lay).values())
+        h = m.hidden_size
+        out["MTP layer (speculative)"] = mtp + 2 * h * h + 3 * h + \
+            m.hc_mult * (m.hc_mult * h + 1) + 1
+    return out
+
+
+_STORAGE = {"routed experts": "expert", "embedding": "weight", "lm_head": "weight",
+            "norms + router": "weight", "mHC": "weight", "hash router tid2eid": "byte"}
+
+
+def _weight_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
+    rows = []
+    for name, n in _weights(m, lay).items():
+        if not n:
+            continue
+        split = SPLITS.get(name, "whole")
+        if name == "routed experts":
+            split = (f"{experts_held(m, lay)} of {m.n_routed_experts} whole (EP {lay.ep_size})"
+                     if lay.ep else f"all {m.n_routed_experts}, intermediate /{lay.tp}")
+        storage = _STORAGE.get(name, "linear")
+        per = ID_BYTES if storage == "byte" else getattr(prec, storage)
+        rows.append(PlanRow(name, "weights", n, per, split))
+    return rows
+
+
+_SHORT = {CSA: "CSA", HCA: "HCA"}
+
+
+def _kv_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
+    rows_per_pool = lay.num_kv_blocks * lay.block_size
+    out = []
+    for g in kv_groups(m):
+        if g.per == PER_REQUEST:
+            continue
+        kind = g.name.split("/", 1)[-1]
+        label = "window" if g.per == PER_TOKEN else f"{_SHORT[kind]} entries 1/{g.compress_ratio}"
+        what = "raw K=V" if g.per == PER_TOKEN else \
+            "K=V + index keys" if kind == CSA else "K=V"
+        out.append(PlanRow(f"KV: {label}", "kv", rows_per_pool * g.row_elements, prec.kv,
+                           f"{lay.num_kv_blocks} blocks x {lay.block_size} rows x "
+                           f"{g.row_elements:,} ({what}, {len(g.layers)} layers)"))
+    state = sum(g.row_elements for g in kv_groups(m) if g.per == PER_REQUEST)
+    out.append(PlanRow("KV: compressor state", "kv", lay.max_num_seqs * state, prec.kv,
+                       f"{lay.max_num_seqs} seqs x {state:,}"))
+    return out
+
+
+def _workspace_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
+    # NOTE: an estimate of one layer's live tensors per step token (reused layer to layer),
+    # fused attention kernels holding no score matrix: the hc_mult residual streams twice
+    # (in, out), 4 hidden-wide tensors, q latent, q and attention output on all heads, kv,
+    # the compressor projections (2 x coff x D, CSA indexer at 2 x 2 x c_I) and per routed
+    # choice its dispatched copy in and out plus gate, up and the SwiGLU product.
+    inter = m.moe_intermediate_size // (1 if lay.ep else lay.tp)
+    per_token = (2 * m.hc_mult + 4) * m.hidden_size + m.q_lora_rank \
+        + 2 * m.num_attention_heads * m.head_dim + m.head_dim + 4 * m.head_dim \
+        + 4 * m.index_head_dim + m.num_experts_per_tok * (2 * m.hidden_size + 3 * inter)
+    mine = -(-lay.step_tokens // lay.cp)
+    return [PlanRow("workspace: activations", "workspace", mine * per_token, prec.activation,
+                    f"{lay.step_tokens} step tokens (estimate)"),
+            PlanRow("workspace: logits", "workspace", lay.max_num_seqs * m.vocab_size, prec.fp32,
+                    f"{lay.max_num_seqs} seqs x full vocab, fp32")]
+
+
+def _comm_rows(lay: RoleLayout) -> list[PlanRow]:
+    names = lay.collectives
+    rows = [PlanRow("comm: KV pair groups", "communicators",
+                    lay.pair_groups * lay.pair_buffer_bytes, 1.0,
+                    f"{lay.pair_groups} KV pair group(s) x {lay.pair_buffer_bytes / 1e6:g} MB"),
+            PlanRow("comm: TP/EP/CP groups", "communicators",
+                    len(names) * lay.comm_buffer_bytes, 1.0,
+                    f"{' + '.join(names) or 'none'} x {lay.comm_buffer_bytes / 1e6:g} MB")]
+    return [r for r in rows if r.elements]
+
+
+def plan_role_v4(model: V4Config, layout: RoleLayout, precision: V4Precision) -> RolePlan:
+    """What one rank of ``layout``'s role holds (module docstring).
+
+    Raises:
+        ValueError: tp does not divide ``o_groups x o_lora_rank``, ``moe_intermediate_size``
+            (ep off) or ``vocab_size``; the EP size does not divide ``n_routed_experts``.
+    """
+    rows = _weight_rows(model, layout, precision) + _kv_rows(model, layout, precision) \
+        + _workspace_rows(model, layout, precision) + _comm_rows(layout)
+    return RolePlan(layout, tuple(rows))
+
+
+def kv_elements_per_request(m: V4Config, num_tokens: int) -> dict[str, int]:
+    """Elements one request of ``num_tokens`` tokens holds, by tensor kind, summed over the
+    layers (:meth:`engine.v4.kv_spec.LayerKVSpec.rows` of each tensor): ``window`` (the last
+    ``sliding_window - 1`` raw K=V), ``entries`` (compressed K=V + CSA index keys),
+    ``state`` (the compressors' open groups)."""
+    out = {"window": 0, "entries": 0, "state": 0}
+    key = {PER_TOKEN: "window", PER_ENTRY: "entries", PER_REQUEST: "state"}
+    for spec in layer_specs(m):
+        for t in spec.tensors():
+            out[key[t.per]] += spec.rows(t, num_tokens) * t.width
+    return out
+
+
+def kv_bytes_per_request(m: V4Config, num_tokens: int, kv_bytes: float) -> float:
+    """Bytes one request of ``num_tokens`` tokens holds (and PD ships), every layer: the
+    spec's rows x widths x ``kv_bytes``."""
+    return sum(kv_elements_per_request(m, num_tokens).values()) * kv_bytes
+
+
+def request_line(m: V4Config, max_model_len: int, kv_bytes: float) -> str:
+    """One report line: a request's KV at ``max_model_len`` by kind, and what 1K more tokens
+    add past the window (compressed entries only)."""
+    parts = kv_elements_per_request(m, max_model_len)
+    total = sum(parts.values()) * kv_bytes
+    grow = kv_bytes_per_request(m, max_model_len + 1024, kv_bytes) - total
+    text = ", ".join(f"{k} {v * kv_bytes / 1e6:.3g}" for k, v in parts.items())
+    return (f"  KV per request at max_model_len {max_model_len:,}: {total / 1e6:.4g} MB "
+            f"({text}); +{grow / 1e6:.3g} MB per 1K more tokens (compressed entries only: "
+            f"the window stays {m.sliding_window - 1} tokens)")
+
+
+__all__ = ["FP4_BYTES", "SPLITS", "V4Precision", "kv_bytes_per_request",
+           "kv_elements_per_request", "plan_role_v4", "request_line"]

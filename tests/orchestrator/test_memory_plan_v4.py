@@ -1,0 +1,120 @@
+"""DeepSeek-V4's memory plan (orchestrator/config/memory_plan_v4.py) on the tiny V4 config and
+the released DeepSeek-V4-Flash config.json, checked by hand and against the engine's modules;
+`orch up --dry-run` of seed 004's V4 layout prints the plan once, then V4 serving's refusal."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engine.v4.config import V4Config
+from engine.v4.model import DeepseekV4ForCausalLM
+from orchestrator.cli import main
+from orchestrator.config.load import load_config
+from orchestrator.config.memory_check import MemoryPlanError, check_memory
+from orchestrator.config.memory_plan import RoleLayout
+from orchestrator.config.memory_plan_v4 import (FP4_BYTES, V4Precision, kv_bytes_per_request,
+                                                kv_elements_per_request, plan_role_v4)
+from orchestrator.tiny_model_v4 import tiny_v4_config_dict
+from tests.e2e.harness import REPO
+
+FLASH = REPO / "configs" / "models" / "deepseek-v4" / "config.json"
+A3_V4 = REPO / "configs" / "a3_v4_p2x16_d8x4.yaml"
+TINY = V4Config.from_dict(tiny_v4_config_dict())  # sliding, CSA 1/4, HCA 1/16, CSA; window 8
+
+
+def _layout(**kw) -> RoleLayout:
+    base = dict(role="decode", dp=1, tp=1, ep=False, num_kv_blocks=10, block_size=16,
+                step_tokens=4, max_num_seqs=3, max_model_len=256)
+    return RoleLayout(**{**base, **kw})
+
+
+def _rows(plan) -> dict[str, int]:
+    return {r.kind: r.elements for r in plan.rows}
+
+
+def test_tiny_request_kv_by_hand():
+    # 100 tokens, D 32, index keys 16: window 7 rows x 32 x 4 layers = 896; two CSA layers of
+    # 25 entries x (32 + 16) = 2400 and full-group state (100 % 4 = 0: no buffer; overlap 4
+    # rows of kv + gate at 32 and at 16) 2 x 384 = 768; HCA 6 entries x 32 = 192 and 4 open
+    # rows of kv + gate x 32 = 256.
+    parts = kv_elements_per_request(TINY, 100)
+    assert parts == {"window": 896, "entries": 2400 + 192, "state": 768 + 256}
+    assert kv_bytes_per_request(TINY, 100, 2.0) == 2 * 4512
+
+
+def test_request_kv_grows_only_by_compressed_entries_past_the_window():
+    a, b = kv_elements_per_request(TINY, 64), kv_elements_per_request(TINY, 128)
+    assert a["window"] == b["window"] == 7 * 32 * 4 and a["state"] == b["state"]
+    # 64 more tokens: 16 entries x 48 in each CSA layer, 4 x 32 in the HCA layer
+    assert b["entries"] - a["entries"] == 2 * 16 * 48 + 4 * 32
+    flash = V4Config.from_dict(json.loads(FLASH.read_text()))
+    short, long = (kv_elements_per_request(flash, n) for n in (65536, 131072))
+    assert short["window"] == long["window"] == 127 * 512 * 43
+
+
+def test_tiny_plan_rows_by_hand():
+    plan = plan_role_v4(TINY, _layout(dp=2, tp=2, ep=True), V4Precision.of("bfloat16"))
+    rows = _rows(plan)
+    # o_a: (2 groups x 16) / tp 2 = 16 rows x (4 heads x 32 / 2) + o_b 64 x 16, 4 layers
+    assert rows["grouped output projection"] == 4 * (16 * 64 + 64 * 16)
+    assert rows["routed experts"] == 4 * 2 * 3 * 64 * 32  # EP 4: 2 of 8 experts whole
+    assert rows["embedding"] == rows["lm_head"] == 129280 // 2 * 64
+    assert rows["KV: window"] == 10 * 16 * 4 * 32
+    assert rows["KV: CSA entries 1/4"] == 10 * 16 * 2 * (32 + 16)
+    assert rows["KV: HCA entries 1/16"] == 10 * 16 * 32
+    state = 2 * (2 * 3 * 64 + 2 * 4 * 32 + 2 * 3 * 32 + 2 * 4 * 16) + 2 * 15 * 32
+    assert rows["KV: compressor state"] == 3 * state
+    assert rows["hash router tid2eid"] == 2 * 129280 * 2
+
+
+def test_plan_counts_what_the_engine_builds():
+    """Weights at tp 1 equal the parameters (+ router bias buffers) of engine/v4's model; the
+    released Flash config gives DeepSeek's 284B (its MTP layer apart)."""
+    for cfg in (TINY, V4Config.from_dict(json.loads(FLASH.read_text()))):
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(cfg)
+        bias = sum(b.numel() for n, b in model.named_buffers()
+                   if n.endswith("e_score_correction_bias"))
+        rows = _rows(plan_role_v4(cfg, _layout(), V4Precision.of("bfloat16")))
+        weights = sum(n for k, n in rows.items() if not k.startswith(("KV", "workspace"))
+                      and k != "hash router tid2eid")
+        assert weights == sum(p.numel() for p in model.parameters()) + bias
+    assert round(weights / 1e9) == 284
+
+
+def test_release_precision():
+    raw = json.loads(FLASH.read_text())
+    kept = V4Precision.for_checkpoint(raw, "bfloat16", "fp8")
+    assert kept.expert == FP4_BYTES and kept.linear < 1.001 and kept.weight == 2
+    assert V4Precision.for_checkpoint(raw, "bfloat16", "dequantize").expert == 2
+
+
+def test_a3_v4_dry_run_plans_then_refuses(capsys):
+    assert main(["up", "--dry-run", str(A3_V4)]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("memory plan per rank") == 1 and "not memory-planned" not in out
+    assert "KV: CSA entries 1/4" in out and "planner on a3" in out
+    assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
+    assert "memory plan: fits" in out
+    assert "not supported yet: mode: disaggregated" in err
+
+
+def test_a3_v4_too_many_blocks_suggests_how_many_fit():
+    """The most blocks that fit, the compressor state (per sequence, not per block: 1.5 GB at
+    256 sequences) kept out of the per-block bytes."""
+    seqs = {"decode.max_num_seqs": 256}
+
+    def load(blocks: int):
+        return load_config(A3_V4, {**seqs, "decode.num_kv_blocks": blocks}, planning=True)
+
+    with pytest.raises(MemoryPlanError) as err:
+        check_memory(load(4608))
+    most = int(re.search(r"lower decode.num_kv_blocks from 4608 to <= (\d+)",
+                         str(err.value)).group(1))
+    assert check_memory(load(most)).startswith("memory plan: fits")
+    with pytest.raises(MemoryPlanError):
+        check_memory(load(most + 1))
