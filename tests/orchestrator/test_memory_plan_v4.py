@@ -100,7 +100,7 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
     assert "KV: CSA entries 1/4" in out and "planner on a3" in out
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
     assert "memory plan: fits" in out
-    assert "not supported yet: mode: disaggregated" in err
+    assert "not supported yet: decode.tp=4 (set 1)" in err
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():

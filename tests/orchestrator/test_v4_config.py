@@ -50,11 +50,11 @@ def test_v4_pd_config_loads_and_colocated_prefill_keys_are_chunking_only(tmp_pat
     assert not inst.scheduler.prefix_cache
 
 
-def test_v4_dry_run_says_the_memory_caveat_once(tmp_path, monkeypatch, capsys):
+def test_v4_dry_run_prints_its_memory_plan_once(tmp_path, monkeypatch, capsys):
     from orchestrator.cli import main  # noqa: PLC0415
 
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
     for config in (CONFIG, PD_CONFIG):
         assert main(["up", str(config), "--dry-run"]) == 0
         out = capsys.readouterr().out
-        assert out.count("not memory-planned") == 1, out
+        assert "not memory-planned" not in out and out.count("memory plan per rank") == 1, out
