@@ -222,7 +222,7 @@ class Leader:
         if self.has_tombstone(spec.request_id):
             self.emit_end(spec.request_id, "abort")
             return False
-        reason = self.too_big(self.scheduler.blocks_for(spec))
+        reason = self.too_big(self.scheduler.blocks_for(spec)) or self.scheduler.refusal(spec)
         if reason is not None:
             self.emit_end(spec.request_id, "error", reason)
             return False

@@ -181,6 +181,9 @@ class Rank:
                                  self.runner.model_config.eos_token_ids, group, self.dp_sync)
             if hasattr(self.runner, "release"):  # NOTE: V4: its blocks follow the pool's
                 self.leader.pool.on_free = self.runner.release
+                # NOTE: V4 admits by its per-group blocks (engine/v4/admission.py)
+                self.leader.scheduler.admission = self.runner.make_admission(
+                    self.cfg.scheduler.block_size, staged=self.cfg.role != "colocated")
         self.role = self.role_cls(RankParts(self.cfg, self.rank, self.runner, self.leader))
 
     def _join_step_channel(self, host: str, port: int) -> None:
