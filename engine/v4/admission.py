@@ -27,7 +27,7 @@ from engine.block_pool import BlockPool, BlockSet
 from engine.request import RequestSpec
 from engine.v4.block_table import kv_groups, reservation
 from engine.v4.config import V4Config
-from engine.v4.staging import staged_rows
+from engine.v4.staging import staging_blocks_for
 
 
 class V4Admission:
@@ -55,7 +55,7 @@ class V4Admission:
         """Scheduler-pool blocks ``spec`` takes: its staging rows' (PD) or one (colocated)."""
         if not self.staged:
             return 1
-        return -(-staged_rows(self.config, spec.num_prompt_tokens) // self.block_size)
+        return staging_blocks_for(self.config, spec.num_prompt_tokens, self.block_size)
 
     def need(self, num_tokens: int, step_tokens: int) -> dict[str, int]:
         """Blocks per group a request commits: the most it holds on its way to ``num_tokens``

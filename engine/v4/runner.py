@@ -112,9 +112,12 @@ class V4Runner:
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
-        num_kv_blocks, block_size: the scheduler pool's size; each V4 group's pool gets as
-            many blocks (:func:`serving_pools`).
+        num_kv_blocks, block_size: each V4 group's pool's blocks, and rows per block
+            (:func:`serving_pools`; state groups 1 row); block_size is the scheduler pool's.
         dtype, device: weights, activations and cache.
+        staging_blocks: blocks of the PD staging cache and of the scheduler pool that
+            addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
+            staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
         layout: the rest of the serving layout (``tp``, ``ep``, ``cp``, ``graph``,
             ``num_speculative_tokens``, ``layer_sharding``), checked by
             :func:`check_v4_serving`.
@@ -125,7 +128,7 @@ class V4Runner:
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 **layout: object) -> None:
+                 staging_blocks: int = 0, **layout: object) -> None:
         check_v4_serving(**layout)
         self.device = torch.device(device)
         self.model = load_v4(checkpoint_dir, dtype, self.device).eval()
@@ -137,8 +140,9 @@ class V4Runner:
             config.max_position_embeddings, config.num_hidden_layers, config.hidden_size)
         self.pools = serving_pools(config, num_kv_blocks, block_size)
         self.dtype = dtype
-        self.staging_spec = StagingSpec(config.num_hidden_layers, num_kv_blocks, block_size,
-                                        tiers(config), dtype, layout_text(config))
+        self.scheduler_blocks = staging_blocks or num_kv_blocks
+        self.staging_spec = StagingSpec(config.num_hidden_layers, self.scheduler_blocks,
+                                        block_size, tiers(config), dtype, layout_text(config))
         self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
         self.caches: dict[str, PagedV4Cache] = {}
@@ -244,7 +248,7 @@ class V4Runner:
     def kv_cache(self) -> StagingCache:
         """The staging cache the KV transfer reads (prefill) or writes (decode), made on first
         use (a PD role's; colocated serving never allocates it): per layer one
-        ``[num_kv_blocks, block_size, width]`` buffer per tier it has
+        ``[scheduler_blocks, block_size, width]`` buffer per tier it has
         (:func:`engine.v4.staging.tiers`), indexed by the scheduler's slots."""
         if self._staging is None:
             self._staging = StagingCache(self.staging_spec, self.device)

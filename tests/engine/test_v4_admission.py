@@ -12,7 +12,7 @@ from engine.request import Request, RequestSpec
 from engine.runner import build_runner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import COLOCATED, PREFILL, Scheduler
-from engine.v4.staging import staged_rows
+from engine.v4.staging import staged_rows, staging_bytes, staging_bytes_per_slot
 
 BLOCK = 16
 
@@ -75,3 +75,19 @@ def test_pd_roles_take_staging_slots_prefill_commits_the_prompt(tiny_v4_ckpt):
         -(-staged_rows(runner.model.config, 100) // BLOCK)
     assert sched.admission_need(req.spec)["entries/compressed_sparse_attention"] == \
         -(-(100 // 4) // BLOCK)
+
+
+def test_staging_pool_has_its_own_size_and_bytes(tiny_v4_ckpt):
+    """``staging_blocks`` sizes the staging cache and the scheduler pool over it (not
+    ``num_kv_blocks``, which sizes the group pools); ``staging_bytes`` is its allocation."""
+    runner = build_runner(tiny_v4_ckpt, num_kv_blocks=8, block_size=BLOCK, staging_blocks=2)
+    config = runner.model.config
+    assert runner.scheduler_blocks == runner.kv_spec.num_blocks == 2
+    assert all(p.num_blocks == 8 for p in runner.pools.values())
+    allocated = sum(b.numel() * b.element_size()
+                    for layer in range(config.num_hidden_layers)
+                    for b in runner.kv_cache.layer_buffers(layer))
+    assert allocated == staging_bytes(config, 2, BLOCK, 4)  # NOTE: fp32
+    assert staging_bytes_per_slot(config, 4) == \
+        runner.kv_spec.bytes_per_token_of(range(config.num_hidden_layers))
+    assert build_runner(tiny_v4_ckpt, num_kv_blocks=8, block_size=BLOCK).scheduler_blocks == 8

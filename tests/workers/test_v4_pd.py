@@ -44,11 +44,11 @@ def v4_ckpt(tmp_path_factory):
 
 
 def start(role_cls, ckpt, role: str, block_size: int = 4, num_kv_blocks: int = 64,
-          chunk_size: int = 8):
+          chunk_size: int = 8, staging_blocks: int = 0):
     """An in-process V4 rank of ``role``: chunks of 8, 16 tokens a step, no prefix cache."""
     scheduler = SchedulerConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 chunk_size=chunk_size, max_num_batched_tokens=16, max_num_seqs=4,
-                                prefix_cache=False)
+                                prefix_cache=False, staging_blocks=staging_blocks)
     transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
                               completion_timeout_s=20)
     rank = Rank(InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
@@ -247,13 +247,17 @@ def test_v4_abort_during_the_rebuild_frees_the_rebuilt_cache_once(pd):
 def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_ckpt):
     """A decode of 4 blocks of 8 per pool (a token a step): a 60 + 10 token request commits
     what it will hold (window 2 blocks, CSA entries 70 // 4 rows = 3 blocks, HCA 1, state 1
-    each; its scheduler blocks carry only its 2 blocks of staging rows), where prompt +
-    max_tokens would be 9 blocks, refused outright before. A second one while the first runs
-    is refused retryable naming the CSA entries (never a failed rebuild), fits once the first
-    ended; both equal colocated; every block and commitment back."""
+    each; its scheduler blocks carry only its 2 blocks of staging rows, in a staging pool of 3
+    blocks), where prompt + max_tokens would be 9 blocks, refused outright before. A second
+    one while the first runs is refused retryable naming the CSA entries (never a failed
+    rebuild), fits once the first ended; both equal colocated; every block and commitment
+    back."""
     prefill = pd[0]
-    small = start(DecodeRole, v4_ckpt, "decode", block_size=8, num_kv_blocks=4, chunk_size=1)
+    small = start(DecodeRole, v4_ckpt, "decode", block_size=8, num_kv_blocks=4, chunk_size=1,
+                  staging_blocks=3)
     try:
+        assert small.leader.pool.num_blocks == 3  # NOTE: the staging pool (v4_staging_blocks)
+        assert small.runner.kv_cache.layer_buffers(0)[0].shape[0] == 3
         specs = [RequestSpec(f"fit{i}", _prompt(60, 20 + i),
                              SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(2)]
         first = small.request(Reserve(specs[0], 1))
