@@ -12,6 +12,8 @@ from engine.request import Request, RequestSpec
 from engine.runner import build_runner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import COLOCATED, PREFILL, Scheduler
+from engine.v4.block_table import group_bytes
+from engine.v4.kv_spec import PER_REQUEST, layer_specs
 from engine.v4.staging import staged_rows, staging_bytes, staging_bytes_per_slot
 
 BLOCK = 16
@@ -91,3 +93,17 @@ def test_staging_pool_has_its_own_size_and_bytes(tiny_v4_ckpt):
     assert staging_bytes_per_slot(config, 4) == \
         runner.kv_spec.bytes_per_token_of(range(config.num_hidden_layers))
     assert build_runner(tiny_v4_ckpt, num_kv_blocks=8, block_size=BLOCK).scheduler_blocks == 8
+
+
+def test_group_bytes_are_what_the_pools_allocate(tiny_v4_ckpt):
+    """``group_bytes``: window and entries = PagedKV's tensors; a state block = one request's
+    largest open-group state (the specs' per-request rows x widths)."""
+    runner = build_runner(tiny_v4_ckpt, num_kv_blocks=5, block_size=BLOCK)
+    config, kv = runner.model.config, runner.kv
+    got = group_bytes(config, 5, BLOCK, 4)
+    stored = [kv.window, *kv.entries.values(), *kv.index_keys.values()]
+    assert sum(v for k, v in got.items() if not k.startswith("state/")) == \
+        sum(t.numel() * t.element_size() for t in stored)
+    state = sum(t.rows * t.width for s in layer_specs(config) for t in s.tensors()
+                if t.per == PER_REQUEST)
+    assert sum(v for k, v in got.items() if k.startswith("state/")) == 5 * state * 4

@@ -113,10 +113,14 @@ def test_rank_admits_by_v4_blocks_and_queues_the_rest(tiny_v4_ckpt, hf_greedy):
     chunk of 8, not its 4 blocks of context), 1 per entries and state group, and one
     scheduler block (before: 4 of those, refused outright); ``c`` (35 + 32) waits queued
     while ``a`` runs (its window blocks would not fit) and runs after it: both equal
-    transformers'; every block and commitment back."""
+    transformers'; every block and commitment back. 21 + 200 tokens (55 CSA entries: 4 blocks)
+    can never fit: an error naming the group at once."""
     rank = _rank(tiny_v4_ckpt, num_kv_blocks=3)
     try:
         runner, sched = rank.runner, rank.leader.scheduler
+        rank.request(_generate("big", 21, 0, 200))
+        _, reason, error = _collect(rank, {"big": ([], None, None)})["big"]
+        assert reason == "error" and "entries/compressed_sparse_attention: 4, 3" in error
         out = {rid: ([], None, None) for rid in ("a", "c")}
         rank.request(_generate("a", PROMPTS["a"], 0, NEW["a"]))
         rank.request(_generate("c", PROMPTS["c"], 2, NEW["c"]))
