@@ -289,7 +289,8 @@ class DecodeRole(V4Staged, Role):
         it (a prefill that sent none) the last prompt token counts as not computed: the first
         step computes it again with the first token (same KV) and drafting starts a step
         later. DeepSeek-V4: every rank rebuilds the request's cache from its staging rows
-        first; a rebuild that raises fails the request (blocks freed once)."""
+        first; a rebuild that raises fails the request (blocks freed once); once rebuilt, its
+        staging blocks but the first go back."""
         self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
         if self.staged_rows is not None and not self._admit_staged(request_id):
             return
@@ -297,6 +298,7 @@ class DecodeRole(V4Staged, Role):
             entry = self.reserved.pop(request_id, None)
             if entry is not None:  # else aborted meanwhile (and freed there)
                 req = entry.request
+                self._drop_staging_blocks(req)
                 req.num_computed_tokens = req.num_prompt_tokens
                 if self.leader.scheduler.num_speculative_tokens:
                     req.draft = self._first_draft(req, draft_hidden)

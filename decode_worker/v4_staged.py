@@ -58,6 +58,14 @@ class V4Staged:
             return False
         return True
 
+    def _drop_staging_blocks(self, req) -> None:
+        """V4, once every rank rebuilt ``req``'s cache (the staging rows are read): all its
+        scheduler blocks but the first (which names its V4 cache until it ends) go back to
+        the staging pool (:meth:`engine.block_pool.BlockPool.truncate`); no-op otherwise.
+        Caller holds the leader's lock and owns ``req`` (out of ``reserved``)."""
+        if self.staged_rows is not None and len(req.blocks) > 1:
+            req.blocks = self.leader.pool.truncate(req.blocks, 1)
+
     def v4_shortage(self, spec: RequestSpec) -> str:
         """``"; "`` + the V4 groups ``spec`` does not fit now (a full reservation's message;
         caller holds the leader's lock), or "" (not V4, or they fit)."""

@@ -15,8 +15,9 @@ goes back when the scheduler frees the request's block set (:meth:`V4Admission.r
 
 The scheduler's own pool then holds only what the request's slots carry: its staging rows on
 a PD role (:func:`engine.v4.staging.staged_rows` of the prompt, written by prefill and the
-transfer into its first slots), one block on a colocated one (the block set that names the
-request's cache). Its blocks are no longer a per-token budget for V4.
+transfer into its first slots; decode keeps only the first block once the cache is rebuilt),
+one block on a colocated one (the block set that names the request's cache). Its blocks are
+no longer a per-token budget for V4.
 """
 
 from __future__ import annotations

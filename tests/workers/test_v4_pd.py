@@ -250,8 +250,8 @@ def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_c
     each; its scheduler blocks carry only its 2 blocks of staging rows, in a staging pool of 3
     blocks), where prompt + max_tokens would be 9 blocks, refused outright before. A second
     one while the first runs is refused retryable naming the CSA entries (never a failed
-    rebuild), fits once the first ended; both equal colocated; every block and commitment
-    back."""
+    rebuild), fits once the first ended; once rebuilt, a request decodes holding one staging
+    block; both equal colocated; every block and commitment back."""
     prefill = pd[0]
     small = start(DecodeRole, v4_ckpt, "decode", block_size=8, num_kv_blocks=4, chunk_size=1,
                   staging_blocks=3)
@@ -266,8 +266,19 @@ def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_c
         assert isinstance(full, Rejection) and full.retryable, full
         assert "entries/compressed_sparse_attention: 3 needed, 1 of 4 uncommitted" in \
             full.reason, full.reason
-        events = _run_until_decode_ends(prefill, small, specs[0], first)
+        execute, used = small.runner.execute, []
+
+        def execute_and_count(steps, *args):  # NOTE: scheduler blocks held while decoding
+            used.append(small.leader.pool.num_blocks - small.leader.pool.num_free_blocks)
+            return execute(steps, *args)
+
+        small.runner.execute = execute_and_count
+        try:
+            events = _run_until_decode_ends(prefill, small, specs[0], first)
+        finally:
+            small.runner.execute = execute
         assert events[-1].finish_reason == "length", events[-1]
+        assert used and set(used) == {1}  # NOTE: the staging blocks but one back once rebuilt
         wait_all_free(small)
         assert run_pd(prefill, small, specs[1]) == (
             _solo_greedy(v4_ckpt, specs[1].prompt_token_ids, 10), "length")
