@@ -250,7 +250,8 @@ def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_c
     each; its scheduler blocks carry only its 2 blocks of staging rows, in a staging pool of 3
     blocks), where prompt + max_tokens would be 9 blocks, refused outright before. A second
     one while the first runs is refused retryable naming the CSA entries (never a failed
-    rebuild), fits once the first ended; once rebuilt, a request decodes holding one staging
+    rebuild), fits once the first ended (one that can never fit is refused for good, naming
+    the group); once rebuilt, a request decodes holding one staging
     block; both equal colocated; every block and commitment back."""
     prefill = pd[0]
     small = start(DecodeRole, v4_ckpt, "decode", block_size=8, num_kv_blocks=4, chunk_size=1,
@@ -266,6 +267,10 @@ def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_c
         assert isinstance(full, Rejection) and full.retryable, full
         assert "entries/compressed_sparse_attention: 3 needed, 1 of 4 uncommitted" in \
             full.reason, full.reason
+        never = small.request(Reserve(RequestSpec("never", _prompt(60, 22), SamplingParams(
+            max_tokens=200, ignore_eos=True)), 1))  # NOTE: 65 CSA entries: 9 blocks of 8
+        assert isinstance(never, Rejection) and not never.retryable, never
+        assert "entries/compressed_sparse_attention: 9, 4" in never.reason, never.reason
         execute, used = small.runner.execute, []
 
         def execute_and_count(steps, *args):  # NOTE: scheduler blocks held while decoding
