@@ -15,10 +15,12 @@ Protocol (DESIGN.md "One request"), decode side:
    ``num_computed_tokens = prompt``.
 4. Tokens stream out on the leader's event stream; at the end the blocks are freed exactly once.
 
-DeepSeek-V4 (a runner with ``admit_staged``): the receivers expect ``staged_rows(prompt)``
-rows (the request's state, staged by prefill after its last chunk) in the reservation's first
-slots; joining the batch rebuilds the request's V4 cache from them on every rank first (a
-rebuild that fails fails the request, its blocks freed once).
+DeepSeek-V4 (a runner with ``admit_staged``; :mod:`decode_worker.v4_staged`): the reservation
+takes the slots of ``staged_rows(prompt)`` rows (the request's state, staged by prefill after
+its last chunk, which the receivers expect there) and commits the most blocks per V4 KV group
+the request will hold (:mod:`engine.v4.admission`; one that does not fit now is refused,
+retryable); joining the batch rebuilds the request's V4 cache from them on every rank first
+(a rebuild that fails fails the request, its blocks freed once).
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
 dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
@@ -35,7 +37,7 @@ import time
 import torch
 
 from decode_worker.request_state import DecodeRequestState, ReservedRequest
-from engine.block_pool import slot_mapping
+from decode_worker.v4_staged import V4Staged
 from engine.request import Request, RequestSpec
 from engine.scheduler import DECODE
 from engine.spec_decode import DraftInput
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 ORPHAN_FACTOR = 4
 
 
-class DecodeRole(Role):
+class DecodeRole(V4Staged, Role):
     """Role of a decode instance. Requests: ``Reserve``, ``Admit``, ``Abort``. Rank-to-rank
     calls (every rank): :meth:`kv_peer`, :meth:`expect_kv`, :meth:`kv_status`,
     :meth:`release_kv`."""
@@ -94,23 +96,6 @@ class DecodeRole(Role):
 
     def release_kv(self, request_id: str) -> None:
         self.connector.release(request_id)
-
-    def discard_staged(self, request_id: str) -> None:
-        """DeepSeek-V4: free the request's rebuilt cache if it still has one (an abort that
-        raced the rebuild); no-op otherwise."""
-        self.runner.discard(request_id)
-
-    def admit_staged(self, request_id: str, block_ids: tuple[int, ...],
-                     num_tokens: int) -> None:
-        """DeepSeek-V4: rebuild the request's cache from the staging rows the transfer wrote
-        into its first slots (:meth:`engine.v4.runner.V4Runner.admit_staged`).
-
-        Raises:
-            ValueError / NoFreeBlocksError: from the runner (the rows are not the specs').
-        """
-        slots = slot_mapping(block_ids, 0, self.staged_rows(num_tokens),
-                             self.cfg.scheduler.block_size)
-        self.runner.admit_staged(request_id, block_ids, slots, num_tokens)
 
     def close(self) -> None:
         self.connector.close()
@@ -172,7 +157,7 @@ class DecodeRole(Role):
         """Why ``spec`` (``need`` blocks) is refused whatever the free blocks (too big, aborted,
         id in use), or None; caller holds the lock (whether it fits now: ``_full``)."""
         leader, rid = self.leader, spec.request_id
-        reason = leader.too_big(need)
+        reason = leader.too_big(need) or leader.scheduler.refusal(spec)
         if reason is not None:
             return Rejection(rid, reason, retryable=False)
         if leader.has_tombstone(rid):
@@ -185,9 +170,9 @@ class DecodeRole(Role):
 
     def _full(self, spec: RequestSpec, need: int) -> Rejection:
         """The retryable refusal of a reservation that does not fit now."""
-        pool = self.leader.pool
+        pool, v4 = self.leader.pool, self.v4_shortage(spec)  # NOTE: "" unless V4's groups
         return Rejection(spec.request_id, f"{self.cfg.name} is full ({pool.num_free_blocks} of "
-                         f"{pool.num_blocks} blocks free, {need} needed)", retryable=True,
+                         f"{pool.num_blocks} blocks free, {need} needed{v4})", retryable=True,
                          blocks_needed=need)
 
     def admit(self, request_id: str, first_token_id: int) -> None:
@@ -304,7 +289,8 @@ class DecodeRole(Role):
         it (a prefill that sent none) the last prompt token counts as not computed: the first
         step computes it again with the first token (same KV) and drafting starts a step
         later. DeepSeek-V4: every rank rebuilds the request's cache from its staging rows
-        first; a rebuild that raises fails the request (blocks freed once)."""
+        first; a rebuild that raises fails the request (blocks freed once); once rebuilt, its
+        staging blocks but the first go back."""
         self.leader.ranks.call_all(DecodeRole.release_kv, request_id)
         if self.staged_rows is not None and not self._admit_staged(request_id):
             return
@@ -312,6 +298,7 @@ class DecodeRole(Role):
             entry = self.reserved.pop(request_id, None)
             if entry is not None:  # else aborted meanwhile (and freed there)
                 req = entry.request
+                self._drop_staging_blocks(req)
                 req.num_computed_tokens = req.num_prompt_tokens
                 if self.leader.scheduler.num_speculative_tokens:
                     req.draft = self._first_draft(req, draft_hidden)
@@ -322,25 +309,6 @@ class DecodeRole(Role):
             # NOTE: aborted while its V4 cache was rebuilt: the abort's free may have come
             # before the cache had an owner, so it is dropped here (idempotent)
             self.leader.ranks.call_all(DecodeRole.discard_staged, request_id)
-
-    def _admit_staged(self, request_id: str) -> bool:
-        """V4: :meth:`admit_staged` on every rank; False (request failed) when one raised."""
-        with self.leader.lock:
-            entry = self.reserved.get(request_id)
-        if entry is None:  # aborted meanwhile (and freed there)
-            return False
-        req = entry.request
-        try:
-            self.leader.ranks.call_all(DecodeRole.admit_staged, request_id,
-                                       req.blocks.block_ids, req.num_prompt_tokens)
-        except RankFailure:
-            raise
-        except Exception as exc:  # noqa: BLE001 - that request fails, the loop goes on
-            log.exception("%s: rebuilding the V4 cache of %s failed", self.cfg.name, request_id)
-            self._fail_reserved(request_id, f"{self.cfg.name}: the DeepSeek-V4 state shipped "
-                                f"for {request_id} could not be rebuilt: {exc}", kv_failed=True)
-            return False
-        return True
 
     def _first_draft(self, req: Request, draft_hidden: bytes) -> DraftInput | None:
         """The first step's :class:`DraftInput` from prefill's hidden state (None: none came,

@@ -200,17 +200,27 @@ class BlockPool:
         with self._lock:
             self._check_live(block_set)
             del self._live[block_set.set_id]
-            # NOTE: tail blocks first: they are evicted before the prefix they extend
-            for b in reversed(block_set.block_ids):
-                self._refs[b] -= 1
-                if self._refs[b]:
-                    continue
-                if b in self._hash_of:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+            self._unref(block_set.block_ids)
         if self.on_free is not None:
             self.on_free(block_set)
+
+    def truncate(self, block_set: BlockSet, keep: int) -> BlockSet:
+        """Give back all but the first ``keep`` blocks of a live set (as :meth:`free` does
+        them; ``on_free`` is not called: the set lives on). Returns the set's new handle
+        (same ``set_id``); the old handle is stale (freeing it raises).
+
+        Raises:
+            DoubleFreeError: the set is not live. ValueError: ``keep`` not in 1 .. its size.
+        """
+        if not 1 <= keep <= len(block_set):
+            raise ValueError(f"keep {keep} of a set of {len(block_set)} blocks")
+        with self._lock:
+            self._check_live(block_set)
+            self._unref(block_set.block_ids[keep:])
+            kept = BlockSet(block_set.set_id, block_set.block_ids[:keep], self._pool_id,
+                            num_cached=min(block_set.num_cached, keep))
+            self._live[block_set.set_id] = kept
+            return kept
 
     def note_lookup(self, queried_tokens: int, cached_tokens: int) -> None:
         """Count one admission's prompt tokens looked up / found cached (hit rate)."""
@@ -261,8 +271,22 @@ class BlockPool:
         self._refs[b] = 1
         return b
 
+    def _unref(self, block_ids: Sequence[int]) -> None:
+        """Caller holds the lock: one reference less on each block; one nobody holds goes back
+        to the free list (a cached one stays findable there until evicted)."""
+        # NOTE: tail blocks first: they are evicted before the prefix they extend
+        for b in reversed(block_ids):
+            self._refs[b] -= 1
+            if self._refs[b]:
+                continue
+            if b in self._hash_of:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
+
     def _check_live(self, block_set: BlockSet) -> None:
-        if block_set.pool_id != self._pool_id or block_set.set_id not in self._live:
+        if block_set.pool_id != self._pool_id or \
+                self._live.get(block_set.set_id) != block_set:  # NOTE: a stale handle too
             raise DoubleFreeError(
                 f"block set {block_set.set_id} ({len(block_set)} blocks) was already "
                 "freed or belongs to another pool"

@@ -316,10 +316,11 @@ class ModelRunner:
 
 
 def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
-                 **kwargs) -> ModelRunner | V4Runner:
+                 staging_blocks: int = 0, **kwargs) -> ModelRunner | V4Runner:
     """The runner of ``checkpoint_dir``'s architecture: :class:`engine.v4.runner.V4Runner` for
     DeepSeek-V4 (its serving layout checked; ``prefix_cache``: the scheduler pool caches
-    prefixes, which V4 does not support), else :class:`ModelRunner` (``kwargs`` as its).
+    prefixes, which V4 does not support; ``staging_blocks``: its PD staging cache's blocks,
+    0: ``num_kv_blocks``), else :class:`ModelRunner` (``kwargs`` as its).
 
     Raises:
         ValueError: a layout V4 does not support (the message lists each and its fix).
@@ -336,7 +337,7 @@ def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
                     graph=graph is not None and graph.enabled,
                     num_speculative_tokens=kwargs.get("num_speculative_tokens", 0),
                     layer_sharding=tuple(kwargs.get("layer_sharding", ())),
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, staging_blocks=staging_blocks)
 
 
 def _size(group: TPGroup | EPGroup | CPGroup | None) -> int:

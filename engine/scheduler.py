@@ -104,6 +104,12 @@ class Scheduler:
     ``chunk_size``: most tokens of one request per step; ``max_num_batched_tokens``: per step;
     ``max_num_seqs``: requests running at once; ``num_speculative_tokens``: k MTP drafts per
     decoding request per step (0: off); its KV then needs k more slots than it keeps.
+
+    ``admission`` (set by the rank; None: the pool is the whole budget): a runner's own
+    per-request block budget checked and committed with the pool's, DeepSeek-V4's per KV
+    group (:class:`engine.v4.admission.V4Admission`: ``scheduler_blocks(spec)``, ``need(tokens,
+    step_tokens)``, ``refusal(need)``, ``can_admit(need)``, ``commit(block_set, need)``; its
+    commitment goes back when the pool frees the set, through the pool's ``on_free``).
     """
 
     def __init__(self, pool: BlockPool, policy: RolePolicy, *, chunk_size: int,
@@ -117,14 +123,33 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.admission = None
 
     def blocks_for(self, spec: RequestSpec) -> int:
-        """Blocks a request takes at admission under this role."""
+        """Blocks a request takes at admission under this role (with an ``admission``: what
+        it says the request's slots carry)."""
+        if self.admission is not None:
+            return self.admission.scheduler_blocks(spec)
         tokens = spec.max_total_tokens if self.policy.reserve_output_blocks else \
             spec.num_prompt_tokens
         # NOTE: verify rows of drafts past the kept tokens are written, then overwritten
         extra = self.num_speculative_tokens if self.policy.reserve_output_blocks else 0
         return self.pool.blocks_needed(tokens + extra)
+
+    def admission_need(self, spec: RequestSpec) -> dict[str, int] | None:
+        """What ``spec`` commits in the ``admission`` budget (None without one): its most
+        blocks per group over its life here (prompt on prefill, prompt + max_tokens else),
+        ``chunk_size`` tokens a step."""
+        if self.admission is None:
+            return None
+        tokens = spec.max_total_tokens if self.policy.reserve_output_blocks else \
+            spec.num_prompt_tokens
+        return self.admission.need(tokens, self.chunk_size)
+
+    def refusal(self, spec: RequestSpec) -> str | None:
+        """Why the ``admission`` budget can never admit ``spec`` (None: it can, or none)."""
+        need = self.admission_need(spec)
+        return None if need is None else self.admission.refusal(need)
 
     def prefix_hashes(self, req: Request) -> list[int]:
         """Hashes of the prompt blocks a prefix-cache hit may cover: the first
@@ -139,9 +164,13 @@ class Scheduler:
         ``num_computed_tokens = num_cached_tokens`` = that prefix), or None when they do not
         fit now. Caller holds the leader's lock."""
         need, hashes = self.blocks_for(req.spec), self.prefix_hashes(req)
-        if not self.pool.can_allocate(need, hashes):
+        extra = self.admission_need(req.spec)
+        if not self.pool.can_allocate(need, hashes) or \
+                (extra is not None and not self.admission.can_admit(extra)):
             return None
         req.blocks = self.pool.allocate(need, hashes)
+        if extra is not None:
+            self.admission.commit(req.blocks, extra)
         req.num_cached_tokens = req.num_computed_tokens = \
             req.blocks.num_cached * self.pool.block_size
         if self.pool.caching:

@@ -37,6 +37,9 @@ class SchedulerConfig:
         num_speculative_tokens: MTP drafts per decoding request per step (0: speculative
             decoding off); every role of a speculative deployment builds the MTP module
             (prefill runs it over prompts, engine/spec_forward.py).
+        staging_blocks: DeepSeek-V4 PD roles only: blocks of the scheduler pool, which there
+            carries only the requests' staging rows, and of the staging cache the KV transfer
+            reads / writes (engine/v4/staging.py); 0: ``num_kv_blocks``.
 
     Raises:
         ValueError: a size < 1, or ``chunk_size > max_num_batched_tokens``.
@@ -49,6 +52,7 @@ class SchedulerConfig:
     max_num_seqs: int
     prefix_cache: bool = True
     num_speculative_tokens: int = 0
+    staging_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "chunk_size", "max_num_batched_tokens",
@@ -56,6 +60,9 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got "
                                  f"{getattr(self, name)}")
+        if self.staging_blocks < 0:
+            raise ValueError(f"SchedulerConfig.staging_blocks must be >= 0 (0: num_kv_blocks), "
+                             f"got {self.staging_blocks}")
         if self.chunk_size > self.max_num_batched_tokens:
             raise ValueError(f"SchedulerConfig.chunk_size ({self.chunk_size}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")

@@ -55,6 +55,8 @@ class Leader:
         eos_token_ids: the model's end-of-sequence tokens.
         group: the instance's ranks (:class:`~rank.spmd.SPMDGroup`).
         dp_sync: the role's DP sync (``ep`` with ``dp > 1``), else None.
+        num_blocks: the block pool's size when the runner says (DeepSeek-V4's
+            ``scheduler_blocks``: the staging pool of a PD role); None: ``num_kv_blocks``.
 
     NOTE: :attr:`lock` guards the scheduler, the pool and the role's own request tables
     between actor calls (Ray threads) and the loop thread; :attr:`wake` wakes the loop.
@@ -62,10 +64,11 @@ class Leader:
 
     def __init__(self, cfg: InstanceConfig, policy: RolePolicy, source: str,
                  eos_token_ids: Iterable[int], group: SPMDGroup,
-                 dp_sync: DPSync | None) -> None:
+                 dp_sync: DPSync | None, num_blocks: int | None = None) -> None:
         sched = cfg.scheduler
         self.cfg, self.policy, self.source, self.ranks = cfg, policy, source, group
-        self.pool = BlockPool(sched.num_kv_blocks, sched.block_size, salt=cfg.cache_salt)
+        self.pool = BlockPool(num_blocks or sched.num_kv_blocks, sched.block_size,
+                              salt=cfg.cache_salt)
         self.scheduler = Scheduler(self.pool, policy, chunk_size=sched.chunk_size,
                                    max_num_batched_tokens=sched.max_num_batched_tokens,
                                    max_num_seqs=sched.max_num_seqs,
@@ -209,7 +212,7 @@ class Leader:
         return (f"request needs {blocks_needed} KV blocks of "
                 f"{self.cfg.scheduler.block_size} tokens; {self.cfg.name} has "
                 f"{self.pool.num_blocks} in all: shorten the prompt or max_tokens, or raise "
-                "num_kv_blocks")
+                "num_kv_blocks (DeepSeek-V4 PD: v4_staging_blocks)")
 
     def enqueue(self, spec: RequestSpec) -> bool:
         """Queue a new request (caller holds the lock); one aborted before it came gets an
@@ -222,7 +225,7 @@ class Leader:
         if self.has_tombstone(spec.request_id):
             self.emit_end(spec.request_id, "abort")
             return False
-        reason = self.too_big(self.scheduler.blocks_for(spec))
+        reason = self.too_big(self.scheduler.blocks_for(spec)) or self.scheduler.refusal(spec)
         if reason is not None:
             self.emit_end(spec.request_id, "error", reason)
             return False

@@ -160,7 +160,9 @@ class Rank:
                                        layer_sharding=par.layer_sharding, graph=self.cfg.graph,
                                        num_speculative_tokens=(
                                            self.cfg.scheduler.num_speculative_tokens),
-                                       prefix_cache=self.cfg.scheduler.prefix_cache)
+                                       prefix_cache=self.cfg.scheduler.prefix_cache,
+                                       staging_blocks=(0 if self.cfg.role == "colocated" else
+                                                       self.cfg.scheduler.staging_blocks))
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)
@@ -178,9 +180,13 @@ class Rank:
             group = SPMDGroup(self, self.peers, self._step_leader, self.step_timer,
                               self.cfg.parallel.step_timeout_s)
             self.leader = Leader(self.cfg, self.role_cls.policy, self.role_cls.source,
-                                 self.runner.model_config.eos_token_ids, group, self.dp_sync)
+                                 self.runner.model_config.eos_token_ids, group, self.dp_sync,
+                                 num_blocks=getattr(self.runner, "scheduler_blocks", None))
             if hasattr(self.runner, "release"):  # NOTE: V4: its blocks follow the pool's
                 self.leader.pool.on_free = self.runner.release
+                # NOTE: V4 admits by its per-group blocks (engine/v4/admission.py)
+                self.leader.scheduler.admission = self.runner.make_admission(
+                    self.cfg.scheduler.block_size, staged=self.cfg.role != "colocated")
         self.role = self.role_cls(RankParts(self.cfg, self.rank, self.runner, self.leader))
 
     def _join_step_channel(self, host: str, port: int) -> None:

@@ -2,12 +2,14 @@
 :class:`engine.runner.ModelRunner` (``execute(steps)`` -> ``[B, vocab]`` logits) over
 :mod:`engine.v4` and its paged caches per KV group.
 
-The caller's scheduler keeps its one block pool (``num_kv_blocks`` blocks of ``block_size``
-tokens) as the admission budget: a request is admitted when its blocks fit, as for V3. The
-rows themselves live in the V4 groups' pools (:func:`serving_pools`), taken as each request
-grows (:meth:`engine.v4.block_table.RequestBlocks.grow`) and, for the sliding window, given
-back as decode advances. A request's V4 blocks go back when the scheduler frees its block set
-(:meth:`V4Runner.release`, wired to the scheduler pool's free, applied before the next step).
+The rows live in the V4 groups' pools (:func:`serving_pools`), taken as each request grows
+(:meth:`engine.v4.block_table.RequestBlocks.grow`) and, for the sliding window, given back as
+decode advances. The rank's scheduler admits a request only when its most blocks per group
+fit next to the admitted ones' (:meth:`V4Runner.make_admission`,
+:mod:`engine.v4.admission`); its own pool then holds only the request's staging rows (PD) or
+one block (colocated). A request's V4 blocks and commitment go back when the scheduler frees
+its block set (:meth:`V4Runner.release`, wired to the scheduler pool's free; the blocks before
+the next step or rebuild, both of which apply releases first).
 
 PD (tp 1 each side): a PD role's first use of :attr:`V4Runner.kv_cache` makes the staging
 cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last chunk
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool, BlockSet
+from engine.v4.admission import V4Admission
 from engine.v4.block_table import kv_groups
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import PER_REQUEST
@@ -97,9 +100,8 @@ def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
     """One :class:`BlockPool` per KV group (:func:`engine.v4.block_table.kv_groups`) of
     ``num_kv_blocks`` blocks: ``block_size`` rows (state groups: 1 row).
 
-    NOTE: never short while the scheduler's pool of ``num_kv_blocks`` blocks admits: a request
-    holding ``b`` scheduler blocks (>= 1, covering all its tokens) holds at most ``b`` blocks of
-    each group (window and entries rows <= tokens; state 1 block).
+    NOTE: never short for admitted requests: the scheduler admits by these pools
+    (:class:`engine.v4.admission.V4Admission`).
     """
     return {g.name: BlockPool(num_kv_blocks, 1 if g.per == PER_REQUEST else block_size)
             for g in kv_groups(config)}
@@ -110,9 +112,12 @@ class V4Runner:
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
-        num_kv_blocks, block_size: the scheduler pool's size; each V4 group's pool gets as
-            many blocks (:func:`serving_pools`).
+        num_kv_blocks, block_size: each V4 group's pool's blocks, and rows per block
+            (:func:`serving_pools`; state groups 1 row); block_size is the scheduler pool's.
         dtype, device: weights, activations and cache.
+        staging_blocks: blocks of the PD staging cache and of the scheduler pool that
+            addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
+            staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
         layout: the rest of the serving layout (``tp``, ``ep``, ``cp``, ``graph``,
             ``num_speculative_tokens``, ``layer_sharding``), checked by
             :func:`check_v4_serving`.
@@ -123,7 +128,7 @@ class V4Runner:
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 **layout: object) -> None:
+                 staging_blocks: int = 0, **layout: object) -> None:
         check_v4_serving(**layout)
         self.device = torch.device(device)
         self.model = load_v4(checkpoint_dir, dtype, self.device).eval()
@@ -135,20 +140,32 @@ class V4Runner:
             config.max_position_embeddings, config.num_hidden_layers, config.hidden_size)
         self.pools = serving_pools(config, num_kv_blocks, block_size)
         self.dtype = dtype
-        self.staging_spec = StagingSpec(config.num_hidden_layers, num_kv_blocks, block_size,
-                                        tiers(config), dtype, layout_text(config))
+        self.scheduler_blocks = staging_blocks or num_kv_blocks
+        self.staging_spec = StagingSpec(config.num_hidden_layers, self.scheduler_blocks,
+                                        block_size, tiers(config), dtype, layout_text(config))
         self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
         self.caches: dict[str, PagedV4Cache] = {}
         self._owner: dict[int, str] = {}  # first scheduler block id -> request id
         self._released: list[int] = []  # first block ids of freed scheduler block sets
         self._lock = threading.Lock()
+        self.admission: V4Admission | None = None
+
+    def make_admission(self, block_size: int, *, staged: bool) -> V4Admission:
+        """The scheduler's admission budget over this runner's group pools
+        (:class:`engine.v4.admission.V4Admission`; ``block_size``: the scheduler pool's,
+        ``staged``: a PD role); :meth:`release` gives its commitments back."""
+        self.admission = V4Admission(self.model.config, self.pools, block_size, staged=staged)
+        return self.admission
 
     def release(self, block_set: BlockSet) -> None:
-        """The scheduler pool freed ``block_set``: its request's V4 blocks go back before the
-        next step (any thread; the step's thread frees them)."""
+        """The scheduler pool freed ``block_set``: its commitment goes back now, its request's
+        V4 blocks before the next step or rebuild (any thread; the step's thread frees them,
+        and each step or rebuild applies releases before it takes blocks)."""
         with self._lock:
             self._released.append(block_set.block_ids[0])
+        if self.admission is not None:
+            self.admission.release(block_set)
 
     def _apply_releases(self) -> None:
         with self._lock:
@@ -231,7 +248,7 @@ class V4Runner:
     def kv_cache(self) -> StagingCache:
         """The staging cache the KV transfer reads (prefill) or writes (decode), made on first
         use (a PD role's; colocated serving never allocates it): per layer one
-        ``[num_kv_blocks, block_size, width]`` buffer per tier it has
+        ``[scheduler_blocks, block_size, width]`` buffer per tier it has
         (:func:`engine.v4.staging.tiers`), indexed by the scheduler's slots."""
         if self._staging is None:
             self._staging = StagingCache(self.staging_spec, self.device)

@@ -13,8 +13,9 @@ token range, as for MLA; a narrower kind (HCA, sliding) ships narrower rows.
 
 Bound: every tensor holds at most ``n`` rows after ``n`` tokens (window ``min(n, W - 1)``,
 entries ``n // r``, open group ``n % r``, overlap ``r`` once ``n >= r``), so a layer holds at
-most ``n x`` its kind's width elements and ``staged_rows(n) <= n``: the rows fit in the
-request's prompt blocks on both sides (the scheduler's slots carry them; no second pool).
+most ``n x`` its kind's width elements and ``staged_rows(n) <= n``. A PD role's scheduler
+pool addresses the staging cache and holds only these rows (``staging_blocks_for``; its size,
+``V4Runner.scheduler_blocks``, is the role's ``v4_staging_blocks`` or ``num_kv_blocks``).
 
 Buffers (:func:`tiers`): the kinds' widths sorted ascending cut a row into nested column
 tiers: tier 0 (the narrowest kind's width) on every layer, tier ``j`` (the next width minus
@@ -24,7 +25,8 @@ first ones of the layout (what the transfer's buffer numbering assumes, as for G
 tensor per layer having it.
 
 The staging cache (:class:`StagingCache`) is allocated only by a PD role
-(:attr:`engine.v4.runner.V4Runner.kv_cache`); colocated serving never touches it.
+(:attr:`engine.v4.runner.V4Runner.kv_cache`); colocated serving never touches it. Its bytes:
+:func:`staging_bytes` (what a memory plan counts for a PD rank).
 """
 
 from __future__ import annotations
@@ -70,6 +72,29 @@ def staged_rows(config: V4Config, num_tokens: int) -> int:
     need = max(math.ceil(spec.elements(num_tokens) / widths[kind])
                for kind, spec in kv_specs(config).items())
     return max(1, need)
+
+
+def staging_bytes_per_slot(config: V4Config, dtype_bytes: int) -> int:
+    """Bytes one staging slot holds over all layers: the sum over layers of their kind's width
+    (:func:`kind_widths`) x ``dtype_bytes`` (the runner's dtype: 2 for bf16). Transformers'
+    default V4 config: 146,944 elements (3.4x a V3.2 cache's 61 x 704 per token)."""
+    widths = kind_widths(config)
+    return sum(widths[kind] for kind in config.layer_types) * dtype_bytes
+
+
+def staging_bytes(config: V4Config, num_blocks: int, block_size: int, dtype_bytes: int) -> int:
+    """Bytes of a PD rank's staging cache (:class:`StagingCache`) of ``num_blocks`` blocks of
+    ``block_size`` slots (``V4Runner.scheduler_blocks``: the role's ``v4_staging_blocks``, or
+    ``num_kv_blocks`` when unset); 0 is never right for a PD role, colocated roles have none.
+    What a memory plan adds on top of the V4 group pools for a PD rank."""
+    return num_blocks * block_size * staging_bytes_per_slot(config, dtype_bytes)
+
+
+def staging_blocks_for(config: V4Config, num_tokens: int, block_size: int) -> int:
+    """Staging blocks one request of ``num_tokens`` prompt tokens holds (prefill until its
+    rows are sent, decode until it ends): ``ceil(staged_rows / block_size)``; a staging pool
+    of ``k`` x this holds ``k`` such requests in flight."""
+    return -(-staged_rows(config, num_tokens) // block_size)
 
 
 def layout_text(config: V4Config) -> str:

@@ -134,13 +134,15 @@ class OrchConfig(_Section):
             p = self.prefill
             return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
                                    p.max_num_batched_tokens, p.max_num_seqs,
-                                   num_speculative_tokens=k, prefix_cache=p.prefix_cache)
+                                   num_speculative_tokens=k, prefix_cache=p.prefix_cache,
+                                   staging_blocks=p.v4_staging_blocks or 0)
         d = self.decode
         if role == "decode":  # NOTE: a drafting request computes 1 + k tokens per step
             return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1 + k,
                                    max_num_batched_tokens=d.max_num_seqs * (1 + k),
                                    max_num_seqs=d.max_num_seqs, num_speculative_tokens=k,
-                                   prefix_cache=d.prefix_cache)
+                                   prefix_cache=d.prefix_cache,
+                                   staging_blocks=d.v4_staging_blocks or 0)
         return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
                                self.prefill.max_num_batched_tokens + d.max_num_seqs * k,
                                d.max_num_seqs, num_speculative_tokens=k,

@@ -149,6 +149,9 @@ class PrefillSection(_Section):
     max_num_batched_tokens: int = Field(2048, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
     max_num_seqs: int = Field(64, ge=1)
+    # DeepSeek-V4 PD only: blocks of the staging rows a request's state ships in (its scheduler
+    # pool and staging cache; docs/kv_transfer.md "DeepSeek-V4"); unset: num_kv_blocks.
+    v4_staging_blocks: int | None = Field(None, ge=1)
     # Prefix cache: reuse the KV of full blocks already computed for the same tokens.
     prefix_cache: bool = True
     # Expert parallelism: the routed experts split over all dp x tp ranks of the role.
@@ -198,6 +201,9 @@ class DecodeSection(_Section):
     tp: int = Field(1, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     num_kv_blocks: int = Field(256, ge=1)
+    # DeepSeek-V4 PD only (see PrefillSection); a decode holds a request's staging blocks
+    # until it ends. Not read by colocated instances.
+    v4_staging_blocks: int | None = Field(None, ge=1)
     # Prefix cache (see PrefillSection): finished requests' blocks (a conversation's earlier
     # turns) stay reusable, and prefill ships only the KV decode does not hold.
     prefix_cache: bool = True

@@ -49,6 +49,25 @@ def test_foreign_set_is_rejected_even_when_its_set_id_is_live_here():
     assert_pool_empty(pool)
 
 
+def test_truncate_gives_back_the_tail_once_and_the_old_handle_is_stale():
+    """DeepSeek-V4 decode keeps its first block after the rebuild: the tail goes back at
+    once (no on_free: the set lives on), the set is freed once by its new handle, the old
+    handle raises."""
+    pool, freed = BlockPool(4, 2), []
+    pool.on_free = freed.append
+    whole = pool.allocate(3)
+    kept = pool.truncate(whole, 1)
+    assert kept.block_ids == whole.block_ids[:1] and kept.set_id == whole.set_id
+    assert pool.num_free_blocks == 3 and not freed
+    with pytest.raises(DoubleFreeError):
+        pool.free(whole)
+    with pytest.raises(ValueError, match="keep 2 of a set of 1"):
+        pool.truncate(kept, 2)
+    pool.free(kept)
+    assert freed == [kept]
+    assert_pool_empty(pool)
+
+
 def test_blocks_needed_rounds_up():
     pool = BlockPool(10, 16)
     assert [pool.blocks_needed(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]

@@ -108,6 +108,48 @@ def test_rank_serves_v4_batched_equal_to_hf(tiny_v4_ckpt, hf_greedy):
         rank.shutdown()
 
 
+def test_rank_admits_by_v4_blocks_and_queues_the_rest(tiny_v4_ckpt, hf_greedy):
+    """Pools of 3 blocks of 16: ``a`` (21 + 32 tokens) commits 2 window blocks (7 kept + a
+    chunk of 8, not its 4 blocks of context), 1 per entries and state group, and one
+    scheduler block (before: 4 of those, refused outright); ``c`` (35 + 32) waits queued
+    while ``a`` runs (its window blocks would not fit) and runs after it: both equal
+    transformers'; every block and commitment back. 21 + 200 tokens (55 CSA entries: 4 blocks)
+    can never fit: an error naming the group at once."""
+    rank = _rank(tiny_v4_ckpt, num_kv_blocks=3)
+    try:
+        runner, sched = rank.runner, rank.leader.scheduler
+        rank.request(_generate("big", 21, 0, 200))
+        _, reason, error = _collect(rank, {"big": ([], None, None)})["big"]
+        assert reason == "error" and "entries/compressed_sparse_attention: 4, 3" in error
+        out = {rid: ([], None, None) for rid in ("a", "c")}
+        rank.request(_generate("a", PROMPTS["a"], 0, NEW["a"]))
+        rank.request(_generate("c", PROMPTS["c"], 2, NEW["c"]))
+        _collect(rank, out, until="a")
+        with rank.leader.lock:
+            assert [r.request_id for r in sched.waiting] == ["c"]
+            assert runner.admission.committed()["window"] == 2
+            assert len(sched.find("a").blocks) == 1
+        assert _collect(rank, out) == {rid: (hf_greedy[rid], "length", None)
+                                       for rid in ("a", "c")}
+        _wait_v4_free(runner)
+        assert rank.leader.pool.num_live_sets == 0
+    finally:
+        rank.shutdown()
+
+
+def _wait_v4_free(runner, timeout_s: float = 5.0) -> None:
+    """Every V4 group pool free and nothing committed within ``timeout_s`` (the loop may be
+    finishing the last step)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runner._apply_releases()
+        free = all(p.num_free_blocks == p.num_blocks for p in runner.pools.values())
+        if free and not any(runner.admission.committed().values()) and not runner.caches:
+            return
+        assert time.monotonic() < deadline, (runner.admission.committed(), list(runner.caches))
+        time.sleep(0.05)
+
+
 def test_window_blocks_are_freed_during_decode(tiny_v4_ckpt):
     """20 prompt tokens + 16 decoded, blocks of 4 (window 8: 7 kept + 1 written): the window
     never holds more than 3 blocks, the 9 the context spans are never all taken."""

@@ -48,6 +48,11 @@ def test_v4_pd_config_loads_and_colocated_prefill_keys_are_chunking_only(tmp_pat
     (inst,) = colocated.instances()
     assert inst.parallel.tp == 1 and inst.scheduler.chunk_size == 32
     assert not inst.scheduler.prefix_cache
+    staged = load_config(PD_CONFIG, {"prefill.v4_staging_blocks": 8,
+                                     "decode.v4_staging_blocks": 16})
+    assert {i.role: i.scheduler.staging_blocks for i in staged.instances()} == {
+        "prefill": 8, "decode": 16}
+    assert {i.scheduler.staging_blocks for i in cfg.instances()} == {0}  # NOTE: num_kv_blocks
 
 
 def test_v4_dry_run_prints_its_memory_plan_once(tmp_path, monkeypatch, capsys):

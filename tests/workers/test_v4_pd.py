@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.v4.staging import kind_widths, staged_rows
 from kv_transfer.errors import LayoutMismatchError
 from prefill_worker.role import PrefillRole
-from rank.messages import Abort, Prefill, Reserve
+from rank.messages import Abort, Prefill, Rejection, Reservation, Reserve
 from kv_transfer.config import TransferConfig
 from rank.config import InstanceConfig, SchedulerConfig
 from rank.kv_setup import staged_layout
@@ -43,10 +43,12 @@ def v4_ckpt(tmp_path_factory):
     return out
 
 
-def start(role_cls, ckpt, role: str, block_size: int = 4):
+def start(role_cls, ckpt, role: str, block_size: int = 4, num_kv_blocks: int = 64,
+          chunk_size: int = 8, staging_blocks: int = 0):
     """An in-process V4 rank of ``role``: chunks of 8, 16 tokens a step, no prefix cache."""
-    scheduler = SchedulerConfig(block_size=block_size, num_kv_blocks=64, chunk_size=8,
-                                max_num_batched_tokens=16, max_num_seqs=4, prefix_cache=False)
+    scheduler = SchedulerConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                                chunk_size=chunk_size, max_num_batched_tokens=16, max_num_seqs=4,
+                                prefix_cache=False, staging_blocks=staging_blocks)
     transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
                               completion_timeout_s=20)
     rank = Rank(InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
@@ -71,12 +73,14 @@ def _solo_greedy(ckpt, prompt: tuple[int, ...], new: int) -> list[int]:
 
 
 def _v4_free(rank, timeout_s: float = 5.0) -> None:
-    """Every V4 group pool of ``rank``'s runner is free (releases applied) within
-    ``timeout_s`` (the loop may still be finishing a request's last step)."""
+    """Every V4 group pool of ``rank``'s runner is free (releases applied) and nothing is
+    committed in its admission within ``timeout_s`` (the loop may still be finishing a
+    request's last step)."""
     runner, deadline = rank.runner, time.monotonic() + timeout_s
     while True:
         runner._apply_releases()
         held = {name: p.num_blocks - p.num_free_blocks for name, p in runner.pools.items()}
+        held.update({f"committed {k}": n for k, n in runner.admission.committed().items()})
         if not any(held.values()) and not runner.caches:
             return
         assert time.monotonic() < deadline, (held, list(runner.caches))
@@ -181,12 +185,13 @@ def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
         mine.check_compatible(v3)
 
 
-def _run_until_decode_ends(prefill, decode, spec):
-    """Reserve, prefill, admit; the decode side's events of ``spec`` until its final one."""
+def _run_until_decode_ends(prefill, decode, spec, res=None):
+    """Reserve (unless ``res`` is given), prefill, admit; the decode side's events of
+    ``spec`` until its final one."""
     from rank.messages import Admit  # noqa: PLC0415
     from tests.workers.test_pd_ranks import wait_events  # noqa: PLC0415
 
-    res = decode.request(Reserve(spec, 1))
+    res = res or decode.request(Reserve(spec, 1))
     prefill.request(Prefill(spec, res))
     (first,) = wait_events(prefill, spec.request_id, lambda e: True)
     decode.request(Admit(spec.request_id, first.token_ids[0]))
@@ -237,3 +242,53 @@ def test_v4_abort_during_the_rebuild_frees_the_rebuilt_cache_once(pd):
     wait_all_free(prefill, decode)
     for rank in (prefill, decode):
         _v4_free(rank)
+
+
+def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_ckpt):
+    """A decode of 4 blocks of 8 per pool (a token a step): a 60 + 10 token request commits
+    what it will hold (window 2 blocks, CSA entries 70 // 4 rows = 3 blocks, HCA 1, state 1
+    each; its scheduler blocks carry only its 2 blocks of staging rows, in a staging pool of 3
+    blocks), where prompt + max_tokens would be 9 blocks, refused outright before. A second
+    one while the first runs is refused retryable naming the CSA entries (never a failed
+    rebuild), fits once the first ended (one that can never fit is refused for good, naming
+    the group); once rebuilt, a request decodes holding one staging
+    block; both equal colocated; every block and commitment back."""
+    prefill = pd[0]
+    small = start(DecodeRole, v4_ckpt, "decode", block_size=8, num_kv_blocks=4, chunk_size=1,
+                  staging_blocks=3)
+    try:
+        assert small.leader.pool.num_blocks == 3  # NOTE: the staging pool (v4_staging_blocks)
+        assert small.runner.kv_cache.layer_buffers(0)[0].shape[0] == 3
+        specs = [RequestSpec(f"fit{i}", _prompt(60, 20 + i),
+                             SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(2)]
+        first = small.request(Reserve(specs[0], 1))
+        assert isinstance(first, Reservation) and len(first.block_ids) == 2, first
+        full = small.request(Reserve(specs[1], 1))
+        assert isinstance(full, Rejection) and full.retryable, full
+        assert "entries/compressed_sparse_attention: 3 needed, 1 of 4 uncommitted" in \
+            full.reason, full.reason
+        never = small.request(Reserve(RequestSpec("never", _prompt(60, 22), SamplingParams(
+            max_tokens=200, ignore_eos=True)), 1))  # NOTE: 65 CSA entries: 9 blocks of 8
+        assert isinstance(never, Rejection) and not never.retryable, never
+        assert "entries/compressed_sparse_attention: 9, 4" in never.reason, never.reason
+        execute, used = small.runner.execute, []
+
+        def execute_and_count(steps, *args):  # NOTE: scheduler blocks held while decoding
+            used.append(small.leader.pool.num_blocks - small.leader.pool.num_free_blocks)
+            return execute(steps, *args)
+
+        small.runner.execute = execute_and_count
+        try:
+            events = _run_until_decode_ends(prefill, small, specs[0], first)
+        finally:
+            small.runner.execute = execute
+        assert events[-1].finish_reason == "length", events[-1]
+        assert used and set(used) == {1}  # NOTE: the staging blocks but one back once rebuilt
+        wait_all_free(small)
+        assert run_pd(prefill, small, specs[1]) == (
+            _solo_greedy(v4_ckpt, specs[1].prompt_token_ids, 10), "length")
+        wait_all_free(prefill, small)
+        for rank in (prefill, small):
+            _v4_free(rank)
+    finally:
+        small.shutdown()
