@@ -29,7 +29,9 @@ from orchestrator.config.memory_plan_v4 import V4Precision, plan_role_v4, reques
 
 
 # NOTE: KV rows sized by max_num_seqs, not by num_kv_blocks (V4's compressor state)
-PER_SEQ_KV = ("KV: compressor state",)
+# NOTE: KV rows that are not per KV block: V4's per-sequence state and its PD staging cache
+# (sized by v4_staging_blocks when set; left out of "lower num_kv_blocks", so that fix errs low)
+PER_SEQ_KV = ("KV: compressor state", "KV: PD staging rows")
 
 
 class MemoryPlanError(ConfigError):
@@ -77,7 +79,9 @@ def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
             cp=inst.parallel.cp, layer_sharding=inst.parallel.layer_sharding,
             num_kv_blocks=s.num_kv_blocks, block_size=s.block_size,
             step_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
-            max_model_len=cfg.model.max_model_len, mtp=s.num_speculative_tokens > 0)
+            max_model_len=cfg.model.max_model_len, mtp=s.num_speculative_tokens > 0,
+            staging_blocks=0 if inst.role == "colocated" else
+            (s.staging_blocks or s.num_kv_blocks))
     return list(layouts.values())
 
 

@@ -52,6 +52,9 @@ class RoleLayout:
             default there, or ``kv_transfer.comm_buffer_mb``).
         mtp: the ranks hold the checkpoint's MTP module and its KV cache (speculative
             decoding, ``decode.speculative``).
+        staging_blocks: blocks of a DeepSeek-V4 PD rank's staging cache (its role's
+            ``v4_staging_blocks``, else ``num_kv_blocks``; engine/v4/staging.py); 0 for
+            colocated roles. Other models ignore it.
     """
 
     role: str
@@ -69,6 +72,7 @@ class RoleLayout:
     pair_buffer_bytes: int = 0
     comm_buffer_bytes: int = 0
     mtp: bool = False
+    staging_blocks: int = 0
 
     @property
     def collectives(self) -> tuple[str, ...]:

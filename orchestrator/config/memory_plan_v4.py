@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from engine.v4.block_table import kv_groups
 from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
+from engine.v4.staging import staging_bytes_per_slot
 from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RoleLayout, RolePlan
 
 FP4_BYTES = 0.5 + 1 / 32  # NOTE: e2m1 pairs + one e8m0 scale per 32 (DeepSeek's expert_dtype fp4)
@@ -183,6 +184,11 @@ def _kv_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
     state = sum(g.row_elements for g in kv_groups(m) if g.per == PER_REQUEST)
     out.append(PlanRow("KV: compressor state", "kv", lay.max_num_seqs * state, prec.kv,
                        f"{lay.max_num_seqs} seqs x {state:,}"))
+    if lay.staging_blocks:
+        slot = staging_bytes_per_slot(m, 1)
+        out.append(PlanRow("KV: PD staging rows", "kv", lay.staging_blocks * lay.block_size
+                           * slot, prec.kv, f"{lay.staging_blocks} blocks x {lay.block_size} "
+                           f"rows x {slot:,} (every layer's staged row)"))
     return out
 
 

@@ -118,3 +118,19 @@ def test_a3_v4_too_many_blocks_suggests_how_many_fit():
     assert check_memory(load(most)).startswith("memory plan: fits")
     with pytest.raises(MemoryPlanError):
         check_memory(load(most + 1))
+
+
+def test_a_pd_role_plans_its_staging_cache_and_a_colocated_one_none(tmp_path):
+    from engine.v4.staging import staging_bytes
+
+    prec = V4Precision.of("bfloat16")
+    colocated = _rows(plan_role_v4(TINY, _layout(role="colocated"), prec))
+    assert "KV: PD staging rows" not in colocated
+    pd = plan_role_v4(TINY, _layout(staging_blocks=5), prec)
+    row = next(r for r in pd.rows if r.kind == "KV: PD staging rows")
+    assert row.bytes == staging_bytes(TINY, 5, 16, 2)  # what the runner allocates
+    cfg = load_config(REPO / "configs" / "v4_1p1d.yaml", {"decode.v4_staging_blocks": 7})
+    from orchestrator.config.memory_check import role_layouts
+
+    got = {lay.role: lay.staging_blocks for lay in role_layouts(cfg)}
+    assert got == {"prefill": cfg.prefill.num_kv_blocks, "decode": 7}
