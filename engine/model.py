@@ -226,7 +226,7 @@ def build_model(config: ModelConfig, tp: TPGroup, kernels: KernelSet, dtype: tor
     model = model.to_empty(device=device)
     fuse_weights(model)
     _transpose_lm_head(model.lm_head)
-    model.rotary = RotaryEmbedding(config).to(device)  # its buffer was made on meta
+    model.rotary = RotaryEmbedding(config).to(device)  # to_empty emptied its buffer
     return model.eval()
 
 

@@ -54,20 +54,28 @@ def _yarn_inv_freq(dim: int, base: float, yarn: YarnScaling) -> torch.Tensor:
     high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low)
+            / (high - low)).clamp(0, 1)
+    freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     # NOTE: ramp 0 -> original frequency (extrapolation), ramp 1 -> interpolated freq / factor.
     return freq / yarn.factor * ramp + freq * (1 - ramp)
 
 
 class RotaryEmbedding(nn.Module):
-    """Interleaved rotary embedding over ``qk_rope_head_dim`` dims."""
+    """Interleaved rotary embedding over ``qk_rope_head_dim`` dims; ``inv_freq`` is made on
+    the CPU (move the module with ``.to``).
+
+    NOTE: the CPU even under a ``torch.device("meta")`` context (engine.model.build_model):
+    a meta ``arange`` runs torch's Python reference, which imports torch._dynamo, 1.3-2.6 s
+    of every rank process's start (measured 2026-12-02).
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim, base, yarn = config.qk_rope_head_dim, config.rope_theta, config.rope_scaling
         if yarn is None:
-            inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+            inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32,
+                                                   device="cpu") / dim)
             self.cos_sin_mscale = 1.0
         else:
             inv_freq = _yarn_inv_freq(dim, base, yarn)

@@ -9,15 +9,19 @@ START=$SECONDS
 
 # pip_install STEP ARGS...: pip install ARGS into .venv, a progress line every 5 s.
 pip_install() {
-  local step=$1 began=$SECONDS pid last from
+  local step=$1 began=$SECONDS pid last from next
   shift
   from=$(($(wc -l <.venv/setup.log) + 1))  # this step's lines start here
   echo "setup: $step"
   .venv/bin/python -m pip install --progress-bar off "$@" >>.venv/setup.log 2>&1 &
   pid=$!
+  next=$((began + 5))
+  # NOTE: checks every second (a step that is done goes on at once), prints every 5 s
   while kill -0 "$pid" 2>/dev/null; do
-    sleep 5
+    sleep 1
     kill -0 "$pid" 2>/dev/null || break
+    [ "$SECONDS" -ge "$next" ] || continue
+    next=$((next + 5))
     last=$(tail -n "+$from" .venv/setup.log \
            | grep -E '^(Collecting|Downloading|Installing|Building|Processing)' \
            | tail -1 | cut -c1-70 || true)

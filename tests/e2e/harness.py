@@ -206,6 +206,26 @@ def descendants(root_pid: int) -> dict[int, str]:
     return found
 
 
+def alive(pids: set[int]) -> set[int]:
+    """The processes of ``pids`` still running (a zombie counts as gone)."""
+    return {pid for pid in pids if os.path.exists(f"/proc/{pid}") and "zombie" not in _state(pid)}
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/status").read()
+    except OSError:
+        return "zombie"  # gone meanwhile
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line (first 200 characters), "?" once it is gone."""
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"
+
+
 def wait_idle(orch: OrchProcess, timeout_s: float = 60) -> None:
     """Every instance: all blocks free, nothing queued or running; router: nothing in flight."""
     deadline = time.monotonic() + timeout_s

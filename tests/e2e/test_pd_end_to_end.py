@@ -3,7 +3,8 @@ concurrent gRPC requests from ShareGPT prompts, greedy; outputs equal the coloca
 afterwards every block is free on every instance and nothing is in flight. On the same server:
 bad input, client cancel and the Abort RPC (both free every block well before the request
 would have ended), seeded sampling through the sync and async clients and `orch generate`,
-a second conversation turn served from both sides' prefix caches (on by default), and last
+a second conversation turn served from both sides' prefix caches (on by default), an `orch bench`
+replay of the Azure trace whose counts match the trace and the router's metrics, and last
 SIGTERM with requests in flight (they finish, orch exits 0)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from orchestrator.api.client import AsyncOrchClient, OrchClient
 from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
+from tests.e2e.azure_replay import AZURE, N, bench_replay, trace_lengths
 from tests.e2e.conftest import MAX_TOKENS
 from tests.e2e.harness import REPO, OrchProcess, wait_idle
 
@@ -33,6 +35,50 @@ def pd_server(tmp_path_factory, joined_ray):
     with OrchProcess(REPO / "configs" / "hetero_tp_1p1d.yaml", tmp_path_factory.mktemp("pd"),
                      {"prefill.chunk_size": 64, **joined_ray}) as orch:
         yield orch
+
+
+def test_azure_replay_counts_match_trace_and_metrics(pd_server, shared_data, tmp_path):
+    """`orch bench` replays the Azure trace: its report's counts and lengths match the trace
+    and what the router's counters and each KV pair's bytes grew by meanwhile (P1 -> D2: every
+    layer of every prompt token goes to both decode ranks; no prefix shared, no cache hit).
+
+    NOTE: first on the module's server: the KV transfer counters are fed by the leaders'
+    status reports, which may come after wait_idle, so another test's late records could
+    fall inside the window; the replay's own are waited for (bounded)."""
+    from engine.model_config import load_model_config
+    from orchestrator.config.load import load_config
+
+    azure = shared_data(AZURE)
+    expected, num_capped = trace_lengths(azure)
+    wait_idle(pd_server)
+    before = pd_server.metrics()
+    report = bench_replay(pd_server, azure, tmp_path / "report.json")
+    wait_idle(pd_server)
+    pairs = [f"prefill-0:0->decode-0:{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + 30
+    while True:
+        metrics = pd_server.metrics()
+        grew = {key: value - before.get(key, 0.0) for key, value in metrics.items()}
+        if min(grew.get(f"orch_kv_transfer_seconds_count{{pair={p}}}", 0) for p in pairs) >= N \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    counts = report["counts"]
+    assert counts["requested"] == N and counts["completed"] == N and counts["failed"] == 0
+    assert counts["capped"] == num_capped
+    per_request = sorted(report["requests"], key=lambda r: r["index"])
+    assert [(r["input_len"], r["output_tokens"]) for r in per_request] == expected
+    total_in, total_out = sum(i for i, _ in expected), sum(o for _, o in expected)
+    assert grew["orch_requests_total{outcome=length}"] == N
+    assert grew["orch_generation_tokens_total"] == total_out
+    assert grew["orch_prompt_tokens_total"] == total_in
+    assert grew["orch_ttft_seconds_count"] == N
+    assert report["goodput"] > 0
+    model = load_model_config(load_config(pd_server.config).model.checkpoint_dir())
+    per_token = model.num_hidden_layers * (model.kv_lora_rank + model.qk_rope_head_dim) * 4
+    for pair in pairs:
+        assert grew[f"orch_kv_transfer_bytes_total{{pair={pair}}}"] == total_in * per_token
+        assert grew[f"orch_kv_transfer_seconds_count{{pair={pair}}}"] == N
 
 
 def test_disaggregated_equals_colocated(pd_server, prompts, colocated_outputs):

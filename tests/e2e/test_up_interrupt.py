@@ -1,7 +1,7 @@
 """SIGINT while `orch up` (real ranks, the tiny model, embedded Ray) is still starting: at each
 stage (inside ray.init, while the rank processes start, while they load the model) it exits
 promptly with 130 and one line, prints no traceback, and leaves no process behind (ranks, Ray's
-own processes)."""
+own processes). (kill -9 of a serving `orch up`: test_embedded_ray.py, on its deployment.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.e2e.harness import REPO, descendants
+from tests.e2e.harness import REPO, alive, descendants
 from tests.ports import free_port
 
 # (the line that starts the stage, a process that exists once the stage is under way, whether
@@ -42,18 +42,6 @@ def _descendants(root: int, title: str, timeout_s: float) -> set[int]:
         time.sleep(0.05)
 
 
-def _alive(pids: set[int]) -> set[int]:
-    return {pid for pid in pids if os.path.exists(f"/proc/{pid}")
-            and "zombie" not in _state(pid)}
-
-
-def _state(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/status").read()
-    except OSError:
-        return "zombie"  # gone meanwhile
-
-
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -76,51 +64,15 @@ def test_sigint_during_start_up_exits_cleanly(stage, process, ignored, tmp_path)
         assert proc.wait(timeout=60) == 130, log.read_text()
         took = time.monotonic() - sent
         deadline = time.monotonic() + 30
-        while _alive(started) and time.monotonic() < deadline:
+        while alive(started) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     output = log.read_text()
-    assert _alive(started) == set(), f"left running: {_alive(started)}\n{output}"
+    assert alive(started) == set(), f"left running: {alive(started)}\n{output}"
     assert "Traceback" not in output and "AttributeError" not in output, output
     assert output.rstrip().endswith(
         "orch up: interrupted (Ctrl-C or SIGTERM); stopped what had started"), output
     assert took < 30, f"took {took:.1f} s to stop:\n{output}"
-
-
-def test_kill_9_of_orch_up_leaves_no_ray_process_behind(tmp_path):
-    """`orch up` killed outright (no teardown runs): the embedded Ray's processes, its
-    dashboard and runtime-env agents and the ranks included, are gone within seconds (the
-    watchdog, orchestrator/deploy/ray_watchdog.py), not minutes."""
-    log = tmp_path / "up.log"
-    env = dict(os.environ, ORCH_CACHE_DIR=str(tmp_path), PYTHONUNBUFFERED="1", RAY_ADDRESS="")
-    cmd = [sys.executable, "-m", "orchestrator.cli", "up", str(REPO / "configs" / "hetero_tp_1p1d.yaml"),
-           "--port", str(free_port()), "--metrics-port", str(free_port())]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    started: set[int] = set()
-    try:
-        _wait_for_line(log, proc, "orch serving", timeout_s=240)
-        found = descendants(proc.pid)
-        started = set(found)
-        assert any("raylet" in title for title in found.values()), found
-        proc.kill()
-        proc.wait(10)
-        deadline = time.monotonic() + 20
-        while _alive(started) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = {pid: _cmdline(pid) for pid in _alive(started)}
-        assert left == {}, f"left running after kill -9: {left}\n{log.read_text()}"
-    finally:
-        for pid in _alive(started):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200]
-    except OSError:
-        return "?"

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.rank_processes import START_METHOD
+
 BLOCK = 16
 
 
@@ -125,7 +127,7 @@ def run_cp_ranks(size: int, ports: tuple[int, int], plans: tuple[CPPlan, ...], o
                  timeout_s: float = 120.0) -> dict[str, list[dict]]:
     """Spawn ``size`` CP ranks, run ``plans``, wait (bounded); plan name -> rank results."""
     ctx = mp.start_processes(rank_main, args=(size, ports, plans, out_dir), nprocs=size,
-                             join=False, start_method="spawn")
+                             join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.rank_processes import START_METHOD
+
 BLOCK = 16
 
 
@@ -111,7 +113,7 @@ def run_ranks(plans: tuple[Plan, ...], timeout_s: float = 120.0) -> dict[str, li
     n = plans[0].dp * plans[0].tp
     assert all(p.dp * p.tp == n for p in plans), "every plan needs the same number of ranks"
     ctx = mp.start_processes(rank_main, args=(plans,), nprocs=n, join=False,
-                             start_method="spawn")
+                             start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):

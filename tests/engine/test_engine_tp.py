@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 from engine.runner import ModelRunner, SeqStep
 from tests.ports import free_port as _free_port
+from tests.rank_processes import START_METHOD
 
 BLOCK = 16
 PROMPT = tuple(range(1000, 1040))
@@ -43,7 +44,7 @@ def test_tp2_equals_tp1(tiny_ckpt, tiny_ckpt_no_qlora, tiny_dsa_ckpt, tmp_path):
     select the same tokens on both ranks)."""
     ckpts = [str(tiny_ckpt), str(tiny_ckpt_no_qlora), str(tiny_dsa_ckpt)]
     ctx = mp.start_processes(_rank_main, args=(_free_port(), ckpts, str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
+                             join=False, start_method=START_METHOD)
     deadline = time.monotonic() + 120
     try:
         while not ctx.join(timeout=1):

@@ -12,6 +12,7 @@ from torch import nn
 from engine.expert_parallel import ep_routed, ep_routed_fixed
 from engine.parallel import EPGroup, TPGroup, init_ep_group
 from tests.ports import free_port
+from tests.rank_processes import START_METHOD
 
 HIDDEN, N_LOCAL, K, CAPACITY = 16, 2, 3, 4
 TOKENS = (7, 0, 5, 8)  # per DP rank x TP rank: DP rank 1's TP rank 0 routes nothing
@@ -53,7 +54,7 @@ def _rank(index: int, port: int, out_dir: str) -> None:
 
 def test_fixed_capacity_dispatch_equals_the_exact_one(tmp_path):
     mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=4, join=True,
-                       start_method="spawn")
+                       start_method=START_METHOD)
     got = {i: torch.load(tmp_path / f"rank{i}.pt") for i in range(4)}
     for index, (exact, fixed) in got.items():
         assert exact.shape == fixed.shape == (2 * TOKENS[index], HIDDEN)

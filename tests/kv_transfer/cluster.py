@@ -1,4 +1,4 @@
-"""Multi-process harness for KV transfer tests: spawned prefill and decode rank processes.
+"""Multi-process harness for KV transfer tests: prefill and decode rank processes.
 
 Every process rebuilds the same reference data from a seed (prefill cache contents and both
 block tables), so a decode rank can check, slot by slot, that what arrived equals what the
@@ -13,16 +13,15 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
-import torch.multiprocessing as mp
 
 from engine.block_pool import slot_mapping
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
                          PrefillKVConnector, TransferConfig, build_transfer_plan)
 from tests.leaks import assert_no_kv_threads
+from tests.rank_processes import CTX
 
 RID = "req-1"
-CTX = mp.get_context("spawn")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """scripts/setup.sh shows progress (issue 25, item 8: it was silent for 75 s): one line per
 step, a line every 5 s while pip works, pip's log tail when a step fails. Run against a stub
-.venv whose pip takes 6 s (no network, no real install)."""
+.venv whose pip installs nothing (no network), its torch step taking 6 s where a heartbeat is
+checked."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STUB_PYTHON = """#!/usr/bin/env bash
 echo "Collecting stub-package-$$"
-sleep 6
+case "$*" in *torch==*) sleep "${STUB_SLEEP:-0}" ;; esac
 exit ${STUB_EXIT:-0}
 """
 
 
-def _run(tmp_path: Path, exit_code: int) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, exit_code: int, torch_s: int = 0) -> subprocess.CompletedProcess:
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
     python = tmp_path / ".venv" / "bin" / "python"
@@ -26,11 +27,12 @@ def _run(tmp_path: Path, exit_code: int) -> subprocess.CompletedProcess:
     python.chmod(0o755)
     return subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
-                                                      "STUB_EXIT": str(exit_code)})
+                                                      "STUB_EXIT": str(exit_code),
+                                                      "STUB_SLEEP": str(torch_s)})
 
 
 def test_setup_prints_each_step_and_a_heartbeat_while_pip_works(tmp_path):
-    done = _run(tmp_path, 0)
+    done = _run(tmp_path, 0, torch_s=6)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "setup: [1/3] .venv exists: updating it"
