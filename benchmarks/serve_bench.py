@@ -199,7 +199,7 @@ def main() -> int:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32],
                     help="concurrency levels (1 = unloaded, against colocated dp 1)")
     ap.add_argument("--pd-prefill-chunk", type=int, default=None,
-                    help="PD's prefill.chunk_size (default: configs/1p1d.yaml's, 256; 64 is "
+                    help="PD's prefill.chunk_size (default: configs/1p1d.yaml's, 256, as "
                          "colocated's); a prefill instance has no decode steps to keep short")
     ap.add_argument("--rounds", type=int, default=3, help="alternating replays per level")
     ap.add_argument("--input-len", type=int, default=256)

@@ -27,7 +27,7 @@ def _serve_bench():
 def test_every_deployment_loads_with_the_same_scheduler_sizes(tmp_path):
     sb = _serve_bench()
     args = argparse.Namespace(levels=[1, 8, 32], tp=2, input_len=256, output_len=64,
-                              pd_prefill_chunk=64)
+                              pd_prefill_chunk=None)
     cfgs = {name: load_config(sb.write_config(dep, tmp_path))
             for name, dep in sb.deployments(args).items()}
     pd, dp1, dp2 = cfgs["pd"], cfgs["colocated-dp1"], cfgs["colocated-dp2"]
@@ -39,7 +39,7 @@ def test_every_deployment_loads_with_the_same_scheduler_sizes(tmp_path):
         assert cfg.decode.max_num_seqs >= 32
         assert cfg.decode.num_kv_blocks >= 32 * per_request
         assert cfg.decode.num_kv_blocks == pd.decode.num_kv_blocks
-        # NOTE: --pd-prefill-chunk 64 gives PD colocated's chunking (1p1d.yaml's is 256)
+        # NOTE: PD's default chunking (1p1d.yaml's, 256) is colocated.yaml's
         assert (cfg.prefill.chunk_size, cfg.prefill.max_num_batched_tokens) == (
             pd.prefill.chunk_size, pd.prefill.max_num_batched_tokens)
         assert cfg.model.max_model_len >= 256 + 64
@@ -54,4 +54,4 @@ def test_pd_prefill_chunk_changes_only_the_prefill_instance(tmp_path):
     pd = load_config(sb.write_config(deps["pd"], tmp_path))
     colocated = load_config(sb.write_config(deps["colocated-dp2"], tmp_path))
     assert pd.prefill.chunk_size == 128
-    assert colocated.prefill.chunk_size == 64  # configs/colocated.yaml's
+    assert colocated.prefill.chunk_size == 256  # configs/colocated.yaml's

@@ -37,8 +37,8 @@ def engine_greedy(checkpoint: Path, prompts: list[tuple[int, ...]], max_tokens: 
             (``load_config(orch.config).model.checkpoint_dir()``, made by that run).
         prompts: prompt token ids.
         max_tokens: output tokens per prompt (one int: the same for every prompt).
-        chunk: prefill chunk in tokens (colocated.yaml's 64: long prompts go in several chunks,
-            as colocated serving runs them); None: each prompt in one step.
+        chunk: prefill chunk in tokens (64: long prompts go in several chunks, as a colocated
+            instance with a small chunk_size runs them); None: each prompt in one step.
     """
     from engine.runner import ModelRunner, SeqStep
 

@@ -165,7 +165,7 @@ def test_serving_cost_is_paid_once_per_step_and_per_prefill_chunk():
     base = replace(default_device("cuda"), step_serving_us=0.0)
     slow = replace(base, step_serving_us=1000.0)
     cfg = load_config(REPO / "configs" / "colocated.yaml")
-    wl = WorkloadSpec(128, 16, concurrency=1)  # 128 tokens = 2 prefill chunks of 64
+    wl = WorkloadSpec(cfg.prefill.chunk_size + 64, 16, concurrency=1)  # 2 prefill chunks
     fast_pt, slow_pt = (plan_config(cfg, wl, d).point for d in (base, slow))
     assert slow_pt.tpot_s - fast_pt.tpot_s == pytest.approx(1e-3, rel=1e-6)
     assert slow_pt.ttft_s - fast_pt.ttft_s == pytest.approx(2e-3, rel=1e-6)

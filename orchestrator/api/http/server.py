@@ -57,7 +57,12 @@ class HttpServer:
             PortInUseError: the port is taken (the message names router.http_port).
         """
         self.config.load()  # NOTE: TLS files are read here, so a bad one fails start()
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        # NOTE: proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted
+        # connections only when the listening socket says TCP. Without it Nagle held each
+        # stream's first event behind the unacknowledged response headers until the client's
+        # delayed ACK (~40 ms on Linux) on every kept-alive request after the first.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET,
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if self.reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
