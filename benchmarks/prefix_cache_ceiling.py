@@ -19,7 +19,8 @@ splits the hits by the request's turn in its conversation (1 = a conversation's 
 request: it can only hit the system-prompt block every request shares), which says why
 round robin keeps most of the reuse: a later turn also finds the earlier turns' prefix
 (most of its own) on an instance an earlier turn went to. Run:
-``PYTHONPATH=. python benchmarks/prefix_cache_ceiling.py [--every 1 --requests 0]``.
+``PYTHONPATH=. python benchmarks/prefix_cache_ceiling.py [--every 1 --requests 0]``
+(``--offset 0 1 ... 15``: each of the disjoint samples, one line each).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ class Prompt:
     turn: int
 
 
-def prompts(trace, requests: int, every: int, max_blocks: int) -> list[Prompt]:
+def prompts(trace, requests: int, every: int, max_blocks: int,
+            offset: int = 0) -> list[Prompt]:
     """The benchmark's sample as :class:`Prompt` s; a trace block's key names its whole
     prefix, as the engine's chained block hash does."""
     out, turns = [], Counter()
-    for row in sample_rows(trace, requests, every):
+    for row in sample_rows(trace, requests, every, offset):
         keys, key = [], 0
         for h in row.hash_ids[:max_blocks]:
             key = hash((key, h))
@@ -97,31 +99,60 @@ def replay(reqs: list[Prompt], dp: int, policy: str) -> Counter:
     return out
 
 
+def hit_rate(r: Counter, total: int) -> float:
+    """Hit tokens of a :func:`replay` over ``total`` prompt tokens."""
+    return sum(r[t] for t in (1, 2, 3)) / total
+
+
+def table(reqs: list[Prompt], dps: list[int]) -> None:
+    """Every placement at every dp, hits split by turn."""
+    total = sum(p.length for p in reqs)
+    share = {t: sum(p.length for p in reqs if min(p.turn, 3) == t) / total for t in (1, 2, 3)}
+    print(f"{total} prompt tokens; prompt tokens by turn: 1st {share[1]:.2f}, 2nd "
+          f"{share[2]:.2f}, 3rd+ {share[3]:.2f}")
+    print("| dp | placement | hit rate | hits in turn 1 / 2 / 3+ (share of all prompt tokens) "
+          "| one cache / this |")
+    print("|---|---|---|---|---|")
+    one = replay(reqs, 1, "one cache")
+    for dp in dps:
+        for policy in POLICIES:
+            r = one if policy == "one cache" else replay(reqs, dp, policy)
+            by_turn = " / ".join(f"{r[t] / total:.3f}" for t in (1, 2, 3))
+            print(f"| {dp} | {policy} | {hit_rate(r, total):.3f} | {by_turn} | "
+                  f"{hit_rate(one, total) / hit_rate(r, total):.2f} |")
+
+
+def by_offset(rows: dict[int, list[Prompt]], dps: list[int]) -> None:
+    """One line per sample (conversation ids = offset mod every): one cache vs round robin."""
+    print("| offset | requests | one cache | " + " | ".join(
+        f"round_robin dp {dp} | one cache / round_robin dp {dp}" for dp in dps) + " |")
+    print("|---" * (3 + 2 * len(dps)) + "|")
+    for offset, reqs in rows.items():
+        total = sum(p.length for p in reqs)
+        one = hit_rate(replay(reqs, 1, "one cache"), total)
+        cells = [(hit_rate(replay(reqs, dp, "round_robin"), total)) for dp in dps]
+        print(f"| {offset} | {len(reqs)} | {one:.3f} | " + " | ".join(
+            f"{rr:.3f} | {one / rr:.2f}" for rr in cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--requests", type=int, default=260, help="0: every sampled request")
     ap.add_argument("--every", type=int, default=16)
     ap.add_argument("--max-blocks", type=int, default=16)
+    ap.add_argument("--offset", type=int, nargs="+", default=[0],
+                    help="conversation ids modulo --every sampled (several: one line each)")
     ap.add_argument("--dp", type=int, nargs="+", default=[2])
     args = ap.parse_args()
-    reqs = prompts(args.trace, args.requests, args.every, args.max_blocks)
-    total = sum(p.length for p in reqs)
-    share = {t: sum(p.length for p in reqs if min(p.turn, 3) == t) / total for t in (1, 2, 3)}
-    print(f"{len(reqs)} requests (one conversation in {args.every}, cut to {args.max_blocks} "
-          f"trace blocks), {total} prompt tokens; prompt tokens by turn: 1st {share[1]:.2f}, "
-          f"2nd {share[2]:.2f}, 3rd+ {share[3]:.2f}")
-    print("| dp | placement | hit rate | hits in turn 1 / 2 / 3+ (share of all prompt tokens) "
-          "| one cache / this |")
-    print("|---|---|---|---|---|")
-    one = replay(reqs, 1, "one cache")
-    for dp in args.dp:
-        for policy in POLICIES:
-            r = one if policy == "one cache" else replay(reqs, dp, policy)
-            hit = sum(r[t] for t in (1, 2, 3)) / total
-            by_turn = " / ".join(f"{r[t] / total:.3f}" for t in (1, 2, 3))
-            ideal = sum(one[t] for t in (1, 2, 3)) / total
-            print(f"| {dp} | {policy} | {hit:.3f} | {by_turn} | {ideal / hit:.2f} |")
+    print(f"Mooncake conversation trace, one conversation in {args.every}, first "
+          f"{args.requests or 'all'} requests, prompts cut to {args.max_blocks} trace blocks")
+    rows = {k: prompts(args.trace, args.requests, args.every, args.max_blocks, k)
+            for k in args.offset}
+    if len(rows) == 1:
+        table(next(iter(rows.values())), args.dp)
+    else:
+        by_offset(rows, args.dp)
 
 
 if __name__ == "__main__":

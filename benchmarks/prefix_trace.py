@@ -50,13 +50,14 @@ def block_tokens(hash_id: int) -> list[int]:
     return torch.randint(2, VOCAB, (TRACE_BLOCK,), generator=gen).tolist()
 
 
-def sample_rows(path: Path, n: int, every: int) -> list[TraceEntry]:
-    """The first ``n`` trace rows (all when ``n`` is 0) of one conversation in ``every``."""
+def sample_rows(path: Path, n: int, every: int, offset: int = 0) -> list[TraceEntry]:
+    """The first ``n`` trace rows (all when ``n`` is 0) of one conversation in ``every``
+    (those whose conversation id is ``offset`` modulo ``every``)."""
     out = []
     for row in read_mooncake(path):
         if n and len(out) == n:
             break
-        if row.hash_ids[min(1, len(row.hash_ids) - 1)] % every == 0:
+        if row.hash_ids[min(1, len(row.hash_ids) - 1)] % every == offset:
             out.append(row)
     return out
 
