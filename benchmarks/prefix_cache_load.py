@@ -47,12 +47,14 @@ from rank.rank import Rank
 @dataclass(frozen=True)
 class Run:
     """One replay on a fresh instance: TTFTs (s, in request order), token hit rate, wall
-    time (s) from the first arrival to the last first token, 1-minute load average at its
-    end."""
+    time (s) from the first arrival to the last first token, the share of it the instance
+    spent in steps (its utilisation: the load it ran at, relative to its capacity at the
+    time), 1-minute load average at its end."""
 
     ttfts: tuple[float, ...]
     hit: float
     wall_s: float
+    busy: float
     loadavg: float
 
     def pct(self, q: float) -> float:
@@ -111,12 +113,14 @@ def measure(ckpt: Path, blocks: int, cache: bool, reqs: list[TraceRequest],
     try:
         warm_up(rank)
         queried0, hits0 = rank.leader.pool.lookup_totals()
+        busy0 = rank.leader.step_timer.snapshot().step.total_s
         t0 = time.monotonic()
         ttfts = open_loop(rank, reqs, offsets)
         wall = time.monotonic() - t0
+        busy = rank.leader.step_timer.snapshot().step.total_s - busy0
         queried, hits = rank.leader.pool.lookup_totals()
         return Run(tuple(ttfts), (hits - hits0) / max(queried - queried0, 1), wall,
-                   os.getloadavg()[0])
+                   busy / wall, os.getloadavg()[0])
     finally:
         rank.shutdown()
 
@@ -147,7 +151,22 @@ def report_load(frac: float, rate: float, runs: dict[bool, list[Run]]) -> None:
         print(f"| {frac:.2f} | {rate:.2f} | {1e3 * off.pct(0.5):.0f} / {1e3 * off.pct(0.9):.0f} "
               f"| {1e3 * on.pct(0.5):.0f} / {1e3 * on.pct(0.9):.0f} | {on.hit:.3f} "
               f"| **{on.pct(0.5) / off.pct(0.5):.2f}** / {on.pct(0.9) / off.pct(0.9):.2f} "
-              f"| {off.loadavg:.1f} / {on.loadavg:.1f} |")
+              f"| {off.busy:.2f} / {on.busy:.2f} | {off.loadavg:.1f} / {on.loadavg:.1f} |")
+
+
+def summarize(results: list[tuple[float, dict[bool, list[Run]]]]) -> None:
+    """Per load: the median over the pairs of the on / off TTFT ratios and of the cache-off
+    instance's utilisation."""
+    print("\n| load (x cache-off capacity) | pairs | on / off TTFT p50, median (range) "
+          "| on / off TTFT p90, median | cache-off busy, median |")
+    print("|---|---|---|---|---|")
+    for frac, runs in results:
+        pairs = list(zip(runs[False], runs[True]))
+        p50 = [on.pct(0.5) / off.pct(0.5) for off, on in pairs]
+        p90 = [on.pct(0.9) / off.pct(0.9) for off, on in pairs]
+        print(f"| {frac:.2f} | {len(pairs)} | **{statistics.median(p50):.2f}** "
+              f"({min(p50):.2f}-{max(p50):.2f}) | {statistics.median(p90):.2f} "
+              f"| {statistics.median(off.busy for off, _ in pairs):.2f} |")
 
 
 def main() -> None:
@@ -160,7 +179,7 @@ def main() -> None:
                     help="arrival rates as fractions of the cache-off capacity")
     ap.add_argument("--rate", type=float, nargs="*", default=[],
                     help="arrival rates in requests/s instead of --load (skips step 1)")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -179,12 +198,17 @@ def main() -> None:
             cap = report_capacity(alternate(ckpt, blocks, reqs, at_once, args.reps), len(reqs))
             rates = [(f, f * cap) for f in args.load]
         print("\n| load (x cache-off capacity) | rate req/s | cache off TTFT p50 / p90 ms "
-              "| cache on TTFT p50 / p90 ms | hit rate | on / off p50 / p90 | load avg off / on |")
-        print("|---|---|---|---|---|---|---|")
+              "| cache on TTFT p50 / p90 ms | hit rate | on / off p50 / p90 | busy off / on "
+              "| load avg off / on |")
+        print("|---|---|---|---|---|---|---|---|")
+        results = []
         for frac, rate in rates:
-            offsets = poisson_offsets(len(reqs), rate, args.seed)
-            report_load(frac if frac is not None else float("nan"), rate,
-                        alternate(ckpt, blocks, reqs, offsets, args.reps))
+            runs = alternate(ckpt, blocks, reqs, poisson_offsets(len(reqs), rate, args.seed),
+                             args.reps)
+            frac = frac if frac is not None else float("nan")
+            report_load(frac, rate, runs)
+            results.append((frac, runs))
+        summarize(results)
 
 
 if __name__ == "__main__":
