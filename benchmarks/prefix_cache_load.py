@@ -1,5 +1,5 @@
 """TTFT with the prefix cache on vs off under load: the Mooncake conversation trace at a given
-arrival rate (CPU, tiny model, one colocated rank in-process).
+arrival rate (CPU, tiny model, colocated ranks in-process).
 
 ``prefix_cache_bench.py`` replays the trace tick by tick with nothing queued, so the cache
 saves only the prefill compute of the tokens it holds (a third of this trace's). Under load a
@@ -8,13 +8,16 @@ nears its capacity; the cache shortens every request's prefill, so near the cach
 instance's capacity it cuts the wait far more than the compute. This replays the same sample
 (``prefix_trace.py``, prefix structure kept) open loop:
 
-1. capacity: every request submitted at once to a fresh instance, cache off and on
+1. capacity: every request submitted at once to a fresh instance alone, cache off and on
    (alternating, ``--reps`` each): requests per second until the last first token;
 2. for each ``--load`` fraction f: Poisson arrivals (seeded, the same times for both) at
-   f x the cache-off capacity (median of step 1), in the trace's order, to a fresh instance
-   with the cache off and with it on, alternating (``--reps`` pairs, the order swapped each
-   pair), so both see the same window of machine load; TTFT = first token seen - scheduled
-   arrival. The load average is read at each run's end.
+   f x the cache-off capacity (median of step 1), in the trace's order, to two fresh
+   instances side by side in this process, one with the cache off and one with it on
+   (``--reps`` pairs; which one gets each request first alternates), so the machine's other
+   jobs (it is shared, and its free CPU moves by 2x within seconds) hit both alike; TTFT =
+   first token seen - scheduled arrival. Each run reports its utilisation (step seconds /
+   wall: the load it actually ran at) and the load average at its end.
+   ``--one-after-the-other`` runs them alternately instead (exposed to that drift).
 
 The trace's own timestamps are not replayed (they come in 3 s ticks); only its order is.
 Each request asks for one token. Not a test; run:
@@ -75,63 +78,79 @@ def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def open_loop(rank: Rank, reqs: list[TraceRequest], offsets: list[float],
-              tag: str = "r") -> list[float]:
-    """Submit request i (id ``tag`` + i) at ``offsets[i]`` s from now, whatever is still
-    running; each one's TTFT (s from its scheduled arrival to its first token seen here)."""
+def open_loop(ranks: list[Rank], reqs: list[TraceRequest], offsets: list[float],
+              tag: str = "r") -> list[tuple[list[float], float]]:
+    """Submit request i (id ``tag`` + i) to every rank at ``offsets[i]`` s from now,
+    whatever is still running (the ranks in turn, the first one rotating); per rank, each
+    request's TTFT (s from its scheduled arrival to its first token seen here) and the time
+    (s) from the first arrival to its last first token."""
     t0 = time.monotonic()
     due = [t0 + o for o in offsets]
-    first: dict[int, float] = {}
+    first: list[dict[int, float]] = [{} for _ in ranks]
     nxt, deadline = 0, due[-1] + 600
-    while len(first) < len(reqs):
+    while any(len(f) < len(reqs) for f in first):
         now = time.monotonic()
         assert now < deadline, "requests did not finish within 600 s of the last arrival"
         while nxt < len(reqs) and due[nxt] <= now:
-            rank.request(Generate(RequestSpec(f"{tag}{nxt}", reqs[nxt].prompt, SamplingParams(
-                max_tokens=1, ignore_eos=True))))
+            spec = RequestSpec(f"{tag}{nxt}", reqs[nxt].prompt,
+                               SamplingParams(max_tokens=1, ignore_eos=True))
+            for k in range(len(ranks)):
+                ranks[(nxt + k) % len(ranks)].request(Generate(spec))
             nxt += 1
         wait = 0.002 if nxt == len(reqs) else min(0.002, max(0.0, due[nxt] - now))
-        for ev in rank.poll(wait):
-            assert ev.error is None, ev.error
-            if ev.request_id.startswith(tag):
-                i = int(ev.request_id[len(tag):])
-                first.setdefault(i, time.monotonic() - due[i])
-    return [first[i] for i in range(len(reqs))]
+        for rank, got in zip(ranks, first):
+            for ev in rank.poll(wait / len(ranks)):
+                assert ev.error is None, ev.error
+                if ev.request_id.startswith(tag):
+                    i = int(ev.request_id[len(tag):])
+                    got.setdefault(i, time.monotonic() - due[i])
+    return [([got[i] for i in range(len(reqs))], max(got[i] + offsets[i] for i in got))
+            for got in first]
 
 
-def warm_up(rank: Rank) -> None:
+def warm_up(ranks: list[Rank]) -> None:
     """One request of tokens no trace block has (torch's first-call costs paid here)."""
     prompt = tuple(t for k in range(16) for t in block_tokens(10**9 + k))
-    open_loop(rank, [TraceRequest(0, prompt, ())], [0.0], tag="warm-up")
+    open_loop(ranks, [TraceRequest(0, prompt, ())], [0.0], tag="warm-up")
 
 
-def measure(ckpt: Path, blocks: int, cache: bool, reqs: list[TraceRequest],
-            offsets: list[float]) -> Run:
-    """One replay of ``reqs`` at ``offsets`` on a fresh colocated instance."""
-    rank = start(ckpt, ColocatedRole, f"cache-{'on' if cache else 'off'}", "colocated",
-                 blocks, cache)
+def measure(ckpt: Path, blocks: int, caches: tuple[bool, ...], reqs: list[TraceRequest],
+            offsets: list[float]) -> list[Run]:
+    """One replay of ``reqs`` at ``offsets`` on fresh colocated instances, one per entry of
+    ``caches`` (prefix cache on / off), side by side: the same arrivals at the same moments,
+    so the machine's other load hits them alike."""
+    ranks = []
     try:
-        warm_up(rank)
-        queried0, hits0 = rank.leader.pool.lookup_totals()
-        busy0 = rank.leader.step_timer.snapshot().step.total_s
-        t0 = time.monotonic()
-        ttfts = open_loop(rank, reqs, offsets)
-        wall = time.monotonic() - t0
-        busy = rank.leader.step_timer.snapshot().step.total_s - busy0
-        queried, hits = rank.leader.pool.lookup_totals()
-        return Run(tuple(ttfts), (hits - hits0) / max(queried - queried0, 1), wall,
-                   busy / wall, os.getloadavg()[0])
+        for k, cache in enumerate(caches):
+            ranks.append(start(ckpt, ColocatedRole, f"cache-{'on' if cache else 'off'}-{k}",
+                               "colocated", blocks, cache))
+        warm_up(ranks)
+        before = [(r.leader.pool.lookup_totals(), r.leader.step_timer.snapshot().step.total_s)
+                  for r in ranks]
+        results = open_loop(ranks, reqs, offsets)
+        out = []
+        for rank, ((queried0, hits0), busy0), (ttfts, wall) in zip(ranks, before, results):
+            queried, hits = rank.leader.pool.lookup_totals()
+            busy = rank.leader.step_timer.snapshot().step.total_s - busy0
+            out.append(Run(tuple(ttfts), (hits - hits0) / max(queried - queried0, 1), wall,
+                           busy / wall, os.getloadavg()[0]))
+        return out
     finally:
-        rank.shutdown()
+        for rank in ranks:
+            rank.shutdown()
 
 
 def alternate(ckpt: Path, blocks: int, reqs: list[TraceRequest], offsets: list[float],
-              reps: int) -> dict[bool, list[Run]]:
-    """``reps`` runs cache off and on, alternating (off-on, on-off, ...)."""
+              reps: int, side_by_side: bool) -> dict[bool, list[Run]]:
+    """``reps`` runs cache off and on: one after the other, alternating (off-on, on-off,
+    ...), or ``side_by_side`` (the first to get each request alternating likewise)."""
     out: dict[bool, list[Run]] = {False: [], True: []}
     for rep in range(reps):
-        for cache in ((False, True) if rep % 2 == 0 else (True, False)):
-            out[cache].append(measure(ckpt, blocks, cache, reqs, offsets))
+        order = (False, True) if rep % 2 == 0 else (True, False)
+        groups = [order] if side_by_side else [(c,) for c in order]
+        for caches in groups:
+            for cache, run in zip(caches, measure(ckpt, blocks, caches, reqs, offsets)):
+                out[cache].append(run)
     return out
 
 
@@ -175,12 +194,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=260)
     ap.add_argument("--every", type=int, default=16)
     ap.add_argument("--max-blocks", type=int, default=16)
-    ap.add_argument("--load", type=float, nargs="+", default=[0.5, 0.7, 0.8, 0.9],
+    ap.add_argument("--load", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8],
                     help="arrival rates as fractions of the cache-off capacity")
     ap.add_argument("--rate", type=float, nargs="*", default=[],
                     help="arrival rates in requests/s instead of --load (skips step 1)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--one-after-the-other", action="store_true",
+                    help="loaded runs one instance at a time (default: off and on side by side)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     reqs, cut = load_trace(args.trace, args.requests, args.max_blocks, args.every)
@@ -195,7 +216,8 @@ def main() -> None:
         rates = [(None, r) for r in args.rate]
         if not rates:
             at_once = poisson_offsets(len(reqs), float("inf"), args.seed)
-            cap = report_capacity(alternate(ckpt, blocks, reqs, at_once, args.reps), len(reqs))
+            cap = report_capacity(alternate(ckpt, blocks, reqs, at_once, args.reps, False),
+                                  len(reqs))
             rates = [(f, f * cap) for f in args.load]
         print("\n| load (x cache-off capacity) | rate req/s | cache off TTFT p50 / p90 ms "
               "| cache on TTFT p50 / p90 ms | hit rate | on / off p50 / p90 | busy off / on "
@@ -204,7 +226,7 @@ def main() -> None:
         results = []
         for frac, rate in rates:
             runs = alternate(ckpt, blocks, reqs, poisson_offsets(len(reqs), rate, args.seed),
-                             args.reps)
+                             args.reps, not args.one_after_the_other)
             frac = frac if frac is not None else float("nan")
             report_load(frac, rate, runs)
             results.append((frac, runs))
