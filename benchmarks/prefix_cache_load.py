@@ -164,26 +164,27 @@ def report_capacity(runs: dict[bool, list[Run]], n: int) -> float:
     return statistics.median(n / r.wall_s for r in runs[False])
 
 
-def report_load(frac: float, rate: float, runs: dict[bool, list[Run]]) -> None:
-    """One table row per pair of runs at load ``frac`` x the cache-off capacity."""
+def report_load(load: str, rate: float, runs: dict[bool, list[Run]]) -> None:
+    """One table row per pair of runs at ``rate`` (``load``: x the cache-off capacity, or
+    "-" for a rate given in requests/s)."""
     for off, on in zip(runs[False], runs[True]):
-        print(f"| {frac:.2f} | {rate:.2f} | {1e3 * off.pct(0.5):.0f} / {1e3 * off.pct(0.9):.0f} "
+        print(f"| {load} | {rate:.2f} | {1e3 * off.pct(0.5):.0f} / {1e3 * off.pct(0.9):.0f} "
               f"| {1e3 * on.pct(0.5):.0f} / {1e3 * on.pct(0.9):.0f} | {on.hit:.3f} "
               f"| **{on.pct(0.5) / off.pct(0.5):.2f}** / {on.pct(0.9) / off.pct(0.9):.2f} "
               f"| {off.busy:.2f} / {on.busy:.2f} | {off.loadavg:.1f} / {on.loadavg:.1f} |")
 
 
-def summarize(results: list[tuple[float, dict[bool, list[Run]]]]) -> None:
+def summarize(results: list[tuple[str, dict[bool, list[Run]]]]) -> None:
     """Per load: the median over the pairs of the on / off TTFT ratios and of the cache-off
     instance's utilisation."""
-    print("\n| load (x cache-off capacity) | pairs | on / off TTFT p50, median (range) "
+    print("\n| load (x cache-off capacity) or rate | pairs | on / off TTFT p50, median (range) "
           "| on / off TTFT p90, median | cache-off busy, median |")
     print("|---|---|---|---|---|")
-    for frac, runs in results:
+    for load, runs in results:
         pairs = list(zip(runs[False], runs[True]))
         p50 = [on.pct(0.5) / off.pct(0.5) for off, on in pairs]
         p90 = [on.pct(0.9) / off.pct(0.9) for off, on in pairs]
-        print(f"| {frac:.2f} | {len(pairs)} | **{statistics.median(p50):.2f}** "
+        print(f"| {load} | {len(pairs)} | **{statistics.median(p50):.2f}** "
               f"({min(p50):.2f}-{max(p50):.2f}) | {statistics.median(p90):.2f} "
               f"| {statistics.median(off.busy for off, _ in pairs):.2f} |")
 
@@ -227,9 +228,9 @@ def main() -> None:
         for frac, rate in rates:
             runs = alternate(ckpt, blocks, reqs, poisson_offsets(len(reqs), rate, args.seed),
                              args.reps, not args.one_after_the_other)
-            frac = frac if frac is not None else float("nan")
-            report_load(frac, rate, runs)
-            results.append((frac, runs))
+            load = "-" if frac is None else f"{frac:.2f}"
+            report_load(load, rate, runs)
+            results.append((load if frac is not None else f"{rate:g} req/s", runs))
         summarize(results)
 
 
