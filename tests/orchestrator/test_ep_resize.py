@@ -7,6 +7,8 @@ a new group that does not start) change nothing."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -63,8 +65,8 @@ def test_decode_ep_2_to_4_under_load_switches_groups_and_fails_nothing(ep):
     try:
         assert _wait_for(lambda: len(load.results) >= 4)
         reply = _scale(h, decode=4)
-        settled = len(load.results)
-        assert _wait_for(lambda: len(load.results) >= settled + 6)
+        settled = time.monotonic()  # NOTE: requests sent after the reply (test_scaling's Load)
+        assert _wait_for(lambda: sum(s > settled for *_, s in load.results) >= 6)
     finally:
         load.stop.set()
         load.join(10)
@@ -72,9 +74,9 @@ def test_decode_ep_2_to_4_under_load_switches_groups_and_fails_nothing(ep):
     assert list(reply.removed) == ["decode-0", "decode-1"] and reply.counts["decode"] == 4
     assert h.cluster.groups == [NEW]
     assert h.cluster.removed == ["decode-0", "decode-1"]
-    assert [e for _, _, e in load.results if e] == []
-    assert all(t == expected_tokens(PROMPT, 6) for t, _, _ in load.results)
-    assert {d for _, d, _ in load.results[settled:]} <= set(NEW)
+    assert [e for _, _, e, _ in load.results if e] == []
+    assert all(t == expected_tokens(PROMPT, 6) for t, *_ in load.results)
+    assert {d for _, d, _, sent in load.results if sent > settled} <= set(NEW)
     assert _health(h) == {"prefill-0": "healthy", **{name: "healthy" for name in NEW}}
     assert h.call_in_loop(lambda: sorted(h.router.flow.main)) == [
         "decode-2", "decode-3", "decode-4", "decode-5"]
