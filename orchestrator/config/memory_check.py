@@ -139,13 +139,22 @@ def build_memory_plan(cfg: OrchConfig) -> tuple[MemoryPlan | None, str]:
                                    "(DeepSeek's config.json is the reference)") from None
     precision = Precision.of(cfg.model.dtype, bytes_per_param(
         model.quantization, DTYPE_BYTES[cfg.model.dtype], cfg.model.fp8_storage))
+    roles, memory = _plan_roles(cfg, model, plan_role, precision)
+    return MemoryPlan(model, source, precision, roles, memory), source
+
+
+def _plan_roles(cfg: OrchConfig, model, plan_fn, precision) -> tuple[tuple, DeviceMemory]:
+    """Each running role's plan by ``plan_fn`` and the device memory to hold it against.
+
+    Raises:
+        ConfigError: a layout the plan cannot split (``plan_fn``'s ValueError).
+    """
     try:
         layouts = with_communicators(cfg, model, role_layouts(cfg))
-        roles = tuple(plan_role(model, lay, precision) for lay in layouts)
-        memory = device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
+        roles = tuple(plan_fn(model, lay, precision) for lay in layouts)
+        return roles, device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return MemoryPlan(model, source, precision, roles, memory), source
 
 
 def _v4_memory_plan(cfg: OrchConfig, raw: dict, source: str) -> MemoryPlan:
@@ -155,12 +164,7 @@ def _v4_memory_plan(cfg: OrchConfig, raw: dict, source: str) -> MemoryPlan:
     except CheckpointError as exc:
         raise UnservableModelError(f"{source}: {exc}") from None
     precision = V4Precision.for_checkpoint(raw, cfg.model.dtype, cfg.model.fp8_storage)
-    try:
-        layouts = with_communicators(cfg, model, role_layouts(cfg))
-        roles = tuple(plan_role_v4(model, lay, precision) for lay in layouts)
-        memory = device_memory(cfg.platform().device_type, cfg.cluster.device_memory_gb)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    roles, memory = _plan_roles(cfg, model, plan_role_v4, precision)
     return MemoryPlan(model, source, precision, roles, memory, plan_role_v4)
 
 
