@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.prefix_trace import (BLOCK, DEFAULT_TRACE, TRACE_BLOCK, TraceRequest,
+from benchmarks.prefix_trace import (BLOCK, TRACE_BLOCK, add_sample_args, TraceRequest,
                                      block_tokens, ideal_hit_rate, load_trace, start)
 from decode_worker.role import DecodeRole
 from engine.request import RequestSpec
@@ -177,10 +177,7 @@ def multiturn(ckpt: Path, reqs: list[TraceRequest], turns: int, out_len: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=260)
-    ap.add_argument("--every", type=int, default=16)
-    ap.add_argument("--max-blocks", type=int, default=16)
+    add_sample_args(ap)
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--dp", type=int, default=2, help="instances the routed runs use")

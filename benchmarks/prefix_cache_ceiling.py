@@ -29,7 +29,7 @@ import argparse
 from collections import Counter
 from dataclasses import dataclass
 
-from benchmarks.prefix_trace import (BLOCK, DEFAULT_TRACE, TRACE_BLOCK, sample_rows,
+from benchmarks.prefix_trace import (BLOCK, TRACE_BLOCK, add_sample_args, sample_rows,
                                      scaled_length)
 
 POLICIES = ("one cache", "round_robin", "longest prefix")
@@ -137,10 +137,7 @@ def by_offset(rows: dict[int, list[Prompt]], dps: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=260, help="0: every sampled request")
-    ap.add_argument("--every", type=int, default=16)
-    ap.add_argument("--max-blocks", type=int, default=16)
+    add_sample_args(ap, "0: every sampled request")
     ap.add_argument("--offset", type=int, nargs="+", default=[0],
                     help="conversation ids modulo --every sampled (several: one line each)")
     ap.add_argument("--dp", type=int, nargs="+", default=[2])

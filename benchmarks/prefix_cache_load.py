@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.prefix_trace import (BLOCK, DEFAULT_TRACE, TRACE_BLOCK, TraceRequest,
+from benchmarks.prefix_trace import (BLOCK, TRACE_BLOCK, add_sample_args, TraceRequest,
                                      block_tokens, ideal_hit_rate, load_trace, start)
 from engine.request import RequestSpec
 from engine.sampling_params import SamplingParams
@@ -191,10 +191,7 @@ def summarize(results: list[tuple[str, dict[bool, list[Run]]]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--requests", type=int, default=260)
-    ap.add_argument("--every", type=int, default=16)
-    ap.add_argument("--max-blocks", type=int, default=16)
+    add_sample_args(ap)
     ap.add_argument("--load", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8],
                     help="arrival rates as fractions of the cache-off capacity")
     ap.add_argument("--rate", type=float, nargs="*", default=[],

@@ -44,6 +44,15 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+def add_sample_args(ap, requests_help: str | None = None) -> None:
+    """The trace-sample options every prefix-cache benchmark takes: ``--trace``, ``--requests``,
+    ``--every`` (one conversation in N), ``--max-blocks`` (trace blocks a prompt is cut to)."""
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=260, help=requests_help)
+    ap.add_argument("--every", type=int, default=16)
+    ap.add_argument("--max-blocks", type=int, default=16)
+
+
 def block_tokens(hash_id: int) -> list[int]:
     """The ``TRACE_BLOCK`` token ids standing for trace block ``hash_id``."""
     gen = torch.Generator().manual_seed(hash_id)
