@@ -127,9 +127,17 @@ class Hardware:
             return s.int8_tflops * TFLOPS * k.gemm_int8
         return s.bf16_tflops * TFLOPS * k.gemm_bf16
 
-    def attn_flops(self, decode: bool) -> float:
+    def attn_flops(self, decode: bool, mha_keys: float = 0.0) -> float:
+        """FLOP/s of attention: decode's kernel, else prefill's; a causal prefill in MHA
+        form whose queries see ``mha_keys`` keys on average (> 0) at the device's causal
+        figure for sequences of ``2 x mha_keys`` tokens (a causal sequence of L tokens:
+        (L + 1) / 2 keys a query on average)."""
         k = self.spec.kernels
-        return self.spec.bf16_tflops * TFLOPS * (k.attn_decode if decode else k.attn_prefill)
+        if decode:
+            eff = k.attn_decode
+        else:
+            eff = k.causal_prefill(2 * mha_keys) if mha_keys > 0 else k.attn_prefill
+        return self.spec.bf16_tflops * TFLOPS * eff
 
     def hbm(self, kind: str = "weights_hbm") -> float:
         return self.spec.hbm_gb_s * GBPS * getattr(self.spec.kernels, kind)
@@ -191,7 +199,9 @@ class Work:
     ``attn_flops`` attention-core FLOPs reading ``kv_bytes``, ``lm_rows`` rows through
     lm_head; ``decode``: decode kernels (attention efficiency, low-latency all-to-all);
     ``prefix_flops``: prefill's re-expansion of the prefix latents to per-head K/V
-    (:func:`.counts.prefix_up_flops`), at the linears' rate."""
+    (:func:`.counts.prefix_up_flops`), at the linears' rate; ``mha_keys``: a prefill in
+    MHA form (causal, per-head keys): the keys a query sees on average, which sets the
+    attention kernel's rate (:meth:`Hardware.attn_flops`; 0: absorbed / sparse form)."""
 
     tokens: float
     attn_flops: float
@@ -199,10 +209,13 @@ class Work:
     lm_rows: float
     decode: bool
     prefix_flops: float = 0.0
+    mha_keys: float = 0.0
 
     def half(self) -> "Work":
+        """One of two micro-batches: half the tokens of the same prompts (the keys a query
+        sees unchanged)."""
         return Work(self.tokens / 2, self.attn_flops / 2, self.kv_bytes / 2,
-                    self.lm_rows / 2, self.decode, self.prefix_flops / 2)
+                    self.lm_rows / 2, self.decode, self.prefix_flops / 2, self.mha_keys)
 
 
 def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
@@ -225,8 +238,9 @@ def _kernels(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
                        dense_bytes * (1 - out_share), hbm),
              _roofline("output linears", ATTN, dense_flops * out_share, gemm,
                        dense_bytes * out_share, hbm),
-             _roofline("attention", ATTN, w.attn_flops / ranks, hw.attn_flops(w.decode),
-                       w.kv_bytes, hw.hbm("attn_decode_hbm"))]
+             _roofline("attention", ATTN, w.attn_flops / ranks,
+                       hw.attn_flops(w.decode, w.mha_keys), w.kv_bytes,
+                       hw.hbm("attn_decode_hbm"))]
     if lm_flops:
         terms.append(Term("lm_head", ATTN, lm_flops / lm_rate, "compute"))
     if not m.n_routed_experts:
@@ -388,7 +402,7 @@ def prefill_cost(m: ModelConfig, plan: RolePlan, prec: Precision, hw: Hardware,
     while past < prompt:
         new = min(chunk, prompt - past)
         w = Work(new, c.attention_flops(m, new, past, absorbed=False), 0.0, 0.0, False,
-                 c.prefix_up_flops(m, past))
+                 c.prefix_up_flops(m, past), c.mha_keys(m, new, past))
         step = forward_cost(m, plan, prec, hw, opts, w)
         total = step if total is None else total + step
         past += new

@@ -92,6 +92,16 @@ def attention_flops(m: ModelConfig, new: int, past: int, absorbed: bool | None =
                   + sum(m.indexer_layers) * m.index_n_heads * m.index_head_dim * keys)
 
 
+def mha_keys(m: ModelConfig, new: int, past: int) -> float:
+    """Keys a query of a prefill chunk of ``new`` tokens after ``past`` ones sees on
+    average, causal, when the chunk attends in MHA form (dense MLA prefill: per-head keys
+    and values); 0 for sparse (V3.2) attention, which attends in absorbed form. Example:
+    one whole 2048-token prompt: 1024.5."""
+    if m.uses_sparse_attention or new <= 0:
+        return 0.0
+    return past + (new + 1) / 2
+
+
 def prefix_up_flops(m: ModelConfig, past: int) -> float:
     """FLOPs of expanding ``past`` cached latents to per-head keys and values (``kv_b_proj``,
     all layers) for a prefill chunk in MHA form that attends over them: a chunk after a

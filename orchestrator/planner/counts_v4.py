@@ -26,7 +26,7 @@ from orchestrator.planner.counts import expert_active_share, sum_min
 
 __all__ = ["attention_flops", "dense_params_per_token", "elementwise_bytes_per_token",
            "expert_active_share", "expert_params", "kv_bytes_per_request",
-           "kv_bytes_per_token", "kv_read_per_seq", "output_params_per_token",
+           "kv_bytes_per_token", "kv_read_per_seq", "mha_keys", "output_params_per_token",
            "prefix_up_flops", "routed_params_per_token", "shared_params_per_token",
            "sp_tp_bytes", "tp_allreduces_per_layer"]
 
@@ -78,6 +78,12 @@ def attention_flops(m: V4Config, new: int, past: int, absorbed: bool | None = No
     index = 2.0 * m.index_n_heads * m.index_head_dim * keys / csa_r
     return per_key * (m.num_hidden_layers * window + kinds[CSA] * csa_keys
                       + kinds[HCA] * keys / hca_r) + kinds[CSA] * index
+
+
+def mha_keys(m: V4Config, new: int, past: int) -> float:
+    """0: V4's shared-KV attention has no MHA-form prefill (its prefill attention takes the
+    device's ``attn_prefill``)."""
+    return 0.0
 
 
 def prefix_up_flops(m: V4Config, past: int) -> float:

@@ -27,7 +27,13 @@ class Kernels:
         gemm_masked: decode's grouped expert GEMMs (a few hundred rows per expert), as a
             share of the large-M ratio.
         weights_hbm: weight streaming of small-M GEMMs, of ``hbm_gb_s``.
-        attn_prefill, attn_decode: attention FLOPs, of the bf16 peak.
+        attn_prefill, attn_decode: attention FLOPs, of the bf16 peak (``attn_prefill``:
+            prefill attention in absorbed / sparse form, and any prefill without a causal
+            table).
+        attn_prefill_causal: causal prefill attention in MHA form (dense MLA prefill: per-head
+            keys and values) by sequence length: (length, share of the bf16 peak) pairs,
+            ascending; a length between two entries interpolates in log2(length), outside
+            them takes the nearest; empty: ``attn_prefill`` at every length.
         attn_decode_hbm: KV reads of decode attention, of ``hbm_gb_s``.
         link: collectives (TP all-reduce, logits gather, KV transfer), of the link peak.
         elementwise_hbm: the kernels between the GEMMs (norms, RoPE, SiLU, quantization,
@@ -45,6 +51,35 @@ class Kernels:
     attn_decode_hbm: float = 1.0
     link: float = 1.0
     elementwise_hbm: float = 0.0
+    attn_prefill_causal: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        # NOTE: devices.yaml gives the table as a mapping, a cached cpu device as lists
+        raw = self.attn_prefill_causal
+        pairs = raw.items() if isinstance(raw, dict) else raw
+        object.__setattr__(self, "attn_prefill_causal",
+                           tuple(sorted((int(n), float(e)) for n, e in pairs)))
+
+    def causal_prefill(self, length: float) -> float:
+        """Share of the bf16 peak of causal MHA-form prefill attention over sequences of
+        ``length`` tokens (:attr:`attn_prefill_causal`; ``attn_prefill`` without a table)."""
+        return log2_interp(self.attn_prefill_causal, length) if self.attn_prefill_causal \
+            else self.attn_prefill
+
+
+def log2_interp(pts: tuple, x: float):
+    """The value at ``x`` of ``pts`` ((x, value) pairs, ascending x; a value is a number or
+    a tuple of numbers), linear in log2(x) between two entries, the nearest entry's outside
+    them."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (lo, a), (hi, b) in zip(pts, pts[1:]):
+        if x <= hi:
+            t = (math.log2(x) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+            if isinstance(a, tuple):
+                return tuple(u + t * (v - u) for u, v in zip(a, b))
+            return a + t * (b - a)
+    return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -70,14 +105,7 @@ class AllToAll:
 
     def low_latency_gb_s(self, ep: int) -> tuple[float, float]:
         """(dispatch, combine) GB/s of the decode kernels at EP size ``ep``."""
-        pts = self.low_latency
-        if ep <= pts[0][0]:
-            return pts[0][1]
-        for (lo, a), (hi, b) in zip(pts, pts[1:]):
-            if ep <= hi:
-                t = (math.log2(ep) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-                return (a[0] + t * (b[0] - a[0]), a[1] + t * (b[1] - a[1]))
-        return pts[-1][1]
+        return log2_interp(self.low_latency, ep)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "AllToAll":

@@ -208,8 +208,9 @@ def row_cost(row: Published) -> tuple[Cost, float]:
         prompts = row.tokens / new
         attn = prompts * counts.attention_flops(m, new, row.length - new, absorbed=False)
         up = prompts * counts.prefix_up_flops(m, row.length - new)
+        keys = counts.mha_keys(m, new, row.length - new)
         cost = forward_cost(m, plan, prec, hw, opts,
-                            Work(row.tokens, attn, 0.0, 0.0, False, up))
+                            Work(row.tokens, attn, 0.0, 0.0, False, up, keys))
         return cost, row.tokens / cost.total_s / (1 - row.hit) * row.per
     cost = decode_step_cost(m, plan, prec, hw, row.tokens, row.length, opts)
     if row.unit.startswith("ms per step"):

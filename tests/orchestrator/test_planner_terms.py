@@ -348,9 +348,51 @@ def test_cache_hit_prefill_attends_over_the_cached_prefix():
         return next(t.seconds for t in row_cost(row)[0].terms if t.name == "attention")
 
     # 16384 computed tokens either way: 8 prompts computing 2048 tokens each, after a
-    # cached 2048-token prefix (keys 2048 * 2048 + 2048 * 2049 / 2) or after none
+    # cached 2048-token prefix (keys 2048 * 2048 + 2048 * 2049 / 2) or after none; the
+    # kernel's rate is the causal figure at twice the keys a query sees on average (2048 +
+    # 1024.5: 6145 tokens; 1024.5: 2049)
     with_prefix, alone = 2048 * 2048 + 2048 * 2049 / 2, 2048 * 2049 / 2
-    assert attention_s(4096, 0.5) / attention_s(2048, 0.0) == pytest.approx(with_prefix / alone)
+    k = named_device("h800").kernels
+    assert attention_s(4096, 0.5) / attention_s(2048, 0.0) == pytest.approx(
+        with_prefix / alone * k.causal_prefill(2049) / k.causal_prefill(6145))
+
+
+def test_dense_prefill_attention_runs_at_the_causal_kernels_rate_for_its_length():
+    """MHA-form (dense MLA) prefill attention at FlashAttention-3's causal figure for the
+    prompt's length (devices.yaml attn_prefill_causal), interpolated in log2(length)."""
+    from orchestrator.planner.counts import attention_flops, mha_keys
+    from orchestrator.planner.specs import Kernels
+
+    k = named_device("h100").kernels
+    assert k.causal_prefill(2048) == pytest.approx(0.535)  # (521 + 537) / 2 / 989
+    assert k.causal_prefill(2 ** 11.5) == pytest.approx((0.535 + 0.602) / 2)  # 2K..4K midway
+    assert k.causal_prefill(100) == 0.292 and k.causal_prefill(65536) == 0.636  # the ends
+    # a table as devices.yaml's mapping or as a cached device's lists; none: attn_prefill
+    table = Kernels(attn_prefill_causal={4096: 0.6, 1024: 0.4})
+    assert table == Kernels(attn_prefill_causal=[[1024, 0.4], [4096, 0.6]])
+    assert table.causal_prefill(2048) == pytest.approx(0.5)
+    assert Kernels(attn_prefill=0.65).causal_prefill(2048) == 0.65
+    # the keys a query sees on average: a whole 2048-token prompt, a chunk after 3072 tokens
+    m = _v3()
+    assert mha_keys(m, 2048, 0) == 1024.5
+    assert mha_keys(m, 1024, 3072) == 3072 + 512.5
+    v32 = ModelConfig.from_dict(json.loads(
+        (REPO / "configs" / "models" / "deepseek-v32" / "config.json").read_text()))
+    assert mha_keys(v32, 2048, 0) == 0.0  # sparse attention runs absorbed: attn_prefill
+    hw = Hardware(named_device("h100"))
+    assert hw.attn_flops(False, 1024.5) == pytest.approx(989e12 * k.causal_prefill(2049))
+    assert hw.attn_flops(False) == pytest.approx(989e12 * 0.65)
+    assert hw.attn_flops(True, 1024.5) == pytest.approx(989e12 * 0.67)  # decode: FlashMLA
+    # the attention term of one forward of 8 whole 2048-token prompts on a rank
+    lay = RoleLayout("prefill", 32, 1, True, 1, 128, 16384, 16384, 8192)
+    prec = Precision(1, 2, 2, 2)
+    plan = plan_role(replace(m, n_routed_experts=288), lay, prec)
+    flops = 8 * attention_flops(m, 2048, 0, absorbed=False)
+    cost = forward_cost(m, plan, prec, hw, StepOptions(overlap=False, redundant=32),
+                        Work(16384, flops, 0.0, 0.0, False, 0.0, 1024.5))
+    term = next(t for t in cost.terms if t.name == "attention")
+    assert term.seconds == pytest.approx(flops / (989e12 * k.causal_prefill(2049)))
+    assert term.bound == "compute"
 
 
 def test_sp_tp_sp_collectives_by_hand():

@@ -31,6 +31,7 @@ def test_decode_attention_flops_by_hand():
 def test_prefill_attention_flops_sum_the_queries():
     one_by_one = sum(counts_v4.attention_flops(TINY, 1, p) for p in range(40))
     assert counts_v4.attention_flops(TINY, 40, 0) == pytest.approx(one_by_one)
+    assert counts_v4.mha_keys(TINY, 40, 0) == 0.0  # no MHA form: the device's attn_prefill
 
 
 def test_decode_kv_read_by_hand():
