@@ -42,6 +42,9 @@ from engine.block_pool import BlockPool
 from orchestrator.router.policies import KVAware, RoundRobin
 
 PLACEMENTS = ("round_robin", "longest prefix", "kv_aware")
+# NOTE: not the router's: kv_aware whose load is the tokens each placed request computes there
+# (its prompt less what that instance holds: Dynamo counts a worker's prefill load this way)
+COMPUTED_LOAD = "kv_aware, computed load"
 FRACTIONS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 1.0)
 
 
@@ -111,13 +114,14 @@ def replay(reqs: list[KVPrompt], dp: int, placement: str, blocks: int,
     """
     if placement == "one cache":
         blocks, dp = blocks * dp, 1
-    elif placement not in PLACEMENTS:
+    elif placement not in (*PLACEMENTS, COMPUTED_LOAD):
         raise ValueError(f"unknown placement {placement!r}: use one of {PLACEMENTS}")
     if blocks < min_blocks(reqs, out_tokens):
         raise ValueError(f"{blocks} blocks cannot admit the longest request")
     names = [f"i{k}" for k in range(dp)]
     pools = [BlockPool(blocks, BLOCK, salt=1) for _ in names]
-    policy = KVAware(names) if placement == "kv_aware" else RoundRobin(names)
+    aware = placement.startswith("kv_aware")
+    policy = KVAware(names) if aware else RoundRobin(names)
     hits = total = n = 0
     for tick in ticks(reqs):
         chosen = []
@@ -125,17 +129,18 @@ def replay(reqs: list[KVPrompt], dp: int, placement: str, blocks: int,
             cached = [pool.cached_prefix(p.hashes) * BLOCK for pool in pools]
             if placement == "longest prefix":
                 k = max(range(dp), key=lambda j: (cached[j], -((j - n) % dp)))
-            elif placement == "kv_aware":
+            elif aware:
                 k = names.index(policy.preference_given(dict(zip(names, cached)), p.length)[0])
             else:
                 k = names.index(policy.preference()[0])
-            policy.acquire(names[k], p.length)
-            chosen.append(k)
+            load = p.length - cached[k] if placement == COMPUTED_LOAD else p.length
+            policy.acquire(names[k], load)
+            chosen.append((k, load))
             n += 1
-        for p, k in zip(tick, chosen):
+        for p, (k, load) in zip(tick, chosen):
             hits += serve(pools[k], p, out_tokens)
             total += p.length
-            policy.release(names[k], p.length)
+            policy.release(names[k], load)
     return hits / total
 
 
@@ -148,21 +153,28 @@ def sizes(reqs: list[KVPrompt], fractions: list[float], explicit: list[int],
     return sorted(out | {ws + floor})
 
 
-def curve(reqs: list[KVPrompt], dp: int, blocks: list[int], out_tokens: int) -> None:
+def curve(reqs: list[KVPrompt], dp: int, blocks: list[int], out_tokens: int,
+          computed_load: bool = False) -> None:
     """One table row per pool size: every placement's hit rate and the ratios to round
-    robin."""
+    robin (``computed_load``: also :data:`COMPUTED_LOAD`'s)."""
     ws = working_set(reqs)
+    extra = [COMPUTED_LOAD] if computed_load else []
     print(f"\ndp {dp} (blocks per instance; working set {ws} blocks)")
     print("| blocks / instance | of working set | one cache of dp x blocks | round_robin | "
-          "longest prefix | kv_aware | kv_aware / round_robin | longest prefix / round_robin |")
-    print("|---|---|---|---|---|---|---|---|")
+          "longest prefix | kv_aware | " + "".join(f"{e} | " for e in extra) +
+          "kv_aware / round_robin | longest prefix / round_robin |" +
+          "".join(f" {e} / round_robin |" for e in extra))
+    print("|---" * (8 + 2 * len(extra)) + "|")
     for b in blocks:
-        r = {pl: replay(reqs, dp, pl, b, out_tokens) for pl in ("one cache", *PLACEMENTS)}
+        r = {pl: replay(reqs, dp, pl, b, out_tokens)
+             for pl in ("one cache", *PLACEMENTS, *extra)}
         label = "unbounded" if b >= ws + min_blocks(reqs, out_tokens) else f"{b / ws:.3f}"
         rr = max(r["round_robin"], 1e-9)
         print(f"| {b} | {label} | {r['one cache']:.3f} | {r['round_robin']:.3f} | "
-              f"{r['longest prefix']:.3f} | {r['kv_aware']:.3f} | {r['kv_aware'] / rr:.2f} | "
-              f"{r['longest prefix'] / rr:.2f} |", flush=True)
+              f"{r['longest prefix']:.3f} | {r['kv_aware']:.3f} | " +
+              "".join(f"{r[e]:.3f} | " for e in extra) +
+              f"{r['kv_aware'] / rr:.2f} | {r['longest prefix'] / rr:.2f} |" +
+              "".join(f" {r[e] / rr:.2f} |" for e in extra), flush=True)
 
 
 def main() -> None:
@@ -176,14 +188,20 @@ def main() -> None:
                     help="pool sizes in KV blocks (e.g. the live benchmark's --kv-blocks)")
     ap.add_argument("--out-tokens", type=int, default=1,
                     help="1: colocated instances (the live benchmark's); 0: prefill")
+    ap.add_argument("--computed-load", action="store_true",
+                    help=f"also {COMPUTED_LOAD!r} (a candidate cost, not the router's)")
+    ap.add_argument("--one-per-tick", action="store_true",
+                    help="each request its own tick (no two placed from the same state)")
     args = ap.parse_args()
     reqs = kv_prompts(args.trace, args.requests, args.every, args.max_blocks, args.offset)
+    if args.one_per_tick:
+        reqs = [KVPrompt(i, p.length, p.hashes) for i, p in enumerate(reqs)]
     print(f"Mooncake conversation trace, one conversation in {args.every} (offset "
           f"{args.offset}), {len(reqs)} requests, prompts cut to {args.max_blocks} trace "
           f"blocks, {sum(p.length for p in reqs)} prompt tokens, {len(ticks(reqs))} ticks")
     blocks = sizes(reqs, args.fractions, args.blocks, args.out_tokens)
     for dp in args.dp:
-        curve(reqs, dp, blocks, args.out_tokens)
+        curve(reqs, dp, blocks, args.out_tokens, args.computed_load)
 
 
 if __name__ == "__main__":

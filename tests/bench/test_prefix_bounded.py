@@ -72,6 +72,8 @@ def test_placements_by_hand_kv_aware_weighs_a_tick_s_load(trace):
     # kv_aware as longest prefix, except c2t2: it arrives in c1t2's tick, when i0 already
     # carries c1t2's 256 prompt tokens: cost on i0 (256 - 192) + 256 > 256 on idle i1
     assert bounded.replay(reqs, 2, "kv_aware", big) == pytest.approx(512 / 1216)
+    # counting c1t2's load as the 64 tokens it computes there: (256 - 192) + 64 < 256 -> i0
+    assert bounded.replay(reqs, 2, bounded.COMPUTED_LOAD, big) == pytest.approx(704 / 1216)
 
 
 def test_one_cache_hit_rate_grows_with_its_size_and_sizes_cover_the_curve(trace):
