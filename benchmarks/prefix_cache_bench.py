@@ -10,7 +10,8 @@ Runs, all in one process and session (ratios against the cache-off run of the sa
    computed), TTFT p50 / mean;
 2. ``--dp`` instances (default 2: prefill dp 2), cache on: ``round_robin`` vs ``kv_aware``
    (the router's policy object and KV index, fed by the instances' KV events): hit rate and
-   TTFT
+   TTFT; ``--kv-blocks N`` bounds each routed instance's KV pool (its prefix cache) at N
+   blocks (``prefix_cache_bounded.py`` replays the same offline), ``--routed-only`` skips 1
    (1 and 2 run interleaved tick by tick, all instances alive at once: ratios in one window);
 3. multi-turn PD (prefill + decode ranks): conversations of ``--turns`` turns, each turn =
    previous turn's prompt + its output + new user tokens; KV bytes prefill ships per request
@@ -25,6 +26,7 @@ replays at a given arrival rate). Not a test; run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -102,18 +104,22 @@ class Setup:
                 "ttft_mean": statistics.fmean(self.ttfts)}
 
 
-def replay(ckpt: Path, reqs: list[TraceRequest], blocks: int, dp: int) -> dict[str, dict]:
-    """Every configuration (the routed ones over ``dp`` instances) over the same requests,
-    INTERLEAVED tick by tick (each tick runs on one configuration after the other), so a
-    change of machine load hits all alike."""
-    def ranks(prefix: str, n: int, cache: bool) -> list[Rank]:
-        return [start(ckpt, ColocatedRole, f"{prefix}-{i}", "colocated", blocks, cache)
+def replay(ckpt: Path, reqs: list[TraceRequest], blocks: int, dp: int,
+           routed_blocks: int | None = None, routed_only: bool = False) -> dict[str, dict]:
+    """Every configuration (the routed ones over ``dp`` instances of ``routed_blocks`` KV
+    blocks each, default ``blocks``) over the same requests, INTERLEAVED tick by tick (each
+    tick runs on one configuration after the other), so a change of machine load hits all
+    alike. ``routed_only``: without the two single-instance runs."""
+    def ranks(prefix: str, n: int, cache: bool, size: int = blocks) -> list[Rank]:
+        return [start(ckpt, ColocatedRole, f"{prefix}-{i}", "colocated", size, cache)
                 for i in range(n)]
 
-    setups = {"1 instance, cache off": Setup(ranks("off", 1, False), "round_robin"),
-              "1 instance, cache on": Setup(ranks("on", 1, True), "round_robin"),
-              "round_robin": Setup(ranks("rr", dp, True), "round_robin"),
-              "kv_aware": Setup(ranks("kv", dp, True), "kv_aware")}
+    size = routed_blocks or blocks
+    setups = {} if routed_only else {
+        "1 instance, cache off": Setup(ranks("off", 1, False), "round_robin"),
+        "1 instance, cache on": Setup(ranks("on", 1, True), "round_robin")}
+    setups["round_robin"] = Setup(ranks("rr", dp, True, size), "round_robin")
+    setups["kv_aware"] = Setup(ranks("kv", dp, True, size), "kv_aware")
     try:
         i = 0
         while i < len(reqs):
@@ -182,6 +188,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--dp", type=int, default=2, help="instances the routed runs use")
     ap.add_argument("--skip-multiturn", action="store_true")
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="KV blocks (the prefix cache's bound) of each routed instance; "
+                         "default: the working set plus a tick's requests, as the others")
+    ap.add_argument("--routed-only", action="store_true",
+                    help="only the routed runs (round_robin vs kv_aware), no single instance")
     args = ap.parse_args()
     torch.set_num_threads(1)
     reqs, cut = load_trace(args.trace, args.requests, args.max_blocks, args.every)
@@ -190,15 +201,21 @@ def main() -> None:
     blocks = distinct + 8 * (args.max_blocks * TRACE_BLOCK // BLOCK + 1)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
-        runs = replay(ckpt, reqs, blocks, args.dp)
+        load = os.getloadavg()[0]
+        runs = replay(ckpt, reqs, blocks, args.dp, args.kv_blocks, args.routed_only)
+        load = (load, os.getloadavg()[0])
         turns = (None if args.skip_multiturn else
                  multiturn(ckpt, reqs[:args.conversations], args.turns, out_len=8))
     print(f"{len(reqs)} Mooncake conversation requests (one conversation in {args.every}; "
           f"{cut} cut to {args.max_blocks} blocks), prompt tokens {sum(len(r.prompt) for r in reqs)}, ideal hit rate "
           f"{ideal:.3f}")
-    print("| run | hit rate | of ideal | TTFT p50 ms | TTFT mean ms | TTFT p50 ratio |")
+    print(f"routed instances: {args.kv_blocks or blocks} KV blocks each (working set "
+          f"{distinct} blocks); load average {load[0]:.1f} at the start, {load[1]:.1f} at "
+          "the end")
+    ref = "round_robin" if args.routed_only else "1 instance, cache off"
+    print(f"| run | hit rate | of ideal | TTFT p50 ms | TTFT mean ms | TTFT p50 / {ref} |")
     print("|---|---|---|---|---|---|")
-    base = runs["1 instance, cache off"]["ttft_p50"]
+    base = runs[ref]["ttft_p50"]
     for name, r in runs.items():
         name = name if name.startswith("1 ") else f"dp {args.dp}, {name}"
         print(f"| {name} | {r['hit']:.3f} | {r['hit'] / ideal:.2f} | {1e3 * r['ttft_p50']:.1f} "

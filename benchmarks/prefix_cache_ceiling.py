@@ -20,7 +20,9 @@ request: it can only hit the system-prompt block every request shares), which sa
 round robin keeps most of the reuse: a later turn also finds the earlier turns' prefix
 (most of its own) on an instance an earlier turn went to. Run:
 ``PYTHONPATH=. python benchmarks/prefix_cache_ceiling.py [--every 1 --requests 0]``
-(``--offset 0 1 ... 15``: each of the disjoint samples, one line each).
+(``--offset 0 1 ... 15``: each of the disjoint samples, one line each). Caches bounded at a
+KV pool's size (round robin then holds copies of the same prefixes on every instance):
+``prefix_cache_bounded.py``.
 """
 
 from __future__ import annotations

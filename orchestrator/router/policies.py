@@ -125,13 +125,19 @@ class KVAware(LeastOutstandingTokens):
         self.overlap_weight = overlap_weight
 
     def preference_for(self, prompt_token_ids: Sequence[int]) -> list[str]:
-        base = self.preference()  # NOTE: least outstanding, rotating: the tie order
         if not prompt_token_ids:
-            return base
-        cached = self.index.cached_tokens(self.instances, prompt_token_ids)
-        n = len(prompt_token_ids)
+            return self.preference()
+        return self.preference_given(
+            self.index.cached_tokens(self.instances, prompt_token_ids), len(prompt_token_ids))
+
+    def preference_given(self, cached: dict[str, int], num_prompt_tokens: int) -> list[str]:
+        """All instances, best first, health aside, for a prompt of ``num_prompt_tokens`` of
+        which instance ``name`` holds the leading ``cached[name]`` tokens (the cost above).
+        :meth:`preference_for` calls it with the index's view; an offline replay calls it
+        with its caches' own state (benchmarks/prefix_cache_bounded.py)."""
+        base = self.preference()  # NOTE: least outstanding, rotating: the tie order
         return sorted(base, key=lambda name: (
-            self.overlap_weight * (n - cached[name]) + self.outstanding[name]))
+            self.overlap_weight * (num_prompt_tokens - cached[name]) + self.outstanding[name]))
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

@@ -60,3 +60,16 @@ def test_kv_aware_without_events_rotates_like_least_outstanding():
     firsts = {policy.order(PROMPT)[0] for _ in range(4)}
     assert firsts == {"d0", "d1"}
     assert policy.order(PROMPT) and policy.order() != []
+
+
+def test_kv_aware_preference_given_cached_lengths_is_its_order_from_the_index():
+    index = KVIndex()
+    index.apply("p1", pool_with(PROMPT[:32]).take_events())
+    by_index = make_policy("kv_aware", ["p0", "p1"], index=index)
+    given = make_policy("kv_aware", ["p0", "p1"])  # its own (empty) index is not read
+    for load in (0, 20, 20):
+        by_index.acquire("p1", load)
+        given.acquire("p1", load)
+        assert given.preference_given({"p0": 0, "p1": 32}, len(PROMPT)) == \
+            by_index.order(PROMPT)
+    assert given.preference_given({"p0": 0, "p1": 32}, len(PROMPT))[0] == "p0"  # 40 > 32
