@@ -15,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
+from orchestrator.api.http.idle_close import HEADER_TIMEOUT_S, IdleClosingH11Protocol
 from orchestrator.config.sections import TLSSection
 from orchestrator.api.server import PortInUseError
 
@@ -34,16 +35,20 @@ class HttpServer:
 
     ``tls``: PEM certificate and key files, or None; ``grace_s``: seconds :meth:`stop` lets
     running requests finish before cancelling them; ``reuse_port``: share the port with the
-    other router replicas (SO_REUSEPORT; every one must set it).
+    other router replicas (SO_REUSEPORT; every one must set it); ``idle_s``: seconds a
+    connection may stay open with no request in progress (none sent yet, half a request line or
+    headers, after a response) before it is closed (:mod:`orchestrator.api.http.idle_close`).
     """
 
     def __init__(self, app, host: str, port: int, tls: TLSSection | None = None,
-                 grace_s: float = 30.0, reuse_port: bool = False) -> None:
+                 grace_s: float = 30.0, reuse_port: bool = False,
+                 idle_s: float = HEADER_TIMEOUT_S) -> None:
         ssl = {} if tls is None else {
             "ssl_certfile": str(Path(tls.cert_file).expanduser()),
             "ssl_keyfile": str(Path(tls.key_file).expanduser())}
+        protocol = type("IdleClosingH11", (IdleClosingH11Protocol,), {"header_timeout_s": idle_s})
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off",
-                                     log_config=None, access_log=False,
+                                     log_config=None, access_log=False, http=protocol,
                                      timeout_graceful_shutdown=grace_s, **ssl)
         self.host, self.port, self.grace_s = host, port, grace_s
         self.reuse_port = reuse_port
