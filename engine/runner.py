@@ -332,7 +332,7 @@ def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
     graph = kwargs.get("graph")
     return V4Runner(checkpoint_dir, num_kv_blocks=kwargs["num_kv_blocks"],
                     block_size=kwargs["block_size"], dtype=kwargs.get("dtype", torch.float32),
-                    device=kwargs.get("device") or "cpu", tp=_size(kwargs.get("tp")),
+                    device=kwargs.get("device") or "cpu", tp=kwargs.get("tp"),
                     ep=_size(kwargs.get("ep")), cp=_size(kwargs.get("cp")),
                     graph=graph is not None and graph.enabled,
                     num_speculative_tokens=kwargs.get("num_speculative_tokens", 0),

@@ -4,7 +4,8 @@ Two namings are read (per tensor, whichever the files hold): transformers' (the 
 parameter names, experts fused ``gate_up_proj`` / ``down_proj``) and DeepSeek's released one
 (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...,
 the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.*`` (the MTP
-layer) is never read. TP / EP sharding: not yet (the whole model on one device).
+layer) is never read. Under TP each rank reads the whole tensor and keeps its part
+(:meth:`engine.v4.tp.V4Shards.local_part`; the split table is :mod:`engine.v4.tp`'s); EP: not yet.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import CheckpointError
+from engine.parallel import TPGroup
 from engine.v4.config import V4Config
 from engine.v4.model import DeepseekV4ForCausalLM
+from engine.v4.tp import V4Shards, check_tp
 
 # transformers name (after ``model.layers.{i}.``) -> DeepSeek name, first match wins
 _LAYER_NAMES = [
@@ -68,25 +71,32 @@ def deepseek_name(name: str) -> str:
 
 
 def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
-            device: torch.device | str = "cpu") -> DeepseekV4ForCausalLM:
-    """Build the model of ``checkpoint_dir/config.json`` and load its weights.
+            device: torch.device | str = "cpu", tp: TPGroup | None = None
+            ) -> DeepseekV4ForCausalLM:
+    """Build the model of ``checkpoint_dir/config.json`` (this rank's part under ``tp``) and
+    load its weights.
 
     Raises:
         CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`.
+        ValueError: the TP size does not divide a size the split keeps whole
+            (:func:`engine.v4.tp.check_tp`).
     """
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    config, tp = V4Config.from_dict(raw), tp or TPGroup()
+    check_tp(config, tp.size)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(V4Config.from_dict(raw)).to(dtype)
+        model = DeepseekV4ForCausalLM(config, tp).to(dtype)
     load_v4_weights(model, checkpoint_dir)
     return model.eval()
 
 
 def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) -> None:
-    """Copy every model tensor from the checkpoint (either naming, see module doc).
+    """Copy every model tensor from the checkpoint (either naming, see module doc); under
+    ``model.tp`` only this rank's part of each split one.
 
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
-            names both); a shape other than the model's.
+            names both); a (whole) shape other than the config's.
     """
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
@@ -95,12 +105,14 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) ->
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             where.update({key: path for key in f.keys()})
+    shards = V4Shards(model.config.o_groups, model.tp.size, model.tp.rank)
     for name, target in model.state_dict().items():
         value = _read(name, where)
-        if tuple(value.shape) != tuple(target.shape):
+        whole = shards.full_shape(name, tuple(target.shape))
+        if tuple(value.shape) != whole:
             raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(value.shape)}; "
-                                  f"the config implies {tuple(target.shape)}")
-        target.copy_(value)
+                                  f"the config implies {whole}")
+        target.copy_(shards.local_part(name, value))
 
 
 def _read(name: str, where: dict[str, Path]) -> torch.Tensor:

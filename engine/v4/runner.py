@@ -11,14 +11,20 @@ one block (colocated). A request's V4 blocks and commitment go back when the sch
 its block set (:meth:`V4Runner.release`, wired to the scheduler pool's free; the blocks before
 the next step or rebuild, both of which apply releases first).
 
-PD (tp 1 each side): a PD role's first use of :attr:`V4Runner.kv_cache` makes the staging
-cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last chunk
-(:meth:`V4Runner.stage_request`), the transfer moves those rows, decode rebuilds the request's
-paged cache from them (:meth:`V4Runner.admit_staged`).
+TP (:mod:`engine.v4.tp`): query heads, the grouped output projection, every expert's
+intermediate channels and the vocabulary split over the rank's TP group; K=V, the compressors
+and the indexer are whole, so every TP rank holds the WHOLE V4 cache (the same on each: every
+rank runs every step, the rank's SPMD step channel).
 
-Not supported yet (refused by :func:`check_v4_serving`): TP > 1, EP, CP, layer sharding,
-graph mode, MTP, the prefix cache, per-layer KV streaming (the state ships after the last
-chunk).
+PD (any prefill tp -> any decode tp): a PD role's first use of :attr:`V4Runner.kv_cache` makes
+the staging cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last
+chunk (:meth:`V4Runner.stage_request`, every prefill rank: each holds the whole state), the
+transfer moves those rows as it moves MLA's replicated latent (each prefill rank sends its
+planned layers, every decode rank gets every layer: :mod:`kv_transfer.plan`), every decode
+rank rebuilds the request's paged cache from them (:meth:`V4Runner.admit_staged`).
+
+Not supported yet (refused by :func:`check_v4_serving`): EP, CP, layer sharding, graph mode,
+MTP, the prefix cache, per-layer KV streaming (the state ships after the last chunk).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool, BlockSet
+from engine.parallel import TPGroup
 from engine.v4.admission import V4Admission
 from engine.v4.block_table import kv_groups
 from engine.v4.config import V4Config
@@ -57,14 +64,14 @@ def is_v4_checkpoint(checkpoint_dir: str | Path) -> bool:
     return path.is_file() and is_v4_config(json.loads(path.read_text()))
 
 
-def v4_unsupported(*, tp: int = 1, ep: int = 1, cp: int = 1, graph: bool = False,
+def v4_unsupported(*, ep: int = 1, cp: int = 1, graph: bool = False,
                    num_speculative_tokens: int = 0, layer_sharding: tuple[str, ...] = (),
                    prefix_cache: bool = False) -> list[str]:
     """What of a serving layout DeepSeek-V4 does not support yet, each with its fix (empty:
-    all supported)."""
+    all supported). TP is supported (its sizes are checked at load,
+    :func:`engine.v4.tp.check_tp`)."""
     out = []
-    for on, what in ((tp > 1, f"tp={tp} (V4 runs tp 1: set tp to 1)"),
-                     (ep > 1, "expert parallelism (set ep false)"),
+    for on, what in ((ep > 1, "expert parallelism (set ep false)"),
                      (cp > 1, f"cp={cp} (set cp to 1)"),
                      (bool(layer_sharding), "layer_sharding (remove it)"),
                      (graph, "graph mode (set decode.graph.enabled false)"),
@@ -79,8 +86,8 @@ def check_v4_serving(**layout: object) -> None:
     """Raise ValueError naming every unsupported part of ``layout`` (:func:`v4_unsupported`)."""
     bad = v4_unsupported(**layout)
     if bad:
-        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served on one rank per "
-                         "instance for now (colocated, or PD tp 1 -> tp 1); not supported yet: "
+        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served with TP only for "
+                         "now (colocated, or PD across any tp); not supported yet: "
                          + "; ".join(bad))
 
 
@@ -108,13 +115,16 @@ def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
 
 
 class V4Runner:
-    """Model + paged V4 caches of one rank (tp 1), keyed by request id.
+    """Model + paged V4 caches of one rank, keyed by request id (under TP this rank's part of
+    the model, :mod:`engine.v4.tp`, and the whole V4 cache: every TP rank holds the same).
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
         num_kv_blocks, block_size: each V4 group's pool's blocks, and rows per block
             (:func:`serving_pools`; state groups 1 row); block_size is the scheduler pool's.
         dtype, device: weights, activations and cache.
+        tp: this rank's TP group (None: one rank); every rank of the group runs the same
+            steps (the rank's SPMD step channel).
         staging_blocks: blocks of the PD staging cache and of the scheduler pool that
             addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
             staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
@@ -123,15 +133,17 @@ class V4Runner:
             :func:`check_v4_serving`.
 
     Raises:
-        ValueError: an unsupported layout. CheckpointError: from :func:`load_v4`.
+        ValueError: an unsupported layout; a TP size the model's sizes refuse
+            (:func:`engine.v4.tp.check_tp`). CheckpointError: from :func:`load_v4`.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 staging_blocks: int = 0, **layout: object) -> None:
+                 staging_blocks: int = 0, tp: TPGroup | None = None,
+                 **layout: object) -> None:
         check_v4_serving(**layout)
-        self.device = torch.device(device)
-        self.model = load_v4(checkpoint_dir, dtype, self.device).eval()
+        self.device, self.tp = torch.device(device), tp or TPGroup()
+        self.model = load_v4(checkpoint_dir, dtype, self.device, self.tp).eval()
         raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         eos = raw.get("eos_token_id")
         config = self.model.config

@@ -86,15 +86,17 @@ def prefix_up_flops(m: V4Config, past: int) -> float:
 
 
 def sp_tp_bytes(m: V4Config, tokens: float, n: int, act: float) -> tuple[float, float]:
-    """(0, 0): no SP-TP-SP attention schedule is modelled for V4 (its attention is replicated
-    over TP, docs/memory_plan.md "DeepSeek-V4")."""
+    """(0, 0): no SP-TP-SP attention schedule is modelled for V4 (TP splits its query heads
+    and output groups only; K=V, the compressors and the indexer are whole on every rank,
+    engine/v4/tp.py)."""
     return 0.0, 0.0
 
 
 def tp_allreduces_per_layer(ep: bool) -> int:
-    """TP all-reduces of the hidden state per layer: after the grouped output projection (the
-    only attention part TP splits) and, ep off, after the TP-split routed experts (the shared
-    expert is whole on every rank; with EP the combine is the all-to-all's)."""
+    """TP all-reduces of the hidden state per layer: after the grouped output projection (TP
+    splits the query heads by whole output groups) and, ep off, after the TP-split MoE
+    (routed and shared experts, engine/v4/tp.py). With EP (not served yet) the plan assumes
+    the experts combine through the all-to-all and a whole shared expert: one."""
     return 1 if ep else 2
 
 

@@ -22,17 +22,26 @@ def test_shipped_v4_config_loads(tmp_path, monkeypatch):
 
 
 def test_unsupported_v4_layouts_are_refused_at_load(tmp_path, monkeypatch):
+    """TP is served (PD across tp sizes too); a tp that does not split the tiny model's 4
+    heads / 2 output groups, EP, MTP, the prefix cache are refused naming each key."""
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, {"decode.tp": 2, "decode.prefix_cache": True,
+        load_config(CONFIG, {"decode.tp": 8, "decode.prefix_cache": True,
                              "decode.speculative": {}})
-    for key in ("decode.tp=2", "decode.prefix_cache", "decode.speculative"):
+    for key in ("decode.tp=8 (it must divide num_attention_heads=4)", "decode.prefix_cache",
+                "decode.speculative"):
         assert key in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(PD_CONFIG, {"prefill.tp": 2, "prefill.prefix_cache": True,
-                                "decode.tp": 2})
-    for key in ("prefill.tp=2", "prefill.prefix_cache", "decode.tp=2"):
+                                "decode.tp": 3, "decode.ep": True})
+    for key in ("prefill.prefix_cache", "decode.ep", "decode.tp=3 (it must divide "
+                "num_attention_heads=4", "o_groups=2 (or be a multiple of it))"):
         assert key in str(err.value)
+    assert "prefill.tp" not in str(err.value)
+    for p_tp, d_tp in ((2, 1), (1, 2), (4, 4)):
+        cfg = load_config(PD_CONFIG, {"prefill.tp": p_tp, "decode.tp": d_tp})
+        assert {i.role: i.parallel.tp for i in cfg.instances()} == {"prefill": p_tp,
+                                                                    "decode": d_tp}
 
 
 def test_v4_pd_config_loads_and_colocated_prefill_keys_are_chunking_only(tmp_path,
