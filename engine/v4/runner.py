@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,18 +277,22 @@ class V4Runner:
         (:func:`engine.v4.staging.staged_rows`, <= ``num_tokens``)."""
         return staged_rows(self.model.config, num_tokens)
 
-    def stage_request(self, request_id: str, slots) -> None:
+    def stage_request(self, request_id: str, slots, layers: Collection[int] | None = None
+                      ) -> None:
         """Prefill: write the request's state (its cache after its last chunk) into the
-        staging cache at ``slots`` (int64 ``[staged_rows(n)]``).
+        staging cache at ``slots`` (int64 ``[staged_rows(n)]``); ``layers``: only these (the
+        ones the transfer plan has this rank send: under TP every rank holds the whole state,
+        each sends a part, :mod:`kv_transfer.plan`), None: all.
 
         Raises:
             KeyError: no cache for ``request_id``. ValueError: ``slots`` is not one per row.
         """
         cache = self.caches[request_id]
-        rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype)
-        if rows[0].shape[0] != slots.numel():
-            raise ValueError(f"{request_id}: {rows[0].shape[0]} staging rows, "
-                             f"{slots.numel()} slots")
+        rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype,
+                    layers)
+        want = staged_rows(self.model.config, cache.num_tokens)
+        if want != slots.numel():
+            raise ValueError(f"{request_id}: {want} staging rows, {slots.numel()} slots")
         self.kv_cache.write(slots, rows)
 
     def admit_staged(self, request_id: str, block_ids: tuple[int, ...], slots,
