@@ -173,19 +173,41 @@ class V4Runner:
     def release(self, block_set: BlockSet) -> None:
         """The scheduler pool freed ``block_set``: its commitment goes back now, its request's
         V4 blocks before the next step or rebuild (any thread; the step's thread frees them,
-        and each step or rebuild applies releases before it takes blocks)."""
+        and each step or rebuild applies releases before it takes blocks). Under TP only the
+        leader's pool calls this: the rank ships :meth:`take_releases` with the step (or
+        rebuild) and every rank applies them (:meth:`free_requests`)."""
         with self._lock:
             self._released.append(block_set.block_ids[0])
         if self.admission is not None:
             self.admission.release(block_set)
 
-    def _apply_releases(self) -> None:
+    def take_releases(self) -> tuple[str, ...]:
+        """The request ids of the block sets released since the last call (their owners
+        dropped, their caches still held: :meth:`free_requests` frees them). The step's
+        thread only."""
         with self._lock:
             released, self._released = self._released, []
-        for first in released:
-            rid = self._owner.pop(first, None)
-            if rid is not None:
-                self.caches.pop(rid).free()
+        rids = (self._owner.pop(first, None) for first in released)
+        return tuple(rid for rid in rids if rid is not None)
+
+    def free_requests(self, request_ids: tuple[str, ...]) -> None:
+        """Free the caches of ``request_ids`` (the leader's :meth:`take_releases`; an id with
+        no cache here is skipped), each once. The step's thread only. NOTE: by request id,
+        never by block id: a scheduler block may name a new request by then."""
+        for rid in request_ids:
+            cache = self.caches.pop(rid, None)
+            if cache is None:
+                continue
+            for first in [f for f, owner in self._owner.items() if owner == rid]:
+                del self._owner[first]
+            cache.free()
+
+    def _apply_releases(self) -> None:
+        """Tp 1: free what was released. Under TP a no-op: the rank applies the leader's
+        releases on every rank at the same step (``rank.spmd.StepSync``), so every rank's
+        V4 pools hold the same blocks."""
+        if self.tp.size == 1:
+            self.free_requests(self.take_releases())
 
     @torch.inference_mode()
     def execute(self, steps: list, on_kv_written: Callable[[int], None] | None = None

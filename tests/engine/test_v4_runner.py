@@ -185,10 +185,11 @@ def test_request_shipped_between_runners_continues_as_colocated(tiny_v4_ckpt, hf
 def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
     from engine.runner import SeqStep  # noqa: PLC0415
 
-    with pytest.raises(ValueError, match="tp=2.*MTP.*prefix cache"):
+    from engine.parallel import EPGroup  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="expert parallelism.*MTP.*prefix cache"):
         build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK,
-                     tp=type("G", (), {"size": 2})(), num_speculative_tokens=1,
-                     prefix_cache=True)
+                     ep=EPGroup(rank=0, size=2), num_speculative_tokens=1, prefix_cache=True)
     runner = build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK)
     assert runner._staging is None  # NOTE: PD's staging cache: only a PD role's use makes it
     assert [b.shape for b in runner.kv_cache.layer_buffers(0)] == [

@@ -52,8 +52,7 @@ def _runner(ckpt: str, tp: int, rank: int, port: int, block_size: int):
 
 
 def _all_free(runner) -> None:
-    """Every V4 group pool block back and no request cache left (releases applied)."""
-    runner._apply_releases()
+    """Every V4 group pool block back and no request cache left."""
     held = {name: p.num_blocks - p.num_free_blocks for name, p in runner.pools.items()}
     assert not any(held.values()) and not runner.caches, (held, list(runner.caches))
 
@@ -87,6 +86,7 @@ def prefill_rank(role: str, rank: int, p_tp: int, ckpt: str, port: int, addr_q, 
         assert conn.wait(rid, 60) == KVStatus(KVPoll.SUCCESS)
         pool.free(blocks)
         runner.release(blocks)
+        runner.free_requests(runner.take_releases())  # NOTE: what the rank does at a step
     _all_free(runner)
     conn.close()
     group.destroy()
@@ -94,9 +94,12 @@ def prefill_rank(role: str, rank: int, p_tp: int, ckpt: str, port: int, addr_q, 
 
 
 def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int, addr_qs,
-                first_q) -> dict:
+                first_q, released_q) -> dict:
     """Expect every request's rows, rebuild its cache from them, then decode all of them
-    together; returns each request's greedy tokens (the first one prefill's)."""
+    together; returns each request's greedy tokens (the first one prefill's). At the end
+    only rank 0's pool frees (the leader's): under TP its runner's releases reach the other
+    rank as a step frame carries them (``take_releases`` -> ``free_requests``); before that
+    nothing is freed on any rank."""
     runner, group = _runner(ckpt, d_tp, rank, port, D_BLOCK)
     conn = DecodeKVConnector(runner.kv_cache, staged_layout(runner.kv_spec, "v4", d_tp), "d0",
                              rank, CFG)
@@ -118,9 +121,19 @@ def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int
                  for rid, n in PROMPTS.items()]
         for rid, row in zip(PROMPTS, runner.execute(steps)):
             tokens[rid].append(int(row.argmax()))
-    for blocks in held.values():
-        pool.free(blocks)
-        runner.release(blocks)
+    if rank == 0:
+        for blocks in held.values():
+            pool.free(blocks)
+            runner.release(blocks)
+        runner._apply_releases()
+        assert bool(runner.caches) == (d_tp > 1)  # NOTE: under TP only with the step's list
+        released = runner.take_releases() if d_tp > 1 else ()
+        for _ in range(d_tp - 1):
+            released_q.put(released)
+    else:
+        released = released_q.get(timeout=60)
+    assert sorted(released) == (sorted(PROMPTS) if d_tp > 1 else [])
+    runner.free_requests(released)
     _all_free(runner)
     conn.close()
     group.destroy()
@@ -131,11 +144,13 @@ def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int
 def test_v4_pd_across_tp_equals_colocated(p_tp, d_tp, v4_ckpt):
     ckpt = str(v4_ckpt)
     addr_qs, first_qs = [CTX.Queue() for _ in range(p_tp)], [CTX.Queue() for _ in range(d_tp)]
+    released_q = CTX.Queue()
     p_port, d_port = free_port(), free_port()
     out = run_ranks([(prefill_rank, ("prefill", p, p_tp, ckpt, p_port, addr_qs[p], first_qs))
                      for p in range(p_tp)]
                     + [(decode_rank, ("decode", d, p_tp, d_tp, ckpt, d_port, addr_qs,
-                                      first_qs[d])) for d in range(d_tp)], timeout_s=180)
+                                      first_qs[d], released_q)) for d in range(d_tp)],
+                    timeout_s=180)
     errors = {k: err for k, (err, _) in out.items() if err}
     assert not errors and len(out) == p_tp + d_tp, errors or sorted(out)
     torch.set_num_threads(1)
