@@ -9,7 +9,8 @@ fit next to the admitted ones' (:meth:`V4Runner.make_admission`,
 :mod:`engine.v4.admission`); its own pool then holds only the request's staging rows (PD) or
 one block (colocated). A request's V4 blocks and commitment go back when the scheduler frees
 its block set (:meth:`V4Runner.release`, wired to the scheduler pool's free; the blocks before
-the next step or rebuild, both of which apply releases first).
+the next step or rebuild, both of which apply releases first: :mod:`engine.v4.request_caches`,
+which also says how they reach every TP rank).
 
 TP (:mod:`engine.v4.tp`): query heads, the grouped output projection, every expert's
 intermediate channels and the vocabulary split over the rank's TP group; K=V, the compressors
@@ -30,7 +31,6 @@ MTP, the prefix cache, per-layer KV streaming (the state ships after the last ch
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ from engine.v4.config import V4Config
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
+from engine.v4.request_caches import RequestCaches
 from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
                                tiers, unpack)
 from engine.v4.state_io import export_request
@@ -157,10 +158,8 @@ class V4Runner:
                                         block_size, tiers(config), dtype, layout_text(config))
         self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
-        self.caches: dict[str, PagedV4Cache] = {}
-        self._owner: dict[int, str] = {}  # first scheduler block id -> request id
-        self._released: list[int] = []  # first block ids of freed scheduler block sets
-        self._lock = threading.Lock()
+        self.requests = RequestCaches(self.tp.size)
+        self.caches = self.requests.caches  # request id -> PagedV4Cache
         self.admission: V4Admission | None = None
 
     def make_admission(self, block_size: int, *, staged: bool) -> V4Admission:
@@ -174,40 +173,24 @@ class V4Runner:
         """The scheduler pool freed ``block_set``: its commitment goes back now, its request's
         V4 blocks before the next step or rebuild (any thread; the step's thread frees them,
         and each step or rebuild applies releases before it takes blocks). Under TP only the
-        leader's pool calls this: the rank ships :meth:`take_releases` with the step (or
-        rebuild) and every rank applies them (:meth:`free_requests`)."""
-        with self._lock:
-            self._released.append(block_set.block_ids[0])
+        leader's pool calls this (:mod:`engine.v4.request_caches`)."""
+        self.requests.release(block_set.block_ids[0])
         if self.admission is not None:
             self.admission.release(block_set)
 
     def take_releases(self) -> tuple[str, ...]:
-        """The request ids of the block sets released since the last call (their owners
-        dropped, their caches still held: :meth:`free_requests` frees them). The step's
-        thread only."""
-        with self._lock:
-            released, self._released = self._released, []
-        rids = (self._owner.pop(first, None) for first in released)
-        return tuple(rid for rid in rids if rid is not None)
+        """Leader under TP: the request ids released since the last call, for every rank's
+        :meth:`free_requests` (:meth:`engine.v4.request_caches.RequestCaches.take_releases`).
+        The step's thread only."""
+        return self.requests.take_releases()
 
     def free_requests(self, request_ids: tuple[str, ...]) -> None:
-        """Free the caches of ``request_ids`` (the leader's :meth:`take_releases`; an id with
-        no cache here is skipped), each once. The step's thread only. NOTE: by request id,
-        never by block id: a scheduler block may name a new request by then."""
-        for rid in request_ids:
-            cache = self.caches.pop(rid, None)
-            if cache is None:
-                continue
-            for first in [f for f, owner in self._owner.items() if owner == rid]:
-                del self._owner[first]
-            cache.free()
+        """Free the caches of the leader's released ``request_ids`` (each once; unknown ids
+        skipped). The step's thread only."""
+        self.requests.free_requests(request_ids)
 
     def _apply_releases(self) -> None:
-        """Tp 1: free what was released. Under TP a no-op: the rank applies the leader's
-        releases on every rank at the same step (``rank.spmd.StepSync``), so every rank's
-        V4 pools hold the same blocks."""
-        if self.tp.size == 1:
-            self.free_requests(self.take_releases())
+        self.requests.apply_releases()
 
     @torch.inference_mode()
     def execute(self, steps: list, on_kv_written: Callable[[int], None] | None = None
@@ -247,8 +230,7 @@ class V4Runner:
                              "max_tokens")
         cache = self.caches.get(s.request_id)
         if cache is None and s.num_computed_tokens == 0:
-            cache = self.caches[s.request_id] = self.kv.new_request()
-            self._owner[s.block_ids[0]] = s.request_id
+            cache = self.requests.add(s.request_id, s.block_ids[0], self.kv.new_request())
         if cache is None or cache.num_tokens != s.num_computed_tokens:
             raise ValueError(f"request {s.request_id}: step at token {s.num_computed_tokens} "
                              f"but its V4 cache holds "
@@ -275,8 +257,7 @@ class V4Runner:
             ValueError: the tensors are not the specs' (:meth:`PagedKV.import_request`).
         """
         self._apply_releases()
-        self.caches[request_id] = self.kv.import_request(layers, num_tokens)
-        self._owner[block_ids[0]] = request_id
+        self.requests.add(request_id, block_ids[0], self.kv.import_request(layers, num_tokens))
 
     @property
     def kv_cache(self) -> StagingCache:
@@ -335,12 +316,7 @@ class V4Runner:
         """Free ``request_id``'s cache now if it has one (once; a later release of its block
         set finds no owner): a decode request aborted while its cache was rebuilt."""
         self._apply_releases()
-        cache = self.caches.pop(request_id, None)
-        if cache is None:
-            return
-        for first in [f for f, rid in self._owner.items() if rid == request_id]:
-            del self._owner[first]
-        cache.free()
+        self.requests.free_requests((request_id,))
 
     def execute_empty(self) -> None:
         """No-op: V4 runs without expert parallelism (nothing to meet)."""
