@@ -14,16 +14,19 @@ from torch import nn
 from engine.norm import RMSNorm
 from engine.v4.attention import V4Attention
 from engine.v4.cache import LayerCache, V4Cache
+from engine.parallel import EPGroup
 from engine.v4.config import SLIDING, V4Config
+from engine.v4.expert_parallel import ep_experts
 from engine.v4.hyper_connection import HyperConnection, HyperHead
 from engine.v4.moe import V4MoE
 from engine.v4.rope import V4Rotary
 
 
 class V4DecoderLayer(nn.Module):
-    """(attn_hc, input_layernorm, self_attn), (ffn_hc, post_attention_layernorm, mlp)."""
+    """(attn_hc, input_layernorm, self_attn), (ffn_hc, post_attention_layernorm, mlp); under
+    EP (``ep.size > 1``) the mlp holds only this rank's routed experts."""
 
-    def __init__(self, config: V4Config, layer: int) -> None:
+    def __init__(self, config: V4Config, layer: int, ep: EPGroup | None = None) -> None:
         super().__init__()
         hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps,
               config.rms_norm_eps)
@@ -32,7 +35,7 @@ class V4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = V4Attention(config, layer)
-        self.mlp = V4MoE(config, layer)
+        self.mlp = V4MoE(config, layer, ep_experts(config, ep))
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[LayerCache], lengths: list[int], rotary: V4Rotary) -> torch.Tensor:
@@ -49,10 +52,10 @@ class V4DecoderLayer(nn.Module):
 class V4Model(nn.Module):
     """``embed_tokens``, ``layers``, ``hc_head``, ``norm`` (transformers ``model.*``)."""
 
-    def __init__(self, config: V4Config) -> None:
+    def __init__(self, config: V4Config, ep: EPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, ep)
                                     for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps,
                                  config.rms_norm_eps)
@@ -60,12 +63,14 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """DeepSeek-V4 over per-request :class:`engine.v4.cache.V4Cache` objects."""
+    """DeepSeek-V4 over per-request :class:`engine.v4.cache.V4Cache` objects; ``ep`` (size >
+    1): this EP rank's routed experts only, every forward a collective over the group
+    (:mod:`engine.v4.expert_parallel`)."""
 
-    def __init__(self, config: V4Config) -> None:
+    def __init__(self, config: V4Config, ep: EPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = V4Model(config)
+        self.model = V4Model(config, ep)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = nn.ModuleDict({
             "main": V4Rotary(config.main_rope, config.qk_rope_head_dim),

@@ -90,13 +90,16 @@ class Router(nn.Module):
 
 
 class V4MoE(nn.Module):
-    """Layer ``layer``'s MoE: ``gate`` (router), ``experts``, ``shared_experts``."""
+    """Layer ``layer``'s MoE: ``gate`` (router), ``experts`` (all of them, or the given ones:
+    :class:`engine.v4.expert_parallel.EPExperts` under EP), ``shared_experts``."""
 
-    def __init__(self, config: V4Config, layer: int) -> None:
+    def __init__(self, config: V4Config, layer: int, experts: Experts | None = None) -> None:
         super().__init__()
         inter, limit = config.moe_intermediate_size, config.swiglu_limit
         self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
-        self.experts = Experts(config.n_routed_experts, config.hidden_size, inter, limit)
+        # NOTE: under EP the caller passes this rank's (engine/v4/expert_parallel.py)
+        self.experts = experts if experts is not None else Experts(
+            config.n_routed_experts, config.hidden_size, inter, limit)
         # NOTE: transformers sizes the shared expert at moe_intermediate_size, whatever
         # n_shared_experts says (V4 ships 1)
         self.shared_experts = SharedExpert(config.hidden_size, inter, limit)

@@ -16,7 +16,12 @@ cache (:mod:`engine.v4.staging`); prefill stages a request's state after its las
 (:meth:`V4Runner.stage_request`), the transfer moves those rows, decode rebuilds the request's
 paged cache from them (:meth:`V4Runner.admit_staged`).
 
-Not supported yet (refused by :func:`check_v4_serving`): TP > 1, EP, CP, layer sharding,
+EP (an :class:`engine.parallel.EPGroup` of size > 1, tp 1: every rank a DP rank): the rank
+holds only its routed experts (:mod:`engine.v4.expert_parallel`); every rank of the group calls
+:meth:`V4Runner.execute` or :meth:`V4Runner.execute_empty` each step, in lockstep (the rank's
+DP sync, rank/dp_sync.py, as for V3).
+
+Not supported yet (refused by :func:`check_v4_serving`): TP > 1, CP, layer sharding,
 graph mode, MTP, the prefix cache, per-layer KV streaming (the state ships after the last
 chunk).
 """
@@ -32,9 +37,11 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool, BlockSet
+from engine.parallel import EPGroup
 from engine.v4.admission import V4Admission
 from engine.v4.block_table import kv_groups
 from engine.v4.config import V4Config
+from engine.v4.expert_parallel import exchange_empty
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
@@ -57,14 +64,13 @@ def is_v4_checkpoint(checkpoint_dir: str | Path) -> bool:
     return path.is_file() and is_v4_config(json.loads(path.read_text()))
 
 
-def v4_unsupported(*, tp: int = 1, ep: int = 1, cp: int = 1, graph: bool = False,
+def v4_unsupported(*, tp: int = 1, cp: int = 1, graph: bool = False,
                    num_speculative_tokens: int = 0, layer_sharding: tuple[str, ...] = (),
                    prefix_cache: bool = False) -> list[str]:
     """What of a serving layout DeepSeek-V4 does not support yet, each with its fix (empty:
-    all supported)."""
+    all supported). Expert parallelism is supported (tp 1)."""
     out = []
     for on, what in ((tp > 1, f"tp={tp} (V4 runs tp 1: set tp to 1)"),
-                     (ep > 1, "expert parallelism (set ep false)"),
                      (cp > 1, f"cp={cp} (set cp to 1)"),
                      (bool(layer_sharding), "layer_sharding (remove it)"),
                      (graph, "graph mode (set decode.graph.enabled false)"),
@@ -80,7 +86,8 @@ def check_v4_serving(**layout: object) -> None:
     bad = v4_unsupported(**layout)
     if bad:
         raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served on one rank per "
-                         "instance for now (colocated, or PD tp 1 -> tp 1); not supported yet: "
+                         "instance for now (colocated, or PD tp 1 -> tp 1; EP over DP ranks); "
+                         "not supported yet: "
                          + "; ".join(bad))
 
 
@@ -108,7 +115,8 @@ def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
 
 
 class V4Runner:
-    """Model + paged V4 caches of one rank (tp 1), keyed by request id.
+    """Model + paged V4 caches of one rank (tp 1; with ``ep`` one DP rank of an EP role),
+    keyed by request id.
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
@@ -118,20 +126,25 @@ class V4Runner:
         staging_blocks: blocks of the PD staging cache and of the scheduler pool that
             addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
             staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
-        layout: the rest of the serving layout (``tp``, ``ep``, ``cp``, ``graph``,
+        ep: this rank's :class:`EPGroup` (None: EP off). With it the rank holds only its
+            routed experts, and every rank of the group calls :meth:`execute` or
+            :meth:`execute_empty` each step, in lockstep.
+        layout: the rest of the serving layout (``tp``, ``cp``, ``graph``,
             ``num_speculative_tokens``, ``layer_sharding``), checked by
             :func:`check_v4_serving`.
 
     Raises:
-        ValueError: an unsupported layout. CheckpointError: from :func:`load_v4`.
+        ValueError: an unsupported layout; ``ep.size`` does not divide ``n_routed_experts``.
+        CheckpointError: from :func:`load_v4`.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 staging_blocks: int = 0, **layout: object) -> None:
+                 staging_blocks: int = 0, ep: EPGroup | None = None, **layout: object) -> None:
         check_v4_serving(**layout)
         self.device = torch.device(device)
-        self.model = load_v4(checkpoint_dir, dtype, self.device).eval()
+        self.ep = ep or EPGroup()
+        self.model = load_v4(checkpoint_dir, dtype, self.device, self.ep).eval()
         raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         eos = raw.get("eos_token_id")
         config = self.model.config
@@ -304,8 +317,14 @@ class V4Runner:
             del self._owner[first]
         cache.free()
 
+    @torch.inference_mode()
     def execute_empty(self) -> None:
-        """No-op: V4 runs without expert parallelism (nothing to meet)."""
+        """A zero-token step: only this rank's part of every layer's EP all-to-alls
+        (:func:`engine.v4.expert_parallel.exchange_empty`), so that the other DP ranks' step
+        completes; a DP rank with no work in a lockstep step calls this. No-op without EP.
+        Touches no cache and applies no releases."""
+        if self.ep.size > 1:
+            exchange_empty(self.model)
 
     def num_live_requests(self) -> int:
         """Requests holding V4 blocks (released ones count until the next step)."""

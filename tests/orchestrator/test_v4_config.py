@@ -7,7 +7,8 @@ import pytest
 
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.load import load_config
-from orchestrator.config.memory_check import check_memory
+from orchestrator.config.layout_check import check_tp_layout
+from orchestrator.config.memory_check import build_memory_plan, check_memory
 from tests.e2e.harness import REPO
 
 CONFIG = REPO / "configs" / "v4_colocated.yaml"
@@ -63,3 +64,22 @@ def test_v4_dry_run_prints_its_memory_plan_once(tmp_path, monkeypatch, capsys):
         assert main(["up", str(config), "--dry-run"]) == 0
         out = capsys.readouterr().out
         assert "not memory-planned" not in out and out.count("memory plan per rank") == 1, out
+
+
+def test_v4_expert_parallel_layouts_load_and_plan_per_rank_experts(tmp_path, monkeypatch):
+    """configs/v4_ep_colocated.yaml (dp 2, ep) and PD with decode dp 2 ep load; each rank's
+    memory plan counts 4 of the 8 routed experts; an EP size that does not divide 8 is
+    refused naming the key and the sizes that do."""
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    cfg = load_config(REPO / "configs" / "v4_ep_colocated.yaml")
+    assert [(i.parallel.dp, i.parallel.dp_rank, i.parallel.ep) for i in cfg.instances()] == [
+        (2, 0, True), (2, 1, True)]
+    assert check_tp_layout(cfg).startswith("tp layout: DeepSeek-V4, decode.tp=1 (ep over dp = 2)")
+    plan, _ = build_memory_plan(cfg)
+    rows = {r.kind: r for r in plan.roles[0].rows}
+    assert rows["routed experts"].split == "4 of 8 whole (EP 2)"
+    pd = load_config(PD_CONFIG, {"decode.dp": 2, "decode.ep": True})
+    assert "-> decode.tp=1 (ep over dp = 2) disaggregated" in check_tp_layout(pd)
+    with pytest.raises(ConfigError, match=r"decode\.ep: the expert-parallel size dp\*tp\*cp=3 "
+                       r"does not divide n_routed_experts=8.*\[1, 2, 4, 8\]"):
+        load_config(CONFIG, {"decode.dp": 3, "decode.ep": True})

@@ -1,0 +1,117 @@
+"""DeepSeek-V4 expert parallelism (engine/v4/expert_parallel.py) over gloo rank processes: each
+DP rank serves its own requests with only its routed experts (hash-routed layers 0-1 too), in
+lockstep with the others, idle ranks included; every request's 32 greedy tokens and logits are
+transformers' ``DeepseekV4ForCausalLM``'s. And each EP rank reads only its experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.parallel import EPGroup
+from engine.v4.loader import load_v4
+from tests.engine.ep_ranks import expert_bytes, run_ranks
+from tests.engine.v4_ep_ranks import V4Plan
+from tests.ports import free_port
+
+MAX_NEW = 32
+TOL = 1e-4
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 129000, (n,), generator=torch.Generator().manual_seed(seed))
+                 .tolist())
+
+
+# NOTE: per DP rank (prompt, start step): DP 0 batches two requests (the second's prompt next
+# to the first's decode tokens), DP 1 is idle for 5 steps; at ep 4 DP 2 never has work
+EP2 = (((_prompt(21, 0), 0), (_prompt(6, 1), 3)), ((_prompt(13, 2), 5),))
+EP4 = EP2 + ((), ((_prompt(9, 3), 1),))
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_v4_ckpt):
+    from transformers import DeepseekV4ForCausalLM  # noqa: PLC0415 (reference only)
+
+    return DeepseekV4ForCausalLM.from_pretrained(tiny_v4_ckpt, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+
+
+def _check_against_hf(hf, prompt: tuple[int, ...], tokens: list[int], logits: torch.Tensor,
+                      where: str) -> None:
+    """transformers' one-shot logits over prompt + tokens[:-1] at the generated positions:
+    within TOL of ours, and their argmax is our every token (so greedy ``generate`` gives
+    these tokens)."""
+    ids = torch.tensor(prompt + tuple(tokens[:-1]))[None]
+    with torch.no_grad():
+        want = hf(ids).logits[0, len(prompt) - 1:].float()
+    diff = (logits - want).abs().max().item()
+    assert diff <= TOL, f"{where}: max |logit diff| {diff}"
+    assert tokens == want.argmax(-1).tolist(), where
+
+
+@pytest.mark.parametrize(("requests", "max_new"), [(EP2, MAX_NEW), (EP4, 8)],
+                         ids=["ep2", "ep4"])
+def test_ep_ranks_equal_transformers(tiny_v4_ckpt, hf, requests, max_new, tmp_path):
+    """ep 2 (32 tokens a request) and ep 4 (8: 4 processes on 2 cores cost) over rank
+    processes, DP 0 with two requests, an idle DP rank; each rank holds 8 / ep of the 8
+    experts: every request's tokens and logits as transformers'."""
+    plan = V4Plan(str(tiny_v4_ckpt), len(requests), requests, max_new, str(tmp_path),
+                  free_port())
+    from tests.engine.v4_ep_ranks import v4_rank_main  # noqa: PLC0415
+
+    results = run_ranks((plan,), main=v4_rank_main)[plan.name]
+    total = expert_bytes(hf)  # NOTE: transformers names its experts as ours
+    for rank, got in enumerate(results):
+        assert got["expert_bytes"] * plan.dp == total, f"rank {rank}"
+        assert got["live"] == len(requests[rank])
+        for i, (prompt, _) in enumerate(requests[rank]):
+            assert len(got["tokens"][i]) == max_new
+            _check_against_hf(hf, prompt, got["tokens"][i], got["logits"][i],
+                              f"ep{plan.dp} rank {rank} request {i}")
+
+
+def _recording_get(monkeypatch) -> set[str]:
+    import engine.v4.loader  # noqa: PLC0415
+
+    read, get = set(), engine.v4.loader._get
+
+    def recording(key, where):
+        read.add(key)
+        return get(key, where)
+    monkeypatch.setattr(engine.v4.loader, "_get", recording)
+    return read
+
+
+def test_an_ep_rank_reads_and_holds_only_its_experts(tiny_v4_ckpt, monkeypatch):
+    """DeepSeek naming (per-expert tensors): EP rank 1 of 4 reads experts 2 and 3 of 8 in
+    every layer and nothing else of the experts; every tensor equals the full model's
+    (its experts: rows 2-3)."""
+    full = load_v4(tiny_v4_ckpt).state_dict()
+    read = _recording_get(monkeypatch)
+    model = load_v4(tiny_v4_ckpt, ep=EPGroup(rank=1, size=4))  # loading needs no collectives
+    experts = {k for k in read if ".ffn.experts." in k}
+    assert {k.split(".")[4] for k in experts} == {"2", "3"}
+    assert len(experts) == 4 * 2 * 3  # layers x experts x (w1, w2, w3)
+    for name, tensor in model.state_dict().items():
+        want = full[name][2:4] if ".mlp.experts." in name else full[name]
+        assert torch.equal(tensor, want), name
+
+
+def test_fused_expert_tensors_are_read_by_rows(tiny_v4_ckpt, tmp_path):
+    """transformers naming (fused ``experts.gate_up_proj [E, 2I, h]``, here in a second file
+    next to the DeepSeek-named one; the loader prefers it): EP rank 3 of 4 gets rows 6-7."""
+    full = load_v4(tiny_v4_ckpt).state_dict()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in tiny_v4_ckpt.iterdir():
+        (ckpt / f.name).symlink_to(f)
+    fused = {k: v.clone() for k, v in full.items() if ".mlp.experts." in k}
+    fused["model.layers.0.mlp.experts.down_proj"][7] += 1.0  # NOTE: shows which file was read
+    save_file(fused, str(ckpt / "z-experts.safetensors"))
+    model = load_v4(ckpt, ep=EPGroup(rank=3, size=4)).state_dict()
+    for name in fused:
+        assert torch.equal(model[name], fused[name][6:8]), name
+    with pytest.raises(ValueError, match=r"dp\*tp\*cp=3 does not divide n_routed_experts=8"):
+        load_v4(tiny_v4_ckpt, ep=EPGroup(rank=0, size=3))
