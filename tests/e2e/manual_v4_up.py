@@ -2,7 +2,9 @@
 machine at load average ~6 with the tiny checkpoint already made, 7 min at ~15; over the e2e
 budget). DeepSeek-V4 end to end: `orch up configs/v4_colocated.yaml` (the tiny V4
 checkpoint, colocated, one rank), then `orch up configs/v4_1p1d.yaml` (prefill tp 1 -> decode
-tp 1, the V4 state shipped through the KV transfer), each serves held-back
+tp 1, the V4 state shipped through the KV transfer), then `orch up
+configs/v4_ep_colocated.yaml` (two DP ranks, expert parallelism: 4 of 8 experts each, in
+lockstep); each serves held-back
 prompts concurrently and its greedy tokens equal transformers' ``DeepseekV4ForCausalLM``
 (greedy `generate`) on the prompt ids the router computes; afterwards every
 block is free.
@@ -42,7 +44,8 @@ def _hf_greedy(checkpoint, prompts: list[tuple[int, ...]]) -> list[list[int]]:
 _WANT: dict[str, list[list[int]]] = {}  # checkpoint -> transformers' tokens (once per run)
 
 
-@pytest.mark.parametrize("config", ["v4_colocated.yaml", "v4_1p1d.yaml"])
+@pytest.mark.parametrize("config", ["v4_colocated.yaml", "v4_1p1d.yaml",
+                                    "v4_ep_colocated.yaml"])
 def test_v4_serves_equal_to_transformers(tmp_path, joined_ray, config):
     with OrchProcess(REPO / "configs" / config, tmp_path, joined_ray) as orch:
         outputs = orch.generate_many(HELD_BACK, max_tokens=NEW, ignore_eos=True)
