@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from engine.norm import RMSNorm
+from engine.parallel import EPGroup
 from engine.v4.attention import V4Attention
 from engine.v4.cache import LayerCache, V4Cache
-from engine.parallel import EPGroup
 from engine.v4.config import SLIDING, V4Config
 from engine.v4.expert_parallel import ep_experts
 from engine.v4.hyper_connection import HyperConnection, HyperHead

@@ -4,7 +4,8 @@ budget). DeepSeek-V4 end to end: `orch up configs/v4_colocated.yaml` (the tiny V
 checkpoint, colocated, one rank), then `orch up configs/v4_1p1d.yaml` (prefill tp 1 -> decode
 tp 1, the V4 state shipped through the KV transfer), then `orch up
 configs/v4_ep_colocated.yaml` (two DP ranks, expert parallelism: 4 of 8 experts each, in
-lockstep); each serves held-back
+lockstep) and `orch up configs/v4_ep_2p2d.yaml` (PD, prefill dp 2 and decode dp 2, each an
+EP group); each serves held-back
 prompts concurrently and its greedy tokens equal transformers' ``DeepseekV4ForCausalLM``
 (greedy `generate`) on the prompt ids the router computes; afterwards every
 block is free.
@@ -45,7 +46,7 @@ _WANT: dict[str, list[list[int]]] = {}  # checkpoint -> transformers' tokens (on
 
 
 @pytest.mark.parametrize("config", ["v4_colocated.yaml", "v4_1p1d.yaml",
-                                    "v4_ep_colocated.yaml"])
+                                    "v4_ep_colocated.yaml", "v4_ep_2p2d.yaml"])
 def test_v4_serves_equal_to_transformers(tmp_path, joined_ray, config):
     with OrchProcess(REPO / "configs" / config, tmp_path, joined_ray) as orch:
         outputs = orch.generate_many(HELD_BACK, max_tokens=NEW, ignore_eos=True)
