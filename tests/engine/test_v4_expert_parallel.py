@@ -115,3 +115,58 @@ def test_fused_expert_tensors_are_read_by_rows(tiny_v4_ckpt, tmp_path):
         assert torch.equal(model[name], fused[name][6:8]), name
     with pytest.raises(ValueError, match=r"dp\*tp\*cp=3 does not divide n_routed_experts=8"):
         load_v4(tiny_v4_ckpt, ep=EPGroup(rank=0, size=3))
+
+
+def test_v4_ep_ranks_brought_up_by_init_rank_step_in_lockstep(tiny_v4_ckpt):
+    """Two colocated V4 DP ranks (dp 2 x tp 1, ep; threads of this process) brought up as orch
+    does (``open_ep_store``, ``init_rank`` with the EP store): the rank builds the V4 runner
+    with its EP group (4 of 8 experts each) and the DP sync; a request on one while the other
+    idles, then one on each, give the tokens of one EP-off runner; every V4 block back."""
+    from dataclasses import replace  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from engine.v4.runner import V4Runner  # noqa: PLC0415
+    from rank.colocated import ColocatedRole  # noqa: PLC0415
+    from rank.config import (InstanceConfig, ParallelConfig,  # noqa: PLC0415
+                             SchedulerConfig)
+    from rank.rank import Rank  # noqa: PLC0415
+    from tests.engine.test_v4_runner import _collect, _generate, _prompt  # noqa: PLC0415
+    from tests.engine.v4_ep_ranks import drive  # noqa: PLC0415
+
+    seeds = {"a": (17, 0), "b": (6, 1)}  # request -> (prompt tokens, seed)
+    solo = V4Runner(tiny_v4_ckpt, num_kv_blocks=8, block_size=16)
+    tokens, _ = drive(solo, tuple((_prompt(*seeds[rid]), 0) for rid in seeds), 6, 6)
+    want = dict(zip(seeds, tokens))
+    scheduler = SchedulerConfig(block_size=16, num_kv_blocks=16, chunk_size=8,
+                                max_num_batched_tokens=20, max_num_seqs=4, prefix_cache=False)
+    ranks = [Rank(InstanceConfig(
+        name=f"colocated-{i}", role="colocated", checkpoint_dir=str(tiny_v4_ckpt),
+        scheduler=scheduler, parallel=ParallelConfig(tp=1, dp=2, dp_rank=i, ep=True,
+                                                     step_timeout_s=60.0)), 0, ColocatedRole)
+        for i in range(2)]
+    host, port = ranks[0].open_ep_store()
+    threads = [threading.Thread(target=r.init_rank, args=("127.0.0.1", 0, [r], (host, port)))
+               for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(isinstance(r.runner, V4Runner) and r.dp_sync is not None for r in ranks)
+    assert [r.runner.model.model.layers[0].mlp.experts.expert_ids for r in ranks] == [
+        range(0, 4), range(4, 8)]
+    for r in ranks:
+        r.start()
+    try:
+        ranks[0].request(_generate("a", *seeds["a"], max_tokens=6))
+        assert _collect(ranks[0], {"a": ([], None, None)})["a"] == (want["a"], "length", None)
+        for r, rid in zip(ranks, ("b", "a")):
+            r.request(_generate(rid, *seeds[rid], max_tokens=6))
+        assert _collect(ranks[0], {"b": ([], None, None)})["b"] == (want["b"], "length", None)
+        assert _collect(ranks[1], {"a": ([], None, None)})["a"] == (want["a"], "length", None)
+        assert all(r.leader.broken is None for r in ranks)
+    finally:
+        for r in ranks:
+            r.shutdown()
+    for r in ranks:
+        r.runner._apply_releases()
+        assert all(p.num_free_blocks == p.num_blocks for p in r.runner.pools.values())

@@ -86,6 +86,23 @@ def test_plan_counts_what_the_engine_builds():
     assert round(weights / 1e9) == 284
 
 
+def test_plan_counts_what_an_ep_rank_builds():
+    """Under EP (dp 4, tp 1) the plan's weights equal an EP rank's model (engine/v4/
+    expert_parallel.py: 2 of the tiny model's 8 routed experts per layer)."""
+    from engine.parallel import EPGroup  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(TINY, EPGroup(rank=3, size=4))
+    bias = sum(b.numel() for n, b in model.named_buffers()
+               if n.endswith("e_score_correction_bias"))
+    rows = _rows(plan_role_v4(TINY, _layout(dp=4, ep=True), V4Precision.of("bfloat16")))
+    weights = sum(n for k, n in rows.items() if not k.startswith(("KV", "workspace"))
+                  and k != "hash router tid2eid")
+    assert weights == sum(p.numel() for p in model.parameters()) + bias
+    assert rows["routed experts"] == TINY.num_hidden_layers * 2 * 3 * TINY.hidden_size * \
+        TINY.moe_intermediate_size
+
+
 def test_release_precision():
     raw = json.loads(FLASH.read_text())
     kept = V4Precision.for_checkpoint(raw, "bfloat16", "fp8")
