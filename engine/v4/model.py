@@ -6,7 +6,9 @@ Parameter names are transformers' (``model.layers.{i}.self_attn.q_a_proj.weight`
 :class:`engine.parallel.TPGroup` of size > 1) the modules hold this rank's parts
 (:mod:`engine.v4.tp`): each layer all-reduces the attention's and the MoE's partial sums, the
 vocab-parallel embedding all-reduces and lm_head all-gathers; the hyper-connection streams and
-every rank's V4 cache are whole and equal on every rank. The MTP layer
+every rank's V4 cache are whole and equal on every rank. Under EP (an
+:class:`engine.parallel.EPGroup` of size > 1, over a role's dp x tp ranks) each layer holds
+only this EP rank's whole routed experts (:mod:`engine.v4.expert_parallel`). The MTP layer
 (``num_nextn_predict_layers``) is not built (transformers does not build it either).
 """
 
@@ -16,19 +18,22 @@ import torch
 from torch import nn
 
 from engine.norm import RMSNorm
-from engine.parallel import TPGroup
+from engine.parallel import EPGroup, TPGroup
 from engine.v4.attention import V4Attention
 from engine.v4.cache import LayerCache, V4Cache
 from engine.v4.config import SLIDING, V4Config
+from engine.v4.expert_parallel import ep_experts
 from engine.v4.hyper_connection import HyperConnection, HyperHead
 from engine.v4.moe import V4MoE
 from engine.v4.rope import V4Rotary
 
 
 class V4DecoderLayer(nn.Module):
-    """(attn_hc, input_layernorm, self_attn), (ffn_hc, post_attention_layernorm, mlp)."""
+    """(attn_hc, input_layernorm, self_attn), (ffn_hc, post_attention_layernorm, mlp); under
+    EP (``ep.size > 1``) the mlp holds only this rank's routed experts."""
 
-    def __init__(self, config: V4Config, layer: int, tp: TPGroup) -> None:
+    def __init__(self, config: V4Config, layer: int, tp: TPGroup,
+                 ep: EPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
         hc = (config.hc_mult, config.hidden_size, config.hc_sinkhorn_iters, config.hc_eps,
@@ -38,7 +43,7 @@ class V4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = V4Attention(config, layer, tp.size)
-        self.mlp = V4MoE(config, layer, tp.size)
+        self.mlp = V4MoE(config, layer, tp.size, ep_experts(config, ep, tp))
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[LayerCache], lengths: list[int], rotary: V4Rotary) -> torch.Tensor:
@@ -56,11 +61,11 @@ class V4Model(nn.Module):
     """``embed_tokens`` (this rank's vocab rows), ``layers``, ``hc_head``, ``norm``
     (transformers ``model.*``)."""
 
-    def __init__(self, config: V4Config, tp: TPGroup) -> None:
+    def __init__(self, config: V4Config, tp: TPGroup, ep: EPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.embed_tokens = nn.Embedding(config.vocab_size // tp.size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, i, tp, ep)
                                     for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps,
                                  config.rms_norm_eps)
@@ -81,12 +86,15 @@ class V4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """DeepSeek-V4 over per-request :class:`engine.v4.cache.V4Cache` objects; ``tp``: this
-    rank's TP group (None: one rank; its size must pass :func:`engine.v4.tp.check_tp`)."""
+    rank's TP group (None: one rank; its size must pass :func:`engine.v4.tp.check_tp`);
+    ``ep`` (size > 1): this EP rank's routed experts only, every forward a collective over the
+    group (:mod:`engine.v4.expert_parallel`)."""
 
-    def __init__(self, config: V4Config, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: V4Config, tp: TPGroup | None = None,
+                 ep: EPGroup | None = None) -> None:
         super().__init__()
         self.config, self.tp = config, tp or TPGroup()
-        self.model = V4Model(config, self.tp)
+        self.model = V4Model(config, self.tp, ep)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // self.tp.size,
                                  bias=False)
         self.rotary = nn.ModuleDict({

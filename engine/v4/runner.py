@@ -13,7 +13,8 @@ the next step or rebuild, both of which apply releases first: :mod:`engine.v4.re
 which also says how they reach every TP rank).
 
 TP (:mod:`engine.v4.tp`): query heads, the grouped output projection, every expert's
-intermediate channels and the vocabulary split over the rank's TP group; K=V, the compressors
+intermediate channels (routed ones only without EP) and the vocabulary split over the rank's
+TP group; K=V, the compressors
 and the indexer are whole, so every TP rank holds the WHOLE V4 cache (the same on each: every
 rank runs every step, the rank's SPMD step channel).
 
@@ -24,8 +25,14 @@ transfer moves those rows as it moves MLA's replicated latent (each prefill rank
 planned layers, every decode rank gets every layer: :mod:`kv_transfer.plan`), every decode
 rank rebuilds the request's paged cache from them (:meth:`V4Runner.admit_staged`).
 
-Not supported yet (refused by :func:`check_v4_serving`): EP, CP, layer sharding, graph mode,
-MTP, the prefix cache, per-layer KV streaming (the state ships after the last chunk).
+EP (an :class:`engine.parallel.EPGroup` of size > 1 over the role's dp x tp ranks, as V3's):
+the rank holds only its whole routed experts (:mod:`engine.v4.expert_parallel`; under TP each
+TP rank dispatches a slice of the tokens); every DP rank of the group runs
+:meth:`V4Runner.execute` or :meth:`V4Runner.execute_empty` on all its ranks each step, in
+lockstep (the rank's DP sync, rank/dp_sync.py, as for V3). EP leaves the V4 cache alone.
+
+Not supported yet (refused by :func:`check_v4_serving`): CP, layer sharding, graph mode, MTP,
+the prefix cache, per-layer KV streaming (the state ships after the last chunk).
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool, BlockSet
-from engine.parallel import TPGroup
+from engine.parallel import EPGroup, TPGroup
 from engine.v4.admission import V4Admission
 from engine.v4.block_table import kv_groups
 from engine.v4.config import V4Config
+from engine.v4.expert_parallel import exchange_empty
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
@@ -65,14 +73,14 @@ def is_v4_checkpoint(checkpoint_dir: str | Path) -> bool:
     return path.is_file() and is_v4_config(json.loads(path.read_text()))
 
 
-def v4_unsupported(*, ep: int = 1, cp: int = 1, graph: bool = False,
+def v4_unsupported(*, cp: int = 1, graph: bool = False,
                    num_speculative_tokens: int = 0, layer_sharding: tuple[str, ...] = (),
                    prefix_cache: bool = False) -> list[str]:
     """What of a serving layout DeepSeek-V4 does not support yet, each with its fix (empty:
-    all supported). TP is supported (its sizes are checked at load,
-    :func:`engine.v4.tp.check_tp`)."""
+    all supported). TP and EP are supported (their sizes are checked at load,
+    :func:`engine.v4.tp.check_tp`, :func:`engine.layout.expert_range`)."""
     out = []
-    for on, what in ((ep > 1, "expert parallelism (set ep false)"),
+    for on, what in ((cp > 1, f"cp={cp} (set cp to 1)"),
                      (cp > 1, f"cp={cp} (set cp to 1)"),
                      (bool(layer_sharding), "layer_sharding (remove it)"),
                      (graph, "graph mode (set decode.graph.enabled false)"),
@@ -87,8 +95,8 @@ def check_v4_serving(**layout: object) -> None:
     """Raise ValueError naming every unsupported part of ``layout`` (:func:`v4_unsupported`)."""
     bad = v4_unsupported(**layout)
     if bad:
-        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served with TP only for "
-                         "now (colocated, or PD across any tp); not supported yet: "
+        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served with TP and EP "
+                         "(colocated, or PD across any tp); not supported yet: "
                          + "; ".join(bad))
 
 
@@ -117,7 +125,8 @@ def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
 
 class V4Runner:
     """Model + paged V4 caches of one rank, keyed by request id (under TP this rank's part of
-    the model, :mod:`engine.v4.tp`, and the whole V4 cache: every TP rank holds the same).
+    the model, :mod:`engine.v4.tp`, and the whole V4 cache: every TP rank holds the same; with
+    ``ep`` only its routed experts).
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
@@ -129,22 +138,27 @@ class V4Runner:
         staging_blocks: blocks of the PD staging cache and of the scheduler pool that
             addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
             staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
-        layout: the rest of the serving layout (``tp``, ``ep``, ``cp``, ``graph``,
+        ep: this rank's :class:`EPGroup` (None: EP off; all dp x tp ranks of the role). With
+            it the rank holds only its whole routed experts, and every rank of the group calls
+            :meth:`execute` or :meth:`execute_empty` each step, in lockstep.
+        layout: the rest of the serving layout (``cp``, ``graph``,
             ``num_speculative_tokens``, ``layer_sharding``), checked by
             :func:`check_v4_serving`.
 
     Raises:
         ValueError: an unsupported layout; a TP size the model's sizes refuse
-            (:func:`engine.v4.tp.check_tp`). CheckpointError: from :func:`load_v4`.
+            (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
+            ``n_routed_experts``. CheckpointError: from :func:`load_v4`.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  staging_blocks: int = 0, tp: TPGroup | None = None,
-                 **layout: object) -> None:
+                 ep: EPGroup | None = None, **layout: object) -> None:
         check_v4_serving(**layout)
-        self.device, self.tp = torch.device(device), tp or TPGroup()
-        self.model = load_v4(checkpoint_dir, dtype, self.device, self.tp).eval()
+        self.device, self.tp, self.ep = torch.device(device), tp or TPGroup(), ep or EPGroup()
+        self.model = load_v4(checkpoint_dir, dtype, self.device, tp=self.tp,
+                             ep=self.ep).eval()
         raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         eos = raw.get("eos_token_id")
         config = self.model.config
@@ -318,8 +332,14 @@ class V4Runner:
         self._apply_releases()
         self.requests.free_requests((request_id,))
 
+    @torch.inference_mode()
     def execute_empty(self) -> None:
-        """No-op: V4 runs without expert parallelism (nothing to meet)."""
+        """A zero-token step: only this rank's part of every layer's EP all-to-alls
+        (:func:`engine.v4.expert_parallel.exchange_empty`), so that the other DP ranks' step
+        completes; a DP rank with no work in a lockstep step calls this. No-op without EP.
+        Touches no cache and applies no releases."""
+        if self.ep.size > 1:
+            exchange_empty(self.model)
 
     def num_live_requests(self) -> int:
         """Requests holding V4 blocks (released ones count until the next step)."""

@@ -10,8 +10,9 @@ projection by whole groups (``o_a_proj`` by its ``o_groups x o_lora_rank`` outpu
 ranks: o_a by its input columns, o_b whole per group; then an all-reduce); the compressors and CSA's
 lightning indexer and mHC are whole on every TP rank; routed experts split by intermediate
 over TP, or whole over EP (hash-routed layers too: ``tid2eid`` picks experts, the experts are
-the same kind); the shared expert by intermediate over TP (under EP, not served yet, assumed
-whole, as transformers keeps it); embedding and lm_head by vocab.
+the same kind); the shared expert by intermediate over TP, EP or not (what
+:mod:`engine.v4.moe` builds, as V3's EP keeps its shared experts' TP rules); embedding and
+lm_head by vocab.
 
 KV: the pools :func:`engine.v4.runner.serving_pools` allocates, one per KV group of
 :func:`engine.v4.block_table.kv_groups` (the window's raw K=V, per compressed kind its entries
@@ -37,7 +38,7 @@ ID_BYTES = 8  # tid2eid expert ids, int64 as engine/v4/moe.py registers them
 
 SPLITS = {"attention": "q_b, sinks by heads /tp; q_a, kv whole",
           "grouped output projection": "groups /tp", "compressors + indexer": "whole",
-          "mHC": "whole", "shared expert": "intermediate /tp (EP: whole)", "routed experts": "/tp or EP",
+          "mHC": "whole", "shared expert": "intermediate /tp", "routed experts": "/tp or EP",
           "embedding": "vocab /tp", "lm_head": "vocab /tp"}
 
 
@@ -135,7 +136,7 @@ def decoder_layer(m: V4Config, layer: int, kind: str, lay: RoleLayout) -> dict[s
     return {"attention": attention_layer(m, lay.tp),
             "grouped output projection": output_layer(m, lay.tp),
             "compressors + indexer": compressor_layer(m, kind), "mHC": 2 * hc_block(m),
-            "shared expert": expert(m, 1 if lay.ep else lay.tp),
+            "shared expert": expert(m, lay.tp),
             "routed experts": experts_held(m, lay) * expert(m, 1 if lay.ep else lay.tp),
             "norms + router": 2 * h + router_layer(m, layer),
             "hash router tid2eid": m.vocab_size * m.num_experts_per_tok

@@ -93,11 +93,13 @@ def sp_tp_bytes(m: V4Config, tokens: float, n: int, act: float) -> tuple[float, 
 
 
 def tp_allreduces_per_layer(ep: bool) -> int:
-    """TP all-reduces of the hidden state per layer: after the grouped output projection (TP
-    splits the query heads by whole output groups) and, ep off, after the TP-split MoE
-    (routed and shared experts, engine/v4/tp.py). With EP (not served yet) the plan assumes
-    the experts combine through the all-to-all and a whole shared expert: one."""
-    return 1 if ep else 2
+    """TP all-reduces of the hidden state per layer, EP or not (``ep`` unused; V3's
+    signature): after the grouped output projection (TP splits the query heads by whole
+    output groups) and after the MoE (engine/v4/model.py: the TP-split shared expert's partial
+    sum plus the routed experts', TP-split, or under EP complete on each TP rank's token slice,
+    engine/v4/expert_parallel.py): two, as V3."""
+    del ep
+    return 2
 
 
 def kv_bytes_per_request(m: V4Config, prec: Precision, num_tokens: int) -> float:

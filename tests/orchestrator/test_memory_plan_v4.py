@@ -109,6 +109,28 @@ def test_plan_at_tp_counts_one_rank_of_the_engine():
         plan_role_v4(odd, _layout(tp=2), V4Precision.of("bfloat16"))
 
 
+@pytest.mark.parametrize(("dp", "tp"), [(4, 1), (2, 2)], ids=["dp4", "dp2xtp2"])
+def test_plan_counts_what_an_ep_rank_builds(dp, tp):
+    """Under EP (over dp x tp = 4 ranks) the plan's weights equal an EP rank's model
+    (engine/v4/expert_parallel.py: 2 of the tiny model's 8 routed experts per layer, whole;
+    at tp 2 the rest split as engine/v4/tp.py says, the shared expert included)."""
+    from engine.parallel import EPGroup, TPGroup  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(TINY, TPGroup(rank=1, size=tp) if tp > 1 else None,
+                                      EPGroup(rank=3, size=4))
+    bias = sum(b.numel() for n, b in model.named_buffers()
+               if n.endswith("e_score_correction_bias"))
+    rows = _rows(plan_role_v4(TINY, _layout(dp=dp, tp=tp, ep=True), V4Precision.of("bfloat16")))
+    weights = sum(n for k, n in rows.items() if not k.startswith(("KV", "workspace"))
+                  and k != "hash router tid2eid")
+    assert weights == sum(p.numel() for p in model.parameters()) + bias
+    assert rows["routed experts"] == TINY.num_hidden_layers * 2 * 3 * TINY.hidden_size * \
+        TINY.moe_intermediate_size
+    assert rows["shared expert"] == TINY.num_hidden_layers * 3 * TINY.hidden_size * \
+        TINY.moe_intermediate_size // tp
+
+
 def test_release_precision():
     raw = json.loads(FLASH.read_text())
     kept = V4Precision.for_checkpoint(raw, "bfloat16", "fp8")
@@ -123,7 +145,7 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
     assert "KV: CSA entries 1/4" in out and "planner on a3" in out
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
     assert "memory plan: fits" in out
-    assert "not supported yet: decode.ep (set false); prefill.ep (set false)" in err
+    assert "not supported yet: model: a quantized checkpoint" in err
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():
