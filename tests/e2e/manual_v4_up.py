@@ -5,8 +5,9 @@ checkpoint, colocated, one rank), then `orch up configs/v4_1p1d.yaml` as prefill
 decode tp 1, P2 -> D1 and P1 -> D2 (the V4 state shipped through the KV transfer: each
 prefill rank sends its planned layers, every decode rank rebuilds the whole cache), then `orch
 up configs/v4_ep_colocated.yaml` (two DP ranks, expert parallelism: 4 of 8 experts each, in
-lockstep) and `orch up configs/v4_ep_2p2d.yaml` (PD, prefill dp 2 and decode dp 2, each an
-EP group); each serves held-back
+lockstep; and with decode.tp 2: EP over dp x tp = 4 ranks, 2 experts each) and `orch up
+configs/v4_ep_2p2d.yaml` (PD, prefill dp 2 and decode dp 2, each an EP group; and with
+prefill.tp 2: prefill EP over 4 ranks, P2 -> D1); each serves held-back
 prompts concurrently and its greedy tokens equal transformers' ``DeepseekV4ForCausalLM``
 (greedy `generate`) on the prompt ids the router computes; afterwards every
 block is free.
@@ -50,9 +51,11 @@ _WANT: dict[str, list[list[int]]] = {}  # checkpoint -> transformers' tokens (on
                                          ("v4_1p1d.yaml", {"prefill.tp": 2, "decode.tp": 1}),
                                          ("v4_1p1d.yaml", {"prefill.tp": 1, "decode.tp": 2}),
                                          ("v4_ep_colocated.yaml", {}),
-                                         ("v4_ep_2p2d.yaml", {})],
+                                         ("v4_ep_colocated.yaml", {"decode.tp": 2}),
+                                         ("v4_ep_2p2d.yaml", {}),
+                                         ("v4_ep_2p2d.yaml", {"prefill.tp": 2})],
                          ids=["colocated", "P1-D1", "P2-D1", "P1-D2", "ep_colocated",
-                              "ep_2p2d"])
+                              "ep_tp2_colocated", "ep_2p2d", "ep_2p2d_P2-D1"])
 def test_v4_serves_equal_to_transformers(tmp_path, joined_ray, config, tps):
     with OrchProcess(REPO / "configs" / config, tmp_path, {**joined_ray, **tps}) as orch:
         outputs = orch.generate_many(HELD_BACK, max_tokens=NEW, ignore_eos=True)
