@@ -26,14 +26,18 @@ class V4Staged:
         self.runner.discard(request_id)
 
     def admit_staged(self, request_id: str, block_ids: tuple[int, ...],
-                     num_tokens: int) -> None:
-        """DeepSeek-V4: rebuild the request's cache from the staging rows the transfer wrote
-        into its first slots (:meth:`engine.v4.runner.V4Runner.admit_staged`).
+                     num_tokens: int, released: tuple[str, ...] = ()) -> None:
+        """DeepSeek-V4: free the caches of the leader's ``released`` requests (under TP, what
+        its pool released since the last step: every rank's pools then hold the same), then
+        rebuild the request's cache from the staging rows the transfer wrote into its first
+        slots (:meth:`engine.v4.runner.V4Runner.admit_staged`).
 
         Raises:
             ValueError / NoFreeBlocksError: from the runner (the rows are not the specs'; a
                 group's pool short, which admission by :mod:`engine.v4.admission` rules out).
         """
+        if released:
+            self.runner.free_requests(released)
         slots = slot_mapping(block_ids, 0, self.staged_rows(num_tokens),
                              self.cfg.scheduler.block_size)
         self.runner.admit_staged(request_id, block_ids, slots, num_tokens)
@@ -48,7 +52,8 @@ class V4Staged:
         req = entry.request
         try:
             self.leader.ranks.call_all(V4Staged.admit_staged, request_id,
-                                       req.blocks.block_ids, req.num_prompt_tokens)
+                                       req.blocks.block_ids, req.num_prompt_tokens,
+                                       self.leader.ranks.take_releases())
         except RankFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - that request fails, the loop goes on

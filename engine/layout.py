@@ -210,7 +210,7 @@ def tp_layout(config: ModelConfig, tp_size: int, ep_size: int = 1,
             raise ValueError(f"tp={tp_size} does not divide {unit}={full} of the checkpoint's "
                              "config.json: use a tp that divides it (tp sizes that divide "
                              f"every split size: {_divisors(_common_unit(config))})")
-    experts = _expert_range(config, ep_size, ep_rank)
+    experts = expert_range(config, ep_size, ep_rank)
     moe = config.moe_intermediate_size
     vocab = -(-config.vocab_size // tp_size)
     return TPLayout(num_attention_heads=config.num_attention_heads // tp_size,
@@ -221,8 +221,15 @@ def tp_layout(config: ModelConfig, tp_size: int, ep_size: int = 1,
                     full_vocab_size=config.vocab_size)
 
 
-def _expert_range(config: ModelConfig, ep_size: int, ep_rank: int) -> range:
-    """The routed expert ids of EP rank ``ep_rank`` (see module doc)."""
+def expert_range(config: ModelConfig, ep_size: int, ep_rank: int) -> range:
+    """The routed expert ids of EP rank ``ep_rank`` (see module doc): ``n / ep_size``
+    consecutive ids from ``ep_rank * n / ep_size``, ``n = config.n_routed_experts`` (any
+    config with that field: DeepSeek-V4's :mod:`engine.v4.expert_parallel` uses it too).
+
+    Raises:
+        ValueError: ``ep_rank`` outside the group; ``ep_size`` does not divide ``n`` (the
+            message lists the sizes that would).
+    """
     n = config.n_routed_experts or 0
     if not 0 <= ep_rank < ep_size:
         raise ValueError(f"ep_rank {ep_rank} is outside an EP group of size {ep_size}")

@@ -10,7 +10,8 @@ to every rank as the step's inputs); each rank sends the layers the transfer pla
 
 DeepSeek-V4 (a runner with ``stage_request``): nothing ships per chunk; after the last chunk
 the request's state is staged into ``staged_rows(prompt)`` rows of its prompt slots and those
-rows ship (:func:`staged_transfers`; docs/kv_transfer.md "DeepSeek-V4").
+rows ship (:func:`staged_transfers`; docs/kv_transfer.md "DeepSeek-V4"). Every TP rank holds
+the whole state; each stages only the layers the plan has it send.
 """
 
 from __future__ import annotations
@@ -170,12 +171,13 @@ class KVSends:
         # leaves nothing unsent: the whole chunk goes now (decode counts a cell once)
         sent = hook is not None and hook.layers_queued >= self.kv_spec.num_layers
         for t in transfers or ():
-            if self.stage is not None:
-                self.stage(t.request_id, t.src_slots)
+            plan = self.connector.plan(len(t.peers))
+            if self.stage is not None:  # NOTE: V4: only the layers this rank sends
+                self.stage(t.request_id, t.src_slots,
+                           {i for send in plan.sends_from(self.rank) for i in send.layers})
             if not sent:
                 self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
                                           t.dst_slots)
-            plan = self.connector.plan(len(t.peers))
             tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
             for send in plan.sends_from(self.rank):
                 pair = f"{self.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \

@@ -36,7 +36,7 @@ from rank.loop import StepLoop
 from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
 from rank.priority import raise_priority
 from rank.role import RankParts, Role
-from rank.spmd import SPMDGroup
+from rank.spmd import SPMDGroup, StepSync
 from rank.status_report import StatusReporter
 from rank.step_channel import (StepChannelFollower, StepChannelLeader, connect_follower,
                                open_leader)
@@ -242,9 +242,27 @@ class Rank:
         self.role.after_step(step_inputs, output)
 
     def execute_step(self, steps: list, step_inputs: Any = None) -> None:
-        """Follower side of one step (on the step channel's thread): run the model on
-        ``steps``, then the role's ``after_step`` with the leader's ``step_inputs``."""
+        """Follower side of one step (on the step channel's thread): free what the leader's
+        runner released (a :class:`rank.spmd.StepSync` frame), run the model on ``steps``,
+        then the role's ``after_step`` with the leader's ``step_inputs``."""
+        if isinstance(step_inputs, StepSync):
+            self.free_released(step_inputs.released)
+            step_inputs = step_inputs.step_inputs
         self.after_step(step_inputs, self.forward(steps, step_inputs))
+
+    def take_releases(self) -> tuple[str, ...]:
+        """Leader of several ranks: the request ids its runner released since the last call
+        (DeepSeek-V4: :meth:`engine.v4.runner.V4Runner.take_releases`), which every rank frees
+        (:meth:`free_released`); () otherwise (one rank: the runner frees them itself)."""
+        take = getattr(self.runner, "take_releases", None)
+        if take is None or self.cfg.parallel.ranks == 1:
+            return ()
+        return take()
+
+    def free_released(self, released: tuple[str, ...]) -> None:
+        """Free the caches of the leader's ``released`` requests on this rank (no-op for ())."""
+        if released:
+            self.runner.free_requests(released)
 
     def role_call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(role, *args)``: a rank-to-rank call (``SPMDGroup.call_all``); ``fn`` is a

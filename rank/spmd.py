@@ -11,12 +11,19 @@ A rank-to-rank call names the role method it runs, never a string:
 ``call_all(PrefillRole.sends_idle, rids)`` runs ``PrefillRole.sends_idle(role, rids)`` on the
 leader's own role and, through Ray (``Rank.role_call``, the function pickled by reference),
 on every follower's. Failures are told apart as rank/failures.py says.
+
+DeepSeek-V4 under TP: only the leader's block pool frees a request's blocks, but every rank's
+runner holds the request's (whole) V4 cache; the leader takes what its runner released since
+the last step (``LocalRank.take_releases``) and every rank, itself included, frees those
+caches right before the step (:class:`StepSync`, riding in the step's frame), so all ranks'
+V4 pools hold the same blocks at every step.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -28,8 +35,22 @@ from rank.step_timing import StepTimer
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class StepSync:
+    """A step frame's ``step_inputs`` when the leader's runner released requests since the
+    last step: every follower frees ``released`` (request ids) before the step, then runs it
+    with ``step_inputs`` (``rank.rank.Rank.execute_step``)."""
+
+    step_inputs: Any
+    released: tuple[str, ...]
+
+
 class LocalRank(Protocol):
     """What the group needs of the leader's own rank (``rank.rank.Rank``)."""
+
+    def take_releases(self) -> tuple[str, ...]: ...
+
+    def free_released(self, released: tuple[str, ...]) -> None: ...
 
     def forward(self, steps: list, step_inputs: Any = None) -> torch.Tensor | None: ...
 
@@ -71,10 +92,13 @@ class SPMDGroup:
         timeout_s = self.step_timeout_s
         deadline = time.monotonic() + timeout_s
         timer, channel = self.timer, self.channel
+        released = self.local.take_releases()
         if channel is not None:
+            frame = StepSync(step_inputs, released) if released else step_inputs
             with timer.phase("fanout"):
-                channel.run(steps, step_inputs, deadline, timeout_s)
+                channel.run(steps, frame, deadline, timeout_s)
         try:
+            self.local.free_released(released)
             with timer.phase("forward"):
                 logits = self.local.forward(steps, step_inputs)
             with timer.phase("after_step"):
@@ -88,6 +112,11 @@ class SPMDGroup:
             with timer.phase("follower_wait"):
                 channel.wait(deadline, timeout_s)
         return logits
+
+    def take_releases(self) -> tuple[str, ...]:
+        """The leader runner's releases to apply on every rank outside a step (a DeepSeek-V4
+        rebuild: pass them to the rank-to-rank call, each rank frees them first)."""
+        return self.local.take_releases()
 
     def call_all(self, fn: Callable[..., T], *args: Any,
                  timeout_s: float | None = None) -> list[T]:

@@ -22,6 +22,7 @@ from engine.v4.cache import LayerCache
 from engine.v4.compressor import Compressor, Indexer, SparseCompressor
 from engine.v4.config import CSA, HCA, V4Config
 from engine.v4.rope import V4Rotary, rotate_trailing
+from engine.v4.tp import output_groups
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,11 +31,20 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class V4Attention(nn.Module):
-    """One layer's attention; the kind (``config.layer_types[layer]``) picks the compressor."""
+    """One layer's attention; the kind (``config.layer_types[layer]``) picks the compressor.
 
-    def __init__(self, config: V4Config, layer: int) -> None:
+    Under TP (``tp`` ranks, :mod:`engine.v4.tp`) it runs ``H / tp`` query heads in
+    ``max(o_groups / tp, 1)`` output groups (with tp > o_groups a share of one group:
+    :func:`engine.v4.tp.output_groups`; ``q_b_proj``, ``sinks``, ``o_a_proj``, ``o_b_proj``
+    hold this rank's part) and returns a PARTIAL sum (the caller all-reduces); K=V, the
+    compressor and the indexer are whole, so every rank appends the same state to its (whole)
+    cache.
+    """
+
+    def __init__(self, config: V4Config, layer: int, tp: int = 1) -> None:
         super().__init__()
-        h, d, g = config.num_attention_heads, config.head_dim, config.o_groups
+        d = config.head_dim
+        h, g = config.num_attention_heads // tp, output_groups(config.o_groups, tp)[0]
         self.num_heads, self.head_dim, self.o_groups = h, d, g
         self.sliding_window, self.eps = config.sliding_window, config.rms_norm_eps
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
@@ -58,7 +68,8 @@ class V4Attention(nn.Module):
                 lengths: list[int], rotary: V4Rotary) -> torch.Tensor:
         """``x [T, hidden]``: ``lengths[r]`` consecutive tokens of request r after each other,
         at ``positions [T]`` -> ``[T, hidden]``; appends each request's tokens to its
-        ``caches[r]`` (window, compressor state). ``rotary``: this layer's rope."""
+        ``caches[r]`` (window, compressor state). ``rotary``: this layer's rope. Under TP the
+        output is this rank's partial sum."""
         # T tokens, H heads, D head_dim, K keys (window + compressed)
         cos, sin = rotary.cos_sin(positions, x.dtype)
         q_residual = self.q_a_norm(self.q_a_proj(x))  # [T, q_lora]

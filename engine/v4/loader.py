@@ -4,7 +4,11 @@ Two namings are read (per tensor, whichever the files hold): transformers' (the 
 parameter names, experts fused ``gate_up_proj`` / ``down_proj``) and DeepSeek's released one
 (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...,
 the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.*`` (the MTP
-layer) is never read. TP / EP sharding: not yet (the whole model on one device).
+layer) is never read. Under TP each rank reads the whole tensor and keeps its part
+(:meth:`engine.v4.tp.V4Shards.local_part`; the split table is :mod:`engine.v4.tp`'s). Under EP
+(:mod:`engine.v4.expert_parallel`) a rank reads only its own routed experts, whole (not
+TP-split): the per-expert tensors of its ids, or its rows of a fused tensor (a safetensors
+slice).
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import torch
 from safetensors import safe_open
 
 from engine.model_config import CheckpointError
+from engine.parallel import EPGroup, TPGroup
 from engine.v4.config import V4Config
+from engine.v4.expert_parallel import EPExperts
 from engine.v4.model import DeepseekV4ForCausalLM
+from engine.v4.tp import V4Shards, check_tp
 
 # transformers name (after ``model.layers.{i}.``) -> DeepSeek name, first match wins
 _LAYER_NAMES = [
@@ -68,25 +75,41 @@ def deepseek_name(name: str) -> str:
 
 
 def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
-            device: torch.device | str = "cpu") -> DeepseekV4ForCausalLM:
-    """Build the model of ``checkpoint_dir/config.json`` and load its weights.
+            device: torch.device | str = "cpu", tp: TPGroup | None = None,
+            ep: EPGroup | None = None) -> DeepseekV4ForCausalLM:
+    """Build the model of ``checkpoint_dir/config.json`` (this rank's part under ``tp``;
+    ``ep``: only EP rank ``ep.rank``'s routed experts) and load its weights.
 
     Raises:
-        CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`.
+        CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`; a
+            quantized checkpoint (``quantization_config``: FP8 / FP4 weights are not loaded
+            yet, their raw values would be read as weights).
+        ValueError: the TP size does not divide a size the split keeps whole
+            (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
+            ``n_routed_experts``.
     """
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    if raw.get("quantization_config"):
+        raise CheckpointError(f"{checkpoint_dir} is a quantized DeepSeek-V4 checkpoint "
+                              "(config.json quantization_config): engine/v4 "
+                              "loads unquantized weights only for now; use a bf16 checkpoint")
+    config, tp = V4Config.from_dict(raw), tp or TPGroup()
+    check_tp(config, tp.size)
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(V4Config.from_dict(raw)).to(dtype)
+        model = DeepseekV4ForCausalLM(config, tp, ep).to(dtype)
     load_v4_weights(model, checkpoint_dir)
     return model.eval()
 
 
 def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) -> None:
-    """Copy every model tensor from the checkpoint (either naming, see module doc).
+    """Copy every model tensor from the checkpoint (either naming, see module doc); under
+    ``model.tp`` only this rank's part of each split one; EP experts (:class:`EPExperts`)
+    only their ``expert_ids``, whole.
 
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
-            names both); a shape other than the model's.
+            names both); a (whole) shape other than the config's; a checkpoint whose expert
+            count is not the config's (under EP).
     """
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
@@ -95,24 +118,35 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) ->
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             where.update({key: path for key in f.keys()})
+    shards = V4Shards(model.config.o_groups, model.tp.size, model.tp.rank)
+    held = {f"{prefix}.{p}": m for prefix, m in model.named_modules()
+            if isinstance(m, EPExperts) for p in ("gate_up_proj", "down_proj")}
     for name, target in model.state_dict().items():
-        value = _read(name, where)
-        if tuple(value.shape) != tuple(target.shape):
+        value = _read(name, where, held.get(name))
+        # NOTE: EP experts are whole on their rank: no TP part to take
+        whole = tuple(target.shape) if name in held else \
+            shards.full_shape(name, tuple(target.shape))
+        if tuple(value.shape) != whole:
             raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(value.shape)}; "
-                                  f"the config implies {tuple(target.shape)}")
-        target.copy_(value)
+                                  f"the config implies {whole}")
+        target.copy_(value if name in held else shards.local_part(name, value))
 
 
-def _read(name: str, where: dict[str, Path]) -> torch.Tensor:
-    """The tensor of model name ``name``: as named, DeepSeek-named, or per-expert stacked."""
+def _read(name: str, where: dict[str, Path], held: EPExperts | None = None) -> torch.Tensor:
+    """The tensor of model name ``name``: as named, DeepSeek-named, or per-expert stacked;
+    ``held``: the EP experts module of a fused expert tensor (only its experts' rows)."""
     fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if name not in where and fused is not None:
         prefix = deepseek_name(fused.group(1) + ".0.x").rsplit(".0.", 1)[0]
         parts = ("w1", "w3") if fused.group(2) == "gate_up_proj" else ("w2",)
+        count = _count(prefix, where)
+        _check_count(name, count, held)
         experts = []
-        for j in range(_count(prefix, where)):
+        for j in (range(count) if held is None else held.expert_ids):
             experts.append(torch.cat([_get(f"{prefix}.{j}.{w}.weight", where) for w in parts]))
         return torch.stack(experts)
+    if name in where and held is not None:
+        return _get_rows(name, where, held)
     if name in where:
         return _get(name, where)
     native = deepseek_name(name)
@@ -129,6 +163,20 @@ def _count(prefix: str, where: dict[str, Path]) -> int:
     return count
 
 
+def _check_count(name: str, count: int, held: EPExperts | None) -> None:
+    if held is not None and count != held.num_experts:
+        raise CheckpointError(f"{name}: the checkpoint has {count} experts, config.json's "
+                              f"n_routed_experts is {held.num_experts}: they must agree")
+
+
 def _get(key: str, where: dict[str, Path]) -> torch.Tensor:
     with safe_open(str(where[key]), framework="pt") as f:
         return f.get_tensor(key)
+
+
+def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor:
+    """Rows ``held.expert_ids`` of the fused expert tensor ``key`` (only those are read)."""
+    with safe_open(str(where[key]), framework="pt") as f:
+        part = f.get_slice(key)
+        _check_count(key, part.get_shape()[0], held)
+        return part[held.expert_ids.start:held.expert_ids.stop]

@@ -90,18 +90,30 @@ class Router(nn.Module):
 
 
 class V4MoE(nn.Module):
-    """Layer ``layer``'s MoE: ``gate`` (router), ``experts``, ``shared_experts``."""
+    """Layer ``layer``'s MoE: ``gate`` (router), ``experts`` (all of them, or the given ones:
+    :class:`engine.v4.expert_parallel.EPExperts` under EP), ``shared_experts``.
 
-    def __init__(self, config: V4Config, layer: int) -> None:
+    Under TP (``tp`` ranks, :mod:`engine.v4.tp`) the shared expert, and without EP every
+    routed expert, holds ``moe_intermediate_size / tp`` intermediate channels (the clipped
+    SwiGLU is elementwise); under EP the routed experts are whole and each TP rank dispatches
+    a slice of the tokens (:func:`engine.expert_parallel.ep_routed`). Either way the output is
+    this rank's PARTIAL sum (the caller all-reduces once); the router is whole, so every rank
+    picks the same experts.
+    """
+
+    def __init__(self, config: V4Config, layer: int, tp: int = 1,
+                 experts: Experts | None = None) -> None:
         super().__init__()
-        inter, limit = config.moe_intermediate_size, config.swiglu_limit
+        inter, limit = config.moe_intermediate_size // tp, config.swiglu_limit
         self.gate = Router(config, hashed=config.mlp_layer_types[layer] == HASH_MOE)
-        self.experts = Experts(config.n_routed_experts, config.hidden_size, inter, limit)
+        # NOTE: under EP the caller passes this rank's (engine/v4/expert_parallel.py)
+        self.experts = experts if experts is not None else Experts(
+            config.n_routed_experts, config.hidden_size, inter, limit)
         # NOTE: transformers sizes the shared expert at moe_intermediate_size, whatever
         # n_shared_experts says (V4 ships 1)
         self.shared_experts = SharedExpert(config.hidden_size, inter, limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        """``x [T, hidden]`` -> ``[T, hidden]`` (partial under TP)."""
         ids, weights = self.gate(x, input_ids)
         return self.experts(x, ids, weights) + self.shared_experts(x)

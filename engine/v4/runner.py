@@ -9,35 +9,51 @@ fit next to the admitted ones' (:meth:`V4Runner.make_admission`,
 :mod:`engine.v4.admission`); its own pool then holds only the request's staging rows (PD) or
 one block (colocated). A request's V4 blocks and commitment go back when the scheduler frees
 its block set (:meth:`V4Runner.release`, wired to the scheduler pool's free; the blocks before
-the next step or rebuild, both of which apply releases first).
+the next step or rebuild, both of which apply releases first: :mod:`engine.v4.request_caches`,
+which also says how they reach every TP rank).
 
-PD (tp 1 each side): a PD role's first use of :attr:`V4Runner.kv_cache` makes the staging
-cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last chunk
-(:meth:`V4Runner.stage_request`), the transfer moves those rows, decode rebuilds the request's
-paged cache from them (:meth:`V4Runner.admit_staged`).
+TP (:mod:`engine.v4.tp`): query heads, the grouped output projection, every expert's
+intermediate channels (routed ones only without EP) and the vocabulary split over the rank's
+TP group; K=V, the compressors
+and the indexer are whole, so every TP rank holds the WHOLE V4 cache (the same on each: every
+rank runs every step, the rank's SPMD step channel).
 
-Not supported yet (refused by :func:`check_v4_serving`): TP > 1, EP, CP, layer sharding,
-graph mode, MTP, the prefix cache, per-layer KV streaming (the state ships after the last
-chunk).
+PD (any prefill tp -> any decode tp): a PD role's first use of :attr:`V4Runner.kv_cache` makes
+the staging cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last
+chunk (:meth:`V4Runner.stage_request`, every prefill rank: each holds the whole state), the
+transfer moves those rows as it moves MLA's replicated latent (each prefill rank sends its
+planned layers, every decode rank gets every layer: :mod:`kv_transfer.plan`), every decode
+rank rebuilds the request's paged cache from them (:meth:`V4Runner.admit_staged`).
+
+EP (an :class:`engine.parallel.EPGroup` of size > 1 over the role's dp x tp ranks, as V3's):
+the rank holds only its whole routed experts (:mod:`engine.v4.expert_parallel`; under TP each
+TP rank dispatches a slice of the tokens); every DP rank of the group runs
+:meth:`V4Runner.execute` or :meth:`V4Runner.execute_empty` on all its ranks each step, in
+lockstep (the rank's DP sync, rank/dp_sync.py, as for V3). EP leaves the V4 cache alone.
+
+Not supported yet (refused by :func:`check_v4_serving`): CP, layer sharding, graph mode, MTP,
+the prefix cache, per-layer KV streaming (the state ships after the last chunk).
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.block_pool import BlockPool, BlockSet
+from engine.parallel import EPGroup, TPGroup
 from engine.v4.admission import V4Admission
 from engine.v4.block_table import kv_groups
 from engine.v4.config import V4Config
+from engine.v4.expert_parallel import exchange_empty
 from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
+from engine.v4.request_caches import RequestCaches
 from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
                                tiers, unpack)
 from engine.v4.state_io import export_request
@@ -57,14 +73,14 @@ def is_v4_checkpoint(checkpoint_dir: str | Path) -> bool:
     return path.is_file() and is_v4_config(json.loads(path.read_text()))
 
 
-def v4_unsupported(*, tp: int = 1, ep: int = 1, cp: int = 1, graph: bool = False,
+def v4_unsupported(*, cp: int = 1, graph: bool = False,
                    num_speculative_tokens: int = 0, layer_sharding: tuple[str, ...] = (),
                    prefix_cache: bool = False) -> list[str]:
     """What of a serving layout DeepSeek-V4 does not support yet, each with its fix (empty:
-    all supported)."""
+    all supported). TP and EP are supported (their sizes are checked at load,
+    :func:`engine.v4.tp.check_tp`, :func:`engine.layout.expert_range`)."""
     out = []
-    for on, what in ((tp > 1, f"tp={tp} (V4 runs tp 1: set tp to 1)"),
-                     (ep > 1, "expert parallelism (set ep false)"),
+    for on, what in ((cp > 1, f"cp={cp} (set cp to 1)"),
                      (cp > 1, f"cp={cp} (set cp to 1)"),
                      (bool(layer_sharding), "layer_sharding (remove it)"),
                      (graph, "graph mode (set decode.graph.enabled false)"),
@@ -79,8 +95,8 @@ def check_v4_serving(**layout: object) -> None:
     """Raise ValueError naming every unsupported part of ``layout`` (:func:`v4_unsupported`)."""
     bad = v4_unsupported(**layout)
     if bad:
-        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served on one rank per "
-                         "instance for now (colocated, or PD tp 1 -> tp 1); not supported yet: "
+        raise ValueError("DeepSeek-V4 (model_type deepseek_v4) is served with TP and EP "
+                         "(colocated, or PD across any tp); not supported yet: "
                          + "; ".join(bad))
 
 
@@ -108,30 +124,41 @@ def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
 
 
 class V4Runner:
-    """Model + paged V4 caches of one rank (tp 1), keyed by request id.
+    """Model + paged V4 caches of one rank, keyed by request id (under TP this rank's part of
+    the model, :mod:`engine.v4.tp`, and the whole V4 cache: every TP rank holds the same; with
+    ``ep`` only its routed experts).
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
         num_kv_blocks, block_size: each V4 group's pool's blocks, and rows per block
             (:func:`serving_pools`; state groups 1 row); block_size is the scheduler pool's.
         dtype, device: weights, activations and cache.
+        tp: this rank's TP group (None: one rank); every rank of the group runs the same
+            steps (the rank's SPMD step channel).
         staging_blocks: blocks of the PD staging cache and of the scheduler pool that
             addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
             staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
-        layout: the rest of the serving layout (``tp``, ``ep``, ``cp``, ``graph``,
+        ep: this rank's :class:`EPGroup` (None: EP off; all dp x tp ranks of the role). With
+            it the rank holds only its whole routed experts, and every rank of the group calls
+            :meth:`execute` or :meth:`execute_empty` each step, in lockstep.
+        layout: the rest of the serving layout (``cp``, ``graph``,
             ``num_speculative_tokens``, ``layer_sharding``), checked by
             :func:`check_v4_serving`.
 
     Raises:
-        ValueError: an unsupported layout. CheckpointError: from :func:`load_v4`.
+        ValueError: an unsupported layout; a TP size the model's sizes refuse
+            (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
+            ``n_routed_experts``. CheckpointError: from :func:`load_v4`.
     """
 
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 staging_blocks: int = 0, **layout: object) -> None:
+                 staging_blocks: int = 0, tp: TPGroup | None = None,
+                 ep: EPGroup | None = None, **layout: object) -> None:
         check_v4_serving(**layout)
-        self.device = torch.device(device)
-        self.model = load_v4(checkpoint_dir, dtype, self.device).eval()
+        self.device, self.tp, self.ep = torch.device(device), tp or TPGroup(), ep or EPGroup()
+        self.model = load_v4(checkpoint_dir, dtype, self.device, tp=self.tp,
+                             ep=self.ep).eval()
         raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         eos = raw.get("eos_token_id")
         config = self.model.config
@@ -145,10 +172,8 @@ class V4Runner:
                                         block_size, tiers(config), dtype, layout_text(config))
         self._staging: StagingCache | None = None
         self.kv = PagedKV(config, self.pools, dtype, self.device)
-        self.caches: dict[str, PagedV4Cache] = {}
-        self._owner: dict[int, str] = {}  # first scheduler block id -> request id
-        self._released: list[int] = []  # first block ids of freed scheduler block sets
-        self._lock = threading.Lock()
+        self.requests = RequestCaches(self.tp.size)
+        self.caches = self.requests.caches  # request id -> PagedV4Cache
         self.admission: V4Admission | None = None
 
     def make_admission(self, block_size: int, *, staged: bool) -> V4Admission:
@@ -161,19 +186,25 @@ class V4Runner:
     def release(self, block_set: BlockSet) -> None:
         """The scheduler pool freed ``block_set``: its commitment goes back now, its request's
         V4 blocks before the next step or rebuild (any thread; the step's thread frees them,
-        and each step or rebuild applies releases before it takes blocks)."""
-        with self._lock:
-            self._released.append(block_set.block_ids[0])
+        and each step or rebuild applies releases before it takes blocks). Under TP only the
+        leader's pool calls this (:mod:`engine.v4.request_caches`)."""
+        self.requests.release(block_set.block_ids[0])
         if self.admission is not None:
             self.admission.release(block_set)
 
+    def take_releases(self) -> tuple[str, ...]:
+        """Leader under TP: the request ids released since the last call, for every rank's
+        :meth:`free_requests` (:meth:`engine.v4.request_caches.RequestCaches.take_releases`).
+        The step's thread only."""
+        return self.requests.take_releases()
+
+    def free_requests(self, request_ids: tuple[str, ...]) -> None:
+        """Free the caches of the leader's released ``request_ids`` (each once; unknown ids
+        skipped). The step's thread only."""
+        self.requests.free_requests(request_ids)
+
     def _apply_releases(self) -> None:
-        with self._lock:
-            released, self._released = self._released, []
-        for first in released:
-            rid = self._owner.pop(first, None)
-            if rid is not None:
-                self.caches.pop(rid).free()
+        self.requests.apply_releases()
 
     @torch.inference_mode()
     def execute(self, steps: list, on_kv_written: Callable[[int], None] | None = None
@@ -213,8 +244,7 @@ class V4Runner:
                              "max_tokens")
         cache = self.caches.get(s.request_id)
         if cache is None and s.num_computed_tokens == 0:
-            cache = self.caches[s.request_id] = self.kv.new_request()
-            self._owner[s.block_ids[0]] = s.request_id
+            cache = self.requests.add(s.request_id, s.block_ids[0], self.kv.new_request())
         if cache is None or cache.num_tokens != s.num_computed_tokens:
             raise ValueError(f"request {s.request_id}: step at token {s.num_computed_tokens} "
                              f"but its V4 cache holds "
@@ -241,8 +271,7 @@ class V4Runner:
             ValueError: the tensors are not the specs' (:meth:`PagedKV.import_request`).
         """
         self._apply_releases()
-        self.caches[request_id] = self.kv.import_request(layers, num_tokens)
-        self._owner[block_ids[0]] = request_id
+        self.requests.add(request_id, block_ids[0], self.kv.import_request(layers, num_tokens))
 
     @property
     def kv_cache(self) -> StagingCache:
@@ -265,18 +294,22 @@ class V4Runner:
         (:func:`engine.v4.staging.staged_rows`, <= ``num_tokens``)."""
         return staged_rows(self.model.config, num_tokens)
 
-    def stage_request(self, request_id: str, slots) -> None:
+    def stage_request(self, request_id: str, slots, layers: Collection[int] | None = None
+                      ) -> None:
         """Prefill: write the request's state (its cache after its last chunk) into the
-        staging cache at ``slots`` (int64 ``[staged_rows(n)]``).
+        staging cache at ``slots`` (int64 ``[staged_rows(n)]``); ``layers``: only these (the
+        ones the transfer plan has this rank send: under TP every rank holds the whole state,
+        each sends a part, :mod:`kv_transfer.plan`), None: all.
 
         Raises:
             KeyError: no cache for ``request_id``. ValueError: ``slots`` is not one per row.
         """
         cache = self.caches[request_id]
-        rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype)
-        if rows[0].shape[0] != slots.numel():
-            raise ValueError(f"{request_id}: {rows[0].shape[0]} staging rows, "
-                             f"{slots.numel()} slots")
+        rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype,
+                    layers)
+        want = staged_rows(self.model.config, cache.num_tokens)
+        if want != slots.numel():
+            raise ValueError(f"{request_id}: {want} staging rows, {slots.numel()} slots")
         self.kv_cache.write(slots, rows)
 
     def admit_staged(self, request_id: str, block_ids: tuple[int, ...], slots,
@@ -297,15 +330,16 @@ class V4Runner:
         """Free ``request_id``'s cache now if it has one (once; a later release of its block
         set finds no owner): a decode request aborted while its cache was rebuilt."""
         self._apply_releases()
-        cache = self.caches.pop(request_id, None)
-        if cache is None:
-            return
-        for first in [f for f, rid in self._owner.items() if rid == request_id]:
-            del self._owner[first]
-        cache.free()
+        self.requests.free_requests((request_id,))
 
+    @torch.inference_mode()
     def execute_empty(self) -> None:
-        """No-op: V4 runs without expert parallelism (nothing to meet)."""
+        """A zero-token step: only this rank's part of every layer's EP all-to-alls
+        (:func:`engine.v4.expert_parallel.exchange_empty`), so that the other DP ranks' step
+        completes; a DP rank with no work in a lockstep step calls this. No-op without EP.
+        Touches no cache and applies no releases."""
+        if self.ep.size > 1:
+            exchange_empty(self.model)
 
     def num_live_requests(self) -> int:
         """Requests holding V4 blocks (released ones count until the next step)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -110,17 +110,21 @@ def layout_text(config: V4Config) -> str:
 
 
 def pack(config: V4Config, layers: list[dict[str, torch.Tensor]], num_tokens: int,
-         dtype: torch.dtype) -> list[torch.Tensor]:
+         dtype: torch.dtype, only: Collection[int] | None = None) -> list[torch.Tensor | None]:
     """Per layer ``[staged_rows(num_tokens), kind width]`` in ``dtype``: its tensors
     (:func:`~engine.v4.state_io.export_request`'s dicts) in spec order, flattened,
-    zero-padded.
+    zero-padded; with ``only``, None for the layers not in it (a prefill TP rank packs only
+    the layers the transfer plan has it send).
 
     Raises:
         ValueError: a layer lacks a tensor its spec names.
     """
     rows, widths = staged_rows(config, num_tokens), kind_widths(config)
-    out = []
+    out: list[torch.Tensor | None] = []
     for i, (spec, tensors) in enumerate(zip(layer_specs(config), layers, strict=True)):
+        if only is not None and i not in only:
+            out.append(None)
+            continue
         missing = [t.name for t in spec.tensors() if t.name not in tensors]
         if missing:
             raise ValueError(f"layer {i} ({spec.kind}) lacks {missing} to stage")
@@ -209,10 +213,13 @@ class StagingCache:
         """Layer ``layer``'s buffers ``[num_blocks, block_size, width]``, tier order."""
         return self.buffers[layer]
 
-    def write(self, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        """Store per layer ``rows[i] [S, its width]`` at ``slots`` (int64 ``[S]``)."""
+    def write(self, slots: torch.Tensor, rows: list[torch.Tensor | None]) -> None:
+        """Store per layer ``rows[i] [S, its width]`` at ``slots`` (int64 ``[S]``); a None
+        layer is left as it is."""
         slots = slots.to(self.device)
         for bufs, layer_rows in zip(self.buffers, rows, strict=True):
+            if layer_rows is None:
+                continue
             for buf, part in zip(bufs, _columns(layer_rows, bufs), strict=True):
                 buf.view(-1, buf.shape[-1]).index_copy_(0, slots, part)
 

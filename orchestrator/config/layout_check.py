@@ -56,7 +56,7 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     if raw is None:
         return f"tp layout: not checked ({source})"
     if is_v4(raw):
-        return check_v4_layout(cfg, source)
+        return check_v4_layout(cfg, source, raw)
     try:
         from engine.layout import tp_layout  # lazy: torch
         from engine.model_config import ModelConfig, UnsupportedModelError

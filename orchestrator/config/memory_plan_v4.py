@@ -2,13 +2,17 @@
 rows, groups and report) for a :class:`engine.v4.config.V4Config`.
 
 Weights by kind, each row's elements from the config's shapes (engine/v4 module docstrings)
-under V4's split rules, written once here (:data:`SPLITS`): attention (q_a, q_b, kv_proj, the
-sinks and norms), the compressors and CSA's lightning indexer, mHC and the shared expert are
-whole on every TP rank (one shared K=V head: nothing splits by heads; transformers'
-``base_model_tp_plan`` replicates them too); the grouped output projection splits over TP
-(``o_a_proj`` by its ``o_groups x o_lora_rank`` output rows, ``o_b_proj`` by the same input
-columns, then an all-reduce); routed experts split by intermediate over TP, or whole over EP
-(hash-routed layers too: ``tid2eid`` picks experts, the experts are the same kind).
+under V4's split rules (the engine's table is :mod:`engine.v4.tp`; :data:`SPLITS` names them
+per row): attention's query side splits by heads over TP (``q_b_proj`` rows and the sinks;
+``q_a_proj``, ``kv_proj`` and the norms are whole: one shared K=V head), the grouped output
+projection by whole groups (``o_a_proj`` by its ``o_groups x o_lora_rank`` output rows,
+``o_b_proj`` by the same input columns; with tp > o_groups each group over tp / o_groups
+ranks: o_a by its input columns, o_b whole per group; then an all-reduce); the compressors and CSA's
+lightning indexer and mHC are whole on every TP rank; routed experts split by intermediate
+over TP, or whole over EP (hash-routed layers too: ``tid2eid`` picks experts, the experts are
+the same kind); the shared expert by intermediate over TP, EP or not (what
+:mod:`engine.v4.moe` builds, as V3's EP keeps its shared experts' TP rules); embedding and
+lm_head by vocab.
 
 KV: the pools :func:`engine.v4.runner.serving_pools` allocates, one per KV group of
 :func:`engine.v4.block_table.kv_groups` (the window's raw K=V, per compressed kind its entries
@@ -32,8 +36,9 @@ FP4_BYTES = 0.5 + 1 / 32  # NOTE: e2m1 pairs + one e8m0 scale per 32 (DeepSeek's
 FP8_BLOCK_BYTES = 1 + 1 / (128 * 128)  # e4m3 + one ue8m0 scale per 128 x 128 block
 ID_BYTES = 8  # tid2eid expert ids, int64 as engine/v4/moe.py registers them
 
-SPLITS = {"attention": "whole", "grouped output projection": "/tp", "compressors + indexer":
-          "whole", "mHC": "whole", "shared expert": "whole", "routed experts": "/tp or EP",
+SPLITS = {"attention": "q_b, sinks by heads /tp; q_a, kv whole",
+          "grouped output projection": "groups /tp", "compressors + indexer": "whole",
+          "mHC": "whole", "shared expert": "intermediate /tp", "routed experts": "/tp or EP",
           "embedding": "vocab /tp", "lm_head": "vocab /tp"}
 
 
@@ -62,17 +67,24 @@ def _tp_divides(n: int, tp: int, what: str) -> int:
     return n // tp
 
 
-def attention_layer(m: V4Config) -> int:
-    """One layer's q_a, q_b, kv_proj (+ q_a_norm, kv_norm, sinks): whole on every rank."""
-    h, heads, d = m.hidden_size, m.num_attention_heads, m.head_dim
+def attention_layer(m: V4Config, tp: int = 1) -> int:
+    """One layer's q_a, q_b, kv_proj (+ q_a_norm, kv_norm, sinks) on one of ``tp`` ranks:
+    q_b and the sinks by heads / tp, the rest whole."""
+    h, d = m.hidden_size, m.head_dim
+    heads = _tp_divides(m.num_attention_heads, tp, "num_attention_heads")
     return h * m.q_lora_rank + m.q_lora_rank * heads * d + h * d + m.q_lora_rank + d + heads
 
 
 def output_layer(m: V4Config, tp: int) -> int:
     """One layer's ``o_a_proj [g * o_lora, H * D / g]`` + ``o_b_proj [hidden, g * o_lora]`` on
-    one of ``tp`` ranks (both split along ``g * o_lora``)."""
-    rows = _tp_divides(m.o_groups * m.o_lora_rank, tp, "o_groups x o_lora_rank")
-    return rows * (m.num_attention_heads * m.head_dim // m.o_groups) + m.hidden_size * rows
+    one of ``tp`` ranks: ``g / tp`` whole groups, or with tp > g a ``g / tp`` share of one
+    group's o_a and that group's whole o_b (:func:`engine.v4.tp.output_groups`)."""
+    if m.o_groups % tp and tp % m.o_groups:
+        raise ValueError(f"tp {tp} and DeepSeek-V4's o_groups ({m.o_groups}): one must divide "
+                         "the other: pick such a tp")
+    groups = max(m.o_groups // tp, 1)
+    return m.o_lora_rank * m.num_attention_heads * m.head_dim // tp \
+        + m.hidden_size * groups * m.o_lora_rank
 
 
 def compressor_layer(m: V4Config, kind: str) -> int:
@@ -121,9 +133,10 @@ def router_layer(m: V4Config, layer: int) -> int:
 def decoder_layer(m: V4Config, layer: int, kind: str, lay: RoleLayout) -> dict[str, int]:
     """One decoder layer's weights on one rank by plan row."""
     h = m.hidden_size
-    return {"attention": attention_layer(m), "grouped output projection": output_layer(m, lay.tp),
+    return {"attention": attention_layer(m, lay.tp),
+            "grouped output projection": output_layer(m, lay.tp),
             "compressors + indexer": compressor_layer(m, kind), "mHC": 2 * hc_block(m),
-            "shared expert": expert(m, 1),
+            "shared expert": expert(m, lay.tp),
             "routed experts": experts_held(m, lay) * expert(m, 1 if lay.ep else lay.tp),
             "norms + router": 2 * h + router_layer(m, layer),
             "hash router tid2eid": m.vocab_size * m.num_experts_per_tok
@@ -224,8 +237,9 @@ def plan_role_v4(model: V4Config, layout: RoleLayout, precision: V4Precision) ->
     """What one rank of ``layout``'s role holds (module docstring).
 
     Raises:
-        ValueError: tp does not divide ``o_groups x o_lora_rank``, ``moe_intermediate_size``
-            (ep off) or ``vocab_size``; the EP size does not divide ``n_routed_experts``.
+        ValueError: tp does not divide ``num_attention_heads``, ``moe_intermediate_size``
+            (ep off) or ``vocab_size``, or neither tp nor ``o_groups`` divides the other; the
+            EP size does not divide ``n_routed_experts``.
     """
     rows = _weight_rows(model, layout, precision) + _kv_rows(model, layout, precision) \
         + _workspace_rows(model, layout, precision) + _comm_rows(layout)

@@ -1,12 +1,20 @@
 """DeepSeek-V4 serving layouts at config load: what :mod:`engine.v4.runner` serves today
-(one rank per instance, colocated or PD tp 1 -> tp 1, no prefix cache) and a :class:`ConfigError` naming every
-key to change otherwise, before anything starts (the rank would refuse the same at load,
-:func:`engine.v4.runner.check_v4_serving`)."""
+(TP on each role, colocated or PD across any tp, e.g. prefill tp 2 -> decode tp 1; expert
+parallelism over a role's dp x tp ranks, as V3's; no CP, graph mode, MTP, prefix cache or
+quantized weights) and
+a :class:`ConfigError` naming every key to change otherwise, before anything starts (the rank
+would refuse the same at load, :func:`engine.v4.runner.check_v4_serving`,
+:func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.schema import OrchConfig
+
+# NOTE: the sizes engine/v4/tp.py splits per rank, with transformers' defaults
+_TP_UNITS = {"num_attention_heads": 64, "moe_intermediate_size": 2048, "vocab_size": 129280}
 
 
 def is_v4(raw: dict) -> bool:
@@ -15,35 +23,84 @@ def is_v4(raw: dict) -> bool:
         (raw.get("architectures") or [None])[0] == "DeepseekV4ForCausalLM"
 
 
-def check_v4_layout(cfg: OrchConfig, source: str) -> str:
-    """The tp-layout report line of a V4 model.
+def _tp_refusal(raw: dict, key: str, tp: int) -> str | None:
+    """``key=tp`` and what it does not split (engine/v4/tp.py ``check_tp``: it divides the
+    heads, ``moe_intermediate_size`` and the vocabulary, and divides or is a multiple of
+    ``o_groups``), or None."""
+    sizes = {name: int(raw.get(name, default)) for name, default in _TP_UNITS.items()}
+    bad = [f"{name}={n}" for name, n in sizes.items() if n % tp]
+    groups = int(raw.get("o_groups", 8))
+    if groups % tp and tp % groups:
+        bad.append(f"o_groups={groups} (or be a multiple of it)")
+    if not bad:
+        return None
+    return f"{key}={tp} (it must divide {', '.join(bad)})"
+
+
+def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> str:
+    """The tp-layout report line of a V4 model (``raw``: its config.json, for the tp and EP
+    sizes).
 
     Colocated: sized by ``decode`` like every colocated config (``prefill`` gives only the
     chunking, ``chunk_size`` / ``max_num_batched_tokens``; its other keys are not read, as in
     configs/colocated.yaml). Disaggregated: both sections are checked.
 
     Raises:
-        ConfigError: the config asks for what V4 serving does not support yet: ``tp`` > 1,
-            ``ep``, prefill ``cp`` > 1 or ``layer_sharding``, graph mode, MTP, the prefix
-            cache (either role); the message names each key and its fix.
+        ConfigError: the config asks for what V4 serving does not support yet: prefill
+            ``cp`` > 1 or ``layer_sharding``, graph mode, MTP, the prefix cache (either role),
+            or a ``tp`` that does not divide the attention heads, ``o_groups``,
+            ``moe_intermediate_size`` or the vocabulary, or a quantized checkpoint (FP8
+            linears / FP4 experts: not loaded yet); the message names each key and fix. Or a
+            role's EP size (``dp * tp``) does not divide ``n_routed_experts``.
     """
+    raw = raw or {}
     d = cfg.decode
     bad = [what for on, what in (
-        (d.tp > 1, f"decode.tp={d.tp} (set 1)"), (d.ep, "decode.ep (set false)"),
         (d.graph.enabled, "decode.graph.enabled (set false)"),
         (d.num_speculative_tokens > 0, "decode.speculative (remove it; no MTP)"),
         (d.prefix_cache, "decode.prefix_cache (set false; V4 has no prefix cache)")) if on]
+    tps = [("decode.tp", d.tp)]
     if cfg.mode == "disaggregated":
         p = cfg.prefill
         bad += [what for on, what in (
-            (p.tp > 1, f"prefill.tp={p.tp} (set 1)"), (p.ep, "prefill.ep (set false)"),
             (p.cp > 1, f"prefill.cp={p.cp} (set 1)"),
             (bool(p.layer_sharding), "prefill.layer_sharding (remove it)"),
             (p.prefix_cache, "prefill.prefix_cache (set false; V4 has no prefix cache)")) if on]
+        tps.insert(0, ("prefill.tp", p.tp))
+    bad += [r for key, tp in tps if (r := _tp_refusal(raw, key, tp))]
+    if raw.get("quantization_config"):
+        bad.append("model: a quantized checkpoint (config.json quantization_config; "
+                   "engine/v4 loads unquantized weights only: point model.path "
+                   "at a bf16 one)")
     if bad:
-        raise ConfigError(f"model is DeepSeek-V4 ({source}), served on one rank per instance "
-                          "for now (colocated, or PD prefill tp 1 -> decode tp 1); not "
-                          "supported yet: " + "; ".join(bad) + " (docs/engine.md \"DeepSeek-V4\")")
+        raise ConfigError(f"model is DeepSeek-V4 ({source}), served with TP and EP (colocated, "
+                          "or PD across any tp); not supported yet: "
+                          + "; ".join(bad) + " (docs/engine.md \"DeepSeek-V4\")")
+    ep = _check_ep(cfg, raw, source)
     if cfg.mode == "disaggregated":
-        return f"tp layout: DeepSeek-V4, prefill.tp=1 -> decode.tp=1 disaggregated ({source})"
-    return f"tp layout: DeepSeek-V4, decode.tp=1 colocated ({source})"
+        return (f"tp layout: DeepSeek-V4, prefill.tp={cfg.prefill.tp}{ep['prefill']} -> "
+                f"decode.tp={d.tp}{ep['decode']} disaggregated ({source})")
+    return f"tp layout: DeepSeek-V4, decode.tp={d.tp}{ep['decode']} colocated ({source})"
+
+
+def _check_ep(cfg: OrchConfig, raw: dict, source: str) -> dict[str, str]:
+    """Per role its report suffix (`` (ep over dp x tp = N)`` or empty, as V3's); a role's EP
+    size (``dp * tp``: every rank of the role, V3's rule) must divide ``n_routed_experts``
+    (the engine's own check)."""
+    out = {}
+    for name in ("prefill", "decode"):
+        section = getattr(cfg, name)
+        on = section.ep and (name == "decode" or cfg.mode == "disaggregated")
+        size = section.dp * section.tp
+        out[name] = f" (ep over dp x tp = {size})" if on else ""
+        if not on:
+            continue
+        try:
+            from engine.layout import expert_range  # noqa: PLC0415 (lazy: torch)
+        except ImportError:
+            continue  # NOTE: the rank checks it at load
+        try:
+            expert_range(SimpleNamespace(n_routed_experts=raw.get("n_routed_experts")), size, 0)
+        except ValueError as exc:
+            raise ConfigError(f"{name}.ep: {exc} ({source})") from None
+    return out

@@ -92,16 +92,20 @@ def prefix_up_flops(m: V4Config, past: int) -> float:
 
 
 def sp_tp_bytes(m: V4Config, tokens: float, n: int, act: float) -> tuple[float, float]:
-    """(0, 0): no SP-TP-SP attention schedule is modelled for V4 (its attention is replicated
-    over TP, docs/memory_plan.md "DeepSeek-V4")."""
+    """(0, 0): no SP-TP-SP attention schedule is modelled for V4 (TP splits its query heads
+    and output groups only; K=V, the compressors and the indexer are whole on every rank,
+    engine/v4/tp.py)."""
     return 0.0, 0.0
 
 
 def tp_allreduces_per_layer(ep: bool) -> int:
-    """TP all-reduces of the hidden state per layer: after the grouped output projection (the
-    only attention part TP splits) and, ep off, after the TP-split routed experts (the shared
-    expert is whole on every rank; with EP the combine is the all-to-all's)."""
-    return 1 if ep else 2
+    """TP all-reduces of the hidden state per layer, EP or not (``ep`` unused; V3's
+    signature): after the grouped output projection (TP splits the query heads by whole
+    output groups) and after the MoE (engine/v4/model.py: the TP-split shared expert's partial
+    sum plus the routed experts', TP-split, or under EP complete on each TP rank's token slice,
+    engine/v4/expert_parallel.py): two, as V3."""
+    del ep
+    return 2
 
 
 def kv_bytes_per_request(m: V4Config, prec: Precision, num_tokens: int) -> float:

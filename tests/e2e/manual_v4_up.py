@@ -1,8 +1,13 @@
 """MANUAL run (not collected by CI: a new bring-up; 110 s measured on the shared 2-core
 machine at load average ~6 with the tiny checkpoint already made, 7 min at ~15; over the e2e
 budget). DeepSeek-V4 end to end: `orch up configs/v4_colocated.yaml` (the tiny V4
-checkpoint, colocated, one rank), then `orch up configs/v4_1p1d.yaml` (prefill tp 1 -> decode
-tp 1, the V4 state shipped through the KV transfer), each serves held-back
+checkpoint, colocated, one rank), then `orch up configs/v4_1p1d.yaml` as prefill tp 1 ->
+decode tp 1, P2 -> D1 and P1 -> D2 (the V4 state shipped through the KV transfer: each
+prefill rank sends its planned layers, every decode rank rebuilds the whole cache), then `orch
+up configs/v4_ep_colocated.yaml` (two DP ranks, expert parallelism: 4 of 8 experts each, in
+lockstep; and with decode.tp 2: EP over dp x tp = 4 ranks, 2 experts each) and `orch up
+configs/v4_ep_2p2d.yaml` (PD, prefill dp 2 and decode dp 2, each an EP group; and with
+prefill.tp 2: prefill EP over 4 ranks, P2 -> D1); each serves held-back
 prompts concurrently and its greedy tokens equal transformers' ``DeepseekV4ForCausalLM``
 (greedy `generate`) on the prompt ids the router computes; afterwards every
 block is free.
@@ -42,9 +47,17 @@ def _hf_greedy(checkpoint, prompts: list[tuple[int, ...]]) -> list[list[int]]:
 _WANT: dict[str, list[list[int]]] = {}  # checkpoint -> transformers' tokens (once per run)
 
 
-@pytest.mark.parametrize("config", ["v4_colocated.yaml", "v4_1p1d.yaml"])
-def test_v4_serves_equal_to_transformers(tmp_path, joined_ray, config):
-    with OrchProcess(REPO / "configs" / config, tmp_path, joined_ray) as orch:
+@pytest.mark.parametrize("config, tps", [("v4_colocated.yaml", {}), ("v4_1p1d.yaml", {}),
+                                         ("v4_1p1d.yaml", {"prefill.tp": 2, "decode.tp": 1}),
+                                         ("v4_1p1d.yaml", {"prefill.tp": 1, "decode.tp": 2}),
+                                         ("v4_ep_colocated.yaml", {}),
+                                         ("v4_ep_colocated.yaml", {"decode.tp": 2}),
+                                         ("v4_ep_2p2d.yaml", {}),
+                                         ("v4_ep_2p2d.yaml", {"prefill.tp": 2})],
+                         ids=["colocated", "P1-D1", "P2-D1", "P1-D2", "ep_colocated",
+                              "ep_tp2_colocated", "ep_2p2d", "ep_2p2d_P2-D1"])
+def test_v4_serves_equal_to_transformers(tmp_path, joined_ray, config, tps):
+    with OrchProcess(REPO / "configs" / config, tmp_path, {**joined_ray, **tps}) as orch:
         outputs = orch.generate_many(HELD_BACK, max_tokens=NEW, ignore_eos=True)
         wait_idle(orch)
     checkpoint = load_config(orch.config).model.checkpoint_dir()

@@ -107,12 +107,13 @@ def _decode_in_lockstep(runner, plan: Plan,
     return tokens, logits
 
 
-def run_ranks(plans: tuple[Plan, ...], timeout_s: float = 120.0) -> dict[str, list[dict]]:
-    """Spawn ``dp * tp`` processes (the same for every plan), run the plans in turn, wait
-    (bounded); plan name -> each rank's results."""
+def run_ranks(plans: tuple, timeout_s: float = 120.0, main=rank_main) -> dict[str, list[dict]]:
+    """Spawn ``dp * tp`` processes (the same for every plan), run the plans in turn (each
+    process ``main(index, plans)``; default: :class:`Plan`'s), wait (bounded); plan name ->
+    each rank's results (``{out_dir}/{name}_rank{i}.pt``)."""
     n = plans[0].dp * plans[0].tp
     assert all(p.dp * p.tp == n for p in plans), "every plan needs the same number of ranks"
-    ctx = mp.start_processes(rank_main, args=(plans,), nprocs=n, join=False,
+    ctx = mp.start_processes(main, args=(plans,), nprocs=n, join=False,
                              start_method=START_METHOD)
     deadline = time.monotonic() + timeout_s
     try:

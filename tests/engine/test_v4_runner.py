@@ -185,9 +185,9 @@ def test_request_shipped_between_runners_continues_as_colocated(tiny_v4_ckpt, hf
 def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
     from engine.runner import SeqStep  # noqa: PLC0415
 
-    with pytest.raises(ValueError, match="tp=2.*MTP.*prefix cache"):
+    with pytest.raises(ValueError, match="layer_sharding.*MTP.*prefix cache"):
         build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK,
-                     tp=type("G", (), {"size": 2})(), num_speculative_tokens=1,
+                     layer_sharding=("q_a_proj",), num_speculative_tokens=1,
                      prefix_cache=True)
     runner = build_runner(tiny_v4_ckpt, num_kv_blocks=4, block_size=BLOCK)
     assert runner._staging is None  # NOTE: PD's staging cache: only a PD role's use makes it
@@ -195,6 +195,23 @@ def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
         (4, BLOCK, w) for w in runner.kv_spec.layer_widths(0)]
     with pytest.raises(ValueError, match="transfer.layerwise false"):
         runner.execute([SeqStep("r", (1, 2), 0, (0,))], on_kv_written=lambda layer: None)
+
+
+def test_a_quantized_v4_checkpoint_is_refused(tiny_v4_ckpt, tmp_path):
+    """A config.json with quantization_config (the release's FP8 linears / FP4 experts) is
+    refused at load, not read as if its raw values were weights."""
+    import json  # noqa: PLC0415
+
+    from engine.model_config import CheckpointError  # noqa: PLC0415
+
+    for f in tiny_v4_ckpt.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    raw = json.loads((tiny_v4_ckpt / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(
+        raw | {"quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(CheckpointError, match="quantized DeepSeek-V4 checkpoint"):
+        build_runner(tmp_path, num_kv_blocks=4, block_size=BLOCK)
 
 
 def test_v3_checkpoint_still_gets_model_runner(tiny_ckpt):

@@ -86,6 +86,51 @@ def test_plan_counts_what_the_engine_builds():
     assert round(weights / 1e9) == 284
 
 
+def test_plan_at_tp_counts_one_rank_of_the_engine():
+    """At tp 2 and 4 (ep off) the weight rows equal the parameters of engine/v4's rank-0 model
+    (engine/v4/tp.py: query heads, output groups, experts' intermediate and vocab split; the
+    tiny config's 2 output groups: one each at tp 2, shared by two ranks at tp 4; Flash's 8:
+    4 and 2 each, 1/2 of one at tp 16); a tp that o_groups neither divides nor is divided by
+    is refused naming it."""
+    from engine.parallel import TPGroup  # noqa: PLC0415
+
+    flash = V4Config.from_dict(json.loads(FLASH.read_text()))
+    for cfg, tp in ((TINY, 2), (TINY, 4), (flash, 2), (flash, 4), (flash, 16)):
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(cfg, TPGroup(rank=0, size=tp))
+        bias = sum(b.numel() for n, b in model.named_buffers()
+                   if n.endswith("e_score_correction_bias"))
+        rows = _rows(plan_role_v4(cfg, _layout(tp=tp), V4Precision.of("bfloat16")))
+        weights = sum(n for k, n in rows.items() if not k.startswith(("KV", "workspace"))
+                      and k != "hash router tid2eid")
+        assert weights == sum(p.numel() for p in model.parameters()) + bias, (tp, cfg.o_groups)
+    odd = V4Config(**{**TINY.__dict__, "o_groups": 3, "num_attention_heads": 12})
+    with pytest.raises(ValueError, match=r"tp 2 and DeepSeek-V4's o_groups \(3\)"):
+        plan_role_v4(odd, _layout(tp=2), V4Precision.of("bfloat16"))
+
+
+@pytest.mark.parametrize(("dp", "tp"), [(4, 1), (2, 2)], ids=["dp4", "dp2xtp2"])
+def test_plan_counts_what_an_ep_rank_builds(dp, tp):
+    """Under EP (over dp x tp = 4 ranks) the plan's weights equal an EP rank's model
+    (engine/v4/expert_parallel.py: 2 of the tiny model's 8 routed experts per layer, whole;
+    at tp 2 the rest split as engine/v4/tp.py says, the shared expert included)."""
+    from engine.parallel import EPGroup, TPGroup  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(TINY, TPGroup(rank=1, size=tp) if tp > 1 else None,
+                                      EPGroup(rank=3, size=4))
+    bias = sum(b.numel() for n, b in model.named_buffers()
+               if n.endswith("e_score_correction_bias"))
+    rows = _rows(plan_role_v4(TINY, _layout(dp=dp, tp=tp, ep=True), V4Precision.of("bfloat16")))
+    weights = sum(n for k, n in rows.items() if not k.startswith(("KV", "workspace"))
+                  and k != "hash router tid2eid")
+    assert weights == sum(p.numel() for p in model.parameters()) + bias
+    assert rows["routed experts"] == TINY.num_hidden_layers * 2 * 3 * TINY.hidden_size * \
+        TINY.moe_intermediate_size
+    assert rows["shared expert"] == TINY.num_hidden_layers * 3 * TINY.hidden_size * \
+        TINY.moe_intermediate_size // tp
+
+
 def test_release_precision():
     raw = json.loads(FLASH.read_text())
     kept = V4Precision.for_checkpoint(raw, "bfloat16", "fp8")
@@ -100,7 +145,7 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
     assert "KV: CSA entries 1/4" in out and "planner on a3" in out
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
     assert "memory plan: fits" in out
-    assert "not supported yet: decode.tp=4 (set 1)" in err
+    assert "not supported yet: model: a quantized checkpoint" in err
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():

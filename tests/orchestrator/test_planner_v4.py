@@ -58,15 +58,16 @@ def test_a3_v4_layout_is_planned():
     assert 0 < plan.step_cost.total_s < plan.prefill_cost.total_s
 
 
-def test_a3_v4_decode_tp_collectives_one_allreduce_per_layer_under_ep():
-    """TP splits only V4's grouped output projection; with EP the experts combine through the
-    all-to-all and the shared expert is whole: one all-reduce per layer (+ the embedding's)
-    and the logits gather."""
+def test_a3_v4_decode_tp_collectives_two_allreduces_per_layer_under_ep():
+    """Under EP V4 still all-reduces twice per layer, as it runs (engine/v4/model.py): after
+    the grouped output projection and after the MoE (the TP-split shared expert's partial sum
+    plus the routed experts', complete on each TP rank's token slice); + the embedding's, and
+    the logits gather."""
     cfg = load_config(REPO / "configs" / "a3_v4_p2x16_d8x4.yaml", planning=True)
     hw = Hardware(named_device("a3"))
     plan = plan_config(cfg, WorkloadSpec(65536, 3072), hw.spec)
     batch = plan.point.decode_batch
     (term,) = [t for t in plan.step_cost.terms if t.name == "TP collectives"]
     gather = batch * 129280 * 4 * 3 / 4 / hw.link(4) + hw.latency_s
-    assert term.seconds == pytest.approx((43 + 1) * allreduce_s(hw, batch * 4096 * 2, 4)
+    assert term.seconds == pytest.approx((2 * 43 + 1) * allreduce_s(hw, batch * 4096 * 2, 4)
                                          + gather)

@@ -7,7 +7,8 @@ import pytest
 
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.load import load_config
-from orchestrator.config.memory_check import check_memory
+from orchestrator.config.layout_check import check_tp_layout
+from orchestrator.config.memory_check import build_memory_plan, check_memory
 from tests.e2e.harness import REPO
 
 CONFIG = REPO / "configs" / "v4_colocated.yaml"
@@ -22,17 +23,26 @@ def test_shipped_v4_config_loads(tmp_path, monkeypatch):
 
 
 def test_unsupported_v4_layouts_are_refused_at_load(tmp_path, monkeypatch):
+    """TP and EP are served (PD across tp sizes too); a tp that does not split the tiny
+    model's 4 heads / 2 output groups, MTP, the prefix cache are refused naming each key."""
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
     with pytest.raises(ConfigError) as err:
-        load_config(CONFIG, {"decode.tp": 2, "decode.prefix_cache": True,
+        load_config(CONFIG, {"decode.tp": 8, "decode.prefix_cache": True,
                              "decode.speculative": {}})
-    for key in ("decode.tp=2", "decode.prefix_cache", "decode.speculative"):
+    for key in ("decode.tp=8 (it must divide num_attention_heads=4)", "decode.prefix_cache",
+                "decode.speculative"):
         assert key in str(err.value)
     with pytest.raises(ConfigError) as err:
         load_config(PD_CONFIG, {"prefill.tp": 2, "prefill.prefix_cache": True,
-                                "decode.tp": 2})
-    for key in ("prefill.tp=2", "prefill.prefix_cache", "decode.tp=2"):
+                                "decode.tp": 3, "decode.ep": True})
+    for key in ("prefill.prefix_cache", "decode.tp=3 (it must divide "
+                "num_attention_heads=4", "o_groups=2 (or be a multiple of it))"):
         assert key in str(err.value)
+    assert "prefill.tp" not in str(err.value) and "decode.ep" not in str(err.value)
+    for p_tp, d_tp in ((2, 1), (1, 2), (4, 4)):
+        cfg = load_config(PD_CONFIG, {"prefill.tp": p_tp, "decode.tp": d_tp})
+        assert {i.role: i.parallel.tp for i in cfg.instances()} == {"prefill": p_tp,
+                                                                    "decode": d_tp}
 
 
 def test_v4_pd_config_loads_and_colocated_prefill_keys_are_chunking_only(tmp_path,
@@ -63,3 +73,34 @@ def test_v4_dry_run_prints_its_memory_plan_once(tmp_path, monkeypatch, capsys):
         assert main(["up", str(config), "--dry-run"]) == 0
         out = capsys.readouterr().out
         assert "not memory-planned" not in out and out.count("memory plan per rank") == 1, out
+
+
+def test_v4_expert_parallel_layouts_load_and_plan_per_rank_experts(tmp_path, monkeypatch):
+    """configs/v4_ep_colocated.yaml (dp 2, ep) and PD with decode dp 2 ep load; each rank's
+    memory plan counts 4 of the 8 routed experts; with tp 2 the EP size is dp x tp (2 of 8
+    experts a rank), as V3's; an EP size that does not divide 8 is refused naming the key and
+    the sizes that do."""
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    cfg = load_config(REPO / "configs" / "v4_ep_colocated.yaml")
+    assert [(i.parallel.dp, i.parallel.dp_rank, i.parallel.ep) for i in cfg.instances()] == [
+        (2, 0, True), (2, 1, True)]
+    assert check_tp_layout(cfg).startswith(
+        "tp layout: DeepSeek-V4, decode.tp=1 (ep over dp x tp = 2)")
+    plan, _ = build_memory_plan(cfg)
+    rows = {r.kind: r for r in plan.roles[0].rows}
+    assert rows["routed experts"].split == "4 of 8 whole (EP 2)"
+    pd = load_config(PD_CONFIG, {"decode.dp": 2, "decode.ep": True})
+    assert "-> decode.tp=1 (ep over dp x tp = 2) disaggregated" in check_tp_layout(pd)
+    both = load_config(REPO / "configs" / "v4_ep_colocated.yaml", {"decode.tp": 2})
+    assert "decode.tp=2 (ep over dp x tp = 4) colocated" in check_tp_layout(both)
+    plan, _ = build_memory_plan(both)
+    assert {r.kind: r for r in plan.roles[0].rows}["routed experts"].split == \
+        "2 of 8 whole (EP 4)"
+    pd = load_config(PD_CONFIG, {"prefill.dp": 2, "prefill.tp": 2, "prefill.ep": True})
+    assert "prefill.tp=2 (ep over dp x tp = 4) -> decode.tp=1 disaggregated" in \
+        check_tp_layout(pd)
+    with pytest.raises(ConfigError, match=r"decode\.ep: the expert-parallel size dp\*tp\*cp=3 "
+                       r"does not divide n_routed_experts=8.*\[1, 2, 4, 8\]"):
+        load_config(CONFIG, {"decode.dp": 3, "decode.ep": True})
+    with pytest.raises(ConfigError, match=r"decode\.ep: the expert-parallel size dp\*tp\*cp=12 "):
+        load_config(CONFIG, {"decode.dp": 3, "decode.tp": 4, "decode.ep": True})
