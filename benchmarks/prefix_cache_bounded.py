@@ -128,9 +128,10 @@ class Outcome:
 
 
 def replay(reqs: list[KVPrompt], dp: int, placement: str, blocks: int,
-           out_tokens: int = 1) -> Outcome:
+           out_tokens: int = 1, overlap_weight: float = 1.0) -> Outcome:
     """``placement`` over ``dp`` pools of ``blocks`` blocks (``one cache``: one pool of
-    ``dp x blocks``), requests of a tick placed from the state before it.
+    ``dp x blocks``), requests of a tick placed from the state before it (``overlap_weight``:
+    :class:`KVAware`'s, for the ``kv_aware`` placements).
 
     Raises:
         ValueError: ``blocks`` below :func:`min_blocks`, or an unknown placement.
@@ -144,7 +145,8 @@ def replay(reqs: list[KVPrompt], dp: int, placement: str, blocks: int,
         raise ValueError(f"{blocks} blocks cannot admit the longest request")
     names = [f"i{k}" for k in range(dp)]
     pools = [BlockPool(blocks, BLOCK, salt=1) for _ in names]
-    policy = KVAware(names) if placement.startswith("kv_aware") else RoundRobin(names)
+    policy = KVAware(names, overlap_weight=overlap_weight) \
+        if placement.startswith("kv_aware") else RoundRobin(names)
     hits, n, busiest, run = 0, 0, 0, [0] * dp
     for tick in ticks(reqs):
         chosen = []
@@ -193,14 +195,14 @@ def sizes(reqs: list[KVPrompt], fractions: list[float], explicit: list[int],
 
 
 def curve(reqs: list[KVPrompt], dp: int, blocks: list[int], out_tokens: int,
-          prompt_load: bool = False) -> None:
+          prompt_load: bool = False, overlap_weight: float = 1.0) -> None:
     """Two tables, one row per pool size: every placement's hit rate and the ratios to round
     robin; then each placement's tick / run imbalance (:class:`Outcome`) (``prompt_load``:
     also :data:`PROMPT_LOAD`'s)."""
     ws = working_set(reqs)
     placed = [*PLACEMENTS, *([PROMPT_LOAD] if prompt_load else [])]
-    rows = {b: {pl: replay(reqs, dp, pl, b, out_tokens) for pl in ("one cache", *placed)}
-            for b in blocks}
+    rows = {b: {pl: replay(reqs, dp, pl, b, out_tokens, overlap_weight)
+                for pl in ("one cache", *placed)} for b in blocks}
     print(f"\ndp {dp} (blocks per instance; working set {ws} blocks): hit rates")
     print("| blocks / instance | of working set | one cache of dp x blocks |" +
           "".join(f" {pl} |" for pl in placed) +
@@ -231,6 +233,8 @@ def main() -> None:
                     help="pool sizes in KV blocks (e.g. the live benchmark's --kv-blocks)")
     ap.add_argument("--out-tokens", type=int, default=1,
                     help="1: colocated instances (the live benchmark's); 0: prefill")
+    ap.add_argument("--overlap-weight", type=float, default=1.0,
+                    help="kv_aware's overlap_weight (the router's: 1.0)")
     ap.add_argument("--prompt-load", action="store_true",
                     help=f"also {PROMPT_LOAD!r} (the router's load until 2026-12-07)")
     ap.add_argument("--one-per-tick", action="store_true",
@@ -244,7 +248,7 @@ def main() -> None:
           f"blocks, {sum(p.length for p in reqs)} prompt tokens, {len(ticks(reqs))} ticks")
     blocks = sizes(reqs, args.fractions, args.blocks, args.out_tokens)
     for dp in args.dp:
-        curve(reqs, dp, blocks, args.out_tokens, args.prompt_load)
+        curve(reqs, dp, blocks, args.out_tokens, args.prompt_load, args.overlap_weight)
 
 
 if __name__ == "__main__":
