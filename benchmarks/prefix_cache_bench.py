@@ -88,8 +88,9 @@ class Setup:
         for j, r in enumerate(tick):
             rid = f"q{first + j}"
             name = self.policy.order(r.prompt)[0]
-            self.policy.acquire(name, len(r.prompt))
-            placed.append((name, len(r.prompt)))
+            load = self.policy.load_for(name, len(r.prompt), r.prompt)  # as the router's flow
+            self.policy.acquire(name, load)
+            placed.append((name, load))
             by_name[name].request(Generate(RequestSpec(rid, r.prompt, SamplingParams(
                 max_tokens=1, ignore_eos=True))))
             pending[rid] = time.monotonic()

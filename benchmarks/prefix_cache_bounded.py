@@ -5,13 +5,16 @@ cache is its KV pool, smaller than a trace's working set: round robin then keeps
 prefix blocks on every instance (each holds a copy of what the others hold), while a
 cache-aware placement keeps each conversation on one instance. This replays the trace's
 ``hash_ids`` (no model) against the engine's own :class:`engine.block_pool.BlockPool`, one per
-instance, ``blocks`` KV blocks each, under four placements:
+instance, ``blocks`` KV blocks each, under these placements:
 
 - ``one cache``: a single pool of ``dp x blocks`` (the same memory, never duplicated);
 - ``round_robin``: the router's :class:`RoundRobin`;
 - ``longest prefix``: where the most of the prompt is cached now (ties rotate), load aside;
 - ``kv_aware``: the router's :class:`KVAware` cost (``preference_given``) over each pool's
-  cached prefix, the view the router's :class:`KVIndex` has once the pools' events arrived.
+  cached prefix, the view the router's :class:`KVIndex` has once the pools' events arrived,
+  and its load (``load_given``: the tokens a placed request computes there);
+- ``kv_aware, prompt load`` (``--prompt-load``): the same cost with a placed request's whole
+  prompt as its load, as the router counted it until 2026-12-07.
 
 Each request is served as the engine serves it (``Scheduler.allocate`` / ``cache_computed``):
 ``allocate(blocks_needed(prompt + out_tokens), hashes of its first (prompt - 1) // BLOCK
@@ -20,9 +23,10 @@ every full prompt block is registered, then the set is freed. Assumptions (state
 figures): requests are instantaneous, one after the other (no other request's blocks are held
 while one allocates, so the whole pool is cache); requests of one trace tick (same timestamp)
 are placed together from the state before the tick (as ``prefix_cache_bench.py``'s router
-sees it: its events arrive after a tick's first tokens), each placement adding its prompt to
-the instance's outstanding tokens until the tick ends. ``out_tokens = 1`` is a colocated
-instance (it reserves its output block; the live benchmark's); 0 a prefill instance.
+sees it: its events arrive after a tick's first tokens), each placement adding its load to
+the instance's outstanding tokens until the tick ends (balance: :class:`Outcome`).
+``out_tokens = 1`` is a colocated instance (it reserves its output block; the live
+benchmark's); 0 a prefill instance.
 
 Tokens are scaled as the benchmark serves them (``prefix_trace.py``: a trace block =
 ``TRACE_BLOCK`` tokens = 4 KV blocks of ``BLOCK``), so hit rates compare with the live ones at
@@ -42,9 +46,8 @@ from engine.block_pool import BlockPool
 from orchestrator.router.policies import KVAware, RoundRobin
 
 PLACEMENTS = ("round_robin", "longest prefix", "kv_aware")
-# NOTE: not the router's: kv_aware whose load is the tokens each placed request computes there
-# (its prompt less what that instance holds: Dynamo counts a worker's prefill load this way)
-COMPUTED_LOAD = "kv_aware, computed load"
+# NOTE: not the router's: kv_aware whose load is each placed request's whole prompt
+PROMPT_LOAD = "kv_aware, prompt load"
 FRACTIONS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 1.0)
 
 
@@ -104,44 +107,82 @@ def ticks(reqs: list[KVPrompt]) -> list[list[KVPrompt]]:
     return out
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """One replay's figures. Computed tokens are a prompt's tokens less what its instance
+    held (as served).
+
+    hit_rate: cached prompt tokens / prompt tokens.
+    tick_imbalance: sum over ticks of the busiest instance's computed tokens / sum over ticks
+        of the mean instance's: 1.0 when every tick's prefill work is split evenly, ``dp`` when
+        one instance computes everything; with instances computing at the same rate, a tick's
+        prefill time relative to an even split (a tick of one request is ``dp`` under any
+        placement, so round robin's figure is the reference, not 1.0).
+    run_imbalance: the busiest instance's computed tokens over the whole replay / the mean
+        instance's.
+    """
+
+    hit_rate: float
+    tick_imbalance: float
+    run_imbalance: float
+
+
 def replay(reqs: list[KVPrompt], dp: int, placement: str, blocks: int,
-           out_tokens: int = 1) -> float:
-    """Token hit rate of ``placement`` over ``dp`` pools of ``blocks`` blocks (``one cache``:
-    one pool of ``dp x blocks``).
+           out_tokens: int = 1, overlap_weight: float = 1.0) -> Outcome:
+    """``placement`` over ``dp`` pools of ``blocks`` blocks (``one cache``: one pool of
+    ``dp x blocks``), requests of a tick placed from the state before it (``overlap_weight``:
+    :class:`KVAware`'s, for the ``kv_aware`` placements).
 
     Raises:
         ValueError: ``blocks`` below :func:`min_blocks`, or an unknown placement.
     """
     if placement == "one cache":
         blocks, dp = blocks * dp, 1
-    elif placement not in (*PLACEMENTS, COMPUTED_LOAD):
-        raise ValueError(f"unknown placement {placement!r}: use one of {PLACEMENTS}")
+    elif placement not in (*PLACEMENTS, PROMPT_LOAD):
+        raise ValueError(f"unknown placement {placement!r}: use one of "
+                         f"{['one cache', *PLACEMENTS, PROMPT_LOAD]}")
     if blocks < min_blocks(reqs, out_tokens):
         raise ValueError(f"{blocks} blocks cannot admit the longest request")
     names = [f"i{k}" for k in range(dp)]
     pools = [BlockPool(blocks, BLOCK, salt=1) for _ in names]
-    aware = placement.startswith("kv_aware")
-    policy = KVAware(names) if aware else RoundRobin(names)
-    hits = total = n = 0
+    policy = KVAware(names, overlap_weight=overlap_weight) \
+        if placement.startswith("kv_aware") else RoundRobin(names)
+    hits, n, busiest, run = 0, 0, 0, [0] * dp
     for tick in ticks(reqs):
         chosen = []
         for p in tick:
-            cached = [pool.cached_prefix(p.hashes) * BLOCK for pool in pools]
-            if placement == "longest prefix":
-                k = max(range(dp), key=lambda j: (cached[j], -((j - n) % dp)))
-            elif aware:
-                k = names.index(policy.preference_given(dict(zip(names, cached)), p.length)[0])
-            else:
-                k = names.index(policy.preference()[0])
-            load = p.length - cached[k] if placement == COMPUTED_LOAD else p.length
-            policy.acquire(names[k], load)
-            chosen.append((k, load))
+            chosen.append(place(p, pools, policy, placement, n))
+            policy.acquire(names[chosen[-1][0]], chosen[-1][1])
             n += 1
+        computed = [0] * dp
         for p, (k, load) in zip(tick, chosen):
-            hits += serve(pools[k], p, out_tokens)
-            total += p.length
+            cached = serve(pools[k], p, out_tokens)
+            hits += cached
+            computed[k] += p.length - cached
             policy.release(names[k], load)
-    return hits / total
+        busiest += max(computed)
+        run = [a + b for a, b in zip(run, computed)]
+    total = sum(p.length for p in reqs)
+    mean = max(sum(run) / dp, 1e-9)
+    return Outcome(hits / total, busiest / mean, max(run) / mean)
+
+
+def place(p: KVPrompt, pools: list[BlockPool], policy: KVAware | RoundRobin, placement: str,
+          n: int) -> tuple[int, int]:
+    """(index of the pool ``placement`` chooses for ``p``, the load it charges there) from the
+    pools' state now; ``n``: requests placed before (``longest prefix`` rotates its ties)."""
+    dp = len(pools)
+    cached = [pool.cached_prefix(p.hashes) * BLOCK for pool in pools]
+    if placement == "longest prefix":
+        k = max(range(dp), key=lambda j: (cached[j], -((j - n) % dp)))
+    elif isinstance(policy, KVAware):
+        k = policy.instances.index(
+            policy.preference_given(dict(zip(policy.instances, cached)), p.length)[0])
+    else:
+        k = policy.instances.index(policy.preference()[0])
+    if placement == "kv_aware":
+        return k, policy.load_given(cached[k], p.length)
+    return k, p.length
 
 
 def sizes(reqs: list[KVPrompt], fractions: list[float], explicit: list[int],
@@ -154,27 +195,31 @@ def sizes(reqs: list[KVPrompt], fractions: list[float], explicit: list[int],
 
 
 def curve(reqs: list[KVPrompt], dp: int, blocks: list[int], out_tokens: int,
-          computed_load: bool = False) -> None:
-    """One table row per pool size: every placement's hit rate and the ratios to round
-    robin (``computed_load``: also :data:`COMPUTED_LOAD`'s)."""
+          prompt_load: bool = False, overlap_weight: float = 1.0) -> None:
+    """Two tables, one row per pool size: every placement's hit rate and the ratios to round
+    robin; then each placement's tick / run imbalance (:class:`Outcome`) (``prompt_load``:
+    also :data:`PROMPT_LOAD`'s)."""
     ws = working_set(reqs)
-    extra = [COMPUTED_LOAD] if computed_load else []
-    print(f"\ndp {dp} (blocks per instance; working set {ws} blocks)")
-    print("| blocks / instance | of working set | one cache of dp x blocks | round_robin | "
-          "longest prefix | kv_aware | " + "".join(f"{e} | " for e in extra) +
-          "kv_aware / round_robin | longest prefix / round_robin |" +
-          "".join(f" {e} / round_robin |" for e in extra))
-    print("|---" * (8 + 2 * len(extra)) + "|")
-    for b in blocks:
-        r = {pl: replay(reqs, dp, pl, b, out_tokens)
-             for pl in ("one cache", *PLACEMENTS, *extra)}
+    placed = [*PLACEMENTS, *([PROMPT_LOAD] if prompt_load else [])]
+    rows = {b: {pl: replay(reqs, dp, pl, b, out_tokens, overlap_weight)
+                for pl in ("one cache", *placed)} for b in blocks}
+    print(f"\ndp {dp} (blocks per instance; working set {ws} blocks): hit rates")
+    print("| blocks / instance | of working set | one cache of dp x blocks |" +
+          "".join(f" {pl} |" for pl in placed) +
+          "".join(f" {pl} / round_robin |" for pl in placed[1:]))
+    print("|---" * (2 + 2 * len(placed)) + "|")
+    for b, r in rows.items():
         label = "unbounded" if b >= ws + min_blocks(reqs, out_tokens) else f"{b / ws:.3f}"
-        rr = max(r["round_robin"], 1e-9)
-        print(f"| {b} | {label} | {r['one cache']:.3f} | {r['round_robin']:.3f} | "
-              f"{r['longest prefix']:.3f} | {r['kv_aware']:.3f} | " +
-              "".join(f"{r[e]:.3f} | " for e in extra) +
-              f"{r['kv_aware'] / rr:.2f} | {r['longest prefix'] / rr:.2f} |" +
-              "".join(f" {r[e] / rr:.2f} |" for e in extra), flush=True)
+        rr = max(r["round_robin"].hit_rate, 1e-9)
+        print(f"| {b} | {label} | {r['one cache'].hit_rate:.3f} |" +
+              "".join(f" {r[pl].hit_rate:.3f} |" for pl in placed) +
+              "".join(f" {r[pl].hit_rate / rr:.2f} |" for pl in placed[1:]))
+    print(f"\ndp {dp}: tick imbalance / run imbalance (computed tokens, busiest / mean)")
+    print("| blocks / instance |" + "".join(f" {pl} |" for pl in placed))
+    print("|---" * (1 + len(placed)) + "|")
+    for b, r in rows.items():
+        print(f"| {b} |" + "".join(f" {r[pl].tick_imbalance:.2f} / {r[pl].run_imbalance:.3f} |"
+                                   for pl in placed), flush=True)
 
 
 def main() -> None:
@@ -188,8 +233,10 @@ def main() -> None:
                     help="pool sizes in KV blocks (e.g. the live benchmark's --kv-blocks)")
     ap.add_argument("--out-tokens", type=int, default=1,
                     help="1: colocated instances (the live benchmark's); 0: prefill")
-    ap.add_argument("--computed-load", action="store_true",
-                    help=f"also {COMPUTED_LOAD!r} (a candidate cost, not the router's)")
+    ap.add_argument("--overlap-weight", type=float, default=1.0,
+                    help="kv_aware's overlap_weight (the router's: 1.0)")
+    ap.add_argument("--prompt-load", action="store_true",
+                    help=f"also {PROMPT_LOAD!r} (the router's load until 2026-12-07)")
     ap.add_argument("--one-per-tick", action="store_true",
                     help="each request its own tick (no two placed from the same state)")
     args = ap.parse_args()
@@ -201,7 +248,7 @@ def main() -> None:
           f"blocks, {sum(p.length for p in reqs)} prompt tokens, {len(ticks(reqs))} ticks")
     blocks = sizes(reqs, args.fractions, args.blocks, args.out_tokens)
     for dp in args.dp:
-        curve(reqs, dp, blocks, args.out_tokens, args.computed_load)
+        curve(reqs, dp, blocks, args.out_tokens, args.prompt_load, args.overlap_weight)
 
 
 if __name__ == "__main__":

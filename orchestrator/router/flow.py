@@ -47,8 +47,8 @@ class Route:
     request_id: str
     main: str  # decode or colocated instance: where the request ends
     prefill: str | None = None
-    prefill_load: int = 0  # prompt tokens charged to the prefill instance until first token
-    main_load: int = 0  # prompt + max_tokens charged to the main instance until the end
+    prefill_load: int = 0  # load (Policy.load_for) charged to the prefill until first token
+    main_load: int = 0  # load charged to the main instance until the end
     reservation: Reservation | None = None  # decode blocks (disaggregated), for launch
 
     @property
@@ -168,8 +168,9 @@ class ColocatedFlow(Flow):
     async def place(self, spec: RequestSpec, deadline: float,
                     avoid: Collection[str] = ()) -> Route:
         name = self.choices(self.policy, avoid, "colocated", spec.prompt_token_ids)[0]
-        self.policy.acquire(name, spec.max_total_tokens)
-        return Route(spec.request_id, main=name, main_load=spec.max_total_tokens)
+        load = self.policy.load_for(name, spec.max_total_tokens, spec.prompt_token_ids)
+        self.policy.acquire(name, load)
+        return Route(spec.request_id, main=name, main_load=load)
 
     async def launch(self, spec: RequestSpec, route: Route) -> None:
         await _call_or_fail(self.main[route.main], Generate(spec))
@@ -222,8 +223,9 @@ class DisaggregatedFlow(Flow):
             await self.abort(route)
             self.release(route)
             raise
-        self.prefill_policy.acquire(route.prefill, spec.num_prompt_tokens)
-        route.prefill_load = spec.num_prompt_tokens
+        route.prefill_load = self.prefill_policy.load_for(
+            route.prefill, spec.num_prompt_tokens, spec.prompt_token_ids)
+        self.prefill_policy.acquire(route.prefill, route.prefill_load)
         return route
 
     async def _reserve(self, spec: RequestSpec, deadline: float,

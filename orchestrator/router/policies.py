@@ -4,7 +4,8 @@ A policy orders the HEALTHY instances of a role for a request, best first (empty
 is refused UNAVAILABLE), and is told when the request's load ends. Load is tokens: a prefill
 instance carries the prompts it has not finished; a decode (or colocated) instance
 ``prompt + max_tokens`` of each request it holds (the KV slots it may need). ``kv_aware`` also
-weighs the prompt's prefix each instance holds in its prefix cache (docs/prefix_cache.md).
+weighs the prompt's prefix each instance holds in its prefix cache, and charges a prefill or
+colocated instance only the tokens it computes: those less that prefix (docs/prefix_cache.md).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class Policy(ABC):
     @abstractmethod
     def preference(self) -> list[str]:
         """All instances, best first, health aside."""
+
+    def load_for(self, name: str, tokens: int, prompt_token_ids: Sequence[int] = ()) -> int:
+        """The load a request of ``tokens`` tokens (its prompt ``prompt_token_ids``) puts on
+        ``name``, to :meth:`acquire` now and :meth:`release` as the same number (default:
+        ``tokens``; only :class:`KVAware` reads the prompt)."""
+        return tokens
 
     def acquire(self, name: str, tokens: int) -> None:
         """A request with ``tokens`` of load was placed on ``name``."""
@@ -111,6 +118,12 @@ class KVAware(LeastOutstandingTokens):
     prefix cache, as its KV events reported them (:class:`KVIndex`). Ties (no cached prefix
     anywhere) fall back to least outstanding tokens, rotating.
 
+    Outstanding tokens count, of each request placed with its prompt (:meth:`load_for`), only
+    what the instance computes: its tokens less the prefix that instance held then (Dynamo's
+    router counts a request's prefill as its input less the overlap). A whole prompt would
+    send a conversation's next turn away from its cache while its instance computes other,
+    mostly cached, turns (docs/prefix_cache.md, Bounded caches).
+
     Args:
         index: the router's view of every instance's cache (fed by the event pump).
         overlap_weight: tokens of load one cached prompt token is worth (1.0: a cached token
@@ -137,7 +150,22 @@ class KVAware(LeastOutstandingTokens):
         with its caches' own state (benchmarks/prefix_cache_bounded.py)."""
         base = self.preference()  # NOTE: least outstanding, rotating: the tie order
         return sorted(base, key=lambda name: (
-            self.overlap_weight * (num_prompt_tokens - cached[name]) + self.outstanding[name]))
+            self.overlap_weight * self.load_given(cached[name], num_prompt_tokens) +
+            self.outstanding[name]))
+
+    def load_for(self, name: str, tokens: int, prompt_token_ids: Sequence[int] = ()) -> int:
+        """``tokens`` less the leading prompt tokens ``name`` holds now (index's view);
+        ``tokens`` when no prompt is given."""
+        if not prompt_token_ids:
+            return tokens
+        return self.load_given(self.index.cached_tokens([name], prompt_token_ids)[name], tokens)
+
+    @staticmethod
+    def load_given(cached: int, tokens: int) -> int:
+        """Tokens an instance computes of a request of ``tokens`` tokens whose leading
+        ``cached`` prompt tokens it holds (``cached`` <= the prompt <= ``tokens``), the cost's
+        and the load's one formula; the offline replay calls it with its caches' state."""
+        return tokens - cached
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

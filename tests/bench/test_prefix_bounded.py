@@ -1,7 +1,7 @@
 """benchmarks/prefix_cache_bounded.py: the offline replay against bounded prefix caches (the
 engine's BlockPool) serves a request as the scheduler does, evicts least-recently-freed blocks,
-and with pools that never evict agrees with prefix_cache_ceiling.py's independent unbounded
-replay on a hand-made trace."""
+with pools that never evict agrees with prefix_cache_ceiling.py's independent unbounded replay
+on a hand-made trace, places and measures balance on it as worked out by hand."""
 
 from __future__ import annotations
 
@@ -56,31 +56,51 @@ def test_never_evicting_pools_agree_with_the_unbounded_ceiling(trace):
     total = sum(p.length for p in old)
     for dp, placement in [(1, "one cache"), (2, "round_robin"), (2, "longest prefix")]:
         expect = ceiling.hit_rate(ceiling.replay(old, dp, placement), total)
-        got = bounded.replay(reqs, dp if placement != "one cache" else 1, placement, big)
+        got = bounded.replay(reqs, dp if placement != "one cache" else 1, placement,
+                             big).hit_rate
         assert got == pytest.approx(expect), placement
     # by hand: one cache hits 64 (the shared block) + 192 + 192 + 256 of 1216 tokens
-    assert bounded.replay(reqs, 1, "one cache", big) == pytest.approx(704 / 1216)
+    assert bounded.replay(reqs, 1, "one cache", big).hit_rate == pytest.approx(704 / 1216)
 
 
-def test_placements_by_hand_kv_aware_weighs_a_tick_s_load(trace):
+def test_placements_by_hand_kv_aware_keeps_a_turn_with_its_cache_under_cached_load(trace):
     reqs = bounded.kv_prompts(trace, 0, 1, 16)
     big = bounded.working_set(reqs) + bounded.min_blocks(reqs, 1)
+
+    def hit(placement: str) -> float:
+        return bounded.replay(reqs, 2, placement, big).hit_rate
+
     # round robin: c1t1 i0, c2t1 i1 (0), c1t2 i0 (192), c2t2 i1 (192), c1t3 i0 (256)
-    assert bounded.replay(reqs, 2, "round_robin", big) == pytest.approx(640 / 1216)
+    assert hit("round_robin") == pytest.approx(640 / 1216)
     # longest prefix: everything on i0, as one cache
-    assert bounded.replay(reqs, 2, "longest prefix", big) == pytest.approx(704 / 1216)
-    # kv_aware as longest prefix, except c2t2: it arrives in c1t2's tick, when i0 already
-    # carries c1t2's 256 prompt tokens: cost on i0 (256 - 192) + 256 > 256 on idle i1
-    assert bounded.replay(reqs, 2, "kv_aware", big) == pytest.approx(512 / 1216)
-    # counting c1t2's load as the 64 tokens it computes there: (256 - 192) + 64 < 256 -> i0
-    assert bounded.replay(reqs, 2, bounded.COMPUTED_LOAD, big) == pytest.approx(704 / 1216)
+    assert hit("longest prefix") == pytest.approx(704 / 1216)
+    # kv_aware: c2t2 arrives in c1t2's tick, when i0 already carries c1t2, which computes
+    # there only its 64 uncached tokens: cost on i0 (256 - 192) + 64 < 256 on idle i1 -> i0
+    assert hit("kv_aware") == pytest.approx(704 / 1216)
+    # counting c1t2's whole prompt as i0's load: (256 - 192) + 256 > 256 -> i1, no hit
+    assert hit(bounded.PROMPT_LOAD) == pytest.approx(512 / 1216)
+
+
+def test_imbalance_by_hand(trace):
+    reqs = bounded.kv_prompts(trace, 0, 1, 16)
+    big = bounded.working_set(reqs) + bounded.min_blocks(reqs, 1)
+    # round robin computes 192 | 192 | 64 + 64 | 64 (ticks, split by instance): the busiest
+    # instance's per tick 192 + 192 + 64 + 64 = 512, i0 320 and i1 256 over the run, mean 288
+    rr = bounded.replay(reqs, 2, "round_robin", big)
+    assert (rr.tick_imbalance, rr.run_imbalance) == pytest.approx((512 / 288, 320 / 288))
+    # kv_aware computes all 512 uncached tokens on i0: dp, the most uneven
+    kv = bounded.replay(reqs, 2, "kv_aware", big)
+    assert (kv.tick_imbalance, kv.run_imbalance) == pytest.approx((2.0, 2.0))
+    one = bounded.replay(reqs, 2, "one cache", big)
+    assert (one.tick_imbalance, one.run_imbalance) == (1.0, 1.0)
 
 
 def test_one_cache_hit_rate_grows_with_its_size_and_sizes_cover_the_curve(trace):
     reqs = bounded.kv_prompts(trace, 0, 1, 16)
     floor = bounded.min_blocks(reqs, 1)
     assert floor == 21  # 320 prompt tokens + 1 output token
-    rates = [bounded.replay(reqs, 1, "one cache", b) for b in range(floor, floor + 40, 4)]
+    rates = [bounded.replay(reqs, 1, "one cache", b).hit_rate
+             for b in range(floor, floor + 40, 4)]
     assert rates == sorted(rates) and rates[0] < rates[-1]
     # "one cache" is one pool of dp x blocks
     assert bounded.replay(reqs, 2, "one cache", floor) == bounded.replay(

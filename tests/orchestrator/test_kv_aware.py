@@ -1,13 +1,24 @@
 """The router's KV index (built from instances' KV events) and the ``kv_aware`` policy: a
-request goes where its prefix is cached unless that instance's load outweighs the saving; an
-instance's restart (a reset batch) drops its entries; the index stays bounded."""
+request goes where its prefix is cached unless that instance's load outweighs the saving; its
+load there is the tokens it computes, given back exactly by the flow; an instance's restart (a
+reset batch) drops its entries; the index stays bounded."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
+
 from engine.block_pool import BlockPool
 from engine.prefix_hash import block_hashes, cache_salt
+from engine.request import RequestSpec
+from engine.sampling_params import SamplingParams
+from orchestrator.config.schema import OrchConfig
+from orchestrator.deploy.assemble import build_flow
 from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.policies import KVAware, make_policy
+from tests.orchestrator.fakes import FakeColocated, FakeDecode, FakePrefill, Remote
 
 SALT = cache_salt("tiny", "float32")
 PROMPT = list(range(40))  # 10 blocks of 4
@@ -73,3 +84,47 @@ def test_kv_aware_preference_given_cached_lengths_is_its_order_from_the_index():
         assert given.preference_given({"p0": 0, "p1": 32}, len(PROMPT)) == \
             by_index.order(PROMPT)
     assert given.preference_given({"p0": 0, "p1": 32}, len(PROMPT))[0] == "p0"  # 40 > 32
+
+
+def test_kv_aware_load_is_the_tokens_an_instance_computes_so_a_turn_stays_with_its_cache():
+    index = KVIndex()
+    index.apply("p1", pool_with(PROMPT[:32]).take_events())
+    policy = make_policy("kv_aware", ["p0", "p1"], index=index)
+    assert policy.load_for("p1", 44, PROMPT) == 44 - 32
+    assert policy.load_for("p0", 44, PROMPT) == 44
+    assert policy.load_for("p1", 44) == 44  # no prompt: the whole request
+    # p1 computes this tick's three other turns, each cached but its last 8 tokens: 24 queued
+    for _ in range(3):
+        policy.acquire("p1", policy.load_for("p1", len(PROMPT), PROMPT))
+    assert policy.outstanding == {"p0": 0, "p1": 24}
+    assert policy.order(PROMPT)[0] == "p1"  # (40 - 32) + 24 < 40 on idle p0
+    policy.acquire("p1", 9)  # 33 queued: (40 - 32) + 33 > 40
+    assert policy.order(PROMPT)[0] == "p0"
+
+
+def _flow(mode: str):
+    cfg = OrchConfig.model_validate({"mode": mode, "cluster": {"device": "cpu"},
+                                     "router": {"policy": "kv_aware"}})
+    fakes = {"prefill-0": FakePrefill(), "decode-0": FakeDecode()} if mode != "colocated" \
+        else {"colocated-0": FakeColocated()}
+    return build_flow(cfg, {n: Remote(f) for n, f in fakes.items()}, lambda name: True)
+
+
+@pytest.mark.parametrize("mode, computes, whole", [("colocated", "colocated-0", None),
+                                                   ("disaggregated", "prefill-0", "decode-0")])
+def test_kv_aware_placement_releases_exactly_the_load_it_charged(mode, computes, whole):
+    flow = _flow(mode)
+    flow.kv_index.apply(computes, pool_with(PROMPT[:32]).take_events())
+    spec = RequestSpec("r1", tuple(PROMPT), SamplingParams(max_tokens=4))
+    route = asyncio.run(flow.place(spec, time.monotonic() + 5.0))
+    computing = flow.pools["prefill" if whole else "colocated"]
+    tokens = spec.num_prompt_tokens if whole else spec.max_total_tokens
+    assert computing.outstanding[computes] == tokens - 32  # its cached prefix not charged
+    if whole:  # a decode instance carries the request's KV slots, its prompt whole
+        assert flow.policy.outstanding[whole] == spec.max_total_tokens
+    # the instance restarted (its cache gone): the load to give back is still the one charged
+    flow.kv_index.apply(computes, BlockPool(16, 4, salt=SALT).take_events())
+    assert computing.load_for(computes, tokens, PROMPT) == tokens
+    flow.release(route)
+    for policy in flow.pools.values():
+        assert set(policy.outstanding.values()) == {0}, policy.outstanding
