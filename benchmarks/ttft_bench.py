@@ -10,7 +10,8 @@ level and side the median over rounds of TTFT p50, TPOT p50 and output tok/s [ra
         [--levels 1 8] [--side NAME=CONFIG[:KEY=VALUE,...] ...]
 
 ``--side`` replaces the default sides: ``pd256=1p1d:prefill.max_num_batched_tokens=256,
-prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers). Every side gets
+prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, or true /
+false: ``eager=1p1d:router.eager_prefill=true``). Every side gets
 256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
 ``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON.
 """
@@ -32,10 +33,10 @@ KEPT = ("TTFT", "TPOT", "throughput", "failed")
 
 
 def parse_side(text: str) -> tuple[str, str, dict]:
-    """``NAME=CONFIG[:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int}).
+    """``NAME=CONFIG[:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int or bool}).
 
     Raises:
-        ValueError: not of that form, or a value that is not an integer.
+        ValueError: not of that form, or a value that is neither an integer nor true/false.
     """
     name, _, rest = text.partition("=")
     config, _, sets = rest.partition(":")
@@ -44,7 +45,8 @@ def parse_side(text: str) -> tuple[str, str, dict]:
     over = {}
     for item in filter(None, sets.split(",")):
         key, _, value = item.partition("=")
-        over[key] = int(value)
+        flags = {"true": True, "false": False}
+        over[key] = flags[value.lower()] if value.lower() in flags else int(value)
     return name, config, over
 
 
