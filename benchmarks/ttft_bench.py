@@ -1,27 +1,53 @@
-"""TTFT before / after on this machine (issue 36): `orch up configs/colocated.yaml` and
-`orch up configs/1p1d.yaml` (prefill tp 1 -> decode tp 1) both up on one private Ray, then
-`orch bench` (synthetic 256-token prompts, 64 output tokens, 2 warm-up requests) at each
-concurrency against each in turn, ``--rounds`` times; prints each report's TTFT / TPOT lines
-and its TTFT breakdown (docs/performance.md, "TTFT breakdown and the first token's path").
+"""TTFT before / after on this machine (issue 36): orch deployments up side by side on one
+private Ray (by default `orch up configs/colocated.yaml` and `orch up configs/1p1d.yaml`,
+prefill tp 1 -> decode tp 1), then `orch bench` (synthetic 256-token prompts, 64 output tokens,
+2 warm-up requests) at each concurrency against each in turn, ``--rounds`` times (round r
+starts at side r: the machine's load drifts); prints each report's TTFT / TPOT lines and its
+TTFT breakdown (docs/performance.md, "TTFT breakdown and the first token's path"), then per
+level and side the median over rounds of TTFT p50, TPOT p50 and output tok/s [range].
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/ttft_bench.py --out /tmp/ttft [--rounds 2]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/ttft_bench.py --out /tmp/ttft [--rounds 2] \
+        [--levels 1 8] [--side NAME=CONFIG[:KEY=VALUE,...] ...]
 
-Both configs get 256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3
-requests at once), ``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON.
+``--side`` replaces the default sides: ``pd256=1p1d:prefill.max_num_batched_tokens=256,
+prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, or true /
+false: ``eager=1p1d:router.eager_prefill=true``). Every side gets
+256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
+``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = ("colocated", "1p1d")
-LEVELS = ((1, 16), (8, 32))  # (concurrency, timed requests)
+SIDES = ("colocated=colocated", "1p1d=1p1d")
+REQUESTS = {1: 16, 8: 32}  # concurrency -> timed requests (else 4 x concurrency)
 KEPT = ("TTFT", "TPOT", "throughput", "failed")
+
+
+def parse_side(text: str) -> tuple[str, str, dict]:
+    """``NAME=CONFIG[:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int or bool}).
+
+    Raises:
+        ValueError: not of that form, or a value that is neither an integer nor true/false.
+    """
+    name, _, rest = text.partition("=")
+    config, _, sets = rest.partition(":")
+    if not name or not config:
+        raise ValueError(f"--side {text!r}: expected NAME=CONFIG[:KEY=VALUE,...]")
+    over = {}
+    for item in filter(None, sets.split(",")):
+        key, _, value = item.partition("=")
+        flags = {"true": True, "false": False}
+        over[key] = flags[value.lower()] if value.lower() in flags else int(value)
+    return name, config, over
 
 
 def bench(address: str, name: str, conc: int, n: int, seed: int, report: Path) -> str:
@@ -40,11 +66,31 @@ def bench(address: str, name: str, conc: int, n: int, seed: int, report: Path) -
                      if any(k in line for k in KEPT))
 
 
+def figures(report: Path) -> tuple[float, float, float]:
+    """(TTFT p50 ms, TPOT p50 ms, output tok/s) of one `orch bench` JSON report."""
+    data = json.loads(report.read_text())
+    return data["ttft"]["p50_ms"], data["tpot"]["p50_ms"], data["output_tokens_per_s"]
+
+
+def print_summary(runs: dict[tuple[int, str], list[tuple[float, float, float]]]) -> None:
+    print("\n| conc. | side | TTFT p50 ms | TPOT p50 ms | tok/s |\n|---|---|---|---|---|")
+    for (conc, name), rows in runs.items():
+        cells = []
+        for i in range(3):
+            vals = [r[i] for r in rows]
+            cells.append(f"{statistics.median(vals):.1f} [{min(vals):.1f}-{max(vals):.1f}]")
+        print(f"| {conc} | {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for configs, logs, reports")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--side", nargs="+", default=list(SIDES),
+                    help="NAME=CONFIG[:KEY=VALUE,...] (CONFIG: a stem under configs/)")
     args = ap.parse_args()
+    sides = [parse_side(s) for s in args.side]
     import ray
 
     from tests.e2e.harness import OrchProcess
@@ -56,21 +102,30 @@ def main() -> int:
             "cluster.bind_host": "127.0.0.1", "decode.num_kv_blocks": 256,
             "prefill.num_kv_blocks": 256}
     procs: dict[str, OrchProcess] = {}
+    runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
     try:
-        for name in CONFIGS:
-            procs[name] = OrchProcess(REPO / "configs" / f"{name}.yaml", args.out, over)
+        for name, config, extra in sides:
+            folder = args.out / name
+            folder.mkdir(exist_ok=True)
+            procs[name] = OrchProcess(REPO / "configs" / f"{config}.yaml", folder,
+                                      {**over, **extra})
             procs[name].__enter__()
+        names = list(procs)
         for r in range(args.rounds):
-            for conc, n in LEVELS:
-                for name, orch in procs.items():
+            for conc in args.levels:
+                for name in names[r % len(names):] + names[:r % len(names)]:
                     report = args.out / f"{name}_c{conc}_r{r}.json"
-                    print(f"== {name} c={conc} round {r}\n"
-                          f"{bench(orch.address, name, conc, n, r + 10 * conc, report)}",
-                          flush=True)
+                    lines = bench(procs[name].address, name, conc,
+                                  REQUESTS.get(conc, 4 * conc), r + 10 * conc, report)
+                    print(f"== {name} c={conc} round {r} (load {os.getloadavg()[0]:.1f})\n"
+                          f"{lines}", flush=True)
+                    if report.exists():
+                        runs.setdefault((conc, name), []).append(figures(report))
     finally:
         for orch in procs.values():
             orch.stop()
         ray.shutdown()
+    print_summary(dict(sorted(runs.items())))
     return 0
 
 

@@ -10,7 +10,8 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
   clock: accepted -> first token; mean per output token after the first; accepted -> end).
 - ``orch_ttft_phase_seconds{phase}``: histogram of each phase of the way to the first token
   (``RequestState.first_token_phases``: tokenize, placement, transport, the leader's queue,
-  forward, step_other, sample, flush, then router_out), one observation per phase per request.
+  forward, step_other, sample, flush, then reserve_wait and router_out), one observation per
+  phase per request.
 - ``orch_requests_total{outcome}``: finished requests by outcome ("stop", "length", "abort",
   "error"); ``orch_rejected_total{code}``: requests refused before running, by gRPC code.
 - ``orch_prompt_tokens_total``, ``orch_generation_tokens_total``.
@@ -154,7 +155,8 @@ class RouterMetrics:
                               "first, seconds", buckets=TPOT_BUCKETS, registry=r)
         self.ttft_phase = Histogram("orch_ttft_phase_seconds", "time to first token by phase "
                                     "(tokenize, placement, transport, queue, forward, "
-                                    "step_other, sample, flush, router_out), seconds",
+                                    "step_other, sample, flush, reserve_wait, router_out), "
+                                    "seconds",
                                     ["phase"], buckets=TRANSFER_BUCKETS, registry=r)
         self.e2e = Histogram("orch_e2e_seconds", "request latency, accepted to finished, "
                              "seconds", buckets=LATENCY_BUCKETS, registry=r)

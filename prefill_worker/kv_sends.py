@@ -63,11 +63,14 @@ def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
     here also carries the tokens this instance found in its own prefix cache and the decode
     side lacks (``[held, request.num_cached_tokens)``, read from cached blocks the request
     holds). A chunk left with nothing to ship is skipped (never the last: decode holds at most
-    ``prompt - 1`` tokens).
+    ``prompt - 1`` tokens). A chunk of a request without a reservation yet (launched while
+    decode reserves) ships nothing now: :func:`late_transfer` sends it once one arrives.
     """
     plans = []
     for row, c in enumerate(out.chunks):
-        res = reservations[c.request.request_id]
+        res = reservations.get(c.request.request_id)
+        if res is None:
+            continue
         held = res.num_cached_tokens
         start = held if c.start == c.request.num_cached_tokens else max(held, c.start)
         if start >= c.end:
@@ -77,6 +80,20 @@ def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
             slot_mapping(c.request.blocks.block_ids, start, c.end, block_size),
             slot_mapping(res.block_ids, start, c.end, res.block_size), c.completes, row))
     return plans
+
+
+def late_transfer(request_id: str, block_ids, end: int, res: Reservation, block_size: int,
+                  last: bool) -> ChunkTransfer | None:
+    """The KV of tokens ``[res.num_cached_tokens, end)`` of a request computed before its
+    reservation arrived (``block_ids``: its blocks here, ``block_size`` this instance's;
+    ``last``: the prompt is complete, completion records follow); None when there is
+    nothing to ship."""
+    start = res.num_cached_tokens
+    if start >= end:
+        return None
+    return ChunkTransfer(request_id, res.peers, start, end,
+                         slot_mapping(block_ids, start, end, block_size),
+                         slot_mapping(res.block_ids, start, end, res.block_size), last)
 
 
 def staged_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
@@ -171,22 +188,34 @@ class KVSends:
         # leaves nothing unsent: the whole chunk goes now (decode counts a cell once)
         sent = hook is not None and hook.layers_queued >= self.kv_spec.num_layers
         for t in transfers or ():
-            plan = self.connector.plan(len(t.peers))
             if self.stage is not None:  # NOTE: V4: only the layers this rank sends
+                plan = self.connector.plan(len(t.peers))
                 self.stage(t.request_id, t.src_slots,
                            {i for send in plan.sends_from(self.rank) for i in send.layers})
-            if not sent:
-                self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
-                                          t.dst_slots)
-            tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
-            for send in plan.sends_from(self.rank):
-                pair = f"{self.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
-                       f"{send.decode_rank}"
-                self.log.add(t.request_id, pair,
-                             self.kv_spec.bytes_per_token_of(send.layers) * tokens)
-            if t.last:
-                self.connector.finish(t.request_id, t.peers, t.end, forward_end,
-                                      draft_hidden(output, t.row))
+            self._queue_one(t, sent, forward_end, output)
+
+    def send_late(self, transfer: ChunkTransfer) -> None:
+        """Queue this rank's planned layers of ``transfer``, KV computed before the request's
+        reservation arrived (no step in progress: the leader holds its lock)."""
+        self._queue_one(transfer, False, time.time(), None)
+
+    def _queue_one(self, t: ChunkTransfer, sent: bool, forward_end: float,
+                   output: object) -> None:
+        """One transfer: its layers (unless ``sent`` layer by layer), its log entry, and
+        completion records after the last chunk."""
+        if not sent:
+            self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
+                                      t.dst_slots)
+        plan = self.connector.plan(len(t.peers))
+        tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
+        for send in plan.sends_from(self.rank):
+            pair = f"{self.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
+                   f"{send.decode_rank}"
+            self.log.add(t.request_id, pair,
+                         self.kv_spec.bytes_per_token_of(send.layers) * tokens)
+        if t.last:
+            self.connector.finish(t.request_id, t.peers, t.end, forward_end,
+                                  draft_hidden(output, t.row))
 
     def idle(self, request_ids: list[str], timeout_s: float) -> dict[str, bool]:
         """request id -> True when no send of it is queued or in flight on this rank (waits

@@ -11,6 +11,14 @@ Protocol (DESIGN.md "One request"), prefill side:
    the router; every rank sends its completion records; the request leaves the scheduler but
    its blocks stay until every rank's sends for it are done ("draining"), then are freed once.
 
+Eager launch (the router's ``router.eager_prefill``): ``Prefill(spec, None)`` computes the
+prompt before decode's reservation exists (no V4, MTP or cp > 1: their KV to ship is made by
+the step itself); :class:`~rank.messages.Attach` brings the reservation: the KV computed by
+then ships at once (:func:`~prefill_worker.kv_sends.late_transfer`, under the leader lock, so
+before any later chunk), the later chunks as computed. A prompt done before its ``Attach``
+keeps its blocks ("unattached") until the ``Attach``, an abort, or ``ORPHAN_FACTOR`` completion
+timeouts (then an error event, blocks freed once).
+
 Abort: every rank cancels its queued sends and says so to the decode side (first, without the
 leader lock: a forward in progress sends nothing more of it from its next layer on), then the
 request leaves the queue; ``Abort`` returns only when no send into the reservation is still in
@@ -29,24 +37,40 @@ leader lock.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 from engine.block_pool import BlockSet
 from engine.request import RequestSpec
 from engine.scheduler import PREFILL, SchedulerOutput
 from kv_transfer import KVPeer
 from prefill_worker.kv_sends import (ChunkTransfer, KVSends, LayerSends, chunk_transfers,
-                                     staged_transfers)
+                                     late_transfer, staged_transfers)
 from rank.failures import RankFailure
-from rank.messages import Abort, LeaderRequest, Prefill, Reservation, TransferRecord
+from rank.messages import Abort, Attach, LeaderRequest, Prefill, Reservation, TransferRecord
 from rank.role import RankParts, Role, not_taken
 
 log = logging.getLogger(__name__)
 
+# NOTE: a prompt computed without a reservation whose Attach never comes (its router gone) is
+# freed after this many completion timeouts, as decode frees a reservation never admitted.
+ORPHAN_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class Unattached:
+    """A prompt computed (first token out) before its reservation arrived: its blocks, its
+    prompt length, and when it is given up (``time.monotonic()``)."""
+
+    blocks: BlockSet
+    end: int
+    deadline: float
+
 
 class PrefillRole(Role):
-    """Role of a prefill instance. Requests: ``Prefill``, ``Abort``. Rank-to-rank calls
-    (every rank): :meth:`sends_idle`, :meth:`abort_kv`, :meth:`take_transfer_log`,
-    :meth:`kv_bytes_sent`."""
+    """Role of a prefill instance. Requests: ``Prefill``, ``Attach``, ``Abort``. Rank-to-rank
+    calls (every rank): :meth:`sends_idle`, :meth:`abort_kv`, :meth:`send_late`,
+    :meth:`take_transfer_log`, :meth:`kv_bytes_sent`."""
 
     policy = PREFILL
     source = "prefill"
@@ -59,6 +83,7 @@ class PrefillRole(Role):
         # leader: the request tables (under the leader's lock)
         self.reservations: dict[str, Reservation] = {}
         self.draining: dict[str, BlockSet] = {}  # first token out, sends still running
+        self.unattached: dict[str, Unattached] = {}  # first token out, no reservation yet
         # failed requests whose sends every rank still has to abort (outside the lock)
         self.kv_aborts: list[tuple[str, tuple[KVPeer, ...]]] = []
 
@@ -77,6 +102,10 @@ class PrefillRole(Role):
     def abort_kv(self, request_id: str, peers: tuple[KVPeer, ...]) -> None:
         self.sends.abort(request_id, peers)
 
+    def send_late(self, transfer: ChunkTransfer) -> None:
+        """KV computed before the request's reservation arrived (:meth:`attach`)."""
+        self.sends.send_late(transfer)
+
     def take_transfer_log(self) -> tuple[TransferRecord, ...]:
         """This rank's closed per-pair transfer records since the last call."""
         return self.sends.take_log()
@@ -93,20 +122,70 @@ class PrefillRole(Role):
         match request:
             case Prefill(spec, reservation):
                 return self.prefill(spec, reservation)
+            case Attach(request_id, reservation):
+                return self.attach(request_id, reservation)
             case Abort(request_id):
                 return self.abort(request_id)
         raise not_taken(self, self.cfg.name, request)
 
-    def prefill(self, spec: RequestSpec, reservation: Reservation) -> None:
-        """Queue a prompt for chunked prefill into ``reservation``.
+    def prefill(self, spec: RequestSpec, reservation: Reservation | None) -> None:
+        """Queue a prompt for chunked prefill into ``reservation`` (None: computed now,
+        shipped once :meth:`attach` brings it).
+
+        Raises:
+            InstanceOutOfService: a rank of this instance is dead or hung.
+            ValueError: no reservation, on an instance that ships what only the step knows
+                (DeepSeek-V4's staged rows, MTP's hidden state, context-parallel pieces).
+        """
+        if reservation is None and not self.attaches_late:
+            raise ValueError(f"{self.cfg.name}: a prefill without a reservation needs "
+                             "transfer of the whole KV after the step (no V4, MTP or cp > 1)")
+        self.leader.check_in_service()  # NOTE: before the lock, which a step may hold
+        with self.leader.lock:
+            if self.leader.enqueue(spec) and reservation is not None:
+                self.reservations[spec.request_id] = reservation
+
+    @property
+    def attaches_late(self) -> bool:
+        """Whether a request may get its reservation after its compute (:meth:`attach`)."""
+        return (self.staged_rows is None and self.cfg.parallel.cp == 1
+                and not self.cfg.scheduler.num_speculative_tokens)
+
+    def attach(self, request_id: str, reservation: Reservation) -> bool:
+        """The reservation of a request queued without one: what it computed so far ships
+        now (under the lock, so before any later chunk of it), the rest chunk by chunk.
+        False when the request is gone (aborted, failed or given up).
 
         Raises:
             InstanceOutOfService: a rank of this instance is dead or hung.
         """
-        self.leader.check_in_service()  # NOTE: before the lock, which a step may hold
-        with self.leader.lock:
-            if self.leader.enqueue(spec):
-                self.reservations[spec.request_id] = reservation
+        leader = self.leader
+        leader.check_in_service()
+        with leader.lock:
+            req = leader.scheduler.find(request_id)
+            done = self.unattached.pop(request_id, None)
+            if req is None and done is None:
+                return False
+            self.reservations[request_id] = reservation
+            if done is not None:
+                self.draining[request_id] = done.blocks
+                blocks, end = done.blocks, done.end
+            else:
+                blocks, end = req.blocks, req.num_computed_tokens
+                # NOTE: no chunk computed yet (not admitted, or admitted without budget): its
+                # first chunk ships from the decode side's cached prefix on (chunk_transfers),
+                # this instance's cached prefix included; shipping it here too would send it twice
+                if blocks is None or end == req.num_cached_tokens:
+                    return True
+            late = late_transfer(request_id, blocks.block_ids, end, reservation,
+                                 self.cfg.scheduler.block_size, last=done is not None)
+            if late is not None:
+                try:
+                    leader.ranks.call_all(PrefillRole.send_late, late)
+                except RankFailure as exc:
+                    leader.mark_broken(str(exc))
+                    raise leader.out_of_service() from exc
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; returns once no KV send into its reservation is in flight.
@@ -125,13 +204,16 @@ class PrefillRole(Role):
             res = self.reservations.pop(request_id, None)
             req = leader.scheduler.remove(request_id, free=False)
             blocks = req.blocks if req is not None else self.draining.pop(request_id, None)
-            if res is None and blocks is None:
+            done = self.unattached.pop(request_id, None)
+            if done is not None:
+                blocks = done.blocks
+            if res is None and blocks is None and req is None:
                 leader.add_tombstone(request_id)
                 return False
         idle = False
         try:
-            if early is None:
-                self._abort_everywhere(request_id, res.peers if res is not None else ())
+            if early is None and res is not None:  # NOTE: none: nothing was ever sent
+                self._abort_everywhere(request_id, res.peers)
             idle = self._sends_idle_everywhere(request_id)
         finally:
             with leader.lock:
@@ -153,12 +235,37 @@ class PrefillRole(Role):
                 result = leader.step(self._chunk_transfers)
                 if result is not None:
                     for req in leader.finish_sampled(result.sampled, free=False):
-                        self.draining[req.request_id] = req.blocks
+                        self._computed(req)
                     for rid, error in result.failed.items():
                         self.fail(rid, error)
         aborted = self._send_kv_aborts()
         drained = self._free_drained()
-        return result is not None or drained or aborted
+        expired = self._expire_unattached()
+        return result is not None or drained or aborted or expired
+
+    def _computed(self, req) -> None:
+        """Caller holds the lock: ``req``'s first token is out; its blocks stay until its
+        sends are done, or, without a reservation yet, until one arrives."""
+        rid = req.request_id
+        if rid in self.reservations:
+            self.draining[rid] = req.blocks
+            return
+        deadline = time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s
+        self.unattached[rid] = Unattached(req.blocks, req.num_computed_tokens, deadline)
+
+    def _expire_unattached(self) -> bool:
+        """End (error event) and free the computed prompts whose reservation never came
+        within their deadline; True when there were some."""
+        if not self.unattached:  # NOTE: read without the lock: the loop adds them itself
+            return False
+        now, leader = time.monotonic(), self.leader
+        with leader.lock:
+            gone = [rid for rid, u in self.unattached.items() if u.deadline <= now]
+            for rid in gone:
+                leader.pool.free(self.unattached.pop(rid).blocks)
+                leader.emit_end(rid, "error", f"{self.cfg.name}: no decode reservation came "
+                                "for the computed prompt in time (its router is gone?)")
+        return bool(gone)
 
     def _chunk_transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
         """The step inputs of a prefill step: where each scheduled chunk's KV goes (V4: the
@@ -181,6 +288,10 @@ class PrefillRole(Role):
 
     def fail_all(self, error: str) -> None:
         self.leader.fail_scheduled(error, self.fail)
+        with self.leader.lock:
+            for rid in list(self.unattached):
+                self.leader.emit_end(rid, "error", error, True)
+                self.draining[rid] = self.unattached.pop(rid).blocks
         self._send_kv_aborts()
         try:
             self._free_drained()
@@ -254,7 +365,7 @@ class PrefillRole(Role):
 
     # ---- leader: status -----------------------------------------------------------------
     def num_active(self) -> int:
-        return self.leader.num_scheduled() + len(self.draining)
+        return self.leader.num_scheduled() + len(self.draining) + len(self.unattached)
 
     def status_fields(self, timeout_s: float | None) -> dict:
         if timeout_s is None:

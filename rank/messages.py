@@ -102,9 +102,20 @@ class Reserve:
 @dataclass(frozen=True)
 class Prefill:
     """Prefill leader: run ``spec``'s prompt in chunks, its KV sent into ``reservation``; the
-    first token comes back as a ``TokenEvent``."""
+    first token comes back as a ``TokenEvent``. ``reservation`` None: computed while decode
+    reserves (the router's eager launch); its KV waits for :class:`Attach`."""
 
     spec: RequestSpec
+    reservation: Reservation | None
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Prefill leader: the decode reservation of a request launched without one; the KV
+    computed so far ships now, the rest chunk by chunk. Answer: False when the request is
+    gone (aborted, failed or expired: its end event says which)."""
+
+    request_id: str
     reservation: Reservation
 
 
@@ -132,7 +143,7 @@ class Abort:
     request_id: str
 
 
-LeaderRequest = Reserve | Prefill | Admit | Generate | Abort
+LeaderRequest = Reserve | Prefill | Attach | Admit | Generate | Abort
 
 
 @dataclass(frozen=True)

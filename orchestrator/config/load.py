@@ -77,11 +77,12 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None,
     try:
         check_tp_layout(cfg)
     except ConfigError as exc:
-        if not (planning and _is_v4(cfg)):
+        if not (planning and serves_v4(cfg)):
             raise ConfigError(f"invalid config {path}:\n- {exc}") from None
     return cfg
 
 
-def _is_v4(cfg: OrchConfig) -> bool:
+def serves_v4(cfg: OrchConfig) -> bool:
+    """Whether ``cfg``'s model is a DeepSeek-V4 checkpoint (its config.json says so)."""
     raw, _ = model_config_dict(cfg.model)
     return raw is not None and is_v4(raw)

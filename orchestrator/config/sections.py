@@ -314,6 +314,9 @@ class RouterSection(_Section):
     max_migrations: int = Field(3, ge=0)
     # Seconds a removed instance's requests may run before they migrate (docs/scaling.md).
     drain_timeout_s: float = Field(30.0, ge=0)
+    # PD: send the prefill call before decode's reservation, which is made while the prompt
+    # computes (its KV ships once it arrives); off with V4, MTP or prefill cp > 1.
+    eager_prefill: bool = False
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # OpenAI-compatible HTTP API on router.host (docs/router.md, HTTP API); None = off.
     http_port: Optional[int] = Field(None, ge=0, le=65535)

@@ -9,6 +9,7 @@ from typing import Any, Awaitable, Callable
 
 from orchestrator.router.admission import AdmissionQueue
 from orchestrator.config.checkpoint import ModelInfo
+from orchestrator.config.load import serves_v4
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import ColocatedFlow, DisaggregatedFlow, Flow
@@ -23,6 +24,15 @@ from orchestrator.status import StatusBoard
 log = logging.getLogger(__name__)
 Healthy = Callable[[str], bool]
 RECOVER_GRACE_S = 30.0  # beyond health.recover_timeout_s before the monitor gives up
+
+
+def attaches_late(cfg: OrchConfig) -> bool:
+    """Whether the prefill instances of ``cfg`` compute before their decode reservation
+    (DisaggregatedFlow's eager launch): ``router.eager_prefill``, and not where the KV to
+    ship is made by the step itself (DeepSeek-V4's staged rows, MTP's hidden state,
+    context-parallel pieces), as ``PrefillRole.attaches_late`` says on the instance."""
+    return cfg.router.eager_prefill and cfg.prefill.cp == 1 \
+        and not cfg.decode.num_speculative_tokens and not serves_v4(cfg)
 
 
 def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Flow:
@@ -48,7 +58,7 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
         flow = DisaggregatedFlow(
             leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
             AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp,
-            prefill_cp=cfg.prefill.cp)
+            prefill_cp=cfg.prefill.cp, eager=attaches_late(cfg))
     flow.kv_index = index
     return flow
 

@@ -11,6 +11,12 @@ disaggregated   decode.reserve -> Reservation       prefill.prefill(spec, res)  
 colocated       choose an instance                  colocated.generate(spec)     nothing
 =============== =================================== ============================ ============
 
+Disaggregated with ``router.eager_prefill`` (DisaggregatedFlow ``eager``; while no request
+waits for decode room, never for a resumed request): place sends ``prefill.prefill(spec,
+None)`` first, then reserves on decode while the prompt computes; launch sends
+``prefill.attach(res)`` (the KV computed so far ships then); a first token that finished the
+request aborts the prefill as well as the reservation.
+
 Abort (client cancel, timeout, failure): prefill.abort (returns once no KV send is in flight
 into the reservation) THEN decode.abort, so decode never frees blocks that are being written.
 
@@ -24,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from rank.messages import (Abort, Admit, Generate, LeaderRequest, Prefill, Rejection,
+from rank.messages import (Abort, Admit, Attach, Generate, LeaderRequest, Prefill, Rejection,
                            Reservation, Reserve)
 from engine.request import RequestSpec
 from orchestrator.router.admission import AdmissionQueue
@@ -50,6 +57,11 @@ class Route:
     prefill_load: int = 0  # load (Policy.load_for) charged to the prefill until first token
     main_load: int = 0  # load charged to the main instance until the end
     reservation: Reservation | None = None  # decode blocks (disaggregated), for launch
+    # NOTE: an eager launch: the prefill call sent before the reservation (and when, monotonic)
+    prefill_call: asyncio.Future | None = None
+    launched_at: float | None = None
+    # eager: the Attach's answer (None: not sent; False also: not to be sent, ended)
+    attached: bool | None = None
 
     @property
     def instances(self) -> set[str]:
@@ -97,9 +109,11 @@ class Flow(ABC):
         return [n for n in healthy if n not in avoid] + [n for n in healthy if n in avoid]
 
     @abstractmethod
-    async def place(self, spec: RequestSpec, deadline: float,
-                    avoid: Collection[str] = ()) -> Route:
+    async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
+                    watch: Callable[[set[str]], None] | None = None) -> Route:
         """Choose healthy instances (``avoid`` last) and hold what the request needs.
+        ``watch(instances)``: called before an instance is asked to compute during placement
+        (an eager launch), so that its events reach the attempt.
 
         Raises:
             RequestError: no capacity, never fits, no healthy instance, or cancelled.
@@ -165,8 +179,8 @@ class ColocatedFlow(Flow):
     def pools(self) -> dict[str, Policy]:
         return {"colocated": self.policy}
 
-    async def place(self, spec: RequestSpec, deadline: float,
-                    avoid: Collection[str] = ()) -> Route:
+    async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
+                    watch: Callable[[set[str]], None] | None = None) -> Route:
         name = self.choices(self.policy, avoid, "colocated", spec.prompt_token_ids)[0]
         load = self.policy.load_for(name, spec.max_total_tokens, spec.prompt_token_ids)
         self.policy.acquire(name, load)
@@ -188,13 +202,17 @@ class DisaggregatedFlow(Flow):
         admission: bounded queue of requests waiting for decode KV blocks.
         prefill_tp, prefill_cp: TP and CP sizes of every prefill instance (decode ranks plan
             their receives by them).
+        eager: launch the prefill before the reservation while no request waits for decode
+            room: the prompt computes while decode reserves, its KV ships on ``Attach``
+            (prefill_worker/role.py ``attach``; not with V4, MTP or cp > 1).
     """
 
     def __init__(self, prefill: list[LeaderClient], decode: list[LeaderClient],
                  prefill_policy: Policy, decode_policy: Policy,
-                 admission: AdmissionQueue, prefill_tp: int = 1, prefill_cp: int = 1) -> None:
+                 admission: AdmissionQueue, prefill_tp: int = 1, prefill_cp: int = 1,
+                 eager: bool = False) -> None:
         super().__init__(decode, decode_policy)
-        self.prefill_tp, self.prefill_cp = prefill_tp, prefill_cp
+        self.prefill_tp, self.prefill_cp, self.eager = prefill_tp, prefill_cp, eager
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
@@ -209,10 +227,15 @@ class DisaggregatedFlow(Flow):
     def pools(self) -> dict[str, Policy]:
         return {"prefill": self.prefill_policy, "decode": self.policy}
 
-    async def place(self, spec: RequestSpec, deadline: float,
-                    avoid: Collection[str] = ()) -> Route:
+    async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
+                    watch: Callable[[set[str]], None] | None = None) -> Route:
         if not any(map(self.prefill_policy.healthy, self.prefill_policy.instances)):
             raise _none_healthy(self.prefill_policy, "prefill")  # before reserving anything
+        # NOTE: eager only while nobody waits for decode room: a prompt computed ahead would
+        # hold prefill blocks through the wait, and overtake the waiters on prefill
+        if self.eager and watch is not None and not spec.num_resumed_tokens \
+                and not self.admission.ahead_of(False):
+            return await self._place_eager(spec, deadline, avoid, watch)
         decode, reservation = await self._reserve(spec, deadline, avoid)
         route = Route(spec.request_id, main=decode, main_load=spec.max_total_tokens,
                       reservation=reservation)
@@ -227,6 +250,30 @@ class DisaggregatedFlow(Flow):
             route.prefill, spec.num_prompt_tokens, spec.prompt_token_ids)
         self.prefill_policy.acquire(route.prefill, route.prefill_load)
         return route
+
+    async def _place_eager(self, spec: RequestSpec, deadline: float, avoid: Collection[str],
+                           watch: Callable[[set[str]], None]) -> Route:
+        """The prefill call goes out first, the reservation is made while the prompt
+        computes; on any failure to reserve the prefill is aborted (its blocks freed there
+        once) and the error raised."""
+        prefill = self.choices(self.prefill_policy, avoid, "prefill", spec.prompt_token_ids)[0]
+        load = self.prefill_policy.load_for(prefill, spec.num_prompt_tokens,
+                                            spec.prompt_token_ids)
+        self.prefill_policy.acquire(prefill, load)
+        watch({prefill})
+        launched_at = time.monotonic()
+        call = asyncio.ensure_future(_call_or_fail(self.prefill[prefill], Prefill(spec, None)))
+        call.add_done_callback(_consume)  # NOTE: a route aborted before launch never awaits it
+        try:
+            decode, reservation = await self._reserve(spec, deadline, avoid)
+        except BaseException:
+            self.prefill_policy.release(prefill, load)
+            # NOTE: an abort before the call arrives leaves a tombstone: the call is refused
+            await asyncio.shield(_abort_quietly(self.prefill[prefill], spec.request_id))
+            raise
+        return Route(spec.request_id, main=decode, prefill=prefill,
+                     prefill_load=load, main_load=spec.max_total_tokens,
+                     reservation=reservation, prefill_call=call, launched_at=launched_at)
 
     async def _reserve(self, spec: RequestSpec, deadline: float,
                        avoid: Collection[str]) -> tuple[str, Reservation]:
@@ -303,12 +350,32 @@ class DisaggregatedFlow(Flow):
         return answer
 
     async def launch(self, spec: RequestSpec, route: Route) -> None:
-        await _call_or_fail(self.prefill[route.prefill], Prefill(spec, route.reservation))
+        leader = self.prefill[route.prefill]
+        if route.prefill_call is None:
+            await _call_or_fail(leader, Prefill(spec, route.reservation))
+            return
+        await route.prefill_call  # NOTE: raises its InstanceFailure
+        if route.attached is not None:
+            return  # NOTE: ended at its first token (on_first_token): nothing to ship
+        route.attached = await _call_or_fail(leader, Attach(spec.request_id, route.reservation))
+        if not route.attached:
+            # NOTE: the prefill ended it (aborted, failed, or its computed prompt held past
+            # ORPHAN_FACTOR completion timeouts): decode would wait for KV that never comes
+            raise RequestError("UNAVAILABLE", f"{route.prefill}: request {spec.request_id} "
+                               "was gone when its decode reservation was attached (aborted, "
+                               "failed, or held longer than 4 x kv_transfer."
+                               "completion_timeout_s): retry")
 
     async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
         self._release_prefill(route)
         decode = self.main[route.main]
         if finished:  # NOTE: max_tokens == 1 or EOS: the reservation is no longer needed
+            if route.prefill_call is not None:
+                # NOTE: eager: no Attach from now on (launch sees this); the prefill frees
+                # its computed prompt, or, if the Attach got there first, stops its sends
+                if route.attached is None:
+                    route.attached = False
+                await _abort_quietly(self.prefill[route.prefill], route.request_id)
             await _abort_quietly(decode, route.request_id)
             return
         await _call_or_fail(decode, Admit(route.request_id, token_id))
@@ -342,6 +409,12 @@ class DisaggregatedFlow(Flow):
         if route.prefill and route.prefill_load:
             self.prefill_policy.release(route.prefill, route.prefill_load)
             route.prefill_load = 0
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Retrieve a finished task's outcome (nobody awaits it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _none_healthy(policy: Policy, role: str) -> RequestError:

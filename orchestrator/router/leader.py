@@ -296,6 +296,12 @@ class EventPump:
         self._sources[attempt_id] = set(instances)
         return inbox
 
+    def widen(self, attempt_id: str, instances: set[str]) -> None:
+        """The attempt also depends on ``instances`` from now on: their events reach its
+        inbox and their failure fails it."""
+        if attempt_id in self._sources:
+            self._sources[attempt_id] |= set(instances)
+
     def watch(self, attempt_id: str, instances: set[str]) -> None:
         """The attempt now depends on exactly ``instances`` (fewer than before): only their
         events reach its inbox, only their failure fails it, what others queued is dropped."""

@@ -13,7 +13,10 @@ from rank.step_timing import FIRST_TOKEN_PHASES
 
 # The way to the first token, in order: the router's phases around the leader's
 # (``RequestState.first_token_phases``); what ``RequestStats.ttft_phases`` holds.
-TTFT_PHASES = ("tokenize", "placement", "transport", *FIRST_TOKEN_PHASES, "router_out")
+# ``reserve_wait``: the first token waiting at the router for the reservation (0 unless an
+# eager PD launch, whose prompt computes while decode reserves).
+TTFT_PHASES = ("tokenize", "placement", "transport", *FIRST_TOKEN_PHASES, "reserve_wait",
+               "router_out")
 
 
 class RequestError(Exception):

@@ -216,13 +216,22 @@ class RequestState:
         leader and the event's way back), then the leader's
         (:class:`rank.step_timing.FirstTokenClock`), then ``router_out`` (the event at the
         router -> the chunk handed to the server). Without the leader's phases (an older
-        worker), ``transport`` is the whole placed -> event span."""
+        worker), ``transport`` is the whole placed -> event span. ``reserve_wait``, before
+        ``router_out``: the time the token waited at the router for its placement to end
+        (0 unless an eager PD launch, ``Route.launched_at``: then ``placement`` ends at the
+        prefill call, ``transport`` starts there, and the reservation may come after the
+        token); the phases add up to opened -> ``now`` either way."""
         rank = event.ttft_phases
+        # NOTE: an eager PD launch: the prompt computed while decode reserved, so the launch
+        # call went out at ``launched`` and the token may wait for the reservation (else 0)
+        launched = self.route.launched_at if self.route is not None else None
+        launched = self.placed_at if launched is None else launched
+        ready = max(arrived, self.placed_at)
         self.ttft_phases = (
             ("tokenize", self.start - self.opened_at),
-            ("placement", self.placed_at - self.start),
-            ("transport", arrived - self.placed_at - sum(s for _, s in rank)),
-            *rank, ("router_out", now - arrived))
+            ("placement", launched - self.start),
+            ("transport", arrived - launched - sum(s for _, s in rank)),
+            *rank, ("reserve_wait", ready - arrived), ("router_out", now - ready))
         return self.ttft_phases
 
     def attempt_failed(self, exc: InstanceFailure, max_attempts: int) -> None:
@@ -315,13 +324,18 @@ class RequestState:
 
     def _raise_failed_call(self) -> None:
         """Forget the side calls that ended; raise the failure of one whose instance the
-        request still depends on (a launch failing after the first token does not count)."""
+        request still depends on (a launch failing after the first token does not count,
+        but for an eager PD launch's: its ``Attach`` never came, so decode gets no KV)."""
         for name, call in list(self.calls.items()):
             if not call.done() or call.cancelled():
                 continue
             del self.calls[name]
             exc = call.exception()
-            if isinstance(exc, InstanceFailure) and exc.instance in self.instances:
+            needed = self.instances
+            if name == "launch" and self.route is not None \
+                    and self.route.prefill_call is not None:
+                needed = needed | {self.route.prefill}
+            if isinstance(exc, InstanceFailure) and exc.instance in needed:
                 raise request_failed(self.request_id, exc.instance, exc.message, retryable=True)
             if exc is not None and not isinstance(exc, InstanceFailure):
                 raise exc

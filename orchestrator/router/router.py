@@ -272,11 +272,18 @@ class Router:
             RequestError: as :meth:`generate`.
         """
         spec = req.new_attempt(next(self._attempt_numbers))
-        route = await self._place(req, spec)
+        # NOTE: registered before placing: an eager PD launch computes while decode reserves
+        inbox = self.pump.register(req.attempt_id, req.request_id, set())
+        try:
+            route = await self._place(req, spec)
+        except BaseException:
+            self.pump.unregister(req.attempt_id)
+            raise
         if route is None:
+            self.pump.unregister(req.attempt_id)
             return
         req.placed(route)
-        inbox = self.pump.register(req.attempt_id, req.request_id, route.instances)
+        self.pump.widen(req.attempt_id, route.instances)
         by_workers = False  # the workers ended it themselves: nothing left to abort
         try:
             if req.aborted:  # NOTE: placed after the abort came: never launched, freed below
@@ -317,7 +324,9 @@ class Router:
             await self.availability.wait(self.flow.pools, deadline, req.woken, req.avoid)
             if req.aborted:
                 return None
-            return await self.flow.place(spec, deadline, req.avoid)
+            return await self.flow.place(
+                spec, deadline, req.avoid,
+                watch=lambda names: self.pump.widen(req.attempt_id, names))
         except RequestError as exc:
             if req.aborted:
                 return None

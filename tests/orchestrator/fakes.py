@@ -16,7 +16,7 @@ import inspect
 
 from kv_transfer import KVPeer
 from rank.event_stream import EventStream
-from rank.messages import (Abort, Admit, Generate, InstanceStatusInfo, Prefill, Rejection,
+from rank.messages import (Abort, Admit, Attach, Generate, InstanceStatusInfo, Prefill, Rejection,
                            Reservation, Reserve, TokenEvent)
 
 VOCAB = 129_280
@@ -159,6 +159,8 @@ class _Leader:
                 return self.reserve(spec, prefill_tp, prefill_cp)
             case Prefill(spec, reservation):
                 return self.prefill(spec, reservation)
+            case Attach(request_id, reservation):
+                return self.attach(request_id, reservation)
             case Admit(request_id, first_token_id):
                 return self.admit(request_id, first_token_id)
             case Generate(spec):
@@ -245,15 +247,31 @@ class FakePrefill(_Leader):
     def __init__(self, name="prefill-0") -> None:
         super().__init__(name, "prefill")
         self.specs: dict[str, object] = {}  # attempt id -> the spec it was asked to prefill
+        self.aborted: set[str] = set()  # attempt ids aborted here (an Attach then says gone)
         self.cached_tokens = 0
 
     async def prefill(self, spec, reservation) -> None:
-        self.calls.append(("prefill", spec.request_id, reservation.decode_instance))
+        """``reservation`` None (an eager launch): the token goes out all the same, as the
+        real prefill computes before its Attach."""
+        self.calls.append(("prefill", spec.request_id,
+                           reservation.decode_instance if reservation else None))
         self.specs[spec.request_id] = spec
         await self._enter("prefill")
         first = scripted(spec)[0]
         done = "length" if spec.sampling.max_tokens == 1 else None
         self.emit(spec.request_id, (first,), done, source="prefill", cached=self.cached_tokens)
+
+
+    async def attach(self, request_id, reservation) -> bool:
+        """False once aborted (as the real prefill, whose request is gone then)."""
+        self.calls.append(("attach", request_id, reservation.decode_instance))
+        await self._enter("attach")
+        return request_id in self.specs and request_id not in self.aborted
+
+    def abort(self, request_id: str) -> bool:
+        self.calls.append(("abort", request_id))
+        self.aborted.add(request_id)
+        return request_id in self.specs
 
 
 class FakeColocated(_Leader):

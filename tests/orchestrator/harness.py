@@ -101,7 +101,8 @@ class Harness:
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
                  security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
-                 max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None) -> None:
+                 max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None,
+                 eager_prefill=False) -> None:
         self.security, self.recover, self.peers = security, recover, peers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -113,7 +114,7 @@ class Harness:
             "decode": {"num_kv_blocks": 16, "dp": decode_dp},
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
                        "policy": "round_robin", "max_migrations": max_migrations,
-                       "drain_timeout_s": drain_timeout_s},
+                       "drain_timeout_s": drain_timeout_s, "eager_prefill": eager_prefill},
             "health": {"probe_interval_s": probe_interval_s}})
         self.metrics = RecordingMetrics()
         self.cluster = FakeCluster(self) if scaling else None

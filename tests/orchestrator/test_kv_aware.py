@@ -102,21 +102,30 @@ def test_kv_aware_load_is_the_tokens_an_instance_computes_so_a_turn_stays_with_i
     assert policy.order(PROMPT)[0] == "p0"
 
 
-def _flow(mode: str):
+def _flow(mode: str, eager: bool = False):
     cfg = OrchConfig.model_validate({"mode": mode, "cluster": {"device": "cpu"},
-                                     "router": {"policy": "kv_aware"}})
+                                     "router": {"policy": "kv_aware", "eager_prefill": eager}})
     fakes = {"prefill-0": FakePrefill(), "decode-0": FakeDecode()} if mode != "colocated" \
         else {"colocated-0": FakeColocated()}
     return build_flow(cfg, {n: Remote(f) for n, f in fakes.items()}, lambda name: True)
 
 
-@pytest.mark.parametrize("mode, computes, whole", [("colocated", "colocated-0", None),
-                                                   ("disaggregated", "prefill-0", "decode-0")])
-def test_kv_aware_placement_releases_exactly_the_load_it_charged(mode, computes, whole):
-    flow = _flow(mode)
+@pytest.mark.parametrize("mode, computes, whole, eager", [
+    ("colocated", "colocated-0", None, False), ("disaggregated", "prefill-0", "decode-0", False),
+    ("disaggregated", "prefill-0", "decode-0", True)])  # eager: prefill placed before reserve
+def test_kv_aware_placement_releases_exactly_the_load_it_charged(mode, computes, whole, eager):
+    flow = _flow(mode, eager)
     flow.kv_index.apply(computes, pool_with(PROMPT[:32]).take_events())
     spec = RequestSpec("r1", tuple(PROMPT), SamplingParams(max_tokens=4))
-    route = asyncio.run(flow.place(spec, time.monotonic() + 5.0))
+
+    async def place():
+        route = await flow.place(spec, time.monotonic() + 5.0, watch=lambda names: None)
+        assert (route.prefill_call is not None) == eager
+        if eager:
+            await route.prefill_call
+        return route
+
+    route = asyncio.run(place())
     computing = flow.pools["prefill" if whole else "colocated"]
     tokens = spec.num_prompt_tokens if whole else spec.max_total_tokens
     assert computing.outstanding[computes] == tokens - 32  # its cached prefix not charged
