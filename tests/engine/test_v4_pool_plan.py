@@ -70,9 +70,10 @@ def test_plan_is_what_a_tp_ep_rank_builds(tiny_v4_ckpt):
 def test_a_colocated_rank_from_the_config_builds_the_plan(tiny_v4_ckpt):
     """``orch up``'s path: configs/v4_colocated.yaml's instance config -> Rank (rank/rank.py
     hands ``SchedulerConfig.v4_shape`` to ``build_runner``): its pools and its admission's are
-    the plan's."""
+    the plan's; it serves three requests on them and every block comes back."""
     from rank.colocated import ColocatedRole  # noqa: PLC0415
     from rank.rank import Rank  # noqa: PLC0415
+    from tests.engine.test_v4_runner import _collect, _generate, _wait_v4_free  # noqa: PLC0415
 
     cfg = load_config(REPO / "configs" / "v4_colocated.yaml", {"model.path": str(tiny_v4_ckpt)})
     plan, _ = build_memory_plan(cfg)
@@ -84,6 +85,12 @@ def test_a_colocated_rank_from_the_config_builds_the_plan(tiny_v4_ckpt):
         assert built == pool_plan(plan.model, role.layout).blocks
         assert rank.leader.scheduler.admission.pools is rank.runner.pools
         assert built["window"] == 8 * 6  # max_num_seqs 8, chunks of 64: 6 blocks of 16
+        for i, n in enumerate((40, 70, 100)):
+            rank.request(_generate(f"r{i}", n, i, 8))
+        out = _collect(rank, {f"r{i}": ([], None, None) for i in range(3)})
+        assert {rid: (len(t), reason) for rid, (t, reason, _) in out.items()} == \
+            {f"r{i}": (8, "length") for i in range(3)}, out
+        _wait_v4_free(rank.runner)
     finally:
         rank.shutdown()
 
