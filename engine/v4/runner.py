@@ -170,8 +170,7 @@ class V4Runner:
         self.model_config = V4ServedConfig(
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
             config.max_position_embeddings, config.num_hidden_layers, config.hidden_size)
-        self.pool_plan = plan_pools(config, num_kv_blocks, block_size, shape)
-        self.pools = serving_pools(self.pool_plan)
+        self.pools = serving_pools(plan_pools(config, num_kv_blocks, block_size, shape))
         self.dtype = dtype
         self.scheduler_blocks = staging_blocks or num_kv_blocks
         self.staging_spec = StagingSpec(config.num_hidden_layers, self.scheduler_blocks,
