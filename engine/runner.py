@@ -316,16 +316,20 @@ class ModelRunner:
 
 
 def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
-                 staging_blocks: int = 0, **kwargs) -> ModelRunner | V4Runner:
+                 staging_blocks: int = 0, v4_shape: tuple[int, int, int] | None = None,
+                 **kwargs) -> ModelRunner | V4Runner:
     """The runner of ``checkpoint_dir``'s architecture: :class:`engine.v4.runner.V4Runner` for
     DeepSeek-V4 (its serving layout checked; ``prefix_cache``: the scheduler pool caches
     prefixes, which V4 does not support; ``staging_blocks``: its PD staging cache's blocks,
-    0: ``num_kv_blocks``), else :class:`ModelRunner` (``kwargs`` as its).
+    0: ``num_kv_blocks``; ``v4_shape``: ``(max_num_seqs, max_model_len, step_tokens)`` its
+    group pools are sized for, :class:`engine.v4.pool_plan.RequestShape`, None: every group
+    ``num_kv_blocks`` blocks), else :class:`ModelRunner` (``kwargs`` as its).
 
     Raises:
         ValueError: a layout V4 does not support (the message lists each and its fix).
     """
-    from engine.v4.runner import V4Runner, is_v4_checkpoint  # noqa: PLC0415 (V3 never needs it)
+    from engine.v4.pool_plan import RequestShape  # noqa: PLC0415 (V3 never needs it)
+    from engine.v4.runner import V4Runner, is_v4_checkpoint  # noqa: PLC0415
 
     if not is_v4_checkpoint(checkpoint_dir):
         return ModelRunner(checkpoint_dir, **kwargs)
@@ -337,7 +341,8 @@ def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
                     graph=graph is not None and graph.enabled,
                     num_speculative_tokens=kwargs.get("num_speculative_tokens", 0),
                     layer_sharding=tuple(kwargs.get("layer_sharding", ())),
-                    prefix_cache=prefix_cache, staging_blocks=staging_blocks)
+                    prefix_cache=prefix_cache, staging_blocks=staging_blocks,
+                    shape=None if v4_shape is None else RequestShape(*v4_shape))
 
 
 def _size(group: TPGroup | EPGroup | CPGroup | None) -> int:

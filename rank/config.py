@@ -40,6 +40,10 @@ class SchedulerConfig:
         staging_blocks: DeepSeek-V4 PD roles only: blocks of the scheduler pool, which there
             carries only the requests' staging rows, and of the staging cache the KV transfer
             reads / writes (engine/v4/staging.py); 0: ``num_kv_blocks``.
+        max_model_len: tokens of the longest request (``model.max_model_len``): a DeepSeek-V4
+            rank sizes its KV group pools for ``max_num_seqs`` such requests written
+            ``chunk_size`` tokens a step (engine/v4/pool_plan.py); 0: not given, every V4
+            group gets ``num_kv_blocks`` blocks.
 
     Raises:
         ValueError: a size < 1, or ``chunk_size > max_num_batched_tokens``.
@@ -53,6 +57,7 @@ class SchedulerConfig:
     prefix_cache: bool = True
     num_speculative_tokens: int = 0
     staging_blocks: int = 0
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "chunk_size", "max_num_batched_tokens",
@@ -60,12 +65,23 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got "
                                  f"{getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ValueError(f"SchedulerConfig.max_model_len must be >= 0 (0: not given), got "
+                             f"{self.max_model_len}")
         if self.staging_blocks < 0:
             raise ValueError(f"SchedulerConfig.staging_blocks must be >= 0 (0: num_kv_blocks), "
                              f"got {self.staging_blocks}")
         if self.chunk_size > self.max_num_batched_tokens:
             raise ValueError(f"SchedulerConfig.chunk_size ({self.chunk_size}) must be <= "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def v4_shape(self) -> tuple[int, int, int] | None:
+        """``(max_num_seqs, max_model_len, chunk_size)``: the requests a DeepSeek-V4 rank's
+        group pools are sized for (engine/v4/pool_plan.py ``RequestShape``); None without
+        ``max_model_len``."""
+        return (self.max_num_seqs, self.max_model_len, self.chunk_size) \
+            if self.max_model_len else None
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,8 @@ class Rank:
                                            self.cfg.scheduler.num_speculative_tokens),
                                        prefix_cache=self.cfg.scheduler.prefix_cache,
                                        staging_blocks=(0 if self.cfg.role == "colocated" else
-                                                       self.cfg.scheduler.staging_blocks))
+                                                       self.cfg.scheduler.staging_blocks),
+                                       v4_shape=self.cfg.scheduler.v4_shape)
             if ep is not None and self.rank == 0:
                 self.dp_sync = join_dp_sync(par, ep_store, self.cfg.transfer.connect_timeout_s,
                                             store=self._ep_store)

@@ -74,7 +74,8 @@ class V4Admission:
         return ("the request's DeepSeek-V4 state needs more blocks than this instance has in "
                 "all (group: needed, total): " + ", ".join(
                     f"{name}: {n}, {total}" for name, (n, total) in over.items())
-                + ": shorten the prompt or max_tokens, or raise num_kv_blocks")
+                + ": shorten the prompt or max_tokens, or raise num_kv_blocks (the group pools "
+                "hold max_num_seqs requests of model.max_model_len within its budget)")
 
     def can_admit(self, need: dict[str, int]) -> bool:
         """True when ``need`` fits next to every admitted request's commitment. No side

@@ -68,14 +68,12 @@ def kv_groups(config: V4Config) -> tuple[KVGroup, ...]:
 
 def group_bytes(config: V4Config, num_blocks: int, block_size: int, dtype_bytes: int
                 ) -> dict[str, int]:
-    """Bytes per group of pools of ``num_blocks`` blocks (what
-    :func:`engine.v4.runner.serving_pools` makes, ``num_kv_blocks`` each): ``window`` and
+    """Bytes per group of pools of ``num_blocks`` blocks each (the uniform layout; a rank's
+    pools are sized per group, :func:`engine.v4.pool_plan.plan_pools`): ``window`` and
     ``entries/<kind>`` rows are the tensors :class:`engine.v4.paged_cache.PagedKV` allocates
     (``num_blocks x block_size x row_elements x dtype_bytes``); a ``state/<kind>`` block is one
     request's compressor / indexer open-group state at its largest (held in the request's
-    objects, allocated as it runs: ``num_blocks x row_elements x dtype_bytes`` at most).
-    What a memory plan counts for a V4 rank's KV (plus a PD rank's staging cache,
-    :func:`engine.v4.staging.staging_bytes`)."""
+    objects, allocated as it runs: ``num_blocks x row_elements x dtype_bytes`` at most)."""
     return {g.name: num_blocks * (1 if g.per == PER_REQUEST else block_size) * g.row_elements
             * dtype_bytes for g in kv_groups(config)}
 

@@ -2,7 +2,8 @@
 :class:`engine.runner.ModelRunner` (``execute(steps)`` -> ``[B, vocab]`` logits) over
 :mod:`engine.v4` and its paged caches per KV group.
 
-The rows live in the V4 groups' pools (:func:`serving_pools`), taken as each request grows
+The rows live in the V4 groups' pools (:func:`serving_pools`, each sized by
+:func:`engine.v4.pool_plan.plan_pools` for the rank's request shape), taken as each request grows
 (:meth:`engine.v4.block_table.RequestBlocks.grow`) and, for the sliding window, given back as
 decode advances. The rank's scheduler admits a request only when its most blocks per group
 fit next to the admitted ones' (:meth:`V4Runner.make_admission`,
@@ -47,12 +48,11 @@ import torch
 from engine.block_pool import BlockPool, BlockSet
 from engine.parallel import EPGroup, TPGroup
 from engine.v4.admission import V4Admission
-from engine.v4.block_table import kv_groups
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import exchange_empty
-from engine.v4.kv_spec import PER_REQUEST
 from engine.v4.loader import load_v4
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
+from engine.v4.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.request_caches import RequestCaches
 from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
                                tiers, unpack)
@@ -111,16 +111,15 @@ class V4ServedConfig:
     hidden_size: int
 
 
-def serving_pools(config: V4Config, num_kv_blocks: int, block_size: int
-                  ) -> dict[str, BlockPool]:
+def serving_pools(plan: PoolPlan) -> dict[str, BlockPool]:
     """One :class:`BlockPool` per KV group (:func:`engine.v4.block_table.kv_groups`) of
-    ``num_kv_blocks`` blocks: ``block_size`` rows (state groups: 1 row).
+    ``plan.blocks[group]`` blocks of ``plan.block_sizes[group]`` rows
+    (:func:`engine.v4.pool_plan.plan_pools`: sized by the request shape; state groups 1 row).
 
     NOTE: never short for admitted requests: the scheduler admits by these pools
     (:class:`engine.v4.admission.V4Admission`).
     """
-    return {g.name: BlockPool(num_kv_blocks, 1 if g.per == PER_REQUEST else block_size)
-            for g in kv_groups(config)}
+    return {name: BlockPool(n, plan.block_sizes[name]) for name, n in plan.blocks.items()}
 
 
 class V4Runner:
@@ -130,8 +129,13 @@ class V4Runner:
 
     Args:
         checkpoint_dir: a DeepSeek-V4 HF checkpoint directory.
-        num_kv_blocks, block_size: each V4 group's pool's blocks, and rows per block
-            (:func:`serving_pools`; state groups 1 row); block_size is the scheduler pool's.
+        num_kv_blocks, block_size: the V4 KV budget (``num_kv_blocks`` blocks in every
+            stored group) and rows per block (state groups 1 row); block_size is the
+            scheduler pool's.
+        shape: the requests the group pools are sized for (:func:`engine.v4.pool_plan.
+            plan_pools`: the budget split in proportion to what they hold per group, at most
+            ``max_num_seqs`` of them; what the memory plan prints); None: every group
+            ``num_kv_blocks`` blocks.
         dtype, device: weights, activations and cache.
         tp: this rank's TP group (None: one rank); every rank of the group runs the same
             steps (the rank's SPMD step channel).
@@ -154,7 +158,8 @@ class V4Runner:
     def __init__(self, checkpoint_dir: str | Path, *, num_kv_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  staging_blocks: int = 0, tp: TPGroup | None = None,
-                 ep: EPGroup | None = None, **layout: object) -> None:
+                 ep: EPGroup | None = None, shape: RequestShape | None = None,
+                 **layout: object) -> None:
         check_v4_serving(**layout)
         self.device, self.tp, self.ep = torch.device(device), tp or TPGroup(), ep or EPGroup()
         self.model = load_v4(checkpoint_dir, dtype, self.device, tp=self.tp,
@@ -165,7 +170,7 @@ class V4Runner:
         self.model_config = V4ServedConfig(
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
             config.max_position_embeddings, config.num_hidden_layers, config.hidden_size)
-        self.pools = serving_pools(config, num_kv_blocks, block_size)
+        self.pools = serving_pools(plan_pools(config, num_kv_blocks, block_size, shape))
         self.dtype = dtype
         self.scheduler_blocks = staging_blocks or num_kv_blocks
         self.staging_spec = StagingSpec(config.num_hidden_layers, self.scheduler_blocks,

@@ -25,13 +25,8 @@ from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.devices import GB, DeviceMemory, device_memory
 from orchestrator.config.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePlan, plan_role
-from orchestrator.config.memory_plan_v4 import V4Precision, plan_role_v4, request_line
-
-
-# NOTE: KV rows sized by max_num_seqs, not by num_kv_blocks (V4's compressor state)
-# NOTE: KV rows that are not per KV block: V4's per-sequence state and its PD staging cache
-# (sized by v4_staging_blocks when set; left out of "lower num_kv_blocks", so that fix errs low)
-PER_SEQ_KV = ("KV: compressor state", "KV: PD staging rows")
+from orchestrator.config.memory_plan_v4 import (V4Precision, plan_role_v4, pools_line,
+                                                request_line)
 
 
 class MemoryPlanError(ConfigError):
@@ -81,7 +76,7 @@ def role_layouts(cfg: OrchConfig) -> list[RoleLayout]:
             step_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs,
             max_model_len=cfg.model.max_model_len, mtp=s.num_speculative_tokens > 0,
             staging_blocks=0 if inst.role == "colocated" else
-            (s.staging_blocks or s.num_kv_blocks))
+            (s.staging_blocks or s.num_kv_blocks), chunk_size=s.chunk_size)
     return list(layouts.values())
 
 
@@ -228,15 +223,50 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
     if lay.role != "decode" and most_tokens is not None and most_tokens < lay.step_tokens:
         fixes.append(f"lower {key}.max_num_batched_tokens from {lay.step_tokens} to <= "
                      f"{most_tokens}")
-    pool = sum(r.bytes for r in role.rows if r.group == "kv" and r.kind not in PER_SEQ_KV)
-    per_block = pool / lay.num_kv_blocks
-    room = have - (role.total_bytes - pool)
     least = -(-lay.max_model_len // lay.block_size)
-    if room >= least * per_block:
-        fixes.append(f"lower {key}.num_kv_blocks from {lay.num_kv_blocks} to <= "
-                     f"{math.floor(room / per_block)}")
+    if isinstance(plan.model, V4Config):
+        fixes += _v4_pool_fixes(plan, role, least)
+    else:
+        pool = role.bytes_of("kv")  # NOTE: V3's KV rows are all per block
+        per_block = pool / lay.num_kv_blocks
+        room = have - (role.total_bytes - pool)
+        if room >= least * per_block:
+            fixes.append(f"lower {key}.num_kv_blocks from {lay.num_kv_blocks} to <= "
+                         f"{math.floor(room / per_block)}")
     fixes.append("or set cluster.device_memory_gb if the device has more")
     return fixes
+
+
+def _v4_pool_fixes(plan: MemoryPlan, role: RolePlan, least_blocks: int) -> list[str]:
+    """DeepSeek-V4's group pools (engine/v4/pool_plan.py) hold ``min(max_num_seqs, what
+    num_kv_blocks' budget holds)`` requests: the most ``num_kv_blocks`` (from ``least_blocks``,
+    one max_model_len request) and the most ``max_num_seqs`` with which ``role`` fits, each
+    found on the plan itself (its bytes grow with both, in steps)."""
+    lay, key, out = role.layout, role.layout.section, []
+    for name, low in (("num_kv_blocks", least_blocks), ("max_num_seqs", 1)):
+        most = _most_fitting(plan, role, name, low)
+        if most is not None:
+            out.append(f"lower {key}.{name} from {getattr(lay, name)} to <= {most}")
+    return out
+
+
+def _most_fitting(plan: MemoryPlan, role: RolePlan, name: str, low: int) -> int | None:
+    """The largest ``low <= v < role.layout.<name>`` with which ``role`` fits, everything else
+    unchanged (None: not even ``low``, or lowering changes nothing). Bisection: the plan's
+    bytes never fall as ``name`` grows."""
+    lay, have = role.layout, plan.memory.bytes
+
+    def fits(v: int) -> bool:
+        return plan.plan_fn(plan.model, replace(lay, **{name: v}), plan.precision).total_bytes \
+            <= have
+
+    high = getattr(lay, name) - 1
+    if high < low or not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def _most_step_tokens(plan: MemoryPlan, role: RolePlan) -> int | None:
@@ -289,6 +319,7 @@ def describe_memory(cfg: OrchConfig) -> list[str]:
     for role in plan.roles:
         lines += _role_table(role, None if mem.shared else mem.bytes)
         if isinstance(plan.model, V4Config):
+            lines.append(pools_line(plan.model, role.layout))
             lines.append(request_line(plan.model, role.layout.max_model_len,
                                       plan.precision.kv))
         lines.append(_prefix_cache_line(cfg, role.layout))

@@ -55,6 +55,9 @@ class RoleLayout:
         staging_blocks: blocks of a DeepSeek-V4 PD rank's staging cache (its role's
             ``v4_staging_blocks``, else ``num_kv_blocks``; engine/v4/staging.py); 0 for
             colocated roles. Other models ignore it.
+        chunk_size: most tokens one request writes per step (the scheduler's: prefill chunk,
+            1 on decode): a DeepSeek-V4 window's span per request (engine/v4/pool_plan.py).
+            Other models ignore it.
     """
 
     role: str
@@ -73,6 +76,7 @@ class RoleLayout:
     comm_buffer_bytes: int = 0
     mtp: bool = False
     staging_blocks: int = 0
+    chunk_size: int = 1
 
     @property
     def collectives(self) -> tuple[str, ...]:

@@ -16,10 +16,12 @@ lm_head by vocab.
 
 KV: the pools :func:`engine.v4.runner.serving_pools` allocates, one per KV group of
 :func:`engine.v4.block_table.kv_groups` (the window's raw K=V, per compressed kind its entries
-with the indexer keys), each ``num_kv_blocks x block_size`` rows of the group's
-``row_elements``; the compressors' open-group state lives in each request's objects (at most
-``max_num_seqs`` requests). Every width comes from :mod:`engine.v4.kv_spec`. What ONE request
-holds is :func:`kv_bytes_per_request` (the spec's rows at ``n`` tokens).
+with the indexer keys), each ``blocks x block_size`` rows of the group's ``row_elements``,
+the blocks :func:`engine.v4.pool_plan.plan_pools` gives it for the role's request shape
+(:func:`pool_plan`: what the rank's runner gets); the compressors' open-group state lives in
+each request's objects (one per state block: the requests the pools hold). Every width comes
+from :mod:`engine.v4.kv_spec`. What ONE request holds is :func:`kv_bytes_per_request` (the
+spec's rows at ``n`` tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from engine.v4.block_table import kv_groups
 from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
+from engine.v4.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.staging import staging_bytes_per_slot
 from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RoleLayout, RolePlan
 
@@ -181,8 +184,16 @@ def _weight_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRo
 _SHORT = {CSA: "CSA", HCA: "HCA"}
 
 
+def pool_plan(m: V4Config, lay: RoleLayout) -> PoolPlan:
+    """The group pools one rank of ``lay`` builds (:func:`engine.v4.pool_plan.plan_pools` of
+    what the rank's runner gets: ``num_kv_blocks``, ``block_size``, ``max_num_seqs`` requests
+    of ``max_model_len`` written ``chunk_size`` tokens a step)."""
+    return plan_pools(m, lay.num_kv_blocks, lay.block_size,
+                      RequestShape(lay.max_num_seqs, lay.max_model_len, lay.chunk_size))
+
+
 def _kv_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
-    rows_per_pool = lay.num_kv_blocks * lay.block_size
+    pools = pool_plan(m, lay)
     out = []
     for g in kv_groups(m):
         if g.per == PER_REQUEST:
@@ -191,18 +202,30 @@ def _kv_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
         label = "window" if g.per == PER_TOKEN else f"{_SHORT[kind]} entries 1/{g.compress_ratio}"
         what = "raw K=V" if g.per == PER_TOKEN else \
             "K=V + index keys" if kind == CSA else "K=V"
-        out.append(PlanRow(f"KV: {label}", "kv", rows_per_pool * g.row_elements, prec.kv,
-                           f"{lay.num_kv_blocks} blocks x {lay.block_size} rows x "
+        out.append(PlanRow(f"KV: {label}", "kv", pools.elements(g.name), prec.kv,
+                           f"{pools.blocks[g.name]} blocks x {lay.block_size} rows x "
                            f"{g.row_elements:,} ({what}, {len(g.layers)} layers)"))
-    state = sum(g.row_elements for g in kv_groups(m) if g.per == PER_REQUEST)
-    out.append(PlanRow("KV: compressor state", "kv", lay.max_num_seqs * state, prec.kv,
-                       f"{lay.max_num_seqs} seqs x {state:,}"))
+    state = [g.name for g in kv_groups(m) if g.per == PER_REQUEST]
+    held = max(pools.blocks[g] for g in state)  # NOTE: every state group: one per request
+    out.append(PlanRow("KV: compressor state", "kv", sum(pools.elements(g) for g in state),
+                       prec.kv, f"{held} requests x {sum(pools.row_elements[g] for g in state):,}"))
     if lay.staging_blocks:
         slot = staging_bytes_per_slot(m, 1)
         out.append(PlanRow("KV: PD staging rows", "kv", lay.staging_blocks * lay.block_size
                            * slot, prec.kv, f"{lay.staging_blocks} blocks x {lay.block_size} "
                            f"rows x {slot:,} (every layer's staged row)"))
     return out
+
+
+def pools_line(m: V4Config, lay: RoleLayout) -> str:
+    """One report line: what the rank's group pools hold (:func:`pool_plan`) and why."""
+    pools = pool_plan(m, lay)
+    why = (f"max_num_seqs {lay.max_num_seqs}; num_kv_blocks' budget would hold "
+           f"{pools.budget_requests:.1f}" if pools.capped else
+           f"num_kv_blocks {lay.num_kv_blocks}'s budget; max_num_seqs {lay.max_num_seqs}")
+    per = ", ".join(f"{g} {pools.per_request[g]}" for g in pools.blocks)
+    return (f"  V4 KV pools: {pools.requests:.4g} requests of max_model_len "
+            f"{lay.max_model_len:,} ({why}); blocks per request: {per}")
 
 
 def _workspace_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
@@ -278,4 +301,4 @@ def request_line(m: V4Config, max_model_len: int, kv_bytes: float) -> str:
 
 
 __all__ = ["FP4_BYTES", "SPLITS", "V4Precision", "kv_bytes_per_request",
-           "kv_elements_per_request", "plan_role_v4", "request_line"]
+           "kv_elements_per_request", "plan_role_v4", "pool_plan", "pools_line", "request_line"]

@@ -130,23 +130,26 @@ class OrchConfig(_Section):
         (one token per request per step), colocated ones from both (chunking from
         ``prefill``, batch and KV size from ``decode``)."""
         block, k = self.kv_transfer.block_size, self.decode.num_speculative_tokens
+        max_len = self.model.max_model_len  # NOTE: sizes a V4 rank's group pools
         if role == "prefill":
             p = self.prefill
             return SchedulerConfig(block, p.num_kv_blocks, p.chunk_size,
                                    p.max_num_batched_tokens, p.max_num_seqs,
                                    num_speculative_tokens=k, prefix_cache=p.prefix_cache,
-                                   staging_blocks=p.v4_staging_blocks or 0)
+                                   staging_blocks=p.v4_staging_blocks or 0,
+                                   max_model_len=max_len)
         d = self.decode
         if role == "decode":  # NOTE: a drafting request computes 1 + k tokens per step
             return SchedulerConfig(block, d.num_kv_blocks, chunk_size=1 + k,
                                    max_num_batched_tokens=d.max_num_seqs * (1 + k),
                                    max_num_seqs=d.max_num_seqs, num_speculative_tokens=k,
                                    prefix_cache=d.prefix_cache,
-                                   staging_blocks=d.v4_staging_blocks or 0)
+                                   staging_blocks=d.v4_staging_blocks or 0,
+                                   max_model_len=max_len)
         return SchedulerConfig(block, d.num_kv_blocks, self.prefill.chunk_size,
                                self.prefill.max_num_batched_tokens + d.max_num_seqs * k,
                                d.max_num_seqs, num_speculative_tokens=k,
-                               prefix_cache=d.prefix_cache)
+                               prefix_cache=d.prefix_cache, max_model_len=max_len)
 
     def _parallel(self, role: str) -> ParallelConfig:
         """The role's layout; ``dp_rank`` is set per instance by :meth:`instances`."""

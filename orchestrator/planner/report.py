@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.v4.block_table import kv_groups, reservation
+from engine.v4.config import V4Config
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.memory_check import MemoryPlan, build_memory_plan
 from orchestrator.config.memory_plan import RolePlan
+from orchestrator.config.memory_plan_v4 import pool_plan
 from orchestrator.planner.cost import (Cost, Hardware, counts_for, decode_step_cost,
                                        kv_transfer_cost, prefill_cost, request_calls)
 from orchestrator.planner.explain import cost_lines
@@ -27,7 +30,8 @@ class Plan:
 
     Attributes:
         prefill, decode: the role plans (the same colocated plan twice in colocated mode).
-        slots: requests one decode DP rank holds (KV blocks and max_num_seqs).
+        slots: requests one decode DP rank holds (KV blocks and max_num_seqs;
+            DeepSeek-V4: its group pools, :func:`requests_held`).
         prefill_cost: one request on one prefill DP rank.
         step_cost: one decode step at the operating point's batch.
         transfer: the KV of one request to decode (None colocated).
@@ -72,9 +76,15 @@ def resolve_device(cfg: OrchConfig, key: str | None, recalibrate: bool = False) 
     return named_device(key)
 
 
-def requests_held(plan: RolePlan, tokens: int) -> int:
-    """Requests of ``tokens`` tokens one DP rank holds: KV blocks and max_num_seqs."""
+def requests_held(plan: RolePlan, tokens: int, model=None) -> int:
+    """Requests of ``tokens`` tokens one DP rank holds: KV blocks and max_num_seqs (a
+    DeepSeek-V4 ``model``: the fewest over its group pools of blocks // what one request
+    commits there, engine/v4/pool_plan.py and engine/v4/admission.py)."""
     lay = plan.layout
+    if isinstance(model, V4Config):
+        pools = pool_plan(model, lay)
+        need = reservation(kv_groups(model), pools.block_sizes, tokens, lay.chunk_size)
+        return min(lay.max_num_seqs, *(pools.blocks[g] // n for g, n in need.items()))
     return min(lay.max_num_seqs, lay.num_kv_blocks // -(-tokens // lay.block_size))
 
 
@@ -97,8 +107,8 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     roles = {p.layout.role: p for p in memory.roles}
     colocated = "colocated" in roles
     pre, dec = (roles["colocated"],) * 2 if colocated else (roles["prefill"], roles["decode"])
-    slots = requests_held(dec, wl.input_len + wl.output_len)
-    if slots < 1 or requests_held(pre, wl.input_len) < 1:
+    slots = requests_held(dec, wl.input_len + wl.output_len, memory.model)
+    if slots < 1 or requests_held(pre, wl.input_len, memory.model) < 1:
         raise ConfigError(f"one request of {wl.input_len}+{wl.output_len} tokens does not fit "
                           "a DP rank's KV cache: raise num_kv_blocks or shorten the workload")
     hw, opts = Hardware(device), wl.options
@@ -170,16 +180,18 @@ def _cost(c: Cost, scale: float, unit: str) -> str:
             f"{c.overhead_s * scale:.3g}{', overlapped' if c.overlap else ''})")
 
 
-def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens: int) -> str:
+def _role_line(name: str, plan: RolePlan, device: DeviceSpec, held: int, tokens: int,
+               v4: bool = False) -> str:
     lay = plan.layout
     ep = f", ep (EP {lay.ep_size})" if lay.ep else ""
     cp = f" x cp {lay.cp}" if lay.cp > 1 else ""
     blocks = -(-tokens // lay.block_size)
+    kv = "DeepSeek-V4 group pools" if v4 else \
+        f"{lay.num_kv_blocks} KV blocks / {blocks} per request"
     return (f"{name}: dp {lay.dp} x tp {lay.tp}{cp}{ep}: one rank {_gb(plan.total_bytes)} GB "
             f"(weights {_gb(plan.bytes_of('weights'))}, KV {_gb(plan.bytes_of('kv'))}, "
             f"workspace {_gb(plan.bytes_of('workspace'))}) of {device.memory_gb:.4g} GB; "
-            f"{held} request(s) per DP rank ({lay.num_kv_blocks} KV blocks / {blocks} per "
-            f"request, max_num_seqs {lay.max_num_seqs})")
+            f"{held} request(s) per DP rank ({kv}, max_num_seqs {lay.max_num_seqs})")
 
 
 def _options_text(plan: Plan) -> str:
@@ -199,12 +211,14 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
     lines = [f"plan on {plan.device.key} ({plan.device.name}); workload in={wl.input_len}, "
              f"out={wl.output_len}, {load}{_options_text(plan)}"]
     colocated = plan.transfer is None
+    v4 = isinstance(plan.memory.model, V4Config)
     lines.append(_role_line("colocated" if colocated else "prefill", plan.prefill, plan.device,
-                            requests_held(plan.prefill, wl.input_len), wl.input_len))
+                            requests_held(plan.prefill, wl.input_len, plan.memory.model),
+                            wl.input_len, v4))
     lines.append(f"  prefill per request: {_cost(plan.prefill_cost, 1, 's')}")
     if not colocated:
         lines.append(_role_line("decode", plan.decode, plan.device, plan.slots,
-                                wl.input_len + wl.output_len))
+                                wl.input_len + wl.output_len, v4))
     if explain:
         lines += _hit_lines(plan) + cost_lines(plan.prefill_cost, 1, "s", "    ")
     lines.append(f"  decode step at batch {pt.decode_batch:.3g} per DP rank: "

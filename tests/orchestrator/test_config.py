@@ -93,22 +93,28 @@ def test_dry_run_reads_layers_from_checkpoint(tmp_path, capsys):
 SECTIONS = {"prefill": {"chunk_size": 32, "max_num_batched_tokens": 96, "max_num_seqs": 3,
                         "num_kv_blocks": 200},
             "decode": {"max_num_seqs": 7, "num_kv_blocks": 300},
-            "kv_transfer": {"block_size": 16}, "cluster": {"device": "cpu"}}
+            "kv_transfer": {"block_size": 16}, "cluster": {"device": "cpu"},
+            "model": {"max_model_len": 1000}}  # NOTE: every role's (sizes V4's group pools)
 
 
 def test_each_role_schedules_with_its_own_section():
     prefill, decode = OrchConfig.model_validate(SECTIONS).instances()
     assert prefill.scheduler == SchedulerConfig(block_size=16, num_kv_blocks=200, chunk_size=32,
-                                                max_num_batched_tokens=96, max_num_seqs=3)
+                                                max_num_batched_tokens=96, max_num_seqs=3,
+                                                max_model_len=1000)
     # decode computes one token per running request: prefill's chunking is not its business
     assert decode.scheduler == SchedulerConfig(block_size=16, num_kv_blocks=300, chunk_size=1,
-                                               max_num_batched_tokens=7, max_num_seqs=7)
+                                               max_num_batched_tokens=7, max_num_seqs=7,
+                                               max_model_len=1000)
+    assert decode.scheduler.v4_shape == (7, 1000, 1) and prefill.scheduler.v4_shape == \
+        (3, 1000, 32)
 
 
 def test_colocated_chunks_like_prefill_and_batches_like_decode():
     (inst,) = OrchConfig.model_validate({**SECTIONS, "mode": "colocated"}).instances()
     assert inst.scheduler == SchedulerConfig(block_size=16, num_kv_blocks=300, chunk_size=32,
-                                             max_num_batched_tokens=96, max_num_seqs=7)
+                                             max_num_batched_tokens=96, max_num_seqs=7,
+                                             max_model_len=1000)
 
 
 def test_transfer_waits_are_the_one_transfer_config():

@@ -63,11 +63,21 @@ def test_tiny_plan_rows_by_hand():
     assert rows["grouped output projection"] == 4 * (16 * 64 + 64 * 16)
     assert rows["routed experts"] == 4 * 2 * 3 * 64 * 32  # EP 4: 2 of 8 experts whole
     assert rows["embedding"] == rows["lm_head"] == 129280 // 2 * 64
-    assert rows["KV: window"] == 10 * 16 * 4 * 32
-    assert rows["KV: CSA entries 1/4"] == 10 * 16 * 2 * (32 + 16)
-    assert rows["KV: HCA entries 1/16"] == 10 * 16 * 32
+    # pools (engine/v4/pool_plan.py): a 256-token request at a token a step holds window 2
+    # blocks of 16 (7 kept + 1, +1 edge), CSA 64 entries = 4 blocks, HCA 16 = 1: 16 x (2 x
+    # 128 + 4 x 96 + 32) = 10,752 elements; the budget, 10 blocks of every group, 10 x 16 x
+    # 256 = 40,960, would hold 3.8 of them: max_num_seqs 3 sizes the pools
+    assert rows["KV: window"] == 3 * 2 * 16 * 4 * 32
+    assert rows["KV: CSA entries 1/4"] == 3 * 4 * 16 * 2 * (32 + 16)
+    assert rows["KV: HCA entries 1/16"] == 3 * 1 * 16 * 32
     state = 2 * (2 * 3 * 64 + 2 * 4 * 32 + 2 * 3 * 32 + 2 * 4 * 16) + 2 * 15 * 32
     assert rows["KV: compressor state"] == 3 * state
+    # 8 sequences: the budget's 3.8 requests, floor(3.8 x blocks) each, state ceil(3.8)
+    rows = _rows(plan_role_v4(TINY, _layout(max_num_seqs=8), V4Precision.of("bfloat16")))
+    assert rows["KV: window"] == 7 * 16 * 4 * 32  # 40,960 x 2 // 10,752
+    assert rows["KV: CSA entries 1/4"] == 15 * 16 * 2 * (32 + 16)  # 40,960 x 4 // 10,752
+    assert rows["KV: HCA entries 1/16"] == 3 * 16 * 32
+    assert rows["KV: compressor state"] == 4 * state
     assert rows["hash router tid2eid"] == 2 * 129280 * 2
 
 
@@ -149,12 +159,11 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():
-    """The most blocks that fit, the compressor state (per sequence, not per block: 1.5 GB at
-    256 sequences) kept out of the per-block bytes."""
-    seqs = {"decode.max_num_seqs": 256}
-
-    def load(blocks: int):
-        return load_config(A3_V4, {**seqs, "decode.num_kv_blocks": blocks}, planning=True)
+    """The most blocks and the most sequences that fit (the group pools hold min(max_num_seqs,
+    what num_kv_blocks' budget holds) 68K requests: at 4608 blocks 109; found on the plan)."""
+    def load(blocks: int, seqs: int = 256):
+        return load_config(A3_V4, {"decode.max_num_seqs": seqs, "decode.num_kv_blocks": blocks},
+                           planning=True)
 
     with pytest.raises(MemoryPlanError) as err:
         check_memory(load(4608))
@@ -163,6 +172,11 @@ def test_a3_v4_too_many_blocks_suggests_how_many_fit():
     assert check_memory(load(most)).startswith("memory plan: fits")
     with pytest.raises(MemoryPlanError):
         check_memory(load(most + 1))
+    seqs = int(re.search(r"lower decode.max_num_seqs from 256 to <= (\d+)",
+                         str(err.value)).group(1))
+    assert check_memory(load(4608, seqs)).startswith("memory plan: fits")
+    with pytest.raises(MemoryPlanError):
+        check_memory(load(4608, seqs + 1))
 
 
 def test_a_pd_role_plans_its_staging_cache_and_a_colocated_one_none(tmp_path):

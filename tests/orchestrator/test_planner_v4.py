@@ -11,7 +11,7 @@ from orchestrator.config.memory_plan import Precision
 from orchestrator.planner import counts_v4
 from orchestrator.planner.cost import Hardware, allreduce_s, counts_for, kv_transfer_cost
 from orchestrator.planner.load import WorkloadSpec
-from orchestrator.planner.report import plan_config
+from orchestrator.planner.report import plan_config, requests_held
 from orchestrator.planner.specs import named_device
 from orchestrator.tiny_model_v4 import tiny_v4_config_dict
 from tests.e2e.harness import REPO
@@ -52,7 +52,10 @@ def test_kv_transfer_ships_the_spec_bytes():
 def test_a3_v4_layout_is_planned():
     cfg = load_config(REPO / "configs" / "a3_v4_p2x16_d8x4.yaml", planning=True)
     plan = plan_config(cfg, WorkloadSpec(65536, 3072), named_device("a3"))
-    assert plan.slots == 7  # 4096 blocks / 536 per 68.6K-token request
+    # the V4 group pools (engine/v4/pool_plan.py): decode's hold max_num_seqs 32 requests of
+    # 68.6K; prefill's budget (768 blocks a group) 10 prompts of 64K at chunks of 8192
+    assert plan.slots == 32
+    assert requests_held(plan.prefill, 65536, plan.memory.model) == 10
     shipped = counts_v4.kv_bytes_per_request(plan.memory.model, BF16, 65536)
     assert shipped < 0.1 * 61 * (512 + 64 + 128) * 2 * 65536  # V3.2's at the same length
     assert 0 < plan.step_cost.total_s < plan.prefill_cost.total_s

@@ -44,11 +44,13 @@ def v4_ckpt(tmp_path_factory):
 
 
 def start(role_cls, ckpt, role: str, block_size: int = 4, num_kv_blocks: int = 64,
-          chunk_size: int = 8, staging_blocks: int = 0):
-    """An in-process V4 rank of ``role``: chunks of 8, 16 tokens a step, no prefix cache."""
+          chunk_size: int = 8, staging_blocks: int = 0, max_model_len: int = 0):
+    """An in-process V4 rank of ``role``: chunks of 8, 16 tokens a step, 4 sequences, no
+    prefix cache (``max_model_len``: the group pools sized for it, else num_kv_blocks each)."""
     scheduler = SchedulerConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 chunk_size=chunk_size, max_num_batched_tokens=16, max_num_seqs=4,
-                                prefix_cache=False, staging_blocks=staging_blocks)
+                                prefix_cache=False, staging_blocks=staging_blocks,
+                                max_model_len=max_model_len)
     transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
                               completion_timeout_s=20)
     rank = Rank(InstanceConfig(name=f"{role}-0", role=role, checkpoint_dir=str(ckpt),
@@ -162,6 +164,38 @@ def test_v4_abort_mid_transfer_frees_everything(pd, when):
     wait_all_free(prefill, decode)
     for rank in (prefill, decode):
         _v4_free(rank)
+
+
+def test_v4_decode_on_planned_pools_holds_max_num_seqs_and_serves(pd, v4_ckpt):
+    """A decode whose group pools are sized for 4 requests of 64 tokens (engine/v4/
+    pool_plan.py; its 64-block budget would hold 34): four 40 + 20 reservations fit, a fifth
+    is refused retryable naming every group (none has room left before the others); with
+    them aborted a PD request on these pools equals colocated; every block back."""
+    prefill = pd[0]
+    small = start(DecodeRole, v4_ckpt, "decode", block_size=8, chunk_size=1, max_model_len=64)
+    try:
+        pools = small.runner.pools
+        assert {n: p.num_blocks for n, p in pools.items()} == {
+            "window": 8, "entries/compressed_sparse_attention": 8,
+            "state/compressed_sparse_attention": 4, "entries/heavily_compressed_attention": 4,
+            "state/heavily_compressed_attention": 4}  # NOTE: 4 x (2, 2, 1, 1, 1)
+        specs = [RequestSpec(f"hold{i}", _prompt(40, 30 + i),
+                             SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(5)]
+        held = [small.request(Reserve(spec, 1)) for spec in specs[:4]]
+        assert all(isinstance(r, Reservation) for r in held), held
+        full = small.request(Reserve(specs[4], 1))
+        assert isinstance(full, Rejection) and full.retryable, full
+        assert all(f"{name}: " in full.reason for name in pools), full.reason
+        for spec in specs[:4]:
+            assert small.request(Abort(spec.request_id))
+        wait_all_free(small)
+        assert run_pd(prefill, small, specs[4]) == (
+            _solo_greedy(v4_ckpt, specs[4].prompt_token_ids, 20), "length")
+        wait_all_free(prefill, small)
+        for rank in (prefill, small):
+            _v4_free(rank)
+    finally:
+        small.shutdown()
 
 
 def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
