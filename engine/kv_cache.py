@@ -10,6 +10,10 @@ shared key ``k_pe``. orch keeps them as separate tensors per layer, never one wi
   ``[num_blocks, block_size, index_head_dim]`` (128 for V3.2), the lightning indexer's keys
   (:mod:`engine.indexer`).
 
+What layer i caches is :meth:`KVCacheSpec.layer_spec` (an
+:class:`engine.kv_layer_spec.MLALayerSpec`, the per-layer spec vocabulary DeepSeek-V4 shares):
+:class:`KVCache` allocates its tensors and :meth:`KVCacheSpec.bytes_per_token_of` counts from it.
+
 All are identical on every TP rank of an instance (no head axis). The k_pe layout is
 interleaved-pair rope (DeepSeek / vLLM convention, see REFERENCE.md "Rope layout");
 :attr:`KVCacheSpec.rope_layout` names it so the transfer fingerprint can include it.
@@ -30,6 +34,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from engine.kv_layer_spec import MLALayerSpec, held_elements
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -92,13 +99,29 @@ class KVCacheSpec:
         widths = (self.kv_lora_rank, self.qk_rope_head_dim)
         return widths + (self.index_head_dim,) if self.index_head_dim else widths
 
+    def layer_spec(self, layer: int) -> MLALayerSpec:
+        """What layer ``layer`` caches (:class:`engine.kv_layer_spec.MLALayerSpec`: ``k``,
+        ``v`` and, where :meth:`has_index_k`, ``index_k``, one row per token each)."""
+        return MLALayerSpec(self.kv_lora_rank, self.qk_rope_head_dim,
+                            self.index_head_dim if self.has_index_k(layer) else 0)
+
+    def layer_specs(self) -> tuple[MLALayerSpec, ...]:
+        """:meth:`layer_spec` of every layer, MTP layers last (the kind of tuple
+        :func:`engine.v4.kv_spec.layer_specs` gives for DeepSeek-V4)."""
+        return tuple(self.layer_spec(i) for i in range(self.num_layers))
+
     def layer_buffer_names(self, layer: int) -> tuple[str, ...]:
         """The buffers layer ``layer`` has, in cache order (no index_k on a shared layer)."""
-        return self.buffer_names[:3 if self.has_index_k(layer) else 2]
+        return tuple(t.name for t in self.layer_spec(layer).tensors())
 
     def layer_buffer_widths(self, layer: int) -> tuple[int, ...]:
         """Elements per token of each of layer ``layer``'s buffers."""
-        return self.buffer_widths[:len(self.layer_buffer_names(layer))]
+        return tuple(t.width for t in self.layer_spec(layer).tensors())
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per cache element (``dtype``'s)."""
+        return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_token(self) -> int:
@@ -106,9 +129,9 @@ class KVCacheSpec:
         return self.bytes_per_token_of(range(self.num_layers))
 
     def bytes_per_token_of(self, layers: Iterable[int]) -> int:
-        """Bytes of one token over ``layers``, each with the buffers it has."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(sum(self.layer_buffer_widths(i)) for i in layers) * elem
+        """Bytes of one token over ``layers``, each with the buffers it has
+        (:func:`engine.kv_layer_spec.held_elements` of one token)."""
+        return held_elements(self.layer_specs(), 1, layers) * self.element_size
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -148,12 +171,13 @@ class KVCache:
             return torch.zeros(blocks, spec.block_size, width, dtype=spec.dtype,
                                device=self.device)
 
-        layers = range(spec.num_layers)
-        self.k_caches = [alloc(spec.kv_lora_rank) for _ in layers]
-        self.v_caches = [alloc(spec.qk_rope_head_dim) for _ in layers]
+        # NOTE: one tensor per cached tensor of each layer's spec (k, v[, index_k])
+        caches = [{t.name: alloc(t.width) for t in layer.tensors()}
+                  for layer in spec.layer_specs()]
+        self.k_caches = [c["k"] for c in caches]
+        self.v_caches = [c["v"] for c in caches]
         self.index_caches: list[torch.Tensor | None] = [
-            alloc(spec.index_head_dim) if spec.has_index_k(i) else None
-            for i in layers] if spec.index_head_dim else []
+            c.get("index_k") for c in caches] if spec.index_head_dim else []
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Layer ``layer``'s caches ``[num_blocks, block_size, width]`` in

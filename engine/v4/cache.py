@@ -2,7 +2,7 @@
 
 NOTE: the reference layout (tensors grown by concatenation); :mod:`engine.v4.paged_cache`
 gives the same interface over paged storage sized from the same
-:class:`~engine.v4.kv_spec.LayerKVSpec`.
+:class:`~engine.v4.kv_spec.V4LayerSpec`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.v4.kv_spec import LayerKVSpec, layer_specs
+from engine.v4.kv_spec import V4LayerSpec, layer_specs
 from engine.v4.config import V4Config
 
 
@@ -52,7 +52,7 @@ class LayerCache:
             ``w <= sliding_window - 1`` tokens. compressor / indexer: states or None.
     """
 
-    spec: LayerKVSpec
+    spec: V4LayerSpec
     window: torch.Tensor
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
@@ -95,7 +95,7 @@ class V4Cache:
 
     def elements(self) -> int:
         """Elements held now, summed over layers and tensors (compare with
-        :meth:`LayerKVSpec.elements`)."""
+        :meth:`V4LayerSpec.elements`)."""
         total = 0
         for layer in self.layers:
             total += layer.window.numel()

@@ -8,39 +8,22 @@ tokens since the last full group (< ratio of them) and, for CSA, whose entries p
 overlapping groups, the previous group's first half (``overlap``). A CSA layer's lightning
 indexer keeps its own compressed keys (``index_head_dim`` per entry) and compressor state.
 
-A block pool, reservation, transfer plan or memory plan reads :class:`LayerKVSpec`: which
-tensors, how wide per token / entry / request, how many of each a request of ``n`` tokens holds.
+A block pool, reservation, transfer plan or memory plan reads :class:`V4LayerSpec` (a
+:class:`engine.kv_layer_spec.LayerKVSpec`, the vocabulary MLA layers share): which tensors, how
+wide per token / entry / request, how many of each a request of ``n`` tokens holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv_layer_spec import (PER_ENTRY, PER_REQUEST, PER_TOKEN, CachedTensor,
+                                  LayerKVSpec)
 from engine.v4.config import CSA, SLIDING, V4Config
 
-PER_TOKEN, PER_ENTRY, PER_REQUEST = "token", "entry", "request"
-
 
 @dataclass(frozen=True)
-class CachedTensor:
-    """One cached tensor of a layer kind.
-
-    Attributes:
-        name: ``window_kv``, ``compressed_kv``, ``index_keys``, ``{compressor,indexer}_{buffer,
-            overlap}_{kv,gate}``.
-        width: elements per row. per: rows per token (``token``, window rows), per compressed
-            entry (``entry``) or a fixed row count per request (``request``).
-        rows: for ``request`` tensors, the most rows held (state); 0 otherwise.
-    """
-
-    name: str
-    width: int
-    per: str
-    rows: int = 0
-
-
-@dataclass(frozen=True)
-class LayerKVSpec:
+class V4LayerSpec(LayerKVSpec):
     """The cache of one V4 layer kind (``sliding_attention``, ``compressed_sparse_attention``
     or ``heavily_compressed_attention``).
 
@@ -90,27 +73,23 @@ class LayerKVSpec:
             return num_tokens % self.compress_ratio
         return tensor.rows if num_tokens >= self.compress_ratio else 0  # overlap: once a group
 
-    def elements(self, num_tokens: int) -> int:
-        """Elements held by one request of ``num_tokens`` tokens in one layer of this kind."""
-        return sum(self.rows(t, num_tokens) * t.width for t in self.tensors())
 
-
-def kv_specs(config: V4Config) -> dict[str, LayerKVSpec]:
-    """One :class:`LayerKVSpec` per layer kind present in ``config.layer_types``."""
+def kv_specs(config: V4Config) -> dict[str, V4LayerSpec]:
+    """One :class:`V4LayerSpec` per layer kind present in ``config.layer_types``."""
     specs = {}
     for layer, kind in enumerate(config.layer_types):
-        specs[kind] = LayerKVSpec(
+        specs[kind] = V4LayerSpec(
             kind=kind, head_dim=config.head_dim, sliding_window=config.sliding_window,
             compress_ratio=config.compress_ratio(layer), overlap=kind == CSA,
             index_head_dim=config.index_head_dim if kind == CSA else 0)
     return specs
 
 
-def layer_specs(config: V4Config) -> tuple[LayerKVSpec, ...]:
+def layer_specs(config: V4Config) -> tuple[V4LayerSpec, ...]:
     """Layer i's spec (the per-kind objects of :func:`kv_specs`, shared)."""
     specs = kv_specs(config)
     return tuple(specs[kind] for kind in config.layer_types)
 
 
 __all__ = ["CachedTensor", "LayerKVSpec", "PER_ENTRY", "PER_REQUEST", "PER_TOKEN", "SLIDING",
-           "kv_specs", "layer_specs"]
+           "V4LayerSpec", "kv_specs", "layer_specs"]

@@ -20,7 +20,7 @@ from engine.block_pool import BlockPool
 from engine.v4.block_table import KVGroup, RequestBlocks, kv_groups
 from engine.v4.cache import CompressorState, V4Cache
 from engine.v4.config import V4Config
-from engine.v4.kv_spec import LayerKVSpec, layer_specs
+from engine.v4.kv_spec import V4LayerSpec, layer_specs
 from engine.v4.state_io import import_request
 
 
@@ -153,7 +153,7 @@ class PagedLayerCache:
     interface: ``spec``, ``window``, ``extend_window``, ``compressor``, ``indexer``)."""
 
     def __init__(self, kv: PagedKV, request: PagedV4Cache, layer: int,
-                 spec: LayerKVSpec) -> None:
+                 spec: V4LayerSpec) -> None:
         self.spec, self.request, self.storage = spec, request, kv.window[layer]
         self.compressor = self.indexer = None
         if spec.compress_ratio:

@@ -1,5 +1,5 @@
 """A request's V4 cache as named tensors, one dict per layer, checked against the layer kind's
-:class:`~engine.v4.kv_spec.LayerKVSpec`: what a prefill instance ships to a decode instance
+:class:`~engine.v4.kv_spec.V4LayerSpec`: what a prefill instance ships to a decode instance
 (the window, the compressed entries, the indexer keys and the compressors' open-group state),
 not the whole prompt's KV.
 
@@ -13,7 +13,7 @@ import torch
 
 from engine.v4.cache import CompressorState, LayerCache, V4Cache
 from engine.v4.config import V4Config
-from engine.v4.kv_spec import LayerKVSpec, layer_specs
+from engine.v4.kv_spec import V4LayerSpec, layer_specs
 
 
 def export_request(cache: V4Cache) -> list[dict[str, torch.Tensor]]:
@@ -73,7 +73,7 @@ def _state(tensors: dict[str, torch.Tensor], prefix: str, entries: str
                            opt("overlap_kv"), opt("overlap_gate"))
 
 
-def _check(spec: LayerKVSpec, tensors: dict[str, torch.Tensor], num_tokens: int) -> None:
+def _check(spec: V4LayerSpec, tensors: dict[str, torch.Tensor], num_tokens: int) -> None:
     """Raise ValueError unless ``tensors`` has exactly the spec's names and shapes."""
     want = {t.name: (spec.rows(t, num_tokens), t.width) for t in spec.tensors()}
     got = {name: tuple(t.shape) for name, t in tensors.items()}

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.kv_layer_spec import MLA_INDEXER, held_elements, mla_layer_specs
 from engine.layout import linear_shape
 from engine.layout import TPLayout, rule_for, tp_layout
 from engine.model_config import ModelConfig
@@ -322,19 +323,27 @@ def _kv_tokens(lay: RoleLayout) -> int:
     return lay.num_kv_blocks * lay.block_size
 
 
+def _kv_held(m: ModelConfig, lay: RoleLayout, name: str) -> int:
+    """Elements of buffer ``name`` over the decoder layers' caches: the layer specs' rows
+    (:func:`engine.kv_layer_spec.mla_layer_specs`) of the pool's ``blocks x block_size``
+    token slots (an MLA tensor has one row per token slot, every layer with it)."""
+    return held_elements(mla_layer_specs(m), _kv_tokens(lay), names=(name,))
+
+
 def _kv_latent(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    return m.num_hidden_layers * _kv_tokens(lay) * m.kv_lora_rank, \
+    return _kv_held(m, lay, "k"), \
         f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.kv_lora_rank}"
 
 
 def _kv_rope(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    return m.num_hidden_layers * _kv_tokens(lay) * m.qk_rope_head_dim, \
+    return _kv_held(m, lay, "v"), \
         f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.qk_rope_head_dim}"
 
 
 def _kv_index(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    layers = sum(m.indexer_layers)  # NOTE: GLM-5.2's shared layers have no index_k
-    return layers * _kv_tokens(lay) * m.index_head_dim, \
+    # NOTE: GLM-5.2's shared layers have no index_k
+    layers = sum(s.kind == MLA_INDEXER for s in mla_layer_specs(m))
+    return _kv_held(m, lay, "index_k"), \
         f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.index_head_dim}, {layers} layers"
 
 
@@ -395,9 +404,9 @@ def _mtp_module(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 def _kv_mtp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     if not lay.mtp:
         return 0, ""
-    index_k = m.index_head_dim if m.uses_sparse_attention else 0
-    return _kv_tokens(lay) * (m.kv_lora_rank + m.qk_rope_head_dim + index_k), \
-        "c_kv + k_pe" + (" + index_k" if index_k else "") + " of the MTP layer"
+    mtp = mla_layer_specs(m, mtp_layers=1)[m.num_hidden_layers:]  # NOTE: DSA: it has index_k
+    return held_elements(mtp, _kv_tokens(lay)), \
+        "c_kv + k_pe" + (" + index_k" if mtp[0].index_head_dim else "") + " of the MTP layer"
 
 
 KINDS: tuple[Kind, ...] = (

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv_layer_spec import held_bytes
 from engine.v4.block_table import kv_groups
 from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
@@ -271,7 +272,7 @@ def plan_role_v4(model: V4Config, layout: RoleLayout, precision: V4Precision) ->
 
 def kv_elements_per_request(m: V4Config, num_tokens: int) -> dict[str, int]:
     """Elements one request of ``num_tokens`` tokens holds, by tensor kind, summed over the
-    layers (:meth:`engine.v4.kv_spec.LayerKVSpec.rows` of each tensor): ``window`` (the last
+    layers (:meth:`engine.v4.kv_spec.V4LayerSpec.rows` of each tensor): ``window`` (the last
     ``sliding_window - 1`` raw K=V), ``entries`` (compressed K=V + CSA index keys),
     ``state`` (the compressors' open groups)."""
     out = {"window": 0, "entries": 0, "state": 0}
@@ -284,8 +285,8 @@ def kv_elements_per_request(m: V4Config, num_tokens: int) -> dict[str, int]:
 
 def kv_bytes_per_request(m: V4Config, num_tokens: int, kv_bytes: float) -> float:
     """Bytes one request of ``num_tokens`` tokens holds (and PD ships), every layer: the
-    spec's rows x widths x ``kv_bytes``."""
-    return sum(kv_elements_per_request(m, num_tokens).values()) * kv_bytes
+    spec's rows x widths x ``kv_bytes`` (:func:`engine.kv_layer_spec.held_bytes`, as V3's)."""
+    return held_bytes(layer_specs(m), num_tokens, kv_bytes)
 
 
 def request_line(m: V4Config, max_model_len: int, kv_bytes: float) -> str:

@@ -7,11 +7,13 @@
   the whole context (decode); V3.2 sparse attention over ``min(context, index_topk)`` keys in
   absorbed form plus the indexer's ``index_n_heads x index_head_dim`` dot products over the
   whole prefix;
-- KV bytes: latent + rope key (+ V3.2 index key) per token and layer.
+- KV bytes: what a request holds, from the layer specs (:mod:`engine.kv_layer_spec`: latent +
+  rope key, + index key on DSA indexer layers, per token and layer).
 """
 
 from __future__ import annotations
 
+from engine.kv_layer_spec import held_bytes, mla_layer_specs
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, num_moe_layers
 
@@ -140,10 +142,9 @@ def sum_min(past: int, new: int, k: int) -> float:
 
 
 def kv_bytes_per_token(m: ModelConfig, prec: Precision) -> float:
-    """KV cache bytes of one token over all layers (latent, k_pe; DSA index_k on the
-    indexer layers)."""
-    return (m.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim)
-            + sum(m.indexer_layers) * m.index_head_dim) * prec.kv
+    """KV cache bytes of one token over all decoder layers (latent, k_pe; DSA index_k on the
+    indexer layers): :func:`kv_bytes_per_request` of one token."""
+    return kv_bytes_per_request(m, prec, 1)
 
 
 def tp_allreduces_per_layer(ep: bool) -> int:
@@ -154,9 +155,10 @@ def tp_allreduces_per_layer(ep: bool) -> int:
 
 
 def kv_bytes_per_request(m: ModelConfig, prec: Precision, num_tokens: int) -> float:
-    """KV bytes of a request after ``num_tokens`` tokens (what PD ships): ``num_tokens`` x
-    :func:`kv_bytes_per_token` (every token keeps its latent in every layer)."""
-    return num_tokens * kv_bytes_per_token(m, prec)
+    """KV bytes of a request after ``num_tokens`` tokens (what PD ships), every decoder
+    layer: :func:`engine.kv_layer_spec.held_bytes` of the model's layer specs (every token
+    keeps its latent in every layer: ``num_tokens`` x :func:`kv_bytes_per_token`)."""
+    return held_bytes(mla_layer_specs(m), num_tokens, prec.kv)
 
 
 def kv_read_per_seq(m: ModelConfig, prec: Precision, context: float) -> float:

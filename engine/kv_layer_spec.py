@@ -1,0 +1,138 @@
+"""What one layer caches, for every model family: one frozen spec per layer kind (DESIGN.md
+"Per-layer KV specs"; the role vLLM's per-layer KV cache specs and hybrid groups play).
+
+A :class:`LayerKVSpec` lists the layer's :class:`CachedTensor`s (elements per row, and whether a
+request holds one row per token, per compressed entry or a fixed number per request) and says
+how many rows of each a request of ``n`` tokens holds. Kinds:
+
+- :class:`MLALayerSpec` (DeepSeek-V2/V3, V3.2, GLM-5): a full-attention MLA layer caches, for
+  every token, ``k`` = the normalized latent ``c_kv`` (``kv_lora_rank``), ``v`` = the roped
+  shared key ``k_pe`` (``qk_rope_head_dim``) and, on a DSA layer with its own lightning
+  indexer, ``index_k`` (``index_head_dim``). :func:`mla_layer_specs` gives one per layer of a
+  :class:`engine.model_config.ModelConfig`, MTP layers after the decoder layers.
+- DeepSeek-V4's sliding / CSA / HCA layers: :class:`engine.v4.kv_spec.V4LayerSpec`.
+
+:func:`held_elements` / :func:`held_bytes` are the one answer to "what does a request of ``n``
+tokens hold in layers ``L``" for every family (the MLA cache spec's bytes per token, the memory
+plans and the planner's KV bytes read them).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
+
+PER_TOKEN, PER_ENTRY, PER_REQUEST = "token", "entry", "request"
+MLA, MLA_INDEXER = "mla", "mla_indexer"
+
+
+@dataclass(frozen=True)
+class CachedTensor:
+    """One cached tensor of a layer kind.
+
+    Attributes:
+        name: MLA: ``k``, ``v``, ``index_k`` (the paged cache's buffer names). V4:
+            ``window_kv``, ``compressed_kv``, ``index_keys``, ``{compressor,indexer}_{buffer,
+            overlap}_{kv,gate}``.
+        width: elements per row. per: rows per token (``token``), per compressed entry
+            (``entry``) or a fixed row count per request (``request``).
+        rows: for ``request`` tensors, the most rows held (state); 0 otherwise.
+    """
+
+    name: str
+    width: int
+    per: str
+    rows: int = 0
+
+
+class LayerKVSpec(ABC):
+    """The cache of one layer kind: its tensors and how many rows of each a request holds.
+
+    Subclasses are frozen dataclasses (hashable, compared by value); ``kind`` names the kind
+    (MLA: ``mla`` / ``mla_indexer``; V4: the ``layer_types`` value).
+    """
+
+    kind: str
+
+    @abstractmethod
+    def tensors(self) -> tuple[CachedTensor, ...]:
+        """Every tensor this kind caches, in cache order (widths in elements)."""
+
+    @abstractmethod
+    def rows(self, tensor: CachedTensor, num_tokens: int) -> int:
+        """Rows of ``tensor`` one request holds after ``num_tokens`` tokens."""
+
+    def elements(self, num_tokens: int) -> int:
+        """Elements held by one request of ``num_tokens`` tokens in one layer of this kind."""
+        return sum(self.rows(t, num_tokens) * t.width for t in self.tensors())
+
+
+@dataclass(frozen=True)
+class MLALayerSpec(LayerKVSpec):
+    """A full-attention MLA layer (DeepSeek-V3 ``inference/model.py`` ``MLA``: the cache holds
+    ``kv_cache`` = c_kv and ``pe_cache`` = k_pe of every token; V3.2's ``Indexer`` adds its
+    keys). Every tensor has one row per token, all tokens kept.
+
+    Attributes:
+        kv_lora_rank: ``k`` (c_kv) width. qk_rope_head_dim: ``v`` (k_pe) width.
+        index_head_dim: ``index_k`` width; 0: no indexer cache (V3, GLM-5.2's shared layers).
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    index_head_dim: int = 0
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        """``mla_indexer`` with an index_k tensor, else ``mla``."""
+        return MLA_INDEXER if self.index_head_dim else MLA
+
+    def tensors(self) -> tuple[CachedTensor, ...]:
+        """``k``, ``v`` and, with an indexer, ``index_k``: all per token."""
+        out = (CachedTensor("k", self.kv_lora_rank, PER_TOKEN),
+               CachedTensor("v", self.qk_rope_head_dim, PER_TOKEN))
+        if self.index_head_dim:
+            out += (CachedTensor("index_k", self.index_head_dim, PER_TOKEN),)
+        return out
+
+    def rows(self, tensor: CachedTensor, num_tokens: int) -> int:
+        """``num_tokens``: every token keeps its row."""
+        return num_tokens
+
+
+def mla_layer_specs(config: ModelConfig, mtp_layers: int = 0) -> tuple[MLALayerSpec, ...]:
+    """One :class:`MLALayerSpec` per layer of an MLA ``config``: its ``num_hidden_layers``
+    decoder layers, then ``mtp_layers`` MTP layers; ``index_k`` where
+    :meth:`~engine.model_config.ModelConfig.has_indexer` (every layer of V3.2, GLM-5.2's full
+    layers, a DSA checkpoint's MTP layer). Layers of one kind share one object."""
+    specs = {flag: MLALayerSpec(config.kv_lora_rank, config.qk_rope_head_dim,
+                                config.index_head_dim if flag else 0) for flag in (False, True)}
+    return tuple(specs[config.has_indexer(i)]
+                 for i in range(config.num_hidden_layers + mtp_layers))
+
+
+def held_elements(specs: Sequence[LayerKVSpec], num_tokens: int,
+                  layers: Iterable[int] | None = None, names: Iterable[str] | None = None) -> int:
+    """Elements one request of ``num_tokens`` tokens holds in ``layers`` (indices into
+    ``specs``; default all), each with its tensors (only those in ``names`` when given).
+    Example: V3 (512 + 64 per token, 61 layers), 1000 tokens: 61 x 576 x 1000."""
+    wanted = None if names is None else set(names)
+    return sum(spec.rows(t, num_tokens) * t.width
+               for spec in (specs if layers is None else [specs[i] for i in layers])
+               for t in spec.tensors() if wanted is None or t.name in wanted)
+
+
+def held_bytes(specs: Sequence[LayerKVSpec], num_tokens: int, elem_bytes: float,
+               layers: Iterable[int] | None = None) -> float:
+    """Bytes one request of ``num_tokens`` tokens holds in ``layers`` (:func:`held_elements`
+    x ``elem_bytes`` bytes per element): what PD ships for it, what it pins in the pools."""
+    return held_elements(specs, num_tokens, layers) * elem_bytes
+
+
+__all__ = ["CachedTensor", "LayerKVSpec", "MLA", "MLALayerSpec", "MLA_INDEXER", "PER_ENTRY",
+           "PER_REQUEST", "PER_TOKEN", "held_bytes", "held_elements", "mla_layer_specs"]

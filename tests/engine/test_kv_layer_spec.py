@@ -1,0 +1,121 @@
+"""The family-neutral layer specs (engine/kv_layer_spec.py): MLA layers (V3, V3.2, GLM-5.2's
+shared indexer layers, MTP) and DeepSeek-V4's kinds answer "what does a request of n tokens hold
+in layers L" through one function, byte for byte what the per-family arithmetic they replace
+gave on every shipped config (the old formulas are restated here as the reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from engine.kv_layer_spec import (MLA, MLA_INDEXER, PER_TOKEN, CachedTensor, LayerKVSpec,
+                                  MLALayerSpec, held_bytes, held_elements, mla_layer_specs)
+from engine.model_config import ModelConfig
+from engine.v4.config import V4Config
+from engine.v4.kv_spec import V4LayerSpec, layer_specs
+from orchestrator.config.load import load_config
+from orchestrator.config.memory_check import build_memory_plan
+from orchestrator.config.memory_plan_v4 import kv_bytes_per_request as v4_request_bytes
+from orchestrator.config.memory_plan_v4 import kv_elements_per_request
+from orchestrator.planner import counts
+from tests.e2e.harness import REPO
+
+CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+V4_CONFIGS = [c for c in CONFIGS if c.startswith(("v4_", "a3_v4_"))]
+MLA_CONFIGS = [c for c in CONFIGS if c not in V4_CONFIGS]
+TOKENS = (0, 1, 7, 128, 4097, 65536)
+
+
+def _plan(config: str):
+    cfg = load_config(REPO / "configs" / config, planning=config == "a3_v4_p2x16_d8x4.yaml")
+    plan, source = build_memory_plan(cfg)
+    assert plan is not None, source
+    return plan
+
+
+def _runner_spec(m: ModelConfig, mtp: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The spec engine/runner.py builds for ``m`` with ``mtp`` MTP caches."""
+    return KVCacheSpec(num_layers=m.num_hidden_layers + mtp, num_blocks=4, block_size=16,
+                       kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+                       dtype=dtype, index_head_dim=m.index_head_dim,
+                       index_layers=m.index_cache_layers(mtp), mtp_layers=mtp)
+
+
+def _old_widths(spec: KVCacheSpec, layer: int) -> tuple[int, ...]:
+    """KVCacheSpec.layer_buffer_widths before the layer specs: a prefix of buffer_widths."""
+    return spec.buffer_widths[:3 if spec.has_index_k(layer) else 2]
+
+
+def test_mla_layer_kinds_and_rows():
+    v3 = MLALayerSpec(512, 64)
+    dsa = MLALayerSpec(512, 64, 128)
+    assert isinstance(v3, LayerKVSpec) and (v3.kind, dsa.kind) == (MLA, MLA_INDEXER)
+    assert [t.name for t in dsa.tensors()] == ["k", "v", "index_k"]
+    assert all(t.per == PER_TOKEN for t in dsa.tensors())
+    assert dsa.rows(CachedTensor("k", 512, PER_TOKEN), 1000) == 1000
+    assert (v3.elements(1000), dsa.elements(1000)) == (576_000, 704_000)
+    # layers 0, 2 with an indexer, 1 without; only k counted; layers picked
+    specs = (dsa, v3, dsa)
+    assert held_elements(specs, 10) == 10 * (704 + 576 + 704)
+    assert held_elements(specs, 10, layers=[1, 2]) == 10 * (576 + 704)
+    assert held_elements(specs, 10, names=("index_k",)) == 10 * 2 * 128
+    assert held_bytes(specs, 10, 2.0, layers=[0]) == 10 * 704 * 2.0
+
+
+@pytest.mark.parametrize("config", MLA_CONFIGS)
+def test_mla_consumers_equal_the_formulas_they_replace(config):
+    plan = _plan(config)
+    m, prec = plan.model, plan.precision
+    assert isinstance(m, ModelConfig)
+    layers, indexed = m.num_hidden_layers, sum(m.indexer_layers)
+    per_token = (layers * (m.kv_lora_rank + m.qk_rope_head_dim)
+                 + indexed * m.index_head_dim) * prec.kv
+    assert counts.kv_bytes_per_token(m, prec) == per_token
+    for n in TOKENS:
+        assert counts.kv_bytes_per_request(m, prec, n) == n * per_token
+    for role in plan.roles:
+        lay, rows = role.layout, {r.kind: r for r in role.rows}
+        tokens = lay.num_kv_blocks * lay.block_size
+        assert rows["KV cache: c_kv latent"].elements == layers * tokens * m.kv_lora_rank
+        assert rows["KV cache: k_pe"].elements == layers * tokens * m.qk_rope_head_dim
+        if m.uses_sparse_attention:
+            assert rows["KV cache: index_k"].elements == indexed * tokens * m.index_head_dim
+            assert rows["KV cache: index_k"].split.endswith(f", {indexed} layers")
+        if lay.mtp:
+            index_k = m.index_head_dim if m.uses_sparse_attention else 0
+            assert rows["KV cache: MTP layer"].elements == tokens * (
+                m.kv_lora_rank + m.qk_rope_head_dim + index_k)
+    for mtp in (0, 1):
+        for dtype in (torch.bfloat16, torch.float32):
+            spec = _runner_spec(m, mtp, dtype)
+            assert spec.layer_specs() == mla_layer_specs(m, mtp)
+            elem = spec.element_size
+            for i in range(spec.num_layers):
+                assert spec.layer_buffer_widths(i) == _old_widths(spec, i)
+                assert spec.layer_buffer_names(i) == spec.buffer_names[:len(_old_widths(spec, i))]
+            old = sum(sum(_old_widths(spec, i)) for i in range(spec.num_layers)) * elem
+            assert spec.bytes_per_token == old
+            assert spec.bytes_per_token_of(range(1, spec.num_layers, 2)) == sum(
+                sum(_old_widths(spec, i)) for i in range(1, spec.num_layers, 2)) * elem
+
+
+def test_glm5_shared_layers_have_no_index_k():
+    plan = _plan("glm5_1p1d.yaml")
+    flags = plan.model.indexer_layers
+    assert not all(flags) and any(flags)  # NOTE: the shipped GLM-5.2 config has shared layers
+    specs = mla_layer_specs(plan.model, mtp_layers=1)
+    assert [s.kind == MLA_INDEXER for s in specs] == list(flags) + [True]
+
+
+@pytest.mark.parametrize("config", V4_CONFIGS)
+def test_v4_request_bytes_equal_the_spec_sum(config):
+    plan = _plan(config)
+    m = plan.model
+    assert isinstance(m, V4Config)
+    specs = layer_specs(m)
+    assert all(isinstance(s, V4LayerSpec) and isinstance(s, LayerKVSpec) for s in specs)
+    for n in TOKENS:
+        old = sum(kv_elements_per_request(m, n).values()) * plan.precision.kv
+        assert v4_request_bytes(m, n, plan.precision.kv) == old
+        assert held_elements(specs, n) == sum(s.elements(n) for s in specs)
