@@ -12,7 +12,8 @@ shared key ``k_pe``. orch keeps them as separate tensors per layer, never one wi
 
 What layer i caches is :meth:`KVCacheSpec.layer_spec` (an
 :class:`engine.kv_layer_spec.MLALayerSpec`, the per-layer spec vocabulary DeepSeek-V4 shares):
-:class:`KVCache` allocates its tensors and :meth:`KVCacheSpec.bytes_per_token_of` counts from it.
+:class:`KVCache` allocates its tensors, :meth:`KVCacheSpec.bytes_per_token_of` counts and the
+transfer layout (``kv_transfer.layout.KVLayout.from_spec``) lists its buffers from it.
 
 All are identical on every TP rank of an instance (no head axis). The k_pe layout is
 interleaved-pair rope (DeepSeek / vLLM convention, see REFERENCE.md "Rope layout");
@@ -82,22 +83,35 @@ class KVCacheSpec:
                              f"({self.num_layers}) and needs index_head_dim > 0; got "
                              f"{len(self.index_layers)} flags, index_head_dim "
                              f"{self.index_head_dim}")
+        if self.index_layers and len(set(self.index_layers)) == 1:
+            raise ValueError(f"KVCacheSpec.index_layers names the layers with index_k only when "
+                             f"some lack it (ModelConfig.index_cache_layers); got all "
+                             f"{self.index_layers[0]}: leave it empty (every layer has index_k) "
+                             f"or set index_head_dim 0 (none has)")
 
     def has_index_k(self, layer: int) -> bool:
         """True when layer ``layer`` has an index_k buffer."""
         return bool(self.index_head_dim) and (not self.index_layers or self.index_layers[layer])
 
+    def buffers(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Every buffer kind of the layer specs, in cache order: name -> (elements per token,
+        the layers that have it)."""
+        out: dict[str, tuple[int, list[int]]] = {}
+        for i, layer in enumerate(self.layer_specs()):
+            for t in layer.tensors():
+                out.setdefault(t.name, (t.width, []))[1].append(i)
+        return {name: (width, tuple(layers)) for name, (width, layers) in out.items()}
+
     @property
     def buffer_names(self) -> tuple[str, ...]:
         """Names of every buffer kind, in cache order: ``("k", "v"[, "index_k"])`` (a layer has
         these or a prefix of them: :meth:`layer_buffer_names`)."""
-        return ("k", "v", "index_k") if self.index_head_dim else ("k", "v")
+        return tuple(self.buffers())
 
     @property
     def buffer_widths(self) -> tuple[int, ...]:
         """Elements per token of each buffer kind, in :attr:`buffer_names` order."""
-        widths = (self.kv_lora_rank, self.qk_rope_head_dim)
-        return widths + (self.index_head_dim,) if self.index_head_dim else widths
+        return tuple(width for width, _ in self.buffers().values())
 
     def layer_spec(self, layer: int) -> MLALayerSpec:
         """What layer ``layer`` caches (:class:`engine.kv_layer_spec.MLALayerSpec`: ``k``,

@@ -145,13 +145,12 @@ class KVLayout:
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model: str, tp: int) -> KVLayout:
-        """MLA layout of a :class:`KVCacheSpec` (K = latent, V = k_pe, index_k = DSA indexer
-        keys when ``spec.index_head_dim``, on ``spec.index_layers`` only when given) for an
-        instance of ``tp``."""
-        index_layers = tuple(i for i in range(spec.num_layers) if spec.has_index_k(i)) \
-            if spec.index_layers else None
-        buffers = tuple(BufferSpec(name, (width,), index_layers if name == "index_k" else None)
-                        for name, width in zip(spec.buffer_names, spec.buffer_widths))
+        """MLA layout of a :class:`KVCacheSpec` for an instance of ``tp``: one buffer per
+        tensor of its layer specs (:meth:`KVCacheSpec.buffers`: K = latent, V = k_pe, index_k =
+        DSA indexer keys), naming its layers only when some layers lack it (GLM-5.2)."""
+        buffers = tuple(BufferSpec(name, (width,), None if len(layers) == spec.num_layers
+                                   else layers)
+                        for name, (width, layers) in spec.buffers().items())
         return cls(model=model, kind="mla", buffers=buffers,
                    num_kv_heads=None, dtype=_dtype_name(spec.dtype), num_layers=spec.num_layers,
                    block_size=spec.block_size, tp=tp, rope_layout=spec.rope_layout,

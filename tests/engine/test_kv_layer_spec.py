@@ -14,6 +14,7 @@ from engine.kv_layer_spec import (MLA, MLA_INDEXER, PER_TOKEN, CachedTensor, Lay
 from engine.model_config import ModelConfig
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import V4LayerSpec, layer_specs
+from kv_transfer.layout import BufferSpec, KVLayout
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import build_memory_plan
 from orchestrator.config.memory_plan_v4 import kv_bytes_per_request as v4_request_bytes
@@ -42,9 +43,29 @@ def _runner_spec(m: ModelConfig, mtp: int, dtype: torch.dtype) -> KVCacheSpec:
                        index_layers=m.index_cache_layers(mtp), mtp_layers=mtp)
 
 
+def _old_buffers(spec: KVCacheSpec) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """KVCacheSpec.buffer_names / buffer_widths before the layer specs."""
+    if spec.index_head_dim:
+        return ("k", "v", "index_k"), (spec.kv_lora_rank, spec.qk_rope_head_dim,
+                                       spec.index_head_dim)
+    return ("k", "v"), (spec.kv_lora_rank, spec.qk_rope_head_dim)
+
+
 def _old_widths(spec: KVCacheSpec, layer: int) -> tuple[int, ...]:
     """KVCacheSpec.layer_buffer_widths before the layer specs: a prefix of buffer_widths."""
-    return spec.buffer_widths[:3 if spec.has_index_k(layer) else 2]
+    return _old_buffers(spec)[1][:3 if spec.has_index_k(layer) else 2]
+
+
+def _old_layout(spec: KVCacheSpec, model: str, tp: int) -> KVLayout:
+    """KVLayout.from_spec before the layer specs."""
+    index_layers = tuple(i for i in range(spec.num_layers) if spec.has_index_k(i)) \
+        if spec.index_layers else None
+    buffers = tuple(BufferSpec(name, (width,), index_layers if name == "index_k" else None)
+                    for name, width in zip(*_old_buffers(spec)))
+    return KVLayout(model=model, kind="mla", buffers=buffers, num_kv_heads=None,
+                    dtype=str(spec.dtype).removeprefix("torch."), num_layers=spec.num_layers,
+                    block_size=spec.block_size, tp=tp, rope_layout=spec.rope_layout,
+                    mtp_layers=spec.mtp_layers)
 
 
 def test_mla_layer_kinds_and_rows():
@@ -90,14 +111,26 @@ def test_mla_consumers_equal_the_formulas_they_replace(config):
         for dtype in (torch.bfloat16, torch.float32):
             spec = _runner_spec(m, mtp, dtype)
             assert spec.layer_specs() == mla_layer_specs(m, mtp)
+            assert (spec.buffer_names, spec.buffer_widths) == _old_buffers(spec)
+            layout, old_layout = (f(spec, "m", 4) for f in (KVLayout.from_spec, _old_layout))
+            assert layout.to_dict() == old_layout.to_dict()
+            assert layout.fingerprint() == old_layout.fingerprint()
             elem = spec.element_size
             for i in range(spec.num_layers):
                 assert spec.layer_buffer_widths(i) == _old_widths(spec, i)
-                assert spec.layer_buffer_names(i) == spec.buffer_names[:len(_old_widths(spec, i))]
+                assert spec.layer_buffer_names(i) == _old_buffers(spec)[0][:len(
+                    _old_widths(spec, i))]
             old = sum(sum(_old_widths(spec, i)) for i in range(spec.num_layers)) * elem
             assert spec.bytes_per_token == old
             assert spec.bytes_per_token_of(range(1, spec.num_layers, 2)) == sum(
                 sum(_old_widths(spec, i)) for i in range(1, spec.num_layers, 2)) * elem
+
+
+def test_index_layers_only_when_some_layers_lack_index_k():
+    for flags in ((True, True), (False, False)):
+        with pytest.raises(ValueError, match="leave it empty"):
+            KVCacheSpec(num_layers=2, num_blocks=1, block_size=1, kv_lora_rank=8,
+                        qk_rope_head_dim=4, index_head_dim=16, index_layers=flags)
 
 
 def test_glm5_shared_layers_have_no_index_k():
