@@ -4,8 +4,9 @@ prompt length (docs/kv_transfer.md "DeepSeek-V4: staged per-layer state").
 V4: ``staged_rows(n)`` rows of every layer, each of its kind's width (engine/v4/staging.py;
 tests/workers/test_v4_pd.py checks the connector sends exactly this many bytes). V4 state: the
 sum over layers of the specs' ``elements(n)`` (what decode needs; the staged rows pad it). V3.2:
-K, V and index_k of every token of every layer (61 x (512 + 64 + 128) elements per token,
-``engine.kv_cache.KVCacheSpec``). V4 shapes: transformers' default ``DeepseekV4Config``
+K, V and index_k of every token of every layer (61 x (512 + 64 + 128) elements per token:
+:func:`engine.kv_layer_spec.held_elements` of configs/models/deepseek-v32's layer specs). V4
+shapes: transformers' default ``DeepseekV4Config``
 (43 layers) unless ``--config`` names a config.json.
 
     PYTHONPATH=$PWD python benchmarks/v4_kv_bytes.py --tokens 1024 4096 32768 131072
@@ -16,12 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 
+from pathlib import Path
+
+from engine.kv_layer_spec import held_elements, mla_layer_specs
+from engine.model_config import ModelConfig
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import layer_specs
 from engine.v4.staging import kind_widths, staged_rows
 
 MIB = 2 ** 20
-V32_LAYERS, V32_WIDTH = 61, 512 + 64 + 128  # DeepSeek-V3.2: kv_lora_rank + rope + index_head_dim
+V32_JSON = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-v32" \
+    / "config.json"
 
 
 def v4_config(path: str | None) -> V4Config:
@@ -40,8 +46,9 @@ def rows_for(config: V4Config, tokens: list[int], elem: int) -> list[tuple[int, 
     widths = kind_widths(config)
     per_row = sum(widths[kind] for kind in config.layer_types) * elem
     specs = layer_specs(config)
-    return [(n, staged_rows(config, n) * per_row, sum(s.elements(n) for s in specs) * elem,
-             V32_LAYERS * V32_WIDTH * n * elem) for n in tokens]
+    v32 = mla_layer_specs(ModelConfig.from_dict(json.loads(V32_JSON.read_text())))
+    return [(n, staged_rows(config, n) * per_row, held_elements(specs, n) * elem,
+             held_elements(v32, n) * elem) for n in tokens]
 
 
 def main() -> None:

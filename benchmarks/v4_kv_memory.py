@@ -3,10 +3,11 @@
 
 V4: :func:`orchestrator.config.memory_plan_v4.kv_elements_per_request` (engine/v4/kv_spec.py's
 rows at ``n`` tokens: window, compressed entries with CSA's index keys, compressor state);
-V3.2: ``n`` x :func:`orchestrator.planner.counts.kv_bytes_per_token` (latent + k_pe + index_k
-in every layer). Both at 2 bytes per element (bf16 KV). Configs: configs/models/deepseek-v4
-and configs/models/deepseek-v32. Run: ``PYTHONPATH=. python benchmarks/v4_kv_memory.py``
-(``--lengths 65536,131072``); it prints a markdown table.
+V3.2: :func:`orchestrator.planner.counts.kv_bytes_per_request` (the layer specs' latent + k_pe
++ index_k in every layer, :func:`engine.kv_layer_spec.held_bytes`). Both at 2 bytes per element
+(bf16 KV). Configs: configs/models/deepseek-v4 and configs/models/deepseek-v32. Run:
+``PYTHONPATH=. python benchmarks/v4_kv_memory.py`` (``--lengths 65536,131072``); it prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from engine.model_config import ModelConfig
 from engine.v4.config import V4Config
 from orchestrator.config.memory_plan import Precision
 from orchestrator.config.memory_plan_v4 import kv_elements_per_request
-from orchestrator.planner.counts import kv_bytes_per_token
+from orchestrator.planner.counts import kv_bytes_per_request
 
 MODELS = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -33,7 +34,7 @@ def rows(lengths: list[int]) -> list[str]:
            "| V4 / V3.2 |", "|---|---|---|---|---|---|---|"]
     for n in lengths:
         parts = {k: v * bf16.kv / 1e6 for k, v in kv_elements_per_request(v4, n).items()}
-        mine, theirs = sum(parts.values()), n * kv_bytes_per_token(v32, bf16) / 1e6
+        mine, theirs = sum(parts.values()), kv_bytes_per_request(v32, bf16, n) / 1e6
         out.append(f"| {n:,} | {parts['window']:.2f} | {parts['entries']:.1f} | "
                    f"{parts['state']:.3f} | {mine:.1f} | {theirs:,.0f} | {mine / theirs:.3f} |")
     return out
