@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -113,16 +114,23 @@ class KVCacheSpec:
         """Elements per token of each buffer kind, in :attr:`buffer_names` order."""
         return tuple(width for width, _ in self.buffers().values())
 
+    @cached_property
+    def _layer_specs(self) -> tuple[MLALayerSpec, ...]:
+        # NOTE: cached in the instance __dict__ (fields are frozen; eq / hash ignore it)
+        kinds = {flag: MLALayerSpec(self.kv_lora_rank, self.qk_rope_head_dim,
+                                    self.index_head_dim if flag else 0) for flag in (False, True)}
+        return tuple(kinds[self.has_index_k(i)] for i in range(self.num_layers))
+
     def layer_spec(self, layer: int) -> MLALayerSpec:
         """What layer ``layer`` caches (:class:`engine.kv_layer_spec.MLALayerSpec`: ``k``,
         ``v`` and, where :meth:`has_index_k`, ``index_k``, one row per token each)."""
-        return MLALayerSpec(self.kv_lora_rank, self.qk_rope_head_dim,
-                            self.index_head_dim if self.has_index_k(layer) else 0)
+        return self._layer_specs[layer]
 
     def layer_specs(self) -> tuple[MLALayerSpec, ...]:
         """:meth:`layer_spec` of every layer, MTP layers last (the kind of tuple
-        :func:`engine.v4.kv_spec.layer_specs` gives for DeepSeek-V4)."""
-        return tuple(self.layer_spec(i) for i in range(self.num_layers))
+        :func:`engine.v4.kv_spec.layer_specs` gives for DeepSeek-V4; layers of one kind share
+        one object)."""
+        return self._layer_specs
 
     def layer_buffer_names(self, layer: int) -> tuple[str, ...]:
         """The buffers layer ``layer`` has, in cache order (no index_k on a shared layer)."""

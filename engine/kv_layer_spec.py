@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -94,15 +95,22 @@ class MLALayerSpec(LayerKVSpec):
 
     def tensors(self) -> tuple[CachedTensor, ...]:
         """``k``, ``v`` and, with an indexer, ``index_k``: all per token."""
-        out = (CachedTensor("k", self.kv_lora_rank, PER_TOKEN),
-               CachedTensor("v", self.qk_rope_head_dim, PER_TOKEN))
-        if self.index_head_dim:
-            out += (CachedTensor("index_k", self.index_head_dim, PER_TOKEN),)
-        return out
+        return _mla_tensors(self.kv_lora_rank, self.qk_rope_head_dim, self.index_head_dim)
 
     def rows(self, tensor: CachedTensor, num_tokens: int) -> int:
         """``num_tokens``: every token keeps its row."""
         return num_tokens
+
+
+@lru_cache(maxsize=64)
+def _mla_tensors(kv_lora_rank: int, qk_rope_head_dim: int,
+                 index_head_dim: int) -> tuple[CachedTensor, ...]:
+    # NOTE: built once per width triple: a send counts its bytes from these every chunk
+    out = (CachedTensor("k", kv_lora_rank, PER_TOKEN),
+           CachedTensor("v", qk_rope_head_dim, PER_TOKEN))
+    if index_head_dim:
+        out += (CachedTensor("index_k", index_head_dim, PER_TOKEN),)
+    return out
 
 
 def mla_layer_specs(config: ModelConfig, mtp_layers: int = 0) -> tuple[MLALayerSpec, ...]:
