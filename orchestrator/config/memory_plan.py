@@ -8,9 +8,10 @@ dequantized at load, stays ``weight``). Nothing is instantiated, no weights read
 are the engine's one table (engine/layout.py ``RULES``): each weight row lists its checkpoint
 weights with full shapes, and one rank's elements are
 :meth:`engine.layout.ShardRule.local_shape` under the role's :func:`engine.layout.tp_layout`.
-V3.2 indexer rows appear only for sparse-attention models; under CP layer sharding a rank
-counts only the layers it owns (``ceil(layers / cp)`` on CP rank 0) plus a prefetch pool of
-:data:`PREFETCH_POOL` layers. Communicator buffers (device memory each NCCL/HCCL group holds
+The KV rows count the model's per-layer specs (:func:`engine.kv_layer_spec.mla_layer_specs`,
+what the engine's cache allocates) over the pool's token slots. V3.2 indexer rows appear only
+for sparse-attention models; under CP layer sharding a rank counts only the layers it owns
+(``ceil(layers / cp)`` on CP rank 0) plus a prefetch pool of :data:`PREFETCH_POOL` layers. Communicator buffers (device memory each NCCL/HCCL group holds
 outside PyTorch's allocator) are one row: the rank's communicators x the backend's buffer.
 """
 
