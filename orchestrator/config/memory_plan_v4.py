@@ -250,10 +250,11 @@ def plan_role_v4(model: V4Config, layout: RoleLayout, precision: V4Precision) ->
             f"{layout.tp} = {layout.ep_size} does not divide DeepSeek-V4's n_routed_experts "
             f"({model.n_routed_experts}): pick a dp x tp that divides it, or set {key}.ep false")
     try:
-        rows = _weight_rows(model, layout, precision) + _kv_rows(model, layout, precision) \
-            + _workspace_rows(model, layout, precision) + _comm_rows(layout)
+        weights = _weight_rows(model, layout, precision)
     except ValueError as exc:  # NOTE: a size tp does not split: name the key to change
         raise ValueError(f"{key}.tp={layout.tp}: {exc}") from None
+    rows = weights + _kv_rows(model, layout, precision) \
+        + _workspace_rows(model, layout, precision) + _comm_rows(layout)
     return RolePlan(layout, tuple(rows))
 
 
