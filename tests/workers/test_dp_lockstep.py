@@ -208,11 +208,11 @@ def test_each_chunk_rerun_of_a_failed_step_is_met(leaders, kind):
 
 
 def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders):
-    """The other leader stops syncing (its loop ended, as once out of service): the busy
-    one's next round fails within the step bound, it goes out of service, its request ends
-    with a retryable error, and its loop lives on."""
+    """The other leader stops syncing (out of service: it leaves no last round, unlike a
+    shutdown): the busy one's next round fails within the step bound, it goes out of service,
+    its request ends with a retryable error, and its loop lives on."""
     busy, gone = leaders
-    gone.shutdown()
+    gone.leader.mark_broken("injected: out of service")
     started = time.monotonic()
     busy.request(Generate(_spec("a", prompt_len=3, max_tokens=4)))
     got = _collect(busy, ["a"])
