@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from benchmarks.prefix_trace import (BLOCK, TRACE_BLOCK, add_sample_args, sample_rows,
                                      scaled_length)
 from engine.block_pool import BlockPool
+from engine.prefix_hash import reusable_blocks
 from orchestrator.router.policies import KVAware, RoundRobin
 
 PLACEMENTS = ("round_robin", "longest prefix", "kv_aware")
@@ -89,7 +90,7 @@ def min_blocks(reqs: list[KVPrompt], out_tokens: int) -> int:
 
 def serve(pool: BlockPool, p: KVPrompt, out_tokens: int) -> int:
     """Serve ``p`` on ``pool`` as the engine does (module docstring); its cached tokens."""
-    limit = (p.length - 1) // BLOCK
+    limit = reusable_blocks(p.length, BLOCK)
     blocks = pool.allocate(pool.blocks_needed(p.length + out_tokens), p.hashes[:limit])
     pool.cache_blocks(blocks, blocks.num_cached, p.hashes[blocks.num_cached:])
     pool.free(blocks)
@@ -172,7 +173,9 @@ def place(p: KVPrompt, pools: list[BlockPool], policy: KVAware | RoundRobin, pla
     """(index of the pool ``placement`` chooses for ``p``, the load it charges there) from the
     pools' state now; ``n``: requests placed before (``longest prefix`` rotates its ties)."""
     dp = len(pools)
-    cached = [pool.cached_prefix(p.hashes) * BLOCK for pool in pools]
+    # NOTE: the router's view (KVIndex): only the blocks an admission may reuse
+    cached = [pool.cached_prefix(p.hashes[:reusable_blocks(p.length, BLOCK)]) * BLOCK
+              for pool in pools]
     if placement == "longest prefix":
         k = max(range(dp), key=lambda j: (cached[j], -((j - n) % dp)))
     elif isinstance(policy, KVAware):

@@ -46,3 +46,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: int = 0,
         prev = int.from_bytes(h.digest(), "little") & _MASK
         out.append(prev)
     return out
+
+
+def reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most leading blocks of a ``num_prompt_tokens``-token prompt a prefix-cache hit may
+    cover: ``(prompt - 1) // block_size``, so the last prompt token is always computed (its
+    logits give the first output token). The scheduler admits by it and the router's KV index
+    counts by it, so the router's view of a hit is the engine's."""
+    return max(num_prompt_tokens - 1, 0) // block_size

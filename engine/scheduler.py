@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, BlockSet
-from engine.prefix_hash import block_hashes
+from engine.prefix_hash import block_hashes, reusable_blocks
 from engine.runner import SeqStep
 from engine.request import Request, RequestSpec
 
@@ -157,7 +157,7 @@ class Scheduler:
         the cache off."""
         if not self.pool.caching:
             return []
-        return self._hashes(req, (req.num_prompt_tokens - 1) // self.pool.block_size)
+        return self._hashes(req, reusable_blocks(req.num_prompt_tokens, self.pool.block_size))
 
     def allocate(self, req: Request) -> BlockSet | None:
         """Check-then-commit: give ``req`` its admission blocks (its cached prefix reused,

@@ -1,12 +1,14 @@
 """The `orch` command: up, status, generate, scale, model init-tiny, bench, plan.
 
 Exit codes: 0 ok, 1 runtime failure, 2 bad config or arguments, 3 (`orch status`) the
-router answered but some instance is not healthy.
+router answered but some instance is not healthy, 141 its output's reader went away
+(`orch status | head`), 130 Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 EXIT_UNHEALTHY = 3
+EXIT_BROKEN_PIPE = 141  # NOTE: 128 + SIGPIPE, what a shell reports for a writer killed by it
 
 
 def _cmd_up(ns: argparse.Namespace) -> int:
@@ -355,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         elif hasattr(ns, "address") and ns.address is None:
             ns.address = DEFAULT_ADDRESS
         return ns.func(ns)
+    except BrokenPipeError:
+        # NOTE: the reader of stdout went away (`orch status | head`): stop as a command
+        # killed by SIGPIPE would, without a traceback; stdout goes to /dev/null so the
+        # interpreter's flush at exit cannot fail again (Python's documented recipe).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         command = " ".join(["orch"] + (sys.argv[1:2] if argv is None else argv[:1]))
         print(f"{command}: interrupted (Ctrl-C or SIGTERM)", file=sys.stderr)

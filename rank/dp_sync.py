@@ -23,6 +23,12 @@ Failures: every round is bounded by ``timeout_s`` (the instance's ``step_timeout
 rank that died or stopped stepping (out of service) never arrives: the others get
 :class:`DPGroupBroken`, a :class:`RankFailure`, and go out of service too (the EP group is
 broken for every DP rank of the role); the group is never used again.
+
+Stopping: a leader whose loop ends (shutdown) leaves with one last round of value
+:data:`STOPPING` (:meth:`DPSync.leave`). Every leader of the role meets it (MAX: all see it in
+the same round), so one waiting in its idle round is released at once instead of after
+``timeout_s``, and the others get :class:`DPGroupBroken` saying a DP rank stopped (they stop
+too, or go out of service as above). A leader does no round after one that raised.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from rank.failures import RankFailure
 log = logging.getLogger(__name__)
 
 STORE_PREFIX = "dp_sync"
+STOPPING = 2  # NOTE: a round's value when a leader leaves; above any has-work flag (0 / 1)
 
 
 class DPGroupBroken(RankFailure):
@@ -59,28 +66,59 @@ class DPSync:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int,
                  timeout_s: float) -> None:
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+        self.ended = False  # a round raised, or this leader left: no round any more
 
     def any_work(self, has_work: bool) -> bool:
         """One round: True when any leader of the role has work (``has_work`` is this
         leader's). Blocks until every leader asked (collective).
 
         Raises:
-            DPGroupBroken: a leader did not arrive within ``timeout_s``, or the group failed
-                (a peer process is gone).
+            DPGroupBroken: a leader did not arrive within ``timeout_s``, the group failed
+                (a peer process is gone), another leader left (:meth:`leave`), or a round
+                raised before.
         """
         if self.group is None:
             return has_work
-        flag = torch.tensor([int(has_work)], dtype=torch.int32)
+        if self.ended:
+            raise DPGroupBroken(f"DP rank {self.rank}: the role's EP group is broken (an "
+                                "earlier lockstep round failed)")
+        value = self._round(int(has_work))
+        if value >= STOPPING:
+            self.ended = True
+            raise DPGroupBroken(f"DP rank {self.rank}: another DP rank of this expert-parallel "
+                                "role stopped (shut down): the role's EP group is broken")
+        return bool(value)
+
+    def leave(self) -> None:
+        """This leader stops stepping (its loop ended): one last round saying so (module
+        docstring, Stopping), bounded by ``timeout_s``; nothing when the group is already
+        broken or left. Never raises (a failed round is logged)."""
+        if self.group is None or self.ended:
+            return
+        try:
+            self._round(STOPPING)
+        except DPGroupBroken as exc:
+            log.debug("leaving the lockstep: %s", exc)
+        self.ended = True
+
+    def _round(self, value: int) -> int:
+        """MAX of every leader's ``value`` (collective, bounded by ``timeout_s``).
+
+        Raises:
+            DPGroupBroken: see :meth:`any_work` (and the group is never used again).
+        """
+        flag = torch.tensor([value], dtype=torch.int32)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         try:
             self.group.allreduce([flag], opts).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
+            self.ended = True
             raise DPGroupBroken(
                 f"DP rank {self.rank}: another DP rank of this expert-parallel role failed or did "
                 f"not meet a step within {self.timeout_s:g} s (dead, hung or out of service): "
                 f"the role's EP group is broken ({first_line(exc)})") from exc
-        return bool(flag.item())
+        return int(flag.item())
 
 
 def open_dp_sync(host: str, port: int, rank: int, size: int, timeout_s: float,

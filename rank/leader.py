@@ -245,6 +245,13 @@ class Leader:
         self.lock.give_way()  # NOTE: a request's call waiting for the lock goes first
         return self._step.agree()
 
+    def leave_lockstep(self) -> None:
+        """The loop ended (shutdown): an in-service leader of a lockstep role tells the other
+        DP ranks with one last round, so none waits the step bound for it (rank/dp_sync.py,
+        Stopping); an out-of-service one does no round any more."""
+        if self.broken is None:
+            self._step.leave()
+
     def step(self, step_inputs_for: StepInputsFor | None = None) -> StepResult | None:
         """One step on all ranks, caller holds the lock (see :meth:`LeaderStep.run`).
 

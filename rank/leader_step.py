@@ -87,6 +87,12 @@ class LeaderStep:
         if self.logits_stage is not None:
             self.logits_stage.close()
 
+    def leave(self) -> None:
+        """The loop ended: leave the DP lockstep (:meth:`rank.dp_sync.DPSync.leave`; nothing
+        without one)."""
+        if self.dp_sync is not None:
+            self.dp_sync.leave()
+
     def agree(self) -> bool:
         """Before the role's step takes the lock: whether this iteration may run a forward.
         True without a DP sync (:meth:`run` runs one only when it schedules something); with

@@ -58,6 +58,10 @@ class StepLoop:
             if not worked:
                 wake.wait(IDLE_WAIT_S)
                 wake.clear()
+        try:
+            self.leader.leave_lockstep()  # NOTE: in this thread: never beside a round
+        except Exception:  # noqa: BLE001 - stopping goes on
+            log.exception("%s: leaving the DP lockstep failed", self.name)
 
     def _flush(self) -> None:
         """The iteration's events to the routers; never raises."""

@@ -109,7 +109,8 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) ->
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
             names both); a (whole) shape other than the config's; a checkpoint whose expert
-            count is not the config's (under EP).
+            count is not the config's (under EP); a tensor stored quantized (FP8 / int8 /
+            uint8: FP8 or packed FP4 weights).
     """
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
@@ -171,7 +172,7 @@ def _check_count(name: str, count: int, held: EPExperts | None) -> None:
 
 def _get(key: str, where: dict[str, Path]) -> torch.Tensor:
     with safe_open(str(where[key]), framework="pt") as f:
-        return f.get_tensor(key)
+        return _unquantized(key, f.get_tensor(key))
 
 
 def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor:
@@ -179,4 +180,22 @@ def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor
     with safe_open(str(where[key]), framework="pt") as f:
         part = f.get_slice(key)
         _check_count(key, part.get_shape()[0], held)
-        return part[held.expert_ids.start:held.expert_ids.stop]
+        return _unquantized(key, part[held.expert_ids.start:held.expert_ids.stop])
+
+
+# NOTE: the dtypes a released V4 checkpoint stores FP8 linears and packed FP4 experts in; a
+# model tensor is never one (the hash router's tid2eid is int32 / int64)
+_QUANTIZED = {torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2,
+              torch.float8_e8m0fnu}
+
+
+def _unquantized(key: str, value: torch.Tensor) -> torch.Tensor:
+    """``value``, or CheckpointError when it is stored quantized (the config.json said
+    nothing: :func:`load_v4` refuses a ``quantization_config`` before reading a tensor)."""
+    if value.dtype in _QUANTIZED:
+        raise CheckpointError(
+            f"checkpoint tensor {key} is stored as {value.dtype}: a quantized DeepSeek-V4 "
+            "checkpoint (FP8 linears / FP4 experts) although config.json has no "
+            "quantization_config; engine/v4 loads unquantized weights only: use a bf16 "
+            "checkpoint")
+    return value

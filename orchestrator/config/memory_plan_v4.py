@@ -263,9 +263,21 @@ def plan_role_v4(model: V4Config, layout: RoleLayout, precision: V4Precision) ->
     Raises:
         ValueError: tp does not divide ``num_attention_heads``, ``moe_intermediate_size``
             (ep off) or ``vocab_size``, or neither tp nor ``o_groups`` divides the other; the
-            EP size does not divide ``n_routed_experts``.
+            EP size does not divide ``n_routed_experts``. The message starts with the role's
+            config key (``decode.tp=3: ...``, ``decode.ep: ...``; a colocated role's is
+            ``decode``).
     """
-    rows = _weight_rows(model, layout, precision) + _kv_rows(model, layout, precision) \
+    key = "decode" if layout.role == "colocated" else layout.role  # NOTE: its config section
+    if layout.ep and model.n_routed_experts % layout.ep_size:
+        raise ValueError(
+            f"{key}.ep: the expert-parallel size {key}.dp x {key}.tp = {layout.dp} x "
+            f"{layout.tp} = {layout.ep_size} does not divide DeepSeek-V4's n_routed_experts "
+            f"({model.n_routed_experts}): pick a dp x tp that divides it, or set {key}.ep false")
+    try:
+        weights = _weight_rows(model, layout, precision)
+    except ValueError as exc:  # NOTE: a size tp does not split: name the key to change
+        raise ValueError(f"{key}.tp={layout.tp}: {exc}") from None
+    rows = weights + _kv_rows(model, layout, precision) \
         + _workspace_rows(model, layout, precision) + _comm_rows(layout)
     return RolePlan(layout, tuple(rows))
 

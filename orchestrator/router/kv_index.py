@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.kv_events import KVCacheEvents
-from engine.prefix_hash import block_hashes
+from engine.prefix_hash import block_hashes, reusable_blocks
 
 
 @dataclass
@@ -74,8 +74,10 @@ class KVIndex:
 
     def cached_tokens(self, instances: Iterable[str],
                       prompt_token_ids: Sequence[int]) -> dict[str, int]:
-        """instance -> leading prompt tokens it holds in full cached blocks (0 for one that
-        reported nothing). The prompt is hashed once per distinct (block size, salt)."""
+        """instance -> leading prompt tokens it holds in full cached blocks that an admission
+        may reuse (at most :func:`reusable_blocks`: the engine computes the last prompt token
+        always; 0 for one that reported nothing). The prompt is hashed once per distinct
+        (block size, salt)."""
         hashes: dict[tuple[int, int], list[int]] = {}
         out = {}
         for name in instances:
@@ -85,7 +87,9 @@ class KVIndex:
                 continue
             key = (cache.block_size, cache.salt)
             if key not in hashes:
-                hashes[key] = block_hashes(prompt_token_ids, cache.block_size, cache.salt)
+                usable = reusable_blocks(len(prompt_token_ids), cache.block_size)
+                hashes[key] = block_hashes(prompt_token_ids[:usable * cache.block_size],
+                                           cache.block_size, cache.salt)
             n = 0
             for h in hashes[key]:
                 if h not in cache.blocks:

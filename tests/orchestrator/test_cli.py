@@ -188,3 +188,15 @@ def test_status_and_generate_take_the_port_orch_up_was_given(harness, capsys):
         main(["status", "--port", port, "--address", harness.address])
     assert info.value.code == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_exits_quietly():
+    """`orch up --dry-run ... | head -3` (or `orch status | head`): once the reader has gone,
+    the command stops with the shell's SIGPIPE status (141), no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "up", "--dry-run",
+                             str(ROOT / "configs" / "1p1d.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # NOTE: the reader is gone before the command writes a byte
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -137,3 +137,16 @@ def test_kv_aware_placement_releases_exactly_the_load_it_charged(mode, computes,
     flow.release(route)
     for policy in flow.pools.values():
         assert set(policy.outstanding.values()) == {0}, policy.outstanding
+
+
+def test_index_counts_only_the_prefix_an_admission_may_reuse_so_the_last_token_is_load():
+    # NOTE: the engine reuses at most (prompt - 1) // block_size cached blocks (its last prompt
+    # token is always computed: its logits give the first token, engine/scheduler.py), so a
+    # prompt cached whole still costs its instance its last block.
+    index = KVIndex()
+    index.apply("p1", pool_with(PROMPT).take_events())  # all 10 blocks of PROMPT cached
+    assert index.cached_tokens(["p1"], PROMPT) == {"p1": 36}
+    assert index.cached_tokens(["p1"], PROMPT + [7]) == {"p1": 40}  # one past: all 10 reusable
+    policy = make_policy("kv_aware", ["p0", "p1"], index=index)
+    assert policy.load_for("p1", len(PROMPT), PROMPT) == 4
+    assert policy.load_for("p1", len(PROMPT) + 5, PROMPT) == 9  # colocated: + max_tokens

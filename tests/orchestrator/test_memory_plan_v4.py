@@ -193,3 +193,26 @@ def test_a_pd_role_plans_its_staging_cache_and_a_colocated_one_none(tmp_path):
 
     got = {lay.role: lay.staging_blocks for lay in role_layouts(cfg)}
     assert got == {"prefill": cfg.prefill.num_kv_blocks, "decode": 7}
+
+
+def test_a_layout_the_plan_cannot_split_names_the_key_to_change():
+    """EP over dp 3 x tp 1 (8 experts) and tp 3 (4 heads): the error names the role's keys,
+    not a ``tp`` the user never set."""
+    with pytest.raises(ValueError, match=r"^decode\.ep: the expert-parallel size decode\.dp x "
+                                         r"decode\.tp = 3 x 1 = 3 does not divide DeepSeek-V4's "
+                                         r"n_routed_experts \(8\)"):
+        plan_role_v4(TINY, _layout(dp=3, ep=True), V4Precision.of("bfloat16"))
+    with pytest.raises(ValueError, match=r"^decode\.tp=3: .*num_attention_heads \(4\)"):
+        plan_role_v4(TINY, _layout(role="colocated", tp=3), V4Precision.of("bfloat16"))
+    with pytest.raises(ValueError, match=r"^prefill\.tp=3: "):
+        plan_role_v4(TINY, _layout(role="prefill", tp=3), V4Precision.of("bfloat16"))
+
+
+def test_dry_run_of_an_ep_size_that_does_not_divide_the_experts_names_dp(tmp_path, capsys):
+    text = (REPO / "configs" / "v4_ep_colocated.yaml").read_text()
+    cfg = tmp_path / "v4_ep3.yaml"
+    cfg.write_text(text.replace("  dp: 2\n", "  dp: 3\n", 1))
+    assert main(["up", "--dry-run", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "decode.ep" in err and "decode.dp x decode.tp = 3 x 1" in err, err
+    assert "tp 3" not in err, err

@@ -208,11 +208,11 @@ def test_each_chunk_rerun_of_a_failed_step_is_met(leaders, kind):
 
 
 def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders):
-    """The other leader stops syncing (its loop ended, as once out of service): the busy
-    one's next round fails within the step bound, it goes out of service, its request ends
-    with a retryable error, and its loop lives on."""
+    """The other leader stops syncing (out of service: it leaves no last round, unlike a
+    shutdown): the busy one's next round fails within the step bound, it goes out of service,
+    its request ends with a retryable error, and its loop lives on."""
     busy, gone = leaders
-    gone.shutdown()
+    gone.leader.mark_broken("injected: out of service")
     started = time.monotonic()
     busy.request(Generate(_spec("a", prompt_len=3, max_tokens=4)))
     got = _collect(busy, ["a"])
@@ -221,6 +221,32 @@ def test_a_dp_rank_that_stops_stepping_breaks_the_other_within_the_bound(leaders
     assert finish == "error" and "EP group is broken" in error, error
     assert busy.leader.broken is not None and busy.loop.is_alive()
     assert_pool_empty(busy.leader.pool)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one then the other", "together"])
+def test_shutting_the_dp_ranks_down_never_waits_for_a_round_bound(leaders, together):
+    """`orch up` stops an EP role's leaders together (rank_actors.stop_leaders, 5 s for all):
+    a leader that stops leaves the lockstep with one last round, so the other, waiting in its
+    idle round, is released at once and goes out of service (it never waits the step bound
+    for a peer that will not come, which made its shutdown time out: seen once in four stops of
+    configs/v4_ep_colocated.yaml at decode.tp 2)."""
+    first, second = leaders
+    started = time.monotonic()
+    if together:
+        threads = [threading.Thread(target=r.shutdown) for r in leaders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    else:
+        first.shutdown()
+        time.sleep(0.2)  # NOTE: the other is in an idle round that only a peer can end
+        assert "stopped" in (second.leader.broken or ""), second.leader.broken
+        assert "EP group is broken" in second.leader.broken
+        second.shutdown()
+    took = time.monotonic() - started
+    assert took < STEP_TIMEOUT_S / 2, f"shutdown took {took:.2f} s"
+    assert not first.loop.is_alive() and not second.loop.is_alive()
 
 
 def test_a_dp_rank_lost_during_a_forward_breaks_the_group_not_the_request(leaders):

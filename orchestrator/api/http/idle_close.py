@@ -10,7 +10,9 @@ router process (the one gRPC, Ray and the KV pairs use too): enough of them exha
 Here a timer of :data:`HEADER_TIMEOUT_S` starts when the connection opens and again after
 each response; when it fires and no request is being served (none started, or the last one's
 response is complete), the connection is closed. A request in progress (its body arriving:
-``app.BODY_TIMEOUT_S`` bounds that; its response streaming) is never cut by it.
+``app.BODY_TIMEOUT_S`` bounds that; its response streaming) is never cut by it. NOTE: under
+TLS ``connection_made`` comes after the handshake, so a connection that never completes one is
+bounded by asyncio's handshake timeout (60 s), not by this timer.
 """
 
 from __future__ import annotations
