@@ -120,3 +120,39 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantScheme:
                 raise _unsupported(f"config_groups.{name}.{part}.{key}", got.get(key),
                                    f" (int8 W8A8 needs {value!r})")
     return QuantScheme(W8A8_INT8)
+
+
+def v4_quant_scheme(raw: dict[str, Any]) -> QuantScheme | None:
+    """The :class:`QuantScheme` of a DeepSeek-V4 config.json ``raw`` that :mod:`engine.v4`
+    can load (None: unquantized), after refusing what it cannot.
+
+    DeepSeek-V4-Flash's release (configs/models/deepseek-v4/config.json, transformers 5.23's
+    ``deepseek_v4`` + FP8 quantizer) stores the attention, output, indexer ``q_b`` and
+    shared-expert linears FP8 e4m3 with one scale per 128 x 128 block (``scale_fmt: ue8m0``:
+    power-of-two scales, stored ``float8_e8m0fnu`` as ``<module>.scale`` or float32 as
+    ``<module>.weight_scale_inv``), the compressors' ``kv_proj`` / ``gate_proj`` and the
+    indexer's ``weights_proj`` bf16, and the routed experts FP4 (``expert_dtype: fp4``,
+    top-level or inside ``quantization_config``: MXFP4, e2m1 with an e8m0 scale per 32).
+    engine/v4 dequantizes the FP8 block linears at load (as V3's default ``fp8_storage:
+    dequantize``); routed experts it reads FP8 block or float, never FP4.
+
+    Raises:
+        UnsupportedQuantizationError: FP4 routed experts; a method other than DeepSeek FP8
+            (W8A8 int8 is V3-only); a malformed FP8 config (:func:`parse_quantization_config`).
+    """
+    qc = raw.get("quantization_config")
+    expert = raw.get("expert_dtype") or (qc.get("expert_dtype") if isinstance(qc, dict) else None)
+    if expert not in (None, "fp8", "bf16", "bfloat16"):
+        raise UnsupportedQuantizationError(
+            f"config.json expert_dtype is {expert!r}: DeepSeek-V4's routed experts are stored "
+            "FP4 (MXFP4, e2m1 + an e8m0 scale per 32 weights), which engine/v4 cannot run "
+            "yet; dequantize the routed experts (layers.*.ffn.experts.*.w1/w2/w3) to bf16 or "
+            "FP8 block (e4m3 + 128 x 128 scales) and drop expert_dtype, or use a bf16 "
+            "checkpoint (docs/quantization.md \"DeepSeek-V4\")")
+    scheme = parse_quantization_config(qc or None)
+    if scheme is not None and scheme.method != FP8_BLOCK:
+        raise UnsupportedQuantizationError(
+            f"config.json quantization_config is {scheme.method}: engine/v4 loads DeepSeek "
+            "FP8 block checkpoints (quant_method fp8, e4m3, 128 x 128 scales) and float ones; "
+            "int8 W8A8 runs on DeepSeek-V3 only")
+    return scheme

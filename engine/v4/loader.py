@@ -4,7 +4,11 @@ Two namings are read (per tensor, whichever the files hold): transformers' (the 
 parameter names, experts fused ``gate_up_proj`` / ``down_proj``) and DeepSeek's released one
 (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...,
 the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.*`` (the MTP
-layer) is never read. Under TP each rank reads the whole tensor and keeps its part
+layer) is never read. An FP8 block checkpoint (DeepSeek-V4-Flash's linears:
+:func:`engine.quant.formats.v4_quant_scheme`) is dequantized to float at load: a weight with a
+scale tensor (``<name>_scale_inv``, or DeepSeek's ``<module>.scale``) is
+``e4m3 x scale`` of its 128 x 128 block (:func:`engine.quant.fp8_block.dequantize_block`).
+Under TP each rank reads the whole tensor and keeps its part
 (:meth:`engine.v4.tp.V4Shards.local_part`; the split table is :mod:`engine.v4.tp`'s). Under EP
 (:mod:`engine.v4.expert_parallel`) a rank reads only its own routed experts, whole (not
 TP-split): the per-expert tensors of its ids, or its rows of a fused tensor (a safetensors
@@ -22,6 +26,8 @@ from safetensors import safe_open
 
 from engine.model_config import CheckpointError
 from engine.parallel import EPGroup, TPGroup
+from engine.quant.formats import QuantScheme, UnsupportedQuantizationError, v4_quant_scheme
+from engine.quant.fp8_block import block_grid, dequantize_block
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import EPExperts
 from engine.v4.model import DeepseekV4ForCausalLM
@@ -82,35 +88,39 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
 
     Raises:
         CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`; a
-            quantized checkpoint (``quantization_config``: FP8 / FP4 weights are not loaded
-            yet, their raw values would be read as weights).
+            quantization engine/v4 cannot run (FP4 routed experts, W8A8:
+            :func:`engine.quant.formats.v4_quant_scheme`; the message says what to do).
         ValueError: the TP size does not divide a size the split keeps whole
             (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
             ``n_routed_experts``.
     """
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-    if raw.get("quantization_config"):
-        raise CheckpointError(f"{checkpoint_dir} is a quantized DeepSeek-V4 checkpoint "
-                              "(config.json quantization_config): engine/v4 "
-                              "loads unquantized weights only for now; use a bf16 checkpoint")
+    try:
+        scheme = v4_quant_scheme(raw)
+    except UnsupportedQuantizationError as e:
+        raise CheckpointError(f"{checkpoint_dir}: {e}") from e
     config, tp = V4Config.from_dict(raw), tp or TPGroup()
     check_tp(config, tp.size)
     with torch.device(device):
         model = DeepseekV4ForCausalLM(config, tp, ep).to(dtype)
-    load_v4_weights(model, checkpoint_dir)
+    load_v4_weights(model, checkpoint_dir, scheme)
     return model.eval()
 
 
-def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) -> None:
+def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
+                    scheme: QuantScheme | None = None) -> None:
     """Copy every model tensor from the checkpoint (either naming, see module doc); under
     ``model.tp`` only this rank's part of each split one; EP experts (:class:`EPExperts`)
-    only their ``expert_ids``, whole.
+    only their ``expert_ids``, whole. ``scheme``: the checkpoint's FP8 block format (None:
+    float); weights with a scale tensor are dequantized (float32, then the model's dtype).
 
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
             names both); a (whole) shape other than the config's; a checkpoint whose expert
-            count is not the config's (under EP); a tensor stored quantized (FP8 / int8 /
-            uint8: FP8 or packed FP4 weights).
+            count is not the config's (under EP); a scale tensor without ``scheme``, or one
+            whose grid is not the weight's ``weight_block_size`` grid; a quantized weight
+            (FP8 / int / FP4-packed) without a scale or not e4m3 where it has one; a fused
+            expert tensor with a scale.
     """
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
@@ -123,7 +133,7 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) ->
     held = {f"{prefix}.{p}": m for prefix, m in model.named_modules()
             if isinstance(m, EPExperts) for p in ("gate_up_proj", "down_proj")}
     for name, target in model.state_dict().items():
-        value = _read(name, where, held.get(name))
+        value = _read(name, where, held.get(name), scheme)
         # NOTE: EP experts are whole on their rank: no TP part to take
         whole = tuple(target.shape) if name in held else \
             shards.full_shape(name, tuple(target.shape))
@@ -133,9 +143,11 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path) ->
         target.copy_(value if name in held else shards.local_part(name, value))
 
 
-def _read(name: str, where: dict[str, Path], held: EPExperts | None = None) -> torch.Tensor:
-    """The tensor of model name ``name``: as named, DeepSeek-named, or per-expert stacked;
-    ``held``: the EP experts module of a fused expert tensor (only its experts' rows)."""
+def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
+          scheme: QuantScheme | None = None) -> torch.Tensor:
+    """The tensor of model name ``name``: as named, DeepSeek-named, or per-expert stacked
+    (dequantized where it has a scale, :func:`_weight`); ``held``: the EP experts module of a
+    fused expert tensor (only its experts' rows)."""
     fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if name not in where and fused is not None:
         prefix = deepseek_name(fused.group(1) + ".0.x").rsplit(".0.", 1)[0]
@@ -144,17 +156,18 @@ def _read(name: str, where: dict[str, Path], held: EPExperts | None = None) -> t
         _check_count(name, count, held)
         experts = []
         for j in (range(count) if held is None else held.expert_ids):
-            experts.append(torch.cat([_get(f"{prefix}.{j}.{w}.weight", where) for w in parts]))
+            experts.append(torch.cat([_weight(f"{prefix}.{j}.{w}.weight", where, scheme)
+                                      for w in parts]))
         return torch.stack(experts)
     if name in where and held is not None:
         return _get_rows(name, where, held)
     if name in where:
-        return _get(name, where)
+        return _weight(name, where, scheme)
     native = deepseek_name(name)
     if native not in where:
         raise CheckpointError(f"tensor {name} (DeepSeek name {native}) is not in the "
                               "checkpoint: config.json and weights disagree")
-    return _get(native, where)
+    return _weight(native, where, scheme)
 
 
 def _count(prefix: str, where: dict[str, Path]) -> int:
@@ -172,11 +185,60 @@ def _check_count(name: str, count: int, held: EPExperts | None) -> None:
 
 def _get(key: str, where: dict[str, Path]) -> torch.Tensor:
     with safe_open(str(where[key]), framework="pt") as f:
-        return _unquantized(key, f.get_tensor(key))
+        return f.get_tensor(key)  # NOTE: raw: _weight checks and dequantizes
+
+
+def _scale_of(key: str, where: dict[str, Path]) -> str | None:
+    """The name of weight ``key``'s block scale in the checkpoint, or None: ``<key>_scale_inv``
+    (HF's FP8 naming), or for DeepSeek-named weights ``<module>.scale`` (the V4 release's;
+    transformers' FP8 quantizer renames it to ``weight_scale_inv``). Non-weights have none
+    (``hc_*_scale`` / ``attn_hc.scale`` are mHC parameters, not FP8 scales)."""
+    if not key.endswith(".weight"):
+        return None
+    names = [key + "_scale_inv"]
+    if not key.startswith("model."):
+        names.append(key.removesuffix("weight") + "scale")
+    return next((n for n in names if n in where), None)
+
+
+def _weight(key: str, where: dict[str, Path],
+            scheme: QuantScheme | None = None) -> torch.Tensor:
+    """Checkpoint tensor ``key``, dequantized to float32 when it has a block scale."""
+    value, scale = _get(key, where), _scale_of(key, where)
+    if scale is None:
+        fp8 = value.is_floating_point() and value.element_size() == 1
+        if fp8 or (key.endswith(".weight") and not value.is_floating_point()):
+            raise CheckpointError(
+                f"checkpoint tensor {key} is {value.dtype} with no scale tensor ({key}_scale_inv"
+                " or .scale): engine/v4 reads float weights, or FP8 e4m3 ones with 128 x 128 "
+                "block scales; convert this tensor to bf16")
+        return value
+    if scheme is None:
+        raise CheckpointError(f"{scale} (the scale of {key}) is in the checkpoint but "
+                              "config.json has no quantization_config: give it the one the "
+                              "checkpoint was written with (quant_method fp8, e4m3, "
+                              "weight_block_size [128, 128])")
+    if value.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(
+            f"checkpoint tensor {key} is {value.dtype} {tuple(value.shape)} with scale "
+            f"{scale}: engine/v4 dequantizes FP8 e4m3 block weights only (packed FP4 / MXFP4 "
+            "expert weights are not supported: convert them to bf16 or FP8 block)")
+    s = _get(scale, where)
+    want = block_grid(*value.shape, scheme.block_size)
+    if tuple(s.shape) != want:
+        raise CheckpointError(f"checkpoint tensor {scale} has shape {tuple(s.shape)}; weight "
+                              f"{key} {tuple(value.shape)} with weight_block_size "
+                              f"{list(scheme.block_size)} needs {want}: config.json's "
+                              "quantization_config does not match the checkpoint")
+    return dequantize_block(value, s, scheme.block_size)
 
 
 def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor:
     """Rows ``held.expert_ids`` of the fused expert tensor ``key`` (only those are read)."""
+    if key + "_scale_inv" in where:
+        raise CheckpointError(f"{key} is a fused expert tensor with a block scale: engine/v4 "
+                              "reads quantized experts per expert only (DeepSeek's "
+                              "layers.*.ffn.experts.*.w1/w2/w3 names)")
     with safe_open(str(where[key]), framework="pt") as f:
         part = f.get_slice(key)
         _check_count(key, part.get_shape()[0], held)
@@ -190,8 +252,9 @@ _QUANTIZED = {torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2,
 
 
 def _unquantized(key: str, value: torch.Tensor) -> torch.Tensor:
-    """``value``, or CheckpointError when it is stored quantized (the config.json said
-    nothing: :func:`load_v4` refuses a ``quantization_config`` before reading a tensor)."""
+    """``value`` (rows of a fused expert tensor, read without a scale), or CheckpointError
+    when it is stored quantized: per-expert weights with block scales go through
+    :func:`_weight`."""
     if value.dtype in _QUANTIZED:
         raise CheckpointError(
             f"checkpoint tensor {key} is stored as {value.dtype}: a quantized DeepSeek-V4 "

@@ -1,7 +1,7 @@
 """DeepSeek-V4 serving layouts at config load: what :mod:`engine.v4.runner` serves today
 (TP on each role, colocated or PD across any tp, e.g. prefill tp 2 -> decode tp 1; expert
-parallelism over a role's dp x tp ranks, as V3's; no CP, graph mode, MTP, prefix cache or
-quantized weights) and
+parallelism over a role's dp x tp ranks, as V3's; FP8 block linears dequantized at load; no
+CP, graph mode, MTP, prefix cache, FP4 routed experts or FP8 kept stored) and
 a :class:`ConfigError` naming every key to change otherwise, before anything starts (the rank
 would refuse the same at load, :func:`engine.v4.runner.check_v4_serving`,
 :func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`)."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from engine.quant.formats import UnsupportedQuantizationError, v4_quant_scheme
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.schema import OrchConfig
 
@@ -49,8 +50,10 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
         ConfigError: the config asks for what V4 serving does not support yet: prefill
             ``cp`` > 1 or ``layer_sharding``, graph mode, MTP, the prefix cache (either role),
             or a ``tp`` that does not divide the attention heads, ``o_groups``,
-            ``moe_intermediate_size`` or the vocabulary, or a quantized checkpoint (FP8
-            linears / FP4 experts: not loaded yet); the message names each key and fix. Or a
+            ``moe_intermediate_size`` or the vocabulary, or a quantization engine/v4 does
+            not load (FP4 routed experts, W8A8: :func:`engine.quant.formats.v4_quant_scheme`)
+            or keep (an FP8 checkpoint with ``model.fp8_storage: fp8``: V4 dequantizes at
+            load); the message names each key and fix. Or a
             role's EP size (``dp * tp``) does not divide ``n_routed_experts``.
     """
     raw = raw or {}
@@ -68,10 +71,7 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
             (p.prefix_cache, "prefill.prefix_cache (set false; V4 has no prefix cache)")) if on]
         tps.insert(0, ("prefill.tp", p.tp))
     bad += [r for key, tp in tps if (r := _tp_refusal(raw, key, tp))]
-    if raw.get("quantization_config"):
-        bad.append("model: a quantized checkpoint (config.json quantization_config; "
-                   "engine/v4 loads unquantized weights only: point model.path "
-                   "at a bf16 one)")
+    bad += _quant_refusals(raw, cfg.model.fp8_storage)
     if bad:
         raise ConfigError(f"model is DeepSeek-V4 ({source}), served with TP and EP (colocated, "
                           "or PD across any tp); not supported yet: "
@@ -81,6 +81,21 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
         return (f"tp layout: DeepSeek-V4, prefill.tp={cfg.prefill.tp}{ep['prefill']} -> "
                 f"decode.tp={d.tp}{ep['decode']} disaggregated ({source})")
     return f"tp layout: DeepSeek-V4, decode.tp={d.tp}{ep['decode']} colocated ({source})"
+
+
+def _quant_refusals(raw: dict, fp8_storage: str) -> list[str]:
+    """What of config.json's quantization engine/v4 cannot serve (:func:`load_v4`'s rule):
+    FP4 routed experts or a non-FP8 method; FP8 block linears load dequantized only."""
+    bad = []
+    try:
+        v4_quant_scheme(raw)
+    except UnsupportedQuantizationError as e:
+        bad.append(f"model: {e}")
+    if (raw.get("quantization_config") or {}).get("quant_method") == "fp8" \
+            and fp8_storage == "fp8":
+        bad.append("model.fp8_storage=fp8 (set dequantize: engine/v4 dequantizes the FP8 "
+                   "linears at load and does not keep them FP8)")
+    return bad
 
 
 def _check_ep(cfg: OrchConfig, raw: dict, source: str) -> dict[str, str]:

@@ -1,7 +1,7 @@
-"""engine/v4/loader.py refuses a quantized DeepSeek-V4 checkpoint clearly, whether its
-config.json says so (``quantization_config``) or only its tensors do (FP8 / packed FP4 weights
-under an unquantized config.json): never a torch promotion error, never FP8 values cast to
-float as if they were the weights."""
+"""engine/v4/loader.py refuses a quantized DeepSeek-V4 checkpoint it cannot read clearly, whether
+its config.json is wrong (per-tensor FP8) or only its tensors say it is quantized (FP8 / int8
+weights under an unquantized config.json): never a torch promotion error, never FP8 values cast
+to float as if they were the weights. FP8 block checkpoints load: tests/engine/test_v4_fp8.py."""
 
 from __future__ import annotations
 
@@ -49,13 +49,15 @@ def _int8_attention(tensors):
 def test_quantized_tensors_under_an_unquantized_config_are_refused(tiny_v4_ckpt, tmp_path,
                                                                    weights):
     ckpt = _copy(tiny_v4_ckpt, tmp_path / "v4", weights=weights)
-    with pytest.raises(CheckpointError, match=r"is stored as torch\.(float8_e4m3fn|int8).*"
-                                              r"quantized.*unquantized weights only"):
+    # NOTE: a scale without quantization_config, or a 1-byte / integer weight without a scale
+    with pytest.raises(CheckpointError, match=r"config\.json has no quantization_config|"
+                                              r"torch\.int8 with no scale tensor"):
         load_v4(ckpt)
 
 
-def test_a_quantization_config_is_refused(tiny_v4_ckpt, tmp_path):
+def test_an_fp8_quantization_config_without_blocks_is_refused(tiny_v4_ckpt, tmp_path):
+    # NOTE: FP8 block checkpoints load (tests/engine/test_v4_fp8.py); per-tensor FP8 does not
     ckpt = _copy(tiny_v4_ckpt, tmp_path / "v4",
                  config=lambda raw: raw.update(quantization_config={"quant_method": "fp8"}))
-    with pytest.raises(CheckpointError, match="quantized DeepSeek-V4 checkpoint"):
+    with pytest.raises(CheckpointError, match="weight_block_size is None.*convert"):
         load_v4(ckpt)

@@ -197,9 +197,10 @@ def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
         runner.execute([SeqStep("r", (1, 2), 0, (0,))], on_kv_written=lambda layer: None)
 
 
-def test_a_quantized_v4_checkpoint_is_refused(tiny_v4_ckpt, tmp_path):
-    """A config.json with quantization_config (the release's FP8 linears / FP4 experts) is
-    refused at load, not read as if its raw values were weights."""
+def test_the_releases_fp4_experts_are_refused(tiny_v4_ckpt, tmp_path):
+    """A config.json as released (FP8 block linears, ``expert_dtype: fp4``) is refused at
+    rank load naming the FP4 experts, not read as if its raw values were weights (FP8 block
+    linears alone load: tests/engine/test_v4_fp8.py)."""
     import json  # noqa: PLC0415
 
     from engine.model_config import CheckpointError  # noqa: PLC0415
@@ -208,9 +209,10 @@ def test_a_quantized_v4_checkpoint_is_refused(tiny_v4_ckpt, tmp_path):
         (tmp_path / f.name).symlink_to(f)
     raw = json.loads((tiny_v4_ckpt / "config.json").read_text())
     (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps(
-        raw | {"quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(CheckpointError, match="quantized DeepSeek-V4 checkpoint"):
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"expert_dtype": "fp4",
+                                                            "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    with pytest.raises(CheckpointError, match="routed experts are stored FP4"):
         build_runner(tmp_path, num_kv_blocks=4, block_size=BLOCK)
 
 

@@ -24,7 +24,7 @@ def test_all_shipped_configs_are_present():
                                          "gpu_p4x8_d8x4.yaml"}
 
 
-# NOTE: planned by `--dry-run`, then refused: V4 serving does not load quantized weights yet
+# NOTE: planned by `--dry-run`, then refused: V4 serving does not run FP4 routed experts yet
 V4_REFUSED = {"a3_v4_p2x16_d8x4.yaml"}
 
 

@@ -155,7 +155,8 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
     assert "KV: CSA entries 1/4" in out and "planner on a3" in out
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
     assert "memory plan: fits" in out
-    assert "not supported yet: model: a quantized checkpoint" in err
+    assert "not supported yet: model: config.json expert_dtype is 'fp4'" in err
+    assert "model.fp8_storage=fp8 (set dequantize" in err
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():

@@ -3,6 +3,8 @@ every key to change (orchestrator/config/v4_check.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from orchestrator.config.errors import ConfigError
@@ -104,3 +106,35 @@ def test_v4_expert_parallel_layouts_load_and_plan_per_rank_experts(tmp_path, mon
         load_config(CONFIG, {"decode.dp": 3, "decode.ep": True})
     with pytest.raises(ConfigError, match=r"decode\.ep: the expert-parallel size dp\*tp\*cp=12 "):
         load_config(CONFIG, {"decode.dp": 3, "decode.tp": 4, "decode.ep": True})
+
+
+def test_v4_quantized_checkpoints_at_load(tmp_path, monkeypatch):
+    """An FP8 block checkpoint loads (dequantized at load, ``model.fp8_storage: dequantize``);
+    keeping it FP8, FP4 routed experts (``expert_dtype: fp4``) and W8A8 are refused naming
+    the key and the fix (orchestrator/config/v4_check.py, engine/v4/loader.py's rule)."""
+    import json  # noqa: PLC0415
+
+    from orchestrator.tiny_model_v4 import tiny_v4_config_dict  # noqa: PLC0415
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+           "weight_block_size": [128, 128]}
+
+    def load(extra: dict, **overrides):
+        ckpt = tmp_path / f"ckpt{len(list(tmp_path.glob('ckpt*')))}"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text(json.dumps(tiny_v4_config_dict() | extra))
+        return load_config(CONFIG, {"model.path": str(ckpt),
+                                    **overrides})
+
+    assert check_tp_layout(load({"quantization_config": fp8})).startswith(
+        "tp layout: DeepSeek-V4")
+    for extra, overrides, words in (
+            ({"quantization_config": fp8}, {"model.fp8_storage": "fp8"},
+             "model.fp8_storage=fp8 (set dequantize"),
+            ({"quantization_config": fp8, "expert_dtype": "fp4"}, {},
+             "expert_dtype is 'fp4'"),
+            ({"quantization_config": {"quant_method": "compressed-tensors"}}, {},
+             "quantization_config")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load(extra, **overrides)
