@@ -182,7 +182,8 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
     out = pb.GetStatusResponse(in_flight=in_flight, model=model)
     for v in views:
         msg = pb.InstanceStatus(name=v.name, role=v.role, tp=v.tp, health=v.health,
-                                detail=v.detail, has_load=v.status is not None)
+                                detail=v.detail, has_load=v.status is not None,
+                                router_outstanding_tokens=v.router_tokens)
         s = v.status
         if s is not None:
             msg.ranks.extend(pb.RankStatus(rank=r, node_id=n, device=d, pid=pid)
@@ -208,7 +209,8 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
 def status_from_proto(msg: pb.GetStatusResponse) -> list[InstanceView]:
     """GetStatusResponse -> instance rows (client side)."""
     return [InstanceView(name=i.name, role=i.role, tp=i.tp, health=i.health, detail=i.detail,
-                         status=_load_from_proto(i) if i.has_load else None)
+                         status=_load_from_proto(i) if i.has_load else None,
+                         router_tokens=i.router_outstanding_tokens)
             for i in msg.instances]
 
 
