@@ -37,6 +37,9 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
 - per decode instance, from the same snapshot: summary ``orch_kv_tail_seconds{instance}``
   (count and sum of the requests' ``kv_tail_s``: end of the prefill forward of the last chunk
   -> decode holds every cell) and gauge ``orch_kv_tail_max_seconds{instance}``.
+- per DeepSeek-V4 instance, from the same snapshot: gauge
+  ``orch_kv_group_blocks{instance,group,state}`` (free and total blocks of each KV group's
+  pool: window, entries/<kind>, state/<kind>).
 - per instance, from the router's own policies at scrape time (``track_router_load``): gauge
   ``orch_router_outstanding_tokens{pool,instance}`` (tokens this router placed there and
   not yet released; with ``router.replicas`` > 1 each replica knows only its own placements,
@@ -108,6 +111,20 @@ class _InstanceCollector(Collector):
         yield from (info, sent, fails)
         yield from _step_families(snap)
         yield from _kv_tail_families(snap)
+        yield _kv_group_family(snap)
+
+
+def _kv_group_family(snap: tuple[InstanceStatusInfo, ...]) -> GaugeMetricFamily:
+    """``orch_kv_group_blocks{instance,group,state}`` of the DeepSeek-V4 instances of
+    ``snap`` (``InstanceStatusInfo.kv_groups``; state "free" or "total")."""
+    fam = GaugeMetricFamily("orch_kv_group_blocks", "blocks of each DeepSeek-V4 KV group's "
+                            "pool (window, entries/<kind>, state/<kind>), free or total",
+                            labels=["instance", "group", "state"])
+    for s in snap:
+        for group, free, total in s.kv_groups:
+            fam.add_metric([s.name, group, "free"], float(free))
+            fam.add_metric([s.name, group, "total"], float(total))
+    return fam
 
 
 class _RouterLoadCollector(Collector):

@@ -202,6 +202,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
                                                      *s.step_timings.phases.items()))
+            msg.kv_groups.extend(pb.KVGroupBlocks(group=g, free_blocks=free,
+                                                  total_blocks=total)
+                                 for g, free, total in s.kv_groups)
         out.instances.append(msg)
     return out
 
@@ -227,7 +230,8 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         kv_tail=KVTailStats(i.kv_tail.count, i.kv_tail.sum_s, i.kv_tail.max_s,
                             i.kv_tail.last_s),
         spec_acceptance_rate=i.spec_acceptance_rate,
-        spec_mean_accepted_length=i.spec_mean_accepted_length)
+        spec_mean_accepted_length=i.spec_mean_accepted_length,
+        kv_groups=tuple((g.group, g.free_blocks, g.total_blocks) for g in i.kv_groups))
 
 
 def _timings_from_proto(phases) -> StepTimings:
