@@ -142,20 +142,27 @@ def format_status(instances: list) -> str:
     """The instance table of `orch status` (rows: ``orchestrator.status.InstanceView``).
 
     Load columns read "-" when the instance was not asked or did not answer; ``detail`` says
-    why it is not healthy or why its load is missing. ``cached``: prefix-cache blocks held;
-    ``hit``: prompt tokens found cached / looked up since the instance started.
+    why it is not healthy or why its load is missing. ``tokens``: what the instance still has
+    to process (its scheduler); ``routed``: tokens the answering router replica placed there
+    and has not released (its policy's load, known whether or not the instance answered);
+    ``cached``: prefix-cache blocks held; ``hit``: prompt tokens found cached / looked up
+    since the instance started. A DeepSeek-V4 instance gets a line of its KV groups' free /
+    total blocks.
     """
     lines = [f"{'instance':<14}{'role':<11}{'tp':>3}  {'health':<11}{'queue':>6}"
-             f"{'running':>9}{'free/total blocks':>19}{'tokens':>9}{'cached':>8}{'hit':>7}"
-             "  detail"]
+             f"{'running':>9}{'free/total blocks':>19}{'tokens':>9}{'routed':>9}{'cached':>8}"
+             f"{'hit':>7}  detail"]
     for v in instances:
         s = v.status
         load = ((s.queue_depth, s.running, f"{s.free_blocks}/{s.total_blocks}",
                  s.outstanding_tokens, s.cached_blocks, f"{100 * s.prefix_hit_rate:.0f}%")
                 if s else ("-",) * 6)
         lines.append(f"{v.name:<14}{v.role:<11}{v.tp:>3}  {v.health:<11}{load[0]:>6}"
-                     f"{load[1]:>9}{load[2]:>19}{load[3]:>9}{load[4]:>8}{load[5]:>7}  "
-                     f"{v.detail}".rstrip())
+                     f"{load[1]:>9}{load[2]:>19}{load[3]:>9}{v.router_tokens:>9}{load[4]:>8}"
+                     f"{load[5]:>7}  {v.detail}".rstrip())
+        if s and s.kv_groups:
+            lines.append("    V4 KV groups free/total blocks: " + ", ".join(
+                f"{group} {free}/{total}" for group, free, total in s.kv_groups))
         if s and s.spec_mean_accepted_length:
             lines.append(f"    MTP: acceptance {s.spec_acceptance_rate:.2f}, "
                          f"{s.spec_mean_accepted_length:.2f} tokens per verify step")

@@ -37,6 +37,13 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
 - per decode instance, from the same snapshot: summary ``orch_kv_tail_seconds{instance}``
   (count and sum of the requests' ``kv_tail_s``: end of the prefill forward of the last chunk
   -> decode holds every cell) and gauge ``orch_kv_tail_max_seconds{instance}``.
+- per DeepSeek-V4 instance, from the same snapshot: gauge
+  ``orch_kv_group_blocks{instance,group,state}`` (free and total blocks of each KV group's
+  pool: window, entries/<kind>, state/<kind>).
+- per instance, from the router's own policies at scrape time (``track_router_load``): gauge
+  ``orch_router_outstanding_tokens{pool,instance}`` (tokens this router placed there and
+  not yet released; with ``router.replicas`` > 1 each replica knows only its own placements,
+  and this endpoint is the first replica's).
 - per KV pair (``observe_transfer``): ``orch_kv_transfer_bytes_total{pair}``,
   ``orch_kv_transfer_seconds{pair}`` (histogram of successful transfers),
   ``orch_kv_transfer_failures_total{pair}``.
@@ -45,7 +52,8 @@ Names follow Prometheus conventions: ``orch_`` prefix, base units in the name (s
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from collections.abc import Callable, Mapping
+from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -103,6 +111,51 @@ class _InstanceCollector(Collector):
         yield from (info, sent, fails)
         yield from _step_families(snap)
         yield from _kv_tail_families(snap)
+        yield _kv_group_family(snap)
+
+
+def _kv_group_family(snap: tuple[InstanceStatusInfo, ...]) -> GaugeMetricFamily:
+    """``orch_kv_group_blocks{instance,group,state}`` of the DeepSeek-V4 instances of
+    ``snap`` (``InstanceStatusInfo.kv_groups``; state "free" or "total")."""
+    fam = GaugeMetricFamily("orch_kv_group_blocks", "blocks of each DeepSeek-V4 KV group's "
+                            "pool (window, entries/<kind>, state/<kind>), free or total",
+                            labels=["instance", "group", "state"])
+    for s in snap:
+        for group, free, total in s.kv_groups:
+            fam.add_metric([s.name, group, "free"], float(free))
+            fam.add_metric([s.name, group, "total"], float(total))
+    return fam
+
+
+class _RouterLoadCollector(Collector):
+    """``orch_router_outstanding_tokens{pool,instance}``, read from the router's policies at
+    scrape time (``pools()``: role -> policy with an ``outstanding`` dict, instance -> tokens;
+    ``orchestrator.router.flow.Flow.pools``)."""
+
+    def __init__(self, pools: Callable[[], Mapping[str, Any]]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Iterable:
+        fam = GaugeMetricFamily(
+            "orch_router_outstanding_tokens", "tokens this router replica placed on the "
+            "instance and not yet released (its policy's load: prefill, the prompts not "
+            "finished; decode and colocated, prompt + max_tokens of each request held; "
+            "kv_aware charges only the tokens an instance computes). With router.replicas > 1 "
+            "each replica knows only its own placements: this is the first replica's (the one "
+            "serving /metrics), not the deployment's sum", labels=["pool", "instance"])
+        for pool, tokens in router_load(self.pools()):
+            for name, n in tokens.items():
+                fam.add_metric([pool, name], float(n))
+        yield fam
+
+
+def router_load(pools: Mapping[str, Any]) -> list[tuple[str, dict[str, int]]]:
+    """(pool, {instance: outstanding tokens}) of each policy in ``pools`` (role -> policy),
+    copied for a reader on another thread than the router's loop.
+
+    NOTE: ``dict(d)`` of a plain dict copies it in one C call under the GIL, so the loop
+    cannot add or remove an instance (live scaling) in the middle of a copy."""
+    return [(pool, dict(policy.outstanding)) for pool, policy in list(pools.items())]
 
 
 def _kv_tail_families(snap: tuple[InstanceStatusInfo, ...]) -> Iterable:
@@ -245,6 +298,12 @@ class RouterMetrics:
         for status in statuses:
             for record in status.transfers:
                 self.observe_transfer(record)
+
+    def track_router_load(self, pools: Callable[[], Mapping[str, Any]]) -> None:
+        """Expose ``orch_router_outstanding_tokens`` from ``pools()`` (role -> policy, the
+        router's ``flow.pools``), read at each scrape; call once (a second call would
+        expose the series twice)."""
+        self.registry.register(_RouterLoadCollector(pools))
 
     def track_health(self, monitor: HealthMonitor) -> None:
         """Follow ``monitor``: the gauge from its

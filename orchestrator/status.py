@@ -16,9 +16,11 @@ report is missing or stale; ``GetStatus`` (:meth:`StatusBoard.views`) asks every
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from rank.messages import InstanceStatusInfo
 from orchestrator.deploy.health import HealthMonitor
@@ -42,6 +44,9 @@ class InstanceView:
             (``orchestrator.deploy.health.Health``).
         detail: why it is not healthy, or why its status is missing ("" otherwise).
         status: the leader's snapshot; None when it was not asked or did not answer.
+        router_tokens: tokens this router (replica) placed on the instance and has not
+            released (its policy's ``outstanding``: the load it places by); known whether or
+            not the instance answered. With ``router.replicas`` > 1, this replica's only.
     """
 
     name: str
@@ -50,6 +55,7 @@ class InstanceView:
     health: str
     detail: str = ""
     status: InstanceStatusInfo | None = None
+    router_tokens: int = 0
 
     @property
     def healthy(self) -> bool:
@@ -73,15 +79,18 @@ class StatusBoard:
             transfer records arrive once, so every status call must pass through here).
         status_timeout_s: bound of one leader's ``status()`` (seconds).
         reports: the leaders' own status reports (None: every refresh calls every leader).
+        pools: the router's policies, role -> policy (``Flow.pools``), whose ``outstanding``
+            tokens per instance fill ``InstanceView.router_tokens`` (None: 0).
     """
 
     def __init__(self, leaders: Callable[[], list[LeaderClient]], tps: dict[str, int],
                  monitor: HealthMonitor,
                  metrics: InstanceMetrics, status_timeout_s: float,
-                 reports: InstanceReports | None = None) -> None:
+                 reports: InstanceReports | None = None,
+                 pools: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.leaders, self.tps, self.monitor = leaders, tps, monitor
         self.metrics, self.status_timeout_s = metrics, status_timeout_s
-        self.reports = reports
+        self.reports, self.pools = reports, pools
 
     async def views(self, reported: bool = False) -> list[InstanceView]:
         """One row per instance, in leader order, then those still starting; returns within
@@ -94,7 +103,16 @@ class StatusBoard:
         views += [InstanceView(h.name, h.role, self.tps[h.role], h.state.value, h.reason)
                   for h in self.monitor.snapshot() if h.name not in known]
         self.metrics.update_instances([v.status for v in views if v.status is not None])
-        return views
+        load = self.router_load()
+        return [dataclasses.replace(v, router_tokens=load.get(v.name, 0)) for v in views]
+
+    def router_load(self) -> dict[str, int]:
+        """Instance -> tokens the router's policies have placed there and not released
+        (empty without ``pools``)."""
+        if self.pools is None:
+            return {}
+        return {name: tokens for policy in self.pools().values()
+                for name, tokens in policy.outstanding.items()}
 
     async def report(self, period_s: float) -> None:
         """Forever: refresh the metrics (and broken-leader reports) every ``period_s``."""

@@ -198,6 +198,8 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     router = build_router(cfg, cluster.leaders(), model, tokenizer,
                           WindowedMetrics(metrics or NoMetrics(), window) if window else metrics,
                           health=monitor, reports=reports)
+    if metrics is not None:
+        metrics.track_router_load(lambda: router.flow.pools)
     clients = {leader.name: leader for leader in router.flow.leaders}  # NOTE: scaling edits it
     recoverer = Recoverer(cluster, clients, max_restarts=cfg.health.max_restarts,
                           window_s=cfg.health.restart_window_s,

@@ -325,7 +325,8 @@ class Rank:
 
         Asks every rank (bounded): a dead one takes the instance out of service (``broken``);
         one that does not answer in time is reported by a TimeoutError (the step deadline or
-        the router's health checks judge whether it hangs).
+        the router's health checks judge whether it hangs). A DeepSeek-V4 runner's group pools
+        go in ``kv_groups`` (:meth:`engine.v4.runner.V4Runner.group_blocks`).
 
         Raises:
             TimeoutError: a rank did not answer within ``STATUS_TIMEOUT_S``.
@@ -339,6 +340,9 @@ class Rank:
         except RankFailure as exc:
             leader.mark_broken(str(exc))
             ranks, fields = (), self.role.status_fields(None)
+        group_blocks = getattr(self.runner, "group_blocks", None)  # NOTE: DeepSeek-V4's pools
+        if group_blocks is not None:
+            fields = {**fields, "kv_groups": group_blocks()}
         return leader.status(ranks, fields)
 
     # ---- tear-down ----------------------------------------------------------------------

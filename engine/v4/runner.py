@@ -188,6 +188,14 @@ class V4Runner:
         self.admission = V4Admission(self.model.config, self.pools, block_size, staged=staged)
         return self.admission
 
+    def group_blocks(self) -> tuple[tuple[str, int, int], ...]:
+        """(group, free blocks, total blocks) of each KV group's pool, in
+        :func:`engine.v4.block_table.kv_groups` order (what ``orch status`` and
+        ``orch_kv_group_blocks`` show). Any thread: each count is read once, so a step running
+        meanwhile may make the groups' counts a few blocks apart in time."""
+        return tuple((name, pool.num_free_blocks, pool.num_blocks)
+                     for name, pool in self.pools.items())
+
     def release(self, block_set: BlockSet) -> None:
         """The scheduler pool freed ``block_set``: its commitment goes back now, its request's
         V4 blocks before the next step or rebuild (any thread; the step's thread frees them,

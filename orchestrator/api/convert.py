@@ -182,7 +182,8 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
     out = pb.GetStatusResponse(in_flight=in_flight, model=model)
     for v in views:
         msg = pb.InstanceStatus(name=v.name, role=v.role, tp=v.tp, health=v.health,
-                                detail=v.detail, has_load=v.status is not None)
+                                detail=v.detail, has_load=v.status is not None,
+                                router_outstanding_tokens=v.router_tokens)
         s = v.status
         if s is not None:
             msg.ranks.extend(pb.RankStatus(rank=r, node_id=n, device=d, pid=pid)
@@ -201,6 +202,9 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
                                                 total_s=rec.total_s)
                                    for name, rec in (("step", s.step_timings.step),
                                                      *s.step_timings.phases.items()))
+            msg.kv_groups.extend(pb.KVGroupBlocks(group=g, free_blocks=free,
+                                                  total_blocks=total)
+                                 for g, free, total in s.kv_groups)
         out.instances.append(msg)
     return out
 
@@ -208,7 +212,8 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
 def status_from_proto(msg: pb.GetStatusResponse) -> list[InstanceView]:
     """GetStatusResponse -> instance rows (client side)."""
     return [InstanceView(name=i.name, role=i.role, tp=i.tp, health=i.health, detail=i.detail,
-                         status=_load_from_proto(i) if i.has_load else None)
+                         status=_load_from_proto(i) if i.has_load else None,
+                         router_tokens=i.router_outstanding_tokens)
             for i in msg.instances]
 
 
@@ -225,7 +230,8 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
         kv_tail=KVTailStats(i.kv_tail.count, i.kv_tail.sum_s, i.kv_tail.max_s,
                             i.kv_tail.last_s),
         spec_acceptance_rate=i.spec_acceptance_rate,
-        spec_mean_accepted_length=i.spec_mean_accepted_length)
+        spec_mean_accepted_length=i.spec_mean_accepted_length,
+        kv_groups=tuple((g.group, g.free_blocks, g.total_blocks) for g in i.kv_groups))
 
 
 def _timings_from_proto(phases) -> StepTimings:

@@ -107,10 +107,12 @@ def build_monitor(cfg: OrchConfig, ranks_of: Callable[[str], list[Any]],
 
 def build_board(cfg: OrchConfig, router: Router, monitor: HealthMonitor) -> StatusBoard:
     """The status rows of ``router``'s instances (its metrics get every status answer; its
-    1 s refresh reads the leaders' reports that ``router``'s streams bring)."""
+    1 s refresh reads the leaders' reports that ``router``'s streams bring; each row carries
+    the load ``router``'s policies placed on the instance)."""
     return StatusBoard(lambda: router.flow.leaders,
                        {inst.role: inst.parallel.tp for inst in cfg.instances()}, monitor,
-                       router.metrics, cfg.health.status_timeout_s, router.pump.reports)
+                       router.metrics, cfg.health.status_timeout_s, router.pump.reports,
+                       pools=lambda: router.flow.pools)
 
 
 def build_http_server(cfg: OrchConfig, router: Router, checkpoint: Path, token: str | None,

@@ -218,3 +218,55 @@ def test_the_releases_fp4_experts_are_refused(tiny_v4_ckpt, tmp_path):
 
 def test_v3_checkpoint_still_gets_model_runner(tiny_ckpt):
     assert isinstance(build_runner(tiny_ckpt, num_kv_blocks=2, block_size=BLOCK), ModelRunner)
+
+
+def test_status_reports_each_v4_group_pool_while_a_request_holds_blocks(tiny_v4_ckpt):
+    """``status().kv_groups``: every group's pool (window, entries/<kind>, state/<kind>) with
+    its free / total blocks; while a 21-token request decodes, its window, entries and state
+    blocks are taken in each group; once it ended (aborted) and its release applied, every
+    group reads free == total again. The same numbers reach /metrics
+    (``orch_kv_group_blocks``), the GetStatus proto and `orch status`."""
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    from orchestrator.api.convert import status_from_proto, status_to_proto  # noqa: PLC0415
+    from orchestrator.cli import format_status  # noqa: PLC0415
+    from orchestrator.metrics import RouterMetrics  # noqa: PLC0415
+    from orchestrator.status import InstanceView  # noqa: PLC0415
+    from rank.messages import Abort  # noqa: PLC0415
+
+    rank = _rank(tiny_v4_ckpt)
+    try:
+        runner = rank.runner
+        totals = {name: pool.num_blocks for name, pool in runner.pools.items()}
+        assert {g for g in totals if g != "window"} and all(
+            g.startswith(("entries/", "state/")) for g in totals if g != "window")
+        idle = rank.status().kv_groups
+        assert [(g, total) for g, _, total in idle] == list(totals.items())
+        assert all(free == total for _, free, total in idle)
+        # NOTE: 21 tokens: past the window (8) and both ratios' first group (4, 16)
+        rank.request(_generate("r", PROMPTS["a"], 0, max_tokens=60))
+        _collect(rank, {"r": ([], None, None)}, until="r")
+        busy = rank.status()
+        held = {g: total - free for g, free, total in busy.kv_groups}
+        assert all(held[g] >= 1 for g in totals), held  # NOTE: r still decodes 59 tokens
+
+        metrics = RouterMetrics()
+        metrics.update_instances([busy])
+        for g, free, total in busy.kv_groups:
+            for state, n in (("free", free), ("total", total)):
+                assert metrics.registry.get_sample_value(
+                    "orch_kv_group_blocks",
+                    {"instance": "colocated-0", "group": g, "state": state}) == n
+        assert "orch_kv_group_blocks" in generate_latest(metrics.registry).decode()
+        view = InstanceView("colocated-0", "colocated", 1, "healthy", "", busy)
+        (back,) = status_from_proto(status_to_proto([view], 1, "tiny-v4"))
+        assert back.status.kv_groups == busy.kv_groups
+        window_free = dict((g, f) for g, f, _ in busy.kv_groups)["window"]
+        assert f"window {window_free}/{totals['window']}" in format_status([back])
+
+        assert rank.request(Abort("r"))
+        assert _collect(rank, {"r": ([], None, None)})["r"][1] == "abort"
+        _wait_v4_free(runner)
+        assert rank.status().kv_groups == tuple((g, n, n) for g, n in totals.items())
+    finally:
+        rank.shutdown()
