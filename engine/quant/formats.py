@@ -40,10 +40,13 @@ class QuantScheme:
     Attributes:
         method: :data:`FP8_BLOCK` or :data:`W8A8_INT8`.
         block_size: (rows, cols) of one FP8 scale block; None for W8A8 (per channel).
+        expert_fp4: DeepSeek-V4's routed experts are MXFP4 (``expert_dtype: fp4``,
+            :mod:`engine.quant.mxfp4`); the other linears are ``method``.
     """
 
     method: str
     block_size: tuple[int, int] | None = None
+    expert_fp4: bool = False
 
     @property
     def scale_suffix(self) -> str:
@@ -132,27 +135,33 @@ def v4_quant_scheme(raw: dict[str, Any]) -> QuantScheme | None:
     power-of-two scales, stored ``float8_e8m0fnu`` as ``<module>.scale`` or float32 as
     ``<module>.weight_scale_inv``), the compressors' ``kv_proj`` / ``gate_proj`` and the
     indexer's ``weights_proj`` bf16, and the routed experts FP4 (``expert_dtype: fp4``,
-    top-level or inside ``quantization_config``: MXFP4, e2m1 with an e8m0 scale per 32).
-    engine/v4 dequantizes the FP8 block linears at load (as V3's default ``fp8_storage:
-    dequantize``); routed experts it reads FP8 block or float, never FP4.
+    top-level or inside ``quantization_config``: MXFP4, :mod:`engine.quant.mxfp4`).
+    engine/v4 dequantizes both at load (as V3's default ``fp8_storage: dequantize``).
 
     Raises:
-        UnsupportedQuantizationError: FP4 routed experts; a method other than DeepSeek FP8
-            (W8A8 int8 is V3-only); a malformed FP8 config (:func:`parse_quantization_config`).
+        UnsupportedQuantizationError: an ``expert_dtype`` other than fp4 / fp8 / bf16, or fp4
+            without an FP8 ``quantization_config`` (the release has both); a method other
+            than DeepSeek FP8 (W8A8 int8 is V3-only); a malformed FP8 config
+            (:func:`parse_quantization_config`).
     """
     qc = raw.get("quantization_config")
     expert = raw.get("expert_dtype") or (qc.get("expert_dtype") if isinstance(qc, dict) else None)
-    if expert not in (None, "fp8", "bf16", "bfloat16"):
+    if expert not in (None, "fp4", "fp8", "bf16", "bfloat16"):
         raise UnsupportedQuantizationError(
-            f"config.json expert_dtype is {expert!r}: DeepSeek-V4's routed experts are stored "
-            "FP4 (MXFP4, e2m1 + an e8m0 scale per 32 weights), which engine/v4 cannot run "
-            "yet; dequantize the routed experts (layers.*.ffn.experts.*.w1/w2/w3) to bf16 or "
-            "FP8 block (e4m3 + 128 x 128 scales) and drop expert_dtype, or use a bf16 "
-            "checkpoint (docs/quantization.md \"DeepSeek-V4\")")
+            f"config.json expert_dtype is {expert!r}: engine/v4 reads DeepSeek-V4's routed "
+            "experts FP4 (MXFP4, e2m1 + an e8m0 scale per 32 weights), FP8 block or bf16 "
+            "(docs/quantization.md \"DeepSeek-V4\")")
     scheme = parse_quantization_config(qc or None)
     if scheme is not None and scheme.method != FP8_BLOCK:
         raise UnsupportedQuantizationError(
             f"config.json quantization_config is {scheme.method}: engine/v4 loads DeepSeek "
             "FP8 block checkpoints (quant_method fp8, e4m3, 128 x 128 scales) and float ones; "
             "int8 W8A8 runs on DeepSeek-V3 only")
+    if expert == "fp4":
+        if scheme is None:
+            raise UnsupportedQuantizationError(
+                "config.json expert_dtype is 'fp4' without a quantization_config: give it "
+                "the release's (quant_method fp8, fmt e4m3, weight_block_size [128, 128]) "
+                "with the FP4 experts (docs/quantization.md \"DeepSeek-V4\")")
+        scheme = QuantScheme(scheme.method, scheme.block_size, expert_fp4=True)
     return scheme

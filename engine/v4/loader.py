@@ -7,7 +7,10 @@ the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.
 layer) is never read. An FP8 block checkpoint (DeepSeek-V4-Flash's linears:
 :func:`engine.quant.formats.v4_quant_scheme`) is dequantized to float at load: a weight with a
 scale tensor (``<name>_scale_inv``, or DeepSeek's ``<module>.scale``) is
-``e4m3 x scale`` of its 128 x 128 block (:func:`engine.quant.fp8_block.dequantize_block`).
+``e4m3 x scale`` of its 128 x 128 block (:func:`engine.quant.fp8_block.dequantize_block`);
+the release's routed experts (``expert_dtype: fp4``) are MXFP4, packed e2m1 pairs with a
+``<module>.scale`` e8m0 per 32 inputs, dequantized at load too
+(:func:`engine.quant.mxfp4.dequantize_mxfp4`).
 Under TP each rank reads the whole tensor and keeps its part
 (:meth:`engine.v4.tp.V4Shards.local_part`; the split table is :mod:`engine.v4.tp`'s). Under EP
 (:mod:`engine.v4.expert_parallel`) a rank reads only its own routed experts, whole (not
@@ -28,6 +31,7 @@ from engine.model_config import CheckpointError
 from engine.parallel import EPGroup, TPGroup
 from engine.quant.formats import QuantScheme, UnsupportedQuantizationError, v4_quant_scheme
 from engine.quant.fp8_block import block_grid, dequantize_block
+from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, dequantize_mxfp4
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import EPExperts
 from engine.v4.model import DeepseekV4ForCausalLM
@@ -88,7 +92,7 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
 
     Raises:
         CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`; a
-            quantization engine/v4 cannot run (FP4 routed experts, W8A8:
+            quantization engine/v4 cannot run (W8A8, an unknown ``expert_dtype``:
             :func:`engine.quant.formats.v4_quant_scheme`; the message says what to do).
         ValueError: the TP size does not divide a size the split keeps whole
             (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
@@ -111,16 +115,18 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
                     scheme: QuantScheme | None = None) -> None:
     """Copy every model tensor from the checkpoint (either naming, see module doc); under
     ``model.tp`` only this rank's part of each split one; EP experts (:class:`EPExperts`)
-    only their ``expert_ids``, whole. ``scheme``: the checkpoint's FP8 block format (None:
-    float); weights with a scale tensor are dequantized (float32, then the model's dtype).
+    only their ``expert_ids``, whole. ``scheme``: the checkpoint's FP8 block format, MXFP4
+    routed experts where ``scheme.expert_fp4`` (None: float); weights with a scale tensor are
+    dequantized (float32, then the model's dtype).
 
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
             names both); a (whole) shape other than the config's; a checkpoint whose expert
             count is not the config's (under EP); a scale tensor without ``scheme``, or one
             whose grid is not the weight's ``weight_block_size`` grid; a quantized weight
-            (FP8 / int / FP4-packed) without a scale or not e4m3 where it has one; a fused
-            expert tensor with a scale.
+            (FP8 / int / FP4-packed) without a scale; with one, a routed expert not packed
+            MXFP4 (with a ``[out, in / 32]`` scale) under ``expert_dtype: fp4``, any other
+            weight not e4m3; a fused expert tensor with a scale.
     """
     files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
     if not files:
@@ -201,28 +207,37 @@ def _scale_of(key: str, where: dict[str, Path]) -> str | None:
     return next((n for n in names if n in where), None)
 
 
+_ROUTED = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+
+
 def _weight(key: str, where: dict[str, Path],
             scheme: QuantScheme | None = None) -> torch.Tensor:
-    """Checkpoint tensor ``key``, dequantized to float32 when it has a block scale."""
+    """Checkpoint tensor ``key``, dequantized to float32 when it has a scale: a routed expert
+    of an ``expert_dtype: fp4`` checkpoint as MXFP4, any other weight as FP8 block."""
     value, scale = _get(key, where), _scale_of(key, where)
     if scale is None:
         fp8 = value.is_floating_point() and value.element_size() == 1
         if fp8 or (key.endswith(".weight") and not value.is_floating_point()):
             raise CheckpointError(
                 f"checkpoint tensor {key} is {value.dtype} with no scale tensor ({key}_scale_inv"
-                " or .scale): engine/v4 reads float weights, or FP8 e4m3 ones with 128 x 128 "
-                "block scales; convert this tensor to bf16")
+                " or .scale): engine/v4 reads float weights, FP8 e4m3 ones with 128 x 128 "
+                "block scales, or MXFP4 routed experts with e8m0 scales per 32; convert this "
+                "tensor to bf16")
         return value
     if scheme is None:
         raise CheckpointError(f"{scale} (the scale of {key}) is in the checkpoint but "
                               "config.json has no quantization_config: give it the one the "
                               "checkpoint was written with (quant_method fp8, e4m3, "
-                              "weight_block_size [128, 128])")
+                              "weight_block_size [128, 128]; expert_dtype fp4 when the "
+                              "routed experts are packed FP4)")
+    if scheme.expert_fp4 and _ROUTED.search(key):
+        return _mxfp4(key, value, scale, where)
     if value.dtype != torch.float8_e4m3fn:
         raise CheckpointError(
             f"checkpoint tensor {key} is {value.dtype} {tuple(value.shape)} with scale "
-            f"{scale}: engine/v4 dequantizes FP8 e4m3 block weights only (packed FP4 / MXFP4 "
-            "expert weights are not supported: convert them to bf16 or FP8 block)")
+            f"{scale}: engine/v4 dequantizes FP8 e4m3 block weights, and packed FP4 (MXFP4) "
+            "routed experts (layers.*.ffn.experts.*.w1/w2/w3) only where config.json says "
+            "expert_dtype fp4")
     s = _get(scale, where)
     want = block_grid(*value.shape, scheme.block_size)
     if tuple(s.shape) != want:
@@ -231,6 +246,19 @@ def _weight(key: str, where: dict[str, Path],
                               f"{list(scheme.block_size)} needs {want}: config.json's "
                               "quantization_config does not match the checkpoint")
     return dequantize_block(value, s, scheme.block_size)
+
+
+def _mxfp4(key: str, value: torch.Tensor, scale: str, where: dict[str, Path]) -> torch.Tensor:
+    """Routed expert ``key`` (packed MXFP4 ``value``, scale tensor ``scale``) as float32."""
+    if value.dtype not in PACKED_DTYPES:
+        raise CheckpointError(
+            f"checkpoint tensor {key} is {value.dtype} {tuple(value.shape)}: config.json's "
+            "expert_dtype fp4 says the routed experts are packed MXFP4 (int8 / "
+            "float4_e2m1fn_x2, two e2m1 per byte); drop expert_dtype if they are not")
+    try:
+        return dequantize_mxfp4(value, _get(scale, where), MXFP4_BLOCK)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint tensor {key} / {scale}: {e}") from e
 
 
 def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor:
@@ -248,7 +276,7 @@ def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor
 # NOTE: the dtypes a released V4 checkpoint stores FP8 linears and packed FP4 experts in; a
 # model tensor is never one (the hash router's tid2eid is int32 / int64)
 _QUANTIZED = {torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2,
-              torch.float8_e8m0fnu}
+              torch.float8_e8m0fnu, torch.float4_e2m1fn_x2}
 
 
 def _unquantized(key: str, value: torch.Tensor) -> torch.Tensor:

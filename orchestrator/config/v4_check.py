@@ -1,7 +1,7 @@
 """DeepSeek-V4 serving layouts at config load: what :mod:`engine.v4.runner` serves today
 (TP on each role, colocated or PD across any tp, e.g. prefill tp 2 -> decode tp 1; expert
-parallelism over a role's dp x tp ranks, as V3's; FP8 block linears dequantized at load; no
-CP, graph mode, MTP, prefix cache, FP4 routed experts or FP8 kept stored) and
+parallelism over a role's dp x tp ranks, as V3's; FP8 block linears and FP4 routed experts
+dequantized at load; no CP, graph mode, MTP, prefix cache, or FP8 / FP4 kept stored) and
 a :class:`ConfigError` naming every key to change otherwise, before anything starts (the rank
 would refuse the same at load, :func:`engine.v4.runner.check_v4_serving`,
 :func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`)."""
@@ -51,7 +51,8 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
             ``cp`` > 1 or ``layer_sharding``, graph mode, MTP, the prefix cache (either role),
             or a ``tp`` that does not divide the attention heads, ``o_groups``,
             ``moe_intermediate_size`` or the vocabulary, or a quantization engine/v4 does
-            not load (FP4 routed experts, W8A8: :func:`engine.quant.formats.v4_quant_scheme`)
+            not load (W8A8, an unknown ``expert_dtype``:
+            :func:`engine.quant.formats.v4_quant_scheme`)
             or keep (an FP8 checkpoint with ``model.fp8_storage: fp8``: V4 dequantizes at
             load); the message names each key and fix. Or a
             role's EP size (``dp * tp``) does not divide ``n_routed_experts``.
@@ -85,7 +86,8 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
 
 def _quant_refusals(raw: dict, fp8_storage: str) -> list[str]:
     """What of config.json's quantization engine/v4 cannot serve (:func:`load_v4`'s rule):
-    FP4 routed experts or a non-FP8 method; FP8 block linears load dequantized only."""
+    a non-FP8 method or an unknown ``expert_dtype``; FP8 block linears and FP4 routed experts
+    load dequantized only."""
     bad = []
     try:
         v4_quant_scheme(raw)
@@ -94,7 +96,7 @@ def _quant_refusals(raw: dict, fp8_storage: str) -> list[str]:
     if (raw.get("quantization_config") or {}).get("quant_method") == "fp8" \
             and fp8_storage == "fp8":
         bad.append("model.fp8_storage=fp8 (set dequantize: engine/v4 dequantizes the FP8 "
-                   "linears at load and does not keep them FP8)")
+                   "linears and FP4 experts at load and does not keep them as stored)")
     return bad
 
 

@@ -114,15 +114,17 @@ def test_a_tp_or_ep_rank_holds_its_part_dequantized(fp8_ckpts, group):
         assert torch.equal(tensor, want[name]), name
 
 
-def test_refuses_fp4_experts_and_w8a8(fp8_ckpts, tmp_path):
-    """The release's FP4 routed experts (``expert_dtype: fp4``, top-level or in
-    ``quantization_config``) and int8 W8A8 are refused by name before any weight is read."""
+def test_refuses_unknown_expert_dtypes_and_w8a8(fp8_ckpts, tmp_path):
+    """An ``expert_dtype`` other than fp4 / fp8 / bf16 (top-level or in
+    ``quantization_config``) and int8 W8A8 are refused by name before any weight is read
+    (FP4 experts load: tests/engine/test_v4_fp4.py)."""
     fp8, _, _ = fp8_ckpts
     raw = json.loads((fp8 / "config.json").read_text())
     (tmp_path / "model.safetensors").symlink_to(fp8 / "model.safetensors")
     qc = raw["quantization_config"]
-    for bad, words in (({"expert_dtype": "fp4"}, "FP4"),
-                       ({"quantization_config": qc | {"expert_dtype": "fp4"}}, "FP4"),
+    for bad, words in (({"expert_dtype": "int4"}, "expert_dtype is 'int4'"),
+                       ({"quantization_config": qc | {"expert_dtype": "nvfp4"}},
+                        "expert_dtype is 'nvfp4'"),
                        ({"quantization_config": {"quant_method": "compressed-tensors"}},
                         "quantization_config")):
         (tmp_path / "config.json").write_text(json.dumps(raw | bad))

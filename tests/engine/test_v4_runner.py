@@ -197,10 +197,11 @@ def test_unsupported_layouts_are_refused(tiny_v4_ckpt):
         runner.execute([SeqStep("r", (1, 2), 0, (0,))], on_kv_written=lambda layer: None)
 
 
-def test_the_releases_fp4_experts_are_refused(tiny_v4_ckpt, tmp_path):
-    """A config.json as released (FP8 block linears, ``expert_dtype: fp4``) is refused at
-    rank load naming the FP4 experts, not read as if its raw values were weights (FP8 block
-    linears alone load: tests/engine/test_v4_fp8.py)."""
+def test_an_unknown_expert_dtype_is_refused(tiny_v4_ckpt, tmp_path):
+    """A config.json whose routed experts are stored in a format engine/v4 does not read
+    (``expert_dtype`` other than fp4 / fp8 / bf16) is refused at rank load naming it, not
+    read as if its raw values were weights (the release's FP4 experts load:
+    tests/engine/test_v4_fp4.py)."""
     import json  # noqa: PLC0415
 
     from engine.model_config import CheckpointError  # noqa: PLC0415
@@ -209,10 +210,10 @@ def test_the_releases_fp4_experts_are_refused(tiny_v4_ckpt, tmp_path):
         (tmp_path / f.name).symlink_to(f)
     raw = json.loads((tiny_v4_ckpt / "config.json").read_text())
     (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(json.dumps(raw | {"expert_dtype": "fp4",
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"expert_dtype": "int4",
                                                             "quantization_config": {
         "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
-    with pytest.raises(CheckpointError, match="routed experts are stored FP4"):
+    with pytest.raises(CheckpointError, match="expert_dtype is 'int4'"):
         build_runner(tmp_path, num_kv_blocks=4, block_size=BLOCK)
 
 

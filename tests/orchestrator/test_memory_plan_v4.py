@@ -155,8 +155,21 @@ def test_a3_v4_dry_run_plans_then_refuses(capsys):
     assert "KV: CSA entries 1/4" in out and "planner on a3" in out
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
     assert "memory plan: fits" in out
-    assert "not supported yet: model: config.json expert_dtype is 'fp4'" in err
-    assert "model.fp8_storage=fp8 (set dequantize" in err
+    assert "expert_dtype" not in err  # NOTE: FP4 routed experts load (dequantized)
+    assert err.count("not supported yet: model.fp8_storage=fp8 (set dequantize") == 1
+
+
+def test_a3_v4_dequantized_dry_runs_with_bf16_experts(tmp_path, capsys):
+    """With ``model.fp8_storage: dequantize`` (engine/v4 dequantizes FP8 linears and FP4
+    experts at load) the A3 V4 layout dry-runs clean, its plan counting the routed experts
+    at bf16, as loaded (20.00 / 22.24 GB of weights per decode / prefill rank)."""
+    text = A3_V4.read_text().replace("fp8_storage: fp8 ", "fp8_storage: dequantize ")
+    text = text.replace("config_json: models/", f"config_json: {REPO}/configs/models/")
+    assert "fp8_storage: dequantize" in text
+    (tmp_path / "a3.yaml").write_text(text)
+    assert main(["up", "--dry-run", str(tmp_path / "a3.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "linears 2 B/el, routed experts 2 B/el" in out and "memory plan: fits" in out
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():

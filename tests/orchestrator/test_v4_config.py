@@ -109,8 +109,9 @@ def test_v4_expert_parallel_layouts_load_and_plan_per_rank_experts(tmp_path, mon
 
 
 def test_v4_quantized_checkpoints_at_load(tmp_path, monkeypatch):
-    """An FP8 block checkpoint loads (dequantized at load, ``model.fp8_storage: dequantize``);
-    keeping it FP8, FP4 routed experts (``expert_dtype: fp4``) and W8A8 are refused naming
+    """An FP8 block checkpoint loads (dequantized at load, ``model.fp8_storage: dequantize``),
+    with FP4 routed experts too (``expert_dtype: fp4``, the release); keeping it FP8, FP4
+    experts without a quantization_config, another expert_dtype and W8A8 are refused naming
     the key and the fix (orchestrator/config/v4_check.py, engine/v4/loader.py's rule)."""
     import json  # noqa: PLC0415
 
@@ -127,13 +128,16 @@ def test_v4_quantized_checkpoints_at_load(tmp_path, monkeypatch):
         return load_config(CONFIG, {"model.path": str(ckpt),
                                     **overrides})
 
-    assert check_tp_layout(load({"quantization_config": fp8})).startswith(
-        "tp layout: DeepSeek-V4")
+    for ok in ({"quantization_config": fp8}, {"quantization_config": fp8, "expert_dtype": "fp4"},
+               {"quantization_config": fp8 | {"expert_dtype": "fp4"}}):
+        assert check_tp_layout(load(ok)).startswith("tp layout: DeepSeek-V4")
     for extra, overrides, words in (
             ({"quantization_config": fp8}, {"model.fp8_storage": "fp8"},
              "model.fp8_storage=fp8 (set dequantize"),
-            ({"quantization_config": fp8, "expert_dtype": "fp4"}, {},
-             "expert_dtype is 'fp4'"),
+            ({"quantization_config": fp8, "expert_dtype": "fp4"}, {"model.fp8_storage": "fp8"},
+             "model.fp8_storage=fp8 (set dequantize"),
+            ({"expert_dtype": "fp4"}, {}, "expert_dtype is 'fp4' without a quantization_config"),
+            ({"quantization_config": fp8, "expert_dtype": "int4"}, {}, "expert_dtype is 'int4'"),
             ({"quantization_config": {"quant_method": "compressed-tensors"}}, {},
              "quantization_config")):
         with pytest.raises(ConfigError, match=re.escape(words)):
