@@ -7,7 +7,9 @@ longest; afterwards every block is free on every instance."""
 
 from __future__ import annotations
 
+import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,13 +36,28 @@ def test_glm5_disaggregated_equals_colocated(tmp_path, prompts, joined_ray, pref
     assert err is None and responses[-1].stats.prompt_tokens > config["index_topk"], \
         "no prompt is longer than index_topk: attention would be dense"
     assert all(len(o) == MAX_TOKENS for o in outputs)
-    ids = router_token_ids(checkpoint, prompts)
-    colocated = engine_greedy(checkpoint, ids, MAX_TOKENS)
+    colocated, hf = _references(checkpoint, tuple(prompts))
     for i, (pd, co) in enumerate(zip(outputs, colocated)):
         assert pd == co, f"request {i}: PD {pd} != colocated {co}"
-    hf = GlmMoeDsaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for i, ref in hf.items():
+        assert outputs[i] == ref, f"request {i}: PD != transformers"
+
+
+@functools.cache
+def _references(checkpoint: Path, prompts: tuple[str, ...]) -> tuple[list[list[int]],
+                                                                      dict[int, list[int]]]:
+    """The greedy ``MAX_TOKENS`` of each prompt from the engine alone, and from transformers
+    for the three longest (prompt index -> tokens), on ``checkpoint``.
+
+    NOTE: both parametrizations serve the same checkpoint (model.tiny_seed 0) and prompts, so
+    the references are computed once (~5 s of CI each time)."""
+    ids = router_token_ids(checkpoint, list(prompts))
+    colocated = engine_greedy(checkpoint, ids, MAX_TOKENS)
+    model = GlmMoeDsaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    hf = {}
     for i in sorted(range(len(ids)), key=lambda j: len(ids[j]))[-3:]:
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids[i]]), max_new_tokens=MAX_TOKENS,
-                              min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-        assert outputs[i] == ref[0, len(ids[i]):].tolist(), f"request {i}: PD != transformers"
+            ref = model.generate(torch.tensor([ids[i]]), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        hf[i] = ref[0, len(ids[i]):].tolist()
+    return colocated, hf

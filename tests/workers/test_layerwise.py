@@ -29,11 +29,13 @@ from tests.workers.test_pd_ranks import ckpt, run_pd, wait_events  # noqa: F401
 DELAY_S = 0.25  # each layer's extra time after its KV write
 
 
-def start(ckpt, role_cls, role: str, name: str, layerwise: bool = True) -> Rank:
+def start(ckpt, role_cls, role: str, name: str, layerwise: bool = True,
+          connect_timeout_s: float = 10) -> Rank:
     scheduler = SchedulerConfig(block_size=4, num_kv_blocks=64, chunk_size=8,
                                 max_num_batched_tokens=16, max_num_seqs=4)
-    transfer = TransferConfig(connect_timeout_s=10, header_timeout_s=10, payload_timeout_s=10,
-                              completion_timeout_s=20, same_node="off", layerwise=layerwise)
+    transfer = TransferConfig(connect_timeout_s=connect_timeout_s, header_timeout_s=10,
+                              payload_timeout_s=10, completion_timeout_s=20,
+                              same_node="off", layerwise=layerwise)
     cfg = InstanceConfig(name=name, role=role, checkpoint_dir=str(ckpt), scheduler=scheduler,
                          transfer=transfer)
     rank = Rank(cfg, 0, role_cls)
@@ -172,7 +174,9 @@ def test_decode_rank_dead_in_mid_forward_fails_only_its_pair(ckpt, solo):
     """Two requests in one prefill step, to two decode instances; one decode rank dies after
     layer 0 was written: its request's later layers go nowhere, the other request is served
     whole, and no block leaks on the prefill side or the live decode side."""
-    prefill = start(ckpt, PrefillRole, "prefill", "prefill-0")
+    # NOTE: the dead pair fails when the prefill's connect to it gives up: the whole
+    # connect_timeout_s (10 s cost 10 s of CI); 5 s is still ample for the live pair
+    prefill = start(ckpt, PrefillRole, "prefill", "prefill-0", connect_timeout_s=5)
     live = start(ckpt, DecodeRole, "decode", "decode-0")
     dead = start(ckpt, DecodeRole, "decode", "decode-1")
 
