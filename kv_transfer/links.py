@@ -15,7 +15,9 @@ Two transports, the same calls on each side:
 
 Sender: ``take(nbytes)`` (a staging tensor; waits, bounded, while ``PACK_DEPTH`` packs are in
 flight), gather into it, ``post(...)`` (returns the pack's sequence number), and later
-``wait(seq)`` (every pack up to ``seq`` left: its source rows may change). Receiver:
+``wait(seq)`` (every pack up to ``seq`` left: its source rows may change); ``drain()``
+before the pair is closed (same node: every pack acked, so the decode rank's last acks never
+meet a closed pair). Receiver:
 ``receive(sizes)`` yields each pack's bytes in order; the pack's memory is reused once the
 caller asks for the next one. Every wait is bounded by ``payload_timeout_s``; errors are the
 pair's :class:`~kv_transfer.errors.TransferError`.
@@ -58,6 +60,10 @@ class NetSender:
         while self._flight and self._flight[0][0] <= upto:
             self._retire(what)
 
+    def drain(self, what: str) -> None:
+        """Wait (bounded, each) until every pack posted left (before the pair is closed)."""
+        self.wait(self._seq, what)
+
     def _retire(self, what: str) -> None:
         _, work, buf = self._flight[0]
         self._pair.wait_sent([work], self._timeout_s, what)
@@ -99,6 +105,21 @@ class LocalSender:
         while self._ready and self._ready[0][0] <= upto:
             self._pair.wait_sent([self._ready[0][1]], self._timeout_s, what)
             self._ready.popleft()
+
+    def drain(self, what: str) -> None:
+        """Wait (bounded, each) for every ready message to leave and every pack's ack.
+
+        A sender may report a request done once its ready messages left (the bytes are in
+        the segment, which the decode rank keeps mapped), but the decode rank still acks
+        each pack after scattering it: a pair closed before those acks arrive (the
+        connector closed, the process exited) makes the decode rank's ack send meet a closed
+        socket, and gloo fails the record whose bytes all arrived ("Connection closed by
+        peer"). So the pair is closed only after this.
+        """
+        self.wait(self._seq, what)
+        while self._acks:
+            self._pair.wait_sent([self._acks[0][0]], self._timeout_s, f"{what}: ack of a slot")
+            self._acks.popleft()
 
 
 class NetReceiver:

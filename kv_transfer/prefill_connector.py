@@ -248,7 +248,8 @@ class PrefillKVConnector:
         return self._progress.wait(request_id, timeout_s)
 
     def close(self) -> None:
-        """Stop all sender threads (each finishes its record in flight, bounded)."""
+        """Stop all sender threads (each finishes its record in flight and, on a same-node
+        pair, waits for the decode rank's acks of its packs; bounded)."""
         self._closed = True
         bound = self._config.payload_timeout_s + self._config.connect_timeout_s
         for channel in list(self._channels.values()):

@@ -227,6 +227,19 @@ class SenderChannel:
             left, self._queue = list(self._queue), deque()
         for task in left:
             self._owner.finished(task.header)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Stopping: wait (bounded) until the pair's link is idle (same node: every pack
+        acked, :meth:`links.LocalSender.drain`) before the pair is dropped; a failure only
+        tears the pair down (the requests on it were reported finished already)."""
+        pair, link = self._pair, self._link  # NOTE: close() drops the pair after its join
+        if pair is None or link is None:
+            return
+        try:
+            link.drain(f"close of {pair.name}")
+        except Exception as exc:  # noqa: BLE001 - closing: the pair is dropped either way
+            self._teardown(exc)
 
     def _send(self, task: SendTask) -> InFlight | None:
         """Put ``task``'s record (or the abort in its place) on the wire; a data record is
