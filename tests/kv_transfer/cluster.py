@@ -104,6 +104,22 @@ def wait_settled(conn: DecodeKVConnector, rid: str, timeout_s: float = 30.0) -> 
     return conn.poll(rid)
 
 
+def sent_stats(pres: list[PrefillKVConnector], rid: str, timeout_s: float = 60.0) -> list[dict]:
+    """Each prefill connector's stats once it says ``rid`` is SUCCESS on its own side.
+
+    A prefill rank counts a data record's bytes when its sender thread saw the record leave,
+    which may come after the decode side's SUCCESS (the ``done`` doorbell goes out while data
+    records are still in flight): stats read at the decode's SUCCESS can miss the last
+    record's bytes on a loaded box.
+
+    Raises:
+        AssertionError: a prefill rank's status is not SUCCESS within ``timeout_s``.
+    """
+    statuses = [p.wait(rid, timeout_s) for p in pres]
+    assert statuses == [KVStatus(KVPoll.SUCCESS)] * len(pres), statuses
+    return [p.stats.snapshot() for p in pres]
+
+
 def run_ranks(targets: list[tuple], timeout_s: float = 60.0) -> dict:
     """Start ``(fn, args)`` processes; return ``{(role, rank): (error, info)}``; kill leftovers."""
     results = CTX.Queue()

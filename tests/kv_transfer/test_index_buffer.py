@@ -12,7 +12,7 @@ from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
                          PrefillKVConnector, TransferConfig)
 from kv_transfer.errors import LayoutMismatchError
 
-from .cluster import wait_settled
+from .cluster import sent_stats, wait_settled
 
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
                      completion_timeout_s=60)
@@ -56,7 +56,7 @@ def _transfer(p_tp: int, d_tp: int, dst: torch.Tensor) -> tuple[KVCache, list[KV
         assert [wait_settled(d, "r") for d in decs] == [KVStatus(KVPoll.SUCCESS)] * d_tp
         for dec in decs:
             dec.release("r")
-        return ref, d_caches, [p.stats.snapshot() for p in pres]
+        return ref, d_caches, sent_stats(pres, "r")
     finally:
         for c in pres + decs:
             c.close()

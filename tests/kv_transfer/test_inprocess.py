@@ -12,7 +12,7 @@ from kv_transfer import (DecodeKVConnector, KVLayout, KVPeer, KVPoll, KVStatus,
                          PrefillKVConnector, TransferConfig, build_transfer_plan)
 from kv_transfer.layout import rank_heads
 
-from .cluster import wait_settled
+from .cluster import sent_stats, wait_settled
 from tests.leaks import assert_no_kv_threads, kv_threads
 
 # NOTE: happy-path tests: generous bounds (2 shared cores, up to 48 threads in one process)
@@ -124,7 +124,7 @@ def test_gqa_heads_are_regrouped_p2_to_d4():
                     flat_want = want.flatten(0, 1)[src][:, mine.start:mine.stop]
                     assert torch.equal(flat_got, flat_want), (d, i)
         plan = build_transfer_plan(p_tp, d_tp, layers, "gqa", heads)
-        sent = sum(p.stats.snapshot()["bytes"] for p in pres)
+        sent = sum(s["bytes"] for s in sent_stats(pres, "g"))
         assert sent == sum(len(pp.layers) * len(pp.heads) for pp in plan.pairs) * n * 4 * 4 * 2
     finally:
         for c in pres + decs:
@@ -207,7 +207,7 @@ def test_non_divisible_p3_to_d2_mla():
             for layer in range(5):
                 assert torch.equal(d_caches[d].flat_k(layer)[dst], ref.flat_k(layer)[src])
                 assert torch.equal(d_caches[d].flat_v(layer)[dst], ref.flat_v(layer)[src])
-        sent = [p.stats.snapshot()["bytes"] for p in pres]
+        sent = [s["bytes"] for s in sent_stats(pres, "r")]
         per_layer = 11 * (8 + 4) * 4
         assert sorted(sent) == [3 * per_layer, 3 * per_layer, 4 * per_layer]  # 10 = 4+3+3
     finally:
@@ -244,7 +244,7 @@ def test_headline_shape_p16_to_d4():
             for layer in range(8):
                 assert torch.equal(d_caches[d].flat_k(layer)[dst], ref.flat_k(layer)[src])
                 assert torch.equal(d_caches[d].flat_v(layer)[dst], ref.flat_v(layer)[src])
-        assert all(p.stats.snapshot()["transfers"] == 1 for p in pres)  # one pair each
+        assert all(s["transfers"] == 1 for s in sent_stats(pres, "r"))  # one pair each
     finally:
         for c in pres + decs:
             c.close()
@@ -289,7 +289,7 @@ def test_cp2_prefill_ranks_ship_only_their_pieces_to_d2():
             for layer in range(3):
                 assert torch.equal(d_caches[d].flat_k(layer)[dst], ref[0])
                 assert torch.equal(d_caches[d].flat_v(layer)[dst], ref[1])
-        sent = sorted(p.stats.snapshot()["bytes"] for p in pres)
+        sent = sorted(s["bytes"] for s in sent_stats(pres, "r"))
         per_token = 2 * 3 * (8 + 4) * 4  # two decode ranks, 3 layers, K + V fp32
         assert sent == [6 * per_token, 7 * per_token]  # chunk 9: 4 + 5, chunk 4: 2 + 2
     finally:

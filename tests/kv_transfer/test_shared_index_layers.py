@@ -12,7 +12,7 @@ from kv_transfer import (DecodeKVConnector, KVChunk, KVLayout, KVPeer, KVPoll, K
 from kv_transfer import packs, wire
 from kv_transfer.errors import LayoutMismatchError
 
-from .cluster import wait_settled
+from .cluster import sent_stats, wait_settled
 
 CFG = TransferConfig(connect_timeout_s=30, header_timeout_s=30, payload_timeout_s=30,
                      completion_timeout_s=60)
@@ -84,7 +84,7 @@ def _transfer(p_tp: int, d_tp: int, dst: torch.Tensor) -> tuple[KVCache, list[KV
             pre.send_chunk("r", peers, 13, TOKENS, src[13:], dst[13:])
             pre.finish("r", peers, TOKENS)
         assert [wait_settled(d, "r") for d in decs] == [KVStatus(KVPoll.SUCCESS)] * d_tp
-        return ref, d_caches, [p.stats.snapshot() for p in pres]
+        return ref, d_caches, sent_stats(pres, "r")
     finally:
         for c in pres + decs:
             c.close()
@@ -107,7 +107,8 @@ def test_shared_layers_arrive_byte_exact_without_index_k(p_tp, d_tp, table):
                 assert not g[others].any(), f"layer {layer} {name}: stray writes"
     # every decode rank gets every layer's own buffers of every token, exactly once
     per_token = LAYERS * (WIDTHS[0] + WIDTHS[1]) + sum(INDEX) * WIDTHS[2]
-    assert sum(s["bytes"] for s in stats) == d_tp * TOKENS * per_token * 4
+    sent = [s["bytes"] for s in stats]
+    assert sum(sent) == d_tp * TOKENS * per_token * 4, f"bytes sent per prefill rank: {sent}"
 
 
 def test_a_cache_whose_layers_differ_from_the_layout_is_refused():
