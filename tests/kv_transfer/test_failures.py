@@ -25,10 +25,11 @@ def test_layout_mismatch_is_a_clear_error_on_both_sides():
     out = run_ranks([(fr.decode_mismatch, ("decode", 0, s, addr_qs)),
                      (fr.prefill_mismatch, ("prefill", 0, s, addr_qs))], timeout_s=60)
     for key in (("decode", 0), ("prefill", 0)):
+        assert key in out, f"{key} sent no report within 60 s (reports from {sorted(out)})"
         err, message = out[key]
-        assert err is None, err
+        assert err is None, f"{key}: {err}"
         assert "dtype: prefill float32 vs decode bfloat16" in message, message
-    assert "aborted the transfer" in out[("decode", 0)][1]
+    assert "aborted the transfer" in out[("decode", 0)][1], out[("decode", 0)][1]
 
 
 class _Procs:
