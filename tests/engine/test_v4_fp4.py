@@ -20,8 +20,8 @@ from engine.parallel import EPGroup
 from engine.quant.fp8_block import dequantize_block, quantize_block
 from engine.quant.mxfp4 import dequantize_mxfp4
 from engine.v4.loader import load_v4
+from tests.engine.v4_quant_parity import assert_quantized_equals_hf
 
-TOL = 1e-4  # as tests/engine/test_v4_fp8.py: the same weights, fp32 both sides
 BLOCK = (16, 24)  # FP8 blocks of the tiny dims (as test_v4_fp8.py)
 ROUTED = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 FP8_LINEAR = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
@@ -130,25 +130,12 @@ def test_fp4_checkpoint_matches_transformers_on_dequantized_weights(fp4_ckpts, t
     dequantized weights (fp32) within TOL with the same greedy tokens, equal engine/v4's own
     on the float twin exactly, and differ from the unquantized original (the FP4 rounding is
     real: every routed expert weight differs from its original somewhere)."""
-    from transformers import DeepseekV4ForCausalLM  # noqa: PLC0415 (reference only)
-
     fp4, plain = fp4_ckpts
-    hf = DeepseekV4ForCausalLM.from_pretrained(plain, dtype=torch.float32,
-                                               attn_implementation="eager").eval()
-    ours, twin, original = load_v4(fp4), load_v4(plain), load_v4(tiny_v4_ckpt)
+    ours, original = assert_quantized_equals_hf(fp4, plain, tiny_v4_ckpt)
     before = original.state_dict()
     for name, t in ours.state_dict().items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             assert (t - before[name]).abs().amax(dim=(1, 2)).min() > 0, name
-    ids = torch.randint(0, 129000, (23,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-        got = ours(ids, ours.new_cache())
-        assert torch.equal(got, twin(ids, twin.new_cache()))
-        unquantized = original(ids, original.new_cache())
-    assert (got - ref).abs().max().item() < TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    assert (got - unquantized).abs().max().item() > 10 * TOL
 
 
 def test_an_ep_rank_holds_its_experts_dequantized(fp4_ckpts, tmp_path):

@@ -21,8 +21,8 @@ from engine.quant.fp8_block import FP8_MAX, block_grid, dequantize_block, quanti
 from engine.parallel import EPGroup, TPGroup
 from engine.v4.config import CSA, V4Config
 from engine.v4.loader import load_v4
+from tests.engine.v4_quant_parity import assert_quantized_equals_hf
 
-TOL = 1e-4  # as tests/engine/test_v4_hf_parity.py: the same weights, fp32 both sides
 BLOCK = (16, 24)  # tiny dims are < 128: blocks that make grids, partial ones included (64 / 24)
 FP8_LINEAR = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                         r"|ffn\.(shared_experts|experts\.\d+)\.w[123])\.weight")
@@ -80,24 +80,11 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_ckpts, t
     weights (fp32) within TOL and pick the same greedy tokens; they equal engine/v4's own
     on the float twin exactly (dequantizing at load is the whole difference), and differ
     from the unquantized original (the FP8 rounding is real)."""
-    from transformers import DeepseekV4ForCausalLM  # noqa: PLC0415 (reference only)
-
     fp8, plain, count = fp8_ckpts
     cfg = V4Config.from_dict(json.loads((fp8 / "config.json").read_text()))
     csa = sum(kind == CSA for kind in cfg.layer_types)
     assert csa and count == cfg.num_hidden_layers * (5 + 3 * (cfg.n_routed_experts + 1)) + csa
-    hf = DeepseekV4ForCausalLM.from_pretrained(plain, dtype=torch.float32,
-                                               attn_implementation="eager").eval()
-    ours, twin, original = load_v4(fp8), load_v4(plain), load_v4(tiny_v4_ckpt)
-    ids = torch.randint(0, 129000, (23,), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-        got = ours(ids, ours.new_cache())
-        assert torch.equal(got, twin(ids, twin.new_cache()))
-        unquantized = original(ids, original.new_cache())
-    assert (got - ref).abs().max().item() < TOL
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
-    assert (got - unquantized).abs().max().item() > 10 * TOL
+    assert_quantized_equals_hf(fp8, plain, tiny_v4_ckpt)
 
 
 @pytest.mark.parametrize("group", [{"tp": TPGroup(rank=1, size=2)},
