@@ -57,6 +57,8 @@ class KVCacheSpec:
             layers); empty = every layer has one when ``index_head_dim`` > 0.
         mtp_layers: the last ``mtp_layers`` of ``num_layers`` are the MTP module's caches
             (speculative decoding, :mod:`engine.spec_forward`); 0: none.
+        index_topk: DSA's top-k (tokens a query's attention reads,
+            :attr:`engine.kv_layer_spec.MLALayerSpec.index_topk`); 0: dense. Shapes nothing.
     """
 
     num_layers: int
@@ -69,6 +71,7 @@ class KVCacheSpec:
     index_head_dim: int = 0
     index_layers: tuple[bool, ...] = ()
     mtp_layers: int = 0
+    index_topk: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "kv_lora_rank",
@@ -118,7 +121,8 @@ class KVCacheSpec:
     def _layer_specs(self) -> tuple[MLALayerSpec, ...]:
         # NOTE: cached in the instance __dict__ (fields are frozen; eq / hash ignore it)
         kinds = {flag: MLALayerSpec(self.kv_lora_rank, self.qk_rope_head_dim,
-                                    self.index_head_dim if flag else 0) for flag in (False, True)}
+                                    self.index_head_dim if flag else 0, self.index_topk)
+                 for flag in (False, True)}
         return tuple(kinds[self.has_index_k(i)] for i in range(self.num_layers))
 
     def layer_spec(self, layer: int) -> MLALayerSpec:

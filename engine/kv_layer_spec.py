@@ -14,7 +14,8 @@ how many rows of each a request of ``n`` tokens holds. Kinds:
 
 :func:`held_elements` / :func:`held_bytes` are the one answer to "what does a request of ``n``
 tokens hold in layers ``L``" for every family (the MLA cache spec's bytes per token, the memory
-plans and the planner's KV bytes read them).
+plans and the planner's KV bytes read them); :func:`read_bytes` answers "what does one decode
+step read for a sequence of ``n`` tokens" (the planner's decode KV traffic).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class LayerKVSpec(ABC):
     def rows(self, tensor: CachedTensor, num_tokens: int) -> int:
         """Rows of ``tensor`` one request holds after ``num_tokens`` tokens."""
 
+    @abstractmethod
+    def read_rows(self, tensor: CachedTensor, context: float) -> float:
+        """Rows of ``tensor`` one decode step reads for a query whose sequence has ``context``
+        tokens, itself included (a float: the planner's mean context; compressed entries
+        counted as ``context / ratio``, not floored)."""
+
     def elements(self, num_tokens: int) -> int:
         """Elements held by one request of ``num_tokens`` tokens in one layer of this kind."""
         return sum(self.rows(t, num_tokens) * t.width for t in self.tensors())
@@ -82,11 +89,15 @@ class MLALayerSpec(LayerKVSpec):
     Attributes:
         kv_lora_rank: ``k`` (c_kv) width. qk_rope_head_dim: ``v`` (k_pe) width.
         index_head_dim: ``index_k`` width; 0: no indexer cache (V3, GLM-5.2's shared layers).
+        index_topk: DSA's ``index_topk``: a query attends to at most this many tokens'
+            ``k`` / ``v`` rows (GLM-5.2's shared layers too, by the last indexer's
+            selection); 0: dense attention over every token (V3).
     """
 
     kv_lora_rank: int
     qk_rope_head_dim: int
     index_head_dim: int = 0
+    index_topk: int = 0
 
     @property
     def kind(self) -> str:  # type: ignore[override]
@@ -100,6 +111,14 @@ class MLALayerSpec(LayerKVSpec):
     def rows(self, tensor: CachedTensor, num_tokens: int) -> int:
         """``num_tokens``: every token keeps its row."""
         return num_tokens
+
+    def read_rows(self, tensor: CachedTensor, context: float) -> float:
+        """``k`` / ``v``: every token's, or the top ``index_topk`` under DSA (absorbed
+        attention over the selected latents); ``index_k``: every token's (the indexer scores
+        the whole context)."""
+        if self.index_topk and tensor.name != "index_k":
+            return min(context, self.index_topk)
+        return context
 
 
 @lru_cache(maxsize=64)
@@ -117,9 +136,11 @@ def mla_layer_specs(config: ModelConfig, mtp_layers: int = 0) -> tuple[MLALayerS
     """One :class:`MLALayerSpec` per layer of an MLA ``config``: its ``num_hidden_layers``
     decoder layers, then ``mtp_layers`` MTP layers; ``index_k`` where
     :meth:`~engine.model_config.ModelConfig.has_indexer` (every layer of V3.2, GLM-5.2's full
-    layers, a DSA checkpoint's MTP layer). Layers of one kind share one object."""
+    layers, a DSA checkpoint's MTP layer); ``index_topk`` on every layer of a DSA model.
+    Layers of one kind share one object."""
     specs = {flag: MLALayerSpec(config.kv_lora_rank, config.qk_rope_head_dim,
-                                config.index_head_dim if flag else 0) for flag in (False, True)}
+                                config.index_head_dim if flag else 0, config.index_topk)
+             for flag in (False, True)}
     return tuple(specs[config.has_indexer(i)]
                  for i in range(config.num_hidden_layers + mtp_layers))
 
@@ -142,5 +163,16 @@ def held_bytes(specs: Sequence[LayerKVSpec], num_tokens: int, elem_bytes: float,
     return held_elements(specs, num_tokens, layers) * elem_bytes
 
 
+def read_bytes(specs: Sequence[LayerKVSpec], context: float, elem_bytes: float) -> float:
+    """KV bytes one decode step reads for one sequence of ``context`` tokens (the query
+    included), over every layer of ``specs``: each tensor's :meth:`LayerKVSpec.read_rows` x
+    width x ``elem_bytes``. What the planner's decode step streams from HBM per sequence.
+    Example: V3.2 (61 layers, top 2048 of 512 + 64, index keys 128 over every token), 4096
+    tokens: 2 B x 61 x (2048 x 576 + 4096 x 128)."""
+    return elem_bytes * sum(spec.read_rows(t, context) * t.width
+                            for spec in specs for t in spec.tensors())
+
+
 __all__ = ["CachedTensor", "LayerKVSpec", "MLA", "MLALayerSpec", "MLA_INDEXER", "PER_ENTRY",
-           "PER_REQUEST", "PER_TOKEN", "held_bytes", "held_elements", "mla_layer_specs"]
+           "PER_REQUEST", "PER_TOKEN", "held_bytes", "held_elements", "mla_layer_specs",
+           "read_bytes"]

@@ -159,7 +159,8 @@ class ModelRunner:
                                    kv_lora_rank=cfg.kv_lora_rank,
                                    qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
                                    index_head_dim=cfg.index_head_dim,
-                                   index_layers=cfg.index_cache_layers(mtp), mtp_layers=mtp)
+                                   index_layers=cfg.index_cache_layers(mtp), mtp_layers=mtp,
+                                   index_topk=cfg.index_topk)
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         # NOTE: decode-only steps' metadata, updated in place step to step

@@ -33,6 +33,8 @@ class V4LayerSpec(LayerKVSpec):
             ``sliding_window - 1`` between steps. compress_ratio: tokens per entry (0: none).
         overlap: entries pool ``2 * compress_ratio`` tokens (CSA): the state keeps the last
             full group's first-half kv / gate. index_head_dim: indexer key width (0: none).
+        index_topk: compressed entries a query attends to, the indexer's top-k (CSA); 0:
+            every entry (HCA).
     """
 
     kind: str
@@ -41,6 +43,7 @@ class V4LayerSpec(LayerKVSpec):
     compress_ratio: int
     overlap: bool
     index_head_dim: int
+    index_topk: int = 0
 
     def tensors(self) -> tuple[CachedTensor, ...]:
         """Every tensor this kind caches (widths in elements)."""
@@ -73,6 +76,23 @@ class V4LayerSpec(LayerKVSpec):
             return num_tokens % self.compress_ratio
         return tensor.rows if num_tokens >= self.compress_ratio else 0  # overlap: once a group
 
+    def read_rows(self, tensor: CachedTensor, context: float) -> float:
+        """Rows of ``tensor`` one decode step reads at ``context`` tokens: the window's
+        ``min(context, sliding_window)`` raw K=V, the compressed entries (``context / ratio``;
+        CSA: the indexer's top ``index_topk`` of them), every index key (the indexer scores
+        them all).
+
+        NOTE: the compressor state is not counted: it is read and rewritten only as a group
+        closes, at most ``compress_ratio`` rows of one request."""
+        if tensor.per == PER_TOKEN:
+            return min(context, self.sliding_window)
+        if tensor.per == PER_REQUEST:
+            return 0.0
+        entries = context / self.compress_ratio
+        if self.index_topk and tensor.name == "compressed_kv":
+            return min(entries, self.index_topk)
+        return entries
+
 
 def kv_specs(config: V4Config) -> dict[str, V4LayerSpec]:
     """One :class:`V4LayerSpec` per layer kind present in ``config.layer_types``."""
@@ -81,7 +101,8 @@ def kv_specs(config: V4Config) -> dict[str, V4LayerSpec]:
         specs[kind] = V4LayerSpec(
             kind=kind, head_dim=config.head_dim, sliding_window=config.sliding_window,
             compress_ratio=config.compress_ratio(layer), overlap=kind == CSA,
-            index_head_dim=config.index_head_dim if kind == CSA else 0)
+            index_head_dim=config.index_head_dim if kind == CSA else 0,
+            index_topk=config.index_topk if kind == CSA else 0)
     return specs
 
 

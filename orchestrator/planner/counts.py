@@ -7,13 +7,14 @@
   the whole context (decode); V3.2 sparse attention over ``min(context, index_topk)`` keys in
   absorbed form plus the indexer's ``index_n_heads x index_head_dim`` dot products over the
   whole prefix;
-- KV bytes: what a request holds, from the layer specs (:mod:`engine.kv_layer_spec`: latent +
-  rope key, + index key on DSA indexer layers, per token and layer).
+- KV bytes: what a request holds and what a decode step reads of it, from the layer specs
+  (:mod:`engine.kv_layer_spec`: latent + rope key, + index key on DSA indexer layers, per
+  token and layer; DSA reads the top-k latents).
 """
 
 from __future__ import annotations
 
-from engine.kv_layer_spec import held_bytes, mla_layer_specs
+from engine.kv_layer_spec import held_bytes, mla_layer_specs, read_bytes
 from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, num_moe_layers
 
@@ -162,13 +163,11 @@ def kv_bytes_per_request(m: ModelConfig, prec: Precision, num_tokens: int) -> fl
 
 
 def kv_read_per_seq(m: ModelConfig, prec: Precision, context: float) -> float:
-    """KV bytes one decode step reads for one sequence of ``context`` tokens (V3.2: the
-    top-k latents and the indexer keys of the whole context)."""
-    latent = m.kv_lora_rank + m.qk_rope_head_dim
-    if not m.uses_sparse_attention:
-        return m.num_hidden_layers * prec.kv * context * latent
-    return prec.kv * (m.num_hidden_layers * min(context, m.index_topk) * latent
-                      + sum(m.indexer_layers) * context * m.index_head_dim)
+    """KV bytes one decode step reads for one sequence of ``context`` tokens, every decoder
+    layer: :func:`engine.kv_layer_spec.read_bytes` of the model's layer specs (latent + k_pe
+    of every token; V3.2: of the top ``index_topk``, plus the index keys of the whole context
+    on the indexer layers)."""
+    return read_bytes(mla_layer_specs(m), context, prec.kv)
 
 
 def expert_active_share(m: ModelConfig, tokens: float) -> float:

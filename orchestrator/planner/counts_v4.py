@@ -11,13 +11,16 @@
   ``index_topk`` of them, and the indexer's ``2 x index_n_heads x index_head_dim`` per entry
   it scores. Entries are counted as ``position / ratio`` (not its floor): exact at group
   edges, at most one entry per layer high between them;
-- KV bytes: from :mod:`engine.v4.kv_spec` (a request's rows at ``n`` tokens), not ``n`` x a
-  per-token figure: past the window only the compressed entries grow.
+- KV bytes: from :mod:`engine.v4.kv_spec` (a request's rows at ``n`` tokens, and the rows a
+  decode step reads), not ``n`` x a per-token figure: past the window only the compressed
+  entries grow.
 """
 
 from __future__ import annotations
 
+from engine.kv_layer_spec import read_bytes
 from engine.v4.config import CSA, HCA, SLIDING, V4Config
+from engine.v4.kv_spec import layer_specs
 from orchestrator.config.memory_plan import Precision
 from orchestrator.config.memory_plan_v4 import (attention_layer, compressor_layer, hc_block,
                                                 kv_bytes_per_request as _request_bytes,
@@ -124,15 +127,10 @@ def kv_bytes_per_token(m: V4Config, prec: Precision) -> float:
 
 
 def kv_read_per_seq(m: V4Config, prec: Precision, context: float) -> float:
-    """KV bytes one decode step reads for one sequence of ``context`` tokens: every layer's
-    window, HCA's entries, CSA's top-k entries and all its index keys (the indexer scores
-    them all)."""
-    rates, kinds = dict(m.compress_rates), _kinds(m)
-    window = min(context, m.sliding_window) * m.head_dim
-    csa = min(context / rates[CSA], m.index_topk) * m.head_dim \
-        + context / rates[CSA] * m.index_head_dim
-    hca = context / rates[HCA] * m.head_dim
-    return prec.kv * (m.num_hidden_layers * window + kinds[CSA] * csa + kinds[HCA] * hca)
+    """KV bytes one decode step reads for one sequence of ``context`` tokens:
+    :func:`engine.kv_layer_spec.read_bytes` of the V4 layer specs (every layer's window,
+    HCA's entries, CSA's top-k entries and all its index keys: the indexer scores them all)."""
+    return read_bytes(layer_specs(m), context, prec.kv)
 
 
 def elementwise_bytes_per_token(m: V4Config, act: float, eight_bit: bool,

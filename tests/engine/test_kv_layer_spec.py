@@ -1,31 +1,38 @@
 """The family-neutral layer specs (engine/kv_layer_spec.py): MLA layers (V3, V3.2, GLM-5.2's
 shared indexer layers, MTP) and DeepSeek-V4's kinds answer "what does a request of n tokens hold
-in layers L" through one function, byte for byte what the per-family arithmetic they replace
-gave on every shipped config (the old formulas are restated here as the reference)."""
+in layers L" and "what does a decode step read of it" through one function each, byte for byte
+what the per-family arithmetic they replace gave on every shipped config (the old formulas are
+restated here as the reference)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
 from engine.kv_layer_spec import (MLA, MLA_INDEXER, PER_TOKEN, CachedTensor, LayerKVSpec,
-                                  MLALayerSpec, held_bytes, held_elements, mla_layer_specs)
+                                  MLALayerSpec, held_bytes, held_elements, mla_layer_specs,
+                                  read_bytes)
 from engine.model_config import ModelConfig
-from engine.v4.config import V4Config
+from engine.v4.config import CSA, HCA, V4Config
 from engine.v4.kv_spec import V4LayerSpec, layer_specs
 from kv_transfer.layout import BufferSpec, KVLayout
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import build_memory_plan
 from orchestrator.config.memory_plan_v4 import kv_bytes_per_request as v4_request_bytes
 from orchestrator.config.memory_plan_v4 import kv_elements_per_request
-from orchestrator.planner import counts
+from orchestrator.planner import counts, counts_v4
 from tests.e2e.harness import REPO
 
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
 V4_CONFIGS = [c for c in CONFIGS if c.startswith(("v4_", "a3_v4_"))]
 MLA_CONFIGS = [c for c in CONFIGS if c not in V4_CONFIGS]
 TOKENS = (0, 1, 7, 128, 4097, 65536)
+# NOTE: the planner's decode contexts are prompt + output / 2 (whole or half tokens)
+CONTEXTS = (1, 7, 127.5, 128, 2048, 2049.5, 4096, 9000.5, 65536 + 1536.0, 131072)
+MODELS = sorted(p.parent for p in (REPO / "configs" / "models").glob("*/config.json"))
 
 
 def _plan(config: str):
@@ -40,7 +47,8 @@ def _runner_spec(m: ModelConfig, mtp: int, dtype: torch.dtype) -> KVCacheSpec:
     return KVCacheSpec(num_layers=m.num_hidden_layers + mtp, num_blocks=4, block_size=16,
                        kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
                        dtype=dtype, index_head_dim=m.index_head_dim,
-                       index_layers=m.index_cache_layers(mtp), mtp_layers=mtp)
+                       index_layers=m.index_cache_layers(mtp), mtp_layers=mtp,
+                       index_topk=m.index_topk)
 
 
 def _old_buffers(spec: KVCacheSpec) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -152,3 +160,74 @@ def test_v4_request_bytes_equal_the_spec_sum(config):
         old = sum(kv_elements_per_request(m, n).values()) * plan.precision.kv
         assert v4_request_bytes(m, n, plan.precision.kv) == old
         assert held_elements(specs, n) == sum(s.elements(n) for s in specs)
+
+
+def _old_mla_read(m: ModelConfig, kv: float, context: float) -> float:
+    """counts.kv_read_per_seq before the layer specs."""
+    latent = m.kv_lora_rank + m.qk_rope_head_dim
+    if not m.uses_sparse_attention:
+        return m.num_hidden_layers * kv * context * latent
+    return kv * (m.num_hidden_layers * min(context, m.index_topk) * latent
+                 + sum(m.indexer_layers) * context * m.index_head_dim)
+
+
+def _old_v4_read(m: V4Config, kv: float, context: float) -> float:
+    """counts_v4.kv_read_per_seq before the layer specs."""
+    rates = dict(m.compress_rates)
+    kinds = {k: m.layer_types.count(k) for k in (CSA, HCA)}
+    window = min(context, m.sliding_window) * m.head_dim
+    csa = min(context / rates[CSA], m.index_topk) * m.head_dim \
+        + context / rates[CSA] * m.index_head_dim
+    hca = context / rates[HCA] * m.head_dim
+    return kv * (m.num_hidden_layers * window + kinds[CSA] * csa + kinds[HCA] * hca)
+
+
+def _shipped_models():
+    """(name, model config, bytes per KV element) of every configs/*.yaml and, at 1 and 2
+    bytes, every configs/models/*/config.json."""
+    out = []
+    for config in CONFIGS:
+        plan = _plan(config)
+        out.append((config, plan.model, plan.precision.kv))
+    for path in MODELS:
+        raw = json.loads((path / "config.json").read_text())
+        model = V4Config.from_dict(raw) if raw.get("model_type") == "deepseek_v4" \
+            else ModelConfig.from_dict(raw)
+        out += [(f"{path.name} x{kv}", model, kv) for kv in (1.0, 2.0)]
+    return out
+
+
+def test_decode_read_bytes_equal_the_formulas_they_replace():
+    seen = set()
+    for name, m, kv in _shipped_models():
+        v4 = isinstance(m, V4Config)
+        specs = layer_specs(m) if v4 else mla_layer_specs(m)
+        c, old = (counts_v4, _old_v4_read) if v4 else (counts, _old_mla_read)
+        prec = _plan(V4_CONFIGS[0] if v4 else MLA_CONFIGS[0]).precision
+        for context in CONTEXTS:
+            want = old(m, kv, context)
+            assert read_bytes(specs, context, kv) == want, (name, context)
+            if kv == prec.kv:
+                assert c.kv_read_per_seq(m, prec, context) == want, (name, context)
+        seen.add((type(m).__name__, m.uses_sparse_attention if not v4 else True,
+                  not v4 and not all(m.indexer_layers)))
+    # NOTE: dense MLA, DSA, DSA with shared layers (GLM-5.2) and V4 all covered
+    assert {("ModelConfig", False, True), ("ModelConfig", True, False),
+            ("ModelConfig", True, True), ("V4Config", True, False)} <= seen
+
+
+def test_read_rows_by_kind():
+    dense, dsa, shared = MLALayerSpec(512, 64), MLALayerSpec(512, 64, 128, 2048), \
+        MLALayerSpec(512, 64, 0, 2048)
+    assert read_bytes((dense,), 4096, 2.0) == 2.0 * 4096 * 576
+    assert read_bytes((dsa,), 4096, 2.0) == 2.0 * (2048 * 576 + 4096 * 128)
+    assert read_bytes((shared,), 4096, 1.0) == 2048 * 576
+    assert read_bytes((dsa,), 100, 1.0) == 100 * 704  # below top-k: every token
+    csa = V4LayerSpec("compressed_sparse_attention", head_dim=512, sliding_window=128,
+                      compress_ratio=4, overlap=True, index_head_dim=128, index_topk=512)
+    hca = V4LayerSpec("heavily_compressed_attention", head_dim=512, sliding_window=128,
+                      compress_ratio=128, overlap=False, index_head_dim=0)
+    # window 128 rows, CSA 512 of 1024 entries + 1024 index keys, HCA all 32 entries; no state
+    assert read_bytes((csa,), 4096, 1.0) == 128 * 512 + 512 * 512 + 1024 * 128
+    assert read_bytes((hca,), 4096, 1.0) == 128 * 512 + 32 * 512
+    assert read_bytes((csa, hca), 6, 1.0) == 6 * 512 + 1.5 * (512 + 128) + 6 * 512 + 6 / 128 * 512
