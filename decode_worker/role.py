@@ -171,9 +171,10 @@ class DecodeRole(V4Staged, Role):
     def _full(self, spec: RequestSpec, need: int) -> Rejection:
         """The retryable refusal of a reservation that does not fit now."""
         pool, v4 = self.leader.pool, self.v4_shortage(spec)  # NOTE: "" unless V4's groups
+        groups = self.leader.scheduler.admission_need(spec) or {}
         return Rejection(spec.request_id, f"{self.cfg.name} is full ({pool.num_free_blocks} of "
                          f"{pool.num_blocks} blocks free, {need} needed{v4})", retryable=True,
-                         blocks_needed=need)
+                         blocks_needed=need, group_blocks_needed=tuple(groups.items()))
 
     def admit(self, request_id: str, first_token_id: int) -> None:
         """Prefill's first token arrived; the request runs once its KV is complete, or fails

@@ -146,6 +146,11 @@ class Scheduler:
             spec.num_prompt_tokens
         return self.admission.need(tokens, self.chunk_size)
 
+    def admission_free(self) -> dict[str, int] | None:
+        """Blocks per group the ``admission`` budget still has for new requests (DeepSeek-V4's
+        group pools, :meth:`engine.v4.admission.V4Admission.uncommitted`); None without one."""
+        return None if self.admission is None else self.admission.uncommitted()
+
     def refusal(self, spec: RequestSpec) -> str | None:
         """Why the ``admission`` budget can never admit ``spec`` (None: it can, or none)."""
         need = self.admission_need(spec)

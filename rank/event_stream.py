@@ -2,16 +2,18 @@
 
 The loop thread gathers the step's token events (:meth:`EventStream.add`)
 and, once per loop iteration, closes them into one frame (:meth:`EventStream.flush`) that also
-carries the leader's free KV blocks (the router's admission queue wakes on them). A sender thread
+carries the leader's free KV blocks and, on DeepSeek-V4, its KV group pools' uncommitted blocks
+(the router's admission queue wakes on them). A sender thread
 per connected router writes the frames; the loop thread only appends to a list, so a slow or gone
 router never stalls a step.
 
 Wire: frames are an 8-byte big-endian length and a msgpack body. A router opens a stream with
 the hello ``[token, subscriber, resume_seq]`` (``token`` from :meth:`EventStream.open`, over Ray);
 the leader answers ``[epoch, first_seq]`` and then sends frames ``[seq, free_blocks, events,
-ranks_age_s, status]``, ``events`` a list of :func:`event_row` rows, ``ranks_age_s`` the seconds
-since every rank of the instance was last known alive (None: not known), ``status`` a
-rank/status_row.py row or None; seq counts from 0 per subscriber without gaps.
+ranks_age_s, status, group_free]``, ``events`` a list of :func:`event_row` rows, ``ranks_age_s``
+the seconds since every rank of the instance was last known alive (None: not known), ``status``
+a rank/status_row.py row or None, ``group_free`` a map KV group -> uncommitted blocks
+(DeepSeek-V4's group pools) or None; seq counts from 0 per subscriber without gaps.
 
 Reports (the router's health monitor and status board read them instead of calling the ranks
 over Ray): a subscriber that asks for a heartbeat (``beat_s``) gets a frame at least every
@@ -105,7 +107,7 @@ class _Outbox:
     on are unsent on the current connection. Guarded by the stream's condition."""
 
     first_seq: int = 0
-    frames: deque = field(default_factory=deque)  # [seq, free_blocks, rows, age, status]
+    frames: deque = field(default_factory=deque)  # [seq, free, rows, age, status, groups]
     sent: int = 0  # frames[:sent] went out on some connection
     conn: socket.socket | None = None
     cursor: int = 0  # next seq the current connection sends
@@ -130,7 +132,7 @@ class EventStream:
         self._cond = threading.Condition()
         self._outboxes: dict[str, _Outbox] = {}
         self._pending: list[list] = []  # rows added since the last flush
-        self._last_free: int | None = None
+        self._last_free: tuple | None = None  # (free_blocks, group_free) last sent
         self._beat_s: float | None = None  # the shortest heartbeat a subscriber asked for
         self._last_frame_at = 0.0  # time.monotonic() of the last frame made
         self._status: list | None = None  # a status row for the next frame
@@ -176,33 +178,38 @@ class EventStream:
         with self._cond:
             self._status = merge_rows(self._status, row)  # NOTE: one not sent yet keeps its records
 
-    def flush(self, free_blocks: int, ranks_age_s: float | None = None) -> bool:
-        """Close the queued events into one frame per subscriber, with ``free_blocks`` and
-        ``ranks_age_s`` (see the module docstring); also when only ``free_blocks`` changed, a
-        status waits, or a heartbeat is due. True when a frame was made."""
+    def flush(self, free_blocks: int, ranks_age_s: float | None = None,
+              group_free: dict[str, int] | None = None) -> bool:
+        """Close the queued events into one frame per subscriber, with ``free_blocks``,
+        ``ranks_age_s`` and ``group_free`` (see the module docstring); also when only
+        ``free_blocks`` or ``group_free`` changed, a status waits, or a heartbeat is due. True
+        when a frame was made."""
         now = time.monotonic()
+        room = (free_blocks, group_free)
         with self._cond:
             beat = self._beat_s is not None and now - self._last_frame_at >= self._beat_s
-            if not self._outboxes or (not self._pending and free_blocks == self._last_free
+            if not self._outboxes or (not self._pending and room == self._last_free
                                       and self._status is None and not beat):
                 return False
             rows, self._pending = self._pending, []
             status, self._status = self._status, None
-            self._last_free, self._last_frame_at = free_blocks, now
+            self._last_free, self._last_frame_at = room, now
             for box in self._outboxes.values():
-                self._append(box, [free_blocks, rows, ranks_age_s, status])
+                self._append(box, [free_blocks, rows, ranks_age_s, status, group_free])
             self._cond.notify_all()
         return True
 
     def _append(self, box: _Outbox, body: list) -> None:
-        """``body`` ([free_blocks, rows, ranks_age_s, status]) as ``box``'s next frame."""
+        """``body`` ([free_blocks, rows, ranks_age_s, status, group_free]) as ``box``'s next
+        frame."""
         if len(box.frames) - box.sent >= MAX_UNSENT:
             last = box.frames[-1]  # NOTE: unsent, so no connection saw it: safe to grow
             last[1], last[3], last[4] = body[0], body[2], merge_rows(last[4], body[3])
+            last[5] = body[4]
             last[2].extend(body[1])
             return
         # NOTE: its own list of rows: it may grow
-        box.frames.append([box.next_seq, body[0], list(body[1]), body[2], body[3]])
+        box.frames.append([box.next_seq, body[0], list(body[1]), body[2], body[3], body[4]])
         while box.sent > RETAIN:
             box.frames.popleft()
             box.first_seq += 1

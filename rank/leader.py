@@ -119,8 +119,9 @@ class Leader:
         return address
 
     def flush_events(self) -> None:
-        """The loop thread, after each iteration: one frame of the queued events and the free
-        KV blocks to every subscribed router (nothing when neither changed)."""
+        """The loop thread, after each iteration: one frame of the queued events, the free
+        KV blocks and (DeepSeek-V4) the group pools' uncommitted blocks to every subscribed
+        router (nothing when none changed)."""
         if not self.stream.subscribed:
             return
         while True:
@@ -135,7 +136,8 @@ class Leader:
         if kv:
             self.stream.add(TokenEvent("", source=self.source, instance=self.cfg.name,
                                        kv_events=kv))
-        self.stream.flush(self.pool.num_free_blocks, self.ranks_age_s())
+        self.stream.flush(self.pool.num_free_blocks, self.ranks_age_s(),
+                          self.scheduler.admission_free())
 
     def ranks_alive(self, at: float) -> None:
         """Every rank was alive at ``at`` (``time.monotonic()``)."""

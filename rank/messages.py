@@ -79,12 +79,17 @@ class Rejection:
             request can never fit (it needs more blocks than the instance has).
         blocks_needed: with ``retryable``, the KV blocks the request needs there (the
             router's admission queue waits until the instance reports that many free).
+        group_blocks_needed: with ``retryable`` on DeepSeek-V4, ``(group, blocks)`` the request
+            commits in each KV group pool (:meth:`engine.scheduler.Scheduler.admission_need`;
+            the queue also waits until the instance reports that many uncommitted); empty
+            otherwise.
     """
 
     request_id: str
     reason: str
     retryable: bool = True
     blocks_needed: int = 0
+    group_blocks_needed: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

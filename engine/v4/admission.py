@@ -111,6 +111,14 @@ class V4Admission:
         with self._lock:
             return dict(self._committed)
 
+    def uncommitted(self) -> dict[str, int]:
+        """Blocks per group a new request may still commit (pool size less what admitted
+        requests committed): the decode leader reports them with its free blocks in every
+        event frame, so the router's admission queue waits on them
+        (:class:`orchestrator.router.admission.AdmissionQueue`)."""
+        with self._lock:
+            return {name: self.pools[name].num_blocks - n for name, n in self._committed.items()}
+
     def describe(self, need: dict[str, int]) -> str:
         """The groups ``need`` does not fit now, for a retryable refusal's message."""
         with self._lock:

@@ -13,6 +13,12 @@ A grant that was not used (the request left: aborted, timed out) gives its block
 estimate. Liveness guard: a head that got no grant for ``HEAD_RECHECK_S`` (a report lost with a
 restarting instance) tries the first instance once; the waiters behind it cost nothing.
 
+DeepSeek-V4 decode instances admit by their KV group pools too (window, entries, state:
+engine/v4/admission.py): their frames also carry each group's uncommitted blocks and their
+refusals each group's need (``Rejection.group_blocks_needed``), and a grant needs both the
+blocks and every group's need to fit, by the same rules. A V4 request that finishes gives its
+group blocks back in the frame that reports it, which wakes the waiters as free blocks do.
+
 Priority: a migrating request (``RequestSpec.num_resumed_tokens > 0``: its client has tokens
 already, docs/scaling.md) takes its place ahead of every new arrival, behind earlier migrating
 ones (FIFO among them), and tries the decode instances at once when only new arrivals wait.
@@ -37,6 +43,7 @@ class _Waiter:
     request_id: str
     priority: bool = False  # migrating: ahead of every new arrival
     need: int = 1  # blocks the decode asked for (1 until one said)
+    groups: dict[str, int] = field(default_factory=dict)  # V4: KV group -> blocks it commits
     charged: str | None = None  # instance whose estimate this grant took ``need`` from
     granted: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -54,6 +61,8 @@ class AdmissionQueue:
         self.order: Callable[[], list[str]] = lambda: []
         self._queue: deque[_Waiter] = deque()  # arrival order
         self._free: dict[str, int] = {}  # instance -> reported free blocks, less grants since
+        # NOTE: V4 instance -> KV group -> reported uncommitted blocks, less grants since
+        self._groups: dict[str, dict[str, int]] = {}
         self._ended: dict[str, RequestError] = {}  # request id -> why it must stop waiting
         self._placing: set[str] = set()  # requests holding a ticket (queued or not)
         self._closed: RequestError | None = None
@@ -68,14 +77,25 @@ class AdmissionQueue:
         the migrating ones for a migrating request (``priority``)."""
         return sum(1 for w in self._queue if w.priority) if priority else len(self._queue)
 
-    def report(self, instance: str, free_blocks: int) -> None:
-        """``instance`` has ``free_blocks`` free now (its event frame): grant what fits."""
+    def report(self, instance: str, free_blocks: int,
+               group_free: dict[str, int] | None = None) -> None:
+        """``instance`` has ``free_blocks`` free now and (DeepSeek-V4) ``group_free``
+        uncommitted blocks per KV group (its event frame): grant what fits."""
         self._free[instance] = free_blocks
+        if group_free is None:
+            self._groups.pop(instance, None)
+        else:
+            self._groups[instance] = dict(group_free)
         self._grant()
 
-    def full(self, instance: str, need: int) -> None:
-        """``instance`` refused ``need`` blocks: no grant there until it reports again."""
+    def full(self, instance: str, need: int, groups: dict[str, int] | None = None) -> None:
+        """``instance`` refused ``need`` blocks (V4: and ``groups``' blocks per KV group): no
+        grant of that size there until it reports again."""
         self._free[instance] = min(self._free.get(instance, need - 1), need - 1)
+        if groups:
+            room = self._groups.setdefault(instance, {})
+            for name, n in groups.items():
+                room[name] = min(room.get(name, n - 1), n - 1)
 
     def lost(self, instance: str) -> None:
         """A call to ``instance`` failed: no grant there until it reports again."""
@@ -127,8 +147,24 @@ class AdmissionQueue:
         self._queue.remove(waiter)
         waiter.granted.cancel()  # NOTE: marks it; nobody awaits it any more
         if waiter.charged in self._free and not reserved:
-            self._free[waiter.charged] += waiter.need  # an unused grant
+            self._charge(waiter.charged, waiter, -1)  # an unused grant
         self._grant()
+
+    def _fits(self, instance: str, waiter: _Waiter) -> bool:
+        """The estimate of ``instance`` covers ``waiter``'s blocks and, where the instance
+        reports KV groups, each of its group needs (an instance or group not reported yet
+        counts as room)."""
+        room = self._groups.get(instance, {})
+        return self._free.get(instance, waiter.need) >= waiter.need and \
+            all(room.get(name, n) >= n for name, n in waiter.groups.items())
+
+    def _charge(self, instance: str, waiter: _Waiter, sign: int) -> None:
+        """Take (``sign`` 1) or give back (-1) ``waiter``'s need from ``instance``'s estimate."""
+        self._free[instance] -= sign * waiter.need
+        room = self._groups.get(instance)
+        for name, n in waiter.groups.items() if room is not None else ():
+            if name in room:
+                room[name] -= sign * n
 
     def _grant(self) -> None:
         """From the head: each idle waiter gets the first instance its need fits (by the
@@ -138,13 +174,12 @@ class AdmissionQueue:
             if waiter.granted.done():  # trying an instance, or ended
                 continue
             order = self.order() if order is None else order
-            name = next((n for n in order if self._free.get(n, waiter.need) >= waiter.need),
-                        None)
+            name = next((n for n in order if self._fits(n, waiter)), None)
             if name is None:
                 return
             waiter.charged = name if name in self._free else None
             if waiter.charged:
-                self._free[name] -= waiter.need
+                self._charge(name, waiter, 1)
             waiter.granted.set_result(name)
 
     def _enter(self, request_id: str, reason: str, priority: bool = False) -> _Waiter:
@@ -171,11 +206,14 @@ class Ticket:
         self.waiter: _Waiter | None = None
         self.reserved = False  # set by the caller once a reservation used the grant
 
-    async def wait(self, deadline: float, reason: str, need: int | None = None) -> str:
+    async def wait(self, deadline: float, reason: str, need: int | None = None,
+                   groups: dict[str, int] | None = None) -> str:
         """Wait for a decode instance that reported room for ``need`` blocks (None: what the
-        last rejection said, else 1), at most until ``deadline`` (time.monotonic()); the
-        first call takes the place at the tail (a migrating request's: behind the migrating
-        ones), later ones keep it. Returns the instance.
+        last rejection said, else 1) and, DeepSeek-V4, ``groups``' blocks per KV group
+        (``Rejection.group_blocks_needed``; None: what the last rejection said), at most until
+        ``deadline`` (time.monotonic()); the first call takes the place at the tail (a
+        migrating request's: behind the migrating ones), later ones keep it. Returns the
+        instance.
 
         Raises:
             RequestError: RESOURCE_EXHAUSTED when the queue is full or the deadline passed;
@@ -190,6 +228,8 @@ class Ticket:
             self.waiter.charged = None  # NOTE: refused or failed: the estimate says so now
         if need is not None:
             self.waiter.need = max(1, need)
+        if groups is not None:
+            self.waiter.groups = dict(groups)
         queue._grant()
         while True:
             left = deadline - time.monotonic()

@@ -39,13 +39,16 @@ class EventFrame:
     blocks then, and the events of the flush in emission order; ``ranks_age_s``: seconds
     since every rank of the instance was last known alive when the leader made the frame
     (None: not known, or a leader that does not say); ``status``: the leader's status report,
-    if one rode this frame (rank/status_report.py)."""
+    if one rode this frame (rank/status_report.py); ``group_free``: DeepSeek-V4's KV group ->
+    blocks a new request may still commit there (None: not V4, or a leader that does not
+    say)."""
 
     seq: int
     free_blocks: int
     events: tuple[TokenEvent, ...]
     ranks_age_s: float | None = None
     status: InstanceStatusInfo | None = None
+    group_free: dict[str, int] | None = None
 
 
 class EventSubscription:
@@ -113,11 +116,12 @@ class EventSubscription:
                                        f"{self.next_seq} expected")
                 self.next_seq = seq + 1
                 keep = self._keep
-                age, status = (report + [None, None])[:2]  # NOTE: a leader that sends none
+                # NOTE: a leader that sends none of them
+                age, status, groups = (report + [None, None, None])[:3]
                 yield EventFrame(seq, free_blocks, tuple(
                     event_from_row(row, self.source, self.name) for row in rows
                     if keep is None or keep(row)), age,
-                    None if status is None else status_from_row(status))
+                    None if status is None else status_from_row(status), groups)
         finally:
             writer.close()
 

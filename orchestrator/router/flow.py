@@ -139,8 +139,10 @@ class Flow(ABC):
         self.policy.release(route.main, route.main_load)
         route.main_load = 0
 
-    def capacity(self, instance: str, free_blocks: int) -> None:
-        """A decode leader's event frame reported ``free_blocks`` free KV blocks."""
+    def capacity(self, instance: str, free_blocks: int,
+                 group_free: dict[str, int] | None = None) -> None:
+        """A decode leader's event frame reported ``free_blocks`` free KV blocks and
+        (DeepSeek-V4) ``group_free`` uncommitted blocks per KV group."""
 
     def health_changed(self) -> None:
         """An instance turned healthy or unhealthy (the health monitor's listener)."""
@@ -287,29 +289,33 @@ class DisaggregatedFlow(Flow):
             names = self.choices(self.policy, avoid, "decode", spec.prompt_token_ids) \
                 if direct else []
             while True:
-                got, full_reason, need = await self._try_reserve(spec, names)
+                got, full, failures = await self._try_reserve(spec, names)
                 if got is not None:
                     ticket.reserved = True
                     return got
-                if direct and not full_reason:
+                if direct and full is None:
                     raise RequestError("UNAVAILABLE", "no decode instance could reserve: "
-                                       f"{need}: retry later; `orch status` shows the "
+                                       f"{failures}: retry later; `orch status` shows the "
                                        "instances")
-                why = full_reason or f"{self.admission.waiting} request(s) wait ahead"
-                names = [await ticket.wait(deadline, why, need or None)]
+                if full is None:
+                    why, need, groups = f"{self.admission.waiting} request(s) wait ahead", \
+                        None, None
+                else:
+                    why, need = full.reason, full.blocks_needed or None
+                    groups = dict(full.group_blocks_needed)
+                names = [await ticket.wait(deadline, why, need, groups)]
                 direct = False
 
     async def _try_reserve(self, spec: RequestSpec, names: list[str]
-                           ) -> tuple[tuple[str, Reservation] | None, str, object]:
-        """Reserve on the first of ``names`` that can: ((name, reservation) or None, why the
-        last one was full ("" when none said so), the blocks it needs (or, with no full one,
-        the failures)).
+                           ) -> tuple[tuple[str, Reservation] | None, Rejection | None, str]:
+        """Reserve on the first of ``names`` that can: ((name, reservation) or None, the last
+        retryable refusal (None: none was full), the failed calls' messages).
 
         Raises:
             RequestError: INVALID_ARGUMENT when a decode says it can never fit; the abort
                 error when the request was cancelled.
         """
-        full_reason, need, failures = "", 0, []
+        full, failures = None, []
         for name in names:
             self.admission.check(spec.request_id)  # aborted: stop trying
             try:
@@ -322,12 +328,13 @@ class DisaggregatedFlow(Flow):
                 failures.append(exc.message)
                 continue
             if isinstance(answer, Reservation):
-                return (name, answer), "", 0
+                return (name, answer), None, ""
             if not answer.retryable:
                 raise RequestError("INVALID_ARGUMENT", f"{name}: {answer.reason}")
-            full_reason, need = answer.reason, answer.blocks_needed
-            self.admission.full(name, max(1, need))
-        return None, full_reason, need if full_reason else "; ".join(failures)
+            full = answer
+            self.admission.full(name, max(1, answer.blocks_needed),
+                                dict(answer.group_blocks_needed))
+        return None, full, "; ".join(failures)
 
     async def _reserve_on(self, name: str, spec: RequestSpec) -> Reservation | Rejection:
         """One reserve call; the policy load stays charged only on success."""
@@ -389,8 +396,9 @@ class DisaggregatedFlow(Flow):
         self._release_prefill(route)
         super().release(route)
 
-    def capacity(self, instance: str, free_blocks: int) -> None:
-        self.admission.report(instance, free_blocks)
+    def capacity(self, instance: str, free_blocks: int,
+                 group_free: dict[str, int] | None = None) -> None:
+        self.admission.report(instance, free_blocks, group_free)
 
     def health_changed(self) -> None:
         # NOTE: a restarted decode may report its room before the monitor calls it healthy

@@ -239,14 +239,15 @@ class EventPump:
     Args:
         leaders: every leader that produces events.
         retry_s: pause after a lost stream before subscribing again (seconds).
-        on_capacity: ``(instance, free_blocks)`` for every frame of a decode leader.
+        on_capacity: ``(instance, free_blocks, group_free)`` for every frame of a decode
+            leader (``group_free``: :attr:`EventFrame.group_free`).
         subscriber: this router's id at the leaders (default: a fresh one).
         kv_index: where instances' prefix-cache events go (None: dropped).
         reports: where the leaders' liveness and status reports go (None: not asked for).
     """
 
     def __init__(self, leaders: list[LeaderClient], retry_s: float = 0.5,
-                 on_capacity: Callable[[str, int], None] | None = None,
+                 on_capacity: Callable[[str, int, dict[str, int] | None], None] | None = None,
                  subscriber: str | None = None, kv_index: KVIndex | None = None,
                  reports: InstanceReports | None = None) -> None:
         self._leaders = leaders
@@ -371,7 +372,7 @@ class EventPump:
                 continue
             self._inboxes[event.request_id].put(event)
         if self._on_capacity is not None and leader.role == "decode":
-            self._on_capacity(leader.name, frame.free_blocks)
+            self._on_capacity(leader.name, frame.free_blocks, frame.group_free)
         if self.reports is not None:
             self.reports.heard(leader.name, frame.ranks_age_s, frame.status)
 

@@ -107,3 +107,53 @@ def test_group_bytes_are_what_the_pools_allocate(tiny_v4_ckpt):
     state = sum(t.rows * t.width for s in layer_specs(config) for t in s.tensors()
                 if t.per == PER_REQUEST)
     assert sum(v for k, v in got.items() if k.startswith("state/")) == 5 * state * 4
+
+
+def test_the_leaders_frames_carry_the_uncommitted_group_blocks_a_waiter_needs(tiny_v4_ckpt):
+    """The real path from a V4 decode's admission to the router's queue: the leader's frames
+    (rank/leader.py flush_events) carry V4Admission's uncommitted blocks per group; fed to the
+    router's AdmissionQueue they hold a waiter with the refused request's group need while the
+    first request runs, and grant it in the frame that reports its free."""
+    import asyncio
+    import queue as queues
+    import time
+    import types
+
+    from orchestrator.router.admission import AdmissionQueue
+    from rank.event_stream import EventStream
+    from rank.leader import Leader
+
+    sched, runner = _scheduler(tiny_v4_ckpt)
+    leader = object.__new__(Leader)  # NOTE: only the event path's state
+    leader.stream, leader._events = EventStream("decode-0", "127.0.0.1"), queues.Queue()
+    leader.wake, leader.pool, leader.scheduler = None, sched.pool, sched
+    leader.ranks = types.SimpleNamespace(followers=[])
+    a, b = _req("a", 21, 32), _req("b", 21, 32)
+    try:
+        leader.stream.open("router-a")
+        assert sched.allocate(a) is not None and sched.allocate(b) is None
+        leader.flush_events()
+        held = sched.admission_need(b.spec)
+        sched.pool.free(a.blocks)
+        leader.flush_events()
+        frames = [list(f) for f in leader.stream._outboxes["router-a"].frames]
+    finally:
+        leader.stream.close()
+    totals = {name: pool.num_blocks for name, pool in runner.pools.items()}
+    assert frames[-1][5] == totals and frames[0][5]["window"] == totals["window"] - 2
+
+    async def go():
+        queue, grants = AdmissionQueue(4), []
+        queue.order = lambda: ["decode-0"]
+        queue.report("decode-0", frames[0][1], frames[0][5])  # a runs
+        async with queue.ticket("b") as ticket:
+            wait = asyncio.ensure_future(ticket.wait(time.monotonic() + 60, "full", 1, held))
+            while ticket.waiter is None:
+                await asyncio.sleep(0)
+            grants.append(ticket.waiter.granted.done())
+            queue.report("decode-0", frames[1][1], frames[1][5])  # a freed
+            grants.append(ticket.waiter.granted.done())
+            return grants, await asyncio.wait_for(wait, 5)
+
+    assert frames[0][1] >= 1  # NOTE: the scheduler pool has room: only the groups hold b
+    assert asyncio.run(go()) == ([False, True], "decode-0")

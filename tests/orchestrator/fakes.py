@@ -21,6 +21,9 @@ from rank.messages import (Abort, Admit, Attach, Generate, InstanceStatusInfo, P
 
 VOCAB = 129_280
 EOS = 1
+# NOTE: what one request commits in a fake DeepSeek-V4 decode's KV group pools
+V4_NEED = {"window": 2, "entries/compressed_sparse_attention": 3,
+           "state/compressed_sparse_attention": 1}
 
 
 def expected_tokens(prompt: tuple[int, ...], max_tokens: int, ignore_eos: bool = True):
@@ -106,6 +109,16 @@ class _Leader:
         """What the leader reports with each event frame."""
         return 8
 
+    def group_free(self) -> dict[str, int] | None:
+        """DeepSeek-V4's uncommitted blocks per KV group, reported with each frame (None:
+        not V4)."""
+        return None
+
+    def flush(self) -> None:
+        """One frame, as the leader's loop makes after each iteration (only when something
+        changed)."""
+        self.stream.flush(self.free_blocks(), None, self.group_free())
+
     async def _enter(self, method: str) -> None:
         """At the start of ``method``: raise when dead, wait while held, raise its injected
         error."""
@@ -125,7 +138,7 @@ class _Leader:
         if self.stream.closed:
             self.stream = EventStream(self.name, "127.0.0.1")
         address = self.stream.open(subscriber)
-        self.stream.flush(self.free_blocks())  # NOTE: what was emitted before, as a leader's loop
+        self.flush()  # NOTE: what was emitted before, as a leader's loop
         return address
 
     def _publish(self, event: TokenEvent) -> None:
@@ -134,12 +147,12 @@ class _Leader:
         self.stream.add(event)
         hold = self._holds.get("events")
         if hold is None or hold[1].is_set():
-            self.stream.flush(self.free_blocks())
+            self.flush()
             return
         if not hold[0].is_set():
             hold[0].set()
             release = asyncio.ensure_future(hold[1].wait())
-            release.add_done_callback(lambda _: self.stream.flush(self.free_blocks()))
+            release.add_done_callback(lambda _: self.flush())
 
     def emit(self, request_id, tokens, finish=None, source=None, error=None, cached=0):
         if not self.silent:
@@ -185,16 +198,46 @@ class _Leader:
 
 
 class FakeDecode(_Leader):
-    """Reserves ``blocks`` one-block-per-request slots; emits tokens 2.. after admit."""
+    """Reserves ``blocks`` one-block-per-request slots; emits tokens 2.. after admit.
 
-    def __init__(self, name="decode-0", capacity=8, never_fits=False) -> None:
+    ``groups``: a DeepSeek-V4 decode: KV group -> blocks of its pool; each request also
+    commits :data:`V4_NEED` there, and gives them back in a frame of its own after its last
+    event (the commitment is what a V4 reservation waits for, not the free blocks)."""
+
+    def __init__(self, name="decode-0", capacity=8, never_fits=False, groups=None) -> None:
         super().__init__(name, "decode")
         self.capacity, self.never_fits = capacity, never_fits
         self.reserved: dict[str, object] = {}
         self.error_after_admit: str | None = None
+        self.groups = None if groups is None else dict(groups)  # uncommitted per group
+        self.committed: set[str] = set()
+        self._tasks: set[asyncio.Future] = set()  # group releases under way
 
     def free_blocks(self) -> int:
         return self.capacity - len(self.reserved)
+
+    def group_free(self) -> dict[str, int] | None:
+        return None if self.groups is None else dict(self.groups)
+
+    def _commit(self, request_id: str, sign: int) -> None:
+        """Take (1) or give back (-1) ``request_id``'s V4 group blocks."""
+        for name, n in V4_NEED.items():
+            self.groups[name] -= sign * n
+        (self.committed.add if sign > 0 else self.committed.discard)(request_id)
+
+    def _release_groups(self, request_id: str) -> None:
+        """V4: the request's group blocks go back, reported in a frame of their own (after
+        ``hold("release_groups")``, when held)."""
+        if self.groups is None or request_id not in self.committed:
+            return
+
+        async def release() -> None:
+            await self._enter("release_groups")
+            self._commit(request_id, -1)
+            self.flush()
+        task = asyncio.ensure_future(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def reserve(self, spec, prefill_tp=1, prefill_cp=1):
         self.calls.append(("reserve", spec.request_id))
@@ -204,6 +247,11 @@ class FakeDecode(_Leader):
                              retryable=False)
         if len(self.reserved) >= self.capacity:
             return Rejection(spec.request_id, "no free blocks", retryable=True, blocks_needed=1)
+        if self.groups is not None and any(self.groups[g] < n for g, n in V4_NEED.items()):
+            return Rejection(spec.request_id, "DeepSeek-V4 blocks short", retryable=True,
+                             blocks_needed=1, group_blocks_needed=tuple(V4_NEED.items()))
+        if self.groups is not None:
+            self._commit(spec.request_id, 1)
         self.reserved[spec.request_id] = spec
         return Reservation(spec.request_id, self.name, (0,), 16,
                            (KVPeer(self.name, 0, "127.0.0.1", 1),))
@@ -228,6 +276,7 @@ class FakeDecode(_Leader):
                 del self.reserved[request_id]  # NOTE: its last frame reports the block free
             self.emit(request_id, rest[i:i + 2], finish)
         self.reserved.pop(request_id, None)
+        self._release_groups(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Like the real decode: an abort that found the request says so with an event."""
@@ -236,7 +285,8 @@ class FakeDecode(_Leader):
         if found:
             self.emit(request_id, (), "abort")
         else:
-            self.stream.flush(self.free_blocks())  # NOTE: a reservation freed silently
+            self.flush()  # NOTE: a reservation freed silently
+        self._release_groups(request_id)
         return found
 
 

@@ -96,13 +96,15 @@ class Harness:
     ``probe_interval_s``: seconds between two of the monitor's own probes of an instance.
     ``peers``: the server's :class:`Peers` (router replicas: an Abort it does not know goes
     there).
+    ``decode_groups``: the decodes are DeepSeek-V4's with these KV group pools
+    (:class:`tests.orchestrator.fakes.FakeDecode`); None: MLA.
     """
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
                  security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
                  max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None,
-                 eager_prefill=False) -> None:
+                 eager_prefill=False, decode_groups=None) -> None:
         self.security, self.recover, self.peers = security, recover, peers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -118,16 +120,16 @@ class Harness:
             "health": {"probe_interval_s": probe_interval_s}})
         self.metrics = RecordingMetrics()
         self.cluster = FakeCluster(self) if scaling else None
-        self.run(self._start(decode_capacity, never_fits))
+        self.run(self._start(decode_capacity, never_fits, decode_groups))
 
-    async def _start(self, decode_capacity, never_fits) -> None:
+    async def _start(self, decode_capacity, never_fits, decode_groups=None) -> None:
         if self.cfg.mode == "colocated":
             self.fakes = {"colocated-0": FakeColocated()}
         else:
             self.fakes = {f"prefill-{i}": FakePrefill(f"prefill-{i}")
                           for i in range(self.cfg.prefill.dp)}
             self.fakes.update({f"decode-{i}": FakeDecode(f"decode-{i}", decode_capacity,
-                                                         never_fits)
+                                                         never_fits, decode_groups)
                                for i in range(self.cfg.decode.dp)})
         # NOTE: the monitor probes self.handles, which a test's restart may replace
         handles = self.handles = {name: Remote(f) for name, f in self.fakes.items()}

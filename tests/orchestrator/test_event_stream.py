@@ -172,7 +172,23 @@ def test_free_blocks_alone_make_a_frame_once_per_change():
     finally:
         stream.close()
     assert made == [True, False, True]
-    assert frames == [[0, 5, [], None, None], [1, 4, [], None, None]]  # no report asked
+    assert frames == [[0, 5, [], None, None, None], [1, 4, [], None, None, None]]  # no report
+
+
+def test_v4_group_blocks_alone_make_a_frame_once_per_change():
+    """A DeepSeek-V4 decode's uncommitted group blocks ride every frame; a change of them
+    alone (a finished request's commitment back, its free blocks already reported) makes a
+    frame, as free blocks do."""
+    stream = EventStream("decode-0", "127.0.0.1")
+    try:
+        stream.open("router-a")
+        made = [stream.flush(5, None, {"window": 2}), stream.flush(5, None, {"window": 2}),
+                stream.flush(5, None, {"window": 4})]
+        frames = [list(f) for f in stream._outboxes["router-a"].frames]
+    finally:
+        stream.close()
+    assert made == [True, False, True]
+    assert [f[5] for f in frames] == [{"window": 2}, {"window": 4}]
 
 
 def test_events_emitted_around_a_subscription_keep_their_order():
@@ -188,6 +204,7 @@ def test_events_emitted_around_a_subscription_keep_their_order():
     leader._events = queue.Queue()
     leader.wake = threading.Event()
     leader.pool = types.SimpleNamespace(num_free_blocks=3, take_events=lambda: None)
+    leader.scheduler = types.SimpleNamespace(admission_free=lambda: None)  # NOTE: MLA
     leader.ranks = types.SimpleNamespace(followers=[])  # NOTE: no followers: ranks_age_s 0
     try:
         leader.emit(TokenEvent("r", (1,), instance="decode-0"))  # before the subscription
