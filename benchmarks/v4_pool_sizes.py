@@ -1,5 +1,5 @@
 """DeepSeek-V4 KV pools of one rank per role, before (every group ``num_kv_blocks`` blocks) and
-after (engine/v4/pool_plan.py: the budget split by what ``max_num_seqs`` requests of
+after (engine/pool_plan.py: the budget split by what ``max_num_seqs`` requests of
 ``max_model_len`` hold per group), from a config's memory plan alone (no model, no device).
 
 Per role: the pools' bytes (window + entries tensors, plus the compressor state of the
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.v4.pool_plan import PoolPlan, plan_pools
+from engine.pool_plan import PoolPlan, plan_pools
+from engine.v4.kv_spec import layer_specs
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import build_memory_plan
 from orchestrator.config.memory_plan_v4 import pool_plan
@@ -38,7 +39,7 @@ def rows(path: str) -> list[str]:
     out, kv = [], plan.precision.kv
     for role in plan.roles:
         lay, after = role.layout, pool_plan(plan.model, role.layout)
-        before = plan_pools(plan.model, lay.num_kv_blocks, lay.block_size, None)
+        before = plan_pools(layer_specs(plan.model), lay.num_kv_blocks, lay.block_size, None)
         state = sum(after.row_elements[g] for g in after.blocks if g.startswith("state/"))
         before_bytes = (before.stored_elements() + lay.max_num_seqs * state) * kv
         after_bytes = sum(after.elements(g) for g in after.blocks) * kv

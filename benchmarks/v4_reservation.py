@@ -2,7 +2,7 @@
 per-token reservation it made before (docs/engine.md "Admission by what a request will hold").
 
 Per prompt length (+ ``--output`` tokens, a token a step, blocks of ``--block-size``): the
-blocks it commits per group (``block_table.reservation``) and their bytes (``group_bytes``
+blocks it commits per group (``kv_groups.reservation``) and their bytes (``group_bytes``
 per block), against the context's blocks in every group (what admission by prompt +
 max_tokens scheduler blocks assumed: a request could hold that many in each group), and how
 many such requests pools of ``--blocks`` blocks each admit either way. Also the staging rows'
@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from v4_kv_bytes import v4_config  # noqa: E402
 
-from engine.v4.block_table import group_bytes, kv_groups, reservation  # noqa: E402
-from engine.v4.kv_spec import PER_REQUEST  # noqa: E402
+from engine.kv_groups import kv_groups, reservation  # noqa: E402
+from engine.v4.block_table import group_bytes  # noqa: E402
+from engine.v4.kv_spec import PER_REQUEST, layer_specs  # noqa: E402
 from engine.v4.staging import staging_blocks_for, staging_bytes_per_slot  # noqa: E402
 
 MIB, ELEM = 2 ** 20, 2  # bf16
@@ -32,7 +33,7 @@ MIB, ELEM = 2 ** 20, 2  # bf16
 
 def row(config, prompt: int, output: int, block_size: int, blocks: int) -> dict:
     """One prompt length's figures (bytes, block counts, requests admitted)."""
-    groups = kv_groups(config)
+    groups = kv_groups(layer_specs(config))
     per_block = {k: v // blocks for k, v in group_bytes(config, blocks, block_size,
                                                           ELEM).items()}
     sizes = {g.name: 1 if g.per == PER_REQUEST else block_size for g in groups}

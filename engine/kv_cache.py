@@ -31,7 +31,7 @@ block_size, width]`` (:meth:`KVCache.flat_buffers`). Device MLA kernels (FlashML
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -89,9 +89,40 @@ class KVCacheSpec:
                              f"{self.index_head_dim}")
         if self.index_layers and len(set(self.index_layers)) == 1:
             raise ValueError(f"KVCacheSpec.index_layers names the layers with index_k only when "
-                             f"some lack it (ModelConfig.index_cache_layers); got all "
+                             f"some lack it (KVCacheSpec.from_layer_specs); got all "
                              f"{self.index_layers[0]}: leave it empty (every layer has index_k) "
                              f"or set index_head_dim 0 (none has)")
+
+    @classmethod
+    def from_layer_specs(cls, layers: Sequence[MLALayerSpec], *, num_blocks: int,
+                         block_size: int, dtype: torch.dtype = torch.float32,
+                         mtp_layers: int = 0) -> KVCacheSpec:
+        """The paged cache of ``layers`` (one :class:`engine.kv_layer_spec.MLALayerSpec` per
+        layer, MTP layers last: :func:`engine.kv_layer_spec.mla_layer_specs`) in ``num_blocks``
+        blocks of ``block_size`` tokens (the ``kv`` pool of :func:`engine.pool_plan.plan_pools`);
+        its :meth:`layer_specs` are ``layers``.
+
+        Raises:
+            ValueError: no layers, a layer that is not MLA, or layers of different ``k`` /
+                ``v`` / ``index_k`` widths or ``index_topk`` (one paged cache has one of each).
+        """
+        kinds = set(layers)
+        if not layers or not all(isinstance(s, MLALayerSpec) for s in kinds):
+            raise ValueError(f"KVCacheSpec holds MLA layers (MLALayerSpec); got "
+                             f"{sorted({type(s).__name__ for s in kinds}) or 'no layers'}")
+        widths = {(s.kv_lora_rank, s.qk_rope_head_dim, s.index_topk) for s in kinds}
+        index = {s.index_head_dim for s in kinds if s.index_head_dim}
+        if len(widths) > 1 or len(index) > 1:
+            raise ValueError(f"one paged KV cache has one k / v / index_k width; the layers "
+                             f"have (kv_lora_rank, qk_rope_head_dim, index_topk) {sorted(widths)}"
+                             f" and index_head_dim {sorted(index)}")
+        (kv_lora_rank, rope, topk), flags = widths.pop(), tuple(s.index_head_dim > 0
+                                                                for s in layers)
+        return cls(num_layers=len(layers), num_blocks=num_blocks, block_size=block_size,
+                   kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope, dtype=dtype,
+                   index_head_dim=index.pop() if index else 0,
+                   index_layers=flags if len(set(flags)) > 1 else (), mtp_layers=mtp_layers,
+                   index_topk=topk)
 
     def has_index_k(self, layer: int) -> bool:
         """True when layer ``layer`` has an index_k buffer."""

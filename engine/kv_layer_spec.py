@@ -79,6 +79,17 @@ class LayerKVSpec(ABC):
         """Elements held by one request of ``num_tokens`` tokens in one layer of this kind."""
         return sum(self.rows(t, num_tokens) * t.width for t in self.tensors())
 
+    @property
+    def kept_tokens(self) -> int:
+        """Tokens whose ``token`` rows a request keeps between steps, the last ones (a sliding
+        window); 0: every token's (full attention)."""
+        return 0
+
+    @property
+    def entry_tokens(self) -> int:
+        """Tokens per ``entry`` row (the compression ratio); 0: no ``entry`` tensors."""
+        return 0
+
 
 @dataclass(frozen=True)
 class MLALayerSpec(LayerKVSpec):

@@ -134,13 +134,6 @@ class ModelConfig:
         """:meth:`has_indexer` of every layer (all False without DSA)."""
         return tuple(self.has_indexer(i) for i in range(self.num_hidden_layers))
 
-    def index_cache_layers(self, mtp_layers: int = 0) -> tuple[bool, ...]:
-        """``KVCacheSpec.index_layers`` of this model with ``mtp_layers`` MTP caches after the
-        decoder layers: one flag per layer when only some have an indexer (GLM-5.2), else
-        empty (every layer or none; an MTP layer has one under DSA, :meth:`has_indexer`)."""
-        flags = tuple(self.has_indexer(i) for i in range(self.num_hidden_layers + mtp_layers))
-        return flags if any(flags) and not all(flags) else ()
-
     @property
     def qk_head_dim(self) -> int:
         """Per-head query/key width of the MHA form: nope + rope (192 for V3)."""

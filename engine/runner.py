@@ -27,6 +27,8 @@ from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_groups import KV
+from engine.kv_layer_spec import mla_layer_specs
 from engine.loader import load_weights
 from engine.model import build_model
 from engine.model_config import ModelConfig, load_model_config
@@ -34,6 +36,7 @@ from engine.moe import MoE
 from engine.parallel import CPGroup, EPGroup, TPGroup
 from engine.quant.load import quant_plan
 from engine.platform import detect_platform
+from engine.pool_plan import RequestShape, plan_pools
 from engine.spec_decode import DraftInput, SpecOutput
 from engine.spec_forward import SpecForward
 
@@ -101,6 +104,8 @@ class ModelRunner:
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
+        pool_plan: the KV pool's :class:`engine.pool_plan.PoolPlan` (one group, ``kv``, of
+            ``num_kv_blocks`` blocks; :attr:`scheduler_blocks`).
         prefetcher: the layer-sharding :class:`LayerPrefetcher` (``prefetcher.stats``: time
             blocked on weight broadcasts), None without layer sharding under cp > 1.
         graphs: the captured decode forwards (:class:`engine.graph.DecodeGraphs`; with
@@ -154,13 +159,12 @@ class ModelRunner:
         self.model.prefetcher = self.prefetcher
         # NOTE: with MTP its cache is one more layer, shipped and fingerprinted with the rest
         mtp = int(num_speculative_tokens > 0)
-        self.kv_spec = KVCacheSpec(num_layers=cfg.num_hidden_layers + mtp,
-                                   num_blocks=num_kv_blocks, block_size=block_size,
-                                   kv_lora_rank=cfg.kv_lora_rank,
-                                   qk_rope_head_dim=cfg.qk_rope_head_dim, dtype=dtype,
-                                   index_head_dim=cfg.index_head_dim,
-                                   index_layers=cfg.index_cache_layers(mtp), mtp_layers=mtp,
-                                   index_topk=cfg.index_topk)
+        # NOTE: sized as V4's group pools are: the layer specs' groups (MLA: one, "kv")
+        layers = mla_layer_specs(cfg, mtp)
+        self.pool_plan = plan_pools(layers, num_kv_blocks, block_size, None)
+        self.kv_spec = KVCacheSpec.from_layer_specs(
+            layers, num_blocks=self.pool_plan.blocks[KV],
+            block_size=self.pool_plan.block_sizes[KV], dtype=dtype, mtp_layers=mtp)
         self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         # NOTE: decode-only steps' metadata, updated in place step to step
@@ -173,6 +177,12 @@ class ModelRunner:
             self._captured, self._padding_step, token_graph)
         if graph.enabled and graph.warmup:
             self.warmup_graphs()
+
+    @property
+    def scheduler_blocks(self) -> int:
+        """Blocks of the scheduler's pool (rank/leader.py): the ``kv`` group's, which the
+        cache tensors hold (``kv_spec.num_blocks``), as V4's runner names its staging pool's."""
+        return self.pool_plan.blocks[KV]
 
     @torch.inference_mode()
     def execute(self, steps: list[SeqStep], on_kv_written: Callable[[int], None] | None = None
@@ -323,13 +333,12 @@ def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
     DeepSeek-V4 (its serving layout checked; ``prefix_cache``: the scheduler pool caches
     prefixes, which V4 does not support; ``staging_blocks``: its PD staging cache's blocks,
     0: ``num_kv_blocks``; ``v4_shape``: ``(max_num_seqs, max_model_len, step_tokens)`` its
-    group pools are sized for, :class:`engine.v4.pool_plan.RequestShape`, None: every group
+    group pools are sized for, :class:`engine.pool_plan.RequestShape`, None: every group
     ``num_kv_blocks`` blocks), else :class:`ModelRunner` (``kwargs`` as its).
 
     Raises:
         ValueError: a layout V4 does not support (the message lists each and its fix).
     """
-    from engine.v4.pool_plan import RequestShape  # noqa: PLC0415 (V3 never needs it)
     from engine.v4.runner import V4Runner, is_v4_checkpoint  # noqa: PLC0415
 
     if not is_v4_checkpoint(checkpoint_dir):

@@ -42,7 +42,7 @@ class SchedulerConfig:
             reads / writes (engine/v4/staging.py); 0: ``num_kv_blocks``.
         max_model_len: tokens of the longest request (``model.max_model_len``): a DeepSeek-V4
             rank sizes its KV group pools for ``max_num_seqs`` such requests written
-            ``chunk_size`` tokens a step (engine/v4/pool_plan.py); 0: not given, every V4
+            ``chunk_size`` tokens a step (engine/pool_plan.py); 0: not given, every V4
             group gets ``num_kv_blocks`` blocks.
 
     Raises:
@@ -78,7 +78,7 @@ class SchedulerConfig:
     @property
     def v4_shape(self) -> tuple[int, int, int] | None:
         """``(max_num_seqs, max_model_len, chunk_size)``: the requests a DeepSeek-V4 rank's
-        group pools are sized for (engine/v4/pool_plan.py ``RequestShape``); None without
+        group pools are sized for (engine/pool_plan.py ``RequestShape``); None without
         ``max_model_len``."""
         return (self.max_num_seqs, self.max_model_len, self.chunk_size) \
             if self.max_model_len else None

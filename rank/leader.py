@@ -55,8 +55,9 @@ class Leader:
         eos_token_ids: the model's end-of-sequence tokens.
         group: the instance's ranks (:class:`~rank.spmd.SPMDGroup`).
         dp_sync: the role's DP sync (``ep`` with ``dp > 1``), else None.
-        num_blocks: the block pool's size when the runner says (DeepSeek-V4's
-            ``scheduler_blocks``: the staging pool of a PD role); None: ``num_kv_blocks``.
+        num_blocks: the block pool's size when the runner says (its ``scheduler_blocks``:
+            MLA's ``kv`` pool, :func:`engine.pool_plan.plan_pools`; DeepSeek-V4's staging pool
+            of a PD role); None (a runner that does not say): ``num_kv_blocks``.
 
     NOTE: :attr:`lock` guards the scheduler, the pool and the role's own request tables
     between actor calls (Ray threads) and the loop thread; :attr:`wake` wakes the loop.

@@ -273,7 +273,7 @@ class InstanceStatusInfo:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     # DeepSeek-V4: (group, free blocks, total blocks) of each KV group's own pool
-    # (engine/v4/pool_plan.py: "window", "entries/<kind>" holding a compressed kind's entries
+    # (engine/pool_plan.py: "window", "entries/<kind>" holding a compressed kind's entries
     # and, CSA, its index keys, "state/<kind>" one block per request); () for other models,
     # whose one pool is free_blocks / total_blocks. An ended request's V4 blocks count as
     # held until the leader's next step applies its release (engine/v4/request_caches.py).

@@ -3,7 +3,7 @@
 
 A V4 request's rows live in the runner's per-group pools (:mod:`engine.v4.block_table`), taken
 as it grows and, for the sliding window, given back as it advances. Admission commits, per
-group, the most blocks the request will ever hold (:func:`engine.v4.block_table.reservation`
+group, the most blocks the request will ever hold (:func:`engine.kv_groups.reservation`
 over its whole life: prompt for prefill, prompt + max_tokens for decode and colocated, written
 ``chunk_size`` tokens a step): window blocks bounded by the window plus one step, compressed
 entries at ``1 / ratio`` of the tokens (indexer keys in the same rows), one state block per
@@ -26,8 +26,9 @@ import threading
 
 from engine.block_pool import BlockPool, BlockSet
 from engine.request import RequestSpec
-from engine.v4.block_table import kv_groups, reservation
+from engine.kv_groups import kv_groups, reservation
 from engine.v4.config import V4Config
+from engine.v4.kv_spec import layer_specs
 from engine.v4.staging import staging_blocks_for
 
 
@@ -47,7 +48,7 @@ class V4Admission:
     def __init__(self, config: V4Config, pools: dict[str, BlockPool], block_size: int, *,
                  staged: bool) -> None:
         self.config, self.pools, self.block_size, self.staged = config, pools, block_size, staged
-        self.groups = kv_groups(config)
+        self.groups = kv_groups(layer_specs(config))
         self._committed = {g.name: 0 for g in self.groups}
         self._by_set: dict[int, dict[str, int]] = {}  # block set id -> its commitment
         self._lock = threading.Lock()

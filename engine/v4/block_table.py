@@ -1,7 +1,8 @@
 """Paged blocks of one DeepSeek-V4 request, per KV group (vLLM's hybrid KV cache groups):
 what the block pools hold for it and when they get blocks back.
 
-Groups (:func:`kv_groups`, read off :mod:`engine.v4.kv_spec`): ``window`` (every layer's raw
+Groups (:func:`engine.kv_groups.kv_groups` of :func:`engine.v4.kv_spec.layer_specs`, the
+function MLA's one ``kv`` group comes from too): ``window`` (every layer's raw
 K=V, one row per token; only the last ``sliding_window - 1`` tokens are kept, so blocks wholly
 before them go back to the pool as the request advances), ``entries/<kind>`` (one row per
 compressed entry of every layer of that kind: ``compressed_kv`` + ``index_keys``; they only
@@ -16,83 +17,23 @@ NOTE: this is the accounting the scheduler, reservation and transfer plan need;
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, BlockSet, NoFreeBlocksError
+from engine.kv_groups import KVGroup, kv_groups
 from engine.v4.config import V4Config
-from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    """Rows that share block ids across the layers of a group.
-
-    Attributes:
-        name: ``window``, ``entries/<kind>`` or ``state/<kind>``. per: ``token``, ``entry``
-            or ``request`` (one row per request). layers: the layers in the group.
-        row_elements: elements of one row summed over its tensors and layers (x dtype size
-            = bytes). keep_tokens: tokens kept by a ``token`` group (0: all).
-        compress_ratio: tokens per row of an ``entry`` group (1 otherwise).
-    """
-
-    name: str
-    per: str
-    layers: tuple[int, ...]
-    row_elements: int
-    keep_tokens: int = 0
-    compress_ratio: int = 1
-
-    def rows(self, num_tokens: int) -> int:
-        """Rows a request of ``num_tokens`` tokens needs (``token`` groups: from its first
-        kept token on; see :meth:`RequestBlocks.first_kept`)."""
-        if self.per == PER_REQUEST:
-            return 1
-        return num_tokens // self.compress_ratio if self.per == PER_ENTRY else num_tokens
-
-
-def kv_groups(config: V4Config) -> tuple[KVGroup, ...]:
-    """The groups of ``config`` (window first, then per kind entries and state)."""
-    specs = layer_specs(config)
-    groups = [KVGroup("window", PER_TOKEN, tuple(range(len(specs))),
-                      sum(s.head_dim for s in specs), keep_tokens=config.sliding_window - 1)]
-    for kind in dict.fromkeys(s.kind for s in specs if s.compress_ratio):
-        layers = tuple(i for i, s in enumerate(specs) if s.kind == kind)
-        spec = specs[layers[0]]
-        entry = sum(t.width for t in spec.tensors() if t.per == PER_ENTRY)
-        state = sum(t.rows * t.width for t in spec.tensors() if t.per == PER_REQUEST)
-        groups += [KVGroup(f"entries/{kind}", PER_ENTRY, layers, entry * len(layers),
-                           compress_ratio=spec.compress_ratio),
-                   KVGroup(f"state/{kind}", PER_REQUEST, layers, state * len(layers))]
-    return tuple(groups)
+from engine.v4.kv_spec import PER_REQUEST, PER_TOKEN, layer_specs
 
 
 def group_bytes(config: V4Config, num_blocks: int, block_size: int, dtype_bytes: int
                 ) -> dict[str, int]:
     """Bytes per group of pools of ``num_blocks`` blocks each (the uniform layout; a rank's
-    pools are sized per group, :func:`engine.v4.pool_plan.plan_pools`): ``window`` and
+    pools are sized per group, :func:`engine.pool_plan.plan_pools`): ``window`` and
     ``entries/<kind>`` rows are the tensors :class:`engine.v4.paged_cache.PagedKV` allocates
     (``num_blocks x block_size x row_elements x dtype_bytes``); a ``state/<kind>`` block is one
     request's compressor / indexer open-group state at its largest (held in the request's
     objects, allocated as it runs: ``num_blocks x row_elements x dtype_bytes`` at most)."""
     return {g.name: num_blocks * (1 if g.per == PER_REQUEST else block_size) * g.row_elements
-            * dtype_bytes for g in kv_groups(config)}
-
-
-def reservation(groups: tuple[KVGroup, ...], block_sizes: dict[str, int], num_tokens: int,
-                step_tokens: int) -> dict[str, int]:
-    """Most blocks per group one request holds on its way to ``num_tokens`` tokens written
-    ``step_tokens`` at a time (1 for decode): the window spans at most ``keep_tokens +
-    step_tokens`` tokens (+1 block: the span need not start on a block edge), not the whole
-    context; entries grow with the context; state is one block."""
-    out = {}
-    for g in groups:
-        size = block_sizes[g.name]
-        if g.per == PER_TOKEN and g.keep_tokens:
-            span = -(-(g.keep_tokens + step_tokens) // size) + 1
-            out[g.name] = min(span, -(-num_tokens // size))
-        else:
-            out[g.name] = -(-g.rows(num_tokens) // size)
-    return out
+            * dtype_bytes for g in kv_groups(layer_specs(config))}
 
 
 class RequestBlocks:

@@ -45,6 +45,16 @@ class V4LayerSpec(LayerKVSpec):
     index_head_dim: int
     index_topk: int = 0
 
+    @property
+    def kept_tokens(self) -> int:  # type: ignore[override]
+        """``sliding_window - 1``: the window's raw K=V kept between steps."""
+        return self.sliding_window - 1
+
+    @property
+    def entry_tokens(self) -> int:  # type: ignore[override]
+        """``compress_ratio`` (0: a sliding layer, no entries)."""
+        return self.compress_ratio
+
     def tensors(self) -> tuple[CachedTensor, ...]:
         """Every tensor this kind caches (widths in elements)."""
         out = [CachedTensor("window_kv", self.head_dim, PER_TOKEN)]

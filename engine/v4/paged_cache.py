@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockPool
-from engine.v4.block_table import KVGroup, RequestBlocks, kv_groups
+from engine.kv_groups import KVGroup, kv_groups
+from engine.v4.block_table import RequestBlocks
 from engine.v4.cache import CompressorState, V4Cache
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import V4LayerSpec, layer_specs
@@ -29,8 +30,8 @@ class PagedKV:
 
     def __init__(self, config: V4Config, pools: dict[str, BlockPool], dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
-        self.config, self.pools, self.groups = config, pools, kv_groups(config)
-        self.specs = layer_specs(config)
+        self.config, self.pools, self.specs = config, pools, layer_specs(config)
+        self.groups = kv_groups(self.specs)
 
         def rows(group: str, layers: int, width: int) -> torch.Tensor:
             pool = pools[group]

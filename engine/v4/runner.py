@@ -3,7 +3,7 @@
 :mod:`engine.v4` and its paged caches per KV group.
 
 The rows live in the V4 groups' pools (:func:`serving_pools`, each sized by
-:func:`engine.v4.pool_plan.plan_pools` for the rank's request shape), taken as each request grows
+:func:`engine.pool_plan.plan_pools` for the rank's request shape), taken as each request grows
 (:meth:`engine.v4.block_table.RequestBlocks.grow`) and, for the sliding window, given back as
 decode advances. The rank's scheduler admits a request only when its most blocks per group
 fit next to the admitted ones' (:meth:`V4Runner.make_admission`,
@@ -47,12 +47,13 @@ import torch
 
 from engine.block_pool import BlockPool, BlockSet
 from engine.parallel import EPGroup, TPGroup
+from engine.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.admission import V4Admission
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import exchange_empty
 from engine.v4.loader import load_v4
+from engine.v4.kv_spec import layer_specs
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
-from engine.v4.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.request_caches import RequestCaches
 from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
                                tiers, unpack)
@@ -112,9 +113,9 @@ class V4ServedConfig:
 
 
 def serving_pools(plan: PoolPlan) -> dict[str, BlockPool]:
-    """One :class:`BlockPool` per KV group (:func:`engine.v4.block_table.kv_groups`) of
+    """One :class:`BlockPool` per KV group (:func:`engine.kv_groups.kv_groups`) of
     ``plan.blocks[group]`` blocks of ``plan.block_sizes[group]`` rows
-    (:func:`engine.v4.pool_plan.plan_pools`: sized by the request shape; state groups 1 row).
+    (:func:`engine.pool_plan.plan_pools`: sized by the request shape; state groups 1 row).
 
     NOTE: never short for admitted requests: the scheduler admits by these pools
     (:class:`engine.v4.admission.V4Admission`).
@@ -132,7 +133,7 @@ class V4Runner:
         num_kv_blocks, block_size: the V4 KV budget (``num_kv_blocks`` blocks in every
             stored group) and rows per block (state groups 1 row); block_size is the
             scheduler pool's.
-        shape: the requests the group pools are sized for (:func:`engine.v4.pool_plan.
+        shape: the requests the group pools are sized for (:func:`engine.pool_plan.
             plan_pools`: the budget split in proportion to what they hold per group, at most
             ``max_num_seqs`` of them; what the memory plan prints); None: every group
             ``num_kv_blocks`` blocks.
@@ -170,7 +171,8 @@ class V4Runner:
         self.model_config = V4ServedConfig(
             () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
             config.max_position_embeddings, config.num_hidden_layers, config.hidden_size)
-        self.pools = serving_pools(plan_pools(config, num_kv_blocks, block_size, shape))
+        self.pools = serving_pools(plan_pools(layer_specs(config), num_kv_blocks, block_size,
+                                              shape))
         self.dtype = dtype
         self.scheduler_blocks = staging_blocks or num_kv_blocks
         self.staging_spec = StagingSpec(config.num_hidden_layers, self.scheduler_blocks,
@@ -190,7 +192,7 @@ class V4Runner:
 
     def group_blocks(self) -> tuple[tuple[str, int, int], ...]:
         """(group, free blocks, total blocks) of each KV group's pool, in
-        :func:`engine.v4.block_table.kv_groups` order (what ``orch status`` and
+        :func:`engine.kv_groups.kv_groups` order (what ``orch status`` and
         ``orch_kv_group_blocks`` show). Any thread: each count is read once, so a step running
         meanwhile may make the groups' counts a few blocks apart in time."""
         return tuple((name, pool.num_free_blocks, pool.num_blocks)

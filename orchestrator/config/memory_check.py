@@ -238,7 +238,7 @@ def _fixes(plan: MemoryPlan, role: RolePlan) -> list[str]:
 
 
 def _v4_pool_fixes(plan: MemoryPlan, role: RolePlan, least_blocks: int) -> list[str]:
-    """DeepSeek-V4's group pools (engine/v4/pool_plan.py) hold ``min(max_num_seqs, what
+    """DeepSeek-V4's group pools (engine/pool_plan.py) hold ``min(max_num_seqs, what
     num_kv_blocks' budget holds)`` requests: the most ``num_kv_blocks`` (from ``least_blocks``,
     one max_model_len request) and the most ``max_num_seqs`` with which ``role`` fits, each
     found on the plan itself (its bytes grow with both, in steps)."""

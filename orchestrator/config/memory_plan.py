@@ -9,9 +9,11 @@ are the engine's one table (engine/layout.py ``RULES``): each weight row lists i
 weights with full shapes, and one rank's elements are
 :meth:`engine.layout.ShardRule.local_shape` under the role's :func:`engine.layout.tp_layout`.
 The KV rows count the model's per-layer specs (:func:`engine.kv_layer_spec.mla_layer_specs`,
-what the engine's cache allocates) over the pool's token slots. V3.2 indexer rows appear only
-for sparse-attention models; under CP layer sharding a rank counts only the layers it owns
-(``ceil(layers / cp)`` on CP rank 0) plus a prefetch pool of :data:`PREFETCH_POOL` layers. Communicator buffers (device memory each NCCL/HCCL group holds
+what the engine's cache allocates) over the token slots of the pool
+:func:`engine.pool_plan.plan_pools` sizes from them (as it sizes DeepSeek-V4's group pools).
+V3.2 indexer rows appear only for sparse-attention models; under CP layer sharding a rank
+counts only the layers it owns (``ceil(layers / cp)`` on CP rank 0) plus a prefetch pool of
+:data:`PREFETCH_POOL` layers. Communicator buffers (device memory each NCCL/HCCL group holds
 outside PyTorch's allocator) are one row: the rank's communicators x the backend's buffer.
 """
 
@@ -21,10 +23,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.kv_layer_spec import MLA_INDEXER, held_elements, mla_layer_specs
+from engine.kv_groups import KV
+from engine.kv_layer_spec import MLA_INDEXER, MLALayerSpec, held_elements, mla_layer_specs
 from engine.layout import linear_shape
 from engine.layout import TPLayout, rule_for, tp_layout
 from engine.model_config import ModelConfig
+from engine.pool_plan import plan_pools
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # NOTE: buffer sets of the layer-sharding prefetcher (engine LayerPrefetcher's pool_size).
@@ -58,7 +62,7 @@ class RoleLayout:
             ``v4_staging_blocks``, else ``num_kv_blocks``; engine/v4/staging.py); 0 for
             colocated roles. Other models ignore it.
         chunk_size: most tokens one request writes per step (the scheduler's: prefill chunk,
-            1 on decode): a DeepSeek-V4 window's span per request (engine/v4/pool_plan.py).
+            1 on decode): a DeepSeek-V4 window's span per request (engine/pool_plan.py).
             Other models ignore it.
     """
 
@@ -320,32 +324,43 @@ def _norms_and_gate(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
         + num_moe_layers(m) * router, "whole"
 
 
-def _kv_tokens(lay: RoleLayout) -> int:
-    return lay.num_kv_blocks * lay.block_size
+def _kv_layers(m: ModelConfig, lay: RoleLayout) -> tuple[MLALayerSpec, ...]:
+    """What the rank's runner caches: the decoder layers' specs, then the MTP layer's."""
+    return mla_layer_specs(m, mtp_layers=int(lay.mtp))
 
 
-def _kv_held(m: ModelConfig, lay: RoleLayout, name: str) -> int:
+def _kv_pool(m: ModelConfig, lay: RoleLayout) -> tuple[int, int]:
+    """(blocks, token slots per block) of the rank's KV pool: the ``kv`` group of
+    :func:`engine.pool_plan.plan_pools` over the layer specs, as engine/runner.py sizes it."""
+    plan = plan_pools(_kv_layers(m, lay), lay.num_kv_blocks, lay.block_size, None)
+    return plan.blocks[KV], plan.block_sizes[KV]
+
+
+def _kv_held(m: ModelConfig, lay: RoleLayout, name: str) -> tuple[int, str]:
     """Elements of buffer ``name`` over the decoder layers' caches: the layer specs' rows
     (:func:`engine.kv_layer_spec.mla_layer_specs`) of the pool's ``blocks x block_size``
-    token slots (an MLA tensor has one row per token slot, every layer with it)."""
-    return held_elements(mla_layer_specs(m), _kv_tokens(lay), names=(name,))
+    token slots (an MLA tensor has one row per token slot, every layer with it), and the
+    split text ``blocks x block_size x width``."""
+    blocks, size = _kv_pool(m, lay)
+    decoder = _kv_layers(m, lay)[:m.num_hidden_layers]
+    width = next(t.width for s in decoder for t in s.tensors() if t.name == name)
+    return held_elements(decoder, blocks * size, names=(name,)), \
+        f"{blocks} blocks x {size} x {width}"
 
 
 def _kv_latent(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    return _kv_held(m, lay, "k"), \
-        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.kv_lora_rank}"
+    return _kv_held(m, lay, "k")
 
 
 def _kv_rope(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
-    return _kv_held(m, lay, "v"), \
-        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.qk_rope_head_dim}"
+    return _kv_held(m, lay, "v")
 
 
 def _kv_index(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     # NOTE: GLM-5.2's shared layers have no index_k
     layers = sum(s.kind == MLA_INDEXER for s in mla_layer_specs(m))
-    return _kv_held(m, lay, "index_k"), \
-        f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.index_head_dim}, {layers} layers"
+    elements, split = _kv_held(m, lay, "index_k")
+    return elements, f"{split}, {layers} layers"
 
 
 def _activations(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
@@ -405,8 +420,9 @@ def _mtp_module(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
 def _kv_mtp(m: ModelConfig, lay: RoleLayout) -> tuple[int, str]:
     if not lay.mtp:
         return 0, ""
-    mtp = mla_layer_specs(m, mtp_layers=1)[m.num_hidden_layers:]  # NOTE: DSA: it has index_k
-    return held_elements(mtp, _kv_tokens(lay)), \
+    mtp = _kv_layers(m, lay)[m.num_hidden_layers:]  # NOTE: DSA: it has index_k
+    blocks, size = _kv_pool(m, lay)
+    return held_elements(mtp, blocks * size), \
         "c_kv + k_pe" + (" + index_k" if mtp[0].index_head_dim else "") + " of the MTP layer"
 
 

@@ -15,9 +15,9 @@ the same kind); the shared expert by intermediate over TP, EP or not (what
 lm_head by vocab.
 
 KV: the pools :func:`engine.v4.runner.serving_pools` allocates, one per KV group of
-:func:`engine.v4.block_table.kv_groups` (the window's raw K=V, per compressed kind its entries
+:func:`engine.kv_groups.kv_groups` (the window's raw K=V, per compressed kind its entries
 with the indexer keys), each ``blocks x block_size`` rows of the group's ``row_elements``,
-the blocks :func:`engine.v4.pool_plan.plan_pools` gives it for the role's request shape
+the blocks :func:`engine.pool_plan.plan_pools` gives it for the role's request shape
 (:func:`pool_plan`: what the rank's runner gets); the compressors' open-group state lives in
 each request's objects (one per state block: the requests the pools hold). Every width comes
 from :mod:`engine.v4.kv_spec`. What ONE request holds is :func:`kv_bytes_per_request` (the
@@ -29,10 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_layer_spec import held_bytes
-from engine.v4.block_table import kv_groups
+from engine.kv_groups import kv_groups
 from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
-from engine.v4.pool_plan import PoolPlan, RequestShape, plan_pools
+from engine.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.staging import staging_bytes_per_slot
 from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RoleLayout, RolePlan
 
@@ -186,17 +186,17 @@ _SHORT = {CSA: "CSA", HCA: "HCA"}
 
 
 def pool_plan(m: V4Config, lay: RoleLayout) -> PoolPlan:
-    """The group pools one rank of ``lay`` builds (:func:`engine.v4.pool_plan.plan_pools` of
+    """The group pools one rank of ``lay`` builds (:func:`engine.pool_plan.plan_pools` of
     what the rank's runner gets: ``num_kv_blocks``, ``block_size``, ``max_num_seqs`` requests
     of ``max_model_len`` written ``chunk_size`` tokens a step)."""
-    return plan_pools(m, lay.num_kv_blocks, lay.block_size,
+    return plan_pools(layer_specs(m), lay.num_kv_blocks, lay.block_size,
                       RequestShape(lay.max_num_seqs, lay.max_model_len, lay.chunk_size))
 
 
 def _kv_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
     pools = pool_plan(m, lay)
     out = []
-    for g in kv_groups(m):
+    for g in kv_groups(layer_specs(m)):
         if g.per == PER_REQUEST:
             continue
         kind = g.name.split("/", 1)[-1]
@@ -206,7 +206,7 @@ def _kv_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
         out.append(PlanRow(f"KV: {label}", "kv", pools.elements(g.name), prec.kv,
                            f"{pools.blocks[g.name]} blocks x {lay.block_size} rows x "
                            f"{g.row_elements:,} ({what}, {len(g.layers)} layers)"))
-    state = [g.name for g in kv_groups(m) if g.per == PER_REQUEST]
+    state = [g.name for g in kv_groups(layer_specs(m)) if g.per == PER_REQUEST]
     held = max(pools.blocks[g] for g in state)  # NOTE: every state group: one per request
     out.append(PlanRow("KV: compressor state", "kv", sum(pools.elements(g) for g in state),
                        prec.kv, f"{held} requests x {sum(pools.row_elements[g] for g in state):,}"))

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.v4.block_table import kv_groups, reservation
+from engine.kv_groups import kv_groups, reservation
 from engine.v4.config import V4Config
+from engine.v4.kv_spec import layer_specs
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.memory_check import MemoryPlan, build_memory_plan
@@ -79,11 +80,12 @@ def resolve_device(cfg: OrchConfig, key: str | None, recalibrate: bool = False) 
 def requests_held(plan: RolePlan, tokens: int, model=None) -> int:
     """Requests of ``tokens`` tokens one DP rank holds: KV blocks and max_num_seqs (a
     DeepSeek-V4 ``model``: the fewest over its group pools of blocks // what one request
-    commits there, engine/v4/pool_plan.py and engine/v4/admission.py)."""
+    commits there, engine/pool_plan.py and engine/v4/admission.py)."""
     lay = plan.layout
     if isinstance(model, V4Config):
         pools = pool_plan(model, lay)
-        need = reservation(kv_groups(model), pools.block_sizes, tokens, lay.chunk_size)
+        need = reservation(kv_groups(layer_specs(model)), pools.block_sizes, tokens,
+                           lay.chunk_size)
         return min(lay.max_num_seqs, *(pools.blocks[g] // n for g, n in need.items()))
     return min(lay.max_num_seqs, lay.num_kv_blocks // -(-tokens // lay.block_size))
 

@@ -11,11 +11,14 @@ import json
 import pytest
 import torch
 
+from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheSpec
+from engine.kv_groups import KV, WINDOW, kv_groups, reservation
 from engine.kv_layer_spec import (MLA, MLA_INDEXER, PER_TOKEN, CachedTensor, LayerKVSpec,
                                   MLALayerSpec, held_bytes, held_elements, mla_layer_specs,
                                   read_bytes)
 from engine.model_config import ModelConfig
+from engine.pool_plan import RequestShape, plan_pools
 from engine.v4.config import CSA, HCA, V4Config
 from engine.v4.kv_spec import V4LayerSpec, layer_specs
 from kv_transfer.layout import BufferSpec, KVLayout
@@ -43,12 +46,23 @@ def _plan(config: str):
 
 
 def _runner_spec(m: ModelConfig, mtp: int, dtype: torch.dtype) -> KVCacheSpec:
-    """The spec engine/runner.py builds for ``m`` with ``mtp`` MTP caches."""
+    """The spec engine/runner.py builds for ``m`` with ``mtp`` MTP caches (4 blocks of 16):
+    the layer specs, sized by the pool plan."""
+    layers = mla_layer_specs(m, mtp)
+    plan = plan_pools(layers, 4, 16, None)
+    return KVCacheSpec.from_layer_specs(layers, num_blocks=plan.blocks[KV],
+                                        block_size=plan.block_sizes[KV], dtype=dtype,
+                                        mtp_layers=mtp)
+
+
+def _old_runner_spec(m: ModelConfig, mtp: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The spec engine/runner.py built from the model's fields before the layer specs."""
+    flags = tuple(m.has_indexer(i) for i in range(m.num_hidden_layers + mtp))
     return KVCacheSpec(num_layers=m.num_hidden_layers + mtp, num_blocks=4, block_size=16,
                        kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
                        dtype=dtype, index_head_dim=m.index_head_dim,
-                       index_layers=m.index_cache_layers(mtp), mtp_layers=mtp,
-                       index_topk=m.index_topk)
+                       index_layers=flags if any(flags) and not all(flags) else (),
+                       mtp_layers=mtp, index_topk=m.index_topk)
 
 
 def _old_buffers(spec: KVCacheSpec) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -107,6 +121,8 @@ def test_mla_consumers_equal_the_formulas_they_replace(config):
         lay, rows = role.layout, {r.kind: r for r in role.rows}
         tokens = lay.num_kv_blocks * lay.block_size
         assert rows["KV cache: c_kv latent"].elements == layers * tokens * m.kv_lora_rank
+        assert rows["KV cache: c_kv latent"].split == \
+            f"{lay.num_kv_blocks} blocks x {lay.block_size} x {m.kv_lora_rank}"
         assert rows["KV cache: k_pe"].elements == layers * tokens * m.qk_rope_head_dim
         if m.uses_sparse_attention:
             assert rows["KV cache: index_k"].elements == indexed * tokens * m.index_head_dim
@@ -118,6 +134,7 @@ def test_mla_consumers_equal_the_formulas_they_replace(config):
     for mtp in (0, 1):
         for dtype in (torch.bfloat16, torch.float32):
             spec = _runner_spec(m, mtp, dtype)
+            assert spec == _old_runner_spec(m, mtp, dtype)
             assert spec.layer_specs() == mla_layer_specs(m, mtp)
             assert (spec.buffer_names, spec.buffer_widths) == _old_buffers(spec)
             layout, old_layout = (f(spec, "m", 4) for f in (KVLayout.from_spec, _old_layout))
@@ -231,3 +248,71 @@ def test_read_rows_by_kind():
     assert read_bytes((csa,), 4096, 1.0) == 128 * 512 + 512 * 512 + 1024 * 128
     assert read_bytes((hca,), 4096, 1.0) == 128 * 512 + 32 * 512
     assert read_bytes((csa, hca), 6, 1.0) == 6 * 512 + 1.5 * (512 + 128) + 6 * 512 + 6 / 128 * 512
+
+
+@pytest.mark.parametrize("config", MLA_CONFIGS)
+def test_mla_pools_are_sized_through_the_spec_groups_as_v4s_are(config):
+    """MLA's pool comes out of the same plan_pools / kv_groups / reservation as V4's group
+    pools: one group, kv (every layer's k, v, index_k, one row per token, all kept), of the
+    role's num_kv_blocks blocks (the block counts and bytes of before), and a request reserves
+    there what the scheduler's pool counts, ceil(tokens / block_size)."""
+    plan = _plan(config)
+    m = plan.model
+    for role in plan.roles:
+        lay = role.layout
+        layers = mla_layer_specs(m, int(lay.mtp))
+        pools = plan_pools(layers, lay.num_kv_blocks, lay.block_size, None)
+        (group,) = kv_groups(layers)
+        assert (group.name, group.keep_tokens, group.layers) == (KV, 0, tuple(range(len(layers))))
+        assert pools.blocks == {KV: lay.num_kv_blocks}
+        assert pools.block_sizes == {KV: lay.block_size}
+        kv_rows = sum(r.elements for r in role.rows if r.group == "kv")
+        assert pools.elements(KV) == kv_rows  # NOTE: what the memory plan prints
+        spec = KVCacheSpec.from_layer_specs(layers, num_blocks=lay.num_kv_blocks,
+                                            block_size=lay.block_size, mtp_layers=int(lay.mtp))
+        assert group.row_elements * spec.element_size == spec.bytes_per_token
+        pool = BlockPool(lay.num_kv_blocks, lay.block_size)
+        for n in TOKENS:
+            for step in (1, 7, 512):
+                assert reservation((group,), pools.block_sizes, n, step)[KV] == \
+                    pool.blocks_needed(n)
+
+
+def test_v4_pools_read_the_same_groups():
+    """V4's layer specs give the window group (kept tokens: sliding_window - 1) and per
+    compressed kind entries + state, through the function MLA's kv group comes from."""
+    m = V4Config.from_dict(json.loads((REPO / "configs/models/deepseek-v4/config.json")
+                                      .read_text()))
+    groups = kv_groups(layer_specs(m))
+    assert groups[0].name == WINDOW and groups[0].keep_tokens == m.sliding_window - 1
+    assert {g.name.split("/")[0] for g in groups[1:]} == {"entries", "state"}
+    plan = plan_pools(layer_specs(m), 64, 16, RequestShape(4, 8192, 1))
+    assert set(plan.blocks) == {g.name for g in groups} and KV not in plan.blocks
+
+
+def test_a_cache_spec_is_made_of_one_mla_width():
+    with pytest.raises(ValueError, match="MLA layers"):
+        KVCacheSpec.from_layer_specs(layer_specs(V4Config.from_dict(json.loads(
+            (REPO / "configs/models/deepseek-v4/config.json").read_text()))), num_blocks=1,
+            block_size=1)
+    with pytest.raises(ValueError, match="one k / v / index_k width"):
+        KVCacheSpec.from_layer_specs((MLALayerSpec(512, 64), MLALayerSpec(256, 64)),
+                                     num_blocks=1, block_size=1)
+    with pytest.raises(ValueError, match="one token window"):
+        kv_groups(())
+
+
+def test_the_runner_builds_its_cache_and_pool_from_the_specs(tiny_glm_shared_ckpt):
+    """A real MLA runner (GLM-5.2: shared layers without index_k): its cache spec is the
+    layer specs' (equal to the field-built one of before) and its scheduler pool the plan's
+    kv group, num_kv_blocks blocks (rank/leader.py sizes the pool by scheduler_blocks)."""
+    from dataclasses import replace
+
+    from engine.runner import build_runner
+
+    runner = build_runner(tiny_glm_shared_ckpt, num_kv_blocks=8, block_size=4)
+    m = runner.model_config
+    assert runner.kv_spec == replace(_old_runner_spec(m, 0, torch.float32), num_blocks=8,
+                                     block_size=4)
+    assert runner.kv_spec.layer_specs() == mla_layer_specs(m)
+    assert runner.scheduler_blocks == 8 == runner.kv_cache.k_caches[0].shape[0]

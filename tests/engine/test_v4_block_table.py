@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.v4.block_table import RequestBlocks, kv_groups, reservation
+from engine.kv_groups import kv_groups, reservation
+from engine.v4.block_table import RequestBlocks
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import layer_specs
 from orchestrator.tiny_model_v4 import tiny_v4_config_dict
@@ -37,7 +38,7 @@ class CountingPool(BlockPool):
 
 def _setup(num_blocks: int = 64):
     config = V4Config.from_dict(tiny_v4_config_dict())
-    groups = kv_groups(config)
+    groups = kv_groups(layer_specs(config))
     pools = {g.name: CountingPool(num_blocks, 1 if g.per == "request" else BLOCK)
              for g in groups}
     return config, groups, pools

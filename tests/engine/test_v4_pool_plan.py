@@ -1,4 +1,4 @@
-"""DeepSeek-V4 group pools sized by the request shape (engine/v4/pool_plan.py): what the memory
+"""DeepSeek-V4 group pools sized by the request shape (engine/pool_plan.py): what the memory
 plan prints is what a rank's runner builds (tiny PD config; a TP x EP colocated rank), the
 groups run out together, and admission still refuses per group what does not fit."""
 
@@ -11,7 +11,8 @@ from engine.parallel import EPGroup, TPGroup
 from engine.runner import build_runner
 from engine.v4.admission import V4Admission
 from engine.v4.config import V4Config
-from engine.v4.pool_plan import RequestShape, plan_pools
+from engine.v4.kv_spec import layer_specs
+from engine.pool_plan import RequestShape, plan_pools
 from engine.v4.runner import serving_pools
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import build_memory_plan
@@ -20,6 +21,7 @@ from orchestrator.tiny_model_v4 import tiny_v4_config_dict
 from tests.e2e.harness import REPO
 
 TINY = V4Config.from_dict(tiny_v4_config_dict())  # window 8, CSA 1/4 (2 layers), HCA 1/16
+TINY_SPECS = layer_specs(TINY)
 STORED = ("window", "entries/compressed_sparse_attention",
           "entries/heavily_compressed_attention")
 
@@ -108,14 +110,14 @@ def test_groups_run_out_together():
     """Budget 10 blocks of 16 in every group, 256-token requests at a token a step (window 2
     blocks, CSA 4, HCA 1 each: the budget holds 3.8): every stored group refuses the 4th, none
     before; pools of 10 blocks each would hold 2, short only of CSA entries."""
-    plan = plan_pools(TINY, 10, 16, RequestShape(8, 256, 1))
+    plan = plan_pools(TINY_SPECS, 10, 16, RequestShape(8, 256, 1))
     assert plan.blocks == {"window": 7, "entries/compressed_sparse_attention": 15,
                            "state/compressed_sparse_attention": 4,
                            "entries/heavily_compressed_attention": 3,
                            "state/heavily_compressed_attention": 4}
-    assert plan.stored_elements() <= plan_pools(TINY, 10, 16, None).stored_elements()
+    assert plan.stored_elements() <= plan_pools(TINY_SPECS, 10, 16, None).stored_elements()
     for pools, fits, short in ((plan, 3, STORED),
-                               (plan_pools(TINY, 10, 16, None), 2,
+                               (plan_pools(TINY_SPECS, 10, 16, None), 2,
                                 ("entries/compressed_sparse_attention",))):
         admission = V4Admission(TINY, serving_pools(pools), 16, staged=False)
         need = admission.need(256, 1)
@@ -127,7 +129,7 @@ def test_groups_run_out_together():
 def test_capped_by_max_num_seqs_and_refusals_name_the_group():
     """A budget holding 24 requests sized for max_num_seqs 2: exactly two 256-token requests
     fit; a longer one (over max_model_len: the router's limit) is refused naming its groups."""
-    plan = plan_pools(TINY, 64, 16, RequestShape(2, 256, 1))
+    plan = plan_pools(TINY_SPECS, 64, 16, RequestShape(2, 256, 1))
     assert plan.capped and plan.requests == 2 and plan.budget_requests > 24
     assert plan.blocks == {g: 2 * n for g, n in plan.per_request.items()}
     admission = V4Admission(TINY, serving_pools(plan), 16, staged=False)
@@ -142,4 +144,4 @@ def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):
         RequestShape(2, 0)
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        plan_pools(TINY, 0, 16, None)
+        plan_pools(TINY_SPECS, 0, 16, None)

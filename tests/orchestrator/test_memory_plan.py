@@ -107,9 +107,10 @@ def test_weight_rows_count_exactly_what_the_engine_builds(arch, tp, dp, ep):
     # the KV rows hold what the engine's cache allocates: index_k on indexer layers only
     from engine.kv_cache import KVCacheSpec
 
-    spec = KVCacheSpec(model_config.num_hidden_layers + mtp, 1, 1, model_config.kv_lora_rank,
-                       model_config.qk_rope_head_dim, index_head_dim=model_config.index_head_dim,
-                       index_layers=model_config.index_cache_layers(mtp))
+    from engine.kv_layer_spec import mla_layer_specs
+
+    spec = KVCacheSpec.from_layer_specs(mla_layer_specs(model_config, int(mtp)), num_blocks=1,
+                                        block_size=1, mtp_layers=int(mtp))
     assert sum(r.elements for r in plan.rows if r.group == "kv") * 4 == spec.bytes_per_token
 
 

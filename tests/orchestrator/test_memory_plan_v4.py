@@ -63,7 +63,7 @@ def test_tiny_plan_rows_by_hand():
     assert rows["grouped output projection"] == 4 * (16 * 64 + 64 * 16)
     assert rows["routed experts"] == 4 * 2 * 3 * 64 * 32  # EP 4: 2 of 8 experts whole
     assert rows["embedding"] == rows["lm_head"] == 129280 // 2 * 64
-    # pools (engine/v4/pool_plan.py): a 256-token request at a token a step holds window 2
+    # pools (engine/pool_plan.py): a 256-token request at a token a step holds window 2
     # blocks of 16 (7 kept + 1, +1 edge), CSA 64 entries = 4 blocks, HCA 16 = 1: 16 x (2 x
     # 128 + 4 x 96 + 32) = 10,752 elements; the budget, 10 blocks of every group, 10 x 16 x
     # 256 = 40,960, would hold 3.8 of them: max_num_seqs 3 sizes the pools

@@ -52,7 +52,7 @@ def test_kv_transfer_ships_the_spec_bytes():
 def test_a3_v4_layout_is_planned():
     cfg = load_config(REPO / "configs" / "a3_v4_p2x16_d8x4.yaml", planning=True)
     plan = plan_config(cfg, WorkloadSpec(65536, 3072), named_device("a3"))
-    # the V4 group pools (engine/v4/pool_plan.py): decode's hold max_num_seqs 32 requests of
+    # the V4 group pools (engine/pool_plan.py): decode's hold max_num_seqs 32 requests of
     # 68.6K; prefill's budget (768 blocks a group) 10 prompts of 64K at chunks of 8192
     assert plan.slots == 32
     assert requests_held(plan.prefill, 65536, plan.memory.model) == 10

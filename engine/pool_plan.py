@@ -1,12 +1,18 @@
-"""How many blocks each DeepSeek-V4 KV group's pool gets (the groups of
-:func:`engine.v4.block_table.kv_groups`): the rank's KV budget split over the groups in
-proportion to what its requests hold in each, so that no group runs out before the others.
+"""How many blocks each KV group's pool gets, for every model family (the groups of
+:func:`engine.kv_groups.kv_groups` of the layers' specs): the rank's KV budget split over the
+groups in proportion to what its requests hold in each, so that no group runs out before the
+others.
+
+MLA (DeepSeek-V2/V3, V3.2, GLM-5) has one group, ``kv``, and is planned without a request
+shape: its pool gets ``num_kv_blocks`` blocks of ``block_size`` token slots (the whole budget:
+the prefix cache keeps what the running requests do not hold). DeepSeek-V4's groups (window,
+entries and state per compressed kind) are planned for the role's request shape, as below.
 
 Rule. Budget: ``num_kv_blocks`` blocks of ``block_size`` rows in every stored group (window,
 entries; what ``num_kv_blocks`` allocated for V4 when every group had that many blocks, so no
 config needs more KV memory than it did). One request of ``max_model_len`` tokens, written
 ``step_tokens`` at a time, holds at most ``r_g`` blocks of group g
-(:func:`engine.v4.block_table.reservation`: the window's span, its compressed entries, one
+(:func:`engine.kv_groups.reservation`: the window's span, its compressed entries, one
 state block) and ``R`` elements in all stored groups. The pools hold ``n = min(max_num_seqs,
 budget / R)`` such requests at once: stored group g gets ``floor(n x r_g)`` blocks, a state
 group ``ceil(n)`` (one per request; held in the request's objects). With ``n = max_num_seqs``
@@ -25,11 +31,11 @@ each group has a pool of its own, the fraction here set by the request shape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.v4.block_table import KVGroup, kv_groups, reservation
-from engine.v4.config import V4Config
-from engine.v4.kv_spec import PER_REQUEST
+from engine.kv_groups import KVGroup, kv_groups, reservation
+from engine.kv_layer_spec import PER_REQUEST, LayerKVSpec
 
 
 @dataclass(frozen=True)
@@ -93,18 +99,20 @@ def _stored(group: KVGroup) -> bool:
     return group.per != PER_REQUEST
 
 
-def plan_pools(config: V4Config, num_kv_blocks: int, block_size: int,
+def plan_pools(specs: Sequence[LayerKVSpec], num_kv_blocks: int, block_size: int,
                shape: RequestShape | None) -> PoolPlan:
-    """The pools of a rank (module docstring); ``shape`` None: every group ``num_kv_blocks``
-    blocks (no request shape to size by: unit use of the runner).
+    """The pools of a rank whose layers cache ``specs`` (one per layer:
+    :func:`engine.kv_layer_spec.mla_layer_specs`, :func:`engine.v4.kv_spec.layer_specs`;
+    module docstring); ``shape`` None: every group ``num_kv_blocks`` blocks (MLA; V4 without a
+    request shape to size by: unit use of the runner).
 
     Raises:
-        ValueError: ``num_kv_blocks`` or ``block_size`` < 1.
+        ValueError: ``num_kv_blocks`` or ``block_size`` < 1 (or :func:`kv_groups`' error).
     """
     if num_kv_blocks < 1 or block_size < 1:
         raise ValueError(f"num_kv_blocks ({num_kv_blocks}) and block_size ({block_size}) must "
                          "be >= 1")
-    groups = kv_groups(config)
+    groups = kv_groups(specs)
     sizes = {g.name: block_size if _stored(g) else 1 for g in groups}
     widths = {g.name: g.row_elements for g in groups}
     if shape is None:
