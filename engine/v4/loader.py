@@ -11,7 +11,8 @@ scale tensor (``<name>_scale_inv``, or DeepSeek's ``<module>.scale``) is
 the release's routed experts (``expert_dtype: fp4``) are MXFP4, packed e2m1 pairs with a
 ``<module>.scale`` e8m0 per 32 inputs, dequantized at load too
 (:func:`engine.quant.mxfp4.dequantize_mxfp4`).
-Under TP each rank reads the whole tensor and keeps its part
+With ``fp8_storage="fp8"`` both stay as stored instead (:mod:`engine.v4.stored`: FP8 linears
+V3's way, FP4 experts packed). Under TP each rank reads the whole tensor and keeps its part
 (:meth:`engine.v4.tp.V4Shards.local_part`; the split table is :mod:`engine.v4.tp`'s). Under EP
 (:mod:`engine.v4.expert_parallel`) a rank reads only its own routed experts, whole (not
 TP-split): the per-expert tensors of its ids, or its rows of a fused tensor (a safetensors
@@ -30,11 +31,13 @@ from safetensors import safe_open
 from engine.model_config import CheckpointError
 from engine.parallel import EPGroup, TPGroup
 from engine.quant.formats import QuantScheme, UnsupportedQuantizationError, v4_quant_scheme
-from engine.quant.fp8_block import block_grid, dequantize_block
-from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, dequantize_mxfp4
+from engine.quant.fp8_block import Fp8BlockExperts, Fp8BlockLinear, block_grid, dequantize_block
+from engine.quant.linear import FP8_STORAGE
+from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, Mxfp4Experts, dequantize_mxfp4
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import EPExperts
-from engine.v4.model import DeepseekV4ForCausalLM
+from engine.v4.model import DeepseekV4ForCausalLM, v4_rotaries
+from engine.v4.stored import FP4, FP8, fill_experts, fill_linear, keep_quantized
 from engine.v4.tp import V4Shards, check_tp
 
 # transformers name (after ``model.layers.{i}.``) -> DeepSeek name, first match wins
@@ -86,9 +89,12 @@ def deepseek_name(name: str) -> str:
 
 def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu", tp: TPGroup | None = None,
-            ep: EPGroup | None = None) -> DeepseekV4ForCausalLM:
+            ep: EPGroup | None = None, fp8_storage: str = "dequantize") -> DeepseekV4ForCausalLM:
     """Build the model of ``checkpoint_dir/config.json`` (this rank's part under ``tp``;
-    ``ep``: only EP rank ``ep.rank``'s routed experts) and load its weights.
+    ``ep``: only EP rank ``ep.rank``'s routed experts) and load its weights; a quantized
+    checkpoint's weights dequantized to ``dtype`` (``fp8_storage="dequantize"``) or kept as
+    stored (``"fp8"``, :mod:`engine.v4.stored`). The model is built on the meta device and
+    allocated once, in its final form.
 
     Raises:
         CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`; a
@@ -96,8 +102,11 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
             :func:`engine.quant.formats.v4_quant_scheme`; the message says what to do).
         ValueError: the TP size does not divide a size the split keeps whole
             (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
-            ``n_routed_experts``.
+            ``n_routed_experts``; ``fp8_storage`` not in
+            :data:`engine.quant.linear.FP8_STORAGE`.
     """
+    if fp8_storage not in FP8_STORAGE:
+        raise ValueError(f"fp8_storage {fp8_storage!r}: use one of {list(FP8_STORAGE)}")
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     try:
         scheme = v4_quant_scheme(raw)
@@ -105,10 +114,33 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{checkpoint_dir}: {e}") from e
     config, tp = V4Config.from_dict(raw), tp or TPGroup()
     check_tp(config, tp.size)
-    with torch.device(device):
+    with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, tp, ep).to(dtype)
+    if scheme is not None and fp8_storage == "fp8":
+        where = _index(checkpoint_dir)
+        keep_quantized(model, scheme, lambda name: _stored_scale(name, where) is not None,
+                       _expert_storage(model, where, scheme))
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.rotary = v4_rotaries(config).to(dtype)
     load_v4_weights(model, checkpoint_dir, scheme)
     return model.eval()
+
+
+def _index(checkpoint_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the ``*.safetensors`` file holding it.
+
+    Raises:
+        CheckpointError: no ``*.safetensors`` files.
+    """
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
+    where = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where.update({key: path for key in f.keys()})
+    return where
 
 
 def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
@@ -117,7 +149,9 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
     ``model.tp`` only this rank's part of each split one; EP experts (:class:`EPExperts`)
     only their ``expert_ids``, whole. ``scheme``: the checkpoint's FP8 block format, MXFP4
     routed experts where ``scheme.expert_fp4`` (None: float); weights with a scale tensor are
-    dequantized (float32, then the model's dtype).
+    dequantized (float32, then the model's dtype), except into the modules
+    :func:`engine.v4.stored.keep_quantized` swapped in, which get them as stored
+    (:func:`engine.v4.stored.fill_linear`, :func:`engine.v4.stored.fill_experts`).
 
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
@@ -128,17 +162,14 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
             MXFP4 (with a ``[out, in / 32]`` scale) under ``expert_dtype: fp4``, any other
             weight not e4m3; a fused expert tensor with a scale.
     """
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
-    where = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            where.update({key: path for key in f.keys()})
+    where = _index(checkpoint_dir)
     shards = V4Shards(model.config.o_groups, model.tp.size, model.tp.rank)
+    done = _load_stored(model, where, shards)
     held = {f"{prefix}.{p}": m for prefix, m in model.named_modules()
             if isinstance(m, EPExperts) for p in ("gate_up_proj", "down_proj")}
     for name, target in model.state_dict().items():
+        if name in done:
+            continue
         value = _read(name, where, held.get(name), scheme)
         # NOTE: EP experts are whole on their rank: no TP part to take
         whole = tuple(target.shape) if name in held else \
@@ -147,6 +178,92 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
             raise CheckpointError(f"checkpoint tensor {name} has shape {tuple(value.shape)}; "
                                   f"the config implies {whole}")
         target.copy_(value if name in held else shards.local_part(name, value))
+
+
+def _load_stored(model: DeepseekV4ForCausalLM, where: dict[str, Path],
+                 shards: V4Shards) -> set[str]:
+    """Fill the modules :func:`engine.v4.stored.keep_quantized` swapped in, from the raw
+    checkpoint tensors; the state-dict names filled."""
+    done: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8BlockLinear):
+            key = _key(f"{name}.weight", where)
+            fill_linear(module, f"{name}.weight", _get(key, where),
+                        _get(_scale_of(key, where), where), shards)
+        elif isinstance(module, Fp8BlockExperts | Mxfp4Experts):
+            experts = model.get_submodule(name.rpartition(".")[0])
+            held = experts if isinstance(experts, EPExperts) else None
+            block = module.block if isinstance(module, Fp8BlockExperts) else None
+            q, scale = _stored_experts(name, where, held, block)
+            fill_experts(module, name, q, scale, None if held is not None else shards)
+        else:
+            continue
+        done.update(f"{name}.{b}" for b, _ in module.named_buffers())
+    return done
+
+
+def _key(name: str, where: dict[str, Path]) -> str:
+    """The checkpoint key of model tensor ``name``: as named, or DeepSeek-named."""
+    if name in where:
+        return name
+    native = deepseek_name(name)
+    if native not in where:
+        raise CheckpointError(f"tensor {name} (DeepSeek name {native}) is not in the "
+                              "checkpoint: config.json and weights disagree")
+    return native
+
+
+def _stored_scale(name: str, where: dict[str, Path]) -> str | None:
+    """The scale tensor of model weight ``name`` in the checkpoint (either naming), or None."""
+    key = name if name in where else deepseek_name(name)
+    return _scale_of(key, where) if key in where else None
+
+
+def _expert_prefix(experts: str) -> str:
+    """DeepSeek's prefix of the per-expert tensors of model module ``experts``
+    (``model.layers.3.mlp.experts`` -> ``layers.3.ffn.experts``)."""
+    return deepseek_name(experts + ".0.x").rsplit(".0.", 1)[0]
+
+
+def _expert_storage(model: DeepseekV4ForCausalLM, where: dict[str, Path],
+                    scheme: QuantScheme) -> str | None:
+    """How the routed experts stay stored: FP4 (``expert_dtype: fp4``), FP8 (the first
+    layer's first held expert has a block scale) or None (float)."""
+    if scheme.expert_fp4:
+        return FP4
+    name, experts = next((n, m) for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    first = experts.expert_ids.start if isinstance(experts, EPExperts) else 0
+    key = f"{_expert_prefix(name)}.{first}.w1.weight"
+    return FP8 if key in where and _scale_of(key, where) is not None else None
+
+
+def _stored_experts(name: str, where: dict[str, Path], held: EPExperts | None,
+                    block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw per-expert weights and scales of fused parameter ``name`` (``...experts.
+    gate_up_proj``: w1 then w3 rows; ``down_proj``: w2), stacked ``[E, ...]``; ``held``:
+    only the EP rank's experts; ``block``: FP8's (None: MXFP4).
+
+    Raises:
+        CheckpointError: an expert weight without a scale (kept storage needs every one);
+            an FP8 gate whose last scale block would hold up rows too.
+    """
+    prefix, part = name.rsplit(".", 1)
+    native = _expert_prefix(prefix)
+    count = _count(native, where)
+    _check_count(name, count, held)
+    weights, scales = [], []
+    for j in range(count) if held is None else held.expert_ids:
+        keys = [f"{native}.{j}.{w}.weight"
+                for w in (("w1", "w3") if part == "gate_up_proj" else ("w2",))]
+        qs, ss = zip(*(_raw_expert(k, where, block) for k in keys), strict=True)
+        if block is not None and len(qs) == 2 and qs[0].shape[0] % block[0]:
+            raise CheckpointError(
+                f"{keys[0]}: its {qs[0].shape[0]} rows are not whole {block[0]}-row FP8 "
+                f"blocks, so fused with {keys[1]} one scale block would span both: set "
+                "model.fp8_storage: dequantize")
+        weights.append(torch.cat(qs))
+        scales.append(torch.cat(ss))
+    return torch.stack(weights), torch.stack(scales)
 
 
 def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
@@ -174,6 +291,33 @@ def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
         raise CheckpointError(f"tensor {name} (DeepSeek name {native}) is not in the "
                               "checkpoint: config.json and weights disagree")
     return _weight(native, where, scheme)
+
+
+def _raw_expert(key: str, where: dict[str, Path],
+                block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed expert weight ``key`` as stored and its scale, in the kept dtypes: FP8 (``block``
+    given) e4m3 + float32 grid, MXFP4 packed bytes + e8m0 bytes, both uint8.
+
+    Raises:
+        CheckpointError: no scale, or another dtype than the storage kept (the message says
+            to dequantize instead).
+    """
+    q, scale = _get(key, where), _scale_of(key, where)
+    if scale is None:
+        raise CheckpointError(f"checkpoint tensor {key} has no scale while other routed "
+                              "experts do: kept quantized storage needs every expert "
+                              "quantized alike (or model.fp8_storage: dequantize)")
+    s = _get(scale, where)
+    if block is not None and q.dtype == torch.float8_e4m3fn:
+        return q, s.float()
+    if block is None and q.dtype in PACKED_DTYPES and s.dtype in (torch.uint8,
+                                                                  torch.float8_e8m0fnu):
+        return q.view(torch.uint8), s.view(torch.uint8)
+    want = "FP8 e4m3 with block scales" if block is not None else \
+        "packed MXFP4 (int8 / uint8 / float4_e2m1fn_x2) with e8m0 scales"
+    raise CheckpointError(f"checkpoint tensor {key} is {q.dtype} with a {s.dtype} scale; "
+                          f"kept storage of these experts reads {want}: set "
+                          "model.fp8_storage: dequantize")
 
 
 def _count(prefix: str, where: dict[str, Path]) -> int:
