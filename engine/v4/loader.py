@@ -1,10 +1,10 @@
 """Load a DeepSeek-V4 checkpoint directory into :class:`engine.v4.model.DeepseekV4ForCausalLM`.
 
-Two namings are read (per tensor, whichever the files hold): transformers' (the model's own
-parameter names, experts fused ``gate_up_proj`` / ``down_proj``) and DeepSeek's released one
-(``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...,
-the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.*`` (the MTP
-layer) is never read. An FP8 block checkpoint (DeepSeek-V4-Flash's linears:
+Two namings are read (per tensor, whichever the files hold, :mod:`engine.v4.checkpoint`):
+transformers' (the model's own parameter names, experts fused ``gate_up_proj`` /
+``down_proj``) and DeepSeek's released one (``layers.{i}.attn.wq_a.weight``,
+``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...). ``mtp.*`` (the MTP layer) is
+never read. An FP8 block checkpoint (DeepSeek-V4-Flash's linears:
 :func:`engine.quant.formats.v4_quant_scheme`) is dequantized to float at load: a weight with a
 scale tensor (``<name>_scale_inv``, or DeepSeek's ``<module>.scale``) is
 ``e4m3 x scale`` of its 128 x 128 block (:func:`engine.quant.fp8_block.dequantize_block`);
@@ -31,61 +31,16 @@ from safetensors import safe_open
 from engine.model_config import CheckpointError
 from engine.parallel import EPGroup, TPGroup
 from engine.quant.formats import QuantScheme, UnsupportedQuantizationError, v4_quant_scheme
-from engine.quant.fp8_block import Fp8BlockExperts, Fp8BlockLinear, block_grid, dequantize_block
+from engine.quant.fp8_block import block_grid, dequantize_block
 from engine.quant.linear import FP8_STORAGE
-from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, Mxfp4Experts, dequantize_mxfp4
+from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, dequantize_mxfp4
+from engine.v4.checkpoint import (check_expert_count, count_experts, deepseek_name,
+                                  expert_prefix, get_tensor, index_tensors, scale_of)
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import EPExperts
 from engine.v4.model import DeepseekV4ForCausalLM, v4_rotaries
-from engine.v4.stored import FP4, FP8, fill_experts, fill_linear, keep_quantized
+from engine.v4.stored import expert_storage, keep_quantized, load_stored, stored_scale
 from engine.v4.tp import V4Shards, check_tp
-
-# transformers name (after ``model.layers.{i}.``) -> DeepSeek name, first match wins
-_LAYER_NAMES = [
-    (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
-    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
-    (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
-    (r"self_attn\.", "attn."), (r"mlp\.", "ffn."),
-    (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
-    (r"attn_hc\.", "hc_attn_"), (r"ffn_hc\.", "hc_ffn_")
-]
-_LEAF_NAMES = [
-    (r"compressor\.(indexer\.)?kv_norm\.", r"compressor.\1norm."),
-    (r"compressor\.(.*)kv_proj\.", r"compressor.\1wkv."),
-    (r"compressor\.(.*)gate_proj\.", r"compressor.\1wgate."),
-    (r"attn\.sinks$", "attn.attn_sink"), (r"position_bias$", "ape"),
-    (r"q_a_proj\.", "wq_a."), (r"q_a_norm\.", "q_norm."),
-    (r"attn\.q_b_proj\.", "attn.wq_b."), (r"attn\.kv_proj\.", "attn.wkv."),
-    (r"o_a_proj\.", "wo_a."), (r"o_b_proj\.", "wo_b."),
-    (r"gate\.e_score_correction_bias$", "gate.bias"),
-    (r"shared_experts\.gate_proj\.", "shared_experts.w1."),
-    (r"shared_experts\.up_proj\.", "shared_experts.w3."),
-    (r"shared_experts\.down_proj\.", "shared_experts.w2."),
-]
-_TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-              "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
-              "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-
-
-def deepseek_name(name: str) -> str:
-    """DeepSeek's released name of the model tensor ``name`` (fused experts excluded)."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _LAYER.match(name)
-    if match is None:
-        raise KeyError(name)
-    rest = match.group(2)
-    for pattern, repl in _LAYER_NAMES:
-        if re.match(pattern, rest):
-            rest = re.sub(pattern, repl, rest, count=1)
-            break
-    for pattern, repl in _LEAF_NAMES:
-        rest = re.sub(pattern, repl, rest)
-    if rest.startswith("hc_"):
-        rest = rest.replace(".", "", 1)  # hc_attn_.fn -> hc_attn_fn
-    return f"layers.{match.group(1)}.{rest}"
-
 
 def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu", tp: TPGroup | None = None,
@@ -117,30 +72,14 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, tp, ep).to(dtype)
     if scheme is not None and fp8_storage == "fp8":
-        where = _index(checkpoint_dir)
-        keep_quantized(model, scheme, lambda name: _stored_scale(name, where) is not None,
-                       _expert_storage(model, where, scheme))
+        where = index_tensors(checkpoint_dir)
+        keep_quantized(model, scheme, lambda name: stored_scale(name, where) is not None,
+                       expert_storage(model, where, scheme))
     model.to_empty(device=device)
     with torch.device(device):
         model.rotary = v4_rotaries(config).to(dtype)
     load_v4_weights(model, checkpoint_dir, scheme)
     return model.eval()
-
-
-def _index(checkpoint_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the ``*.safetensors`` file holding it.
-
-    Raises:
-        CheckpointError: no ``*.safetensors`` files.
-    """
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
-    where = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            where.update({key: path for key in f.keys()})
-    return where
 
 
 def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
@@ -162,9 +101,9 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
             MXFP4 (with a ``[out, in / 32]`` scale) under ``expert_dtype: fp4``, any other
             weight not e4m3; a fused expert tensor with a scale.
     """
-    where = _index(checkpoint_dir)
+    where = index_tensors(checkpoint_dir)
     shards = V4Shards(model.config.o_groups, model.tp.size, model.tp.rank)
-    done = _load_stored(model, where, shards)
+    done = load_stored(model, where, shards)
     held = {f"{prefix}.{p}": m for prefix, m in model.named_modules()
             if isinstance(m, EPExperts) for p in ("gate_up_proj", "down_proj")}
     for name, target in model.state_dict().items():
@@ -180,92 +119,6 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
         target.copy_(value if name in held else shards.local_part(name, value))
 
 
-def _load_stored(model: DeepseekV4ForCausalLM, where: dict[str, Path],
-                 shards: V4Shards) -> set[str]:
-    """Fill the modules :func:`engine.v4.stored.keep_quantized` swapped in, from the raw
-    checkpoint tensors; the state-dict names filled."""
-    done: set[str] = set()
-    for name, module in model.named_modules():
-        if isinstance(module, Fp8BlockLinear):
-            key = _key(f"{name}.weight", where)
-            fill_linear(module, f"{name}.weight", _get(key, where),
-                        _get(_scale_of(key, where), where), shards)
-        elif isinstance(module, Fp8BlockExperts | Mxfp4Experts):
-            experts = model.get_submodule(name.rpartition(".")[0])
-            held = experts if isinstance(experts, EPExperts) else None
-            block = module.block if isinstance(module, Fp8BlockExperts) else None
-            q, scale = _stored_experts(name, where, held, block)
-            fill_experts(module, name, q, scale, None if held is not None else shards)
-        else:
-            continue
-        done.update(f"{name}.{b}" for b, _ in module.named_buffers())
-    return done
-
-
-def _key(name: str, where: dict[str, Path]) -> str:
-    """The checkpoint key of model tensor ``name``: as named, or DeepSeek-named."""
-    if name in where:
-        return name
-    native = deepseek_name(name)
-    if native not in where:
-        raise CheckpointError(f"tensor {name} (DeepSeek name {native}) is not in the "
-                              "checkpoint: config.json and weights disagree")
-    return native
-
-
-def _stored_scale(name: str, where: dict[str, Path]) -> str | None:
-    """The scale tensor of model weight ``name`` in the checkpoint (either naming), or None."""
-    key = name if name in where else deepseek_name(name)
-    return _scale_of(key, where) if key in where else None
-
-
-def _expert_prefix(experts: str) -> str:
-    """DeepSeek's prefix of the per-expert tensors of model module ``experts``
-    (``model.layers.3.mlp.experts`` -> ``layers.3.ffn.experts``)."""
-    return deepseek_name(experts + ".0.x").rsplit(".0.", 1)[0]
-
-
-def _expert_storage(model: DeepseekV4ForCausalLM, where: dict[str, Path],
-                    scheme: QuantScheme) -> str | None:
-    """How the routed experts stay stored: FP4 (``expert_dtype: fp4``), FP8 (the first
-    layer's first held expert has a block scale) or None (float)."""
-    if scheme.expert_fp4:
-        return FP4
-    name, experts = next((n, m) for n, m in model.named_modules() if n.endswith("mlp.experts"))
-    first = experts.expert_ids.start if isinstance(experts, EPExperts) else 0
-    key = f"{_expert_prefix(name)}.{first}.w1.weight"
-    return FP8 if key in where and _scale_of(key, where) is not None else None
-
-
-def _stored_experts(name: str, where: dict[str, Path], held: EPExperts | None,
-                    block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw per-expert weights and scales of fused parameter ``name`` (``...experts.
-    gate_up_proj``: w1 then w3 rows; ``down_proj``: w2), stacked ``[E, ...]``; ``held``:
-    only the EP rank's experts; ``block``: FP8's (None: MXFP4).
-
-    Raises:
-        CheckpointError: an expert weight without a scale (kept storage needs every one);
-            an FP8 gate whose last scale block would hold up rows too.
-    """
-    prefix, part = name.rsplit(".", 1)
-    native = _expert_prefix(prefix)
-    count = _count(native, where)
-    _check_count(name, count, held)
-    weights, scales = [], []
-    for j in range(count) if held is None else held.expert_ids:
-        keys = [f"{native}.{j}.{w}.weight"
-                for w in (("w1", "w3") if part == "gate_up_proj" else ("w2",))]
-        qs, ss = zip(*(_raw_expert(k, where, block) for k in keys), strict=True)
-        if block is not None and len(qs) == 2 and qs[0].shape[0] % block[0]:
-            raise CheckpointError(
-                f"{keys[0]}: its {qs[0].shape[0]} rows are not whole {block[0]}-row FP8 "
-                f"blocks, so fused with {keys[1]} one scale block would span both: set "
-                "model.fp8_storage: dequantize")
-        weights.append(torch.cat(qs))
-        scales.append(torch.cat(ss))
-    return torch.stack(weights), torch.stack(scales)
-
-
 def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
           scheme: QuantScheme | None = None) -> torch.Tensor:
     """The tensor of model name ``name``: as named, DeepSeek-named, or per-expert stacked
@@ -273,10 +126,10 @@ def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
     fused expert tensor (only its experts' rows)."""
     fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if name not in where and fused is not None:
-        prefix = deepseek_name(fused.group(1) + ".0.x").rsplit(".0.", 1)[0]
+        prefix = expert_prefix(fused.group(1))
         parts = ("w1", "w3") if fused.group(2) == "gate_up_proj" else ("w2",)
-        count = _count(prefix, where)
-        _check_count(name, count, held)
+        count = count_experts(prefix, where)
+        check_expert_count(name, count, None if held is None else held.num_experts)
         experts = []
         for j in (range(count) if held is None else held.expert_ids):
             experts.append(torch.cat([_weight(f"{prefix}.{j}.{w}.weight", where, scheme)
@@ -293,64 +146,6 @@ def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
     return _weight(native, where, scheme)
 
 
-def _raw_expert(key: str, where: dict[str, Path],
-                block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed expert weight ``key`` as stored and its scale, in the kept dtypes: FP8 (``block``
-    given) e4m3 + float32 grid, MXFP4 packed bytes + e8m0 bytes, both uint8.
-
-    Raises:
-        CheckpointError: no scale, or another dtype than the storage kept (the message says
-            to dequantize instead).
-    """
-    q, scale = _get(key, where), _scale_of(key, where)
-    if scale is None:
-        raise CheckpointError(f"checkpoint tensor {key} has no scale while other routed "
-                              "experts do: kept quantized storage needs every expert "
-                              "quantized alike (or model.fp8_storage: dequantize)")
-    s = _get(scale, where)
-    if block is not None and q.dtype == torch.float8_e4m3fn:
-        return q, s.float()
-    if block is None and q.dtype in PACKED_DTYPES and s.dtype in (torch.uint8,
-                                                                  torch.float8_e8m0fnu):
-        return q.view(torch.uint8), s.view(torch.uint8)
-    want = "FP8 e4m3 with block scales" if block is not None else \
-        "packed MXFP4 (int8 / uint8 / float4_e2m1fn_x2) with e8m0 scales"
-    raise CheckpointError(f"checkpoint tensor {key} is {q.dtype} with a {s.dtype} scale; "
-                          f"kept storage of these experts reads {want}: set "
-                          "model.fp8_storage: dequantize")
-
-
-def _count(prefix: str, where: dict[str, Path]) -> int:
-    count = sum(1 for key in where if key.startswith(prefix + ".") and key.endswith(".w2.weight"))
-    if count == 0:
-        raise CheckpointError(f"no experts under {prefix} in the checkpoint")
-    return count
-
-
-def _check_count(name: str, count: int, held: EPExperts | None) -> None:
-    if held is not None and count != held.num_experts:
-        raise CheckpointError(f"{name}: the checkpoint has {count} experts, config.json's "
-                              f"n_routed_experts is {held.num_experts}: they must agree")
-
-
-def _get(key: str, where: dict[str, Path]) -> torch.Tensor:
-    with safe_open(str(where[key]), framework="pt") as f:
-        return f.get_tensor(key)  # NOTE: raw: _weight checks and dequantizes
-
-
-def _scale_of(key: str, where: dict[str, Path]) -> str | None:
-    """The name of weight ``key``'s block scale in the checkpoint, or None: ``<key>_scale_inv``
-    (HF's FP8 naming), or for DeepSeek-named weights ``<module>.scale`` (the V4 release's;
-    transformers' FP8 quantizer renames it to ``weight_scale_inv``). Non-weights have none
-    (``hc_*_scale`` / ``attn_hc.scale`` are mHC parameters, not FP8 scales)."""
-    if not key.endswith(".weight"):
-        return None
-    names = [key + "_scale_inv"]
-    if not key.startswith("model."):
-        names.append(key.removesuffix("weight") + "scale")
-    return next((n for n in names if n in where), None)
-
-
 _ROUTED = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 
 
@@ -358,7 +153,7 @@ def _weight(key: str, where: dict[str, Path],
             scheme: QuantScheme | None = None) -> torch.Tensor:
     """Checkpoint tensor ``key``, dequantized to float32 when it has a scale: a routed expert
     of an ``expert_dtype: fp4`` checkpoint as MXFP4, any other weight as FP8 block."""
-    value, scale = _get(key, where), _scale_of(key, where)
+    value, scale = get_tensor(key, where), scale_of(key, where)
     if scale is None:
         fp8 = value.is_floating_point() and value.element_size() == 1
         if fp8 or (key.endswith(".weight") and not value.is_floating_point()):
@@ -382,7 +177,7 @@ def _weight(key: str, where: dict[str, Path],
             f"{scale}: engine/v4 dequantizes FP8 e4m3 block weights, and packed FP4 (MXFP4) "
             "routed experts (layers.*.ffn.experts.*.w1/w2/w3) only where config.json says "
             "expert_dtype fp4")
-    s = _get(scale, where)
+    s = get_tensor(scale, where)
     want = block_grid(*value.shape, scheme.block_size)
     if tuple(s.shape) != want:
         raise CheckpointError(f"checkpoint tensor {scale} has shape {tuple(s.shape)}; weight "
@@ -400,7 +195,7 @@ def _mxfp4(key: str, value: torch.Tensor, scale: str, where: dict[str, Path]) ->
             "expert_dtype fp4 says the routed experts are packed MXFP4 (int8 / "
             "float4_e2m1fn_x2, two e2m1 per byte); drop expert_dtype if they are not")
     try:
-        return dequantize_mxfp4(value, _get(scale, where), MXFP4_BLOCK)
+        return dequantize_mxfp4(value, get_tensor(scale, where), MXFP4_BLOCK)
     except ValueError as e:
         raise CheckpointError(f"checkpoint tensor {key} / {scale}: {e}") from e
 
@@ -413,7 +208,7 @@ def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor
                               "layers.*.ffn.experts.*.w1/w2/w3 names)")
     with safe_open(str(where[key]), framework="pt") as f:
         part = f.get_slice(key)
-        _check_count(key, part.get_shape()[0], held)
+        check_expert_count(key, part.get_shape()[0], held.num_experts)
         return _unquantized(key, part[held.expert_ids.start:held.expert_ids.stop])
 
 

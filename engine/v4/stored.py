@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -36,7 +37,10 @@ from engine.parallel import EPGroup, TPGroup
 from engine.quant.formats import QuantScheme
 from engine.quant.fp8_block import Fp8BlockExperts, Fp8BlockLinear, block_grid
 from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, Mxfp4Experts
+from engine.v4.checkpoint import (check_expert_count, checkpoint_key, count_experts,
+                                  deepseek_name, expert_prefix, get_tensor, scale_of)
 from engine.v4.config import V4Config
+from engine.v4.expert_parallel import EPExperts
 from engine.v4.model import DeepseekV4ForCausalLM
 from engine.v4.moe import Experts
 from engine.v4.tp import V4Shards
@@ -194,3 +198,105 @@ def block_cuts(config: V4Config, tp: int, ep: bool, scheme: QuantScheme,
 def _meta_model(config: V4Config, tp: int, ep: bool) -> nn.Module:
     return DeepseekV4ForCausalLM(config, TPGroup(rank=0, size=tp),
                                  EPGroup(rank=0, size=config.n_routed_experts) if ep else None)
+
+
+def load_stored(model: DeepseekV4ForCausalLM, where: dict[str, Path],
+                shards: V4Shards) -> set[str]:
+    """Fill the modules :func:`keep_quantized` swapped in from the raw checkpoint tensors
+    (``where``: :func:`engine.v4.checkpoint.index_tensors`); return the state-dict names
+    filled (the loader fills the rest).
+
+    Raises:
+        CheckpointError: from :func:`fill_linear`, :func:`fill_experts` and the expert reads
+            (a routed expert without a scale or of another format than its layer's).
+    """
+    done: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8BlockLinear):
+            key = checkpoint_key(f"{name}.weight", where)
+            fill_linear(module, f"{name}.weight", get_tensor(key, where),
+                        get_tensor(scale_of(key, where), where), shards)
+        elif isinstance(module, Fp8BlockExperts | Mxfp4Experts):
+            experts = model.get_submodule(name.rpartition(".")[0])
+            held = experts if isinstance(experts, EPExperts) else None
+            block = module.block if isinstance(module, Fp8BlockExperts) else None
+            q, scale = _stored_experts(name, where, held, block)
+            fill_experts(module, name, q, scale, None if held is not None else shards)
+        else:
+            continue
+        done.update(f"{name}.{b}" for b, _ in module.named_buffers())
+    return done
+
+
+def stored_scale(name: str, where: dict[str, Path]) -> str | None:
+    """The scale tensor of model weight ``name`` in the checkpoint (either naming), or None."""
+    key = name if name in where else deepseek_name(name)
+    return scale_of(key, where) if key in where else None
+
+
+def expert_storage(model: DeepseekV4ForCausalLM, where: dict[str, Path],
+                   scheme: QuantScheme) -> str | None:
+    """How the routed experts stay stored: FP4 (``expert_dtype: fp4``), FP8 (the first
+    layer's first held expert has a block scale) or None (float)."""
+    if scheme.expert_fp4:
+        return FP4
+    name, experts = next((n, m) for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    first = experts.expert_ids.start if isinstance(experts, EPExperts) else 0
+    key = f"{expert_prefix(name)}.{first}.w1.weight"
+    return FP8 if key in where and scale_of(key, where) is not None else None
+
+
+def _stored_experts(name: str, where: dict[str, Path], held: EPExperts | None,
+                    block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw per-expert weights and scales of fused parameter ``name`` (``...experts.
+    gate_up_proj``: w1 then w3 rows; ``down_proj``: w2), stacked ``[E, ...]``; ``held``:
+    only the EP rank's experts; ``block``: FP8's (None: MXFP4).
+
+    Raises:
+        CheckpointError: an expert weight without a scale (kept storage needs every one);
+            an FP8 gate whose last scale block would hold up rows too.
+    """
+    prefix, part = name.rsplit(".", 1)
+    native = expert_prefix(prefix)
+    count = count_experts(native, where)
+    check_expert_count(name, count, None if held is None else held.num_experts)
+    weights, scales = [], []
+    for j in range(count) if held is None else held.expert_ids:
+        keys = [f"{native}.{j}.{w}.weight"
+                for w in (("w1", "w3") if part == "gate_up_proj" else ("w2",))]
+        qs, ss = zip(*(_raw_expert(k, where, block) for k in keys), strict=True)
+        if block is not None and len(qs) == 2 and qs[0].shape[0] % block[0]:
+            raise CheckpointError(
+                f"{keys[0]}: its {qs[0].shape[0]} rows are not whole {block[0]}-row FP8 "
+                f"blocks, so fused with {keys[1]} one scale block would span both: set "
+                "model.fp8_storage: dequantize")
+        weights.append(torch.cat(qs))
+        scales.append(torch.cat(ss))
+    return torch.stack(weights), torch.stack(scales)
+
+
+def _raw_expert(key: str, where: dict[str, Path],
+                block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed expert weight ``key`` as stored and its scale, in the kept dtypes: FP8 (``block``
+    given) e4m3 + float32 grid, MXFP4 packed bytes + e8m0 bytes, both uint8.
+
+    Raises:
+        CheckpointError: no scale, or another dtype than the storage kept (the message says
+            to dequantize instead).
+    """
+    q, scale = get_tensor(key, where), scale_of(key, where)
+    if scale is None:
+        raise CheckpointError(f"checkpoint tensor {key} has no scale while other routed "
+                              "experts do: kept quantized storage needs every expert "
+                              "quantized alike (or model.fp8_storage: dequantize)")
+    s = get_tensor(scale, where)
+    if block is not None and q.dtype == torch.float8_e4m3fn:
+        return q, s.float()
+    if block is None and q.dtype in PACKED_DTYPES and s.dtype in (torch.uint8,
+                                                                  torch.float8_e8m0fnu):
+        return q.view(torch.uint8), s.view(torch.uint8)
+    want = "FP8 e4m3 with block scales" if block is not None else \
+        "packed MXFP4 (int8 / uint8 / float4_e2m1fn_x2) with e8m0 scales"
+    raise CheckpointError(f"checkpoint tensor {key} is {q.dtype} with a {s.dtype} scale; "
+                          f"kept storage of these experts reads {want}: set "
+                          "model.fp8_storage: dequantize")

@@ -230,3 +230,26 @@ def test_memory_plan_equals_the_kept_engine_bytes(ckpts, kind, dp, tp, ep):
     rows = {r.kind: r for r in plan.rows}
     assert rows["FP8 block scales"].bytes_per_element == 4 and rows["attention"].bytes == \
         rows["attention"].elements
+
+
+def test_the_serving_runner_keeps_the_storage_it_is_given(ckpts):
+    """``build_runner(..., fp8_storage=...)`` as a rank calls it (rank/rank.py): the V4 runner
+    over paged caches holds the kept modules and gives the dequantize runner's logits for a
+    prefill chunk, the rest of the prompt, and three greedy decode steps."""
+    from engine.runner import SeqStep, build_runner  # noqa: PLC0415
+
+    runners = [build_runner(ckpts["fp4"], num_kv_blocks=8, block_size=16, fp8_storage=s)
+               for s in ("dequantize", "fp8")]
+    assert isinstance(runners[1].model.model.layers[0].mlp.experts.down_proj, Mxfp4Experts)
+    assert isinstance(runners[0].model.model.layers[0].mlp.experts.down_proj, nn.Parameter)
+    prompt = tuple(_ids(5, 19).tolist())
+    steps = [(prompt[:8], 0), (prompt[8:], 8)]
+    outs = [[], []]
+    for i, runner in enumerate(runners):
+        for tokens, start in steps:
+            outs[i].append(runner.execute([SeqStep("r", tokens, start, (0,))]))
+        for n in range(3):
+            token = int(outs[i][-1][0].argmax())
+            outs[i].append(runner.execute([SeqStep("r", (token,), len(prompt) + n, (0,))]))
+    for want, got in zip(*outs, strict=True):
+        assert torch.equal(got, want)
