@@ -109,7 +109,7 @@ def test_kept_storage_gives_the_dequantized_logits(ckpts, kind):
         assert isinstance(layer.mlp.experts.gate_up_proj, stack)
         assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
     for dtype in (torch.float32, torch.bfloat16):
-        plain = load_v4(ckpt, dtype) if dtype != torch.float32 else load_v4(ckpt)
+        plain = load_v4(ckpt, dtype)
         ours = kept if dtype == torch.float32 else load_v4(ckpt, dtype, fp8_storage="fp8")
         with torch.no_grad():
             caches = plain.new_cache(), ours.new_cache()

@@ -247,3 +247,27 @@ def test_dry_run_of_an_ep_size_that_does_not_divide_the_experts_names_dp(tmp_pat
     err = capsys.readouterr().err
     assert "decode.ep" in err and "decode.dp x decode.tp = 3 x 1" in err, err
     assert "tp 3" not in err, err
+
+
+@pytest.mark.parametrize(("role", "dp", "tp"), [("prefill", 2, 16), ("decode", 8, 4)])
+def test_a3_kept_plan_counts_the_engines_kept_modules(role, dp, tp):
+    """Flash at the A3 layout's shapes (EP 32 rank 0): the kept-storage plan's weight bytes
+    equal the state-dict bytes of engine/v4's model built on meta with the release's FP8 set
+    swapped for Fp8BlockLinear and the experts for packed MXFP4 (engine/v4/stored.py;
+    tests/engine/test_v4_fp8_storage.py checks the same on loaded tiny checkpoints, where the
+    checkpoint's scales pick the set): 6.41 / 7.73 GB."""
+    from engine.parallel import EPGroup, TPGroup  # noqa: PLC0415
+    from engine.quant.formats import v4_quant_scheme  # noqa: PLC0415
+    from engine.v4.stored import FP4, RELEASE_FP8, keep_quantized  # noqa: PLC0415
+
+    raw = json.loads(FLASH.read_text())
+    cfg = V4Config.from_dict(raw)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, TPGroup(rank=0, size=tp),
+                                      EPGroup(rank=0, size=dp * tp)).to(torch.bfloat16)
+    keep_quantized(model, v4_quant_scheme(raw), lambda n: bool(RELEASE_FP8.fullmatch(n)), FP4)
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    plan = plan_role_v4(cfg, _layout(role=role, dp=dp, tp=tp, ep=True, block_size=128),
+                        V4Precision.for_checkpoint(raw, "bfloat16", "fp8"))
+    assert plan.bytes_of("weights") == held
+    assert round(held / 1e9, 2) == {"prefill": 6.41, "decode": 7.73}[role]
