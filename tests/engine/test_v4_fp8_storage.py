@@ -162,6 +162,15 @@ def test_a_tp_split_that_cuts_a_block_is_refused(ckpts):
         load_v4(ckpts["fp8"], fp8_storage="fp4")
 
 
+def test_an_unquantized_checkpoint_loads_float_under_either_storage(tiny_v4_ckpt):
+    """No quantization_config: ``fp8_storage: fp8`` keeps nothing quantized (as V3's)."""
+    kept, plain = load_v4(tiny_v4_ckpt, fp8_storage="fp8"), load_v4(tiny_v4_ckpt)
+    assert not any(isinstance(m, Fp8BlockLinear | Fp8BlockExperts | Mxfp4Experts)
+                   for m in kept.modules())
+    for name, t in kept.state_dict().items():
+        assert torch.equal(t, plain.state_dict()[name]), name
+
+
 def _rank_main(rank: int, mode: str, port: int, ckpt: str, out_dir: str) -> None:
     from engine.parallel import init_ep_group, init_tp_group  # noqa: PLC0415
 
