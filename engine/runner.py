@@ -352,7 +352,8 @@ def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
                     num_speculative_tokens=kwargs.get("num_speculative_tokens", 0),
                     layer_sharding=tuple(kwargs.get("layer_sharding", ())),
                     prefix_cache=prefix_cache, staging_blocks=staging_blocks,
-                    shape=None if v4_shape is None else RequestShape(*v4_shape))
+                    shape=None if v4_shape is None else RequestShape(*v4_shape),
+                    fp8_storage=kwargs.get("fp8_storage", "dequantize"))
 
 
 def _size(group: TPGroup | EPGroup | CPGroup | None) -> int:

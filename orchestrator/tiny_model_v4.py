@@ -3,7 +3,7 @@
 Layout as DeepSeek releases it: config.json with the legacy field names transformers folds in
 (``compress_ratios``, ``compress_rate_hca``, ``num_hash_layers``, ``qk_rope_head_dim``,
 ``rope_scaling``), model.safetensors under DeepSeek's tensor names (``layers.{i}.attn.wq_a.weight``,
-per-expert ``ffn.experts.{j}.w1.weight``, ``hc_head_fn``; :func:`engine.v4.loader.deepseek_name`),
+per-expert ``ffn.experts.{j}.w1.weight``, ``hc_head_fn``; :func:`engine.v4.checkpoint.deepseek_name`),
 the DeepSeek-V3 tokenizer. Small dims; the sliding window (8 tokens) and the compression ratios
 (CSA 4, HCA 16 instead of 128) are small so that short prompts cross them. Layers: sliding, CSA,
 HCA, CSA; the first two route by hash. Same arguments -> same bytes.
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.v4.config import V4Config
-from engine.v4.loader import deepseek_name
+from engine.v4.checkpoint import deepseek_name
 from engine.v4.model import DeepseekV4ForCausalLM
 
 

@@ -136,7 +136,8 @@ def v4_quant_scheme(raw: dict[str, Any]) -> QuantScheme | None:
     ``<module>.weight_scale_inv``), the compressors' ``kv_proj`` / ``gate_proj`` and the
     indexer's ``weights_proj`` bf16, and the routed experts FP4 (``expert_dtype: fp4``,
     top-level or inside ``quantization_config``: MXFP4, :mod:`engine.quant.mxfp4`).
-    engine/v4 dequantizes both at load (as V3's default ``fp8_storage: dequantize``).
+    engine/v4 dequantizes both at load (``fp8_storage: dequantize``, V3's default) or keeps
+    them as stored (``fp8``, :mod:`engine.v4.stored`).
 
     Raises:
         UnsupportedQuantizationError: an ``expert_dtype`` other than fp4 / fp8 / bf16, or fp4

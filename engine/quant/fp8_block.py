@@ -68,3 +68,42 @@ class Fp8BlockLinear(nn.Module):
         """``[T, in]`` -> ``[T, out]`` in ``x``'s dtype."""
         w = dequantize_block(self.weight, self.weight_scale_inv, self.block)
         return F.linear(x, w.to(x.dtype))
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[out, in]`` dequantized (float32 maths) and cast to ``dtype``, what
+        :meth:`forward` multiplies by (for callers that use the matrix itself, e.g.
+        DeepSeek-V4's grouped ``o_a_proj``)."""
+        return dequantize_block(self.weight, self.weight_scale_inv, self.block).to(dtype)
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """``[out, in]`` matrix of an ``nn.Linear`` (its weight) or an :class:`Fp8BlockLinear`
+    (dequantized, :meth:`Fp8BlockLinear.dense`), in ``dtype``."""
+    if isinstance(linear, Fp8BlockLinear):
+        return linear.dense(dtype)
+    return linear.weight.to(dtype)
+
+
+class Fp8BlockExperts(nn.Module):
+    """A stack of ``E`` FP8 block-quantized expert weights, e.g. DeepSeek-V4's fused
+    ``experts.gate_up_proj [E, 2I, hidden]``: ``experts[e]`` is expert ``e``'s float32
+    ``[out, in]`` (dequantized at use, as :class:`Fp8BlockLinear`).
+
+    Buffers: ``weight`` float8_e4m3fn ``[E, out, in]`` and ``weight_scale_inv`` float32
+    ``[E, ceil(out/bo), ceil(in/bi)]``: each expert's own block grid, so a stack of two
+    matrices along ``out`` (gate then up) needs the first to end on a block boundary (the
+    loader checks it).
+    """
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int,
+                 block: tuple[int, int]) -> None:
+        super().__init__()
+        self.block = block
+        self.register_buffer("weight", torch.empty(num_experts, out_features, in_features,
+                                                   dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(
+            num_experts, *block_grid(out_features, in_features, block), dtype=torch.float32))
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s weight ``[out, in]``, float32."""
+        return dequantize_block(self.weight[e], self.weight_scale_inv[e], self.block)

@@ -62,3 +62,25 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
     values = torch.stack((table[byte & 0xF], table[byte >> 4]), dim=-1).flatten(-2)
     return values * factor.repeat_interleave(block, dim=-1)[..., :cols]
 
+
+
+class Mxfp4Experts(torch.nn.Module):
+    """A stack of ``E`` MXFP4 expert weights kept packed as the checkpoint stores them
+    (DeepSeek-V4's routed experts, ``expert_dtype: fp4``): ``experts[e]`` is expert ``e``'s
+    float32 ``[out, in]`` (:func:`dequantize_mxfp4` at use: exact, the same values as
+    dequantizing at load).
+
+    Buffers: ``weight`` uint8 ``[E, out, in / 2]`` (two e2m1 codes a byte, low nibble first)
+    and ``scale`` uint8 ``[E, out, in / 32]`` (e8m0 exponent bytes): 0.53 bytes a weight.
+    """
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(num_experts, out_features, in_features // 2,
+                                                   dtype=torch.uint8))
+        self.register_buffer("scale", torch.empty(
+            num_experts, out_features, -(-in_features // MXFP4_BLOCK), dtype=torch.uint8))
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s weight ``[out, in]``, float32."""
+        return dequantize_mxfp4(self.weight[e], self.scale[e], MXFP4_BLOCK)

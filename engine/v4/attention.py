@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.norm import RMSNorm
+from engine.quant.fp8_block import dense_weight
 from engine.v4.cache import LayerCache
 from engine.v4.compressor import Compressor, Indexer, SparseCompressor
 from engine.v4.config import CSA, HCA, V4Config
@@ -85,7 +86,8 @@ class V4Attention(nn.Module):
             start += n
         out = rotate_trailing(torch.cat(outs), cos, -sin)  # NOTE: undo the rope V carried
         grouped = out.reshape(out.shape[0], self.o_groups, -1)  # [T, g, H*D/g]
-        w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [g, r_o, H*D/g]
+        w = dense_weight(self.o_a_proj, out.dtype).view(self.o_groups, -1, grouped.shape[-1])
+        # NOTE: w [g, r_o, H*D/g]; an FP8 o_a_proj (fp8_storage: fp8) dequantized here
         return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).flatten(1))
 
     def _keys(self, x: torch.Tensor, kv: torch.Tensor, q_residual: torch.Tensor,

@@ -73,8 +73,9 @@ class EPExperts(Experts):
 
     def _expert(self, e: int):
         def run(rows: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, hidden]
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            return F.linear(clipped_swiglu(gate, up, self.limit), self.down_proj[e])
+            gate_up, down = self.expert_weights(e, rows.dtype)
+            gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
+            return F.linear(clipped_swiglu(gate, up, self.limit), down)
         return run
 
 

@@ -1,17 +1,18 @@
 """Load a DeepSeek-V4 checkpoint directory into :class:`engine.v4.model.DeepseekV4ForCausalLM`.
 
-Two namings are read (per tensor, whichever the files hold): transformers' (the model's own
-parameter names, experts fused ``gate_up_proj`` / ``down_proj``) and DeepSeek's released one
-(``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...,
-the inverse of transformers' ``conversion_mapping`` for ``deepseek_v4``). ``mtp.*`` (the MTP
-layer) is never read. An FP8 block checkpoint (DeepSeek-V4-Flash's linears:
+Two namings are read (per tensor, whichever the files hold, :mod:`engine.v4.checkpoint`):
+transformers' (the model's own parameter names, experts fused ``gate_up_proj`` /
+``down_proj``) and DeepSeek's released one (``layers.{i}.attn.wq_a.weight``,
+``layers.{i}.ffn.experts.{j}.w1.weight``, ``hc_head_fn``, ...). ``mtp.*`` (the MTP layer) is
+never read. An FP8 block checkpoint (DeepSeek-V4-Flash's linears:
 :func:`engine.quant.formats.v4_quant_scheme`) is dequantized to float at load: a weight with a
 scale tensor (``<name>_scale_inv``, or DeepSeek's ``<module>.scale``) is
 ``e4m3 x scale`` of its 128 x 128 block (:func:`engine.quant.fp8_block.dequantize_block`);
 the release's routed experts (``expert_dtype: fp4``) are MXFP4, packed e2m1 pairs with a
 ``<module>.scale`` e8m0 per 32 inputs, dequantized at load too
 (:func:`engine.quant.mxfp4.dequantize_mxfp4`).
-Under TP each rank reads the whole tensor and keeps its part
+With ``fp8_storage="fp8"`` both stay as stored instead (:mod:`engine.v4.stored`: FP8 linears
+V3's way, FP4 experts packed). Under TP each rank reads the whole tensor and keeps its part
 (:meth:`engine.v4.tp.V4Shards.local_part`; the split table is :mod:`engine.v4.tp`'s). Under EP
 (:mod:`engine.v4.expert_parallel`) a rank reads only its own routed experts, whole (not
 TP-split): the per-expert tensors of its ids, or its rows of a fused tensor (a safetensors
@@ -31,64 +32,24 @@ from engine.model_config import CheckpointError
 from engine.parallel import EPGroup, TPGroup
 from engine.quant.formats import QuantScheme, UnsupportedQuantizationError, v4_quant_scheme
 from engine.quant.fp8_block import block_grid, dequantize_block
+from engine.quant.linear import FP8_STORAGE
 from engine.quant.mxfp4 import MXFP4_BLOCK, PACKED_DTYPES, dequantize_mxfp4
+from engine.v4.checkpoint import (check_expert_count, count_experts, deepseek_name,
+                                  expert_prefix, get_tensor, index_tensors, scale_of)
 from engine.v4.config import V4Config
 from engine.v4.expert_parallel import EPExperts
-from engine.v4.model import DeepseekV4ForCausalLM
+from engine.v4.model import DeepseekV4ForCausalLM, v4_rotaries
+from engine.v4.stored import expert_storage, keep_quantized, load_stored, stored_scale
 from engine.v4.tp import V4Shards, check_tp
-
-# transformers name (after ``model.layers.{i}.``) -> DeepSeek name, first match wins
-_LAYER_NAMES = [
-    (r"self_attn\.compressor\.indexer\.q_b_proj\.", "attn.indexer.wq_b."),
-    (r"self_attn\.compressor\.indexer\.scorer\.weights_proj\.", "attn.indexer.weights_proj."),
-    (r"self_attn\.compressor\.indexer\.", "attn.indexer.compressor."),
-    (r"self_attn\.", "attn."), (r"mlp\.", "ffn."),
-    (r"input_layernorm\.", "attn_norm."), (r"post_attention_layernorm\.", "ffn_norm."),
-    (r"attn_hc\.", "hc_attn_"), (r"ffn_hc\.", "hc_ffn_")
-]
-_LEAF_NAMES = [
-    (r"compressor\.(indexer\.)?kv_norm\.", r"compressor.\1norm."),
-    (r"compressor\.(.*)kv_proj\.", r"compressor.\1wkv."),
-    (r"compressor\.(.*)gate_proj\.", r"compressor.\1wgate."),
-    (r"attn\.sinks$", "attn.attn_sink"), (r"position_bias$", "ape"),
-    (r"q_a_proj\.", "wq_a."), (r"q_a_norm\.", "q_norm."),
-    (r"attn\.q_b_proj\.", "attn.wq_b."), (r"attn\.kv_proj\.", "attn.wkv."),
-    (r"o_a_proj\.", "wo_a."), (r"o_b_proj\.", "wo_b."),
-    (r"gate\.e_score_correction_bias$", "gate.bias"),
-    (r"shared_experts\.gate_proj\.", "shared_experts.w1."),
-    (r"shared_experts\.up_proj\.", "shared_experts.w3."),
-    (r"shared_experts\.down_proj\.", "shared_experts.w2."),
-]
-_TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-              "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
-              "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-
-
-def deepseek_name(name: str) -> str:
-    """DeepSeek's released name of the model tensor ``name`` (fused experts excluded)."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _LAYER.match(name)
-    if match is None:
-        raise KeyError(name)
-    rest = match.group(2)
-    for pattern, repl in _LAYER_NAMES:
-        if re.match(pattern, rest):
-            rest = re.sub(pattern, repl, rest, count=1)
-            break
-    for pattern, repl in _LEAF_NAMES:
-        rest = re.sub(pattern, repl, rest)
-    if rest.startswith("hc_"):
-        rest = rest.replace(".", "", 1)  # hc_attn_.fn -> hc_attn_fn
-    return f"layers.{match.group(1)}.{rest}"
-
 
 def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu", tp: TPGroup | None = None,
-            ep: EPGroup | None = None) -> DeepseekV4ForCausalLM:
+            ep: EPGroup | None = None, fp8_storage: str = "dequantize") -> DeepseekV4ForCausalLM:
     """Build the model of ``checkpoint_dir/config.json`` (this rank's part under ``tp``;
-    ``ep``: only EP rank ``ep.rank``'s routed experts) and load its weights.
+    ``ep``: only EP rank ``ep.rank``'s routed experts) and load its weights; a quantized
+    checkpoint's weights dequantized to ``dtype`` (``fp8_storage="dequantize"``) or kept as
+    stored (``"fp8"``, :mod:`engine.v4.stored`). The model is built on the meta device and
+    allocated once, in its final form.
 
     Raises:
         CheckpointError: see :meth:`V4Config.from_dict` and :func:`load_v4_weights`; a
@@ -96,8 +57,11 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
             :func:`engine.quant.formats.v4_quant_scheme`; the message says what to do).
         ValueError: the TP size does not divide a size the split keeps whole
             (:func:`engine.v4.tp.check_tp`); ``ep.size`` does not divide
-            ``n_routed_experts``.
+            ``n_routed_experts``; ``fp8_storage`` not in
+            :data:`engine.quant.linear.FP8_STORAGE`.
     """
+    if fp8_storage not in FP8_STORAGE:
+        raise ValueError(f"fp8_storage {fp8_storage!r}: use one of {list(FP8_STORAGE)}")
     raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     try:
         scheme = v4_quant_scheme(raw)
@@ -105,8 +69,15 @@ def load_v4(checkpoint_dir: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError(f"{checkpoint_dir}: {e}") from e
     config, tp = V4Config.from_dict(raw), tp or TPGroup()
     check_tp(config, tp.size)
-    with torch.device(device):
+    with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, tp, ep).to(dtype)
+    if scheme is not None and fp8_storage == "fp8":
+        where = index_tensors(checkpoint_dir)
+        keep_quantized(model, scheme, lambda name: stored_scale(name, where) is not None,
+                       expert_storage(model, where, scheme))
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.rotary = v4_rotaries(config).to(dtype)
     load_v4_weights(model, checkpoint_dir, scheme)
     return model.eval()
 
@@ -117,7 +88,9 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
     ``model.tp`` only this rank's part of each split one; EP experts (:class:`EPExperts`)
     only their ``expert_ids``, whole. ``scheme``: the checkpoint's FP8 block format, MXFP4
     routed experts where ``scheme.expert_fp4`` (None: float); weights with a scale tensor are
-    dequantized (float32, then the model's dtype).
+    dequantized (float32, then the model's dtype), except into the modules
+    :func:`engine.v4.stored.keep_quantized` swapped in, which get them as stored
+    (:func:`engine.v4.stored.fill_linear`, :func:`engine.v4.stored.fill_experts`).
 
     Raises:
         CheckpointError: no ``*.safetensors``; a tensor missing under both names (message
@@ -128,17 +101,14 @@ def load_v4_weights(model: DeepseekV4ForCausalLM, checkpoint_dir: str | Path,
             MXFP4 (with a ``[out, in / 32]`` scale) under ``expert_dtype: fp4``, any other
             weight not e4m3; a fused expert tensor with a scale.
     """
-    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {checkpoint_dir}")
-    where = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            where.update({key: path for key in f.keys()})
+    where = index_tensors(checkpoint_dir)
     shards = V4Shards(model.config.o_groups, model.tp.size, model.tp.rank)
+    done = load_stored(model, where, shards)
     held = {f"{prefix}.{p}": m for prefix, m in model.named_modules()
             if isinstance(m, EPExperts) for p in ("gate_up_proj", "down_proj")}
     for name, target in model.state_dict().items():
+        if name in done:
+            continue
         value = _read(name, where, held.get(name), scheme)
         # NOTE: EP experts are whole on their rank: no TP part to take
         whole = tuple(target.shape) if name in held else \
@@ -156,10 +126,10 @@ def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
     fused expert tensor (only its experts' rows)."""
     fused = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
     if name not in where and fused is not None:
-        prefix = deepseek_name(fused.group(1) + ".0.x").rsplit(".0.", 1)[0]
+        prefix = expert_prefix(fused.group(1))
         parts = ("w1", "w3") if fused.group(2) == "gate_up_proj" else ("w2",)
-        count = _count(prefix, where)
-        _check_count(name, count, held)
+        count = count_experts(prefix, where)
+        check_expert_count(name, count, None if held is None else held.num_experts)
         experts = []
         for j in (range(count) if held is None else held.expert_ids):
             experts.append(torch.cat([_weight(f"{prefix}.{j}.{w}.weight", where, scheme)
@@ -176,37 +146,6 @@ def _read(name: str, where: dict[str, Path], held: EPExperts | None = None,
     return _weight(native, where, scheme)
 
 
-def _count(prefix: str, where: dict[str, Path]) -> int:
-    count = sum(1 for key in where if key.startswith(prefix + ".") and key.endswith(".w2.weight"))
-    if count == 0:
-        raise CheckpointError(f"no experts under {prefix} in the checkpoint")
-    return count
-
-
-def _check_count(name: str, count: int, held: EPExperts | None) -> None:
-    if held is not None and count != held.num_experts:
-        raise CheckpointError(f"{name}: the checkpoint has {count} experts, config.json's "
-                              f"n_routed_experts is {held.num_experts}: they must agree")
-
-
-def _get(key: str, where: dict[str, Path]) -> torch.Tensor:
-    with safe_open(str(where[key]), framework="pt") as f:
-        return f.get_tensor(key)  # NOTE: raw: _weight checks and dequantizes
-
-
-def _scale_of(key: str, where: dict[str, Path]) -> str | None:
-    """The name of weight ``key``'s block scale in the checkpoint, or None: ``<key>_scale_inv``
-    (HF's FP8 naming), or for DeepSeek-named weights ``<module>.scale`` (the V4 release's;
-    transformers' FP8 quantizer renames it to ``weight_scale_inv``). Non-weights have none
-    (``hc_*_scale`` / ``attn_hc.scale`` are mHC parameters, not FP8 scales)."""
-    if not key.endswith(".weight"):
-        return None
-    names = [key + "_scale_inv"]
-    if not key.startswith("model."):
-        names.append(key.removesuffix("weight") + "scale")
-    return next((n for n in names if n in where), None)
-
-
 _ROUTED = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 
 
@@ -214,7 +153,7 @@ def _weight(key: str, where: dict[str, Path],
             scheme: QuantScheme | None = None) -> torch.Tensor:
     """Checkpoint tensor ``key``, dequantized to float32 when it has a scale: a routed expert
     of an ``expert_dtype: fp4`` checkpoint as MXFP4, any other weight as FP8 block."""
-    value, scale = _get(key, where), _scale_of(key, where)
+    value, scale = get_tensor(key, where), scale_of(key, where)
     if scale is None:
         fp8 = value.is_floating_point() and value.element_size() == 1
         if fp8 or (key.endswith(".weight") and not value.is_floating_point()):
@@ -238,7 +177,7 @@ def _weight(key: str, where: dict[str, Path],
             f"{scale}: engine/v4 dequantizes FP8 e4m3 block weights, and packed FP4 (MXFP4) "
             "routed experts (layers.*.ffn.experts.*.w1/w2/w3) only where config.json says "
             "expert_dtype fp4")
-    s = _get(scale, where)
+    s = get_tensor(scale, where)
     want = block_grid(*value.shape, scheme.block_size)
     if tuple(s.shape) != want:
         raise CheckpointError(f"checkpoint tensor {scale} has shape {tuple(s.shape)}; weight "
@@ -256,7 +195,7 @@ def _mxfp4(key: str, value: torch.Tensor, scale: str, where: dict[str, Path]) ->
             "expert_dtype fp4 says the routed experts are packed MXFP4 (int8 / "
             "float4_e2m1fn_x2, two e2m1 per byte); drop expert_dtype if they are not")
     try:
-        return dequantize_mxfp4(value, _get(scale, where), MXFP4_BLOCK)
+        return dequantize_mxfp4(value, get_tensor(scale, where), MXFP4_BLOCK)
     except ValueError as e:
         raise CheckpointError(f"checkpoint tensor {key} / {scale}: {e}") from e
 
@@ -269,7 +208,7 @@ def _get_rows(key: str, where: dict[str, Path], held: EPExperts) -> torch.Tensor
                               "layers.*.ffn.experts.*.w1/w2/w3 names)")
     with safe_open(str(where[key]), framework="pt") as f:
         part = f.get_slice(key)
-        _check_count(key, part.get_shape()[0], held)
+        check_expert_count(key, part.get_shape()[0], held.num_experts)
         return _unquantized(key, part[held.expert_ids.start:held.expert_ids.stop])
 
 

@@ -28,6 +28,13 @@ from engine.v4.moe import V4MoE
 from engine.v4.rope import V4Rotary
 
 
+def v4_rotaries(config: V4Config) -> nn.ModuleDict:
+    """The two ropes (``main``: sliding layers, ``compress``: compressed ones), built on the
+    current default device (their ``inv_freq`` is not in the checkpoint)."""
+    return nn.ModuleDict({"main": V4Rotary(config.main_rope, config.qk_rope_head_dim),
+                          "compress": V4Rotary(config.compress_rope, config.qk_rope_head_dim)})
+
+
 class V4DecoderLayer(nn.Module):
     """(attn_hc, input_layernorm, self_attn), (ffn_hc, post_attention_layernorm, mlp); under
     EP (``ep.size > 1``) the mlp holds only this rank's routed experts."""
@@ -97,9 +104,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = V4Model(config, self.tp, ep)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // self.tp.size,
                                  bias=False)
-        self.rotary = nn.ModuleDict({
-            "main": V4Rotary(config.main_rope, config.qk_rope_head_dim),
-            "compress": V4Rotary(config.compress_rope, config.qk_rope_head_dim)})
+        self.rotary = v4_rotaries(config)
 
     def new_cache(self) -> V4Cache:
         """An empty cache in this model's dtype / device."""

@@ -41,7 +41,10 @@ class SharedExpert(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, fused weights (see module doc)."""
+    """Routed experts, fused weights (see module doc). With ``fp8_storage: fp8``
+    (:mod:`engine.v4.stored`) ``gate_up_proj`` / ``down_proj`` are quantized stacks
+    (:class:`engine.quant.fp8_block.Fp8BlockExperts`, :class:`engine.quant.mxfp4.Mxfp4Experts`)
+    whose ``[e]`` is the dequantized float32 matrix: :meth:`expert_weights` casts either."""
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate: int, limit: float):
         super().__init__()
@@ -54,10 +57,15 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clipped_swiglu(gate, up, self.limit), self.down_proj[e])
+            gate_up, down = self.expert_weights(e, x.dtype)
+            gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
+            y = F.linear(clipped_swiglu(gate, up, self.limit), down)
             out.index_add_(0, token, y * weights[token, slot, None])
         return out
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert ``e``'s (``gate_up [2I, hidden]``, ``down [hidden, I]``) in ``dtype``."""
+        return self.gate_up_proj[e].to(dtype), self.down_proj[e].to(dtype)
 
 
 class Router(nn.Module):

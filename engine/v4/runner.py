@@ -143,6 +143,8 @@ class V4Runner:
         staging_blocks: blocks of the PD staging cache and of the scheduler pool that
             addresses it (:attr:`scheduler_blocks`; 0: ``num_kv_blocks``): they hold only the
             staging rows of the requests in flight (:func:`engine.v4.staging.staging_bytes`).
+        fp8_storage: a quantized checkpoint's FP8 linears and FP4 / FP8 routed experts
+            "dequantize"d at load or kept as stored ("fp8", :mod:`engine.v4.stored`).
         ep: this rank's :class:`EPGroup` (None: EP off; all dp x tp ranks of the role). With
             it the rank holds only its whole routed experts, and every rank of the group calls
             :meth:`execute` or :meth:`execute_empty` each step, in lockstep.
@@ -160,11 +162,11 @@ class V4Runner:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  staging_blocks: int = 0, tp: TPGroup | None = None,
                  ep: EPGroup | None = None, shape: RequestShape | None = None,
-                 **layout: object) -> None:
+                 fp8_storage: str = "dequantize", **layout: object) -> None:
         check_v4_serving(**layout)
         self.device, self.tp, self.ep = torch.device(device), tp or TPGroup(), ep or EPGroup()
-        self.model = load_v4(checkpoint_dir, dtype, self.device, tp=self.tp,
-                             ep=self.ep).eval()
+        self.model = load_v4(checkpoint_dir, dtype, self.device, tp=self.tp, ep=self.ep,
+                             fp8_storage=fp8_storage).eval()
         raw = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         eos = raw.get("eos_token_id")
         config = self.model.config

@@ -139,6 +139,21 @@ class V4Shards:
         shape[split.dim] *= self.tp
         return tuple(shape)
 
+    def pieces(self, name: str, local: tuple[int, ...]) -> dict[int, int]:
+        """Per dim that the split of parameter ``name`` (rank shape ``local``) cuts, the size
+        of the contiguous pieces it cuts the whole tensor into (empty: replicated or tp 1).
+        A quantized copy (FP8 128 x 128 blocks, MXFP4 32-wide scales) splits the same way
+        iff each piece is a whole number of its blocks along that dim."""
+        split = split_of(name)
+        if split is None or self.tp == 1:
+            return {}
+        if split.halves:
+            return {split.dim: local[split.dim] // 2}
+        out = {split.dim: local[split.dim]}
+        if split.group == "o_a" and self.sharing > 1:
+            out[1] = local[1]
+        return out
+
     def local_part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of the whole checkpoint tensor ``whole`` of parameter ``name``
         (``whole`` itself when replicated or tp 1)."""

@@ -30,38 +30,49 @@ from dataclasses import dataclass
 
 from engine.kv_layer_spec import held_bytes
 from engine.kv_groups import kv_groups
+from engine.quant.fp8_block import block_grid
 from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
 from engine.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.staging import staging_bytes_per_slot
 from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RoleLayout, RolePlan
 
-FP4_BYTES = 0.5 + 1 / 32  # NOTE: e2m1 pairs + one e8m0 scale per 32 (DeepSeek's expert_dtype fp4)
-FP8_BLOCK_BYTES = 1 + 1 / (128 * 128)  # e4m3 + one ue8m0 scale per 128 x 128 block
+FP4_BYTES = 0.5 + 1 / 32  # NOTE: e2m1 pairs + one e8m0 scale per 32 (engine Mxfp4Experts)
 ID_BYTES = 8  # tid2eid expert ids, int64 as engine/v4/moe.py registers them
 
-SPLITS = {"attention": "q_b, sinks by heads /tp; q_a, kv whole",
+SPLITS = {"attention": "q_b by heads /tp; q_a, kv whole",
           "grouped output projection": "groups /tp", "compressors + indexer": "whole",
-          "mHC": "whole", "shared expert": "intermediate /tp", "routed experts": "/tp or EP",
-          "embedding": "vocab /tp", "lm_head": "vocab /tp"}
+          "indexer q_b": "whole", "mHC": "whole", "shared expert": "intermediate /tp",
+          "routed experts": "/tp or EP", "embedding": "vocab /tp", "lm_head": "vocab /tp",
+          "FP8 block scales": "as their weights"}
 
 
 @dataclass(frozen=True)
 class V4Precision(Precision):
-    """:class:`Precision` plus ``expert``: bytes per routed-expert weight (FP4 in the release)."""
+    """:class:`Precision` plus ``expert``: bytes per routed-expert weight (FP4 in the release);
+    ``fp8_block``: the FP8 linears' scale block when kept FP8 (None: dequantized);
+    ``expert_scales``: the routed experts are FP8 blocks too (their scales counted with the
+    linears')."""
 
     expert: float = 2.0
+    fp8_block: tuple[int, int] | None = None
+    expert_scales: bool = False
 
     @classmethod
     def for_checkpoint(cls, raw: dict, dtype: str, fp8_storage: str) -> "V4Precision":
-        """The release stores linears FP8 (``quantization_config``) and routed experts FP4
-        (``expert_dtype``); kept so with ``model.fp8_storage: fp8``, else at ``dtype``."""
+        """What engine/v4 holds (:mod:`engine.v4.stored`): with ``model.fp8_storage: fp8`` and
+        an FP8 ``quantization_config`` the linears 1 byte (+ a float32 scale per block, the
+        ``FP8 block scales`` row) and the routed experts as ``expert_dtype`` says (fp4: packed
+        MXFP4, :data:`FP4_BYTES`; bf16: ``dtype``; else FP8 blocks); else all at ``dtype``."""
         size = DTYPE_BYTES[dtype]
-        keep = fp8_storage == "fp8"
-        fp8 = keep and (raw.get("quantization_config") or {}).get("quant_method") == "fp8"
-        linear = FP8_BLOCK_BYTES if fp8 else size
-        expert = FP4_BYTES if keep and raw.get("expert_dtype") == "fp4" else linear
-        return cls(linear=linear, weight=size, kv=size, activation=size, expert=expert)
+        qc = raw.get("quantization_config") or {}
+        if fp8_storage != "fp8" or qc.get("quant_method") != "fp8":
+            return cls(linear=size, weight=size, kv=size, activation=size, expert=size)
+        kind = raw.get("expert_dtype") or qc.get("expert_dtype")
+        expert = FP4_BYTES if kind == "fp4" else size if kind in ("bf16", "bfloat16") else 1.0
+        return cls(linear=1.0, weight=size, kv=size, activation=size, expert=expert,
+                   fp8_block=tuple(qc.get("weight_block_size", (128, 128))),
+                   expert_scales=expert == 1.0)
 
 
 def _tp_divides(n: int, tp: int, what: str) -> int:
@@ -72,11 +83,21 @@ def _tp_divides(n: int, tp: int, what: str) -> int:
 
 
 def attention_layer(m: V4Config, tp: int = 1) -> int:
-    """One layer's q_a, q_b, kv_proj (+ q_a_norm, kv_norm, sinks) on one of ``tp`` ranks:
-    q_b and the sinks by heads / tp, the rest whole."""
-    h, d = m.hidden_size, m.head_dim
+    """One layer's q_a, q_b, kv_proj on one of ``tp`` ranks: q_b by heads / tp, the rest
+    whole (the q_a / kv norms and the sinks: :func:`attention_extras`)."""
+    return sum(o * i for o, i in _attention_shapes(m, tp))
+
+
+def attention_extras(m: V4Config, tp: int = 1) -> int:
+    """One layer's q_a_norm, kv_norm and sinks (by heads / tp): model precision."""
+    return m.q_lora_rank + m.head_dim + m.num_attention_heads // tp
+
+
+def _attention_shapes(m: V4Config, tp: int) -> list[tuple[int, int]]:
+    """Local ``[out, in]`` of q_a, q_b, kv_proj."""
     heads = _tp_divides(m.num_attention_heads, tp, "num_attention_heads")
-    return h * m.q_lora_rank + m.q_lora_rank * heads * d + h * d + m.q_lora_rank + d + heads
+    h = m.hidden_size
+    return [(m.q_lora_rank, h), (heads * m.head_dim, m.q_lora_rank), (m.head_dim, h)]
 
 
 def output_layer(m: V4Config, tp: int) -> int:
@@ -86,15 +107,21 @@ def output_layer(m: V4Config, tp: int) -> int:
     if m.o_groups % tp and tp % m.o_groups:
         raise ValueError(f"tp {tp} and DeepSeek-V4's o_groups ({m.o_groups}): one must divide "
                          "the other: pick such a tp")
-    groups = max(m.o_groups // tp, 1)
-    return m.o_lora_rank * m.num_attention_heads * m.head_dim // tp \
-        + m.hidden_size * groups * m.o_lora_rank
+    return sum(o * i for o, i in _output_shapes(m, tp))
+
+
+def _output_shapes(m: V4Config, tp: int) -> list[tuple[int, int]]:
+    """Local ``[out, in]`` of o_a and o_b (:func:`engine.v4.tp.output_groups`)."""
+    groups, sharing = max(m.o_groups // tp, 1), max(tp // m.o_groups, 1)
+    o_a = (groups * m.o_lora_rank, m.num_attention_heads * m.head_dim // m.o_groups // sharing)
+    return [o_a, (m.hidden_size, groups * m.o_lora_rank)]
 
 
 def compressor_layer(m: V4Config, kind: str) -> int:
     """One layer's compressor (``kv_proj``, ``gate_proj [coff * D, hidden]``, ``position_bias
     [ratio, coff * D]``, ``kv_norm``) and, CSA, its indexer (its own compressor at
-    ``index_head_dim`` + ``q_b_proj`` + ``weights_proj``); 0 for sliding layers."""
+    ``index_head_dim`` + ``weights_proj``; its ``q_b_proj`` is :func:`indexer_q_b`, an FP8
+    linear in the release); 0 for sliding layers: model precision."""
     if kind == SLIDING:
         return 0
     ratio, h = dict(m.compress_rates)[kind], m.hidden_size
@@ -105,7 +132,12 @@ def compressor_layer(m: V4Config, kind: str) -> int:
     if kind == HCA:
         return one(m.head_dim, 1)
     c_i, n_i = m.index_head_dim, m.index_n_heads
-    return one(m.head_dim, 2) + one(c_i, 2) + m.q_lora_rank * n_i * c_i + h * n_i
+    return one(m.head_dim, 2) + one(c_i, 2) + h * n_i
+
+
+def indexer_q_b(m: V4Config, kind: str) -> int:
+    """A CSA layer's indexer ``q_b_proj [n_h x c_I, q_lora]`` (whole); 0 elsewhere."""
+    return m.index_n_heads * m.index_head_dim * m.q_lora_rank if kind == CSA else 0
 
 
 def hc_block(m: V4Config) -> int:
@@ -139,10 +171,11 @@ def decoder_layer(m: V4Config, layer: int, kind: str, lay: RoleLayout) -> dict[s
     h = m.hidden_size
     return {"attention": attention_layer(m, lay.tp),
             "grouped output projection": output_layer(m, lay.tp),
-            "compressors + indexer": compressor_layer(m, kind), "mHC": 2 * hc_block(m),
+            "compressors + indexer": compressor_layer(m, kind),
+            "indexer q_b": indexer_q_b(m, kind), "mHC": 2 * hc_block(m),
             "shared expert": expert(m, lay.tp),
             "routed experts": experts_held(m, lay) * expert(m, 1 if lay.ep else lay.tp),
-            "norms + router": 2 * h + router_layer(m, layer),
+            "norms + router": 2 * h + attention_extras(m, lay.tp) + router_layer(m, layer),
             "hash router tid2eid": m.vocab_size * m.num_experts_per_tok
             if m.mlp_layer_types[layer] == HASH_MOE else 0}
 
@@ -164,7 +197,36 @@ def _weights(m: V4Config, lay: RoleLayout) -> dict[str, int]:
 
 
 _STORAGE = {"routed experts": "expert", "embedding": "weight", "lm_head": "weight",
-            "norms + router": "weight", "mHC": "weight", "hash router tid2eid": "byte"}
+            "norms + router": "weight", "mHC": "weight", "hash router tid2eid": "byte",
+            "compressors + indexer": "weight"}
+
+
+def fp8_shapes(m: V4Config, lay: RoleLayout, experts: bool) -> list[tuple[int, int]]:
+    """Local ``[out, in]`` of every FP8 linear one rank holds (the release's set,
+    :data:`engine.v4.stored.RELEASE_FP8`: q_a, q_b, kv, o_a, o_b, the CSA indexers' q_b, the
+    shared expert; with ``experts`` each held routed expert's fused gate_up ``[2I, h]`` and
+    down ``[h, I]``, as :class:`engine.quant.fp8_block.Fp8BlockExperts` stacks them)."""
+    inter = _tp_divides(m.moe_intermediate_size, lay.tp, "moe_intermediate_size")
+    shared = [(inter, m.hidden_size)] * 2 + [(m.hidden_size, inter)]
+    one = _attention_shapes(m, lay.tp) + _output_shapes(m, lay.tp) + shared
+    out = []
+    for kind in m.layer_types:
+        out += one
+        if kind == CSA:
+            out.append((m.index_n_heads * m.index_head_dim, m.q_lora_rank))
+        if experts:
+            i_e = m.moe_intermediate_size if lay.ep else inter
+            out += [(2 * i_e, m.hidden_size), (m.hidden_size, i_e)] * experts_held(m, lay)
+    return out
+
+
+def fp8_scale_blocks(m: V4Config, lay: RoleLayout, prec: V4Precision) -> int:
+    """Float32 block scales one rank holds with FP8 kept (0 when dequantized): the block grid
+    of each :func:`fp8_shapes` weight (ceil division, as the engine's buffers)."""
+    if prec.fp8_block is None:
+        return 0
+    grids = (block_grid(o, i, prec.fp8_block) for o, i in fp8_shapes(m, lay, prec.expert_scales))
+    return sum(r * c for r, c in grids)
 
 
 def _weight_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRow]:
@@ -179,6 +241,11 @@ def _weight_rows(m: V4Config, lay: RoleLayout, prec: V4Precision) -> list[PlanRo
         storage = _STORAGE.get(name, "linear")
         per = ID_BYTES if storage == "byte" else getattr(prec, storage)
         rows.append(PlanRow(name, "weights", n, per, split))
+    scales = fp8_scale_blocks(m, lay, prec)
+    if scales:
+        rows.append(PlanRow("FP8 block scales", "weights", scales, prec.fp32,
+                            f"one per {prec.fp8_block[0]} x {prec.fp8_block[1]} block, "
+                            "float32, as their weights"))
     return rows
 
 

@@ -1,7 +1,8 @@
 """DeepSeek-V4 serving layouts at config load: what :mod:`engine.v4.runner` serves today
 (TP on each role, colocated or PD across any tp, e.g. prefill tp 2 -> decode tp 1; expert
 parallelism over a role's dp x tp ranks, as V3's; FP8 block linears and FP4 routed experts
-dequantized at load; no CP, graph mode, MTP, prefix cache, or FP8 / FP4 kept stored) and
+dequantized at load, or kept as stored with ``model.fp8_storage: fp8`` where each TP part is
+whole blocks; no CP, graph mode, MTP or prefix cache) and
 a :class:`ConfigError` naming every key to change otherwise, before anything starts (the rank
 would refuse the same at load, :func:`engine.v4.runner.check_v4_serving`,
 :func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`)."""
@@ -53,8 +54,9 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
             ``moe_intermediate_size`` or the vocabulary, or a quantization engine/v4 does
             not load (W8A8, an unknown ``expert_dtype``:
             :func:`engine.quant.formats.v4_quant_scheme`)
-            or keep (an FP8 checkpoint with ``model.fp8_storage: fp8``: V4 dequantizes at
-            load); the message names each key and fix. Or a
+            or keep (``model.fp8_storage: fp8`` with a role ``tp`` that cuts an FP8 block
+            or an MXFP4 scale group: :func:`engine.v4.stored.block_cuts`); the message
+            names each key and fix. Or a
             role's EP size (``dp * tp``) does not divide ``n_routed_experts``.
     """
     raw = raw or {}
@@ -71,8 +73,11 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
             (bool(p.layer_sharding), "prefill.layer_sharding (remove it)"),
             (p.prefix_cache, "prefill.prefix_cache (set false; V4 has no prefix cache)")) if on]
         tps.insert(0, ("prefill.tp", p.tp))
-    bad += [r for key, tp in tps if (r := _tp_refusal(raw, key, tp))]
-    bad += _quant_refusals(raw, cfg.model.fp8_storage)
+    refused = [(key, r) for key, tp in tps if (r := _tp_refusal(raw, key, tp))]
+    bad += [r for _, r in refused]
+    eps = {"prefill.tp": cfg.prefill.ep, "decode.tp": d.ep}
+    split = [(key, tp, eps[key]) for key, tp in tps if key not in dict(refused)]
+    bad += _quant_refusals(raw, cfg.model.fp8_storage, split)
     if bad:
         raise ConfigError(f"model is DeepSeek-V4 ({source}), served with TP and EP (colocated, "
                           "or PD across any tp); not supported yet: "
@@ -84,19 +89,34 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
     return f"tp layout: DeepSeek-V4, decode.tp={d.tp}{ep['decode']} colocated ({source})"
 
 
-def _quant_refusals(raw: dict, fp8_storage: str) -> list[str]:
+def _quant_refusals(raw: dict, fp8_storage: str,
+                    roles: list[tuple[str, int, bool]]) -> list[str]:
     """What of config.json's quantization engine/v4 cannot serve (:func:`load_v4`'s rule):
-    a non-FP8 method or an unknown ``expert_dtype``; FP8 block linears and FP4 routed experts
-    load dequantized only."""
-    bad = []
+    a non-FP8 method or an unknown ``expert_dtype``; with ``fp8_storage: fp8``, per role
+    ``(tp key, tp, ep)`` a tp whose split cuts a quantization block (the rank would refuse
+    the same at load, :mod:`engine.v4.stored`)."""
     try:
-        v4_quant_scheme(raw)
+        scheme = v4_quant_scheme(raw)
     except UnsupportedQuantizationError as e:
-        bad.append(f"model: {e}")
-    if (raw.get("quantization_config") or {}).get("quant_method") == "fp8" \
-            and fp8_storage == "fp8":
-        bad.append("model.fp8_storage=fp8 (set dequantize: engine/v4 dequantizes the FP8 "
-                   "linears and FP4 experts at load and does not keep them as stored)")
+        return [f"model: {e}"]
+    if scheme is None or fp8_storage != "fp8":
+        return []
+    try:
+        from engine.v4.config import V4Config  # noqa: PLC0415 (lazy: torch)
+        from engine.v4.stored import FP4, FP8, block_cuts  # noqa: PLC0415
+    except ImportError:
+        return []  # NOTE: the rank checks it at load
+    qc = raw.get("quantization_config") or {}
+    kind = raw.get("expert_dtype") or qc.get("expert_dtype")
+    experts = FP4 if scheme.expert_fp4 else None if kind in ("bf16", "bfloat16") else FP8
+    config, bad = V4Config.from_dict(raw), []
+    for key, tp, ep in roles:
+        cuts = block_cuts(config, tp, ep, scheme, experts)
+        if cuts:
+            more = f" (and {len(cuts) - 1} more)" if len(cuts) > 1 else ""
+            bad.append(f"{key}={tp} with model.fp8_storage=fp8: its split cuts quantization "
+                       f"blocks, {cuts[0]}{more} (set model.fp8_storage: dequantize, or a "
+                       f"{key} whose parts are whole blocks)")
     return bad
 
 

@@ -81,12 +81,12 @@ def test_ep_ranks_equal_transformers(tiny_v4_ckpt, hf, requests, tp, max_new, tm
 def _recording_get(monkeypatch) -> set[str]:
     import engine.v4.loader  # noqa: PLC0415
 
-    read, get = set(), engine.v4.loader._get
+    read, get = set(), engine.v4.loader.get_tensor
 
     def recording(key, where):
         read.add(key)
         return get(key, where)
-    monkeypatch.setattr(engine.v4.loader, "_get", recording)
+    monkeypatch.setattr(engine.v4.loader, "get_tensor", recording)
     return read
 
 

@@ -24,17 +24,11 @@ def test_all_shipped_configs_are_present():
                                          "gpu_p4x8_d8x4.yaml"}
 
 
-# NOTE: planned by `--dry-run`, then refused: it keeps the release's FP8 / FP4 storage
-# (`fp8_storage: fp8`), and engine/v4 dequantizes at load
-V4_REFUSED = {"a3_v4_p2x16_d8x4.yaml"}
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_validates_and_dry_runs(path, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # no tiny checkpoint exists there
-    refused = path.name in V4_REFUSED
-    cfg = load_config(path, planning=refused)
-    assert main(["up", "--dry-run", str(path)]) == (2 if refused else 0)
+    cfg = load_config(path)
+    assert main(["up", "--dry-run", str(path)]) == 0
     out = capsys.readouterr().out
     for inst in cfg.instances():
         cp = f", cp={inst.parallel.cp}" if inst.parallel.cp > 1 else ""

@@ -142,27 +142,43 @@ def test_plan_counts_what_an_ep_rank_builds(dp, tp):
 
 
 def test_release_precision():
+    """Kept (engine/v4/stored.py): FP8 linears 1 byte + float32 block scales (128 x 128), FP4
+    experts packed (no FP8 expert scales); dequantized: everything at dtype."""
     raw = json.loads(FLASH.read_text())
     kept = V4Precision.for_checkpoint(raw, "bfloat16", "fp8")
-    assert kept.expert == FP4_BYTES and kept.linear < 1.001 and kept.weight == 2
-    assert V4Precision.for_checkpoint(raw, "bfloat16", "dequantize").expert == 2
+    assert (kept.expert, kept.linear, kept.weight) == (FP4_BYTES, 1.0, 2)
+    assert kept.fp8_block == (128, 128) and not kept.expert_scales
+    fp8_experts = V4Precision.for_checkpoint(raw | {"expert_dtype": "fp8"}, "bfloat16", "fp8")
+    assert fp8_experts.expert == 1.0 and fp8_experts.expert_scales
+    plain = V4Precision.for_checkpoint(raw, "bfloat16", "dequantize")
+    assert (plain.expert, plain.linear, plain.fp8_block) == (2, 2, None)
 
 
-def test_a3_v4_dry_run_plans_then_refuses(capsys):
-    assert main(["up", "--dry-run", str(A3_V4)]) == 2
+def _weights_gb(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"weights \(sum\)\s+([\d.]+)", out)]
+
+
+def test_a3_v4_dry_runs_with_the_release_storage_kept(capsys):
+    """The shipped A3 V4 layout keeps the release's storage (``model.fp8_storage: fp8``):
+    tp 16 and tp 4 parts are whole 128 x 128 blocks, so it dry-runs clean; its plan (equal
+    to the loaded engine's bytes: tests/engine/test_v4_fp8_storage.py) holds 6.41 / 7.73 GB
+    of weights per prefill / decode rank: linears 1 byte + float32 block scales, the
+    compressors at bf16, routed experts packed FP4."""
+    assert main(["up", "--dry-run", str(A3_V4)]) == 0
     out, err = capsys.readouterr()
     assert out.count("memory plan per rank") == 1 and "not memory-planned" not in out
     assert "KV: CSA entries 1/4" in out and "planner on a3" in out
     assert out.index("decode: dp 8 x tp 4, ep on (EP 32)") < out.index("planner on a3")
-    assert "memory plan: fits" in out
-    assert "expert_dtype" not in err  # NOTE: FP4 routed experts load (dequantized)
-    assert err.count("not supported yet: model.fp8_storage=fp8 (set dequantize") == 1
+    assert "memory plan: fits" in out and "not supported yet" not in err
+    assert "linears 1 B/el, routed experts 0.5312 B/el" in out
+    assert out.count("FP8 block scales") == 2
+    assert _weights_gb(out) == [6.41, 7.73]
 
 
 def test_a3_v4_dequantized_dry_runs_with_bf16_experts(tmp_path, capsys):
     """With ``model.fp8_storage: dequantize`` (engine/v4 dequantizes FP8 linears and FP4
     experts at load) the A3 V4 layout dry-runs clean, its plan counting the routed experts
-    at bf16, as loaded (20.00 / 22.24 GB of weights per decode / prefill rank)."""
+    at bf16, as loaded (20.00 / 22.24 GB of weights per prefill / decode rank)."""
     text = A3_V4.read_text().replace("fp8_storage: fp8 ", "fp8_storage: dequantize ")
     text = text.replace("config_json: models/", f"config_json: {REPO}/configs/models/")
     assert "fp8_storage: dequantize" in text
@@ -170,6 +186,7 @@ def test_a3_v4_dequantized_dry_runs_with_bf16_experts(tmp_path, capsys):
     assert main(["up", "--dry-run", str(tmp_path / "a3.yaml")]) == 0
     out = capsys.readouterr().out
     assert "linears 2 B/el, routed experts 2 B/el" in out and "memory plan: fits" in out
+    assert _weights_gb(out) == [20.00, 22.24] and "FP8 block scales" not in out
 
 
 def test_a3_v4_too_many_blocks_suggests_how_many_fit():
@@ -230,3 +247,27 @@ def test_dry_run_of_an_ep_size_that_does_not_divide_the_experts_names_dp(tmp_pat
     err = capsys.readouterr().err
     assert "decode.ep" in err and "decode.dp x decode.tp = 3 x 1" in err, err
     assert "tp 3" not in err, err
+
+
+@pytest.mark.parametrize(("role", "dp", "tp"), [("prefill", 2, 16), ("decode", 8, 4)])
+def test_a3_kept_plan_counts_the_engines_kept_modules(role, dp, tp):
+    """Flash at the A3 layout's shapes (EP 32 rank 0): the kept-storage plan's weight bytes
+    equal the state-dict bytes of engine/v4's model built on meta with the release's FP8 set
+    swapped for Fp8BlockLinear and the experts for packed MXFP4 (engine/v4/stored.py;
+    tests/engine/test_v4_fp8_storage.py checks the same on loaded tiny checkpoints, where the
+    checkpoint's scales pick the set): 6.41 / 7.73 GB."""
+    from engine.parallel import EPGroup, TPGroup  # noqa: PLC0415
+    from engine.quant.formats import v4_quant_scheme  # noqa: PLC0415
+    from engine.v4.stored import FP4, RELEASE_FP8, keep_quantized  # noqa: PLC0415
+
+    raw = json.loads(FLASH.read_text())
+    cfg = V4Config.from_dict(raw)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, TPGroup(rank=0, size=tp),
+                                      EPGroup(rank=0, size=dp * tp)).to(torch.bfloat16)
+    keep_quantized(model, v4_quant_scheme(raw), lambda n: bool(RELEASE_FP8.fullmatch(n)), FP4)
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    plan = plan_role_v4(cfg, _layout(role=role, dp=dp, tp=tp, ep=True, block_size=128),
+                        V4Precision.for_checkpoint(raw, "bfloat16", "fp8"))
+    assert plan.bytes_of("weights") == held
+    assert round(held / 1e9, 2) == {"prefill": 6.41, "decode": 7.73}[role]

@@ -109,10 +109,12 @@ def test_v4_expert_parallel_layouts_load_and_plan_per_rank_experts(tmp_path, mon
 
 
 def test_v4_quantized_checkpoints_at_load(tmp_path, monkeypatch):
-    """An FP8 block checkpoint loads (dequantized at load, ``model.fp8_storage: dequantize``),
-    with FP4 routed experts too (``expert_dtype: fp4``, the release); keeping it FP8, FP4
-    experts without a quantization_config, another expert_dtype and W8A8 are refused naming
-    the key and the fix (orchestrator/config/v4_check.py, engine/v4/loader.py's rule)."""
+    """An FP8 block checkpoint loads (dequantized at load, ``model.fp8_storage: dequantize``,
+    or kept, ``fp8``), with FP4 routed experts too (``expert_dtype: fp4``, the release); kept
+    at a tp whose parts are not whole 128 x 128 blocks (the tiny model's 128 query rows over
+    tp 2), FP4 experts without a quantization_config, another expert_dtype and W8A8 are
+    refused naming the key and the fix (orchestrator/config/v4_check.py, engine/v4/loader.py
+    and engine/v4/stored.py's rules)."""
     import json  # noqa: PLC0415
 
     from orchestrator.tiny_model_v4 import tiny_v4_config_dict  # noqa: PLC0415
@@ -131,11 +133,14 @@ def test_v4_quantized_checkpoints_at_load(tmp_path, monkeypatch):
     for ok in ({"quantization_config": fp8}, {"quantization_config": fp8, "expert_dtype": "fp4"},
                {"quantization_config": fp8 | {"expert_dtype": "fp4"}}):
         assert check_tp_layout(load(ok)).startswith("tp layout: DeepSeek-V4")
+        assert check_tp_layout(load(ok, **{"model.fp8_storage": "fp8"})).startswith("tp layout")
+    cut = ("decode.tp=2 with model.fp8_storage=fp8: its split cuts quantization blocks, "
+           "model.layers.*.self_attn.q_b_proj.weight: pieces of 64 along dim 0, not whole "
+           "128-wide blocks")
     for extra, overrides, words in (
-            ({"quantization_config": fp8}, {"model.fp8_storage": "fp8"},
-             "model.fp8_storage=fp8 (set dequantize"),
-            ({"quantization_config": fp8, "expert_dtype": "fp4"}, {"model.fp8_storage": "fp8"},
-             "model.fp8_storage=fp8 (set dequantize"),
+            ({"quantization_config": fp8}, {"model.fp8_storage": "fp8", "decode.tp": 2}, cut),
+            ({"quantization_config": fp8, "expert_dtype": "fp4"},
+             {"model.fp8_storage": "fp8", "decode.tp": 2}, cut),
             ({"expert_dtype": "fp4"}, {}, "expert_dtype is 'fp4' without a quantization_config"),
             ({"quantization_config": fp8, "expert_dtype": "int4"}, {}, "expert_dtype is 'int4'"),
             ({"quantization_config": {"quant_method": "compressed-tensors"}}, {},
