@@ -8,10 +8,11 @@ Sending is asynchronous either way (the connector's sender threads).
 The leader says where each chunk goes (:func:`chunk_transfers`, made once per step and carried
 to every rank as the step's inputs); each rank sends the layers the transfer plan gives it.
 
-DeepSeek-V4 (a runner with ``stage_request``): nothing ships per chunk; after the last chunk
-the request's state is staged into ``staged_rows(prompt)`` rows of its prompt slots and those
-rows ship (:func:`staged_transfers`; docs/kv_transfer.md "DeepSeek-V4"). Every TP rank holds
-the whole state; each stages only the layers the plan has it send.
+DeepSeek-V4 (a runner with ``stage_rows``): after each chunk's step, the staging rows that
+chunk made final (compressed entries, indexer keys and final-window rows as computed, the
+open-group state with the last chunk: engine/v4/row_layout.py) are staged into the request's
+slots and ship (:func:`staged_transfers`; docs/kv_transfer.md "DeepSeek-V4"). Every TP rank
+holds the whole state; each stages only the layers the plan has it send.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from engine.block_pool import slot_mapping
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode import SpecOutput
+from engine.v4.row_layout import RowRange
 from kv_transfer import KVPeer, KVPoll, PrefillKVConnector
 from kv_transfer.layer_ready import mark_written
 from prefill_worker.transfer_log import TransferLog
@@ -42,6 +44,10 @@ class ChunkTransfer:
         dst_slots: int64 ``[end - start]`` slots in the decode instance's cache.
         last: the chunk completes the prompt: send completion records after it.
         row: the chunk's index in the step (``SchedulerOutput.chunks``, ``SpecOutput.hidden``).
+        layers: only these layers (None: every layer; DeepSeek-V4: the layers whose staging
+            rows ``[start, end)`` the chunk made final).
+        prompt_tokens: DeepSeek-V4: ``start`` / ``end`` are staging rows of a request of this
+            many prompt tokens (0: token positions).
     """
 
     request_id: str
@@ -52,6 +58,8 @@ class ChunkTransfer:
     dst_slots: object
     last: bool
     row: int = 0
+    layers: tuple[int, ...] | None = None
+    prompt_tokens: int = 0
 
 
 def chunk_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
@@ -97,20 +105,26 @@ def late_transfer(request_id: str, block_ids, end: int, res: Reservation, block_
 
 
 def staged_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
-                     block_size: int, staged_rows) -> list[ChunkTransfer]:
-    """DeepSeek-V4: one transfer per chunk that completes its prompt, of the request's staging
-    rows ``[0, staged_rows(prompt))`` (``staged_rows``: the runner's; rows <= prompt tokens, so
-    they fit the request's blocks on both sides); other chunks ship nothing."""
+                     block_size: int, chunk_rows) -> list[ChunkTransfer]:
+    """DeepSeek-V4: per scheduled chunk, one transfer per group of layers whose staging rows
+    the chunk made final (``chunk_rows(prompt, start, end)``: the runner's
+    :meth:`~engine.v4.runner.V4Runner.chunk_rows`), from and to those rows of the request's
+    slots on both sides (its scheduler blocks hold ``staged_rows(prompt)`` rows); the last
+    transfer of the chunk that completes the prompt carries ``last``."""
     plans = []
     for row, c in enumerate(out.chunks):
-        if not c.completes:
+        rid = c.request.request_id
+        res = reservations.get(rid)
+        if res is None:
             continue
-        res = reservations[c.request.request_id]
-        rows = staged_rows(c.end)
-        plans.append(ChunkTransfer(
-            c.request.request_id, res.peers, 0, rows,
-            slot_mapping(c.request.blocks.block_ids, 0, rows, block_size),
-            slot_mapping(res.block_ids, 0, rows, res.block_size), True, row))
+        n = c.request.num_prompt_tokens
+        ranges = chunk_rows(n, c.start, c.end)
+        for k, rows in enumerate(ranges):
+            plans.append(ChunkTransfer(
+                rid, res.peers, rows.start, rows.end,
+                slot_mapping(c.request.blocks.block_ids, rows.start, rows.end, block_size),
+                slot_mapping(res.block_ids, rows.start, rows.end, res.block_size),
+                c.completes and k == len(ranges) - 1, row, rows.layers, n))
     return plans
 
 
@@ -160,8 +174,9 @@ class KVSends:
         self.name, self.rank = cfg.name, rank
         self.kv_spec = runner.kv_spec
         self.device = runner.kv_cache.device
-        # NOTE: DeepSeek-V4 stages its state after the last chunk (no per-layer stream)
-        self.stage = getattr(runner, "stage_request", None)
+        # NOTE: DeepSeek-V4 stages its rows after each chunk's step (no per-layer stream)
+        self.stage = getattr(runner, "stage_rows", None)
+        self.staged_rows = getattr(runner, "staged_rows", None)
         self.layerwise = cfg.transfer.layerwise and self.stage is None
         self.connector = PrefillKVConnector(
             runner.kv_cache, make_layout(runner, cfg), cfg.name, rank, cfg.parallel.tp,
@@ -188,9 +203,10 @@ class KVSends:
         # leaves nothing unsent: the whole chunk goes now (decode counts a cell once)
         sent = hook is not None and hook.layers_queued >= self.kv_spec.num_layers
         for t in transfers or ():
-            if self.stage is not None:  # NOTE: V4: only the layers this rank sends
+            if t.prompt_tokens:  # NOTE: V4: only the layers this rank sends
                 plan = self.connector.plan(len(t.peers))
-                self.stage(t.request_id, t.src_slots,
+                self.stage(t.request_id, t.prompt_tokens,
+                           RowRange(t.start, t.end, t.layers), t.src_slots,
                            {i for send in plan.sends_from(self.rank) for i in send.layers})
             self._queue_one(t, sent, forward_end, output)
 
@@ -205,16 +221,19 @@ class KVSends:
         completion records after the last chunk."""
         if not sent:
             self.connector.send_chunk(t.request_id, t.peers, t.start, t.end, t.src_slots,
-                                      t.dst_slots)
+                                      t.dst_slots, layers=t.layers)
         plan = self.connector.plan(len(t.peers))
         tokens = sum(b - a for a, b in plan.token_ranges(self.rank, t.start, t.end))
         for send in plan.sends_from(self.rank):
             pair = f"{self.name}:{self.rank}->{t.peers[send.decode_rank].instance}:" \
                    f"{send.decode_rank}"
-            self.log.add(t.request_id, pair,
-                         self.kv_spec.bytes_per_token_of(send.layers) * tokens)
-        if t.last:
-            self.connector.finish(t.request_id, t.peers, t.end, forward_end,
+            layers = [i for i in send.layers if t.layers is None or i in t.layers]
+            if layers:
+                self.log.add(t.request_id, pair,
+                             self.kv_spec.bytes_per_token_of(layers) * tokens)
+        if t.last:  # NOTE: V4: every staged row, whichever range came last
+            total = self.staged_rows(t.prompt_tokens) if t.prompt_tokens else t.end
+            self.connector.finish(t.request_id, t.peers, total, forward_end,
                                   draft_hidden(output, t.row))
 
     def idle(self, request_ids: list[str], timeout_s: float) -> dict[str, bool]:

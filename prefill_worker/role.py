@@ -80,6 +80,7 @@ class PrefillRole(Role):
         self.sends = KVSends(parts.runner, parts.cfg, parts.rank)
         self.leader = parts.leader
         self.staged_rows = getattr(parts.runner, "staged_rows", None)  # DeepSeek-V4
+        self.chunk_rows = getattr(parts.runner, "chunk_rows", None)  # DeepSeek-V4
         # leader: the request tables (under the leader's lock)
         self.reservations: dict[str, Reservation] = {}
         self.draining: dict[str, BlockSet] = {}  # first token out, sends still running
@@ -269,10 +270,10 @@ class PrefillRole(Role):
 
     def _chunk_transfers(self, out: SchedulerOutput) -> list[ChunkTransfer]:
         """The step inputs of a prefill step: where each scheduled chunk's KV goes (V4: the
-        staging rows of each completed prompt)."""
-        if self.staged_rows is not None:
+        staging rows each chunk makes final)."""
+        if self.chunk_rows is not None:
             return staged_transfers(out, self.reservations, self.cfg.scheduler.block_size,
-                                    self.staged_rows)
+                                    self.chunk_rows)
         return chunk_transfers(out, self.reservations, self.cfg.scheduler.block_size)
 
     def fail(self, request_id: str, error: str, retryable: bool = False) -> None:

@@ -37,6 +37,15 @@ class CompressorState:
     def num_entries(self) -> int:
         return self.entries.shape[0]
 
+    @property
+    def width(self) -> int:
+        """Elements per entry (``d``)."""
+        return self.entries.shape[1]
+
+    def read_entries(self, first: int, last: int) -> torch.Tensor:
+        """Entries ``[first, last)``, ``[last - first, d]``."""
+        return self.entries[first:last]
+
     def append_entries(self, new: torch.Tensor) -> torch.Tensor:
         """Append ``new [n, d]`` entries; return all ``[E, d]``."""
         self.entries = torch.cat((self.entries, new))

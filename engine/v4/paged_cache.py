@@ -132,8 +132,16 @@ class PagedCompressorState(CompressorState):
         return self._num
 
     @property
+    def width(self) -> int:
+        return self.storage.shape[-1]
+
+    @property
     def entries(self) -> torch.Tensor:
-        block, offset = _slots(self._ids(), 0, self._num, self.storage.shape[1])
+        return self.read_entries(0, self._num)
+
+    def read_entries(self, first: int, last: int) -> torch.Tensor:
+        """Entries ``[first, last)`` (``last <= num_entries``), read from their blocks."""
+        block, offset = _slots(self._ids(), first, last, self.storage.shape[1])
         return self.storage[block, offset]
 
     @entries.setter

@@ -20,11 +20,13 @@ and the indexer are whole, so every TP rank holds the WHOLE V4 cache (the same o
 rank runs every step, the rank's SPMD step channel).
 
 PD (any prefill tp -> any decode tp): a PD role's first use of :attr:`V4Runner.kv_cache` makes
-the staging cache (:mod:`engine.v4.staging`); prefill stages a request's state after its last
-chunk (:meth:`V4Runner.stage_request`, every prefill rank: each holds the whole state), the
-transfer moves those rows as it moves MLA's replicated latent (each prefill rank sends its
-planned layers, every decode rank gets every layer: :mod:`kv_transfer.plan`), every decode
-rank rebuilds the request's paged cache from them (:meth:`V4Runner.admit_staged`).
+the staging cache (:mod:`engine.v4.staging`); prefill stages, after each chunk, the rows of a
+request's state that chunk made final (:meth:`V4Runner.chunk_rows`, :meth:`V4Runner.stage_rows`,
+:mod:`engine.v4.row_layout`: entries and final-window rows chunk by chunk, the open-group state
+with the last; every prefill rank: each holds the whole state), the transfer moves those rows
+as it moves MLA's replicated latent (each prefill rank sends its planned layers, every decode
+rank gets every layer: :mod:`kv_transfer.plan`), every decode rank rebuilds the request's
+paged cache from them (:meth:`V4Runner.admit_staged`).
 
 EP (an :class:`engine.parallel.EPGroup` of size > 1 over the role's dp x tp ranks, as V3's):
 the rank holds only its whole routed experts (:mod:`engine.v4.expert_parallel`; under TP each
@@ -33,7 +35,8 @@ TP rank dispatches a slice of the tokens); every DP rank of the group runs
 lockstep (the rank's DP sync, rank/dp_sync.py, as for V3). EP leaves the V4 cache alone.
 
 Not supported yet (refused by :func:`check_v4_serving`): CP, layer sharding, graph mode, MTP,
-the prefix cache, per-layer KV streaming (the state ships after the last chunk).
+the prefix cache, per-layer KV streaming (rows ship after each chunk's step, not during its
+forward).
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ from engine.v4.loader import load_v4
 from engine.v4.kv_spec import layer_specs
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
 from engine.v4.request_caches import RequestCaches
-from engine.v4.staging import (StagingCache, StagingSpec, layout_text, pack, staged_rows,
-                               tiers, unpack)
-from engine.v4.state_io import export_request
+from engine.v4.kv_spec import layer_specs
+from engine.v4.row_layout import RowRange, chunk_rows, kind_layout, pack_rows
+from engine.v4.staging import StagingCache, StagingSpec, layout_text, staged_rows, tiers, unpack
+from engine.v4.state_io import cache_reader, export_request
 
 V4_MODEL_TYPE, V4_ARCHITECTURE = "deepseek_v4", "DeepseekV4ForCausalLM"
 
@@ -234,15 +238,15 @@ class V4Runner:
 
         Raises:
             ValueError: no steps; ``on_kv_written`` given (V4 streams no per-layer KV: its
-                state ships after the last chunk, :meth:`stage_request`); a
+                rows ship after each chunk's step, :meth:`stage_rows`); a
                 step past ``max_position_embeddings``; a step not continuing its request's
                 cache (unknown request, or ``num_computed_tokens`` != cached tokens).
         """
         if not steps:
             raise ValueError("execute() needs at least one SeqStep")
         if on_kv_written is not None:
-            raise ValueError("DeepSeek-V4 does not stream per-layer KV (its state ships after "
-                             "the last chunk): set transfer.layerwise false")
+            raise ValueError("DeepSeek-V4 does not stream per-layer KV (its staging rows ship "
+                             "after each chunk's step): set transfer.layerwise false")
         self._apply_releases()
         caches = [self._cache_of(s) for s in steps]
         lengths = [len(s.token_ids) for s in steps]
@@ -311,23 +315,36 @@ class V4Runner:
         (:func:`engine.v4.staging.staged_rows`, <= ``num_tokens``)."""
         return staged_rows(self.model.config, num_tokens)
 
-    def stage_request(self, request_id: str, slots, layers: Collection[int] | None = None
-                      ) -> None:
-        """Prefill: write the request's state (its cache after its last chunk) into the
-        staging cache at ``slots`` (int64 ``[staged_rows(n)]``); ``layers``: only these (the
-        ones the transfer plan has this rank send: under TP every rank holds the whole state,
-        each sends a part, :mod:`kv_transfer.plan`), None: all.
+    def chunk_rows(self, num_tokens: int, start: int, end: int) -> tuple[RowRange, ...]:
+        """Prefill leader: the staging rows a chunk of tokens ``[start, end)`` of a
+        ``num_tokens``-token prompt makes final, per layer group
+        (:func:`engine.v4.row_layout.chunk_rows`: over the prompt's chunks, every row of every
+        layer once)."""
+        return chunk_rows(self.model.config, num_tokens, start, end)
+
+    def stage_rows(self, request_id: str, num_tokens: int, rows: RowRange, slots,
+                   layers: Collection[int] | None = None) -> None:
+        """Prefill, after the chunk that made them final: write staging rows ``[rows.start,
+        rows.end)`` of the request (of ``num_tokens`` prompt tokens) into the staging cache at
+        ``slots`` (int64 ``[rows.end - rows.start]``), for ``rows.layers`` (only those also
+        in ``layers``: the ones the transfer plan has this rank send; under TP every rank
+        holds the whole state, each sends a part, :mod:`kv_transfer.plan`).
 
         Raises:
-            KeyError: no cache for ``request_id``. ValueError: ``slots`` is not one per row.
+            KeyError: no cache for ``request_id``. ValueError: ``slots`` is not one per row;
+                a row is not final yet (:func:`engine.v4.state_io.cache_reader`).
         """
-        cache = self.caches[request_id]
-        rows = pack(self.model.config, export_request(cache), cache.num_tokens, self.dtype,
-                    layers)
-        want = staged_rows(self.model.config, cache.num_tokens)
-        if want != slots.numel():
-            raise ValueError(f"{request_id}: {want} staging rows, {slots.numel()} slots")
-        self.kv_cache.write(slots, rows)
+        if slots.numel() != rows.end - rows.start:
+            raise ValueError(f"{request_id}: rows [{rows.start}, {rows.end}), "
+                             f"{slots.numel()} slots")
+        cache, specs = self.caches[request_id], layer_specs(self.model.config)
+        out: list[torch.Tensor | None] = [None] * len(specs)
+        for i in rows.layers:
+            if layers is None or i in layers:
+                out[i] = pack_rows(kind_layout(specs[i], num_tokens),
+                                   cache_reader(cache, i, num_tokens), rows.start, rows.end,
+                                   self.dtype, self.device)
+        self.kv_cache.write(slots, out)
 
     def admit_staged(self, request_id: str, block_ids: tuple[int, ...], slots,
                      num_tokens: int) -> None:

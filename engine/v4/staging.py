@@ -5,17 +5,15 @@ The transfer moves ``[layers, rows, width]`` slot rows of a paged cache (one buf
 layer, :mod:`kv_transfer.payload`). A V4 request's state after ``n`` tokens is, per layer,
 the tensors :func:`engine.v4.state_io.export_request` gives (window, compressed entries,
 indexer keys, compressor / indexer open-group state), of different widths and row counts.
-Here each layer's tensors are laid end to end in spec order (:meth:`LayerKVSpec.tensors`),
-flattened, zero-padded and cut into rows of its kind's width (:func:`kind_widths`: the sum of
-the kind's tensor widths): the layer's ``staged_rows`` rows. Every layer ships the same row
-count (the most any kind needs, :func:`staged_rows`), so one record per layer carries the same
-token range, as for MLA; a narrower kind (HCA, sliding) ships narrower rows.
-
-Bound: every tensor holds at most ``n`` rows after ``n`` tokens (window ``min(n, W - 1)``,
-entries ``n // r``, open group ``n % r``, overlap ``r`` once ``n >= r``), so a layer holds at
-most ``n x`` its kind's width elements and ``staged_rows(n) <= n``. A PD role's scheduler
-pool addresses the staging cache and holds only these rows (``staging_blocks_for``; its size,
-``V4Runner.scheduler_blocks``, is the role's ``v4_staging_blocks`` or ``num_kv_blocks``).
+Each layer's tensors go into rows of its kind's width (:func:`kind_widths`: the sum of the
+kind's tensor widths) as :mod:`engine.v4.row_layout` lays them out (entries first, then the
+final window and the state, so rows become final chunk by chunk): the layer's
+``staged_rows(n)`` rows. Every layer ships the same row count (the most any kind needs), so
+the decode tracker's ``[layers, rows]`` cells are MLA's; a narrower kind (HCA, sliding) ships
+narrower rows. ``staged_rows(n) <= n`` (tested; :mod:`engine.v4.row_layout`). A PD role's
+scheduler pool addresses the staging cache and holds only these rows
+(``staging_blocks_for``; its size, ``V4Runner.scheduler_blocks``, is the role's
+``v4_staging_blocks`` or ``num_kv_blocks``).
 
 Buffers (:func:`tiers`): the kinds' widths sorted ascending cut a row into nested column
 tiers: tier 0 (the narrowest kind's width) on every layer, tier ``j`` (the next width minus
@@ -32,7 +30,6 @@ The staging cache (:class:`StagingCache`) is allocated only by a PD role
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -40,6 +37,8 @@ import torch
 
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import kv_specs, layer_specs
+from engine.v4.row_layout import (ROW_LAYOUT, kind_layout, pack_rows, staged_rows,
+                                  unpack_rows)
 
 STAGING_BUFFER = "v4_state"
 
@@ -63,15 +62,6 @@ def tiers(config: V4Config) -> tuple[tuple[int, tuple[int, ...]], ...]:
         out.append((cut - below, layers))
         below = cut
     return tuple(out)
-
-
-def staged_rows(config: V4Config, num_tokens: int) -> int:
-    """Rows every layer ships for a request after ``num_tokens`` (>= 1) tokens: the most any
-    kind needs, at least 1, at most ``num_tokens`` (module docstring)."""
-    widths = kind_widths(config)
-    need = max(math.ceil(spec.elements(num_tokens) / widths[kind])
-               for kind, spec in kv_specs(config).items())
-    return max(1, need)
 
 
 def staging_bytes_per_slot(config: V4Config, dtype_bytes: int) -> int:
@@ -100,26 +90,27 @@ def staging_blocks_for(config: V4Config, num_tokens: int, block_size: int) -> in
 def layout_text(config: V4Config) -> str:
     """The V4 KV specs as a canonical string (the transfer layout's ``layer_specs``: two
     instances exchange rows only when it is equal): tier widths, window, per kind its ratio
-    and tensors (name, width), and the layer schedule."""
+    and tensors (name, width), the layer schedule, and the row layout's name
+    (:mod:`engine.v4.row_layout`: another layout puts the same tensors in other rows)."""
     kinds = {kind: [spec.compress_ratio, [[t.name, t.width] for t in spec.tensors()]]
              for kind, spec in sorted(kv_specs(config).items())}
     return json.dumps({"tiers": [w for w, _ in tiers(config)],
                        "sliding_window": config.sliding_window,
-                       "kinds": kinds, "layer_types": list(config.layer_types)},
+                       "kinds": kinds, "layer_types": list(config.layer_types),
+                       "rows": ROW_LAYOUT},
                       sort_keys=True, separators=(",", ":"))
 
 
 def pack(config: V4Config, layers: list[dict[str, torch.Tensor]], num_tokens: int,
          dtype: torch.dtype, only: Collection[int] | None = None) -> list[torch.Tensor | None]:
-    """Per layer ``[staged_rows(num_tokens), kind width]`` in ``dtype``: its tensors
-    (:func:`~engine.v4.state_io.export_request`'s dicts) in spec order, flattened,
-    zero-padded; with ``only``, None for the layers not in it (a prefill TP rank packs only
-    the layers the transfer plan has it send).
+    """Per layer all its rows ``[staged_rows(num_tokens), kind width]`` in ``dtype``, from
+    its tensors (:func:`~engine.v4.state_io.export_request`'s dicts) laid out by
+    :mod:`engine.v4.row_layout`; with ``only``, None for the layers not in it.
 
     Raises:
         ValueError: a layer lacks a tensor its spec names.
     """
-    rows, widths = staged_rows(config, num_tokens), kind_widths(config)
+    rows = staged_rows(config, num_tokens)
     out: list[torch.Tensor | None] = []
     for i, (spec, tensors) in enumerate(zip(layer_specs(config), layers, strict=True)):
         if only is not None and i not in only:
@@ -128,10 +119,9 @@ def pack(config: V4Config, layers: list[dict[str, torch.Tensor]], num_tokens: in
         missing = [t.name for t in spec.tensors() if t.name not in tensors]
         if missing:
             raise ValueError(f"layer {i} ({spec.kind}) lacks {missing} to stage")
-        flat = torch.cat([tensors[t.name].reshape(-1).to(dtype) for t in spec.tensors()])
-        row = flat.new_zeros(rows * widths[spec.kind])
-        row[:flat.numel()] = flat
-        out.append(row.view(rows, widths[spec.kind]))
+        out.append(pack_rows(kind_layout(spec, num_tokens),
+                             lambda name, a, b, tensors=tensors: tensors[name][a:b],
+                             0, rows, dtype))
     return out
 
 
@@ -143,20 +133,14 @@ def unpack(config: V4Config, rows: list[torch.Tensor], num_tokens: int
     Raises:
         ValueError: a layer's rows are not ``[staged_rows(num_tokens), kind width]``.
     """
-    specs, widths = layer_specs(config), kind_widths(config)
-    want_rows = staged_rows(config, num_tokens)
+    widths, want_rows = kind_widths(config), staged_rows(config, num_tokens)
     out = []
-    for i, (spec, layer) in enumerate(zip(specs, rows, strict=True)):
+    for i, (spec, layer) in enumerate(zip(layer_specs(config), rows, strict=True)):
         want = (want_rows, widths[spec.kind])
         if tuple(layer.shape) != want:
             raise ValueError(f"layer {i}: staged rows {tuple(layer.shape)} for {num_tokens} "
                              f"tokens; the V4 specs give {want}")
-        flat, tensors, at = layer.reshape(-1), {}, 0
-        for t in spec.tensors():
-            count = spec.rows(t, num_tokens) * t.width
-            tensors[t.name] = flat[at:at + count].view(-1, t.width)
-            at += count
-        out.append(tensors)
+        out.append(unpack_rows(spec, layer, num_tokens))
     return out
 
 

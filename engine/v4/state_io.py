@@ -9,6 +9,8 @@ open group, no entry yet) is shipped empty, so the receiver never guesses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.v4.cache import CompressorState, LayerCache, V4Cache
@@ -21,24 +23,72 @@ def export_request(cache: V4Cache) -> list[dict[str, torch.Tensor]]:
     out = []
     for layer in cache.layers:
         tensors = {"window_kv": layer.window}
-        for prefix, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
-            if state is None:
-                continue
-            entries = "compressed_kv" if prefix == "compressor" else "index_keys"
-            tensors[entries] = state.entries
-            width = state.entries.shape[1]
-            coff = 2 if layer.spec.overlap else 1
-            for part in ("kv", "gate"):
-                buffer = getattr(state, f"buffer_{part}")
-                tensors[f"{prefix}_buffer_{part}"] = (
-                    buffer if buffer is not None else state.entries.new_zeros(0, coff * width))
-                if layer.spec.overlap:
-                    overlap = getattr(state, f"overlap_{part}")
-                    tensors[f"{prefix}_overlap_{part}"] = (
-                        overlap if overlap is not None else state.entries.new_zeros(0, width))
+        for state, entries in ((layer.compressor, "compressed_kv"),
+                               (layer.indexer, "index_keys")):
+            if state is not None:
+                tensors[entries] = state.entries
+        tensors.update(_open_groups(layer))
         _check(layer.spec, tensors, cache.num_tokens)
         out.append(tensors)
     return out
+
+
+def _open_groups(layer: LayerCache) -> dict[str, torch.Tensor]:
+    """The layer's ``request`` tensors (compressor / indexer open-group state), by name; the
+    empty ones ``[0, width]``."""
+    tensors = {}
+    for prefix, state in (("compressor", layer.compressor), ("indexer", layer.indexer)):
+        if state is None:
+            continue
+        width, none = state.width, state.read_entries(0, 0)  # NOTE: [0, width]: dtype, device
+        coff = 2 if layer.spec.overlap else 1
+        for part in ("kv", "gate"):
+            buffer = getattr(state, f"buffer_{part}")
+            tensors[f"{prefix}_buffer_{part}"] = (
+                buffer if buffer is not None else none.new_zeros(0, coff * width))
+            if layer.spec.overlap:
+                overlap = getattr(state, f"overlap_{part}")
+                tensors[f"{prefix}_overlap_{part}"] = (
+                    overlap if overlap is not None else none)
+    return tensors
+
+
+def cache_reader(cache: V4Cache, layer: int, num_prompt_tokens: int
+                 ) -> Callable[[str, int, int], torch.Tensor]:
+    """Prefill: ``read(name, first, last)`` -> rows ``[first, last)`` of layer ``layer``'s
+    tensor ``name`` as a request of ``num_prompt_tokens`` tokens holds it at the end of its
+    prompt (:mod:`engine.v4.row_layout`'s reader), from ``cache`` part way through it:
+    ``window_kv`` row ``i`` is token ``num_prompt_tokens - min(num_prompt_tokens, W - 1) +
+    i``; entries by index; the open-group state only once the whole prompt is in ``cache``.
+
+    Raises:
+        ValueError: the rows asked for are not final yet (a token or entry not computed, the
+            state before the prompt's end), or the window no longer holds the token.
+    """
+    lay, n = cache.layers[layer], num_prompt_tokens
+    states = {"compressed_kv": lay.compressor, "index_keys": lay.indexer}
+
+    def read(name: str, first: int, last: int) -> torch.Tensor:
+        e = cache.num_tokens
+        if name == "window_kv":
+            window = lay.window  # NOTE: tokens [e - len(window), e)
+            lo = n - min(n, lay.spec.sliding_window - 1) + first - (e - window.shape[0])
+            if lo < 0 or lo + last - first > window.shape[0]:
+                raise ValueError(f"layer {layer}: window rows [{first}, {last}) of a {n}-token "
+                                 f"prompt are not in the window after {e} tokens")
+            return window[lo:lo + last - first]
+        if name in states:
+            state = states[name]
+            if last > state.num_entries:
+                raise ValueError(f"layer {layer}: {name} [{first}, {last}) asked for, "
+                                 f"{state.num_entries} computed after {e} tokens")
+            return state.read_entries(first, last)
+        if e != n:
+            raise ValueError(f"layer {layer}: {name} (open-group state) is final only after "
+                             f"the prompt's {n} tokens; {e} computed")
+        return _open_groups(lay)[name][first:last]
+
+    return read
 
 
 def import_request(config: V4Config, layers: list[dict[str, torch.Tensor]],

@@ -2,8 +2,9 @@
 machine at load average ~6 with the tiny checkpoint already made, 7 min at ~15; over the e2e
 budget). DeepSeek-V4 end to end: `orch up configs/v4_colocated.yaml` (the tiny V4
 checkpoint, colocated, one rank), then `orch up configs/v4_1p1d.yaml` as prefill tp 1 ->
-decode tp 1, P2 -> D1 and P1 -> D2 (the V4 state shipped through the KV transfer: each
-prefill rank sends its planned layers, every decode rank rebuilds the whole cache), then `orch
+decode tp 1, P2 -> D1 and P1 -> D2 (the V4 state shipped through the KV transfer chunk by
+chunk, prefill chunks of 8 tokens: each prefill rank sends its planned layers, every decode
+rank rebuilds the whole cache), then `orch
 up configs/v4_ep_colocated.yaml` (two DP ranks, expert parallelism: 4 of 8 experts each, in
 lockstep; and with decode.tp 2: EP over dp x tp = 4 ranks, 2 experts each) and `orch up
 configs/v4_ep_2p2d.yaml` (PD, prefill dp 2 and decode dp 2, each an EP group; and with
@@ -47,13 +48,20 @@ def _hf_greedy(checkpoint, prompts: list[tuple[int, ...]]) -> list[list[int]]:
 _WANT: dict[str, list[list[int]]] = {}  # checkpoint -> transformers' tokens (once per run)
 
 
-@pytest.mark.parametrize("config, tps", [("v4_colocated.yaml", {}), ("v4_1p1d.yaml", {}),
-                                         ("v4_1p1d.yaml", {"prefill.tp": 2, "decode.tp": 1}),
-                                         ("v4_1p1d.yaml", {"prefill.tp": 1, "decode.tp": 2}),
+# NOTE: PD in prefill chunks of 8 tokens: the prompts' V4 rows ship chunk by chunk
+CHUNKS = {"prefill.chunk_size": 8}
+
+
+@pytest.mark.parametrize("config, tps", [("v4_colocated.yaml", {}),
+                                         ("v4_1p1d.yaml", CHUNKS),
+                                         ("v4_1p1d.yaml", {"prefill.tp": 2, "decode.tp": 1,
+                                                           **CHUNKS}),
+                                         ("v4_1p1d.yaml", {"prefill.tp": 1, "decode.tp": 2,
+                                                           **CHUNKS}),
                                          ("v4_ep_colocated.yaml", {}),
                                          ("v4_ep_colocated.yaml", {"decode.tp": 2}),
-                                         ("v4_ep_2p2d.yaml", {}),
-                                         ("v4_ep_2p2d.yaml", {"prefill.tp": 2})],
+                                         ("v4_ep_2p2d.yaml", CHUNKS),
+                                         ("v4_ep_2p2d.yaml", {"prefill.tp": 2, **CHUNKS})],
                          ids=["colocated", "P1-D1", "P2-D1", "P1-D2", "ep_colocated",
                               "ep_tp2_colocated", "ep_2p2d", "ep_2p2d_P2-D1"])
 def test_v4_serves_equal_to_transformers(tmp_path, joined_ray, config, tps):

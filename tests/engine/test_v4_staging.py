@@ -1,17 +1,26 @@
-"""DeepSeek-V4 staging rows (engine/v4/staging.py): what PD ships. A request's tensors packed
-into rows, written at scattered slots and read back are bit-identical; the rows fit the
-prompt's slots (``staged_rows(n) <= n``); the tier buffers nest (a layer's buffers are the
-layout's first ones) and add up to each kind's width; unpack refuses rows of another shape."""
+"""DeepSeek-V4 staging rows (engine/v4/staging.py, engine/v4/row_layout.py): what PD ships. A
+request's tensors packed into rows, written at scattered slots and read back are
+bit-identical; the rows fit the prompt's slots (``staged_rows(n) <= n``); the tier buffers nest
+(a layer's buffers are the layout's first ones) and add up to each kind's width; unpack refuses
+rows of another shape. Chunk by chunk: over a prompt's chunks every row of every layer is
+final in exactly one chunk, rows go out before the last chunk of a long prompt, and rows staged
+from a real runner's cache right after the chunk that made them final equal the rows packed
+from its whole state at the end (so no shipped row changes later); a row not final yet is
+refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.block_pool import slot_mapping
+from engine.runner import SeqStep, build_runner
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import layer_specs
+from engine.v4.row_layout import RowRange, chunk_rows, kind_layout
 from engine.v4.staging import (StagingCache, StagingSpec, kind_widths, pack, staged_rows, tiers,
                                unpack)
+from engine.v4.state_io import export_request
 
 
 @pytest.fixture(scope="module", params=["tiny", "default"])
@@ -65,3 +74,64 @@ def test_pack_write_read_unpack_is_exact(tiny_v4_ckpt, n):
             assert torch.equal(t, got_layer[name]), name
     with pytest.raises(ValueError, match="staged rows"):
         unpack(config, cache.read(slots[:-1] if rows > 1 else slots.repeat(2)), n)
+
+
+@pytest.mark.parametrize("n,chunk", [(1, 1), (5, 2), (33, 8), (130, 7), (130, 130),
+                                     (1000, 64), (4097, 512)])
+def test_chunks_make_every_row_final_exactly_once(config, n, chunk):
+    """Consecutive chunks of a prompt: each (layer, row) of ``[layers, staged_rows(n)]`` is in
+    exactly one chunk's ranges; a prompt of more than one chunk past the window ships rows
+    before its last chunk (compressed entries, then window rows), and its last chunk ships
+    fewer rows than all of them (the state and the rows still open)."""
+    seen = torch.zeros(config.num_hidden_layers, staged_rows(config, n), dtype=torch.int32)
+    early = 0
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        for rows in chunk_rows(config, n, start, end):
+            assert list(rows.layers) == sorted(set(rows.layers)) and rows.start < rows.end
+            seen[list(rows.layers), rows.start:rows.end] += 1
+            if end < n:
+                early += len(rows.layers) * (rows.end - rows.start)
+    assert bool((seen == 1).all()), (seen != 1).nonzero()[:5]
+    if n > 2 * chunk and n - chunk > config.sliding_window:
+        assert 0 < early < seen.numel()
+    with pytest.raises(ValueError, match="chunk"):
+        chunk_rows(config, n, 0, n + 1)
+
+
+@pytest.mark.parametrize("n,chunk", [(5, 2), (12, 8), (23, 8), (33, 8), (40, 3), (47, 16)])
+def test_rows_staged_chunk_by_chunk_equal_the_final_state(tiny_v4_ckpt, n, chunk):
+    """A real (tiny) runner prefills ``n`` tokens in chunks; after each chunk the rows it made
+    final are staged from the live cache (``V4Runner.stage_rows``). At the end they are
+    bit-identical to the rows packed from the whole exported state, and unpack to it."""
+    torch.manual_seed(0)
+    runner = build_runner(tiny_v4_ckpt, num_kv_blocks=64, block_size=4)
+    config, table = runner.model.config, tuple(range(16))
+    prompt = tuple(torch.randint(0, 1000, (n,)).tolist())
+    total = staged_rows(config, n)
+    last_csa = kind_layout(layer_specs(config)[3], n).rows - 1  # NOTE: holds CSA state
+    slots = torch.randperm(64 * 4, generator=torch.Generator().manual_seed(n))[:total]
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        runner.execute([SeqStep("r", prompt[start:end], start, table)])
+        if end < n:  # NOTE: the open-group state is not final before the prompt's end
+            with pytest.raises(ValueError, match="final only after"):
+                runner.stage_rows("r", n, RowRange(last_csa, last_csa + 1, (3,)), slots[:1])
+        for rows in runner.chunk_rows(n, start, end):
+            runner.stage_rows("r", n, rows, slots[rows.start:rows.end])
+    want = pack(config, export_request(runner.caches["r"]), n, runner.dtype)
+    got = runner.kv_cache.read(slots)
+    for layer, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert torch.equal(w, g), layer
+    for w, g in zip(export_request(runner.caches["r"]), unpack(config, got, n), strict=True):
+        assert all(torch.equal(w[name], g[name]) for name in w)
+
+
+def test_a_row_not_computed_yet_is_refused(tiny_v4_ckpt):
+    """Staging a chunk's rows before the chunk ran: the reader names what is missing."""
+    runner = build_runner(tiny_v4_ckpt, num_kv_blocks=64, block_size=4)
+    runner.execute([SeqStep("r", tuple(range(8)), 0, tuple(range(16)))])
+    (entries, *_rest) = runner.chunk_rows(40, 8, 40)  # NOTE: CSA entries 2 on, not computed
+    with pytest.raises(ValueError, match="computed after 8 tokens"):
+        runner.stage_rows("r", 40, entries,
+                          slot_mapping(tuple(range(16)), entries.start, entries.end, 4))

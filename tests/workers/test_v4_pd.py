@@ -3,8 +3,9 @@ as the router drives it (reserve -> prefill -> first token -> admit -> decode): 
 tokens equal a colocated V4 runner's (which equal transformers', tests/engine/
 test_v4_runner.py) for prompts shorter than the window, longer than it and ending inside a
 compression group; every block (scheduler pools, V4 group pools) is free afterwards on both
-sides; an abort mid-transfer frees everything; a layout of other V4 specs is refused naming
-them."""
+sides; the state ships chunk by chunk (a long prompt's rows reach decode in several records
+before its last chunk, each row once: bytes = the plan's); an abort mid-prefill after some
+chunks shipped frees every block once; a layout of other V4 specs is refused naming them."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from engine.sampling_params import SamplingParams
 from engine.v4.staging import kind_widths, staged_rows
 from kv_transfer.errors import LayoutMismatchError
 from prefill_worker.role import PrefillRole
-from rank.messages import Abort, Prefill, Rejection, Reservation, Reserve
+from rank.messages import Abort, Admit, Prefill, Rejection, Reservation, Reserve
 from kv_transfer.config import TransferConfig
 from rank.config import InstanceConfig, SchedulerConfig
 from rank.kv_setup import staged_layout
 from rank.rank import Rank
-from tests.workers.test_pd_ranks import run_pd, wait_all_free
+from tests.workers.test_pd_ranks import run_pd, wait_all_free, wait_events
 
 # NOTE: the tiny V4 model: window 8, ratios 4 (CSA) and 16 (HCA); chunks of 8 split groups
 PROMPTS = {"short": 5, "window": 12, "long": 23, "groups": 33}
@@ -116,42 +117,148 @@ def test_v4_pd_equals_colocated_and_frees_everything(pd, v4_ckpt):
     assert all(staged_rows(runner.model.config, n) <= n for n in range(1, 300))
 
 
-@pytest.mark.parametrize("when", ["first_chunk", "staged"])
-def test_v4_abort_mid_transfer_frees_everything(pd, when):
-    """Abort after the first of four prefill chunks ran (nothing staged yet), or once the last
-    chunk's staged rows are queued (records queued or in flight): both sides' scheduler and
-    V4 pools end free."""
-    prefill, decode = pd
-    held, resume = threading.Event(), threading.Event()
-    queue, step = prefill.role.sends.queue, prefill.role.step
+class FreeCounts:
+    """Counts each block set's frees on the scheduler pools of ``ranks`` (a second free of a
+    set raises in the pool itself; this also sees that every set was freed)."""
 
-    def hold() -> None:
-        held.set()
-        resume.wait(10)
+    def __init__(self, *ranks) -> None:
+        self.pools, self.counts, self.taken = [r.leader.pool for r in ranks], {}, {}
+        for pool in self.pools:
+            free, allocate = pool.free, pool.allocate
 
-    def queue_then_hold(transfers, output=None):  # every rank, after the forward
-        queue(transfers, output)
-        if transfers and not held.is_set():
-            hold()
+            def counting_free(block_set, free=free, pool=pool):
+                key = (id(pool), block_set.set_id)
+                self.counts[key] = self.counts.get(key, 0) + 1
+                free(block_set)
 
-    def step_then_hold() -> bool:  # the leader's loop, after the step's bookkeeping
+            def counting_allocate(*args, allocate=allocate, pool=pool, **kwargs):
+                block_set = allocate(*args, **kwargs)
+                self.taken[(id(pool), block_set.set_id)] = True
+                return block_set
+
+            pool.free, pool.allocate = counting_free, counting_allocate
+
+    def undo(self) -> None:
+        for pool in self.pools:
+            del pool.free, pool.allocate
+
+    def assert_each_once(self) -> None:
+        assert self.taken and all(self.counts.get(k) == 1 for k in self.taken), \
+            (self.taken, self.counts)
+
+
+def _hold_before(prefill, rid: str, computed: int):
+    """Make the prefill leader's loop wait once ``rid`` has ``computed`` tokens (after that
+    step's bookkeeping and sends); returns (held, resume, undo)."""
+    held, resume, step = threading.Event(), threading.Event(), prefill.role.step
+
+    def step_then_hold() -> bool:
         busy = step()
-        if busy and not held.is_set():
-            hold()
+        req = prefill.leader.scheduler.find(rid)
+        if req is not None and req.num_computed_tokens == computed and not held.is_set():
+            held.set()
+            resume.wait(30)
         return busy
 
-    if when == "staged":
-        prefill.role.sends.queue = queue_then_hold
-    else:
-        prefill.role.step = step_then_hold  # the loop looks up role.step every iteration
-    spec = RequestSpec("ab-" + when, _prompt(30, 7),
-                       SamplingParams(max_tokens=40, ignore_eos=True))
+    prefill.role.step = step_then_hold  # the loop looks up role.step every iteration
+
+    def undo() -> None:
+        resume.set()
+        prefill.role.step = step
+
+    return held, resume, undo
+
+
+def _wait(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_v4_state_ships_chunk_by_chunk(pd, v4_ckpt):
+    """A 40-token prompt in chunks of 8 (window 8, so its last chunk holds the whole final
+    window): held before its last chunk, decode has already received more than one record
+    and the rows the first four chunks made final (``chunk_rows``), and still waits
+    (TRANSFERRING); then the output equals colocated, the bytes sent equal the plan's
+    (``staged_rows`` x row bytes: no row twice), and every scheduler block set on both sides
+    was freed exactly once."""
+    from engine.v4.row_layout import chunk_rows  # noqa: PLC0415
+    from kv_transfer import KVPoll  # noqa: PLC0415
+
+    prefill, decode = pd
+    config, n = prefill.runner.model.config, 40
+    spec = RequestSpec("stream", _prompt(n, 11), SamplingParams(max_tokens=NEW, ignore_eos=True))
+    per_layer = [w * 4 for w in (kind_widths(config)[k] for k in config.layer_types)]  # fp32
+    early = sum(sum(per_layer[i] for i in r.layers) * (r.end - r.start)
+                for s in range(0, n - 8, 8) for r in chunk_rows(config, n, s, s + 8))
+    total = staged_rows(config, n) * sum(per_layer)
+    assert 0 < early < total
+    d_conn, p_conn = decode.role.connector, prefill.role.sends.connector
+    d_before, p_before = d_conn.stats.snapshot(), p_conn.stats.snapshot()
+    counts = FreeCounts(prefill, decode)
+    held, resume, undo = _hold_before(prefill, spec.request_id, n - 8)
     try:
         res = decode.request(Reserve(spec, 1))
         prefill.request(Prefill(spec, res))
         assert held.wait(30)
-        if when == "first_chunk":
-            assert prefill.leader.scheduler.find(spec.request_id).num_computed_tokens == 8
+        _wait(lambda: d_conn.stats.snapshot()["bytes"] - d_before["bytes"] >= early)
+        got = d_conn.stats.snapshot()
+        assert got["bytes"] - d_before["bytes"] == early
+        assert got["transfers"] - d_before["transfers"] > 1
+        assert decode.role.connector.poll(spec.request_id).state is KVPoll.TRANSFERRING
+        resume.set()
+        (first,) = _first_events(prefill, spec)
+        decode.request(Admit(spec.request_id, first.token_ids[0]))
+        events = wait_events(decode, spec.request_id, lambda e: e.finish_reason is not None)
+    finally:
+        undo()
+    tokens = [*first.token_ids, *(t for e in events for t in e.token_ids)]
+    assert tokens == _solo_greedy(v4_ckpt, spec.prompt_token_ids, NEW)
+    wait_all_free(prefill, decode)
+    counts.undo()
+    counts.assert_each_once()
+    for rank in (prefill, decode):
+        _v4_free(rank)
+    assert p_conn.stats.snapshot()["bytes"] - p_before["bytes"] == total
+    assert d_conn.stats.snapshot()["bytes"] - d_before["bytes"] == total
+
+
+def _first_events(prefill, spec):
+    return wait_events(prefill, spec.request_id, lambda e: True)
+
+
+@pytest.mark.parametrize("when", ["mid_prefill", "staged"])
+def test_v4_abort_mid_transfer_frees_everything(pd, when):
+    """Abort after two of four prefill chunks ran and their rows reached decode, or once the
+    last chunk's rows are queued (records queued or in flight): both sides' scheduler block
+    sets are freed exactly once and their V4 pools end free."""
+    prefill, decode = pd
+    held, resume = threading.Event(), threading.Event()
+    queue = prefill.role.sends.queue
+    spec = RequestSpec("ab-" + when, _prompt(30, 7),
+                       SamplingParams(max_tokens=40, ignore_eos=True))
+
+    def queue_then_hold(transfers, output=None):  # every rank, after the forward
+        queue(transfers, output)
+        if transfers and any(t.last for t in transfers) and not held.is_set():
+            held.set()
+            resume.wait(10)
+
+    undo = lambda: None  # noqa: E731
+    if when == "staged":
+        prefill.role.sends.queue = queue_then_hold
+    else:
+        held, resume, undo = _hold_before(prefill, spec.request_id, 16)
+    counts = FreeCounts(prefill, decode)
+    sent = decode.role.connector.stats.snapshot()["transfers"]
+    try:
+        res = decode.request(Reserve(spec, 1))
+        prefill.request(Prefill(spec, res))
+        assert held.wait(30)
+        if when == "mid_prefill":
+            assert prefill.leader.scheduler.find(spec.request_id).num_computed_tokens == 16
+            _wait(lambda: decode.role.connector.stats.snapshot()["transfers"] > sent)
         abort = threading.Thread(target=lambda: prefill.request(Abort(spec.request_id)))
         abort.start()
         resume.set()
@@ -159,9 +266,12 @@ def test_v4_abort_mid_transfer_frees_everything(pd, when):
         assert not abort.is_alive()
     finally:
         resume.set()
-        prefill.role.sends.queue, prefill.role.step = queue, step
+        undo()
+        prefill.role.sends.queue = queue
     assert decode.request(Abort(spec.request_id))
     wait_all_free(prefill, decode)
+    counts.undo()
+    counts.assert_each_once()
     for rank in (prefill, decode):
         _v4_free(rank)
 
@@ -222,9 +332,6 @@ def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
 def _run_until_decode_ends(prefill, decode, spec, res=None):
     """Reserve (unless ``res`` is given), prefill, admit; the decode side's events of
     ``spec`` until its final one."""
-    from rank.messages import Admit  # noqa: PLC0415
-    from tests.workers.test_pd_ranks import wait_events  # noqa: PLC0415
-
     res = res or decode.request(Reserve(spec, 1))
     prefill.request(Prefill(spec, res))
     (first,) = wait_events(prefill, spec.request_id, lambda e: True)

@@ -1,10 +1,11 @@
 """DeepSeek-V4 PD across TP sizes, P2 -> D1 and P1 -> D2, in forked rank processes (gloo TP
-groups, the real KV connectors, no Ray): each prefill rank runs the prompt in chunks of 8,
-stages the request's (whole, replicated) V4 state and sends the layers the transfer plan gives
-it; every decode rank receives every layer, rebuilds the request's paged cache and decodes.
+groups, the real KV connectors, no Ray): each prefill rank runs the prompt in chunks of 8 and,
+after each chunk, stages the rows of the request's (whole, replicated) V4 state that chunk made
+final and sends those of the layers the transfer plan gives it; every decode rank receives
+every layer, rebuilds the request's paged cache and decodes.
 Each prefill rank stages only the layers it sends (a rank's missing layer would reach decode
-as zeros). The greedy tokens equal a colocated tp-1 runner's (which equal transformers', tests/engine/
-test_v4_runner.py) for prompts shorter than the window, longer, and across compression groups;
+as zeros). The greedy tokens equal a colocated tp-1 runner's (which equal transformers',
+tests/engine/test_v4_runner.py) for prompts shorter than the window, longer, and across compression groups;
 bytes sent are the plan's (P2 -> D1: one copy of the rows split over two senders; P1 -> D2: a
 copy per decode rank); every V4 group block is free on both sides afterwards.
 
@@ -73,13 +74,15 @@ def prefill_rank(role: str, rank: int, p_tp: int, ckpt: str, port: int, addr_q, 
     for seed, (rid, n) in enumerate(PROMPTS.items()):
         prompt, blocks = _prompt(n, seed), pool.allocate(-(-n // P_BLOCK))
         for start in range(0, n, CHUNK):
-            logits = runner.execute([SeqStep(rid, prompt[start:start + CHUNK], start,
-                                             blocks.block_ids)])
-        rows = runner.staged_rows(n)
-        src = slot_mapping(blocks.block_ids, 0, rows, P_BLOCK)
-        runner.stage_request(rid, src, mine)  # NOTE: only the layers this rank sends
-        conn.send_chunk(rid, peers, 0, rows, src, slot_mapping(tables[rid], 0, rows, D_BLOCK))
-        conn.finish(rid, peers, rows)
+            end = min(n, start + CHUNK)
+            logits = runner.execute([SeqStep(rid, prompt[start:end], start, blocks.block_ids)])
+            for rows in runner.chunk_rows(n, start, end):  # NOTE: as kv_sends.staged_transfers
+                src = slot_mapping(blocks.block_ids, rows.start, rows.end, P_BLOCK)
+                runner.stage_rows(rid, n, rows, src, mine)  # NOTE: only the layers it sends
+                conn.send_chunk(rid, peers, rows.start, rows.end, src,
+                                slot_mapping(tables[rid], rows.start, rows.end, D_BLOCK),
+                                layers=rows.layers)
+        conn.finish(rid, peers, runner.staged_rows(n))
         if rank == 0:
             for q in first_qs:
                 q.put((rid, int(logits[0].argmax())))
