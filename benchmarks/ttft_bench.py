@@ -11,9 +11,15 @@ level and side the median over rounds of TTFT p50, TPOT p50 and output tok/s [ra
 
 ``--side`` replaces the default sides: ``pd256=1p1d:prefill.max_num_batched_tokens=256,
 prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, or true /
-false: ``eager=1p1d:router.eager_prefill=true``). Every side gets
+false: ``eager=1p1d:router.eager_prefill=true``); ``before=1p1d@/tmp/main:...`` runs the
+code and configs of another checkout (e.g. ``git archive main | tar -x -C /tmp/main``), so
+a change is A/B-measured in one session against its base. Every side gets
 256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
-``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON.
+``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON; the
+summary ends with each side's TTFT breakdown: per phase the median over every timed request
+of every round (ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC
+hops, and whatever the router did before it opened the request or after it handed out the
+first chunk).
 """
 
 from __future__ import annotations
@@ -32,22 +38,28 @@ REQUESTS = {1: 16, 8: 32}  # concurrency -> timed requests (else 4 x concurrency
 KEPT = ("TTFT", "TPOT", "throughput", "failed")
 
 
-def parse_side(text: str) -> tuple[str, str, dict]:
-    """``NAME=CONFIG[:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int or bool}).
+def parse_side(text: str) -> tuple[str, str, dict, Path]:
+    """``NAME=CONFIG[@CHECKOUT][:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int or
+    bool}, checkout: this one unless given).
 
     Raises:
-        ValueError: not of that form, or a value that is neither an integer nor true/false.
+        ValueError: not of that form, a value that is neither an integer nor true/false, or
+            a checkout without ``configs/CONFIG.yaml``.
     """
     name, _, rest = text.partition("=")
-    config, _, sets = rest.partition(":")
+    rest, _, sets = rest.partition(":")
+    config, _, code = rest.partition("@")
     if not name or not config:
-        raise ValueError(f"--side {text!r}: expected NAME=CONFIG[:KEY=VALUE,...]")
+        raise ValueError(f"--side {text!r}: expected NAME=CONFIG[@CHECKOUT][:KEY=VALUE,...]")
+    checkout = Path(code).resolve() if code else REPO
+    if not (checkout / "configs" / f"{config}.yaml").is_file():
+        raise ValueError(f"--side {text!r}: {checkout}/configs/{config}.yaml does not exist")
     over = {}
     for item in filter(None, sets.split(",")):
         key, _, value = item.partition("=")
         flags = {"true": True, "false": False}
         over[key] = flags[value.lower()] if value.lower() in flags else int(value)
-    return name, config, over
+    return name, config, over, checkout
 
 
 def bench(address: str, name: str, conc: int, n: int, seed: int, report: Path) -> str:
@@ -56,12 +68,13 @@ def bench(address: str, name: str, conc: int, n: int, seed: int, report: Path) -
     Raises:
         subprocess.TimeoutExpired: the replay took over 10 minutes.
     """
-    cmd = [str(REPO / ".venv" / "bin" / "orch"), "bench", "--address", address,
+    cmd = [sys.executable, "-m", "orchestrator.cli", "bench", "--address", address,
            "--workload", "synthetic", "--input-len", "256", "--output-len", "64",
            "--num-requests", str(n), "--warmup", "2", "--max-concurrency", str(conc),
            "--no-progress", "--label", f"{name}-c{conc}", "--output", str(report),
            "--seed", str(seed)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
     return "\n".join(line for line in (res.stdout + res.stderr).splitlines()
                      if any(k in line for k in KEPT))
 
@@ -70,6 +83,32 @@ def figures(report: Path) -> tuple[float, float, float]:
     """(TTFT p50 ms, TPOT p50 ms, output tok/s) of one `orch bench` JSON report."""
     data = json.loads(report.read_text())
     return data["ttft"]["p50_ms"], data["tpot"]["p50_ms"], data["output_tokens_per_s"]
+
+
+def phase_rows(report: Path) -> list[dict[str, float]]:
+    """Per completed timed request of one report: its TTFT phases (ms) and ``unseen``, the
+    client's TTFT less their sum; [] for a report without per-request phases."""
+    rows = []
+    for req in json.loads(report.read_text())["requests"]:
+        phases = req.get("ttft_phases_ms") or {}
+        if req["ttft_ms"] is None or not phases:
+            continue
+        rows.append({**phases, "unseen": req["ttft_ms"] - sum(phases.values())})
+    return rows
+
+
+def print_breakdown(rows: dict[tuple[int, str], list[dict[str, float]]]) -> None:
+    """Per level and side: each phase's median over the requests (ms)."""
+    from orchestrator.router.request import TTFT_PHASES
+
+    seen = {p for reqs in rows.values() for r in reqs for p in r}
+    order = (*TTFT_PHASES, "unseen")
+    names = [p for p in order if p in seen] + sorted(seen - set(order))
+    print("\n| conc. | side | " + " | ".join(names) + " |\n|---|---|"
+          + "---|" * len(names))
+    for (conc, name), reqs in rows.items():
+        cells = [f"{statistics.median(r.get(p, 0.0) for r in reqs):.2f}" for p in names]
+        print(f"| {conc} | {name} | " + " | ".join(cells) + " |")
 
 
 def print_summary(runs: dict[tuple[int, str], list[tuple[float, float, float]]]) -> None:
@@ -103,12 +142,13 @@ def main() -> int:
             "prefill.num_kv_blocks": 256}
     procs: dict[str, OrchProcess] = {}
     runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+    phases: dict[tuple[int, str], list[dict[str, float]]] = {}
     try:
-        for name, config, extra in sides:
+        for name, config, extra, checkout in sides:
             folder = args.out / name
             folder.mkdir(exist_ok=True)
-            procs[name] = OrchProcess(REPO / "configs" / f"{config}.yaml", folder,
-                                      {**over, **extra})
+            procs[name] = OrchProcess(checkout / "configs" / f"{config}.yaml", folder,
+                                      {**over, **extra}, code=checkout)
             procs[name].__enter__()
         names = list(procs)
         for r in range(args.rounds):
@@ -121,11 +161,13 @@ def main() -> int:
                           f"{lines}", flush=True)
                     if report.exists():
                         runs.setdefault((conc, name), []).append(figures(report))
+                        phases.setdefault((conc, name), []).extend(phase_rows(report))
     finally:
         for orch in procs.values():
             orch.stop()
         ray.shutdown()
     print_summary(dict(sorted(runs.items())))
+    print_breakdown(dict(sorted(phases.items())))
     return 0
 
 

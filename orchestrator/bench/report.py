@@ -92,7 +92,8 @@ class BenchReport:
         goodput: requests/s meeting the SLOs, None when no SLO was given.
         slo_ttft_ms, slo_tpot_ms: the SLOs.
         requests: per timed request: index, input_len, output_tokens, ttft_ms, tpot_ms,
-            e2e_ms, error_code.
+            e2e_ms, error_code, ttft_phases_ms (the server's TTFT breakdown, phase -> ms;
+            empty when the server sent none).
         prefix_hit_rate: prompt tokens the servers found in their prefix cache / prompt tokens,
             over completed requests (final stats' cached_tokens).
         kv_tail: decode instance -> the run's ``kv_tail_s`` (end of the prefill forward of
@@ -155,7 +156,8 @@ def _row(rec: RequestRecord) -> dict:
             "output_tokens": rec.num_output_tokens,
             "ttft_ms": None if ttft is None else ttft * 1e3,
             "tpot_ms": None if tpot is None else tpot * 1e3,
-            "e2e_ms": rec.e2e_s * 1e3, "error_code": rec.error_code}
+            "e2e_ms": rec.e2e_s * 1e3, "error_code": rec.error_code,
+            "ttft_phases_ms": {p: s * 1e3 for p, s in rec.ttft_phases.items()}}
 
 
 def summarize(run: RunResult, *, label: str = "", workload: str = "", num_capped: int = 0,

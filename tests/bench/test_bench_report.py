@@ -121,3 +121,17 @@ def test_report_prefix_hit_rate_counts_cached_prompt_tokens():
 
     report = summarize(RunResult((rec(0, 100, 0), rec(1, 100, 64), rec(2, 200, 96)), 1.0, 0.0))
     assert report.prefix_hit_rate == (64 + 96) / 400
+
+
+def test_each_request_row_carries_its_own_ttft_phases_in_ms():
+    """A tail is read request by request: the row of a request keeps its server breakdown
+    (seconds -> ms), a request without one an empty dict."""
+    from dataclasses import replace
+
+    run = _run()
+    slow = replace(run.records[2], ttft_phases={"queue": 0.25, "forward": 0.02})
+    rep = summarize(replace(run, records=(*run.records[:2], slow, *run.records[3:])))
+    rows = {r["index"]: r for r in rep.requests}
+    assert rows[2]["ttft_phases_ms"] == pytest.approx({"queue": 250.0, "forward": 20.0})
+    assert rows[1]["ttft_phases_ms"] == {}
+    assert rep.ttft_phases == pytest.approx({"queue": 250.0, "forward": 20.0})

@@ -48,9 +48,13 @@ class OrchProcess:
         config: path of the config to copy.
         tmp: folder for the copy and the log.
         overrides: dotted key -> value applied to the copy (e.g. {"cluster.address": ...}).
+        code: the checkout whose code runs (its router and, through Ray's driver path, its
+            ranks); default this one (A/B benchmarks run another beside it).
     """
 
-    def __init__(self, config: Path, tmp: Path, overrides: dict | None = None) -> None:
+    def __init__(self, config: Path, tmp: Path, overrides: dict | None = None,
+                 code: Path = REPO) -> None:
+        self.code = Path(code)
         data = yaml.safe_load(Path(config).read_text())
         self.port = free_port()
         data.setdefault("router", {})["port"] = self.port
@@ -70,10 +74,11 @@ class OrchProcess:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "OrchProcess":
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # NOTE: Ray puts the driver's working directory first on its workers' sys.path
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(self.code))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "up", str(self.config)],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=REPO,
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=self.code,
             start_new_session=True)
         self.wait_ready(timeout_s=240)
         return self

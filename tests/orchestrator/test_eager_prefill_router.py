@@ -77,6 +77,48 @@ def test_prefill_goes_out_before_the_reservation_and_the_token_waits_for_it():
         h.close()
 
 
+class _SendOrder:
+    """A leader handle that notes in ``sent`` when each ``request`` actor call is SENT (the
+    ``.remote(...)`` call), not when it runs: (instance, request type)."""
+
+    def __init__(self, handle, name: str, sent: list) -> None:
+        self._handle, self._name, self._sent = handle, name, sent
+
+    def __getattr__(self, attr):
+        return getattr(self._handle, attr)
+
+    @property
+    def request(self):
+        outer = self
+
+        class _Method:
+            @staticmethod
+            def remote(req):
+                outer._sent.append((outer._name, type(req).__name__))
+                return outer._handle.request.remote(req)
+        return _Method
+
+
+def test_the_prefill_call_is_sent_before_the_reserve():
+    """The prompt's compute starts one actor-call send earlier: the prefill call leaves the
+    router before decode's reserve (each send costs the router ~0.5-1 ms of CPU here)."""
+    h = Harness(eager_prefill=True)
+    sent: list = []
+    try:
+        def wrap():
+            for name in ("prefill-0", "decode-0"):
+                leader = h.router.flow.leader(name)
+                leader.handle = _SendOrder(leader.handle, name, sent)
+        h.call_in_loop(wrap)
+        with OrchClient(h.address) as client:
+            chunks = list(client.generate(token_ids=[5, 6, 7], max_tokens=3, request_id="o1"))
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens((5, 6, 7), 3)
+        assert sent[:2] == [("prefill-0", "Prefill"), ("decode-0", "Reserve")]
+        assert ("prefill-0", "Attach") in sent and ("decode-0", "Admit") in sent
+    finally:
+        h.close()
+
+
 def test_a_request_that_never_fits_aborts_its_eager_prefill():
     h = Harness(never_fits=True, eager_prefill=True)
     try:
