@@ -113,7 +113,9 @@ def wait_done(rank: Rank, ids: list[str], timeout_s: float = 600.0) -> dict[str,
 
 def measure(ckpt: str, batch: int, args: argparse.Namespace) -> dict:
     """One rank, a warm-up round, then ``--rounds`` timed rounds of ``batch`` requests."""
-    rank = make_rank(ckpt, batch, args.input_len, args.output_len)
+    # NOTE: KV for the profile's longer requests too, or fewer than ``batch`` of them run
+    longest = max(args.output_len, args.profile_steps + 64 if args.profile else 0)
+    rank = make_rank(ckpt, batch, args.input_len, longest)
     clock = ForwardClock(rank.runner.model)
     try:
         wait_done(rank, submit(rank, batch, args.input_len, 4, "warm"))
@@ -149,6 +151,8 @@ def profile_steps(rank: Rank, batch: int, args: argparse.Namespace) -> str:
                                for r in sched.running):
         loop._iterate()  # prefill until every request decodes
         loop._flush()
+    if len(sched.running) != batch:
+        raise RuntimeError(f"profile: {len(sched.running)} requests decode, not {batch}")
     prof = cProfile.Profile(time.thread_time)  # NOTE: CPU seconds of this thread
     prof.enable()
     for _ in range(args.profile_steps):

@@ -274,6 +274,8 @@ class MLAttention(nn.Module):
         dec = meta.decode
         rows = dec.token_index
         if not self.sparse:
+            if rows.shape[0] == out.shape[0]:  # NOTE: every row decodes: rows are 0..T-1
+                rows = slice(None)  # views, no gathers and no index_put
             out[rows] = self.kernels.mla_decode(q_nope[rows], q_pe[rows], caches[0], caches[1],
                                                 dec, *self._w_kvb(), self.scale)
             return

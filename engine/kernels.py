@@ -30,6 +30,10 @@ Kernels:
         quantization (:func:`engine.quant.w8a8.w8a8_linear`).
     w8a8_mlp(x, gate_up_weight, gate_up_scale, down_weight, down_scale): the fused int8
         SwiGLU MLP of an expert (:func:`engine.quant.w8a8.w8a8_mlp`).
+    lm_head(weight): a factory, called once after loading, of the vocabulary GEMM
+        ``hidden [R, H] -> [R, V]`` over ``weight [V, H]`` (:mod:`engine.lm_head_gemm`);
+        variants "native" (cpu: oneDNN over a packed copy from 2 rows, cuda/npu:
+        ``F.linear``) and "torch" (``F.linear`` everywhere).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class KernelSet:
     sparse_prefill: Callable
     w8a8_linear: Callable
     w8a8_mlp: Callable
+    lm_head: Callable
 
 
 class KernelRegistry:
@@ -178,3 +183,8 @@ for _op in ("w8a8_linear", "w8a8_mlp"):
     KERNELS.register(_op, "native", ("cpu", "cuda"), _load_op("engine.quant.w8a8", _op),
                      default=True)
     KERNELS.register(_op, "native", ("npu",), _load_npu_w8a8_op(_op))
+KERNELS.register("lm_head", "native", ("cpu",), _load_op("engine.lm_head_gemm", "onednn_lm_head"),
+                 default=True)
+KERNELS.register("lm_head", "native", ("cuda", "npu"),
+                 _load_op("engine.lm_head_gemm", "torch_lm_head"))
+KERNELS.register("lm_head", "torch", _ALL, _load_op("engine.lm_head_gemm", "torch_lm_head"))

@@ -102,14 +102,29 @@ def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
 
 
 DECODE_TILE_TOKENS = 256
-"""Cached tokens :func:`decode_absorbed` reads and attends at a time per sequence (rounded
-down to whole blocks, at least one): 16 blocks of 16."""
+"""Fewest cached tokens :func:`decode_absorbed` reads and attends at a time per sequence
+(rounded down to whole blocks, at least one): 16 blocks of 16."""
+
+DECODE_TILE_BYTES = 16 << 20
+"""What one tile of :func:`decode_absorbed` may hold (its c_kv and k_pe gathers and fp32
+scores and probabilities): more tokens than ``DECODE_TILE_TOKENS`` per tile when they fit,
+so a small batch or short context is one tile (fewer ops per layer). NOTE: 256 tokens at
+DeepSeek-V3 tp-8 dims (L 512, R 64, 16 heads) and batch 32 in fp32 are ~20 MiB: that shape
+keeps 256-token tiles (docs/performance.md "Paged decode attention")."""
+
+
+def decode_tile_tokens(batch: int, heads: int, width: int, itemsize: int) -> int:
+    """Tokens per :func:`decode_absorbed` tile for ``batch`` sequences of ``heads`` heads over
+    cache rows ``width`` (L + R) elements of ``itemsize`` bytes: as many as
+    ``DECODE_TILE_BYTES`` holds, at least ``DECODE_TILE_TOKENS``."""
+    per_token = batch * (width * itemsize + 2 * heads * 4)  # bytes: gathers + scores, probs
+    return max(DECODE_TILE_TOKENS, DECODE_TILE_BYTES // max(1, per_token))
 
 
 def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, batch: DecodeBatch, w_uk: torch.Tensor,
                     w_uv: torch.Tensor, scale: float, *,
-                    tile_tokens: int = DECODE_TILE_TOKENS) -> torch.Tensor:
+                    tile_tokens: int | None = None) -> torch.Tensor:
     """Absorbed MLA decode for B sequences, one query token each (the ``mla_decode`` contract),
     read through the block table a tile of whole blocks (about ``tile_tokens`` tokens) at a
     time, merged with an online softmax.
@@ -120,7 +135,8 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Ten
             they already hold this step's tokens.
         batch: ``block_table [B, M]`` and ``seq_lens [B]`` (positions ``0..seq_len-1``).
         w_uk: ``[H, P, L]``; w_uv: ``[H, V, L]`` (kv_b_proj viewed per head).
-        tile_tokens: tokens per tile; extra memory is ``O(B * H * tile_tokens)`` plus
+        tile_tokens: tokens per tile (None: :func:`decode_tile_tokens`, about
+            ``DECODE_TILE_BYTES`` of tile); extra memory is ``O(B * H * tile_tokens)`` plus
             ``O(B * tile_tokens * (L + R))`` per call, never ``O(B * M * block_size * L)``.
 
     Returns:
@@ -128,6 +144,9 @@ def decode_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, k_cache: torch.Ten
     """
     # B seqs, H heads, L kv_lora_rank, R rope dim, n = tile_blocks * block_size tile tokens
     b, h, block_size = q_nope.shape[0], q_nope.shape[1], k_cache.shape[1]
+    if tile_tokens is None:
+        tile_tokens = decode_tile_tokens(b, h, k_cache.shape[-1] + v_cache.shape[-1],
+                                         k_cache.element_size())
     tile_blocks = max(1, tile_tokens // block_size)
     q_lat = torch.einsum("bhp,hpl->bhl", q_nope, w_uk)  # [B, H, L]
     row_max = q_lat.new_full((b, h, 1), float("-inf"), dtype=torch.float32)

@@ -11,6 +11,8 @@ arriving through :attr:`DeepseekForCausalLM.prefetcher`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,6 +131,8 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, layout.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
         self.prefetcher: LayerPrefetcher | None = None  # layer sharding (runner sets it)
+        self._kernels = kernels
+        self._logits_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def mtp(self) -> MTPLayer | None:
@@ -170,9 +174,18 @@ class DeepseekForCausalLM(nn.Module):
         return self.mtp.forward_mtp(embeds, hidden.to(embeds.dtype), cos, sin, meta,
                                     kv_cache.layer_buffers(self.config.num_hidden_layers))
 
+    def prepare_lm_head(self) -> None:
+        """Build the vocabulary GEMM of the loaded ``lm_head`` weight (the ``lm_head``
+        kernel; on CPU a oneDNN-packed copy, :mod:`engine.lm_head_gemm`). Call once after the
+        weights are loaded; until then (and for a quantized lm_head) ``lm_head`` runs itself.
+        NOTE: a later change of ``lm_head.weight`` is not seen: call this again."""
+        if type(self.lm_head) is nn.Linear:
+            self._logits_gemm = self._kernels.lm_head(self.lm_head.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [R, hidden]`` (normed) -> ``[R, vocab]`` fp32 logits (vocab-parallel)."""
-        logits = self.tp.all_gather(self.lm_head(hidden).float())  # [R, tp * local vocab]
+        gemm = self._logits_gemm or self.lm_head
+        logits = self.tp.all_gather(gemm(hidden).float())  # [R, tp * local vocab]
         return logits[:, :self.config.vocab_size]
 
     def forward_empty(self) -> None:

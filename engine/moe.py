@@ -147,17 +147,17 @@ class MoE(nn.Module):
         PARTIAL sum (the caller all-reduces once over TP). Under EP the routed part is
         complete on this TP rank's token slice and zero elsewhere
         (:mod:`engine.expert_parallel`); ``T`` may be 0 (an empty EP step)."""
-        experts = list(self.experts.values())
         if self.ep.size > 1 and self.ep_capacity is not None:
-            out = ep_routed_fixed(x, self.gate, experts, self.ep, self.tp, self.ep_capacity)
+            out = ep_routed_fixed(x, self.gate, list(self.experts.values()), self.ep, self.tp,
+                                  self.ep_capacity)
         elif self.ep.size > 1:
-            out = ep_routed(x, self.gate, experts, self.ep, self.tp)
+            out = ep_routed(x, self.gate, list(self.experts.values()), self.ep, self.tp)
         elif self.w_gate_up is not None and torch.compiler.is_compiling():
             out = _grouped_routed_op(x, *self.gate(x), self.w_gate_up, self.w_down)
         elif self.w_gate_up is not None:
             out = _grouped_routed(x, *self.gate(x), self.w_gate_up, self.w_down)
         else:
-            out = _local_routed(x, *self.gate(x), experts)
+            out = _local_routed(x, *self.gate(x), list(self.experts.values()))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

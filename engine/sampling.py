@@ -95,31 +95,45 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """One token id (or :class:`RowFailure`) per row of ``logits [B, V]``; ``steps[b]``:
     tokens request b has generated so far (seeds its draw)."""
     logits = logits.float()
-    chunk_max = None
-    if logits.device.type == "cpu" and logits.shape[1] // _ARGMAX_CHUNK >= 2:
-        # NOTE: one pass over [B, V] serves both the finite check and the greedy argmax: a
-        # row's max is finite iff it holds no NaN (amax propagates it), no +inf and some
-        # finite logit, which is what _finite_after_mask checks
-        chunk_max = chunk_maxima(logits)
-        finite = torch.isfinite(chunk_max.amax(dim=-1)).tolist()  # [B]
-    else:
-        # NOTE: a row holding any inf or NaN has a non-finite sum (inf - inf is NaN): one
-        # reduction instead of a [B, V] mask; finite logits would need |x| ~ 1e33 to
-        # overflow the fp32 sum
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # [B]
-        for row in [r for r, ok in enumerate(finite) if not ok]:
-            finite[row] = _finite_after_mask(logits[row])
-    greedy_ids = greedy_argmax(logits, chunk_max).tolist()  # [B]
+    greedy_ids, finite = greedy_and_finite(logits)
     out: list[int | RowFailure] = []
     for row, (p, step) in enumerate(zip(params, steps)):
         if not finite[row]:
             out.append(RowFailure("the model produced non-finite logits (inf/NaN) for this "
                                   "request"))
         elif p.greedy:
-            out.append(int(greedy_ids[row]))
+            out.append(greedy_ids[row])
         else:
             out.append(_sample_row(logits[row], p, step))
     return out
+
+
+def greedy_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """``logits [B, V]`` fp32 -> (each row's ``torch.argmax``, whether the row can be
+    sampled: no NaN, no +inf and some finite logit; -inf is a masked token), read to the host
+    in ONE copy (a ``[2, B]`` tensor). NOTE: a row that fails the check has an undefined id.
+
+    On CPU the ``[B, V]`` logits are read once for both (:func:`chunk_maxima`: a row's max is
+    finite iff the row passes); elsewhere ``argmax`` and one sum per row (a row holding any
+    inf or NaN has a non-finite sum, inf - inf being NaN; finite logits would need
+    ``|x| ~ 1e33`` to overflow it), rows with a non-finite sum checked again one by one (a
+    masked row's -inf alone is fine).
+    """
+    if logits.device.type == "cpu" and logits.shape[1] // _ARGMAX_CHUNK >= 2:
+        chunk_max = chunk_maxima(logits)
+        ok = torch.isfinite(chunk_max.amax(dim=-1))  # [B]
+        ids = greedy_argmax(logits, chunk_max)
+        checked = True
+    else:
+        ok = torch.isfinite(logits.sum(dim=-1))  # [B]
+        ids = torch.argmax(logits, dim=-1)
+        checked = False
+    ids_host, ok_host = torch.stack([ids, ok.to(ids.dtype)]).tolist()  # NOTE: one sync
+    finite = [bool(v) for v in ok_host]
+    if not checked:
+        for row in [r for r, v in enumerate(finite) if not v]:
+            finite[row] = _finite_after_mask(logits[row])
+    return ids_host, finite
 
 
 def _finite_after_mask(row: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""Platform detection, the kernel registry, reshape_and_cache, and the MoE router maths."""
+"""Platform detection, the kernel registry, reshape_and_cache, the lm_head GEMM, and the MoE
+router maths."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import sys
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from engine.kernels import KERNELS, KernelRegistry, reshape_and_cache_torch
+from engine.lm_head_gemm import PACKED_MIN_ROWS
 from engine.model_config import ModelConfig
 from engine.moe import MoEGate
 from engine.platform import detect_platform
@@ -38,6 +42,29 @@ def test_registry_resolves_defaults_lazily_and_names_unknowns():
     reg.register("k", "v", ("cpu",), lambda: "impl")
     with pytest.raises(KeyError, match="no 'cuda' implementation"):
         reg.get("k", "cuda")
+
+
+@pytest.mark.parametrize("layout", ["hidden_major", "vocab_major"])
+def test_lm_head_gemm_equals_linear(layout):
+    """Every lm_head variant equals F.linear at 0..17 rows, over the [H, V] storage
+    build_model gives lm_head and over a tied embedding's [V, H] one; the CPU default packs
+    from PACKED_MIN_ROWS rows (a different GEMM: equal to fp32 rounding, same argmax)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden = 1000, 64
+    weight = torch.randn(hidden, vocab, generator=gen).t() if layout == "hidden_major" \
+        else torch.randn(vocab, hidden, generator=gen)
+    gemms = {v: KERNELS.get("lm_head", "cpu", v)(weight) for v in ("native", "torch")}
+    for rows in (0, 1, PACKED_MIN_ROWS, 3, 8, 17):
+        x = torch.randn(rows, hidden, generator=gen)
+        want = F.linear(x, weight)
+        for variant, gemm in gemms.items():
+            got = gemm(x)
+            assert got.shape == (rows, vocab) and got.dtype == torch.float32, variant
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), (variant, rows)
+    half = weight.to(torch.float16)  # NOTE: not fp32: the plain GEMM, whatever the rows
+    x = torch.randn(4, hidden, generator=gen).to(torch.float16)
+    assert torch.equal(KERNELS.get("lm_head", "cpu")(half)(x), F.linear(x, half))
 
 
 def test_reshape_and_cache_writes_exactly_the_slots():

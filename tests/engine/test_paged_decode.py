@@ -10,7 +10,8 @@ import torch
 
 from engine.forward_context import DecodeBatch, build_attention_metadata
 from engine.kernels import KERNELS
-from engine.mla_ops import attend_selected_absorbed, decode_absorbed, decode_naive
+from engine.mla_ops import (DECODE_TILE_BYTES, DECODE_TILE_TOKENS, attend_selected_absorbed,
+                            decode_absorbed, decode_naive, decode_tile_tokens)
 
 H, P, R, V, L, BS = 3, 8, 4, 6, 16, 4  # heads, nope, rope, v, kv_lora_rank, block size
 
@@ -53,10 +54,10 @@ def test_metadata_carries_block_tables_padded_with_a_valid_block():
     assert build_attention_metadata([1], [0], [(2,)], BS).decode is None  # a 1-token prompt
 
 
-@pytest.mark.parametrize("tile_tokens", [1, BS, 2 * BS, 3 * BS + 1, 16 * BS])
+@pytest.mark.parametrize("tile_tokens", [None, 1, BS, 2 * BS, 3 * BS + 1, 16 * BS])
 @pytest.mark.parametrize("seq_lens", [[2], [5, 17, 2, 9], [33, 2, 12]])
 def test_tiled_decode_equals_padded_copy_and_mha_reference(seq_lens, tile_tokens):
-    args = _case(seq_lens, seed=len(seq_lens) * 10 + tile_tokens)
+    args = _case(seq_lens, seed=len(seq_lens) * 10 + (tile_tokens or 0))
     batch = args[4]
     tiled = decode_absorbed(*args, tile_tokens=tile_tokens)
     padded = attend_selected_absorbed(*args[:4], batch.padded_slots(BS), *args[5:])
@@ -64,6 +65,16 @@ def test_tiled_decode_equals_padded_copy_and_mha_reference(seq_lens, tile_tokens
     assert tiled.shape == (len(seq_lens), H, V)
     torch.testing.assert_close(tiled, padded)
     torch.testing.assert_close(tiled, naive)
+
+
+def test_decode_tile_grows_to_the_byte_budget():
+    """A tile holds DECODE_TILE_BYTES (gathers + fp32 scores and probabilities), never fewer
+    than DECODE_TILE_TOKENS tokens: DeepSeek-V3 tp-8 dims at batch 32 keep 256, the tiny
+    model's batch of 8 reads a 300-token context in one tile."""
+    assert decode_tile_tokens(32, 16, 512 + 64, 4) == DECODE_TILE_TOKENS
+    per_token = 8 * (48 * 4 + 2 * 4 * 4)
+    assert decode_tile_tokens(8, 4, 48, 4) == DECODE_TILE_BYTES // per_token > 300
+    assert decode_tile_tokens(1, 128, 576, 2) == DECODE_TILE_BYTES // (576 * 2 + 2 * 128 * 4)
 
 
 def test_tiled_decode_reads_only_each_sequences_positions():

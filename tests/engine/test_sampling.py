@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling import RowFailure, greedy_argmax, sample
+from engine.sampling import RowFailure, greedy_and_finite, greedy_argmax, sample
 from engine.sampling_params import SAMPLING_EPS, SamplingParams, fill_seed
 
 
@@ -144,3 +144,27 @@ def test_greedy_argmax_equals_torch_argmax_with_ties(vocab):
     logits[5, : vocab // 2] = float("-inf")
     assert greedy_argmax(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
     assert greedy_argmax(logits[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", [300, 129280])  # NOTE: the per-row-sum path, the chunked one
+def test_greedy_and_finite_equals_argmax_and_the_row_check(vocab):
+    """One host read gives what torch.argmax and the row check (no NaN, no +inf, some finite
+    logit) give, row by row: clean rows, masked rows (-inf), poisoned rows; ids compared on
+    the rows that pass."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen)
+    logits[1, vocab // 2] = float("nan")
+    logits[2, vocab - 1] = float("inf")
+    logits[3] = float("-inf")  # every token masked
+    logits[4, : vocab - 3] = float("-inf")  # masked but for the last three
+    logits[5, 7] = float("nan")
+    logits[5, 9] = float("-inf")
+    logits[6, vocab // 3] = logits[6, vocab - 2] = 40.0  # a tie: the first
+    ids, finite = greedy_and_finite(logits)
+    want = [not bool(torch.isnan(r).any()) and not bool(torch.isposinf(r).any())
+            and bool(torch.isfinite(r).any()) for r in logits]
+    assert finite == want == [True, False, False, False, True, False, True, True]
+    ref = torch.argmax(logits, dim=-1).tolist()
+    assert [i for i, ok in zip(ids, finite) if ok] == [i for i, ok in zip(ref, want) if ok]
+    assert all(type(i) is int for i in ids)
+    assert greedy_and_finite(logits[:0]) == ([], [])
