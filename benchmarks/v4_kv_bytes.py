@@ -1,9 +1,11 @@
 """KV bytes a DeepSeek-V4 request ships through PD against what DeepSeek-V3.2 ships for the same
 prompt length (docs/kv_transfer.md "DeepSeek-V4: staged per-layer state").
 
-V4: ``staged_rows(n)`` rows of every layer, each of its kind's width (engine/v4/staging.py;
-tests/workers/test_v4_pd.py checks the connector sends exactly this many bytes). V4 state: the
-sum over layers of the specs' ``elements(n)`` (what decode needs; the staged rows pad it). V3.2:
+V4: per layer its kind's own rows (``layer_rows(n)``) of its kind's width (engine/v4/staging.py;
+tests/workers/test_v4_pd.py checks both connectors move exactly this many bytes). Padded: what
+every layer shipped before it shipped only its own rows, ``staged_rows(n)`` (the widest kind's
+count) rows of every layer. V4 state: the sum over layers of the specs' ``elements(n)`` (what
+decode needs; the rows pad each region to whole rows). V3.2:
 K, V and index_k of every token of every layer (61 x (512 + 64 + 128) elements per token:
 :func:`engine.kv_layer_spec.held_elements` of configs/models/deepseek-v32's layer specs). V4
 shapes: transformers' default ``DeepseekV4Config``
@@ -23,7 +25,7 @@ from engine.kv_layer_spec import held_elements, mla_layer_specs
 from engine.model_config import ModelConfig
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import layer_specs
-from engine.v4.staging import kind_widths, staged_rows
+from engine.v4.staging import kind_widths, layer_rows, staged_rows
 
 MIB = 2 ** 20
 V32_JSON = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-v32" \
@@ -41,13 +43,13 @@ def v4_config(path: str | None) -> V4Config:
 
 
 def rows_for(config: V4Config, tokens: list[int], elem: int) -> list[tuple[int, ...]]:
-    """Per prompt length: (tokens, V4 shipped B, V4 state B, V3.2 shipped B)."""
+    """Per prompt length: (tokens, V4 shipped B, V4 padded B, V4 state B, V3.2 shipped B)."""
     # NOTE: StagingSpec.bytes_per_token_of, for ``elem``-byte elements
-    widths = kind_widths(config)
-    per_row = sum(widths[kind] for kind in config.layer_types) * elem
+    widths = [kind_widths(config)[kind] * elem for kind in config.layer_types]
     specs = layer_specs(config)
     v32 = mla_layer_specs(ModelConfig.from_dict(json.loads(V32_JSON.read_text())))
-    return [(n, staged_rows(config, n) * per_row, held_elements(specs, n) * elem,
+    return [(n, sum(r * w for r, w in zip(layer_rows(config, n), widths, strict=True)),
+             staged_rows(config, n) * sum(widths), held_elements(specs, n) * elem,
              held_elements(v32, n) * elem) for n in tokens]
 
 
@@ -60,11 +62,12 @@ def main() -> None:
     config = v4_config(args.config)
     print(f"V4: {config.num_hidden_layers} layers, kind widths {kind_widths(config)}, "
           f"window {config.sliding_window}; {args.bytes_per_element} B per element")
-    print("| prompt tokens | V4 shipped | V4 state | V3.2 shipped | shipped / V3.2 | "
-          "state / V3.2 |\n|---|---|---|---|---|---|")
-    for n, v4, state, v32 in rows_for(config, args.tokens, args.bytes_per_element):
-        print(f"| {n:,} | {v4 / MIB:,.1f} MiB | {state / MIB:,.1f} MiB | {v32 / MIB:,.1f} MiB | "
-              f"{v4 / v32:.2f} | {state / v32:.2f} |")
+    print("| prompt tokens | V4 shipped | V4 padded (before) | shipped / padded | V4 state | "
+          "V3.2 shipped | shipped / V3.2 | state / V3.2 |\n|---|---|---|---|---|---|---|---|")
+    for n, v4, padded, state, v32 in rows_for(config, args.tokens, args.bytes_per_element):
+        print(f"| {n:,} | {v4 / MIB:,.1f} MiB | {padded / MIB:,.1f} MiB | {v4 / padded:.2f} | "
+              f"{state / MIB:,.1f} MiB | {v32 / MIB:,.1f} MiB | {v4 / v32:.3f} | "
+              f"{state / v32:.3f} |")
 
 
 if __name__ == "__main__":

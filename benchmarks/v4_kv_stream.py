@@ -4,8 +4,8 @@ forward ends, and the measured KV tail (docs/kv_transfer.md "DeepSeek-V4: staged
 state").
 
 Computed (always; from the specs, engine/v4/row_layout.py): a P1 -> D1 plan sends one record per
-row range a chunk makes final (``chunk_rows``); "end" is the former policy, every staged row in
-one record after the last chunk. ``--config`` names a V4 config.json (default: transformers'
+row range a chunk makes final (``chunk_rows``: each layer its own rows); "end" is the former
+policy, every row after the last chunk (one record per kind: ``chunk_rows(n, 0, n)``). ``--config`` names a V4 config.json (default: transformers'
 ``DeepseekV4Config``, 43 layers), ``--bytes-per-element`` 2 (bf16).
 
 Measured (``--measure``): an in-process prefill rank and decode rank (no Ray; the roles, the
@@ -16,8 +16,8 @@ hidden size and experts, fp32), one prompt of ``--tokens`` in chunks of ``--chun
 chunk's forward to the last row's arrival) and the time from that forward's end to the end of
 decode's rebuild of the request's cache (it joins the batch then: "admit"). Medians, and the
 median of the paired ratios end / stream. "end" is run by giving the prefill role a
-``chunk_rows`` that makes every row final at the last chunk (``rows(n, 0, n)``), the policy this
-branch replaced, on the same ranks and connectors.
+``chunk_rows`` that makes every row final at the last chunk (``chunk_rows(n, 0, n)``), the
+policy the chunk-by-chunk one replaced, on the same ranks and connectors.
 
     PYTHONPATH=$PWD python benchmarks/v4_kv_stream.py --tokens 32768 --chunk 4096
     PYTHONPATH=$PWD python benchmarks/v4_kv_stream.py --measure --tokens 8192 --chunk 1024 --reps 3
@@ -49,9 +49,8 @@ def v4_config(path: str | None) -> V4Config:
 
 
 def at_end(config: V4Config, n: int, start: int, end: int) -> tuple[RowRange, ...]:
-    """The former policy: nothing before the last chunk, then every row in one range."""
-    return (RowRange(0, staged_rows(config, n), tuple(range(config.num_hidden_layers))),) \
-        if end == n else ()
+    """The former policy: nothing before the last chunk, then every row (a range per kind)."""
+    return chunk_rows(config, n, 0, n) if end == n else ()
 
 
 def records(config: V4Config, n: int, chunk: int, elem: int, streamed: bool

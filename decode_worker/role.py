@@ -16,11 +16,11 @@ Protocol (DESIGN.md "One request"), decode side:
 4. Tokens stream out on the leader's event stream; at the end the blocks are freed exactly once.
 
 DeepSeek-V4 (a runner with ``admit_staged``; :mod:`decode_worker.v4_staged`): the reservation
-takes the slots of ``staged_rows(prompt)`` rows (the request's state, staged by prefill after
-its last chunk, which the receivers expect there) and commits the most blocks per V4 KV group
-the request will hold (:mod:`engine.v4.admission`; one that does not fit now is refused,
-retryable); joining the batch rebuilds the request's V4 cache from them on every rank first
-(a rebuild that fails fails the request, its blocks freed once).
+takes the slots of ``staged_rows(prompt)`` rows (the request's state, staged by prefill chunk
+by chunk; the receivers expect each layer's own row count there, ``layer_rows``) and commits
+the most blocks per V4 KV group the request will hold (:mod:`engine.v4.admission`; one that
+does not fit now is refused, retryable); joining the batch rebuilds the request's V4 cache
+from them on every rank first (a rebuild that fails fails the request, its blocks freed once).
 
 Abort/failure: the receivers forget the request first (payloads for unknown requests are
 dropped, never written), then the blocks are freed. Out of service (a rank dead or hung):
@@ -86,8 +86,10 @@ class DecodeRole(V4Staged, Role):
         return KVPeer(self.cfg.name, self.rank, host, port)
 
     def expect_kv(self, request_id: str, num_tokens: int, prefill_tp: int,
-                  prefill_cp: int = 1, first_token: int = 0) -> None:
-        self.connector.expect(request_id, num_tokens, prefill_tp, prefill_cp, first_token)
+                  prefill_cp: int = 1, first_token: int = 0,
+                  layer_tokens: tuple[int, ...] | None = None) -> None:
+        self.connector.expect(request_id, num_tokens, prefill_tp, prefill_cp, first_token,
+                              layer_tokens)
 
     def kv_status(self, request_ids: list[str]) -> dict[str, KVStatus]:
         """request id -> this rank's :class:`KVStatus` of its prompt KV. A request this rank
@@ -138,10 +140,12 @@ class DecodeRole(V4Staged, Role):
                 deadline=time.monotonic() + ORPHAN_FACTOR * self.cfg.transfer.completion_timeout_s)
         try:
             # NOTE: the prefix cache's tokens [0, held) are not shipped: cells pre-marked
-            rows = spec.num_prompt_tokens if self.staged_rows is None else \
-                self.staged_rows(spec.num_prompt_tokens)
+            # NOTE: V4: staging rows, each layer its kind's own count (no padding rows)
+            rows, per_layer = (spec.num_prompt_tokens, None) if self.staged_rows is None else \
+                (self.staged_rows(spec.num_prompt_tokens),
+                 self.runner.layer_rows(spec.num_prompt_tokens))
             leader.ranks.call_all(DecodeRole.expect_kv, spec.request_id, rows, prefill_tp,
-                                  prefill_cp, held)
+                                  prefill_cp, held, per_layer)
         except RankFailure as exc:
             leader.mark_broken(str(exc))
             self._drop_reserved(spec.request_id)

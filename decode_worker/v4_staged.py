@@ -30,7 +30,7 @@ class V4Staged:
         """DeepSeek-V4: free the caches of the leader's ``released`` requests (under TP, what
         its pool released since the last step: every rank's pools then hold the same), then
         rebuild the request's cache from the staging rows the transfer wrote into its first
-        slots (:meth:`engine.v4.runner.V4Runner.admit_staged`).
+        slots, each layer its own rows (:meth:`engine.v4.runner.V4Runner.admit_staged`).
 
         Raises:
             ValueError / NoFreeBlocksError: from the runner (the rows are not the specs'; a

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from kv_transfer import local, packs, wire
 from kv_transfer.backend import backend_for
@@ -70,16 +71,21 @@ class DecodeKVConnector:
         return self._host, self._rendezvous.port
 
     def expect(self, request_id: str, num_tokens: int, prefill_tp: int,
-               prefill_cp: int = 1, first_token: int = 0) -> None:
+               prefill_cp: int = 1, first_token: int = 0,
+               layer_tokens: Sequence[int] | None = None) -> None:
         """Receive every layer of tokens ``[first_token, num_tokens)`` of ``request_id``
         from a prefill instance of ``prefill_cp`` x ``prefill_tp`` ranks (the plan says which
         pairs send); tokens before ``first_token`` are already in this cache (prefix cache).
+        ``layer_tokens`` (DeepSeek-V4's staging rows, each layer its kind's own count): layer
+        ``i`` gets only tokens ``[first_token, layer_tokens[i])``; None: ``num_tokens`` each.
 
         The completion deadline (``completion_timeout_s``) starts now.
-        Raises ValueError if the request is already expected, or ``first_token`` is not in
-        ``[0, num_tokens)``.
+        Raises ValueError if the request is already expected, ``first_token`` is not in
+        ``[0, num_tokens)``, or ``layer_tokens`` is not one count in ``[0, num_tokens]`` per
+        layer.
         """
-        self._tracker.expect(request_id, num_tokens, prefill_tp, prefill_cp, first_token)
+        self._tracker.expect(request_id, num_tokens, prefill_tp, prefill_cp, first_token,
+                             layer_tokens)
 
     def poll(self, request_id: str) -> KVStatus:
         """The request's state on this rank: WAITING (no record yet), TRANSFERRING, SUCCESS

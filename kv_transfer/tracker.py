@@ -5,6 +5,10 @@ all the pairs feeding this decode rank (each record's layers checked against its
 and which planned prefill ranks' ``done`` records arrived. Complete = the mask full and every
 ``done`` in. One mask, not one per pair: with a context-parallel prefill a pair carries only
 the tokens its rank computed, which depend on the prefill's chunking (kv_transfer/plan.py).
+A layer may expect fewer cells than ``num_tokens`` (``layer_tokens``: DeepSeek-V4's staging
+rows, each layer its kind's own count, docs/kv_transfer.md "DeepSeek-V4"): its cells past
+them are never shipped (pre-marked, not counted as missing) and a record reaching them fails
+the request; without it every layer expects ``num_tokens`` (MLA, V3.2's index_k).
 
 Write guarantee: payload bytes are written into a request's slots only by a scatter or an
 in-place receive that started while the request was active (expected, not failed, not past
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +57,7 @@ class TrackedRequest:
     deadline: float
     pairs: dict[int, PairPlan]                     # prefill rank -> what it sends us
     mask: torch.Tensor                             # bool [num_layers, num_tokens] received
+    layer_tokens: tuple[int, ...] | None           # [num_layers] cells per layer (None: all)
     done_from: set[int] = field(default_factory=set)
     sources: set[PairGeneration] = field(default_factory=set)  # sent records of it
     error: str | None = None
@@ -91,7 +97,9 @@ class TrackedRequest:
         parts = []
         for p, pp in sorted(self.pairs.items()):
             rows = self.mask[list(pp.layers)]  # NOTE: with CP, shared by the CP ranks
-            parts.append(f"prefill rank {p}: {int((~rows).sum())} of {rows.numel()} (layer, "
+            expected = rows.numel() if self.layer_tokens is None else \
+                sum(self.layer_tokens[i] for i in pp.layers)
+            parts.append(f"prefill rank {p}: {int((~rows).sum())} of {expected} (layer, "
                          f"token) cells missing, done record "
                          f"{'in' if p in self.done_from else 'missing'}")
         return "; ".join(parts)
@@ -106,9 +114,12 @@ class RequestTracker:
         self._lock = threading.Lock()
 
     def expect(self, request_id: str, num_tokens: int, prefill_tp: int,
-               prefill_cp: int = 1, first_token: int = 0) -> None:
+               prefill_cp: int = 1, first_token: int = 0,
+               layer_tokens: Sequence[int] | None = None) -> None:
         """Start tracking; see ``DecodeKVConnector.expect`` (cells of tokens before
-        ``first_token`` count as received). Raises ValueError if known or out of range."""
+        ``first_token`` count as received; layer ``i`` expects tokens ``[0,
+        layer_tokens[i])`` only, None: ``num_tokens`` each). Raises ValueError if known or
+        out of range."""
         if min(num_tokens, prefill_tp, prefill_cp) <= 0:
             raise ValueError(f"expect({request_id!r}): num_tokens ({num_tokens}), prefill_tp "
                              f"({prefill_tp}) and prefill_cp ({prefill_cp}) must be positive")
@@ -116,13 +127,16 @@ class RequestTracker:
             raise ValueError(f"expect({request_id!r}): first_token ({first_token}) must be in "
                              f"[0, num_tokens={num_tokens})")
         lay = self._layout
+        counts = _layer_tokens(request_id, num_tokens, lay.num_layers, layer_tokens)
         plan = build_transfer_plan(prefill_tp, lay.tp, lay.num_layers, lay.kind,
                                    lay.num_kv_heads, prefill_cp)
         pairs = {pp.prefill_rank: pp for pp in plan.recvs_to(self._rank)}
         mask = torch.zeros(lay.num_layers, num_tokens, dtype=torch.bool)
         mask[:, :first_token] = True  # NOTE: held already (prefix cache), never shipped
+        for i, n in enumerate(counts or ()):
+            mask[i, n:] = True  # NOTE: past the layer's own cells: never shipped
         deadline = time.monotonic() + self._config.completion_timeout_s
-        req = TrackedRequest(num_tokens, deadline, pairs, mask)
+        req = TrackedRequest(num_tokens, deadline, pairs, mask, counts)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already expected on decode "
@@ -268,7 +282,28 @@ def _check_chunk(req: TrackedRequest, prefill_rank: int, c: KVChunk,
         return f"heads {c.heads} differ from the plan's {planned_heads}"
     if c.token_end > req.num_tokens:
         return f"tokens [{c.token_start}, {c.token_end}) exceed the {req.num_tokens} expected"
+    short = [] if req.layer_tokens is None else \
+        [i for i in c.layers if c.token_end > req.layer_tokens[i]]
+    if short:
+        return (f"tokens [{c.token_start}, {c.token_end}) of layer {short[0]} exceed its "
+                f"{req.layer_tokens[short[0]]} expected")
     slots = c.dst_slots
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
         return f"destination slots outside [0, {num_slots})"
     return None
+
+
+def _layer_tokens(request_id: str, num_tokens: int, num_layers: int,
+                  layer_tokens: Sequence[int] | None) -> tuple[int, ...] | None:
+    """``layer_tokens`` checked (one per layer, each in ``[0, num_tokens]``); None stays None
+    (``num_tokens`` for every layer).
+
+    Raises:
+        ValueError: a count out of range, or not one per layer."""
+    if layer_tokens is None:
+        return None
+    counts = tuple(int(n) for n in layer_tokens)
+    if len(counts) != num_layers or not all(0 <= n <= num_tokens for n in counts):
+        raise ValueError(f"expect({request_id!r}): layer_tokens {counts} must give each of the "
+                         f"{num_layers} layers a count in [0, num_tokens={num_tokens}]")
+    return counts

@@ -108,8 +108,9 @@ def staged_transfers(out: SchedulerOutput, reservations: dict[str, Reservation],
                      block_size: int, chunk_rows) -> list[ChunkTransfer]:
     """DeepSeek-V4: per scheduled chunk, one transfer per group of layers whose staging rows
     the chunk made final (``chunk_rows(prompt, start, end)``: the runner's
-    :meth:`~engine.v4.runner.V4Runner.chunk_rows`), from and to those rows of the request's
-    slots on both sides (its scheduler blocks hold ``staged_rows(prompt)`` rows); the last
+    :meth:`~engine.v4.runner.V4Runner.chunk_rows`: a layer's own rows only), from and to those
+    rows of the request's slots on both sides (its scheduler blocks hold
+    ``staged_rows(prompt)`` rows, the most a layer ships); the last
     transfer of the chunk that completes the prompt carries ``last``."""
     plans = []
     for row, c in enumerate(out.chunks):
@@ -231,7 +232,7 @@ class KVSends:
             if layers:
                 self.log.add(t.request_id, pair,
                              self.kv_spec.bytes_per_token_of(layers) * tokens)
-        if t.last:  # NOTE: V4: every staged row, whichever range came last
+        if t.last:  # NOTE: V4: staged_rows (the most a layer ships), whichever range came last
             total = self.staged_rows(t.prompt_tokens) if t.prompt_tokens else t.end
             self.connector.finish(t.request_id, t.peers, total, forward_end,
                                   draft_hidden(output, t.row))

@@ -11,16 +11,18 @@ streams' rows flattened end to end and zero-padded to whole rows (:func:`kind_la
    of the last ``min(n, sliding_window - 1)`` tokens (the window decode keeps), then each
    ``request`` tensor (compressor / indexer open-group state) in spec order;
 
-then zero rows up to :func:`staged_rows` (the most rows any kind needs: every layer ships the
-same row count, one ``[layers, rows]`` cell mask in the decode tracker).
+and nothing after: a layer ships its kind's own rows (:func:`layer_rows`; the decode tracker
+expects per layer that many). :func:`staged_rows`, the most any kind needs, is the slots a
+request's staging takes on each side (a narrower kind leaves its slots past its own rows
+unused, never shipped).
 
 Final after ``e`` of the ``n`` tokens (:func:`final_rows`): entry ``i`` once computed
 (``i < e // compress_ratio``), never rewritten; window row of token ``t >= n - min(n, W - 1)``
-once computed (``t < e``); the state only at ``e = n``; zero rows from the start. A row is
-final when every element in it is, so each region's rows become final as a prefix, and
-:func:`chunk_rows` gives the rows a chunk ``[start, end)`` makes final: each row of every
-layer exactly once over a prompt's chunks. Bound: each region wastes under one row, so a kind
-needs at most ``ceil(elements(n) / width) + 1`` rows (tests: ``staged_rows(n) <= n``).
+once computed (``t < e``); the state only at ``e = n``. A row is final when every element in
+it is, so each region's rows become final as a prefix, and :func:`chunk_rows` gives the rows a
+chunk ``[start, end)`` makes final: each of a layer's own rows exactly once over a prompt's
+chunks. Bound: each region wastes under one row, so a kind needs at most ``ceil(elements(n) /
+width) + 1`` rows (tests: ``staged_rows(n) <= n``).
 
 Everything is read off the kind's :class:`~engine.v4.kv_spec.V4LayerSpec` (tensors, ``per``,
 rows after ``n`` tokens); the data comes through a reader ``read(name, first, last) ->
@@ -39,8 +41,10 @@ from engine.v4.config import V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, V4LayerSpec, kv_specs
 
 Reader = Callable[[str, int, int], torch.Tensor]
-# NOTE: the name of this layout in the transfer layout's fingerprint (staging.layout_text)
-ROW_LAYOUT = "entries|window+state"
+# NOTE: the name of this layout in the transfer layout's fingerprint (staging.layout_text):
+# where the tensors sit in a layer's rows, and that a layer ships only its kind's own rows
+# (a peer that ships or expects zero rows up to staged_rows is refused, not misread)
+ROW_LAYOUT = "entries|window+state;own-rows"
 
 
 @dataclass(frozen=True)
@@ -112,17 +116,23 @@ def _whole_rows(streams: tuple[Stream, ...], width: int) -> int:
     return -(-sum(s.elements for s in streams) // width)
 
 
+def layer_rows(config: V4Config, num_tokens: int) -> tuple[int, ...]:
+    """Per layer the rows it ships for a request of ``num_tokens`` (>= 1) prompt tokens: its
+    kind's (:func:`kind_layout`), what the decode tracker expects of that layer."""
+    rows = {kind: kind_layout(spec, num_tokens).rows for kind, spec in kv_specs(config).items()}
+    return tuple(rows[kind] for kind in config.layer_types)
+
+
 def staged_rows(config: V4Config, num_tokens: int) -> int:
-    """Rows every layer ships for a request of ``num_tokens`` (>= 1) prompt tokens: the most
-    any kind needs, at least 1."""
-    return max(1, max(kind_layout(spec, num_tokens).rows for spec in kv_specs(config).values()))
+    """Staging slots a request of ``num_tokens`` (>= 1) prompt tokens takes on each side: the
+    most rows any layer ships (:func:`layer_rows`), at least 1; the done records' count."""
+    return max((1, *layer_rows(config, num_tokens)))
 
 
 def final_rows(spec: V4LayerSpec, num_tokens: int, computed: int
                ) -> tuple[tuple[int, int], ...]:
     """Row ranges of ``spec``'s kind that are final once ``computed`` of the ``num_tokens``
-    prompt tokens are (``0 <= computed <= num_tokens``; none at 0), the kind's zero rows up to
-    :func:`staged_rows` excluded (:func:`chunk_rows` adds them)."""
+    prompt tokens are (``0 <= computed <= num_tokens``; none at 0)."""
     if computed <= 0:
         return ()
     lay = kind_layout(spec, num_tokens)
@@ -142,22 +152,19 @@ def final_rows(spec: V4LayerSpec, num_tokens: int, computed: int
 def chunk_rows(config: V4Config, num_tokens: int, start: int, end: int
                ) -> tuple[RowRange, ...]:
     """The rows a prefill chunk of tokens ``[start, end)`` makes final, per layer group (layers
-    of kinds with the same ranges share a range), ordered by ``start``: each row ``[0,
-    staged_rows(num_tokens))`` of every layer is in exactly one chunk of a prompt cut into
-    consecutive chunks; a kind's zero rows go with the first chunk, the state with the last.
+    of kinds with the same ranges share a range), ordered by ``start``: each of a layer's own
+    rows ``[0, layer_rows(num_tokens)[layer])`` is in exactly one chunk of a prompt cut into
+    consecutive chunks, and no row past them is in any; the state goes with the last chunk.
 
     Raises:
         ValueError: not ``0 <= start < end <= num_tokens``.
     """
     if not 0 <= start < end <= num_tokens:
         raise ValueError(f"chunk [{start}, {end}) of a {num_tokens}-token prompt")
-    total = staged_rows(config, num_tokens)
     by_range: dict[tuple[int, int], list[int]] = {}
     for kind, spec in kv_specs(config).items():
         before = _cells(final_rows(spec, num_tokens, start))
         after = _cells(final_rows(spec, num_tokens, end))
-        if start == 0:
-            after |= set(range(kind_layout(spec, num_tokens).rows, total))
         layers = [i for i, k in enumerate(config.layer_types) if k == kind]
         for span in _spans(sorted(after - before)):
             by_range.setdefault(span, []).extend(layers)

@@ -59,7 +59,7 @@ from engine.v4.kv_spec import layer_specs
 from engine.v4.paged_cache import PagedKV, PagedV4Cache
 from engine.v4.request_caches import RequestCaches
 from engine.v4.kv_spec import layer_specs
-from engine.v4.row_layout import RowRange, chunk_rows, kind_layout, pack_rows
+from engine.v4.row_layout import RowRange, chunk_rows, kind_layout, layer_rows, pack_rows
 from engine.v4.staging import StagingCache, StagingSpec, layout_text, staged_rows, tiers, unpack
 from engine.v4.state_io import cache_reader, export_request
 
@@ -311,9 +311,14 @@ class V4Runner:
         return self.staging_spec
 
     def staged_rows(self, num_tokens: int) -> int:
-        """Staging rows a request of ``num_tokens`` prompt tokens ships per layer
-        (:func:`engine.v4.staging.staged_rows`, <= ``num_tokens``)."""
+        """Staging slots a request of ``num_tokens`` prompt tokens takes: the most rows a layer
+        ships (:func:`engine.v4.staging.staged_rows`, <= ``num_tokens``)."""
         return staged_rows(self.model.config, num_tokens)
+
+    def layer_rows(self, num_tokens: int) -> tuple[int, ...]:
+        """Per layer the staging rows it ships for a ``num_tokens``-token prompt, its kind's
+        (:func:`engine.v4.row_layout.layer_rows`: what the decode tracker expects)."""
+        return layer_rows(self.model.config, num_tokens)
 
     def chunk_rows(self, num_tokens: int, start: int, end: int) -> tuple[RowRange, ...]:
         """Prefill leader: the staging rows a chunk of tokens ``[start, end)`` of a
@@ -349,14 +354,14 @@ class V4Runner:
     def admit_staged(self, request_id: str, block_ids: tuple[int, ...], slots,
                      num_tokens: int) -> None:
         """Decode: rebuild the request's paged cache from the staging rows at ``slots`` (int64
-        ``[staged_rows(num_tokens)]``, what the transfer wrote) after ``num_tokens`` tokens
-        (:meth:`import_request`).
+        ``[staged_rows(num_tokens)]``; each layer's own rows, the first ``layer_rows`` of them,
+        what the transfer wrote) after ``num_tokens`` tokens (:meth:`import_request`).
 
         Raises:
             ValueError: the rows are not the specs' (:func:`engine.v4.staging.unpack`).
             NoFreeBlocksError: a V4 group's pool is short (nothing taken).
         """
-        rows = self.kv_cache.read(slots)
+        rows = self.kv_cache.read(slots, self.layer_rows(num_tokens))
         self.import_request(request_id, block_ids, unpack(self.model.config, rows, num_tokens),
                             num_tokens)
 

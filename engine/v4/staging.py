@@ -7,11 +7,12 @@ the tensors :func:`engine.v4.state_io.export_request` gives (window, compressed 
 indexer keys, compressor / indexer open-group state), of different widths and row counts.
 Each layer's tensors go into rows of its kind's width (:func:`kind_widths`: the sum of the
 kind's tensor widths) as :mod:`engine.v4.row_layout` lays them out (entries first, then the
-final window and the state, so rows become final chunk by chunk): the layer's
-``staged_rows(n)`` rows. Every layer ships the same row count (the most any kind needs), so
-the decode tracker's ``[layers, rows]`` cells are MLA's; a narrower kind (HCA, sliding) ships
-narrower rows. ``staged_rows(n) <= n`` (tested; :mod:`engine.v4.row_layout`). A PD role's
-scheduler pool addresses the staging cache and holds only these rows
+final window and the state, so rows become final chunk by chunk). A layer ships its kind's own
+rows (``layer_rows(n)``; the decode tracker expects per layer that many of its ``[layers,
+rows]`` cells), of its kind's width: a narrower kind (HCA, sliding) ships fewer, narrower
+rows. A request's staging takes ``staged_rows(n)`` slots on each side (the most any layer
+ships, ``<= n``: tested; :mod:`engine.v4.row_layout`); a layer's slots past its own rows stay
+unused. A PD role's scheduler pool addresses the staging cache and holds only these slots
 (``staging_blocks_for``; its size, ``V4Runner.scheduler_blocks``, is the role's
 ``v4_staging_blocks`` or ``num_kv_blocks``).
 
@@ -30,15 +31,15 @@ The staging cache (:class:`StagingCache`) is allocated only by a PD role
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import kv_specs, layer_specs
-from engine.v4.row_layout import (ROW_LAYOUT, kind_layout, pack_rows, staged_rows,
-                                  unpack_rows)
+from engine.v4.row_layout import (ROW_LAYOUT, kind_layout, layer_rows, pack_rows,
+                                  staged_rows, unpack_rows)
 
 STAGING_BUFFER = "v4_state"
 
@@ -82,7 +83,8 @@ def staging_bytes(config: V4Config, num_blocks: int, block_size: int, dtype_byte
 
 def staging_blocks_for(config: V4Config, num_tokens: int, block_size: int) -> int:
     """Staging blocks one request of ``num_tokens`` prompt tokens holds (prefill until its
-    rows are sent, decode until it ends): ``ceil(staged_rows / block_size)``; a staging pool
+    rows are sent, decode until it ends): ``ceil(staged_rows / block_size)``, the widest
+    kind's row count (a narrower layer leaves the rest of its slots unused); a staging pool
     of ``k`` x this holds ``k`` such requests in flight."""
     return -(-staged_rows(config, num_tokens) // block_size)
 
@@ -103,16 +105,16 @@ def layout_text(config: V4Config) -> str:
 
 def pack(config: V4Config, layers: list[dict[str, torch.Tensor]], num_tokens: int,
          dtype: torch.dtype, only: Collection[int] | None = None) -> list[torch.Tensor | None]:
-    """Per layer all its rows ``[staged_rows(num_tokens), kind width]`` in ``dtype``, from
-    its tensors (:func:`~engine.v4.state_io.export_request`'s dicts) laid out by
-    :mod:`engine.v4.row_layout`; with ``only``, None for the layers not in it.
+    """Per layer all its own rows ``[layer_rows(num_tokens)[layer], kind width]`` in
+    ``dtype``, from its tensors (:func:`~engine.v4.state_io.export_request`'s dicts) laid out
+    by :mod:`engine.v4.row_layout`; with ``only``, None for the layers not in it.
 
     Raises:
         ValueError: a layer lacks a tensor its spec names.
     """
-    rows = staged_rows(config, num_tokens)
     out: list[torch.Tensor | None] = []
-    for i, (spec, tensors) in enumerate(zip(layer_specs(config), layers, strict=True)):
+    for i, (spec, tensors, rows) in enumerate(zip(layer_specs(config), layers,
+                                                   layer_rows(config, num_tokens), strict=True)):
         if only is not None and i not in only:
             out.append(None)
             continue
@@ -127,15 +129,17 @@ def pack(config: V4Config, layers: list[dict[str, torch.Tensor]], num_tokens: in
 
 def unpack(config: V4Config, rows: list[torch.Tensor], num_tokens: int
            ) -> list[dict[str, torch.Tensor]]:
-    """Inverse of :func:`pack`: per layer ``[staged_rows(num_tokens), kind width]`` -> per
-    layer ``{name: [spec.rows(t, num_tokens), width]}`` (views into ``rows``).
+    """Inverse of :func:`pack`: per layer its own rows ``[layer_rows(num_tokens)[layer], kind
+    width]`` -> per layer ``{name: [spec.rows(t, num_tokens), width]}`` (views into
+    ``rows``).
 
     Raises:
-        ValueError: a layer's rows are not ``[staged_rows(num_tokens), kind width]``.
+        ValueError: a layer's rows are not ``[layer_rows(num_tokens)[layer], kind width]``.
     """
-    widths, want_rows = kind_widths(config), staged_rows(config, num_tokens)
+    widths = kind_widths(config)
     out = []
-    for i, (spec, layer) in enumerate(zip(layer_specs(config), rows, strict=True)):
+    for i, (spec, layer, want_rows) in enumerate(zip(layer_specs(config), rows,
+                                                     layer_rows(config, num_tokens), strict=True)):
         want = (want_rows, widths[spec.kind])
         if tuple(layer.shape) != want:
             raise ValueError(f"layer {i}: staged rows {tuple(layer.shape)} for {num_tokens} "
@@ -198,20 +202,24 @@ class StagingCache:
         return self.buffers[layer]
 
     def write(self, slots: torch.Tensor, rows: list[torch.Tensor | None]) -> None:
-        """Store per layer ``rows[i] [S, its width]`` at ``slots`` (int64 ``[S]``); a None
-        layer is left as it is."""
+        """Store per layer ``rows[i] [S_i, its width]`` at ``slots[:S_i]`` (int64 ``[S]``,
+        ``S_i <= S``: a layer's own rows); a None layer is left as it is."""
         slots = slots.to(self.device)
-        for bufs, layer_rows in zip(self.buffers, rows, strict=True):
-            if layer_rows is None:
+        for bufs, mine in zip(self.buffers, rows, strict=True):
+            if mine is None:
                 continue
-            for buf, part in zip(bufs, _columns(layer_rows, bufs), strict=True):
-                buf.view(-1, buf.shape[-1]).index_copy_(0, slots, part)
+            for buf, part in zip(bufs, _columns(mine, bufs), strict=True):
+                buf.view(-1, buf.shape[-1]).index_copy_(0, slots[:mine.shape[0]], part)
 
-    def read(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        """Per layer ``[S, its width]`` copies of the rows at ``slots`` (int64 ``[S]``)."""
+    def read(self, slots: torch.Tensor, rows: Sequence[int] | None = None
+             ) -> list[torch.Tensor]:
+        """Per layer ``[S_i, its width]`` copies of the rows at ``slots[:S_i]`` (int64
+        ``[S]``; ``S_i = rows[i]``, a layer's own rows, else ``S``)."""
         slots = slots.to(self.device)
-        return [torch.cat([buf.view(-1, buf.shape[-1]).index_select(0, slots)
-                           for buf in bufs], dim=1) for bufs in self.buffers]
+        counts = rows if rows is not None else [slots.numel()] * len(self.buffers)
+        return [torch.cat([buf.view(-1, buf.shape[-1]).index_select(0, slots[:n])
+                           for buf in bufs], dim=1)
+                for bufs, n in zip(self.buffers, counts, strict=True)]
 
 
 def _columns(rows: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:

@@ -1,9 +1,11 @@
 """DeepSeek-V4 staging rows (engine/v4/staging.py, engine/v4/row_layout.py): what PD ships. A
 request's tensors packed into rows, written at scattered slots and read back are
-bit-identical; the rows fit the prompt's slots (``staged_rows(n) <= n``); the tier buffers nest
-(a layer's buffers are the layout's first ones) and add up to each kind's width; unpack refuses
-rows of another shape. Chunk by chunk: over a prompt's chunks every row of every layer is
-final in exactly one chunk, rows go out before the last chunk of a long prompt, and rows staged
+bit-identical; the rows fit the prompt's slots (``staged_rows(n) <= n``); each layer ships its
+kind's own rows (``layer_rows``, the widest kind's count only on its own layers); the tier
+buffers nest (a layer's buffers are the layout's first ones) and add up to each kind's width;
+unpack refuses rows of another shape (padded ones too). Chunk by chunk: over a prompt's chunks
+each of a layer's own rows is final in exactly one chunk and no row past them in any, rows go
+out before the last chunk of a long prompt, and rows staged
 from a real runner's cache right after the chunk that made them final equal the rows packed
 from its whole state at the end (so no shipped row changes later); a row not final yet is
 refused."""
@@ -17,9 +19,10 @@ from engine.block_pool import slot_mapping
 from engine.runner import SeqStep, build_runner
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import layer_specs
-from engine.v4.row_layout import RowRange, chunk_rows, kind_layout
-from engine.v4.staging import (StagingCache, StagingSpec, kind_widths, pack, staged_rows, tiers,
-                               unpack)
+from engine.v4.kv_spec import kv_specs
+from engine.v4.row_layout import ROW_LAYOUT, RowRange, chunk_rows, kind_layout, layer_rows
+from engine.v4.staging import (StagingCache, StagingSpec, kind_widths, layout_text, pack,
+                               staged_rows, tiers, unpack)
 from engine.v4.state_io import export_request
 
 
@@ -46,6 +49,22 @@ def test_rows_fit_the_prompt_slots(config):
         assert 1 <= staged_rows(config, n) <= n
 
 
+@pytest.mark.parametrize("n", [1, 7, 130, 4096, 32768])
+def test_each_layer_ships_its_own_kinds_rows(config, n):
+    """``layer_rows``: per layer its kind's rows (``kind_layout``), the most of them is
+    ``staged_rows``; a kind short of that many rows ships no padding; the layout text names
+    the own-rows layout (a peer padding to ``staged_rows`` is refused by the fingerprint)."""
+    own = {kind: kind_layout(spec, n).rows for kind, spec in kv_specs(config).items()}
+    got = layer_rows(config, n)
+    assert got == tuple(own[kind] for kind in config.layer_types)
+    assert max(got) == staged_rows(config, n) and min(got) >= 1
+    widths = kind_widths(config)
+    shipped = sum(r * widths[k] for r, k in zip(got, config.layer_types, strict=True))
+    padded = staged_rows(config, n) * sum(widths[k] for k in config.layer_types)
+    assert (shipped < padded) == (len(set(got)) > 1)
+    assert f'"rows":"{ROW_LAYOUT}"' in layout_text(config) and "own-rows" in ROW_LAYOUT
+
+
 def test_tiers_nest_and_add_up_to_each_kind(config):
     spec = StagingSpec(config.num_hidden_layers, 1, 1, tiers(config), torch.float32)
     widths = kind_widths(config)
@@ -64,25 +83,32 @@ def test_pack_write_read_unpack_is_exact(tiny_v4_ckpt, n):
     shipped = _request(config, n, seed=n)
     cache = StagingCache(StagingSpec(config.num_hidden_layers, 64, 4, tiers(config),
                                      torch.float32))
-    rows = staged_rows(config, n)
+    rows, own = staged_rows(config, n), layer_rows(config, n)
     slots = torch.randperm(256, generator=torch.Generator().manual_seed(1))[:rows]
-    cache.write(slots, pack(config, shipped, n, torch.float32))
-    got = unpack(config, cache.read(slots), n)
+    packed = pack(config, shipped, n, torch.float32)
+    assert [tuple(r.shape) for r in packed] == [
+        (r, kind_widths(config)[k]) for r, k in zip(own, config.layer_types, strict=True)]
+    cache.write(slots, packed)
+    got = unpack(config, cache.read(slots, own), n)
     for want_layer, got_layer in zip(shipped, got, strict=True):
         assert want_layer.keys() == got_layer.keys()
         for name, t in want_layer.items():
             assert torch.equal(t, got_layer[name]), name
-    with pytest.raises(ValueError, match="staged rows"):
-        unpack(config, cache.read(slots[:-1] if rows > 1 else slots.repeat(2)), n)
+    with pytest.raises(ValueError, match="staged rows"):  # NOTE: one row too many per layer
+        unpack(config, [torch.cat([r, r[:1]]) for r in cache.read(slots, own)], n)
+    if len(set(own)) > 1:  # NOTE: every layer padded to staged_rows: not the specs' rows
+        with pytest.raises(ValueError, match="staged rows"):
+            unpack(config, cache.read(slots), n)
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 1), (5, 2), (33, 8), (130, 7), (130, 130),
                                      (1000, 64), (4097, 512)])
 def test_chunks_make_every_row_final_exactly_once(config, n, chunk):
-    """Consecutive chunks of a prompt: each (layer, row) of ``[layers, staged_rows(n)]`` is in
-    exactly one chunk's ranges; a prompt of more than one chunk past the window ships rows
-    before its last chunk (compressed entries, then window rows), and its last chunk ships
-    fewer rows than all of them (the state and the rows still open)."""
+    """Consecutive chunks of a prompt: each of a layer's own rows (``layer_rows``) is in
+    exactly one chunk's ranges and no row of ``[layers, staged_rows(n)]`` past them in any; a
+    prompt of more than one chunk past the window ships rows before its last chunk (compressed
+    entries, then window rows), and its last chunk ships fewer rows than all of them (the
+    state and the rows still open)."""
     seen = torch.zeros(config.num_hidden_layers, staged_rows(config, n), dtype=torch.int32)
     early = 0
     for start in range(0, n, chunk):
@@ -92,9 +118,12 @@ def test_chunks_make_every_row_final_exactly_once(config, n, chunk):
             seen[list(rows.layers), rows.start:rows.end] += 1
             if end < n:
                 early += len(rows.layers) * (rows.end - rows.start)
-    assert bool((seen == 1).all()), (seen != 1).nonzero()[:5]
+    want = torch.zeros_like(seen)
+    for layer, rows in enumerate(layer_rows(config, n)):
+        want[layer, :rows] = 1
+    assert torch.equal(seen, want), (seen != want).nonzero()[:5]
     if n > 2 * chunk and n - chunk > config.sliding_window:
-        assert 0 < early < seen.numel()
+        assert 0 < early < int(want.sum())
     with pytest.raises(ValueError, match="chunk"):
         chunk_rows(config, n, 0, n + 1)
 
@@ -120,7 +149,7 @@ def test_rows_staged_chunk_by_chunk_equal_the_final_state(tiny_v4_ckpt, n, chunk
         for rows in runner.chunk_rows(n, start, end):
             runner.stage_rows("r", n, rows, slots[rows.start:rows.end])
     want = pack(config, export_request(runner.caches["r"]), n, runner.dtype)
-    got = runner.kv_cache.read(slots)
+    got = runner.kv_cache.read(slots, runner.layer_rows(n))
     for layer, (w, g) in enumerate(zip(want, got, strict=True)):
         assert torch.equal(w, g), layer
     for w, g in zip(export_request(runner.caches["r"]), unpack(config, got, n), strict=True):

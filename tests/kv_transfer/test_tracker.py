@@ -184,3 +184,29 @@ def test_kv_tail_runs_from_the_prefill_forward_end_to_the_last_cell():
     assert _deliver(tr, _data("old", 0, (0, 1), 0, 4))
     tr.on_done(SOURCE, _done("old", 0, 4))
     assert tr.poll("old") == SUCCESS  # no forward end given: not measured
+
+
+def test_each_layer_expects_only_its_own_cells():
+    """``layer_tokens`` (DeepSeek-V4's staging rows, each layer its kind's own count): the
+    request completes without the cells past a layer's count, the missing count names only
+    expected cells, and a record reaching past a layer's count fails the request naming it."""
+    tr = _tracker()
+    tr.expect("r", 6, prefill_tp=1, layer_tokens=(6, 2, 4))
+    assert _deliver(tr, _data("r", 0, (0, 1, 2), 0, 2))
+    assert _deliver(tr, _data("r", 0, (0, 2), 2, 4))
+    tr.on_done(SOURCE, _done("r", 0, 6))
+    assert tr.poll("r").state is KVPoll.TRANSFERRING, "layer 0's tokens [4, 6) missing"
+    assert _deliver(tr, _data("r", 0, (0,), 4, 6))
+    assert tr.poll("r") == SUCCESS
+    slow = _tracker(completion_timeout_s=0.2)
+    slow.expect("late", 6, prefill_tp=1, layer_tokens=(6, 2, 4))
+    assert _deliver(slow, _data("late", 0, (0, 1, 2), 0, 2))
+    time.sleep(0.3)
+    assert "prefill rank 0: 6 of 12 (layer, token) cells missing" in slow.poll("late").error
+    tr.expect("pad", 6, prefill_tp=1, layer_tokens=(6, 2, 4))
+    assert tr.admit(SOURCE, *_data("pad", 0, (0, 1), 2, 6), num_slots=32) is None
+    status = tr.poll("pad")
+    assert status.state is KVPoll.FAILED and "of layer 1 exceed its 2 expected" in status.error
+    for bad in ((6, 2), (6, 7, 4), (6, -1, 4)):
+        with pytest.raises(ValueError, match="layer_tokens"):
+            tr.expect(f"bad{bad}", 6, prefill_tp=1, layer_tokens=bad)

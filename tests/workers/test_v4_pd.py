@@ -4,8 +4,10 @@ tokens equal a colocated V4 runner's (which equal transformers', tests/engine/
 test_v4_runner.py) for prompts shorter than the window, longer than it and ending inside a
 compression group; every block (scheduler pools, V4 group pools) is free afterwards on both
 sides; the state ships chunk by chunk (a long prompt's rows reach decode in several records
-before its last chunk, each row once: bytes = the plan's); an abort mid-prefill after some
-chunks shipped frees every block once; a layout of other V4 specs is refused naming them."""
+before its last chunk, each of a layer's own rows once and none past them: bytes = the sum
+over layers of their own rows x width, on both connectors); an abort mid-prefill after some
+chunks shipped frees every block once; a layout of other V4 specs, or of the padded row
+layout, is refused naming them."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from decode_worker.role import DecodeRole
 from engine.request import RequestSpec
 from engine.runner import SeqStep, build_runner
 from engine.sampling_params import SamplingParams
-from engine.v4.staging import kind_widths, staged_rows
+from engine.v4.row_layout import ROW_LAYOUT
+from engine.v4.staging import kind_widths, layer_rows, staged_rows
 from kv_transfer.errors import LayoutMismatchError
 from prefill_worker.role import PrefillRole
 from rank.messages import Abort, Admit, Prefill, Rejection, Reservation, Reserve
@@ -109,12 +112,20 @@ def test_v4_pd_equals_colocated_and_frees_everything(pd, v4_ckpt):
     for rank in (prefill, decode):
         _v4_free(rank)
     runner = prefill.runner
-    rows = sum(staged_rows(runner.model.config, n) for n in PROMPTS.values())
-    per_row = runner.kv_spec.bytes_per_token_of(range(runner.kv_spec.num_layers))
-    widths = kind_widths(runner.model.config)  # NOTE: benchmarks/v4_kv_bytes.py's row bytes
-    assert per_row == sum(widths[k] for k in runner.model.config.layer_types) * 4  # fp32
-    assert prefill.status().kv_bytes_sent == rows * per_row
-    assert all(staged_rows(runner.model.config, n) <= n for n in range(1, 300))
+    config = runner.model.config
+    widths = kind_widths(config)  # NOTE: benchmarks/v4_kv_bytes.py's row bytes
+    per_layer = [runner.kv_spec.bytes_per_token_of([i]) for i in range(config.num_hidden_layers)]
+    assert per_layer == [widths[k] * 4 for k in config.layer_types]  # fp32
+    assert prefill.status().kv_bytes_sent == sum(_own_bytes(config, n) for n in PROMPTS.values())
+    assert all(staged_rows(config, n) <= n for n in range(1, 300))
+
+
+def _own_bytes(config, n: int) -> int:
+    """fp32 bytes a request of ``n`` prompt tokens ships: per layer its own rows x its kind's
+    row bytes (no padding rows)."""
+    widths = kind_widths(config)
+    return sum(r * widths[k] * 4
+               for r, k in zip(layer_rows(config, n), config.layer_types, strict=True))
 
 
 class FreeCounts:
@@ -177,26 +188,38 @@ def _wait(cond, timeout_s: float = 10.0) -> None:
 
 
 def test_v4_state_ships_chunk_by_chunk(pd, v4_ckpt):
-    """A 40-token prompt in chunks of 8 (window 8, so its last chunk holds the whole final
-    window): held before its last chunk, decode has already received more than one record
-    and the rows the first four chunks made final (``chunk_rows``), and still waits
-    (TRANSFERRING); then the output equals colocated, the bytes sent equal the plan's
-    (``staged_rows`` x row bytes: no row twice), and every scheduler block set on both sides
-    was freed exactly once."""
+    """A 72-token prompt in chunks of 8 (window 8, so its last chunk holds the whole final
+    window; a CSA entries row is final every 32 tokens): held before its last chunk, decode
+    has already received more than one record and the rows the first eight chunks made
+    final (``chunk_rows``), and still waits
+    (TRANSFERRING); then the output equals colocated, decode's tracker marked each (layer,
+    row) of every layer's own rows exactly once and nothing past them, the bytes sent and
+    received equal the sum over layers of their own rows x row bytes (no padding row, no row
+    twice), and every scheduler block set on both sides was freed exactly once."""
     from engine.v4.row_layout import chunk_rows  # noqa: PLC0415
     from kv_transfer import KVPoll  # noqa: PLC0415
 
     prefill, decode = pd
-    config, n = prefill.runner.model.config, 40
+    config, n = prefill.runner.model.config, 72
     spec = RequestSpec("stream", _prompt(n, 11), SamplingParams(max_tokens=NEW, ignore_eos=True))
     per_layer = [w * 4 for w in (kind_widths(config)[k] for k in config.layer_types)]  # fp32
     early = sum(sum(per_layer[i] for i in r.layers) * (r.end - r.start)
                 for s in range(0, n - 8, 8) for r in chunk_rows(config, n, s, s + 8))
-    total = staged_rows(config, n) * sum(per_layer)
-    assert 0 < early < total
+    total = _own_bytes(config, n)
+    assert 0 < early < total < staged_rows(config, n) * sum(per_layer)
     d_conn, p_conn = decode.role.connector, prefill.role.sends.connector
     d_before, p_before = d_conn.stats.snapshot(), p_conn.stats.snapshot()
     counts = FreeCounts(prefill, decode)
+    seen = torch.zeros(config.num_hidden_layers, staged_rows(config, n), dtype=torch.int32)
+    tracker = d_conn._tracker
+    end_write = tracker.end_write
+
+    def counting_end_write(req, chunk, done):  # NOTE: every record written into the slots
+        if done and chunk.request_id == spec.request_id:
+            seen[list(chunk.layers), chunk.token_start:chunk.token_end] += 1
+        end_write(req, chunk, done)
+
+    tracker.end_write = counting_end_write
     held, resume, undo = _hold_before(prefill, spec.request_id, n - 8)
     try:
         res = decode.request(Reserve(spec, 1))
@@ -213,6 +236,11 @@ def test_v4_state_ships_chunk_by_chunk(pd, v4_ckpt):
         events = wait_events(decode, spec.request_id, lambda e: e.finish_reason is not None)
     finally:
         undo()
+        del tracker.end_write
+    want = torch.zeros_like(seen)
+    for layer, rows in enumerate(layer_rows(config, n)):
+        want[layer, :rows] = 1
+    assert torch.equal(seen, want), (seen != want).nonzero()[:5]
     tokens = [*first.token_ids, *(t for e in events for t in e.token_ids)]
     assert tokens == _solo_greedy(v4_ckpt, spec.prompt_token_ids, NEW)
     wait_all_free(prefill, decode)
@@ -324,6 +352,11 @@ def test_v4_layouts_of_other_specs_are_refused(pd, v4_ckpt, tmp_path):
     assert mine.fingerprint() != theirs.fingerprint()
     with pytest.raises(LayoutMismatchError, match="layer_specs.*different per-layer KV specs"):
         mine.check_compatible(theirs)
+    padded = mine.__class__(**{**mine.__dict__, "layer_specs": mine.layer_specs.replace(
+        f'"{ROW_LAYOUT}"', '"entries|window+state"')})  # NOTE: the layout that shipped padding
+    assert padded.layer_specs != mine.layer_specs
+    with pytest.raises(LayoutMismatchError, match="layer_specs.*different per-layer KV specs"):
+        mine.check_compatible(padded)
     v3 = mine.__class__(**{**mine.__dict__, "layer_specs": ""})
     with pytest.raises(LayoutMismatchError, match="prefill serves DeepSeek-V4"):
         mine.check_compatible(v3)

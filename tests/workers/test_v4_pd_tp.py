@@ -6,14 +6,18 @@ every layer, rebuilds the request's paged cache and decodes.
 Each prefill rank stages only the layers it sends (a rank's missing layer would reach decode
 as zeros). The greedy tokens equal a colocated tp-1 runner's (which equal transformers',
 tests/engine/test_v4_runner.py) for prompts shorter than the window, longer, and across compression groups;
-bytes sent are the plan's (P2 -> D1: one copy of the rows split over two senders; P1 -> D2: a
-copy per decode rank); every V4 group block is free on both sides afterwards.
+each decode rank expects per layer its own row count (``layer_rows``) and receives each such
+(layer, row) exactly once, nothing past them; bytes sent and received are the plan's, per layer
+its own rows x width (P2 -> D1: one copy of the rows split over two senders; P1 -> D2: a copy
+per decode rank); every V4 group block is free on both sides afterwards.
 
 This drives the runner and connectors as the roles do (prefill_worker/kv_sends.py
 ``staged_transfers``, decode_worker/v4_staged.py); the roles themselves, SPMD over TP ranks, are
 V3's (tests/workers/test_pd_ranks.py at tp 1, tests/e2e/test_glm5_up.py across tp)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -107,10 +111,21 @@ def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int
     conn = DecodeKVConnector(runner.kv_cache, staged_layout(runner.kv_spec, "v4", d_tp), "d0",
                              rank, CFG)
     pool, held, rows = BlockPool(BLOCKS, D_BLOCK), {}, {}
+    seen = {rid: torch.zeros(runner.model.config.num_hidden_layers, runner.staged_rows(n),
+                             dtype=torch.int32) for rid, n in PROMPTS.items()}
+    end_write, counting = conn._tracker.end_write, threading.Lock()
+
+    def counting_end_write(req, chunk, done):  # NOTE: every record written into the slots
+        if done:
+            with counting:  # NOTE: one receiver thread per prefill rank
+                seen[chunk.request_id][list(chunk.layers), chunk.token_start:chunk.token_end] += 1
+        end_write(req, chunk, done)
+
+    conn._tracker.end_write = counting_end_write
     for rid, n in PROMPTS.items():
         rows[rid] = runner.staged_rows(n)
         held[rid] = pool.allocate(-(-rows[rid] // D_BLOCK))
-        conn.expect(rid, rows[rid], p_tp)
+        conn.expect(rid, rows[rid], p_tp, layer_tokens=runner.layer_rows(n))
     for q in addr_qs:
         q.put((rank, conn.address, {rid: b.block_ids for rid, b in held.items()}))
     for rid, n in PROMPTS.items():
@@ -118,6 +133,10 @@ def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int
         ids = held[rid].block_ids
         runner.admit_staged(rid, ids, slot_mapping(ids, 0, rows[rid], D_BLOCK), n)
         conn.release(rid)
+        want = torch.zeros_like(seen[rid])
+        for layer, own in enumerate(runner.layer_rows(n)):
+            want[layer, :own] = 1
+        assert torch.equal(seen[rid], want), (rid, (seen[rid] != want).nonzero()[:5])
     tokens = {rid: [tok] for rid, tok in (first_q.get(timeout=60) for _ in PROMPTS)}
     for i in range(NEW - 1):
         steps = [SeqStep(rid, (tokens[rid][-1],), n + i, held[rid].block_ids)
@@ -140,7 +159,7 @@ def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int
     _all_free(runner)
     conn.close()
     group.destroy()
-    return tokens
+    return tokens, conn.stats.snapshot()["bytes"]
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
@@ -160,18 +179,19 @@ def test_v4_pd_across_tp_equals_colocated(p_tp, d_tp, v4_ckpt):
     want = {rid: _solo_greedy(v4_ckpt, _prompt(n, seed), NEW)
             for seed, (rid, n) in enumerate(PROMPTS.items())}
     for d in range(d_tp):
-        assert out[("decode", d)][1] == want, f"decode rank {d}"
+        assert out[("decode", d)][1][0] == want, f"decode rank {d}"
     # NOTE: bytes: every decode rank gets every layer's rows once, split over the senders
     from engine.v4.config import V4Config  # noqa: PLC0415
-    from engine.v4.staging import kind_widths, staged_rows  # noqa: PLC0415
+    from engine.v4.staging import kind_widths, layer_rows  # noqa: PLC0415
 
     import json  # noqa: PLC0415
 
     config = V4Config.from_dict(json.loads((v4_ckpt / "config.json").read_text()))
     widths = kind_widths(config)
-    per_layer = [widths[k] * 4 for k in config.layer_types]  # fp32
-    rows = sum(staged_rows(config, n) for n in PROMPTS.values())
+    per_layer = [sum(layer_rows(config, n)[i] for n in PROMPTS.values()) * widths[k] * 4
+                 for i, k in enumerate(config.layer_types)]  # NOTE: own rows x fp32 row bytes
     sent = [out[("prefill", p)][1]["bytes"] for p in range(p_tp)]
-    assert sum(sent) == d_tp * rows * sum(per_layer), sent
+    assert sum(sent) == d_tp * sum(per_layer), sent
+    assert [out[("decode", d)][1][1] for d in range(d_tp)] == [sum(per_layer)] * d_tp
     if p_tp == 2:  # layers 0-1 from rank 0, 2-3 from rank 1 (kv_transfer/plan.py)
-        assert sent == [rows * sum(per_layer[:2]), rows * sum(per_layer[2:])]
+        assert sent == [sum(per_layer[:2]), sum(per_layer[2:])]
