@@ -214,7 +214,9 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     """(us per layer, us per routed expert run) of host dispatch: the tiny model's measured
     step times less their FLOP and byte time on ``raw``."""
     from engine.model_config import ModelConfig
-    from orchestrator.config.memory_plan import Precision, RoleLayout, num_moe_layers, plan_role
+    from orchestrator.config.memory_plan import Precision, plan_role
+    from orchestrator.config.role_layout import RoleLayout
+    from orchestrator.config.weight_rows import num_moe_layers
     from orchestrator.planner.cost import Hardware, decode_step_cost, prefill_cost
     from orchestrator.planner.counts import expert_active_share
     from orchestrator.tiny_model import tiny_config_dict

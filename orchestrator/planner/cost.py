@@ -27,7 +27,9 @@ from dataclasses import dataclass, replace
 
 from engine.model_config import ModelConfig
 from engine.v4.config import V4Config
-from orchestrator.config.memory_plan import Precision, RoleLayout, RolePlan, num_moe_layers
+from orchestrator.config.memory_plan import Precision, RolePlan
+from orchestrator.config.role_layout import RoleLayout
+from orchestrator.config.weight_rows import num_moe_layers
 from orchestrator.config.memory_plan_v4 import V4Precision
 from orchestrator.planner import counts, counts_v4
 from orchestrator.planner.moe import (StepOptions, alltoall_s, experts_per_rank, imbalance,

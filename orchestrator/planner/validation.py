@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.model_config import ModelConfig
-from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.config.memory_plan import Precision, plan_role
+from orchestrator.config.role_layout import RoleLayout
 from orchestrator.config.load import load_config
 from orchestrator.planner import counts
 from orchestrator.planner.cost import Cost, Hardware, Work, decode_step_cost, forward_cost

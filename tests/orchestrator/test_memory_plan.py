@@ -17,7 +17,8 @@ from orchestrator.config.devices import GB, device_memory
 from orchestrator.config.memory_check import (MemoryPlanError, UnservableModelError,
                                        build_memory_plan, check_memory)
 from kv_transfer.backend import COMM_SETTINGS
-from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.config.memory_plan import Precision, plan_role
+from orchestrator.config.role_layout import RoleLayout
 from tests.e2e.harness import REPO
 
 A3 = REPO / "configs" / "a3_p2x16_d8x4.yaml"

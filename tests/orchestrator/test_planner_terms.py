@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from engine.model_config import ModelConfig
-from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.config.memory_plan import Precision, plan_role
+from orchestrator.config.role_layout import RoleLayout
 from orchestrator.planner.counts import elementwise_bytes_per_token, sp_tp_bytes
 from orchestrator.planner.cost import (Cost, Hardware, Term, Work, decode_step_cost,
                                        forward_cost, sp_tp_s)
