@@ -14,8 +14,10 @@ from engine.model_config import ModelConfig
 from orchestrator.config.memory_plan import Precision, plan_role
 from orchestrator.config.role_layout import RoleLayout
 from orchestrator.planner.counts import elementwise_bytes_per_token, sp_tp_bytes
-from orchestrator.planner.cost import (Cost, Hardware, Term, Work, decode_step_cost,
-                                       forward_cost, sp_tp_s)
+from orchestrator.planner.comm_terms import sp_tp_s
+from orchestrator.planner.cost import decode_step_cost, forward_cost
+from orchestrator.planner.hardware import Hardware
+from orchestrator.planner.terms import Cost, Term, Work
 from orchestrator.planner.load import parse_workload
 from orchestrator.planner.moe import (EPLB_DRIFT, SCALE_BYTES, StepOptions, alltoall_s,
                                       distinct, expected_max, experts_per_rank, imbalance,
@@ -252,7 +254,8 @@ def test_elementwise_bytes_by_hand_on_a_tiny_model():
 
 def test_prefill_re_expands_the_prefix_latents_to_per_head_keys_and_values():
     from orchestrator.planner.counts import prefix_up_flops
-    from orchestrator.planner.cost import Work, forward_cost
+    from orchestrator.planner.cost import forward_cost
+    from orchestrator.planner.terms import Work
 
     m = _tiny()  # 3 layers x 2 x past 5 x kv_lora 4 x 2 heads x (qk_nope 2 + v 2)
     assert prefix_up_flops(m, 5) == 2 * 3 * 5 * 4 * 2 * 4
