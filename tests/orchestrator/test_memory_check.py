@@ -15,7 +15,7 @@ from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import (MemoryPlanError, UnservableModelError,
                                               build_memory_plan, check_memory)
 from tests.e2e.harness import REPO
-from tests.orchestrator.v3_hand_plan import A3, V3_JSON, hand_plan
+from tests.orchestrator.deepseek_v3 import A3, V3_JSON, hand_plan
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))

@@ -1,5 +1,5 @@
 """The per-rank memory plan (orchestrator/config/memory_plan.py and its rows) on DeepSeek-V3's
-real config.json, checked against a hand computation (tests/orchestrator/v3_hand_plan.py) and
+real config.json, checked against a hand computation (tests.orchestrator.deepseek_v3.py) and
 the parameters the engine builds."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from orchestrator.config.memory_check import build_memory_plan
 from orchestrator.config.memory_plan import Precision, plan_role
 from orchestrator.config.role_layout import RoleLayout
 from tests.e2e.harness import REPO
-from tests.orchestrator.v3_hand_plan import (A3, KV_A, KV_B, O, Q_A, Q_B, V3_JSON, VOCAB,
+from tests.orchestrator.deepseek_v3 import (A3, KV_A, KV_B, O, Q_A, Q_B, V3_JSON, VOCAB,
                                              hand_activations, hand_plan, v3)
 
 

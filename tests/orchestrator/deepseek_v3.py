@@ -1,14 +1,24 @@
-"""DeepSeek-V3's per-rank memory on the A3 layout, computed by hand from its config.json
-(REFERENCE.md "Config"): the reference the memory plan's tests hold
-(orchestrator/config/memory_plan.py) and the fit check's refusals quote
-(orchestrator/config/memory_check.py)."""
+"""DeepSeek-V3 as the tests take it: its shipped config.json (:func:`v3`); its per-rank memory
+on the A3 layout computed by hand (REFERENCE.md "Config"), the reference the memory plan's
+tests hold (orchestrator/config/memory_plan.py) and the fit check's refusals quote
+(orchestrator/config/memory_check.py); and the planner's decode step on DeepSeek's EP 144
+decode layout (:func:`v3_decode`)."""
 
 from __future__ import annotations
 
 import json
 
+from dataclasses import replace
+
 from engine.model_config import ModelConfig
 from orchestrator.config.devices import GB
+from orchestrator.config.memory_plan import Precision, plan_role
+from orchestrator.config.role_layout import RoleLayout
+from orchestrator.planner.cost import decode_step_cost
+from orchestrator.planner.hardware import Hardware
+from orchestrator.planner.moe import StepOptions, experts_per_rank
+from orchestrator.planner.specs import named_device
+from orchestrator.planner.terms import Cost
 from tests.e2e.harness import REPO
 
 A3 = REPO / "configs" / "a3_p2x16_d8x4.yaml"
@@ -63,3 +73,14 @@ def hand_activations(tp: int, step_tokens: int, prefix_tokens: int) -> float:
 
 def v3() -> ModelConfig:
     return ModelConfig.from_dict(json.loads(V3_JSON.read_text()))
+
+
+def v3_decode(opts: StepOptions, batch: float, device: str = "h800") -> Cost:
+    """One decode step of ``batch`` sequences at 4096 tokens of context on DeepSeek's decode
+    layout (EP 144, 1-byte linears) on ``device``, under ``opts``."""
+    m = v3()
+    lay = RoleLayout("decode", 144, 1, True, 1, 128, 512, 512, 8192)
+    prec = Precision(1, 2, 2, 2)
+    # NOTE: EP 144 holds 256 experts plus redundant copies: the memory plan sees the slots
+    plan = plan_role(replace(m, n_routed_experts=experts_per_rank(m, 144) * 144), lay, prec)
+    return decode_step_cost(m, plan, prec, Hardware(named_device(device)), batch, 4096, opts)
