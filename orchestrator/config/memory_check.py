@@ -24,7 +24,8 @@ from orchestrator.config.v4_check import is_v4
 from orchestrator.config.schema import OrchConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.devices import GB, DeviceMemory, device_memory
-from orchestrator.config.memory_plan import DTYPE_BYTES, Precision, RoleLayout, RolePlan, plan_role
+from orchestrator.config.memory_plan import DTYPE_BYTES, Precision, RolePlan, plan_role
+from orchestrator.config.role_layout import RoleLayout
 from orchestrator.config.memory_plan_v4 import (V4Precision, plan_role_v4, pools_line,
                                                 request_line)
 

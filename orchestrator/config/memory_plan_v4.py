@@ -35,7 +35,8 @@ from engine.v4.config import CSA, HASH_MOE, HCA, SLIDING, V4Config
 from engine.v4.kv_spec import PER_ENTRY, PER_REQUEST, PER_TOKEN, layer_specs
 from engine.pool_plan import PoolPlan, RequestShape, plan_pools
 from engine.v4.staging import staging_bytes_per_slot
-from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RoleLayout, RolePlan
+from orchestrator.config.memory_plan import DTYPE_BYTES, PlanRow, Precision, RolePlan
+from orchestrator.config.role_layout import RoleLayout
 
 FP4_BYTES = 0.5 + 1 / 32  # NOTE: e2m1 pairs + one e8m0 scale per 32 (engine Mxfp4Experts)
 ID_BYTES = 8  # tid2eid expert ids, int64 as engine/v4/moe.py registers them

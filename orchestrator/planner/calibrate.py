@@ -214,8 +214,11 @@ def _host_costs(raw: DeviceSpec, prefill_s: float, decode_s: float) -> tuple[flo
     """(us per layer, us per routed expert run) of host dispatch: the tiny model's measured
     step times less their FLOP and byte time on ``raw``."""
     from engine.model_config import ModelConfig
-    from orchestrator.config.memory_plan import Precision, RoleLayout, num_moe_layers, plan_role
-    from orchestrator.planner.cost import Hardware, decode_step_cost, prefill_cost
+    from orchestrator.config.memory_plan import Precision, plan_role
+    from orchestrator.config.role_layout import RoleLayout
+    from orchestrator.config.weight_rows import num_moe_layers
+    from orchestrator.planner.cost import decode_step_cost, prefill_cost
+    from orchestrator.planner.hardware import Hardware
     from orchestrator.planner.counts import expert_active_share
     from orchestrator.tiny_model import tiny_config_dict
 
@@ -288,8 +291,8 @@ def _first_token_us(served_s: float, colocated: bool, call_us: float, prefill_s:
                     serving_s: float) -> float:
     """What a served time to first token (one request, ``served_s``) costs beyond what the
     model counts at one request: the calls in turn on its way
-    (:func:`.cost.request_calls`), the bare prefill step and the serving cost per step."""
-    from orchestrator.planner.cost import request_calls
+    (:func:`.host_terms.request_calls`), the bare prefill step and the serving cost per step."""
+    from orchestrator.planner.host_terms import request_calls
 
     counted = request_calls(colocated) * call_us * 1e-6 + prefill_s + serving_s
     return max(0.0, served_s - counted) * 1e6

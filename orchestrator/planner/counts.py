@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from engine.kv_layer_spec import held_bytes, mla_layer_specs, read_bytes
 from engine.model_config import ModelConfig
-from orchestrator.config.memory_plan import Precision, num_moe_layers
+from orchestrator.config.memory_plan import Precision
+from orchestrator.config.weight_rows import num_moe_layers
 
 
 def attention_params_per_layer(m: ModelConfig) -> int:

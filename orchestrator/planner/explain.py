@@ -8,7 +8,7 @@ terms ran with.
 
 from __future__ import annotations
 
-from orchestrator.planner.cost import Cost
+from orchestrator.planner.terms import Cost
 from orchestrator.planner.overlap import explain
 
 

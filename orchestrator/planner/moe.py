@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from engine.model_config import ModelConfig
-from orchestrator.config.memory_plan import num_moe_layers
+from orchestrator.config.weight_rows import num_moe_layers
 from orchestrator.planner.specs import AllToAll, DeviceSpec
 
 GBPS = 1e9

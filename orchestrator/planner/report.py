@@ -1,7 +1,7 @@
 """The plan of an :class:`OrchConfig` for a workload, and its printed table.
 
 Memory and KV capacity come from the memory plan (:mod:`orchestrator.config.memory_check`); seconds
-from :mod:`.cost`; the operating point from :mod:`.load`.
+from :mod:`.cost` (the KV transfer: :mod:`.comm_terms`); the operating point from :mod:`.load`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from orchestrator.config.errors import ConfigError
 from orchestrator.config.memory_check import MemoryPlan, build_memory_plan
 from orchestrator.config.memory_plan import RolePlan
 from orchestrator.config.memory_plan_v4 import pool_plan
-from orchestrator.planner.cost import (Cost, Hardware, counts_for, decode_step_cost,
-                                       kv_transfer_cost, prefill_cost, request_calls)
+from orchestrator.planner.comm_terms import kv_transfer_cost
+from orchestrator.planner.cost import decode_step_cost, prefill_cost
+from orchestrator.planner.hardware import Hardware
+from orchestrator.planner.host_terms import request_calls
+from orchestrator.planner.terms import Cost, counts_for
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
 from orchestrator.planner.kv_tail import kv_tail_s

@@ -21,10 +21,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.model_config import ModelConfig
-from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.config.memory_plan import Precision, plan_role
+from orchestrator.config.role_layout import RoleLayout
 from orchestrator.config.load import load_config
 from orchestrator.planner import counts
-from orchestrator.planner.cost import Cost, Hardware, Work, decode_step_cost, forward_cost
+from orchestrator.planner.cost import decode_step_cost, forward_cost
+from orchestrator.planner.hardware import Hardware
+from orchestrator.planner.terms import Cost, Work
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.moe import StepOptions, experts_per_rank

@@ -220,7 +220,7 @@ def test_memory_plan_equals_the_kept_engine_bytes(ckpts, kind, dp, tp, ep):
     state-dict tensor: e4m3 weights, float32 block scales, packed FP4 + e8m0, fp32 rest),
     at tp 1 (16 x 16 and partial 16 x 24 grids), TP rank 1 of 2, and EP ranks (dp 2 x tp 2,
     dp 4): the FP8 rows at 1 byte, the scales row, FP4 at 0.53, the compressors at dtype."""
-    from orchestrator.config.memory_plan import RoleLayout  # noqa: PLC0415 (planner side)
+    from orchestrator.config.role_layout import RoleLayout  # noqa: PLC0415 (planner side)
     from orchestrator.config.memory_plan_v4 import V4Precision, plan_role_v4  # noqa: PLC0415
 
     from engine.v4.config import V4Config  # noqa: PLC0415

@@ -14,7 +14,8 @@ from engine.model_config import ModelConfig
 from orchestrator.cli import main
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import build_memory_plan
-from orchestrator.config.memory_plan import Precision, RoleLayout, plan_role
+from orchestrator.config.memory_plan import Precision, plan_role
+from orchestrator.config.role_layout import RoleLayout
 
 REPO = Path(__file__).resolve().parents[2]
 GLM5 = REPO / "configs" / "models" / "glm-5" / "config.json"

@@ -15,7 +15,7 @@ from engine.v4.model import DeepseekV4ForCausalLM
 from orchestrator.cli import main
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import MemoryPlanError, check_memory
-from orchestrator.config.memory_plan import RoleLayout
+from orchestrator.config.role_layout import RoleLayout
 from orchestrator.config.memory_plan_v4 import (FP4_BYTES, V4Precision, kv_bytes_per_request,
                                                 kv_elements_per_request, plan_role_v4)
 from orchestrator.tiny_model_v4 import tiny_v4_config_dict

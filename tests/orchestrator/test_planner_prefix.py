@@ -12,8 +12,10 @@ import pytest
 
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_check import describe_memory
-from orchestrator.planner.cost import Hardware, Work, forward_cost, kv_transfer_cost, \
-    prefill_cost
+from orchestrator.planner.comm_terms import kv_transfer_cost
+from orchestrator.planner.cost import forward_cost, prefill_cost
+from orchestrator.planner.hardware import Hardware
+from orchestrator.planner.terms import Work
 from orchestrator.planner.counts import attention_flops, kv_bytes_per_token
 from orchestrator.planner.load import WorkloadSpec, parse_workload
 from orchestrator.planner.prefix_hits import cached_tokens, trace_hit_rate

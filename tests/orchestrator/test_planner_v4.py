@@ -9,7 +9,9 @@ from engine.v4.config import V4Config
 from orchestrator.config.load import load_config
 from orchestrator.config.memory_plan import Precision
 from orchestrator.planner import counts_v4
-from orchestrator.planner.cost import Hardware, allreduce_s, counts_for, kv_transfer_cost
+from orchestrator.planner.comm_terms import allreduce_s, kv_transfer_cost
+from orchestrator.planner.hardware import Hardware
+from orchestrator.planner.terms import counts_for
 from orchestrator.planner.load import WorkloadSpec
 from orchestrator.planner.report import plan_config, requests_held
 from orchestrator.planner.specs import named_device
