@@ -153,8 +153,7 @@ class ModelRunner:
         if graph.enabled and self.ep.size > 1:  # NOTE: every step, so all EP ranks agree
             _fixed_ep_dispatch(self.model, -(-max(token_graph.batch_sizes) // self.tp.size))
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
-        if not graph.enabled:  # NOTE: a captured forward keeps lm_head as F.linear
-            self.model.prepare_lm_head()
+        self.model.prepare_lm_head()  # NOTE: in a capture the CPU GEMM is one opaque op
         self.prefetcher = None
         if sharded and self.cp.size > 1:
             self.prefetcher = LayerPrefetcher(layers, sharded, self.cp, dtype, self.device)
