@@ -289,9 +289,7 @@ class ModelRunner:
         ids = [s.request_id for s in real]
         tables = [*self._block_tables.tensors(ids, [s.block_ids for s in real]),
                   *(s.block_ids for s in steps[len(real):])]
-        # NOTE: graph mode keeps the builder's tensors: the cache's in-place tables made a
-        # captured bucket recompile (tests/engine/test_graph.py)
-        if self.graphs is None and len(real) == len(steps) and self.cp.size == 1 and all(
+        if len(real) == len(steps) and self.cp.size == 1 and all(
                 len(s.token_ids) == 1 and s.num_computed_tokens > 0 for s in steps):
             meta = self._decode_cache.build(ids, [s.num_computed_tokens for s in steps],
                                             [s.block_ids for s in steps])
