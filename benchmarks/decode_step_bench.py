@@ -133,16 +133,12 @@ def wait_done(rank: Rank, ids: list[str], timeout_s: float = 600.0) -> dict[str,
     return tokens
 
 
-MODES = {"eager": GraphConfig()}
-"""Rank variants by name; ``--graph`` adds "graph" (its buckets from ``--batch``)."""
-
-
 def measure(ckpt: str, batch: int, args: argparse.Namespace) -> list[dict]:
     """One rank per mode (eager; graph with ``--graph``), a warm-up round on each, then
     ``--rounds`` timed rounds of ``batch`` requests, alternating the modes; one row each."""
     # NOTE: KV for the profile's longer requests too, or fewer than ``batch`` of them run
     longest = max(args.output_len, args.profile_steps + 64 if args.profile else 0)
-    modes = dict(MODES)
+    modes = {"eager": GraphConfig()}
     if args.graph:
         modes["graph"] = GraphConfig(enabled=True, batch_sizes=tuple(sorted(set(args.batch))),
                                      warmup=True, backend="compile", required=True)
@@ -167,25 +163,30 @@ def measure(ckpt: str, batch: int, args: argparse.Namespace) -> list[dict]:
                                               args.output_len, f"r{r}"))
                 pairs = _intervals(clocks[name].records[start:], batch)
                 per_round[name].append(statistics.median(p[2] for p in pairs))
-        rows = []
-        for name, rank in ranks.items():
-            pairs = clocks[name].decode_intervals(batch)
-            row = {"mode": name, "batch": batch, "steps": len(pairs),
-                   "interval_ms": 1e3 * statistics.median(p[0] for p in pairs),
-                   "forward_ms": 1e3 * statistics.median(p[1] for p in pairs),
-                   "outside_ms": 1e3 * statistics.median(p[0] - p[1] for p in pairs),
-                   "interval_cpu_ms": 1e3 * statistics.median(p[2] for p in pairs),
-                   "forward_cpu_ms": 1e3 * statistics.median(p[3] for p in pairs),
-                   "outside_cpu_ms": 1e3 * statistics.median(p[2] - p[3] for p in pairs),
-                   "round_cpu_ms": [1e3 * t for t in per_round[name]],
-                   "phases": rank.status().step_timings.since(before[name]).format()}
-            if args.profile:
-                row["profile"] = profile_steps(rank, batch, args)
-            rows.append(row)
-        return rows
+        return [_row(name, batch, ranks[name], clocks[name], before[name], per_round[name],
+                     args) for name in ranks]
     finally:
         for rank in ranks.values():
             rank.shutdown()
+
+
+def _row(mode: str, batch: int, rank: Rank, clock: ForwardClock, before, round_cpu: list[float],
+         args: argparse.Namespace) -> dict:
+    """One mode's figures (ms): medians over every timed step, the per-round CPU medians,
+    the leader's phases since ``before``, and the profile with ``--profile``."""
+    pairs = clock.decode_intervals(batch)
+    row = {"mode": mode, "batch": batch, "steps": len(pairs),
+           "interval_ms": 1e3 * statistics.median(p[0] for p in pairs),
+           "forward_ms": 1e3 * statistics.median(p[1] for p in pairs),
+           "outside_ms": 1e3 * statistics.median(p[0] - p[1] for p in pairs),
+           "interval_cpu_ms": 1e3 * statistics.median(p[2] for p in pairs),
+           "forward_cpu_ms": 1e3 * statistics.median(p[3] for p in pairs),
+           "outside_cpu_ms": 1e3 * statistics.median(p[2] - p[3] for p in pairs),
+           "round_cpu_ms": [1e3 * t for t in round_cpu],
+           "phases": rank.status().step_timings.since(before).format()}
+    if args.profile:
+        row["profile"] = profile_steps(rank, batch, args)
+    return row
 
 
 def _intervals(records: list, batch: int) -> list[tuple[float, float, float, float]]:
