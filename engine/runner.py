@@ -153,8 +153,7 @@ class ModelRunner:
         if graph.enabled and self.ep.size > 1:  # NOTE: every step, so all EP ranks agree
             _fixed_ep_dispatch(self.model, -(-max(token_graph.batch_sizes) // self.tp.size))
         load_weights(self.model, checkpoint_dir, self.tp, skip=skip)
-        if not graph.enabled:  # NOTE: a captured forward keeps lm_head as F.linear
-            self.model.prepare_lm_head()
+        self.model.prepare_lm_head()  # NOTE: in a capture the CPU GEMM is one opaque op
         self.prefetcher = None
         if sharded and self.cp.size > 1:
             self.prefetcher = LayerPrefetcher(layers, sharded, self.cp, dtype, self.device)
@@ -290,9 +289,7 @@ class ModelRunner:
         ids = [s.request_id for s in real]
         tables = [*self._block_tables.tensors(ids, [s.block_ids for s in real]),
                   *(s.block_ids for s in steps[len(real):])]
-        # NOTE: graph mode keeps the builder's tensors: the cache's in-place tables made a
-        # captured bucket recompile (tests/engine/test_graph.py)
-        if self.graphs is None and len(real) == len(steps) and self.cp.size == 1 and all(
+        if len(real) == len(steps) and self.cp.size == 1 and all(
                 len(s.token_ids) == 1 and s.num_computed_tokens > 0 for s in steps):
             meta = self._decode_cache.build(ids, [s.num_computed_tokens for s in steps],
                                             [s.block_ids for s in steps])

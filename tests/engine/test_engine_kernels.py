@@ -3,6 +3,7 @@ router maths."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import KERNELS, KernelRegistry, reshape_and_cache_torch
+from engine import lm_head_gemm
 from engine.lm_head_gemm import PACKED_MIN_ROWS
 from engine.model_config import ModelConfig
 from engine.moe import MoEGate
@@ -65,6 +67,30 @@ def test_lm_head_gemm_equals_linear(layout):
     half = weight.to(torch.float16)  # NOTE: not fp32: the plain GEMM, whatever the rows
     x = torch.randn(4, hidden, generator=gen).to(torch.float16)
     assert torch.equal(KERNELS.get("lm_head", "cpu")(half)(x), F.linear(x, half))
+
+
+def test_compiled_lm_head_gemm_is_one_opaque_op_and_its_packed_copy_goes_with_it(monkeypatch):
+    """Under torch.compile (inductor) the packed CPU GEMM is the op orch::onednn_lm_head,
+    equal to the eager GEMM; one row traces F.linear; the packed copy is dropped with its
+    GEMM."""
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    before = set(lm_head_gemm._PACKED)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 1000, generator=gen).t()  # [V, H] view of [H, V], as build_model
+    gemm = KERNELS.get("lm_head", "cpu", "native")(weight)
+    (key,) = set(lm_head_gemm._PACKED) - before
+    compiled = torch.compile(lambda x: gemm(x) * 2.0, backend="inductor", dynamic=False)
+    for rows in (4, 1):
+        x = torch.randn(rows, 64, generator=gen)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = compiled(x)
+        ops = {event.name for event in prof.events()}
+        assert ("orch::onednn_lm_head" in ops) == (rows >= PACKED_MIN_ROWS), (rows, sorted(ops))
+        torch.testing.assert_close(got, 2.0 * gemm(x), rtol=1e-6, atol=1e-6)
+    del gemm, compiled
+    torch._dynamo.reset()  # NOTE: dynamo's caches hold the compiled closure
+    gc.collect()
+    assert key not in lm_head_gemm._PACKED
 
 
 def test_reshape_and_cache_writes_exactly_the_slots():

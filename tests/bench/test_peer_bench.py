@@ -1,0 +1,44 @@
+"""benchmarks/peer_bench.py: with ``--orch-graph`` both orch configs it writes load with
+decode graph mode on, every bucket up to max_num_seqs captured at start-up; each instance's
+load time is read from the ``orch up`` log."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import peer_bench
+from orchestrator.config.load import load_config
+
+
+@pytest.mark.parametrize("seqs, want", [(1, [1]), (2, [1, 2]), (8, [1, 2, 4, 8]),
+                                        (12, [1, 2, 4, 8, 12])])
+def test_graph_buckets_cover_every_batch_up_to_max_num_seqs(seqs, want):
+    assert peer_bench.graph_buckets(seqs) == want
+
+
+@pytest.mark.parametrize("base, role", [("colocated.yaml", "colocated"), ("1p1d.yaml", "decode")])
+@pytest.mark.parametrize("graph", [False, True])
+def test_orch_configs_run_decode_graph_mode_only_when_asked(tmp_path, base, role, graph):
+    args = argparse.Namespace(levels=[1, 8], input_len=256, output_len=64, out=tmp_path,
+                              orch_graph=graph)
+    path, _ = peer_bench.orch_config(base, args, tmp_path / "ckpt", "side")
+    cfg = load_config(path)
+    by_role = {inst.role: inst.graph for inst in cfg.instances()}
+    assert by_role[role].enabled is graph
+    if graph:
+        assert by_role[role].batch_sizes == (1, 2, 4, 8)
+        assert by_role[role].warmup and by_role[role].required
+    if role == "decode":
+        assert not by_role["prefill"].enabled  # NOTE: prefill steps always run eager
+
+
+def test_instance_load_times_come_from_the_orch_up_log(tmp_path):
+    log = tmp_path / "side.up.log"
+    log.write_text("orch up: prefill-0: 1 rank process up on node 192.0.2.2 (11bebd) in 3.5 s\n"
+                   "orch up: prefill-0: 1 rank on node 192.0.2.2 (11bebd) ready in 5.1 s\n"
+                   "orch up: decode-0: 2 ranks on node 192.0.2.2 (11bebd) ready in 15.7 s\n"
+                   "orch up: 2 instances ready in 15.7 s\n")
+    assert peer_bench.instance_ready_seconds(log) == {"prefill-0": 5.1, "decode-0": 15.7}
+    assert peer_bench.instance_ready_seconds(tmp_path / "missing.log") == {}
