@@ -7,12 +7,16 @@ do), or an embedded local cluster that belongs to this process alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 from engine import envs
 from orchestrator.deploy.rank_actors import BringUpError
 from orchestrator.config.schema import OrchConfig
+
+log = logging.getLogger(__name__)
 
 
 def connect_ray(cfg: OrchConfig) -> bool:
@@ -48,9 +52,44 @@ def connect_ray(cfg: OrchConfig) -> bool:
     # (its default); the README says so once. Setting RAY_AUTH_MODE=token here instead would
     # not do: Ray's client config was read at import and would still say "disabled".
     quiet_token_auth_notice()
-    ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
-             include_dashboard=False, log_to_driver=False)
+    with daemons_in_own_session():
+        ray.init(address="local", num_cpus=os.cpu_count(), resources=resources or None,
+                 include_dashboard=False, log_to_driver=False)
     return True
+
+
+@contextlib.contextmanager
+def daemons_in_own_session() -> Iterator[None]:
+    """Start the embedded Ray's daemons (GCS, raylet, their agents) outside ``orch up``'s
+    process group while the block runs.
+
+    Why: a signal to the whole group (``timeout``, ``kill -TERM -PGID``, a terminal's hang-up)
+    reached Ray's daemons as well as ``orch up``. Ray blocks SIGINT in them (so Ctrl-C was
+    fine) but not SIGTERM: the raylet and GCS died at once, streams stopped mid-request and
+    the drain and stop waited out their bounds (30 s + Ray's 60 s GCS reconnect). Each daemon
+    now starts in a session of its own, so the group's SIGTERM reaches ``orch up`` alone,
+    which drains and stops Ray. They still die with ``orch up``: Ray's own parent-death
+    signal (``fate_share``) and orch's watchdog (:mod:`orchestrator.deploy.ray_watchdog`).
+    The ranks are Ray workers started by the raylet, already outside the group.
+    """
+    import ray._private.services as services
+
+    plain = getattr(services, "ConsolePopen", None)
+    if plain is None:  # NOTE: a Ray without it: daemons stay in the group, as before
+        log.warning("Ray's process starter moved: its daemons share orch up's process group")
+        yield
+        return
+
+    class SessionPopen(plain):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = SessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = plain
 
 
 _RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
