@@ -91,6 +91,13 @@ def _log_level(raw: str) -> str:
     return value
 
 
+def _flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value not in ("1", "true", "0", "false"):
+        raise ValueError("must be 1 / true or 0 / false")
+    return value in ("1", "true")
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 ORCH_CACHE_DIR: EnvVar[str] = EnvVar(
@@ -114,6 +121,11 @@ GLOO_SOCKET_IFNAME: EnvVar[str] = EnvVar(
     "network interfaces (comma separated) of Gloo's sockets, TP and KV pair groups alike; "
     "unset: the local address that reaches the group's rendezvous address (a gloo TP group "
     "sets it to that interface, a rank whose stores bind 127.0.0.1 to 'lo')")
+ORCH_ALLOW_LONG_MAX_MODEL_LEN: EnvVar[bool] = EnvVar(
+    "ORCH_ALLOW_LONG_MAX_MODEL_LEN", _flag, False,
+    "1: config load accepts a model.max_model_len above the model's max_position_embeddings "
+    "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN; positions past it were never trained); not for "
+    "DeepSeek-V4, whose runner refuses any step past it")
 ORCH_TOKEN: EnvVar[str] = EnvVar(
     "ORCH_TOKEN", str, "",
     "bearer token `orch generate` / `orch status` send when --token-file is not given "
@@ -145,6 +157,6 @@ GRPC_VERBOSITY: EnvVar[str] = EnvVar(
     "fill the log)")
 
 ALL: tuple[EnvVar, ...] = (ORCH_CACHE_DIR, ORCH_DEVICE, ORCH_TORCH_THREADS, ORCH_RANK_NICE,
-                           GLOO_SOCKET_IFNAME,
+                           GLOO_SOCKET_IFNAME, ORCH_ALLOW_LONG_MAX_MODEL_LEN,
                            ORCH_TOKEN, ORCH_LOG_LEVEL, RAY_COLOR_PREFIX, RAY_ADDRESS,
                            RAY_AUTH_MODE, GRPC_VERBOSITY)

@@ -108,7 +108,8 @@ class Scheduler:
     ``admission`` (set by the rank; None: the pool is the whole budget): a runner's own
     per-request block budget checked and committed with the pool's, DeepSeek-V4's per KV
     group (:class:`engine.v4.admission.V4Admission`: ``scheduler_blocks(spec)``, ``need(tokens,
-    step_tokens)``, ``refusal(need)``, ``can_admit(need)``, ``commit(block_set, need)``; its
+    step_tokens)``, ``refusal(need)``, ``pool_advice(role)``, ``can_admit(need)``,
+    ``commit(block_set, need)``; its
     commitment goes back when the pool frees the set, through the pool's ``on_free``).
     """
 
@@ -150,6 +151,15 @@ class Scheduler:
         """Blocks per group the ``admission`` budget still has for new requests (DeepSeek-V4's
         group pools, :meth:`engine.v4.admission.V4Admission.uncommitted`); None without one."""
         return None if self.admission is None else self.admission.uncommitted()
+
+    def pool_advice(self, role: str) -> str:
+        """What to change when one request needs more blocks than this pool has in all
+        (``role``: ``prefill``, ``decode`` or ``colocated``): the ``admission``'s advice
+        (DeepSeek-V4 PD: the staging pool's key), else a shorter request or more
+        ``num_kv_blocks``."""
+        if self.admission is not None:
+            return self.admission.pool_advice(role)
+        return "shorten the prompt or max_tokens, or raise num_kv_blocks"
 
     def refusal(self, spec: RequestSpec) -> str | None:
         """Why the ``admission`` budget can never admit ``spec`` (None: it can, or none)."""

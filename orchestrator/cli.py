@@ -212,6 +212,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     print()
     if ns.token_ids:
         print(f"token ids: {ids}")
+    sys.stdout.flush()  # NOTE: the stats (stderr) come after the output, also in one pipe
     s = last.stats
     print(f"[{last.finish_reason}] prompt {s.prompt_tokens} tok, completion "
           f"{s.completion_tokens} tok, ttft {s.ttft_s * 1e3:.1f} ms, tpot "

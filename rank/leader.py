@@ -214,8 +214,7 @@ class Leader:
             return None
         return (f"request needs {blocks_needed} KV blocks of "
                 f"{self.cfg.scheduler.block_size} tokens; {self.cfg.name} has "
-                f"{self.pool.num_blocks} in all: shorten the prompt or max_tokens, or raise "
-                "num_kv_blocks (DeepSeek-V4 PD: v4_staging_blocks)")
+                f"{self.pool.num_blocks} in all: {self.scheduler.pool_advice(self.cfg.role)}")
 
     def enqueue(self, spec: RequestSpec) -> bool:
         """Queue a new request (caller holds the lock); one aborted before it came gets an

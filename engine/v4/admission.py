@@ -59,6 +59,18 @@ class V4Admission:
             return 1
         return staging_blocks_for(self.config, spec.num_prompt_tokens, self.block_size)
 
+    def pool_advice(self, role: str) -> str:
+        """What to change when a request needs more scheduler blocks than the pool has in all
+        (``role``'s section): PD, its staging pool's ``v4_staging_blocks`` (a shorter prompt
+        need not help: :func:`~engine.v4.staging.staging_blocks_for` is not monotonic in the
+        prompt length; config load holds the key to the most any prompt up to
+        ``max_model_len`` takes, :func:`~engine.v4.staging.most_staging_blocks`); colocated
+        (one block a request), ``num_kv_blocks``."""
+        if not self.staged:
+            return "raise num_kv_blocks"
+        return (f"raise {role}.v4_staging_blocks (the DeepSeek-V4 staging pool; a shorter "
+                "prompt can take more staging blocks, so shortening it need not help)")
+
     def need(self, num_tokens: int, step_tokens: int) -> dict[str, int]:
         """Blocks per group a request commits: the most it holds on its way to ``num_tokens``
         tokens written ``step_tokens`` (>= 1) at a time."""

@@ -129,6 +129,33 @@ def staged_rows(config: V4Config, num_tokens: int) -> int:
     return max((1, *layer_rows(config, num_tokens)))
 
 
+def most_staged_rows(config: V4Config, max_tokens: int) -> tuple[int, int]:
+    """The most :func:`staged_rows` of any prompt of ``1 <= n <= max_tokens`` tokens, and an
+    ``n`` taking them: ``(rows, n)``. What a staging pool must hold for one request
+    of any length up to ``max_tokens`` (a pool sized for ``max_tokens`` itself is not enough:
+    ``staged_rows`` is not monotonic in ``n``, its state rows follow ``n % ratio``).
+
+    Exact, in ``O(max(W, ratio))`` evaluations: from ``n >= max(W - 1, ratio)`` on, a kind's
+    tail rows depend only on ``n % ratio`` (window full, overlap state present, open groups
+    ``n % ratio`` tokens) and its entry rows never fall as ``n`` grows, so over those ``n``
+    each residue is at its most at its largest ``n <= max_tokens``: the last ``ratio``
+    values. The ``n`` below are evaluated one by one (tests: equal to the maximum over every
+    ``n``).
+
+    Raises:
+        ValueError: ``max_tokens`` < 1.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"most_staged_rows: max_tokens ({max_tokens}) must be >= 1")
+    specs = kv_specs(config).values()
+    ratio = max((1, *(s.compress_ratio for s in specs)))
+    settled = max((ratio, *(s.sliding_window - 1 for s in specs)))
+    candidates = sorted(set(range(1, min(max_tokens, settled) + 1))
+                        | set(range(max(1, max_tokens - ratio + 1), max_tokens + 1)))
+    rows, shortest = max((staged_rows(config, n), -n) for n in candidates)
+    return rows, -shortest
+
+
 def final_rows(spec: V4LayerSpec, num_tokens: int, computed: int
                ) -> tuple[tuple[int, int], ...]:
     """Row ranges of ``spec``'s kind that are final once ``computed`` of the ``num_tokens``

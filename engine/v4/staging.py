@@ -38,8 +38,8 @@ import torch
 
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import kv_specs, layer_specs
-from engine.v4.row_layout import (ROW_LAYOUT, kind_layout, layer_rows, pack_rows,
-                                  staged_rows, unpack_rows)
+from engine.v4.row_layout import (ROW_LAYOUT, kind_layout, layer_rows, most_staged_rows,
+                                  pack_rows, staged_rows, unpack_rows)
 
 STAGING_BUFFER = "v4_state"
 
@@ -87,6 +87,21 @@ def staging_blocks_for(config: V4Config, num_tokens: int, block_size: int) -> in
     kind's row count (a narrower layer leaves the rest of its slots unused); a staging pool
     of ``k`` x this holds ``k`` such requests in flight."""
     return -(-staged_rows(config, num_tokens) // block_size)
+
+
+def most_staging_blocks(config: V4Config, max_tokens: int, block_size: int) -> tuple[int, int]:
+    """The most :func:`staging_blocks_for` of any prompt of ``1 <= n <= max_tokens`` tokens
+    and an ``n`` taking them (one with the most rows,
+    :func:`engine.v4.row_layout.most_staged_rows`):
+    the fewest blocks a role's staging pool (``v4_staging_blocks``) may have so that every
+    request up to ``model.max_model_len`` fits it alone. Not ``staging_blocks_for(max_tokens)``:
+    a shorter prompt can take more (its open compressor groups hold more state rows).
+
+    Raises:
+        ValueError: ``max_tokens`` < 1.
+    """
+    rows, num_tokens = most_staged_rows(config, max_tokens)
+    return -(-rows // block_size), num_tokens
 
 
 def layout_text(config: V4Config) -> str:

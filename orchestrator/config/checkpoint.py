@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.envs import ORCH_ALLOW_LONG_MAX_MODEL_LEN
+from orchestrator.config.errors import ConfigError
 from orchestrator.config.sections import ModelSection
 
 DEEPSEEK_V3_LAYERS = 61
@@ -98,6 +100,32 @@ def model_config_dict(model: ModelSection) -> tuple[dict | None, str]:
             f"the built-in tiny config; not created yet at {config.parent}"
     return tiny_config_dict(**TINY_ARCHS[model.tiny_arch]), \
         f"the built-in tiny config; not created yet at {config.parent}"
+
+
+def check_max_model_len(model: ModelSection, raw: dict, source: str, v4: bool) -> None:
+    """``model.max_model_len`` is at most the model's ``max_position_embeddings`` (``raw``:
+    its config.json, from ``source``; nothing checked when it has none), as vLLM's
+    ``_get_and_verify_max_len`` holds it unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set:
+    positions past it were never trained (with YaRN it is already the extended length).
+    ``$ORCH_ALLOW_LONG_MAX_MODEL_LEN`` (engine/envs.py) lets a longer one through, except
+    for DeepSeek-V4 (``v4``), whose runner refuses any step past it (engine/v4/runner.py).
+
+    Raises:
+        ConfigError: ``max_model_len`` is above ``max_position_embeddings``; the message names
+            both numbers and the fix.
+        ValueError: ``$ORCH_ALLOW_LONG_MAX_MODEL_LEN`` is not a flag.
+    """
+    limit = raw.get("max_position_embeddings")
+    if limit is None or model.max_model_len <= int(limit):
+        return
+    if ORCH_ALLOW_LONG_MAX_MODEL_LEN.get() and not v4:
+        return
+    allow = ("; DeepSeek-V4 serves no position past it" if v4 else
+             f", or set {ORCH_ALLOW_LONG_MAX_MODEL_LEN.name}=1 to serve it anyway (positions "
+             "past it were never trained: outputs may degrade or turn to NaN)")
+    raise ConfigError(f"model.max_model_len ({model.max_model_len}) is above the model's "
+                      f"max_position_embeddings ({int(limit)}, {source}): lower "
+                      f"model.max_model_len to <= {int(limit)}{allow}")
 
 
 def layer_count_for_plan(model: ModelSection) -> tuple[int | None, str]:

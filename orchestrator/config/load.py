@@ -11,9 +11,9 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.config.errors import ConfigError, validation_error_message, yaml_error_message
-from orchestrator.config.checkpoint import model_config_dict
+from orchestrator.config.checkpoint import check_max_model_len, model_config_dict
 from orchestrator.config.layout_check import check_tp_layout
-from orchestrator.config.v4_check import is_v4
+from orchestrator.config.v4_check import check_v4_staging, is_v4
 from orchestrator.config.schema import OrchConfig
 
 
@@ -40,7 +40,9 @@ def _resolve_config_json(data: dict, folder: Path) -> None:
 def load_config(path: str | Path, overrides: dict[str, object] | None = None,
                 planning: bool = False) -> OrchConfig:
     """Read and validate a YAML config file, and each role's tp against the model
-    (:func:`orchestrator.config.layout_check.check_tp_layout`, when the model's config is at hand).
+    (:func:`orchestrator.config.layout_check.check_tp_layout`, when the model's config is at
+    hand), ``model.max_model_len`` against its ``max_position_embeddings`` and a DeepSeek-V4
+    PD role's ``v4_staging_blocks`` against the longest request.
 
     ``overrides``: dotted key path -> value (``{"router.port": 9000}``) replacing the file's
     values before validation (the `orch up --port` flags). ``planning``: the config is only
@@ -49,8 +51,10 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None,
 
     Raises:
         ConfigError: the file is missing or unreadable, is not YAML, or does not validate, or
-            a tp does not fit the model; the message names each offending key path, what is
-            allowed and what to do.
+            a tp does not fit the model, or ``max_model_len`` exceeds the model's positions
+            (unless ``$ORCH_ALLOW_LONG_MAX_MODEL_LEN``), or a ``v4_staging_blocks`` cannot hold
+            one request; the message names each offending key path, what is allowed and
+            what to do.
     """
     path = Path(path)
     try:
@@ -79,7 +83,23 @@ def load_config(path: str | Path, overrides: dict[str, object] | None = None,
     except ConfigError as exc:
         if not (planning and serves_v4(cfg)):
             raise ConfigError(f"invalid config {path}:\n- {exc}") from None
+    try:
+        _check_against_model(cfg)
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"invalid config {path}:\n- {exc}") from None
     return cfg
+
+
+def _check_against_model(cfg: OrchConfig) -> None:
+    """What the model's config.json bounds, planned or served alike: ``max_model_len`` by
+    ``max_position_embeddings``, a DeepSeek-V4 PD role's ``v4_staging_blocks`` by the
+    longest request (nothing when config.json is not at hand)."""
+    raw, source = model_config_dict(cfg.model)
+    if raw is None:
+        return
+    check_max_model_len(cfg.model, raw, source, is_v4(raw))
+    if is_v4(raw):
+        check_v4_staging(cfg, raw, source)
 
 
 def serves_v4(cfg: OrchConfig) -> bool:

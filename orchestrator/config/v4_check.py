@@ -5,7 +5,8 @@ dequantized at load, or kept as stored with ``model.fp8_storage: fp8`` where eac
 whole blocks; no CP, graph mode, MTP or prefix cache) and
 a :class:`ConfigError` naming every key to change otherwise, before anything starts (the rank
 would refuse the same at load, :func:`engine.v4.runner.check_v4_serving`,
-:func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`)."""
+:func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`). Also a PD role's
+staging pool against the longest request (:func:`check_v4_staging`, planned or served)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,39 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
         return (f"tp layout: DeepSeek-V4, prefill.tp={cfg.prefill.tp}{ep['prefill']} -> "
                 f"decode.tp={d.tp}{ep['decode']} disaggregated ({source})")
     return f"tp layout: DeepSeek-V4, decode.tp={d.tp}{ep['decode']} colocated ({source})"
+
+
+def check_v4_staging(cfg: OrchConfig, raw: dict, source: str) -> None:
+    """A PD role's ``v4_staging_blocks`` (when set) holds one request of any prompt length up
+    to ``model.max_model_len``: at least the most staging blocks any such prompt takes
+    (:func:`engine.v4.staging.most_staging_blocks`; not monotonic in the prompt length, so not
+    the longest prompt's). Unset, the pool is ``num_kv_blocks``, which the schema already holds
+    to ``max_model_len`` tokens (``staged_rows(n) <= n``). Colocated roles do not read it.
+
+    Raises:
+        ConfigError: a role's ``v4_staging_blocks`` is below that; the message names the key,
+            the value needed and a prompt length needing it.
+    """
+    sides = [(name, getattr(cfg, name).v4_staging_blocks) for name in ("prefill", "decode")]
+    sides = [(name, blocks) for name, blocks in sides if blocks is not None]
+    if cfg.mode != "disaggregated" or not sides:
+        return
+    try:
+        from engine.v4.config import V4Config  # noqa: PLC0415 (lazy: torch)
+        from engine.v4.staging import most_staging_blocks  # noqa: PLC0415
+    except ImportError:
+        return  # NOTE: the rank refuses such a request at once (rank/leader.py too_big)
+    block, max_len = cfg.kv_transfer.block_size, cfg.model.max_model_len
+    need, tokens = most_staging_blocks(V4Config.from_dict(raw), max_len, block)
+    bad = [f"{name}.v4_staging_blocks ({blocks}) is below {need}" for name, blocks in sides
+           if blocks < need]
+    if bad:
+        raise ConfigError(
+            f"{'; '.join(bad)}: a DeepSeek-V4 prompt of {tokens} tokens takes {need} staging "
+            f"blocks of kv_transfer.block_size {block} (the most of any prompt up to "
+            f"model.max_model_len {max_len}; a longer prompt can take fewer), so it could "
+            f"never be served: raise each to >= {need} (or leave it unset: num_kv_blocks) "
+            f"({source}; docs/kv_transfer.md \"Staging pool\")")
 
 
 def _quant_refusals(raw: dict, fp8_storage: str,

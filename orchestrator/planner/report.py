@@ -23,7 +23,7 @@ from orchestrator.planner.host_terms import request_calls
 from orchestrator.planner.terms import Cost, counts_for
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
-from orchestrator.planner.kv_tail import kv_tail_s
+from orchestrator.planner.kv_tail import kv_tail_s, staged_tail_s, v4_chunk_shares
 from orchestrator.planner.prefix_hits import cached_tokens
 from orchestrator.planner.specs import DeviceSpec, default_device, named_device
 
@@ -41,8 +41,9 @@ class Plan:
         transfer: the KV of one request to decode (None colocated).
         best_split: (prefill dp, decode dp, output tok/s) of the best split of the same ranks.
         kv_tail_s: the part of ``transfer`` left after the prefill forward (layer by layer
-            or after each chunk's forward, ``kv_transfer.layerwise``;
-            :func:`orchestrator.planner.kv_tail.kv_tail_s`): what the second token waits for.
+            or after each chunk's forward, ``kv_transfer.layerwise``; DeepSeek-V4: after
+            each chunk's step; :mod:`orchestrator.planner.kv_tail`): what the second token
+            waits for.
         cached, shipped: prompt tokens a request finds in prefill's prefix cache (not
             computed) and the prompt tokens whose KV it ships (decode holds the rest;
             colocated: 0) at the workload's hit rate.
@@ -132,9 +133,8 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
         step = decode_step_cost(m, dec, prec, hw, batch, context, opts)
         return step.total_s / step.tokens_per_step
 
-    tail = 0.0 if transfer is None else kv_tail_s(
-        transfer.total_s, p_cost.total_s, -(-(wl.input_len - cached) // cfg.prefill.chunk_size),
-        m.num_hidden_layers, cfg.kv_transfer.layerwise)
+    tail = 0.0 if transfer is None else _kv_tail(cfg, m, transfer.total_s, p_cost.total_s,
+                                                 wl.input_len - cached)
     shape = Roles(p_cost.total_s, calls, per_token_s,
                   pre.layout.dp, dec.layout.dp, slots, colocated, tail)
     point = operating_point(shape, wl)
@@ -142,6 +142,26 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     best = None if colocated else _best_split(shape, pre, dec, wl)
     return Plan(cfg, memory, device, wl, pre, dec, slots, p_cost, step, transfer, point,
                 best, tail, cached, shipped)
+
+
+def _kv_tail(cfg: OrchConfig, m, transfer_s: float, prefill_s: float, computed: int) -> float:
+    """:func:`~orchestrator.planner.kv_tail.kv_tail_s` of a prompt whose ``computed`` tokens
+    prefill runs in ``prefill.chunk_size`` chunks: layer by layer or after each chunk's
+    forward (``kv_transfer.layerwise``); DeepSeek-V4 after each chunk's step, whatever that
+    key says, each chunk its own rows' bytes (:func:`~orchestrator.planner.kv_tail.
+    v4_chunk_shares`)."""
+    chunk = cfg.prefill.chunk_size
+    if isinstance(m, V4Config):
+        return staged_tail_s(transfer_s, prefill_s, v4_chunk_shares(m, computed, chunk))
+    return kv_tail_s(transfer_s, prefill_s, -(-computed // chunk), m.num_hidden_layers,
+                     cfg.kv_transfer.layerwise)
+
+
+def _send_timing(cfg: OrchConfig, v4: bool) -> str:
+    """When the KV of a chunk leaves prefill, as ``orch plan`` prints it."""
+    if v4:
+        return "after each chunk's step"
+    return "layer by layer" if cfg.kv_transfer.layerwise else "after each chunk"
 
 
 def _best_split(r: Roles, pre: RolePlan, dec: RolePlan,
@@ -233,10 +253,9 @@ def format_plan(plan: Plan, explain: bool = False) -> list[str]:
     if plan.transfer is not None:
         nbytes = counts_for(plan.memory.model).kv_bytes_per_request(
             plan.memory.model, plan.memory.precision, plan.shipped)
-        how = "layer by layer" if plan.cfg.kv_transfer.layerwise else "after each chunk"
         lines.append(f"kv transfer per request: {plan.transfer.total_s:.3g} s "
                      f"({_gb(nbytes)} GB); {plan.kv_tail_s:.3g} s of it after the prefill "
-                     f"forward ({how})")
+                     f"forward ({_send_timing(plan.cfg, v4)})")
     lines.append(predicted_line(pt))
     if plan.best_split is not None:
         dp_p, dp_d, tok_s = plan.best_split

@@ -20,9 +20,11 @@ from engine.runner import SeqStep, build_runner
 from engine.v4.config import V4Config
 from engine.v4.kv_spec import layer_specs
 from engine.v4.kv_spec import kv_specs
-from engine.v4.row_layout import ROW_LAYOUT, RowRange, chunk_rows, kind_layout, layer_rows
-from engine.v4.staging import (StagingCache, StagingSpec, kind_widths, layout_text, pack,
-                               staged_rows, tiers, unpack)
+from engine.v4.row_layout import (ROW_LAYOUT, RowRange, chunk_rows, kind_layout, layer_rows,
+                                  most_staged_rows)
+from engine.v4.staging import (StagingCache, StagingSpec, kind_widths, layout_text,
+                               most_staging_blocks, pack, staged_rows, staging_blocks_for,
+                               tiers, unpack)
 from engine.v4.state_io import export_request
 
 
@@ -47,6 +49,36 @@ def _request(config: V4Config, n: int, seed: int) -> list[dict[str, torch.Tensor
 def test_rows_fit_the_prompt_slots(config):
     for n in [*range(1, 300), 4095, 4096, 4097, 131071]:
         assert 1 <= staged_rows(config, n) <= n
+
+
+def test_most_staged_rows_is_the_most_over_every_shorter_prompt(config):
+    """``most_staged_rows(N)`` (a few hundred evaluations) is the most ``staged_rows(n)`` over
+    every ``n <= N`` and names an ``n <= N`` taking it; ``most_staging_blocks`` is its blocks.
+    Not ``staged_rows(N)``: the state rows follow ``n % ratio``, so a shorter prompt can take
+    more (what config load holds ``v4_staging_blocks`` to)."""
+    rows = [staged_rows(config, n) for n in range(1, 701)]
+    for top in (1, 2, 7, 8, 30, 127, 128, 129, 255, 256, 257, 383, 500, 700):
+        most = max(rows[:top])
+        got, n = most_staged_rows(config, top)
+        assert got == most and 1 <= n <= top and rows[n - 1] == most, top
+        for block in (1, 4, 16):
+            assert most_staging_blocks(config, top, block) == (-(-most // block), n)
+    assert any(later < earlier for earlier, later in zip(rows, rows[1:]))
+    with pytest.raises(ValueError, match="max_tokens"):
+        most_staged_rows(config, 0)
+
+
+def test_staging_blocks_are_not_monotonic_in_the_prompt(tiny_v4_ckpt):
+    """The report's case: the tiny model in blocks of 4 slots, a 30-token prompt takes 3
+    staging blocks, a 40-token one 2; over prompts up to 256 tokens the most is 4 (255
+    tokens), more than the 256-token prompt's 3."""
+    import json  # noqa: PLC0415
+
+    tiny = V4Config.from_dict(json.loads((tiny_v4_ckpt / "config.json").read_text()))
+    assert staging_blocks_for(tiny, 30, 4) == 3 and staging_blocks_for(tiny, 40, 4) == 2
+    assert staging_blocks_for(tiny, 256, 4) == 3
+    assert most_staging_blocks(tiny, 256, 4) == (4, 255) == (max(
+        staging_blocks_for(tiny, n, 4) for n in range(1, 257)), 255)
 
 
 @pytest.mark.parametrize("n", [1, 7, 130, 4096, 32768])

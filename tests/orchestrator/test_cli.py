@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -46,6 +47,20 @@ def test_generate_token_ids(harness, capsys):
     assert main(["generate", "5,6,7", "--token-ids", "--address", harness.address,
                  "--max-tokens", "3"]) == 0
     assert f"token ids: {expected_tokens((5, 6, 7), 3)}" in capsys.readouterr().out
+
+
+def test_generate_stats_follow_the_output_on_their_own_line(harness):
+    """stdout and stderr into one pipe (``2>&1 | ...``): the token ids line ends before the
+    stats line starts (stdout, block-buffered in a pipe, was written after stderr's line)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "generate", "5,6,7", "--token-ids",
+         "--address", harness.address, "--max-tokens", "3", "--ignore-eos"],
+        cwd=ROOT, timeout=60,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+             "PYTHONPATH": str(ROOT)})  # NOTE: a user's shell: stdout block-buffered in a pipe
+    assert done.returncode == 0, done.stdout
+    assert f"token ids: {expected_tokens((5, 6, 7), 3)}\n[length] prompt 3 tok" in done.stdout
 
 
 def test_generate_bad_request_exits_1_with_the_reason(harness, capsys):

@@ -137,3 +137,37 @@ def test_router_replicas_default_to_one_and_refuse_autoscale():
                                    "autoscale": {"ttft_p90_s": 1.0, "tpot_p90_s": 0.1}})
     with pytest.raises(ValidationError):
         OrchConfig.model_validate({"router": {"replicas": 0}})
+
+
+def test_max_model_len_above_the_models_positions_is_refused(tmp_path, monkeypatch, capsys):
+    """As vLLM: a max_model_len above config.json's max_position_embeddings is refused at load
+    and by --dry-run naming both numbers and the fix (the tiny V3: 4096, the tiny V4: 256),
+    unless ORCH_ALLOW_LONG_MAX_MODEL_LEN=1; never for DeepSeek-V4, whose runner refuses any
+    step past it. The limit itself loads."""
+    from orchestrator.cli import main  # noqa: PLC0415
+    from orchestrator.config.errors import ConfigError  # noqa: PLC0415
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    v3 = next(p for p in CONFIGS if p.name == "1p1d.yaml")
+    v4 = next(p for p in CONFIGS if p.name == "v4_1p1d.yaml")
+    long_v3 = {"model.max_model_len": 8192, "prefill.num_kv_blocks": 512,
+               "decode.num_kv_blocks": 512}
+    with pytest.raises(ConfigError, match=r"model\.max_model_len \(8192\) is above the model's "
+                       r"max_position_embeddings \(4096, .*\): lower model\.max_model_len to "
+                       r"<= 4096, or set ORCH_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        load_config(v3, long_v3)
+    assert load_config(v3, {**long_v3, "model.max_model_len": 4096})
+    with pytest.raises(ConfigError, match=r"model\.max_model_len \(1024\) is above the model's "
+                       r"max_position_embeddings \(256, .*<= 256; DeepSeek-V4 serves no "):
+        load_config(v4, {"model.max_model_len": 1024})
+    copy = tmp_path / "long.yaml"
+    copy.write_text(v4.read_text().replace("max_model_len: 256 ", "max_model_len: 1024"))
+    assert main(["up", str(copy), "--dry-run"]) == 2
+    assert "max_model_len (1024) is above" in capsys.readouterr().err
+    monkeypatch.setenv("ORCH_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert load_config(v3, long_v3).model.max_model_len == 8192
+    with pytest.raises(ConfigError, match="DeepSeek-V4 serves no position past it"):
+        load_config(v4, {"model.max_model_len": 1024})
+    monkeypatch.setenv("ORCH_ALLOW_LONG_MAX_MODEL_LEN", "yes")
+    with pytest.raises(ConfigError, match="ORCH_ALLOW_LONG_MAX_MODEL_LEN='yes' is invalid"):
+        load_config(v3, long_v3)

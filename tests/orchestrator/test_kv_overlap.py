@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.config.load import load_config
 from orchestrator.planner.load import WorkloadSpec
-from orchestrator.planner.kv_tail import kv_tail_s
+from orchestrator.planner.kv_tail import kv_tail_s, staged_tail_s
 from orchestrator.planner.report import plan_config
 from orchestrator.planner.specs import default_device
 from tests.e2e.harness import REPO
@@ -32,6 +32,24 @@ def test_closed_form_is_the_link_run(transfer_s, prefill_s, chunks, layers):
         _link_tail(transfer_s, prefill_s, chunks * layers))
     assert kv_tail_s(transfer_s, prefill_s, chunks, layers, False) == pytest.approx(
         _link_tail(transfer_s, prefill_s, chunks))
+
+
+@pytest.mark.parametrize("transfer_s, prefill_s, chunks", list(itertools.product(
+    (0.01, 0.5, 2.0), (0.1, 1.0), (1, 4, 7))))
+def test_staged_units_of_equal_bytes_are_the_closed_form(transfer_s, prefill_s, chunks):
+    """DeepSeek-V4's run over chunks of unequal bytes, given equal ones, is the closed form."""
+    assert staged_tail_s(transfer_s, prefill_s, [1 / chunks] * chunks) == pytest.approx(
+        kv_tail_s(transfer_s, prefill_s, chunks, 1, False))
+
+
+def test_staged_units_a_link_that_keeps_up_leaves_the_last_units_bytes():
+    """Unequal units: a fast link leaves the last one's bytes; a slow one runs from the first
+    unit (ready at 0.5 / 3 s) through all 1 s of transfer, less the 0.5 s forward."""
+    assert staged_tail_s(0.01, 1.0, [0.5, 0.3, 0.2]) == pytest.approx(0.2 * 0.01)
+    assert staged_tail_s(1.0, 0.5, [0.5, 0.3, 0.2]) == pytest.approx(
+        0.5 / 3 + 1.0 - 0.5)
+    with pytest.raises(ValueError, match="no units"):
+        staged_tail_s(1.0, 1.0, [])
 
 
 def test_layerwise_plan_waits_less_for_the_second_token():

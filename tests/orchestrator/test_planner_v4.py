@@ -63,6 +63,40 @@ def test_a3_v4_layout_is_planned():
     assert 0 < plan.step_cost.total_s < plan.prefill_cost.total_s
 
 
+def test_a3_v4_kv_tail_is_the_last_chunks_rows_whatever_layerwise_says():
+    """V4 ships after each chunk's step (docs/kv_transfer.md "DeepSeek-V4"), not layer by
+    layer: the plan's KV tail is the link's run over the chunks, each with the bytes of the
+    rows it makes final (here, the link keeping up, the last chunk's share), the same with
+    ``kv_transfer.layerwise`` on (the A3 config's default) or off, and the report says so."""
+    from orchestrator.planner.kv_tail import staged_tail_s, v4_chunk_shares  # noqa: PLC0415
+    from orchestrator.planner.report import format_plan  # noqa: PLC0415
+    from engine.v4.row_layout import chunk_rows, layer_rows  # noqa: PLC0415
+    from engine.v4.staging import kind_widths  # noqa: PLC0415
+
+    cfg = load_config(REPO / "configs" / "a3_v4_p2x16_d8x4.yaml", planning=True)
+    assert cfg.kv_transfer.layerwise
+    off = cfg.model_copy(update={"kv_transfer": cfg.kv_transfer.model_copy(
+        update={"layerwise": False})})
+    wl = WorkloadSpec(65536, 3072, concurrency=1)
+    on_plan, off_plan = (plan_config(c, wl, named_device("a3")) for c in (cfg, off))
+    m = on_plan.memory.model
+    shares = v4_chunk_shares(m, 65536, cfg.prefill.chunk_size)
+    assert len(shares) == 8 and sum(shares) == pytest.approx(1.0)
+    assert 0 < shares[-1] < 0.5 and min(shares) > 0  # NOTE: the state, window, last entries
+    widths = kind_widths(m)
+    own = sum(r * widths[k] for r, k in zip(layer_rows(m, 65536), m.layer_types, strict=True))
+    assert shares[-1] * own == pytest.approx(sum(
+        (r.end - r.start) * sum(widths[m.layer_types[i]] for i in r.layers)
+        for r in chunk_rows(m, 65536, 7 * 8192, 65536)))
+    transfer, prefill = on_plan.transfer.total_s, on_plan.prefill_cost.total_s
+    assert on_plan.kv_tail_s == off_plan.kv_tail_s == pytest.approx(
+        staged_tail_s(transfer, prefill, shares))
+    assert transfer < prefill / 8  # NOTE: the link keeps up: the tail is the last chunk's rows
+    assert on_plan.kv_tail_s == pytest.approx(shares[-1] * transfer)
+    line = next(x for x in format_plan(on_plan) if x.startswith("kv transfer per request"))
+    assert line.endswith("of it after the prefill forward (after each chunk's step)"), line
+
+
 def test_a3_v4_decode_tp_collectives_two_allreduces_per_layer_under_ep():
     """Under EP V4 still all-reduces twice per layer, as it runs (engine/v4/model.py): after
     the grouped output projection and after the MoE (the TP-split shared expert's partial sum

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.load import load_config
@@ -65,6 +66,48 @@ def test_v4_pd_config_loads_and_colocated_prefill_keys_are_chunking_only(tmp_pat
     assert {i.role: i.scheduler.staging_blocks for i in staged.instances()} == {
         "prefill": 8, "decode": 16}
     assert {i.scheduler.staging_blocks for i in cfg.instances()} == {0}  # NOTE: num_kv_blocks
+
+
+def test_v4_staging_pool_below_one_request_is_refused_at_load(tmp_path, monkeypatch, capsys):
+    """A ``v4_staging_blocks`` (either role) below the most staging blocks of any prompt up to
+    max_model_len is refused at load and by ``--dry-run``, naming the key and the value needed,
+    though the longest prompt alone would fit: the report's case, blocks of 4, decode 2 (a
+    30-token prompt takes 3, a 40-token one 2; a 255-token one 4, the most, and a 256-token
+    one 3). The value needed loads; colocated does not read the key."""
+    from engine.v4.staging import most_staging_blocks  # noqa: PLC0415
+    from orchestrator.cli import main  # noqa: PLC0415
+    from orchestrator.config.checkpoint import model_config_dict  # noqa: PLC0415
+    from engine.v4.config import V4Config  # noqa: PLC0415
+
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    small = {"kv_transfer.block_size": 4, "prefill.chunk_size": 16, "prefill.num_kv_blocks": 64,
+             "decode.num_kv_blocks": 64, "decode.v4_staging_blocks": 2}
+    cfg = load_config(PD_CONFIG, {**small, "decode.v4_staging_blocks": None})
+    need, tokens = most_staging_blocks(V4Config.from_dict(model_config_dict(cfg.model)[0]),
+                                       256, 4)
+    assert (need, tokens) == (4, 255)
+    with pytest.raises(ConfigError) as err:
+        load_config(PD_CONFIG, small)
+    assert ("decode.v4_staging_blocks (2) is below 4: a DeepSeek-V4 prompt of 255 tokens "
+            "takes 4 staging blocks of kv_transfer.block_size 4") in str(err.value)
+    assert "raise each to >= 4" in str(err.value) and "prefill.v4_staging_blocks" not in \
+        str(err.value)
+    with pytest.raises(ConfigError, match=r"prefill\.v4_staging_blocks \(1\) is below 4; "
+                       r"decode\.v4_staging_blocks \(3\) is below 4"):
+        load_config(PD_CONFIG, {**small, "prefill.v4_staging_blocks": 1,
+                                "decode.v4_staging_blocks": 3})
+    assert load_config(PD_CONFIG, {**small, "prefill.v4_staging_blocks": 4,
+                                   "decode.v4_staging_blocks": 4})
+    assert load_config(CONFIG, {"kv_transfer.block_size": 4, "decode.num_kv_blocks": 64,
+                                "decode.v4_staging_blocks": 1}).mode == "colocated"
+    copy = tmp_path / "small.yaml"
+    data = yaml.safe_load(PD_CONFIG.read_text())
+    for key, value in small.items():
+        section, name = key.split(".")
+        data[section][name] = value
+    copy.write_text(yaml.safe_dump(data))
+    assert main(["up", str(copy), "--dry-run"]) == 2
+    assert "decode.v4_staging_blocks (2) is below 4" in capsys.readouterr().err
 
 
 def test_v4_dry_run_prints_its_memory_plan_once(tmp_path, monkeypatch, capsys):

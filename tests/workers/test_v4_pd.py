@@ -418,6 +418,26 @@ def test_v4_abort_during_the_rebuild_frees_the_rebuilt_cache_once(pd):
         _v4_free(rank)
 
 
+def test_v4_staging_pool_too_small_for_a_prompt_says_raise_v4_staging_blocks(v4_ckpt):
+    """A decode whose staging pool (2 blocks of 4 slots) cannot hold a 30-token prompt's 10
+    staging rows refuses it for good naming decode.v4_staging_blocks, not a shorter prompt
+    (a 40-token one takes fewer rows, but a 31-token one more: config load now refuses such a
+    pool, engine.v4.staging.most_staging_blocks); nothing is held after."""
+    small = start(DecodeRole, v4_ckpt, "decode", block_size=4, staging_blocks=2)
+    try:
+        spec = RequestSpec("state-heavy", _prompt(30, 7),
+                           SamplingParams(max_tokens=4, ignore_eos=True))
+        got = small.request(Reserve(spec, 1))
+        assert isinstance(got, Rejection) and not got.retryable, got
+        assert got.reason.startswith("request needs 3 KV blocks of 4 tokens; decode-0 has 2 in "
+                                     "all: raise decode.v4_staging_blocks"), got.reason
+        assert "shorten the prompt or max_tokens" not in got.reason
+        wait_all_free(small)
+        _v4_free(small)
+    finally:
+        small.shutdown()
+
+
 def test_v4_decode_reserves_its_v4_blocks_and_refuses_what_does_not_fit(pd, v4_ckpt):
     """A decode of 4 blocks of 8 per pool (a token a step): a 60 + 10 token request commits
     what it will hold (window 2 blocks, CSA entries 70 // 4 rows = 3 blocks, HCA 1, state 1
