@@ -24,8 +24,9 @@ Failover: placement skips instances the policies report unhealthy, and tries ins
 failed this request (``avoid``) last; a role with no healthy instance when chosen (also after
 a wait for decode room: the reservation is kept) is waited for through ``place``'s ``ready``
 (the router's ``Availability.wait``: while one is being restarted); a decode whose reserve
-call fails (dead, timed out, raised) is skipped for the next one in the policy's order. A failed leader call raises
-:class:`InstanceFailure` naming the instance; the router decides whether to place again.
+call fails (dead, timed out, raised) is skipped for the next one in the policy's order. A
+failed leader call raises :class:`InstanceFailure` naming the instance; the router decides
+whether to place again.
 """
 
 from __future__ import annotations
