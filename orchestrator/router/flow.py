@@ -114,20 +114,21 @@ class Flow(ABC):
             raise _none_healthy(policy, role)
         return [n for n in healthy if n not in avoid] + [n for n in healthy if n in avoid]
 
-    async def _until_healthy(self, role: str, wait: Ready | None) -> None:
-        """Return once ``role`` has an instance its policy may choose: at once when one is
-        healthy, else after ``wait({role: policy})``.
+    async def _until_healthy(self, wait: Ready | None, *roles: str) -> None:
+        """Return once each of ``roles`` has an instance its policy may choose: at once when
+        they have, else after ``wait`` (role -> policy of those roles).
 
         Raises:
-            RequestError: UNAVAILABLE when none is healthy and ``wait`` is None, or still
-                none after it (it returns early on an abort: the router sees the abort mark);
+            RequestError: UNAVAILABLE when one has none and ``wait`` is None, or still none
+                after it (it returns early on an abort: the router sees the abort mark);
                 ``wait``'s error (none coming back, the deadline passed, shutdown).
         """
-        policy = self.pools[role]
-        if wait is not None and not _any_healthy(policy):
-            await wait({role: policy})
-        if not _any_healthy(policy):
-            raise _none_healthy(policy, role)
+        pools = {role: self.pools[role] for role in roles}
+        if wait is not None and not all(map(_any_healthy, pools.values())):
+            await wait(pools)
+        for role, policy in pools.items():
+            if not _any_healthy(policy):
+                raise _none_healthy(policy, role)
 
     @abstractmethod
     async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
@@ -210,7 +211,7 @@ class ColocatedFlow(Flow):
     async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
                     watch: Callable[[set[str]], None] | None = None,
                     ready: Ready | None = None) -> Route:
-        await self._until_healthy("colocated", ready)
+        await self._until_healthy(ready, "colocated")
         name = self.choices(self.policy, avoid, "colocated", spec.prompt_token_ids)[0]
         load = self.policy.load_for(name, spec.max_total_tokens, spec.prompt_token_ids)
         self.policy.acquire(name, load)
@@ -260,7 +261,7 @@ class DisaggregatedFlow(Flow):
     async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
                     watch: Callable[[set[str]], None] | None = None,
                     ready: Ready | None = None) -> Route:
-        await self._until_healthy("prefill", ready)  # NOTE: before reserving anything
+        await self._until_healthy(ready, "prefill", "decode")  # NOTE: before reserving anything
         # NOTE: eager only while nobody waits for decode room: a prompt computed ahead would
         # hold prefill blocks through the wait, and overtake the waiters on prefill
         if self.eager and watch is not None and not spec.num_resumed_tokens \
@@ -273,7 +274,7 @@ class DisaggregatedFlow(Flow):
             # NOTE: the prefill may have died while the request waited for decode room: the
             # request keeps its reservation (and so its turn) while waiting for the restart
             # (decode keeps an unadmitted one 4 x completion_timeout_s, decode_worker/role.py)
-            await self._until_healthy("prefill", ready)
+            await self._until_healthy(ready, "prefill")
             route.prefill = self.choices(self.prefill_policy, avoid, "prefill",
                                          spec.prompt_token_ids)[0]
         except BaseException:  # NOTE: also cancelled: the reservation is freed once, here
