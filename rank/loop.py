@@ -1,8 +1,10 @@
 """The leader's loop thread: the role's step, again and again, until shutdown.
 
 After each iteration the leader flushes its events (one frame per router, rank/event_stream.py).
-An iteration that did work is followed by the next at once; an idle one waits for the
-leader's wake event (a new request, an admitted first token) or 5 ms. The loop never ends on
+An iteration that did work is followed by the next at once; an idle one first runs the rank's
+``on_idle`` (DeepSeek-V4: every rank frees what ended requests released, which a step would do
+first, but an idle instance takes none), then waits for the leader's wake event (a new request,
+an admitted first token) or 5 ms. The loop never ends on
 an error: a :class:`~rank.failures.RankFailure` takes the instance out of service (the next
 iterations end every request with an error event), any other error of a step ends every
 request of the instance and the loop goes on.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from rank.failures import RankFailure
 from rank.leader import Leader
@@ -30,10 +33,14 @@ class StepLoop:
         name: the instance's name (thread name, log lines).
         leader: the leader's state (wake event, out-of-service state, step timer).
         role: the role whose ``step`` each iteration runs.
+        on_idle: run (loop thread, between steps) after an iteration that did no work; may
+            raise as a step does (``rank.rank.Rank.free_idle_releases``).
     """
 
-    def __init__(self, name: str, leader: Leader, role: Role) -> None:
+    def __init__(self, name: str, leader: Leader, role: Role,
+                 on_idle: Callable[[], None] = lambda: None) -> None:
         self.name, self.leader, self.role = name, leader, role
+        self.on_idle = on_idle
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
 
@@ -81,9 +88,12 @@ class StepLoop:
                 return False
             started = time.perf_counter()
             try:
-                return self.role.step()
+                worked = self.role.step()
             finally:
                 leader.step_timer.end_step(time.perf_counter() - started)
+            if not worked:
+                self.on_idle()
+            return worked
         except RankFailure as exc:
             leader.mark_broken(str(exc))
             return True

@@ -276,7 +276,8 @@ class InstanceStatusInfo:
     # (engine/pool_plan.py: "window", "entries/<kind>" holding a compressed kind's entries
     # and, CSA, its index keys, "state/<kind>" one block per request); () for other models,
     # whose one pool is free_blocks / total_blocks. An ended request's V4 blocks count as
-    # held until the leader's next step applies its release (engine/v4/request_caches.py).
+    # held until the leader applies its release: its next step, or its loop's next idle
+    # iteration (engine/v4/request_caches.py).
     kv_groups: tuple[tuple[str, int, int], ...] = ()
 
     @property

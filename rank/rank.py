@@ -261,9 +261,31 @@ class Rank:
         return take()
 
     def free_released(self, released: tuple[str, ...]) -> None:
-        """Free the caches of the leader's ``released`` requests on this rank (no-op for ())."""
+        """Free the caches of the leader's ``released`` requests on this rank (no-op for ()).
+        Also a follower's actor call (:meth:`rank.spmd.SPMDGroup.free_released`)."""
         if released:
             self.runner.free_requests(released)
+
+    def free_idle_releases(self) -> None:
+        """Leader, its loop idle (an iteration without a step; the loop thread, so no step
+        or rank-to-rank call runs meanwhile): what the runner released since the last step
+        is freed now on every rank, not at the next step, which an idle instance never
+        takes, so its pools (``status().kv_groups``) read free once its requests ended.
+        DeepSeek-V4 only (no-op otherwise); tp 1: the runner's own
+        :meth:`~engine.v4.runner.V4Runner.apply_releases`; several ranks:
+        :meth:`rank.spmd.SPMDGroup.free_released`. Each released request is freed once per
+        rank (taken once: no later step or rebuild sees it).
+
+        Raises:
+            RankFailure: a follower died or did not answer within the step bound.
+        """
+        apply = getattr(self.runner, "apply_releases", None)
+        if apply is None:
+            return
+        if self.cfg.parallel.ranks == 1:
+            apply()
+        else:
+            self.leader.ranks.free_released()
 
     def role_call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(role, *args)``: a rank-to-rank call (``SPMDGroup.call_all``); ``fn`` is a
@@ -278,7 +300,8 @@ class Rank:
             RankFailure: a rank is gone or did not answer the role's start.
         """
         self.role.start()
-        self.loop = StepLoop(self.cfg.name, self.leader, self.role)
+        self.loop = StepLoop(self.cfg.name, self.leader, self.role,
+                             on_idle=self.free_idle_releases)
         self.loop.start()
 
     def start_alone(self) -> None:

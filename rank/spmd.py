@@ -16,7 +16,9 @@ DeepSeek-V4 under TP: only the leader's block pool frees a request's blocks, but
 runner holds the request's (whole) V4 cache; the leader takes what its runner released since
 the last step (``LocalRank.take_releases``) and every rank, itself included, frees those
 caches right before the step (:class:`StepSync`, riding in the step's frame), so all ranks'
-V4 pools hold the same blocks at every step.
+V4 pools hold the same blocks at every step. A leader whose loop is idle takes no step: it has
+every rank free them at once instead (:meth:`SPMDGroup.free_released`, an actor call to each
+follower between steps).
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ class SPMDGroup:
             with timer.phase("follower_wait"):
                 channel.wait(deadline, timeout_s)
         return logits
+
+    def free_released(self) -> None:
+        """Between steps, the leader's loop idle: every rank (each follower by an actor call,
+        ``Rank.free_released``) frees now what the leader's runner released since the last
+        step, each released id once (taken here, so no later step or rebuild carries it).
+        Nothing to do: no call. NOTE: the loop thread only (no step runs meanwhile, so the
+        ranks' V4 pools agree again before the next step).
+
+        Raises:
+            RankFailure: a follower died or did not answer within ``step_timeout_s``.
+            Exception: what a rank's free raised.
+        """
+        released = self.local.take_releases()
+        if not released:
+            return
+        deadline = time.monotonic() + self.step_timeout_s
+        refs = [p.free_released.remote(released) for p in self.followers]
+        self.local.free_released(released)
+        await_followers(refs, deadline - time.monotonic(), self.step_timeout_s,
+                        "freeing released requests")
 
     def take_releases(self) -> tuple[str, ...]:
         """The leader runner's releases to apply on every rank outside a step (a DeepSeek-V4

@@ -7,7 +7,7 @@ What is checked where:
 - a :class:`engine.scheduler.Scheduler`: its pool, and no request waiting or running;
 - a leader rank in-process (``.pool``, ``.num_active()``): its pool and no active request;
 - an instance seen through ``status()`` (:class:`rank.messages.InstanceStatusInfo`, over Ray or
-  gRPC): all blocks free, nothing queued or running;
+  gRPC): all blocks free (DeepSeek-V4: every KV group pool's too), nothing queued or running;
 - threads: KV transfer threads are named ``kv-...`` (pair senders and receivers, the
   rendezvous acceptor, connectors); rank threads ``<instance>-loop`` and ``<...>-steps``.
 
@@ -67,10 +67,23 @@ def wait_ranks_idle(*ranks: Any, timeout_s: float = 10.0) -> None:
 
 
 def busy_instances(statuses: Iterable[Any]) -> list[Any]:
-    """The instance statuses (``InstanceStatusInfo``) with blocks in use or work queued or
-    running; empty when every instance is idle."""
-    return [s for s in statuses
-            if s.free_blocks != s.total_blocks or s.queue_depth or s.running]
+    """The instance statuses (``InstanceStatusInfo`` or its GetStatus proto) with blocks in
+    use (DeepSeek-V4: in a KV group pool too) or work queued or running; empty when every
+    instance is idle."""
+    return [s for s in statuses if s.free_blocks != s.total_blocks or s.queue_depth
+            or s.running or _groups_held(s)]
+
+
+def _groups_held(status: Any) -> dict[str, int]:
+    """KV group -> blocks in use of a DeepSeek-V4 instance's status (tuples, or the proto's
+    ``KVGroupBlocks``); only groups with blocks in use."""
+    held = {}
+    for g in getattr(status, "kv_groups", ()):
+        name, free, total = (g.group, g.free_blocks, g.total_blocks) \
+            if hasattr(g, "free_blocks") else g
+        if free != total:
+            held[name] = total - free
+    return held
 
 
 def assert_instances_idle(statuses: Iterable[Any]) -> None:
@@ -78,7 +91,7 @@ def assert_instances_idle(statuses: Iterable[Any]) -> None:
     busy = busy_instances(statuses)
     assert not busy, "instances not idle: " + "; ".join(
         f"{s.name}: {s.free_blocks} of {s.total_blocks} blocks free, {s.queue_depth} queued, "
-        f"{s.running} running" for s in busy)
+        f"{s.running} running, V4 group blocks held {_groups_held(s)}" for s in busy)
 
 
 def kv_threads() -> list[str]:

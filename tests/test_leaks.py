@@ -60,8 +60,13 @@ def test_instance_statuses_with_blocks_in_use_or_work_are_busy():
     idle = InstanceStatusInfo("prefill-0", "prefill", 1, free_blocks=8, total_blocks=8)
     held = InstanceStatusInfo("decode-0", "decode", 1, free_blocks=7, total_blocks=8)
     queued = InstanceStatusInfo("decode-1", "decode", 1, queue_depth=1)
-    assert busy_instances([idle, held, queued]) == [held, queued]
-    assert_instances_idle([idle])
+    v4 = InstanceStatusInfo("decode-2", "decode", 1, kv_groups=(("window", 22, 24),
+                                                                ("state/csa", 4, 4)))
+    v4_idle = InstanceStatusInfo("decode-3", "decode", 1, kv_groups=(("window", 24, 24),))
+    assert busy_instances([idle, held, queued, v4, v4_idle]) == [held, queued, v4]
+    with pytest.raises(AssertionError, match=r"V4 group blocks held \{'window': 2\}"):
+        assert_instances_idle([v4])
+    assert_instances_idle([idle, v4_idle])
     with pytest.raises(AssertionError, match="decode-0: 7 of 8 blocks free"):
         assert_instances_idle([idle, held])
 

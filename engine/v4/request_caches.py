@@ -3,12 +3,15 @@ named by its scheduler block set's first block, and freed when the scheduler poo
 set.
 
 A free is recorded at once (:meth:`RequestCaches.release`, any thread: the pool's
-``on_free``) and applied on the step's thread before the next step or rebuild takes blocks. At
-tp 1 the runner applies its own releases there (:meth:`RequestCaches.apply_releases`). Under
-TP only the leader's pool frees, but every rank holds the request's (whole) cache: the leader
-takes the released request ids (:meth:`RequestCaches.take_releases`) and every rank frees them
-(:meth:`RequestCaches.free_requests`) right before the same step (``rank.spmd.StepSync``), so
-all ranks' V4 pools hold the same blocks. NOTE: frees go by request id, never by block id: a
+``on_free``) and applied on the step's thread before the next step or rebuild takes blocks, or,
+when the leader's loop has nothing to run, in its next idle iteration
+(``rank.rank.Rank.free_idle_releases``). At tp 1 the runner applies its own releases there
+(:meth:`RequestCaches.apply_releases`). Under TP only the leader's pool frees, but every rank
+holds the request's (whole) cache: the leader takes the released request ids
+(:meth:`RequestCaches.take_releases`) and every rank frees them
+(:meth:`RequestCaches.free_requests`) right before the same step (``rank.spmd.StepSync``) or,
+idle, at once (``rank.spmd.SPMDGroup.free_released``), so all ranks' V4 pools hold the same
+blocks. NOTE: frees go by request id, never by block id: a
 scheduler block may name a new request by the time a rank applies them.
 """
 

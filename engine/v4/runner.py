@@ -224,7 +224,11 @@ class V4Runner:
         skipped). The step's thread only."""
         self.requests.free_requests(request_ids)
 
-    def _apply_releases(self) -> None:
+    def apply_releases(self) -> None:
+        """Tp 1: free the caches of what :meth:`release` recorded (each once); under TP a
+        no-op (the leader's step or idle loop frees them on every rank,
+        :mod:`engine.v4.request_caches`). The step's thread only: each step and rebuild
+        calls it first, the rank's idle loop too (``rank.rank.Rank.free_idle_releases``)."""
         self.requests.apply_releases()
 
     @torch.inference_mode()
@@ -247,7 +251,7 @@ class V4Runner:
         if on_kv_written is not None:
             raise ValueError("DeepSeek-V4 does not stream per-layer KV (its staging rows ship "
                              "after each chunk's step): set transfer.layerwise false")
-        self._apply_releases()
+        self.apply_releases()
         caches = [self._cache_of(s) for s in steps]
         lengths = [len(s.token_ids) for s in steps]
         ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.int64,
@@ -291,7 +295,7 @@ class V4Runner:
         Raises:
             ValueError: the tensors are not the specs' (:meth:`PagedKV.import_request`).
         """
-        self._apply_releases()
+        self.apply_releases()
         self.requests.add(request_id, block_ids[0], self.kv.import_request(layers, num_tokens))
 
     @property
@@ -368,7 +372,7 @@ class V4Runner:
     def discard(self, request_id: str) -> None:
         """Free ``request_id``'s cache now if it has one (once; a later release of its block
         set finds no owner): a decode request aborted while its cache was rebuilt."""
-        self._apply_releases()
+        self.apply_releases()
         self.requests.free_requests((request_id,))
 
     @torch.inference_mode()
@@ -381,5 +385,6 @@ class V4Runner:
             exchange_empty(self.model)
 
     def num_live_requests(self) -> int:
-        """Requests holding V4 blocks (released ones count until the next step)."""
+        """Requests holding V4 blocks (released ones count until the next step, or the
+        rank's loop going idle, applies the release)."""
         return len(self.caches)

@@ -21,9 +21,12 @@ Abort (client cancel, timeout, failure): prefill.abort (returns once no KV send 
 into the reservation) THEN decode.abort, so decode never frees blocks that are being written.
 
 Failover: placement skips instances the policies report unhealthy, and tries instances that already
-failed this request (``avoid``) last; a decode whose reserve call fails (dead, timed out,
-raised) is skipped for the next one in the policy's order. A failed leader call raises
-:class:`InstanceFailure` naming the instance; the router decides whether to place again.
+failed this request (``avoid``) last; a role with no healthy instance when chosen (also after
+a wait for decode room: the reservation is kept) is waited for through ``place``'s ``ready``
+(the router's ``Availability.wait``: while one is being restarted); a decode whose reserve
+call fails (dead, timed out, raised) is skipped for the next one in the policy's order. A
+failed leader call raises :class:`InstanceFailure` naming the instance; the router decides
+whether to place again.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from rank.messages import (Abort, Admit, Attach, Generate, LeaderRequest, Prefill, Rejection,
@@ -45,6 +48,9 @@ from orchestrator.router.policies import Policy
 from orchestrator.router.request import InstanceFailure, RequestError
 
 log = logging.getLogger(__name__)
+
+# NOTE: waits until every role (role -> its policy) has a healthy instance; Flow.place's ``ready``
+Ready = Callable[[dict[str, Policy]], Awaitable[None]]
 
 
 @dataclass
@@ -108,15 +114,36 @@ class Flow(ABC):
             raise _none_healthy(policy, role)
         return [n for n in healthy if n not in avoid] + [n for n in healthy if n in avoid]
 
-    @abstractmethod
-    async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
-                    watch: Callable[[set[str]], None] | None = None) -> Route:
-        """Choose healthy instances (``avoid`` last) and hold what the request needs.
-        ``watch(instances)``: called before an instance is asked to compute during placement
-        (an eager launch), so that its events reach the attempt.
+    async def _until_healthy(self, wait: Ready | None, *roles: str) -> None:
+        """Return once each of ``roles`` has an instance its policy may choose: at once when
+        they have, else after ``wait`` (role -> policy of those roles).
 
         Raises:
-            RequestError: no capacity, never fits, no healthy instance, or cancelled.
+            RequestError: UNAVAILABLE when one has none and ``wait`` is None, or still none
+                after it (it returns early on an abort: the router sees the abort mark);
+                ``wait``'s error (none coming back, the deadline passed, shutdown).
+        """
+        pools = {role: self.pools[role] for role in roles}
+        if wait is not None and not all(map(_any_healthy, pools.values())):
+            await wait(pools)
+        for role, policy in pools.items():
+            if not _any_healthy(policy):
+                raise _none_healthy(policy, role)
+
+    @abstractmethod
+    async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
+                    watch: Callable[[set[str]], None] | None = None,
+                    ready: Ready | None = None) -> Route:
+        """Choose healthy instances (``avoid`` last) and hold what the request needs.
+        ``watch(instances)``: called before an instance is asked to compute during placement
+        (an eager launch), so that its events reach the attempt. ``ready(pools)``: waits until
+        every role in ``pools`` has a healthy instance (the router's ``Availability.wait``,
+        bound to the request's deadline and abort mark); called whenever a role this
+        placement needs has none at the moment it is chosen (None: UNAVAILABLE at once).
+
+        Raises:
+            RequestError: no capacity, never fits, no healthy instance (and none back in
+                time), or cancelled.
         """
 
     @abstractmethod
@@ -182,7 +209,9 @@ class ColocatedFlow(Flow):
         return {"colocated": self.policy}
 
     async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
-                    watch: Callable[[set[str]], None] | None = None) -> Route:
+                    watch: Callable[[set[str]], None] | None = None,
+                    ready: Ready | None = None) -> Route:
+        await self._until_healthy(ready, "colocated")
         name = self.choices(self.policy, avoid, "colocated", spec.prompt_token_ids)[0]
         load = self.policy.load_for(name, spec.max_total_tokens, spec.prompt_token_ids)
         self.policy.acquire(name, load)
@@ -230,9 +259,9 @@ class DisaggregatedFlow(Flow):
         return {"prefill": self.prefill_policy, "decode": self.policy}
 
     async def place(self, spec: RequestSpec, deadline: float, avoid: Collection[str] = (),
-                    watch: Callable[[set[str]], None] | None = None) -> Route:
-        if not any(map(self.prefill_policy.healthy, self.prefill_policy.instances)):
-            raise _none_healthy(self.prefill_policy, "prefill")  # before reserving anything
+                    watch: Callable[[set[str]], None] | None = None,
+                    ready: Ready | None = None) -> Route:
+        await self._until_healthy(ready, "prefill", "decode")  # NOTE: before reserving anything
         # NOTE: eager only while nobody waits for decode room: a prompt computed ahead would
         # hold prefill blocks through the wait, and overtake the waiters on prefill
         if self.eager and watch is not None and not spec.num_resumed_tokens \
@@ -242,11 +271,15 @@ class DisaggregatedFlow(Flow):
         route = Route(spec.request_id, main=decode, main_load=spec.max_total_tokens,
                       reservation=reservation)
         try:
+            # NOTE: the prefill may have died while the request waited for decode room: the
+            # request keeps its reservation (and so its turn) while waiting for the restart
+            # (decode keeps an unadmitted one 4 x completion_timeout_s, decode_worker/role.py)
+            await self._until_healthy(ready, "prefill")
             route.prefill = self.choices(self.prefill_policy, avoid, "prefill",
                                          spec.prompt_token_ids)[0]
-        except RequestError:
-            await self.abort(route)
+        except BaseException:  # NOTE: also cancelled: the reservation is freed once, here
             self.release(route)
+            await asyncio.shield(self.abort(route))
             raise
         route.prefill_load = self.prefill_policy.load_for(
             route.prefill, spec.num_prompt_tokens, spec.prompt_token_ids)
@@ -427,6 +460,10 @@ def _consume(task: asyncio.Future) -> None:
     """Retrieve a finished task's outcome (nobody awaits it)."""
     if not task.cancelled():
         task.exception()
+
+
+def _any_healthy(policy: Policy) -> bool:
+    return any(map(policy.healthy, policy.instances))
 
 
 def _none_healthy(policy: Policy, role: str) -> RequestError:

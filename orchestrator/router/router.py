@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Protocol
 
 from engine.request import RequestSpec
 from engine.sampling_params import fill_seed
@@ -31,6 +31,7 @@ from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump, LeaderClient
 from orchestrator.router.reports import InstanceReports
 from orchestrator.router.output_text import OutputText
+from orchestrator.router.policies import Policy
 from orchestrator.router.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.router.request_state import Phase, RequestState
 from orchestrator.router.validate import validate_request
@@ -316,17 +317,21 @@ class Router:
 
     async def _place(self, req: RequestState, spec: RequestSpec) -> Route | None:
         """flow.place within the request's deadline, once every role has a healthy
-        instance (while all of a role's are being restarted it waits: no attempt is spent);
-        None when aborted meanwhile. A migration's placement error also names the failures
-        that made it move."""
+        instance (while all of a role's are being restarted it waits: no attempt is spent;
+        also inside the placement, e.g. a prefill that died while the request waited for
+        decode room); None when aborted meanwhile. A migration's placement error also names
+        the failures that made it move."""
         deadline = req.placing_since + self.request_timeout_s
+
+        def ready(pools: dict[str, Policy]) -> Awaitable[None]:
+            return self.availability.wait(pools, deadline, req.woken, req.avoid)
         try:
-            await self.availability.wait(self.flow.pools, deadline, req.woken, req.avoid)
+            await ready(self.flow.pools)
             if req.aborted:
                 return None
             return await self.flow.place(
                 spec, deadline, req.avoid,
-                watch=lambda names: self.pump.widen(req.attempt_id, names))
+                watch=lambda names: self.pump.widen(req.attempt_id, names), ready=ready)
         except RequestError as exc:
             if req.aborted:
                 return None

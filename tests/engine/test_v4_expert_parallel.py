@@ -174,5 +174,5 @@ def test_v4_ep_ranks_brought_up_by_init_rank_step_in_lockstep(tiny_v4_ckpt):
         for r in ranks:
             r.shutdown()
     for r in ranks:
-        r.runner._apply_releases()
+        r.runner.apply_releases()
         assert all(p.num_free_blocks == p.num_blocks for p in r.runner.pools.values())

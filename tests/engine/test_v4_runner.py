@@ -98,11 +98,7 @@ def test_rank_serves_v4_batched_equal_to_hf(tiny_v4_ckpt, hf_greedy):
         rank.request(_generate("x", 30, 9, max_tokens=60))
         assert rank.request(Abort("x"))
         assert _collect(rank, {"x": ([], None, None)})["x"][1] == "abort"
-        rank.request(_generate("y", 3, 8, max_tokens=1))  # NOTE: its step applies x's release
-        _collect(rank, {"y": ([], None, None)})
-        assert runner.num_live_requests() == 1  # y's, released before the next step
-        runner._apply_releases()
-        assert all(p.num_free_blocks == p.num_blocks for p in runner.pools.values())
+        _wait_v4_free(runner)  # NOTE: the idle loop applies x's release
         assert rank.leader.pool.num_live_sets == 0
     finally:
         rank.shutdown()
@@ -138,11 +134,11 @@ def test_rank_admits_by_v4_blocks_and_queues_the_rest(tiny_v4_ckpt, hf_greedy):
 
 
 def _wait_v4_free(runner, timeout_s: float = 5.0) -> None:
-    """Every V4 group pool free and nothing committed within ``timeout_s`` (the loop may be
-    finishing the last step)."""
+    """Every V4 group pool free and nothing committed within ``timeout_s``, no further
+    request needed (the loop may be finishing the last step; once idle it applies the
+    releases)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        runner._apply_releases()
         free = all(p.num_free_blocks == p.num_blocks for p in runner.pools.values())
         if free and not any(runner.admission.committed().values()) and not runner.caches:
             return
@@ -269,5 +265,34 @@ def test_status_reports_each_v4_group_pool_while_a_request_holds_blocks(tiny_v4_
         assert _collect(rank, {"r": ([], None, None)})["r"][1] == "abort"
         _wait_v4_free(runner)
         assert rank.status().kv_groups == tuple((g, n, n) for g, n in totals.items())
+    finally:
+        rank.shutdown()
+
+
+def test_an_idle_rank_reports_every_v4_group_free_without_another_request(tiny_v4_ckpt):
+    """Newcomer bug: an ended request's V4 blocks were freed only by the leader's next step,
+    which an idle instance never takes: after any load `orch status` and
+    ``orch_kv_group_blocks`` showed blocks held forever. Two requests finish (one by length,
+    one aborted mid-decode); with nothing more sent, ``status().kv_groups`` reads free ==
+    total within a few seconds and the runner holds no request cache."""
+    from rank.messages import Abort  # noqa: PLC0415
+
+    rank = _rank(tiny_v4_ckpt)
+    try:
+        runner = rank.runner
+        totals = tuple((name, p.num_blocks, p.num_blocks) for name, p in runner.pools.items())
+        out = {"a": ([], None, None), "c": ([], None, None)}
+        rank.request(_generate("a", PROMPTS["a"], 0, max_tokens=4))
+        rank.request(_generate("c", PROMPTS["c"], 2, max_tokens=60))
+        _collect(rank, out, until="c")
+        assert rank.request(Abort("c"))
+        assert [v[1] for v in _collect(rank, out).values()] == ["length", "abort"]
+        deadline = time.monotonic() + 3.0  # NOTE: the idle loop runs every 5 ms
+        while (groups := rank.status().kv_groups) != totals:
+            assert time.monotonic() < deadline, f"V4 blocks held while idle: {groups}"
+            time.sleep(0.02)
+        assert runner.num_live_requests() == 0
+        assert not any(runner.admission.committed().values())
+        assert rank.leader.pool.num_live_sets == 0
     finally:
         rank.shutdown()

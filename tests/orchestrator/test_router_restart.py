@@ -1,7 +1,9 @@
 """Placement while the only prefill instance is being restarted, through a real grpc.aio
 server over fake leaders and the real health monitor: the request waits for it (no attempt
-spent) and completes; one that cannot come back fails UNAVAILABLE, naming why, within the
-deadline; an abort or a shutdown ends the wait at once."""
+spent) and completes, also one that got its decode reservation after waiting for decode room
+(it keeps the reservation); one that cannot come back fails UNAVAILABLE, naming why, within the
+deadline; an abort or a shutdown ends the wait at once; a reservation held meanwhile is freed
+once."""
 
 from __future__ import annotations
 
@@ -119,6 +121,98 @@ def test_a_retry_after_a_kill_the_monitor_missed_waits_for_the_restart():
         assert [c[1] for c in _calls(h, "decode-0") if c[0] == "reserve"] == ["k@1", "k@2"]
         assert _state(h, "prefill-0") is Health.HEALTHY
         h.call_in_loop(release.set)
+    finally:
+        h.close()
+
+
+def _queued_then_granted_during_a_restart(h: Harness, request_id: str):
+    """``request_id`` waits in the admission queue (decode full), the only prefill fails, then
+    decode reports room: the request reserves while the prefill is being restarted. Returns
+    (its stream thread, result, client); the caller closes the client."""
+    decode, queue = h.fakes["decode-0"], h.router.flow.admission
+    h.call_in_loop(lambda: setattr(decode, "capacity", 0))
+    client = OrchClient(h.address)
+    thread, result = _stream_in_thread(client, request_id)
+    assert _wait_for(lambda: h.call_in_loop(lambda: queue.waiting) == 1)
+    _fail_prefill(h)
+    assert _state(h, "prefill-0") is not Health.HEALTHY
+
+    def room() -> None:
+        decode.capacity = 1
+        decode.flush()
+    h.call_in_loop(room)
+    # NOTE: granted and reserved, it leaves the queue (a stale frame may grant a refused try
+    # first: it keeps its place, admission.py)
+    assert _wait_for(lambda: h.call_in_loop(lambda: queue.waiting) == 0)
+    return thread, result, client
+
+
+def _reserves(h: Harness) -> list[str]:
+    return [c[1] for c in _calls(h, "decode-0") if c[0] == "reserve"]
+
+
+def test_a_request_granted_decode_room_while_the_prefill_restarts_waits_for_it():
+    """Newcomer bug: a request that waited for decode blocks and got them while the only
+    prefill was being restarted failed UNAVAILABLE at once ("no healthy prefill instance");
+    it keeps its reservation, waits for the restart and completes."""
+    h = Harness(recover=_restart_after(RESTART_S), max_pending=8, request_timeout_s=20.0)
+    try:
+        start = time.monotonic()
+        thread, result, client = _queued_then_granted_during_a_restart(h, "q")
+        with client:
+            thread.join(RESTART_S + 5)
+            assert not thread.is_alive()
+        assert "error" not in result, result["error"].details()
+        assert time.monotonic() - start >= RESTART_S * 0.8  # it waited for the restart
+        tokens = [t for c in result["chunks"] for t in c.token_ids]
+        assert tokens == expected_tokens(PROMPT, 4)
+        assert _calls(h, "prefill-0") == [("prefill", "q@1", "decode-0")]  # the new actors
+        assert set(_reserves(h)) == {"q@1"}  # one attempt, its reservation kept
+        decode = h.fakes["decode-0"]
+        assert h.call_in_loop(lambda: (dict(decode.reserved), [c for c in decode.calls
+                                                               if c[0] == "abort"])) == ({}, [])
+        assert h.metrics.finished == [("length", len(PROMPT), 4)]
+    finally:
+        h.close()
+
+
+def test_abort_while_holding_a_reservation_for_a_restart_frees_it_once():
+    h = Harness(recover=_restart_after(60.0), max_pending=8, request_timeout_s=30.0)
+    try:
+        thread, result, client = _queued_then_granted_during_a_restart(h, "a")
+        with client:
+            time.sleep(0.2)  # NOTE: waiting for the prefill, holding its reservation
+            assert thread.is_alive()
+            assert client.abort("a") is True
+            thread.join(3)
+            assert not thread.is_alive()
+        assert "error" not in result, result["error"].details()
+        (last,) = result["chunks"]
+        assert last.finish_reason == "abort" and last.token_ids == ()
+        decode = h.fakes["decode-0"]
+        assert _wait_for(lambda: ("abort", "a@1") in _calls(h, "decode-0"))
+        time.sleep(0.1)
+        assert _calls(h, "decode-0").count(("abort", "a@1")) == 1
+        assert h.call_in_loop(lambda: dict(decode.reserved)) == {}
+        assert _calls(h, "prefill-0") == []
+    finally:
+        h.close()
+
+
+def test_a_reservation_held_for_a_restart_past_the_deadline_is_freed_once():
+    h = Harness(recover=_restart_after(60.0), max_pending=8, request_timeout_s=2.0)
+    try:
+        start = time.monotonic()
+        thread, result, client = _queued_then_granted_during_a_restart(h, "d")
+        with client:
+            thread.join(5)
+            assert not thread.is_alive()
+        assert 1.5 <= time.monotonic() - start < 5.0  # at the deadline, not at once
+        err = result["error"]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy prefill instance within router.request_timeout_s" in err.details()
+        assert _calls(h, "decode-0").count(("abort", "d@1")) == 1
+        assert h.call_in_loop(lambda: dict(h.fakes["decode-0"].reserved)) == {}
     finally:
         h.close()
 

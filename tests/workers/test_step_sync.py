@@ -1,11 +1,15 @@
 """The leader's runner releases reach every rank with the step (rank/spmd.py ``StepSync``):
 the leader takes them before the fan-out and frees them before its own forward; a follower
 frees them before its forward and runs the step with the role's own inputs; a step with
-nothing released keeps its plain frame. Stub ranks: the V4 runner side (take / free by
+nothing released keeps its plain frame; a leader whose loop is idle has every rank free them at
+once, each once.  Stub ranks: the V4 runner side (take / free by
 request id) is tests/workers/test_v4_pd_tp.py's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from rank import spmd
 from rank.rank import Rank
 from rank.spmd import SPMDGroup, StepSync
 from rank.step_timing import StepTimer
@@ -64,3 +68,24 @@ def test_follower_frees_before_its_step_and_runs_it_with_the_roles_inputs():
     assert follower.calls == [("free", ("a",)), ("forward", ["s1"], "inputs"),
                               ("after_step", "inputs", "logits"),
                               ("forward", ["s2"], "plain"), ("after_step", "plain", "logits")]
+
+
+def test_an_idle_leader_has_every_rank_free_its_releases_once(monkeypatch):
+    """No step comes to carry them (the instance is idle): the leader takes its releases once,
+    each follower frees them by an actor call and the leader itself; a later idle iteration or
+    step carries none of them again."""
+    freed: list[tuple[str, ...]] = []
+    follower = SimpleNamespace(free_released=SimpleNamespace(
+        remote=lambda released: freed.append(released) or f"ref{len(freed)}"))
+    waited: list[list] = []
+    monkeypatch.setattr(spmd, "await_followers",
+                        lambda refs, left_s, bound_s, what: waited.append(refs) or [None])
+    leader, channel = StubRank(("a", "b")), StubChannel()
+    group = SPMDGroup(leader, [leader, follower], channel, StepTimer(), 5.0)
+    group.free_released()
+    assert freed == [("a", "b")] and waited == [["ref1"]]
+    assert leader.calls == [("take", ("a", "b")), ("free", ("a", "b"))]
+    group.free_released()  # NOTE: nothing released since: no call
+    assert freed == [("a", "b")] and waited == [["ref1"]]
+    group.run_step(["s"], "inputs")
+    assert channel.frames == [(["s"], "inputs")]  # the plain frame: freed once

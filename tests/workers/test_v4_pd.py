@@ -79,13 +79,13 @@ def _solo_greedy(ckpt, prompt: tuple[int, ...], new: int) -> list[int]:
 
 
 def _v4_free(rank, timeout_s: float = 5.0) -> None:
-    """Every V4 group pool of ``rank``'s runner is free (releases applied) and nothing is
-    committed in its admission within ``timeout_s`` (the loop may still be finishing a
-    request's last step)."""
+    """Every V4 group pool of ``rank`` reads free in its status (``kv_groups``: what `orch
+    status` and /metrics show), no request cache is left and nothing is committed in its
+    admission within ``timeout_s``, with no further request: the rank's idle loop applies
+    the releases (the loop may still be finishing a request's last step)."""
     runner, deadline = rank.runner, time.monotonic() + timeout_s
     while True:
-        runner._apply_releases()
-        held = {name: p.num_blocks - p.num_free_blocks for name, p in runner.pools.items()}
+        held = {name: total - free for name, free, total in rank.status().kv_groups}
         held.update({f"committed {k}": n for k, n in runner.admission.committed().items()})
         if not any(held.values()) and not runner.caches:
             return

@@ -147,7 +147,7 @@ def decode_rank(role: str, rank: int, p_tp: int, d_tp: int, ckpt: str, port: int
         for blocks in held.values():
             pool.free(blocks)
             runner.release(blocks)
-        runner._apply_releases()
+        runner.apply_releases()
         assert bool(runner.caches) == (d_tp > 1)  # NOTE: under TP only with the step's list
         released = runner.take_releases() if d_tp > 1 else ()
         for _ in range(d_tp - 1):
