@@ -12,7 +12,8 @@ from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.config.load import serves_v4
 from orchestrator.config.schema import OrchConfig
 from orchestrator.router.detokenizer import Tokenizer
-from orchestrator.router.flow import ColocatedFlow, DisaggregatedFlow, Flow
+from orchestrator.router.flow import ColocatedFlow, Flow
+from orchestrator.router.pd_flow import DisaggregatedFlow
 from orchestrator.deploy.health import HealthMonitor, RestartWait
 from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.leader import LeaderClient
