@@ -34,7 +34,7 @@ from orchestrator.deploy.ray_watchdog import start_watchdog, stop_watchdog
 from orchestrator.deploy.recovery import Recoverer
 from orchestrator.deploy.autoscaler import LatencyWindow, WindowedMetrics
 from orchestrator.deploy.scaling import Scaler, build_autoscaler
-from orchestrator.router.router import NoMetrics
+from orchestrator.router.metrics_sink import NoMetrics
 from orchestrator.api.admin import AdminServicer
 from orchestrator.api.security import EdgeSecurity, load_security
 from orchestrator.api.server import OrchServer, PortInUseError

@@ -19,7 +19,8 @@ from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.policies import make_policy
 from orchestrator.router.reports import InstanceReports
-from orchestrator.router.router import Router, RouterMetrics
+from orchestrator.router.metrics_sink import RouterMetrics
+from orchestrator.router.router import Router
 from orchestrator.status import StatusBoard
 
 log = logging.getLogger(__name__)

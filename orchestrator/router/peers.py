@@ -162,7 +162,7 @@ class Peers:
 
 
 class ForwardedMetrics:
-    """A replica's :class:`~orchestrator.router.router.RouterMetrics`: every report goes to the
+    """A replica's :class:`~orchestrator.router.metrics_sink.RouterMetrics`: every report goes to the
     first replica's metrics over ``main`` (in the background, in order; a lost one is logged).
     ``update_instances`` is the first replica's own (its status board)."""
 

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator, Awaitable, Protocol
+from typing import AsyncIterator, Awaitable
 
 from engine.request import RequestSpec
 from engine.sampling_params import fill_seed
@@ -29,54 +29,18 @@ from engine.grammar import GrammarCompiler
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump, LeaderClient
+from orchestrator.router.metrics_sink import NoMetrics, RouterMetrics
 from orchestrator.router.reports import InstanceReports
 from orchestrator.router.output_text import OutputText
 from orchestrator.router.policies import Policy
 from orchestrator.router.request import GenerateInput, InstanceFailure, OutputChunk, RequestError
 from orchestrator.router.request_state import Phase, RequestState
 from orchestrator.router.validate import validate_request
-from rank.messages import InstanceStatusInfo, TokenEvent
+from rank.messages import TokenEvent
 
 log = logging.getLogger(__name__)
 # Seconds the aborted leftovers of a drain get to end before the router stops anyway.
 SHUTDOWN_ABORT_S = 10.0
-
-
-class RouterMetrics(Protocol):
-    """What the router reports; ``orchestrator.metrics.RouterMetrics`` implements it. Each
-    request is reported exactly once: ``request_rejected`` when it failed before anything
-    was computed, else ``request_finished``."""
-
-    def request_finished(self, outcome: str, ttft_s: float | None, tpot_s: float | None,
-                         e2e_s: float, prompt_tokens: int, completion_tokens: int) -> None: ...
-
-    def request_rejected(self, code: str) -> None: ...
-
-    def update_instances(self, statuses: list[InstanceStatusInfo]) -> None: ...
-
-    def request_migrated(self) -> None: ...
-
-    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None: ...
-
-
-class NoMetrics:
-    """The default: report nothing."""
-
-    def request_finished(self, outcome: str, ttft_s: float | None, tpot_s: float | None,
-                         e2e_s: float, prompt_tokens: int, completion_tokens: int) -> None:
-        pass
-
-    def request_rejected(self, code: str) -> None:
-        pass
-
-    def update_instances(self, statuses: list[InstanceStatusInfo]) -> None:
-        pass
-
-    def request_migrated(self) -> None:
-        pass
-
-    def first_token(self, phases: tuple[tuple[str, float], ...]) -> None:
-        pass
 
 
 class Router:
