@@ -111,11 +111,18 @@ class Availability:
             if not missing:
                 return
             role, policy = missing[0]
-            if not any(map(self._returning, policy.instances)):
+            returning = [n for n in policy.instances if self._returning(n)]
+            if not returning:
                 raise RequestError("UNAVAILABLE", f"no healthy {role} instance "
                                    f"({', '.join(policy.instances)} out of service) and none "
                                    f"is being restarted ({self._reasons(policy)}): retry later;"
                                    " `orch status` shows why")
+            if not any(self._back_in_time(n, deadline) for n in returning):
+                raise RequestError("UNAVAILABLE", f"no healthy {role} instance "
+                                   f"({', '.join(policy.instances)} out of service) and no "
+                                   "restart of one is due before this request's deadline "
+                                   f"(router.request_timeout_s) ({self._reasons(policy)}): "
+                                   "retry after the time named; `orch status` shows why")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RequestError("UNAVAILABLE", f"no healthy {role} instance within "
@@ -154,6 +161,12 @@ class Availability:
 
     def _returning(self, name: str) -> bool:
         return self._health is not None and self._health.returning(name)
+
+    def _back_in_time(self, name: str, deadline: float) -> bool:
+        """Whether ``name`` (returning) may be back before ``deadline`` (monotonic): its
+        restart runs, or its next try (``retry_at``, wall clock) comes before the deadline."""
+        retry_at = getattr(self._health.get(name), "retry_at", None)
+        return retry_at is None or retry_at - time.time() < deadline - time.monotonic()
 
     def _reasons(self, policy: Policy) -> str:
         if self._health is None:

@@ -8,7 +8,13 @@ stream (orchestrator/router/event_stream.py: one frame per leader step, no Ray c
 and fans its token events out to per-attempt :class:`Inbox`es, keeping only the
 events of instances the attempt watches; each decode frame's free KV blocks go to
 ``on_capacity`` (the admission queue). When a leader's stream is lost, the inbox of every
-attempt watching it raises :class:`InstanceFailure`, so nothing waits forever. An event carrying
+attempt watching it raises :class:`InstanceFailure`, so nothing waits forever.
+
+Fencing: an instance the health monitor declared failed (:meth:`LeaderClient.fence`) is out of
+the requests' way until it is restarted (:meth:`LeaderClient.rebind`): its events are dropped
+(a hung leader that wakes up must not hand a first token to a request that moved on), an attempt
+that comes to depend on it fails at once, and calls that start work on it are refused (aborts
+still go: they free what it holds). An event carrying
 prefix-cache events (``TokenEvent.kv_events``, no request) goes to the router's
 :class:`KVIndex` instead.
 """
@@ -30,7 +36,7 @@ from orchestrator.router.reports import InstanceReports
 from orchestrator.router.request import InstanceFailure, request_failed
 from orchestrator.router.event_stream import (EventFrame, EventSubscription, StreamAddress,
                                               StreamBroken)
-from rank.messages import InstanceStatusInfo, LeaderRequest, TokenEvent
+from rank.messages import Abort, InstanceStatusInfo, LeaderRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,12 @@ class LeaderClient:
         self.call_timeout_s = call_timeout_s
         self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
         self._rebound: asyncio.Future[None] | None = None  # done at the next rebind
+        self.fenced: str | None = None  # why it was declared failed; None: in service
+
+    def fence(self, reason: str) -> None:
+        """The instance was declared failed (dead or hung, ``reason``): until :meth:`rebind`
+        its events are dropped and calls that start work on it fail (module docstring)."""
+        self.fenced = reason
 
     def abandon_calls(self, reason: str) -> None:
         """The instance is known dead or hung: every call in flight fails now with a
@@ -84,7 +96,7 @@ class LeaderClient:
         """Send every later call (the EventPump's polls too) to ``handle``: the instance's
         new leader after a restart (``orchestrator/deploy/recovery.py``). Calls already sent finish
         or fail on the old one; the event pump follows the new leader's stream."""
-        self.handle = handle
+        self.handle, self.fenced = handle, None
         if self._rebound is not None and not self._rebound.done():
             self._rebound.set_result(None)
 
@@ -99,9 +111,14 @@ class LeaderClient:
         request as ``decode-0.reserve`` (its type, lower case).
 
         Raises:
-            LeaderError: the call raised, the actor died, no answer within the bound, or the
-                call was abandoned (:meth:`abandon_calls`).
+            LeaderError: the call raised, the actor died, no answer within the bound, the
+                call was abandoned (:meth:`abandon_calls`), or the instance is fenced
+                (:meth:`fence`) and the request is not an ``Abort``.
         """
+        if self.fenced is not None and not isinstance(request, Abort):
+            raise LeaderError(f"{self.name}.{type(request).__name__.lower()} refused: the "
+                              f"instance was declared failed ({self.fenced}) and is not back "
+                              "yet")
         return await self._bounded(type(request).__name__.lower(),
                                    lambda: self.handle.request.remote(request), timeout_s)
 
@@ -299,9 +316,14 @@ class EventPump:
 
     def widen(self, attempt_id: str, instances: set[str]) -> None:
         """The attempt also depends on ``instances`` from now on: their events reach its
-        inbox and their failure fails it."""
-        if attempt_id in self._sources:
-            self._sources[attempt_id] |= set(instances)
+        inbox and their failure fails it (at once for one that is fenced)."""
+        if attempt_id not in self._sources:
+            return
+        self._sources[attempt_id] |= set(instances)
+        for leader in self._leaders:
+            if leader.name in instances and leader.fenced is not None:
+                self._inboxes[attempt_id].fail(leader.name, f"{leader.name} failed: "
+                                                            f"{leader.fenced}")
 
     def watch(self, attempt_id: str, instances: set[str]) -> None:
         """The attempt now depends on exactly ``instances`` (fewer than before): only their
@@ -360,6 +382,12 @@ class EventPump:
         return row[0] in self._sources or row[7] is not None
 
     def _dispatch(self, leader: LeaderClient, frame: EventFrame) -> None:
+        if self.reports is not None:
+            self.reports.heard(leader.name, frame.ranks_age_s, frame.status)
+        if leader.fenced is not None:  # NOTE: declared failed: nothing it says is used
+            if frame.events:
+                log.debug("dropped %d event(s) of fenced %s", len(frame.events), leader.name)
+            return
         for event in frame.events:
             if event.kv_events is not None:
                 if self.kv_index is not None:
@@ -373,8 +401,6 @@ class EventPump:
             self._inboxes[event.request_id].put(event)
         if self._on_capacity is not None and leader.role == "decode":
             self._on_capacity(leader.name, frame.free_blocks, frame.group_free)
-        if self.reports is not None:
-            self.reports.heard(leader.name, frame.ranks_age_s, frame.status)
 
 
 async def cancel_task(task: asyncio.Future, timeout_s: float) -> None:

@@ -126,12 +126,16 @@ class Router:
         """``name`` is dead or hung (the health monitor says so; call on the router loop):
         every request watching it fails now, without waiting for a poll to fail, and every
         call in flight to it fails now (a reserve on it tries the next decode). Before its
-        first token a request is placed again elsewhere; after it, it ends UNAVAILABLE.
+        first token a request is placed again elsewhere; after it, it migrates. Until it is
+        restarted it is fenced (orchestrator/router/leader.py): its late events are dropped
+        and no new work is sent to it.
 
         Raises:
             KeyError: ``name`` is no instance of this router.
         """
-        self.flow.leader(name).abandon_calls(f"{name} failed: {reason}")
+        leader = self.flow.leader(name)
+        leader.fence(reason)  # NOTE: first: a late event or call must not reach it
+        leader.abandon_calls(f"{name} failed: {reason}")
         told = self.pump.fail_instance(name, f"{name} failed: {reason}")
         log.info("%s failed (%s): %d request(s) still waiting on it were told", name, reason,
                  told)

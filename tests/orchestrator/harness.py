@@ -104,7 +104,7 @@ class Harness:
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
                  security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
                  max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None,
-                 eager_prefill=False, decode_groups=None) -> None:
+                 eager_prefill=False, decode_groups=None, restart_backoff_s=None) -> None:
         self.security, self.recover, self.peers = security, recover, peers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -117,7 +117,10 @@ class Harness:
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
                        "policy": "round_robin", "max_migrations": max_migrations,
                        "drain_timeout_s": drain_timeout_s, "eager_prefill": eager_prefill},
-            "health": {"probe_interval_s": probe_interval_s}})
+            "health": {"probe_interval_s": probe_interval_s, **(
+                {} if restart_backoff_s is None else {  # NOTE: every retry after this long
+                    "restart_backoff_s": restart_backoff_s,
+                    "restart_backoff_max_s": restart_backoff_s})}})
         self.metrics = RecordingMetrics()
         self.cluster = FakeCluster(self) if scaling else None
         self.run(self._start(decode_capacity, never_fits, decode_groups))

@@ -26,6 +26,7 @@ class FakeHealth:
         self.probes: list[str] = []
         self.probe_answer: str | None = "rank 0 is gone"
         self.listeners: list = []
+        self.retry_at: dict[str, float] = {}  # name -> wall-clock time of its next restart try
 
     def is_healthy(self, name: str) -> bool:
         return self.state[name] == "healthy"
@@ -34,7 +35,8 @@ class FakeHealth:
         return self.state[name] == "recovering"
 
     def get(self, name: str):
-        return SimpleNamespace(reason=f"{name} is {self.state[name]}")
+        return SimpleNamespace(reason=f"{name} is {self.state[name]}",
+                               retry_at=self.retry_at.get(name))
 
     async def probe(self, name: str) -> str | None:
         self.probes.append(name)
@@ -152,4 +154,25 @@ def test_returning_through_a_restart_a_failed_one_and_with_recovery_off():
         assert not monitor.returning("p0")
         off.report_failure("p0", "gone")
         assert not off.returning("p0")
+    asyncio.run(go())
+
+
+def test_a_restart_due_after_the_deadline_is_unavailable_at_once():
+    async def go():
+        health = FakeHealth(["p0", "d0"])
+        health.state["p0"] = "recovering"  # NOTE: its restart budget is used up for 60 s
+        health.retry_at["p0"] = time.time() + 60
+        avail, pools = Availability(health), _pools(health)
+        woken = asyncio.get_running_loop().create_future()
+        start = time.monotonic()
+        with pytest.raises(RequestError, match="no restart of one is due before this "
+                                               "request's deadline"):
+            await avail.wait(pools, start + 30, woken)
+        assert time.monotonic() - start < 0.5
+        health.retry_at["p0"] = time.time() + 0.2  # due before the deadline: it waits
+        waiter = asyncio.ensure_future(avail.wait(pools, time.monotonic() + 30, woken))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        health.set("p0", "healthy")
+        await asyncio.wait_for(waiter, 1.0)
     asyncio.run(go())

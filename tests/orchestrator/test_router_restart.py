@@ -218,10 +218,11 @@ def test_a_reservation_held_for_a_restart_past_the_deadline_is_freed_once():
 
 
 def test_a_failing_restart_is_retried_and_the_request_waits_to_its_deadline_naming_why():
-    """A failed restart is tried again after a backoff (health.restart_backoff_s): the
-    instance is still coming back, so the request waits, then ends UNAVAILABLE at its
-    deadline naming the failed restart."""
-    h = Harness(recover=_restart_after(0.3, ok=False), request_timeout_s=2.0)
+    """A failed restart is tried again after a backoff (health.restart_backoff_s) shorter
+    than the request's deadline: the instance is still coming back, so the request waits,
+    then ends UNAVAILABLE at its deadline naming the failed restart."""
+    h = Harness(recover=_restart_after(0.3, ok=False), request_timeout_s=2.0,
+                restart_backoff_s=0.2)
     try:
         _fail_prefill(h)
         start = time.monotonic()
@@ -231,9 +232,31 @@ def test_a_failing_restart_is_retried_and_the_request_waits_to_its_deadline_nami
         assert 1.5 <= time.monotonic() - start < 6.0  # at the deadline, not at once
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         details = err.value.details()
+        # NOTE: at the deadline, or one backoff before it once the next try falls after it
         assert "no healthy prefill instance within router.request_timeout_s: still being " \
-            "restarted" in details, details
+            "restarted" in details or "no restart of one is due before" in details, details
         assert "the automatic restart failed" in details, details
+        assert _calls(h, "decode-0") == []  # nothing was reserved
+    finally:
+        h.close()
+
+
+def test_a_restart_try_due_after_the_deadline_is_unavailable_at_once():
+    """The failed restart's next try (health.restart_backoff_s = 5 s, as when the restart
+    budget is used up) comes after the request's deadline: nothing can serve it in time, so it
+    ends UNAVAILABLE at once instead of waiting router.request_timeout_s."""
+    h = Harness(recover=_restart_after(0.3, ok=False), request_timeout_s=3.0)
+    try:
+        _fail_prefill(h)
+        start = time.monotonic()
+        with OrchClient(h.address) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.generate(token_ids=list(PROMPT), max_tokens=2))
+        assert time.monotonic() - start < 1.5  # the failed try came at 0.3 s
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no restart of one is due before this request's deadline" in \
+            err.value.details(), err.value.details()
+        assert "next restart try in 5 s" in err.value.details(), err.value.details()
         assert _calls(h, "decode-0") == []  # nothing was reserved
     finally:
         h.close()
