@@ -115,6 +115,17 @@ class AdmissionQueue:
                 waiter.granted.set_exception(error)
         return True
 
+    def fail_waiting(self, error: RequestError) -> int:
+        """End every wait now in the queue with ``error`` (later ones wait as usual): a role
+        the requests need is gone for good. Returns how many were ended."""
+        ended = 0
+        for waiter in self._queue:
+            if not waiter.granted.done():
+                self._ended[waiter.request_id] = error
+                waiter.granted.set_exception(error)
+                ended += 1
+        return ended
+
     def close(self, error: RequestError) -> None:
         """End every wait, now and later, with ``error`` (router shutting down)."""
         self._closed = error

@@ -110,13 +110,11 @@ class Availability:
             missing = [(role, p) for role, p in pools.items() if not _any_healthy(p)]
             if not missing:
                 return
+            lost = self.lost_role(pools)
+            if lost is not None:
+                raise lost
             role, policy = missing[0]
             returning = [n for n in policy.instances if self._returning(n)]
-            if not returning:
-                raise RequestError("UNAVAILABLE", f"no healthy {role} instance "
-                                   f"({', '.join(policy.instances)} out of service) and none "
-                                   f"is being restarted ({self._reasons(policy)}): retry later;"
-                                   " `orch status` shows why")
             if not any(self._back_in_time(n, deadline) for n in returning):
                 raise RequestError("UNAVAILABLE", f"no healthy {role} instance "
                                    f"({', '.join(policy.instances)} out of service) and no "
@@ -132,6 +130,17 @@ class Availability:
                 self._changed = asyncio.get_running_loop().create_future()
             await asyncio.wait({self._changed, woken}, timeout=left,
                                return_when=asyncio.FIRST_COMPLETED)
+
+    def lost_role(self, pools: dict[str, Policy]) -> RequestError | None:
+        """The UNAVAILABLE error when some role in ``pools`` has no healthy instance and none
+        is coming back (recovery off, used up, failed); None otherwise."""
+        for role, policy in pools.items():
+            if not _any_healthy(policy) and not any(map(self._returning, policy.instances)):
+                return RequestError("UNAVAILABLE", f"no healthy {role} instance "
+                                    f"({', '.join(policy.instances)} out of service) and none "
+                                    f"is being restarted ({self._reasons(policy)}): retry "
+                                    "later; `orch status` shows why")
+        return None
 
     async def _probe_all(self, names: set[str], deadline: float,
                          woken: asyncio.Future) -> None:

@@ -197,6 +197,11 @@ class Flow(ABC):
     def close_waiting(self, error: RequestError) -> None:
         """End every placement, now and later, with ``error`` (shutdown)."""
 
+    def fail_waiting(self, error: RequestError) -> int:
+        """End every placement waiting now with ``error`` (a role it needs is gone for
+        good); how many were ended."""
+        return 0
+
 
 class ColocatedFlow(Flow):
     """Prefill and decode in the same instance: ``generate(spec)``, then its events."""

@@ -250,6 +250,9 @@ class DisaggregatedFlow(Flow):
     def close_waiting(self, error: RequestError) -> None:
         self.admission.close(error)
 
+    def fail_waiting(self, error: RequestError) -> int:
+        return self.admission.fail_waiting(error)
+
     def _release_prefill(self, route: Route) -> None:
         if route.prefill and route.prefill_load:
             self.prefill_policy.release(route.prefill, route.prefill_load)

@@ -78,7 +78,7 @@ class Router:
         self.metrics = metrics or NoMetrics()
         self.availability = Availability(health)
         if health is not None:
-            health.add_listener(lambda _health: flow.health_changed())
+            health.add_listener(self._health_changed)
         self.pump = EventPump(flow.leaders, on_capacity=flow.capacity, kv_index=flow.kv_index,
                               reports=reports)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
@@ -139,6 +139,22 @@ class Router:
         told = self.pump.fail_instance(name, f"{name} failed: {reason}")
         log.info("%s failed (%s): %d request(s) still waiting on it were told", name, reason,
                  told)
+
+    def _health_changed(self, _health: object) -> None:
+        """The monitor's listener: the flow looks again; when a role is gone for good (no
+        healthy instance, none coming back), requests waiting for decode room end now,
+        UNAVAILABLE, rather than at their deadline."""
+        self.flow.health_changed()
+        # NOTE: on the next turn of the loop: a failure is told UNHEALTHY before the monitor
+        # schedules the restart that makes it RECOVERING
+        asyncio.get_running_loop().call_soon(self._fail_waiting_if_lost)
+
+    def _fail_waiting_if_lost(self) -> None:
+        lost = self.availability.lost_role(self.flow.pools)
+        if lost is not None:
+            ended = self.flow.fail_waiting(lost)
+            if ended:
+                log.info("%d request(s) waiting for decode room ended: %s", ended, lost.message)
 
     def add_instance(self, leader: LeaderClient) -> None:
         """Serve on a new instance too (live scaling; it is up): polled from now on, chosen

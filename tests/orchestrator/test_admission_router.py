@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+
 from orchestrator.api.client import OrchClient
 from tests.orchestrator.fakes import expected_tokens
 from tests.orchestrator.harness import Harness
@@ -146,3 +148,47 @@ def test_a_granted_waiter_whose_decode_call_fails_waits_for_the_next_report():
     finally:
         h.close()
     assert outputs == {rid: expected_tokens((3, 4, 5), 4) for rid in ("r0", "r1")}
+
+
+def test_waiters_end_at_once_when_the_prefill_role_is_gone_for_good():
+    """Requests waiting for decode room while the only prefill instance turns unhealthy with
+    no restart coming (recovery off) end UNAVAILABLE at once, not at their deadline; the one
+    already decoding finishes."""
+    h = Harness(decode_capacity=1, max_pending=8, request_timeout_s=20.0)
+    try:
+        decode = h.fakes["decode-0"]
+        entered, release = h.call_in_loop(lambda: decode.hold("admit"))
+        outcomes: dict[str, object] = {}
+
+        def run(rid: str) -> None:
+            try:
+                with OrchClient(h.address) as client:
+                    outcomes[rid] = [t for c in client.generate(
+                        token_ids=[3, 4, 5], request_id=rid, max_tokens=4) for t in c.token_ids]
+            except grpc.RpcError as err:
+                outcomes[rid] = err
+
+        threads = [threading.Thread(target=run, args=(f"r{i}",), daemon=True) for i in range(3)]
+        threads[0].start()
+        h.run(entered.wait())  # r0 holds the only slot
+        for i, t in enumerate(threads[1:], 1):
+            t.start()
+            assert _wait_for(lambda i=i: h.call_in_loop(
+                lambda: h.router.flow.admission.waiting) == i)
+        start = time.monotonic()
+        h.call_in_loop(lambda: h.monitor.report_failure("prefill-0", "rank 0 is gone"))
+        for t in threads[1:]:
+            t.join(3)
+            assert not t.is_alive()
+        assert time.monotonic() - start < 3.0  # not the 20 s deadline
+        for rid in ("r1", "r2"):
+            assert outcomes[rid].code() == grpc.StatusCode.UNAVAILABLE
+            assert "no healthy prefill instance (prefill-0 out of service) and none is being " \
+                   "restarted (prefill-0: rank 0 is gone" in outcomes[rid].details()
+        h.call_in_loop(release.set)
+        threads[0].join(5)
+        assert outcomes["r0"] == expected_tokens((3, 4, 5), 4)
+        assert _wait_for(lambda: h.call_in_loop(
+            lambda: h.router.in_flight == 0 and decode.reserved == {}))
+    finally:
+        h.close()
