@@ -317,6 +317,9 @@ class RouterSection(_Section):
     # PD: send the prefill call before decode's reservation, which is made while the prompt
     # computes (its KV ships once it arrives); off with V4, MTP or prefill cp > 1.
     eager_prefill: bool = False
+    # With eager_prefill: decode's reservation is made once the first token reached the router
+    # (streamed to the client at once), not while the prompt computes (docs/router.md).
+    reserve_after_first_token: bool = False
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # OpenAI-compatible HTTP API on router.host (docs/router.md, HTTP API); None = off.
     http_port: Optional[int] = Field(None, ge=0, le=65535)
@@ -327,6 +330,13 @@ class RouterSection(_Section):
     # Router processes serving router.port / router.http_port together (SO_REUSEPORT); the
     # first also serves Admin, metrics and health probing (docs/router.md, Router replicas).
     replicas: int = Field(1, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _late_needs_eager(self) -> "RouterSection":
+        if self.reserve_after_first_token and not self.eager_prefill:
+            raise _cross_field("router.reserve_after_first_token needs router.eager_prefill: "
+                               "true (the prefill call goes out before any reservation)")
+        return self
 
 
 class HealthSection(_Section):

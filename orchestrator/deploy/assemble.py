@@ -60,7 +60,8 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
         flow = DisaggregatedFlow(
             leaders["prefill"], leaders["decode"], policy("prefill"), policy("decode"),
             AdmissionQueue(cfg.router.max_pending), prefill_tp=cfg.prefill.tp,
-            prefill_cp=cfg.prefill.cp, eager=attaches_late(cfg))
+            prefill_cp=cfg.prefill.cp, eager=attaches_late(cfg),
+            reserve_late=attaches_late(cfg) and cfg.router.reserve_after_first_token)
     flow.kv_index = index
     return flow
 

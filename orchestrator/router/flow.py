@@ -15,7 +15,12 @@ Disaggregated (:mod:`orchestrator.router.pd_flow`) with ``router.eager_prefill``
 (DisaggregatedFlow ``eager``; while no request waits for decode room, never for a resumed
 request): place sends ``prefill.prefill(spec, None)`` first, then reserves on decode while the
 prompt computes; launch sends ``prefill.attach(res)`` (the KV computed so far ships then); a
-first token that finished the request aborts the prefill as well as the reservation.
+first token that finished the request aborts the prefill as well as the reservation. With
+``router.reserve_after_first_token`` (DisaggregatedFlow ``reserve_late``) place sends only the
+prefill call; the first token streams as soon as it reaches the router, and only then does
+decode reserve (the admission queue ahead of new arrivals), ``prefill.attach(res)`` ship the
+prompt's KV and ``decode.admit`` start the decode; a first token that ended the request needs
+no reservation at all.
 
 Abort (client cancel, timeout, failure): prefill.abort (returns once no KV send is in flight
 into the reservation) THEN decode.abort, so decode never frees blocks that are being written.
@@ -55,7 +60,9 @@ class Route:
     """Where one request runs and which load it still holds (mutable, router-owned)."""
 
     request_id: str
-    main: str  # decode or colocated instance: where the request ends
+    # decode or colocated instance: where the request ends (None: a late reservation,
+    # until the first token reached the router)
+    main: str | None
     prefill: str | None = None
     prefill_load: int = 0  # load (Policy.load_for) charged to the prefill until first token
     main_load: int = 0  # load charged to the main instance until the end
@@ -65,10 +72,25 @@ class Route:
     launched_at: float | None = None
     # eager: the Attach's answer (None: not sent; False also: not to be sent, ended)
     attached: bool | None = None
+    # a late reservation (``router.reserve_after_first_token``): what the reservation made
+    # at the first token needs; None once made, or when the route was placed whole
+    late: "LateReservation | None" = None
 
     @property
     def instances(self) -> set[str]:
-        return {self.main} | ({self.prefill} if self.prefill else set())
+        return ({self.main} if self.main else set()) | ({self.prefill} if self.prefill else set())
+
+
+@dataclass(frozen=True)
+class LateReservation:
+    """What decode's reservation after the first token needs: the attempt's ``spec``, its
+    placement ``deadline`` (monotonic), the instances to try last (``avoid``) and ``watch``
+    (the attempt's inbox widens to the decode chosen, before it is admitted)."""
+
+    spec: RequestSpec
+    deadline: float
+    avoid: frozenset[str]
+    watch: Callable[[set[str]], None]
 
 
 class Flow(ABC):
@@ -160,7 +182,8 @@ class Flow(ABC):
 
     def release(self, route: Route) -> None:
         """The request ended: give back its policy load (called exactly once)."""
-        self.policy.release(route.main, route.main_load)
+        if route.main is not None:
+            self.policy.release(route.main, route.main_load)
         route.main_load = 0
 
     def capacity(self, instance: str, free_blocks: int,

@@ -16,7 +16,8 @@ from collections.abc import Callable, Collection
 from rank.messages import Admit, Attach, Prefill, Rejection, Reservation, Reserve
 from engine.request import RequestSpec
 from orchestrator.router.admission import AdmissionQueue
-from orchestrator.router.flow import Flow, Ready, Route, abort_quietly, call_or_fail
+from orchestrator.router.flow import (Flow, LateReservation, Ready, Route, abort_quietly,
+                                      call_or_fail)
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.policies import Policy
 from orchestrator.router.request import InstanceFailure, RequestError
@@ -36,14 +37,18 @@ class DisaggregatedFlow(Flow):
         eager: launch the prefill before the reservation while no request waits for decode
             room: the prompt computes while decode reserves, its KV ships on ``Attach``
             (prefill_worker/role.py ``attach``; not with V4, MTP or cp > 1).
+        reserve_late: with ``eager``, reserve on decode only once the first token reached
+            the router (it streams at once; :meth:`on_first_token` reserves, attaches and
+            admits), so nothing of the reservation runs beside the prompt's forward.
     """
 
     def __init__(self, prefill: list[LeaderClient], decode: list[LeaderClient],
                  prefill_policy: Policy, decode_policy: Policy,
                  admission: AdmissionQueue, prefill_tp: int = 1, prefill_cp: int = 1,
-                 eager: bool = False) -> None:
+                 eager: bool = False, reserve_late: bool = False) -> None:
         super().__init__(decode, decode_policy)
         self.prefill_tp, self.prefill_cp, self.eager = prefill_tp, prefill_cp, eager
+        self.reserve_late = eager and reserve_late
         self.prefill = {leader.name: leader for leader in prefill}
         self.prefill_policy = prefill_policy
         self.admission = admission
@@ -99,6 +104,10 @@ class DisaggregatedFlow(Flow):
         launched_at = time.monotonic()
         call = asyncio.ensure_future(call_or_fail(self.prefill[prefill], Prefill(spec, None)))
         call.add_done_callback(_consume)  # NOTE: a route aborted before launch never awaits it
+        if self.reserve_late:  # NOTE: decode reserves at the first token (on_first_token)
+            return Route(spec.request_id, main=None, prefill=prefill, prefill_load=load,
+                         prefill_call=call, launched_at=launched_at,
+                         late=LateReservation(spec, deadline, frozenset(avoid), watch))
         try:
             # NOTE: the call's task sends at its first step, the reserve's send comes before
             # the reserve's first await: yielding once runs that step first (the loop runs
@@ -114,12 +123,14 @@ class DisaggregatedFlow(Flow):
                      prefill_load=load, main_load=spec.max_total_tokens,
                      reservation=reservation, prefill_call=call, launched_at=launched_at)
 
-    async def _reserve(self, spec: RequestSpec, deadline: float,
-                       avoid: Collection[str]) -> tuple[str, Reservation]:
+    async def _reserve(self, spec: RequestSpec, deadline: float, avoid: Collection[str],
+                       streamed: bool = False) -> tuple[str, Reservation]:
         """Reserve on the first decode that can; while all are full, or others already wait,
         wait in the admission queue (FIFO) for a decode that reports room. A decode whose call
-        fails is skipped (UNAVAILABLE when every one failed)."""
-        migrating = spec.num_resumed_tokens > 0  # NOTE: queued ahead of new arrivals
+        fails is skipped (UNAVAILABLE when every one failed). ``streamed``: the client has
+        tokens already (a late reservation): queued ahead of new arrivals, as a migration."""
+        # NOTE: queued ahead of new arrivals
+        migrating = spec.num_resumed_tokens > 0 or streamed
         async with self.admission.ticket(spec.request_id, migrating) as ticket:
             # NOTE: behind earlier waiters a request tries nothing: it would overtake them
             direct = not self.admission.ahead_of(migrating)
@@ -199,19 +210,15 @@ class DisaggregatedFlow(Flow):
             await call_or_fail(leader, Prefill(spec, route.reservation))
             return
         await route.prefill_call  # NOTE: raises its InstanceFailure
-        if route.attached is not None:
+        if route.late is not None or route.attached is not None:
             return  # NOTE: ended at its first token (on_first_token): nothing to ship
-        route.attached = await call_or_fail(leader, Attach(spec.request_id, route.reservation))
-        if not route.attached:
-            # NOTE: the prefill ended it (aborted, failed, or its computed prompt held past
-            # ORPHAN_FACTOR completion timeouts): decode would wait for KV that never comes
-            raise RequestError("UNAVAILABLE", f"{route.prefill}: request {spec.request_id} "
-                               "was gone when its decode reservation was attached (aborted, "
-                               "failed, or held longer than 4 x kv_transfer."
-                               "completion_timeout_s): retry")
+        await self._attach(route, leader)
 
     async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
         self._release_prefill(route)
+        if route.late is not None:
+            await self._reserve_then_admit(route, token_id, finished)
+            return
         decode = self.main[route.main]
         if finished:  # NOTE: max_tokens == 1 or EOS: the reservation is no longer needed
             if route.prefill_call is not None:
@@ -224,10 +231,50 @@ class DisaggregatedFlow(Flow):
             return
         await call_or_fail(decode, Admit(route.request_id, token_id))
 
+    async def _reserve_then_admit(self, route: Route, token_id: int, finished: bool) -> None:
+        """A late reservation, once the first token reached the router: none when it ended
+        the request (the prefill frees its computed prompt); else reserve on decode (ahead of
+        new arrivals in the admission queue), ``Attach`` (the prompt's KV ships), ``Admit``.
+
+        Raises:
+            RequestError: no decode could reserve (UNAVAILABLE, RESOURCE_EXHAUSTED), or the
+                prefill had dropped the request (UNAVAILABLE).
+            InstanceFailure: the prefill or the decode failed a call.
+        """
+        late, prefill = route.late, self.prefill[route.prefill]
+        if finished:
+            route.attached = False  # NOTE: launch sends no Attach
+            await abort_quietly(prefill, route.request_id)
+            return
+        decode, route.reservation = await self._reserve(late.spec, late.deadline,
+                                                        late.avoid, streamed=True)
+        route.main, route.main_load, route.late = decode, late.spec.max_total_tokens, None
+        late.watch({decode})  # NOTE: before Admit: decode's tokens must reach the attempt
+        await self._attach(route, prefill)
+        await call_or_fail(self.main[decode], Admit(route.request_id, token_id))
+
+    async def _attach(self, route: Route, prefill: LeaderClient) -> None:
+        """``Attach`` the reservation to the prompt computed on ``prefill``.
+
+        Raises:
+            InstanceFailure: the call failed. RequestError: UNAVAILABLE when the prefill no
+                longer had the request.
+        """
+        route.attached = await call_or_fail(prefill, Attach(route.request_id,
+                                                            route.reservation))
+        if not route.attached:
+            # NOTE: the prefill ended it (aborted, failed, or its computed prompt held past
+            # ORPHAN_FACTOR completion timeouts): decode would wait for KV that never comes
+            raise RequestError("UNAVAILABLE", f"{route.prefill}: request {route.request_id} "
+                               "was gone when its decode reservation was attached (aborted, "
+                               "failed, or held longer than 4 x kv_transfer."
+                               "completion_timeout_s): retry")
+
     async def abort(self, route: Route) -> None:
         if route.prefill:
             await abort_quietly(self.prefill[route.prefill], route.request_id)
-        await abort_quietly(self.main[route.main], route.request_id)
+        if route.main is not None:
+            await abort_quietly(self.main[route.main], route.request_id)
 
     def release(self, route: Route) -> None:
         self._release_prefill(route)

@@ -113,7 +113,10 @@ class RequestState:
         then only the main (decode or colocated) one; none while unplaced."""
         if self.route is None:
             return set()
-        return {self.route.main} if self.phase is Phase.DECODING else self.route.instances
+        if self.phase is not Phase.DECODING:
+            return self.route.instances
+        # NOTE: a late reservation: until decode reserved, the KV is on the prefill only
+        return {self.route.main or self.route.prefill}
 
     def accepted(self, spec: RequestSpec, eos_token_ids: tuple[int, ...], now: float) -> None:
         """Validated and tokenized at ``now``: ``spec`` is what every attempt runs."""
@@ -307,7 +310,7 @@ class RequestState:
 
     def stats(self, now: float) -> RequestStats:
         """Final statistics; instance names from the current route ("" when unplaced)."""
-        main = self.route.main if self.route is not None else ""
+        main = (self.route.main or "") if self.route is not None else ""
         return RequestStats(
             prompt_tokens=self.spec.num_prompt_tokens if self.spec else 0,
             completion_tokens=self.completion_tokens, ttft_s=self.ttft() or 0.0,
@@ -332,7 +335,8 @@ class RequestState:
             del self.calls[name]
             exc = call.exception()
             needed = self.instances
-            if name == "launch" and self.route is not None \
+            # NOTE: a late reservation's Attach is in the handover
+            if name in ("launch", "handover") and self.route is not None \
                     and self.route.prefill_call is not None:
                 needed = needed | {self.route.prefill}
             if isinstance(exc, InstanceFailure) and exc.instance in needed:

@@ -28,7 +28,7 @@ from orchestrator.router.availability import Availability, HealthView
 from engine.grammar import GrammarCompiler
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.flow import Flow, Route
-from orchestrator.router.leader import EventPump, LeaderClient
+from orchestrator.router.leader import EventPump, LeaderClient, cancel_task
 from orchestrator.router.metrics_sink import NoMetrics, RouterMetrics
 from orchestrator.router.reports import InstanceReports
 from orchestrator.router.output_text import OutputText
@@ -281,7 +281,7 @@ class Router:
                 yield chunk
         finally:
             self.pump.unregister(req.attempt_id)
-            self._release(route, abort=not by_workers)
+            self._release(route, abort=not by_workers, handover=req.calls.pop("handover", None))
 
     def _attempt_failed(self, req: RequestState, exc: InstanceFailure) -> None:
         """Remember the failure, the caller places again: before the first token of the
@@ -429,17 +429,21 @@ class Router:
                                       time.monotonic() - req.start, prompt_tokens,
                                       req.completion_tokens)
 
-    def _release(self, route: Route, abort: bool) -> None:
+    def _release(self, route: Route, abort: bool, handover: asyncio.Task | None) -> None:
         """The attempt ended: give back its load; with ``abort``, only after the request is
-        aborted on its instances (prefill, then decode: the flow's order)."""
+        aborted on its instances (prefill, then decode: the flow's order), and after its
+        first token's ``handover``, if one still runs, was cancelled (a late reservation made
+        by it would otherwise outlive the abort)."""
         if abort:
-            self._spawn(self._abort_then_release(route))
+            self._spawn(self._abort_then_release(route, handover))
         else:
             self.flow.release(route)
 
-    async def _abort_then_release(self, route: Route) -> None:
+    async def _abort_then_release(self, route: Route, handover: asyncio.Task | None) -> None:
         # NOTE: the load (and the admission queue's wake-up) waits for the blocks to be free.
         try:
+            if handover is not None and not handover.done():
+                await cancel_task(handover, SHUTDOWN_ABORT_S)
             await self.flow.abort(route)
         finally:
             self.flow.release(route)

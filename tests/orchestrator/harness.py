@@ -104,7 +104,8 @@ class Harness:
                  decode_capacity=8, never_fits=False, prefill_dp=1, decode_dp=1,
                  security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
                  max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None,
-                 eager_prefill=False, decode_groups=None, restart_backoff_s=None) -> None:
+                 eager_prefill=False, decode_groups=None, restart_backoff_s=None,
+                 reserve_after_first_token=False) -> None:
         self.security, self.recover, self.peers = security, recover, peers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -116,7 +117,8 @@ class Harness:
             "decode": {"num_kv_blocks": 16, "dp": decode_dp},
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
                        "policy": "round_robin", "max_migrations": max_migrations,
-                       "drain_timeout_s": drain_timeout_s, "eager_prefill": eager_prefill},
+                       "drain_timeout_s": drain_timeout_s, "eager_prefill": eager_prefill,
+                       "reserve_after_first_token": reserve_after_first_token},
             "health": {"probe_interval_s": probe_interval_s, **(
                 {} if restart_backoff_s is None else {  # NOTE: every retry after this long
                     "restart_backoff_s": restart_backoff_s,

@@ -1,0 +1,160 @@
+"""``router.reserve_after_first_token`` (with eager prefill): the prefill call is the only call
+before the first token, which streams as soon as it reaches the router; decode's reserve,
+``Attach`` and ``Admit`` come after it. A first token that ends the request needs no
+reservation; an abort or a failure during the late reservation frees every block once (fake
+leaders)."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from orchestrator.api.client import OrchClient
+from orchestrator.config.load import load_config
+from tests.orchestrator.fakes import expected_tokens
+from tests.orchestrator.harness import Harness
+from tests.orchestrator.test_eager_prefill_router import _calls, _wait_for
+
+
+def _late(**kwargs) -> Harness:
+    return Harness(eager_prefill=True, reserve_after_first_token=True, **kwargs)
+
+
+def _freed(h: Harness, *decodes: str) -> bool:
+    return _wait_for(lambda: h.call_in_loop(
+        lambda: h.router.in_flight == 0
+        and all(h.fakes[d].reserved == {} for d in decodes)
+        and set(h.router.flow.policy.outstanding.values()) == {0}
+        and set(h.router.flow.prefill_policy.outstanding.values()) == {0}))
+
+
+def _stream(h: Harness, got: dict, rid: str, prompt, max_tokens: int) -> threading.Thread:
+    def run():
+        with OrchClient(h.address) as client:
+            try:
+                for chunk in client.generate(token_ids=list(prompt), max_tokens=max_tokens,
+                                             request_id=rid):
+                    got.setdefault("chunks", []).append(chunk)
+            except grpc.RpcError as exc:
+                got["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_key_needs_eager_prefill(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "configs" / "1p1d.yaml"
+    with pytest.raises(Exception, match="reserve_after_first_token needs router.eager_prefill"):
+        load_config(path, {"router.eager_prefill": False,
+                           "router.reserve_after_first_token": True})
+
+
+def test_the_first_token_streams_before_decode_reserves():
+    h = _late()
+    try:
+        entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("reserve"))
+        got: dict = {}
+        client = _stream(h, got, "l1", (5, 6, 7), 5)
+        h.run(entered.wait())  # NOTE: reserve is held: the first token must be out already
+        assert _wait_for(lambda: len(got.get("chunks", ())) == 1)
+        assert _calls(h, "prefill-0") == [("prefill", "l1@1", None)]
+        h.call_in_loop(release.set)
+        client.join(10)
+        chunks = got["chunks"]
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens((5, 6, 7), 5)
+        assert _calls(h, "prefill-0") == [("prefill", "l1@1", None),
+                                          ("attach", "l1@1", "decode-0")]
+        assert ("reserve", "l1@1") in _calls(h, "decode-0")
+        stats = chunks[-1].stats
+        assert stats.decode_instance == "decode-0" and stats.prefill_instance == "prefill-0"
+        phases = dict(stats.ttft_phases)
+        assert phases["reserve_wait"] == 0.0
+        assert sum(phases.values()) == pytest.approx(stats.ttft_s + phases["tokenize"],
+                                                     abs=0.02)
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
+
+
+def test_a_request_done_at_its_first_token_never_reserves():
+    h = _late()
+    try:
+        with OrchClient(h.address) as client:
+            chunks = list(client.generate(token_ids=[5, 6], max_tokens=1, request_id="one"))
+        assert [t for c in chunks for t in c.token_ids] == expected_tokens((5, 6), 1)
+        assert chunks[-1].finish_reason == "length"
+        assert chunks[-1].stats.decode_instance == ""
+        assert _wait_for(lambda: ("abort", "one@1") in _calls(h, "prefill-0"))
+        assert _calls(h, "decode-0") == []
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
+
+
+def test_cancel_during_the_late_reservation_frees_it_once():
+    """The client goes away while decode's reserve (after the first token) is in flight: the
+    prefill's computed prompt and the reservation that lands afterwards are both aborted."""
+    h = _late()
+    try:
+        entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("reserve"))
+        with grpc.insecure_channel(h.address) as channel:
+            from orchestrator.api.rpc import orch_pb2, orch_pb2_grpc
+            call = orch_pb2_grpc.OrchStub(channel).Generate(orch_pb2.GenerateRequest(
+                token_ids=orch_pb2.TokenIds(ids=[4, 5]), request_id="c1",
+                sampling=orch_pb2.SamplingParams(max_tokens=5)))
+            next(call)  # the first token
+            h.run(entered.wait())
+            call.cancel()
+            assert _wait_for(lambda: ("abort", "c1@1") in _calls(h, "prefill-0"))
+            h.call_in_loop(release.set)
+        assert _wait_for(lambda: ("abort", "c1@1") in _calls(h, "decode-0"))
+        assert not any(c[0] in ("attach",) for c in _calls(h, "prefill-0"))
+        assert not any(c[0] == "admit" for c in _calls(h, "decode-0"))
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
+
+
+def test_a_late_reservation_that_fails_everywhere_ends_the_stream_with_an_error():
+    h = _late()
+    try:
+        h.call_in_loop(lambda: h.fakes["decode-0"].errors.update(reserve="decode-0 is gone"))
+        got: dict = {}
+        _stream(h, got, "u1", (3, 4), 4).join(10)
+        assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens((3, 4), 1)
+        assert got["error"].code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode-0 is gone" in got["error"].details()
+        assert ("abort", "u1@1") in _calls(h, "prefill-0")  # its computed prompt
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
+
+
+def test_a_decode_that_dies_after_the_late_reservation_migrates_the_stream():
+    """The late reservation's decode dies before Admit: the first token is out, so the request
+    migrates (prompt + that token, reserve first on the other decode) to the same tokens."""
+    h = _late(decode_dp=2)
+    try:
+        got: dict = {}
+        holds = {d: h.call_in_loop(lambda d=d: h.fakes[d].hold("admit"))
+                 for d in ("decode-0", "decode-1")}
+        client = _stream(h, got, "m1", (6, 1), 4)
+        assert _wait_for(lambda: any(("attach", "m1@1", d) in _calls(h, "prefill-0")
+                                     for d in holds))
+        dead = next(d for d in holds if ("attach", "m1@1", d) in _calls(h, "prefill-0"))
+        live = ({*holds} - {dead}).pop()
+        h.run(holds[dead][0].wait())
+        h.call_in_loop(lambda: h.fakes[dead].die())
+        h.call_in_loop(holds[dead][1].set)
+        h.call_in_loop(holds[live][1].set)
+        client.join(10)
+        assert "error" not in got, got
+        assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens((6, 1), 4)
+        assert got["chunks"][-1].stats.decode_instance == live
+        assert _freed(h, live)
+    finally:
+        h.close()
