@@ -73,7 +73,7 @@ class Route:
     # eager: the Attach's answer (None: not sent; False also: not to be sent, ended)
     attached: bool | None = None
     # a late reservation (``router.reserve_after_first_token``): what the reservation made
-    # at the first token needs; None once made, or when the route was placed whole
+    # at the first token needs (kept once made); None when the route was placed whole
     late: "LateReservation | None" = None
 
     @property

@@ -210,9 +210,12 @@ class DisaggregatedFlow(Flow):
             await call_or_fail(leader, Prefill(spec, route.reservation))
             return
         await route.prefill_call  # NOTE: raises its InstanceFailure
+        # NOTE: a late reservation attaches in on_first_token, whenever this call's answer
+        # comes (the token stream may bring the first token first)
         if route.late is not None or route.attached is not None:
             return  # NOTE: ended at its first token (on_first_token): nothing to ship
-        await self._attach(route, leader)
+        if not await self._attach(route, leader):
+            raise RequestError("UNAVAILABLE", f"{_gone(route)}: retry")
 
     async def on_first_token(self, route: Route, token_id: int, finished: bool) -> None:
         self._release_prefill(route)
@@ -248,27 +251,26 @@ class DisaggregatedFlow(Flow):
             return
         decode, route.reservation = await self._reserve(late.spec, late.deadline,
                                                         late.avoid, streamed=True)
-        route.main, route.main_load, route.late = decode, late.spec.max_total_tokens, None
+        route.main, route.main_load = decode, late.spec.max_total_tokens
         late.watch({decode})  # NOTE: before Admit: decode's tokens must reach the attempt
-        await self._attach(route, prefill)
+        if not await self._attach(route, prefill):
+            # NOTE: the KV is lost (e.g. the prefill was restarted while decode reserved):
+            # the client has its token, so the request migrates (prompt + that token)
+            raise InstanceFailure(route.prefill, _gone(route))
         await call_or_fail(self.main[decode], Admit(route.request_id, token_id))
 
-    async def _attach(self, route: Route, prefill: LeaderClient) -> None:
-        """``Attach`` the reservation to the prompt computed on ``prefill``.
+    async def _attach(self, route: Route, prefill: LeaderClient) -> bool:
+        """``Attach`` the reservation to the prompt computed on ``prefill``; False when the
+        prefill no longer had the request (aborted, failed, restarted, or its computed prompt
+        held past 4 x ``kv_transfer.completion_timeout_s``): decode would wait for KV that
+        never comes.
 
         Raises:
-            InstanceFailure: the call failed. RequestError: UNAVAILABLE when the prefill no
-                longer had the request.
+            InstanceFailure: the call failed.
         """
         route.attached = await call_or_fail(prefill, Attach(route.request_id,
                                                             route.reservation))
-        if not route.attached:
-            # NOTE: the prefill ended it (aborted, failed, or its computed prompt held past
-            # ORPHAN_FACTOR completion timeouts): decode would wait for KV that never comes
-            raise RequestError("UNAVAILABLE", f"{route.prefill}: request {route.request_id} "
-                               "was gone when its decode reservation was attached (aborted, "
-                               "failed, or held longer than 4 x kv_transfer."
-                               "completion_timeout_s): retry")
+        return route.attached
 
     async def abort(self, route: Route) -> None:
         if route.prefill:
@@ -305,6 +307,12 @@ class DisaggregatedFlow(Flow):
             self.prefill_policy.release(route.prefill, route.prefill_load)
             route.prefill_load = 0
 
+
+
+def _gone(route: Route) -> str:
+    return (f"{route.prefill}: request {route.request_id} was gone when its decode reservation "
+            "was attached (aborted, failed, restarted, or held longer than 4 x "
+            "kv_transfer.completion_timeout_s)")
 
 
 def _consume(task: asyncio.Future) -> None:

@@ -310,6 +310,7 @@ class FakePrefill(_Leader):
         first = scripted(spec)[0]
         done = "length" if spec.sampling.max_tokens == 1 else None
         self.emit(spec.request_id, (first,), done, source="prefill", cached=self.cached_tokens)
+        await self._enter("prefill_answer")  # NOTE: the token is out, the call's answer held
 
 
     async def attach(self, request_id, reservation) -> bool:

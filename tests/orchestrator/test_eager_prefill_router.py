@@ -37,7 +37,8 @@ def test_eager_launch_is_refused_where_the_kv_to_ship_needs_the_step(config, eag
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # NOTE: no checkpoint is written
     path = Path(__file__).resolve().parents[2] / "configs" / f"{config}.yaml"
     assert attaches_late(load_config(path, {"router.eager_prefill": True})) is eager
-    assert attaches_late(load_config(path, {"router.eager_prefill": False})) is False
+    assert attaches_late(load_config(path, {"router.eager_prefill": False,
+                                            "router.reserve_after_first_token": False})) is False
 
 
 def _calls(h, name):

@@ -158,3 +158,56 @@ def test_a_decode_that_dies_after_the_late_reservation_migrates_the_stream():
         assert _freed(h, live)
     finally:
         h.close()
+
+
+def test_a_prompt_gone_from_the_prefill_at_the_late_attach_migrates_the_stream():
+    """The prefill lost the computed prompt while decode reserved (restarted, or held past its
+    bound): its Attach answers "gone", the client has its first token, so the request migrates
+    (prompt + that token, reserve first) to the same tokens, not an error."""
+    h = _late()
+    try:
+        prefill = h.fakes["prefill-0"]
+        entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("reserve"))
+        got: dict = {}
+        client = _stream(h, got, "g1", (8, 9), 4)
+        h.run(entered.wait())
+
+        def gone():
+            prefill.aborted.add("g1@1")  # NOTE: as if its instance restarted meanwhile
+            h.fakes["decode-0"].hold("reserve")[1].set()  # NOTE: later reserves go through
+            release.set()
+        h.call_in_loop(gone)
+        client.join(10)
+        assert "error" not in got, got
+        assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens((8, 9), 4)
+        assert ("attach", "g1@1", "decode-0") in _calls(h, "prefill-0")
+        assert ("prefill", "g1@2", "decode-0") in _calls(h, "prefill-0")  # reserve first
+        assert ("abort", "g1@1") in _calls(h, "decode-0")  # the first late reservation
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
+
+
+def test_a_prefill_answer_later_than_the_late_attach_sends_no_second_attach():
+    """The token stream brings the first token before the prefill call's answer (Ray is
+    slower): the late reservation attaches; the launch, once the answer comes (here while
+    that Attach is still in flight), must not attach again."""
+    h = _late()
+    try:
+        prefill = h.fakes["prefill-0"]
+        _, answer = h.call_in_loop(lambda: prefill.hold("prefill_answer"))
+        attaching, attach = h.call_in_loop(lambda: prefill.hold("attach"))
+        got: dict = {}
+        client = _stream(h, got, "a1", (2, 3), 4)
+        h.run(attaching.wait())  # NOTE: the late Attach is in flight
+        h.call_in_loop(answer.set)
+        assert not _wait_for(lambda: len([c for c in _calls(h, "prefill-0")
+                                          if c[0] == "attach"]) > 1, timeout=0.5)
+        h.call_in_loop(attach.set)
+        client.join(10)
+        assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens((2, 3), 4)
+        assert [c for c in _calls(h, "prefill-0") if c[0] == "attach"] == [
+            ("attach", "a1@1", "decode-0")]
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
