@@ -7,17 +7,19 @@ TTFT breakdown (docs/performance.md, "TTFT breakdown and the first token's path"
 level and side the median over rounds of TTFT p50, TPOT p50 and output tok/s [range].
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/ttft_bench.py --out /tmp/ttft [--rounds 2] \
-        [--levels 1 8] [--side NAME=CONFIG[:KEY=VALUE,...] ...]
+        [--levels 1 8] [--side NAME=CONFIG[:KEY=VALUE,...] ...] [--ratio A/B ...]
 
 ``--side`` replaces the default sides: ``pd256=1p1d:prefill.max_num_batched_tokens=256,
-prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, or true /
-false: ``eager=1p1d:router.eager_prefill=true``); ``before=1p1d@/tmp/main:...`` runs the
-code and configs of another checkout (e.g. ``git archive main | tar -x -C /tmp/main``), so
-a change is A/B-measured in one session against its base. Every side gets
-256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
+prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, true / false,
+else strings: ``eager=1p1d:router.eager_prefill=true``,
+``sock=1p1d:router.leader_calls=socket``); ``before=1p1d@/tmp/main:...`` runs the code and
+configs of another checkout (e.g. ``git archive main | tar -x -C /tmp/main``), so a change is
+A/B-measured in one session against its base. Every side gets 256 KV blocks a side
+(colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
 ``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON; the
-summary ends with each side's TTFT breakdown: per phase the median over every timed request
-of every round (ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC
+summary ends with the ``--ratio A/B`` pairs (per level, each round's TTFT p50, TPOT p50 and
+output tok/s of side A over side B's in the same round) and each side's TTFT breakdown: per
+phase the median over every timed request of every round (ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC
 hops, and whatever the router did before it opened the request or after it handed out the
 first chunk).
 """
@@ -39,12 +41,11 @@ KEPT = ("TTFT", "TPOT", "throughput", "failed")
 
 
 def parse_side(text: str) -> tuple[str, str, dict, Path]:
-    """``NAME=CONFIG[@CHECKOUT][:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int or
-    bool}, checkout: this one unless given).
+    """``NAME=CONFIG[@CHECKOUT][:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int,
+    bool or string}, checkout: this one unless given).
 
     Raises:
-        ValueError: not of that form, a value that is neither an integer nor true/false, or
-            a checkout without ``configs/CONFIG.yaml``.
+        ValueError: not of that form, or a checkout without ``configs/CONFIG.yaml``.
     """
     name, _, rest = text.partition("=")
     rest, _, sets = rest.partition(":")
@@ -58,7 +59,8 @@ def parse_side(text: str) -> tuple[str, str, dict, Path]:
     for item in filter(None, sets.split(",")):
         key, _, value = item.partition("=")
         flags = {"true": True, "false": False}
-        over[key] = flags[value.lower()] if value.lower() in flags else int(value)
+        over[key] = flags[value.lower()] if value.lower() in flags else \
+            int(value) if value.lstrip("-").isdigit() else value
     return name, config, over, checkout
 
 
@@ -121,6 +123,19 @@ def print_summary(runs: dict[tuple[int, str], list[tuple[float, float, float]]])
         print(f"| {conc} | {name} | " + " | ".join(cells) + " |")
 
 
+def print_ratios(runs: dict[tuple[int, str], list[tuple[float, float, float]]],
+                 pairs: list[str]) -> None:
+    """Per ``A/B`` of ``pairs`` and level: side A's TTFT p50, TPOT p50 and output tok/s over
+    side B's, round by round (a round missing a report is left out)."""
+    for pair in pairs:
+        a, _, b = pair.partition("/")
+        for conc in sorted({c for c, _ in runs}):
+            rows = list(zip(runs.get((conc, a), []), runs.get((conc, b), [])))
+            cells = [" ".join(f"{x[i] / y[i]:.2f}" for x, y in rows) for i in range(3)]
+            print(f"{a}/{b} c={conc} per round: TTFT p50 {cells[0]} | TPOT p50 {cells[1]} | "
+                  f"tok/s {cells[2]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for configs, logs, reports")
@@ -128,6 +143,8 @@ def main() -> int:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--side", nargs="+", default=list(SIDES),
                     help="NAME=CONFIG[:KEY=VALUE,...] (CONFIG: a stem under configs/)")
+    ap.add_argument("--ratio", nargs="*", default=[],
+                    help="A/B: side A's figures over side B's, round by round")
     args = ap.parse_args()
     sides = [parse_side(s) for s in args.side]
     import ray
@@ -167,6 +184,7 @@ def main() -> int:
             orch.stop()
         ray.shutdown()
     print_summary(dict(sorted(runs.items())))
+    print_ratios(runs, args.ratio)
     print_breakdown(dict(sorted(phases.items())))
     return 0
 
