@@ -84,7 +84,16 @@ class CallChannel:
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
             self._connecting.add_done_callback(_retrieve)
-        return await asyncio.shield(self._connecting)
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)
+        except asyncio.CancelledError:
+            if connecting.cancelled() and not asyncio.current_task().cancelling():
+                # NOTE: the channel closed under a waiting call: the call fails, it is not
+                # cancelled (the flow reads a failed call as the instance's failure)
+                raise CallConnectionLost(f"{self.name}: the leader call channel closed "
+                                         "while connecting") from None
+            raise
 
     async def _connect(self) -> "_Connection":
         try:

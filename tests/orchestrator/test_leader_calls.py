@@ -328,3 +328,35 @@ def test_the_prefill_call_is_written_before_the_reserve():
         assert sent[:2] == [("prefill-0", "Prefill"), ("decode-0", "Reserve")]
     finally:
         h.close()
+
+
+def test_a_rebind_while_connecting_fails_the_waiting_call_not_cancels_it():
+    """The old channel closes under a call that waits for its connection: the call fails
+    with LeaderError (an instance failure to the flow), never with CancelledError."""
+    leader = Leader(lambda r: "new")
+
+    class Slow:
+        def __init__(self) -> None:
+            self.asked = asyncio.Event()
+
+        async def open_calls(self):
+            self.asked.set()
+            await asyncio.sleep(WAIT_S)
+
+    async def go():
+        slow = Slow()
+        client = LeaderClient("decode-0", "decode", Remote(slow), 10.0, calls="socket")
+        try:
+            call = asyncio.ensure_future(client.call(Abort("a")))
+            await asyncio.wait_for(slow.asked.wait(), WAIT_S)
+            client.rebind(Remote(leader))
+            with pytest.raises(LeaderError, match="closed while connecting"):
+                await asyncio.wait_for(call, WAIT_S)
+            return await client.call(Abort("b"))
+        finally:
+            await client.close()
+
+    try:
+        assert run(go()) == "new"
+    finally:
+        leader.server.close()
