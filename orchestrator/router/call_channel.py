@@ -59,7 +59,8 @@ class CallChannel:
 
         Raises:
             CallConnectionLost: no connection could be made, or it broke before the answer.
-            Exception: what the handler raised (:class:`LeaderRaised` when it did not unpickle).
+            Exception: what the handler raised (:class:`LeaderRaised` when it did not unpickle),
+                or what the Ray call for the leader's address raised (a dead actor's error).
         """
         conn = await self._connection()
         return await conn.call(request)
@@ -96,14 +97,18 @@ class CallChannel:
             raise
 
     async def _connect(self) -> "_Connection":
+        """Ask the leader for its call server over Ray, connect, say the token.
+
+        Raises:
+            CallConnectionLost: the Ray call or the connect timed out, or the connect failed.
+            Exception: what the Ray call raised, unchanged (a dead actor reads as over Ray).
+        """
         try:
             host, port, token = await asyncio.wait_for(_awaited(self.handle.open_calls.remote()),
                                                        OPEN_TIMEOUT_S)
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
                                                     CONNECT_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except (OSError, asyncio.TimeoutError) as exc:
             raise CallConnectionLost(f"{self.name}: connecting to its leader's call server "
                                      f"failed: {type(exc).__name__}: {exc}") from exc
         writer.write(frame(bytes(token)))

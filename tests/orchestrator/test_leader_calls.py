@@ -360,3 +360,32 @@ def test_a_rebind_while_connecting_fails_the_waiting_call_not_cancels_it():
         assert run(go()) == "new"
     finally:
         leader.server.close()
+
+
+def test_a_dead_leader_reads_as_over_ray():
+    """The call connection's Ray call (``open_calls``) to a dead actor fails with Ray's own
+    error, so the router's line is the one a Ray leader call gives."""
+    from ray.exceptions import ActorDiedError
+
+    class Dead:
+        def open_calls(self):
+            raise ActorDiedError()
+
+        def request(self, request):
+            raise ActorDiedError()
+
+    async def go():
+        lines = []
+        for calls in ("ray", "socket"):
+            client = LeaderClient("decode-0", "decode", Remote(Dead()), 5.0, calls=calls)
+            try:
+                await client.call(Abort("a"))
+            except LeaderError as exc:
+                lines.append(str(exc))
+            finally:
+                await client.close()
+        return lines
+
+    over_ray, over_socket = run(go())
+    assert over_socket == over_ray
+    assert "a rank process of this instance is gone" in over_socket
