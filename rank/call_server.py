@@ -163,7 +163,7 @@ class CallServer:
             if not hmac.compare_digest(_recv_body(conn, TOKEN_BYTES), self.token):
                 raise ConnectionError("wrong token")
             # NOTE: one timeout for the reader and the pool's sends: the reader waits for a
-            # frame with select() (_next_frame), so it never toggles it
+            # frame with poll() (_next_frame), so it never toggles it
             conn.settimeout(SEND_TIMEOUT_S)
             while True:
                 body = self._next_frame(conn)
@@ -171,7 +171,8 @@ class CallServer:
                     return
                 (call_id,) = LEN.unpack_from(body)
                 self._pool.submit(self._answer, conn, send_lock, call_id, body[LEN.size:])
-        except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: pool shut down
+        # NOTE: RuntimeError: the pool was shut down (the server closed)
+        except (OSError, ValueError, struct.error, RuntimeError) as exc:
             log.debug("%s: a leader call connection ended: %s", self.name, exc)
         finally:
             with self._lock:
@@ -183,9 +184,11 @@ class CallServer:
         """The next frame's body; None once the server closed. An idle wait is unbounded
         (the server's close checked every :data:`IDLE_CHECK_S`); a started frame must arrive
         within :data:`SEND_TIMEOUT_S` (the socket's timeout)."""
+        # NOTE: poll, not select: a rank process may hold fds past select's 1024
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
         while not self._closed:
-            readable, _, _ = select.select([conn], [], [], IDLE_CHECK_S)
-            if readable:
+            if poller.poll(IDLE_CHECK_S * 1000):  # NOTE: readable, or the peer hung up
                 return _recv_body(conn, MAX_FRAME_BYTES)
         return None
 

@@ -389,3 +389,47 @@ def test_a_dead_leader_reads_as_over_ray():
     over_ray, over_socket = run(go())
     assert over_socket == over_ray
     assert "a rank process of this instance is gone" in over_socket
+
+
+def test_a_malformed_frame_ends_only_its_connection(leader):
+    """A call frame too short for its id closes that connection; the server goes on."""
+    host, port, token = leader.open_calls()
+    with socket.create_connection((host, port), timeout=WAIT_S) as conn:
+        conn.sendall(frame(bytes(token)) + frame(b"\x01\x02"))
+        assert conn.recv(1) == b""
+
+    async def go():
+        client = LeaderClient("decode-0", "decode", Remote(leader), 5.0, calls="socket")
+        try:
+            return await client.call(Abort("r9"))
+        finally:
+            await client.close()
+    assert run(go()) is True
+
+
+def test_a_reader_waits_on_a_descriptor_past_select_s_limit(leader):
+    """The connection's reader waits with poll(): a rank process may hold more than 1024
+    descriptors, which select() refuses."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is below 1200")
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = []
+    try:
+        while not held or held[-1].fileno() < 1100:
+            held.append(socket.socket())
+
+        async def go():
+            client = LeaderClient("decode-0", "decode", Remote(leader), 5.0, calls="socket")
+            try:
+                return [await client.call(Abort(rid)) for rid in ("r1", "x1")]
+            finally:
+                await client.close()
+        assert run(go()) == [True, False]
+    finally:
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
