@@ -16,12 +16,14 @@ else strings: ``eager=1p1d:router.eager_prefill=true``,
 configs of another checkout (e.g. ``git archive main | tar -x -C /tmp/main``), so a change is
 A/B-measured in one session against its base. Every side gets 256 KV blocks a side
 (colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
-``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON; the
+``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON. The
 summary ends with the ``--ratio A/B`` pairs (per level, each round's TTFT p50, TPOT p50 and
-output tok/s of side A over side B's in the same round) and each side's TTFT breakdown: per
-phase the median over every timed request of every round (ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC
-hops, and whatever the router did before it opened the request or after it handed out the
-first chunk).
+output tok/s of side A over side B's in the same round), the `orch up` process's CPU per
+request of each round (the router's share of the machine, warm-up requests included), and
+each side's TTFT breakdown: per phase the median over every timed request of every round
+(ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC hops, and
+whatever the router did before it opened the request or after it handed out the first
+chunk).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 SIDES = ("colocated=colocated", "1p1d=1p1d")
 REQUESTS = {1: 16, 8: 32}  # concurrency -> timed requests (else 4 x concurrency)
 KEPT = ("TTFT", "TPOT", "throughput", "failed")
+WARMUP = 2  # warm-up requests of each replay
 
 
 def parse_side(text: str) -> tuple[str, str, dict, Path]:
@@ -72,7 +75,7 @@ def bench(address: str, name: str, conc: int, n: int, seed: int, report: Path) -
     """
     cmd = [sys.executable, "-m", "orchestrator.cli", "bench", "--address", address,
            "--workload", "synthetic", "--input-len", "256", "--output-len", "64",
-           "--num-requests", str(n), "--warmup", "2", "--max-concurrency", str(conc),
+           "--num-requests", str(n), "--warmup", str(WARMUP), "--max-concurrency", str(conc),
            "--no-progress", "--label", f"{name}-c{conc}", "--output", str(report),
            "--seed", str(seed)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -123,6 +126,20 @@ def print_summary(runs: dict[tuple[int, str], list[tuple[float, float, float]]])
         print(f"| {conc} | {name} | " + " | ".join(cells) + " |")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (every thread) used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def print_router_cpu(cpu: dict[tuple[int, str], list[float]]) -> None:
+    """Per level and side: the `orch up` process's CPU (the router, its loop and Ray's
+    client threads) per request of each round, ms (the clock ticks at 10 ms)."""
+    for (conc, name), rounds in cpu.items():
+        print(f"router CPU c={conc} {name}: " + " ".join(f"{ms:.1f}" for ms in rounds)
+              + " ms per request")
+
+
 def print_ratios(runs: dict[tuple[int, str], list[tuple[float, float, float]]],
                  pairs: list[str]) -> None:
     """Per ``A/B`` of ``pairs`` and level: side A's TTFT p50, TPOT p50 and output tok/s over
@@ -160,6 +177,7 @@ def main() -> int:
     procs: dict[str, OrchProcess] = {}
     runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
     phases: dict[tuple[int, str], list[dict[str, float]]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}  # router CPU ms per request, per round
     try:
         for name, config, extra, checkout in sides:
             folder = args.out / name
@@ -172,8 +190,11 @@ def main() -> int:
             for conc in args.levels:
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     report = args.out / f"{name}_c{conc}_r{r}.json"
-                    lines = bench(procs[name].address, name, conc,
-                                  REQUESTS.get(conc, 4 * conc), r + 10 * conc, report)
+                    n = REQUESTS.get(conc, 4 * conc)
+                    used = cpu_s(procs[name].proc.pid)
+                    lines = bench(procs[name].address, name, conc, n, r + 10 * conc, report)
+                    cpu.setdefault((conc, name), []).append(
+                        (cpu_s(procs[name].proc.pid) - used) * 1e3 / (n + WARMUP))
                     print(f"== {name} c={conc} round {r} (load {os.getloadavg()[0]:.1f})\n"
                           f"{lines}", flush=True)
                     if report.exists():
@@ -185,6 +206,7 @@ def main() -> int:
         ray.shutdown()
     print_summary(dict(sorted(runs.items())))
     print_ratios(runs, args.ratio)
+    print_router_cpu(dict(sorted(cpu.items())))
     print_breakdown(dict(sorted(phases.items())))
     return 0
 

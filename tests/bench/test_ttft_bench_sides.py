@@ -45,3 +45,13 @@ def test_ratios_are_round_by_round(capsys):
     ttft_bench.print_ratios(runs, ["a/b"])
     assert capsys.readouterr().out == ("a/b c=1 per round: TTFT p50 2.00 1.00 | "
                                        "TPOT p50 2.00 0.50 | tok/s 2.00 5.00\n")
+
+
+def test_cpu_seconds_grow_with_this_process_s_work():
+    import os
+    import time
+
+    before, start = ttft_bench.cpu_s(os.getpid()), time.thread_time()
+    while time.thread_time() - start < 0.1:
+        pass
+    assert ttft_bench.cpu_s(os.getpid()) - before >= 0.05
