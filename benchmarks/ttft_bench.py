@@ -7,19 +7,23 @@ TTFT breakdown (docs/performance.md, "TTFT breakdown and the first token's path"
 level and side the median over rounds of TTFT p50, TPOT p50 and output tok/s [range].
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/ttft_bench.py --out /tmp/ttft [--rounds 2] \
-        [--levels 1 8] [--side NAME=CONFIG[:KEY=VALUE,...] ...]
+        [--levels 1 8] [--side NAME=CONFIG[:KEY=VALUE,...] ...] [--ratio A/B ...]
 
 ``--side`` replaces the default sides: ``pd256=1p1d:prefill.max_num_batched_tokens=256,
-prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, or true /
-false: ``eager=1p1d:router.eager_prefill=true``); ``before=1p1d@/tmp/main:...`` runs the
-code and configs of another checkout (e.g. ``git archive main | tar -x -C /tmp/main``), so
-a change is A/B-measured in one session against its base. Every side gets
-256 KV blocks a side (colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
-``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON; the
-summary ends with each side's TTFT breakdown: per phase the median over every timed request
-of every round (ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC
-hops, and whatever the router did before it opened the request or after it handed out the
-first chunk).
+prefill.chunk_size=256`` is configs/1p1d.yaml with those keys set (integers, true / false,
+else strings: ``eager=1p1d:router.eager_prefill=true``,
+``sock=1p1d:router.leader_calls=socket``); ``before=1p1d@/tmp/main:...`` runs the code and
+configs of another checkout (e.g. ``git archive main | tar -x -C /tmp/main``), so a change is
+A/B-measured in one session against its base. Every side gets 256 KV blocks a side
+(colocated.yaml's 64 cap a 256 + 64 workload at 3 requests at once),
+``ORCH_TORCH_THREADS=1`` and ``ORCH_RANK_NICE=0``. The reports go to ``--out`` as JSON. The
+summary ends with the ``--ratio A/B`` pairs (per level, each round's TTFT p50, TPOT p50 and
+output tok/s of side A over side B's in the same round), the `orch up` process's CPU per
+request of each round (the router's share of the machine, warm-up requests included), and
+each side's TTFT breakdown: per phase the median over every timed request of every round
+(ms), and ``unseen``, the client's TTFT less the server's phases (the gRPC hops, and
+whatever the router did before it opened the request or after it handed out the first
+chunk).
 """
 
 from __future__ import annotations
@@ -36,15 +40,15 @@ REPO = Path(__file__).resolve().parents[1]
 SIDES = ("colocated=colocated", "1p1d=1p1d")
 REQUESTS = {1: 16, 8: 32}  # concurrency -> timed requests (else 4 x concurrency)
 KEPT = ("TTFT", "TPOT", "throughput", "failed")
+WARMUP = 2  # warm-up requests of each replay
 
 
 def parse_side(text: str) -> tuple[str, str, dict, Path]:
-    """``NAME=CONFIG[@CHECKOUT][:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int or
-    bool}, checkout: this one unless given).
+    """``NAME=CONFIG[@CHECKOUT][:KEY=VALUE,...]`` -> (name, config stem, {dotted key: int,
+    bool or string}, checkout: this one unless given).
 
     Raises:
-        ValueError: not of that form, a value that is neither an integer nor true/false, or
-            a checkout without ``configs/CONFIG.yaml``.
+        ValueError: not of that form, or a checkout without ``configs/CONFIG.yaml``.
     """
     name, _, rest = text.partition("=")
     rest, _, sets = rest.partition(":")
@@ -58,7 +62,8 @@ def parse_side(text: str) -> tuple[str, str, dict, Path]:
     for item in filter(None, sets.split(",")):
         key, _, value = item.partition("=")
         flags = {"true": True, "false": False}
-        over[key] = flags[value.lower()] if value.lower() in flags else int(value)
+        over[key] = flags[value.lower()] if value.lower() in flags else \
+            int(value) if value.lstrip("-").isdigit() else value
     return name, config, over, checkout
 
 
@@ -70,7 +75,7 @@ def bench(address: str, name: str, conc: int, n: int, seed: int, report: Path) -
     """
     cmd = [sys.executable, "-m", "orchestrator.cli", "bench", "--address", address,
            "--workload", "synthetic", "--input-len", "256", "--output-len", "64",
-           "--num-requests", str(n), "--warmup", "2", "--max-concurrency", str(conc),
+           "--num-requests", str(n), "--warmup", str(WARMUP), "--max-concurrency", str(conc),
            "--no-progress", "--label", f"{name}-c{conc}", "--output", str(report),
            "--seed", str(seed)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -121,6 +126,33 @@ def print_summary(runs: dict[tuple[int, str], list[tuple[float, float, float]]])
         print(f"| {conc} | {name} | " + " | ".join(cells) + " |")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` (every thread) used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def print_router_cpu(cpu: dict[tuple[int, str], list[float]]) -> None:
+    """Per level and side: the `orch up` process's CPU (the router, its loop and Ray's
+    client threads) per request of each round, ms (the clock ticks at 10 ms)."""
+    for (conc, name), rounds in cpu.items():
+        print(f"router CPU c={conc} {name}: " + " ".join(f"{ms:.1f}" for ms in rounds)
+              + " ms per request")
+
+
+def print_ratios(runs: dict[tuple[int, str], list[tuple[float, float, float]]],
+                 pairs: list[str]) -> None:
+    """Per ``A/B`` of ``pairs`` and level: side A's TTFT p50, TPOT p50 and output tok/s over
+    side B's, round by round (a round missing a report is left out)."""
+    for pair in pairs:
+        a, _, b = pair.partition("/")
+        for conc in sorted({c for c, _ in runs}):
+            rows = list(zip(runs.get((conc, a), []), runs.get((conc, b), [])))
+            cells = [" ".join(f"{x[i] / y[i]:.2f}" for x, y in rows) for i in range(3)]
+            print(f"{a}/{b} c={conc} per round: TTFT p50 {cells[0]} | TPOT p50 {cells[1]} | "
+                  f"tok/s {cells[2]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for configs, logs, reports")
@@ -128,6 +160,8 @@ def main() -> int:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--side", nargs="+", default=list(SIDES),
                     help="NAME=CONFIG[:KEY=VALUE,...] (CONFIG: a stem under configs/)")
+    ap.add_argument("--ratio", nargs="*", default=[],
+                    help="A/B: side A's figures over side B's, round by round")
     args = ap.parse_args()
     sides = [parse_side(s) for s in args.side]
     import ray
@@ -143,6 +177,7 @@ def main() -> int:
     procs: dict[str, OrchProcess] = {}
     runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
     phases: dict[tuple[int, str], list[dict[str, float]]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}  # router CPU ms per request, per round
     try:
         for name, config, extra, checkout in sides:
             folder = args.out / name
@@ -155,8 +190,11 @@ def main() -> int:
             for conc in args.levels:
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     report = args.out / f"{name}_c{conc}_r{r}.json"
-                    lines = bench(procs[name].address, name, conc,
-                                  REQUESTS.get(conc, 4 * conc), r + 10 * conc, report)
+                    n = REQUESTS.get(conc, 4 * conc)
+                    used = cpu_s(procs[name].proc.pid)
+                    lines = bench(procs[name].address, name, conc, n, r + 10 * conc, report)
+                    cpu.setdefault((conc, name), []).append(
+                        (cpu_s(procs[name].proc.pid) - used) * 1e3 / (n + WARMUP))
                     print(f"== {name} c={conc} round {r} (load {os.getloadavg()[0]:.1f})\n"
                           f"{lines}", flush=True)
                     if report.exists():
@@ -167,6 +205,8 @@ def main() -> int:
             orch.stop()
         ray.shutdown()
     print_summary(dict(sorted(runs.items())))
+    print_ratios(runs, args.ratio)
+    print_router_cpu(dict(sorted(cpu.items())))
     print_breakdown(dict(sorted(phases.items())))
     return 0
 

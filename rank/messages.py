@@ -1,4 +1,5 @@
-"""Control-plane messages between the router and the worker leaders (Ray actor calls).
+"""Control-plane messages between the router and the worker leaders (Ray actor calls, or the
+leader's call socket with `router.leader_calls: socket`: rank/call_server.py).
 
 One schema module for the control plane: the router converts protobuf to these dataclasses at
 its edge (orchestrator/api/convert.py) and the workers never see protobuf. The data plane (KV

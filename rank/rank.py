@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine import envs
+from rank.call_server import CallServer
 from rank.config import InstanceConfig
 from rank.dp_sync import DPSync
 from rank.ep_setup import join_dp_sync, join_ep_group
@@ -74,6 +75,7 @@ class Rank:
         self._step_follower: StepChannelFollower | None = None  # a follower
         self.step_timer = StepTimer()  # leader: where step time goes
         self._reporter: StatusReporter | None = None  # leader, once a router asks for reports
+        self._calls: CallServer | None = None  # leader, from start(): calls over TCP
         if not cfg.parallel.bind_host:  # multi-node: listen on this node's address
             import ray
 
@@ -300,6 +302,8 @@ class Rank:
             RankFailure: a rank is gone or did not answer the role's start.
         """
         self.role.start()
+        self._calls = CallServer(self.cfg.name, self.cfg.parallel.bind_host or "127.0.0.1",
+                                 self.request)
         self.loop = StepLoop(self.cfg.name, self.leader, self.role,
                              on_idle=self.free_idle_releases)
         self.loop.start()
@@ -323,6 +327,18 @@ class Rank:
             TypeError: a request this instance's role does not take.
         """
         return self.role.handle(request)
+
+    def open_calls(self) -> tuple[str, int, bytes]:
+        """Leader: where a router sends its :meth:`request` calls over TCP instead of Ray
+        (``router.leader_calls: socket``, rank/call_server.py); (host, port, token).
+
+        Raises:
+            RuntimeError: not started, or shutting down.
+        """
+        if self._calls is None:
+            raise RuntimeError(f"{self.cfg.name}: leader calls are served once it started")
+        raise_priority()  # NOTE: the server's threads inherit this thread's nice value
+        return self._calls.open()
 
     def poll(self, timeout_s: float, kv_events: bool = False) -> list[TokenEvent]:
         """Events since the last poll, while no router subscribed (tests drive a rank this
@@ -383,6 +399,8 @@ class Rank:
 
     def shutdown(self) -> None:
         """Stop the loop and release the role's resources (connectors) on this rank."""
+        if self._calls is not None:
+            self._calls.close()
         if self._reporter is not None:
             self._reporter.stop()
         if self.loop is not None:

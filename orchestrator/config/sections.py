@@ -320,6 +320,10 @@ class RouterSection(_Section):
     # With eager_prefill: decode's reservation is made once the first token reached the router
     # (streamed to the client at once), not while the prompt computes (docs/router.md).
     reserve_after_first_token: bool = False
+    # How the router's leader calls (generate, prefill, reserve, attach, admit, abort) reach
+    # the instance leaders: Ray actor calls, or one TCP connection per leader opened over Ray
+    # (docs/router.md, "Leader calls"); everything else stays on Ray.
+    leader_calls: Literal["ray", "socket"] = "ray"
     metrics_port: Optional[int] = Field(None, ge=0, le=65535)
     # OpenAI-compatible HTTP API on router.host (docs/router.md, HTTP API); None = off.
     http_port: Optional[int] = Field(None, ge=0, le=65535)

@@ -37,6 +37,13 @@ def attaches_late(cfg: OrchConfig) -> bool:
         and not cfg.decode.num_speculative_tokens and not serves_v4(cfg)
 
 
+def leader_client(cfg: OrchConfig, name: str, role: str, handle: Any) -> LeaderClient:
+    """The router's client of instance ``name``'s leader ``handle``: calls bounded by
+    ``router.request_timeout_s``, sent over ``router.leader_calls``."""
+    return LeaderClient(name, role, handle, call_timeout_s=cfg.router.request_timeout_s,
+                        calls=cfg.router.leader_calls)
+
+
 def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Flow:
     """The flow of ``cfg.mode`` over leader ``handles`` (instance name -> leader handle);
     its policies choose only among instances for which ``healthy(name)`` holds.
@@ -44,11 +51,9 @@ def build_flow(cfg: OrchConfig, handles: dict[str, Any], healthy: Healthy) -> Fl
     Raises:
         KeyError: a configured instance has no handle.
     """
-    timeout = cfg.router.request_timeout_s
     leaders = {inst.role: [] for inst in cfg.instances()}
     for inst in cfg.instances():
-        leaders[inst.role].append(LeaderClient(inst.name, inst.role, handles[inst.name],
-                                               call_timeout_s=timeout))
+        leaders[inst.role].append(leader_client(cfg, inst.name, inst.role, handles[inst.name]))
     index = KVIndex() if cfg.router.policy == "kv_aware" else None
 
     def policy(role: str):

@@ -39,6 +39,7 @@ from orchestrator.config.layout_check import check_tp_layout
 from orchestrator.config.schema import OrchConfig
 from orchestrator.deploy.health import Health, HealthMonitor
 from orchestrator.deploy.scale_result import Scalable, ScaleError, ScaleResult
+from orchestrator.deploy.assemble import leader_client
 from orchestrator.router.leader import LeaderClient
 from orchestrator.router.router import Router
 
@@ -171,8 +172,7 @@ async def start_instances(scaler: GroupScaler, role: str, insts: list[InstanceCo
         for name in names:
             scaler.pending.pop(name, None)
     for inst, started in zip(insts, ranks):
-        leader = LeaderClient(inst.name, role, started.leader,
-                              scaler.cfg.router.request_timeout_s)
+        leader = leader_client(scaler.cfg, inst.name, role, started.leader)
         scaler.leaders[inst.name] = leader
         scaler.router.add_instance(leader)
         scaler.monitor.started(inst.name)

@@ -2,11 +2,13 @@
 
 ``LeaderClient`` wraps one leader handle (a Ray actor handle of a ``rank.rank.Rank``, or an
 in-process fake whose methods also have ``.remote(...)`` returning an awaitable) with typed,
-bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`), ``open_events`` and
-``status``. ``EventPump`` runs one asyncio task per leader that follows the leader's token
-stream (orchestrator/router/event_stream.py: one frame per leader step, no Ray call per step)
-and fans its token events out to per-attempt :class:`Inbox`es, keeping only the
-events of instances the attempt watches; each decode frame's free KV blocks go to
+bounded calls: ``call`` (one :data:`~rank.messages.LeaderRequest`: a Ray actor call, or with
+``router.leader_calls: socket`` a frame on the leader's call connection,
+orchestrator/router/call_channel.py), ``open_events`` and ``status`` (always Ray).
+``EventPump`` runs one asyncio task per leader that follows the leader's token stream
+(orchestrator/router/event_stream.py: one frame per leader step, no Ray call per step) and fans
+its token events out to per-attempt :class:`Inbox`es, keeping only the events of instances the
+attempt watches; each decode frame's free KV blocks go to
 ``on_capacity`` (the admission queue). When a leader's stream is lost, the inbox of every
 attempt watching it raises :class:`InstanceFailure`, so nothing waits forever.
 
@@ -31,6 +33,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.error_text import first_line
+from orchestrator.router.call_channel import CallChannel, LeaderRaised
 from orchestrator.router.kv_index import KVIndex
 from orchestrator.router.reports import InstanceReports
 from orchestrator.router.request import InstanceFailure, request_failed
@@ -46,6 +49,8 @@ def _brief(exc: BaseException) -> str:
     from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
 
     name = type(exc).__name__
+    if isinstance(exc, LeaderRaised):  # NOTE: its text is already the worker's line
+        return str(exc)
     if isinstance(exc, RayActorError):
         return (f"{name}: a rank process of this instance is gone (orch restarts the "
                 "instance; `orch status` shows it)")
@@ -71,14 +76,21 @@ class LeaderClient:
         role: "prefill", "decode" or "colocated".
         handle: the leader actor handle.
         call_timeout_s: default bound of one call (seconds).
+        calls: how :meth:`call` reaches the leader: ``"ray"`` (an actor call) or
+            ``"socket"`` (its call connection, :class:`CallChannel`; ``router.leader_calls``).
     """
 
-    def __init__(self, name: str, role: str, handle: Any, call_timeout_s: float) -> None:
+    def __init__(self, name: str, role: str, handle: Any, call_timeout_s: float,
+                 calls: str = "ray") -> None:
+        if calls not in ("ray", "socket"):
+            raise ValueError(f"leader calls over {calls!r}: expected 'ray' or 'socket'")
         self.name, self.role, self.handle = name, role, handle
         self.call_timeout_s = call_timeout_s
+        self._channel = CallChannel(name, handle) if calls == "socket" else None
         self._abandon: asyncio.Future[str] | None = None  # shared by the calls in flight
         self._rebound: asyncio.Future[None] | None = None  # done at the next rebind
         self.fenced: str | None = None  # why it was declared failed; None: in service
+        self._closing: set[asyncio.Future] = set()  # replaced channels being closed
 
     def fence(self, reason: str) -> None:
         """The instance was declared failed (dead or hung, ``reason``): until :meth:`rebind`
@@ -95,8 +107,13 @@ class LeaderClient:
     def rebind(self, handle: Any) -> None:
         """Send every later call (the EventPump's polls too) to ``handle``: the instance's
         new leader after a restart (``orchestrator/deploy/recovery.py``). Calls already sent finish
-        or fail on the old one; the event pump follows the new leader's stream."""
+        or fail on the old one (over the socket: they fail now, the old connection closed);
+        the event pump follows the new leader's stream."""
         self.handle, self.fenced = handle, None
+        if self._channel is not None:
+            old, self._channel = self._channel, CallChannel(self.name, handle)
+            self._closing.add(asyncio.ensure_future(old.close()))
+            self._closing = {t for t in self._closing if not t.done()}
         if self._rebound is not None and not self._rebound.done():
             self._rebound.set_result(None)
 
@@ -107,20 +124,28 @@ class LeaderClient:
         return self._rebound
 
     async def call(self, request: LeaderRequest, *, timeout_s: float | None = None) -> Any:
-        """``await handle.request.remote(request)`` bounded by ``timeout_s``; errors name the
-        request as ``decode-0.reserve`` (its type, lower case).
+        """``await handle.request.remote(request)`` (or the same over the call connection)
+        bounded by ``timeout_s``; errors name the request as ``decode-0.reserve`` (its type,
+        lower case), with the same text over both.
 
         Raises:
-            LeaderError: the call raised, the actor died, no answer within the bound, the
-                call was abandoned (:meth:`abandon_calls`), or the instance is fenced
-                (:meth:`fence`) and the request is not an ``Abort``.
+            LeaderError: the call raised, the actor died (the call connection broke), no
+                answer within the bound, the call was abandoned (:meth:`abandon_calls`), or
+                the instance is fenced (:meth:`fence`) and the request is not an ``Abort``.
         """
         if self.fenced is not None and not isinstance(request, Abort):
             raise LeaderError(f"{self.name}.{type(request).__name__.lower()} refused: the "
                               f"instance was declared failed ({self.fenced}) and is not back "
                               "yet")
-        return await self._bounded(type(request).__name__.lower(),
-                                   lambda: self.handle.request.remote(request), timeout_s)
+        channel = self._channel
+        send = (lambda: self.handle.request.remote(request)) if channel is None else \
+            (lambda: channel.call(request))
+        return await self._bounded(type(request).__name__.lower(), send, timeout_s)
+
+    async def close(self) -> None:
+        """Close the call connection (none over Ray); later calls fail. The router's stop."""
+        channels = [] if self._channel is None else [self._channel.close()]
+        await asyncio.gather(*channels, *self._closing)
 
     async def open_events(self, subscriber: str, reports: InstanceReports | None = None
                           ) -> StreamAddress:

@@ -121,6 +121,7 @@ class Router:
         await self.pump.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=drain_timeout_s)
+        await asyncio.gather(*(leader.close() for leader in self.flow.leaders))
 
     def instance_failed(self, name: str, reason: str) -> None:
         """``name`` is dead or hung (the health monitor says so; call on the router loop):
@@ -189,8 +190,9 @@ class Router:
         Raises:
             KeyError: no such instance. ValueError: load left on it, or the role's last.
         """
-        self.flow.remove_leader(name)
+        leader = self.flow.remove_leader(name)
         await self.pump.remove_leader(name)
+        await leader.close()
 
     async def _unloaded(self, name: str, timeout_s: float) -> bool:
         """Whether no request holds load on ``name`` within ``timeout_s`` seconds."""

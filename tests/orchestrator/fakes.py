@@ -12,14 +12,17 @@ call raises, as a dead or broken actor's call does).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 
 from kv_transfer import KVPeer
+from rank.call_server import CallServer
 from rank.event_stream import EventStream
 from rank.messages import (Abort, Admit, Attach, Generate, InstanceStatusInfo, Prefill, Rejection,
                            Reservation, Reserve, TokenEvent)
 
 VOCAB = 129_280
+CALL_WAIT_S = 30.0  # a call over the fake's call server waits this long for its handler
 EOS = 1
 # NOTE: what one request commits in a fake DeepSeek-V4 decode's KV group pools
 V4_NEED = {"window": 2, "entries/compressed_sparse_attention": 3,
@@ -81,6 +84,8 @@ class _Leader:
         self.errors: dict[str, str] = {}  # method -> its calls raise RuntimeError(message)
         self.dead: str | None = None  # every call raises this (see die)
         self._holds: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}
+        self.call_server: CallServer | None = None  # from open_calls
+        self._running: set[concurrent.futures.Future] = set()  # its calls on the loop
 
     def hold(self, method: str) -> tuple[asyncio.Event, asyncio.Event]:
         """Calls of ``method`` wait from now on (``"events"``: the events sent from now on): returns
@@ -140,6 +145,35 @@ class _Leader:
         address = self.stream.open(subscriber)
         self.flush()  # NOTE: what was emitted before, as a leader's loop
         return address
+
+    def open_calls(self):
+        """``Rank.open_calls``: a real call server (rank/call_server.py) whose calls run
+        :meth:`request` on this fake's event loop, as its Ray calls do."""
+        if self.dead:
+            raise RuntimeError(self.dead)
+        if self.call_server is None:
+            loop = asyncio.get_running_loop()
+
+            def handle(request):
+                async def run():
+                    result = self.request(request)
+                    return await result if inspect.isawaitable(result) else result
+                future = asyncio.run_coroutine_threadsafe(run(), loop)
+                self._running.add(future)
+                try:
+                    return future.result(CALL_WAIT_S)
+                finally:
+                    self._running.discard(future)
+            self.call_server = CallServer(self.name, "127.0.0.1", handle)
+        return self.call_server.open()
+
+    def close_calls(self) -> None:
+        """Close the call server (as the rank's shutdown does); the calls still waiting on
+        the loop are cancelled, so no handler thread outlives the test."""
+        for future in list(self._running):
+            future.cancel()
+        if self.call_server is not None:
+            self.call_server.close()
 
     def _publish(self, event: TokenEvent) -> None:
         """Send ``event`` on the stream now; while ``hold("events")`` is not released, once it

@@ -98,6 +98,7 @@ class Harness:
     there).
     ``decode_groups``: the decodes are DeepSeek-V4's with these KV group pools
     (:class:`tests.orchestrator.fakes.FakeDecode`); None: MLA.
+    ``leader_calls``: ``router.leader_calls`` ("socket": over each fake's real call server).
     """
 
     def __init__(self, mode="disaggregated", request_timeout_s=5.0, max_pending=4,
@@ -105,7 +106,8 @@ class Harness:
                  security=EdgeSecurity(), recover=None, probe_interval_s=1.0,
                  max_migrations=3, drain_timeout_s=30.0, scaling=False, peers=None,
                  eager_prefill=False, decode_groups=None, restart_backoff_s=None,
-                 reserve_after_first_token=False) -> None:
+                 reserve_after_first_token=False,
+                 leader_calls="ray") -> None:
         self.security, self.recover, self.peers = security, recover, peers
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -118,7 +120,8 @@ class Harness:
             "router": {"request_timeout_s": request_timeout_s, "max_pending": max_pending,
                        "policy": "round_robin", "max_migrations": max_migrations,
                        "drain_timeout_s": drain_timeout_s, "eager_prefill": eager_prefill,
-                       "reserve_after_first_token": reserve_after_first_token},
+                       "reserve_after_first_token": reserve_after_first_token,
+                       "leader_calls": leader_calls},
             "health": {"probe_interval_s": probe_interval_s, **(
                 {} if restart_backoff_s is None else {  # NOTE: every retry after this long
                     "restart_backoff_s": restart_backoff_s,
@@ -176,6 +179,8 @@ class Harness:
 
     def close(self) -> None:
         self.run(self.server.stop(grace_s=2.0))
+        for fake in self.fakes.values():
+            fake.close_calls()
         pending = self.run(_pending_tasks())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
