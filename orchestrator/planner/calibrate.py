@@ -122,10 +122,12 @@ def _gloo_rates() -> dict[str, float]:
     return {"gloo_gb_s": out["bw0"], "gloo_latency_us": out["lat0"] * 1e6}
 
 
-def _ray_figures(ckpt: Path, served: "ServedInstances | None") -> tuple[float, "ServedSteps"]:
-    """(Ray actor call round trip in us, the served steps of ``served``, else of
-    :class:`.calibrate_serving.ServedInstances` brought up for them), on the Ray this process
-    runs, else on a private local one started for them.
+def _ray_figures(ckpt: Path, served: "ServedInstances | None"
+                 ) -> tuple[float, float, "ServedSteps"]:
+    """(Ray actor call round trip in us, a leader call's round trip over its call socket in
+    us, the served steps of ``served``, else of :class:`.calibrate_serving.ServedInstances`
+    brought up for them), on the Ray this process runs, else on a private local one started
+    for them.
 
     Raises:
         see :meth:`.calibrate_serving.ServedInstances.measure`; BringUpError: its instances
@@ -141,9 +143,9 @@ def _ray_figures(ckpt: Path, served: "ServedInstances | None") -> tuple[float, "
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         if served is not None:
-            return _ray_call_us(), served.measure()
+            return _ray_call_us(), served.socket_call_us(), served.measure()
         with ServedInstances(ckpt) as fresh:
-            return _ray_call_us(), fresh.measure()
+            return _ray_call_us(), fresh.socket_call_us(), fresh.measure()
     finally:
         if own:
             ray.shutdown()
@@ -273,13 +275,14 @@ def measure_cpu(ckpt: Path | None = None,
     progress("the tiny model's prefill and decode steps")
     prefill_s, decode_s = _tiny_step_s(ckpt)
     progress("served steps on Ray (starts instances of the tiny model: the longest step)")
-    call_us, steps = _ray_figures(ckpt, served)
+    call_us, socket_us, steps = _ray_figures(ckpt, served)
     per_layer, per_expert = _host_costs(raw, prefill_s, decode_s)
     latency = _collective_latency_us(int(tiny_config_dict()["num_hidden_layers"]), steps,
                                      call_us, raw.link_latency_us)
     serving_s = max(0.0, steps.tp1_gap_s - steps.bare_s)
     return replace(raw, layer_overhead_us=per_layer, expert_overhead_us=per_expert,
-                   control_call_us=call_us, link_latency_us=latency,
+                   control_call_us=call_us, socket_call_us=socket_us,
+                   link_latency_us=latency,
                    step_serving_us=serving_s * 1e6,
                    first_token_us=_first_token_us(steps.first_s, True, call_us, prefill_s,
                                                   serving_s),

@@ -249,6 +249,32 @@ class ServedInstances:
         self._pair = self._colocated = self._loop = None
         self._routers = {}
 
+    def socket_call_us(self, calls: int = 30) -> float:
+        """Median round trip of a leader call over the colocated rank's call socket
+        (``router.leader_calls: socket``; an ``Abort`` of an unknown request: the lock and a
+        tombstone, no step), us, after a few warm-up calls.
+
+        Raises:
+            orchestrator.router.call_channel.CallConnectionLost: the connection failed;
+            TimeoutError: a call took over ``CALL_S``.
+        """
+        from orchestrator.router.call_channel import CallChannel
+        from rank.messages import Abort
+
+        async def run() -> float:
+            channel = CallChannel("colocated-0", self._colocated)
+            try:
+                times = []
+                for i in range(5 + calls):  # NOTE: the first connect over Ray, then warm
+                    t0 = time.perf_counter()
+                    await channel.call(Abort("calibration-probe"))
+                    if i >= 5:
+                        times.append(time.perf_counter() - t0)
+                return statistics.median(times) * 1e6
+            finally:
+                await channel.close()
+        return self._run(run())
+
     def measure(self, rounds: int = 3) -> ServedSteps:
         """The bare step and a ``TOKENS``-token request on each instance timed in turn,
         ``rounds`` times, then ``FIRST_TOKENS`` two-token requests on each in turn (the time

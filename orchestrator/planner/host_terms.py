@@ -35,6 +35,14 @@ def serving_s(hw: Hardware) -> float:
     return hw.spec.step_serving_us * 1e-6
 
 
+def router_call_us(spec, leader_calls: str) -> float:
+    """One router -> leader call's round trip, us, over ``leader_calls`` (``router.leader_calls``:
+    "ray" or "socket"; a device without a socket figure counts a Ray call)."""
+    if leader_calls == "socket" and spec.socket_call_us > 0:
+        return spec.socket_call_us
+    return spec.control_call_us
+
+
 def request_calls(colocated: bool) -> int:
     """Ray calls in turn on a request's way to its first token (docs/request_path.md):
     colocated, the launch; disaggregated, the decode reservation, the receivers it arms on

@@ -19,7 +19,7 @@ from orchestrator.config.memory_plan_v4 import pool_plan
 from orchestrator.planner.comm_terms import kv_transfer_cost
 from orchestrator.planner.cost import decode_step_cost, prefill_cost
 from orchestrator.planner.hardware import Hardware
-from orchestrator.planner.host_terms import request_calls
+from orchestrator.planner.host_terms import request_calls, router_call_us
 from orchestrator.planner.terms import Cost, counts_for
 from orchestrator.planner.explain import cost_lines
 from orchestrator.planner.load import OperatingPoint, Roles, WorkloadSpec, operating_point
@@ -128,7 +128,8 @@ def plan_config(cfg: OrchConfig, wl: WorkloadSpec, device: DeviceSpec) -> Plan:
     transfer = None if colocated else kv_transfer_cost(
         m, prec, hw, shipped, pre.layout.ranks + dec.layout.ranks)
     first = device.first_token_us if colocated else device.pd_first_token_us
-    calls = (request_calls(colocated) * device.control_call_us + first) * 1e-6
+    calls = (request_calls(colocated) * router_call_us(device, cfg.router.leader_calls)
+             + first) * 1e-6
     def per_token_s(batch: float) -> float:
         step = decode_step_cost(m, dec, prec, hw, batch, context, opts)
         return step.total_s / step.tokens_per_step

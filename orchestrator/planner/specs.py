@@ -148,6 +148,9 @@ class DeviceSpec:
             for the accelerators.
         pd_first_token_us: the same for a disaggregated request, us, once per request;
             measured on cpu, 0 (not estimated) for the accelerators.
+        socket_call_us: one router call to a leader over its call socket
+            (``router.leader_calls: socket``), round trip, us; measured on cpu, 0 (not
+            estimated: ``control_call_us`` stands in) for the accelerators.
     """
 
     key: str
@@ -170,6 +173,7 @@ class DeviceSpec:
     step_serving_us: float = 0.0
     first_token_us: float = 0.0
     pd_first_token_us: float = 0.0
+    socket_call_us: float = 0.0
 
     @classmethod
     def from_dict(cls, key: str, raw: dict) -> "DeviceSpec":
