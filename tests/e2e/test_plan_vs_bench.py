@@ -32,7 +32,7 @@ WORKLOAD = WorkloadSpec(64, 16, concurrency=1)
 REPS, REQUESTS = 3, 4
 ATTEMPTS = 3
 FIGURES = ("layer_overhead_us", "step_serving_us", "first_token_us", "pd_first_token_us",
-           "link_latency_us", "control_call_us")
+           "link_latency_us", "control_call_us", "socket_call_us")
 
 
 def test_plan_predicts_bench_within_30_percent(tmp_path, ray_session):
