@@ -65,6 +65,7 @@ class AdmissionQueue:
         self._groups: dict[str, dict[str, int]] = {}
         self._ended: dict[str, RequestError] = {}  # request id -> why it must stop waiting
         self._placing: set[str] = set()  # requests holding a ticket (queued or not)
+        self._priority: set[str] = set()  # those of them whose client has tokens already
         self._closed: RequestError | None = None
 
     @property
@@ -127,15 +128,18 @@ class AdmissionQueue:
         return ended
 
     def close(self, error: RequestError) -> None:
-        """End every wait, now and later, with ``error`` (router shutting down)."""
+        """End every wait, now and later, with ``error`` (router shutting down), but those
+        of priority tickets: their clients have tokens (a migration, a late reservation),
+        so they go on waiting for room within their deadline and the router's drain limit."""
         self._closed = error
         for waiter in self._queue:
-            if not waiter.granted.done():
+            if not waiter.granted.done() and not waiter.priority:
                 waiter.granted.set_exception(error)
 
     def check(self, request_id: str) -> None:
         """Raise the error that ended this request's wait, if any."""
-        error = self._closed or self._ended.get(request_id)
+        closed = None if request_id in self._priority else self._closed
+        error = closed or self._ended.get(request_id)
         if error is not None:
             raise error
 
@@ -146,10 +150,13 @@ class AdmissionQueue:
         request, queued ahead of new arrivals); leaves the queue on exit."""
         ticket = Ticket(self, request_id, priority)
         self._placing.add(request_id)
+        if priority:
+            self._priority.add(request_id)
         try:
             yield ticket
         finally:
             self._placing.discard(request_id)
+            self._priority.discard(request_id)
             self._ended.pop(request_id, None)
             if ticket.waiter is not None:
                 self._leave(ticket.waiter, ticket.reserved)

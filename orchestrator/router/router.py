@@ -360,11 +360,20 @@ class Router:
 
     def _first_token(self, req: RequestState, token_id: int, finished: bool) -> None:
         """DECODING: from now on the request depends on its main instance only; the token
-        is handed over (flow.on_first_token) beside the stream."""
+        is handed over (flow.on_first_token) beside the stream. A late reservation
+        (``router.reserve_after_first_token``) names the main instance only in the handover:
+        the attempt watches the prefill until then, and only the decode once it is done."""
         req.decoding()
         self.pump.watch(req.attempt_id, req.instances)
-        req.calls["handover"] = self._spawn(
+        handover = req.calls["handover"] = self._spawn(
             self.flow.on_first_token(req.route, token_id, finished))
+        attempt = req.attempt_id
+
+        def narrow(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is None \
+                    and req.attempt_id == attempt and not req.ended:
+                self.pump.watch(attempt, req.instances)
+        handover.add_done_callback(narrow)
 
     def _last_chunk(self, req: RequestState, tokens: tuple[int, ...], text: str,
                     finish: str, logprobs: tuple = ()) -> OutputChunk:

@@ -211,3 +211,58 @@ def test_a_prefill_answer_later_than_the_late_attach_sends_no_second_attach():
         assert _freed(h, "decode-0")
     finally:
         h.close()
+
+
+def test_once_admitted_a_prefill_failure_leaves_the_request_on_its_decode():
+    """After the late reservation (reserve, Attach, Admit) the attempt watches its decode only:
+    a prefill that fails then does not move a request streaming from a healthy decode."""
+    h = _late()
+    try:
+        decode = h.fakes["decode-0"]
+        _, release = h.call_in_loop(lambda: decode.hold("events"))  # the decode's tokens
+        got: dict = {}
+        client = _stream(h, got, "k1", (7, 7, 1), 6)
+        assert _wait_for(lambda: ("admit", "k1@1") in
+                         [c[:2] for c in _calls(h, "decode-0")])
+        assert _wait_for(lambda: h.call_in_loop(
+            lambda: h.router.pump._sources.get("k1@1") == {"decode-0"}))
+        h.call_in_loop(lambda: h.router.instance_failed("prefill-0", "rank 0 is gone"))
+        h.call_in_loop(release.set)
+        client.join(10)
+        assert "error" not in got, got
+        assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens((7, 7, 1), 6)
+        assert [c for c in _calls(h, "prefill-0") if c[0] == "prefill"] == [
+            ("prefill", "k1@1", None)]  # not placed again
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()
+
+
+def test_a_late_reservation_waiting_for_room_goes_on_through_a_router_stop():
+    """The router stops (SIGTERM drain) while a request that streamed its first token waits
+    in the admission queue for decode room: its client has a token, so it is not refused
+    with the new arrivals; it gets the room once freed and finishes within the drain."""
+    import asyncio
+    h = _late(decode_capacity=1, max_pending=4, request_timeout_s=30.0)
+    try:
+        decode = h.fakes["decode-0"]
+        entered, release = h.call_in_loop(lambda: decode.hold("admit"))
+        first: dict = {}
+        second: dict = {}
+        t1 = _stream(h, first, "s1", (3, 4), 4)
+        h.run(entered.wait())  # s1 holds the only slot
+        h.call_in_loop(lambda: decode.hold("admit")[1].set())  # NOTE: later admits go on
+        t2 = _stream(h, second, "s2", (5, 6), 4)
+        assert _wait_for(lambda: len(second.get("chunks", ())) == 1)  # its first token
+        assert _wait_for(lambda: h.call_in_loop(lambda: h.router.flow.admission.waiting) == 1)
+        stopping = asyncio.run_coroutine_threadsafe(h.server.stop(grace_s=10.0), h.loop)
+        h.call_in_loop(release.set)  # s1 finishes, its blocks go to s2
+        stopping.result(20)
+        t1.join(5)
+        t2.join(5)
+        for got, rid, prompt in ((first, "s1", (3, 4)), (second, "s2", (5, 6))):
+            assert "error" not in got, (rid, got)
+            assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens(prompt, 4)
+    finally:
+        h.loop.call_soon_threadsafe(h.loop.stop)
+        h.thread.join(5)
