@@ -42,6 +42,9 @@ HEAD_RECHECK_S = 5.0
 class _Waiter:
     request_id: str
     priority: bool = False  # migrating: ahead of every new arrival
+    # NOTE: its prompt is computed (eager prefill) and holds prefill blocks: ahead of the
+    # migrating ones, which would hold decode blocks while they wait for prefill room
+    computed: bool = False
     need: int = 1  # blocks the decode asked for (1 until one said)
     groups: dict[str, int] = field(default_factory=dict)  # V4: KV group -> blocks it commits
     charged: str | None = None  # instance whose estimate this grant took ``need`` from
@@ -73,10 +76,16 @@ class AdmissionQueue:
         """Requests in the queue (granted ones trying an instance included)."""
         return len(self._queue)
 
-    def ahead_of(self, priority: bool) -> int:
-        """Waiters a request entering now would queue behind: every one for a new arrival,
-        the migrating ones for a migrating request (``priority``)."""
-        return sum(1 for w in self._queue if w.priority) if priority else len(self._queue)
+    def ahead_of(self, priority: bool, computed: bool = False) -> int:
+        """Waiters a request entering now would queue behind: every one for a new arrival;
+        the computed and migrating ones for a migrating request (``priority``); the computed
+        ones for a request whose prompt is computed already (``computed``: eager prefill).
+
+        NOTE: computed prompts go first: a reserve-first request given decode room before
+        them would hold it while it waits for the prefill blocks they hold (a deadlock until
+        the deadlines, seen after a decode restart under load)."""
+        level = _level(priority, computed)
+        return sum(1 for w in self._queue if _level(w.priority, w.computed) <= level)
 
     def report(self, instance: str, free_blocks: int,
                group_free: dict[str, int] | None = None) -> None:
@@ -144,11 +153,12 @@ class AdmissionQueue:
             raise error
 
     @asynccontextmanager
-    async def ticket(self, request_id: str, priority: bool = False
+    async def ticket(self, request_id: str, priority: bool = False, computed: bool = False
                      ) -> AsyncIterator["Ticket"]:
-        """A ticket for one request's reservation attempts (``priority``: a migrating
-        request, queued ahead of new arrivals); leaves the queue on exit."""
-        ticket = Ticket(self, request_id, priority)
+        """A ticket for one request's reservation attempts (``priority``: its client has
+        tokens, a migration or a late reservation; ``computed``: its prompt is computed on a
+        prefill already; see :meth:`ahead_of` for the order); leaves the queue on exit."""
+        ticket = Ticket(self, request_id, priority, computed)
         self._placing.add(request_id)
         if priority:
             self._priority.add(request_id)
@@ -200,7 +210,8 @@ class AdmissionQueue:
                 self._charge(name, waiter, 1)
             waiter.granted.set_result(name)
 
-    def _enter(self, request_id: str, reason: str, priority: bool = False) -> _Waiter:
+    def _enter(self, request_id: str, reason: str, priority: bool = False,
+               computed: bool = False) -> _Waiter:
         if len(self._queue) >= self.max_pending:
             raise RequestError(
                 "RESOURCE_EXHAUSTED",
@@ -208,19 +219,19 @@ class AdmissionQueue:
                 f"admission queue is full ({len(self._queue)} waiting, router.max_pending="
                 f"{self.max_pending}): retry later, or raise router.max_pending / "
                 "decode.num_kv_blocks / decode.dp")
-        waiter = _Waiter(request_id, priority)
-        if priority:  # NOTE: behind the migrating ones, ahead of every new arrival
-            self._queue.insert(self.ahead_of(True), waiter)
-        else:
-            self._queue.append(waiter)
+        waiter = _Waiter(request_id, priority, computed=computed)
+        # NOTE: the queue stays ordered by level, FIFO within one
+        self._queue.insert(self.ahead_of(priority, computed), waiter)
         return waiter
 
 
 class Ticket:
     """One request's place in the admission queue (taken on its first wait)."""
 
-    def __init__(self, queue: AdmissionQueue, request_id: str, priority: bool = False) -> None:
+    def __init__(self, queue: AdmissionQueue, request_id: str, priority: bool = False,
+                 computed: bool = False) -> None:
         self._queue, self.request_id, self.priority = queue, request_id, priority
+        self.computed = computed
         self.waiter: _Waiter | None = None
         self.reserved = False  # set by the caller once a reservation used the grant
 
@@ -240,7 +251,7 @@ class Ticket:
         queue = self._queue
         queue.check(self.request_id)
         if self.waiter is None:
-            self.waiter = queue._enter(self.request_id, reason, self.priority)
+            self.waiter = queue._enter(self.request_id, reason, self.priority, self.computed)
         elif self.waiter.granted.done():
             self.waiter.granted = asyncio.get_running_loop().create_future()
             self.waiter.charged = None  # NOTE: refused or failed: the estimate says so now
@@ -273,3 +284,8 @@ class Ticket:
         order = queue.order()
         if queue._queue and queue._queue[0] is waiter and order and not waiter.granted.done():
             waiter.granted.set_result(order[0])
+
+
+def _level(priority: bool, computed: bool) -> int:
+    """A waiter's place in the queue's order: 0 computed prompts, 1 migrating, 2 new."""
+    return 0 if computed else 1 if priority else 2

@@ -113,7 +113,7 @@ class DisaggregatedFlow(Flow):
             # the reserve's first await: yielding once runs that step first (the loop runs
             # ready callbacks in order), so the prompt starts one send earlier (~1 ms here)
             await asyncio.sleep(0)
-            decode, reservation = await self._reserve(spec, deadline, avoid)
+            decode, reservation = await self._reserve(spec, deadline, avoid, computed=True)
         except BaseException:
             self.prefill_policy.release(prefill, load)
             # NOTE: an abort before the call arrives leaves a tombstone: the call is refused
@@ -124,16 +124,18 @@ class DisaggregatedFlow(Flow):
                      reservation=reservation, prefill_call=call, launched_at=launched_at)
 
     async def _reserve(self, spec: RequestSpec, deadline: float, avoid: Collection[str],
-                       streamed: bool = False) -> tuple[str, Reservation]:
+                       streamed: bool = False, computed: bool = False
+                       ) -> tuple[str, Reservation]:
         """Reserve on the first decode that can; while all are full, or others already wait,
-        wait in the admission queue (FIFO) for a decode that reports room. A decode whose call
-        fails is skipped (UNAVAILABLE when every one failed). ``streamed``: the client has
-        tokens already (a late reservation): queued ahead of new arrivals, as a migration."""
+        wait in the admission queue (FIFO by level) for a decode that reports room. A decode
+        whose call fails is skipped (UNAVAILABLE when every one failed). ``streamed``: the
+        client has tokens already (a late reservation): queued ahead of new arrivals, as a
+        migration; ``computed``: the prompt is computed (eager): ahead of those too."""
         # NOTE: queued ahead of new arrivals
         migrating = spec.num_resumed_tokens > 0 or streamed
-        async with self.admission.ticket(spec.request_id, migrating) as ticket:
+        async with self.admission.ticket(spec.request_id, migrating, computed) as ticket:
             # NOTE: behind earlier waiters a request tries nothing: it would overtake them
-            direct = not self.admission.ahead_of(migrating)
+            direct = not self.admission.ahead_of(migrating, computed)
             names = self.choices(self.policy, avoid, "decode", spec.prompt_token_ids) \
                 if direct else []
             while True:
@@ -250,7 +252,8 @@ class DisaggregatedFlow(Flow):
             await abort_quietly(prefill, route.request_id)
             return
         decode, route.reservation = await self._reserve(late.spec, late.deadline,
-                                                        late.avoid, streamed=True)
+                                                        late.avoid, streamed=True,
+                                                        computed=True)
         route.main, route.main_load = decode, late.spec.max_total_tokens
         late.watch({decode})  # NOTE: before Admit: decode's tokens must reach the attempt
         if not await self._attach(route, prefill):

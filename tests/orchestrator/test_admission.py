@@ -27,10 +27,11 @@ def _queue(max_pending: int = 8) -> AdmissionQueue:
 
 
 async def _take(queue: AdmissionQueue, request_id: str, need: int, granted: list,
-                hold: asyncio.Event | None = None, priority: bool = False) -> None:
+                hold: asyncio.Event | None = None, priority: bool = False,
+                computed: bool = False) -> None:
     """Wait for a grant, record (request id, instance), keep the place until ``hold``
-    (``priority``: a migrating request)."""
-    async with queue.ticket(request_id, priority) as ticket:
+    (``priority``: a migrating request; ``computed``: its prompt is computed, eager)."""
+    async with queue.ticket(request_id, priority, computed) as ticket:
         granted.append((request_id, await ticket.wait(time.monotonic() + FAR, "full", need)))
         if hold is not None:
             await hold.wait()
@@ -62,6 +63,33 @@ def test_a_migrating_request_goes_ahead_of_new_arrivals_behind_earlier_migrating
     assert ahead == (2, 4)
     assert first == [("moved-1", "decode-0"), ("moved-2", "decode-0")]
     assert [rid for rid, _ in granted] == ["moved-1", "moved-2", "new-a", "new-b"]
+
+
+def test_computed_prompts_go_ahead_of_migrating_requests_and_new_arrivals():
+    """An eager prompt already computed (holding prefill blocks) waits ahead of a migrating
+    request, which would hold decode blocks while it waits for prefill room: decode room goes
+    to the computed ones first, in their arrival order (a late reservation: both flags)."""
+    async def go():
+        queue, granted, done = _queue(), [], asyncio.Event()
+        tasks = []
+        for rid, priority, computed in (("new-a", False, False), ("moved-1", True, False),
+                                        ("eager-1", False, True), ("late-1", True, True)):
+            tasks.append(asyncio.create_task(
+                _take(queue, rid, 2, granted, done, priority, computed)))
+            await _settle()  # arrival order as listed
+        ahead = (queue.ahead_of(False, True), queue.ahead_of(True), queue.ahead_of(False))
+        queue.report("decode-0", 4)  # room for two requests of 2 blocks
+        await _settle()
+        first = list(granted)
+        queue.report("decode-1", 4)
+        await _settle()
+        done.set()
+        await asyncio.gather(*tasks)
+        return ahead, first, granted
+    ahead, first, granted = asyncio.run(go())
+    assert ahead == (2, 3, 4)
+    assert first == [("eager-1", "decode-0"), ("late-1", "decode-0")]
+    assert [rid for rid, _ in granted] == ["eager-1", "late-1", "moved-1", "new-a"]
 
 
 def test_grants_follow_arrival_order_and_nobody_passes_a_head_that_does_not_fit():
