@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.error_text import first_line
+from rank.event_stream import recv_exact, shut
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class CallServer:
         with self._lock:
             conns = list(self._conns)
         for conn in conns:
-            _shut(conn)
+            shut(conn)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop listening, close every connection (a router's calls in flight fail there),
@@ -125,10 +126,10 @@ class CallServer:
             listener, self._listener = self._listener, None
             conns, threads = list(self._conns), list(self._threads)
         if listener is not None:
-            _shut(listener)
+            shut(listener)
             listener.close()
         for conn in conns:
-            _shut(conn)
+            shut(conn)
         self._pool.shutdown(wait=False, cancel_futures=True)
         for thread in threads:
             thread.join(timeout_s)
@@ -177,7 +178,7 @@ class CallServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
-            _shut(conn)
+            shut(conn)
             conn.close()
 
     def _next_frame(self, conn: socket.socket) -> bytes | None:
@@ -204,7 +205,7 @@ class CallServer:
                 conn.sendall(data)
         except OSError as exc:  # NOTE: the router then fails its calls in flight, reconnects
             log.debug("%s: a leader call's answer was not sent: %s", self.name, exc)
-            _shut(conn)
+            shut(conn)
 
 
 def _recv_body(sock: socket.socket, limit: int) -> bytes:
@@ -213,24 +214,7 @@ def _recv_body(sock: socket.socket, limit: int) -> bytes:
     Raises:
         ValueError: a longer frame. ConnectionError: the peer closed. OSError: timed out.
     """
-    (n,) = LEN.unpack(_recv_exact(sock, LEN.size))
+    (n,) = LEN.unpack(recv_exact(sock, LEN.size))
     if n > limit:
         raise ValueError(f"a frame of {n} bytes (at most {limit})")
-    return _recv_exact(sock, n)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed by the peer")
-        buf += chunk
-    return bytes(buf)
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+    return recv_exact(sock, n)

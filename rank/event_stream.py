@@ -91,7 +91,12 @@ def event_from_row(row: list, source: str, instance: str) -> TokenEvent:
         ttft_phases=tuple((p, s) for p, s in phases))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from blocking ``sock``.
+
+    Raises:
+        ConnectionError: the peer closed first. OSError: the socket failed or timed out.
+    """
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -230,10 +235,10 @@ class EventStream:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(HELLO_TIMEOUT_S)
-            (size,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+            (size,) = _LEN.unpack(recv_exact(conn, _LEN.size))
             if size > 4096:
                 raise ConnectionError("hello too long")
-            token, subscriber, resume = msgpack.unpackb(_recv_exact(conn, size), raw=False)
+            token, subscriber, resume = msgpack.unpackb(recv_exact(conn, size), raw=False)
             if not hmac.compare_digest(bytes(token), self.token):
                 raise ConnectionError("wrong token")
             box = self._attach(conn, subscriber, int(resume))
@@ -258,7 +263,7 @@ class EventStream:
             old, box.conn, box.cursor = box.conn, conn, resume
             self._cond.notify_all()
         if old is not None:
-            _shut(old)
+            shut(old)
         conn.sendall(pack_frame([self.epoch, resume]))
         return box
 
@@ -287,7 +292,7 @@ class EventStream:
         with self._cond:
             conns = [box.conn for box in self._outboxes.values() if box.conn is not None]
         for conn in conns:
-            _shut(conn)
+            shut(conn)
 
     def close(self) -> None:
         """Stop listening and close every connection; later :meth:`open` calls raise."""
@@ -296,12 +301,13 @@ class EventStream:
             listener, self._listener = self._listener, None
             self._cond.notify_all()
         if listener is not None:
-            _shut(listener)
+            shut(listener)
             listener.close()
         self.break_connections()
 
 
-def _shut(sock: socket.socket) -> None:
+def shut(sock: socket.socket) -> None:
+    """Shut ``sock`` down both ways (wakes a thread blocked on it); errors ignored."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
