@@ -188,7 +188,7 @@ async def _serve(cfg: OrchConfig, cluster: Cluster, model, tokenizer,
     # monitor pings only instances not heard alive lately, the board shows their statuses.
     reports = build_reports(cfg)
     monitor = build_monitor(cfg, cluster.ranks_of, reports=reports,
-                            on_unhealthy=lambda name, why: router.instance_failed(name, why),
+                            on_unhealthy=lambda name, why: router.fleet.instance_failed(name, why),
                             recover=(lambda name: recoverer.recover(name))
                             if cfg.health.max_restarts else None,
                             restart_wait=lambda name: recoverer.restart_wait(name))

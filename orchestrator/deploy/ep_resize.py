@@ -174,7 +174,7 @@ async def start_instances(scaler: GroupScaler, role: str, insts: list[InstanceCo
     for inst, started in zip(insts, ranks):
         leader = leader_client(scaler.cfg, inst.name, role, started.leader)
         scaler.leaders[inst.name] = leader
-        scaler.router.add_instance(leader)
+        scaler.router.fleet.add_instance(leader)
         scaler.monitor.started(inst.name)
     return names
 
@@ -189,10 +189,10 @@ async def retire(scaler: GroupScaler, olds: list[str], why: str,
         for name in olds:  # NOTE: from now on every new request goes to the new group
             scaler.monitor.draining(name, f"draining: {why} (`orch scale`)")
         try:
-            moved = await asyncio.gather(*(scaler.router.drain_instance(
+            moved = await asyncio.gather(*(scaler.router.fleet.drain_instance(
                 name, scaler.cfg.router.drain_timeout_s) for name in olds))
             for name in olds:
-                await scaler.router.remove_instance(name)
+                await scaler.router.fleet.remove_instance(name)
         except BaseException:
             for name in olds:  # NOTE: serves again rather than staying "draining" for good
                 scaler.monitor.undrain(name)

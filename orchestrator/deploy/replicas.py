@@ -89,7 +89,7 @@ class RouterReplica:
         self.main = PeerClient(spec.main, spec.secret)
         self.health = HealthMirror(spec.rows, self.main, cfg.health.probe_interval_s,
                                    on_unhealthy=lambda name, why:
-                                   self.router.instance_failed(name, why))
+                                   self.router.fleet.instance_failed(name, why))
         self.metrics = ForwardedMetrics(self.main) if spec.metrics else None
         tokenizer = Tokenizer(checkpoint) if (checkpoint / "tokenizer.json").is_file() else None
         self.router = build_router(cfg, spec.handles, spec.model, tokenizer, self.metrics,

@@ -27,6 +27,7 @@ from orchestrator.config.checkpoint import ModelInfo
 from orchestrator.router.availability import Availability, HealthView
 from engine.grammar import GrammarCompiler
 from orchestrator.router.detokenizer import Tokenizer
+from orchestrator.router.fleet import Fleet
 from orchestrator.router.flow import Flow, Route
 from orchestrator.router.leader import EventPump, LeaderClient, cancel_task
 from orchestrator.router.metrics_sink import NoMetrics, RouterMetrics
@@ -77,11 +78,14 @@ class Router:
         self.max_migrations = max_migrations
         self.metrics = metrics or NoMetrics()
         self.availability = Availability(health)
-        if health is not None:
-            health.add_listener(self._health_changed)
         self.pump = EventPump(flow.leaders, on_capacity=flow.capacity, kv_index=flow.kv_index,
                               reports=reports)
         self._requests: dict[str, RequestState] = {}  # client request id -> its state
+        self.fleet = Fleet(flow, self.pump, self.availability,
+                           lambda: [req.instances for req in self._requests.values()],
+                           SHUTDOWN_ABORT_S)
+        if health is not None:
+            health.add_listener(self.fleet.health_changed)
         numbers = itertools.count(1)
         self._attempt_numbers = (numbers if not replica
                                  else (f"{replica}.{n}" for n in numbers))
@@ -122,88 +126,6 @@ class Router:
         if self._background:
             await asyncio.wait(self._background, timeout=drain_timeout_s)
         await asyncio.gather(*(leader.close() for leader in self.flow.leaders))
-
-    def instance_failed(self, name: str, reason: str) -> None:
-        """``name`` is dead or hung (the health monitor says so; call on the router loop):
-        every request watching it fails now, without waiting for a poll to fail, and every
-        call in flight to it fails now (a reserve on it tries the next decode). Before its
-        first token a request is placed again elsewhere; after it, it migrates. Until it is
-        restarted it is fenced (orchestrator/router/leader.py): its late events are dropped
-        and no new work is sent to it.
-
-        Raises:
-            KeyError: ``name`` is no instance of this router.
-        """
-        leader = self.flow.leader(name)
-        leader.fence(reason)  # NOTE: first: a late event or call must not reach it
-        leader.abandon_calls(f"{name} failed: {reason}")
-        told = self.pump.fail_instance(name, f"{name} failed: {reason}")
-        log.info("%s failed (%s): %d request(s) still waiting on it were told", name, reason,
-                 told)
-
-    def _health_changed(self, _health: object) -> None:
-        """The monitor's listener: the flow looks again; when a role is gone for good (no
-        healthy instance, none coming back), requests waiting for decode room end now,
-        UNAVAILABLE, rather than at their deadline."""
-        self.flow.health_changed()
-        # NOTE: on the next turn of the loop: a failure is told UNHEALTHY before the monitor
-        # schedules the restart that makes it RECOVERING
-        asyncio.get_running_loop().call_soon(self._fail_waiting_if_lost)
-
-    def _fail_waiting_if_lost(self) -> None:
-        lost = self.availability.lost_role(self.flow.pools)
-        if lost is not None:
-            ended = self.flow.fail_waiting(lost)
-            if ended:
-                log.info("%d request(s) waiting for decode room ended: %s", ended, lost.message)
-
-    def add_instance(self, leader: LeaderClient) -> None:
-        """Serve on a new instance too (live scaling; it is up): polled from now on, chosen
-        once the health monitor says it is healthy."""
-        self.flow.add_leader(leader)
-        self.pump.add_leader(leader)
-
-    async def drain_instance(self, name: str, timeout_s: float) -> int:
-        """Wait until no request holds load on ``name`` (the caller has taken it out of
-        service already, so no new one goes there), at most ``timeout_s`` seconds; then move
-        the rest away: before their first token they are placed again, after it they
-        migrate. Returns how many requests had to be moved.
-
-        Raises:
-            KeyError: ``name`` is no instance of this router.
-            RuntimeError: load still on it ``SHUTDOWN_ABORT_S`` after moving them away.
-        """
-        leader = self.flow.leader(name)
-        if await self._unloaded(name, timeout_s):
-            return 0
-        reason = f"{name} is being removed (drained for router.drain_timeout_s={timeout_s:g} s)"
-        moved = self.pump.fail_instance(name, reason)
-        leader.abandon_calls(reason)
-        if not await self._unloaded(name, SHUTDOWN_ABORT_S):
-            raise RuntimeError(f"{name}: requests still hold load on it "
-                               f"{SHUTDOWN_ABORT_S:g} s after they were moved away")
-        return moved
-
-    async def remove_instance(self, name: str) -> None:
-        """Forget a drained instance (:meth:`drain_instance`): no placement, no polling.
-
-        Raises:
-            KeyError: no such instance. ValueError: load left on it, or the role's last.
-        """
-        leader = self.flow.remove_leader(name)
-        await self.pump.remove_leader(name)
-        await leader.close()
-
-    async def _unloaded(self, name: str, timeout_s: float) -> bool:
-        """Whether no request holds load on ``name`` within ``timeout_s`` seconds."""
-        policy = next(p for p in self.flow.pools.values() if name in p.outstanding)
-        deadline = time.monotonic() + timeout_s
-        while policy.outstanding[name] > 0 or any(
-                name in req.instances for req in self._requests.values()):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request the router knows, at whatever step it is (tokenizing, waiting

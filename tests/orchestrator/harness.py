@@ -144,7 +144,7 @@ class Harness:
         wired = self.recover is not None
         self.monitor = build_monitor(
             self.cfg, lambda name: [self.handles[name]],
-            on_unhealthy=(lambda name, why: self.router.instance_failed(name, why))
+            on_unhealthy=(lambda name, why: self.router.fleet.instance_failed(name, why))
             if wired else None,
             recover=(lambda name: self.recover(self, name)) if wired else None)
         self.router = build_router(self.cfg, handles, MODEL, TOKENIZER, self.metrics,

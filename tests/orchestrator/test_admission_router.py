@@ -91,7 +91,7 @@ def test_a_migrating_stream_gets_the_freed_decode_before_a_new_arrival():
         streams[1].start()
         assert _wait_for(lambda: h.call_in_loop(lambda: queue.waiting) == 1)
         h.set_healthy(lambda name: name != "decode-0")
-        h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))
+        h.call_in_loop(lambda: h.router.fleet.instance_failed("decode-0", "process gone"))
         assert _wait_for(lambda: h.call_in_loop(lambda: queue.waiting) == 2)
         order = h.call_in_loop(lambda: [w.request_id for w in queue._queue])
         h.call_in_loop(lambda: setattr(d1, "capacity", 1))

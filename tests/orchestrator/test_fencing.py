@@ -71,7 +71,7 @@ def test_a_failed_instance_the_health_view_still_calls_healthy_gets_no_new_work(
     robin picks it): the request is placed again on prefill-1 and prefill-0 sees no call."""
     h = Harness(prefill_dp=2)
     try:
-        h.call_in_loop(lambda: h.router.instance_failed("prefill-0", "no heartbeat for 5 s"))
+        h.call_in_loop(lambda: h.router.fleet.instance_failed("prefill-0", "no heartbeat for 5 s"))
         for n in range(2):  # NOTE: round robin starts one of them on prefill-0
             with OrchClient(h.address) as client:
                 chunks = list(client.generate(token_ids=list(PROMPT), request_id=f"f{n}",

@@ -226,7 +226,7 @@ def test_once_admitted_a_prefill_failure_leaves_the_request_on_its_decode():
                          [c[:2] for c in _calls(h, "decode-0")])
         assert _wait_for(lambda: h.call_in_loop(
             lambda: h.router.pump._sources.get("k1@1") == {"decode-0"}))
-        h.call_in_loop(lambda: h.router.instance_failed("prefill-0", "rank 0 is gone"))
+        h.call_in_loop(lambda: h.router.fleet.instance_failed("prefill-0", "rank 0 is gone"))
         h.call_in_loop(release.set)
         client.join(10)
         assert "error" not in got, got

@@ -89,7 +89,7 @@ def test_instance_failed_before_the_first_token_places_the_request_again(two_pre
         t = threading.Thread(target=lambda: chunks.extend(stream), daemon=True)
         t.start()
         h.run(entered.wait())  # launched on prefill-0, whose call now hangs
-        h.call_in_loop(lambda: h.router.instance_failed("prefill-0", "no heartbeat for 5 s"))
+        h.call_in_loop(lambda: h.router.fleet.instance_failed("prefill-0", "no heartbeat for 5 s"))
         t.join(3)  # well under the 5 s call bound: the hung call is not waited for
         assert not t.is_alive()
     assert [tok for c in chunks for tok in c.token_ids] == expected_tokens(PROMPT, 4)
@@ -124,7 +124,7 @@ def test_prefill_failure_after_the_first_token_does_not_end_the_request():
             prefill = h.fakes["prefill-0"]
             h.call_in_loop(lambda: setattr(prefill, "poll_error", "prefill rank 0 died"))
             assert _wait_for(lambda: prefill.poll_failures > 0)
-            h.call_in_loop(lambda: h.router.instance_failed("prefill-0", "process gone"))
+            h.call_in_loop(lambda: h.router.fleet.instance_failed("prefill-0", "process gone"))
             h.call_in_loop(release.set)
             rest = list(stream)
         assert rest[-1].finish_reason == "length"
@@ -145,7 +145,7 @@ def _stream_until_decode_fails(h: Harness, request_id: str, max_tokens: int, fai
         first = next(stream)
         h.run(entered.wait())
         if fail is None:
-            h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))
+            h.call_in_loop(lambda: h.router.fleet.instance_failed("decode-0", "process gone"))
         else:
             fail()
         try:
@@ -206,7 +206,7 @@ def test_a_migration_that_finds_no_blocks_says_why_it_moved():
         with pytest.raises(grpc.RpcError) as err:
             _stream_until_decode_fails(h, "f", 6, fail=lambda: (
                 h.set_healthy(lambda name: name != "decode-0"),  # NOTE: as the monitor says
-                h.call_in_loop(lambda: h.router.instance_failed("decode-0", "process gone"))))
+                h.call_in_loop(lambda: h.router.fleet.instance_failed("decode-0", "process gone"))))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         details = err.value.details()
         assert "waited router.request_timeout_s for decode KV blocks" in details, details
@@ -229,7 +229,7 @@ def test_migrations_past_the_limit_name_each_failure():
             got = list(next(stream).token_ids)
             for name in ("decode-0", "decode-1"):
                 h.run(holds[name][0].wait())
-                h.call_in_loop(lambda n=name: h.router.instance_failed(n, f"{n} gone"))
+                h.call_in_loop(lambda n=name: h.router.fleet.instance_failed(n, f"{n} gone"))
                 if name == "decode-0":
                     got += next(stream).token_ids  # the migrated attempt's prefill token
             with pytest.raises(grpc.RpcError) as err:
@@ -299,7 +299,7 @@ def test_instance_failed_abandons_a_hung_reserve_for_the_next_decode(two_decodes
         t = threading.Thread(target=lambda: chunks.extend(stream), daemon=True)
         t.start()
         h.run(entered.wait())
-        h.call_in_loop(lambda: h.router.instance_failed("decode-0", "SIGSTOPped"))
+        h.call_in_loop(lambda: h.router.fleet.instance_failed("decode-0", "SIGSTOPped"))
         t.join(3)
         assert not t.is_alive()
     assert [tok for c in chunks for tok in c.token_ids] == expected_tokens(PROMPT, 3)

@@ -89,7 +89,7 @@ def test_a_retry_waits_for_the_restart_instead_of_failing(restarting):
     with OrchClient(h.address) as client:
         thread, result = _stream_in_thread(client, "r")
         h.run(entered.wait())
-        _fail_prefill(h)  # -> router.instance_failed: attempt 1 fails
+        _fail_prefill(h)  # -> router.fleet.instance_failed: attempt 1 fails
         thread.join(RESTART_S + 5)
         assert not thread.is_alive()
     assert "error" not in result, result["error"].details()
