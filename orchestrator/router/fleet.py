@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 
 from orchestrator.router.availability import Availability
 from orchestrator.router.flow import Flow
-from orchestrator.router.leader import EventPump, LeaderClient
+from orchestrator.router.event_pump import EventPump
+from orchestrator.router.leader import LeaderClient
 
 log = logging.getLogger(__name__)
 

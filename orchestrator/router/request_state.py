@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.request import RequestSpec
 from orchestrator.router.flow import Route
-from orchestrator.router.leader import Inbox
+from orchestrator.router.event_pump import Inbox
 from orchestrator.router.request import (InstanceFailure, RequestError, RequestStats,
                                          request_failed)
 from rank.messages import TokenEvent

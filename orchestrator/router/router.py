@@ -29,7 +29,8 @@ from engine.grammar import GrammarCompiler
 from orchestrator.router.detokenizer import Tokenizer
 from orchestrator.router.fleet import Fleet
 from orchestrator.router.flow import Flow, Route
-from orchestrator.router.leader import EventPump, LeaderClient, cancel_task
+from orchestrator.router.event_pump import EventPump
+from orchestrator.router.leader import LeaderClient, cancel_task
 from orchestrator.router.metrics_sink import NoMetrics, RouterMetrics
 from orchestrator.router.reports import InstanceReports
 from orchestrator.router.output_text import OutputText

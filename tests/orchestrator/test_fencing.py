@@ -11,7 +11,8 @@ import pytest
 
 from orchestrator.api.client import OrchClient
 from orchestrator.router.event_stream import EventFrame
-from orchestrator.router.leader import EventPump, LeaderClient, LeaderError
+from orchestrator.router.event_pump import EventPump
+from orchestrator.router.leader import LeaderClient, LeaderError
 from rank.messages import Abort, Prefill, TokenEvent
 from tests.orchestrator.fakes import FakePrefill, Remote, expected_tokens
 from tests.orchestrator.harness import Harness

@@ -11,7 +11,7 @@ import pytest
 from engine.request import RequestSpec
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from orchestrator.router.flow import Route
-from orchestrator.router.leader import Inbox
+from orchestrator.router.event_pump import Inbox
 from orchestrator.router.request import InstanceFailure, RequestError
 from orchestrator.router.request_state import Phase, RequestState
 from rank.messages import TokenEvent
