@@ -60,6 +60,16 @@ def _stream_in_thread(client: OrchClient, request_id: str, max_tokens: int = 4):
     return thread, result
 
 
+def _waiting_for_the_restart(h: Harness, client: OrchClient, request_id: str):
+    """The only prefill failed and ``request_id`` is streaming, past tokenizing: waiting for
+    the instance to come back. Returns (its stream thread, result)."""
+    _fail_prefill(h)
+    thread, result = _stream_in_thread(client, request_id)
+    assert _wait_for(lambda: h.call_in_loop(lambda: h.router.in_flight) == 1)
+    time.sleep(0.2)  # NOTE: past tokenizing: waiting for the instance
+    return thread, result
+
+
 @pytest.fixture
 def restarting():
     h = Harness(recover=_restart_after(RESTART_S))
@@ -298,11 +308,8 @@ def test_without_recovery_an_unhealthy_prefill_fails_fast():
 def test_abort_while_waiting_for_a_restart_ends_it_at_once():
     h = Harness(recover=_restart_after(60.0), request_timeout_s=30.0)
     try:
-        _fail_prefill(h)
         with OrchClient(h.address) as client:
-            thread, result = _stream_in_thread(client, "a")
-            assert _wait_for(lambda: h.call_in_loop(lambda: h.router.in_flight) == 1)
-            time.sleep(0.2)  # NOTE: past tokenizing: waiting for the instance
+            thread, result = _waiting_for_the_restart(h, client, "a")
             assert client.abort("a") is True
             thread.join(3)
             assert not thread.is_alive()
@@ -317,11 +324,8 @@ def test_abort_while_waiting_for_a_restart_ends_it_at_once():
 def test_shutdown_ends_a_request_waiting_for_a_restart_unavailable():
     h = Harness(recover=_restart_after(60.0), request_timeout_s=30.0)
     try:
-        _fail_prefill(h)
         with OrchClient(h.address) as client:
-            thread, result = _stream_in_thread(client, "s")
-            assert _wait_for(lambda: h.call_in_loop(lambda: h.router.in_flight) == 1)
-            time.sleep(0.2)
+            thread, result = _waiting_for_the_restart(h, client, "s")
             start = time.monotonic()
             h.run(h.router.stop(drain_timeout_s=10.0))
             assert time.monotonic() - start < 3.0  # not the 10 s drain
