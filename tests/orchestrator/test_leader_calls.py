@@ -6,107 +6,18 @@ a rebind moves the calls to the new leader, and the server leaves no thread behi
 from __future__ import annotations
 
 import asyncio
-import pickle
-import socket
 import threading
 import time
 
 import pytest
-from ray.exceptions import RayTaskError
 
-from rank.call_server import LEN, CallServer, frame
-from rank.messages import Abort, InstanceOutOfService, Rejection
+from rank.messages import Abort
 from orchestrator.router.leader import LeaderClient, LeaderError
+from tests.orchestrator.call_fakes import (WAIT_S, Leader, RayHandle, answer, leader, run,
+                                           threads_named, until)
 from tests.orchestrator.fakes import Remote
 
-WAIT_S = 5.0  # every wait of these tests
-
-
-class Leader:
-    """A leader end: ``request`` runs ``handle`` (the Ray path), ``open_calls`` opens a real
-    :class:`CallServer` around the same ``handle``."""
-
-    def __init__(self, handle, name: str = "decode-0") -> None:
-        self.handle, self.name = handle, name
-        self.server = CallServer(name, "127.0.0.1", handle, threads=4)
-        self.opens = 0
-
-    def open_calls(self):
-        self.opens += 1
-        return self.server.open()
-
-    def request(self, request):
-        return self.handle(request)
-
-
-class RayHandle(Remote):
-    """Remote(leader) whose ``request`` fails as a Ray actor call does: the worker's exception
-    inside a ``RayTaskError`` that is also an instance of it (``as_instanceof_cause``)."""
-
-    def __getattr__(self, name):
-        method = super().__getattr__(name)
-        if name != "request":
-            return method
-
-        class _Method:
-            @staticmethod
-            def remote(*args):
-                async def run():
-                    try:
-                        return await method.remote(*args)
-                    except Exception as exc:
-                        raise RayTaskError("request", "traceback", exc).as_instanceof_cause()
-                return run()
-        return _Method
-
-
-class Unpicklable(RuntimeError):
-    """An error whose pickle fails (it holds a lock): only its line can travel."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.lock = threading.Lock()
-
-
-def answer(request):
-    """A handler: an Abort answers whether the id starts with "r"; other requests raise what
-    their id names."""
-    if isinstance(request, Abort):
-        rid = request.request_id
-        if rid == "out":
-            raise InstanceOutOfService("decode-0 is out of service: rank 1 is dead\n(detail)")
-        if rid == "unpicklable":
-            raise Unpicklable("a lock inside\nsecond line")
-        if rid == "rejected":
-            return Rejection(rid, "decode-0 is full (0 of 8 blocks free, 2 needed)",
-                             blocks_needed=2)
-        return rid.startswith("r")
-    raise TypeError(f"decode-0 does not take {type(request).__name__}")
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
-
-def _threads(prefix: str) -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
-
-
-def _until(predicate, timeout_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-@pytest.fixture
-def leader():
-    leader = Leader(answer)
-    yield leader
-    leader.server.close()
-    assert _until(lambda: not _threads("decode-0-calls")), _threads("decode-0-calls")
+__all__ = ["leader"]  # NOTE: the fixture, used by name
 
 
 async def _outcome(client: LeaderClient, request):
@@ -238,48 +149,10 @@ def test_rebind_sends_later_calls_to_the_new_leader():
         assert run(go()) == ("old", "new")
         assert (old.opens, new.opens) == (1, 1)
         # NOTE: the old connection was closed by the rebind
-        assert _until(lambda: not _threads("decode-0-calls-in"))
+        assert until(lambda: not threads_named("decode-0-calls-in"))
     finally:
         old.server.close()
         new.server.close()
-
-
-def test_a_wrong_token_runs_nothing(leader):
-    host, port, token = leader.open_calls()
-    ran = []
-    leader.handle = ran.append
-    with socket.create_connection((host, port), timeout=WAIT_S) as conn:
-        conn.sendall(frame(bytes(16)) + frame(LEN.pack(0) + pickle.dumps(Abort("r"))))
-        assert conn.recv(1) == b""  # NOTE: closed without an answer
-    assert ran == []
-
-
-def test_close_ends_every_thread_and_refuses_new_connections():
-    entered, release = threading.Event(), threading.Event()
-
-    def hang(request):
-        entered.set()
-        release.wait(WAIT_S)
-        return True
-
-    leader = Leader(hang, name="prefill-7")
-
-    async def go():
-        client = LeaderClient("prefill-7", "prefill", Remote(leader), 10.0, calls="socket")
-        try:
-            call = asyncio.ensure_future(client.call(Abort("x")))
-            assert await asyncio.to_thread(entered.wait, WAIT_S)
-            await asyncio.to_thread(leader.server.close)
-            with pytest.raises(LeaderError, match="CallConnectionLost"):
-                await call
-            with pytest.raises(LeaderError, match="leader call server is closed"):
-                await client.call(Abort("y"))
-        finally:
-            release.set()
-            await client.close()
-
-    run(go())
-    assert _until(lambda: not _threads("prefill-7-calls")), _threads("prefill-7-calls")
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -389,47 +262,3 @@ def test_a_dead_leader_reads_as_over_ray():
     over_ray, over_socket = run(go())
     assert over_socket == over_ray
     assert "a rank process of this instance is gone" in over_socket
-
-
-def test_a_malformed_frame_ends_only_its_connection(leader):
-    """A call frame too short for its id closes that connection; the server goes on."""
-    host, port, token = leader.open_calls()
-    with socket.create_connection((host, port), timeout=WAIT_S) as conn:
-        conn.sendall(frame(bytes(token)) + frame(b"\x01\x02"))
-        assert conn.recv(1) == b""
-
-    async def go():
-        client = LeaderClient("decode-0", "decode", Remote(leader), 5.0, calls="socket")
-        try:
-            return await client.call(Abort("r9"))
-        finally:
-            await client.close()
-    assert run(go()) is True
-
-
-def test_a_reader_waits_on_a_descriptor_past_select_s_limit(leader):
-    """The connection's reader waits with poll(): a rank process may hold more than 1024
-    descriptors, which select() refuses."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 1200:
-        pytest.skip(f"the descriptor limit ({hard}) is below 1200")
-    if soft < 1200:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
-    held = []
-    try:
-        while not held or held[-1].fileno() < 1100:
-            held.append(socket.socket())
-
-        async def go():
-            client = LeaderClient("decode-0", "decode", Remote(leader), 5.0, calls="socket")
-            try:
-                return [await client.call(Abort(rid)) for rid in ("r1", "x1")]
-            finally:
-                await client.close()
-        assert run(go()) == [True, False]
-    finally:
-        for sock in held:
-            sock.close()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
