@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.error_text import first_line
-from rank.event_stream import recv_exact, shut
+from rank.event_stream import accept_each, recv_exact, shut
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class CallServer:
                 raise RuntimeError(f"{self.name}: the leader call server is closed")
             if self._listener is None:
                 self._listener = socket.create_server((self.host, 0), backlog=64)
-                self._start(self._accept_loop, f"{self.name}-calls-accept")
+                self._start(self._accept_loop, f"{self.name}-calls-accept", self._listener)
             port = self._listener.getsockname()[1]
         return self.host, port, self.token
 
@@ -138,22 +138,25 @@ class CallServer:
         """A daemon thread (caller holds the lock); ended ones are forgotten."""
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()  # NOTE: before it is kept: close() joins only started threads
         self._threads.append(thread)
-        thread.start()
 
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
+    def _accept_loop(self, listener: socket.socket) -> None:
+        accept_each(f"{self.name} leader calls", listener, lambda: self._closed, self._take)
+
+    def _take(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own (refused once closed).
+
+        Raises:
+            RuntimeError: the thread did not start (``conn`` is not kept).
+        """
+        with self._lock:
+            if self._closed:
+                conn.close()
                 return
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-                self._start(self._serve, f"{self.name}-calls-in", conn)
+            # NOTE: the lock is held: the thread cannot discard ``conn`` before it is kept
+            self._start(self._serve, f"{self.name}-calls-in", conn)
+            self._conns.add(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         """One router connection: its hello, then each call frame to the pool."""

@@ -15,6 +15,7 @@ from orchestrator.router.event_stream import EventSubscription, StreamBroken
 from rank import event_stream
 from rank.event_stream import EventStream
 from rank.messages import TokenEvent
+from tests.orchestrator.descriptors import connect_during_shortage
 
 
 def _subscription(stream: EventStream, subscriber: str = "router-a") -> EventSubscription:
@@ -270,3 +271,23 @@ def test_a_task_that_swallows_a_cancel_is_cancelled_again():
         await cancel_task(task, timeout_s=2.0)
         assert task.cancelled() and swallowed == [1]
     asyncio.run(go())
+
+
+def test_the_accept_loop_outlives_a_descriptor_shortage():
+    """accept() failing (EMFILE: the leader process out of descriptors for a moment) must not
+    end the stream's listener: a router that subscribes afterwards gets its events."""
+    stream = EventStream("decode-0", "127.0.0.1")
+    host, port, _, _ = stream.open("router-a")
+    connect_during_shortage(host, port).close()
+
+    async def go():
+        collect = asyncio.create_task(_collect(_subscription(stream), 3))
+        await asyncio.sleep(0.05)
+        _publish(stream, 0, 3)
+        return await collect
+
+    try:
+        _, got = asyncio.run(go())
+    finally:
+        stream.close()
+    assert got == [0, 1, 2]

@@ -17,6 +17,7 @@ from ray.exceptions import RayTaskError
 from rank.call_server import LEN, CallServer, frame
 from rank.messages import Abort, InstanceOutOfService, Rejection
 from orchestrator.router.leader import LeaderClient, LeaderError
+from tests.orchestrator.descriptors import connect_during_shortage
 from tests.orchestrator.fakes import Remote
 
 WAIT_S = 5.0  # every wait of these tests
@@ -433,3 +434,24 @@ def test_a_reader_waits_on_a_descriptor_past_select_s_limit(leader):
         for sock in held:
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_accept_loop_outlives_a_descriptor_shortage(leader):
+    """accept() failing (EMFILE: the rank process out of descriptors for a moment) must not end
+    the call server: once descriptors are free again the queued connection is taken and a
+    router's later connection too (else every call to the leader hangs to its timeout)."""
+    host, port, token = leader.open_calls()
+    with connect_during_shortage(host, port) as queued:
+        queued.settimeout(WAIT_S)
+        queued.sendall(frame(bytes(token)) + frame(LEN.pack(7) + pickle.dumps(Abort("r1"))))
+        (size,) = LEN.unpack(queued.recv(LEN.size, socket.MSG_WAITALL))
+        body = queued.recv(size, socket.MSG_WAITALL)
+        assert LEN.unpack_from(body) == (7,) and pickle.loads(body[LEN.size + 1:]) is True
+
+    async def go():
+        client = LeaderClient("decode-0", "decode", Remote(leader), 5.0, calls="socket")
+        try:
+            return await client.call(Abort("r2"))
+        finally:
+            await client.close()
+    assert run(go()) is True
