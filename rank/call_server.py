@@ -31,6 +31,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -163,8 +164,8 @@ class CallServer:
         send_lock = threading.Lock()  # NOTE: answers from several pool threads, one at a time
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HELLO_TIMEOUT_S)
-            if not hmac.compare_digest(_recv_body(conn, TOKEN_BYTES), self.token):
+            hello_by = time.monotonic() + HELLO_TIMEOUT_S  # NOTE: the whole hello, not per recv
+            if not hmac.compare_digest(_recv_body(conn, TOKEN_BYTES, hello_by), self.token):
                 raise ConnectionError("wrong token")
             # NOTE: one timeout for the reader and the pool's sends: the reader waits for a
             # frame with poll() (_next_frame), so it never toggles it
@@ -211,13 +212,14 @@ class CallServer:
             shut(conn)
 
 
-def _recv_body(sock: socket.socket, limit: int) -> bytes:
-    """One frame's body (its length first), of at most ``limit`` bytes.
+def _recv_body(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
+    """One frame's body (its length first), of at most ``limit`` bytes; by ``deadline``
+    (``time.monotonic()``) when given.
 
     Raises:
         ValueError: a longer frame. ConnectionError: the peer closed. OSError: timed out.
     """
-    (n,) = LEN.unpack(recv_exact(sock, LEN.size))
+    (n,) = LEN.unpack(recv_exact(sock, LEN.size, deadline))
     if n > limit:
         raise ValueError(f"a frame of {n} bytes (at most {limit})")
-    return recv_exact(sock, n)
+    return recv_exact(sock, n, deadline)

@@ -93,14 +93,22 @@ def event_from_row(row: list, source: str, instance: str) -> TokenEvent:
         ttft_phases=tuple((p, s) for p, s in phases))
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from blocking ``sock``.
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from blocking ``sock``; with ``deadline`` (``time.monotonic()``)
+    all of them by then (else each ``recv`` within the socket's own timeout: a peer that
+    sends a byte at a time could stretch the whole past it).
 
     Raises:
-        ConnectionError: the peer closed first. OSError: the socket failed or timed out.
+        ConnectionError: the peer closed first. TimeoutError: past ``deadline``. OSError: the
+            socket failed or timed out.
     """
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes came in time")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError("connection closed by the peer")
@@ -232,11 +240,12 @@ class EventStream:
         """One router connection: hello, then frames until it breaks or the stream closes."""
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HELLO_TIMEOUT_S)
-            (size,) = _LEN.unpack(recv_exact(conn, _LEN.size))
+            hello_by = time.monotonic() + HELLO_TIMEOUT_S  # NOTE: the whole hello, not per recv
+            (size,) = _LEN.unpack(recv_exact(conn, _LEN.size, hello_by))
             if size > 4096:
                 raise ConnectionError("hello too long")
-            token, subscriber, resume = msgpack.unpackb(recv_exact(conn, size), raw=False)
+            token, subscriber, resume = msgpack.unpackb(recv_exact(conn, size, hello_by),
+                                                        raw=False)
             if not hmac.compare_digest(bytes(token), self.token):
                 raise ConnectionError("wrong token")
             box = self._attach(conn, subscriber, int(resume))

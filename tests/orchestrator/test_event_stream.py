@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 
+import msgpack
 import pytest
 
 from orchestrator.router.event_stream import EventSubscription, StreamBroken
@@ -16,6 +17,7 @@ from rank import event_stream
 from rank.event_stream import EventStream
 from rank.messages import TokenEvent
 from tests.orchestrator.descriptors import connect_during_shortage
+from tests.orchestrator.drip import seconds_until_closed
 
 
 def _subscription(stream: EventStream, subscriber: str = "router-a") -> EventSubscription:
@@ -291,3 +293,18 @@ def test_the_accept_loop_outlives_a_descriptor_shortage():
     finally:
         stream.close()
     assert got == [0, 1, 2]
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_bounded_as_a_whole(monkeypatch):
+    """An unauthenticated peer that drips its hello cannot hold a leader thread past
+    HELLO_TIMEOUT_S (a bound per recv would let a 4096-byte hello take 4096 times it)."""
+    monkeypatch.setattr(event_stream, "HELLO_TIMEOUT_S", 0.5)
+    stream = EventStream("decode-0", "127.0.0.1")
+    try:
+        host, port, _, _ = stream.open("router-a")
+        hello = msgpack.packb([bytes(16), "router-a", 0], use_bin_type=True)
+        closed = seconds_until_closed(host, port, event_stream._LEN.pack(len(hello)) + hello,
+                                      every_s=0.15)
+    finally:
+        stream.close()
+    assert closed is not None and closed < 1.5, closed

@@ -18,6 +18,7 @@ from rank.call_server import LEN, CallServer, frame
 from rank.messages import Abort, InstanceOutOfService, Rejection
 from orchestrator.router.leader import LeaderClient, LeaderError
 from tests.orchestrator.descriptors import connect_during_shortage
+from tests.orchestrator.drip import seconds_until_closed
 from tests.orchestrator.fakes import Remote
 
 WAIT_S = 5.0  # every wait of these tests
@@ -455,3 +456,14 @@ def test_the_accept_loop_outlives_a_descriptor_shortage(leader):
         finally:
             await client.close()
     assert run(go()) is True
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_bounded_as_a_whole(leader, monkeypatch):
+    """An unauthenticated peer that drips its hello cannot hold a server thread past
+    HELLO_TIMEOUT_S (a bound per recv would let 24 bytes take 24 times it)."""
+    import rank.call_server as call_server
+
+    monkeypatch.setattr(call_server, "HELLO_TIMEOUT_S", 0.5)
+    host, port, token = leader.open_calls()
+    closed = seconds_until_closed(host, port, frame(bytes(16)), every_s=0.15)  # 24 x 0.15 s
+    assert closed is not None and closed < 1.5, closed
