@@ -31,12 +31,13 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.error_text import first_line
-from rank.event_stream import recv_exact, shut
+from rank.event_stream import accept_each, recv_exact, shut
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class CallServer:
                 raise RuntimeError(f"{self.name}: the leader call server is closed")
             if self._listener is None:
                 self._listener = socket.create_server((self.host, 0), backlog=64)
-                self._start(self._accept_loop, f"{self.name}-calls-accept")
+                self._start(self._accept_loop, f"{self.name}-calls-accept", self._listener)
             port = self._listener.getsockname()[1]
         return self.host, port, self.token
 
@@ -138,30 +139,33 @@ class CallServer:
         """A daemon thread (caller holds the lock); ended ones are forgotten."""
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()  # NOTE: before it is kept: close() joins only started threads
         self._threads.append(thread)
-        thread.start()
 
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
+    def _accept_loop(self, listener: socket.socket) -> None:
+        accept_each(f"{self.name} leader calls", listener, lambda: self._closed, self._take)
+
+    def _take(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own (refused once closed).
+
+        Raises:
+            RuntimeError: the thread did not start (``conn`` is not kept).
+        """
+        with self._lock:
+            if self._closed:
+                conn.close()
                 return
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-                self._start(self._serve, f"{self.name}-calls-in", conn)
+            # NOTE: the lock is held: the thread cannot discard ``conn`` before it is kept
+            self._start(self._serve, f"{self.name}-calls-in", conn)
+            self._conns.add(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         """One router connection: its hello, then each call frame to the pool."""
         send_lock = threading.Lock()  # NOTE: answers from several pool threads, one at a time
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HELLO_TIMEOUT_S)
-            if not hmac.compare_digest(_recv_body(conn, TOKEN_BYTES), self.token):
+            hello_by = time.monotonic() + HELLO_TIMEOUT_S  # NOTE: the whole hello, not per recv
+            if not hmac.compare_digest(_recv_body(conn, TOKEN_BYTES, hello_by), self.token):
                 raise ConnectionError("wrong token")
             # NOTE: one timeout for the reader and the pool's sends: the reader waits for a
             # frame with poll() (_next_frame), so it never toggles it
@@ -208,13 +212,14 @@ class CallServer:
             shut(conn)
 
 
-def _recv_body(sock: socket.socket, limit: int) -> bytes:
-    """One frame's body (its length first), of at most ``limit`` bytes.
+def _recv_body(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
+    """One frame's body (its length first), of at most ``limit`` bytes; by ``deadline``
+    (``time.monotonic()``) when given.
 
     Raises:
         ValueError: a longer frame. ConnectionError: the peer closed. OSError: timed out.
     """
-    (n,) = LEN.unpack(recv_exact(sock, LEN.size))
+    (n,) = LEN.unpack(recv_exact(sock, LEN.size, deadline))
     if n > limit:
         raise ValueError(f"a frame of {n} bytes (at most {limit})")
-    return recv_exact(sock, n)
+    return recv_exact(sock, n, deadline)

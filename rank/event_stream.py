@@ -39,6 +39,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -56,6 +57,7 @@ RETAIN = 4096  # sent frames kept per subscriber for a resume
 HELLO_TIMEOUT_S = 5.0  # a connection says its hello within this, else it is closed
 SEND_TIMEOUT_S = 30.0  # one frame's send; past it the connection is dropped (router may resume)
 MAX_FRAME_BYTES = 1 << 30
+ACCEPT_RETRY_S = 0.1  # a failed accept() (e.g. out of descriptors) is tried again this often
 
 
 def pack_frame(body: object) -> bytes:
@@ -91,14 +93,22 @@ def event_from_row(row: list, source: str, instance: str) -> TokenEvent:
         ttft_phases=tuple((p, s) for p, s in phases))
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from blocking ``sock``.
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes from blocking ``sock``; with ``deadline`` (``time.monotonic()``)
+    all of them by then (else each ``recv`` within the socket's own timeout: a peer that
+    sends a byte at a time could stretch the whole past it).
 
     Raises:
-        ConnectionError: the peer closed first. OSError: the socket failed or timed out.
+        ConnectionError: the peer closed first. TimeoutError: past ``deadline``. OSError: the
+            socket failed or timed out.
     """
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(buf)} of {n} bytes came in time")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError("connection closed by the peer")
@@ -155,8 +165,8 @@ class EventStream:
                 raise RuntimeError(f"{self.name}: the event stream is closed")
             if self._listener is None:
                 self._listener = socket.create_server((self.host, 0), backlog=64)
-                threading.Thread(target=self._accept_loop, name=f"{self.name}-events",
-                                 daemon=True).start()
+                threading.Thread(target=self._accept_loop, args=(self._listener,),
+                                 name=f"{self.name}-events", daemon=True).start()
             self._outboxes.setdefault(subscriber, _Outbox())
             self._last_free = None  # NOTE: the next flush reports capacity to it
             port = self._listener.getsockname()[1]
@@ -221,24 +231,21 @@ class EventStream:
             box.sent -= 1
 
     # ---- connections ------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"{self.name}-events-out").start()
+    def _accept_loop(self, listener: socket.socket) -> None:
+        accept_each(self.name, listener, lambda: self._closed, lambda conn: threading.Thread(
+            target=self._serve, args=(conn,), daemon=True,
+            name=f"{self.name}-events-out").start())
 
     def _serve(self, conn: socket.socket) -> None:
         """One router connection: hello, then frames until it breaks or the stream closes."""
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HELLO_TIMEOUT_S)
-            (size,) = _LEN.unpack(recv_exact(conn, _LEN.size))
+            hello_by = time.monotonic() + HELLO_TIMEOUT_S  # NOTE: the whole hello, not per recv
+            (size,) = _LEN.unpack(recv_exact(conn, _LEN.size, hello_by))
             if size > 4096:
                 raise ConnectionError("hello too long")
-            token, subscriber, resume = msgpack.unpackb(recv_exact(conn, size), raw=False)
+            token, subscriber, resume = msgpack.unpackb(recv_exact(conn, size, hello_by),
+                                                        raw=False)
             if not hmac.compare_digest(bytes(token), self.token):
                 raise ConnectionError("wrong token")
             box = self._attach(conn, subscriber, int(resume))
@@ -313,3 +320,33 @@ def shut(sock: socket.socket) -> None:
     except OSError:
         pass
 
+
+
+def accept_each(name: str, listener: socket.socket, closed: Callable[[], bool],
+                take: Callable[[socket.socket], None]) -> None:
+    """Hand each connection ``listener`` accepts to ``take`` (which starts its thread) until
+    ``closed()``; the owner sets that, then closes ``listener`` to end a waiting accept.
+
+    A failed ``accept()`` while open (EMFILE: the process is out of descriptors for a moment;
+    the connection stays queued) or a ``take`` that fails (its connection closed; a thread
+    that did not start) is tried again every :data:`ACCEPT_RETRY_S`: returning would leave
+    the listener up with nobody taking its connections, so a router's next connection (after
+    any break) would wait out its bound. One warning per run of failures.
+    """
+    failing = False
+    while not closed():
+        conn = None
+        try:
+            conn, _ = listener.accept()
+            take(conn)
+            failing = False
+        except (OSError, RuntimeError) as exc:  # NOTE: RuntimeError: no thread started
+            if conn is not None:
+                conn.close()
+            if closed():
+                return
+            log.log(logging.DEBUG if failing else logging.WARNING,
+                    "%s: could not take a connection (%s: %s); retrying every %g s",
+                    name, type(exc).__name__, exc, ACCEPT_RETRY_S)
+            failing = True
+            time.sleep(ACCEPT_RETRY_S)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from rank.event_stream import recv_exact
 from rank.failures import RankGone, RankHung
 
 log = logging.getLogger(__name__)
@@ -66,29 +67,11 @@ def _send_frame(sock: socket.socket, payload: bytes, timeout_s: float | None) ->
     sock.sendall(_LEN.pack(len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes by ``deadline`` (``time.monotonic()``).
-
-    Raises:
-        TimeoutError: not all came in time. ConnectionError: the peer closed the connection.
-    """
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{len(buf)} of {n} bytes came in time")
-        sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed by the peer")
-        buf += chunk
-    return bytes(buf)
-
-
 def _recv_frame(sock: socket.socket, deadline: float) -> bytes:
-    """One frame's payload by ``deadline``; raises as :func:`_recv_exact`."""
-    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-    return _recv_exact(sock, size, deadline)
+    """One frame's payload by ``deadline``; raises as
+    :func:`rank.event_stream.recv_exact`."""
+    (size,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))
+    return recv_exact(sock, size, deadline)
 
 
 def _connect_options(sock: socket.socket) -> None:

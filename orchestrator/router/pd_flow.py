@@ -68,9 +68,10 @@ class DisaggregatedFlow(Flow):
                     ready: Ready | None = None) -> Route:
         await self._until_healthy(ready, "prefill", "decode")  # NOTE: before reserving anything
         # NOTE: eager only while nobody waits for decode room: a prompt computed ahead would
-        # hold prefill blocks through the wait, and overtake the waiters on prefill
+        # hold prefill blocks through the wait, and overtake the waiters on prefill. A late
+        # reservation's request that ends at its first token never asks decode: no wait
         if self.eager and watch is not None and not spec.num_resumed_tokens \
-                and not self.admission.ahead_of(False):
+                and (not self.admission.ahead_of(False) or self._prefill_only(spec)):
             return await self._place_eager(spec, deadline, avoid, watch)
         decode, reservation = await self._reserve(spec, deadline, avoid)
         route = Route(spec.request_id, main=decode, main_load=spec.max_total_tokens,
@@ -90,6 +91,11 @@ class DisaggregatedFlow(Flow):
             route.prefill, spec.num_prompt_tokens, spec.prompt_token_ids)
         self.prefill_policy.acquire(route.prefill, route.prefill_load)
         return route
+
+    def _prefill_only(self, spec: RequestSpec) -> bool:
+        """Whether ``spec`` never needs decode: with ``reserve_late`` its first token ends it
+        (``max_tokens`` 1), so nothing is reserved (:meth:`_reserve_then_admit`)."""
+        return self.reserve_late and spec.sampling.max_tokens == 1
 
     async def _place_eager(self, spec: RequestSpec, deadline: float, avoid: Collection[str],
                            watch: Callable[[set[str]], None]) -> Route:

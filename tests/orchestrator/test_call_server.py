@@ -1,6 +1,7 @@
 """The leader's call server (rank/call_server.py) against bad callers and its own close: a
-wrong token runs nothing, a malformed frame ends only its connection, close ends every thread
-and refuses new connections, and a reader waits on any descriptor number."""
+wrong token runs nothing, a malformed frame ends only its connection, a dripped hello is
+bounded as a whole, close ends every thread and refuses new connections, a reader waits on any
+descriptor number and the accept loop outlives a descriptor shortage."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from rank.call_server import LEN, frame
 from rank.messages import Abort
 from orchestrator.router.leader import LeaderClient, LeaderError
+from tests.orchestrator.descriptors import connect_during_shortage
+from tests.orchestrator.drip import seconds_until_closed
 from tests.orchestrator.call_fakes import WAIT_S, Leader, leader, run, threads_named, until
 from tests.orchestrator.fakes import Remote
 
@@ -100,3 +103,35 @@ def test_a_reader_waits_on_a_descriptor_past_select_s_limit(leader):
         for sock in held:
             sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_accept_loop_outlives_a_descriptor_shortage(leader):
+    """accept() failing (EMFILE: the rank process out of descriptors for a moment) must not end
+    the call server: once descriptors are free again the queued connection is taken and a
+    router's later connection too (else every call to the leader hangs to its timeout)."""
+    host, port, token = leader.open_calls()
+    with connect_during_shortage(host, port) as queued:
+        queued.settimeout(WAIT_S)
+        queued.sendall(frame(bytes(token)) + frame(LEN.pack(7) + pickle.dumps(Abort("r1"))))
+        (size,) = LEN.unpack(queued.recv(LEN.size, socket.MSG_WAITALL))
+        body = queued.recv(size, socket.MSG_WAITALL)
+        assert LEN.unpack_from(body) == (7,) and pickle.loads(body[LEN.size + 1:]) is True
+
+    async def go():
+        client = LeaderClient("decode-0", "decode", Remote(leader), 5.0, calls="socket")
+        try:
+            return await client.call(Abort("r2"))
+        finally:
+            await client.close()
+    assert run(go()) is True
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_bounded_as_a_whole(leader, monkeypatch):
+    """An unauthenticated peer that drips its hello cannot hold a server thread past
+    HELLO_TIMEOUT_S (a bound per recv would let 24 bytes take 24 times it)."""
+    import rank.call_server as call_server
+
+    monkeypatch.setattr(call_server, "HELLO_TIMEOUT_S", 0.5)
+    host, port, token = leader.open_calls()
+    closed = seconds_until_closed(host, port, frame(bytes(16)), every_s=0.15)  # 24 x 0.15 s
+    assert closed is not None and closed < 1.5, closed

@@ -9,12 +9,15 @@ import asyncio
 import threading
 import time
 
+import msgpack
 import pytest
 
 from orchestrator.router.event_stream import EventSubscription, StreamBroken
 from rank import event_stream
 from rank.event_stream import EventStream
 from rank.messages import TokenEvent
+from tests.orchestrator.descriptors import connect_during_shortage
+from tests.orchestrator.drip import seconds_until_closed
 
 
 def _subscription(stream: EventStream, subscriber: str = "router-a") -> EventSubscription:
@@ -270,3 +273,38 @@ def test_a_task_that_swallows_a_cancel_is_cancelled_again():
         await cancel_task(task, timeout_s=2.0)
         assert task.cancelled() and swallowed == [1]
     asyncio.run(go())
+
+
+def test_the_accept_loop_outlives_a_descriptor_shortage():
+    """accept() failing (EMFILE: the leader process out of descriptors for a moment) must not
+    end the stream's listener: a router that subscribes afterwards gets its events."""
+    stream = EventStream("decode-0", "127.0.0.1")
+    host, port, _, _ = stream.open("router-a")
+    connect_during_shortage(host, port).close()
+
+    async def go():
+        collect = asyncio.create_task(_collect(_subscription(stream), 3))
+        await asyncio.sleep(0.05)
+        _publish(stream, 0, 3)
+        return await collect
+
+    try:
+        _, got = asyncio.run(go())
+    finally:
+        stream.close()
+    assert got == [0, 1, 2]
+
+
+def test_a_hello_sent_a_byte_at_a_time_is_bounded_as_a_whole(monkeypatch):
+    """An unauthenticated peer that drips its hello cannot hold a leader thread past
+    HELLO_TIMEOUT_S (a bound per recv would let a 4096-byte hello take 4096 times it)."""
+    monkeypatch.setattr(event_stream, "HELLO_TIMEOUT_S", 0.5)
+    stream = EventStream("decode-0", "127.0.0.1")
+    try:
+        host, port, _, _ = stream.open("router-a")
+        hello = msgpack.packb([bytes(16), "router-a", 0], use_bin_type=True)
+        closed = seconds_until_closed(host, port, event_stream._LEN.pack(len(hello)) + hello,
+                                      every_s=0.15)
+    finally:
+        stream.close()
+    assert closed is not None and closed < 1.5, closed

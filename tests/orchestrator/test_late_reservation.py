@@ -266,3 +266,33 @@ def test_a_late_reservation_waiting_for_room_goes_on_through_a_router_stop():
     finally:
         h.loop.call_soon_threadsafe(h.loop.stop)
         h.thread.join(5)
+
+
+def test_a_request_done_at_its_first_token_does_not_wait_for_decode_room():
+    """max_tokens == 1 while decode is full and a late reservation waits for room: the request
+    never needs decode, so it goes to the prefill at once (no reserve, no wait behind the
+    waiter) and finishes while decode is still full."""
+    h = _late(decode_capacity=1, max_pending=4, request_timeout_s=30.0)
+    try:
+        decode = h.fakes["decode-0"]
+        entered, release = h.call_in_loop(lambda: decode.hold("admit"))
+        first: dict = {}
+        second: dict = {}
+        t1 = _stream(h, first, "s1", (3, 4), 4)
+        h.run(entered.wait())  # s1 holds the only slot
+        t2 = _stream(h, second, "s2", (5, 6), 4)
+        assert _wait_for(lambda: h.call_in_loop(lambda: h.router.flow.admission.waiting) == 1)
+        one: dict = {}
+        _stream(h, one, "one", (7, 8), 1).join(10)
+        assert "error" not in one, one
+        assert [t for c in one["chunks"] for t in c.token_ids] == expected_tokens((7, 8), 1)
+        assert not any(str(c[1]).startswith("one@") for c in _calls(h, "decode-0"))
+        assert h.call_in_loop(lambda: h.router.flow.admission.waiting) == 1  # s2 still waits
+        h.call_in_loop(release.set)
+        t1.join(10)
+        t2.join(10)
+        for got, prompt in ((first, (3, 4)), (second, (5, 6))):
+            assert [t for c in got["chunks"] for t in c.token_ids] == expected_tokens(prompt, 4)
+        assert _freed(h, "decode-0")
+    finally:
+        h.close()

@@ -159,7 +159,7 @@ class OpenAIApp:
                 *(_collect(g.pieces(), c) for g, c in zip(gens, choices))))
             if done is None:
                 return Response(status_code=CLIENT_GONE)
-            return JSONResponse(shape.whole(gens[0].request_id, created, self.model,
+            return JSONResponse(shape.whole(gens[0].response_id, created, self.model,
                                             [c.whole(lp) for c in choices],
                                             gens[0].prompt_tokens,
                                             sum(g.completion_tokens for g in gens),
@@ -180,7 +180,7 @@ class OpenAIApp:
                       choices: list[Choice], firsts: list[Piece],
                       streams: list[AsyncIterator[Piece]],
                       req: GenerationRequest) -> AsyncIterator[bytes]:
-        rid, lp = gens[0].request_id, req.top_logprobs_count is not None
+        rid, lp = gens[0].response_id, req.top_logprobs_count is not None
         merged = merge_streams([_then(f, s) for f, s in zip(firsts, streams)])
         try:
             async for index, piece in merged:

@@ -41,15 +41,17 @@ class Generation:
     """One request's run: :meth:`pieces` streams it, then the counters hold its usage.
 
     Attributes:
-        request_id: the router's id of it (also the response id's suffix).
+        request_id: the router's id of it (``"<response_id>:<i>"`` for choice i of n > 1).
+        response_id: the HTTP request's id, the response id's suffix (one for all n choices).
         prompt_tokens, completion_tokens: usage (completion counts every generated token,
             the ones a stop string cut off included, as OpenAI does).
         cached_tokens: prompt tokens found in the prefix cache (from the last chunk's stats).
     """
 
-    def __init__(self, router: Router, inp: GenerateInput, prompt_tokens: int) -> None:
+    def __init__(self, router: Router, inp: GenerateInput, prompt_tokens: int,
+                 response_id: str) -> None:
         self.router, self.inp = router, inp
-        self.request_id = inp.request_id
+        self.request_id, self.response_id = inp.request_id, response_id
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.cached_tokens = 0
 
@@ -105,7 +107,7 @@ async def start_generation(router: Router, text: str | None, token_ids: tuple[in
     inp = GenerateInput(text=text if token_ids is None else None, token_ids=token_ids,
                         sampling=sampling, request_id=uuid.uuid4().hex,
                         stop=req.stop_strings())
-    return [Generation(router, choice, prompt_tokens)
+    return [Generation(router, choice, prompt_tokens, inp.request_id)
             for choice in choice_inputs(inp, req.choices)]
 
 
