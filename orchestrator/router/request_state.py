@@ -202,7 +202,7 @@ class RequestState:
             if left <= 0:
                 raise RequestError(
                     "DEADLINE_EXCEEDED",
-                    f"request {self.request_id}: no tokens from {sorted(self.route.instances)}"
+                    f"request {self.request_id}: no tokens from {sorted(self.instances)}"
                     f" within router.request_timeout_s={timeout_s:g} s: the instance may be "
                     "overloaded or stuck; check `orch status` and the worker logs, or raise "
                     "router.request_timeout_s")

@@ -181,6 +181,12 @@ def test_the_wait_ends_on_abort_shutdown_and_its_deadline():
             await silent.next_event(Inbox("r"), timeout_s=0.05)
         assert err.value.code == "DEADLINE_EXCEEDED"
         assert "['decode-0', 'prefill-0']" in err.value.message
+        decoding = _state()  # NOTE: past its first token it waits on decode only
+        _placed(decoding)
+        decoding.decoding()
+        with pytest.raises(RequestError) as err:
+            await decoding.next_event(Inbox("r"), timeout_s=0.05)
+        assert "no tokens from ['decode-0'] within" in err.value.message
     _run(go())
 
 
