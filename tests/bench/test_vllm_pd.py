@@ -1,0 +1,78 @@
+"""benchmarks/vllm_pd.py without vLLM or NIXL: both servers get NixlConnector with a CPU KV
+buffer; pausing stops and resumes a server's whole process group; the ``sitecustomize`` of
+``--vllm-pd-progress-thread off`` turns the progress thread's default off and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from benchmarks import vllm_pd
+
+
+def test_both_servers_run_nixl_with_a_cpu_kv_buffer():
+    cfg = json.loads(vllm_pd.kv_transfer_config())
+    assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                   "kv_buffer_device": "cpu"}
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_state(pid: int, want: str, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (got := _state(pid)) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_pause_stops_and_resume_continues_each_servers_process_group():
+    # NOTE: a parent (the "server") and its child (an engine process) in one new session
+    procs = [subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time; "
+                               "c = subprocess.Popen([sys.executable, '-c', "
+                               "'import time; time.sleep(60)']); "
+                               "print(c.pid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+             for _ in range(2)]
+    try:
+        children = [int(p.stdout.readline()) for p in procs]
+        side = vllm_pd.PDServers("http://127.0.0.1:1/v1", tuple(procs))
+        side.pause()
+        for pid in [p.pid for p in procs] + children:
+            assert _wait_state(pid, "T") == "T"
+        side.resume()
+        for pid in [p.pid for p in procs] + children:
+            assert _wait_state(pid, "S") == "S"
+    finally:
+        for p in procs:
+            vllm_pd.stop(p)
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_the_sitecustomize_turns_only_the_progress_thread_default_off(monkeypatch):
+    class FakeConfig:
+        def __init__(self, enable_prog_thread=True, enable_listen_thread=False, num_threads=0):
+            self.args = (enable_prog_thread, enable_listen_thread, num_threads)
+
+    api = types.ModuleType("nixl_cu12._api")
+    api.nixl_agent_config = FakeConfig
+    pkg = types.ModuleType("nixl_cu12")
+    pkg._api = api
+    monkeypatch.setitem(sys.modules, "nixl_cu12", pkg)
+    monkeypatch.setitem(sys.modules, "nixl_cu12._api", api)
+    monkeypatch.setenv("UCX_RCACHE_MAX_UNRELEASED", "7")
+    exec(compile(vllm_pd._SITECUSTOMIZE, "sitecustomize.py", "exec"), {})
+    assert FakeConfig().args == (False, False, 0)
+    assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "7"  # NOTE: a set value is kept
+    assert FakeConfig(num_threads=4).args == (False, False, 4)
+    assert FakeConfig(enable_prog_thread=True).args == (True, False, 0)
