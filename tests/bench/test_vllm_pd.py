@@ -76,3 +76,22 @@ def test_the_sitecustomize_turns_only_the_progress_thread_default_off(monkeypatc
     assert os.environ["UCX_RCACHE_MAX_UNRELEASED"] == "7"  # NOTE: a set value is kept
     assert FakeConfig(num_threads=4).args == (False, False, 4)
     assert FakeConfig(enable_prog_thread=True).args == (True, False, 0)
+
+
+def test_vllm_runs_with_its_prefix_cache_off_and_the_extra_args(tmp_path):
+    # NOTE: a fake venv whose python records its arguments (no vLLM here)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "vllm").write_text("")
+    argv = tmp_path / "argv"
+    python = venv / "bin" / "python"
+    python.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {argv}\n")
+    python.chmod(0o755)
+    proc, base, _ = vllm_pd.launch_vllm(venv, tmp_path / "ckpt", 8123, tmp_path / "log",
+                                        max_num_seqs=8, max_model_len=320, env={},
+                                        extra_args=["--kv-transfer-config", "{}"])
+    assert proc.wait(timeout=30) == 0 and base == "http://127.0.0.1:8123/v1"
+    args = argv.read_text().split("\n")
+    assert "--no-enable-prefix-caching" in args
+    assert args[args.index("--kv-transfer-config") + 1] == "{}"
+    assert args[args.index("--max-num-seqs") + 1] == "8"
