@@ -102,7 +102,9 @@ def _drop_broken_addons(venv: Path, log: TextIO) -> None:
     on ``2.13.0+cpu`` ("operator torchvision::nms does not exist"), and transformers imports
     torchvision whenever it is installed, so ``vllm serve`` dies at start. Text models need
     none of them."""
-    probe = subprocess.run([str(vllm_python(venv)), "-c", "import torchvision"],
+    # NOTE: an absent torchvision is fine (it was removed on an earlier run)
+    probe = subprocess.run([str(vllm_python(venv)), "-c", "import importlib.util as u\n"
+                            "if u.find_spec('torchvision'): import torchvision"],
                            capture_output=True, timeout=300)
     if probe.returncode == 0:
         return

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import vllm_pd
+from benchmarks import vllm_pd, vllm_server
 
 
 def test_both_servers_run_nixl_with_a_cpu_kv_buffer():
@@ -95,3 +95,24 @@ def test_vllm_runs_with_its_prefix_cache_off_and_the_extra_args(tmp_path):
     assert "--no-enable-prefix-caching" in args
     assert args[args.index("--kv-transfer-config") + 1] == "{}"
     assert args[args.index("--max-num-seqs") + 1] == "8"
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_torch_addons_are_removed_only_when_torchvision_is_there_and_broken(
+        tmp_path, monkeypatch, broken):
+    # NOTE: the fake venv's python runs this interpreter for the probe and records pip calls
+    venv, pip_calls = tmp_path / "venv", tmp_path / "pip_calls"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-m" ]; then echo "$@" >> {pip_calls}; exit 0; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    site = tmp_path / "site"
+    if broken:
+        (site / "torchvision").mkdir(parents=True)
+        (site / "torchvision" / "__init__.py").write_text("raise RuntimeError('nms')\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    with (tmp_path / "log").open("w") as log:
+        vllm_server._drop_broken_addons(venv, log)
+    calls = pip_calls.read_text() if pip_calls.exists() else ""
+    assert ("uninstall -y torchvision" in calls) is broken
