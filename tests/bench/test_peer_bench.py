@@ -42,3 +42,27 @@ def test_instance_load_times_come_from_the_orch_up_log(tmp_path):
                    "orch up: 2 instances ready in 15.7 s\n")
     assert peer_bench.instance_ready_seconds(log) == {"prefill-0": 5.1, "decode-0": 15.7}
     assert peer_bench.instance_ready_seconds(tmp_path / "missing.log") == {}
+
+
+def _rounds(*ttfts):
+    return [{"ttft_p50_ms": t, "tpot_ms": 5.0, "output_tok_s": 100.0 / t} for t in ttfts]
+
+
+def test_orch_pd_is_compared_with_vllm_and_with_vllms_pd():
+    runs = {"orch-colocated-graph": _rounds(20, 30), "orch-pd-graph": _rounds(30, 40),
+            "vllm": _rounds(10, 30), "vllm-pd": _rounds(60, 100)}
+    sides = peer_bench.summarize_level(8, runs)["sides"]
+    pd = sides["orch-pd-graph"]["ttft_p50_ms"]
+    assert pd["ratio"] == pytest.approx(35 / 20)
+    assert pd["round_ratios"] == pytest.approx((40 / 30, 30 / 10))
+    assert pd["pd_ratio"] == pytest.approx(35 / 80)
+    assert pd["pd_round_ratios"] == pytest.approx((0.4, 0.5))
+    assert "pd_ratio" not in sides["orch-colocated-graph"]["ttft_p50_ms"]
+    for peer in ("vllm", "vllm-pd"):  # NOTE: vLLM's rows carry no ratios
+        assert set(sides[peer]["tpot_ms"]) == {"median", "range"}
+
+
+def test_without_vllms_pd_there_is_no_pd_ratio():
+    sides = peer_bench.summarize_level(1, {"orch-pd": _rounds(30), "vllm": _rounds(10)})["sides"]
+    assert sides["orch-pd"]["output_tok_s"]["ratio"] == pytest.approx(1 / 3)
+    assert "pd_ratio" not in sides["orch-pd"]["output_tok_s"]
