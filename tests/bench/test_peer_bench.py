@@ -45,7 +45,8 @@ def test_instance_load_times_come_from_the_orch_up_log(tmp_path):
 
 
 def _rounds(*ttfts):
-    return [{"ttft_p50_ms": t, "tpot_ms": 5.0, "output_tok_s": 100.0 / t} for t in ttfts]
+    return [{"ttft_p50_ms": t, "tpot_ms": 5.0, "output_tok_s": 100.0 / t, "failed": 0,
+             "errors": {}} for t in ttfts]
 
 
 def test_orch_pd_is_compared_with_vllm_and_with_vllms_pd():
@@ -66,3 +67,15 @@ def test_without_vllms_pd_there_is_no_pd_ratio():
     sides = peer_bench.summarize_level(1, {"orch-pd": _rounds(30), "vllm": _rounds(10)})["sides"]
     assert sides["orch-pd"]["output_tok_s"]["ratio"] == pytest.approx(1 / 3)
     assert "pd_ratio" not in sides["orch-pd"]["output_tok_s"]
+
+
+def test_a_sides_failed_requests_are_counted_not_fatal(capsys):
+    """A peer that fails a request (vLLM's PD answered one 502 at c = 8) stays in the run:
+    its rounds' failures are summed on its row and the table names them."""
+    runs = {"orch-pd": _rounds(30, 40), "vllm-pd": _rounds(60, 100)}
+    runs["vllm-pd"][0].update(failed=1, errors={"HTTP_502": 1})
+    row = peer_bench.summarize_level(8, runs)
+    assert row["sides"]["vllm-pd"]["failed"] == 1 and row["sides"]["orch-pd"]["failed"] == 0
+    peer_bench.print_table([row], argparse.Namespace(input_len=256, output_len=64, rounds=2))
+    table = capsys.readouterr().out
+    assert "| 8 | vllm-pd (1 failed) |" in table and "| 8 | orch-pd |" in table
