@@ -232,7 +232,7 @@ def run_level(args: argparse.Namespace, sides: dict[str, str], level: int,
                     pausable[name].pause()
             last = runs[name][-1]
             print(f"  c={level} round {r} {name}: " + ", ".join(
-                f"{col} {last[key]:.1f}" for key, col in METRICS)
+                f"{col} {_num(last[key])}" for key, col in METRICS)
                 + (f"; {last['failed']} failed: {last['errors']}" if last["failed"] else ""),
                 flush=True)
     return runs
@@ -248,7 +248,11 @@ def summarize_level(level: int, runs: dict[str, list[dict]]) -> dict:
         cells = {}
         for key, _ in METRICS:
             vals = [x[key] for x in rounds]
-            cell = {"median": statistics.median(vals), "range": (min(vals), max(vals))}
+            done = [v for v in vals if v is not None]  # NOTE: None: every request failed
+            if not done:
+                cells[key] = {"median": None, "range": None}
+                continue
+            cell = {"median": statistics.median(done), "range": (min(done), max(done))}
             peers = [("", "vllm")] if name.startswith("orch") else []
             peers += [("pd_", "vllm-pd")] if name.startswith("orch-pd") else []
             for prefix, peer_name in peers:
@@ -261,10 +265,21 @@ def summarize_level(level: int, runs: dict[str, list[dict]]) -> dict:
     return row
 
 
-def ratio(vals: list[float], peer: list[float]) -> tuple[float, tuple[float, float]]:
-    """(median(vals) / median(peer), (min, max) of the per-round ratios vals[r] / peer[r])."""
-    per_round = [a / b for a, b in zip(vals, peer)]
-    return statistics.median(vals) / statistics.median(peer), (min(per_round), max(per_round))
+def ratio(vals: list[float | None], peer: list[float | None]
+          ) -> tuple[float, tuple[float, float]] | tuple[None, None]:
+    """(median(vals) / median(peer), (min, max) of the per-round ratios vals[r] / peer[r]),
+    over the rounds where both sides completed requests (a round whose requests all failed
+    has None); (None, None) when there are none."""
+    pairs = [(a, b) for a, b in zip(vals, peer) if a is not None and b is not None]
+    if not pairs:
+        return None, None
+    per_round = [a / b for a, b in pairs]
+    return (statistics.median(a for a, _ in pairs) / statistics.median(b for _, b in pairs),
+            (min(per_round), max(per_round)))
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
@@ -278,8 +293,11 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
             out = []
             for key, _ in METRICS:
                 c = cells[key]
+                if c["median"] is None:
+                    out.append("n/a (every request failed)")
+                    continue
                 text = f"{c['median']:.1f} [{c['range'][0]:.1f}-{c['range'][1]:.1f}]"
-                if "ratio" in c:
+                if c.get("ratio") is not None:
                     lo, hi = c["round_ratios"]
                     text += f" (**{c['ratio']:.2f}**) [{lo:.2f}-{hi:.2f}]"
                 out.append(text)
@@ -293,6 +311,7 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         print("|---|---|" + "---|" * len(METRICS))
         for level, name, cells in pd_rows:
             print(f"| {level} | {name} / vllm-pd | " + " | ".join(
+                "n/a" if cells[key].get("pd_ratio") is None else
                 f"**{cells[key]['pd_ratio']:.2f}** [{cells[key]['pd_round_ratios'][0]:.2f}-"
                 f"{cells[key]['pd_round_ratios'][1]:.2f}]" for key, _ in METRICS) + " |")
 

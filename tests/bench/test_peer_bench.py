@@ -79,3 +79,21 @@ def test_a_sides_failed_requests_are_counted_not_fatal(capsys):
     peer_bench.print_table([row], argparse.Namespace(input_len=256, output_len=64, rounds=2))
     table = capsys.readouterr().out
     assert "| 8 | vllm-pd (1 failed) |" in table and "| 8 | orch-pd |" in table
+
+
+def test_a_round_whose_requests_all_failed_is_left_out_of_medians_and_ratios(capsys):
+    """Run 12: orch colocated's c = 8 round 2 failed all 16 requests (its rank missed health
+    pings beside vLLM's PD): no figure (None) for that round, the others still count."""
+    runs = {"orch-colocated": _rounds(20, 30, 40), "vllm": _rounds(10, 10, 20)}
+    runs["orch-colocated"][2].update(ttft_p50_ms=None, tpot_ms=None, output_tok_s=0.0,
+                                     failed=16, errors={"UNAVAILABLE": 16})
+    row = peer_bench.summarize_level(8, runs)
+    ttft = row["sides"]["orch-colocated"]["ttft_p50_ms"]
+    assert ttft["median"] == pytest.approx(25) and ttft["range"] == (20, 30)
+    assert ttft["ratio"] == pytest.approx(25 / 10) and ttft["round_ratios"] == (2.0, 3.0)
+    failed = [{"ttft_p50_ms": None, "tpot_ms": None, "output_tok_s": 0.0, "failed": 16,
+               "errors": {}}]
+    gone = peer_bench.summarize_level(8, {"a": failed, "vllm": _rounds(10)})["sides"]
+    assert gone["a"]["tpot_ms"] == {"median": None, "range": None}
+    peer_bench.print_table([row], argparse.Namespace(input_len=256, output_len=64, rounds=3))
+    assert "| 8 | orch-colocated (16 failed) | 25.0 [20.0-30.0] (**2.50**)" in capsys.readouterr().out
