@@ -42,24 +42,32 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
+async def _arrive_then_grant(arrivals, ahead_args, first_room: int):
+    """Requests of 2 blocks arrive one by one (``arrivals``: (id, priority, computed)); then
+    decode-0 reports ``first_room`` free blocks and decode-1 4. Returns (``ahead_of(*args)``
+    for each of ``ahead_args`` before any grant, the grants after decode-0's report, all
+    grants in order)."""
+    queue, granted, done = _queue(), [], asyncio.Event()
+    tasks = []
+    for rid, priority, computed in arrivals:
+        tasks.append(asyncio.create_task(
+            _take(queue, rid, 2, granted, done, priority, computed)))
+        await _settle()  # arrival order as listed
+    ahead = tuple(queue.ahead_of(*args) for args in ahead_args)
+    queue.report("decode-0", first_room)
+    await _settle()
+    first = list(granted)
+    queue.report("decode-1", 4)
+    await _settle()
+    done.set()
+    await asyncio.gather(*tasks)
+    return ahead, first, granted
+
+
 def test_a_migrating_request_goes_ahead_of_new_arrivals_behind_earlier_migrating_ones():
-    async def go():
-        queue, granted, done = _queue(), [], asyncio.Event()
-        tasks = []
-        for rid, priority in (("new-a", False), ("new-b", False), ("moved-1", True),
-                              ("moved-2", True)):
-            tasks.append(asyncio.create_task(_take(queue, rid, 2, granted, done, priority)))
-            await _settle()  # arrival order as listed
-        ahead = (queue.ahead_of(True), queue.ahead_of(False))
-        queue.report("decode-0", 5)  # room for two requests of 2 blocks
-        await _settle()
-        first = list(granted)
-        queue.report("decode-1", 4)
-        await _settle()
-        done.set()
-        await asyncio.gather(*tasks)
-        return ahead, first, granted
-    ahead, first, granted = asyncio.run(go())
+    ahead, first, granted = asyncio.run(_arrive_then_grant(
+        (("new-a", False, False), ("new-b", False, False), ("moved-1", True, False),
+         ("moved-2", True, False)), ((True,), (False,)), first_room=5))
     assert ahead == (2, 4)
     assert first == [("moved-1", "decode-0"), ("moved-2", "decode-0")]
     assert [rid for rid, _ in granted] == ["moved-1", "moved-2", "new-a", "new-b"]
@@ -69,24 +77,9 @@ def test_computed_prompts_go_ahead_of_migrating_requests_and_new_arrivals():
     """An eager prompt already computed (holding prefill blocks) waits ahead of a migrating
     request, which would hold decode blocks while it waits for prefill room: decode room goes
     to the computed ones first, in their arrival order (a late reservation: both flags)."""
-    async def go():
-        queue, granted, done = _queue(), [], asyncio.Event()
-        tasks = []
-        for rid, priority, computed in (("new-a", False, False), ("moved-1", True, False),
-                                        ("eager-1", False, True), ("late-1", True, True)):
-            tasks.append(asyncio.create_task(
-                _take(queue, rid, 2, granted, done, priority, computed)))
-            await _settle()  # arrival order as listed
-        ahead = (queue.ahead_of(False, True), queue.ahead_of(True), queue.ahead_of(False))
-        queue.report("decode-0", 4)  # room for two requests of 2 blocks
-        await _settle()
-        first = list(granted)
-        queue.report("decode-1", 4)
-        await _settle()
-        done.set()
-        await asyncio.gather(*tasks)
-        return ahead, first, granted
-    ahead, first, granted = asyncio.run(go())
+    ahead, first, granted = asyncio.run(_arrive_then_grant(
+        (("new-a", False, False), ("moved-1", True, False), ("eager-1", False, True),
+         ("late-1", True, True)), ((False, True), (True,), (False,)), first_room=4))
     assert ahead == (2, 3, 4)
     assert first == [("eager-1", "decode-0"), ("late-1", "decode-0")]
     assert [rid for rid, _ in granted] == ["eager-1", "late-1", "moved-1", "new-a"]

@@ -238,6 +238,16 @@ def test_once_admitted_a_prefill_failure_leaves_the_request_on_its_decode():
         h.close()
 
 
+def _holding_the_only_slot(h):
+    """Request s1 (prompt (3, 4), 4 tokens) holds decode-0's only slot, its ``admit`` held.
+    Returns (the event that releases the admit, s1's result dict, its stream thread)."""
+    entered, release = h.call_in_loop(lambda: h.fakes["decode-0"].hold("admit"))
+    first: dict = {}
+    t1 = _stream(h, first, "s1", (3, 4), 4)
+    h.run(entered.wait())
+    return release, first, t1
+
+
 def test_a_late_reservation_waiting_for_room_goes_on_through_a_router_stop():
     """The router stops (SIGTERM drain) while a request that streamed its first token waits
     in the admission queue for decode room: its client has a token, so it is not refused
@@ -245,13 +255,10 @@ def test_a_late_reservation_waiting_for_room_goes_on_through_a_router_stop():
     import asyncio
     h = _late(decode_capacity=1, max_pending=4, request_timeout_s=30.0)
     try:
-        decode = h.fakes["decode-0"]
-        entered, release = h.call_in_loop(lambda: decode.hold("admit"))
-        first: dict = {}
+        release, first, t1 = _holding_the_only_slot(h)
+        # NOTE: later admits go on
+        h.call_in_loop(lambda: h.fakes["decode-0"].hold("admit")[1].set())
         second: dict = {}
-        t1 = _stream(h, first, "s1", (3, 4), 4)
-        h.run(entered.wait())  # s1 holds the only slot
-        h.call_in_loop(lambda: decode.hold("admit")[1].set())  # NOTE: later admits go on
         t2 = _stream(h, second, "s2", (5, 6), 4)
         assert _wait_for(lambda: len(second.get("chunks", ())) == 1)  # its first token
         assert _wait_for(lambda: h.call_in_loop(lambda: h.router.flow.admission.waiting) == 1)
@@ -274,12 +281,8 @@ def test_a_request_done_at_its_first_token_does_not_wait_for_decode_room():
     waiter) and finishes while decode is still full."""
     h = _late(decode_capacity=1, max_pending=4, request_timeout_s=30.0)
     try:
-        decode = h.fakes["decode-0"]
-        entered, release = h.call_in_loop(lambda: decode.hold("admit"))
-        first: dict = {}
+        release, first, t1 = _holding_the_only_slot(h)
         second: dict = {}
-        t1 = _stream(h, first, "s1", (3, 4), 4)
-        h.run(entered.wait())  # s1 holds the only slot
         t2 = _stream(h, second, "s2", (5, 6), 4)
         assert _wait_for(lambda: h.call_in_loop(lambda: h.router.flow.admission.waiting) == 1)
         one: dict = {}
