@@ -193,6 +193,14 @@ class EventStream:
         with self._cond:
             self._status = merge_rows(self._status, row)  # NOTE: one not sent yet keeps its records
 
+    def beat_due_in(self) -> float | None:
+        """Seconds until a heartbeat frame is due (<= 0: now), None when no subscriber asked
+        for one."""
+        with self._cond:
+            if self._beat_s is None or not self._outboxes:
+                return None
+            return self._last_frame_at + self._beat_s - time.monotonic()
+
     def flush(self, free_blocks: int, ranks_age_s: float | None = None,
               group_free: dict[str, int] | None = None) -> bool:
         """Close the queued events into one frame per subscriber, with ``free_blocks``,

@@ -247,6 +247,12 @@ class Leader:
         self.lock.give_way()  # NOTE: a request's call waiting for the lock goes first
         return self._step.agree()
 
+    @property
+    def in_lockstep(self) -> bool:
+        """Whether the role steps in DP lockstep (``ep`` with ``dp > 1``: an idle DP rank
+        still meets every round)."""
+        return self._step.dp_sync is not None
+
     def leave_lockstep(self) -> None:
         """The loop ended (shutdown): an in-service leader of a lockstep role tells the other
         DP ranks with one last round, so none waits the step bound for it (rank/dp_sync.py,
