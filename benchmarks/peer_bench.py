@@ -7,9 +7,11 @@ Sides, all up for the whole run, each on free loopback ports:
 - ``orch-pd``: configs/1p1d.yaml with prefill tp 1 -> decode tp 1;
 - with ``--orch-graph`` both orch sides run decode graph mode (``decode.graph``: torch.compile
   / inductor on CPU, buckets 1, 2, 4, ... up to ``max_num_seqs``, every bucket captured at
-  start-up, a failed capture an error), named ``orch-colocated-graph`` and ``orch-pd-graph``:
-  vLLM compiles its model too (inductor on CPU, at start-up), so this is the like-for-like
-  comparison; without it orch runs eager;
+  start-up, a failed capture an error) and prefill graph mode (``prefill.graph``: prefill-only
+  steps compiled once for any token count, at start-up, a failed capture an error), named
+  ``orch-colocated-graph`` and ``orch-pd-graph``: vLLM compiles its model too (inductor on
+  CPU, at start-up, prefill and decode), so this is the like-for-like comparison; without it
+  orch runs eager;
 - ``vllm``: ``vllm serve`` from the venv ``--vllm-venv`` (benchmarks/vllm_server.py; made with
   ``--install-vllm``). When vLLM cannot be installed or started the run says why and goes on
   with the orch rows;
@@ -31,7 +33,7 @@ Each level runs ``--rounds`` rounds; round ``r`` replays the sides in an order r
 
 Printed first: each side's start-up, seconds from launch to serving (orch: ``orch up`` until
 its router is SERVING, with each instance's load time from its log: model load, plus the
-decode graph capture with ``--orch-graph``; vLLM: until its API answers, its compile warm-up
+graph captures with ``--orch-graph``; vLLM: until its API answers, its compile warm-up
 included). NOTE: torch's inductor cache (``/tmp/torchinductor_$USER``) and vLLM's compile
 cache (``~/.cache/vllm``) make a second start-up on the same machine faster.
 Printed per level and side: medians over rounds of TTFT p50, TPOT (mean over requests) and
@@ -87,6 +89,8 @@ def orch_config(base: str, args: argparse.Namespace, checkpoint: Path,
     if args.orch_graph:
         data["decode"]["graph"] = {"enabled": True, "batch_sizes": graph_buckets(seqs),
                                    "warmup": True, "required": True}
+        data["prefill"] = {**(data.get("prefill") or {}),
+                           "graph": {"enabled": True, "warmup": True, "required": True}}
     if data.get("mode") == "disaggregated":
         data["prefill"] = {**(data.get("prefill") or {}), **sched}
     http_port = free_port()

@@ -39,6 +39,7 @@ from engine.kernels import KernelSet
 from engine.mla_ops import attend_causal, attend_with_lse, merge_attention
 from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
+from engine.prefill_graph import mla_prefill, register_prefill_layer
 from engine.rotary import apply_rotary_interleaved, softmax_scale
 from engine.sparse_attention import (SharedSelection, select_decode_entries,
                                      select_prefill_entries)
@@ -91,6 +92,7 @@ class MLAttention(nn.Module):
         self.sparse = config.uses_sparse_attention
         self.indexer = Indexer(config) if config.has_indexer(layer_idx) else None
         self.layer_idx = layer_idx
+        self.graph_key = register_prefill_layer(self)  # NOTE: the prefill graph's op
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, caches: tuple[torch.Tensor, ...],
@@ -135,6 +137,9 @@ class MLAttention(nn.Module):
         shared = SharedSelection() if shared is None else shared
         if meta.cp is not None:
             self._prefill_cp(out, q_nope, q_pe, iq, entries, meta, caches, shared)
+        elif meta.prefill_pack is not None:  # NOTE: the prefill graph (engine/prefill_graph.py)
+            out = mla_prefill(torch.cat((q_nope, q_pe), dim=-1), *self._expand_kv(c_kv, k_pe),
+                              caches[0], caches[1], meta.prefill_pack, self.graph_key)
         elif meta.prefills and self.sparse:
             self._prefill_sparse(out, q_nope, q_pe, iq, meta, caches, shared)
         elif meta.prefills:
@@ -156,10 +161,23 @@ class MLAttention(nn.Module):
         """Fill ``out [T, H, V]`` rows of the prefill sequences (chunk causal + cached prefix,
         LSE merge). q_nope ``[T, H, P]``, q_pe ``[T, H, R]``, c_kv ``[T, L]``, k_pe ``[T, R]``."""
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, P+R]
-        for seq in meta.prefills:
-            rows = slice(seq.start, seq.end)
-            self._attend_chunk(out, rows, q[rows], c_kv[rows], k_pe[rows], seq.prefix_slots,
-                               k_cache, v_cache)
+        k, v = self._expand_kv(c_kv, k_pe)  # [T, H, P+R], [T, H, V]
+        self.prefill_rows(out, q, k, v,
+                          [(seq.start, seq.end, seq.prefix_slots) for seq in meta.prefills],
+                          k_cache, v_cache)
+
+    def prefill_rows(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, seqs: list[tuple[int, int, torch.Tensor]],
+                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Fill ``out [T, H, V]`` rows of ``seqs`` (``(start, end, prefix_slots [ctx] int64)``
+        each: rows ``[start, end)`` after a cached prefix at those slots) with the attention of
+        ``q [T, H, P+R]`` over the rows' own keys ``k [T, H, P+R]`` / values ``v [T, H, V]``
+        (causal) and the prefix read from ``k_cache`` / ``v_cache``, LSE-merged. The eager
+        maths of the prefill graph's op too (engine/prefill_graph.py)."""
+        for start, end, prefix_slots in seqs:
+            rows = slice(start, end)
+            out[rows] = self._attend(q[rows], k[rows], v[rows], prefix_slots.to(k_cache.device),
+                                     k_cache, v_cache)
 
     def _attend_chunk(self, out: torch.Tensor, rows: slice, q: torch.Tensor,
                       c_kv: torch.Tensor, k_pe: torch.Tensor, prefix_slots: torch.Tensor,
@@ -170,9 +188,18 @@ class MLAttention(nn.Module):
         (read from the latent cache), LSE-merged."""
         n, s = q.shape[0], c_kv.shape[0]
         k, v = self._expand_kv(c_kv[s - n:], k_pe[s - n:])
-        if prefix_slots.numel() == 0 and n == s:
-            out[rows] = attend_causal(q, k, v, self.scale)
-            return
+        out[rows] = self._attend(q, k, v, prefix_slots, k_cache, v_cache,
+                                 (c_kv[:s - n], k_pe[:s - n]))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                prefix_slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                earlier: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``[n, H, V]``: queries ``q [n, H, P+R]`` over their own keys ``k`` / values ``v``
+        (causal), the cached prefix at ``prefix_slots [ctx]`` and the ``earlier`` chunk tokens
+        before them (``(c_kv [e, L], k_pe [e, R])``, none when None), LSE-merged."""
+        e = 0 if earlier is None else earlier[0].shape[0]
+        if prefix_slots.numel() == 0 and e == 0:
+            return attend_causal(q, k, v, self.scale)
         o, lse = attend_with_lse(q, k, v, self.scale, causal=True)
         flat_k = k_cache.view(-1, self.kv_lora_rank)
         flat_v = v_cache.view(-1, self.qk_rope_head_dim)
@@ -181,10 +208,10 @@ class MLAttention(nn.Module):
         # latent cache, so memory stays O(n * tile), never a padded full-sequence tensor.
         for tile in (prefix_slots.split(self.prefix_tile) if prefix_slots.numel() else ()):
             o, lse = self._merge_tile(q, o, lse, flat_k[tile], flat_v[tile])
-        for lo in range(0, s - n, self.prefix_tile):
-            hi = min(lo + self.prefix_tile, s - n)
-            o, lse = self._merge_tile(q, o, lse, c_kv[lo:hi], k_pe[lo:hi])
-        out[rows] = o
+        for lo in range(0, e, self.prefix_tile):
+            hi = min(lo + self.prefix_tile, e)
+            o, lse = self._merge_tile(q, o, lse, earlier[0][lo:hi], earlier[1][lo:hi])
+        return o
 
     def _merge_tile(self, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                     c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -79,6 +79,8 @@ class AttentionMetadata:
             the step (every buffer: K, V, index keys; on a device, enqueued on the current
             stream, not finished), on the forward's thread; None: nothing is called. The
             prefill worker sends each layer's KV from here (prefill_worker/kv_sends.py).
+        prefill_pack: the prefill graph's form of ``prefills`` (then empty): one int64 CPU
+            tensor (:func:`engine.prefill_graph.pack_prefills`); None otherwise.
     """
 
     positions: torch.Tensor
@@ -88,6 +90,7 @@ class AttentionMetadata:
     logits_index: torch.Tensor
     cp: CPStep | None = None
     on_kv_written: Callable[[int], None] | None = None
+    prefill_pack: torch.Tensor | None = None
 
     def with_cp(self, cp: CPStep) -> AttentionMetadata:
         """This metadata with ``cp`` set."""

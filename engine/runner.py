@@ -7,7 +7,8 @@ tokens and every rank's cache ends up holding all of them (:mod:`engine.context_
 runner owns the model and this rank's KV cache; the caller (the worker's scheduler) owns the
 block tables and the block pool. With graph mode (``graph.enabled``) decode-only steps run
 a forward captured per batch-size bucket (:mod:`engine.graph`; speculative steps: per
-token-count bucket).
+token-count bucket); with prefill graph mode (``prefill_graph.enabled``) prefill-only steps
+run the layers compiled once for any token count (:mod:`engine.prefill_graph`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engine.context_parallel import build_cp_step
 from engine.decode_step_cache import DecodeStepCache
 from engine.forward_context import AttentionMetadata, BlockTableCache, build_attention_metadata
 from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque_mla_decode
+from engine.prefill_graph import (PrefillGraph, PrefillGraphConfig, check_prefill_graph,
+                                  mark_prefill_dynamic, pack_prefills)
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -101,6 +104,9 @@ class ModelRunner:
             (the cache's last layer) and makes :meth:`execute` a speculative step returning
             :class:`engine.spec_decode.SpecOutput` (:mod:`engine.spec_forward`; graph
             buckets then count tokens: ``b * (1 + k)``); 0: off.
+        prefill_graph: graph mode of prefill-only steps
+            (:class:`engine.prefill_graph.PrefillGraphConfig`; dense MLA, no cp, ep,
+            speculative decoding); with it the KV cache gets the scratch block too.
 
     Attributes:
         model_config, kv_spec, kv_cache, platform, device.
@@ -111,11 +117,13 @@ class ModelRunner:
         graphs: the captured decode forwards (:class:`engine.graph.DecodeGraphs`; with
             speculative decoding the verify forward's, buckets in tokens, and
             ``spec.draft_graphs`` the MTP module's), None with graph mode off.
+        prefill_graph: the compiled prefill forward (:class:`PrefillGraph`), None when off.
 
     Raises:
         UnsupportedModelError / CheckpointError: from the config parser / the loader.
         ValueError: cp > 1 with tp > 1; bad ``layer_sharding`` names; graph mode with
-            cp > 1; speculative decoding without an MTP module in the checkpoint.
+            cp > 1; speculative decoding without an MTP module in the checkpoint; prefill
+            graph mode with cp > 1, ep > 1, speculative decoding or DSA sparse attention.
         KeyError: graph mode on a device its backend has no implementation for.
     """
 
@@ -126,9 +134,10 @@ class ModelRunner:
                  kernels: KernelSet | None = None, ep: EPGroup | None = None,
                  fp8_storage: str = "dequantize", cp: CPGroup | None = None,
                  layer_sharding: tuple[str, ...] = (),
-                 graph: GraphConfig | None = None, num_speculative_tokens: int = 0) -> None:
+                 graph: GraphConfig | None = None, num_speculative_tokens: int = 0,
+                 prefill_graph: PrefillGraphConfig | None = None) -> None:
         self.tp, self.ep, self.cp = tp or TPGroup(), ep or EPGroup(), cp or CPGroup()
-        graph = graph or GraphConfig()
+        graph, prefill_graph = graph or GraphConfig(), prefill_graph or PrefillGraphConfig()
         _check_cp(self.tp, self.cp, graph)
         # NOTE: a given device was decided by the platform already (the orchestrator's
         # OrchConfig.platform()); the runner's platform is that device's, never a second guess.
@@ -145,6 +154,8 @@ class ModelRunner:
         check_layer_sharding(sharded, cfg)
         skip = unowned_params(cfg.num_hidden_layers, sharded, self.cp)
         _check_spec(cfg, num_speculative_tokens)
+        if prefill_graph.enabled:
+            check_prefill_graph(cfg, self.cp.size, self.ep.size, num_speculative_tokens)
         self.model = build_model(cfg, self.tp, self.kernels, dtype, self.device, quant,
                                  ep=self.ep, empty=skip, mtp=num_speculative_tokens > 0)
         layers = self.model.model.layers
@@ -166,7 +177,8 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.from_layer_specs(
             layers, num_blocks=self.pool_plan.blocks[KV],
             block_size=self.pool_plan.block_sizes[KV], dtype=dtype, mtp_layers=mtp)
-        self.kv_cache = KVCache(self.kv_spec, self.device, scratch_block=graph.enabled)
+        self.kv_cache = KVCache(self.kv_spec, self.device,
+                                scratch_block=graph.enabled or prefill_graph.enabled)
         self._block_tables = BlockTableCache(self.kv_spec.num_blocks)
         # NOTE: decode-only steps' metadata, updated in place step to step
         self._decode_cache = DecodeStepCache(block_size, self.device)
@@ -178,6 +190,10 @@ class ModelRunner:
             self._captured, self._padding_step, token_graph)
         if graph.enabled and graph.warmup:
             self.warmup_graphs()
+        self.prefill_graph = PrefillGraph(self._trunk, prefill_graph, self.device.type) \
+            if prefill_graph.enabled else None
+        if prefill_graph.enabled and prefill_graph.warmup:
+            self.warmup_prefill_graph()
 
     @property
     def scheduler_blocks(self) -> int:
@@ -214,14 +230,53 @@ class ModelRunner:
         return logits if logits is not None else self._forward(steps, on_kv_written)
 
     def _captured(self, steps: list[SeqStep]) -> torch.Tensor | None:
-        """The captured forward's output for a decode-only step of one-token rows (``[B,
-        vocab]`` logits; speculative: ``[B, hidden]`` normed hidden states), or None when
-        the step runs eager (graph mode off, no bucket fits, or its capture failed)."""
+        """The compiled forward's output: ``[B, vocab]`` logits of a prefill-only step
+        (prefill graph mode) or of a decode-only step of one-token rows (speculative:
+        ``[B, hidden]`` normed hidden states), or None when the step runs eager (graph modes
+        off, no bucket fits, or the capture failed)."""
+        query_lens = [len(s.token_ids) for s in steps]
+        context_lens = [s.num_computed_tokens for s in steps]
+        if self.prefill_graph is not None and PrefillGraph.takes(query_lens, context_lens):
+            return self._run_prefill_graph(steps)
         if self.graphs is None:
             return None
-        bucket = self.graphs.bucket_for([len(s.token_ids) for s in steps],
-                                        [s.num_computed_tokens for s in steps])
+        bucket = self.graphs.bucket_for(query_lens, context_lens)
         return None if bucket is None else self._run_graph(steps, bucket)
+
+    @torch.inference_mode()
+    def warmup_prefill_graph(self) -> None:
+        """Compile the prefill graph now, on a two-token prefill written to the scratch
+        block; no-op with prefill graph mode off.
+
+        Raises:
+            engine.graph.GraphCaptureError: the capture failed with ``required``.
+        """
+        if self.prefill_graph is None:
+            return
+        warm = SeqStep("<graph-padding>", (0, 0), 0, (self.kv_cache.scratch_block,))
+        self._run_prefill_graph([warm], padding=True)
+        if self.prefill_graph.failure is not None:
+            log.error("prefill graph mode: prefill runs EAGER (capture failed: %s)",
+                      self.prefill_graph.failure)
+
+    def _run_prefill_graph(self, steps: list[SeqStep], padding: bool = False
+                           ) -> torch.Tensor | None:
+        """``[len(steps), vocab]`` logits of a prefill-only step from the compiled layers
+        and the eager lm_head, or None when it runs eager (the capture failed).
+        ``padding``: ``steps`` are the warm-up's, whose table is the scratch block."""
+        input_ids, meta = self._inputs(steps, num_real=0 if padding else None)
+        graph_meta = replace(meta, prefills=(), prefill_pack=pack_prefills(meta.prefills))
+        mark_prefill_dynamic(input_ids, graph_meta.positions, graph_meta.slot_mapping,
+                             graph_meta.prefill_pack)
+        hidden = self.prefill_graph.run(input_ids, graph_meta, self.kv_cache)
+        if hidden is None:
+            return None
+        return self.model.compute_logits(hidden[meta.logits_index])
+
+    def _trunk(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: KVCache) -> torch.Tensor:
+        """The prefill graph's forward: ``[T, hidden]`` normed hidden states."""
+        return self.model(input_ids, meta, kv_cache, return_hidden=True)
 
     @torch.inference_mode()
     def warmup_graphs(self) -> None:
@@ -342,6 +397,10 @@ def build_runner(checkpoint_dir: str | Path, *, prefix_cache: bool = False,
 
     if not is_v4_checkpoint(checkpoint_dir):
         return ModelRunner(checkpoint_dir, **kwargs)
+    prefill_graph = kwargs.get("prefill_graph")
+    if prefill_graph is not None and prefill_graph.enabled:
+        raise ValueError("prefill graph mode does not run DeepSeek-V4 checkpoints (its own "
+                         "runner, engine/v4/runner.py): set prefill.graph.enabled false")
     graph = kwargs.get("graph")
     return V4Runner(checkpoint_dir, num_kv_blocks=kwargs["num_kv_blocks"],
                     block_size=kwargs["block_size"], dtype=kwargs.get("dtype", torch.float32),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.graph import GraphConfig
+from engine.prefill_graph import PrefillGraphConfig
 from engine.prefix_hash import cache_salt
 from kv_transfer.config import TransferConfig
 
@@ -158,6 +159,7 @@ class InstanceConfig:
         parallel: TP size, device, backend, bind address.
         transfer: KV transfer bounds (seconds).
         graph: graph mode of the decode forward (off on prefill instances).
+        prefill_graph: graph mode of prefill-only steps (off on decode instances).
     """
 
     name: str
@@ -169,6 +171,7 @@ class InstanceConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    prefill_graph: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
 
     @property
     def cache_salt(self) -> int | None:

@@ -160,6 +160,7 @@ class Rank:
                                        dtype=_DTYPES[self.cfg.dtype], tp=tp, device=device,
                                        ep=ep, fp8_storage=self.cfg.fp8_storage, cp=cp,
                                        layer_sharding=par.layer_sharding, graph=self.cfg.graph,
+                                       prefill_graph=self.cfg.prefill_graph,
                                        num_speculative_tokens=(
                                            self.cfg.scheduler.num_speculative_tokens),
                                        prefix_cache=self.cfg.scheduler.prefix_cache,

@@ -14,11 +14,13 @@ from typing import Literal, Optional
 from pydantic import model_validator
 
 from engine.graph import GRAPH_BACKENDS, GraphConfig
+from engine.prefill_graph import PREFILL_GRAPH_BACKENDS, PrefillGraphConfig
 from engine.platform import AUTO, Platform, platform_for
 from orchestrator.config.autoscale import AutoscaleSection
 from orchestrator.config.sections import (ClusterSection, DecodeSection, GraphSection,
                                           HealthSection, KVTransferSection, ModelSection,
-                                          PrefillSection, RouterSection, _cross_field, _Section)
+                                          PrefillGraphSection, PrefillSection, RouterSection,
+                                          _cross_field, _Section)
 from rank.config import InstanceConfig, ParallelConfig, SchedulerConfig
 
 
@@ -43,6 +45,8 @@ class OrchConfig(_Section):
             except ValueError as exc:
                 raise _cross_field(str(exc)) from None
             _check_graph_backend(self.decode.graph, platform.device_type)
+            _check_prefill_graph_backend(self.prefill.graph, platform.device_type)
+        _check_prefill_graph(self)
         if self.mode == "colocated" and self.decode.ep and self.decode.graph.enabled:
             # NOTE: graph mode + EP dispatches every step by fixed slots of the largest
             # bucket (engine/expert_parallel.py ep_routed_fixed); prefill chunks exceed them
@@ -98,12 +102,14 @@ class OrchConfig(_Section):
         transfer = self.kv_transfer.transfer_config()
         graph = {role: GraphConfig() if role == "prefill"
                  else self.decode.graph.graph_config(self.decode.max_num_seqs) for role in roles}
+        prefill_graph = {role: PrefillGraphConfig() if role == "decode"
+                         else self.prefill.graph.graph_config() for role in roles}
         return [InstanceConfig(name=f"{role}-{i}", role=role,
                                checkpoint_dir=str(self.model.checkpoint_dir()),
                                dtype=self.model.dtype, fp8_storage=self.model.fp8_storage,
                                scheduler=scheduler[role],
                                parallel=replace(parallel[role], dp_rank=i), transfer=transfer,
-                               graph=graph[role])
+                               graph=graph[role], prefill_graph=prefill_graph[role])
                 for role in roles for i in range(self._section(role).dp)]
 
     def instance_config(self, role: str, index: int) -> InstanceConfig:
@@ -162,6 +168,31 @@ class OrchConfig(_Section):
                               device=platform.device_type,
                               dist_backend=platform.dist_backend,
                               bind_host=bind_host, step_timeout_s=self.health.step_timeout_s)
+
+
+def _check_prefill_graph(cfg: "OrchConfig") -> None:
+    """prefill.graph where its runners have no capture (engine/prefill_graph.py)."""
+    if not cfg.prefill.graph.enabled:
+        return
+    colocated = cfg.mode == "colocated"
+    why = [what for what, bad in (
+        ("prefill.cp > 1", cfg.prefill.cp > 1),
+        ("decode.ep" if colocated else "prefill.ep", cfg.decode.ep if colocated
+         else cfg.prefill.ep),
+        ("decode.speculative", cfg.decode.speculative is not None)) if bad]
+    if why:
+        raise _cross_field(f"prefill.graph does not run with {', '.join(why)}: set "
+                           "prefill.graph.enabled false or turn those off")
+
+
+def _check_prefill_graph_backend(graph: PrefillGraphSection, device: str) -> None:
+    if graph.enabled and device not in PREFILL_GRAPH_BACKENDS.device_types(
+            graph.backend or None):
+        raise _cross_field(
+            f"prefill graph mode (prefill.graph) has no implementation on cluster.device "
+            f"'{device}' (inductor's dynamic-shape compile runs on "
+            f"{PREFILL_GRAPH_BACKENDS.device_types('compile')}): set prefill.graph.enabled "
+            "false")
 
 
 def _check_graph_backend(graph: GraphSection, device: str) -> None:

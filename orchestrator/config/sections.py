@@ -14,6 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from engine import envs
 from engine.graph import GraphConfig
+from engine.prefill_graph import PrefillGraphConfig
 from engine.layer_sharding import SHARDABLE
 from kv_transfer.config import TransferConfig
 from orchestrator.router.limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -134,6 +135,34 @@ class GraphSection(_Section):
                            required=self.required)
 
 
+class PrefillGraphSection(_Section):
+    """Graph mode of prefill-only steps (engine/prefill_graph.py): the layers compiled once
+    with a dynamic token count; steps with decode rows, one-token steps and steps that send KV
+    layer by layer run eager. Prefill and colocated instances; dense MLA (DeepSeek-V2/V3)
+    without cp, ep or speculative decoding."""
+
+    enabled: bool = False
+    # Compile when the instance starts (10-20 s on a CPU), else on the first prefill step.
+    warmup: bool = True
+    # Capture backend ("compile"); "" = the device type's default.
+    backend: str = ""
+    # A failed capture stops the instance instead of running prefill eager (logged).
+    required: bool = False
+
+    @model_validator(mode="after")
+    def _known_backend(self) -> "PrefillGraphSection":
+        try:
+            self.graph_config()
+        except ValueError as exc:
+            raise _cross_field(f"prefill.graph: {exc}") from None
+        return self
+
+    def graph_config(self) -> PrefillGraphConfig:
+        """The :class:`engine.prefill_graph.PrefillGraphConfig` the runners get."""
+        return PrefillGraphConfig(enabled=self.enabled, warmup=self.warmup,
+                                  backend=self.backend or None, required=self.required)
+
+
 class PrefillSection(_Section):
     """Prefill instances: ``dp`` instances of ``tp`` ranks (``cp`` ranks with context
     parallelism), chunked prefill sizes; ``ep``: the routed experts split over all dp x tp
@@ -159,16 +188,8 @@ class PrefillSection(_Section):
     # Extra Ray resources every prefill rank's bundle asks for, to pin prefill to some nodes
     # (e.g. {"prefill_node": 0.01} with `ray start --resources '{"prefill_node": 1}'`).
     ray_resources: dict[str, float] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_graph(cls, data: object) -> object:
-        if isinstance(data, dict) and "graph" in data:
-            raise _cross_field(
-                "prefill.graph: graph mode captures the decode forward only (prefill steps "
-                "vary in token count and always run eager); move the graph section to decode "
-                "(it also covers colocated instances) or remove it")
-        return data
+    # Graph mode of prefill-only steps (prefill and colocated instances).
+    graph: PrefillGraphSection = PrefillGraphSection()
 
     @model_validator(mode="after")
     def _chunk_fits_batch(self) -> "PrefillSection":

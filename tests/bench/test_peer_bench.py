@@ -1,6 +1,6 @@
 """benchmarks/peer_bench.py: with ``--orch-graph`` both orch configs it writes load with
-decode graph mode on, every bucket up to max_num_seqs captured at start-up; each instance's
-load time is read from the ``orch up`` log."""
+decode graph mode on, every bucket up to max_num_seqs captured at start-up, and prefill graph
+mode on where prefill steps run; each instance's load time is read from the ``orch up`` log."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_graph_buckets_cover_every_batch_up_to_max_num_seqs(seqs, want):
 
 @pytest.mark.parametrize("base, role", [("colocated.yaml", "colocated"), ("1p1d.yaml", "decode")])
 @pytest.mark.parametrize("graph", [False, True])
-def test_orch_configs_run_decode_graph_mode_only_when_asked(tmp_path, base, role, graph):
+def test_orch_configs_run_graph_modes_only_when_asked(tmp_path, base, role, graph):
     args = argparse.Namespace(levels=[1, 8], input_len=256, output_len=64, out=tmp_path,
                               orch_graph=graph)
     path, _ = peer_bench.orch_config(base, args, tmp_path / "ckpt", "side")
@@ -31,7 +31,13 @@ def test_orch_configs_run_decode_graph_mode_only_when_asked(tmp_path, base, role
         assert by_role[role].batch_sizes == (1, 2, 4, 8)
         assert by_role[role].warmup and by_role[role].required
     if role == "decode":
-        assert not by_role["prefill"].enabled  # NOTE: prefill steps always run eager
+        assert not by_role["prefill"].enabled  # NOTE: no decode step runs on prefill
+    prefill = {inst.role: inst.prefill_graph for inst in cfg.instances()}
+    prefill_role = "colocated" if role == "colocated" else "prefill"
+    assert prefill[prefill_role].enabled is graph
+    assert prefill[prefill_role].required is graph
+    if role == "decode":
+        assert not prefill["decode"].enabled  # NOTE: decode instances run no prefill step
 
 
 def test_instance_load_times_come_from_the_orch_up_log(tmp_path):

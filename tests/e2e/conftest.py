@@ -31,9 +31,16 @@ def prompts(shared_data):
 
 @pytest.fixture(scope="session")
 def colocated_outputs(tmp_path_factory, prompts, joined_ray):
-    """Greedy outputs of the colocated baseline (`orch up configs/colocated.yaml`)."""
-    with OrchProcess(REPO / "configs" / "colocated.yaml",
-                     tmp_path_factory.mktemp("colocated"), joined_ray) as orch:
+    """Greedy outputs of the colocated baseline (`orch up configs/colocated.yaml`).
+
+    NOTE: with prefill graph mode on (docs/engine.md "Graph mode (prefill)"): the layouts
+    compared with it run prefill eager, so each of those tests also checks, end to end and
+    token for token, that the feature on equals it off (its prompts arrive together: the
+    first steps are prefill-only, several prompts each).
+    """
+    with OrchProcess(REPO / "configs" / "colocated.yaml", tmp_path_factory.mktemp("colocated"),
+                     {"prefill.graph.enabled": True, "prefill.graph.required": True,
+                      **joined_ray}) as orch:
         outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
         wait_idle(orch)
     return outputs

@@ -1,11 +1,13 @@
-"""Graph mode config: the decode.graph section reaches decode and colocated instances, is
-refused on prefill with the fix, and bad buckets name their key path."""
+"""Graph mode config: the decode.graph section reaches decode and colocated instances, the
+prefill.graph section prefill and colocated ones (refused, with the fix, where it has no
+capture), and bad buckets and backends name their key path."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.graph import GraphConfig
+from engine.prefill_graph import PrefillGraphConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.load import load_config
 
@@ -32,10 +34,33 @@ def test_graph_is_off_by_default(tmp_path):
     assert not GraphConfig().enabled
 
 
-def test_prefill_graph_is_refused_with_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match=r"prefill\.graph: graph mode captures the decode "
-                                          r"forward only.*move the graph section to decode"):
-        _load(tmp_path, "prefill: {graph: {enabled: true}}\n")
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_prefill_graph_reaches_prefill_and_colocated_instances(tmp_path, mode):
+    cfg = _load(tmp_path, f"mode: {mode}\nprefill: {{graph: {{enabled: true}}}}\n")
+    got = {inst.role: inst.prefill_graph for inst in cfg.instances()}
+    assert got.pop("decode", PrefillGraphConfig()) == PrefillGraphConfig()  # decode: off
+    assert set(got.values()) == {PrefillGraphConfig(enabled=True, warmup=True)}
+    assert not PrefillGraphConfig().enabled
+
+
+@pytest.mark.parametrize("text, named", [
+    ("prefill: {cp: 2, graph: {enabled: true}}\n", "prefill.cp > 1"),
+    ("prefill: {ep: true, dp: 2, graph: {enabled: true}}\n", "prefill.ep"),
+    ("mode: colocated\ndecode: {ep: true, dp: 2}\nprefill: {graph: {enabled: true}}\n",
+     "decode.ep"),
+    ("prefill: {graph: {enabled: true}}\ndecode: {speculative: {method: mtp}}\n",
+     "decode.speculative"),
+])
+def test_prefill_graph_is_refused_without_a_capture_with_the_fix(tmp_path, text, named):
+    with pytest.raises(ConfigError, match=rf"prefill\.graph does not run with {named}.*set "
+                                          r"prefill\.graph\.enabled false"):
+        _load(tmp_path, text)
+
+
+def test_prefill_graph_unknown_backend_names_the_registered_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"prefill\.graph: backend 'cudagraph' is not one "
+                                          r"of \['compile'\]"):
+        _load(tmp_path, "prefill: {graph: {backend: cudagraph}}\n")
 
 
 @pytest.mark.parametrize("sizes", ["[4, 2]", "[0, 1]", "[2, 2]", "[]"])
