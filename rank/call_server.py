@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.error_text import first_line
-from rank.event_stream import accept_each, recv_exact, shut
+from rank.sockets import accept_each, recv_exact, shut
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,6 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -47,6 +46,7 @@ import msgpack
 from engine.kv_events import KVCacheEvents
 from engine.sampling_params import TokenLogprobs
 from rank.messages import TokenEvent
+from rank.sockets import accept_each, recv_exact, shut
 from rank.status_row import merge_rows
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,6 @@ RETAIN = 4096  # sent frames kept per subscriber for a resume
 HELLO_TIMEOUT_S = 5.0  # a connection says its hello within this, else it is closed
 SEND_TIMEOUT_S = 30.0  # one frame's send; past it the connection is dropped (router may resume)
 MAX_FRAME_BYTES = 1 << 30
-ACCEPT_RETRY_S = 0.1  # a failed accept() (e.g. out of descriptors) is tried again this often
 
 
 def pack_frame(body: object) -> bytes:
@@ -91,29 +90,6 @@ def event_from_row(row: list, source: str, instance: str) -> TokenEvent:
         kv_events=None if kv is None else KVCacheEvents(
             kv[0], kv[1], tuple(kv[2]), tuple(kv[3]), kv[4], kv[5], kv[6]),
         ttft_phases=tuple((p, s) for p, s in phases))
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
-    """Exactly ``n`` bytes from blocking ``sock``; with ``deadline`` (``time.monotonic()``)
-    all of them by then (else each ``recv`` within the socket's own timeout: a peer that
-    sends a byte at a time could stretch the whole past it).
-
-    Raises:
-        ConnectionError: the peer closed first. TimeoutError: past ``deadline``. OSError: the
-            socket failed or timed out.
-    """
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{len(buf)} of {n} bytes came in time")
-            sock.settimeout(left)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed by the peer")
-        buf += chunk
-    return bytes(buf)
 
 
 @dataclass
@@ -319,42 +295,3 @@ class EventStream:
             shut(listener)
             listener.close()
         self.break_connections()
-
-
-def shut(sock: socket.socket) -> None:
-    """Shut ``sock`` down both ways (wakes a thread blocked on it); errors ignored."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-
-def accept_each(name: str, listener: socket.socket, closed: Callable[[], bool],
-                take: Callable[[socket.socket], None]) -> None:
-    """Hand each connection ``listener`` accepts to ``take`` (which starts its thread) until
-    ``closed()``; the owner sets that, then closes ``listener`` to end a waiting accept.
-
-    A failed ``accept()`` while open (EMFILE: the process is out of descriptors for a moment;
-    the connection stays queued) or a ``take`` that fails (its connection closed; a thread
-    that did not start) is tried again every :data:`ACCEPT_RETRY_S`: returning would leave
-    the listener up with nobody taking its connections, so a router's next connection (after
-    any break) would wait out its bound. One warning per run of failures.
-    """
-    failing = False
-    while not closed():
-        conn = None
-        try:
-            conn, _ = listener.accept()
-            take(conn)
-            failing = False
-        except (OSError, RuntimeError) as exc:  # NOTE: RuntimeError: no thread started
-            if conn is not None:
-                conn.close()
-            if closed():
-                return
-            log.log(logging.DEBUG if failing else logging.WARNING,
-                    "%s: could not take a connection (%s: %s); retrying every %g s",
-                    name, type(exc).__name__, exc, ACCEPT_RETRY_S)
-            failing = True
-            time.sleep(ACCEPT_RETRY_S)

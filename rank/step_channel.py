@@ -36,7 +36,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from rank.event_stream import recv_exact
+from rank.sockets import recv_exact
 from rank.failures import RankGone, RankHung
 
 log = logging.getLogger(__name__)
