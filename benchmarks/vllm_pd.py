@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.vllm_server import (
-    TORCH_PIN, PeerUnavailable, cpu_env, free_port, launch_vllm, stop, tail, vllm_python,
-    wait_ready)
+    TORCH_PIN, PeerUnavailable, cpu_env, free_port, launch_vllm, popen_session, stop, tail,
+    vllm_python, wait_ready)
 
 NIXL_PACKAGES = ("nixl==0.7.1", "nixl-cu12==1.5.1")
 PROXY_READY_TIMEOUT_S = 60.0
@@ -177,10 +177,10 @@ def vllm_pd_serving(venv: Path, checkpoint: Path, out: Path, *, max_num_seqs: in
         port = free_port()
         proxy_log = out / "vllm-pd-proxy.log"
         with proxy_log.open("w") as log_file:
-            proxy = subprocess.Popen(
+            proxy = popen_session(
                 [sys.executable, "-m", "benchmarks.vllm_pd_proxy", "--port", str(port),
                  "--prefill", servers[0][2], "--decode", servers[1][2]],
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log_file, stderr=subprocess.STDOUT,
                 cwd=Path(__file__).resolve().parents[1])
         stack.callback(stop, proxy)
         proxy_base = f"http://127.0.0.1:{port}/v1"

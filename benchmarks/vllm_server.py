@@ -185,9 +185,20 @@ def launch_vllm(venv: Path, checkpoint: Path, port: int, log_path: Path, *, max_
            # prompts, so later replays would skip prefill (orch's sides run prefix_cache off)
            "--no-enable-prefix-caching", *extra_args]
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = popen_session(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}/v1", log_path
+
+
+def popen_session(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)`` in a session (process group) of its own, with
+    SIGINT at its default disposition: a benchmark started in the background (``cmd &``,
+    ``nohup``) has SIGINT ignored, which children inherit, so :func:`stop`'s SIGINT would wait
+    out ``STOP_TIMEOUT_S`` for nothing."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_default_sigint, **kwargs)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_ready(proc: subprocess.Popen, base: str, timeout_s: float, log_path: Path,

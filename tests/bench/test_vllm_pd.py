@@ -37,12 +37,14 @@ def _wait_state(pid: int, want: str, timeout_s: float = 10.0) -> str:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_pause_stops_and_resume_continues_each_servers_process_group():
     # NOTE: a parent (the "server") and its child (an engine process) in one new session
-    procs = [subprocess.Popen([sys.executable, "-c",
-                               "import subprocess, sys, time; "
-                               "c = subprocess.Popen([sys.executable, '-c', "
-                               "'import time; time.sleep(60)']); "
-                               "print(c.pid, flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    # NOTE: popen_session: SIGINT stops them even when this test runs in the background
+    # (`pytest &` ignores SIGINT, and children inherit that: stop() then waited 60 s)
+    procs = [vllm_server.popen_session([sys.executable, "-c",
+                                        "import subprocess, sys, time; "
+                                        "c = subprocess.Popen([sys.executable, '-c', "
+                                        "'import time; time.sleep(60)']); "
+                                        "print(c.pid, flush=True); time.sleep(60)"],
+                                       stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     try:
         children = [int(p.stdout.readline()) for p in procs]
@@ -54,9 +56,11 @@ def test_pause_stops_and_resume_continues_each_servers_process_group():
         for pid in [p.pid for p in procs] + children:
             assert _wait_state(pid, "S") == "S"
     finally:
+        started = time.monotonic()
         for p in procs:
             vllm_pd.stop(p)
     assert all(p.poll() is not None for p in procs)
+    assert time.monotonic() - started < vllm_server.STOP_TIMEOUT_S  # NOTE: SIGINT, not SIGKILL
 
 
 def test_the_sitecustomize_turns_only_the_progress_thread_default_off(monkeypatch):
