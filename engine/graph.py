@@ -231,6 +231,13 @@ class DecodeGraphs:
         """``{"captured": [buckets], "eager": {bucket: reason}}`` (a status field)."""
         return {"captured": sorted(self.capture_s), "eager": dict(sorted(self.failures.items()))}
 
+    def describe(self) -> str:
+        """:meth:`status` as one line: "captured [1, 2]; eager 4 (RuntimeError: ...)" (buckets
+        never run yet are in neither)."""
+        status = self.status()
+        eager = "; ".join(f"eager {b} ({why})" for b, why in status["eager"].items())
+        return "; ".join(p for p in (f"captured {status['captured']}", eager) if p)
+
     def bucket_for(self, query_lens: Sequence[int], context_lens: Sequence[int]) -> int | None:
         """The bucket of a step, or None when it must run eager (not decode-only, more
         sequences than the largest bucket, or its bucket's capture failed)."""

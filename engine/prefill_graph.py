@@ -208,6 +208,12 @@ class PrefillGraph:
         """``{"captured": bool, "eager": reason or None}`` (a status field)."""
         return {"captured": self.capture_s is not None, "eager": self.failure}
 
+    def describe(self) -> str:
+        """:meth:`status` as one line: "captured", "eager (reason)" or "not captured yet"."""
+        if self.failure is not None:
+            return f"eager ({self.failure})"
+        return "captured" if self.capture_s is not None else "not captured yet"
+
     def run(self, *args: object) -> torch.Tensor | None:
         """The compiled trunk on ``args``, capturing it first if needed; None when it runs
         eager (its capture failed: the caller runs the eager forward).

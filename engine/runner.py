@@ -243,6 +243,15 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(query_lens, context_lens)
         return None if bucket is None else self._run_graph(steps, bucket)
 
+    def graph_modes(self) -> tuple[tuple[str, str], ...]:
+        """(forward, state) of each compiled forward: "decode" (speculative: "verify" and
+        "draft") and "prefill", each as its ``describe()``; () with graph modes off."""
+        graphs = [g for g in (self.graphs, self.spec and self.spec.draft_graphs) if g]
+        modes = [(g.name, g.describe()) for g in graphs]
+        if self.prefill_graph is not None:
+            modes.append(("prefill", self.prefill_graph.describe()))
+        return tuple(modes)
+
     @torch.inference_mode()
     def warmup_prefill_graph(self) -> None:
         """Compile the prefill graph now, on a two-token prefill written to the scratch

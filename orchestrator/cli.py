@@ -163,6 +163,9 @@ def format_status(instances: list) -> str:
         if s and s.kv_groups:
             lines.append("    V4 KV groups free/total blocks: " + ", ".join(
                 f"{group} {free}/{total}" for group, free, total in s.kv_groups))
+        if s and s.graph_modes:
+            lines.append("    graph: " + "; ".join(f"{forward} {state}"
+                                                   for forward, state in s.graph_modes))
         if s and s.spec_mean_accepted_length:
             lines.append(f"    MTP: acceptance {s.spec_acceptance_rate:.2f}, "
                          f"{s.spec_mean_accepted_length:.2f} tokens per verify step")

@@ -280,6 +280,10 @@ class InstanceStatusInfo:
     # held until the leader applies its release: its next step, or its loop's next idle
     # iteration (engine/v4/request_caches.py).
     kv_groups: tuple[tuple[str, int, int], ...] = ()
+    # Graph modes of the leader's runner: (forward, state) per compiled forward, e.g.
+    # ("decode", "captured [1, 2, 4]"), ("prefill", "eager (RuntimeError: ...)");
+    # () with graph modes off (engine.runner.ModelRunner.graph_modes).
+    graph_modes: tuple[tuple[str, str], ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -366,7 +366,8 @@ class Rank:
         Asks every rank (bounded): a dead one takes the instance out of service (``broken``);
         one that does not answer in time is reported by a TimeoutError (the step deadline or
         the router's health checks judge whether it hangs). A DeepSeek-V4 runner's group pools
-        go in ``kv_groups`` (:meth:`engine.v4.runner.V4Runner.group_blocks`).
+        go in ``kv_groups`` (:meth:`engine.v4.runner.V4Runner.group_blocks`), the runner's
+        graph modes in ``graph_modes`` (:meth:`engine.runner.ModelRunner.graph_modes`).
 
         Raises:
             TimeoutError: a rank did not answer within ``STATUS_TIMEOUT_S``.
@@ -383,6 +384,9 @@ class Rank:
         group_blocks = getattr(self.runner, "group_blocks", None)  # NOTE: DeepSeek-V4's pools
         if group_blocks is not None:
             fields = {**fields, "kv_groups": group_blocks()}
+        graph_modes = getattr(self.runner, "graph_modes", None)  # NOTE: not V4's runner
+        if graph_modes is not None:
+            fields = {**fields, "graph_modes": graph_modes()}
         return leader.status(ranks, fields)
 
     # ---- tear-down ----------------------------------------------------------------------

@@ -205,6 +205,8 @@ def status_to_proto(views: list[InstanceView], in_flight: int,
             msg.kv_groups.extend(pb.KVGroupBlocks(group=g, free_blocks=free,
                                                   total_blocks=total)
                                  for g, free, total in s.kv_groups)
+            msg.graph_modes.extend(pb.GraphMode(forward=f, state=state)
+                                   for f, state in s.graph_modes)
         out.instances.append(msg)
     return out
 
@@ -231,7 +233,8 @@ def _load_from_proto(i: pb.InstanceStatus) -> InstanceStatusInfo:
                             i.kv_tail.last_s),
         spec_acceptance_rate=i.spec_acceptance_rate,
         spec_mean_accepted_length=i.spec_mean_accepted_length,
-        kv_groups=tuple((g.group, g.free_blocks, g.total_blocks) for g in i.kv_groups))
+        kv_groups=tuple((g.group, g.free_blocks, g.total_blocks) for g in i.kv_groups),
+        graph_modes=tuple((g.forward, g.state) for g in i.graph_modes))
 
 
 def _timings_from_proto(phases) -> StepTimings:

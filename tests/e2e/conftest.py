@@ -3,8 +3,11 @@ overrides that make `orch up` join the session Ray."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from orchestrator.api.convert import status_from_proto
 from tests.e2e.harness import REPO, SHAREGPT, OrchProcess, sharegpt_prompts, wait_idle
 
 NUM_REQUESTS = 16
@@ -43,4 +46,15 @@ def colocated_outputs(tmp_path_factory, prompts, joined_ray):
                       **joined_ray}) as orch:
         outputs = orch.generate_many(prompts, max_tokens=MAX_TOKENS)
         wait_idle(orch)
+        assert ("prefill", "captured") in _graph_modes(orch, "colocated-0")
     return outputs
+
+
+def _graph_modes(orch: OrchProcess, instance: str, timeout_s: float = 30.0) -> tuple:
+    """``instance``'s graph modes in `orch status` (its load reported at least once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        views = {v.name: v for v in status_from_proto(orch.status())}
+        if views[instance].status is not None or time.monotonic() > deadline:
+            return views[instance].status.graph_modes if views[instance].status else ()
+        time.sleep(0.2)

@@ -102,6 +102,7 @@ def test_padded_decode_equals_eager_and_writes_only_scratch(dense_ckpt, backends
     assert _decode_side_by_side(eager, graph, num_seqs=3, steps=4) <= 1e-5
     counting = backends["counting"]
     assert (counting.captures, counting.calls) == (1, 4)  # prefills ran eager, decodes captured
+    assert graph.graph_modes() == (("decode", "captured [4]"),)
     _assert_pool_blocks_equal(eager, graph)
     scratch = graph.kv_cache.k_caches[0][BLOCKS]
     assert scratch.abs().sum() > 0  # the padding row's KV went there
@@ -132,6 +133,8 @@ def test_failing_capture_falls_back_to_eager_with_one_warning(dense_ckpt, backen
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "bucket 4 falls back to eager" in warnings[0]
     assert graph.graphs.failed == {4} and backends["failing"].calls == 1
+    assert graph.graph_modes() == (("decode", "captured []; eager 4 (RuntimeError: backend "
+                                              "exploded)"),)
     assert graph.graphs.bucket_for([1, 1], [5, 6]) is None  # later steps go straight to eager
     _assert_pool_blocks_equal(eager, graph)
 

@@ -88,6 +88,7 @@ def _assert_kv_equal(eager: ModelRunner, graph: ModelRunner) -> None:
 def test_compiled_prefill_equals_eager_for_every_shape_after_one_compile(moe_ckpt):
     eager, graph = _runner(moe_ckpt), _runner(moe_ckpt, warmup=True)
     assert graph.prefill_graph.status() == {"captured": True, "eager": None}
+    assert graph.graph_modes() == (("prefill", "captured"),) and eager.graph_modes() == ()
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for step in STEPS:
         want, got = eager.execute(step), graph.execute(step)
@@ -121,10 +122,12 @@ def test_steps_the_graph_cannot_take_run_eager(moe_ckpt, backends):
 
 def test_failed_capture_runs_eager_with_the_reason(moe_ckpt, backends):
     eager, graph = _runner(moe_ckpt), _runner(moe_ckpt, backend="failing", warmup=False)
+    assert graph.graph_modes() == (("prefill", "not captured yet"),)
     step = STEPS[1]
     torch.testing.assert_close(graph.execute(step), eager.execute(step), rtol=0, atol=0)
     assert graph.prefill_graph.status() == {
         "captured": False, "eager": "RuntimeError: backend exploded"}
+    assert graph.graph_modes() == (("prefill", "eager (RuntimeError: backend exploded)"),)
     graph.execute(STEPS[0])
     assert backends["failing"].calls == 1  # NOTE: tried once, then eager for good
 

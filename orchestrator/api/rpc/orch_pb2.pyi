@@ -206,7 +206,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load", "step_phases", "cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "kv_tail", "spec_acceptance_rate", "spec_mean_accepted_length", "router_outstanding_tokens", "kv_groups")
+    __slots__ = ("name", "role", "tp", "ranks", "queue_depth", "running", "free_blocks", "total_blocks", "outstanding_tokens", "kv_bytes_sent", "kv_failures", "health", "detail", "has_load", "step_phases", "cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "kv_tail", "spec_acceptance_rate", "spec_mean_accepted_length", "router_outstanding_tokens", "kv_groups", "graph_modes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class InstanceStatus(_message.Message):
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ROUTER_OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_MODES_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     tp: int
@@ -253,7 +254,16 @@ class InstanceStatus(_message.Message):
     spec_mean_accepted_length: float
     router_outstanding_tokens: int
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupBlocks]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_failures: _Optional[int] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., has_load: _Optional[bool] = ..., step_phases: _Optional[_Iterable[_Union[StepPhase, _Mapping]]] = ..., cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., kv_tail: _Optional[_Union[KVTail, _Mapping]] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., router_outstanding_tokens: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupBlocks, _Mapping]]] = ...) -> None: ...
+    graph_modes: _containers.RepeatedCompositeFieldContainer[GraphMode]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., tp: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_failures: _Optional[int] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., has_load: _Optional[bool] = ..., step_phases: _Optional[_Iterable[_Union[StepPhase, _Mapping]]] = ..., cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., kv_tail: _Optional[_Union[KVTail, _Mapping]] = ..., spec_acceptance_rate: _Optional[float] = ..., spec_mean_accepted_length: _Optional[float] = ..., router_outstanding_tokens: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupBlocks, _Mapping]]] = ..., graph_modes: _Optional[_Iterable[_Union[GraphMode, _Mapping]]] = ...) -> None: ...
+
+class GraphMode(_message.Message):
+    __slots__ = ("forward", "state")
+    FORWARD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    forward: str
+    state: str
+    def __init__(self, forward: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class KVGroupBlocks(_message.Message):
     __slots__ = ("group", "free_blocks", "total_blocks")
