@@ -50,7 +50,8 @@ def check_tp_layout(cfg: OrchConfig) -> str:
         ConfigError: a tp does not divide a size the layout splits (attention heads, dense or
             expert intermediate size), or an expert-parallel size does not divide
             ``n_routed_experts``; the message names the key path and the sizes that work. Or
-            the checkpoint's ``quantization_config`` is one orch cannot run.
+            the checkpoint's ``quantization_config`` is one orch cannot run. Or
+            ``prefill.graph`` with a DSA (V3.2, GLM-5) or DeepSeek-V4 model.
     """
     raw, source = model_config_dict(cfg.model)
     if raw is None:
@@ -71,6 +72,11 @@ def check_tp_layout(cfg: OrchConfig) -> str:
     except (KeyError, TypeError, ValueError, UnsupportedModelError) as exc:
         return (f"tp layout: not checked ({source} is not a DeepSeek-V2/V3 config the engine "
                 f"reads: {type(exc).__name__}: {exc})")
+    if cfg.prefill.graph.enabled and model.uses_sparse_attention:
+        # NOTE: every prefill rank would refuse it at start-up (check_prefill_graph)
+        raise ConfigError("prefill.graph does not run DSA sparse attention (DeepSeek-V3.2, "
+                          f"GLM-5: {source} has index_topk={model.index_topk}): set "
+                          "prefill.graph.enabled false")
     layouts = _role_layouts(cfg)
     for role in layouts:
         # NOTE: tp alone first, so an error names the key that has to change

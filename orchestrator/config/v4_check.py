@@ -2,7 +2,7 @@
 (TP on each role, colocated or PD across any tp, e.g. prefill tp 2 -> decode tp 1; expert
 parallelism over a role's dp x tp ranks, as V3's; FP8 block linears and FP4 routed experts
 dequantized at load, or kept as stored with ``model.fp8_storage: fp8`` where each TP part is
-whole blocks; no CP, graph mode, MTP or prefix cache) and
+whole blocks; no CP, decode or prefill graph mode, MTP or prefix cache) and
 a :class:`ConfigError` naming every key to change otherwise, before anything starts (the rank
 would refuse the same at load, :func:`engine.v4.runner.check_v4_serving`,
 :func:`engine.v4.tp.check_tp` and :func:`engine.layout.expert_range`). Also a PD role's
@@ -50,7 +50,7 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
 
     Raises:
         ConfigError: the config asks for what V4 serving does not support yet: prefill
-            ``cp`` > 1 or ``layer_sharding``, graph mode, MTP, the prefix cache (either role),
+            ``cp`` > 1 or ``layer_sharding``, graph mode (decode or prefill), MTP, the prefix cache (either role),
             or a ``tp`` that does not divide the attention heads, ``o_groups``,
             ``moe_intermediate_size`` or the vocabulary, or a quantization engine/v4 does
             not load (W8A8, an unknown ``expert_dtype``:
@@ -64,6 +64,7 @@ def check_v4_layout(cfg: OrchConfig, source: str, raw: dict | None = None) -> st
     d = cfg.decode
     bad = [what for on, what in (
         (d.graph.enabled, "decode.graph.enabled (set false)"),
+        (cfg.prefill.graph.enabled, "prefill.graph.enabled (set false)"),
         (d.num_speculative_tokens > 0, "decode.speculative (remove it; no MTP)"),
         (d.prefix_cache, "decode.prefix_cache (set false; V4 has no prefix cache)")) if on]
     tps = [("decode.tp", d.tp)]

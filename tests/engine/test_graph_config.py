@@ -57,6 +57,24 @@ def test_prefill_graph_is_refused_without_a_capture_with_the_fix(tmp_path, text,
         _load(tmp_path, text)
 
 
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+@pytest.mark.parametrize("arch, named", [
+    ("deepseek_v32", r"prefill\.graph does not run DSA.*set prefill\.graph\.enabled false"),
+    ("glm_moe_dsa", r"prefill\.graph does not run DSA.*set prefill\.graph\.enabled false"),
+    ("deepseek_v4", r"DeepSeek-V4.*not supported yet: prefill\.graph\.enabled \(set false\)")])
+def test_prefill_graph_with_a_model_it_cannot_run_is_refused_at_load(tmp_path, monkeypatch,
+                                                                      arch, named, mode):
+    """A DSA (V3.2, GLM-5) or V4 checkpoint with prefill.graph is refused when the config
+    loads (so by ``--dry-run`` too), naming the key: not only by every rank at start-up."""
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # NOTE: the tiny config, not made yet
+    text = (f"mode: {mode}\nmodel: {{path: tiny, tiny_arch: {arch}, max_model_len: 256}}\n"
+            "prefill: {prefix_cache: false, graph: {enabled: true}}\n"
+            "decode: {prefix_cache: false}\n")
+    with pytest.raises(ConfigError, match=rf"(?s){named}"):
+        _load(tmp_path, text)
+    assert _load(tmp_path, text.replace("enabled: true", "enabled: false"))
+
+
 def test_prefill_graph_unknown_backend_names_the_registered_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"prefill\.graph: backend 'cudagraph' is not one "
                                           r"of \['compile'\]"):
