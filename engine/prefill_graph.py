@@ -26,7 +26,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -176,8 +176,9 @@ class PrefillGraph:
     """The compiled prefill-only forward of one runner.
 
     Args:
-        trunk: ``(input_ids [T], meta, kv_cache) -> normed hidden [T, hidden]``, with
-            ``meta.prefill_pack`` set (the runner's).
+        model: the runner's :class:`engine.model.DeepseekForCausalLM` (its layers and final
+            norm are compiled, ``forward(..., return_hidden=True)``; its lm_head runs eager).
+        kv_cache: the runner's KV cache.
         config: the instance's prefill graph config.
         device_type: "cpu", "cuda", ...
 
@@ -189,13 +190,30 @@ class PrefillGraph:
         KeyError: no backend for the device (from :meth:`GraphBackendRegistry.get`).
     """
 
-    def __init__(self, trunk: Callable, config: PrefillGraphConfig, device_type: str) -> None:
-        self.config = config
-        self._trunk = trunk
+    def __init__(self, model, kv_cache, config: PrefillGraphConfig, device_type: str) -> None:
+        self.config, self._model, self._kv_cache = config, model, kv_cache
         self._capture = PREFILL_GRAPH_BACKENDS.get(device_type, config.backend)
         self._graph: Callable | None = None
         self.capture_s: float | None = None
         self.failure: str | None = None
+
+    def step(self, input_ids: torch.Tensor, meta) -> torch.Tensor | None:
+        """``[B, vocab]`` logits of a prefill-only step (``input_ids [T]``, its
+        :class:`engine.forward_context.AttentionMetadata`) from the compiled layers and the
+        eager lm_head, or None when it runs eager (the capture failed).
+
+        Raises:
+            GraphCaptureError: the capture failed with ``required``.
+        """
+        graph_meta = replace(meta, prefills=(), prefill_pack=pack_prefills(meta.prefills))
+        mark_prefill_dynamic(input_ids, graph_meta.positions, graph_meta.slot_mapping,
+                             graph_meta.prefill_pack)
+        hidden = self.run(input_ids, graph_meta, self._kv_cache)
+        return None if hidden is None else self._model.compute_logits(hidden[meta.logits_index])
+
+    def _trunk(self, input_ids: torch.Tensor, meta, kv_cache) -> torch.Tensor:
+        """What is compiled: ``[T, hidden]`` normed hidden states."""
+        return self._model(input_ids, meta, kv_cache, return_hidden=True)
 
     @staticmethod
     def takes(query_lens: Sequence[int], context_lens: Sequence[int]) -> bool:

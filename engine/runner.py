@@ -25,8 +25,7 @@ from engine.context_parallel import build_cp_step
 from engine.decode_step_cache import DecodeStepCache
 from engine.forward_context import AttentionMetadata, BlockTableCache, build_attention_metadata
 from engine.graph import DecodeGraphs, GraphConfig, mark_context_dynamic, opaque_mla_decode
-from engine.prefill_graph import (PrefillGraph, PrefillGraphConfig, check_prefill_graph,
-                                  mark_prefill_dynamic, pack_prefills)
+from engine.prefill_graph import PrefillGraph, PrefillGraphConfig, check_prefill_graph
 from engine.layer_sharding import LayerPrefetcher, check_layer_sharding, unowned_params
 from engine.kernels import KERNELS, KernelSet
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -190,8 +189,8 @@ class ModelRunner:
             self._captured, self._padding_step, token_graph)
         if graph.enabled and graph.warmup:
             self.warmup_graphs()
-        self.prefill_graph = PrefillGraph(self._trunk, prefill_graph, self.device.type) \
-            if prefill_graph.enabled else None
+        self.prefill_graph = PrefillGraph(self.model, self.kv_cache, prefill_graph,
+                                          self.device.type) if prefill_graph.enabled else None
         if prefill_graph.enabled and prefill_graph.warmup:
             self.warmup_prefill_graph()
 
@@ -260,32 +259,15 @@ class ModelRunner:
         Raises:
             engine.graph.GraphCaptureError: the capture failed with ``required``.
         """
-        if self.prefill_graph is None:
-            return
-        warm = SeqStep("<graph-padding>", (0, 0), 0, (self.kv_cache.scratch_block,))
-        self._run_prefill_graph([warm], padding=True)
-        if self.prefill_graph.failure is not None:
-            log.error("prefill graph mode: prefill runs EAGER (capture failed: %s)",
-                      self.prefill_graph.failure)
+        if self.prefill_graph is not None:
+            warm = SeqStep("<graph-padding>", (0, 0), 0, (self.kv_cache.scratch_block,))
+            self._run_prefill_graph([warm], padding=True)
 
     def _run_prefill_graph(self, steps: list[SeqStep], padding: bool = False
                            ) -> torch.Tensor | None:
-        """``[len(steps), vocab]`` logits of a prefill-only step from the compiled layers
-        and the eager lm_head, or None when it runs eager (the capture failed).
-        ``padding``: ``steps`` are the warm-up's, whose table is the scratch block."""
-        input_ids, meta = self._inputs(steps, num_real=0 if padding else None)
-        graph_meta = replace(meta, prefills=(), prefill_pack=pack_prefills(meta.prefills))
-        mark_prefill_dynamic(input_ids, graph_meta.positions, graph_meta.slot_mapping,
-                             graph_meta.prefill_pack)
-        hidden = self.prefill_graph.run(input_ids, graph_meta, self.kv_cache)
-        if hidden is None:
-            return None
-        return self.model.compute_logits(hidden[meta.logits_index])
-
-    def _trunk(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-               kv_cache: KVCache) -> torch.Tensor:
-        """The prefill graph's forward: ``[T, hidden]`` normed hidden states."""
-        return self.model(input_ids, meta, kv_cache, return_hidden=True)
+        """:meth:`PrefillGraph.step` of ``steps`` (``padding``: the warm-up's, whose table
+        is the scratch block)."""
+        return self.prefill_graph.step(*self._inputs(steps, num_real=0 if padding else None))
 
     @torch.inference_mode()
     def warmup_graphs(self) -> None:

@@ -13,28 +13,11 @@ from engine import graph as graph_mod
 from engine.graph import GraphBackendRegistry, GraphConfig
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
+from tests.engine.graph_fakes import CountingCapture
 
 BLOCK, BLOCKS = 4, 24
 PROMPTS = [[3, 5, 7, 11, 13], [17, 19], [23, 29, 31, 37, 41, 43, 47]]
 TABLES = [(0, 1, 2, 3), (5, 6, 7, 8), (10, 11, 12, 13)]
-
-
-class CountingCapture:
-    """A capture backend that runs the forward as is (or raises) and counts calls."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.captures, self.calls = fail, 0, 0
-
-    def __call__(self, fn):
-        self.captures += 1
-
-        def captured(*args):
-            self.calls += 1
-            if self.fail:
-                raise RuntimeError("backend exploded")
-            return fn(*args)
-
-        return captured
 
 
 @pytest.fixture

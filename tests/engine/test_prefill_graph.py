@@ -15,6 +15,7 @@ from engine.prefill_graph import PrefillGraphConfig, pack_prefills, unpack_prefi
 from engine.prefill_seq import PrefillSeq
 from engine.runner import ModelRunner, SeqStep
 from orchestrator.tiny_model import write_tiny_checkpoint
+from tests.engine.graph_fakes import CountingCapture
 
 BLOCK, BLOCKS = 4, 40
 
@@ -36,28 +37,12 @@ STEPS = [
 ]
 
 
-class Capture:
-    """A capture backend that runs the forward as is (or raises) and counts calls."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.calls = fail, 0
-
-    def __call__(self, fn):
-        def captured(*args):
-            self.calls += 1
-            if self.fail:
-                raise RuntimeError("backend exploded")
-            return fn(*args)
-
-        return captured
-
-
 @pytest.fixture
 def backends(monkeypatch):
     """A fresh registry: the real "compile" plus "counting" and "failing" (cpu)."""
     registry = GraphBackendRegistry()
     registry.register("compile", ("cpu",), pg._load_dynamic_compile, default=True)
-    counting, failing = Capture(), Capture(fail=True)
+    counting, failing = CountingCapture(), CountingCapture(fail=True)
     registry.register("counting", ("cpu",), lambda: counting)
     registry.register("failing", ("cpu",), lambda: failing)
     monkeypatch.setattr(pg, "PREFILL_GRAPH_BACKENDS", registry)
