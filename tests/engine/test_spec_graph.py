@@ -14,7 +14,7 @@ from engine.runner import ModelRunner
 from orchestrator.tiny_model import write_tiny_checkpoint
 from tests.engine.engine_drive import blocks_for, generate_greedy
 from tests.engine.spec_drive import generate_spec_greedy_batch, oracle_drafts_of
-from tests.engine.test_graph import CountingCapture
+from tests.engine.graph_fakes import CountingCapture
 
 BLOCK, BLOCKS = 4, 40
 PROMPTS = [[3, 5, 7, 11, 13], [17, 19, 23], [29, 31, 37, 41, 43, 47, 53]]
