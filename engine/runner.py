@@ -233,6 +233,8 @@ class ModelRunner:
         (prefill graph mode) or of a decode-only step of one-token rows (speculative:
         ``[B, hidden]`` normed hidden states), or None when the step runs eager (graph modes
         off, no bucket fits, or the capture failed)."""
+        if self.graphs is None and self.prefill_graph is None:  # NOTE: eager: no per-step lists
+            return None
         query_lens = [len(s.token_ids) for s in steps]
         context_lens = [s.num_computed_tokens for s in steps]
         if self.prefill_graph is not None and PrefillGraph.takes(query_lens, context_lens):
